@@ -1,0 +1,1 @@
+"""Megatron-Core extension for Leviathan language models."""
