@@ -1,0 +1,153 @@
+"""Multi-process harness for CPU tests: N gloo ranks with megatron parallel_state initialised.
+
+Usage (the function must be importable at module level so that "spawn" can pickle it)::
+
+    def _check(tmp_dir):
+        ...  # runs in every rank with parallel_state initialised
+        return some_picklable_value
+
+    results = run_distributed(_check, world_size=2, tp=2, args=(tmp_dir,))
+
+Each rank returns its value; `run_distributed` returns them as a list indexed by global rank.
+A failure in any rank is re-raised in the caller with that rank's traceback. Process groups
+are always destroyed and children never outlive the call: a rank that hangs past `timeout`
+is killed. Ports are picked free per call, so test files can run in parallel.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch.multiprocessing as mp
+
+__all__ = ["ParallelLayout", "run_distributed", "find_free_port"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The process-group layout a test asks for (data-parallel size is derived)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+
+def find_free_port() -> int:
+    """Return a TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    layout: ParallelLayout,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    queue: "mp.SimpleQueue",
+    threads: int,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    from megatron_ext.parallel import destroy_parallel, initialize_parallel
+
+    try:
+        initialize_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp,
+            backend="gloo",
+        )
+        result = fn(*args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            destroy_parallel()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    args: Sequence[Any] = (),
+    timeout: float = 600.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run `fn(*args)` in `world_size` gloo processes and return each rank's result.
+
+    Raises:
+        RuntimeError: if a rank raised (its traceback is included) or the run timed out.
+    """
+    if world_size % (tp * pp * cp) != 0:
+        raise ValueError(f"world_size {world_size} is not divisible by tp*pp*cp={tp * pp * cp}")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = find_free_port()
+    layout = ParallelLayout(tp=tp, pp=pp, cp=cp)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, layout, fn, tuple(args), queue, threads_per_rank),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"distributed run of {fn.__name__} timed out after {timeout}s")
+            if queue.empty():
+                if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
+                    time.sleep(0.5)  # give a dying rank's message time to arrive
+                    if queue.empty():
+                        codes = [p.exitcode for p in procs]
+                        raise RuntimeError(f"a rank died without reporting (exit codes {codes})")
+                time.sleep(0.02)
+                continue
+            rank, ok, payload = queue.get()
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                # Peers of a failed rank may block in a collective: stop waiting for them.
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not failures else 1)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if failures:
+        raise RuntimeError(f"{fn.__name__} failed:\n" + "\n".join(failures))
+    return [results[r] for r in range(world_size)]
