@@ -1,0 +1,275 @@
+"""Writing Megatron-Core indexed datasets (``.bin``/``.idx``) and their token counts, safely.
+
+The format is Megatron-Core's (``megatron.core.datasets.indexed_dataset``): the ``.idx`` is
+written by its ``_IndexWriter`` (only the sequence-pointer computation is vectorised, because the
+stock one loops in Python and keeps a Python list per sequence, which for a merged Pile is
+minutes and gigabytes), the ``.bin`` is the concatenated token ids in the index dtype. One
+document is one sequence, as Megatron-LM's preprocess_data.py writes without
+``--split-sentences``. Beside them, ``<prefix>_counts.npy`` holds the int64 count of every
+token id (length = the tokenizer's vocab size).
+
+Every file is written under a temporary name (``<final>.tmp``) and renamed only when complete:
+counts first, then ``.bin``, then ``.idx`` last, so a dataset whose ``.idx`` exists is whole.
+``abort()`` (on errors and Ctrl-C) removes the temporary files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import (
+    IndexedDataset,
+    _IndexReader,
+    _IndexWriter,
+    get_bin_path,
+    get_idx_path,
+)
+
+from megatron_ext.data.readers import DataError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TMP_SUFFIX",
+    "token_dtype",
+    "counts_path",
+    "dataset_files",
+    "DatasetWriter",
+    "read_counts",
+    "merge_datasets",
+    "load_dataset",
+    "num_tokens",
+]
+
+TMP_SUFFIX = ".tmp"
+
+
+def token_dtype(vocab_size: int) -> type:
+    """uint16 when every id fits (vocab_size <= 65,536), else int32.
+
+    This is the rule Megatron-Core's GPTDatasetConfig uses for ``token_dtype_code``.
+    """
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+
+
+def counts_path(prefix: str) -> str:
+    """Path of the token-count file beside the dataset ``prefix``."""
+    return f"{prefix}_counts.npy"
+
+
+def dataset_files(prefix: str) -> list[str]:
+    """The three files that make up a finished dataset."""
+    return [get_bin_path(prefix), get_idx_path(prefix), counts_path(prefix)]
+
+
+class _FastIndexWriter(_IndexWriter):
+    """Megatron-Core's index writer with the sequence pointers computed by numpy."""
+
+    def _sequence_pointers(self, sequence_lengths) -> np.ndarray:  # type: ignore[override]
+        lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths) > 1:
+            np.cumsum(lengths[:-1] * np.dtype(self.dtype).itemsize, out=pointers[1:])
+        return pointers
+
+
+def _write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
+    with _FastIndexWriter(path, dtype) as writer:
+        writer.write(lengths, None, np.arange(len(lengths) + 1, dtype=np.int64))
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    # A file object, so numpy does not append a second ".npy" to the temporary name.
+    with open(path, "wb") as handle:
+        np.save(handle, array, allow_pickle=False)
+
+
+def _replace_all(pairs: list[tuple[str, str]]) -> None:
+    for tmp, final in pairs:
+        os.replace(tmp, final)
+
+
+class DatasetWriter:
+    """Stream documents into one indexed dataset plus its token counts.
+
+    Args:
+        prefix: the dataset prefix (the path given to ``--data-path``).
+        vocab_size: the tokenizer's vocab size (sets the dtype and the counts' length).
+    """
+
+    def __init__(self, prefix: str, vocab_size: int) -> None:
+        self.prefix = prefix
+        self.vocab_size = int(vocab_size)
+        self.dtype = token_dtype(self.vocab_size)
+        directory = os.path.dirname(os.path.abspath(prefix))
+        os.makedirs(directory, exist_ok=True)
+        self._final = dataset_files(prefix)
+        self._tmp = [path + TMP_SUFFIX for path in self._final]
+        self._bin = open(self._tmp[0], "wb")
+        self._lengths: list[np.ndarray] = []
+        self.counts = np.zeros(self.vocab_size, dtype=np.int64)
+        self.num_documents = 0
+        self.num_tokens = 0
+        self._closed = False
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents: ``tokens`` concatenated (the writer's dtype), ``lengths`` per doc."""
+        if len(lengths) == 0:
+            return
+        tokens = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(memoryview(tokens).cast("B"))
+        self._lengths.append(np.asarray(lengths, dtype=np.int32))
+        self.counts += np.bincount(tokens, minlength=self.vocab_size)
+        self.num_documents += len(lengths)
+        self.num_tokens += int(tokens.size)
+
+    def finalize(self) -> None:
+        """Write the index and counts and move all three files to their final names."""
+        self._bin.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
+        _write_index(self._tmp[1], self.dtype, lengths)
+        _save_npy(self._tmp[2], self.counts)
+        # counts, bin, idx: the .idx appears last, so its presence means the dataset is whole.
+        _replace_all([(self._tmp[2], self._final[2]), (self._tmp[0], self._final[0])])
+        _replace_all([(self._tmp[1], self._final[1])])
+        self._closed = True
+
+    def abort(self) -> None:
+        """Remove the temporary files (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._bin.close()
+        except OSError:
+            pass
+        for path in self._tmp:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+
+def read_counts(prefix: str) -> np.ndarray:
+    """Token counts (int64, one per id) of the dataset ``prefix``."""
+    path = counts_path(prefix)
+    if not os.path.isfile(path):
+        raise DataError(f"token counts not found: {path} (written by tools/preprocess_data.py)")
+    return np.load(path, allow_pickle=False)
+
+
+def merge_datasets(
+    prefixes: list[str], output_prefix: str, overwrite: bool = False, require_counts: bool = True
+) -> dict:
+    """Concatenate indexed datasets (in the given order) into ``output_prefix``; sum counts.
+
+    The ``.bin`` data is streamed, and the index arithmetic is vectorised, so merging all Pile
+    shards needs memory proportional to the number of documents only.
+
+    Returns:
+        a summary dict (documents, tokens, inputs).
+
+    Raises:
+        DataError: no inputs, a missing input, mixed dtypes or vocab sizes, existing output.
+    """
+    if not prefixes:
+        raise DataError("nothing to merge: no dataset prefixes given")
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise DataError(f"dataset not found: {prefix}.bin/.idx")
+    existing = [path for path in dataset_files(output_prefix) if os.path.exists(path)]
+    if existing and not overwrite:
+        raise DataError(f"output exists: {existing[0]} (pass --overwrite to replace it)")
+    indices = [_IndexReader(get_idx_path(prefix), multimodal=False) for prefix in prefixes]
+    dtypes = {np.dtype(index.dtype) for index in indices}
+    if len(dtypes) != 1:
+        raise DataError(
+            f"cannot merge datasets of different token dtypes: {sorted(map(str, dtypes))}"
+        )
+    dtype = indices[0].dtype
+    counts = None
+    have_counts = [os.path.isfile(counts_path(prefix)) for prefix in prefixes]
+    if all(have_counts):
+        for prefix in prefixes:
+            part = read_counts(prefix)
+            if counts is None:
+                counts = part.astype(np.int64, copy=True)
+            elif len(part) != len(counts):
+                raise DataError(
+                    f"cannot merge datasets with different vocab sizes: {counts_path(prefix)} "
+                    f"has {len(part)} ids, {counts_path(prefixes[0])} has {len(counts)}"
+                )
+            else:
+                counts += part
+    elif require_counts:
+        missing = prefixes[have_counts.index(False)]
+        raise DataError(f"token counts not found: {counts_path(missing)}")
+    directory = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(directory, exist_ok=True)
+    final = dataset_files(output_prefix)
+    tmp = [path + TMP_SUFFIX for path in final]
+    try:
+        lengths_parts = []
+        docs_parts = []
+        offset = 0
+        with open(tmp[0], "wb") as out:
+            for prefix, index in zip(prefixes, indices):
+                with open(get_bin_path(prefix), "rb") as src:
+                    while True:
+                        block = src.read(1 << 24)
+                        if not block:
+                            break
+                        out.write(block)
+                lengths_parts.append(np.array(index.sequence_lengths, dtype=np.int32))
+                docs_parts.append(np.array(index.document_indices[1:], dtype=np.int64) + offset)
+                offset += len(index.sequence_lengths)
+        lengths = np.concatenate(lengths_parts)
+        document_indices = np.concatenate([np.zeros(1, dtype=np.int64), *docs_parts])
+        with _FastIndexWriter(tmp[1], dtype) as writer:
+            writer.write(lengths, None, document_indices)
+        pairs = [(tmp[0], final[0])]
+        if counts is not None:
+            _save_npy(tmp[2], counts)
+            pairs.insert(0, (tmp[2], final[2]))
+        _replace_all(pairs)
+        _replace_all([(tmp[1], final[1])])
+    except BaseException:
+        for path in tmp:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    finally:
+        del indices
+    summary = {
+        "output_prefix": output_prefix,
+        "inputs": list(prefixes),
+        "documents": int(len(document_indices) - 1),
+        "tokens": int(lengths.sum(dtype=np.int64)),
+        "dtype": np.dtype(dtype).name,
+        "counts": counts is not None,
+    }
+    logger.info(
+        "merged %d datasets into %s: %d documents, %d tokens",
+        len(prefixes),
+        output_prefix,
+        summary["documents"],
+        summary["tokens"],
+    )
+    return summary
+
+
+def load_dataset(prefix: str) -> IndexedDataset:
+    """Open a finished dataset with Megatron-Core's reader (for tools and tests)."""
+    if not IndexedDataset.exists(prefix):
+        raise DataError(f"dataset not found: {prefix}.bin/.idx")
+    return IndexedDataset(prefix, multimodal=False, mmap=True)
+
+
+def num_tokens(prefix: str) -> int:
+    """Total stored tokens of the dataset ``prefix`` (from its index)."""
+    index = _IndexReader(get_idx_path(prefix), multimodal=False)
+    total = int(np.asarray(index.sequence_lengths).sum(dtype=np.int64))
+    del index
+    return total

@@ -1,0 +1,634 @@
+"""Tokenise jsonl corpora into Megatron-Core indexed datasets (the engine behind
+``tools/preprocess_data.py``).
+
+Pipeline (one pool of ``workers`` processes shared by all shards):
+
+    reader thread per shard          worker processes                 same thread
+    iter_line_chunks (~1 MiB of  ->  parse JSON, validate, batch-  ->  write .bin, lengths,
+    whole lines, zstd/gzip           encode all documents of the       counts; log progress
+    streamed)                        chunk, flatten to numpy
+
+Chunks are cut by byte count only and their results consumed in submission order, so the output
+bytes do not depend on the worker count. At most ``2 * workers`` chunks are in flight per shard,
+so memory is bounded whatever the file size (Pool.imap would read the whole file ahead).
+
+Outputs (Megatron-LM names), with ``P`` the output prefix of a unit of work:
+
+- default: all inputs, in order, into ``P_<key>_document`` with ``P = --output-prefix``;
+- ``shard_output``: one unit per input file, ``P = <output-prefix>_<shard name>`` (or
+  ``<output-prefix><shard name>`` when the prefix ends with ``/``); units run concurrently;
+- ``split_by`` (e.g. ``meta.pile_set_name``): ``P_<set>_<key>_document`` per value.
+
+Each dataset has ``<dataset prefix>_counts.npy``. Each unit ends by writing ``P_summary.json``;
+its presence marks the unit finished, which ``skip_existing`` uses to resume.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import itertools
+import json
+import logging
+import math
+import multiprocessing
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from megatron_ext.data.indexed import TMP_SUFFIX, DatasetWriter, dataset_files, token_dtype
+from megatron_ext.data.readers import DataError, InputFile, expand_inputs, iter_line_chunks
+from megatron_ext.data.tokenizers import Tokenizer, TokenizerError, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PreprocessConfig",
+    "BadRecordError",
+    "Interrupted",
+    "preprocess",
+    "plan_units",
+    "encode_chunk",
+]
+
+SUMMARY_SUFFIX = "_summary.json"
+
+
+class BadRecordError(DataError):
+    """A bad input record under ``--strict``."""
+
+
+class Interrupted(DataError):
+    """The run was stopped (Ctrl-C, SIGTERM, or another shard failed)."""
+
+
+@dataclass
+class PreprocessConfig:
+    """Settings of one preprocessing run (the command line fills it by field name)."""
+
+    input: list[str]
+    """Input files, globs or directories (.jsonl, .jsonl.zst, .json.gz, ...)."""
+    output_prefix: str
+    """Megatron-LM's --output-prefix; datasets are ``<prefix>_<key>_document``."""
+    tokenizer_type: str
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+    """Only for NullTokenizer (Megatron's --vocab-size)."""
+    tiktoken_pattern: str = "o200k"
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    append_eod: bool = False
+    workers: int = 1
+    log_interval: int = 1000
+    split_by: Optional[str] = None
+    """Dotted field to split outputs by, e.g. ``meta.pile_set_name``."""
+    shard_output: bool = False
+    """One output per input file instead of one output for all inputs."""
+    concurrent_shards: Optional[int] = None
+    """Shards processed at once in shard_output mode (None: about workers / 4)."""
+    skip_existing: bool = False
+    """Skip units whose outputs are finished (resume)."""
+    overwrite: bool = False
+    strict: bool = False
+    """Abort on the first bad record instead of skipping it."""
+    chunk_bytes: int = 1 << 20
+    """Bytes of jsonl per task sent to a worker."""
+    max_reported_bad: int = 20
+    """Bad records logged individually per unit (all are counted)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.input, str):
+            self.input = [self.input]
+        if isinstance(self.json_keys, str):
+            self.json_keys = [self.json_keys]
+        if not self.input:
+            raise DataError("no --input given")
+        if not self.json_keys:
+            raise DataError("--json-keys needs at least one key")
+        if self.workers < 1:
+            raise DataError(f"--workers must be >= 1, got {self.workers}")
+        if self.log_interval < 1:
+            raise DataError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.chunk_bytes < 1:
+            raise DataError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        if self.overwrite and self.skip_existing:
+            raise DataError("--overwrite and --skip-existing exclude each other")
+
+
+@dataclass
+class Unit:
+    """One unit of work: input files written, in order, to the datasets of one prefix."""
+
+    files: list[InputFile]
+    prefix: str
+
+    @property
+    def summary_path(self) -> str:
+        return self.prefix + SUMMARY_SUFFIX
+
+
+def _dataset_prefix(unit_prefix: str, key: str, group: Optional[str]) -> str:
+    base = unit_prefix if group is None else f"{unit_prefix}_{group}"
+    return f"{base}_{key}_document"
+
+
+_GROUP_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _group_name(value: str) -> str:
+    """A file-name-safe version of a split value ("Ubuntu IRC" -> "Ubuntu_IRC")."""
+    name = _GROUP_SAFE.sub("_", value).strip("_")
+    return name or "unnamed"
+
+
+def plan_units(config: PreprocessConfig) -> list[Unit]:
+    """Expand inputs and decide the units of work (see the module docstring)."""
+    files = expand_inputs(config.input)
+    if not config.shard_output:
+        return [Unit(files, config.output_prefix)]
+    prefix = config.output_prefix
+    joiner = "" if prefix.endswith(("/", os.sep)) else "_"
+    return [Unit([item], f"{prefix}{joiner}{item.name}") for item in files]
+
+
+def _existing_outputs(unit: Unit, config: PreprocessConfig) -> list[str]:
+    found = []
+    if os.path.exists(unit.summary_path):
+        found.append(unit.summary_path)
+    for key in config.json_keys:
+        if config.split_by is None:
+            paths = dataset_files(_dataset_prefix(unit.prefix, key, None))
+        else:
+            paths = glob.glob(glob.escape(unit.prefix) + f"_*_{key}_document.idx")
+        found.extend(path for path in paths if os.path.exists(path))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side: parse, validate and encode one chunk of lines.
+
+_WORKER: dict[str, Any] = {}
+
+
+@dataclass
+class ChunkResult:
+    """What a worker returns for one chunk (all picklable, mostly numpy)."""
+
+    lines: int = 0
+    bytes: int = 0
+    documents: int = 0
+    empty: int = 0
+    bad: list[tuple[int, str]] = field(default_factory=list)
+    """(line number, reason) of every bad record in the chunk."""
+    groups: dict[Optional[str], dict[str, tuple[np.ndarray, np.ndarray]]] = field(
+        default_factory=dict
+    )
+    """group -> key -> (tokens, lengths), documents in input order."""
+
+
+def _init_worker(tokenizer_kwargs: dict, options: dict) -> None:
+    # Ctrl-C is handled by the main process, which cleans up and terminates the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER["tokenizer"] = build_tokenizer(**tokenizer_kwargs)
+    _WORKER["options"] = options
+
+
+def _lookup(record: dict, dotted: str) -> Any:
+    value: Any = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(dotted)
+        value = value[part]
+    return value
+
+
+def _flatten(ids: list[list[int]], eod: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
+    if eod is not None:
+        for doc in ids:
+            doc.append(eod)
+    lengths = np.fromiter((len(doc) for doc in ids), dtype=np.int32, count=len(ids))
+    total = int(lengths.sum(dtype=np.int64))
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
+    return tokens, lengths
+
+
+def encode_chunk(
+    tokenizer: Tokenizer,
+    chunk: bytes,
+    first_line: int,
+    json_keys: Sequence[str],
+    append_eod: bool,
+    split_by: Optional[str] = None,
+) -> ChunkResult:
+    """Parse, validate and encode one chunk of jsonl lines.
+
+    A record is bad (counted with its line number, then skipped) when the line is not valid
+    UTF-8 or not a JSON object, or a key is missing or not a string, or the ``split_by`` field
+    is missing. A record is empty (counted, skipped) when any of its texts has no
+    non-whitespace character or encodes to no tokens. Blank lines are ignored.
+    """
+    result = ChunkResult(bytes=len(chunk))
+    lines = chunk.split(b"\n")
+    if chunk.endswith(b"\n"):
+        lines.pop()
+    result.lines = len(lines)
+    texts: dict[str, list[str]] = {key: [] for key in json_keys}
+    groups: list[Optional[str]] = []
+    for offset, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        line_number = first_line + offset
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            result.bad.append((line_number, f"invalid UTF-8 at byte {error.start}"))
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            result.bad.append((line_number, f"invalid JSON ({error.msg})"))
+            continue
+        if not isinstance(record, dict):
+            result.bad.append((line_number, f"not a JSON object ({type(record).__name__})"))
+            continue
+        values = []
+        reason = None
+        for key in json_keys:
+            if key not in record:
+                reason = f"missing key {key!r}"
+                break
+            value = record[key]
+            if not isinstance(value, str):
+                reason = f"non-string {key!r} ({type(value).__name__})"
+                break
+            values.append(value)
+        group = None
+        if reason is None and split_by is not None:
+            try:
+                group = _group_name(str(_lookup(record, split_by)))
+            except KeyError:
+                reason = f"missing split field {split_by!r}"
+        if reason is not None:
+            result.bad.append((line_number, reason))
+            continue
+        if any(not value.strip() for value in values):
+            result.empty += 1
+            continue
+        for key, value in zip(json_keys, values):
+            texts[key].append(value)
+        groups.append(group)
+
+    encoded = {key: _encode_checked(tokenizer, texts[key]) for key in json_keys}
+    keep = [all(len(encoded[key][i]) for key in json_keys) for i in range(len(groups))]
+    result.empty += keep.count(False)
+    eod = tokenizer.eod if append_eod else None
+    order: dict[Optional[str], list[int]] = {}
+    for i, group in enumerate(groups):
+        if keep[i]:
+            order.setdefault(group, []).append(i)
+    for group, members in order.items():
+        result.groups[group] = {
+            key: _flatten([encoded[key][i] for i in members], eod) for key in json_keys
+        }
+        result.documents += len(members)
+    return result
+
+
+def _encode_checked(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    ids = tokenizer.encode_batch(texts)
+    return [list(doc) for doc in ids]
+
+
+def _worker_encode(task: tuple[bytes, int]) -> ChunkResult:
+    chunk, first_line = task
+    options = _WORKER["options"]
+    result = encode_chunk(
+        _WORKER["tokenizer"],
+        chunk,
+        first_line,
+        options["json_keys"],
+        options["append_eod"],
+        options["split_by"],
+    )
+    # Narrow to the storage dtype here, so the pipe carries 2-byte ids for small vocabularies.
+    dtype = options["dtype"]
+    vocab_size = options["vocab_size"]
+    for per_key in result.groups.values():
+        for key, (tokens, lengths) in list(per_key.items()):
+            if tokens.size and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
+                raise TokenizerError(
+                    f"tokenizer produced id {int(tokens.max())} outside its vocab size {vocab_size}"
+                )
+            per_key[key] = (tokens.astype(dtype), lengths)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Main side: drive units, write outputs, report.
+
+
+class _Progress:
+    """Megatron-style progress lines every ``interval`` documents (thread-safe, run-wide)."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.start = time.monotonic()
+        self.documents = 0
+        self.bytes = 0
+        self.tokens = 0
+        self._next = interval
+        self._lock = threading.Lock()
+
+    def add(self, documents: int, nbytes: int, tokens: int) -> None:
+        with self._lock:
+            self.documents += documents
+            self.bytes += nbytes
+            self.tokens += tokens
+            if self.documents >= self._next:
+                self._next = (self.documents // self.interval + 1) * self.interval
+                logger.info("%s", self.line())
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        return (
+            f"Processed {self.documents} documents ({self.documents / elapsed:.1f} docs/s, "
+            f"{self.bytes / elapsed / 1e6:.2f} MB/s, {self.tokens / elapsed:,.0f} tokens/s)."
+        )
+
+
+class _UnitRunner:
+    """Runs one unit: feeds its chunks to the pool in order and writes the results."""
+
+    def __init__(
+        self,
+        unit: Unit,
+        config: PreprocessConfig,
+        pool: Any,
+        vocab_size: int,
+        tokenizer_info: dict,
+        progress: _Progress,
+        cancel: threading.Event,
+        max_in_flight: int,
+    ) -> None:
+        self.unit = unit
+        self.config = config
+        self.pool = pool
+        self.vocab_size = vocab_size
+        self.tokenizer_info = tokenizer_info
+        self.progress = progress
+        self.cancel = cancel
+        self.max_in_flight = max_in_flight
+        self.writers: dict[tuple[Optional[str], str], DatasetWriter] = {}
+        self.stats = collections.Counter()
+        self.bad_reasons: collections.Counter = collections.Counter()
+
+    def _writer(self, group: Optional[str], key: str) -> DatasetWriter:
+        writer = self.writers.get((group, key))
+        if writer is None:
+            writer = DatasetWriter(_dataset_prefix(self.unit.prefix, key, group), self.vocab_size)
+            self.writers[(group, key)] = writer
+        return writer
+
+    def _get(self, async_result: Any) -> ChunkResult:
+        while True:
+            if self.cancel.is_set():
+                raise Interrupted("stopped")
+            try:
+                return async_result.get(timeout=0.2)
+            except multiprocessing.TimeoutError:
+                continue
+
+    def _consume(self, path: str, result: ChunkResult) -> None:
+        for line_number, reason in result.bad:
+            self.stats["bad"] += 1
+            self.bad_reasons[reason.split(" (")[0].split(" at byte")[0]] += 1
+            if self.config.strict:
+                raise BadRecordError(f"{path}:{line_number}: bad record: {reason} (--strict)")
+            if self.stats["bad"] <= self.config.max_reported_bad:
+                logger.warning("%s:%d: skipped bad record: %s", path, line_number, reason)
+            elif self.stats["bad"] == self.config.max_reported_bad + 1:
+                logger.warning("further bad records in %s are counted, not shown", self.unit.prefix)
+        tokens_total = 0
+        for group, per_key in result.groups.items():
+            for key, (tokens, lengths) in per_key.items():
+                self._writer(group, key).add_documents(tokens, lengths)
+                tokens_total += int(tokens.size)
+        self.stats["documents"] += result.documents
+        self.stats["empty"] += result.empty
+        self.stats["lines"] += result.lines
+        self.stats["bytes"] += result.bytes
+        self.stats["tokens"] += tokens_total
+        self.progress.add(result.documents, result.bytes, tokens_total)
+
+    def run(self) -> dict:
+        start = time.monotonic()
+        if self.config.overwrite and os.path.exists(self.unit.summary_path):
+            os.remove(self.unit.summary_path)  # the unit counts as unfinished until rewritten
+        try:
+            for item in self.unit.files:
+                pending: collections.deque = collections.deque()
+                for first_line, chunk in iter_line_chunks(item.path, self.config.chunk_bytes):
+                    if self.cancel.is_set():
+                        raise Interrupted("stopped")
+                    pending.append(self.pool.apply_async(_worker_encode, ((chunk, first_line),)))
+                    if len(pending) >= self.max_in_flight:
+                        self._consume(item.path, self._get(pending.popleft()))
+                while pending:
+                    self._consume(item.path, self._get(pending.popleft()))
+            if self.config.split_by is None:
+                for key in self.config.json_keys:
+                    self._writer(None, key)  # an all-empty input still yields its dataset
+            for writer in self.writers.values():
+                writer.finalize()
+        except BaseException:
+            for writer in self.writers.values():
+                writer.abort()
+            raise
+        summary = {
+            "output_prefix": self.unit.prefix,
+            "inputs": [item.path for item in self.unit.files],
+            "datasets": sorted(writer.prefix for writer in self.writers.values()),
+            "documents": self.stats["documents"],
+            "tokens": self.stats["tokens"],
+            "bad_records": self.stats["bad"],
+            "bad_by_reason": dict(self.bad_reasons),
+            "empty_documents": self.stats["empty"],
+            "lines": self.stats["lines"],
+            "bytes": self.stats["bytes"],
+            "seconds": round(time.monotonic() - start, 3),
+            "tokenizer": self.tokenizer_info,
+            "json_keys": list(self.config.json_keys),
+            "append_eod": self.config.append_eod,
+            "split_by": self.config.split_by,
+            "dtype": np.dtype(token_dtype(self.vocab_size)).name,
+        }
+        tmp = self.unit.summary_path + TMP_SUFFIX
+        with open(tmp, "w") as handle:
+            json.dump(summary, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+        os.replace(tmp, self.unit.summary_path)
+        level = logging.WARNING if summary["bad_records"] else logging.INFO
+        logger.log(
+            level,
+            "%s: %d documents, %d tokens, %d bad records skipped%s, %d empty documents skipped "
+            "(%.1f s)",
+            self.unit.prefix,
+            summary["documents"],
+            summary["tokens"],
+            summary["bad_records"],
+            f" {dict(self.bad_reasons)}" if self.bad_reasons else "",
+            summary["empty_documents"],
+            summary["seconds"],
+        )
+        return summary
+
+
+class _SerialPool:
+    """The Pool interface, run in this process (workers=1 path and debugging)."""
+
+    class _Done:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+        def get(self, timeout: Optional[float] = None) -> Any:
+            return self.value
+
+    def __init__(self, tokenizer_kwargs: dict, options: dict) -> None:
+        self._tokenizer = build_tokenizer(**tokenizer_kwargs)
+        self._options = options
+
+    def apply_async(self, func: Any, args: tuple) -> "_SerialPool._Done":
+        previous = dict(_WORKER)
+        _WORKER["tokenizer"], _WORKER["options"] = self._tokenizer, self._options
+        try:
+            return self._Done(func(*args))
+        finally:
+            _WORKER.clear()
+            _WORKER.update(previous)
+
+    def terminate(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+
+def preprocess(config: PreprocessConfig) -> list[dict]:
+    """Run preprocessing; return one summary dict per unit (skipped units are left out).
+
+    Raises:
+        DataError: bad arguments, missing input, existing output, unusable tokenizer, a bad
+            record under ``strict``, corrupt input; ``Interrupted`` on Ctrl-C/SIGTERM. In every
+            case temporary files are removed and finished units are kept.
+    """
+    tokenizer_kwargs = {
+        "tokenizer_type": config.tokenizer_type,
+        "tokenizer_model": config.tokenizer_model,
+        "vocab_size": config.vocab_size,
+        "tiktoken_pattern": config.tiktoken_pattern,
+    }
+    tokenizer = build_tokenizer(**tokenizer_kwargs)
+    try:
+        tokenizer.encode_batch(["probe"] if config.tokenizer_type != "NullTokenizer" else ["0"])
+    except Exception as error:
+        raise TokenizerError(f"tokenizer {tokenizer!r} cannot encode: {error}") from None
+    vocab_size = tokenizer.vocab_size
+    units = plan_units(config)
+    todo = []
+    for unit in units:
+        existing = _existing_outputs(unit, config)
+        if config.skip_existing and os.path.exists(unit.summary_path):
+            logger.info("skip %s: finished (%s exists)", unit.prefix, unit.summary_path)
+            continue
+        if existing and not config.overwrite and not config.skip_existing:
+            raise DataError(
+                f"output exists: {existing[0]} (pass --overwrite to replace it, or "
+                "--skip-existing to resume and keep finished outputs)"
+            )
+        todo.append(unit)
+    if not todo:
+        logger.info("nothing to do: all %d outputs are finished", len(units))
+        return []
+    tokenizer_info = {
+        "type": config.tokenizer_type,
+        "model": config.tokenizer_model,
+        "vocab_size": vocab_size,
+        "eod": tokenizer.eod,
+        "pad": tokenizer.pad,
+    }
+    logger.info(
+        "preprocess %d input file(s) into %d output(s) with %s, %d worker(s), dtype %s",
+        sum(len(unit.files) for unit in todo),
+        len(todo),
+        tokenizer,
+        config.workers,
+        np.dtype(token_dtype(vocab_size)).name,
+    )
+    options = {
+        "json_keys": list(config.json_keys),
+        "append_eod": config.append_eod,
+        "split_by": config.split_by,
+        "dtype": token_dtype(vocab_size),
+        "vocab_size": vocab_size,
+    }
+    concurrent = config.concurrent_shards or max(1, math.ceil(config.workers / 4))
+    concurrent = max(1, min(concurrent, len(todo)))
+    max_in_flight = max(2, math.ceil(2 * config.workers / concurrent))
+    if config.workers == 1:
+        pool: Any = _SerialPool(tokenizer_kwargs, options)
+    else:
+        pool = multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
+            config.workers, initializer=_init_worker, initargs=(tokenizer_kwargs, options)
+        )
+    progress = _Progress(config.log_interval)
+    cancel = threading.Event()
+    summaries: list[dict] = []
+    ok = False
+    try:
+        runners = [
+            _UnitRunner(
+                unit, config, pool, vocab_size, tokenizer_info, progress, cancel, max_in_flight
+            )
+            for unit in todo
+        ]
+        with ThreadPoolExecutor(concurrent, thread_name_prefix="shard") as executor:
+            futures = [executor.submit(runner.run) for runner in runners]
+            try:
+                pending = set(futures)
+                while pending:
+                    done, pending = wait_futures(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+                    for future in done:
+                        if future.exception() is not None:
+                            raise future.exception()
+            except BaseException:
+                cancel.set()
+                for future in futures:
+                    future.cancel()
+                raise
+            summaries = [future.result() for future in futures]
+        ok = True
+    finally:
+        if ok:
+            pool.close()
+        else:
+            pool.terminate()
+        pool.join()
+    logger.info("%s", progress.line())
+    return summaries
+
+
+def config_dict(config: PreprocessConfig) -> dict:
+    """The resolved configuration, for logging."""
+    return asdict(config)

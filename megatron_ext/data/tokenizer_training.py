@@ -1,0 +1,205 @@
+"""Train a SentencePiece tokenizer on jsonl corpora (the engine behind
+``tools/train_tokenizer.py``).
+
+Memory is bounded: the input is streamed and a fixed-size uniform sample of sentences is kept by
+reservoir sampling (Algorithm R with a seeded generator), so the result is deterministic for a
+given input, seed and ``--input-sentence-size``, and the whole Pile never needs to fit in memory.
+Documents are split at newlines; pieces longer than SentencePiece's ``max_sentence_length`` are
+cut, since SentencePiece silently drops over-long sentences.
+
+The model reserves ``<pad>`` = 0, ``<unk>`` = 1, ``<s>`` = 2 and ``</s>`` = 3 (end of document,
+Megatron's ``eod``), uses byte fallback (no id is ever unknown) and identity normalisation
+(stored tokens decode back to the exact input text).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from megatron_ext.data.readers import DataError, expand_inputs, iter_lines
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TokenizerTrainingConfig", "sample_sentences", "train_sentencepiece"]
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+@dataclass
+class TokenizerTrainingConfig:
+    """Settings of a tokenizer training run (the command line fills it by field name)."""
+
+    input: list[str]
+    model_prefix: str
+    """Writes ``<model_prefix>.model`` and ``<model_prefix>.vocab``."""
+    vocab_size: int = 50000
+    model_type: str = "bpe"
+    """bpe (default) or unigram."""
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    input_sentence_size: int = 2_000_000
+    """Sentences kept in the reservoir sample (bounds memory)."""
+    max_documents: Optional[int] = None
+    """Stop reading after this many documents (None: read all input)."""
+    max_sentence_length: int = 4192
+    """Bytes; longer sentences are cut into pieces of at most this size."""
+    character_coverage: float = 0.9995
+    byte_fallback: bool = True
+    split_digits: bool = True
+    seed: int = 1234
+    num_threads: int = 1
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.input, str):
+            self.input = [self.input]
+        if self.model_type not in ("bpe", "unigram"):
+            raise DataError(f"--model-type must be bpe or unigram, got {self.model_type!r}")
+        if self.vocab_size < 300 and self.byte_fallback:
+            raise DataError(
+                f"--vocab-size {self.vocab_size} is too small: byte fallback alone uses 256 ids "
+                "plus 4 special ids; use at least 300"
+            )
+        if self.input_sentence_size < 1:
+            raise DataError("--input-sentence-size must be >= 1")
+
+
+def _pieces(text: str, max_bytes: int) -> Iterator[str]:
+    for line in text.split("\n"):
+        if not line.strip():
+            continue
+        data = line.encode("utf-8")
+        if len(data) <= max_bytes:
+            yield line
+            continue
+        start = 0
+        while start < len(data):
+            end = min(start + max_bytes, len(data))
+            while end < len(data) and (data[end] & 0xC0) == 0x80:
+                end -= 1  # never split inside a UTF-8 sequence
+            yield data[start:end].decode("utf-8")
+            start = end
+
+
+def sample_sentences(config: TokenizerTrainingConfig) -> tuple[list[str], dict]:
+    """Stream the inputs and return a reservoir sample of sentences plus read statistics.
+
+    Bad lines (invalid UTF-8/JSON, missing or non-string key) are counted and skipped.
+    """
+    rng = random.Random(config.seed)
+    reservoir: list[str] = []
+    stats = {"documents": 0, "sentences": 0, "bad_records": 0, "bytes": 0}
+    files = expand_inputs(config.input)
+    start = time.monotonic()
+    for item in files:
+        for line_number, raw in iter_lines(item.path):
+            if config.max_documents is not None and stats["documents"] >= config.max_documents:
+                break
+            if not raw.strip():
+                continue
+            stats["bytes"] += len(raw) + 1
+            try:
+                record = json.loads(raw.decode("utf-8"))
+                texts = [record[key] for key in config.json_keys]
+                if not all(isinstance(text, str) for text in texts):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                stats["bad_records"] += 1
+                if stats["bad_records"] <= 10:
+                    logger.warning("%s:%d: skipped bad record", item.path, line_number)
+                continue
+            stats["documents"] += 1
+            for text in texts:
+                for sentence in _pieces(text, config.max_sentence_length):
+                    seen = stats["sentences"]
+                    stats["sentences"] += 1
+                    if seen < config.input_sentence_size:
+                        reservoir.append(sentence)
+                    else:
+                        slot = rng.randrange(seen + 1)
+                        if slot < config.input_sentence_size:
+                            reservoir[slot] = sentence
+            if stats["documents"] % 100_000 == 0:
+                elapsed = time.monotonic() - start
+                logger.info(
+                    "read %d documents (%.1f MB/s)",
+                    stats["documents"],
+                    stats["bytes"] / elapsed / 1e6,
+                )
+    if not reservoir:
+        raise DataError("no usable text in the input (check --input and --json-keys)")
+    return reservoir, stats
+
+
+def train_sentencepiece(config: TokenizerTrainingConfig) -> str:
+    """Train and write ``<model_prefix>.model``/``.vocab``; return the ``.model`` path.
+
+    Both files are written under temporary names and renamed when complete.
+
+    Raises:
+        DataError: bad settings, no usable input, existing output without ``overwrite``, or a
+            SentencePiece training failure (e.g. a vocabulary larger than the sample supports).
+    """
+    import sentencepiece
+
+    model_path = config.model_prefix + ".model"
+    vocab_path = config.model_prefix + ".vocab"
+    if not config.overwrite:
+        for path in (model_path, vocab_path):
+            if os.path.exists(path):
+                raise DataError(f"output exists: {path} (pass --overwrite to replace it)")
+    sentences, stats = sample_sentences(config)
+    logger.info(
+        "sampled %d of %d sentences from %d documents (%d bad records skipped)",
+        len(sentences),
+        stats["sentences"],
+        stats["documents"],
+        stats["bad_records"],
+    )
+    directory = os.path.dirname(os.path.abspath(config.model_prefix))
+    os.makedirs(directory, exist_ok=True)
+    tmp_prefix = config.model_prefix + ".tmp"
+    try:
+        sentencepiece.SentencePieceTrainer.Train(
+            sentence_iterator=iter(sentences),
+            model_prefix=tmp_prefix,
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            character_coverage=config.character_coverage,
+            byte_fallback=config.byte_fallback,
+            split_digits=config.split_digits,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            max_sentence_length=config.max_sentence_length,
+            input_sentence_size=0,  # we sampled already
+            shuffle_input_sentence=False,
+            seed_sentencepiece_size=1_000_000,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_piece="<pad>",
+            unk_piece="<unk>",
+            bos_piece="<s>",
+            eos_piece="</s>",
+            hard_vocab_limit=True,
+            num_threads=config.num_threads,
+            minloglevel=2,
+        )
+        os.replace(tmp_prefix + ".vocab", vocab_path)
+        os.replace(tmp_prefix + ".model", model_path)
+    except RuntimeError as error:
+        message = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+        raise DataError(f"SentencePiece training failed: {message}") from None
+    finally:
+        for suffix in (".model", ".vocab"):
+            if os.path.exists(tmp_prefix + suffix):
+                os.remove(tmp_prefix + suffix)
+    logger.info("wrote %s (vocab size %d, %s)", model_path, config.vocab_size, config.model_type)
+    return model_path

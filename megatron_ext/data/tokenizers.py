@@ -1,0 +1,461 @@
+"""Tokenizers with Megatron-LM's names and conventions.
+
+Every tokenizer exposes the same small surface, the one Megatron-Core's datasets and our
+preprocessing need:
+
+- ``vocab_size``: the number of ids the model must be able to embed (before Megatron-style
+  padding, see :func:`padded_vocab_size`);
+- ``eod``: the end-of-document id appended by ``--append-eod``;
+- ``pad``: the padding id, or ``None`` when the vocabulary has none;
+- ``tokenize(text) -> list[int]``, ``detokenize(ids) -> str`` and the batched
+  ``encode_batch(texts) -> list[list[int]]`` used by the preprocessing workers;
+- ``unique_identifiers``: an ordered dict that Megatron-Core's dataset cache hashes, so a changed
+  tokenizer file invalidates cached sample indices.
+
+Types (``--tokenizer-type``): ``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``),
+``HuggingFaceTokenizer`` (a local directory; needs the optional ``transformers``),
+``TikTokenizer`` (a local ``.tiktoken`` rank file such as ``o200k_base.tiktoken``) and
+``NullTokenizer`` (whitespace-separated integer ids; ``--vocab-size`` ids plus an EOD id).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TokenizerError",
+    "Tokenizer",
+    "SentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "TikTokenizer",
+    "NullTokenizer",
+    "TOKENIZER_TYPES",
+    "build_tokenizer",
+    "padded_vocab_size",
+]
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built or used; the message is one line that says what to change."""
+
+
+def _file_digest(path: str, limit: int = 1 << 26) -> str:
+    """sha256 of (at most the first ``limit`` bytes of) a file, for cache identifiers."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        digest.update(handle.read(limit))
+    return digest.hexdigest()[:16]
+
+
+class Tokenizer:
+    """Base class: the interface shared by all tokenizers (see the module docstring)."""
+
+    #: The name used with ``--tokenizer-type``.
+    type_name: str = ""
+
+    def __init__(self, model_path: Optional[str]) -> None:
+        self.model_path = model_path
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (including special ids); the model's embedding must hold them all."""
+        raise NotImplementedError
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id."""
+        raise NotImplementedError
+
+    @property
+    def pad(self) -> Optional[int]:
+        """Padding id, or None when the vocabulary has no padding token."""
+        return None
+
+    def tokenize(self, text: str) -> list[int]:
+        """Ids of ``text`` (no EOD appended)."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Ids of each text; equal to ``[self.tokenize(t) for t in texts]``, only faster."""
+        raise NotImplementedError
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+        raise NotImplementedError
+
+    @property
+    def unique_identifiers(self) -> "OrderedDict[str, str]":
+        """What identifies this tokenizer, hashed into Megatron-Core's dataset cache names."""
+        ident: OrderedDict[str, str] = OrderedDict()
+        ident["class"] = f"{type(self).__module__}.{type(self).__qualname__}"
+        ident["tokenizer_path"] = str(self.model_path)
+        if self.model_path and os.path.isfile(self.model_path):
+            ident["sha256_16"] = _file_digest(self.model_path)
+        ident["vocab_size"] = str(self.vocab_size)
+        return ident
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(model={self.model_path!r}, vocab_size={self.vocab_size}, "
+            f"eod={self.eod}, pad={self.pad})"
+        )
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (as written by ``tools/train_tokenizer.py``).
+
+    EOD is the model's ``eos`` id and padding its ``pad`` id, as in Megatron-LM's
+    GPTSentencePieceTokenizer, so a model trained here also works with stock Megatron-LM.
+    """
+
+    type_name = "SentencePieceTokenizer"
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        import sentencepiece
+
+        if not os.path.isfile(model_path):
+            raise TokenizerError(f"SentencePiece model not found: {model_path}")
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(model_path)
+        except (OSError, RuntimeError) as error:
+            raise TokenizerError(
+                f"cannot load SentencePiece model {model_path}: {str(error).splitlines()[0]}"
+            ) from None
+        self._eod = self._sp.eos_id()
+        if self._eod < 0:
+            raise TokenizerError(
+                f"SentencePiece model {model_path} has no eos id to use as end-of-document; "
+                "train it with tools/train_tokenizer.py (which reserves one)"
+            )
+        pad = self._sp.pad_id()
+        self._pad = pad if pad >= 0 else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.GetPieceSize())
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> Optional[int]:
+        return self._pad
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.Encode(text, out_type=int)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # One thread: preprocessing parallelises over processes, never inside one.
+        return self._sp.Encode(list(texts), out_type=int, num_threads=1)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.Decode([int(i) for i in ids])
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The piece string of one id (for inspection and tests)."""
+        return self._sp.IdToPiece(int(token_id))
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face tokenizer saved in a local directory (``tokenizer.json`` and friends).
+
+    Nothing is downloaded (``local_files_only``). EOD is ``eos_token_id``; padding is
+    ``pad_token_id`` (None when unset). ``vocab_size`` is ``len(tokenizer)``, which includes
+    added tokens, unlike the HF attribute of that name.
+    """
+
+    type_name = "HuggingFaceTokenizer"
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        if not os.path.isdir(model_path):
+            raise TokenizerError(
+                f"HuggingFaceTokenizer needs a local directory (save_pretrained output); "
+                f"not a directory: {model_path}"
+            )
+        try:
+            import transformers
+        except ImportError:
+            raise TokenizerError(
+                "HuggingFaceTokenizer needs the optional package transformers: "
+                "pip install 'megatron-ext-leviathan[eval]' (or pip install transformers)"
+            ) from None
+        # Workers are separate processes; the Rust thread pool inside each would oversubscribe.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        try:
+            self._tok = transformers.AutoTokenizer.from_pretrained(
+                model_path, local_files_only=True
+            )
+        except Exception as error:  # transformers raises many types here
+            raise TokenizerError(
+                f"cannot load Hugging Face tokenizer from {model_path}: "
+                f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"
+            ) from None
+        eod = self._tok.eos_token_id
+        if eod is None:
+            raise TokenizerError(
+                f"Hugging Face tokenizer in {model_path} has no eos_token to use as "
+                "end-of-document; set eos_token in its tokenizer_config.json"
+            )
+        self._eod = int(eod)
+        self._pad = None if self._tok.pad_token_id is None else int(self._tok.pad_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> Optional[int]:
+        return self._pad
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    @property
+    def unique_identifiers(self) -> "OrderedDict[str, str]":
+        ident = super().unique_identifiers
+        for name in ("tokenizer.json", "tokenizer.model", "vocab.json"):
+            path = os.path.join(self.model_path, name)
+            if os.path.isfile(path):
+                ident[f"{name}_sha256_16"] = _file_digest(path)
+        return ident
+
+
+# Published pre-tokenisation patterns of OpenAI's encodings; they define how text is split into
+# words before BPE, so a .tiktoken rank file is only usable with the pattern it was built for.
+_O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+_CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+TIKTOKEN_PATTERNS = {"o200k": _O200K_PATTERN, "cl100k": _CL100K_PATTERN}
+# Special-token ids of the published encodings, keyed by the rank file's base name.
+_KNOWN_TIKTOKEN_SPECIALS = {
+    "o200k_base": {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
+    "cl100k_base": {
+        "<|endoftext|>": 100257,
+        "<|fim_prefix|>": 100258,
+        "<|fim_middle|>": 100259,
+        "<|fim_suffix|>": 100260,
+        "<|endofprompt|>": 100276,
+    },
+}
+_ENDOFTEXT = "<|endoftext|>"
+_PAD = "<|pad|>"
+
+
+def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """Parse a ``.tiktoken`` file: one ``<base64 token> <rank>`` pair per line."""
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError:
+                raise TokenizerError(
+                    f"{path}:{line_number}: not a .tiktoken file (expected '<base64> <rank>')"
+                ) from None
+    if not ranks:
+        raise TokenizerError(f"{path}: empty .tiktoken file")
+    return ranks
+
+
+class TikTokenizer(Tokenizer):
+    """A tiktoken BPE from a local ``.tiktoken`` rank file (e.g. ``o200k_base.tiktoken``).
+
+    For the published ``o200k_base``/``cl100k_base`` files the published special tokens are used
+    (EOD ``<|endoftext|>``, no padding id) and ``vocab_size`` is the encoding's ``n_vocab``.
+    For any other rank file, ``<|endoftext|>`` (EOD) and ``<|pad|>`` are appended after the
+    highest rank. ``pattern`` is a key of :data:`TIKTOKEN_PATTERNS` or a regular expression;
+    it defaults to the o200k pattern.
+    """
+
+    type_name = "TikTokenizer"
+
+    def __init__(self, model_path: str, pattern: str = "o200k") -> None:
+        super().__init__(model_path)
+        import tiktoken
+
+        if not os.path.isfile(model_path):
+            raise TokenizerError(f"tiktoken rank file not found: {model_path}")
+        ranks = _load_tiktoken_ranks(model_path)
+        base = os.path.basename(model_path).split(".")[0]
+        if base in _KNOWN_TIKTOKEN_SPECIALS:
+            specials = dict(_KNOWN_TIKTOKEN_SPECIALS[base])
+        else:
+            top = max(ranks.values())
+            specials = {_ENDOFTEXT: top + 1, _PAD: top + 2}
+        pat_str = TIKTOKEN_PATTERNS.get(pattern, pattern)
+        try:
+            self._enc = tiktoken.Encoding(
+                name=base, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials
+            )
+        except ValueError as error:
+            raise TokenizerError(f"cannot build tiktoken encoding from {model_path}: {error}")
+        self._eod = specials[_ENDOFTEXT]
+        self._pad = specials.get(_PAD)
+        self._pattern = pattern
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._enc.n_vocab)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> Optional[int]:
+        return self._pad
+
+    def tokenize(self, text: str) -> list[int]:
+        # Special-token text inside documents is ordinary text, never a control id.
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(list(texts), num_threads=1)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+    @property
+    def unique_identifiers(self) -> "OrderedDict[str, str]":
+        ident = super().unique_identifiers
+        ident["pattern"] = self._pattern
+        return ident
+
+
+class NullTokenizer(Tokenizer):
+    """Megatron-LM's NullTokenizer: text is whitespace-separated integer ids.
+
+    ``vocab_size`` given on the command line (``--vocab-size``) is the number of ordinary ids;
+    EOD is the extra id ``vocab_size`` and the tokenizer's ``vocab_size`` is one more, exactly as
+    in Megatron-LM. There is no padding id.
+    """
+
+    type_name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(None)
+        if vocab_size is None or int(vocab_size) <= 0:
+            raise TokenizerError("NullTokenizer needs --vocab-size > 0")
+        self._n = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n + 1
+
+    @property
+    def eod(self) -> int:
+        return self._n
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError:
+            raise TokenizerError(
+                "NullTokenizer input must be whitespace-separated integers"
+            ) from None
+        for i in ids:
+            if not 0 <= i < self._n:
+                raise TokenizerError(f"NullTokenizer id {i} outside [0, {self._n})")
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.tokenize(text) for text in texts]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    @property
+    def unique_identifiers(self) -> "OrderedDict[str, str]":
+        ident = super().unique_identifiers
+        ident["null_vocab_size"] = str(self._n)
+        return ident
+
+
+TOKENIZER_TYPES = {
+    "SentencePieceTokenizer": SentencePieceTokenizer,
+    "GPTSentencePieceTokenizer": SentencePieceTokenizer,
+    "HuggingFaceTokenizer": HuggingFaceTokenizer,
+    "TikTokenizer": TikTokenizer,
+    "NullTokenizer": NullTokenizer,
+}
+
+
+def build_tokenizer(
+    tokenizer_type: str, tokenizer_model: Optional[str] = None, **kw: object
+) -> Tokenizer:
+    """Build a tokenizer by its Megatron-LM type name.
+
+    Args:
+        tokenizer_type: one of :data:`TOKENIZER_TYPES`.
+        tokenizer_model: model file (SentencePiece ``.model``, ``.tiktoken``) or directory (HF).
+        **kw: ``vocab_size`` for NullTokenizer; ``tiktoken_pattern`` for TikTokenizer. Other
+            keys (e.g. unused argparse fields) are ignored.
+
+    Raises:
+        TokenizerError: unknown type, missing or unreadable model (one-line message).
+    """
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise TokenizerError(
+            f"unknown --tokenizer-type {tokenizer_type!r}; choose one of "
+            f"{', '.join(TOKENIZER_TYPES)}"
+        )
+    cls = TOKENIZER_TYPES[tokenizer_type]
+    if cls is NullTokenizer:
+        return NullTokenizer(kw.get("vocab_size"))  # type: ignore[arg-type]
+    if not tokenizer_model:
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
+    if cls is TikTokenizer:
+        return TikTokenizer(tokenizer_model, pattern=str(kw.get("tiktoken_pattern") or "o200k"))
+    return cls(tokenizer_model)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp_size: int = 1) -> int:
+    """Megatron-LM's ``_vocab_size_with_padding``: round up to a multiple of
+    ``divisible_by * tp_size`` (``--make-vocab-size-divisible-by`` times the TP size) so that the
+    embedding and output layer split evenly across tensor-parallel ranks."""
+    if vocab_size <= 0 or divisible_by <= 0 or tp_size <= 0:
+        raise ValueError(
+            f"vocab_size, divisible_by and tp_size must be > 0, got "
+            f"{vocab_size}, {divisible_by}, {tp_size}"
+        )
+    multiple = divisible_by * tp_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
