@@ -1,0 +1,29 @@
+"""LEV (Learned Embedding Vectorization): the input generator of Leviathan models.
+
+    from megatron_ext.lev import LEVConfig, LEVEmbedding
+
+`LEVConfig` holds the hyper-parameters (LEVIATHAN_SPEC.md section 2) and their `--lev-*` flags;
+`LEVEmbedding` is the tensor-parallel module that replaces megatron's VocabParallelEmbedding;
+`lev.math` is the readable forward pass; `lev.fused` the memory-lean autograd Function.
+"""
+
+from megatron_ext.lev.config import (
+    LEVConfig,
+    add_lev_arguments,
+    lev_config_from_args,
+    smallest_base,
+)
+from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
+from megatron_ext.lev.layer import LEV_PARAMETER_NAMES, LEV_TP_PARTITION_DIMS, LEVEmbedding
+
+__all__ = [
+    "LEVConfig",
+    "LEVEmbedding",
+    "LEV_PARAMETER_NAMES",
+    "LEV_TP_PARTITION_DIMS",
+    "FusedOptions",
+    "add_lev_arguments",
+    "fused_lev_modes",
+    "lev_config_from_args",
+    "smallest_base",
+]

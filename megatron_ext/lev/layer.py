@@ -1,0 +1,403 @@
+"""LEVEmbedding: the tensor-parallel LEV module, a drop-in for VocabParallelEmbedding.
+
+It honours `megatron.core.tensor_parallel.VocabParallelEmbedding`'s contract, so a model can put
+it at `GPTModel.embedding.word_embeddings` and keep megatron's LanguageModelEmbedding wrapper:
+
+    forward(input_ids [b, s]) -> [b, s, D]          TP-all-reduced   (reduce_scatter_embeddings=False)
+                              -> [s/tp, b, D]       reduce-scattered (reduce_scatter_embeddings=True)
+
+Tensor parallelism: the h heads are split across the TP ranks (each rank owns h/tp whole heads:
+its slices of seed_proj, seed_norm_*, spline_delta, out_proj along dim 0, tagged with megatron's
+TP attributes); the codebooks are replicated and untagged. Every rank computes the seed z from
+the same ids, its heads' partial embedding, and the partial embeddings are summed across ranks.
+The seed passes through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce
+backward), so every rank's codebook gradient is the full sum over all heads, as at TP=1.
+
+Speed and memory:
+- dedup: LEV runs once per distinct id of the micro-batch (torch.unique), then the [U, D]
+  result is gathered to the N tokens. Without sequence parallelism the all-reduce happens on the
+  [U, D] distinct embeddings (U <= N, so never more traffic than VocabParallelEmbedding).
+- fused: `lev.fused` recomputes the spline tensors in backward; saved activations are the seeds
+  [U, d_in], the modes [U, h*r] and the integer ids.
+- eval table: with `LEVConfig.eval_table`, eval-mode forwards that need no parameter gradient
+  look ids up in a materialised [V, D] table of this rank's partial embeddings (same
+  communication as training), rebuilt whenever a parameter changes (in-place optimizer steps,
+  load_state_dict, `.data` writes, dtype/device moves).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.utils import (
+    get_pg_rank,
+    get_pg_size,
+    make_sharded_tensor_for_checkpoint,
+    make_tp_sharded_tensor_for_checkpoint,
+)
+
+from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.config import LEVConfig
+from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LEVEmbedding", "LEV_PARAMETER_NAMES", "LEV_TP_PARTITION_DIMS"]
+
+LEV_PARAMETER_NAMES = (
+    "codebooks",
+    "seed_proj",
+    "seed_norm_weight",
+    "seed_norm_bias",
+    "spline_delta",
+    "out_proj",
+)
+"""The parameters of LEVEmbedding, in registration order (DESIGN.md "Fixed contracts")."""
+
+LEV_TP_PARTITION_DIMS: dict[str, Optional[int]] = {
+    "codebooks": None,
+    "seed_proj": 0,
+    "seed_norm_weight": 0,
+    "seed_norm_bias": 0,
+    "spline_delta": 0,
+    "out_proj": 0,
+}
+"""Parameter name -> tensor-parallel partition dim (None: replicated on every TP rank)."""
+
+# Ids evaluated per step while building the eval table.
+_TABLE_BUILD_IDS = 8192
+
+
+def _resolve_tp_group(tp_group):
+    """The TP group to use, or None for a single process (no parallel_state, no group)."""
+    if tp_group is not None:
+        return tp_group
+    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
+
+
+class LEVEmbedding(torch.nn.Module):
+    """LEV input generator with VocabParallelEmbedding's interface.
+
+    Args:
+        lev_config: LEV hyper-parameters (vocab size V, width D, heads, ...).
+
+    Keyword Args:
+        config: megatron TransformerConfig; uses params_dtype, use_cpu_initialization,
+            perform_initialization and tensor_model_parallel_size (a consistency check).
+        tp_group: tensor-parallel group (default: megatron's, or none in a single process).
+        reduce_scatter_embeddings: return [s/tp, b, D] reduce-scattered along the sequence (what
+            LanguageModelEmbedding asks for under sequence parallelism) instead of [b, s, D].
+    """
+
+    def __init__(
+        self,
+        lev_config: LEVConfig,
+        *,
+        config: TransformerConfig,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        reduce_scatter_embeddings: bool = False,
+    ):
+        super().__init__()
+        self.lev_config = lev_config
+        self.config = config
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.tp_group = _resolve_tp_group(tp_group)
+        self.tp_size = get_pg_size(self.tp_group)
+        self.tp_rank = get_pg_rank(self.tp_group)
+        # VocabParallelEmbedding's public attributes, for code that inspects word_embeddings.
+        self.num_embeddings = lev_config.vocab_size
+        self.embedding_dim = lev_config.hidden_size
+        if lev_config.hidden_size != config.hidden_size:
+            raise ValueError(
+                f"LEV hidden size {lev_config.hidden_size} differs from the model's "
+                f"--hidden-size {config.hidden_size}; build LEVConfig with the model's width"
+            )
+        cfg_tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+        if self.tp_group is not None and cfg_tp != self.tp_size:
+            raise ValueError(
+                f"TransformerConfig.tensor_model_parallel_size={cfg_tp} but the TP group has "
+                f"{self.tp_size} ranks; pass the matching tp_group"
+            )
+        tp = self.tp_size
+        if lev_config.num_heads % tp != 0:
+            raise ValueError(
+                f"--lev-num-heads {lev_config.num_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}: every TP rank must own whole LEV heads; "
+                f"change --lev-num-heads to a multiple of {tp}"
+            )
+        self.num_local_heads = lev_config.num_heads // tp
+
+        if config.use_cpu_initialization or not torch.cuda.is_available():
+            device = torch.device("cpu")
+        else:
+            device = torch.device("cuda", torch.cuda.current_device())
+        dtype = config.params_dtype
+        shapes = lev_config.parameter_shapes(tp)
+        for name in LEV_PARAMETER_NAMES:
+            param = torch.nn.Parameter(torch.empty(shapes[name], device=device, dtype=dtype))
+            dim = LEV_TP_PARTITION_DIMS[name]
+            set_tensor_model_parallel_attributes(
+                param, is_parallel=dim is not None, dim=-1 if dim is None else dim, stride=1
+            )
+            self.register_parameter(name, param)
+        if config.perform_initialization:
+            self.reset_parameters()
+        else:
+            with torch.no_grad():
+                self.seed_norm_weight.fill_(1.0)
+                self.seed_norm_bias.zero_()
+
+        self._fused_opts = FusedOptions(
+            temperature=lev_config.temperature,
+            num_knots=lev_config.num_knots,
+            normalize_basis=lev_config.normalize_basis,
+            norm_eps=lev_config.norm_eps,
+            product_eps=lev_config.product_eps,
+            chunk_size=lev_config.chunk_size,
+        )
+        self._table: Optional[torch.Tensor] = None
+        self._table_key: Optional[tuple] = None
+        self._table_snapshot: Optional[list[torch.Tensor]] = None
+
+    # ------------------------------------------------------------------ parameters
+
+    def reset_parameters(self) -> None:
+        """Initialise as the spec says, identically for every TP layout.
+
+        Every rank draws the full TP=1 tensors from the default CPU generator (all TP ranks
+        share its seed), in the fixed order of LEV_PARAMETER_NAMES, and keeps its heads: TP=2
+        therefore builds exactly the parameters of TP=1 for the same seed.
+        """
+        lc = self.lev_config
+        full = lc.parameter_shapes(1)
+        stds = {
+            "codebooks": lc.init_std,
+            "seed_proj": lc.init_std,
+            "spline_delta": lc.spline_init_std,
+            "out_proj": lc.init_std / math.sqrt(lc.num_heads),
+        }
+        heads = slice(
+            self.tp_rank * self.num_local_heads, (self.tp_rank + 1) * self.num_local_heads
+        )
+        with torch.no_grad():
+            for name in LEV_PARAMETER_NAMES:
+                param = getattr(self, name)
+                if name == "seed_norm_weight":
+                    param.fill_(1.0)
+                    continue
+                if name == "seed_norm_bias":
+                    param.zero_()
+                    continue
+                master = torch.empty(full[name], dtype=torch.float32).normal_(0.0, stds[name])
+                if LEV_TP_PARTITION_DIMS[name] is not None:
+                    master = master[heads]
+                param.copy_(master.to(dtype=param.dtype))
+
+    def tp_partition_dims(self) -> dict[str, Optional[int]]:
+        """Parameter name -> TP partition dim, or None when replicated (from the attributes)."""
+        return {
+            name: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+            for name, p in self.named_parameters()
+        }
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple = (),
+        metadata: Optional[dict] = None,
+    ) -> dict:
+        """Megatron distributed-checkpoint view: codebooks replicated, the rest TP-sharded on 0.
+
+        Args:
+            prefix: key prefix (e.g. "embedding.word_embeddings.").
+            sharded_offsets: offsets of enclosing shardings (e.g. pipeline), passed through.
+            metadata: megatron's metadata dict; its "dp_cp_group" is used when present.
+        """
+        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        if dp_cp_group is None and parallel_state.model_parallel_is_initialized():
+            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        groups = dict(tp_group=self.tp_group, dp_cp_group=dp_cp_group)
+        state = self.state_dict(prefix="", keep_vars=True)
+        sharded = {}
+        for name, tensor in state.items():
+            key = f"{prefix}{name}"
+            if LEV_TP_PARTITION_DIMS.get(name) is None:
+                sharded[key] = make_sharded_tensor_for_checkpoint(
+                    tensor, key, prepend_offsets=sharded_offsets, **groups
+                )
+            else:
+                sharded[key] = make_tp_sharded_tensor_for_checkpoint(
+                    tensor,
+                    key,
+                    tp_axis=LEV_TP_PARTITION_DIMS[name],
+                    prepend_offsets=sharded_offsets,
+                    **groups,
+                )
+        return sharded
+
+    # ------------------------------------------------------------------ forward
+
+    def _output_dtype(self, device: torch.device) -> torch.dtype:
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.config.params_dtype
+
+    def partial_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' share of the embeddings of `ids` (no TP reduction).
+
+        Args:
+            ids: [U] int64 ids in [0, V) (not checked here).
+        Returns:
+            [U, D] in the compute dtype (float32; float64 for float64 parameters). Summed over
+            the TP ranks it is the full LEV embedding.
+        """
+        lc = self.lev_config
+        cdt = lev_math.compute_dtype(self.codebooks.dtype)
+        with torch.autocast(device_type=ids.device.type, enabled=False):
+            digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
+            z = lev_math.seed(self.codebooks.to(cdt), digits, lc.codebook_combine)  # [U, d_in]
+            if self.tp_size > 1:
+                # Every head on every rank consumes z: sum its gradient over the TP group.
+                z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
+            params = (self.seed_proj, self.seed_norm_weight, self.seed_norm_bias, self.spline_delta)
+            if lc.fused:
+                modes = fused_lev_modes(z, *params, self._fused_opts)
+            else:
+                modes = lev_math.lev_modes(
+                    z,
+                    *params,
+                    temperature=lc.temperature,
+                    num_knots=lc.num_knots,
+                    normalize_basis=lc.normalize_basis,
+                    norm_eps=lc.norm_eps,
+                    product_eps=lc.product_eps,
+                )
+            return lev_math.lev_embed(modes, self.out_proj)  # [U, D]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embed token ids.
+
+        Args:
+            input_ids: [b, s] integer ids in [0, V); all TP ranks must pass the same ids.
+        Returns:
+            [b, s, D] summed over the TP group, or, with reduce_scatter_embeddings,
+            [s/tp, b, D] reduce-scattered along s. Dtype: the autocast dtype when autocast is
+            on, else config.params_dtype.
+        Raises:
+            ValueError: an id outside [0, V) (naming it), or s not divisible by the TP size
+                under reduce-scatter.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"LEV expects input_ids of shape [b, s], got {tuple(input_ids.shape)}")
+        lev_math.check_ids(input_ids, self.lev_config.vocab_size)
+        b, s = input_ids.shape
+        if self.reduce_scatter_embeddings and s % self.tp_size != 0:
+            raise ValueError(
+                f"sequence length {s} is not divisible by the tensor-parallel size {self.tp_size}"
+                " under sequence parallelism; change --seq-length"
+            )
+        out_dtype = self._output_dtype(input_ids.device)
+
+        if self._use_eval_table():
+            table = self._eval_table(out_dtype)
+            rows, index = table, input_ids
+        else:
+            if self.lev_config.dedup:
+                unique_ids, index = torch.unique(input_ids, sorted=True, return_inverse=True)
+            else:
+                unique_ids = input_ids.reshape(-1)
+                index = torch.arange(b * s, device=input_ids.device).view(b, s)
+            rows = self.partial_embeddings(unique_ids).to(out_dtype)  # [U, D]
+
+        if self.reduce_scatter_embeddings:
+            # Gather straight into Megatron's [s, b, D] layout (no separate transpose copy).
+            output = F.embedding(index.t(), rows)
+            return reduce_scatter_to_sequence_parallel_region(output, group=self.tp_group)
+        if self.tp_size > 1 and rows.shape[0] < b * s:
+            # Summing the distinct rows before the gather moves U*D numbers instead of N*D.
+            return F.embedding(index, reduce_from_tensor_model_parallel_region(rows, self.tp_group))
+        output = F.embedding(index, rows)
+        if self.tp_size > 1:
+            output = reduce_from_tensor_model_parallel_region(output, group=self.tp_group)
+        return output
+
+    # ------------------------------------------------------------------ eval table
+
+    def _use_eval_table(self) -> bool:
+        if not self.lev_config.eval_table or self.training:
+            return False
+        return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+
+    def _table_key_now(self, out_dtype: torch.dtype) -> tuple:
+        return (out_dtype,) + tuple(
+            (p.data_ptr(), p._version, p.dtype, p.device) for p in self.parameters()
+        )
+
+    def _eval_table(self, out_dtype: torch.dtype) -> torch.Tensor:
+        """The [V, D] table of this rank's partial embeddings, rebuilt if parameters changed.
+
+        The key (storage pointers and version counters) catches in-place optimizer steps and
+        load_state_dict; the value snapshot (about 2M numbers, compared exactly) also catches
+        writes through `.data`, which bypass the version counters.
+        """
+        key = self._table_key_now(out_dtype)
+        fresh = (
+            self._table is not None
+            and key == self._table_key
+            and all(torch.equal(p, q) for p, q in zip(self.parameters(), self._table_snapshot))
+        )
+        if not fresh:
+            self.rebuild_eval_table(out_dtype)
+        return self._table
+
+    @torch.no_grad()
+    def rebuild_eval_table(self, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Materialise this rank's [V, D] partial table now (called lazily by eval forwards)."""
+        device = self.codebooks.device
+        out_dtype = out_dtype or self._output_dtype(device)
+        vocab = self.lev_config.vocab_size
+        logger.info(
+            "building the LEV eval table [%d, %d] (%s)", vocab, self.embedding_dim, out_dtype
+        )
+        self._table = None
+        table = torch.empty(vocab, self.embedding_dim, dtype=out_dtype, device=device)
+        for start in range(0, vocab, _TABLE_BUILD_IDS):
+            ids = torch.arange(start, min(start + _TABLE_BUILD_IDS, vocab), device=device)
+            table[start : start + ids.numel()] = self.partial_embeddings(ids)
+        self._table = table
+        self._table_key = self._table_key_now(out_dtype)
+        self._table_snapshot = [p.detach().clone() for p in self.parameters()]
+        return table
+
+    def drop_eval_table(self) -> None:
+        """Free the eval table (it is rebuilt on the next eval forward that uses it)."""
+        self._table = self._table_key = self._table_snapshot = None
+
+    def train(self, mode: bool = True):
+        """Leaving eval mode frees the table: it would be stale after the next step anyway."""
+        if mode:
+            self.drop_eval_table()
+        return super().train(mode)
+
+    def extra_repr(self) -> str:
+        lc = self.lev_config
+        return (
+            f"V={lc.vocab_size}, D={lc.hidden_size}, k={lc.num_digits}, b={lc.base}, "
+            f"d_seed={lc.seed_dim}, kappa={lc.num_knots}, r={lc.rank}, "
+            f"heads={self.num_local_heads}/{lc.num_heads} (tp {self.tp_rank}/{self.tp_size}), "
+            f"combine={lc.codebook_combine}, fused={lc.fused}, dedup={lc.dedup}"
+        )
