@@ -47,7 +47,9 @@ def validate_parallel_layout(
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    model_parallel = (
+        tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    )
     if world_size % model_parallel != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor x pipeline x context parallel "

@@ -1,0 +1,202 @@
+"""Model configuration: the LLaMA-style backbone plus its parallel layout and precision.
+
+`ModelConfig` validates itself (impossible layouts fail at construction with a message naming
+the flag to change) and derives megatron's `TransformerConfig` through `transformer_config()`.
+The command line only fills it (see `megatron_ext.training.arguments`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+__all__ = ["ModelConfig", "llama_ffn_hidden_size"]
+
+
+def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
+    """LLaMA's SwiGLU width: 2/3 of 4D (same FLOPs as a 4D GELU MLP), rounded up."""
+    ffn = int(2 * 4 * hidden_size / 3)
+    return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only LLaMA-style model: RMSNorm, SwiGLU, rotary positions, no biases."""
+
+    vocab_size: int
+    """Size of the (padded) vocabulary the model embeds and scores."""
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention: number of key/value heads (None: one per query head)."""
+    ffn_hidden_size: Optional[int] = None
+    """SwiGLU inner width (None: LLaMA's 8/3 x hidden rounded up to a multiple of 256)."""
+    seq_length: int = 128
+    rotary_base: int = 10000
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    qk_layernorm: bool = False
+    transformer_impl: str = "local"
+    """'local' (megatron-core modules + CPU twins) or 'transformer_engine'."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+    params_dtype: torch.dtype = torch.float32
+    bf16: bool = False
+    fp16: bool = False
+    fp8: Optional[str] = None
+    """FP8 recipe format ('hybrid' or 'e4m3'), Transformer Engine only."""
+    use_cpu_initialization: bool = True
+    """Build weights on CPU from one seeded stream, so that any TP size gets the same model."""
+    perform_initialization: bool = True
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    extra_transformer_config: dict = field(default_factory=dict)
+    """Further TransformerConfig fields, passed through unchanged (Megatron-style overrides)."""
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = llama_ffn_hidden_size(self.hidden_size)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError with the flag to change for every impossible setting."""
+        positive = {
+            "--vocab-size": self.vocab_size,
+            "--num-layers": self.num_layers,
+            "--hidden-size": self.hidden_size,
+            "--num-attention-heads": self.num_attention_heads,
+            "--num-query-groups": self.num_query_groups,
+            "--ffn-hidden-size": self.ffn_hidden_size,
+            "--seq-length": self.seq_length,
+        }
+        for flag, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                f"--num-query-groups {self.num_query_groups}"
+            )
+        if self.num_attention_heads % tp:
+            raise ValueError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}; change one of them"
+            )
+        if self.num_query_groups % tp:
+            raise ValueError(
+                f"--num-query-groups {self.num_query_groups} is not divisible by "
+                f"--tensor-model-parallel-size {tp}; change one of them"
+            )
+        if self.ffn_hidden_size % tp:
+            raise ValueError(
+                f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
+                f"--tensor-model-parallel-size {tp}"
+            )
+        if self.num_layers % pp:
+            raise ValueError(
+                f"--num-layers {self.num_layers} is not divisible by "
+                f"--pipeline-model-parallel-size {pp}; change one of them"
+            )
+        if self.sequence_parallel and tp == 1:
+            raise ValueError(
+                "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the "
+                "sequence across tensor-parallel ranks); drop the flag or raise TP"
+            )
+        if self.sequence_parallel and self.seq_length % tp:
+            raise ValueError(
+                f"--seq-length {self.seq_length} is not divisible by --tensor-model-parallel-size "
+                f"{tp}, which --sequence-parallel needs; change the sequence length"
+            )
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are exclusive; pick one")
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(
+                "--transformer-impl must be local or transformer_engine, got "
+                f"{self.transformer_impl!r}"
+            )
+        if self.fp8 is not None:
+            if self.fp8 not in ("hybrid", "e4m3"):
+                raise ValueError(f"--fp8-format must be hybrid or e4m3, got {self.fp8!r}")
+            if self.transformer_impl != "transformer_engine":
+                raise ValueError(
+                    "--fp8-format needs --transformer-impl transformer_engine on a CUDA GPU; "
+                    "FP8 is not available on CPU"
+                )
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def transformer_config(self) -> TransformerConfig:
+        """The megatron-core TransformerConfig of this model."""
+        params_dtype = self.params_dtype
+        if self.bf16:
+            params_dtype = torch.bfloat16
+        elif self.fp16:
+            params_dtype = torch.float16
+        kwargs = dict(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size,
+            kv_channels=self.kv_channels,
+            normalization="RMSNorm",
+            layernorm_epsilon=self.norm_epsilon,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            qk_layernorm=self.qk_layernorm,
+            hidden_dropout=self.hidden_dropout,
+            attention_dropout=self.attention_dropout,
+            init_method_std=self.init_method_std,
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+            params_dtype=params_dtype,
+            bf16=self.bf16,
+            fp16=self.fp16,
+            pipeline_dtype=params_dtype,
+            fp8=self.fp8,
+            use_cpu_initialization=self.use_cpu_initialization,
+            perform_initialization=self.perform_initialization,
+            recompute_granularity=self.recompute_granularity,
+            recompute_method=self.recompute_method,
+            recompute_num_layers=self.recompute_num_layers,
+            # Fusions that need apex or CUDA kernels stay off; TE fuses on its own.
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+        )
+        kwargs.update(self.extra_transformer_config)
+        return TransformerConfig(**kwargs)

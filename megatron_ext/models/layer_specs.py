@@ -1,0 +1,133 @@
+"""Layer specs of the LLaMA-style decoder layer: one wiring diagram, two backends.
+
+    input_layernorm -> self_attention(linear_qkv -> core_attention -> linear_proj) -> + residual
+    pre_mlp_layernorm -> mlp(linear_fc1 [SwiGLU: gate|up] -> linear_fc2)          -> + residual
+
+The local spec uses megatron-core's own parallel linears (in their portable form, see
+`megatron_ext.tensor_parallel`) with the CPU-safe twins of `local_modules`; the Transformer
+Engine spec is megatron-core's own TE spec (fused norm+linear, TE attention, FP8-capable).
+`--transformer-impl` picks one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+from megatron_ext.models.local_modules import SDPACoreAttention, SequenceParallelNorm
+from megatron_ext.tensor_parallel import PortableColumnParallelLinear, PortableRowParallelLinear
+
+__all__ = [
+    "TRANSFORMER_IMPLS",
+    "get_local_layer_spec",
+    "get_transformer_engine_layer_spec",
+    "get_layer_spec",
+    "get_decoder_block_spec",
+    "transformer_engine_available",
+]
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def get_local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
+    """Decoder layer built from megatron-core modules that also run on CPU."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=SequenceParallelNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=PortableColumnParallelLinear,
+                    core_attention=SDPACoreAttention,
+                    linear_proj=PortableRowParallelLinear,
+                    q_layernorm=SequenceParallelNorm if qk_layernorm else IdentityOp,
+                    k_layernorm=SequenceParallelNorm if qk_layernorm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=SequenceParallelNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=PortableColumnParallelLinear, linear_fc2=PortableRowParallelLinear
+                ),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine is importable and a CUDA device is present."""
+    import torch
+
+    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+
+
+def get_transformer_engine_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
+    """megatron-core's Transformer Engine decoder layer (needs TE and CUDA)."""
+    if not transformer_engine_available():
+        raise RuntimeError(
+            "--transformer-impl transformer_engine needs Transformer Engine and a CUDA GPU "
+            "(pip install 'megatron-ext-leviathan[gpu]' in the NGC container); use "
+            "--transformer-impl local on CPU"
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+
+
+def get_layer_spec(transformer_impl: str, qk_layernorm: bool = False) -> ModuleSpec:
+    """The decoder-layer spec for `--transformer-impl local|transformer_engine`."""
+    if transformer_impl == "local":
+        return get_local_layer_spec(qk_layernorm)
+    if transformer_impl == "transformer_engine":
+        return get_transformer_engine_layer_spec(qk_layernorm)
+    raise ValueError(
+        f"--transformer-impl must be one of {', '.join(TRANSFORMER_IMPLS)}, "
+        f"got {transformer_impl!r}"
+    )
+
+
+def get_decoder_block_spec(
+    config: TransformerConfig, transformer_impl: str, qk_layernorm: bool = False
+) -> ModuleSpec:
+    """This pipeline stage's decoder block: its layers plus the final norm.
+
+    A block spec (rather than a bare layer spec) names the final norm, which megatron otherwise
+    defaults to a norm that refuses sequence parallelism.
+    """
+    layer = get_layer_spec(transformer_impl, qk_layernorm)
+    if transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    else:
+        final_norm = SequenceParallelNorm
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(config),
+            layer_norm=final_norm,
+        ),
+    )

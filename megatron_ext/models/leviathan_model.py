@@ -1,0 +1,127 @@
+"""LeviathanModel: megatron-core's GPTModel with a pluggable input embedding.
+
+GPTModel always builds `LanguageModelEmbedding(word_embeddings=VocabParallelEmbedding)`. This
+narrow subclass keeps that wrapper (it owns the [b, s, h] -> [s, b, h] transpose, the
+sequence-parallel scatter and the embedding dropout) and, after `super().__init__()`, replaces
+only `embedding.word_embeddings` with the input module of the chosen embedding type. It also
+swaps in the CPU-safe rotary embedding and makes the tied-embedding pipeline set-up portable.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_ext.models.config import ModelConfig
+from megatron_ext.models.layer_specs import get_decoder_block_spec
+from megatron_ext.models.local_modules import PortableRotaryEmbedding
+from megatron_ext.tensor_parallel import (
+    PortableColumnParallelLinear,
+    PortableVocabParallelEmbedding,
+    adopt,
+)
+
+__all__ = ["LeviathanModel", "InputEmbeddingBuilder"]
+
+# (model, transformer_config, reduce_scatter_embeddings) -> the module that replaces
+# `embedding.word_embeddings`; it must honour VocabParallelEmbedding's forward contract.
+InputEmbeddingBuilder = Callable[..., torch.nn.Module]
+
+
+class LeviathanModel(GPTModel):
+    """A LLaMA-style GPT whose input embedding is chosen by `input_embedding_builder`.
+
+    Args:
+        model_config: the backbone, parallel layout and precision.
+        pre_process: this pipeline stage holds the input embedding.
+        post_process: this pipeline stage holds the final norm and the output head.
+        share_embeddings_and_output_weights: tie the input table with the output head
+            (the TIED arm; needs a [V/tp, D] input weight).
+        input_embedding_builder: None keeps megatron's VocabParallelEmbedding; otherwise called
+            as `builder(config=..., reduce_scatter_embeddings=...)` to build the replacement.
+        transformer_layer_spec: a layer or block spec overriding the one picked by
+            `model_config.transformer_impl`.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        input_embedding_builder: Optional[InputEmbeddingBuilder] = None,
+        transformer_layer_spec: Optional[ModuleSpec] = None,
+        parallel_output: bool = True,
+    ) -> None:
+        if share_embeddings_and_output_weights and input_embedding_builder is not None:
+            raise ValueError(
+                "tied input/output weights need a [V/tp, D] input table; the chosen input "
+                "embedding has none (use --embedding-type tied only with the lookup table)"
+            )
+        self.model_config = model_config
+        config = model_config.transformer_config()
+        spec = transformer_layer_spec or get_decoder_block_spec(
+            config, model_config.transformer_impl, qk_layernorm=model_config.qk_layernorm
+        )
+        super().__init__(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=model_config.vocab_size,
+            max_sequence_length=model_config.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type="rope",
+            rotary_base=model_config.rotary_base,
+        )
+        self.rotary_pos_emb = PortableRotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_interleaved=config.rotary_interleaved,
+            rotary_base=model_config.rotary_base,
+            use_cpu_initialization=config.use_cpu_initialization or not torch.cuda.is_available(),
+            cp_group=self.pg_collection.cp,
+        )
+        # GPTModel builds these two with megatron's classes, whose sequence-parallel
+        # communication allocates on CUDA; their portable twins share the same parameters.
+        if pre_process:
+            self.embedding.word_embeddings = adopt(
+                PortableVocabParallelEmbedding, self.embedding.word_embeddings
+            )
+        if post_process:
+            self.output_layer = adopt(PortableColumnParallelLinear, self.output_layer)
+        if pre_process and input_embedding_builder is not None:
+            self.embedding.word_embeddings = input_embedding_builder(
+                config=config,
+                reduce_scatter_embeddings=self.embedding.reduce_scatter_embeddings,
+                tp_group=self.embedding.tp_group,
+            )
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        """Megatron's tied-embedding set-up without its `weight.data.cuda()` (fails on CPU)."""
+        if torch.cuda.is_available():
+            return super().setup_embeddings_and_output_layer()
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+        if not self.share_embeddings_and_output_weights:
+            return
+        weight = self.shared_embedding_or_output_weight()
+        if self.config.pipeline_model_parallel_size == 1:
+            weight.zero_out_wgrad = True
+            return
+        if self.pre_process and not self.post_process:
+            weight.shared_embedding = True
+        if self.post_process and not self.pre_process:
+            # The last stage's copy starts at zero; the all-reduce below copies stage 0's values.
+            weight.data.fill_(0)
+            weight.shared = True
+            weight.shared_embedding = True
+        if torch.distributed.is_initialized() and self._is_in_embd_group():
+            torch.distributed.all_reduce(weight.data, group=self.embd_group)

@@ -1,0 +1,169 @@
+"""CPU-safe twins of the few megatron-core 0.16.1 leaves that assume CUDA.
+
+They are chosen by the local layer spec (core attention, norms) or by `LeviathanModel`
+(rotary embedding); megatron-core itself is never patched.
+
+- `SDPACoreAttention` replaces `DotProductAttention`, whose score buffer comes from megatron's
+  global memory buffer on `torch.cuda.current_device()`.
+- `SequenceParallelNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism. Its
+  parameters are tagged `sequence_parallel=True`: under sequence parallelism every TP rank sees a
+  different slice of the sequence, so their gradients are partial sums that the training step
+  all-reduces across the TP group, exactly as Megatron does for its fused norms.
+- `PortableRotaryEmbedding` replaces `RotaryEmbedding`, whose `get_emb` moves `inv_freq` to CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+from torch import Tensor
+
+__all__ = ["SDPACoreAttention", "SequenceParallelNorm", "PortableRotaryEmbedding"]
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention through `torch.nn.functional.scaled_dot_product_attention`.
+
+    Same constructor and forward contract as megatron's `DotProductAttention`:
+    query [sq, b, np, hn], key/value [sk, b, ng, hn] (np and ng per TP partition) ->
+    context [sq, b, np * hn]. Grouped-query attention is handled by SDPA's `enable_gqa`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                "the local (CPU) attention does not support context parallelism; use "
+                "--transformer-impl transformer_engine or --context-parallel-size 1"
+            )
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        tp_size = config.tensor_model_parallel_size
+        self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.hidden_size_per_partition = self.num_heads_per_partition * config.kv_channels
+        if softmax_scale is None:
+            softmax_scale = config.softmax_scale
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        )
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError(
+                "packed sequences and attention bias need --transformer-impl transformer_engine"
+            )
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        # [s, b, n, hn] -> [b, n, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        sdpa_mask = None
+        is_causal = False
+        if attention_mask is not None:
+            # Megatron's masks are True where attention is *forbidden*; SDPA's the opposite.
+            sdpa_mask = ~attention_mask.bool()
+        else:
+            is_causal = mask_type == AttnMaskType.causal
+        context = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=sdpa_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=is_causal,
+            scale=self.softmax_scale,
+            enable_gqa=self.num_heads_per_partition != self.num_query_groups_per_partition,
+        )
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        context = context.permute(2, 0, 1, 3).contiguous()
+        return context.view(context.size(0), context.size(1), self.hidden_size_per_partition)
+
+
+class SequenceParallelNorm(torch.nn.Module):
+    """RMSNorm or LayerNorm (per `config.normalization`) that works under sequence parallelism.
+
+    Built by the layer spec with megatron's norm signature. Input [s(/tp), b, h] -> same shape.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "RMSNorm",
+    ):
+        super().__init__()
+        self.normalization = config.normalization
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(
+                f"--normalization {self.normalization} is not supported by the local norm; "
+                "use RMSNorm or LayerNorm"
+            )
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("--apply-layernorm-1p needs --transformer-impl transformer_engine")
+        self.eps = eps
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else None
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=device)
+        )
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device))
+            if self.normalization == "LayerNorm"
+            else None
+        )
+        for param in self.parameters():
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.normalization == "RMSNorm":
+            return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+        return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
+
+
+class PortableRotaryEmbedding(RotaryEmbedding):
+    """megatron's RotaryEmbedding, keeping `inv_freq` on CPU when CUDA is not available."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        if torch.cuda.is_available():
+            return super().get_emb(max_seq_len, offset)
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(
+                freqs.shape[0], -1
+            )
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        # [s, dim] -> [s, 1, 1, dim], the layout megatron's apply_rotary_pos_emb expects
+        return emb[:, None, None, :]

@@ -1,0 +1,234 @@
+"""Portable sequence-parallel communication and the parallel layers that use it.
+
+megatron-core 0.16.1's sequence-parallel mappings (`_gather_along_first_dim`,
+`_reduce_scatter_along_first_dim`, `_gather_along_last_dim`) and its linear autograd function
+allocate their outputs on `torch.cuda.current_device()`, so sequence parallelism fails on CPU.
+The functions here do the same collectives with outputs on the input's device (gloo supports
+all-gather-into-tensor and reduce-scatter-tensor), and the `Portable*` layers route through
+them on CPU while keeping megatron's own (overlapped, buffer-reusing) path on CUDA.
+
+Layouts: "sequence parallel" tensors are [s/tp, b, h]; "tensor parallel" ones [s, b, h/tp].
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import tensor_parallel as mcore_tp
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+
+__all__ = [
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "PortableColumnParallelLinear",
+    "PortableRowParallelLinear",
+    "PortableVocabParallelEmbedding",
+    "adopt",
+]
+
+
+def _all_gather_first(x: torch.Tensor, group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    out = torch.empty((x.size(0) * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.size(0) % size:
+        raise ValueError(
+            f"sequence length {x.size(0)} is not divisible by the tensor-parallel size {size}"
+        )
+    out = torch.empty((x.size(0) // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _split_first(x: torch.Tensor, group) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return torch.chunk(x, size, dim=0)[rank].contiguous()
+
+
+def _all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return torch.cat(shards, dim=-1)
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return torch.chunk(x, size, dim=-1)[rank].contiguous()
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_first(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_first(grad, ctx.group), None
+
+
+class _ScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_first(grad, ctx.group), None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+def _trivial(group) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """[s/tp, b, h] -> [s, b, h]; backward reduce-scatters the gradient."""
+    return x if _trivial(group) else _GatherFromSequenceParallel.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Partial sums [s, b, h] -> summed slice [s/tp, b, h]; backward all-gathers."""
+    return x if _trivial(group) else _ReduceScatterToSequenceParallel.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Replicated [s, b, h] -> this rank's slice [s/tp, b, h]; backward all-gathers."""
+    return x if _trivial(group) else _ScatterToSequenceParallel.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """[..., h/tp] -> [..., h]; backward keeps this rank's slice of the gradient."""
+    return x if _trivial(group) else _GatherFromTensorParallel.apply(x, group)
+
+
+def adopt(cls: type, module: torch.nn.Module) -> torch.nn.Module:
+    """Re-wrap an already built megatron layer as its portable subclass `cls`, sharing every
+    parameter and attribute (no copy, no re-initialisation)."""
+    if not isinstance(module, cls.__mro__[1]):
+        raise TypeError(f"{cls.__name__} can only adopt a {cls.__mro__[1].__name__}")
+    twin = cls.__new__(cls)
+    twin.__dict__.update(module.__dict__)
+    return twin
+
+
+class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear):
+    """megatron's ColumnParallelLinear; on CPU its matmul and communication avoid CUDA."""
+
+    def _forward_impl(
+        self,
+        input,
+        weight,
+        bias=None,
+        gradient_accumulation_fusion=False,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        tp_group=None,
+        **kwargs,
+    ):
+        if input.is_cuda:
+            return super()._forward_impl(
+                input,
+                weight,
+                bias=bias,
+                gradient_accumulation_fusion=gradient_accumulation_fusion,
+                allreduce_dgrad=allreduce_dgrad,
+                sequence_parallel=sequence_parallel,
+                tp_group=tp_group,
+                **kwargs,
+            )
+        tp_group = tp_group if tp_group is not None else self.tp_group
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, tp_group)
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        return F.linear(input, weight, bias)
+
+    def forward(self, input_, weight=None, runtime_gather_output: Optional[bool] = None):
+        if input_.is_cuda:
+            return super().forward(input_, weight, runtime_gather_output)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        output, output_bias = super().forward(input_, weight, runtime_gather_output=False)
+        if gather:
+            output = gather_from_tensor_model_parallel_region(output, self.tp_group)
+        return output, output_bias
+
+
+class PortableRowParallelLinear(mcore_tp.RowParallelLinear):
+    """megatron's RowParallelLinear; on CPU the sequence-parallel reduce-scatter avoids CUDA."""
+
+    def forward(self, input_):
+        if input_.is_cuda:
+            return super().forward(input_)
+        if not self.input_is_parallel:
+            raise ValueError("the portable RowParallelLinear expects input_is_parallel=True")
+        output = F.linear(input_, self.weight)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(output, group=self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
+
+
+class PortableVocabParallelEmbedding(mcore_tp.VocabParallelEmbedding):
+    """megatron's VocabParallelEmbedding; on CPU the sequence-parallel reduce-scatter avoids
+    CUDA. Out-of-range ids are an error here rather than a silent zero row."""
+
+    def forward(self, input_):
+        if input_.numel() and (input_.min() < 0 or input_.max() >= self.num_embeddings):
+            bad = input_[(input_ < 0) | (input_ >= self.num_embeddings)][0].item()
+            raise IndexError(
+                f"token id {bad} is outside the vocabulary [0, {self.num_embeddings}); check "
+                "the tokenizer and --vocab-size"
+            )
+        if input_.is_cuda or not self.reduce_scatter_embeddings:
+            return super().forward(input_)
+        sharded = self.tp_group.size() > 1
+        if sharded:
+            mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            masked = (input_ - self.vocab_start_index).masked_fill(mask, 0)
+        else:
+            masked = input_
+        output = F.embedding(masked, self.weight)
+        if sharded:
+            output = output.masked_fill(mask.unsqueeze(-1), 0.0)
+        # [b, s, h] -> [s, b, h], then sum the vocabulary shards into this rank's sequence slice.
+        output = output.transpose(0, 1).contiguous()
+        return reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
