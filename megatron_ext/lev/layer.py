@@ -3,8 +3,8 @@
 It honours `megatron.core.tensor_parallel.VocabParallelEmbedding`'s contract, so a model can put
 it at `GPTModel.embedding.word_embeddings` and keep megatron's LanguageModelEmbedding wrapper:
 
-    forward(input_ids [b, s]) -> [b, s, D]          TP-all-reduced   (reduce_scatter_embeddings=False)
-                              -> [s/tp, b, D]       reduce-scattered (reduce_scatter_embeddings=True)
+    forward(input_ids [b, s]) -> [b, s, D]     TP-all-reduced   (reduce_scatter_embeddings=False)
+                              -> [s/tp, b, D]  reduce-scattered (reduce_scatter_embeddings=True)
 
 Tensor parallelism: the h heads are split across the TP ranks (each rank owns h/tp whole heads:
 its slices of seed_proj, seed_norm_*, spline_delta, out_proj along dim 0, tagged with megatron's

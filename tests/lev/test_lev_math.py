@@ -1,0 +1,111 @@
+"""Unit tests of the spec's steps (lev.math) and of the fused product (lev.fused)."""
+
+import pytest
+import torch
+
+from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.fused import group_size, separable_product_from_phi
+
+
+@pytest.mark.parametrize("base,k", [(2, 1), (10, 3), (59, 3), (7, 4), (300, 2)])
+def test_digits_round_trip(base, k):
+    ids = torch.arange(base**k)
+    digits = lev_math.to_digits(ids, base, k)
+    assert digits.shape == (base**k, k)
+    assert digits.min() >= 0 and digits.max() < base
+    powers = torch.tensor([base ** (k - 1 - m) for m in range(k)])
+    assert torch.equal((digits * powers).sum(-1), ids)
+    # Most significant digit first.
+    assert lev_math.to_digits(torch.tensor([123]), 10, 3).tolist() == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize("kappa", [3, 5, 16])
+def test_basis_partition_of_unity(kappa):
+    t = torch.linspace(0, 1, 2001, dtype=torch.float64)
+    raw = lev_math.bspline_basis(t, kappa, normalize=False)
+    norm = lev_math.bspline_basis(t, kappa, normalize=True)
+    for basis in (raw, norm):
+        assert (basis >= 0).all()
+        assert ((basis > 0).sum(-1) <= 3).all()
+    torch.testing.assert_close(norm.sum(-1), torch.ones_like(t), rtol=0, atol=1e-14)
+    # Unnormalised: exactly 1 wherever all three neighbouring knots exist ...
+    s = (kappa - 1) * t
+    interior = (s >= 0.5) & (s <= kappa - 1.5)
+    torch.testing.assert_close(raw.sum(-1)[interior], torch.ones_like(t[interior]), atol=1e-14,
+                               rtol=0)
+    # ... and 3/4 + 1/8 = 7/8 at the ends, where one outer knot is missing.
+    assert raw.sum(-1)[0].item() == pytest.approx(0.875)
+    assert raw.sum(-1)[-1].item() == pytest.approx(0.875)
+
+
+def test_basis_values_match_beta2():
+    kappa = 5
+    t = torch.tensor([0.0, 0.3, 0.5, 1.0], dtype=torch.float64)
+    basis = lev_math.bspline_basis(t, kappa, normalize=False)
+    # t = 0.3 -> s = 1.2: B_1 = 3/4 - 0.2^2, B_2 = (1.5 - 0.8)^2 / 2, B_0 = (1.5 - 1.2)^2 / 2.
+    assert basis[1, 1].item() == pytest.approx(0.75 - 0.04)
+    assert basis[1, 2].item() == pytest.approx(0.5 * 0.7**2)
+    assert basis[1, 0].item() == pytest.approx(0.5 * 0.3**2)
+    assert basis[2, 2].item() == pytest.approx(0.75)  # t on a knot
+    assert basis[0, 0].item() == pytest.approx(0.75) and basis[0, 1].item() == pytest.approx(1 / 8)
+
+
+def _direct_product(phi, eps=1e-9):
+    """prod_d sign(phi) (|phi| + eps) with torch.prod (float64)."""
+    x = phi.double()
+    return torch.prod(torch.sign(x) * (x.abs() + eps) + (x == 0) * eps, dim=2)
+
+
+@pytest.mark.parametrize("negatives", [0, 1, 2, 3])
+def test_product_sign_handling(negatives):
+    # [h=1, N=2, d=4, r=1]; `negatives` of the 4 factors of token 0 are negative.
+    phi = torch.tensor([[[[0.5], [2.0], [1.5], [0.25]], [[1.0], [1.0], [1.0], [1.0]]]],
+                       dtype=torch.float64)
+    phi[0, 0, :negatives] *= -1
+    M = lev_math.separable_product(phi)
+    expected = (-1) ** negatives * 0.5 * 2.0 * 1.5 * 0.25
+    assert M[0, 0, 0].item() == pytest.approx(expected, rel=1e-8)
+    assert M[0, 1, 0].item() == pytest.approx(1.0, rel=1e-8)
+    torch.testing.assert_close(M, _direct_product(phi), rtol=1e-14, atol=0)
+    fused = separable_product_from_phi(phi.permute(0, 2, 1, 3).contiguous(), 1e-9)
+    torch.testing.assert_close(fused, M, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("d", [1, 3, 4, 13, 128])
+def test_fused_product_equals_spec_formula(dtype, d):
+    torch.manual_seed(d)
+    phi = torch.randn(3, 7, d, 5, dtype=dtype)  # about half the factors negative
+    phi[0, 0, 0, 0] = 0.0  # |0| + eps: a factor of +eps
+    phi[1, 2, :, 1] = 1e-8  # tiny factors: the grouped product must not underflow
+    expected = lev_math.separable_product(phi)
+    fused = separable_product_from_phi(phi.permute(0, 2, 1, 3).contiguous(), 1e-9)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(fused, expected, rtol=tol, atol=0)
+    assert group_size(dtype, 1e-9) > 1
+
+
+def test_fused_product_overflow_falls_back():
+    # Grouping four factors of 1e12 overflows float32; the spec's log-sum does not.
+    phi = torch.full((1, 2, 8, 2), 1e12, dtype=torch.float32)
+    phi[:, :, 4:] = 1e-12
+    expected = lev_math.separable_product(phi)
+    assert torch.isfinite(expected).all()
+    fused = separable_product_from_phi(phi.permute(0, 2, 1, 3).contiguous(), 1e-9)
+    torch.testing.assert_close(fused, expected, rtol=1e-5, atol=0)
+
+
+def test_product_is_float32_for_low_precision_input():
+    phi = torch.full((1, 1, 64, 1), 1.01, dtype=torch.bfloat16)
+    M = lev_math.separable_product(phi)
+    assert M.dtype == torch.float32
+
+
+def test_check_ids_messages():
+    lev_math.check_ids(torch.tensor([[0, 49]]), 50)
+    with pytest.raises(ValueError, match=r"token id 50, outside the valid range \[0, 50\)"):
+        lev_math.check_ids(torch.tensor([[0, 50]]), 50)
+    with pytest.raises(ValueError, match=r"token id -3, outside the valid range \[0, 50\)"):
+        lev_math.check_ids(torch.tensor([[-3, 4]]), 50)
+    with pytest.raises(TypeError, match="integer"):
+        lev_math.check_ids(torch.tensor([[1.0]]), 50)
