@@ -1,4 +1,8 @@
-"""Test support: run a function defined in a test file inside spawned ranks.
+"""Test and benchmark support for LEV.
+
+- `saved_tensor_bytes`: bytes autograd saves for backward while a closure runs (activations
+  only: storages of the given parameters are excluded, shared storages counted once).
+- `call_in_file`: run a function defined in a test file inside spawned ranks.
 
 `run_distributed` pickles its function by module name, which a child process can only import if
 the parent's import of that module is reproducible; under pytest's `--import-mode=importlib`
@@ -13,9 +17,34 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
-__all__ = ["call_in_file"]
+import torch
+
+__all__ = ["call_in_file", "saved_tensor_bytes"]
+
+
+def saved_tensor_bytes(
+    closure: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()
+) -> tuple[int, Any]:
+    """Run `closure()` and return (bytes of distinct storages saved for backward, its result).
+
+    Storages of `exclude` (e.g. the module's parameters) are not counted: they exist anyway.
+    Keep the result alive to keep the graph; the count covers what stays saved until backward.
+    """
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in excluded:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = closure()
+    return sum(seen.values()), result
 
 
 def call_in_file(path: str, name: str, *args: Any) -> Any:

@@ -326,14 +326,17 @@ class LEVEmbedding(torch.nn.Module):
         if self.reduce_scatter_embeddings:
             # Gather straight into Megatron's [s, b, D] layout (no separate transpose copy).
             output = F.embedding(index.t(), rows)
+            if self.tp_size == 1:
+                return output
             return reduce_scatter_to_sequence_parallel_region(output, group=self.tp_group)
-        if self.tp_size > 1 and rows.shape[0] < b * s:
+        if self.tp_size == 1:
+            return F.embedding(index, rows)
+        if rows.shape[0] < b * s:
             # Summing the distinct rows before the gather moves U*D numbers instead of N*D.
-            return F.embedding(index, reduce_from_tensor_model_parallel_region(rows, self.tp_group))
+            rows = reduce_from_tensor_model_parallel_region(rows, group=self.tp_group)
+            return F.embedding(index, rows)
         output = F.embedding(index, rows)
-        if self.tp_size > 1:
-            output = reduce_from_tensor_model_parallel_region(output, group=self.tp_group)
-        return output
+        return reduce_from_tensor_model_parallel_region(output, group=self.tp_group)
 
     # ------------------------------------------------------------------ eval table
 

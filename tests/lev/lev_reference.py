@@ -57,7 +57,10 @@ def reference_lev(ids: list[int], params: dict[str, torch.Tensor], cfg) -> torch
             var = sum((uo - mean) ** 2 for uo in u) / d
             t = [
                 torch.sigmoid(
-                    ((u[o] - mean) / torch.sqrt(var + cfg.norm_eps) * gain[layer, o] + bias[layer, o])
+                    (
+                        (u[o] - mean) / torch.sqrt(var + cfg.norm_eps) * gain[layer, o]
+                        + bias[layer, o]
+                    )
                     / cfg.temperature
                 )
                 for o in range(d)
@@ -91,4 +94,3 @@ def reference_params(module) -> dict[str, torch.Tensor]:
         name: p.detach().to(torch.float64).clone().requires_grad_(True)
         for name, p in module.named_parameters()
     }
-

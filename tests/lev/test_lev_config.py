@@ -9,7 +9,11 @@ from megatron_ext.lev.config import lev_config_from_args
 def test_defaults_and_derived_base():
     cfg = LEVConfig(vocab_size=200_000, hidden_size=2048)
     assert (cfg.num_digits, cfg.seed_dim, cfg.num_knots, cfg.rank, cfg.num_heads) == (
-        3, 128, 16, 64, 8,
+        3,
+        128,
+        16,
+        64,
+        8,
     )
     assert cfg.temperature == 2.0 and cfg.codebook_combine == "sum" and cfg.normalize_basis
     assert cfg.base == 59  # 58**3 = 195112 < 200000 <= 59**3
@@ -66,16 +70,36 @@ def test_hidden_size_must_match_model(lev):
     [
         dict(vocab_size=50, hidden_size=6, seed_dim=4, num_knots=5, rank=3, num_heads=2),
         dict(vocab_size=1000, hidden_size=16, num_digits=2, seed_dim=8, num_knots=3, rank=2),
-        dict(vocab_size=777, hidden_size=12, seed_dim=5, rank=4, num_heads=3,
-             codebook_combine="concat"),
-        dict(vocab_size=300, hidden_size=10, num_digits=4, base=7, seed_dim=6, num_knots=7,
-             rank=5, num_heads=1, normalize_basis=False),
+        dict(
+            vocab_size=777,
+            hidden_size=12,
+            seed_dim=5,
+            rank=4,
+            num_heads=3,
+            codebook_combine="concat",
+        ),
+        dict(
+            vocab_size=300,
+            hidden_size=10,
+            num_digits=4,
+            base=7,
+            seed_dim=6,
+            num_knots=7,
+            rank=5,
+            num_heads=1,
+            normalize_basis=False,
+        ),
     ],
 )
 def test_parameter_count_matches_formula_and_module(kwargs, lev):
     cfg = LEVConfig(**kwargs)
     k, b, d, kappa, r, h = (
-        cfg.num_digits, cfg.base, cfg.seed_dim, cfg.num_knots, cfg.rank, cfg.num_heads,
+        cfg.num_digits,
+        cfg.base,
+        cfg.seed_dim,
+        cfg.num_knots,
+        cfg.rank,
+        cfg.num_heads,
     )
     d_in = k * d if cfg.codebook_combine == "concat" else d
     formula = k * b * d + h * (d_in * d + 2 * d + d * kappa * r + r * cfg.hidden_size)

@@ -31,8 +31,9 @@ def test_basis_partition_of_unity(kappa):
     # Unnormalised: exactly 1 wherever all three neighbouring knots exist ...
     s = (kappa - 1) * t
     interior = (s >= 0.5) & (s <= kappa - 1.5)
-    torch.testing.assert_close(raw.sum(-1)[interior], torch.ones_like(t[interior]), atol=1e-14,
-                               rtol=0)
+    torch.testing.assert_close(
+        raw.sum(-1)[interior], torch.ones_like(t[interior]), atol=1e-14, rtol=0
+    )
     # ... and 3/4 + 1/8 = 7/8 at the ends, where one outer knot is missing.
     assert raw.sum(-1)[0].item() == pytest.approx(0.875)
     assert raw.sum(-1)[-1].item() == pytest.approx(0.875)
@@ -59,8 +60,9 @@ def _direct_product(phi, eps=1e-9):
 @pytest.mark.parametrize("negatives", [0, 1, 2, 3])
 def test_product_sign_handling(negatives):
     # [h=1, N=2, d=4, r=1]; `negatives` of the 4 factors of token 0 are negative.
-    phi = torch.tensor([[[[0.5], [2.0], [1.5], [0.25]], [[1.0], [1.0], [1.0], [1.0]]]],
-                       dtype=torch.float64)
+    phi = torch.tensor(
+        [[[[0.5], [2.0], [1.5], [0.25]], [[1.0], [1.0], [1.0], [1.0]]]], dtype=torch.float64
+    )
     phi[0, 0, :negatives] *= -1
     M = lev_math.separable_product(phi)
     expected = (-1) ** negatives * 0.5 * 2.0 * 1.5 * 0.25

@@ -48,7 +48,9 @@ def reference_lev(ids, params, cfg):
             t = []
             for o in range(d):  # 3b
                 normed = (u[o] - mean) / torch.sqrt(var + cfg.norm_eps)
-                t.append(torch.sigmoid((normed * gain[layer, o] + bias[layer, o]) / cfg.temperature))
+                t.append(
+                    torch.sigmoid((normed * gain[layer, o] + bias[layer, o]) / cfg.temperature)
+                )
             basis = []
             for o in range(d):  # 3c
                 B = [_beta2((kappa - 1) * abs(t[o] - j / (kappa - 1))) for j in range(kappa)]

@@ -1,0 +1,209 @@
+"""LEVEmbedding on one process: contract, errors, dedup, eval table, saved memory."""
+
+import pytest
+import torch
+
+from megatron_ext.lev import LEV_PARAMETER_NAMES, LEV_TP_PARTITION_DIMS, LEVEmbedding
+from megatron_ext.lev._testing import saved_tensor_bytes
+
+
+def test_parameters_names_shapes_order_and_tp_attributes(lev):
+    cfg = lev.tiny_config()
+    module = lev.make_lev(cfg)
+    names = [n for n, _ in module.named_parameters()]
+    assert (
+        names
+        == list(LEV_PARAMETER_NAMES)
+        == [
+            "codebooks",
+            "seed_proj",
+            "seed_norm_weight",
+            "seed_norm_bias",
+            "spline_delta",
+            "out_proj",
+        ]
+    )
+    k, b, d, kappa, r, h, D = 3, cfg.base, 4, 5, 3, 2, 6
+    assert {n: tuple(p.shape) for n, p in module.named_parameters()} == {
+        "codebooks": (k, b, d),
+        "seed_proj": (h, d, d),
+        "seed_norm_weight": (h, d),
+        "seed_norm_bias": (h, d),
+        "spline_delta": (h, d, kappa, r),
+        "out_proj": (h, r, D),
+    }
+    for name, p in module.named_parameters():
+        if name == "codebooks":
+            assert p.tensor_model_parallel is False
+        else:
+            assert (p.tensor_model_parallel, p.partition_dim, p.partition_stride) == (True, 0, 1)
+    assert module.tp_partition_dims() == LEV_TP_PARTITION_DIMS
+    assert "table" not in str(module.state_dict().keys())
+
+
+def test_initialisation_follows_the_spec(lev):
+    cfg = lev.tiny_config(vocab_size=5000, hidden_size=256, seed_dim=32, rank=16, num_heads=4)
+    torch.manual_seed(0)
+    module = LEVEmbedding(cfg, config=lev.transformer_config(256))
+    assert module.codebooks.std().item() == pytest.approx(0.02, rel=0.1)
+    assert module.seed_proj.std().item() == pytest.approx(0.02, rel=0.1)
+    assert module.spline_delta.std().item() == pytest.approx(0.1, rel=0.1)
+    assert module.out_proj.std().item() == pytest.approx(0.02 / 2, rel=0.1)
+    assert torch.equal(module.seed_norm_weight, torch.ones(4, 32))
+    assert torch.equal(module.seed_norm_bias, torch.zeros(4, 32))
+    # Same seed, same parameters.
+    torch.manual_seed(0)
+    again = LEVEmbedding(cfg, config=lev.transformer_config(256))
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), again.parameters()))
+
+
+def test_params_dtype_and_perform_initialization(lev):
+    cfg = lev.tiny_config()
+    module = LEVEmbedding(cfg, config=lev.transformer_config(6, dtype=torch.bfloat16))
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    out = module(torch.tensor([[1, 2, 3]]))
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 3, 6)
+    tc = lev.transformer_config(6)
+    tc.perform_initialization = False
+    state = torch.get_rng_state()
+    LEVEmbedding(cfg, config=tc)
+    assert torch.equal(state, torch.get_rng_state())  # nothing drawn
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("bad", [-1, 50, 10**6])
+def test_out_of_range_ids_raise_clearly(lev, dedup, bad):
+    module = lev.make_lev(lev.tiny_config(dedup=dedup))
+    ids = torch.tensor([[3, 4], [bad, 0]])
+    with pytest.raises(ValueError, match=rf"token id {bad}, outside the valid range \[0, 50\)"):
+        module(ids)
+
+
+def test_bad_input_shapes_and_types(lev):
+    module = lev.make_lev(lev.tiny_config())
+    with pytest.raises(ValueError, match=r"\[b, s\]"):
+        module(torch.tensor([1, 2, 3]))
+    with pytest.raises(TypeError, match="integer"):
+        module(torch.tensor([[1.0, 2.0]]))
+
+
+def test_dedup_equals_no_dedup(lev):
+    cfg = lev.tiny_config(vocab_size=300, hidden_size=16, seed_dim=8, rank=4, num_heads=2)
+    module = lev.make_lev(cfg, spread=0.3)
+    ids = torch.randint(0, 40, (4, 25))  # many repeats
+    weight = torch.randn(4, 25, 16)
+    results = []
+    for dedup in (True, False):
+        cfg.dedup = dedup
+        module.zero_grad()
+        out = module(ids)
+        (out * weight).sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in module.parameters()]))
+    (out_a, grads_a), (out_b, grads_b) = results
+    torch.testing.assert_close(out_a, out_b, rtol=1e-6, atol=1e-7)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
+
+
+def test_reduce_scatter_layout_on_one_rank(lev):
+    cfg = lev.tiny_config()
+    plain = lev.make_lev(cfg)
+    scattered = lev.make_lev(cfg, reduce_scatter_embeddings=True)
+    ids = torch.randint(0, 50, (3, 8))
+    out = scattered(ids)
+    assert out.shape == (8, 3, 6) and out.is_contiguous()
+    torch.testing.assert_close(out, plain(ids).transpose(0, 1))
+
+
+def _per_token(module, ids):
+    """Embeddings evaluated without the table (train-mode path), for comparison."""
+    with torch.no_grad():
+        return module.partial_embeddings(ids.reshape(-1)).view(*ids.shape, -1)
+
+
+def test_eval_table_matches_and_refreshes_after_optimizer_step(lev):
+    cfg = lev.tiny_config(vocab_size=200, eval_table=True)
+    module = lev.make_lev(cfg, spread=0.3)
+    ids = torch.randint(0, 200, (3, 10))
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+    module.eval()
+    with torch.no_grad():
+        out = module(ids)
+    table = module._table
+    assert table is not None and table.shape == (200, 6)
+    torch.testing.assert_close(out, _per_token(module, ids), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(table, _per_token(module, torch.arange(200)), rtol=0, atol=0)
+    with torch.no_grad():
+        module(ids)
+    assert module._table is table  # parameters unchanged: reused
+
+    module.train()
+    assert module._table is None
+    module(ids).square().sum().backward()
+    opt.step()
+    module.eval()
+    with torch.no_grad():
+        out2 = module(ids)
+    assert not torch.allclose(out2, out)
+    torch.testing.assert_close(out2, _per_token(module, ids), rtol=1e-6, atol=1e-7)
+
+    # A step taken while the table exists (no train() call in between) is seen too.
+    module.train()
+    module.zero_grad()
+    module(ids).square().sum().backward()
+    module.eval()
+    with torch.no_grad():
+        module(ids)
+    stale = module._table
+    opt.step()
+    with torch.no_grad():
+        out3 = module(ids)
+    assert module._table is not stale
+    torch.testing.assert_close(out3, _per_token(module, ids), rtol=1e-6, atol=1e-7)
+
+
+def test_eval_table_sees_load_state_dict_and_data_writes(lev):
+    cfg = lev.tiny_config(eval_table=True)
+    module = lev.make_lev(cfg, spread=0.3).eval()
+    other = lev.make_lev(cfg, seed=1, spread=0.3)
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        module(ids)
+        module.load_state_dict(other.state_dict())
+        torch.testing.assert_close(module(ids), _per_token(other, ids), rtol=1e-6, atol=1e-7)
+        module.out_proj.data.mul_(2.0)  # .data bypasses the version counter
+        torch.testing.assert_close(module(ids), _per_token(module, ids), rtol=1e-6, atol=1e-7)
+
+
+def test_eval_table_not_used_when_gradients_are_needed(lev):
+    module = lev.make_lev(lev.tiny_config(eval_table=True)).eval()
+    out = module(torch.tensor([[1, 2]]))
+    assert module._table is None
+    out.sum().backward()
+    assert module.out_proj.grad is not None
+
+
+def test_fused_path_saves_little(lev):
+    cfg = lev.tiny_config(
+        vocab_size=4096,
+        hidden_size=64,
+        seed_dim=32,
+        num_knots=8,
+        rank=16,
+        num_heads=4,
+        dedup=False,
+    )
+    module = lev.make_lev(cfg, spread=0.1)
+    ids = torch.randint(0, 4096, (4, 64))
+    n = ids.numel()
+    sizes = {}
+    for fused in (True, False):
+        cfg.fused = fused
+        sizes[fused], out = saved_tensor_bytes(lambda: module(ids), exclude=module.parameters())
+        out.sum().backward()
+    # Seeds [N, d] + modes [N, h*r] in float32, plus the int64 ids, digits and gather index.
+    bound = 4 * n * (32 + 4 * 16) + 8 * n * (3 + 2)
+    assert sizes[True] <= bound, sizes
+    # The naive path keeps at least phi [h, N, d, r] and the basis [h, N, d, kappa].
+    assert sizes[False] >= 4 * 4 * n * 32 * (16 + 8)
