@@ -15,13 +15,68 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
-__all__ = ["ModelConfig", "llama_ffn_hidden_size"]
+__all__ = [
+    "EMBEDDING_TYPES",
+    "MODEL_SIZE_PRESETS",
+    "EmbeddingConfig",
+    "ModelConfig",
+    "llama_ffn_hidden_size",
+]
+
+EMBEDDING_TYPES = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
+
+# LLaMA-style shapes whose TIED parameter count lands near the paper's scales at V ~ 200k
+# (o200k: 200,019 ids, padded to 200,064). D=1024 at 400M and D=2048 at 1.2B follow from the
+# paper's arithmetic (UNTIED ~611M at 400M); `tools/count_params.py` prints the totals.
+MODEL_SIZE_PRESETS: dict[str, dict[str, int]] = {
+    "200m": dict(num_layers=7, hidden_size=768, num_attention_heads=12, ffn_hidden_size=2048),
+    "400m": dict(num_layers=16, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=2816),
+    "1.2b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632),
+}
 
 
 def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
     """LLaMA's SwiGLU width: 2/3 of 4D (same FLOPs as a 4D GELU MLP), rounded up."""
     ffn = int(2 * 4 * hidden_size / 3)
     return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
+
+
+@dataclass
+class EmbeddingConfig:
+    """Which input embedding the model uses, and the sizes of the non-LEV arms.
+
+    Sizes left None are chosen so that the arm's input-side parameter count matches LEV's
+    (see `megatron_ext.models.param_count.resolve_embedding_sizes`).
+    """
+
+    embedding_type: str = "lev"
+    """tied | untied | albert | flat-mlp | factored-mlp | lev."""
+    lev: dict = field(default_factory=dict)
+    """LEVConfig fields other than vocab_size/hidden_size (LEV, and factored-mlp's codebooks)."""
+    albert_dim: Optional[int] = None
+    """ALBERT's factorisation width m (V x m table, m x D projection)."""
+    flat_mlp_seed_dim: Optional[int] = None
+    """FLAT-MLP's lookup width d (V x d table)."""
+    mlp_hidden: Optional[int] = None
+    """Hidden width of the FLAT-MLP / FACTORED-MLP networks."""
+
+    def __post_init__(self) -> None:
+        if self.embedding_type not in EMBEDDING_TYPES:
+            raise ValueError(
+                f"--embedding-type must be one of {', '.join(EMBEDDING_TYPES)}, "
+                f"got {self.embedding_type!r}"
+            )
+        for flag, value in (
+            ("--albert-dim", self.albert_dim),
+            ("--flat-mlp-seed-dim", self.flat_mlp_seed_dim),
+            ("--embedding-mlp-hidden", self.mlp_hidden),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+
+    @property
+    def tied(self) -> bool:
+        return self.embedding_type == "tied"
 
 
 @dataclass
@@ -46,6 +101,7 @@ class ModelConfig:
     qk_layernorm: bool = False
     transformer_impl: str = "local"
     """'local' (megatron-core modules + CPU twins) or 'transformer_engine'."""
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -67,6 +123,8 @@ class ModelConfig:
     """Further TransformerConfig fields, passed through unchanged (Megatron-style overrides)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.embedding, dict):
+            self.embedding = EmbeddingConfig(**self.embedding)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None:
@@ -128,6 +186,11 @@ class ModelConfig:
                 f"--seq-length {self.seq_length} is not divisible by --tensor-model-parallel-size "
                 f"{tp}, which --sequence-parallel needs; change the sequence length"
             )
+        if self.embedding.embedding_type in ("lev", "factored-mlp"):
+            # Builds (and so validates) the LEV hyper-parameters; LEV splits heads over TP.
+            lev = self.lev_config()
+            if self.embedding.embedding_type == "lev":
+                lev.parameter_shapes(tp)
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are exclusive; pick one")
         if self.transformer_impl not in ("local", "transformer_engine"):
@@ -143,6 +206,14 @@ class ModelConfig:
                     "--fp8-format needs --transformer-impl transformer_engine on a CUDA GPU; "
                     "FP8 is not available on CPU"
                 )
+
+    def lev_config(self):
+        """The LEVConfig of this model (LEV arm; the digit codebooks of factored-mlp)."""
+        from megatron_ext.lev import LEVConfig
+
+        return LEVConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, **self.embedding.lev
+        )
 
     @property
     def kv_channels(self) -> int:

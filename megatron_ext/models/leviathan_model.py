@@ -102,6 +102,22 @@ class LeviathanModel(GPTModel):
                 tp_group=self.embedding.tp_group,
             )
 
+    @property
+    def embedding_type(self) -> str:
+        return self.model_config.embedding.embedding_type
+
+    def get_extra_state(self) -> dict:
+        """Saved beside the weights so that a checkpoint knows which arm it holds."""
+        return {"embedding_type": self.embedding_type}
+
+    def set_extra_state(self, state) -> None:
+        saved = state.get("embedding_type") if isinstance(state, dict) else None
+        if saved is not None and saved != self.embedding_type:
+            raise ValueError(
+                f"the checkpoint holds a model with --embedding-type {saved}, but this model "
+                f"is --embedding-type {self.embedding_type}; load it into a {saved} model"
+            )
+
     def setup_embeddings_and_output_layer(self) -> None:
         """Megatron's tied-embedding set-up without its `weight.data.cuda()` (fails on CPU)."""
         if torch.cuda.is_available():

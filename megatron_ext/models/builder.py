@@ -1,0 +1,64 @@
+"""Build a Leviathan model or any baseline arm from a `ModelConfig`.
+
+    tied          VocabParallelEmbedding shared with the output head (Megatron's mechanism)
+    untied        VocabParallelEmbedding + separate ColumnParallelLinear head
+    albert        V x m table -> m x D projection          + untied head
+    flat-mlp      V x d table -> LayerNorm -> MLP -> D      + untied head
+    factored-mlp  LEV digit codebooks -> LayerNorm -> MLP   + untied head
+    lev           LEV generator                             + untied head
+
+Under pipeline parallelism the input module lives on the first stage, the head on the last.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from megatron_ext.models.config import ModelConfig
+from megatron_ext.models.embeddings import DigitSeedEmbedding, LookupSeedEmbedding
+from megatron_ext.models.leviathan_model import LeviathanModel
+from megatron_ext.models.param_count import resolve_embedding_sizes
+
+__all__ = ["build_model", "input_embedding_builder"]
+
+
+def input_embedding_builder(cfg: ModelConfig):
+    """The `LeviathanModel.input_embedding_builder` of an arm (None: keep the lookup table)."""
+    emb = cfg.embedding
+    kind = emb.embedding_type
+    if kind in ("tied", "untied"):
+        return None
+    if kind == "lev":
+        from megatron_ext.lev import LEVEmbedding
+
+        return functools.partial(LEVEmbedding, cfg.lev_config())
+    if kind == "albert":
+        return functools.partial(LookupSeedEmbedding, cfg.vocab_size, emb.albert_dim, None)
+    if kind == "flat-mlp":
+        return functools.partial(
+            LookupSeedEmbedding, cfg.vocab_size, emb.flat_mlp_seed_dim, emb.mlp_hidden
+        )
+    lev = cfg.lev_config()  # factored-mlp
+    return functools.partial(
+        DigitSeedEmbedding,
+        cfg.vocab_size,
+        lev.num_digits,
+        lev.base,
+        lev.seed_dim,
+        lev.codebook_combine,
+        emb.mlp_hidden,
+    )
+
+
+def build_model(
+    cfg: ModelConfig, *, pre_process: bool = True, post_process: bool = True
+) -> LeviathanModel:
+    """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`."""
+    cfg = resolve_embedding_sizes(cfg)
+    return LeviathanModel(
+        cfg,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=cfg.embedding.tied,
+        input_embedding_builder=input_embedding_builder(cfg),
+    )

@@ -1,0 +1,164 @@
+"""Input modules of the baselines and ablations (LEVIATHAN_SPEC.md section 3).
+
+Each honours VocabParallelEmbedding's contract: `forward(input_ids [b, s])` returns the
+TP-complete [b, s, D], or [s/tp, b, D] when `reduce_scatter_embeddings` (sequence parallel).
+
+- `LookupSeedEmbedding` (albert, flat-mlp): a vocab-parallel V x m table; its m-wide partial
+  lookups are summed across TP (cheap: m << D), then a small replicated network maps m -> D:
+  a linear projection (albert) or LayerNorm + SiLU MLP (flat-mlp).
+- `DigitSeedEmbedding` (factored-mlp): LEV's replicated digit codebooks (the seed of
+  LEVIATHAN_SPEC.md step 2) followed by the same norm + MLP; no table at all.
+
+Replicated parameters see identical inputs and gradients on every TP rank without sequence
+parallelism. With it each rank only processes its slice of the sequence, so they are tagged
+`sequence_parallel` and their gradients are summed across TP like Megatron's norm weights.
+
+DECISIONS (flags override): projections are initialised so that a fresh model's input
+embeddings have the usual 0.02 scale; the MLP ablations normalise their seed (LayerNorm) before
+the MLP, as LEV does before its splines, so the ablations differ from LEV only in the mapping.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ext.lev import math as lev_math
+from megatron_ext.tensor_parallel import PortableVocabParallelEmbedding
+
+__all__ = ["SeedToHidden", "LookupSeedEmbedding", "DigitSeedEmbedding"]
+
+
+def _normal(shape, std: float, config: TransformerConfig) -> torch.nn.Parameter:
+    device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else "cuda"
+    tensor = torch.empty(shape, dtype=torch.float32, device="cpu")
+    if config.perform_initialization:
+        tensor.normal_(0.0, std)
+    return torch.nn.Parameter(tensor.to(device=device, dtype=config.params_dtype))
+
+
+class SeedToHidden(torch.nn.Module):
+    """Replicated seed -> hidden map: a linear projection (mlp_hidden None) or
+    LayerNorm -> Linear(m, H) -> SiLU -> Linear(H, D). No biases besides the norm's.
+
+    Input [..., m] -> output [..., D].
+    """
+
+    def __init__(
+        self, seed_dim: int, hidden_size: int, mlp_hidden: Optional[int], config: TransformerConfig
+    ):
+        super().__init__()
+        self.mlp_hidden = mlp_hidden
+        std = config.init_method_std
+        if mlp_hidden is None:
+            # z ~ N(0, std^2) per coordinate, so W ~ N(0, 1/m) keeps the output at scale std.
+            self.proj = _normal((hidden_size, seed_dim), 1.0 / math.sqrt(seed_dim), config)
+        else:
+            ones = torch.ones(seed_dim, dtype=config.params_dtype)
+            self.norm_weight = torch.nn.Parameter(ones)
+            self.norm_bias = torch.nn.Parameter(torch.zeros_like(ones))
+            self.fc1 = _normal((mlp_hidden, seed_dim), 1.0 / math.sqrt(seed_dim), config)
+            # silu(N(0, 1)) has an RMS of about 0.6; scale fc2 so the output starts at `std`.
+            fc2_std = std / (0.6 * math.sqrt(mlp_hidden))
+            self.fc2 = _normal((hidden_size, mlp_hidden), fc2_std, config)
+        for param in self.parameters():
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        if self.mlp_hidden is None:
+            return F.linear(z, self.proj)
+        z = F.layer_norm(z, (z.size(-1),), self.norm_weight, self.norm_bias, 1e-5)
+        return F.linear(F.silu(F.linear(z, self.fc1)), self.fc2)
+
+
+class LookupSeedEmbedding(torch.nn.Module):
+    """ALBERT's factorised input (mlp_hidden None) or the FLAT-MLP ablation.
+
+    Args:
+        vocab_size: V; the table is split over the vocabulary across TP ranks.
+        seed_dim: m, the table width.
+        mlp_hidden: None for a linear m -> D projection, else the MLP's hidden width.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seed_dim: int,
+        mlp_hidden: Optional[int],
+        *,
+        config: TransformerConfig,
+        reduce_scatter_embeddings: bool = False,
+        tp_group=None,
+    ):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.table = PortableVocabParallelEmbedding(
+            num_embeddings=vocab_size,
+            embedding_dim=seed_dim,
+            init_method=config.embedding_init_method,
+            reduce_scatter_embeddings=reduce_scatter_embeddings,
+            config=config,
+            tp_group=tp_group,
+        )
+        self.to_hidden = SeedToHidden(seed_dim, config.hidden_size, mlp_hidden, config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # [b, s, m] (all-reduced) or [s/tp, b, m] (reduce-scattered) -> same layout with D.
+        return self.to_hidden(self.table(input_ids))
+
+
+class DigitSeedEmbedding(torch.nn.Module):
+    """FACTORED-MLP ablation: LEV's digit codebooks (replicated) + norm + MLP (replicated).
+
+    Args:
+        vocab_size, num_digits, base, seed_dim, codebook_combine: as in `LEVConfig`.
+        mlp_hidden: the MLP's hidden width.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_digits: int,
+        base: int,
+        seed_dim: int,
+        codebook_combine: str,
+        mlp_hidden: int,
+        *,
+        config: TransformerConfig,
+        reduce_scatter_embeddings: bool = False,
+        tp_group=None,
+    ):
+        super().__init__()
+        if base**num_digits < vocab_size:
+            raise ValueError(
+                f"--lev-base {base} with --lev-num-digits {num_digits} covers only "
+                f"{base**num_digits} ids < vocab size {vocab_size}; raise either"
+            )
+        self.vocab_size, self.num_digits, self.base = vocab_size, num_digits, base
+        self.codebook_combine = codebook_combine
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.tp_group = tp_group
+        self.codebooks = _normal((num_digits, base, seed_dim), config.init_method_std, config)
+        setattr(self.codebooks, "sequence_parallel", config.sequence_parallel)
+        seed_width = seed_dim * (num_digits if codebook_combine == "concat" else 1)
+        self.to_hidden = SeedToHidden(seed_width, config.hidden_size, mlp_hidden, config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        lev_math.check_ids(input_ids, self.vocab_size)
+        if self.reduce_scatter_embeddings:
+            # Only this rank's slice of the sequence: [b, s] -> [s/tp, b].
+            size = torch.distributed.get_world_size(self.tp_group)
+            rank = torch.distributed.get_rank(self.tp_group)
+            if input_ids.size(1) % size:
+                raise ValueError(
+                    f"sequence length {input_ids.size(1)} is not divisible by the "
+                    f"tensor-parallel size {size}"
+                )
+            input_ids = input_ids.t().chunk(size, dim=0)[rank]
+        digits = lev_math.to_digits(input_ids.reshape(-1), self.base, self.num_digits)
+        z = lev_math.seed(self.codebooks, digits, self.codebook_combine)  # [N, seed width]
+        return self.to_hidden(z).view(*input_ids.shape, -1)

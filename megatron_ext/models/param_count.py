@@ -1,0 +1,122 @@
+"""Parameter arithmetic from the configuration alone (no model is allocated).
+
+`count_parameters` splits a model into input embedding, output head and backbone, the way the
+paper compares arms; `resolve_embedding_sizes` picks the widths of the ALBERT and MLP arms so
+that their input side costs what LEV's does (within 2% at the paper's scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from megatron_ext.models.config import EmbeddingConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ParameterCount", "count_parameters", "resolve_embedding_sizes", "backbone_parameters"]
+
+# FLAT-MLP's hidden width when neither it nor the table width is given: LEV's seed width.
+_DEFAULT_FLAT_MLP_HIDDEN = 128
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    input_embedding: int
+    output_head: int
+    backbone: int
+
+    @property
+    def total(self) -> int:
+        return self.input_embedding + self.output_head + self.backbone
+
+
+def backbone_parameters(cfg: ModelConfig) -> int:
+    """Decoder layers plus the final norm (RMSNorm: one weight vector, no biases)."""
+    d, hd = cfg.hidden_size, cfg.kv_channels
+    qkv = d * hd * (cfg.num_attention_heads + 2 * cfg.num_query_groups)
+    proj = cfg.num_attention_heads * hd * d
+    mlp = 3 * d * cfg.ffn_hidden_size  # SwiGLU: fc1 [2F, D] and fc2 [D, F]
+    norms = 2 * d + (2 * hd if cfg.qk_layernorm else 0)
+    return cfg.num_layers * (qkv + proj + mlp + norms) + d
+
+
+def _seed_mlp(seed_dim: int, hidden: int, d: int) -> int:
+    """LayerNorm(seed) -> Linear(seed, H) -> SiLU -> Linear(H, D)."""
+    return 2 * seed_dim + seed_dim * hidden + hidden * d
+
+
+def _input_parameters(cfg: ModelConfig, emb: EmbeddingConfig) -> int:
+    v, d = cfg.vocab_size, cfg.hidden_size
+    kind = emb.embedding_type
+    if kind in ("tied", "untied"):
+        return v * d
+    if kind == "lev":
+        return cfg.lev_config().num_parameters()
+    if kind == "albert":
+        return v * emb.albert_dim + emb.albert_dim * d
+    if kind == "flat-mlp":
+        return v * emb.flat_mlp_seed_dim + _seed_mlp(emb.flat_mlp_seed_dim, emb.mlp_hidden, d)
+    lev = cfg.lev_config()  # factored-mlp
+    codebooks = lev.num_digits * lev.base * lev.seed_dim
+    return codebooks + _seed_mlp(lev.seed_in_dim, emb.mlp_hidden, d)
+
+
+def resolve_embedding_sizes(cfg: ModelConfig, log: bool = True) -> ModelConfig:
+    """Fill the None widths of the albert / flat-mlp / factored-mlp arms to match LEV's count.
+
+    Returns a new ModelConfig; flags that were set are kept as given.
+    """
+    emb = cfg.embedding
+    if emb.embedding_type not in ("albert", "flat-mlp", "factored-mlp"):
+        return cfg
+    v, d = cfg.vocab_size, cfg.hidden_size
+    budget = cfg.lev_config().num_parameters()
+    changes: dict[str, int] = {}
+    if emb.embedding_type == "albert" and emb.albert_dim is None:
+        changes["albert_dim"] = max(1, round(budget / (v + d)))
+    elif emb.embedding_type == "flat-mlp":
+        seed, hidden = emb.flat_mlp_seed_dim, emb.mlp_hidden
+        if seed is None:
+            # The table dominates and moves in steps of V parameters: round its width down,
+            # then let the MLP's hidden width (finer steps of d+D) take up the remainder.
+            guess = hidden or _DEFAULT_FLAT_MLP_HIDDEN
+            seed = max(1, int((budget - guess * d) / (v + 2 + guess)))
+        if hidden is None:
+            hidden = max(1, round((budget - v * seed - 2 * seed) / (seed + d)))
+        changes.update(flat_mlp_seed_dim=seed, mlp_hidden=hidden)
+    elif emb.embedding_type == "factored-mlp" and emb.mlp_hidden is None:
+        lev = cfg.lev_config()
+        codebooks = lev.num_digits * lev.base * lev.seed_dim
+        d_in = lev.seed_in_dim
+        changes["mlp_hidden"] = max(1, round((budget - codebooks - 2 * d_in) / (d_in + d)))
+    if not changes:
+        return cfg
+    resolved = cfg.replace(embedding=dataclasses.replace(emb, **changes))
+    if log:
+        got = _input_parameters(resolved, resolved.embedding)
+        logger.info(
+            "%s input side sized to match LEV: %s -> %s parameters vs LEV's %s (%+.2f%%)",
+            emb.embedding_type,
+            ", ".join(f"{k}={val}" for k, val in changes.items()),
+            f"{got:,}",
+            f"{budget:,}",
+            100.0 * (got - budget) / budget,
+        )
+    return resolved
+
+
+def count_parameters(cfg: ModelConfig) -> ParameterCount:
+    """Input embedding / output head / backbone parameters of the whole model (TP size 1).
+
+    The TIED arm's one table is counted as input embedding; its head adds nothing.
+    """
+    cfg = resolve_embedding_sizes(cfg, log=False)
+    emb = cfg.embedding
+    head = 0 if emb.tied else cfg.vocab_size * cfg.hidden_size
+    return ParameterCount(
+        input_embedding=_input_parameters(cfg, emb),
+        output_head=head,
+        backbone=backbone_parameters(cfg),
+    )
