@@ -51,6 +51,9 @@ from megatron.core.utils import (
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
+from megatron_ext.tensor_parallel import (
+    reduce_scatter_to_sequence_parallel_region as portable_reduce_scatter,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +331,10 @@ class LEVEmbedding(torch.nn.Module):
             output = F.embedding(index.t(), rows)
             if self.tp_size == 1:
                 return output
-            return reduce_scatter_to_sequence_parallel_region(output, group=self.tp_group)
+            if output.is_cuda:
+                return reduce_scatter_to_sequence_parallel_region(output, group=self.tp_group)
+            # megatron's reduce-scatter allocates its output on CUDA; same collective on CPU.
+            return portable_reduce_scatter(output, self.tp_group)
         if self.tp_size == 1:
             return F.embedding(index, rows)
         if rows.shape[0] < b * s:

@@ -1,0 +1,150 @@
+"""TP=2 (with and without sequence parallelism) equals TP=1: init, outputs, every gradient.
+
+All multi-process checks run in ONE run_distributed call (spawning ranks costs ~15 s). Each
+rank builds a TP=1 reference on a single-rank group beside the TP=2 modules, so the comparison
+needs no files. The rank function lives in this file and is reached through `call_in_file`,
+which works whatever pytest's import mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_ext.lev._testing import call_in_file
+from megatron_ext.testing.distributed import run_distributed
+
+VOCAB, HIDDEN, BATCH, SEQ, HEADS = 300, 8, 2, 8, 4
+
+
+def _transformer_config(tp: int, sp: bool = False):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+    )
+
+
+def _close(a, b, what, tol=1e-5):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def _check_tp2(seed: int):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_ext.lev import LEV_PARAMETER_NAMES, LEVConfig, LEVEmbedding
+
+    rank = ps.get_tensor_model_parallel_rank()
+    tp_group = ps.get_tensor_model_parallel_group()
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    local = slice(rank * HEADS // 2, (rank + 1) * HEADS // 2)
+    report = {}
+    variants = {"sum+dedup": dict(dedup=True), "concat+nodedup": dict(codebook_combine="concat")}
+    for variant, extra in variants.items():
+        cfg = LEVConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            seed_dim=4,
+            num_knots=5,
+            rank=3,
+            num_heads=HEADS,
+            **{"dedup": False, **extra},
+        )
+        torch.manual_seed(seed)
+        ref = LEVEmbedding(cfg, config=_transformer_config(1), tp_group=singles[dist.get_rank()])
+        torch.manual_seed(seed)
+        tp = LEVEmbedding(cfg, config=_transformer_config(2))  # default group: megatron's TP
+        torch.manual_seed(seed)
+        sp = LEVEmbedding(
+            cfg,
+            config=_transformer_config(2, sp=True),
+            tp_group=tp_group,
+            reduce_scatter_embeddings=True,
+        )
+        assert ref.tp_size == 1 and tp.tp_size == 2 and tp.num_local_heads == HEADS // 2
+
+        # Same seed -> TP=2 holds exactly the TP=1 parameters, split by heads.
+        for name in LEV_PARAMETER_NAMES:
+            full = getattr(ref, name)
+            for module in (tp, sp):
+                shard = getattr(module, name)
+                expected = full if name == "codebooks" else full[local]
+                assert torch.equal(shard, expected), f"{variant}: init of {name} differs"
+
+        # Make every parameter non-trivial (same values everywhere), then compare forward and
+        # backward. ids and the loss weights are identical on every rank.
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            ref.spline_delta.copy_(0.5 * torch.randn(ref.spline_delta.shape, generator=gen))
+            ref.seed_norm_weight.add_(0.3 * torch.randn(ref.seed_norm_weight.shape, generator=gen))
+            ref.seed_norm_bias.add_(0.3 * torch.randn(ref.seed_norm_bias.shape, generator=gen))
+            for module in (tp, sp):
+                for name in LEV_PARAMETER_NAMES:
+                    full = getattr(ref, name)
+                    getattr(module, name).copy_(full if name == "codebooks" else full[local])
+        ids = torch.randint(0, 40, (BATCH, SEQ), generator=gen)  # repeats: dedup matters
+        ids[0, 0], ids[1, -1] = 0, VOCAB - 1
+        weight = torch.randn(BATCH, SEQ, HIDDEN, generator=gen)
+
+        out_ref = ref(ids)
+        (out_ref * weight).sum().backward()
+        out_tp = tp(ids)
+        assert out_tp.shape == (BATCH, SEQ, HIDDEN)
+        (out_tp * weight).sum().backward()
+        out_sp = sp(ids)
+        chunk = slice(rank * SEQ // 2, (rank + 1) * SEQ // 2)
+        assert out_sp.shape == (SEQ // 2, BATCH, HIDDEN)
+        # Each rank's loss covers its sequence shard; the reduce-scatter's backward gathers.
+        (out_sp * weight.transpose(0, 1)[chunk]).sum().backward()
+
+        _close(out_tp, out_ref, f"{variant} TP=2 output")
+        _close(out_sp, out_ref.transpose(0, 1)[chunk], f"{variant} TP=2+SP output")
+        for name in LEV_PARAMETER_NAMES:
+            full_grad = getattr(ref, name).grad
+            expected = full_grad if name == "codebooks" else full_grad[local]
+            _close(getattr(tp, name).grad, expected, f"{variant} TP=2 grad of {name}")
+            _close(getattr(sp, name).grad, expected, f"{variant} TP=2+SP grad of {name}")
+
+        # Eval table under TP: this rank's partial table, reduced like the training path.
+        for module in (tp, sp):
+            module.lev_config = dataclasses.replace(cfg, eval_table=True)
+            module.eval()
+            with torch.no_grad():
+                out = module(ids)
+            assert module._table is not None
+            expected = out_tp if module is tp else out_sp
+            _close(out, expected.detach(), f"{variant} eval table")
+        report[variant] = out_tp.detach().sum().item()
+
+    # Distributed-checkpoint view of the TP=2 module.
+    sharded = tp.sharded_state_dict(prefix="embedding.word_embeddings.")
+    assert sorted(sharded) == sorted(f"embedding.word_embeddings.{n}" for n in LEV_PARAMETER_NAMES)
+    for name in LEV_PARAMETER_NAMES:
+        st = sharded[f"embedding.word_embeddings.{name}"]
+        assert isinstance(st, ShardedTensor)
+        param = getattr(tp, name)
+        assert st.data is param
+        if name == "codebooks":
+            assert st.global_shape == tuple(param.shape) and st.global_offset == (0, 0, 0)
+            assert st.replica_id[1] == rank  # replicated across TP: only rank 0 is the main copy
+        else:
+            assert st.global_shape[0] == HEADS and st.global_shape[1:] == tuple(param.shape[1:])
+            assert st.global_offset[0] == rank * HEADS // 2
+            assert st.replica_id[1] == 0
+    report["partition_dims"] = tp.tp_partition_dims()
+    return report
+
+
+def test_tp2_equals_tp1_with_and_without_sequence_parallel():
+    reports = run_distributed(call_in_file, 2, tp=2, args=(__file__, "_check_tp2", 1234))
+    assert reports[0] == reports[1]
+    assert reports[0]["partition_dims"]["codebooks"] is None
+    assert reports[0]["partition_dims"]["out_proj"] == 0
