@@ -15,17 +15,12 @@ counts first, then ``.bin``, then ``.idx`` last, so a dataset whose ``.idx`` exi
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import warnings
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import (
-    IndexedDataset,
-    _IndexReader,
-    _IndexWriter,
-    get_bin_path,
-    get_idx_path,
-)
 
 from megatron_ext.data.readers import DataError
 
@@ -64,19 +59,43 @@ def dataset_files(prefix: str) -> list[str]:
     return [get_bin_path(prefix), get_idx_path(prefix), counts_path(prefix)]
 
 
-class _FastIndexWriter(_IndexWriter):
+@functools.lru_cache(maxsize=None)
+def _mcore():
+    """megatron.core.datasets.indexed_dataset, imported on first use (it imports all of
+    megatron.core, seconds of start-up) without the CPU-only Apex/TE warnings."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+@functools.lru_cache(maxsize=None)
+def _fast_index_writer() -> type:
     """Megatron-Core's index writer with the sequence pointers computed by numpy."""
 
-    def _sequence_pointers(self, sequence_lengths) -> np.ndarray:  # type: ignore[override]
-        lengths = np.asarray(sequence_lengths, dtype=np.int64)
-        pointers = np.zeros(len(lengths), dtype=np.int64)
-        if len(lengths) > 1:
-            np.cumsum(lengths[:-1] * np.dtype(self.dtype).itemsize, out=pointers[1:])
-        return pointers
+    class _FastIndexWriter(_mcore()._IndexWriter):
+        def _sequence_pointers(self, sequence_lengths) -> np.ndarray:  # type: ignore[override]
+            lengths = np.asarray(sequence_lengths, dtype=np.int64)
+            pointers = np.zeros(len(lengths), dtype=np.int64)
+            if len(lengths) > 1:
+                np.cumsum(lengths[:-1] * np.dtype(self.dtype).itemsize, out=pointers[1:])
+            return pointers
+
+    return _FastIndexWriter
+
+
+def get_bin_path(prefix: str) -> str:
+    """Megatron's data file name for ``prefix``."""
+    return prefix + ".bin"
+
+
+def get_idx_path(prefix: str) -> str:
+    """Megatron's index file name for ``prefix``."""
+    return prefix + ".idx"
 
 
 def _write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
-    with _FastIndexWriter(path, dtype) as writer:
+    with _fast_index_writer()(path, dtype) as writer:
         writer.write(lengths, None, np.arange(len(lengths) + 1, dtype=np.int64))
 
 
@@ -177,12 +196,12 @@ def merge_datasets(
     if not prefixes:
         raise DataError("nothing to merge: no dataset prefixes given")
     for prefix in prefixes:
-        if not IndexedDataset.exists(prefix):
+        if not _mcore().IndexedDataset.exists(prefix):
             raise DataError(f"dataset not found: {prefix}.bin/.idx")
     existing = [path for path in dataset_files(output_prefix) if os.path.exists(path)]
     if existing and not overwrite:
         raise DataError(f"output exists: {existing[0]} (pass --overwrite to replace it)")
-    indices = [_IndexReader(get_idx_path(prefix), multimodal=False) for prefix in prefixes]
+    indices = [_mcore()._IndexReader(get_idx_path(prefix), multimodal=False) for prefix in prefixes]
     dtypes = {np.dtype(index.dtype) for index in indices}
     if len(dtypes) != 1:
         raise DataError(
@@ -227,7 +246,7 @@ def merge_datasets(
                 offset += len(index.sequence_lengths)
         lengths = np.concatenate(lengths_parts)
         document_indices = np.concatenate([np.zeros(1, dtype=np.int64), *docs_parts])
-        with _FastIndexWriter(tmp[1], dtype) as writer:
+        with _fast_index_writer()(tmp[1], dtype) as writer:
             writer.write(lengths, None, document_indices)
         pairs = [(tmp[0], final[0])]
         if counts is not None:
@@ -260,16 +279,16 @@ def merge_datasets(
     return summary
 
 
-def load_dataset(prefix: str) -> IndexedDataset:
+def load_dataset(prefix: str):
     """Open a finished dataset with Megatron-Core's reader (for tools and tests)."""
-    if not IndexedDataset.exists(prefix):
+    if not _mcore().IndexedDataset.exists(prefix):
         raise DataError(f"dataset not found: {prefix}.bin/.idx")
-    return IndexedDataset(prefix, multimodal=False, mmap=True)
+    return _mcore().IndexedDataset(prefix, multimodal=False, mmap=True)
 
 
 def num_tokens(prefix: str) -> int:
     """Total stored tokens of the dataset ``prefix`` (from its index)."""
-    index = _IndexReader(get_idx_path(prefix), multimodal=False)
+    index = _mcore()._IndexReader(get_idx_path(prefix), multimodal=False)
     total = int(np.asarray(index.sequence_lengths).sum(dtype=np.int64))
     del index
     return total

@@ -1,0 +1,372 @@
+"""Training data: Megatron-LM's data flags, a DataConfig, and GPT datasets built by
+Megatron-Core's BlendedMegatronDatasetBuilder.
+
+Flag forms (as Megatron-LM): ``--data-path PREFIX`` | ``--data-path W1 P1 W2 P2 ...`` |
+``--data-path P1 P2 ...`` (weights from dataset sizes) with ``--split 969,30,1``; or
+``--train-data-path/--valid-data-path/--test-data-path`` (each in the same forms, no split); or
+``--mock-data``. ``--data-cache-path`` is where Megatron-Core caches its sample indices (default:
+beside the data). Samples are dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids``
+(and ``attention_mask`` unless ``--no-create-attention-mask-in-dataloader``), as in Megatron-LM.
+
+Megatron-Core 0.16.1 notes (verified): its wheel ships the compiled ``helpers_cpp`` that
+sample-index and blending need; with a cache path and a multi-dataset blend its BlendedDataset
+calls ``torch.distributed.get_rank()`` unconditionally, so a single process without
+torch.distributed gets a private one-rank gloo group (in-memory store, no port) for the build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from megatron_ext.data.indexed import counts_path, get_bin_path, get_idx_path, token_dtype
+from megatron_ext.data.readers import DataError
+from megatron_ext.data.tokenizers import TOKENIZER_TYPES, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DataConfig",
+    "VocabSizeMismatchError",
+    "add_data_arguments",
+    "build_train_valid_test_datasets",
+    "check_vocab_sizes",
+    "dataset_vocab_size",
+]
+
+
+class VocabSizeMismatchError(DataError):
+    """Tokenizer, dataset and model disagree on the vocabulary."""
+
+
+@dataclass
+class DataConfig:
+    """Where training data comes from and how samples are cut (fields named as the flags)."""
+
+    data_path: Optional[list[str]] = None
+    """Megatron-style blend: [prefix] | [w1, p1, w2, p2, ...] | [p1, p2, ...]."""
+    split: Optional[str] = "969,30,1"
+    """Train/valid/test proportions of each ``data_path`` dataset."""
+    train_data_path: Optional[list[str]] = None
+    valid_data_path: Optional[list[str]] = None
+    test_data_path: Optional[list[str]] = None
+    data_cache_path: Optional[str] = None
+    """Directory for Megatron-Core's cached sample indices (None: beside the data)."""
+    mock_data: bool = False
+    seq_length: int = 512
+    seed: int = 1234
+    tokenizer_type: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+    """NullTokenizer only (Megatron's --vocab-size)."""
+    tiktoken_pattern: str = "o200k"
+    num_workers: int = 2
+    """DataLoader worker processes."""
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = True
+    mmap_bin_files: bool = True
+    num_dataset_builder_threads: int = 1
+
+    def __post_init__(self) -> None:
+        per_split = any([self.train_data_path, self.valid_data_path, self.test_data_path])
+        sources = sum([bool(self.data_path), per_split, self.mock_data])
+        if sources == 0:
+            raise DataError(
+                "no training data: pass --data-path, or --train-data-path/--valid-data-path/"
+                "--test-data-path, or --mock-data"
+            )
+        if sources > 1:
+            raise DataError(
+                "choose one of --data-path, the per-split --*-data-path flags and --mock-data"
+            )
+        if self.seq_length < 1:
+            raise DataError(f"--seq-length must be >= 1, got {self.seq_length}")
+        if self.data_path and not self.split:
+            raise DataError("--data-path needs --split (e.g. 969,30,1)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DataConfig":
+        """Fill from parsed arguments by field name (missing names keep their defaults);
+        ``--no-create-attention-mask-in-dataloader`` maps to ``create_attention_mask``."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if hasattr(args, "create_attention_mask_in_dataloader"):
+            values["create_attention_mask"] = args.create_attention_mask_in_dataloader
+        return cls(**values)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add Megatron-LM's data and tokenizer flags (``--seq-length`` and ``--seed`` belong to the
+    training arguments; :meth:`DataConfig.from_args` reads them when present)."""
+    group = parser.add_argument_group("data and tokenizer")
+    group.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...",
+    )
+    group.add_argument(
+        "--split",
+        default="969,30,1",
+        help="train,valid,test proportions of --data-path (default 969,30,1)",
+    )
+    group.add_argument("--train-data-path", nargs="*", default=None)
+    group.add_argument("--valid-data-path", nargs="*", default=None)
+    group.add_argument("--test-data-path", nargs="*", default=None)
+    group.add_argument(
+        "--data-cache-path", default=None, help="directory for cached sample indices"
+    )
+    group.add_argument(
+        "--mock-data", action="store_true", help="synthetic data (Megatron-Core's MockGPTDataset)"
+    )
+    group.add_argument("--tokenizer-type", default=None, choices=sorted(TOKENIZER_TYPES))
+    group.add_argument("--tokenizer-model", default=None)
+    group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    group.add_argument("--tiktoken-pattern", default="o200k")
+    group.add_argument("--num-workers", type=int, default=2, help="dataloader workers")
+    group.add_argument(
+        "--eod-mask-loss", action="store_true", help="mask the loss at end-of-document tokens"
+    )
+    group.add_argument(
+        "--reset-position-ids",
+        action="store_true",
+        help="restart position ids after each end-of-document token",
+    )
+    group.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="do not attend across end-of-document tokens",
+    )
+    group.add_argument(
+        "--no-create-attention-mask-in-dataloader",
+        dest="create_attention_mask_in_dataloader",
+        action="store_false",
+    )
+    return parser
+
+
+def dataset_vocab_size(prefix: str) -> Optional[int]:
+    """The vocab size a dataset was preprocessed with: the length of its ``_counts.npy``
+    (None when there is no counts file)."""
+    path = counts_path(prefix)
+    if not os.path.isfile(path):
+        return None
+    return int(np.load(path, mmap_mode="r").shape[0])
+
+
+def check_vocab_sizes(
+    tokenizer_vocab: int,
+    dataset_vocab: Optional[int] = None,
+    model_vocab: Optional[int] = None,
+    dataset_name: str = "dataset",
+) -> None:
+    """Raise a one-line VocabSizeMismatchError when the sizes disagree.
+
+    Args:
+        tokenizer_vocab: the tokenizer's ``vocab_size``.
+        dataset_vocab: the vocab size the dataset was made with (length of its counts), or a
+            bound from its ids (max id + 1); must not exceed / must equal the tokenizer's.
+        model_vocab: the model's (possibly padded) vocab size; must be >= the tokenizer's.
+    """
+    if dataset_vocab is not None and dataset_vocab != tokenizer_vocab:
+        raise VocabSizeMismatchError(
+            f"{dataset_name} was preprocessed with a vocab of {dataset_vocab} ids but the "
+            f"tokenizer has {tokenizer_vocab}; use the tokenizer it was made with or "
+            "re-run tools/preprocess_data.py"
+        )
+    if model_vocab is not None and model_vocab < tokenizer_vocab:
+        raise VocabSizeMismatchError(
+            f"model vocab size {model_vocab} is smaller than the tokenizer's {tokenizer_vocab}; "
+            "set the model's vocab size from the tokenizer (padded_vocab_size)"
+        )
+
+
+def _blend_prefixes(blend: Optional[Sequence[str]]) -> list[str]:
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    parsed = get_blend_from_list(list(blend)) if blend else None
+    return list(parsed[0]) if parsed else []
+
+
+def _num_sequences(prefix: str) -> int:
+    with open(get_idx_path(prefix), "rb") as handle:
+        header = handle.read(26)
+    return int(np.frombuffer(header[18:26], dtype="<u8")[0]) if len(header) == 26 else 0
+
+
+def _check_datasets(
+    config: DataConfig, tokenizer: Tokenizer, num_samples: Sequence[Optional[int]]
+) -> None:
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    names = ("train", "valid", "test")
+    checks: list[tuple[str, Optional[tuple[float, float]], str]] = []
+    if config.data_path:
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(config.split))
+        for prefix in _blend_prefixes(config.data_path):
+            for i, bookends in enumerate(matrix):
+                if bookends is not None and num_samples[i]:
+                    checks.append((prefix, bookends, names[i]))
+            checks.append((prefix, None, ""))
+    for i, paths in enumerate(
+        (config.train_data_path, config.valid_data_path, config.test_data_path)
+    ):
+        for prefix in _blend_prefixes(paths):
+            checks.append((prefix, (0.0, 1.0) if num_samples[i] else None, names[i]))
+    checked: set[str] = set()
+    for prefix, bookends, split_name in checks:
+        if not (os.path.isfile(get_idx_path(prefix)) and os.path.isfile(get_bin_path(prefix))):
+            raise DataError(
+                f"dataset not found: {prefix}.bin/.idx (a --data-path entry is the prefix "
+                "without .bin/.idx, e.g. data/pile_text_document)"
+            )
+        if bookends is not None:
+            # Megatron-Core loops forever building samples from a split without tokens.
+            count = _num_sequences(prefix)
+            begin = int(round(bookends[0] * count))
+            end = int(round(bookends[1] * count))
+            if end <= begin:
+                raise DataError(
+                    f"the {split_name} split of {prefix} is empty ({count} documents, "
+                    f"--split {config.split}); use more data, change --split, or request no "
+                    f"{split_name} samples"
+                )
+        if prefix in checked:
+            continue
+        checked.add(prefix)
+        check_vocab_sizes(tokenizer.vocab_size, dataset_vocab_size(prefix), None, prefix)
+        with open(get_idx_path(prefix), "rb") as handle:
+            header = handle.read(18)
+        code = header[17] if len(header) == 18 else None
+        if code == 8 and token_dtype(tokenizer.vocab_size) is not np.uint16:
+            raise VocabSizeMismatchError(
+                f"{prefix} stores uint16 ids but the tokenizer has {tokenizer.vocab_size} ids; "
+                "it was preprocessed with a different tokenizer"
+            )
+
+
+class _DatasetTokenizer:
+    """The attributes Megatron-Core's GPT datasets read from a tokenizer: ``pad`` is -1 (never
+    matches) when the vocabulary has no padding id, as Megatron's own fallback."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
+        self.eod = tokenizer.eod
+        self.pad = -1 if tokenizer.pad is None else tokenizer.pad
+        self.unique_identifiers: OrderedDict = tokenizer.unique_identifiers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+@contextlib.contextmanager
+def _process_group_for_build(needed: bool) -> Iterator[None]:
+    import torch.distributed as dist
+
+    if not needed or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _always() -> bool:
+    return True
+
+
+def build_train_valid_test_datasets(
+    data_config: DataConfig,
+    tokenizer: Tokenizer,
+    train_val_test_num_samples: Sequence[Optional[int]],
+    is_built_on_rank: Optional[Callable[[], bool]] = None,
+) -> tuple[Any, Any, Any]:
+    """Build (train, valid, test) GPT datasets with Megatron-Core's builder.
+
+    Args:
+        data_config: the data settings.
+        tokenizer: from :func:`megatron_ext.data.tokenizers.build_tokenizer`.
+        train_val_test_num_samples: samples wanted per split (Megatron-LM: iterations times
+            global batch size; None = one epoch).
+        is_built_on_rank: Megatron-Core's callable; default every rank builds (rank 0 first,
+            writing the index cache, then the others read it). Ranks where it returns False
+            get None, as in Megatron-LM.
+
+    Returns:
+        three datasets (GPTDataset, BlendedDataset or MockGPTDataset) or None per split.
+
+    Raises:
+        DataError: missing dataset prefix; VocabSizeMismatchError when a dataset was made with
+            another vocabulary.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+        from megatron.core.datasets.blended_megatron_dataset_builder import (
+            BlendedMegatronDatasetBuilder,
+        )
+        from megatron.core.datasets.gpt_dataset import (
+            GPTDataset,
+            GPTDatasetConfig,
+            MockGPTDataset,
+        )
+        from megatron.core.datasets.utils import get_blend_from_list
+
+    if len(train_val_test_num_samples) != 3:
+        raise ValueError("train_val_test_num_samples must have 3 entries")
+    if not data_config.mock_data:
+        _check_datasets(data_config, tokenizer, train_val_test_num_samples)
+    per_split = [
+        data_config.train_data_path,
+        data_config.valid_data_path,
+        data_config.test_data_path,
+    ]
+    use_per_split = any(per_split)
+    gpt_config = GPTDatasetConfig(
+        random_seed=data_config.seed,
+        sequence_length=data_config.seq_length,
+        blend=get_blend_from_list(data_config.data_path) if data_config.data_path else None,
+        blend_per_split=[get_blend_from_list(p) if p else None for p in per_split]
+        if use_per_split
+        else None,
+        split=None if use_per_split else data_config.split,
+        num_dataset_builder_threads=data_config.num_dataset_builder_threads,
+        path_to_cache=data_config.data_cache_path,
+        mmap_bin_files=data_config.mmap_bin_files,
+        tokenizer=_DatasetTokenizer(tokenizer),
+        reset_position_ids=data_config.reset_position_ids,
+        reset_attention_mask=data_config.reset_attention_mask,
+        eod_mask_loss=data_config.eod_mask_loss,
+        create_attention_mask=data_config.create_attention_mask,
+    )
+    cls = MockGPTDataset if data_config.mock_data else GPTDataset
+    if data_config.data_cache_path:
+        os.makedirs(data_config.data_cache_path, exist_ok=True)
+    blends = [data_config.data_path, *per_split]
+    multi = any(len(_blend_prefixes(b)) > 1 for b in blends if b)
+    with _process_group_for_build(bool(data_config.data_cache_path) and multi):
+        train, valid, test = BlendedMegatronDatasetBuilder(
+            cls,
+            list(train_val_test_num_samples),
+            is_built_on_rank or _always,
+            gpt_config,
+        ).build()
+    logger.info(
+        "datasets: train %s, valid %s, test %s samples",
+        *(None if ds is None else len(ds) for ds in (train, valid, test)),
+    )
+    return train, valid, test
