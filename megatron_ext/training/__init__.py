@@ -1,0 +1,33 @@
+"""Training: Megatron-LM's flags, the portable loop (gloo/NCCL), optimizer, pipeline schedule,
+distributed checkpoints and logging. The entry point is `pretrain_leviathan.py`."""
+
+from megatron_ext.training.arguments import (
+    ArgumentError,
+    TrainingConfig,
+    build_parser,
+    parse_args,
+    validate_args,
+)
+from megatron_ext.training.checkpointing import (
+    CheckpointError,
+    TrainState,
+    load_checkpoint,
+    read_latest_iteration,
+    save_checkpoint,
+)
+from megatron_ext.training.loop import NonFiniteError, pretrain
+
+__all__ = [
+    "ArgumentError",
+    "CheckpointError",
+    "NonFiniteError",
+    "TrainState",
+    "TrainingConfig",
+    "build_parser",
+    "load_checkpoint",
+    "parse_args",
+    "pretrain",
+    "read_latest_iteration",
+    "save_checkpoint",
+    "validate_args",
+]

@@ -1,0 +1,657 @@
+"""Command-line flags of `pretrain_leviathan.py` (Megatron-LM's names and meanings) and the
+config objects they fill.
+
+The parser is built from the groups below plus the model (`megatron_ext.models`) and data
+(`megatron_ext.data`) flag groups. `parse_args` parses, optionally replaces the model flags with
+the ones stored in a checkpoint (`--use-checkpoint-args`), and validates everything that can be
+checked before any process group exists, raising `ArgumentError` (a ValueError) with one line
+that names the flag to change. The library never reads the namespace: the loop receives the
+dataclasses of `TrainingConfig.from_args`, one per concern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from typing import Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ArgumentError",
+    "ParallelConfig",
+    "BatchConfig",
+    "OptimizerConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "TrainingConfig",
+    "build_parser",
+    "parse_args",
+    "validate_args",
+    "checkpoint_args_path",
+]
+
+# Flags restored by --use-checkpoint-args: everything that shapes the model's parameters.
+MODEL_ARG_NAMES = (
+    "model_size",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "group_query_attention",
+    "num_query_groups",
+    "seq_length",
+    "max_position_embeddings",
+    "rotary_base",
+    "norm_epsilon",
+    "qk_layernorm",
+    "embedding_type",
+    "untie_embeddings_and_output_weights",
+    "albert_dim",
+    "flat_mlp_seed_dim",
+    "embedding_mlp_hidden",
+    "make_vocab_size_divisible_by",
+    "tokenizer_type",
+    "tokenizer_model",
+    "vocab_size",
+)
+
+
+class ArgumentError(ValueError):
+    """An impossible or contradictory combination of flags (the message names the flag)."""
+
+
+def _fill(cls, args: argparse.Namespace):
+    """Build dataclass `cls` from the namespace attributes of the same names."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+@dataclass
+class ParallelConfig:
+    """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    """Split norm/dropout activations over the sequence across TP ranks (Megatron-LM's SP)."""
+    use_distributed_optimizer: bool = False
+    """Shard Adam states across data-parallel ranks (ZeRO-1)."""
+    distributed_backend: Optional[str] = None
+    """nccl | gloo; None picks nccl when CUDA is available, gloo otherwise."""
+    distributed_timeout_minutes: int = 10
+    data_parallel_size: int = 1
+    """Derived: world size / (TP x CP x PP)."""
+
+
+@dataclass
+class BatchConfig:
+    """Batch sizes, run length, precision and exit conditions."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    seq_length: int = 512
+    train_iters: int = 0
+    """Iterations to train (derived from --train-samples when that is given)."""
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    fp8_format: Optional[str] = None
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    exit_signal_handler: bool = False
+    check_for_nan_in_loss_and_grad: bool = True
+    skip_nonfinite_steps: bool = False
+    """Skip the optimizer step of an iteration whose loss or grad norm is not finite (instead of
+    stopping); the run still stops after --max-nonfinite-steps such iterations in a row."""
+    max_nonfinite_steps: int = 10
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    num_workers: int = 0
+    """DataLoader worker processes (the data flag --num-workers)."""
+    data_parallel_size: int = 1
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per data-parallel rank per iteration (gradient accumulation steps)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and Megatron's learning-rate / weight-decay schedule (in samples)."""
+
+    optimizer: str = "adam"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_style: str = "exponential"
+    weight_decay: float = 0.01
+    start_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+    # Derived, in samples (Megatron-LM steps its scheduler by the global batch size).
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 1
+    lr_wsd_decay_steps: Optional[int] = None
+    wd_incr_steps: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    """torch.distributed.checkpoint directories `<save>/iter_0000100/` + the latest marker."""
+
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    ckpt_keep_last: Optional[int] = None
+    """Delete all but the newest N checkpoints after each successful save (None: keep all)."""
+    ckpt_step: Optional[int] = None
+    """Load this iteration instead of the latest."""
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    exit_on_missing_checkpoint: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: Optional[str] = None
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+    log_throughput: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    log_timers_to_tensorboard: bool = False
+    timing_log_level: int = 0
+    peak_tflops: Optional[float] = None
+    """Per-GPU peak TFLOP/s for MFU (default: looked up from the GPU name)."""
+    log_jsonl: Optional[str] = None
+    """Append one JSON record per iteration (full-precision loss, grad norm, lr) to this file."""
+    loss_curve: bool = True
+    """Write loss_curve.png beside the TensorBoard events (or the checkpoints) at the end."""
+
+
+@dataclass
+class TrainingConfig:
+    """Every training setting, one dataclass per concern."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TrainingConfig":
+        """Fill from a namespace that went through `validate_args`."""
+        return cls(
+            parallel=_fill(ParallelConfig, args),
+            batch=_fill(BatchConfig, args),
+            optim=_fill(OptimizerConfig, args),
+            ckpt=_fill(CheckpointConfig, args),
+            log=_fill(LoggingConfig, args),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Flag groups
+
+
+def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard optimizer states across data-parallel ranks (ZeRO-1)",
+    )
+    g.add_argument(
+        "--distributed-backend",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="default: nccl on CUDA, gloo on CPU",
+    )
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the vocabulary to a multiple of this times the TP size",
+    )
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="default: micro-batch size x data-parallel size (no accumulation)",
+    )
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true", help="BF16 autocast (fp32 master weights)")
+    g.add_argument("--fp16", action="store_true", help="FP16 autocast with dynamic loss scaling")
+    g.add_argument(
+        "--fp8-format",
+        choices=("e4m3", "hybrid"),
+        default=None,
+        help="FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
+    )
+    g.add_argument("--loss-scale", type=float, default=None, help="static FP16 loss scale")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--exit-interval", type=int, default=None, help="exit at a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on SIGTERM, save a checkpoint and exit cleanly at the end of the iteration",
+    )
+    g.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stop (or skip, see --skip-nonfinite-steps) on a non-finite loss or grad norm",
+    )
+    g.add_argument(
+        "--skip-nonfinite-steps",
+        action="store_true",
+        help="skip the optimizer step of a non-finite iteration instead of stopping",
+    )
+    g.add_argument("--max-nonfinite-steps", type=int, default=10)
+    g.add_argument(
+        "--dataloader-type",
+        choices=("single",),
+        default="single",
+        help="Megatron-LM's sequential pretraining sampler (resumes at the consumed sample)",
+    )
+
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("optimizer and learning-rate schedule")
+    g.add_argument(
+        "--optimizer", choices=("adam", "adamw"), default="adam", help="AdamW (decoupled WD)"
+    )
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument(
+        "--lr-decay-style",
+        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+        default="linear",
+    )
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument(
+        "--lr-wsd-decay-style",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+        default="exponential",
+    )
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument(
+        "--weight-decay-incr-style", choices=("constant", "linear", "cosine"), default="constant"
+    )
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--override-opt_param-scheduler", action="store_true")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true")
+
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory of iter_XXXXXXX/ checkpoints")
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument(
+        "--ckpt-keep-last",
+        type=int,
+        default=None,
+        help="keep only the newest N checkpoints in --save (default: keep all)",
+    )
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration")
+    g.add_argument(
+        "--ckpt-format",
+        choices=("torch_dist",),
+        default="torch_dist",
+        help="torch.distributed.checkpoint with DTensor tensor-parallel shards",
+    )
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument(
+        "--finetune",
+        action="store_true",
+        help="load weights only; reset iteration, optimizer, scheduler and RNG",
+    )
+    g.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="take the model flags from the checkpoint in --load",
+    )
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging and validation")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-throughput", action="store_true", help="TFLOP/s per GPU in the line")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0)
+    g.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU")
+    g.add_argument(
+        "--log-jsonl",
+        default=None,
+        help="append one JSON line per iteration (full-precision loss, grad norm, lr, time)",
+    )
+    g.add_argument("--no-loss-curve", dest="loss_curve", action="store_false")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: distributed, training, optimizer, checkpoint, logging, model, data."""
+    from megatron_ext.data.loading import add_data_arguments
+    from megatron_ext.models import add_model_arguments
+
+    parser = argparse.ArgumentParser(
+        description="Pretrain Leviathan models and the paper's baselines (Megatron-LM flags)",
+        allow_abbrev=False,
+    )
+    _add_distributed_args(parser)
+    _add_training_args(parser)
+    _add_optimizer_args(parser)
+    _add_checkpoint_args(parser)
+    _add_logging_args(parser)
+    add_model_arguments(parser)
+    add_data_arguments(parser)
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# --use-checkpoint-args
+
+
+def checkpoint_args_path(load_dir: str, iteration: Optional[int] = None) -> Optional[str]:
+    """The args.json of the latest (or `iteration`) checkpoint in `load_dir`, if any."""
+    from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
+
+    if iteration is None:
+        iteration = read_latest_iteration(load_dir)
+    if iteration is None:
+        return None
+    path = os.path.join(checkpoint_dir(load_dir, iteration), "args.json")
+    return path if os.path.isfile(path) else None
+
+
+def _apply_checkpoint_args(args: argparse.Namespace) -> None:
+    if not args.load:
+        raise ArgumentError("--use-checkpoint-args needs --load")
+    path = checkpoint_args_path(args.load, args.ckpt_step)
+    if path is None:
+        raise ArgumentError(f"--use-checkpoint-args: no checkpoint with args.json in {args.load}")
+    with open(path) as handle:
+        saved = json.load(handle)
+    for name in MODEL_ARG_NAMES:
+        if name in saved:
+            setattr(args, name, saved[name])
+    for name, value in saved.items():
+        if name.startswith("lev_"):
+            setattr(args, name, value)
+    logger.info("model flags taken from %s", path)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def _positive(name: str, value, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise ArgumentError(f"{name} must be >= 1, got {value}")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check and derive (in place) everything that does not need a process group.
+
+    Derives data_parallel_size, global_batch_size (default), train_iters (from train_samples),
+    and the scheduler's warmup/decay lengths in samples, as Megatron-LM does.
+    """
+    from megatron_ext.parallel import validate_parallel_layout
+
+    try:
+        dp = validate_parallel_layout(
+            world_size,
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            args.context_parallel_size,
+        )
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+    args.data_parallel_size = dp
+    cuda = torch.cuda.is_available()
+    if args.distributed_backend == "nccl" and not cuda:
+        raise ArgumentError("--distributed-backend nccl needs CUDA; drop it (gloo is used on CPU)")
+
+    # Batch and run length.
+    if args.micro_batch_size is None:
+        raise ArgumentError("--micro-batch-size is required")
+    _positive("--micro-batch-size", args.micro_batch_size)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    _positive("--global-batch-size", args.global_batch_size)
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp} = "
+            f"{args.micro_batch_size * dp}; change one of them"
+        )
+    if args.seq_length is None:
+        raise ArgumentError("--seq-length is required")
+    _positive("--seq-length", args.seq_length)
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ArgumentError("give exactly one of --train-iters and --train-samples")
+    if args.train_samples is not None:
+        _positive("--train-samples", args.train_samples)
+        if args.train_samples < args.global_batch_size:
+            raise ArgumentError(
+                f"--train-samples {args.train_samples} is less than one global batch "
+                f"({args.global_batch_size})"
+            )
+        args.train_iters = args.train_samples // args.global_batch_size
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            raise ArgumentError(
+                "with --train-samples give the schedule in samples (--lr-decay-samples, "
+                "--lr-warmup-samples), not iterations"
+            )
+    else:
+        _positive("--train-iters", args.train_iters)
+        if args.lr_decay_samples is not None or args.lr_warmup_samples:
+            raise ArgumentError(
+                "with --train-iters give the schedule in iterations (--lr-decay-iters, "
+                "--lr-warmup-iters), not samples"
+            )
+    for flag in ("log_interval", "eval_interval", "tensorboard_log_interval"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.eval_iters < 0:
+        raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    _positive("--exit-interval", args.exit_interval)
+    _positive("--save-interval", args.save_interval)
+    _positive("--ckpt-keep-last", args.ckpt_keep_last)
+    _positive("--max-nonfinite-steps", args.max_nonfinite_steps)
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        raise ArgumentError("--exit-duration-in-mins must be > 0")
+    if args.save_interval and not args.save:
+        raise ArgumentError("--save-interval needs --save")
+    if args.exit_signal_handler and not args.save:
+        logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")
+
+    # Precision.
+    if args.bf16 and args.fp16:
+        raise ArgumentError("--bf16 and --fp16 are exclusive; pick one")
+    if args.fp8_format is not None:
+        if not cuda:
+            raise ArgumentError(
+                "--fp8-format needs a CUDA GPU with Transformer Engine; FP8 is not available on "
+                "CPU (drop the flag, --bf16 works on CPU)"
+            )
+        if args.transformer_impl != "transformer_engine":
+            raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine")
+        if not (args.bf16 or args.fp16):
+            raise ArgumentError("--fp8-format needs --bf16 (FP8 hybrid runs other ops in BF16)")
+    if args.transformer_impl == "transformer_engine" and not cuda:
+        raise ArgumentError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
+    if args.context_parallel_size > 1:
+        if args.transformer_impl != "transformer_engine":
+            raise ArgumentError(
+                "--context-parallel-size > 1 needs --transformer-impl transformer_engine "
+                "(megatron-core's context-parallel attention is Transformer Engine's)"
+            )
+        if args.seq_length % (2 * args.context_parallel_size):
+            raise ArgumentError(
+                f"--seq-length {args.seq_length} is not divisible by 2 x "
+                f"--context-parallel-size {args.context_parallel_size}"
+            )
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        raise ArgumentError(
+            "--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag or raise TP"
+        )
+
+    # Optimizer and schedule (Megatron-LM steps the scheduler in samples).
+    if args.lr is None:
+        raise ArgumentError("--lr is required")
+    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        raise ArgumentError(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr}), --lr > 0")
+    if args.lr_warmup_init > args.lr:
+        raise ArgumentError("--lr-warmup-init must not exceed --lr")
+    if args.clip_grad < 0:
+        raise ArgumentError(f"--clip-grad must be >= 0, got {args.clip_grad}")
+    if not (0.0 <= args.adam_beta1 < 1.0 and 0.0 <= args.adam_beta2 < 1.0):
+        raise ArgumentError("--adam-beta1 and --adam-beta2 must be in [0, 1)")
+    if args.weight_decay < 0:
+        raise ArgumentError("--weight-decay must be >= 0")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler conflict"
+        )
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        decay_iters = args.lr_decay_iters or args.train_iters
+        args.lr_decay_steps = decay_iters * gbs
+        warmup_fraction_of = args.lr_decay_steps
+        args.lr_warmup_steps = args.lr_warmup_iters * gbs
+        args.lr_wsd_decay_steps = (
+            args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+        )
+    else:
+        args.lr_decay_steps = args.lr_decay_samples or args.train_samples
+        warmup_fraction_of = args.lr_decay_steps
+        args.lr_warmup_steps = args.lr_warmup_samples
+        args.lr_wsd_decay_steps = args.lr_wsd_decay_samples
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters or args.lr_warmup_samples:
+            raise ArgumentError(
+                "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive"
+            )
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ArgumentError("--lr-warmup-fraction must be in [0, 1)")
+        args.lr_warmup_steps = int(args.lr_warmup_fraction * warmup_fraction_of)
+    if args.lr_warmup_steps >= args.lr_decay_steps:
+        raise ArgumentError(
+            "the warmup is not shorter than the decay; lower --lr-warmup-* or raise "
+            "--lr-decay-iters/--train-iters"
+        )
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_steps is None:
+        raise ArgumentError("--lr-decay-style WSD needs --lr-wsd-decay-iters/-samples")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    if args.weight_decay_incr_style == "constant" and (
+        args.start_weight_decay != args.end_weight_decay
+    ):
+        raise ArgumentError(
+            "--start-weight-decay != --end-weight-decay needs --weight-decay-incr-style "
+            "linear or cosine"
+        )
+    args.wd_incr_steps = args.train_iters * gbs
+
+    # Checkpointing.
+    if args.finetune and not args.load:
+        raise ArgumentError("--finetune needs --load")
+    if args.ckpt_step is not None and not args.load:
+        raise ArgumentError("--ckpt-step needs --load")
+    return args
+
+
+def parse_args(
+    argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
+) -> argparse.Namespace:
+    """Parse and validate `argv` (default sys.argv) for `world_size` ranks (default torchrun's
+    WORLD_SIZE, else 1)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.use_checkpoint_args:
+        _apply_checkpoint_args(args)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    return validate_args(args, world_size)
+
+
+def args_to_json(args: argparse.Namespace) -> dict:
+    """The namespace as JSON-safe values (stored beside each checkpoint as args.json)."""
+    out = {}
+    for key, value in sorted(vars(args).items()):
+        if isinstance(value, (str, int, float, bool, type(None))):
+            out[key] = value
+        elif isinstance(value, (list, tuple)):
+            out[key] = list(value)
+        elif dataclasses.is_dataclass(value):
+            out[key] = dataclasses.asdict(value)
+        else:
+            out[key] = str(value)
+    return out

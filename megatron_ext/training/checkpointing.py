@@ -1,0 +1,459 @@
+"""Distributed checkpoints: torch.distributed.checkpoint (DCP) with tensor-parallel shards as
+DTensors, in Megatron-LM's layout::
+
+    <save>/iter_0000100/                      one checkpoint (DCP shards + .metadata)
+    <save>/iter_0000100/common.json           iteration, consumed samples, scheduler, layout
+    <save>/iter_0000100/args.json             the run's flags (--use-checkpoint-args)
+    <save>/iter_0000100/rng/pp0_tp0_cp0_dp0.pt  each rank's RNG states
+    <save>/latest_checkpointed_iteration.txt  written last
+
+Keys are layout-free, so a checkpoint saved at one TP/PP/DP layout loads at another:
+
+- `model.<name>` with the single-stage model's parameter names (a pipeline stage's local
+  `decoder.layers.i` is renamed to its global index). A TP-sharded parameter is a DTensor over
+  the TP group with `Shard(partition_dim)`. Megatron's strided shards (SwiGLU fc1, stride 2: rank
+  r holds pieces r and r+tp of the tensor cut into 2*tp) are not a plain shard of the full
+  tensor, so such a parameter is stored through the view [stride, n/stride, ...] with
+  `Shard(partition_dim + 1)`: then every layout's shards tile the same global tensor.
+  Replicated parameters are plain tensors (DCP writes one copy). The last pipeline stage's copy
+  of a tied embedding is not saved; it loads from `model.embedding.word_embeddings.weight`.
+- `optim.<name>.exp_avg|exp_avg_sq` (same layout as the parameter) and `optim.<name>.step`,
+  written by whichever data-parallel rank owns the state (all of them without ZeRO; DCP keeps
+  one), read by whichever rank owns it in the new layout: ZeRO states reshard across DP too.
+
+Atomicity: DCP writes into `iter_XXXXXXX.tmp/`; after every rank finished, rank 0 renames it to
+`iter_XXXXXXX/` and only then replaces the latest marker (write-to-temp + os.replace). A crash
+at any point leaves the previous checkpoint as latest; stale `.tmp` directories are removed by
+the next save. A state with a non-finite parameter is never saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from megatron.core import parallel_state
+
+from megatron_ext.models.full_state_dict import global_param_name, tp_layout
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TrainState",
+    "CheckpointError",
+    "NonFiniteStateError",
+    "checkpoint_dir",
+    "read_latest_iteration",
+    "save_checkpoint",
+    "load_checkpoint",
+    "TRACKER_FILENAME",
+]
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or incompatible with this model."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """Refused to save a model with NaN/inf parameters."""
+
+
+@dataclass
+class TrainState:
+    """Loop counters saved with every checkpoint (the data position is the consumed samples)."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    floating_point_operations_so_far: float = 0.0
+    skipped_iterations: int = 0
+    nonfinite_iterations: int = 0
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_latest_iteration(root: str) -> Optional[int]:
+    """The iteration in `<root>/latest_checkpointed_iteration.txt`, None without one."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        text = handle.read().strip()
+    if text == "release":
+        raise CheckpointError(f"{path} says 'release'; load a release checkpoint with --finetune")
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} holds {text!r}, not an iteration number") from None
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _coords() -> dict[str, int]:
+    return dict(
+        pp=parallel_state.get_pipeline_model_parallel_rank(),
+        tp=parallel_state.get_tensor_model_parallel_rank(),
+        cp=parallel_state.get_context_parallel_rank(),
+        dp=parallel_state.get_data_parallel_rank(),
+    )
+
+
+def _layout() -> dict[str, int]:
+    return dict(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        cp=parallel_state.get_context_parallel_world_size(),
+        dp=parallel_state.get_data_parallel_world_size(),
+    )
+
+
+_MESHES: dict[tuple, Any] = {}
+
+
+def _tp_mesh(device: torch.device):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    key = (id(group), device.type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device_type=device.type)
+    return _MESHES[key]
+
+
+def _layout_view(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The layout-free view of a parameter-shaped tensor (a DTensor when TP-sharded)."""
+    layout = tp_layout(param)
+    if layout is None:
+        return tensor
+    dim, stride = layout
+    local = tensor
+    shard_dim = dim
+    if stride > 1:
+        shape = list(tensor.shape)
+        local = tensor.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1 :])
+        shard_dim = dim + 1
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_size == 1:
+        return local
+    from torch.distributed.tensor import DTensor, Shard
+
+    global_shape = list(local.shape)
+    global_shape[shard_dim] *= tp_size
+    contiguous = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(
+        local,
+        _tp_mesh(tensor.device),
+        [Shard(shard_dim)],
+        run_check=False,
+        shape=torch.Size(global_shape),
+        stride=contiguous,
+    )
+
+
+def _is_tied_copy(model: torch.nn.Module, name: str) -> bool:
+    return (
+        name == "output_layer.weight"
+        and getattr(model, "share_embeddings_and_output_weights", False)
+        and not getattr(model, "pre_process", True)
+    )
+
+
+def _named_params(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parameter, bool]]:
+    """(local name, checkpoint name, parameter, is the tied copy) of every parameter."""
+    out = []
+    for name, param in model.named_parameters():
+        tied = _is_tied_copy(model, name)
+        key = "embedding.word_embeddings.weight" if tied else global_param_name(model, name)
+        out.append((name, key, param, tied))
+    return out
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _all_finite(model: torch.nn.Module) -> bool:
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    flag = torch.tensor([0.0 if finite else 1.0])
+    if dist.is_initialized():
+        dist.all_reduce(flag)
+    return flag.item() == 0.0
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _prune(root: str, keep_last: int, latest: int) -> None:
+    iterations = sorted(
+        int(m.group(1)) for m in (_ITER_RE.match(n) for n in os.listdir(root)) if m is not None
+    )
+    for iteration in iterations[:-keep_last]:
+        if iteration != latest:
+            shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
+            logger.info("removed old checkpoint %s", checkpoint_dir(root, iteration))
+
+
+def save_checkpoint(
+    root: str,
+    state: TrainState,
+    model: torch.nn.Module,
+    optimizer=None,
+    scheduler=None,
+    loss_scaler=None,
+    *,
+    args_json: Optional[dict] = None,
+    save_rng: bool = True,
+    keep_last: Optional[int] = None,
+) -> str:
+    """Save (collectively, every rank) and return the checkpoint directory.
+
+    Raises:
+        NonFiniteStateError: a parameter is NaN/inf on some rank (nothing is written).
+    """
+    if not _all_finite(model):
+        raise NonFiniteStateError(
+            f"refusing to save iteration {state.iteration}: the model has non-finite parameters"
+        )
+    final = checkpoint_dir(root, state.iteration)
+    tmp = final + ".tmp"
+    if _rank0():
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):
+            if name.startswith("iter_") and name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"))
+    _barrier()
+
+    tensors: dict[str, Any] = {}
+    keys: dict[int, str] = {}
+    for _, key, param, tied in _named_params(model):
+        if not tied:
+            tensors[f"model.{key}"] = _layout_view(param.detach(), param)
+            keys[id(param)] = key
+    if optimizer is not None:
+        for param, adam in optimizer.owned_state().items():
+            key = keys.get(id(param))
+            if key is None:
+                continue  # the tied copy: its state equals the first stage's
+            for name in ("exp_avg", "exp_avg_sq"):
+                tensors[f"optim.{key}.{name}"] = _layout_view(adam[name], param)
+            tensors[f"optim.{key}.step"] = torch.as_tensor(adam["step"]).detach().float().cpu()
+    dcp.save(tensors, checkpoint_id=tmp)
+
+    if save_rng:
+        coords = _coords()
+        name = "pp{pp}_tp{tp}_cp{cp}_dp{dp}.pt".format(**coords)
+        torch.save(_rng_state(), os.path.join(tmp, "rng", name))
+    if _rank0():
+        common = {
+            "format_version": FORMAT_VERSION,
+            "train_state": dataclasses.asdict(state),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
+            "layout": _layout(),
+            "has_optimizer": optimizer is not None,
+            "has_rng": save_rng,
+            "torch_version": torch.__version__,
+        }
+        with open(os.path.join(tmp, "common.json"), "w") as handle:
+            json.dump(common, handle, indent=1)
+        if args_json is not None:
+            with open(os.path.join(tmp, "args.json"), "w") as handle:
+                json.dump(args_json, handle, indent=1, sort_keys=True)
+    _barrier()  # every rank's shards and RNG files are on disk
+
+    if _rank0():
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, TRACKER_FILENAME), f"{state.iteration}\n")
+        if keep_last:
+            _prune(root, keep_last, state.iteration)
+    _barrier()
+    logger.info("saved checkpoint at iteration %d to %s", state.iteration, final)
+    return final
+
+
+def _read_metadata(path: str):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path).read_metadata()
+
+
+def _check_shape(metadata, key: str, view: torch.Tensor, path: str) -> None:
+    entry = metadata.state_dict_metadata.get(key)
+    if entry is None:
+        raise CheckpointError(
+            f"{path} has no {key}; it was saved from a different model (check --embedding-type "
+            "and the model size flags, or use --use-checkpoint-args)"
+        )
+    expected = tuple(view.shape)  # a DTensor's shape is its global shape
+    if tuple(entry.size) != expected:
+        raise CheckpointError(
+            f"{key}: the checkpoint holds shape {tuple(entry.size)}, this model {expected}; "
+            "the model flags differ (a padded vocabulary differs when the TP size changes the "
+            "padding: set --make-vocab-size-divisible-by so that both layouts agree)"
+        )
+
+
+def load_checkpoint(
+    root: str,
+    model: torch.nn.Module,
+    optimizer=None,
+    scheduler=None,
+    loss_scaler=None,
+    *,
+    iteration: Optional[int] = None,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    finetune: bool = False,
+    strict_missing: bool = False,
+) -> Optional[TrainState]:
+    """Load the latest (or `iteration`) checkpoint of `root` into this rank's shards.
+
+    Returns:
+        the restored TrainState (zeroed with `finetune`), or None when `root` has no checkpoint
+        (an error with `strict_missing`).
+    """
+    if iteration is None:
+        iteration = read_latest_iteration(root)
+    if iteration is None:
+        if strict_missing:
+            raise CheckpointError(f"no checkpoint in {root} ({TRACKER_FILENAME} is missing)")
+        logger.warning("no checkpoint in %s: starting from scratch", root)
+        return None
+    path = checkpoint_dir(root, iteration)
+    common_path = os.path.join(path, "common.json")
+    if not os.path.isfile(common_path):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no common.json)")
+    with open(common_path) as handle:
+        common = json.load(handle)
+    metadata = _read_metadata(path)
+    if finetune:
+        load_optim = load_rng = False
+
+    target: dict[str, Any] = {}
+    for _, key, param, _tied in _named_params(model):
+        view = _layout_view(param.data, param)
+        _check_shape(metadata, f"model.{key}", view, path)
+        target[f"model.{key}"] = view
+    pending = []
+    if optimizer is not None and load_optim:
+        if not common.get("has_optimizer", True):
+            raise CheckpointError(f"{path} was saved without optimizer state; use --no-load-optim")
+        for _, key, param, _tied in _named_params(model):
+            if not optimizer.owns(param) or f"optim.{key}.step" not in (
+                metadata.state_dict_metadata
+            ):
+                continue
+            adam = {
+                "exp_avg": torch.zeros_like(param.data),
+                "exp_avg_sq": torch.zeros_like(param.data),
+                "step": torch.zeros((), dtype=torch.float32),
+            }
+            for name in ("exp_avg", "exp_avg_sq"):
+                target[f"optim.{key}.{name}"] = _layout_view(adam[name], param)
+            target[f"optim.{key}.step"] = adam["step"]
+            pending.append((param, adam))
+    dcp.load(target, checkpoint_id=path)
+    for param, adam in pending:
+        optimizer.set_state(param, adam)
+
+    if finetune:
+        logger.info("loaded weights of %s for fine-tuning (iteration reset to 0)", path)
+        return TrainState()
+    if scheduler is not None and common.get("scheduler") is not None:
+        scheduler.load_state_dict(common["scheduler"])
+    if loss_scaler is not None and common.get("loss_scaler"):
+        loss_scaler.load_state_dict(common["loss_scaler"])
+    if load_rng:
+        _load_rng(path, common)
+    state = TrainState(**common["train_state"])
+    logger.info(
+        "loaded checkpoint %s (iteration %d, %d consumed samples; saved at %s)",
+        path,
+        state.iteration,
+        state.consumed_train_samples,
+        common.get("layout"),
+    )
+    return state
+
+
+def _load_rng(path: str, common: dict) -> None:
+    saved_layout = common.get("layout")
+    file = os.path.join(path, "rng", "pp{pp}_tp{tp}_cp{cp}_dp{dp}.pt".format(**_coords()))
+    if not common.get("has_rng", True) or saved_layout != _layout() or not os.path.isfile(file):
+        if _rank0():
+            logger.warning(
+                "RNG states not restored (checkpoint layout %s, this run %s): dropout streams "
+                "restart from --seed",
+                saved_layout,
+                _layout(),
+            )
+        return
+    _set_rng_state(torch.load(file, weights_only=False))

@@ -1,0 +1,570 @@
+"""The training loop: `pretrain(args, model_provider=..., forward_step=..., datasets_provider=...)`,
+Megatron-LM's entry contract on the portable (gloo/NCCL) machinery of this package.
+
+One iteration: forward/backward over the micro-batches (`schedules.forward_backward`, 1F1B under
+pipeline parallelism) -> Megatron's gradient reductions (sequence-parallel norms, tied
+embeddings) -> data-parallel all-reduce -> global grad-norm clipping -> one world all-reduce of
+[loss sum, token count, non-finite flags, exit flags] -> optimizer step (or a stop / skip on a
+non-finite loss or grad norm) -> scheduler step. Then logging, validation, checkpointing and the
+exit conditions (--exit-signal-handler, --exit-duration-in-mins, --exit-interval), each of which
+saves before leaving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_ext.parallel import destroy_parallel, initialize_parallel, set_random_seed
+from megatron_ext.training.arguments import TrainingConfig, args_to_json
+from megatron_ext.training.checkpointing import (
+    TrainState,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron_ext.training.data import build_data_loader
+from megatron_ext.training.finalize_grads import (
+    allreduce_sequence_parallel_grads,
+    allreduce_tied_embedding_grads,
+)
+from megatron_ext.training.metrics import (
+    Reporter,
+    flops_per_iteration,
+    format_train_line,
+    peak_tflops,
+    run_info,
+)
+from megatron_ext.training.optimizer import (
+    LossScaler,
+    allreduce_data_parallel_grads,
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm,
+)
+from megatron_ext.training.precision import autocast_factory, pipeline_dtype
+from megatron_ext.training.schedules import ForwardStep, PipelineShape, forward_backward
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["pretrain", "NonFiniteError"]
+
+ModelProvider = Callable[[bool, bool], torch.nn.Module]
+DatasetsProvider = Callable[[Sequence[int]], tuple]
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm became NaN/inf; the run stopped without saving it."""
+
+
+class _SignalHandler:
+    """Remembers that SIGTERM arrived; the loop acts on it at the end of the iteration."""
+
+    def __init__(self, sig: int = signal.SIGTERM) -> None:
+        self.sig, self.received = sig, False
+        self._previous = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def release(self) -> None:
+        signal.signal(self.sig, self._previous)
+
+
+@dataclass
+class _StepResult:
+    loss: float
+    grad_norm: float
+    stepped: bool
+    signal: bool
+    timeout: bool
+
+
+class _Trainer:
+    """State and collaborators of one run (built by `pretrain`)."""
+
+    def __init__(self, cfg: TrainingConfig, args: argparse.Namespace, model, forward_step):
+        self.cfg, self.args, self.model, self.forward_step = cfg, args, model, forward_step
+        b = cfg.batch
+        self.optimizer = build_optimizer(model, cfg.optim, cfg.parallel.use_distributed_optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.scaler = (
+            LossScaler(
+                b.loss_scale,
+                b.initial_loss_scale,
+                b.min_loss_scale,
+                b.loss_scale_window,
+                b.hysteresis,
+            )
+            if b.fp16
+            else None
+        )
+        self.autocast = autocast_factory(b)
+        device = next(model.parameters()).device
+        tp = cfg.parallel.tensor_model_parallel_size
+        seq = b.seq_length // cfg.parallel.context_parallel_size
+        if cfg.parallel.sequence_parallel:
+            seq //= tp
+        self.shape = PipelineShape(
+            (seq, b.micro_batch_size, model.config.hidden_size), pipeline_dtype(b), device
+        )
+        self.state = TrainState()
+        self.is_rank0 = dist.get_rank() == 0
+        self.reporter = Reporter(
+            cfg.log.tensorboard_dir, cfg.log.tensorboard_queue_size, enabled=self.is_rank0
+        )
+        self.flops = flops_per_iteration(
+            global_batch_size=b.global_batch_size,
+            seq_length=b.seq_length,
+            num_layers=model.config.num_layers,
+            hidden_size=model.config.hidden_size,
+            ffn_hidden_size=model.config.ffn_hidden_size,
+            num_attention_heads=model.config.num_attention_heads,
+            num_query_groups=model.config.num_query_groups or model.config.num_attention_heads,
+            vocab_size=model.vocab_size,
+        )
+        self.peak = peak_tflops(cfg.log.peak_tflops)
+        self.start_time = time.time()
+        self.signal = _SignalHandler() if b.exit_signal_handler else None
+        self.consecutive_nonfinite = 0
+        self.last_saved: Optional[int] = None
+
+    # ---------------------------------------------------------------- one iteration
+
+    def _world_stats(self, totals: dict, local_loss_ok: bool, local_grad_ok: bool) -> list:
+        """[loss sum, token count, bad-loss ranks, bad-grad ranks, signal, timeout] over all
+        ranks; the loss counts once per data-parallel replica (TP rank 0 of the last stage)."""
+        b = self.cfg.batch
+        stats = torch.zeros(6, dtype=torch.float64)
+        counts_loss = (
+            parallel_state.is_pipeline_last_stage()
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+        if counts_loss and "lm loss" in totals:
+            stats[0:2] = totals["lm loss"].cpu()
+        stats[2] = 0.0 if local_loss_ok else 1.0
+        stats[3] = 0.0 if local_grad_ok else 1.0
+        stats[4] = 1.0 if self.signal is not None and self.signal.received else 0.0
+        limit = b.exit_duration_in_mins
+        stats[5] = 1.0 if limit and (time.time() - self.start_time) / 60.0 > limit else 0.0
+        if self.shape.device.type == "cuda":
+            stats = stats.cuda()
+        dist.all_reduce(stats)
+        return stats.cpu().tolist()
+
+    def _bad_ranks(self, local_bad: bool) -> list[int]:
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.float32, device=self.shape.device)
+        flags[dist.get_rank()] = 1.0 if local_bad else 0.0
+        dist.all_reduce(flags)
+        return [r for r, f in enumerate(flags.tolist()) if f > 0]
+
+    def train_step(self, data_iterator) -> _StepResult:
+        b, p = self.cfg.batch, self.cfg.parallel
+        self.optimizer.zero_grad()
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        totals = forward_backward(
+            forward_step=self.forward_step,
+            data_iterator=data_iterator,
+            model=self.model,
+            num_microbatches=b.num_microbatches,
+            shape=self.shape,
+            loss_scale=scale,
+            autocast=self.autocast,
+        )
+        if p.sequence_parallel:
+            allreduce_sequence_parallel_grads([self.model])
+        allreduce_tied_embedding_grads([self.model])
+        grads_ok = allreduce_data_parallel_grads(self.optimizer.params, scale=1.0 / scale)
+        grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad)
+        loss_ok = all(bool(torch.isfinite(v).all()) for v in totals.values())
+        stats = self._world_stats(totals, loss_ok, grads_ok)
+        loss = stats[0] / stats[1] if stats[1] > 0 else float("nan")
+        grad_finite = math.isfinite(grad_norm)
+        loss_finite = math.isfinite(loss) and stats[2] == 0
+        iteration = self.state.iteration + 1
+        stepped = False
+        if self.scaler is not None and loss_finite and not grad_finite:
+            # An FP16 overflow: halve the scale (after hysteresis) and skip the step.
+            self.scaler.update(True)
+            self.state.skipped_iterations += 1
+        elif b.check_for_nan_in_loss_and_grad and not (loss_finite and grad_finite):
+            self._nonfinite(iteration, loss, grad_norm, loss_ok, grads_ok, stats)
+            self.state.skipped_iterations += 1
+        else:
+            self.optimizer.step()
+            self.scheduler.step(increment=b.global_batch_size)
+            if self.scaler is not None:
+                self.scaler.update(False)
+            self.consecutive_nonfinite = 0
+            stepped = True
+        return _StepResult(loss, grad_norm, stepped, stats[4] > 0, stats[5] > 0)
+
+    def _nonfinite(self, iteration, loss, grad_norm, loss_ok, grads_ok, stats) -> None:
+        b = self.cfg.batch
+        self.state.nonfinite_iterations += 1
+        self.consecutive_nonfinite += 1
+        bad_loss = self._bad_ranks(not loss_ok) if stats[2] else []
+        bad_grad = self._bad_ranks(not grads_ok) if stats[3] else []
+        where = []
+        if bad_loss:
+            where.append(f"non-finite loss on rank(s) {bad_loss}")
+        if bad_grad:
+            where.append(f"non-finite gradients on rank(s) {bad_grad}")
+        message = f"iteration {iteration}: loss {loss} / grad norm {grad_norm} is not finite" + (
+            f" ({'; '.join(where)})" if where else ""
+        )
+        if not b.skip_nonfinite_steps:
+            raise NonFiniteError(
+                message + "; stopped without saving (--skip-nonfinite-steps skips such steps)"
+            )
+        if self.consecutive_nonfinite >= b.max_nonfinite_steps:
+            raise NonFiniteError(
+                message + f"; {self.consecutive_nonfinite} non-finite iterations in a row "
+                "(--max-nonfinite-steps), stopped"
+            )
+        if self.is_rank0:
+            logger.warning("%s; skipping the optimizer step", message)
+
+    # ---------------------------------------------------------------- validation
+
+    def evaluate(self, dataset, name: str = "validation") -> Optional[float]:
+        """Mean loss over the first --eval-iters global batches of `dataset` (the same samples
+        at every evaluation, so that validation curves compare like with like)."""
+        b = self.cfg.batch
+        if dataset is None or b.eval_iters == 0:
+            return None
+        loader = build_data_loader(
+            dataset,
+            0,
+            b.micro_batch_size,
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+            b.num_workers,
+        )
+        if loader is None or len(loader.batch_sampler) < b.eval_iters * b.num_microbatches:
+            if self.is_rank0:
+                logger.warning("%s set is smaller than --eval-iters global batches", name)
+            return None
+        iterator = iter(loader)
+        totals: dict[str, torch.Tensor] = {}
+        self.model.eval()
+        try:
+            for _ in range(b.eval_iters):
+                step = forward_backward(
+                    forward_step=self.forward_step,
+                    data_iterator=iterator,
+                    model=self.model,
+                    num_microbatches=b.num_microbatches,
+                    shape=self.shape,
+                    forward_only=True,
+                    autocast=self.autocast,
+                )
+                for key, value in step.items():
+                    totals[key] = totals[key] + value if key in totals else value
+        finally:
+            self.model.train()
+        stats = self._world_stats(totals, True, True)
+        return stats[0] / stats[1] if stats[1] > 0 else None
+
+    def log_evaluation(self, loss: Optional[float], name: str) -> None:
+        if loss is None or not self.is_rank0:
+            return
+        ppl = math.exp(min(20.0, loss))
+        it = self.state.iteration
+        line = (
+            f" {name} loss at iteration {it} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        )
+        bar = "-" * len(line)
+        logger.info("%s\n%s\n%s", bar, line, bar)
+        tag = "lm loss validation" if name == "validation" else f"lm loss {name}"
+        self.reporter.scalar(tag, loss, it)
+        self.reporter.scalar(f"{tag} ppl", ppl, it)
+        self.reporter.scalar(f"{tag} vs samples", loss, self.state.consumed_train_samples)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save(self) -> None:
+        ck = self.cfg.ckpt
+        if not ck.save or self.last_saved == self.state.iteration:
+            return
+        save_checkpoint(
+            ck.save,
+            self.state,
+            self.model,
+            None if ck.no_save_optim else self.optimizer,
+            self.scheduler,
+            self.scaler,
+            args_json=args_to_json(self.args),
+            save_rng=not ck.no_save_rng,
+            keep_last=ck.ckpt_keep_last,
+        )
+        self.last_saved = self.state.iteration
+
+    def load(self) -> None:
+        ck = self.cfg.ckpt
+        if not ck.load:
+            return
+        state = load_checkpoint(
+            ck.load,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            iteration=ck.ckpt_step,
+            load_optim=not ck.no_load_optim,
+            load_rng=not ck.no_load_rng,
+            finetune=ck.finetune,
+            strict_missing=ck.exit_on_missing_checkpoint or ck.ckpt_step is not None,
+        )
+        if state is not None:
+            self.state = state
+            if not ck.finetune:
+                self.last_saved = state.iteration if ck.load == ck.save else None
+
+    # ---------------------------------------------------------------- the loop
+
+    def train(self, train_ds, valid_ds) -> str:
+        """Train to --train-iters or an exit condition; return why it stopped."""
+        b, lg = self.cfg.batch, self.cfg.log
+        loader = build_data_loader(
+            train_ds,
+            self.state.consumed_train_samples,
+            b.micro_batch_size,
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+            b.num_workers,
+        )
+        if loader is None:
+            raise RuntimeError("no training data (the train split is empty)")
+        remaining = b.train_iters - self.state.iteration
+        needed = remaining * b.num_microbatches
+        if len(loader.batch_sampler) < needed:
+            raise RuntimeError(
+                f"the training set has {len(loader.batch_sampler)} micro-batches left for this "
+                f"rank but {needed} are needed; check --train-iters and the data split"
+            )
+        iterator = iter(loader)
+        self.model.train()
+        interval_start, interval_iters = time.time(), 0
+        grad_norms: list[float] = []
+        losses: list[float] = []
+        reason = "finished"
+        while self.state.iteration < b.train_iters:
+            step_start = time.time()
+            result = self.train_step(iterator)
+            self.state.iteration += 1
+            self.state.consumed_train_samples += b.global_batch_size
+            self.state.floating_point_operations_so_far += self.flops
+            it = self.state.iteration
+            interval_iters += 1
+            losses.append(result.loss)
+            grad_norms.append(result.grad_norm)
+            if it % lg.tensorboard_log_interval == 0:
+                self._tensorboard(result, it)
+            self._jsonl(result, it, time.time() - step_start)
+            if it % lg.log_interval == 0:
+                self._log_line(interval_start, interval_iters, losses, grad_norms)
+                interval_start, interval_iters = time.time(), 0
+                losses, grad_norms = [], []
+            if b.eval_iters and valid_ds is not None and it % b.eval_interval == 0:
+                self.log_evaluation(self.evaluate(valid_ds), "validation")
+            ck = self.cfg.ckpt
+            if ck.save_interval and it % ck.save_interval == 0:
+                self.save()
+            if result.signal:
+                reason = "signal"
+            elif result.timeout:
+                reason = "exit-duration"
+            elif b.exit_interval and it % b.exit_interval == 0:
+                reason = "exit-interval"
+            if reason != "finished":
+                if self.is_rank0:
+                    logger.info("exiting at iteration %d (%s)", it, reason)
+                self.save()
+                return reason
+        self.save()
+        return reason
+
+    def _jsonl(self, result: _StepResult, it: int, seconds: float) -> None:
+        path = self.cfg.log.log_jsonl
+        if not path or not self.is_rank0:
+            return
+        record = dict(
+            iteration=it,
+            consumed_samples=self.state.consumed_train_samples,
+            loss=result.loss,
+            grad_norm=result.grad_norm,
+            lr=self.optimizer.get_lr(),
+            stepped=result.stepped,
+            seconds=seconds,
+        )
+        with open(path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def _tensorboard(self, result: _StepResult, it: int) -> None:
+        r = self.reporter
+        r.scalar("lm loss", result.loss, it)
+        r.scalar("lm loss vs samples", result.loss, self.state.consumed_train_samples)
+        if math.isfinite(result.loss):
+            r.scalar("lm loss ppl", math.exp(min(20.0, result.loss)), it)
+        r.scalar("learning-rate", self.optimizer.get_lr(), it)
+        r.scalar("grad-norm", result.grad_norm, it)
+        if self.scaler is not None:
+            r.scalar("loss-scale", self.scaler.scale, it)
+
+    def _log_line(self, start: float, iters: int, losses, grad_norms) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = (time.time() - start) / max(iters, 1)
+        b = self.cfg.batch
+        world = dist.get_world_size()
+        tflops = self.flops / elapsed / world / 1e12
+        tokens = b.global_batch_size * b.seq_length / elapsed
+        finite = [x for x in losses if math.isfinite(x)]
+        values = dict(
+            iteration=self.state.iteration,
+            train_iters=b.train_iters,
+            consumed_samples=self.state.consumed_train_samples,
+            iteration_ms=1000 * elapsed,
+            tflops=tflops if (torch.cuda.is_available() or self.cfg.log.log_throughput) else None,
+            mfu=tflops / self.peak if self.peak else None,
+            tokens_per_sec=tokens,
+            lr=self.optimizer.get_lr(),
+            global_batch_size=b.global_batch_size,
+            loss=sum(finite) / len(finite) if finite else float("nan"),
+            loss_scale=self.scaler.scale if self.scaler is not None else None,
+            grad_norm=grad_norms[-1] if grad_norms else None,
+            skipped=self.state.skipped_iterations,
+            nonfinite=self.state.nonfinite_iterations,
+        )
+        if self.is_rank0:
+            logger.info(format_train_line(values))
+            it = self.state.iteration
+            self.reporter.scalar("iteration-time", elapsed, it)
+            self.reporter.scalar("throughput/tokens per second", tokens, it)
+            self.reporter.scalar("throughput/TFLOP per second per GPU", tflops, it)
+            if values["mfu"] is not None:
+                self.reporter.scalar("throughput/MFU", values["mfu"], it)
+            self.reporter.flush()
+
+
+def _count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters of the whole model (TP shards summed, replicas and the tied copy once)."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    total = 0
+    for param in model.parameters():
+        if getattr(param, "shared", False):
+            continue
+        if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+            total += param.numel()
+    count = torch.tensor([float(total)], dtype=torch.float64)
+    if torch.cuda.is_available():
+        count = count.cuda()
+    dist.all_reduce(count, group=parallel_state.get_model_parallel_group())
+    return int(count.item())
+
+
+def pretrain(
+    args: argparse.Namespace,
+    *,
+    model_provider: ModelProvider,
+    forward_step: ForwardStep,
+    datasets_provider: DatasetsProvider,
+) -> str:
+    """Initialise the process groups, build, load, train, validate, save; tear down.
+
+    Args:
+        args: flags from `megatron_ext.training.arguments.parse_args` (validated).
+        model_provider: `(pre_process, post_process) -> module` of this pipeline stage.
+        forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
+        datasets_provider: `[train, valid, test] sample counts -> (train, valid, test)`.
+
+    Returns:
+        why training stopped: "finished", "signal", "exit-duration" or "exit-interval".
+
+    Raises:
+        NonFiniteError: a NaN/inf loss or grad norm stopped the run (nothing was saved).
+    """
+    cfg = TrainingConfig.from_args(args)
+    p = cfg.parallel
+    initialize_parallel(
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.context_parallel_size,
+        backend=p.distributed_backend,
+        timeout_minutes=p.distributed_timeout_minutes,
+    )
+    trainer = None
+    try:
+        seed = cfg.batch.seed
+        random.seed(seed)
+        np.random.seed(seed)
+        set_random_seed(seed)
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            info = run_info()
+            logger.info("run: %s", ", ".join(f"{k}={v}" for k, v in info.items()))
+            logger.info(
+                "layout: world %d = TP %d x CP %d x PP %d x DP %d; backend %s",
+                dist.get_world_size(),
+                p.tensor_model_parallel_size,
+                p.context_parallel_size,
+                p.pipeline_model_parallel_size,
+                parallel_state.get_data_parallel_world_size(),
+                dist.get_backend(),
+            )
+            for key, value in sorted(args_to_json(args).items()):
+                logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
+        model = model_provider(
+            parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+        )
+        if torch.cuda.is_available():
+            model = model.cuda(torch.cuda.current_device())
+        num_params = _count_parameters(model)
+        trainer = _Trainer(cfg, args, model, forward_step)
+        if rank0:
+            logger.info("model parameters: %d (%.1fM)", num_params, num_params / 1e6)
+            trainer.reporter.text(
+                "config", "\n".join(f"    {k}: {v}" for k, v in sorted(args_to_json(args).items()))
+            )
+        trainer.load()
+        b = cfg.batch
+        num_samples = [
+            b.train_iters * b.global_batch_size,
+            b.eval_iters * b.global_batch_size,
+            b.eval_iters * b.global_batch_size,
+        ]
+        train_ds, valid_ds, test_ds = datasets_provider(num_samples)
+        if trainer.state.iteration >= b.train_iters:
+            if rank0:
+                logger.info("already trained %d iterations: nothing to do", trainer.state.iteration)
+            return "finished"
+        reason = trainer.train(train_ds, valid_ds)
+        if reason == "finished" and b.eval_iters:
+            trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
+            trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
+        return reason
+    finally:
+        if trainer is not None:
+            if trainer.signal is not None:
+                trainer.signal.release()
+            if trainer.is_rank0 and cfg.log.loss_curve:
+                curve = trainer.reporter.close(cfg.log.tensorboard_dir or cfg.ckpt.save)
+                if curve:
+                    logger.info("loss curve: %s", curve)
+            else:
+                trainer.reporter.close()
+        destroy_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

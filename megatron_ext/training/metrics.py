@@ -1,0 +1,206 @@
+"""What a run reports: Megatron-style log lines, TensorBoard scalars, model FLOPs and MFU,
+the run's provenance (git hash, package versions) and a loss-curve PNG at the end."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import math
+import os
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "flops_per_iteration",
+    "peak_tflops",
+    "run_info",
+    "format_train_line",
+    "Reporter",
+]
+
+# Dense BF16 tensor-core peaks (TFLOP/s) by GPU name fragment; --peak-tflops overrides.
+_PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A10G": 125.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "V100": 125.0,
+}
+
+
+def flops_per_iteration(
+    *,
+    global_batch_size: int,
+    seq_length: int,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    vocab_size: int,
+) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3 x forward), counted like
+    Megatron-LM: every GEMM of the SwiGLU/GQA backbone, full (non-causal) attention scores and
+    the output head. The input embedding is not counted (a lookup for the table arms; LEV's
+    generator is small next to the backbone), so MFU compares the backbone across arms."""
+    h, s = hidden_size, seq_length
+    kv = h * num_query_groups // num_attention_heads
+    per_token_layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 3 * h * ffn_hidden_size + 4 * s * h
+    per_token = num_layers * per_token_layer + 2 * h * vocab_size
+    return 3.0 * per_token * global_batch_size * s
+
+
+def peak_tflops(override: Optional[float] = None) -> Optional[float]:
+    """Per-device dense BF16 peak, or None on CPU / unknown GPUs."""
+    if override:
+        return override
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for fragment, value in _PEAK_BF16_TFLOPS.items():
+        if fragment in name:
+            return value
+    return None
+
+
+def _git_hash() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        )
+        if out.returncode == 0:
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def run_info() -> dict[str, str]:
+    """Provenance logged at the start of every run."""
+    info = {"git": _git_hash(), "python": platform.python_version(), "host": platform.node()}
+    for package in (
+        "torch",
+        "megatron-core",
+        "numpy",
+        "transformer-engine",
+        "megatron-ext-leviathan",
+    ):
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    info["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return info
+
+
+def format_train_line(values: dict) -> str:
+    """Megatron-LM's training log line (fields it does not know are appended)."""
+    parts = [
+        f" iteration {values['iteration']:8d}/{values['train_iters']:8d}",
+        f"consumed samples: {values['consumed_samples']:12d}",
+        f"elapsed time per iteration (ms): {values['iteration_ms']:.1f}",
+    ]
+    if values.get("tflops") is not None:
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {values['tflops']:.1f}")
+    if values.get("mfu") is not None:
+        parts.append(f"MFU: {100 * values['mfu']:.1f}%")
+    parts += [
+        f"tokens per second: {values['tokens_per_sec']:.0f}",
+        f"learning rate: {values['lr']:.6E}",
+        f"global batch size: {values['global_batch_size']:5d}",
+    ]
+    if values.get("loss") is not None:
+        parts.append(f"lm loss: {values['loss']:.6E}")
+    if values.get("loss_scale") is not None:
+        parts.append(f"loss scale: {values['loss_scale']:.1f}")
+    if values.get("grad_norm") is not None:
+        parts.append(f"grad norm: {values['grad_norm']:.3f}")
+    parts += [
+        f"number of skipped iterations: {values['skipped']:3d}",
+        f"number of nan iterations: {values['nonfinite']:3d}",
+    ]
+    return " | ".join(parts) + " |"
+
+
+@dataclass
+class Reporter:
+    """Rank 0's TensorBoard writer and the in-memory history for the loss-curve PNG."""
+
+    tensorboard_dir: Optional[str] = None
+    queue_size: int = 1000
+    enabled: bool = True
+    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.writer = None
+        if self.enabled and self.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=self.tensorboard_dir, max_queue=self.queue_size)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if not self.enabled or value is None or not math.isfinite(value):
+            return
+        self.history.setdefault(tag, []).append((step, float(value)))
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, step)
+
+    def text(self, tag: str, text: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self, curve_dir: Optional[str] = None) -> Optional[str]:
+        """Close the writer; write loss_curve.png into `curve_dir` (if any) and return it."""
+        path = None
+        if self.enabled and curve_dir and self.history.get("lm loss"):
+            path = self._plot(curve_dir)
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        return path
+
+    def _plot(self, directory: str) -> Optional[str]:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:  # pragma: no cover
+            return None
+        os.makedirs(directory, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for tag, label in (("lm loss", "train"), ("lm loss validation", "validation")):
+            points = self.history.get(tag)
+            if points:
+                ax.plot(*zip(*points), label=label, marker="." if len(points) < 50 else None)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("lm loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = os.path.join(directory, "loss_curve.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path

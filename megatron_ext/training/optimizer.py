@@ -1,0 +1,286 @@
+"""AdamW with Megatron's parameter groups, optional ZeRO-1, data-parallel gradient sync,
+grad-norm clipping that counts tensor-parallel duplicates once, and FP16 loss scaling.
+
+Everything here runs on gloo (CPU) and NCCL (GPU) alike:
+
+- `build_optimizer`: torch's AdamW over two groups (weight decay / none), or, with
+  `--use-distributed-optimizer`, torch's `ZeroRedundancyOptimizer` over the data-parallel group:
+  each DP rank keeps Adam states for its share of the parameters, steps them, and broadcasts
+  the new values (ZeRO stage 1).
+- `allreduce_data_parallel_grads`: a bucketed all-reduce of the gradients over the data-parallel
+  (x context-parallel) group, averaging them as Megatron does, after all micro-batches.
+- `clip_grad_norm`: the global L2 norm over all ranks: tensor-parallel shards summed over TP,
+  replicated parameters counted once, the last pipeline stage's copy of a tied embedding not at
+  all, then summed over pipeline stages.
+
+Precision: parameters, gradients and Adam states are float32 everywhere; --bf16 / --fp16 run
+the forward and backward under autocast (see `precision.py`), so the optimizer never sees a
+low-precision master weight and DP reduction is in float32, as Megatron's default
+(--accumulate-allreduce-grads-in-fp32) with BF16.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron_ext.training.arguments import OptimizerConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Optimizer",
+    "build_optimizer",
+    "build_scheduler",
+    "param_groups",
+    "allreduce_data_parallel_grads",
+    "clip_grad_norm",
+    "LossScaler",
+]
+
+_BUCKET_NUMEL = 40_000_000
+
+
+def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Megatron's rule (biases and 1-D parameters) plus any normalisation parameter, such as
+    LEV's per-head seed_norm_weight/bias, which are 2-D."""
+    leaf = name.rsplit(".", 1)[-1]
+    return param.dim() <= 1 or leaf.endswith("bias") or "norm" in leaf
+
+
+def param_groups(model: torch.nn.Module) -> list[dict]:
+    """Two AdamW groups: decayed (wd_mult 1) and not decayed (wd_mult 0); empty groups kept
+    so that every rank has the same group structure (the scheduler walks them)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if _no_weight_decay(name, param) else decay).append(param)
+    return [
+        {"params": decay, "wd_mult": 1.0, "name": "decay"},
+        {"params": no_decay, "wd_mult": 0.0, "name": "no_decay"},
+    ]
+
+
+class Optimizer:
+    """AdamW (plain or ZeRO-1) plus the bookkeeping the loop and checkpoints need.
+
+    `param_groups` is what megatron's OptimizerParamScheduler writes lr/weight_decay into;
+    `owned_state()` and `set_state()` expose the per-parameter Adam states this rank keeps
+    (all of them, or its ZeRO share), keyed by the parameter tensor.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, zero_group=None) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        groups = param_groups(model)
+        kwargs = dict(
+            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=0.0
+        )
+        self.distributed = zero_group is not None
+        if self.distributed:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            # ZeroRedundancyOptimizer drops empty groups at construction; keep only filled ones
+            # (the no-decay group always has the norm weights).
+            groups = [g for g in groups if g["params"]]
+            self.inner = ZeroRedundancyOptimizer(
+                groups,
+                optimizer_class=torch.optim.AdamW,
+                process_group=zero_group,
+                parameters_as_bucket_view=False,
+                **kwargs,
+            )
+        else:
+            self.inner = torch.optim.AdamW(groups, **kwargs)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def _local(self) -> torch.optim.Optimizer:
+        return self.inner.optim if self.distributed else self.inner
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether this rank keeps (and updates) `param`'s Adam state."""
+        if not self.distributed:
+            return True
+        return any(param is p for g in self._local.param_groups for p in g["params"])
+
+    def owned_state(self) -> dict[torch.Tensor, dict]:
+        return {p: s for p, s in self._local.state.items() if s}
+
+    def set_state(self, param: torch.Tensor, state: dict) -> None:
+        self._local.state[param] = state
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def get_lr(self) -> float:
+        return self.param_groups[0]["lr"]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, distributed: bool) -> Optimizer:
+    """AdamW; ZeRO-1 over the data-parallel (x context-parallel) group when `distributed`."""
+    group = None
+    if distributed:
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return Optimizer(model, cfg, zero_group=group)
+
+
+def build_scheduler(optimizer: Optimizer, cfg: OptimizerConfig):
+    """megatron-core's OptimizerParamScheduler (Megatron-LM's exact schedule, in samples)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=cfg.lr_warmup_init,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=cfg.lr_decay_steps,
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.start_weight_decay,
+        end_wd=cfg.end_weight_decay,
+        wd_incr_steps=cfg.wd_incr_steps,
+        wd_incr_style=cfg.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=cfg.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=cfg.override_opt_param_scheduler,
+        wsd_decay_steps=cfg.lr_wsd_decay_steps,
+        lr_wsd_decay_style=cfg.lr_wsd_decay_style,
+    )
+
+
+def _buckets(grads: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+    bucket, numel = [], 0
+    for grad in grads:
+        if bucket and (numel + grad.numel() > _BUCKET_NUMEL or grad.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, numel = [], 0
+        bucket.append(grad)
+        numel += grad.numel()
+    if bucket:
+        yield bucket
+
+
+def allreduce_data_parallel_grads(
+    params: list[torch.Tensor], group=None, scale: float = 1.0
+) -> bool:
+    """Average gradients over the data-parallel group (times `scale`, e.g. 1/loss-scale).
+
+    Missing gradients become zeros first, so that every rank reduces (and the optimizer steps)
+    the same set. Buckets are all-reduced asynchronously, a few at a time in flight.
+
+    Returns:
+        whether this rank's own gradients were all finite before the reduction (used to name
+        the rank that produced a NaN/inf).
+    """
+    group = group or parallel_state.get_data_parallel_group(with_context_parallel=True)
+    size = dist.get_world_size(group)
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [p.grad for p in params]
+    factor = scale / size
+    finite = True
+    pending = []
+    for bucket in _buckets(grads):
+        flat = _flatten_dense_tensors(bucket)
+        finite = finite and bool(torch.isfinite(flat).all())
+        if factor != 1.0:
+            flat.mul_(factor)
+        work = dist.all_reduce(flat, group=group, async_op=True) if size > 1 else None
+        pending.append((work, flat, bucket))
+    for work, flat, bucket in pending:
+        if work is not None:
+            work.wait()
+        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(synced)
+    return finite
+
+
+def _counts_for_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    if getattr(param, "shared", False):
+        return False  # the last stage's copy of a tied embedding (the first stage counts it)
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> float:
+    """Global gradient L2 norm across TP and PP (grads already identical across DP); scale
+    the gradients down to `max_norm` when it is exceeded (0 disables clipping).
+
+    Returns:
+        the norm before clipping (nan/inf if any gradient is not finite; nothing is scaled).
+    """
+    group = group or parallel_state.get_model_parallel_group()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    grads = [p.grad for p in params if p.grad is not None and _counts_for_norm(p, tp_rank)]
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    if grads:
+        norms = torch._foreach_norm(grads, 2.0)
+        total += torch.stack([n.double() for n in norms]).square().sum()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    norm = math.sqrt(total.item()) if math.isfinite(total.item()) else float(total.item())
+    if max_norm > 0 and math.isfinite(norm):
+        coeff = max_norm / (norm + 1e-6)
+        if coeff < 1.0:
+            all_grads = [p.grad for p in params if p.grad is not None]
+            torch._foreach_mul_(all_grads, coeff)
+    return norm
+
+
+class LossScaler:
+    """FP16 loss scaling: static (`--loss-scale`) or dynamic as in Megatron-LM (halve after
+    `hysteresis` overflowing steps, double after `window` clean ones, never below `min_scale`)."""
+
+    def __init__(
+        self,
+        static_scale: Optional[float] = None,
+        initial_scale: float = 2.0**32,
+        min_scale: float = 1.0,
+        window: int = 1000,
+        hysteresis: int = 2,
+    ) -> None:
+        self.dynamic = static_scale is None
+        self.scale = float(static_scale if static_scale is not None else initial_scale)
+        self.min_scale, self.window, self.hysteresis = min_scale, window, hysteresis
+        self._clean_steps, self._hysteresis_left = 0, hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            return
+        if found_inf:
+            self._clean_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+        else:
+            self._clean_steps += 1
+            if self._clean_steps % self.window == 0:
+                self.scale *= 2.0
+                self._hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {
+            "scale": self.scale,
+            "clean_steps": self._clean_steps,
+            "hysteresis_left": self._hysteresis_left,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.dynamic:
+            self.scale = float(state["scale"])
+            self._clean_steps = int(state["clean_steps"])
+            self._hysteresis_left = int(state["hysteresis_left"])

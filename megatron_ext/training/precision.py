@@ -1,0 +1,63 @@
+"""Mixed precision of the portable training path.
+
+DECISION: parameters, gradients and optimizer states stay float32 on CPU and GPU alike;
+--bf16 / --fp16 run forward and backward under `torch.autocast` (matmuls in the low precision,
+reductions and norms in float32), and --fp8-format adds Transformer Engine's `fp8_autocast`
+(DelayedScaling, HYBRID = E4M3 forward / E5M2 backward) around the forward on CUDA. This keeps
+one code path for CPU and GPU, needs no separate master copy (the fp32 weights are the master),
+and reduces gradients in fp32 across data-parallel ranks. The model is therefore built with
+`bf16=False, fp16=False` (fp32 params); `ModelConfig.replace` does that in the entry script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+
+from megatron_ext.training.arguments import BatchConfig
+
+__all__ = ["autocast_factory", "pipeline_dtype"]
+
+
+def _fp8_context(fmt: str) -> Callable[[], ContextManager]:
+    try:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import DelayedScaling, Format
+    except ImportError as error:  # pragma: no cover - GPU only
+        raise RuntimeError(
+            "--fp8-format needs Transformer Engine (pip install 'megatron-ext-leviathan[gpu]')"
+        ) from error
+    recipe = DelayedScaling(
+        fp8_format=Format.HYBRID if fmt == "hybrid" else Format.E4M3,
+        amax_history_len=1024,
+        amax_compute_algo="max",
+    )
+    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # pragma: no cover
+
+
+def autocast_factory(cfg: BatchConfig) -> Callable[[], ContextManager]:
+    """A zero-argument callable returning the forward's precision context."""
+    if not (cfg.bf16 or cfg.fp16):
+        return contextlib.nullcontext
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float16
+    fp8 = _fp8_context(cfg.fp8_format) if cfg.fp8_format else None
+
+    @contextlib.contextmanager
+    def context():
+        with torch.autocast(device_type=device, dtype=dtype):
+            if fp8 is None:
+                yield
+            else:  # pragma: no cover - GPU only
+                with fp8():
+                    yield
+
+    return context
+
+
+def pipeline_dtype(cfg: BatchConfig) -> torch.dtype:
+    """dtype of activations sent between pipeline stages: float32, so that a pipelined run
+    computes exactly what a single-stage run does (the residual stream is fp32 under autocast)."""
+    return torch.float32

@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Pretrain Leviathan models and the paper's baselines with Megatron-LM's flags.
+
+    torchrun --nproc-per-node 8 pretrain_leviathan.py \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel \\
+        --model-size 400m --embedding-type lev --seq-length 512 \\
+        --micro-batch-size 8 --global-batch-size 512 --train-iters 20000 \\
+        --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-fraction 0.01 \\
+        --bf16 --data-path data/pile_text_document --tokenizer-type TikTokenizer \\
+        --tokenizer-model o200k_base.tiktoken --save ckpt --load ckpt --save-interval 1000
+
+Like Megatron-LM's pretrain_gpt.py this file only supplies the model provider, the forward
+step and the datasets provider; `megatron_ext.training.pretrain` runs the loop.
+Exit codes: 0 trained (or left cleanly on --exit-* / SIGTERM), 1 non-finite loss or grad norm,
+2 bad flags or data.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+logger = logging.getLogger("pretrain_leviathan")
+
+
+def model_provider(model_config, pre_process: bool = True, post_process: bool = True):
+    """This pipeline stage of the model (input embedding on the first, head on the last)."""
+    from megatron_ext.models import build_model
+
+    return build_model(model_config, pre_process=pre_process, post_process=post_process)
+
+
+def _on_this_cp_rank(batch: dict) -> dict:
+    """Megatron's load-balanced context-parallel split: the sequence is cut into 2*cp chunks
+    and CP rank r keeps chunks r and 2*cp-1-r (causal attention work is then even)."""
+    from megatron.core import parallel_state
+
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return batch
+    rank = parallel_state.get_context_parallel_rank()
+    index = torch.tensor([rank, 2 * cp - rank - 1])
+    out = {}
+    for key, value in batch.items():
+        if value is None or key == "attention_mask":
+            out[key] = value
+            continue
+        chunks = value.view(value.size(0), 2 * cp, value.size(1) // (2 * cp), *value.shape[2:])
+        out[key] = chunks.index_select(1, index.to(value.device)).flatten(1, 2)
+    return out
+
+
+def get_batch(data_iterator, use_attention_mask: bool = False) -> dict:
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    out = {k: batch[k].to(device, non_blocking=True) for k in keys}
+    mask = batch.get("attention_mask") if use_attention_mask else None
+    out["attention_mask"] = mask.to(device) if mask is not None else None
+    return _on_this_cp_rank(out)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean next-token loss over the unmasked tokens of the micro-batch.
+
+    Returns the loss to backpropagate and {"lm loss": [sum, count]} for reporting. Under
+    context parallelism each rank holds part of the sequence: the token count is summed across
+    CP and the loss multiplied by the CP size, since gradients are averaged over DP x CP.
+    """
+    from megatron.core import parallel_state
+
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    total = torch.sum(losses * mask)
+    count = mask.sum()
+    stats = torch.stack([total.detach(), count])
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        torch.distributed.all_reduce(stats, group=parallel_state.get_context_parallel_group())
+        return total * cp / stats[1].clamp(min=1.0), {
+            "lm loss": torch.stack([total.detach(), count])
+        }
+    return total / count.clamp(min=1.0), {"lm loss": stats}
+
+
+def forward_step(data_iterator, model, use_attention_mask: bool = False):
+    """Megatron's forward-step contract: (output tensor, loss function of it)."""
+    batch = get_batch(data_iterator, use_attention_mask)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def datasets_provider(data_config, tokenizer, num_samples: Sequence[int]):
+    """(train, valid, test) GPT datasets with `num_samples` samples each."""
+    from megatron_ext.data.loading import build_train_valid_test_datasets
+
+    return build_train_valid_test_datasets(data_config, tokenizer, num_samples)
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        stream=sys.stdout,
+        format="[%(asctime)s] %(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+
+
+def _error(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    _setup_logging()
+    from megatron_ext.data.readers import DataError
+    from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
+    from megatron_ext.models import model_config_from_args
+    from megatron_ext.training import NonFiniteError, parse_args, pretrain
+    from megatron_ext.training.checkpointing import CheckpointError
+
+    try:
+        args = parse_args(argv)
+        if args.tokenizer_type is None:
+            raise ValueError(
+                "--tokenizer-type is required (e.g. SentencePieceTokenizer with "
+                "--tokenizer-model, or NullTokenizer with --vocab-size)"
+            )
+        tokenizer = build_tokenizer(
+            args.tokenizer_type,
+            args.tokenizer_model,
+            vocab_size=args.vocab_size,
+            tiktoken_pattern=args.tiktoken_pattern,
+        )
+        vocab = padded_vocab_size(
+            tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        )
+        # fp32 master weights; --bf16/--fp16 run under autocast (megatron_ext/training/precision.py)
+        model_config = model_config_from_args(args, vocab).replace(bf16=False, fp16=False)
+        from megatron_ext.data.loading import DataConfig
+
+        data_config = DataConfig.from_args(args)
+    except (ValueError, DataError, TokenizerError) as error:
+        _error(str(error))
+        return 2
+    try:
+        reason = pretrain(
+            args,
+            model_provider=functools.partial(model_provider, model_config),
+            forward_step=functools.partial(
+                forward_step, use_attention_mask=args.reset_attention_mask
+            ),
+            datasets_provider=functools.partial(datasets_provider, data_config, tokenizer),
+        )
+    except NonFiniteError as error:
+        _error(str(error))
+        return 1
+    except (DataError, TokenizerError, CheckpointError) as error:
+        _error(str(error))
+        return 2
+    logger.info("done (%s)", reason)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
