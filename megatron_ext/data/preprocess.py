@@ -241,6 +241,7 @@ def encode_chunk(
     result.lines = len(lines)
     texts: dict[str, list[str]] = {key: [] for key in json_keys}
     groups: list[Optional[str]] = []
+    line_numbers: list[int] = []
     for offset, raw in enumerate(lines):
         if not raw.strip():
             continue
@@ -284,10 +285,19 @@ def encode_chunk(
         for key, value in zip(json_keys, values):
             texts[key].append(value)
         groups.append(group)
+        line_numbers.append(line_number)
 
-    encoded = {key: _encode_checked(tokenizer, texts[key]) for key in json_keys}
-    keep = [all(len(encoded[key][i]) for key in json_keys) for i in range(len(groups))]
-    result.empty += keep.count(False)
+    failed: set[int] = set()
+    encoded = {}
+    for key in json_keys:
+        encoded[key] = _encode_checked(tokenizer, texts[key], failed)
+    for i in sorted(failed):
+        result.bad.append((line_numbers[i], "tokenizer cannot encode the text"))
+    keep = [
+        i not in failed and all(len(encoded[key][i]) for key in json_keys)
+        for i in range(len(groups))
+    ]
+    result.empty += keep.count(False) - len(failed)
     eod = tokenizer.eod if append_eod else None
     order: dict[Optional[str], list[int]] = {}
     for i, group in enumerate(groups):
@@ -301,11 +311,22 @@ def encode_chunk(
     return result
 
 
-def _encode_checked(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+def _encode_checked(tokenizer: Tokenizer, texts: list[str], failed: set[int]) -> list[list[int]]:
+    """Batch-encode; if the batch fails (a NullTokenizer text that is not ids), encode one by
+    one and record the indices of the texts that fail in ``failed``."""
     if not texts:
         return []
-    ids = tokenizer.encode_batch(texts)
-    return [list(doc) for doc in ids]
+    try:
+        return [list(doc) for doc in tokenizer.encode_batch(texts)]
+    except TokenizerError:
+        out: list[list[int]] = []
+        for i, text in enumerate(texts):
+            try:
+                out.append(list(tokenizer.tokenize(text)))
+            except TokenizerError:
+                failed.add(i)
+                out.append([])
+        return out
 
 
 def _worker_encode(task: tuple[bytes, int]) -> ChunkResult:

@@ -164,6 +164,8 @@ def train_sentencepiece(config: TokenizerTrainingConfig) -> str:
     directory = os.path.dirname(os.path.abspath(config.model_prefix))
     os.makedirs(directory, exist_ok=True)
     tmp_prefix = config.model_prefix + ".tmp"
+    # SentencePiece's own randomness (unigram seeding, sampling) is seeded process-wide.
+    sentencepiece.set_random_generator_seed(config.seed)
     try:
         sentencepiece.SentencePieceTrainer.Train(
             sentence_iterator=iter(sentences),
