@@ -121,7 +121,7 @@ def test_generators_are_deterministic(tmp_path):
     for name in ("t1", "t2"):
         config = TokenizerTrainingConfig(
             input=[a["train/00"]],
-            model_prefix=str(tmp_path / name),
+            model_prefix=str(tmp_path / name / "tok"),
             vocab_size=400,
             model_type="unigram",
             input_sentence_size=500,
