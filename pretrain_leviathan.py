@@ -161,6 +161,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 forward_step, use_attention_mask=args.reset_attention_mask
             ),
             datasets_provider=functools.partial(datasets_provider, data_config, tokenizer),
+            full_model_provider=functools.partial(
+                model_provider, model_config.replace(pipeline_model_parallel_size=1)
+            ),
         )
     except NonFiniteError as error:
         _error(str(error))

@@ -32,6 +32,7 @@ from megatron_ext.training.arguments import TrainingConfig, args_to_json
 from megatron_ext.training.checkpointing import (
     TrainState,
     load_checkpoint,
+    read_latest_iteration,
     save_checkpoint,
 )
 from megatron_ext.training.data import build_data_loader
@@ -39,6 +40,7 @@ from megatron_ext.training.finalize_grads import (
     allreduce_sequence_parallel_grads,
     allreduce_tied_embedding_grads,
 )
+from megatron_ext.training.initialization import initialize_like_single_stage
 from megatron_ext.training.metrics import (
     Reporter,
     flops_per_iteration,
@@ -481,6 +483,7 @@ def pretrain(
     model_provider: ModelProvider,
     forward_step: ForwardStep,
     datasets_provider: DatasetsProvider,
+    full_model_provider: Optional[Callable[[], torch.nn.Module]] = None,
 ) -> str:
     """Initialise the process groups, build, load, train, validate, save; tear down.
 
@@ -489,6 +492,9 @@ def pretrain(
         model_provider: `(pre_process, post_process) -> module` of this pipeline stage.
         forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
         datasets_provider: `[train, valid, test] sample counts -> (train, valid, test)`.
+        full_model_provider: builds the whole model as a single pipeline stage; under pipeline
+            parallelism a fresh run copies its initial weights from it, so that PP>1 starts
+            from the same weights as PP=1 (see `initialization.py`).
 
     Returns:
         why training stopped: "finished", "signal", "exit-duration" or "exit-interval".
@@ -529,6 +535,12 @@ def pretrain(
         model = model_provider(
             parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
         )
+        ck = cfg.ckpt
+        resuming = bool(ck.load) and (
+            ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
+        )
+        if p.pipeline_model_parallel_size > 1 and full_model_provider and not resuming:
+            initialize_like_single_stage(model, full_model_provider, seed)
         if torch.cuda.is_available():
             model = model.cuda(torch.cuda.current_device())
         num_params = _count_parameters(model)

@@ -1,0 +1,62 @@
+"""Layout-invariant initial weights under pipeline parallelism.
+
+With `use_cpu_initialization` megatron draws every weight's full master tensor from the CPU
+generator in construction order, so any TP size gets the same model. Pipeline stages break this:
+stage 1 constructs layers L/2.. first, from a different point of the stream (and Megatron also
+offsets the seed by the pipeline rank). So a PP=2 run would start from different weights than a
+PP=1 run with the same --seed. `initialize_like_single_stage` rebuilds the whole model as one
+stage from --seed (every rank of a stage does this, on its own TP shards) and copies this stage's
+parameters from it by global name; the RNG state is then put back, so dropout streams keep
+Megatron's per-stage offsets. Cost: one extra construction of the whole model per rank at start.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from megatron_ext.models.full_state_dict import global_param_name
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["initialize_like_single_stage"]
+
+
+def _is_tied_copy(model: torch.nn.Module, name: str) -> bool:
+    return (
+        name == "output_layer.weight"
+        and getattr(model, "share_embeddings_and_output_weights", False)
+        and not getattr(model, "pre_process", True)
+    )
+
+
+@torch.no_grad()
+def initialize_like_single_stage(
+    stage_model: torch.nn.Module, full_model_provider: Callable[[], torch.nn.Module], seed: int
+) -> None:
+    """Overwrite `stage_model`'s parameters with those of the whole model built from `seed`."""
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    try:
+        torch.manual_seed(seed)
+        full_model = full_model_provider()
+        full = dict(full_model.named_parameters())
+        for name, param in stage_model.named_parameters():
+            key = (
+                "embedding.word_embeddings.weight"
+                if _is_tied_copy(stage_model, name)
+                else global_param_name(stage_model, name)
+            )
+            source = full.get(key)
+            if source is None or source.shape != param.shape:
+                raise RuntimeError(
+                    f"single-stage twin has no parameter {key} of shape {tuple(param.shape)}"
+                )
+            param.copy_(source.to(param.device))
+        del full, full_model
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
