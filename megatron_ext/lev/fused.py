@@ -6,32 +6,38 @@
 the same function but saves only its input z [N, d_in] and its output M [N, h, r], i.e.
 O(N * (d_in + h*r)) memory, and recomputes the rest chunk by chunk in backward.
 
-Forward, per chunk of ids (all heads at once, layout [h, d, n, .] so that the spline evaluation
+Forward, per chunk of n ids (all heads at once, layout [h, d, n, .] so that the spline evaluation
 is one batched matmul per (head, coordinate))::
 
-    t = sigmoid(LN(z W^T) / tau)                  [h, n, d]       (lev.math.seed_to_t)
-    B = basis(t)                                  [h, d, n, kappa] (lev.math.bspline_basis)
+    t = sigmoid(LN(z W^T) / tau)                  [h, n, d]        (lev.math.seed_to_t)
+    B = basis(t)                                  [h, d, n, kappa] (3 non-zeros per row)
     phi = B @ (1 + Delta)                         [h, d, n, r]
-    x = phi + copysign(eps, phi) = sign(phi) (|phi| + eps)
-    M = prod_d x = sign * exp(sum_d log(|phi| + eps))
+    M = (-1)^(#phi < 0) * prod_d (|phi| + eps)    [h, n, r]
 
-The last line is the spec's formula exactly (the product of the x's has the sign
-(-1)^(#negative phi) and magnitude prod(|phi| + eps)); it is evaluated by multiplying groups of
-G coordinates before taking one log per group, which cuts the transcendental work G-fold. G is
-chosen so that no partial product of G factors (each >= eps in magnitude) can underflow; a
-partial product that overflows (|phi| > ~4e9 in float32) sends the chunk to the plain
-log-sum form, so the result never depends on the grouping beyond rounding.
+The last line is the spec's sign * exp(sum_d log(|phi| + eps)); the product is evaluated by
+multiplying groups of G coordinates before one log per group, which cuts the transcendental work
+G-fold. G is chosen so that no product of G factors (each >= eps) can underflow; if one
+overflows (|phi| > ~4e9 in float32) the chunk falls back to one log per factor, so the result
+never depends on the grouping beyond rounding.
 
-Backward, per chunk: with G_M = dL/dM * M,
+The basis is built from the three non-zero values per coordinate (nearest knot c = round(s),
+s = (kappa-1) t, f = s - c: B_{c-1} = (1/2 - f)^2 / 2, B_c = 3/4 - f^2, B_{c+1} = (1/2 + f)^2 / 2,
+knots outside [0, kappa-1] dropped, then renormalised), scattered into a dense [.., kappa] row
+for the matmul. It equals `lev.math.bspline_basis` (the spec's definition) up to rounding.
+
+Backward, per chunk: with G_M = dL/dM * M and x = phi + copysign(eps, phi) = sign(phi)(|phi|+eps),
 
     dL/dphi[l, d, n, rho] = G_M[l, n, rho] * sign(phi) / (|phi| + eps) = G_M / x
     dL/dDelta[l, d]       = B[l, d]^T @ dL/dphi[l, d]      (batched matmul)
     dL/dB[l, d]           = dL/dphi[l, d] @ (1 + Delta[l, d])^T
 
-and dL/dB is pushed through the (cheap) basis, sigmoid, LayerNorm and seed projection by a local
-autograd graph that is rebuilt for the chunk and freed right away. At phi == 0 exactly (never
-seen in practice: it needs an exact cancellation) the gradient uses x = +eps, the one-sided
-derivative, where autograd through |phi| would give 0.
+dL/dB goes through the three basis values analytically to dL/dt, and from t through the
+(cheap) sigmoid, LayerNorm and seed projection by a local autograd graph rebuilt for the chunk.
+At phi == 0 exactly (an exact cancellation, never seen in practice) the gradient uses
+x = +eps, the one-sided derivative, where autograd through |phi| would give 0.
+
+Large temporaries live in per-call workspaces reused by every chunk: on CPU, allocating fresh
+multi-megabyte tensors per op costs more (page faults) than the arithmetic.
 """
 
 from __future__ import annotations
@@ -44,11 +50,18 @@ import torch
 
 from megatron_ext.lev import math as lev_math
 
-__all__ = ["FusedOptions", "fused_lev_modes", "default_chunk_size"]
+__all__ = [
+    "FusedOptions",
+    "fused_lev_modes",
+    "default_chunk_size",
+    "group_size",
+    "fast_bspline_basis",
+    "separable_product_from_phi",
+]
 
-# Spline values per chunk when the chunk size is automatic: h*d*r*n of them (32 MiB in float32)
-# keeps a chunk's working set near L3 and makes the Python loop overhead negligible.
-_AUTO_CHUNK_ELEMENTS = 1 << 23
+# Spline values per chunk when the chunk size is automatic: h*d*r*n of them. 2M (8 MiB in
+# float32) keeps a chunk's working set in the last-level cache; measured best on CPU.
+_AUTO_CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,7 @@ class FusedOptions:
 
 
 def default_chunk_size(num_heads: int, seed_dim: int, rank: int) -> int:
-    """Ids per chunk so that one chunk's spline values hold about 8M numbers."""
+    """Ids per chunk so that one chunk's spline values hold about 2M numbers."""
     return max(1, _AUTO_CHUNK_ELEMENTS // (num_heads * seed_dim * rank))
 
 
@@ -75,56 +88,157 @@ def group_size(dtype: torch.dtype, eps: float) -> int:
     return max(1, min(8, int(math.log(torch.finfo(dtype).tiny) / math.log(eps))))
 
 
-def _signed_factors(phi: torch.Tensor, eps: float) -> torch.Tensor:
-    """x = phi + copysign(eps, phi) = sign(phi) * (|phi| + eps), in place on `phi`."""
-    return phi.add_(torch.copysign(phi.new_tensor(eps), phi))
+def _prefix(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous [shape] view on the start of a flat workspace buffer."""
+    return buffer[: math.prod(shape)].view(shape)
+
+
+# ----------------------------------------------------------------------------- basis
+
+
+@dataclass
+class _BasisParts:
+    """The three non-zero basis values per coordinate and what their derivative needs."""
+
+    index: torch.Tensor  # [..., 3] knot indices c-1, c, c+1 (clamped into range; int64)
+    values: torch.Tensor  # [..., 3] basis values (normalised if asked; 0 for dropped knots)
+    slopes: torch.Tensor  # [..., 3] d(unnormalised value)/ds (0 for dropped knots)
+    total: Optional[torch.Tensor]  # [..., 1] sum of unnormalised values (None: not normalised)
+
+
+def _basis_parts(t: torch.Tensor, num_knots: int, normalize: bool) -> _BasisParts:
+    s = t * (num_knots - 1)
+    nearest = torch.floor(s + 0.5)
+    f = (s - nearest).unsqueeze(-1)
+    half_minus, half_plus = 0.5 - f, 0.5 + f
+    values = torch.cat([0.5 * half_minus.square(), 0.75 - f.square(), 0.5 * half_plus.square()], -1)
+    slopes = torch.cat([-half_minus, -2.0 * f, half_plus], dim=-1)
+    c = nearest.long().unsqueeze(-1)
+    index = c + torch.arange(-1, 2, device=t.device)
+    # Knots -1 and kappa do not exist: their basis functions are dropped (the missing mass is
+    # what normalisation restores).
+    keep = ((index >= 0) & (index < num_knots)).to(values.dtype)
+    values.mul_(keep)
+    slopes.mul_(keep)
+    index.clamp_(0, num_knots - 1)
+    total = None
+    if normalize:
+        total = values.sum(dim=-1, keepdim=True)
+        values = values / total
+    return _BasisParts(index=index, values=values, slopes=slopes, total=total)
+
+
+def _dense_basis(parts: _BasisParts, num_knots: int, out: torch.Tensor) -> torch.Tensor:
+    """Scatter the three values into a dense [..., kappa] row (`out` is overwritten)."""
+    out.zero_()
+    # scatter_add: a dropped knot's clamped index may coincide with a kept one; it adds 0.
+    return out.scatter_add_(-1, parts.index, parts.values)
+
+
+def _basis_backward(grad_basis: torch.Tensor, parts: _BasisParts, num_knots: int) -> torch.Tensor:
+    """dL/dt from dL/dB [..., kappa] through the three non-zero basis values."""
+    g = torch.gather(grad_basis, -1, parts.index)  # [..., 3]
+    grad_s = (g * parts.slopes).sum(-1)
+    if parts.total is not None:
+        # B_j = w_j / T:  dB_j/ds = (w'_j - B_j T') / T.
+        total_slope = parts.slopes.sum(-1)
+        grad_s = (grad_s - total_slope * (g * parts.values).sum(-1)) / parts.total.squeeze(-1)
+    return grad_s * (num_knots - 1)
+
+
+def fast_bspline_basis(t: torch.Tensor, num_knots: int, normalize: bool = True) -> torch.Tensor:
+    """The basis of `lev.math.bspline_basis` from its three non-zero values (no autograd).
+
+    Args:
+        t: [...] in [0, 1].
+    Returns:
+        [..., kappa].
+    """
+    parts = _basis_parts(t, num_knots, normalize)
+    out = torch.empty(*t.shape, num_knots, dtype=t.dtype, device=t.device)
+    return _dense_basis(parts, num_knots, out)
+
+
+# ----------------------------------------------------------------------------- product
 
 
 def _signed_exp(log_abs: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
     return (1 - 2 * (negatives % 2)).to(log_abs.dtype) * log_abs.exp_()
 
 
-def _plain_log_product(x: torch.Tensor) -> torch.Tensor:
-    """The spec's form: prod over dim 1 of x = sign * exp(sum log|x|). x: [h, d, n, r]."""
-    return _signed_exp(x.abs().log_().sum(dim=1), (x < 0).sum(dim=1))
+def _log_abs_sum(
+    magnitudes: torch.Tensor, group: int, prod_buffer: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """sum over dim 1 of log(magnitudes), one log per `group` factors; inf/nan on overflow.
 
-
-def _grouped_log_product(x: torch.Tensor, group: int) -> Optional[torch.Tensor]:
-    """Same as `_plain_log_product` with one log per `group` factors; None on overflow.
-
-    x is left unchanged, so the caller can fall back to `_plain_log_product(x)`.
+    magnitudes: [h, d, n, r], all >= eps (left unchanged).
     """
-    q = x.shape[1] // group
-    prod = x[:, :q] * x[:, q : 2 * q]
+    d = magnitudes.shape[1]
+    if group <= 1:
+        return magnitudes.log().sum(dim=1)
+    q = d // group
+    shape = (magnitudes.shape[0], q, *magnitudes.shape[2:])
+    prod = torch.empty(shape, dtype=magnitudes.dtype, device=magnitudes.device)
+    if prod_buffer is not None:
+        prod = _prefix(prod_buffer, *shape)
+    torch.mul(magnitudes[:, :q], magnitudes[:, q : 2 * q], out=prod)
     for g in range(2, group):
-        prod.mul_(x[:, g * q : (g + 1) * q])
-    log_abs = prod.abs().log_().sum(dim=1)
-    negatives = (prod < 0).sum(dim=1)
-    rest = x[:, group * q :]
-    if rest.shape[1] > 0:
-        log_abs += rest.abs().log_().sum(dim=1)
-        negatives += (rest < 0).sum(dim=1)
-    if not bool(torch.isfinite(log_abs).all()):
-        return None
+        prod.mul_(magnitudes[:, g * q : (g + 1) * q])
+    log_abs = prod.log_().sum(dim=1)
+    if group * q < d:
+        log_abs += magnitudes[:, group * q :].log().sum(dim=1)
+    return log_abs
+
+
+def separable_product_from_phi(
+    phi: torch.Tensor,
+    eps: float,
+    negative_buffer: Optional[torch.Tensor] = None,
+    prod_buffer: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """M [h, n, r] = sign * exp(sum_d log(|phi| + eps)) from phi [h, d, n, r] (dim 1 = d).
+
+    `phi` is overwritten with |phi| + eps. The optional buffers are flat workspaces.
+    """
+    if negative_buffer is None:
+        negative = torch.lt(phi, 0)
+    else:
+        negative = torch.lt(phi, 0, out=_prefix(negative_buffer, *phi.shape))
+    negatives = negative.sum(dim=1)
+    magnitudes = phi.abs_().add_(eps)
+    group = min(group_size(phi.dtype, eps), phi.shape[1])
+    log_abs = _log_abs_sum(magnitudes, group, prod_buffer)
+    if group > 1 and not bool(torch.isfinite(log_abs).all()):
+        # A grouped product overflowed (or phi holds inf/nan): one log per factor.
+        log_abs = magnitudes.log().sum(dim=1)
     return _signed_exp(log_abs, negatives)
 
 
-def separable_product_from_phi(phi: torch.Tensor, eps: float) -> torch.Tensor:
-    """M [h, n, r] = prod_d phi as sign * exp(sum_d log(|phi| + eps)); phi [h, d, n, r].
-
-    `phi` is overwritten (it becomes the signed factors x).
-    """
-    x = _signed_factors(phi, eps)
-    group = min(group_size(x.dtype, eps), x.shape[1])
-    if group > 1:
-        out = _grouped_log_product(x, group)
-        if out is not None:
-            return out
-    return _plain_log_product(x)
+# ----------------------------------------------------------------------------- autograd
 
 
 def _autocast_off(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
+
+
+class _Workspace:
+    """Flat buffers for one call, sized for a full chunk; each chunk views their prefix."""
+
+    def __init__(self, h, d, chunk, kappa, r, dtype, device, backward: bool):
+        numel = h * d * chunk
+        self.basis = torch.empty(numel * kappa, dtype=dtype, device=device)
+        self.phi = torch.empty(numel * r, dtype=dtype, device=device)
+        if backward:
+            self.sign = torch.empty(numel * r, dtype=dtype, device=device)
+            self.grad_basis = torch.empty(numel * kappa, dtype=dtype, device=device)
+        else:
+            self.negative = torch.empty(numel * r, dtype=torch.bool, device=device)
+            self.prod = torch.empty(numel * r, dtype=dtype, device=device)
+
+
+def _chunk_t(z: torch.Tensor, params, opts: FusedOptions) -> torch.Tensor:
+    """Steps 3a-3b for a chunk: z [n, d_in] -> t [h, n, d]."""
+    return lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps)
 
 
 class _FusedLEVModes(torch.autograd.Function):
@@ -136,15 +250,21 @@ class _FusedLEVModes(torch.autograd.Function):
             cdt = lev_math.compute_dtype(z.dtype)
             params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
             coeff = 1 + spline_delta.to(cdt)  # [h, d, kappa, r]
-            h, d, _, r = coeff.shape
-            n = z.shape[0]
-            chunk = opts.chunk_size or default_chunk_size(h, d, r)
-            modes = torch.empty(n, h, r, dtype=cdt, device=z.device)
-            for start in range(0, n, chunk):
-                basis = _chunk_basis(z[start : start + chunk].to(cdt), params, opts)
-                phi = torch.matmul(basis, coeff)  # [h, d, n, r]
-                product = separable_product_from_phi(phi, opts.product_eps)  # [h, n, r]
-                modes[start : start + chunk] = product.transpose(0, 1)
+            h, d, kappa, r = coeff.shape
+            coeff3 = coeff.view(h * d, kappa, r)
+            n_total = z.shape[0]
+            chunk = max(1, min(opts.chunk_size or default_chunk_size(h, d, r), n_total))
+            ws = _Workspace(h, d, chunk, kappa, r, cdt, z.device, backward=False)
+            modes = torch.empty(n_total, h, r, dtype=cdt, device=z.device)
+            for start in range(0, n_total, chunk):
+                n = min(chunk, n_total - start)
+                t = _chunk_t(z[start : start + n].to(cdt), params, opts)
+                parts = _basis_parts(t.transpose(1, 2).contiguous(), kappa, opts.normalize_basis)
+                basis = _dense_basis(parts, kappa, _prefix(ws.basis, h, d, n, kappa))
+                phi = _prefix(ws.phi, h, d, n, r)
+                torch.bmm(basis.view(h * d, n, kappa), coeff3, out=phi.view(h * d, n, r))
+                product = separable_product_from_phi(phi, opts.product_eps, ws.negative, ws.prod)
+                modes[start : start + n] = product.transpose(0, 1)
         ctx.opts = opts
         ctx.chunk = chunk
         ctx.save_for_backward(z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
@@ -163,34 +283,42 @@ class _FusedLEVModes(torch.autograd.Function):
             ]
             coeff = 1 + spline_delta.detach().to(cdt)  # [h, d, kappa, r]
             h, d, kappa, r = coeff.shape
-            coeff_t = coeff.transpose(-1, -2)  # [h, d, r, kappa]
+            coeff3 = coeff.view(h * d, kappa, r)
+            coeff3_t = coeff3.transpose(1, 2)  # [h*d, r, kappa]
+            eps = torch.tensor(opts.product_eps, dtype=cdt, device=z.device)
             # dL/dM * M, the factor shared by every dL/dphi of one mode.
-            scaled = (grad_modes.to(cdt) * modes).transpose(0, 1)  # [h, N, r]
+            scaled = (grad_modes.to(cdt) * modes).transpose(0, 1).unsqueeze(1)  # [h, 1, N, r]
             grad_z = torch.empty(z.shape, dtype=cdt, device=z.device) if need_z else None
             grad_params = [torch.zeros_like(p) if p.requires_grad else None for p in params]
-            grad_coeff = torch.zeros_like(coeff) if need_delta else None
-            n = z.shape[0]
-            for start in range(0, n, ctx.chunk):
-                stop = min(start + ctx.chunk, n)
-                zc = z[start:stop].detach().to(cdt).requires_grad_(need_z)
+            grad_coeff3 = torch.zeros_like(coeff3) if need_delta else None
+            n_total = z.shape[0]
+            ws = _Workspace(h, d, ctx.chunk, kappa, r, cdt, z.device, backward=True)
+            for start in range(0, n_total, ctx.chunk):
+                n = min(ctx.chunk, n_total - start)
+                zc = z[start : start + n].detach().to(cdt).requires_grad_(need_z)
                 with torch.enable_grad():
-                    basis = _chunk_basis(zc, params, opts)  # [h, d, n, kappa]
+                    t = _chunk_t(zc, params, opts)  # [h, n, d]
                 with torch.no_grad():
-                    x = _signed_factors(torch.matmul(basis.detach(), coeff), opts.product_eps)
-                    # dM/dphi = M * sign(phi) / (|phi| + eps) = M / x.
-                    grad_phi = torch.div(scaled[:, start:stop].unsqueeze(1), x, out=x)
-                    if grad_coeff is not None:
-                        grad_coeff.view(h * d, kappa, r).baddbmm_(
-                            basis.detach().view(h * d, -1, kappa).transpose(1, 2),
-                            grad_phi.view(h * d, -1, r),
-                        )
-                    grad_basis = torch.matmul(grad_phi, coeff_t)  # [h, d, n, kappa]
-                    del x, grad_phi
+                    tt = t.detach().transpose(1, 2).contiguous()  # [h, d, n]
+                    parts = _basis_parts(tt, kappa, opts.normalize_basis)
+                    basis = _dense_basis(parts, kappa, _prefix(ws.basis, h, d, n, kappa))
+                    basis3 = basis.view(h * d, n, kappa)
+                    x = _prefix(ws.phi, h, d, n, r)
+                    torch.bmm(basis3, coeff3, out=x.view(h * d, n, r))
+                    # x = phi + copysign(eps, phi); dM/dphi = M / x.
+                    x.add_(torch.copysign(eps, x, out=_prefix(ws.sign, h, d, n, r)))
+                    grad_phi = torch.div(scaled[:, :, start : start + n], x, out=x)
+                    grad_phi3 = grad_phi.view(h * d, n, r)
+                    if grad_coeff3 is not None:
+                        grad_coeff3.baddbmm_(basis3.transpose(1, 2), grad_phi3)
+                    grad_basis = _prefix(ws.grad_basis, h, d, n, kappa)
+                    torch.bmm(grad_phi3, coeff3_t, out=grad_basis.view(h * d, n, kappa))
+                    grad_t = _basis_backward(grad_basis, parts, kappa).transpose(1, 2)
                 inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
                 if inputs:
-                    grads = list(torch.autograd.grad(basis, inputs, grad_basis))
+                    grads = list(torch.autograd.grad(t, inputs, grad_t))
                     if need_z:
-                        grad_z[start:stop] = grads.pop(0)
+                        grad_z[start : start + n] = grads.pop(0)
                     for i, p in enumerate(params):
                         if p.requires_grad:
                             grad_params[i] += grads.pop(0)
@@ -198,22 +326,15 @@ class _FusedLEVModes(torch.autograd.Function):
         def cast(grad, like):
             return None if grad is None else grad.to(like.dtype)
 
+        grad_delta = None if grad_coeff3 is None else grad_coeff3.view(h, d, kappa, r)
         return (
             cast(grad_z, z),
             cast(grad_params[0], seed_proj),
             cast(grad_params[1], norm_weight),
             cast(grad_params[2], norm_bias),
-            cast(grad_coeff, spline_delta),
+            cast(grad_delta, spline_delta),
             None,
         )
-
-
-def _chunk_basis(z: torch.Tensor, params, opts: FusedOptions) -> torch.Tensor:
-    """Steps 3a-3c for a chunk: z [n, d_in] -> basis [h, d, n, kappa] (contiguous)."""
-    t = lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps)  # [h, n, d]
-    return lev_math.bspline_basis(
-        t.transpose(1, 2).contiguous(), opts.num_knots, opts.normalize_basis
-    )
 
 
 def fused_lev_modes(

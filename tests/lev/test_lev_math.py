@@ -111,3 +111,14 @@ def test_check_ids_messages():
         lev_math.check_ids(torch.tensor([[-3, 4]]), 50)
     with pytest.raises(TypeError, match="integer"):
         lev_math.check_ids(torch.tensor([[1.0]]), 50)
+
+
+@pytest.mark.parametrize("kappa", [3, 4, 16])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_fast_basis_equals_definition(kappa, normalize):
+    from megatron_ext.lev.fused import fast_bspline_basis
+
+    t = torch.cat([torch.linspace(0, 1, 1001, dtype=torch.float64), torch.rand(500).double()])
+    expected = lev_math.bspline_basis(t, kappa, normalize)
+    torch.testing.assert_close(fast_bspline_basis(t, kappa, normalize), expected, rtol=0,
+                               atol=1e-14)
