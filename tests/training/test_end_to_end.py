@@ -1,0 +1,182 @@
+"""End-to-end training on CPU: `pretrain_leviathan.py` under torchrun with gloo ranks.
+
+A tiny LEV model trains on a generated, tokenized and preprocessed corpus. One single-rank run
+(20 iterations, checkpoints at 10 and 20) is the reference: TP=2 (+ sequence parallel), PP=2 and
+DP=2 (+ distributed optimizer) runs match its losses (float32, same data order); resuming it at
+iteration 10 reproduces iterations 11-20 bit for bit; checkpoints saved at TP=2 and by the
+distributed optimizer at DP=2 resume at other layouts with the same losses; SIGTERM leaves a
+loadable checkpoint; a NaN stops the run without saving it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+RTOL = 1e-5
+
+
+def _ckpt(run_dir, *extra):
+    return ["--save", str(run_dir / "ckpt"), *extra]
+
+
+def _assert_close(actual: dict, expected: dict, iterations, rtol: float = RTOL) -> None:
+    for it in iterations:
+        assert it in actual, f"iteration {it} missing from {sorted(actual)}"
+        assert math.isclose(actual[it], expected[it], rel_tol=rtol), (
+            f"iteration {it}: {actual[it]!r} != {expected[it]!r} (rtol {rtol})"
+        )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def ref_run(launcher, base_args, runs):
+    """Single rank, 20 iterations, checkpoints at 10 and 20, TensorBoard."""
+    d = runs / "ref"
+    args = [*base_args, *_ckpt(d, "--save-interval", "10"), "--exit-interval", "20"]
+    args += ["--tensorboard-dir", str(d / "tb")]
+    return launcher(1, args, d).check()
+
+
+@pytest.fixture(scope="module")
+def tp_run(launcher, base_args, runs):
+    """TP=2 with sequence parallelism, the full 30 iterations, checkpoints every 10."""
+    d = runs / "tp2"
+    args = [*base_args, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    return launcher(2, [*args, *_ckpt(d, "--save-interval", "10")], d).check()
+
+
+@pytest.fixture(scope="module")
+def zero_run(launcher, base_args, runs):
+    """DP=2 with the distributed optimizer, saving every 2 iterations (keeping 2), stopped by
+    SIGTERM after iteration 3."""
+    d = runs / "dp2"
+    args = [*base_args, "--use-distributed-optimizer", "--exit-signal-handler"]
+    args += _ckpt(d, "--save-interval", "2", "--ckpt-keep-last", "2")
+    return launcher(2, args, d, sigterm_after_iteration=3)
+
+
+def test_reference_run_logs_validates_and_checkpoints(ref_run, runs):
+    assert sorted(ref_run.losses) == list(range(1, 21))
+    out = ref_run.output
+    assert "iteration       20/      30 | consumed samples:          160" in out
+    for field in ("learning rate:", "lm loss:", "grad norm:", "tokens per second:"):
+        assert field in out
+    assert "validation loss at iteration 10" in out and "lm loss PPL" in out
+    assert "git=" in out and "megatron-core=" in out  # provenance of the run
+    ckpt = runs / "ref" / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+    for it in (10, 20):
+        d = ckpt / f"iter_{it:07d}"
+        assert (d / ".metadata").is_file() and (d / "common.json").is_file()
+        assert json.loads((d / "args.json").read_text())["embedding_type"] == "lev"
+    assert not list(ckpt.glob("*.tmp"))
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs / "ref" / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in (
+        "lm loss",
+        "lm loss ppl",
+        "learning-rate",
+        "grad-norm",
+        "lm loss validation",
+        "lm loss validation ppl",
+        "throughput/tokens per second",
+        "iteration-time",
+    ):
+        assert tag in tags, f"TensorBoard scalar {tag!r} missing from {sorted(tags)}"
+    assert len(events.Scalars("lm loss")) == 20
+
+
+def test_resume_is_bit_identical(launcher, base_args, ref_run, runs):
+    d = runs / "resume"
+    args = [*base_args, "--load", str(runs / "ref" / "ckpt"), "--ckpt-step", "10"]
+    resumed = launcher(1, [*args, "--exit-interval", "20"], d).check()
+    assert "loaded checkpoint" in resumed.output
+    assert sorted(resumed.losses) == list(range(11, 21))
+    for it in range(11, 21):
+        assert resumed.losses[it] == ref_run.losses[it], f"iteration {it} differs"
+
+
+def test_tensor_parallel_matches_and_loss_falls(tp_run, ref_run):
+    losses = tp_run.losses
+    assert sorted(losses) == list(range(1, 31))
+    _assert_close(losses, ref_run.losses, range(1, 6))
+    first, last = [losses[i] for i in range(1, 6)], [losses[i] for i in range(26, 31)]
+    assert sum(last) / 5 < sum(first) / 5 - 0.5, f"loss did not fall: {first} -> {last}"
+
+
+def test_pipeline_parallel_matches(launcher, base_args, ref_run, runs):
+    d = runs / "pp2"
+    run = launcher(
+        2, [*base_args, "--pipeline-model-parallel-size", "2", "--exit-interval", "5"], d
+    )
+    _assert_close(run.check().losses, ref_run.losses, range(1, 6))
+
+
+def test_data_parallel_distributed_optimizer_and_sigterm(zero_run, ref_run, runs):
+    zero_run.check()
+    stopped = max(zero_run.losses)
+    assert 3 <= stopped < 18, f"SIGTERM landed at iteration {stopped}"
+    assert f"exiting at iteration {stopped} (signal)" in zero_run.output
+    _assert_close(zero_run.losses, ref_run.losses, range(1, stopped + 1))
+    ckpt = runs / "dp2" / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    kept = sorted(p.name for p in ckpt.glob("iter_*"))
+    assert len(kept) == 2 and kept[-1] == f"iter_{stopped:07d}", kept  # --ckpt-keep-last 2
+
+
+@pytest.mark.parametrize(
+    "nproc,layout", [(1, []), (2, ["--pipeline-model-parallel-size", "2"])], ids=["tp1", "pp2"]
+)
+def test_tensor_parallel_checkpoint_resumes_at_other_layouts(
+    launcher, base_args, tp_run, runs, nproc, layout
+):
+    d = runs / f"from_tp2_{nproc}_{len(layout)}"
+    args = [*base_args, *layout, "--load", str(runs / "tp2" / "ckpt"), "--ckpt-step", "10"]
+    run = launcher(nproc, [*args, "--exit-interval", "13"], d).check()
+    assert "RNG states not restored" in run.output  # the layout changed
+    assert sorted(run.losses) == [11, 12, 13]
+    # Iterations 12 and 13 depend on the resharded Adam moments as well as the weights.
+    _assert_close(run.losses, tp_run.losses, [11, 12, 13])
+
+
+def test_distributed_optimizer_states_reshard(launcher, base_args, zero_run, ref_run, runs):
+    """ZeRO-1 at DP=2 -> plain AdamW at TP=2 (each rank now needs every state, as TP shards)."""
+    zero_run.check()
+    stopped = max(zero_run.losses)
+    d = runs / "from_dp2"
+    args = [*base_args, "--tensor-model-parallel-size", "2", "--load", str(runs / "dp2" / "ckpt")]
+    run = launcher(2, [*args, "--exit-interval", str(stopped + 3)], d).check()
+    assert sorted(run.losses) == [stopped + 1, stopped + 2, stopped + 3]
+    _assert_close(run.losses, ref_run.losses, sorted(run.losses))
+
+
+def test_tied_embeddings_under_pipeline_parallelism(launcher, base_args, runs):
+    """TIED arm: the last stage's output head is a copy of the first stage's table whose
+    gradients are summed over the embedding group; PP=2 must equal one rank."""
+    args = [*base_args, "--embedding-type", "tied", "--exit-interval", "3"]
+    single = launcher(1, args, runs / "tied1").check()
+    piped = launcher(2, [*args, "--pipeline-model-parallel-size", "2"], runs / "tied_pp2").check()
+    _assert_close(piped.losses, single.losses, [1, 2, 3])
+
+
+def test_nonfinite_loss_stops_and_is_never_saved(launcher, base_args, runs):
+    d = runs / "nan"
+    # lr 1e30: the first step blows the weights up, the second iteration's loss is NaN.
+    args = [*base_args, "--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0"]
+    run = launcher(1, [*args, *_ckpt(d, "--save-interval", "1")], d)
+    assert run.returncode == 1, run.output[-3000:]
+    error = [line for line in run.output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "iteration 2" in error[0] and "rank(s) [0]" in error[0], error
+    assert (d / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (d / "ckpt" / "iter_0000002").exists()
