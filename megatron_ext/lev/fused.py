@@ -12,20 +12,22 @@ is one batched matmul per (head, coordinate))::
     t = sigmoid(LN(z W^T) / tau)                  [h, n, d]        (lev.math.seed_to_t)
     B = basis(t)                                  [h, d, n, kappa] (3 non-zeros per row)
     phi = B @ (1 + Delta)                         [h, d, n, r]
-    M = (-1)^(#phi < 0) * prod_d (|phi| + eps)    [h, n, r]
+    x = phi + copysign(eps, phi)                  sign(phi) * (|phi| + eps)
+    M = prod_d x                                  [h, n, r]
 
-The last line is the spec's sign * exp(sum_d log(|phi| + eps)); the product is evaluated by
-multiplying groups of G coordinates before one log per group, which cuts the transcendental work
-G-fold. G is chosen so that no product of G factors (each >= eps) can underflow; if one
-overflows (|phi| > ~4e9 in float32) the chunk falls back to one log per factor, so the result
-never depends on the grouping beyond rounding.
+The last line is the spec's sign * exp(sum_d log(|phi| + eps)): the product of the signed
+factors has the sign (-1)^(#negative phi) and the magnitude prod(|phi| + eps). It is evaluated
+by multiplying groups of G coordinates before one log|.| (and one sign count) per group, which
+cuts the transcendental work G-fold. G is chosen so that no product of G factors (each >= eps)
+can underflow; if one overflows (|phi| > ~4e9 in float32) the chunk falls back to one log per
+factor, so the result never depends on the grouping beyond rounding.
 
 The basis is built from the three non-zero values per coordinate (nearest knot c = round(s),
 s = (kappa-1) t, f = s - c: B_{c-1} = (1/2 - f)^2 / 2, B_c = 3/4 - f^2, B_{c+1} = (1/2 + f)^2 / 2,
 knots outside [0, kappa-1] dropped, then renormalised), scattered into a dense [.., kappa] row
 for the matmul. It equals `lev.math.bspline_basis` (the spec's definition) up to rounding.
 
-Backward, per chunk: with G_M = dL/dM * M and x = phi + copysign(eps, phi) = sign(phi)(|phi|+eps),
+Backward, per chunk, with G_M = dL/dM * M and the same x:
 
     dL/dphi[l, d, n, rho] = G_M[l, n, rho] * sign(phi) / (|phi| + eps) = G_M / x
     dL/dDelta[l, d]       = B[l, d]^T @ dL/dphi[l, d]      (batched matmul)
@@ -166,52 +168,55 @@ def _signed_exp(log_abs: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
     return (1 - 2 * (negatives % 2)).to(log_abs.dtype) * log_abs.exp_()
 
 
-def _log_abs_sum(
-    magnitudes: torch.Tensor, group: int, prod_buffer: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """sum over dim 1 of log(magnitudes), one log per `group` factors; inf/nan on overflow.
-
-    magnitudes: [h, d, n, r], all >= eps (left unchanged).
-    """
-    d = magnitudes.shape[1]
-    if group <= 1:
-        return magnitudes.log().sum(dim=1)
-    q = d // group
-    shape = (magnitudes.shape[0], q, *magnitudes.shape[2:])
-    prod = torch.empty(shape, dtype=magnitudes.dtype, device=magnitudes.device)
-    if prod_buffer is not None:
-        prod = _prefix(prod_buffer, *shape)
-    torch.mul(magnitudes[:, :q], magnitudes[:, q : 2 * q], out=prod)
-    for g in range(2, group):
-        prod.mul_(magnitudes[:, g * q : (g + 1) * q])
-    log_abs = prod.log_().sum(dim=1)
-    if group * q < d:
-        log_abs += magnitudes[:, group * q :].log().sum(dim=1)
-    return log_abs
-
-
 def separable_product_from_phi(
     phi: torch.Tensor,
     eps: float,
-    negative_buffer: Optional[torch.Tensor] = None,
+    scratch: Optional[torch.Tensor] = None,
     prod_buffer: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """M [h, n, r] = sign * exp(sum_d log(|phi| + eps)) from phi [h, d, n, r] (dim 1 = d).
 
-    `phi` is overwritten with |phi| + eps. The optional buffers are flat workspaces.
+    With x = sign(phi) (|phi| + eps), M = prod_d x: the product of the signed factors carries
+    the sign (-1)^(#negative phi) itself. Factors are multiplied in groups of G (signed), then
+    one log|.| and one sign count per group. `phi` is overwritten with x; the optional flat
+    buffers avoid allocating full-size temporaries.
     """
-    if negative_buffer is None:
-        negative = torch.lt(phi, 0)
-    else:
-        negative = torch.lt(phi, 0, out=_prefix(negative_buffer, *phi.shape))
-    negatives = negative.sum(dim=1)
-    magnitudes = phi.abs_().add_(eps)
-    group = min(group_size(phi.dtype, eps), phi.shape[1])
-    log_abs = _log_abs_sum(magnitudes, group, prod_buffer)
-    if group > 1 and not bool(torch.isfinite(log_abs).all()):
+    x = signed_factors(phi, eps, scratch)
+    d = x.shape[1]
+    group = min(group_size(x.dtype, eps), d)
+    if group > 1:
+        q = d // group
+        shape = (x.shape[0], q, *x.shape[2:])
+        if prod_buffer is None:
+            prod = torch.empty(shape, dtype=x.dtype, device=x.device)
+        else:
+            prod = _prefix(prod_buffer, *shape)
+        torch.mul(x[:, :q], x[:, q : 2 * q], out=prod)
+        for g in range(2, group):
+            prod.mul_(x[:, g * q : (g + 1) * q])
+        negatives = torch.lt(prod, 0).sum(dim=1)
+        log_abs = prod.abs_().log_().sum(dim=1)
+        if group * q < d:
+            rest = x[:, group * q :]
+            negatives += torch.lt(rest, 0).sum(dim=1)
+            log_abs += rest.abs().log_().sum(dim=1)
+        if bool(torch.isfinite(log_abs).all()):
+            return _signed_exp(log_abs, negatives)
         # A grouped product overflowed (or phi holds inf/nan): one log per factor.
-        log_abs = magnitudes.log().sum(dim=1)
-    return _signed_exp(log_abs, negatives)
+    return _signed_exp(x.abs().log_().sum(dim=1), torch.lt(x, 0).sum(dim=1))
+
+
+def signed_factors(
+    phi: torch.Tensor, eps: float, scratch: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """x = phi + copysign(eps, phi) = sign(phi) * (|phi| + eps), in place on `phi`.
+
+    At phi == +0 this is +eps (a positive factor, as the spec's sign count has it).
+    """
+    eps_t = torch.tensor(eps, dtype=phi.dtype, device=phi.device)
+    if scratch is None:
+        return phi.add_(torch.copysign(eps_t, phi))
+    return phi.add_(torch.copysign(eps_t, phi, out=_prefix(scratch, *phi.shape)))
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -228,12 +233,9 @@ class _Workspace:
         numel = h * d * chunk
         self.basis = torch.empty(numel * kappa, dtype=dtype, device=device)
         self.phi = torch.empty(numel * r, dtype=dtype, device=device)
+        self.scratch = torch.empty(numel * r, dtype=dtype, device=device)
         if backward:
-            self.sign = torch.empty(numel * r, dtype=dtype, device=device)
             self.grad_basis = torch.empty(numel * kappa, dtype=dtype, device=device)
-        else:
-            self.negative = torch.empty(numel * r, dtype=torch.bool, device=device)
-            self.prod = torch.empty(numel * r, dtype=dtype, device=device)
 
 
 def _chunk_t(z: torch.Tensor, params, opts: FusedOptions) -> torch.Tensor:
@@ -263,7 +265,7 @@ class _FusedLEVModes(torch.autograd.Function):
                 basis = _dense_basis(parts, kappa, _prefix(ws.basis, h, d, n, kappa))
                 phi = _prefix(ws.phi, h, d, n, r)
                 torch.bmm(basis.view(h * d, n, kappa), coeff3, out=phi.view(h * d, n, r))
-                product = separable_product_from_phi(phi, opts.product_eps, ws.negative, ws.prod)
+                product = separable_product_from_phi(phi, opts.product_eps, ws.scratch, ws.scratch)
                 modes[start : start + n] = product.transpose(0, 1)
         ctx.opts = opts
         ctx.chunk = chunk
@@ -285,7 +287,6 @@ class _FusedLEVModes(torch.autograd.Function):
             h, d, kappa, r = coeff.shape
             coeff3 = coeff.view(h * d, kappa, r)
             coeff3_t = coeff3.transpose(1, 2)  # [h*d, r, kappa]
-            eps = torch.tensor(opts.product_eps, dtype=cdt, device=z.device)
             # dL/dM * M, the factor shared by every dL/dphi of one mode.
             scaled = (grad_modes.to(cdt) * modes).transpose(0, 1).unsqueeze(1)  # [h, 1, N, r]
             grad_z = torch.empty(z.shape, dtype=cdt, device=z.device) if need_z else None
@@ -306,7 +307,7 @@ class _FusedLEVModes(torch.autograd.Function):
                     x = _prefix(ws.phi, h, d, n, r)
                     torch.bmm(basis3, coeff3, out=x.view(h * d, n, r))
                     # x = phi + copysign(eps, phi); dM/dphi = M / x.
-                    x.add_(torch.copysign(eps, x, out=_prefix(ws.sign, h, d, n, r)))
+                    signed_factors(x, opts.product_eps, ws.scratch)
                     grad_phi = torch.div(scaled[:, :, start : start + n], x, out=x)
                     grad_phi3 = grad_phi.view(h * d, n, r)
                     if grad_coeff3 is not None:

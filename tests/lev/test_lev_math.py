@@ -120,5 +120,6 @@ def test_fast_basis_equals_definition(kappa, normalize):
 
     t = torch.cat([torch.linspace(0, 1, 1001, dtype=torch.float64), torch.rand(500).double()])
     expected = lev_math.bspline_basis(t, kappa, normalize)
-    torch.testing.assert_close(fast_bspline_basis(t, kappa, normalize), expected, rtol=0,
-                               atol=1e-14)
+    torch.testing.assert_close(
+        fast_bspline_basis(t, kappa, normalize), expected, rtol=0, atol=1e-14
+    )

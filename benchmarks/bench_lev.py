@@ -1,0 +1,202 @@
+"""LEV speed and memory against the baselines it must not slow down (issue 3, item 6).
+
+For V = 50k and 200k, D = 2048, N = 8192 tokens drawn from a Zipf distribution (4 sequences of
+2048), prints, each measured in this run on this machine:
+
+  (a) LEV fwd+bwd time / megatron VocabParallelEmbedding fwd+bwd time
+  (b) LEV fwd+bwd time / one LLaMA layer fwd+bwd (D 2048, 16 heads, SwiGLU FFN 5632) on the
+      same tokens                                                          target <= 0.10
+  (c) LEV saved-activation bytes / bytes of the [N, D] output              target <= 2.0
+  (d) speedup of dedup and of the fused path over the naive path (plain autograd, no dedup),
+      on the first --naive-tokens tokens (the naive path's [N, h, d_seed, r] tensors do not fit
+      a laptop at N = 8192)
+
+Times are the best of --reps runs after a warm-up (CPU timings on shared machines are noisy:
+compare ratios, not seconds). Run: `python benchmarks/bench_lev.py` (a few minutes on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def zipf_ids(vocab: int, n: int, exponent: float, seed: int) -> torch.Tensor:
+    """n ids with P(rank k) ~ 1/k^exponent, ranks mapped to random ids (real vocabularies are
+    not sorted by frequency)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.arange(1, vocab + 1, dtype=torch.float64).pow(-exponent)
+    ranks = torch.multinomial(weights / weights.sum(), n, replacement=True, generator=gen)
+    return torch.randperm(vocab, generator=gen)[ranks]
+
+
+def best_time(fn, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def fwd_bwd(module, inputs):
+    def run():
+        for p in module.parameters():
+            p.grad = None
+        out = module(inputs)
+        out.backward(torch.ones_like(out))
+
+    return run
+
+
+class LlamaLayer(torch.nn.Module):
+    """One pre-norm LLaMA block: RMSNorm, rotary causal attention, RMSNorm, SwiGLU. [s, b, D]."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.RMSNorm(hidden, eps=1e-5)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = torch.nn.RMSNorm(hidden, eps=1e-5)
+        self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def _rotary(self, x):  # x [b, heads, s, hd]
+        s, hd = x.shape[-2], x.shape[-1]
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
+        cos, sin = ang.cos(), ang.sin()
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+
+    def forward(self, x):
+        s, b, hidden = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(s, b, 3, self.heads, -1).permute(2, 1, 3, 0, 4)
+        att = F.scaled_dot_product_attention(self._rotary(q), self._rotary(k), v, is_causal=True)
+        x = x + self.proj(att.permute(2, 0, 1, 3).reshape(s, b, hidden))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def init_single_process() -> None:
+    from megatron_ext.parallel import initialize_parallel
+    from megatron_ext.testing.distributed import find_free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(find_free_port())
+    initialize_parallel(backend="gloo")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[50_000, 200_000])
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--zipf-exponent", type=float, default=1.1)
+    parser.add_argument("--naive-tokens", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--skip-llama", action="store_true", help="skip (b) (slowest part)")
+    args = parser.parse_args()
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_ext.lev import LEVConfig, LEVEmbedding
+    from megatron_ext.lev._testing import saved_tensor_bytes
+
+    init_single_process()
+    torch.manual_seed(0)
+    D, N = args.hidden_size, args.tokens
+    b, s = N // args.seq_length, args.seq_length
+    tc = TransformerConfig(
+        num_layers=1, hidden_size=D, num_attention_heads=16, use_cpu_initialization=True
+    )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; D={D}, N={N} "
+        f"({b}x{s}), Zipf exponent {args.zipf_exponent}",
+        flush=True,
+    )
+
+    llama_time = None
+    if not args.skip_llama:
+        layer = LlamaLayer(D, 16, 5632)
+        x = torch.randn(s, b, D, requires_grad=True)
+        fwd_bwd(layer, x[:256])()  # warm-up on a short sequence
+        start = time.perf_counter()
+        fwd_bwd(layer, x)()
+        llama_time = time.perf_counter() - start
+        del layer, x
+        print(f"LLaMA layer fwd+bwd: {llama_time:.2f} s", flush=True)
+
+    for vocab in args.vocab_sizes:
+        ids = zipf_ids(vocab, N, args.zipf_exponent, seed=vocab).view(b, s)
+        distinct = ids.unique().numel()
+        cfg = LEVConfig(vocab_size=vocab, hidden_size=D)
+        lev = LEVEmbedding(cfg, config=tc)
+        t_lev = best_time(fwd_bwd(lev, ids), args.reps)
+
+        table = VocabParallelEmbedding(
+            vocab,
+            D,
+            init_method=torch.nn.init.normal_,
+            config=tc,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+        )
+        t_table = best_time(fwd_bwd(table, ids), args.reps)
+        del table
+
+        saved, out = saved_tensor_bytes(functools.partial(lev, ids), exclude=lev.parameters())
+        out_bytes = out.numel() * out.element_size()
+        del out
+
+        sub = ids.reshape(-1)[: args.naive_tokens].view(1, -1)
+        times = {}
+        for name, fused, dedup in [
+            ("naive", False, False),
+            ("dedup", False, True),
+            ("fused", True, False),
+            ("fused+dedup", True, True),
+        ]:
+            lev.lev_config = dataclasses.replace(cfg, fused=fused, dedup=dedup)
+            times[name] = best_time(fwd_bwd(lev, sub), args.reps)
+        lev.lev_config = cfg
+
+        print(
+            f"\nV={vocab} (b={cfg.base}, {cfg.num_parameters() / 1e6:.2f}M LEV params): "
+            f"{distinct} distinct ids in {N} tokens",
+            flush=True,
+        )
+        print(f"  LEV fwd+bwd {t_lev:.3f} s, VocabParallelEmbedding fwd+bwd {t_table:.3f} s")
+        print(f"  (a) LEV / VocabParallelEmbedding          = {t_lev / t_table:.2f}")
+        if llama_time is not None:
+            print(
+                f"  (b) LEV / LLaMA layer                     = {t_lev / llama_time:.3f}"
+                "   (target <= 0.10)"
+            )
+        print(
+            f"  (c) LEV saved activations / [N, D] output = {saved / out_bytes:.3f}"
+            f"   ({saved / 2**20:.1f} MiB / {out_bytes / 2**20:.1f} MiB, target <= 2.0)"
+        )
+        print(
+            f"  (d) on {sub.numel()} tokens ({sub.unique().numel()} distinct): naive "
+            f"{times['naive']:.2f} s; speedup dedup {times['naive'] / times['dedup']:.2f}x, "
+            f"fused {times['naive'] / times['fused']:.2f}x, fused+dedup "
+            f"{times['naive'] / times['fused+dedup']:.2f}x",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
