@@ -39,14 +39,14 @@ rm -rf "$OUT/ckpt" "$OUT/tensorboard"
     --tensor-model-parallel-size "$NPROC" --sequence-parallel \
     --embedding-type lev --lev-num-heads 4 --lev-seed-dim 64 --lev-rank 16 \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
-    --micro-batch-size 8 --global-batch-size 16 --train-iters 300 \
+    --micro-batch-size 8 --global-batch-size 16 --train-iters 200 \
     --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 30 \
     --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \
     --train-data-path "$OUT/data/train_text_document" \
     --valid-data-path "$OUT/data/val_text_document" \
     "${TOK[@]}" \
     --log-interval 20 --eval-interval 100 --eval-iters 5 \
-    --save "$OUT/ckpt" --save-interval 150 --tensorboard-dir "$OUT/tensorboard" \
+    --save "$OUT/ckpt" --save-interval 100 --tensorboard-dir "$OUT/tensorboard" \
     "$@"
 echo
 echo "done: checkpoints in $OUT/ckpt, TensorBoard logs in $OUT/tensorboard"

@@ -18,6 +18,7 @@ from megatron_ext.models.config import (
     EmbeddingConfig,
     ModelConfig,
 )
+from megatron_ext.models.layer_specs import transformer_engine_available
 
 __all__ = ["add_model_arguments", "model_config_from_args"]
 
@@ -57,8 +58,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument(
         "--transformer-impl",
         choices=("local", "transformer_engine"),
-        default="local",
-        help="local: megatron-core modules with CPU twins; transformer_engine: TE (CUDA)",
+        # Megatron-LM's default where it can run; the CPU path elsewhere.
+        default="transformer_engine" if transformer_engine_available() else "local",
+        help="transformer_engine (TE on CUDA) or local (megatron-core modules with CPU twins); "
+        "default: transformer_engine where TE and a GPU are present, else local",
     )
     group.add_argument(
         "--use-cpu-initialization",
