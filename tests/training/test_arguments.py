@@ -1,0 +1,116 @@
+"""Flags: Megatron-LM's names, derived values, and one-line errors for impossible settings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.training.arguments import ArgumentError, TrainingConfig, parse_args
+
+BASE = [
+    "--micro-batch-size", "2", "--seq-length", "32", "--lr", "1e-3", "--train-iters", "100",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+]  # fmt: skip
+
+
+def _parse(*extra: str, world_size: int = 1):
+    return parse_args([*BASE, *extra], world_size=world_size)
+
+
+def _without(flag: str) -> list[str]:
+    i = BASE.index(flag)
+    return BASE[:i] + BASE[i + 2 :]
+
+
+def test_megatron_flags_fill_the_configs():
+    args = _parse(
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--sequence-parallel", "--use-distributed-optimizer", "--global-batch-size", "16",
+        "--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine", "--min-lr", "1e-4",
+        "--weight-decay", "0.1", "--adam-beta1", "0.8", "--adam-beta2", "0.95",
+        "--clip-grad", "0.5", "--bf16", "--save", "ckpt", "--save-interval", "10",
+        world_size=8,
+    )  # fmt: skip
+    cfg = TrainingConfig.from_args(args)
+    assert cfg.parallel.data_parallel_size == 2 and cfg.parallel.sequence_parallel
+    assert cfg.parallel.use_distributed_optimizer
+    assert cfg.batch.num_microbatches == 4  # 16 / (2 x DP 2)
+    assert cfg.batch.bf16 and cfg.optim.adam_beta2 == 0.95 and cfg.optim.clip_grad == 0.5
+    # Megatron steps the schedule in samples: decay over 100 iterations x 16, warmup 10%.
+    assert cfg.optim.lr_decay_steps == 1600 and cfg.optim.lr_warmup_steps == 160
+    assert cfg.ckpt.save == "ckpt" and cfg.ckpt.save_interval == 10
+
+
+def test_defaults_follow_megatron():
+    args = _parse(world_size=2)
+    assert args.global_batch_size == 4  # micro-batch x DP
+    assert args.lr_decay_style == "linear" and args.clip_grad == 1.0
+    assert args.make_vocab_size_divisible_by == 128 and args.log_interval == 100
+
+
+def test_train_samples_derive_iterations():
+    args = parse_args(
+        [*_without("--train-iters"), "--train-samples", "1000", "--global-batch-size", "8"], 1
+    )
+    assert args.train_iters == 125 and args.lr_decay_steps == 1000
+
+
+@pytest.mark.parametrize(
+    "argv,world,message",
+    [
+        (["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible by"),
+        (["--train-samples", "800"], 1, "exactly one of --train-iters and --train-samples"),
+        (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are exclusive"),
+        (["--tensor-model-parallel-size", "3"], 4, "not divisible by tensor x pipeline"),
+        (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size"),
+        (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 1, "are exclusive"),
+        (["--lr-warmup-iters", "200"], 1, "warmup is not shorter than the decay"),
+        (["--save-interval", "10"], 1, "--save-interval needs --save"),
+        (["--min-lr", "1"], 1, "--min-lr"),
+        (["--finetune"], 1, "--finetune needs --load"),
+        (["--context-parallel-size", "2"], 2, "--context-parallel-size > 1 needs"),
+    ],
+)
+def test_bad_flags_fail_with_one_line(argv, world, message):
+    with pytest.raises(ArgumentError) as info:
+        _parse(*argv, world_size=world)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_required_flags():
+    with pytest.raises(ArgumentError, match="--micro-batch-size is required"):
+        parse_args(_without("--micro-batch-size"), 1)
+    with pytest.raises(ArgumentError, match="--lr is required"):
+        parse_args(_without("--lr"), 1)
+    with pytest.raises(ArgumentError, match="--seq-length is required"):
+        parse_args(_without("--seq-length"), 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_fp8_on_cpu_is_a_clear_error():
+    with pytest.raises(ArgumentError, match="FP8 is not available on CPU"):
+        _parse("--fp8-format", "hybrid", "--bf16")
+
+
+def test_entry_point_prints_one_error_line():
+    """The CLI turns a bad setting into `error: ...` and exit code 2, no traceback."""
+    repo = Path(__file__).resolve().parents[2]
+    argv = [*BASE, "--global-batch-size", "3"]
+    proc = subprocess.run(
+        [sys.executable, str(repo / "pretrain_leviathan.py"), *argv],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: --global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel "
+        "size 1 = 2; change one of them"
+    ]
+    assert "Traceback" not in proc.stderr

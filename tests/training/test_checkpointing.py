@@ -1,0 +1,93 @@
+"""Checkpoint atomicity on 2 gloo ranks (TP=2, DTensor shards): a save killed half-way leaves
+the previous checkpoint as latest and loadable; a non-finite model is never saved."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+from megatron_ext.testing.distributed import run_distributed
+
+
+class _Killed(BaseException):
+    """Stands in for the process dying in the middle of torch.distributed.checkpoint.save."""
+
+
+def _tiny_model():
+    from megatron_ext.models import ModelConfig, build_model
+
+    cfg = ModelConfig(
+        vocab_size=128,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=16,
+        tensor_model_parallel_size=2,
+        embedding=dict(embedding_type="untied"),
+    )
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+def _killed_and_nonfinite_saves(root: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_ext.training import checkpointing as ck
+
+    model = _tiny_model()
+    ck.save_checkpoint(root, ck.TrainState(iteration=1, consumed_train_samples=8), model)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+
+    def dying_save(state, checkpoint_id):
+        dcp.save(dict(list(state.items())[:3]), checkpoint_id=checkpoint_id)  # some shards
+        raise _Killed()
+
+    real = ck.dcp
+    ck.dcp = types.SimpleNamespace(save=dying_save, load=real.load)
+    try:
+        ck.save_checkpoint(root, ck.TrainState(iteration=2), model)
+        raise AssertionError("the save should have died")
+    except _Killed:
+        pass
+    finally:
+        ck.dcp = real
+    assert ck.read_latest_iteration(root) == 1
+    assert not os.path.exists(ck.checkpoint_dir(root, 2))
+    assert os.path.isdir(ck.checkpoint_dir(root, 2) + ".tmp")  # the debris of the dead save
+
+    state = ck.load_checkpoint(root, model)
+    assert state.iteration == 1 and state.consumed_train_samples == 8
+    for name, param in model.named_parameters():
+        assert torch.equal(param, saved[name]), name
+
+    # A NaN anywhere (here only on TP rank 1) refuses the save on every rank.
+    if torch.distributed.get_rank() == 1:
+        with torch.no_grad():
+            next(model.parameters())[0, 0] = float("nan")
+    try:
+        ck.save_checkpoint(root, ck.TrainState(iteration=3), model)
+        raise AssertionError("a non-finite model was saved")
+    except ck.NonFiniteStateError:
+        pass
+    assert ck.read_latest_iteration(root) == 1
+
+    # The next good save replaces the debris and moves the marker.
+    ck.load_checkpoint(root, model)
+    ck.save_checkpoint(root, ck.TrainState(iteration=2), model, keep_last=1)
+    torch.distributed.barrier()
+    assert ck.read_latest_iteration(root) == 2
+    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    return True
+
+
+def test_killed_save_keeps_previous_checkpoint(tmp_path):
+    assert run_distributed(_killed_and_nonfinite_saves, 2, tp=2, args=(str(tmp_path),)) == [
+        True,
+        True,
+    ]
