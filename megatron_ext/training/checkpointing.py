@@ -217,8 +217,10 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _all_finite(model: torch.nn.Module) -> bool:
-    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    flag = torch.tensor([0.0 if finite else 1.0])
+    params = list(model.parameters())
+    finite = all(bool(torch.isfinite(p).all()) for p in params)
+    device = params[0].device if params else torch.device("cpu")
+    flag = torch.tensor([0.0 if finite else 1.0], device=device)
     if dist.is_initialized():
         dist.all_reduce(flag)
     return flag.item() == 0.0

@@ -564,7 +564,8 @@ def pretrain(
             return "finished"
         reason = trainer.train(train_ds, valid_ds)
         if reason == "finished" and b.eval_iters:
-            trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
+            if trainer.state.iteration % b.eval_interval:  # not just evaluated
+                trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
             trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
         return reason
     finally:
