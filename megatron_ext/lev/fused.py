@@ -211,7 +211,8 @@ def signed_factors(
 ) -> torch.Tensor:
     """x = phi + copysign(eps, phi) = sign(phi) * (|phi| + eps), in place on `phi`.
 
-    At phi == +0 this is +eps (a positive factor, as the spec's sign count has it).
+    At phi == +0 this is +eps (a positive factor, as the spec's sign count has it); a -0.0
+    (which needs every term of the spline sum to be -0.0) would count as negative.
     """
     eps_t = torch.tensor(eps, dtype=phi.dtype, device=phi.device)
     if scratch is None:
