@@ -180,3 +180,10 @@ def test_nonfinite_loss_stops_and_is_never_saved(launcher, base_args, runs):
     assert len(error) == 1 and "iteration 2" in error[0] and "rank(s) [0]" in error[0], error
     assert (d / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert not (d / "ckpt" / "iter_0000002").exists()
+
+
+def test_bf16_autocast_on_cpu(launcher, base_args, ref_run, runs):
+    """--bf16 runs under CPU autocast with fp32 master weights: close to, not equal to, fp32."""
+    run = launcher(1, [*base_args, "--bf16", "--exit-interval", "3"], runs / "bf16").check()
+    _assert_close(run.losses, ref_run.losses, [1, 2, 3], rtol=1e-2)
+    assert run.losses != {i: ref_run.losses[i] for i in (1, 2, 3)}
