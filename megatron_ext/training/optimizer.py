@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 _BUCKET_NUMEL = 40_000_000
+_BUCKETS_IN_FLIGHT = 2
 
 
 def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -193,7 +194,14 @@ def allreduce_data_parallel_grads(
     grads = [p.grad for p in params]
     factor = scale / size
     finite = True
-    pending = []
+    pending: list = []
+
+    def finish(work, flat, bucket) -> None:
+        if work is not None:
+            work.wait()
+        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(synced)
+
     for bucket in _buckets(grads):
         flat = _flatten_dense_tensors(bucket)
         finite = finite and bool(torch.isfinite(flat).all())
@@ -201,11 +209,10 @@ def allreduce_data_parallel_grads(
             flat.mul_(factor)
         work = dist.all_reduce(flat, group=group, async_op=True) if size > 1 else None
         pending.append((work, flat, bucket))
-    for work, flat, bucket in pending:
-        if work is not None:
-            work.wait()
-        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            grad.copy_(synced)
+        if len(pending) > _BUCKETS_IN_FLIGHT:  # bounds the extra memory of flat copies
+            finish(*pending.pop(0))
+    for item in pending:
+        finish(*item)
     return finite
 
 

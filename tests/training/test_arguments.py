@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,16 @@ def test_entry_point_prints_one_error_line():
         "size 1 = 2; change one of them"
     ]
     assert "Traceback" not in proc.stderr
+
+
+def test_use_checkpoint_args_takes_the_model_flags(tmp_path):
+    ckpt = tmp_path / "iter_0000040"
+    ckpt.mkdir()
+    saved = {"num_layers": 6, "hidden_size": 96, "embedding_type": "albert", "lev_rank": 7}
+    (ckpt / "args.json").write_text(json.dumps({**saved, "lr": 123.0}))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("40\n")
+    args = _parse("--load", str(tmp_path), "--use-checkpoint-args", "--num-layers", "2")
+    assert (args.num_layers, args.hidden_size, args.embedding_type) == (6, 96, "albert")
+    assert args.lev_rank == 7 and args.lr == 1e-3  # training flags stay the command line's
+    with pytest.raises(ArgumentError, match="needs --load"):
+        _parse("--use-checkpoint-args")
