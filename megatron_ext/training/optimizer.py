@@ -193,6 +193,11 @@ def allreduce_data_parallel_grads(
             param.grad = torch.zeros_like(param)
     grads = [p.grad for p in params]
     factor = scale / size
+    if size == 1:  # nothing to exchange: check and scale in place
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        return finite
     finite = True
     pending: list = []
 
