@@ -141,6 +141,8 @@ class _Trainer:
         self.signal = _SignalHandler() if b.exit_signal_handler else None
         self.consecutive_nonfinite = 0
         self.last_saved: Optional[int] = None
+        self.timers: dict[str, float] = {}
+        self._last_mark = time.perf_counter()
 
     # ---------------------------------------------------------------- one iteration
 
@@ -171,8 +173,20 @@ class _Trainer:
         dist.all_reduce(flags)
         return [r for r, f in enumerate(flags.tolist()) if f > 0]
 
+    def _mark(self, name: Optional[str] = None) -> None:
+        """--timing-log-level >= 1: add the time since the previous mark to `name`."""
+        if self.cfg.log.timing_log_level == 0:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if name is not None:
+            self.timers[name] = self.timers.get(name, 0.0) + now - self._last_mark
+        self._last_mark = now
+
     def train_step(self, data_iterator) -> _StepResult:
         b, p = self.cfg.batch, self.cfg.parallel
+        self._mark()
         self.optimizer.zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         totals = forward_backward(
@@ -184,11 +198,14 @@ class _Trainer:
             loss_scale=scale,
             autocast=self.autocast,
         )
+        self._mark("forward-backward")
         if p.sequence_parallel:
             allreduce_sequence_parallel_grads([self.model])
         allreduce_tied_embedding_grads([self.model])
         grads_ok = allreduce_data_parallel_grads(self.optimizer.params, scale=1.0 / scale)
+        self._mark("grads-all-reduce")
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad)
+        self._mark("grad-norm-and-clip")
         loss_ok = all(bool(torch.isfinite(v).all()) for v in totals.values())
         stats = self._world_stats(totals, loss_ok, grads_ok)
         loss = stats[0] / stats[1] if stats[1] > 0 else float("nan")
@@ -210,6 +227,7 @@ class _Trainer:
                 self.scaler.update(False)
             self.consecutive_nonfinite = 0
             stepped = True
+        self._mark("optimizer")
         return _StepResult(loss, grad_norm, stepped, stats[4] > 0, stats[5] > 0)
 
     def _nonfinite(self, iteration, loss, grad_norm, loss_ok, grads_ok, stats) -> None:
@@ -426,6 +444,10 @@ class _Trainer:
             r.scalar("loss-scale", self.scaler.scale, it)
 
     def _log_line(self, start: float, iters: int, losses, grad_norms) -> None:
+        self._report(start, iters, losses, grad_norms)
+        self.timers.clear()
+
+    def _report(self, start: float, iters: int, losses, grad_norms) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = (time.time() - start) / max(iters, 1)
@@ -452,6 +474,14 @@ class _Trainer:
         )
         if self.is_rank0:
             logger.info(format_train_line(values))
+            if self.timers:
+                logger.info(
+                    "    time per iteration (ms): %s",
+                    " | ".join(f"{k}: {1000 * v / iters:.1f}" for k, v in self.timers.items()),
+                )
+                if self.cfg.log.log_timers_to_tensorboard:
+                    for key, value in self.timers.items():
+                        self.reporter.scalar(f"timers/{key}", value / iters, self.state.iteration)
             it = self.state.iteration
             self.reporter.scalar("iteration-time", elapsed, it)
             self.reporter.scalar("throughput/tokens per second", tokens, it)
