@@ -187,3 +187,10 @@ def test_bf16_autocast_on_cpu(launcher, base_args, ref_run, runs):
     run = launcher(1, [*base_args, "--bf16", "--exit-interval", "3"], runs / "bf16").check()
     _assert_close(run.losses, ref_run.losses, [1, 2, 3], rtol=1e-2)
     assert run.losses != {i: ref_run.losses[i] for i in (1, 2, 3)}
+
+
+def test_exit_duration_saves_and_exits_cleanly(launcher, base_args, runs):
+    d = runs / "duration"
+    run = launcher(1, [*base_args, "--exit-duration-in-mins", "1e-6", *_ckpt(d)], d).check()
+    assert sorted(run.losses) == [1] and "exiting at iteration 1 (exit-duration)" in run.output
+    assert (d / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
