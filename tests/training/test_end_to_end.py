@@ -18,6 +18,10 @@ import pytest
 RTOL = 1e-5
 
 
+def _grad_norms(run) -> dict[int, float]:
+    return {r["iteration"]: r["grad_norm"] for r in run.records}
+
+
 def _ckpt(run_dir, *extra):
     return ["--save", str(run_dir / "ckpt"), *extra]
 
@@ -111,6 +115,8 @@ def test_tensor_parallel_matches_and_loss_falls(tp_run, ref_run):
     losses = tp_run.losses
     assert sorted(losses) == list(range(1, 31))
     _assert_close(losses, ref_run.losses, range(1, 6))
+    # Clipping is active (norms > 1): TP-sharded and replicated parameters each counted once.
+    _assert_close(_grad_norms(tp_run), _grad_norms(ref_run), range(1, 6))
     first, last = [losses[i] for i in range(1, 6)], [losses[i] for i in range(26, 31)]
     assert sum(last) / 5 < sum(first) / 5 - 0.5, f"loss did not fall: {first} -> {last}"
 
@@ -129,6 +135,7 @@ def test_data_parallel_distributed_optimizer_and_sigterm(zero_run, ref_run, runs
     assert 3 <= stopped < 18, f"SIGTERM landed at iteration {stopped}"
     assert f"exiting at iteration {stopped} (signal)" in zero_run.output
     _assert_close(zero_run.losses, ref_run.losses, range(1, stopped + 1))
+    _assert_close(_grad_norms(zero_run), _grad_norms(ref_run), range(1, stopped + 1))
     ckpt = runs / "dp2" / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
     kept = sorted(p.name for p in ckpt.glob("iter_*"))
