@@ -347,6 +347,21 @@ def _read_metadata(path: str):
     return FileSystemReader(path).read_metadata()
 
 
+def _check_same_arm(path: str, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint of another embedding arm, naming both (before any shape check)."""
+    args_path = os.path.join(path, "args.json")
+    ours = getattr(model, "embedding_type", None)
+    if ours is None or not os.path.isfile(args_path):
+        return
+    with open(args_path) as handle:
+        saved = json.load(handle).get("embedding_type")
+    if saved is not None and saved != ours:
+        raise CheckpointError(
+            f"{path} holds a --embedding-type {saved} model, but this run builds "
+            f"--embedding-type {ours}; load it into a {saved} model"
+        )
+
+
 def _check_shape(metadata, key: str, view: torch.Tensor, path: str) -> None:
     entry = metadata.state_dict_metadata.get(key)
     if entry is None:
@@ -395,6 +410,7 @@ def load_checkpoint(
         raise CheckpointError(f"{path} is not a complete checkpoint (no common.json)")
     with open(common_path) as handle:
         common = json.load(handle)
+    _check_same_arm(path, model)
     metadata = _read_metadata(path)
     if finetune:
         load_optim = load_rng = False

@@ -1,5 +1,6 @@
 """Checkpoint atomicity on 2 gloo ranks (TP=2, DTensor shards): a save killed half-way leaves
-the previous checkpoint as latest and loadable; a non-finite model is never saved."""
+the previous checkpoint as latest and loadable; a non-finite model is never saved; a checkpoint
+of another embedding arm is refused."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ class _Killed(BaseException):
     """Stands in for the process dying in the middle of torch.distributed.checkpoint.save."""
 
 
-def _tiny_model():
+def _tiny_model(arm: str = "untied"):
     from megatron_ext.models import ModelConfig, build_model
 
     cfg = ModelConfig(
@@ -26,7 +27,7 @@ def _tiny_model():
         ffn_hidden_size=64,
         seq_length=16,
         tensor_model_parallel_size=2,
-        embedding=dict(embedding_type="untied"),
+        embedding=dict(embedding_type=arm, lev=dict(seed_dim=8, rank=4, num_heads=2, num_knots=4)),
     )
     torch.manual_seed(0)
     return build_model(cfg)
@@ -83,6 +84,16 @@ def _killed_and_nonfinite_saves(root: str) -> bool:
     torch.distributed.barrier()
     assert ck.read_latest_iteration(root) == 2
     assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+    # A checkpoint of another embedding arm is refused, naming both arms.
+    ck.save_checkpoint(
+        root, ck.TrainState(iteration=4), model, args_json={"embedding_type": "untied"}
+    )
+    try:
+        ck.load_checkpoint(root, _tiny_model("lev"))
+        raise AssertionError("an untied checkpoint loaded into a lev model")
+    except ck.CheckpointError as error:
+        assert "--embedding-type untied" in str(error) and "--embedding-type lev" in str(error)
     return True
 
 
