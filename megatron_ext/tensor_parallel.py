@@ -69,72 +69,43 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     return torch.chunk(x, size, dim=-1)[rank].contiguous()
 
 
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_first(x, group)
+class _Collective(torch.autograd.Function):
+    """One collective forward, its adjoint backward (e.g. all-gather <-> reduce-scatter)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_first(grad, ctx.group), None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first(x, group)
+    def forward(ctx, x, group, forward_fn, backward_fn):
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_first(grad, ctx.group), None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-class _ScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_first(grad, ctx.group), None
-
-
-class _GatherFromTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-def _trivial(group) -> bool:
-    return group is None or dist.get_world_size(group) == 1
+def _communicate(x: torch.Tensor, group, forward_fn, backward_fn) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _Collective.apply(x, group, forward_fn, backward_fn)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """[s/tp, b, h] -> [s, b, h]; backward reduce-scatters the gradient."""
-    return x if _trivial(group) else _GatherFromSequenceParallel.apply(x, group)
+    return _communicate(x, group, _all_gather_first, _reduce_scatter_first)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Partial sums [s, b, h] -> summed slice [s/tp, b, h]; backward all-gathers."""
-    return x if _trivial(group) else _ReduceScatterToSequenceParallel.apply(x, group)
+    return _communicate(x, group, _reduce_scatter_first, _all_gather_first)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Replicated [s, b, h] -> this rank's slice [s/tp, b, h]; backward all-gathers."""
-    return x if _trivial(group) else _ScatterToSequenceParallel.apply(x, group)
+    return _communicate(x, group, _split_first, _all_gather_first)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """[..., h/tp] -> [..., h]; backward keeps this rank's slice of the gradient."""
-    return x if _trivial(group) else _GatherFromTensorParallel.apply(x, group)
+    return _communicate(x, group, _all_gather_last, _split_last)
 
 
 def adopt(cls: type, module: torch.nn.Module) -> torch.nn.Module:
