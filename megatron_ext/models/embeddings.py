@@ -26,6 +26,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.utils import (
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
 
 from megatron_ext.lev import math as lev_math
 from megatron_ext.tensor_parallel import PortableVocabParallelEmbedding
@@ -110,6 +114,20 @@ class LookupSeedEmbedding(torch.nn.Module):
         # [b, s, m] (all-reduced) or [s/tp, b, m] (reduce-scattered) -> same layout with D.
         return self.to_hidden(self.table(input_ids))
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The table sharded over the vocabulary, the seed -> hidden network replicated."""
+        sharded = self.table.sharded_state_dict(f"{prefix}table.", sharded_offsets, metadata)
+        sharded.update(
+            sharded_state_dict_default(
+                self.to_hidden,
+                f"{prefix}to_hidden.",
+                sharded_offsets,
+                metadata,
+                self.table.tp_group,
+            )
+        )
+        return sharded
+
 
 class DigitSeedEmbedding(torch.nn.Module):
     """FACTORED-MLP ablation: LEV's digit codebooks (replicated) + norm + MLP (replicated).
@@ -162,3 +180,14 @@ class DigitSeedEmbedding(torch.nn.Module):
         digits = lev_math.to_digits(input_ids.reshape(-1), self.base, self.num_digits)
         z = lev_math.seed(self.codebooks, digits, self.codebook_combine)  # [N, seed width]
         return self.to_hidden(z).view(*input_ids.shape, -1)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Every parameter is replicated across TP (the codebooks and the network)."""
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )

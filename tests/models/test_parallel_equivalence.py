@@ -1,4 +1,5 @@
-"""Every arm gives the same logits, loss and gradients under TP, SP and PP as on one rank.
+"""Every arm gives the same logits, loss and gradients under TP, SP and PP as on one rank, and
+its input module's megatron `sharded_state_dict` describes the full (unsharded) tensors.
 
 One single-rank run writes the references (weights, logits, loss, every gradient) of all arms
 to disk; the parallel runs load those weights into their shards and compare, in float32 within
@@ -97,7 +98,16 @@ def _tensor_parallel_checks(path):
             loss.mean().backward()
             allreduce_sequence_parallel_grads([model])
             grads = gather_full_state_dict(model, grads=True)
+            # Megatron's distributed-checkpoint view must describe the full tensors.
+            sharded = model.sharded_state_dict(
+                metadata={"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+            )
             report[(arm, sequence_parallel)] = {
+                "sharded_shapes": {
+                    k: (getattr(sharded.get(k), "global_shape", None), tuple(v.shape))
+                    for k, v in ref["weights"].items()
+                    if k.startswith("embedding.")
+                },
                 "logits": (logits.detach() - ref["logits"]).abs().max().item(),
                 "loss": (loss.detach() - ref["loss"]).abs().max().item(),
                 "grads": _max_diffs(grads, ref["grads"]),
@@ -187,6 +197,8 @@ def test_tensor_and_sequence_parallel_match_single_rank(reference_path):
             assert not _bad(diffs["grads"]), (where, _bad(diffs["grads"]))
             if not sequence_parallel:
                 assert diffs["sp_tagged"] == 0, where
+            for key, (sharded, full) in diffs["sharded_shapes"].items():
+                assert sharded is not None and tuple(sharded) == full, (where, key, sharded, full)
         # 4 layers x 2 norms + the final norm are summed across TP under sequence parallel.
         assert report[("untied", True)]["sp_tagged"] == 9
         assert report[("albert", True)]["sp_tagged"] == 9 + 1  # + the replicated projection
