@@ -256,3 +256,41 @@ def test_tiktoken_and_null_tokenizers(tiktoken_file, tmp_path):
     assert (s["documents"], s["bad_records"]) == (1, 1)  # text that is not ids is a bad record
     null_ds = load_dataset(str(tmp_path / "null_text_document"))
     assert null_ds[0].tolist() == [1, 2, 3, 10]
+
+
+def _local_hf_tokenizer(directory, texts) -> str:
+    """A Hugging Face tokenizer trained here and saved with save_pretrained (no hub access)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(texts, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", eos_token="</s>"
+    )
+    fast.save_pretrained(str(directory))
+    return str(directory)
+
+
+def test_huggingface_tokenizer_from_a_local_directory(corpus_dir, tmp_path):
+    val = os.path.join(corpus_dir, "val.jsonl.zst")
+    texts = [json.loads(line)["text"] for _, line in iter_lines(val)]
+    hf_dir = _local_hf_tokenizer(tmp_path / "hf", texts)
+    tok = build_tokenizer("HuggingFaceTokenizer", hf_dir)
+    assert tok.eod == 1 and tok.pad is None and tok.vocab_size == 300
+    assert tok.encode_batch(texts[:5]) == [tok.tokenize(t) for t in texts[:5]]
+    [summary] = pp.preprocess(
+        _config(val, tmp_path / "hfval", hf_dir, tokenizer_type="HuggingFaceTokenizer", workers=2)
+    )
+    ds = load_dataset(str(tmp_path / "hfval_text_document"))
+    assert len(ds) == len(texts) == summary["documents"]
+    for i in (0, len(texts) - 1):
+        stored = ds[i].tolist()
+        assert stored[:-1] == tok.tokenize(texts[i]) and stored[-1] == tok.eod
+        assert tok.detokenize(stored[:-1]) == texts[i]
