@@ -23,6 +23,8 @@ __all__ = [
     "tp_shard",
     "tp_unshard",
     "global_param_name",
+    "is_tied_copy",
+    "layout_free_name",
     "gather_full_state_dict",
     "load_full_state_dict",
 ]
@@ -64,13 +66,20 @@ def global_param_name(model: torch.nn.Module, local_name: str) -> str:
     return f"{prefix}{global_index}.{rest}"
 
 
-def _is_tied_copy(model: torch.nn.Module, name: str) -> bool:
+def is_tied_copy(model: torch.nn.Module, name: str) -> bool:
     """The last stage's copy of a tied embedding, which the full model does not have."""
     return (
         name == "output_layer.weight"
         and getattr(model, "share_embeddings_and_output_weights", False)
         and not getattr(model, "pre_process", True)
     )
+
+
+def layout_free_name(model: torch.nn.Module, local_name: str) -> str:
+    """The single-stage name of a parameter; a tied head copy maps to the input table."""
+    if is_tied_copy(model, local_name):
+        return "embedding.word_embeddings.weight"
+    return global_param_name(model, local_name)
 
 
 def gather_full_state_dict(
@@ -82,7 +91,7 @@ def gather_full_state_dict(
     tp_size = dist.get_world_size(tp_group) if dist.is_initialized() else 1
     full: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        if _is_tied_copy(model, name):
+        if is_tied_copy(model, name):
             continue
         tensor = param.grad if grads else param.detach()
         if tensor is None:
@@ -107,9 +116,7 @@ def load_full_state_dict(
     tp_size = dist.get_world_size(tp_group) if dist.is_initialized() else 1
     tp_rank = dist.get_rank(tp_group) if dist.is_initialized() else 0
     for name, param in model.named_parameters():
-        key = global_param_name(model, name)
-        if _is_tied_copy(model, name):
-            key = "embedding.word_embeddings.weight"
+        key = layout_free_name(model, name)
         if key not in full:
             if strict:
                 raise KeyError(f"parameter {key} is missing from the full state dict")

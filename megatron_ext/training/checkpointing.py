@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import parallel_state
 
-from megatron_ext.models.full_state_dict import global_param_name, tp_layout
+from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
 
 logger = logging.getLogger(__name__)
 
@@ -173,21 +173,11 @@ def _layout_view(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _is_tied_copy(model: torch.nn.Module, name: str) -> bool:
-    return (
-        name == "output_layer.weight"
-        and getattr(model, "share_embeddings_and_output_weights", False)
-        and not getattr(model, "pre_process", True)
-    )
-
-
 def _named_params(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parameter, bool]]:
     """(local name, checkpoint name, parameter, is the tied copy) of every parameter."""
     out = []
     for name, param in model.named_parameters():
-        tied = _is_tied_copy(model, name)
-        key = "embedding.word_embeddings.weight" if tied else global_param_name(model, name)
-        out.append((name, key, param, tied))
+        out.append((name, layout_free_name(model, name), param, is_tied_copy(model, name)))
     return out
 
 

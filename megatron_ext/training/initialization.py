@@ -17,19 +17,11 @@ from typing import Callable
 
 import torch
 
-from megatron_ext.models.full_state_dict import global_param_name
+from megatron_ext.models.full_state_dict import layout_free_name
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["initialize_like_single_stage"]
-
-
-def _is_tied_copy(model: torch.nn.Module, name: str) -> bool:
-    return (
-        name == "output_layer.weight"
-        and getattr(model, "share_embeddings_and_output_weights", False)
-        and not getattr(model, "pre_process", True)
-    )
 
 
 @torch.no_grad()
@@ -44,11 +36,7 @@ def initialize_like_single_stage(
         full_model = full_model_provider()
         full = dict(full_model.named_parameters())
         for name, param in stage_model.named_parameters():
-            key = (
-                "embedding.word_embeddings.weight"
-                if _is_tied_copy(stage_model, name)
-                else global_param_name(stage_model, name)
-            )
+            key = layout_free_name(stage_model, name)
             source = full.get(key)
             if source is None or source.shape != param.shape:
                 raise RuntimeError(
