@@ -91,8 +91,48 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=None,
         help="hidden width of the FLAT-MLP / FACTORED-MLP networks (default: match LEV)",
     )
+    _add_megatron_compatibility_arguments(parser)
     add_lev_arguments(parser)
     return parser
+
+
+def _add_megatron_compatibility_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of Megatron-LM GPT launch scripts that restate this backbone's fixed design.
+
+    They are accepted so that existing scripts run unchanged; a value that asks for another
+    design (LayerNorm, learned positions) is refused in `model_config_from_args`.
+    """
+    compat = parser.add_argument_group(
+        "Megatron-LM compatibility", "accepted for launch-script reuse; the backbone is LLaMA-style"
+    )
+    for flag, help_ in (
+        ("--use-mcore-models", "always: models are megatron-core GPTModels"),
+        ("--swiglu", "always: the MLP is SwiGLU"),
+        ("--disable-bias-linear", "always: linear layers have no bias"),
+        ("--attention-softmax-in-fp32", "always: softmax runs in fp32"),
+        ("--use-flash-attn", "Transformer Engine picks its fused attention itself"),
+        ("--no-masked-softmax-fusion", "the local path runs no fusions; TE fuses on its own"),
+        ("--no-bias-swiglu-fusion", "the local path runs no fusions; TE fuses on its own"),
+        ("--no-bias-dropout-fusion", "the local path runs no fusions; TE fuses on its own"),
+        ("--no-rope-fusion", "the local path runs no fusions; TE fuses on its own"),
+        ("--no-gradient-accumulation-fusion", "gradients accumulate in fp32 main grads"),
+    ):
+        compat.add_argument(flag, action="store_true", help=help_)
+    compat.add_argument("--normalization", default="RMSNorm", help="only RMSNorm")
+    compat.add_argument("--position-embedding-type", default="rope", help="only rope")
+
+
+def _check_fixed_design(args: argparse.Namespace) -> None:
+    if getattr(args, "normalization", "RMSNorm") != "RMSNorm":
+        raise ValueError(
+            f"--normalization {args.normalization}: the Leviathan backbone is LLaMA-style and "
+            "uses RMSNorm; drop the flag"
+        )
+    if getattr(args, "position_embedding_type", "rope") != "rope":
+        raise ValueError(
+            f"--position-embedding-type {args.position_embedding_type}: the Leviathan backbone "
+            "uses rotary positions; drop the flag"
+        )
 
 
 def _lev_overrides(args: argparse.Namespace) -> dict:
@@ -107,6 +147,7 @@ def _lev_overrides(args: argparse.Namespace) -> dict:
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     """Fill a ModelConfig from parsed flags; `vocab_size` is the padded vocabulary."""
+    _check_fixed_design(args)
     if args.embedding_type == "tied" and getattr(args, "untie_embeddings_and_output_weights"):
         raise ValueError(
             "--untie-embeddings-and-output-weights contradicts --embedding-type tied; drop one"

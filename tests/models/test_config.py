@@ -84,3 +84,24 @@ def test_flag_conflicts_are_clear_errors():
         model_config_from_args(_parse("--num-query-groups", "2"), 128)
     with pytest.raises(ValueError, match="set --hidden-size, --num-attention-heads"):
         model_config_from_args(_parse("--num-layers", "2"), 128)
+
+
+def test_megatron_launch_script_flags_are_accepted():
+    argv = (
+        "--use-mcore-models --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+        "--seq-length 32 --swiglu --disable-bias-linear --normalization RMSNorm "
+        "--position-embedding-type rope --untie-embeddings-and-output-weights "
+        "--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-rope-fusion "
+        "--attention-softmax-in-fp32 --use-flash-attn --no-gradient-accumulation-fusion"
+    ).split()
+    cfg = model_config_from_args(_parse(*argv), 128)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.embedding.embedding_type) == (2, 64, "lev")
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--normalization", "LayerNorm"), ("--position-embedding-type", "learned_absolute")],
+)
+def test_megatron_flags_asking_for_another_design_are_refused(flag, value):
+    with pytest.raises(ValueError, match=f"{flag} {value}: the Leviathan backbone"):
+        model_config_from_args(_parse(flag, value), 128)
