@@ -14,7 +14,24 @@ from megatron_ext.lev.config import (
     smallest_base,
 )
 from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
-from megatron_ext.lev.layer import LEV_PARAMETER_NAMES, LEV_TP_PARTITION_DIMS, LEVEmbedding
+
+# The module imports megatron-core (slow to import): loaded on first use, so that the config
+# and the arithmetic (tools/count_params.py) need only torch.
+_LAZY = {
+    "LEVEmbedding": "megatron_ext.lev.layer",
+    "LEV_PARAMETER_NAMES": "megatron_ext.lev.layer",
+    "LEV_TP_PARTITION_DIMS": "megatron_ext.lev.layer",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "LEVConfig",

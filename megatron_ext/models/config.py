@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer import TransformerConfig
 
 __all__ = [
     "EMBEDDING_TYPES",
@@ -209,7 +208,7 @@ class ModelConfig:
 
     def lev_config(self):
         """The LEVConfig of this model (LEV arm; the digit codebooks of factored-mlp)."""
-        from megatron_ext.lev import LEVConfig
+        from megatron_ext.lev.config import LEVConfig
 
         return LEVConfig(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, **self.embedding.lev
@@ -223,8 +222,10 @@ class ModelConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
-    def transformer_config(self) -> TransformerConfig:
+    def transformer_config(self):
         """The megatron-core TransformerConfig of this model."""
+        from megatron.core.transformer import TransformerConfig
+
         params_dtype = self.params_dtype
         if self.bf16:
             params_dtype = torch.bfloat16
