@@ -26,8 +26,8 @@ from megatron_ext.tensor_parallel import (
 
 __all__ = ["LeviathanModel", "InputEmbeddingBuilder"]
 
-# (model, transformer_config, reduce_scatter_embeddings) -> the module that replaces
-# `embedding.word_embeddings`; it must honour VocabParallelEmbedding's forward contract.
+# builder(config=TransformerConfig, reduce_scatter_embeddings=bool, tp_group=group) -> the module
+# that replaces `embedding.word_embeddings`; it honours VocabParallelEmbedding's forward contract.
 InputEmbeddingBuilder = Callable[..., torch.nn.Module]
 
 
@@ -41,7 +41,8 @@ class LeviathanModel(GPTModel):
         share_embeddings_and_output_weights: tie the input table with the output head
             (the TIED arm; needs a [V/tp, D] input weight).
         input_embedding_builder: None keeps megatron's VocabParallelEmbedding; otherwise called
-            as `builder(config=..., reduce_scatter_embeddings=...)` to build the replacement.
+            as `builder(config=..., reduce_scatter_embeddings=..., tp_group=...)` to build the
+            replacement.
         transformer_layer_spec: a layer or block spec overriding the one picked by
             `model_config.transformer_impl`.
     """
