@@ -7,6 +7,7 @@
 `lev.math` is the readable forward pass; `lev.fused` the memory-lean autograd Function.
 """
 
+from megatron_ext._lazy import lazy_exports
 from megatron_ext.lev.config import (
     LEVConfig,
     add_lev_arguments,
@@ -15,23 +16,14 @@ from megatron_ext.lev.config import (
 )
 from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
 
-# The module imports megatron-core (slow to import): loaded on first use, so that the config
-# and the arithmetic (tools/count_params.py) need only torch.
+# Its module imports megatron-core: loaded on first use (see megatron_ext/_lazy.py).
 _LAZY = {
     "LEVEmbedding": "megatron_ext.lev.layer",
     "LEV_PARAMETER_NAMES": "megatron_ext.lev.layer",
     "LEV_TP_PARTITION_DIMS": "megatron_ext.lev.layer",
 }
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "LEVConfig",

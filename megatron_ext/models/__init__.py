@@ -1,5 +1,6 @@
 """Leviathan models on megatron-core: the LLaMA-style backbone and every input-embedding arm."""
 
+from megatron_ext._lazy import lazy_exports
 from megatron_ext.models.config import (
     EMBEDDING_TYPES,
     MODEL_SIZE_PRESETS,
@@ -8,8 +9,7 @@ from megatron_ext.models.config import (
 )
 from megatron_ext.models.param_count import ParameterCount, count_parameters
 
-# These import megatron-core (slow to import): loaded on first use, so that configs and the
-# parameter arithmetic (tools/count_params.py) need only torch.
+# Their modules import megatron-core: loaded on first use (see megatron_ext/_lazy.py).
 _LAZY = {
     "LeviathanModel": "megatron_ext.models.leviathan_model",
     "build_model": "megatron_ext.models.builder",
@@ -17,15 +17,7 @@ _LAZY = {
     "model_config_from_args": "megatron_ext.models.arguments",
 }
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "EMBEDDING_TYPES",
