@@ -1,0 +1,228 @@
+"""Load a training checkpoint for evaluation, generation and conversion.
+
+A checkpoint directory records everything needed to rebuild its model: the run's flags
+(`args.json`), the iteration and layout (`common.json`) and the DCP shards. These helpers turn
+it back into a model at whatever layout the caller runs (TP=1 on one CPU process included)::
+
+    run = find_checkpoint("ckpt/lev")                  # latest, or iteration=...
+    init_inference_parallel(tensor_model_parallel_size=1)
+    tokenizer = run_tokenizer(run)
+    model = load_model(run, run_model_config(run))     # eval mode, weights loaded
+
+Every problem with the directory is a `CheckpointError` whose one-line message names the path
+and says what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_ext.training.checkpointing import (
+    TRACKER_FILENAME,
+    CheckpointError,
+    checkpoint_dir,
+    read_latest_iteration,
+)
+
+__all__ = [
+    "SavedRun",
+    "find_checkpoint",
+    "init_inference_parallel",
+    "load_model",
+    "run_model_config",
+    "run_tokenizer",
+]
+
+_ITER_PREFIX = "iter_"
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """One complete checkpoint and what it says about the run that wrote it."""
+
+    root: str
+    """The run's `--save` directory (holds `latest_checkpointed_iteration.txt`)."""
+    iteration: int
+    path: str
+    """`<root>/iter_XXXXXXX`."""
+    args: argparse.Namespace
+    """The run's flags, from `args.json`."""
+    common: dict
+    """`common.json`: iteration, consumed samples, scheduler state, saved layout."""
+
+    @property
+    def embedding_type(self) -> str:
+        return self.args.embedding_type
+
+    def padded_vocab_size(self) -> int:
+        """The vocabulary the saved model embeds and scores (padding included), read from the
+        checkpoint's own tensor shapes, so it is right whatever layout wrote it."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(self.path).read_metadata().state_dict_metadata
+        for key in ("model.output_layer.weight", "model.embedding.word_embeddings.weight"):
+            if key in metadata:
+                return int(metadata[key].size[0])
+        raise CheckpointError(f"{self.path} holds no output layer or word embedding weights")
+
+
+def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> SavedRun:
+    """The complete checkpoint of `load_dir` (a `--save` directory, or one `iter_XXXXXXX`).
+
+    Args:
+        load_dir: the training run's `--save` directory, or a checkpoint directory in it.
+        iteration: which checkpoint (default: the latest).
+
+    Raises:
+        CheckpointError: no such directory, no complete checkpoint, or one without args.json.
+    """
+    load_dir = os.path.abspath(load_dir)
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
+    name = os.path.basename(load_dir.rstrip(os.sep))
+    if name.startswith(_ITER_PREFIX) and iteration is None:
+        try:
+            iteration = int(name[len(_ITER_PREFIX) :])
+        except ValueError:
+            raise CheckpointError(f"{load_dir} is not a checkpoint directory") from None
+        root = os.path.dirname(load_dir)
+    else:
+        root = load_dir
+        if iteration is None:
+            iteration = read_latest_iteration(root)
+        if iteration is None:
+            raise CheckpointError(
+                f"{root} holds no complete checkpoint ({TRACKER_FILENAME} is missing); "
+                "give a run's --save directory"
+            )
+    path = checkpoint_dir(root, iteration)
+    missing = [f for f in ("common.json", "args.json", ".metadata") if not _isfile(path, f)]
+    if missing:
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (missing {', '.join(missing)}); "
+            "pick another iteration"
+        )
+    try:
+        with open(os.path.join(path, "common.json")) as handle:
+            common = json.load(handle)
+        with open(os.path.join(path, "args.json")) as handle:
+            args = argparse.Namespace(**json.load(handle))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({error})") from None
+    return SavedRun(root=root, iteration=iteration, path=path, args=args, common=common)
+
+
+def _isfile(path: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(path, name))
+
+
+def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
+    """The tokenizer the run trained with (`tokenizer_model` overrides the saved path, e.g.
+    when the run was launched from another directory)."""
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    args = run.args
+    if args.tokenizer_type is None:
+        raise CheckpointError(f"{run.path}: the run recorded no --tokenizer-type")
+    model_path = tokenizer_model or args.tokenizer_model
+    if tokenizer_model is None and model_path and not os.path.exists(model_path):
+        raise CheckpointError(
+            f"the run's tokenizer {model_path} does not exist (relative to {os.getcwd()}); "
+            "pass --tokenizer-model"
+        )
+    tokenizer = build_tokenizer(
+        args.tokenizer_type,
+        model_path,
+        vocab_size=getattr(args, "vocab_size", None),
+        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+    )
+    padded = run.padded_vocab_size()
+    if tokenizer.vocab_size > padded:
+        raise CheckpointError(
+            f"tokenizer {model_path} has {tokenizer.vocab_size} ids but {run.path} embeds only "
+            f"{padded}: it is not the run's tokenizer"
+        )
+    return tokenizer
+
+
+def run_model_config(
+    run: SavedRun,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    transformer_impl: Optional[str] = None,
+):
+    """The run's `ModelConfig` at the layout this process runs (fp32 master weights)."""
+    from megatron_ext.models import model_config_from_args
+
+    args = argparse.Namespace(**vars(run.args))
+    args.tensor_model_parallel_size = tensor_model_parallel_size
+    args.pipeline_model_parallel_size = pipeline_model_parallel_size
+    args.context_parallel_size = 1
+    args.sequence_parallel = sequence_parallel
+    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
+    if transformer_impl is not None:
+        args.transformer_impl = transformer_impl
+    elif not torch.cuda.is_available():
+        args.transformer_impl = "local"
+    config = model_config_from_args(args, run.padded_vocab_size())
+    return config.replace(
+        bf16=False, fp16=False, fp8=None, hidden_dropout=0.0, attention_dropout=0.0
+    )
+
+
+def init_inference_parallel(
+    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+) -> None:
+    """Initialise torch.distributed and megatron's groups for a tool.
+
+    Under torchrun the launcher's environment is used; a plain `python tools/x.py` becomes a
+    one-rank world on a free loopback port (so two tools can run side by side).
+    """
+    from megatron_ext.parallel import initialize_parallel
+    from megatron_ext.testing.distributed import find_free_port
+
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(find_free_port()),
+        )
+    initialize_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+
+
+def load_model(run: SavedRun, model_config) -> torch.nn.Module:
+    """This rank's stage of the run's model with the checkpoint's weights, in eval mode.
+
+    Needs megatron's parallel groups (`init_inference_parallel`) at `model_config`'s layout.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_ext.models import build_model
+    from megatron_ext.training.checkpointing import load_checkpoint
+
+    model = build_model(
+        model_config,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    load_checkpoint(
+        run.root,
+        model,
+        iteration=run.iteration,
+        load_optim=False,
+        load_rng=False,
+        strict_missing=True,
+    )
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    return model.eval()
