@@ -26,7 +26,6 @@ from megatron.core.tensor_parallel.mappings import (
 __all__ = [
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
-    "scatter_to_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "PortableColumnParallelLinear",
     "PortableRowParallelLinear",
@@ -51,11 +50,6 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((x.size(0) // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
-
-
-def _split_first(x: torch.Tensor, group) -> torch.Tensor:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    return torch.chunk(x, size, dim=0)[rank].contiguous()
 
 
 def _all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -96,11 +90,6 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Partial sums [s, b, h] -> summed slice [s/tp, b, h]; backward all-gathers."""
     return _communicate(x, group, _reduce_scatter_first, _all_gather_first)
-
-
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """Replicated [s, b, h] -> this rank's slice [s/tp, b, h]; backward all-gathers."""
-    return _communicate(x, group, _split_first, _all_gather_first)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -213,10 +213,6 @@ class LEVConfig:
         """Build from parsed flags (see `add_lev_arguments`); V and D come from the model."""
         return lev_config_from_args(args, vocab_size, hidden_size)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict of all fields (for logging the resolved config)."""
-        return dataclasses.asdict(self)
-
 
 # Field name -> (flag, type, help). Dest names are `lev_<field>` except where noted.
 _FLAG_FIELDS = {

@@ -130,7 +130,7 @@ def _basis_parts(t: torch.Tensor, num_knots: int, normalize: bool) -> _BasisPart
     return _BasisParts(index=index, values=values, slopes=slopes, total=total)
 
 
-def _dense_basis(parts: _BasisParts, num_knots: int, out: torch.Tensor) -> torch.Tensor:
+def _dense_basis(parts: _BasisParts, out: torch.Tensor) -> torch.Tensor:
     """Scatter the three values into a dense [..., kappa] row (`out` is overwritten)."""
     out.zero_()
     # scatter_add: a dropped knot's clamped index may coincide with a kept one; it adds 0.
@@ -158,7 +158,7 @@ def fast_bspline_basis(t: torch.Tensor, num_knots: int, normalize: bool = True) 
     """
     parts = _basis_parts(t, num_knots, normalize)
     out = torch.empty(*t.shape, num_knots, dtype=t.dtype, device=t.device)
-    return _dense_basis(parts, num_knots, out)
+    return _dense_basis(parts, out)
 
 
 # ----------------------------------------------------------------------------- product
@@ -263,7 +263,7 @@ class _FusedLEVModes(torch.autograd.Function):
                 n = min(chunk, n_total - start)
                 t = _chunk_t(z[start : start + n].to(cdt), params, opts)
                 parts = _basis_parts(t.transpose(1, 2).contiguous(), kappa, opts.normalize_basis)
-                basis = _dense_basis(parts, kappa, _prefix(ws.basis, h, d, n, kappa))
+                basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
                 phi = _prefix(ws.phi, h, d, n, r)
                 torch.bmm(basis.view(h * d, n, kappa), coeff3, out=phi.view(h * d, n, r))
                 product = separable_product_from_phi(phi, opts.product_eps, ws.scratch, ws.scratch)
@@ -303,7 +303,7 @@ class _FusedLEVModes(torch.autograd.Function):
                 with torch.no_grad():
                     tt = t.detach().transpose(1, 2).contiguous()  # [h, d, n]
                     parts = _basis_parts(tt, kappa, opts.normalize_basis)
-                    basis = _dense_basis(parts, kappa, _prefix(ws.basis, h, d, n, kappa))
+                    basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
                     basis3 = basis.view(h * d, n, kappa)
                     x = _prefix(ws.phi, h, d, n, r)
                     torch.bmm(basis3, coeff3, out=x.view(h * d, n, r))
