@@ -15,6 +15,7 @@ from megatron_ext.lev import add_lev_arguments
 from megatron_ext.models.config import (
     EMBEDDING_TYPES,
     MODEL_SIZE_PRESETS,
+    TRANSFORMER_IMPLS,
     EmbeddingConfig,
     ModelConfig,
 )
@@ -57,7 +58,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--qk-layernorm", action="store_true")
     group.add_argument(
         "--transformer-impl",
-        choices=("local", "transformer_engine"),
+        choices=TRANSFORMER_IMPLS,
         # Megatron-LM's default where it can run; the CPU path elsewhere.
         default="transformer_engine" if transformer_engine_available() else "local",
         help="transformer_engine (TE on CUDA) or local (megatron-core modules with CPU twins); "
