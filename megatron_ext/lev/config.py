@@ -1,11 +1,11 @@
 """LEV hyper-parameters: a dataclass that validates itself, and its command-line flags.
 
-Every hyper-parameter of LEVIATHAN_SPEC.md section 2 is a field of `LEVConfig`; the command line
+Every hyper-parameter of docs/lev.md section 2 is a field of `LEVConfig`; the command line
 only fills it (`add_lev_arguments` + `LEVConfig.from_args`), the way Megatron fills a
 `TransformerConfig` from args. Invalid combinations fail in `__post_init__` with a message that
 names the flag to change.
 
-Shapes of the parameters this config implies (TP size 1, DESIGN.md "Fixed contracts")::
+Shapes of the parameters this config implies (TP size 1, docs/design.md "Fixed contracts")::
 
     codebooks         [k, b, d_seed]
     seed_proj         [h, d_seed, d_in]      d_in = d_seed (sum) or k*d_seed (concat)
@@ -47,10 +47,10 @@ def smallest_base(vocab_size: int, num_digits: int) -> int:
 
 @dataclass
 class LEVConfig:
-    """Hyper-parameters of one LEV input generator (LEVIATHAN_SPEC.md section 2).
+    """Hyper-parameters of one LEV input generator (docs/lev.md section 2).
 
-    The spec's symbols are given in brackets. Fields after `normalize_basis` are numerical or
-    implementation choices that the spec fixes (eps values, initialisation) or leaves to us
+    The symbols of docs/lev.md are given first. Fields after `normalize_basis` are numerical or
+    implementation choices that docs/lev.md fixes (eps values, initialisation) or leaves to us
     (dedup, fused path, eval table); they have flags too so every run is reproducible from its
     command line.
     """
@@ -191,11 +191,11 @@ class LEVConfig:
         }
 
     def num_parameters(self) -> int:
-        """Total LEV parameters (TP size 1): the spec's formula
+        """Total LEV parameters (TP size 1): the formula of docs/lev.md section 2
 
         k*b*d_seed + h*(d_in*d_seed + 2*d_seed + d_seed*kappa*r + r*D),
 
-        where d_in = d_seed for "sum" (the spec's d_seed^2 term) and k*d_seed for "concat".
+        where d_in = d_seed for "sum" (the d_seed^2 term) and k*d_seed for "concat".
         """
         k, b, d = self.num_digits, self.base, self.seed_dim
         per_head = (
@@ -240,7 +240,7 @@ _BOOL_FIELDS = {
 def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the LEV flag group (`--lev-*`, dests `lev_<field>`) to `parser`; return `parser`."""
     defaults = {f.name: f.default for f in dataclasses.fields(LEVConfig)}
-    group = parser.add_argument_group("LEV", "LEV input generator (LEVIATHAN_SPEC.md section 2)")
+    group = parser.add_argument_group("LEV", "LEV input generator (docs/lev.md section 2)")
     for field, (flag, typ, help_) in _FLAG_FIELDS.items():
         group.add_argument(flag, type=typ, default=defaults[field], dest=f"lev_{field}", help=help_)
     group.add_argument(

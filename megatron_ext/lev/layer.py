@@ -67,7 +67,7 @@ LEV_PARAMETER_NAMES = (
     "spline_delta",
     "out_proj",
 )
-"""The parameters of LEVEmbedding, in registration order (DESIGN.md "Fixed contracts")."""
+"""The parameters of LEVEmbedding, in registration order (docs/design.md "Fixed contracts")."""
 
 LEV_TP_PARTITION_DIMS: dict[str, Optional[int]] = {
     "codebooks": None,
@@ -179,7 +179,7 @@ class LEVEmbedding(torch.nn.Module):
     # ------------------------------------------------------------------ parameters
 
     def reset_parameters(self) -> None:
-        """Initialise as the spec says, identically for every TP layout.
+        """Initialise as docs/lev.md section 2 says, identically for every TP layout.
 
         Every rank draws the full TP=1 tensors from the default CPU generator (all TP ranks
         share its seed), in the fixed order of LEV_PARAMETER_NAMES, and keeps its heads: TP=2

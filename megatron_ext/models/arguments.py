@@ -74,7 +74,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     group.add_argument("--recompute-num-layers", type=int, default=None)
 
-    emb = parser.add_argument_group("embedding", "input embedding arm (LEVIATHAN_SPEC.md s.3)")
+    emb = parser.add_argument_group("embedding", "input embedding arm (docs/lev.md section 3)")
     emb.add_argument("--embedding-type", choices=EMBEDDING_TYPES, default="lev")
     emb.add_argument(
         "--untie-embeddings-and-output-weights",

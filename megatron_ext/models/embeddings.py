@@ -1,4 +1,4 @@
-"""Input modules of the baselines and ablations (LEVIATHAN_SPEC.md section 3).
+"""Input modules of the baselines and ablations (docs/lev.md section 3).
 
 Each honours VocabParallelEmbedding's contract: `forward(input_ids [b, s])` returns the
 TP-complete [b, s, D], or [s/tp, b, D] when `reduce_scatter_embeddings` (sequence parallel).
@@ -7,7 +7,7 @@ TP-complete [b, s, D], or [s/tp, b, D] when `reduce_scatter_embeddings` (sequenc
   lookups are summed across TP (cheap: m << D), then a small replicated network maps m -> D:
   a linear projection (albert) or LayerNorm + SiLU MLP (flat-mlp).
 - `DigitSeedEmbedding` (factored-mlp): LEV's replicated digit codebooks (the seed of
-  LEVIATHAN_SPEC.md step 2) followed by the same norm + MLP; no table at all.
+  docs/lev.md step 2) followed by the same norm + MLP; no table at all.
 
 Replicated parameters see identical inputs and gradients on every TP rank without sequence
 parallelism. With it each rank only processes its slice of the sequence, so they are tagged
