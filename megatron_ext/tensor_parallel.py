@@ -140,6 +140,7 @@ class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear):
         return F.linear(input, weight, bias)
 
     def forward(self, input_, weight=None, runtime_gather_output: Optional[bool] = None):
+        """megatron's forward on CUDA; on CPU the same math with portable collectives."""
         if input_.is_cuda:
             return super().forward(input_, weight, runtime_gather_output)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -153,6 +154,7 @@ class PortableRowParallelLinear(mcore_tp.RowParallelLinear):
     """megatron's RowParallelLinear; on CPU the sequence-parallel reduce-scatter avoids CUDA."""
 
     def forward(self, input_):
+        """On CUDA megatron's forward; on CPU matmul + portable all-reduce/reduce-scatter."""
         if input_.is_cuda:
             return super().forward(input_)
         if not self.input_is_parallel:
@@ -172,6 +174,7 @@ class PortableVocabParallelEmbedding(mcore_tp.VocabParallelEmbedding):
     CUDA. Out-of-range ids are an error here rather than a silent zero row."""
 
     def forward(self, input_):
+        """Look ids up after a range check; on CPU under SP a portable reduce-scatter."""
         if input_.numel() and (input_.min() < 0 or input_.max() >= self.num_embeddings):
             bad = input_[(input_ < 0) | (input_ >= self.num_embeddings)][0].item()
             raise IndexError(

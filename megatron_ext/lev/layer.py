@@ -403,6 +403,7 @@ class LEVEmbedding(torch.nn.Module):
         return super().train(mode)
 
     def extra_repr(self) -> str:
+        """The hyper-parameters and this rank's share of the heads, for `print(model)`."""
         lc = self.lev_config
         return (
             f"V={lc.vocab_size}, D={lc.hidden_size}, k={lc.num_digits}, b={lc.base}, "

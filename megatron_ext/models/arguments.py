@@ -28,6 +28,7 @@ _DEBUG_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the model, embedding-arm, Megatron-LM compatibility and --lev-* flags; return parser."""
     group = parser.add_argument_group("model", "LLaMA-style backbone and input embedding")
     group.add_argument(
         "--model-size",

@@ -77,6 +77,7 @@ class EmbeddingConfig:
 
     @property
     def tied(self) -> bool:
+        """Whether the input table is shared with the output head (the TIED arm)."""
         return self.embedding_type == "tied"
 
 
@@ -218,6 +219,7 @@ class ModelConfig:
 
     @property
     def kv_channels(self) -> int:
+        """Width of one attention head: hidden_size / num_attention_heads."""
         return self.hidden_size // self.num_attention_heads
 
     def replace(self, **changes) -> "ModelConfig":
