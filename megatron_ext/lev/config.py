@@ -28,7 +28,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["LEVConfig", "add_lev_arguments", "lev_config_from_args", "smallest_base"]
+__all__ = [
+    "LEVConfig",
+    "add_lev_arguments",
+    "lev_config_from_args",
+    "lev_overrides",
+    "smallest_base",
+]
 
 _COMBINE_MODES = ("sum", "concat")
 
@@ -177,7 +183,8 @@ class LEVConfig:
         if self.num_heads % tp_size != 0:
             raise ValueError(
                 f"--lev-num-heads {self.num_heads} is not divisible by "
-                f"--tensor-model-parallel-size {tp_size}; every rank must own whole heads"
+                f"--tensor-model-parallel-size {tp_size}: every TP rank must own whole LEV heads; "
+                f"change --lev-num-heads to a multiple of {tp_size}"
             )
         h = self.num_heads // tp_size
         d, kappa, r = self.seed_dim, self.num_knots, self.rank
@@ -261,13 +268,15 @@ def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def lev_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """LEVConfig field -> value of every `lev_<field>` attribute of `args` (V and D excluded)."""
+    return {
+        field.name: getattr(args, f"lev_{field.name}")
+        for field in dataclasses.fields(LEVConfig)
+        if field.name not in ("vocab_size", "hidden_size") and hasattr(args, f"lev_{field.name}")
+    }
+
+
 def lev_config_from_args(args: argparse.Namespace, vocab_size: int, hidden_size: int) -> LEVConfig:
     """LEVConfig from the `lev_*` attributes of `args` (absent ones keep their defaults)."""
-    kwargs: dict[str, Any] = {}
-    for field in dataclasses.fields(LEVConfig):
-        if field.name in ("vocab_size", "hidden_size"):
-            continue
-        dest = f"lev_{field.name}"
-        if hasattr(args, dest):
-            kwargs[field.name] = getattr(args, dest)
-    return LEVConfig(vocab_size=vocab_size, hidden_size=hidden_size, **kwargs)
+    return LEVConfig(vocab_size=vocab_size, hidden_size=hidden_size, **lev_overrides(args))

@@ -136,12 +136,7 @@ class LEVEmbedding(torch.nn.Module):
                 f"{self.tp_size} ranks; pass the matching tp_group"
             )
         tp = self.tp_size
-        if lev_config.num_heads % tp != 0:
-            raise ValueError(
-                f"--lev-num-heads {lev_config.num_heads} is not divisible by "
-                f"--tensor-model-parallel-size {tp}: every TP rank must own whole LEV heads; "
-                f"change --lev-num-heads to a multiple of {tp}"
-            )
+        shapes = lev_config.parameter_shapes(tp)  # checks that every rank owns whole heads
         self.num_local_heads = lev_config.num_heads // tp
 
         if config.use_cpu_initialization or not torch.cuda.is_available():
@@ -149,7 +144,6 @@ class LEVEmbedding(torch.nn.Module):
         else:
             device = torch.device("cuda", torch.cuda.current_device())
         dtype = config.params_dtype
-        shapes = lev_config.parameter_shapes(tp)
         for name in LEV_PARAMETER_NAMES:
             param = torch.nn.Parameter(torch.empty(shapes[name], device=device, dtype=dtype))
             dim = LEV_TP_PARTITION_DIMS[name]

@@ -7,11 +7,10 @@ any explicit Megatron size flag overrides the preset value.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
-from megatron_ext.lev import add_lev_arguments
+from megatron_ext.lev.config import add_lev_arguments, lev_overrides
 from megatron_ext.models.config import (
     EMBEDDING_TYPES,
     MODEL_SIZE_PRESETS,
@@ -137,16 +136,6 @@ def _check_fixed_design(args: argparse.Namespace) -> None:
         )
 
 
-def _lev_overrides(args: argparse.Namespace) -> dict:
-    from megatron_ext.lev import LEVConfig
-
-    return {
-        f.name: getattr(args, f"lev_{f.name}")
-        for f in dataclasses.fields(LEVConfig)
-        if f.name not in ("vocab_size", "hidden_size") and hasattr(args, f"lev_{f.name}")
-    }
-
-
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     """Fill a ModelConfig from parsed flags; `vocab_size` is the padded vocabulary."""
     _check_fixed_design(args)
@@ -182,7 +171,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         transformer_impl=args.transformer_impl,
         embedding=EmbeddingConfig(
             embedding_type=args.embedding_type,
-            lev=_lev_overrides(args),
+            lev=lev_overrides(args),
             albert_dim=args.albert_dim,
             flat_mlp_seed_dim=args.flat_mlp_seed_dim,
             mlp_hidden=args.embedding_mlp_hidden,
