@@ -57,6 +57,7 @@ def _on_this_cp_rank(batch: dict) -> dict:
 
 
 def get_batch(data_iterator, use_attention_mask: bool = False) -> dict:
+    """The next micro-batch on this rank's device, cut to this context-parallel rank's share."""
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     keys = ("tokens", "labels", "loss_mask", "position_ids")
@@ -122,6 +123,7 @@ def _error(message: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse flags, build the configs and train; return the process exit code (0, 1 or 2)."""
     _setup_logging()
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size

@@ -114,7 +114,7 @@ def main() -> None:
     from megatron.core.transformer import TransformerConfig
 
     from megatron_ext.lev import LEVConfig, LEVEmbedding
-    from megatron_ext.lev._testing import saved_tensor_bytes
+    from megatron_ext.testing.memory import saved_tensor_bytes
 
     init_single_process()
     torch.manual_seed(0)

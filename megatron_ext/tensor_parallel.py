@@ -26,7 +26,6 @@ from megatron.core.tensor_parallel.mappings import (
 __all__ = [
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
-    "scatter_to_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "PortableColumnParallelLinear",
     "PortableRowParallelLinear",
@@ -51,11 +50,6 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((x.size(0) // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
-
-
-def _split_first(x: torch.Tensor, group) -> torch.Tensor:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    return torch.chunk(x, size, dim=0)[rank].contiguous()
 
 
 def _all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -96,11 +90,6 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Partial sums [s, b, h] -> summed slice [s/tp, b, h]; backward all-gathers."""
     return _communicate(x, group, _reduce_scatter_first, _all_gather_first)
-
-
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """Replicated [s, b, h] -> this rank's slice [s/tp, b, h]; backward all-gathers."""
-    return _communicate(x, group, _split_first, _all_gather_first)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -151,6 +140,7 @@ class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear):
         return F.linear(input, weight, bias)
 
     def forward(self, input_, weight=None, runtime_gather_output: Optional[bool] = None):
+        """megatron's forward on CUDA; on CPU the same math with portable collectives."""
         if input_.is_cuda:
             return super().forward(input_, weight, runtime_gather_output)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -164,6 +154,7 @@ class PortableRowParallelLinear(mcore_tp.RowParallelLinear):
     """megatron's RowParallelLinear; on CPU the sequence-parallel reduce-scatter avoids CUDA."""
 
     def forward(self, input_):
+        """On CUDA megatron's forward; on CPU matmul + portable all-reduce/reduce-scatter."""
         if input_.is_cuda:
             return super().forward(input_)
         if not self.input_is_parallel:
@@ -183,6 +174,7 @@ class PortableVocabParallelEmbedding(mcore_tp.VocabParallelEmbedding):
     CUDA. Out-of-range ids are an error here rather than a silent zero row."""
 
     def forward(self, input_):
+        """Look ids up after a range check; on CPU under SP a portable reduce-scatter."""
         if input_.numel() and (input_.min() < 0 or input_.max() >= self.num_embeddings):
             bad = input_[(input_ < 0) | (input_ >= self.num_embeddings)][0].item()
             raise IndexError(

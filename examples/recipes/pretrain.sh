@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Paper recipe (LEVIATHAN_SPEC.md section 4): one arm at one scale, on one 8-GPU node or, under
+# Paper recipe (docs/lev.md section 4): one arm at one scale, on one 8-GPU node or, under
 # Slurm, on many (see examples/slurm/pretrain.sbatch, which sets LAUNCH).
 #
 #   bash examples/recipes/pretrain.sh SIZE ARM [VOCAB] [extra pretrain_leviathan.py flags]

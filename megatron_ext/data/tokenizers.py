@@ -141,24 +141,30 @@ class SentencePieceTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
+        """Number of pieces in the SentencePiece model."""
         return int(self._sp.GetPieceSize())
 
     @property
     def eod(self) -> int:
+        """The model's eos id."""
         return self._eod
 
     @property
     def pad(self) -> Optional[int]:
+        """The model's pad id, or None when it has none."""
         return self._pad
 
     def tokenize(self, text: str) -> list[int]:
+        """Piece ids of `text`."""
         return self._sp.Encode(text, out_type=int)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Piece ids of each text, encoded on one thread."""
         # One thread: preprocessing parallelises over processes, never inside one.
         return self._sp.Encode(list(texts), out_type=int, num_threads=1)
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        """Text decoded from piece ids."""
         return self._sp.Decode([int(i) for i in ids])
 
     def id_to_piece(self, token_id: int) -> str:
@@ -212,27 +218,34 @@ class HuggingFaceTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
+        """`len(tokenizer)`: the base vocabulary plus added tokens."""
         return len(self._tok)
 
     @property
     def eod(self) -> int:
+        """The tokenizer's `eos_token_id`."""
         return self._eod
 
     @property
     def pad(self) -> Optional[int]:
+        """The tokenizer's `pad_token_id`, or None when unset."""
         return self._pad
 
     def tokenize(self, text: str) -> list[int]:
+        """Ids of `text` without the tokenizer's special tokens (BOS/EOS)."""
         return self._tok(text, add_special_tokens=False)["input_ids"]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Ids of each text without special tokens, in one batched call."""
         return self._tok(list(texts), add_special_tokens=False)["input_ids"]
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        """Text decoded from ids."""
         return self._tok.decode([int(i) for i in ids])
 
     @property
     def unique_identifiers(self) -> "OrderedDict[str, str]":
+        """The base identifiers plus digests of the tokenizer files in the directory."""
         ident = super().unique_identifiers
         for name in ("tokenizer.json", "tokenizer.model", "vocab.json"):
             path = os.path.join(self.model_path, name)
@@ -334,28 +347,35 @@ class TikTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
+        """The encoding's `n_vocab` (ranks plus special tokens)."""
         return int(self._enc.n_vocab)
 
     @property
     def eod(self) -> int:
+        """The id of `<|endoftext|>`."""
         return self._eod
 
     @property
     def pad(self) -> Optional[int]:
+        """The id of `<|pad|>` for non-published rank files, else None."""
         return self._pad
 
     def tokenize(self, text: str) -> list[int]:
+        """BPE ids of `text`, special-token text encoded as ordinary text."""
         # Special-token text inside documents is ordinary text, never a control id.
         return self._enc.encode_ordinary(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """BPE ids of each text (ordinary encoding, one thread)."""
         return self._enc.encode_ordinary_batch(list(texts), num_threads=1)
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        """Text decoded from BPE ids."""
         return self._enc.decode([int(i) for i in ids])
 
     @property
     def unique_identifiers(self) -> "OrderedDict[str, str]":
+        """The base identifiers plus the split pattern."""
         ident = super().unique_identifiers
         ident["pattern"] = self._pattern
         return ident
@@ -379,13 +399,16 @@ class NullTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
+        """`--vocab-size` plus one for the EOD id."""
         return self._n + 1
 
     @property
     def eod(self) -> int:
+        """The id just past the ordinary ids (`--vocab-size`)."""
         return self._n
 
     def tokenize(self, text: str) -> list[int]:
+        """The integers of whitespace-separated `text`, each checked to lie in [0, vocab)."""
         try:
             ids = [int(x) for x in text.split()]
         except ValueError:
@@ -398,13 +421,16 @@ class NullTokenizer(Tokenizer):
         return ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`tokenize` of each text."""
         return [self.tokenize(text) for text in texts]
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        """The ids written as space-separated integers."""
         return " ".join(str(int(i)) for i in ids)
 
     @property
     def unique_identifiers(self) -> "OrderedDict[str, str]":
+        """The base identifiers plus the number of ordinary ids."""
         ident = super().unique_identifiers
         ident["null_vocab_size"] = str(self._n)
         return ident

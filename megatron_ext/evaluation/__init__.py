@@ -1,0 +1,1 @@
+"""Evaluation of checkpoints: perplexity, frequency-stratified analysis, zero-shot tasks."""

@@ -58,6 +58,7 @@ class SavedRun:
 
     @property
     def embedding_type(self) -> str:
+        """The run's `--embedding-type`."""
         return self.args.embedding_type
 
     def padded_vocab_size(self) -> int:

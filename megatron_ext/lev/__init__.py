@@ -2,7 +2,7 @@
 
     from megatron_ext.lev import LEVConfig, LEVEmbedding
 
-`LEVConfig` holds the hyper-parameters (LEVIATHAN_SPEC.md section 2) and their `--lev-*` flags;
+`LEVConfig` holds the hyper-parameters (docs/lev.md section 2) and their `--lev-*` flags;
 `LEVEmbedding` is the tensor-parallel module that replaces megatron's VocabParallelEmbedding;
 `lev.math` is the readable forward pass; `lev.fused` the memory-lean autograd Function.
 """

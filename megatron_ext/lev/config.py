@@ -1,11 +1,11 @@
 """LEV hyper-parameters: a dataclass that validates itself, and its command-line flags.
 
-Every hyper-parameter of LEVIATHAN_SPEC.md section 2 is a field of `LEVConfig`; the command line
+Every hyper-parameter of docs/lev.md section 2 is a field of `LEVConfig`; the command line
 only fills it (`add_lev_arguments` + `LEVConfig.from_args`), the way Megatron fills a
 `TransformerConfig` from args. Invalid combinations fail in `__post_init__` with a message that
 names the flag to change.
 
-Shapes of the parameters this config implies (TP size 1, DESIGN.md "Fixed contracts")::
+Shapes of the parameters this config implies (TP size 1, docs/design.md "Fixed contracts")::
 
     codebooks         [k, b, d_seed]
     seed_proj         [h, d_seed, d_in]      d_in = d_seed (sum) or k*d_seed (concat)
@@ -28,7 +28,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["LEVConfig", "add_lev_arguments", "lev_config_from_args", "smallest_base"]
+__all__ = [
+    "LEVConfig",
+    "add_lev_arguments",
+    "lev_config_from_args",
+    "lev_overrides",
+    "smallest_base",
+]
 
 _COMBINE_MODES = ("sum", "concat")
 
@@ -47,10 +53,10 @@ def smallest_base(vocab_size: int, num_digits: int) -> int:
 
 @dataclass
 class LEVConfig:
-    """Hyper-parameters of one LEV input generator (LEVIATHAN_SPEC.md section 2).
+    """Hyper-parameters of one LEV input generator (docs/lev.md section 2).
 
-    The spec's symbols are given in brackets. Fields after `normalize_basis` are numerical or
-    implementation choices that the spec fixes (eps values, initialisation) or leaves to us
+    The symbols of docs/lev.md are given first. Fields after `normalize_basis` are numerical or
+    implementation choices that docs/lev.md fixes (eps values, initialisation) or leaves to us
     (dedup, fused path, eval table); they have flags too so every run is reproducible from its
     command line.
     """
@@ -177,7 +183,8 @@ class LEVConfig:
         if self.num_heads % tp_size != 0:
             raise ValueError(
                 f"--lev-num-heads {self.num_heads} is not divisible by "
-                f"--tensor-model-parallel-size {tp_size}; every rank must own whole heads"
+                f"--tensor-model-parallel-size {tp_size}: every TP rank must own whole LEV heads; "
+                f"change --lev-num-heads to a multiple of {tp_size}"
             )
         h = self.num_heads // tp_size
         d, kappa, r = self.seed_dim, self.num_knots, self.rank
@@ -191,11 +198,11 @@ class LEVConfig:
         }
 
     def num_parameters(self) -> int:
-        """Total LEV parameters (TP size 1): the spec's formula
+        """Total LEV parameters (TP size 1): the formula of docs/lev.md section 2
 
         k*b*d_seed + h*(d_in*d_seed + 2*d_seed + d_seed*kappa*r + r*D),
 
-        where d_in = d_seed for "sum" (the spec's d_seed^2 term) and k*d_seed for "concat".
+        where d_in = d_seed for "sum" (the d_seed^2 term) and k*d_seed for "concat".
         """
         k, b, d = self.num_digits, self.base, self.seed_dim
         per_head = (
@@ -212,10 +219,6 @@ class LEVConfig:
     def from_args(cls, args: argparse.Namespace, vocab_size: int, hidden_size: int) -> "LEVConfig":
         """Build from parsed flags (see `add_lev_arguments`); V and D come from the model."""
         return lev_config_from_args(args, vocab_size, hidden_size)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict of all fields (for logging the resolved config)."""
-        return dataclasses.asdict(self)
 
 
 # Field name -> (flag, type, help). Dest names are `lev_<field>` except where noted.
@@ -244,7 +247,7 @@ _BOOL_FIELDS = {
 def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the LEV flag group (`--lev-*`, dests `lev_<field>`) to `parser`; return `parser`."""
     defaults = {f.name: f.default for f in dataclasses.fields(LEVConfig)}
-    group = parser.add_argument_group("LEV", "LEV input generator (LEVIATHAN_SPEC.md section 2)")
+    group = parser.add_argument_group("LEV", "LEV input generator (docs/lev.md section 2)")
     for field, (flag, typ, help_) in _FLAG_FIELDS.items():
         group.add_argument(flag, type=typ, default=defaults[field], dest=f"lev_{field}", help=help_)
     group.add_argument(
@@ -265,13 +268,15 @@ def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def lev_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """LEVConfig field -> value of every `lev_<field>` attribute of `args` (V and D excluded)."""
+    return {
+        field.name: getattr(args, f"lev_{field.name}")
+        for field in dataclasses.fields(LEVConfig)
+        if field.name not in ("vocab_size", "hidden_size") and hasattr(args, f"lev_{field.name}")
+    }
+
+
 def lev_config_from_args(args: argparse.Namespace, vocab_size: int, hidden_size: int) -> LEVConfig:
     """LEVConfig from the `lev_*` attributes of `args` (absent ones keep their defaults)."""
-    kwargs: dict[str, Any] = {}
-    for field in dataclasses.fields(LEVConfig):
-        if field.name in ("vocab_size", "hidden_size"):
-            continue
-        dest = f"lev_{field.name}"
-        if hasattr(args, dest):
-            kwargs[field.name] = getattr(args, dest)
-    return LEVConfig(vocab_size=vocab_size, hidden_size=hidden_size, **kwargs)
+    return LEVConfig(vocab_size=vocab_size, hidden_size=hidden_size, **lev_overrides(args))

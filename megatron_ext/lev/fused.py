@@ -15,7 +15,7 @@ is one batched matmul per (head, coordinate))::
     x = phi + copysign(eps, phi)                  sign(phi) * (|phi| + eps)
     M = prod_d x                                  [h, n, r]
 
-The last line is the spec's sign * exp(sum_d log(|phi| + eps)): the product of the signed
+The last line is docs/lev.md step 3e, sign * exp(sum_d log(|phi| + eps)): the product of the signed
 factors has the sign (-1)^(#negative phi) and the magnitude prod(|phi| + eps). It is evaluated
 by multiplying groups of G coordinates before one log|.| (and one sign count) per group, which
 cuts the transcendental work G-fold. G is chosen so that no product of G factors (each >= eps)
@@ -25,7 +25,8 @@ factor, so the result never depends on the grouping beyond rounding.
 The basis is built from the three non-zero values per coordinate (nearest knot c = round(s),
 s = (kappa-1) t, f = s - c: B_{c-1} = (1/2 - f)^2 / 2, B_c = 3/4 - f^2, B_{c+1} = (1/2 + f)^2 / 2,
 knots outside [0, kappa-1] dropped, then renormalised), scattered into a dense [.., kappa] row
-for the matmul. It equals `lev.math.bspline_basis` (the spec's definition) up to rounding.
+for the matmul. It equals `lev.math.bspline_basis` (the definition, docs/lev.md step 3c) up to
+rounding.
 
 Backward, per chunk, with G_M = dL/dM * M and the same x:
 
@@ -130,7 +131,7 @@ def _basis_parts(t: torch.Tensor, num_knots: int, normalize: bool) -> _BasisPart
     return _BasisParts(index=index, values=values, slopes=slopes, total=total)
 
 
-def _dense_basis(parts: _BasisParts, num_knots: int, out: torch.Tensor) -> torch.Tensor:
+def _dense_basis(parts: _BasisParts, out: torch.Tensor) -> torch.Tensor:
     """Scatter the three values into a dense [..., kappa] row (`out` is overwritten)."""
     out.zero_()
     # scatter_add: a dropped knot's clamped index may coincide with a kept one; it adds 0.
@@ -158,7 +159,7 @@ def fast_bspline_basis(t: torch.Tensor, num_knots: int, normalize: bool = True) 
     """
     parts = _basis_parts(t, num_knots, normalize)
     out = torch.empty(*t.shape, num_knots, dtype=t.dtype, device=t.device)
-    return _dense_basis(parts, num_knots, out)
+    return _dense_basis(parts, out)
 
 
 # ----------------------------------------------------------------------------- product
@@ -211,8 +212,8 @@ def signed_factors(
 ) -> torch.Tensor:
     """x = phi + copysign(eps, phi) = sign(phi) * (|phi| + eps), in place on `phi`.
 
-    At phi == +0 this is +eps (a positive factor, as the spec's sign count has it); a -0.0
-    (which needs every term of the spline sum to be -0.0) would count as negative.
+    At phi == +0 this is +eps (a positive factor, as the sign count of docs/lev.md step 3e has
+    it); a -0.0 (which needs every term of the spline sum to be -0.0) would count as negative.
     """
     eps_t = torch.tensor(eps, dtype=phi.dtype, device=phi.device)
     if scratch is None:
@@ -263,7 +264,7 @@ class _FusedLEVModes(torch.autograd.Function):
                 n = min(chunk, n_total - start)
                 t = _chunk_t(z[start : start + n].to(cdt), params, opts)
                 parts = _basis_parts(t.transpose(1, 2).contiguous(), kappa, opts.normalize_basis)
-                basis = _dense_basis(parts, kappa, _prefix(ws.basis, h, d, n, kappa))
+                basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
                 phi = _prefix(ws.phi, h, d, n, r)
                 torch.bmm(basis.view(h * d, n, kappa), coeff3, out=phi.view(h * d, n, r))
                 product = separable_product_from_phi(phi, opts.product_eps, ws.scratch, ws.scratch)
@@ -303,7 +304,7 @@ class _FusedLEVModes(torch.autograd.Function):
                 with torch.no_grad():
                     tt = t.detach().transpose(1, 2).contiguous()  # [h, d, n]
                     parts = _basis_parts(tt, kappa, opts.normalize_basis)
-                    basis = _dense_basis(parts, kappa, _prefix(ws.basis, h, d, n, kappa))
+                    basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
                     basis3 = basis.view(h * d, n, kappa)
                     x = _prefix(ws.phi, h, d, n, r)
                     torch.bmm(basis3, coeff3, out=x.view(h * d, n, r))

@@ -67,7 +67,7 @@ LEV_PARAMETER_NAMES = (
     "spline_delta",
     "out_proj",
 )
-"""The parameters of LEVEmbedding, in registration order (DESIGN.md "Fixed contracts")."""
+"""The parameters of LEVEmbedding, in registration order (docs/design.md "Fixed contracts")."""
 
 LEV_TP_PARTITION_DIMS: dict[str, Optional[int]] = {
     "codebooks": None,
@@ -136,12 +136,7 @@ class LEVEmbedding(torch.nn.Module):
                 f"{self.tp_size} ranks; pass the matching tp_group"
             )
         tp = self.tp_size
-        if lev_config.num_heads % tp != 0:
-            raise ValueError(
-                f"--lev-num-heads {lev_config.num_heads} is not divisible by "
-                f"--tensor-model-parallel-size {tp}: every TP rank must own whole LEV heads; "
-                f"change --lev-num-heads to a multiple of {tp}"
-            )
+        shapes = lev_config.parameter_shapes(tp)  # checks that every rank owns whole heads
         self.num_local_heads = lev_config.num_heads // tp
 
         if config.use_cpu_initialization or not torch.cuda.is_available():
@@ -149,7 +144,6 @@ class LEVEmbedding(torch.nn.Module):
         else:
             device = torch.device("cuda", torch.cuda.current_device())
         dtype = config.params_dtype
-        shapes = lev_config.parameter_shapes(tp)
         for name in LEV_PARAMETER_NAMES:
             param = torch.nn.Parameter(torch.empty(shapes[name], device=device, dtype=dtype))
             dim = LEV_TP_PARTITION_DIMS[name]
@@ -179,7 +173,7 @@ class LEVEmbedding(torch.nn.Module):
     # ------------------------------------------------------------------ parameters
 
     def reset_parameters(self) -> None:
-        """Initialise as the spec says, identically for every TP layout.
+        """Initialise as docs/lev.md section 2 says, identically for every TP layout.
 
         Every rank draws the full TP=1 tensors from the default CPU generator (all TP ranks
         share its seed), in the fixed order of LEV_PARAMETER_NAMES, and keeps its heads: TP=2
@@ -403,6 +397,7 @@ class LEVEmbedding(torch.nn.Module):
         return super().train(mode)
 
     def extra_repr(self) -> str:
+        """The hyper-parameters and this rank's share of the heads, for `print(model)`."""
         lc = self.lev_config
         return (
             f"V={lc.vocab_size}, D={lc.hidden_size}, k={lc.num_digits}, b={lc.base}, "

@@ -1,8 +1,11 @@
-"""The LEV forward pass, one function per step of LEVIATHAN_SPEC.md section 2, in order.
+"""The LEV forward pass, one function per step of docs/lev.md section 2, in order.
 
 This is the readable ("naive") form: plain torch ops, differentiated by autograd, every
-intermediate kept in memory. `lev.fused` implements the same function with recompute-in-backward
-and a cheaper separable product; `LEVEmbedding(fused=False)` runs this file as is.
+intermediate kept in memory. It is the definition, not the default training path: `lev.fused`
+(`LEVConfig.fused=True`, `--lev-fused`, the default) computes steps 3a-3e with
+recompute-in-backward and a cheaper separable product; `LEVConfig(fused=False)`
+(`--no-lev-fused`) runs this file as is. Both paths match an independent float64 reference,
+outputs and every gradient, in `tests/lev/test_lev_reference.py::test_matches_reference_float64`.
 
 Shapes (N ids, k digits, base b, seed width d = d_seed, seed input width d_in = d or k*d,
 h heads on this rank, kappa knots, rank r, model width D)::
@@ -42,7 +45,7 @@ def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
     """Raise a clear error for non-integer ids or ids outside [0, vocab_size).
 
     A token id outside the vocabulary would otherwise be written in base b and silently
-    become another token (or raise a deep index error); the spec requires a clear error.
+    become another token (or raise a deep index error); docs/lev.md step 1 asks for a clear error.
     """
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"LEV token ids must be an integer tensor, got dtype {ids.dtype}")

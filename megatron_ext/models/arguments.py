@@ -7,14 +7,14 @@ any explicit Megatron size flag overrides the preset value.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
-from megatron_ext.lev import add_lev_arguments
+from megatron_ext.lev.config import add_lev_arguments, lev_overrides
 from megatron_ext.models.config import (
     EMBEDDING_TYPES,
     MODEL_SIZE_PRESETS,
+    TRANSFORMER_IMPLS,
     EmbeddingConfig,
     ModelConfig,
 )
@@ -27,6 +27,7 @@ _DEBUG_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the model, embedding-arm, Megatron-LM compatibility and --lev-* flags; return parser."""
     group = parser.add_argument_group("model", "LLaMA-style backbone and input embedding")
     group.add_argument(
         "--model-size",
@@ -57,7 +58,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--qk-layernorm", action="store_true")
     group.add_argument(
         "--transformer-impl",
-        choices=("local", "transformer_engine"),
+        choices=TRANSFORMER_IMPLS,
         # Megatron-LM's default where it can run; the CPU path elsewhere.
         default="transformer_engine" if transformer_engine_available() else "local",
         help="transformer_engine (TE on CUDA) or local (megatron-core modules with CPU twins); "
@@ -73,7 +74,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     group.add_argument("--recompute-num-layers", type=int, default=None)
 
-    emb = parser.add_argument_group("embedding", "input embedding arm (LEVIATHAN_SPEC.md s.3)")
+    emb = parser.add_argument_group("embedding", "input embedding arm (docs/lev.md section 3)")
     emb.add_argument("--embedding-type", choices=EMBEDDING_TYPES, default="lev")
     emb.add_argument(
         "--untie-embeddings-and-output-weights",
@@ -135,16 +136,6 @@ def _check_fixed_design(args: argparse.Namespace) -> None:
         )
 
 
-def _lev_overrides(args: argparse.Namespace) -> dict:
-    from megatron_ext.lev import LEVConfig
-
-    return {
-        f.name: getattr(args, f"lev_{f.name}")
-        for f in dataclasses.fields(LEVConfig)
-        if f.name not in ("vocab_size", "hidden_size") and hasattr(args, f"lev_{f.name}")
-    }
-
-
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
     """Fill a ModelConfig from parsed flags; `vocab_size` is the padded vocabulary."""
     _check_fixed_design(args)
@@ -180,7 +171,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         transformer_impl=args.transformer_impl,
         embedding=EmbeddingConfig(
             embedding_type=args.embedding_type,
-            lev=_lev_overrides(args),
+            lev=lev_overrides(args),
             albert_dim=args.albert_dim,
             flat_mlp_seed_dim=args.flat_mlp_seed_dim,
             mlp_hidden=args.embedding_mlp_hidden,

@@ -17,12 +17,14 @@ import torch.nn.functional as F
 __all__ = [
     "EMBEDDING_TYPES",
     "MODEL_SIZE_PRESETS",
+    "TRANSFORMER_IMPLS",
     "EmbeddingConfig",
     "ModelConfig",
     "llama_ffn_hidden_size",
 ]
 
 EMBEDDING_TYPES = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 # LLaMA-style shapes whose TIED parameter count lands near the paper's scales at V ~ 200k
 # (o200k: 200,019 ids, padded to 200,064). D=1024 at 400M and D=2048 at 1.2B follow from the
@@ -75,6 +77,7 @@ class EmbeddingConfig:
 
     @property
     def tied(self) -> bool:
+        """Whether the input table is shared with the output head (the TIED arm)."""
         return self.embedding_type == "tied"
 
 
@@ -192,7 +195,7 @@ class ModelConfig:
                 lev.parameter_shapes(tp)
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are exclusive; pick one")
-        if self.transformer_impl not in ("local", "transformer_engine"):
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(
                 "--transformer-impl must be local or transformer_engine, got "
                 f"{self.transformer_impl!r}"
@@ -216,6 +219,7 @@ class ModelConfig:
 
     @property
     def kv_channels(self) -> int:
+        """Width of one attention head: hidden_size / num_attention_heads."""
         return self.hidden_size // self.num_attention_heads
 
     def replace(self, **changes) -> "ModelConfig":

@@ -1,4 +1,4 @@
-"""Input modules of the baselines and ablations (LEVIATHAN_SPEC.md section 3).
+"""Input modules of the baselines and ablations (docs/lev.md section 3).
 
 Each honours VocabParallelEmbedding's contract: `forward(input_ids [b, s])` returns the
 TP-complete [b, s, D], or [s/tp, b, D] when `reduce_scatter_embeddings` (sequence parallel).
@@ -7,7 +7,7 @@ TP-complete [b, s, D], or [s/tp, b, D] when `reduce_scatter_embeddings` (sequenc
   lookups are summed across TP (cheap: m << D), then a small replicated network maps m -> D:
   a linear projection (albert) or LayerNorm + SiLU MLP (flat-mlp).
 - `DigitSeedEmbedding` (factored-mlp): LEV's replicated digit codebooks (the seed of
-  LEVIATHAN_SPEC.md step 2) followed by the same norm + MLP; no table at all.
+  docs/lev.md step 2) followed by the same norm + MLP; no table at all.
 
 Replicated parameters see identical inputs and gradients on every TP rank without sequence
 parallelism. With it each rank only processes its slice of the sequence, so they are tagged
@@ -73,6 +73,7 @@ class SeedToHidden(torch.nn.Module):
             setattr(param, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """Map seeds [..., m] to embeddings [..., D]."""
         if self.mlp_hidden is None:
             return F.linear(z, self.proj)
         z = F.layer_norm(z, (z.size(-1),), self.norm_weight, self.norm_bias, 1e-5)
@@ -111,6 +112,7 @@ class LookupSeedEmbedding(torch.nn.Module):
         self.to_hidden = SeedToHidden(seed_dim, config.hidden_size, mlp_hidden, config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embed ids [b, s] -> [b, s, D], or [s/tp, b, D] under reduce-scatter."""
         # [b, s, m] (all-reduced) or [s/tp, b, m] (reduce-scattered) -> same layout with D.
         return self.to_hidden(self.table(input_ids))
 
@@ -166,6 +168,7 @@ class DigitSeedEmbedding(torch.nn.Module):
         self.to_hidden = SeedToHidden(seed_width, config.hidden_size, mlp_hidden, config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embed ids [b, s] -> [b, s, D], or this rank's [s/tp, b, D] under sequence parallelism."""
         lev_math.check_ids(input_ids, self.vocab_size)
         if self.reduce_scatter_embeddings:
             # Only this rank's slice of the sequence: [b, s] -> [s/tp, b].

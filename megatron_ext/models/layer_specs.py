@@ -30,19 +30,17 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
+from megatron_ext.models.config import TRANSFORMER_IMPLS
 from megatron_ext.models.local_modules import SDPACoreAttention, SequenceParallelNorm
 from megatron_ext.tensor_parallel import PortableColumnParallelLinear, PortableRowParallelLinear
 
 __all__ = [
-    "TRANSFORMER_IMPLS",
     "get_local_layer_spec",
     "get_transformer_engine_layer_spec",
     "get_layer_spec",
     "get_decoder_block_spec",
     "transformer_engine_available",
 ]
-
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
 def get_local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:

@@ -105,6 +105,7 @@ class LeviathanModel(GPTModel):
 
     @property
     def embedding_type(self) -> str:
+        """The model's `--embedding-type` (tied, untied, albert, flat-mlp, factored-mlp, lev)."""
         return self.model_config.embedding.embedding_type
 
     def get_extra_state(self) -> dict:
@@ -112,6 +113,7 @@ class LeviathanModel(GPTModel):
         return {"embedding_type": self.embedding_type}
 
     def set_extra_state(self, state) -> None:
+        """Refuse a checkpoint saved from another embedding arm (ValueError naming both)."""
         saved = state.get("embedding_type") if isinstance(state, dict) else None
         if saved is not None and saved != self.embedding_type:
             raise ValueError(

@@ -80,6 +80,7 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
     ) -> Tensor:
+        """SDPA (causal or masked, GQA) over q, k, v [s, b, n, hn] -> context [s, b, n*hn]."""
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError(
                 "packed sequences and attention bias need --transformer-impl transformer_engine"
@@ -147,6 +148,7 @@ class SequenceParallelNorm(torch.nn.Module):
             setattr(param, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
+        """RMSNorm (or LayerNorm) over the last dim of x [s(/tp), b, h]."""
         if self.normalization == "RMSNorm":
             return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
         return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
@@ -156,6 +158,7 @@ class PortableRotaryEmbedding(RotaryEmbedding):
     """megatron's RotaryEmbedding, keeping `inv_freq` on CPU when CUDA is not available."""
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        """Rotary angles [s, 1, 1, dim] on the frequencies' device (CPU without CUDA)."""
         if torch.cuda.is_available():
             return super().get_emb(max_seq_len, offset)
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)

@@ -23,12 +23,15 @@ _DEFAULT_FLAT_MLP_HIDDEN = 128
 
 @dataclass(frozen=True)
 class ParameterCount:
+    """Parameters of a whole model (TP size 1), split the way the paper compares arms."""
+
     input_embedding: int
     output_head: int
     backbone: int
 
     @property
     def total(self) -> int:
+        """Input embedding + output head + backbone."""
         return self.input_embedding + self.output_head + self.backbone
 
 

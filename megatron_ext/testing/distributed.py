@@ -12,19 +12,29 @@ Each rank returns its value; `run_distributed` returns them as a list indexed by
 A failure in any rank is re-raised in the caller with that rank's traceback. Process groups
 are always destroyed and children never outlive the call: a rank that hangs past `timeout`
 is killed. Ports are picked free per call, so test files can run in parallel.
+
+`run_distributed` pickles its function by module name, which a child process can only import if
+the parent's import of that module is reproducible; under pytest's `--import-mode=importlib`
+test files are not importable by name. `call_in_file(path, name, *args)` is an importable
+trampoline that loads the file by location in the child and calls `name(*args)`::
+
+    run_distributed(call_in_file, 2, tp=2, args=(__file__, "_check_tp", ...))
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+import sys
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
-__all__ = ["ParallelLayout", "run_distributed", "find_free_port"]
+__all__ = ["ParallelLayout", "call_in_file", "find_free_port", "run_distributed"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +161,17 @@ def run_distributed(
     if failures:
         raise RuntimeError(f"{fn.__name__} failed:\n" + "\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+def call_in_file(path: str, name: str, *args: Any) -> Any:
+    """Import the Python file at `path` (once per process) and return `<name>(*args)`."""
+    module_name = f"_test_file_{Path(path).stem}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return getattr(module, name)(*args)

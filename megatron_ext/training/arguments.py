@@ -176,6 +176,8 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    """What the loop logs, where, and how often (Megatron-LM's logging flags)."""
+
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
     tensorboard_log_interval: int = 1

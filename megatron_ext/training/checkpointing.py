@@ -85,6 +85,7 @@ class TrainState:
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
+    """`<root>/iter_XXXXXXX`, Megatron-LM's directory of one checkpoint."""
     return os.path.join(root, f"iter_{iteration:07d}")
 
 

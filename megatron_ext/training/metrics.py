@@ -157,6 +157,7 @@ class Reporter:
             self.writer = SummaryWriter(log_dir=self.tensorboard_dir, max_queue=self.queue_size)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
+        """Record a finite scalar in the history and TensorBoard (ignored when disabled)."""
         if not self.enabled or value is None or not math.isfinite(value):
             return
         self.history.setdefault(tag, []).append((step, float(value)))
@@ -164,10 +165,12 @@ class Reporter:
             self.writer.add_scalar(tag, value, step)
 
     def text(self, tag: str, text: str) -> None:
+        """Write a text entry to TensorBoard, if a writer is open."""
         if self.writer is not None:
             self.writer.add_text(tag, text)
 
     def flush(self) -> None:
+        """Flush pending TensorBoard events to disk."""
         if self.writer is not None:
             self.writer.flush()
 

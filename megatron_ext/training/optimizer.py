@@ -102,6 +102,7 @@ class Optimizer:
 
     @property
     def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups (the LR scheduler writes lr and weight_decay here)."""
         return self.inner.param_groups
 
     @property
@@ -115,19 +116,24 @@ class Optimizer:
         return any(param is p for g in self._local.param_groups for p in g["params"])
 
     def owned_state(self) -> dict[torch.Tensor, dict]:
+        """Parameter -> Adam state of the parameters this rank owns (with a state yet)."""
         return {p: s for p, s in self._local.state.items() if s}
 
     def set_state(self, param: torch.Tensor, state: dict) -> None:
+        """Install `param`'s Adam state (when loading a checkpoint)."""
         self._local.state[param] = state
 
     def zero_grad(self) -> None:
+        """Drop every gradient (set to None)."""
         for param in self.params:
             param.grad = None
 
     def step(self) -> None:
+        """One AdamW step (with ZeRO-1: on this rank's share, then broadcast)."""
         self.inner.step()
 
     def get_lr(self) -> float:
+        """The current learning rate (of the first group)."""
         return self.param_groups[0]["lr"]
 
 
@@ -271,6 +277,7 @@ class LossScaler:
         self._clean_steps, self._hysteresis_left = 0, hysteresis
 
     def update(self, found_inf: bool) -> None:
+        """Adjust a dynamic scale after a step that did (True) or did not overflow."""
         if not self.dynamic:
             return
         if found_inf:
@@ -285,6 +292,7 @@ class LossScaler:
                 self._hysteresis_left = self.hysteresis
 
     def state_dict(self) -> dict:
+        """Scale and counters, saved in checkpoints."""
         return {
             "scale": self.scale,
             "clean_steps": self._clean_steps,
@@ -292,6 +300,7 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a dynamic scale and its counters (a static scale keeps its flag value)."""
         if self.dynamic:
             self.scale = float(state["scale"])
             self._clean_steps = int(state["clean_steps"])

@@ -37,6 +37,7 @@ class PipelineShape:
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
 
     def empty(self) -> torch.Tensor:
+        """An uninitialised receive buffer of this shape, dtype and device."""
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
 

@@ -17,7 +17,7 @@ def test_defaults_and_derived_base():
     )
     assert cfg.temperature == 2.0 and cfg.codebook_combine == "sum" and cfg.normalize_basis
     assert cfg.base == 59  # 58**3 = 195112 < 200000 <= 59**3
-    # The spec's example: k=3, b=59, defaults, D=2048 -> 2.25M.
+    # docs/lev.md section 2's example: k=3, b=59, defaults, D=2048 -> 2.25M.
     assert round(cfg.num_parameters() / 1e6, 2) == 2.25
 
 
@@ -103,7 +103,7 @@ def test_parameter_count_matches_formula_and_module(kwargs, lev):
     )
     d_in = k * d if cfg.codebook_combine == "concat" else d
     formula = k * b * d + h * (d_in * d + 2 * d + d * kappa * r + r * cfg.hidden_size)
-    if cfg.codebook_combine == "sum":  # the spec's formula verbatim
+    if cfg.codebook_combine == "sum":  # the formula of docs/lev.md section 2 verbatim
         assert formula == k * b * d + h * (d * d + 2 * d + d * kappa * r + r * cfg.hidden_size)
     assert cfg.num_parameters() == formula
     module = LEVEmbedding(cfg, config=lev.transformer_config(cfg.hidden_size))

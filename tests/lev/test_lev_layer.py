@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_ext.lev import LEV_PARAMETER_NAMES, LEV_TP_PARTITION_DIMS, LEVEmbedding
-from megatron_ext.lev._testing import saved_tensor_bytes
+from megatron_ext.testing.memory import saved_tensor_bytes
 
 
 def test_parameters_names_shapes_order_and_tp_attributes(lev):

@@ -1,4 +1,5 @@
-"""Unit tests of the spec's steps (lev.math) and of the fused product (lev.fused)."""
+"""Unit tests of the steps of docs/lev.md section 2 (lev.math) and of the fused product
+(lev.fused)."""
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def test_fused_product_equals_spec_formula(dtype, d):
 
 
 def test_fused_product_overflow_falls_back():
-    # Grouping four factors of 1e12 overflows float32; the spec's log-sum does not.
+    # Grouping four factors of 1e12 overflows float32; the log-sum of docs/lev.md step 3e does not.
     phi = torch.full((1, 2, 8, 2), 1e12, dtype=torch.float32)
     phi[:, :, 4:] = 1e-12
     expected = lev_math.separable_product(phi)

@@ -12,8 +12,7 @@ import dataclasses
 
 import torch
 
-from megatron_ext.lev._testing import call_in_file
-from megatron_ext.testing.distributed import run_distributed
+from megatron_ext.testing.distributed import call_in_file, run_distributed
 
 VOCAB, HIDDEN, BATCH, SEQ, HEADS = 300, 8, 2, 8, 4
 

@@ -1,7 +1,8 @@
-"""The fast paths equal an independent float64 reference written with plain loops from the spec.
+"""The fast paths equal an independent float64 reference written with plain loops from
+docs/lev.md section 2.
 
 The reference below shares no code with megatron_ext.lev: digits by integer arithmetic, the
-basis knot by knot from the definition of beta2, the separable product exactly as the spec
+basis knot by knot from the definition of beta2, the separable product exactly as docs/lev.md
 writes it (sign * exp(sum log(|phi| + 1e-9))), one token, head, coordinate and mode at a time.
 Its gradients come from autograd through those loops.
 """

@@ -30,7 +30,7 @@ def test_untied_is_about_611m_at_the_400m_scale():
 def test_leviathan_costs_about_0_2_percent_over_tied_at_1_2b():
     overhead = _count("1.2b", "lev").total / _count("1.2b", "tied").total - 1
     assert 0.0015 < overhead < 0.0025
-    # The spec's figure: LEV itself is about 2.25M parameters at D=2048, V ~ 200k.
+    # docs/lev.md's figure: LEV itself is about 2.25M parameters at D=2048, V ~ 200k.
     assert abs(_count("1.2b", "lev").input_embedding / 2.25e6 - 1) < 0.01
 
 

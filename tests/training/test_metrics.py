@@ -1,0 +1,55 @@
+"""FLOPs per iteration and the Megatron-style log line (training.metrics)."""
+
+from __future__ import annotations
+
+from megatron_ext.training.metrics import flops_per_iteration, format_train_line
+
+
+def test_flops_match_six_n_d_for_short_sequences():
+    """Without the attention term, training FLOPs are 6 x (GEMM parameters) x tokens."""
+    h, ffn, v, layers, gbs, s = 256, 512, 1000, 3, 4, 1
+    flops = flops_per_iteration(
+        global_batch_size=gbs,
+        seq_length=s,
+        num_layers=layers,
+        hidden_size=h,
+        ffn_hidden_size=ffn,
+        num_attention_heads=8,
+        num_query_groups=8,
+        vocab_size=v,
+    )
+    gemm_params = layers * (4 * h * h + 3 * h * ffn) + h * v
+    attention = 3 * layers * 4 * s * h * gbs * s
+    assert flops == 6 * gemm_params * gbs * s + attention
+
+
+def test_log_line_has_megatron_fields():
+    line = format_train_line(
+        dict(
+            iteration=10,
+            train_iters=100,
+            consumed_samples=80,
+            iteration_ms=12.5,
+            tflops=1.5,
+            mfu=0.4,
+            tokens_per_sec=2048.0,
+            lr=3e-4,
+            global_batch_size=8,
+            loss=5.5,
+            loss_scale=None,
+            grad_norm=0.9,
+            skipped=0,
+            nonfinite=0,
+        )
+    )
+    for text in (
+        "iteration       10/     100",
+        "consumed samples:           80",
+        "elapsed time per iteration (ms): 12.5",
+        "throughput per GPU (TFLOP/s/GPU): 1.5",
+        "MFU: 40.0%",
+        "learning rate: 3.000000E-04",
+        "lm loss: 5.500000E+00",
+        "grad norm: 0.900",
+    ):
+        assert text in line
