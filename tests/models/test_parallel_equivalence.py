@@ -3,7 +3,9 @@ its input module's megatron `sharded_state_dict` describes the full (unsharded) 
 
 One single-rank run writes the references (weights, logits, loss, every gradient) of all arms
 to disk; the parallel runs load those weights into their shards and compare, in float32 within
-1e-5. The `untied` arm is the plain LLaMA-style backbone of the foundation issue.
+1e-5, and the global gradient norm as the training loop computes it (`clip_grad_norm`: TP
+shards summed, replicated and sequence-parallel parameters counted once) within 1e-6
+relative. The `untied` arm is the plain LLaMA-style backbone of the foundation issue.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from megatron_ext.testing.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, HIDDEN = 96, 16, 2, 64
 ATOL = 1e-5
+# float32 gradients, squared norms summed in float64: layouts differ by ~1e-7 relative.
+NORM_RTOL = 1e-6
 ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
 # A small LEV (2 heads so that TP=2 owns one head each).
 LEV = dict(seed_dim=16, rank=4, num_heads=2, num_knots=5)
@@ -44,6 +48,12 @@ def _batch():
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), position_ids
 
 
+def _grad_norm(model) -> float:
+    from megatron_ext.training.optimizer import clip_grad_norm
+
+    return clip_grad_norm(list(model.parameters()), 0.0)
+
+
 def _references(path):
     from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict
@@ -61,6 +71,7 @@ def _references(path):
             "grads": gather_full_state_dict(model, grads=True),
             "logits": logits,
             "loss": loss.detach(),
+            "grad_norm": _grad_norm(model),
         }
     torch.save(refs, path)
 
@@ -111,6 +122,7 @@ def _tensor_parallel_checks(path):
                 "logits": (logits.detach() - ref["logits"]).abs().max().item(),
                 "loss": (loss.detach() - ref["loss"]).abs().max().item(),
                 "grads": _max_diffs(grads, ref["grads"]),
+                "grad_norm": (_grad_norm(model), ref["grad_norm"]),
                 "sp_tagged": sum(
                     1 for p in model.parameters() if getattr(p, "sequence_parallel", False)
                 ),
@@ -165,6 +177,7 @@ def _pipeline_checks(path):
             result["logits"] = (logits - ref["logits"]).abs().max().item()
             result["loss"] = (loss.detach() - ref["loss"]).abs().max().item()
         allreduce_tied_embedding_grads([model])
+        result["grad_norm"] = (_grad_norm(model), ref["grad_norm"])
         stages = [None, None]
         dist.all_gather_object(
             stages,
@@ -187,6 +200,11 @@ def _bad(diffs: dict) -> dict:
     return {k: v for k, v in diffs.items() if not v < ATOL}
 
 
+def _assert_same_norm(got_want: tuple, where: str) -> None:
+    got, want = got_want
+    assert abs(got - want) <= NORM_RTOL * want, f"{where}: grad norm {got!r} != {want!r}"
+
+
 def test_tensor_and_sequence_parallel_match_single_rank(reference_path):
     reports = run_distributed(_tensor_parallel_checks, world_size=2, tp=2, args=(reference_path,))
     for report in reports:
@@ -195,6 +213,7 @@ def test_tensor_and_sequence_parallel_match_single_rank(reference_path):
             assert diffs["logits"] < ATOL, (where, diffs["logits"])
             assert diffs["loss"] < ATOL, (where, diffs["loss"])
             assert not _bad(diffs["grads"]), (where, _bad(diffs["grads"]))
+            _assert_same_norm(diffs["grad_norm"], where)
             if not sequence_parallel:
                 assert diffs["sp_tagged"] == 0, where
             for key, (sharded, full) in diffs["sharded_shapes"].items():
@@ -212,3 +231,4 @@ def test_two_pipeline_stages_match_single_stage(reference_path):
         assert last["logits"] < ATOL and last["loss"] < ATOL, (arm, last["logits"], last["loss"])
         for stage in (first, last):
             assert not _bad(stage["grads"]), (arm, _bad(stage["grads"]))
+            _assert_same_norm(stage["grad_norm"], f"{arm} pipeline stage")
