@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import random
 import signal
 import time
@@ -507,6 +508,21 @@ def _count_parameters(model: torch.nn.Module) -> int:
     return int(count.item())
 
 
+def _check_save_directory(root: str, num_params: int, with_optimizer: bool) -> None:
+    """Refuse to start when --save is not writable or cannot hold one checkpoint (fp32
+    weights, plus two Adam moments each with the optimizer state)."""
+    from megatron_ext.training.checkpoint_io import check_save_directory
+    from megatron_ext.training.checkpointing import CheckpointError
+
+    needed = 4 * num_params * (3 if with_optimizer else 1)
+    problem = check_save_directory(root, needed)
+    if problem is not None:
+        raise CheckpointError(
+            f"--save {os.path.abspath(root)} cannot hold checkpoints: {problem}; point --save "
+            "at a writable directory with enough space"
+        )
+
+
 def pretrain(
     args: argparse.Namespace,
     *,
@@ -581,6 +597,8 @@ def pretrain(
                 "config", "\n".join(f"    {k}: {v}" for k, v in sorted(args_to_json(args).items()))
             )
         trainer.load()
+        if ck.save:
+            _check_save_directory(ck.save, num_params, with_optimizer=not ck.no_save_optim)
         b = cfg.batch
         num_samples = [
             b.train_iters * b.global_batch_size,
