@@ -22,17 +22,17 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["PretrainingSampler", "build_data_loader", "ignore_termination_signals"]
+from megatron_ext import _signals
 
-_TERMINATION_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+__all__ = ["PretrainingSampler", "build_data_loader", "ignore_termination_signals"]
 
 
 def ignore_termination_signals(worker_id: int = 0) -> None:
     """DataLoader `worker_init_fn`: leave SIGTERM and SIGINT to the rank (see the module
     docstring); unblock them, which the rank blocked around the fork."""
-    for sig in _TERMINATION_SIGNALS:
+    for sig in _signals.TERMINATION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERMINATION_SIGNALS)
+    _signals.unblock()
 
 
 class _SignalSafeDataLoader(DataLoader):
@@ -43,11 +43,8 @@ class _SignalSafeDataLoader(DataLoader):
     def __iter__(self):
         if self.num_workers == 0:
             return super().__iter__()
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _TERMINATION_SIGNALS)
-        try:
+        with _signals.blocked():
             return super().__iter__()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class PretrainingSampler:
