@@ -417,12 +417,29 @@ def _check_shape(metadata, key: str, view: torch.Tensor, path: str) -> None:
             "and the model size flags, or use --use-checkpoint-args)"
         )
     expected = tuple(view.shape)  # a DTensor's shape is its global shape
-    if tuple(entry.size) != expected:
-        raise CheckpointError(
-            f"{key}: the checkpoint holds shape {tuple(entry.size)}, this model {expected}; "
-            "the model flags differ (a padded vocabulary differs when the TP size changes the "
-            "padding: set --make-vocab-size-divisible-by so that both layouts agree)"
+    saved = tuple(entry.size)
+    if saved != expected:
+        raise CheckpointError(_shape_mismatch_message(key, saved, expected))
+
+
+# Parameters whose first dimension is the (padded) vocabulary.
+_VOCAB_ROWS = re.compile(r"(word_embeddings|output_layer|\.table)\.weight$")
+
+
+def _shape_mismatch_message(key: str, saved: tuple, expected: tuple) -> str:
+    """Name the parameter and both shapes, and the flags that can explain the difference."""
+    message = f"{key}: the checkpoint holds shape {saved}, this model {expected}"
+    differs = [i for i, (a, b) in enumerate(zip(saved, expected)) if a != b]
+    if len(saved) == len(expected) and differs == [0] and _VOCAB_ROWS.search(key):
+        return message + (
+            "; the padded vocabulary differs (another tokenizer, or a TP size that changes "
+            "the padding: set --make-vocab-size-divisible-by so that both agree)"
         )
+    return message + (
+        "; the model flags differ (width, layers, heads, or the LEV flags such as "
+        "--lev-num-knots / --lev-rank); pass --use-checkpoint-args to take them from the "
+        "checkpoint"
+    )
 
 
 def load_checkpoint(
@@ -447,9 +464,17 @@ def load_checkpoint(
     if iteration is None:
         iteration = read_latest_iteration(root)
     if iteration is None:
+        where = os.path.abspath(root)
+        what = "does not exist" if not os.path.isdir(root) else f"has no {TRACKER_FILENAME}"
         if strict_missing:
-            raise CheckpointError(f"no checkpoint in {root} ({TRACKER_FILENAME} is missing)")
-        logger.warning("no checkpoint in %s: starting from scratch", root)
+            raise CheckpointError(f"--load {where} {what}: no checkpoint to load")
+        if _rank0():
+            logger.warning(
+                "--load %s %s: starting from scratch (--exit-on-missing-checkpoint makes this "
+                "an error)",
+                where,
+                what,
+            )
         return None
     path = checkpoint_dir(root, iteration)
     common_path = os.path.join(path, "common.json")
@@ -504,7 +529,15 @@ def load_checkpoint(
         logger.info("loaded weights of %s for fine-tuning (iteration reset to 0)", path)
         return TrainState()
     if scheduler is not None and common.get("scheduler") is not None:
-        scheduler.load_state_dict(common["scheduler"])
+        try:
+            scheduler.load_state_dict(common["scheduler"])
+        except AssertionError as error:  # megatron's "... do not match"
+            raise CheckpointError(
+                f"the learning-rate schedule of this command line differs from the one saved in "
+                f"{path} ({str(error).strip()}); pass --override-opt_param-scheduler to use the "
+                "command line's (e.g. a new --train-iters), or "
+                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+            ) from None
     if loss_scaler is not None and common.get("loss_scaler"):
         loss_scaler.load_state_dict(common["loss_scaler"])
     if load_rng:

@@ -375,6 +375,8 @@ class _Trainer:
                 f"the training set has {len(loader.batch_sampler)} micro-batches left for this "
                 f"rank but {needed} are needed; check --train-iters and the data split"
             )
+        if self.is_rank0 and lg.log_jsonl:
+            _truncate_jsonl(lg.log_jsonl, self.state.iteration)
         iterator = iter(loader)
         self.model.train()
         interval_start, interval_iters = time.time(), 0
@@ -506,6 +508,34 @@ def _count_parameters(model: torch.nn.Module) -> int:
         count = count.cuda()
     dist.all_reduce(count, group=parallel_state.get_model_parallel_group())
     return int(count.item())
+
+
+def _truncate_jsonl(path: str, iteration: int) -> None:
+    """--log-jsonl keeps one record per iteration: a run resumed at `iteration` drops the
+    records after it (those iterations are trained again), and a torn last line."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as handle:
+        lines = handle.readlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["iteration"] <= iteration:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    if len(keep) == len(lines):
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.writelines(keep)
+    os.replace(tmp, path)
+    logger.info(
+        "--log-jsonl %s: dropped %d record(s) after iteration %d",
+        path,
+        len(lines) - len(keep),
+        iteration,
+    )
 
 
 def _check_save_directory(root: str, num_params: int, with_optimizer: bool) -> None:
