@@ -106,14 +106,26 @@ def datasets_provider(data_config, tokenizer, num_samples: Sequence[int]):
     return build_train_valid_test_datasets(data_config, tokenizer, num_samples)
 
 
+class _LevelFormatter(logging.Formatter):
+    """Megatron-style lines; a warning or an error says so after the prefix."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        if record.levelno < logging.WARNING:
+            return line
+        return line.replace("] ", f"] {record.levelname}: ", 1)
+
+
 def _setup_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        stream=sys.stdout,
-        format="[%(asctime)s] %(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        _LevelFormatter(
+            "[%(asctime)s] %(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
+            datefmt="%Y-%m-%d %H:%M:%S",
+        )
     )
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=[handler])
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
 
 

@@ -5,7 +5,9 @@
         --output-prefix data/pile_train_text_document
 
 ``--input`` takes dataset prefixes, globs of ``.idx`` files or prefixes, or a directory (every
-dataset in it, as Megatron-LM's merge_datasets.py). Inputs are merged in sorted order.
+dataset in it, as Megatron-LM's merge_datasets.py). Inputs are merged in sorted order. A prefix
+with a dataset wins over a directory of the same name: training creates one next to each
+dataset (megatron's index cache, ``<prefix>/cache/GPTDataset_indices``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ logger = logging.getLogger("merge_datasets")
 def _prefixes(inputs: Sequence[str]) -> list[str]:
     prefixes: list[str] = []
     for arg in inputs:
-        if os.path.isdir(arg):
-            found = sorted(glob.glob(os.path.join(glob.escape(arg), "*.idx")))
-        elif os.path.isfile(arg + ".idx"):
+        if os.path.isfile(arg + ".idx"):
             found = [arg + ".idx"]
+        elif os.path.isdir(arg):
+            found = sorted(glob.glob(os.path.join(glob.escape(arg), "*.idx")))
         else:
             pattern = arg if arg.endswith(".idx") else arg + "*.idx"
             found = sorted(glob.glob(pattern))

@@ -93,6 +93,13 @@ class DataConfig:
             raise DataError(f"--seq-length must be >= 1, got {self.seq_length}")
         if self.data_path and not self.split:
             raise DataError("--data-path needs --split (e.g. 969,30,1)")
+        for flag, blend in (
+            ("--data-path", self.data_path),
+            ("--train-data-path", self.train_data_path),
+            ("--valid-data-path", self.valid_data_path),
+            ("--test-data-path", self.test_data_path),
+        ):
+            _check_blend(flag, blend)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DataConfig":
@@ -102,6 +109,30 @@ class DataConfig:
         if hasattr(args, "create_attention_mask_in_dataloader"):
             values["create_attention_mask"] = args.create_attention_mask_in_dataloader
         return cls(**values)
+
+
+def _is_weight(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return not os.path.isfile(value + ".idx")  # a dataset may have a numeric name
+
+
+def _check_blend(flag: str, blend: Optional[Sequence[str]]) -> None:
+    """A blend is prefixes only, or "W1 P1 W2 P2 ..." pairs; anything else (an odd count with a
+    weight, a weight where a prefix belongs) is refused before it reads as a prefix "0.5"."""
+    if not blend or not any(_is_weight(value) for value in blend):
+        return
+    pairs_ok = len(blend) % 2 == 0 and all(
+        _is_weight(w) and not _is_weight(p) for w, p in zip(blend[::2], blend[1::2])
+    )
+    if not pairs_ok:
+        raise DataError(
+            f"{flag} {' '.join(blend)}: a weighted blend is pairs of weight and prefix "
+            "(e.g. 0.7 data/a_text_document 0.3 data/b_text_document); give every prefix a "
+            "weight, or give none"
+        )
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -44,6 +44,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from megatron_ext import _signals
 from megatron_ext.data.indexed import TMP_SUFFIX, DatasetWriter, dataset_files, token_dtype
 from megatron_ext.data.readers import DataError, InputFile, expand_inputs, iter_line_chunks
 from megatron_ext.data.tokenizers import Tokenizer, TokenizerError, build_tokenizer
@@ -140,6 +141,7 @@ def _dataset_prefix(unit_prefix: str, key: str, group: Optional[str]) -> str:
 
 
 _GROUP_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _group_name(value: str) -> str:
@@ -194,8 +196,12 @@ class ChunkResult:
 
 
 def _init_worker(tokenizer_kwargs: dict, options: dict) -> None:
-    # Ctrl-C is handled by the main process, which cleans up and terminates the pool.
+    # Ctrl-C is handled by the main process, which cleans up and terminates the pool with
+    # SIGTERM: that must end a worker silently, not run the tool's handler (a KeyboardInterrupt
+    # traceback per worker). The pool forks workers with both signals blocked (_signals).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _signals.unblock()
     _WORKER["tokenizer"] = build_tokenizer(**tokenizer_kwargs)
     _WORKER["options"] = options
 
@@ -230,8 +236,9 @@ def encode_chunk(
     """Parse, validate and encode one chunk of jsonl lines.
 
     A record is bad (counted with its line number, then skipped) when the line is not valid
-    UTF-8 or not a JSON object, or a key is missing or not a string, or the ``split_by`` field
-    is missing. A record is empty (counted, skipped) when any of its texts has no
+    UTF-8 or not a JSON object, or a key is missing or not a string, or a text holds a lone
+    surrogate (JSON ``"\ud800"``: valid JSON, invalid Unicode), or the ``split_by`` field is
+    missing. A record is empty (counted, skipped) when any of its texts has no
     non-whitespace character or encodes to no tokens. Blank lines are ignored.
     """
     result = ChunkResult(bytes=len(chunk))
@@ -268,6 +275,14 @@ def encode_chunk(
             value = record[key]
             if not isinstance(value, str):
                 reason = f"non-string {key!r} ({type(value).__name__})"
+                break
+            surrogate = _SURROGATE.search(value)
+            if surrogate is not None:
+                # Valid JSON ("\ud800"), but no tokenizer can encode it.
+                reason = (
+                    f"invalid Unicode in {key!r} (lone surrogate "
+                    f"U+{ord(surrogate.group()):04X} at character {surrogate.start()})"
+                )
                 break
             values.append(value)
         group = None
@@ -465,6 +480,12 @@ class _UnitRunner:
                         self._consume(item.path, self._get(pending.popleft()))
                 while pending:
                     self._consume(item.path, self._get(pending.popleft()))
+            if self.stats["documents"] == 0 and self.stats["bad"]:
+                raise DataError(
+                    f"{self.unit.prefix}: every record was bad ({self.stats['bad']} bad records: "
+                    f"{dict(self.bad_reasons)}); nothing written. Check --json-keys and "
+                    "--tokenizer-type (NullTokenizer reads space-separated ids, not text)"
+                )
             if self.config.split_by is None:
                 for key in self.config.json_keys:
                     self._writer(None, key)  # an all-empty input still yields its dataset
@@ -610,9 +631,12 @@ def preprocess(config: PreprocessConfig) -> list[dict]:
     if config.workers == 1:
         pool: Any = _SerialPool(tokenizer_kwargs, options)
     else:
-        pool = multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
-            config.workers, initializer=_init_worker, initargs=(tokenizer_kwargs, options)
-        )
+        # Blocked here, the pool's threads (which re-fork dead workers) keep the signals
+        # blocked too; the main thread gets them back at once.
+        with _signals.blocked():
+            pool = multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
+                config.workers, initializer=_init_worker, initargs=(tokenizer_kwargs, options)
+            )
     progress = _Progress(config.log_interval)
     cancel = threading.Event()
     summaries: list[dict] = []

@@ -249,8 +249,8 @@ class LEVEmbedding(torch.nn.Module):
     # ------------------------------------------------------------------ forward
 
     def _output_dtype(self, device: torch.device) -> torch.dtype:
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
+        # The parameters' dtype, whatever the autocast state: like a lookup table's output, and
+        # so that the TP reduction sums fp32 partial embeddings (training/precision.py).
         return self.config.params_dtype
 
     def partial_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
@@ -292,8 +292,8 @@ class LEVEmbedding(torch.nn.Module):
             input_ids: [b, s] integer ids in [0, V); all TP ranks must pass the same ids.
         Returns:
             [b, s, D] summed over the TP group, or, with reduce_scatter_embeddings,
-            [s/tp, b, D] reduce-scattered along s. Dtype: the autocast dtype when autocast is
-            on, else config.params_dtype.
+            [s/tp, b, D] reduce-scattered along s. Dtype: config.params_dtype, also under
+            autocast (computed in float32 at least; see training/precision.py).
         Raises:
             ValueError: an id outside [0, V) (naming it), or s not divisible by the TP size
                 under reduce-scatter.

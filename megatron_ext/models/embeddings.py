@@ -74,10 +74,15 @@ class SeedToHidden(torch.nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         """Map seeds [..., m] to embeddings [..., D]."""
-        if self.mlp_hidden is None:
-            return F.linear(z, self.proj)
-        z = F.layer_norm(z, (z.size(-1),), self.norm_weight, self.norm_bias, 1e-5)
-        return F.linear(F.silu(F.linear(z, self.fc1)), self.fc2)
+        # Outside autocast, in the parameters' dtype: every arm hands layer 0 the same dtype as
+        # a lookup table does (training/precision.py); the network is small (m -> D).
+        dtype = self.fc2.dtype if self.mlp_hidden is not None else self.proj.dtype
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            z = z.to(dtype)
+            if self.mlp_hidden is None:
+                return F.linear(z, self.proj)
+            z = F.layer_norm(z, (z.size(-1),), self.norm_weight, self.norm_bias, 1e-5)
+            return F.linear(F.silu(F.linear(z, self.fc1)), self.fc2)
 
 
 class LookupSeedEmbedding(torch.nn.Module):

@@ -428,7 +428,24 @@ def checkpoint_args_path(load_dir: str, iteration: Optional[int] = None) -> Opti
     return path if os.path.isfile(path) else None
 
 
-def _apply_checkpoint_args(args: argparse.Namespace) -> None:
+def _explicit_dests(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> set[str]:
+    """The destinations of the flags given on the command line (not left at their default)."""
+    explicit = argparse.ArgumentParser(add_help=False, allow_abbrev=parser.allow_abbrev)
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            kwargs: dict = dict(dest=action.dest, default=argparse.SUPPRESS)
+            if action.nargs == 0:  # switches
+                kwargs.update(action="store_const", const=True)
+            elif action.nargs is not None:
+                kwargs["nargs"] = action.nargs
+            explicit.add_argument(*action.option_strings, **kwargs)
+    namespace, _ = explicit.parse_known_args(argv)
+    return set(vars(namespace))
+
+
+def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None:
+    """Take the model flags from the checkpoint's args.json, except those given explicitly on
+    the command line (Megatron-LM: the command line wins), warning about each such one."""
     if not args.load:
         raise ArgumentError("--use-checkpoint-args needs --load")
     path = checkpoint_args_path(args.load, args.ckpt_step)
@@ -436,12 +453,20 @@ def _apply_checkpoint_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--use-checkpoint-args: no checkpoint with args.json in {args.load}")
     with open(path) as handle:
         saved = json.load(handle)
-    for name in MODEL_ARG_NAMES:
-        if name in saved:
-            setattr(args, name, saved[name])
-    for name, value in saved.items():
-        if name.startswith("lev_"):
-            setattr(args, name, value)
+    names = [n for n in MODEL_ARG_NAMES if n in saved]
+    names += [n for n in saved if n.startswith("lev_") and n not in names]
+    for name in names:
+        if name in explicit:
+            if getattr(args, name, None) != saved[name]:
+                logger.warning(
+                    "--use-checkpoint-args: --%s %s from the command line overrides the "
+                    "checkpoint's %s",
+                    name.replace("_", "-"),
+                    getattr(args, name),
+                    saved[name],
+                )
+            continue
+        setattr(args, name, saved[name])
     logger.info("model flags taken from %s", path)
 
 
@@ -637,7 +662,7 @@ def parse_args(
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.use_checkpoint_args:
-        _apply_checkpoint_args(args)
+        _apply_checkpoint_args(args, _explicit_dests(parser, argv))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size

@@ -25,10 +25,17 @@ Atomicity: DCP writes into `iter_XXXXXXX.tmp/`; after every rank finished, rank 
 `iter_XXXXXXX/` and only then replaces the latest marker (write-to-temp + os.replace). A crash
 at any point leaves the previous checkpoint as latest; stale `.tmp` directories are removed by
 the next save. A state with a non-finite parameter is never saved.
+
+I/O failures (`checkpoint_io.py`): a save that fails on any rank (no space, permission, ...)
+raises `CheckpointError` on every rank saying why, after removing its `.tmp`; the previous
+checkpoint stays the latest. A checkpoint that cannot be read (a truncated or missing shard,
+a corrupt file) raises `CheckpointError` naming the file and the iteration and suggesting
+`--ckpt-step` of an older one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -46,6 +53,13 @@ import torch.distributed.checkpoint as dcp
 from megatron.core import parallel_state
 
 from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
+from megatron_ext.training.checkpoint_io import (
+    CHECKPOINT_IO_ERRORS,
+    agree_on_failure,
+    describe_io_error,
+    older_checkpoints_hint,
+    verify_shard_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -273,13 +287,17 @@ def save_checkpoint(
         )
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
-    if _rank0():
-        os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):
-            if name.startswith("iter_") and name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
-    _barrier()
+    failure = None
+    try:
+        if _rank0():
+            os.makedirs(root, exist_ok=True)
+            for name in os.listdir(root):
+                if name.startswith("iter_") and name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng"))
+    except OSError as error:
+        failure = describe_io_error(error, root)
+    _stop_if_failed(failure, root, tmp, state.iteration)  # also the barrier
 
     tensors: dict[str, Any] = {}
     keys: dict[int, str] = {}
@@ -295,8 +313,60 @@ def save_checkpoint(
             for name in ("exp_avg", "exp_avg_sq"):
                 tensors[f"optim.{key}.{name}"] = _layout_view(adam[name], param)
             tensors[f"optim.{key}.step"] = torch.as_tensor(adam["step"]).detach().float().cpu()
-    dcp.save(tensors, checkpoint_id=tmp)
+    try:
+        _write_shards(tmp, tensors, state, scheduler, loss_scaler, optimizer, args_json, save_rng)
+    except CHECKPOINT_IO_ERRORS as error:
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
+        needed = sum(t.numel() * t.element_size() for t in local)
+        failure = describe_io_error(error, root, needed)
+    _stop_if_failed(failure, root, tmp, state.iteration)  # every rank's files are on disk
 
+    try:
+        if _rank0():
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            _write_atomic(os.path.join(root, TRACKER_FILENAME), f"{state.iteration}\n")
+            if keep_last:
+                _prune(root, keep_last, state.iteration)
+    except OSError as error:
+        failure = describe_io_error(error, root)
+    _stop_if_failed(failure, root, tmp, state.iteration)
+    logger.info("saved checkpoint at iteration %d to %s", state.iteration, final)
+    return final
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (on some rank); its partial `.tmp` was removed, the latest is unchanged."""
+
+
+def _stop_if_failed(failure: Optional[str], root: str, tmp: str, iteration: int) -> None:
+    """Collective: raise CheckpointSaveError on every rank if any rank failed, after rank 0
+    removed the partial checkpoint (which may be what fills the disk)."""
+    reason = agree_on_failure(failure)
+    if reason is None:
+        return
+    if _rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        latest = read_latest_iteration(root)
+    except CheckpointError:
+        latest = None
+    kept = f"iteration {latest} is still the latest" if latest is not None else "none saved yet"
+    raise CheckpointSaveError(
+        f"saving iteration {iteration} to {root} failed ({reason}); removed the partial "
+        f"{os.path.basename(tmp)}, {kept}. Free space or fix the permissions of --save, or "
+        "point --save elsewhere, and resume from the latest checkpoint"
+    )
+
+
+def _write_shards(
+    tmp, tensors, state, scheduler, loss_scaler, optimizer, args_json, save_rng
+) -> None:
+    """This rank's part of a checkpoint: DCP shards (collective), its RNG file and, on rank 0,
+    common.json and args.json."""
+    dcp.save(tensors, checkpoint_id=tmp)
     if save_rng:
         coords = _coords()
         name = "pp{pp}_tp{tp}_cp{cp}_dp{dp}.pt".format(**coords)
@@ -317,19 +387,6 @@ def save_checkpoint(
         if args_json is not None:
             with open(os.path.join(tmp, "args.json"), "w") as handle:
                 json.dump(args_json, handle, indent=1, sort_keys=True)
-    _barrier()  # every rank's shards and RNG files are on disk
-
-    if _rank0():
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(os.path.join(root, TRACKER_FILENAME), f"{state.iteration}\n")
-        if keep_last:
-            _prune(root, keep_last, state.iteration)
-    _barrier()
-    logger.info("saved checkpoint at iteration %d to %s", state.iteration, final)
-    return final
 
 
 def _read_metadata(path: str):
@@ -361,12 +418,29 @@ def _check_shape(metadata, key: str, view: torch.Tensor, path: str) -> None:
             "and the model size flags, or use --use-checkpoint-args)"
         )
     expected = tuple(view.shape)  # a DTensor's shape is its global shape
-    if tuple(entry.size) != expected:
-        raise CheckpointError(
-            f"{key}: the checkpoint holds shape {tuple(entry.size)}, this model {expected}; "
-            "the model flags differ (a padded vocabulary differs when the TP size changes the "
-            "padding: set --make-vocab-size-divisible-by so that both layouts agree)"
+    saved = tuple(entry.size)
+    if saved != expected:
+        raise CheckpointError(_shape_mismatch_message(key, saved, expected))
+
+
+# Parameters whose first dimension is the (padded) vocabulary.
+_VOCAB_ROWS = re.compile(r"(word_embeddings|output_layer|\.table)\.weight$")
+
+
+def _shape_mismatch_message(key: str, saved: tuple, expected: tuple) -> str:
+    """Name the parameter and both shapes, and the flags that can explain the difference."""
+    message = f"{key}: the checkpoint holds shape {saved}, this model {expected}"
+    differs = [i for i, (a, b) in enumerate(zip(saved, expected)) if a != b]
+    if len(saved) == len(expected) and differs == [0] and _VOCAB_ROWS.search(key):
+        return message + (
+            "; the padded vocabulary differs (another tokenizer, or a TP size that changes "
+            "the padding: set --make-vocab-size-divisible-by so that both agree)"
         )
+    return message + (
+        "; the model flags differ (width, layers, heads, or the LEV flags such as "
+        "--lev-num-knots / --lev-rank); pass --use-checkpoint-args to take them from the "
+        "checkpoint"
+    )
 
 
 def load_checkpoint(
@@ -391,18 +465,36 @@ def load_checkpoint(
     if iteration is None:
         iteration = read_latest_iteration(root)
     if iteration is None:
+        where = os.path.abspath(root)
+        what = "does not exist" if not os.path.isdir(root) else f"has no {TRACKER_FILENAME}"
         if strict_missing:
-            raise CheckpointError(f"no checkpoint in {root} ({TRACKER_FILENAME} is missing)")
-        logger.warning("no checkpoint in %s: starting from scratch", root)
+            raise CheckpointError(f"--load {where} {what}: no checkpoint to load")
+        if _rank0():
+            logger.warning(
+                "--load %s %s: starting from scratch (--exit-on-missing-checkpoint makes this "
+                "an error)",
+                where,
+                what,
+            )
         return None
     path = checkpoint_dir(root, iteration)
     common_path = os.path.join(path, "common.json")
     if not os.path.isfile(common_path):
-        raise CheckpointError(f"{path} is not a complete checkpoint (no common.json)")
-    with open(common_path) as handle:
-        common = json.load(handle)
-    _check_same_arm(path, model)
-    metadata = _read_metadata(path)
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no common.json); "
+            f"{older_checkpoints_hint(root, iteration)}"
+        )
+    with _unreadable_as_checkpoint_error(root, path, iteration):
+        with open(common_path) as handle:
+            common = json.load(handle)
+        _check_same_arm(path, model)
+        metadata = _read_metadata(path)
+    problem = verify_shard_files(path, metadata)
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint iteration {iteration} cannot be loaded: {problem} (an interrupted "
+            f"copy or a full disk?); {older_checkpoints_hint(root, iteration)}"
+        )
     if finetune:
         load_optim = load_rng = False
 
@@ -429,7 +521,8 @@ def load_checkpoint(
                 target[f"optim.{key}.{name}"] = _layout_view(adam[name], param)
             target[f"optim.{key}.step"] = adam["step"]
             pending.append((param, adam))
-    dcp.load(target, checkpoint_id=path)
+    with _unreadable_as_checkpoint_error(root, path, iteration):
+        dcp.load(target, checkpoint_id=path)
     for param, adam in pending:
         optimizer.set_state(param, adam)
 
@@ -437,11 +530,20 @@ def load_checkpoint(
         logger.info("loaded weights of %s for fine-tuning (iteration reset to 0)", path)
         return TrainState()
     if scheduler is not None and common.get("scheduler") is not None:
-        scheduler.load_state_dict(common["scheduler"])
+        try:
+            scheduler.load_state_dict(common["scheduler"])
+        except AssertionError as error:  # megatron's "... do not match"
+            raise CheckpointError(
+                f"the learning-rate schedule of this command line differs from the one saved in "
+                f"{path} ({str(error).strip()}); pass --override-opt_param-scheduler to use the "
+                "command line's (e.g. a new --train-iters), or "
+                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+            ) from None
     if loss_scaler is not None and common.get("loss_scaler"):
         loss_scaler.load_state_dict(common["loss_scaler"])
     if load_rng:
-        _load_rng(path, common)
+        with _unreadable_as_checkpoint_error(root, path, iteration):
+            _load_rng(path, common)
     state = TrainState(**common["train_state"])
     logger.info(
         "loaded checkpoint %s (iteration %d, %d consumed samples; saved at %s)",
@@ -451,6 +553,24 @@ def load_checkpoint(
         common.get("layout"),
     )
     return state
+
+
+@contextlib.contextmanager
+def _unreadable_as_checkpoint_error(root: str, path: str, iteration: int):
+    """A checkpoint file that cannot be read (truncated, corrupt) as one CheckpointError line
+    naming the iteration, the file where known, and an older checkpoint to load instead."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except CHECKPOINT_IO_ERRORS as error:
+        reason = describe_io_error(error, path)
+        files = [getattr(cause, "filename", None) for cause in (error, error.__cause__) if cause]
+        where = next((f for f in files if f), path)
+        raise CheckpointError(
+            f"checkpoint iteration {iteration} cannot be loaded: {where} is corrupt or "
+            f"truncated ({reason}); {older_checkpoints_hint(root, iteration)}"
+        ) from None
 
 
 def _load_rng(path: str, common: dict) -> None:

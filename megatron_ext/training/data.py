@@ -4,16 +4,47 @@ Each iteration consumes the next `global_batch_size` samples of the (already shu
 dataset; micro-batch step j hands samples [j*mbs*dp, (j+1)*mbs*dp) out to the DP ranks in rank
 order. So the global batch is the same set of samples at every DP size and micro-batch split,
 and resuming at `consumed_samples` continues exactly where the run stopped.
+
+Termination signals: a launcher stops a job by signalling whole process groups (torchrun sends
+its death signal to each rank's group, Slurm to every process of the step, a terminal's Ctrl-C
+to the foreground group), so DataLoader worker processes receive SIGTERM/SIGINT together with
+their rank. PyTorch's workers die of it and the rank then fails with "DataLoader worker ...
+killed by signal" before it can act on --exit-signal-handler. Our workers ignore both signals
+(the rank decides when to stop; its workers exit with it), and they are forked with the signals
+blocked so that one arriving during start-up cannot kill them before they ignore it.
 """
 
 from __future__ import annotations
 
+import signal
 from typing import Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["PretrainingSampler", "build_data_loader"]
+from megatron_ext import _signals
+
+__all__ = ["PretrainingSampler", "build_data_loader", "ignore_termination_signals"]
+
+
+def ignore_termination_signals(worker_id: int = 0) -> None:
+    """DataLoader `worker_init_fn`: leave SIGTERM and SIGINT to the rank (see the module
+    docstring); unblock them, which the rank blocked around the fork."""
+    for sig in _signals.TERMINATION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    _signals.unblock()
+
+
+class _SignalSafeDataLoader(DataLoader):
+    """A DataLoader whose workers are started with SIGTERM/SIGINT blocked (they inherit the
+    mask; `ignore_termination_signals` then ignores and unblocks them). The rank's own mask is
+    restored at once, so a pending signal reaches its handler right after the fork."""
+
+    def __iter__(self):
+        if self.num_workers == 0:
+            return super().__iter__()
+        with _signals.blocked():
+            return super().__iter__()
 
 
 class PretrainingSampler:
@@ -61,10 +92,11 @@ def build_data_loader(
     sampler = PretrainingSampler(
         len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
     )
-    return DataLoader(
+    return _SignalSafeDataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
+        worker_init_fn=ignore_termination_signals if num_workers else None,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=False,
     )

@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import random
 import signal
 import time
@@ -374,6 +375,8 @@ class _Trainer:
                 f"the training set has {len(loader.batch_sampler)} micro-batches left for this "
                 f"rank but {needed} are needed; check --train-iters and the data split"
             )
+        if self.is_rank0 and lg.log_jsonl:
+            _truncate_jsonl(lg.log_jsonl, self.state.iteration)
         iterator = iter(loader)
         self.model.train()
         interval_start, interval_iters = time.time(), 0
@@ -507,6 +510,49 @@ def _count_parameters(model: torch.nn.Module) -> int:
     return int(count.item())
 
 
+def _truncate_jsonl(path: str, iteration: int) -> None:
+    """--log-jsonl keeps one record per iteration: a run resumed at `iteration` drops the
+    records after it (those iterations are trained again), and a torn last line."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as handle:
+        lines = handle.readlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["iteration"] <= iteration:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    if len(keep) == len(lines):
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.writelines(keep)
+    os.replace(tmp, path)
+    logger.info(
+        "--log-jsonl %s: dropped %d record(s) after iteration %d",
+        path,
+        len(lines) - len(keep),
+        iteration,
+    )
+
+
+def _check_save_directory(root: str, num_params: int, with_optimizer: bool) -> None:
+    """Refuse to start when --save is not writable or cannot hold one checkpoint (fp32
+    weights, plus two Adam moments each with the optimizer state)."""
+    from megatron_ext.training.checkpoint_io import check_save_directory
+    from megatron_ext.training.checkpointing import CheckpointError
+
+    needed = 4 * num_params * (3 if with_optimizer else 1)
+    problem = check_save_directory(root, needed)
+    if problem is not None:
+        raise CheckpointError(
+            f"--save {os.path.abspath(root)} cannot hold checkpoints: {problem}; point --save "
+            "at a writable directory with enough space"
+        )
+
+
 def pretrain(
     args: argparse.Namespace,
     *,
@@ -581,6 +627,8 @@ def pretrain(
                 "config", "\n".join(f"    {k}: {v}" for k, v in sorted(args_to_json(args).items()))
             )
         trainer.load()
+        if ck.save:
+            _check_save_directory(ck.save, num_params, with_optimizer=not ck.no_save_optim)
         b = cfg.batch
         num_samples = [
             b.train_iters * b.global_batch_size,

@@ -7,6 +7,16 @@ reductions and norms in float32), and --fp8-format adds Transformer Engine's `fp
 one code path for CPU and GPU, needs no separate master copy (the fp32 weights are the master),
 and reduces gradients in fp32 across data-parallel ranks. The model is therefore built with
 `bf16=False, fp16=False` (fp32 params); `ModelConfig.replace` does that in the entry script.
+
+Where the low precision starts, the same for every embedding arm: the input module runs in fp32
+(a lookup table is not autocast; LEV and the ALBERT / MLP seed networks disable autocast), so
+every arm sums its partial embeddings across TP in fp32 and hands layer 0 fp32 [s, b, h].
+Inside the decoder, megatron's bias-dropout-add casts the residual to the dtype of the
+sublayer output (bf16 under autocast), so the residual stream is bf16 from layer 0's first
+residual add on, as in Megatron-LM's --bf16 without --fp32-residual-connection. Norms and the
+loss are computed in fp32 (autocast's policy). Pipeline stages exchange fp32 activations
+(`pipeline_dtype`): a bf16 hidden state converts to fp32 exactly, so a pipelined run computes
+what a single-stage run does.
 """
 
 from __future__ import annotations
@@ -58,6 +68,6 @@ def autocast_factory(cfg: BatchConfig) -> Callable[[], ContextManager]:
 
 
 def pipeline_dtype(cfg: BatchConfig) -> torch.dtype:
-    """dtype of activations sent between pipeline stages: float32, so that a pipelined run
-    computes exactly what a single-stage run does (the residual stream is fp32 under autocast)."""
+    """dtype of activations sent between pipeline stages: float32, which holds the fp32
+    embeddings and the bf16/fp16 residual stream exactly (see the module docstring)."""
     return torch.float32

@@ -3,7 +3,8 @@
 All multi-process checks run in ONE run_distributed call (spawning ranks costs ~15 s). Each
 rank builds a TP=1 reference on a single-rank group beside the TP=2 modules, so the comparison
 needs no files. The rank function lives in this file and is reached through `call_in_file`,
-which works whatever pytest's import mode.
+which works whatever pytest's import mode. Everything runs in float64: the layouts sum the
+same terms in different orders, so float32 would compare rounding, not the code.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ def _transformer_config(tp: int, sp: bool = False):
         hidden_size=HIDDEN,
         num_attention_heads=2,
         use_cpu_initialization=True,
+        params_dtype=torch.float64,
         tensor_model_parallel_size=tp,
         sequence_parallel=sp,
     )
 
 
-def _close(a, b, what, tol=1e-5):
+def _close(a, b, what, tol=1e-12):
+    assert a.dtype == torch.float64, what
     torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
 
@@ -91,7 +94,7 @@ def _check_tp2(seed: int):
                     getattr(module, name).copy_(full if name == "codebooks" else full[local])
         ids = torch.randint(0, 40, (BATCH, SEQ), generator=gen)  # repeats: dedup matters
         ids[0, 0], ids[1, -1] = 0, VOCAB - 1
-        weight = torch.randn(BATCH, SEQ, HIDDEN, generator=gen)
+        weight = torch.randn(BATCH, SEQ, HIDDEN, generator=gen, dtype=torch.float64)
 
         out_ref = ref(ids)
         (out_ref * weight).sum().backward()

@@ -3,7 +3,9 @@ its input module's megatron `sharded_state_dict` describes the full (unsharded) 
 
 One single-rank run writes the references (weights, logits, loss, every gradient) of all arms
 to disk; the parallel runs load those weights into their shards and compare, in float32 within
-1e-5. The `untied` arm is the plain LLaMA-style backbone of the foundation issue.
+1e-5, and the global gradient norm as the training loop computes it (`clip_grad_norm`: TP
+shards summed, replicated and sequence-parallel parameters counted once) within 1e-6
+relative. The `untied` arm is the plain LLaMA-style backbone of the foundation issue.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from megatron_ext.testing.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, HIDDEN = 96, 16, 2, 64
 ATOL = 1e-5
+# float32 gradients, squared norms summed in float64: layouts differ by ~1e-7 relative.
+NORM_RTOL = 1e-6
 ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
 # A small LEV (2 heads so that TP=2 owns one head each).
 LEV = dict(seed_dim=16, rank=4, num_heads=2, num_knots=5)
@@ -44,6 +48,35 @@ def _batch():
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), position_ids
 
 
+def _grad_norm(model) -> float:
+    from megatron_ext.training.optimizer import clip_grad_norm
+
+    return clip_grad_norm(list(model.parameters()), 0.0)
+
+
+def _bf16_dtypes(model, inputs, position_ids) -> dict:
+    """dtypes under bf16 autocast: the input module's output, layer 0's input and output."""
+    seen = {}
+
+    def input_module(module, args, out) -> None:
+        seen["input module"] = out.dtype
+
+    def layer0(module, args, kwargs, out) -> None:
+        seen.update(
+            {"layer 0 input": kwargs["hidden_states"].dtype, "layer 0 output": out[0].dtype}
+        )
+
+    hooks = [
+        model.embedding.word_embeddings.register_forward_hook(input_module),
+        model.decoder.layers[0].register_forward_hook(layer0, with_kwargs=True),
+    ]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(inputs, position_ids, None)
+    for hook in hooks:
+        hook.remove()
+    return {k: str(v) for k, v in seen.items()}
+
+
 def _references(path):
     from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict
@@ -57,10 +90,12 @@ def _references(path):
         loss = model(inputs, position_ids, None, labels=labels)
         loss.mean().backward()
         refs[arm] = {
+            "bf16_dtypes": _bf16_dtypes(model, inputs, position_ids),
             "weights": gather_full_state_dict(model),
             "grads": gather_full_state_dict(model, grads=True),
             "logits": logits,
             "loss": loss.detach(),
+            "grad_norm": _grad_norm(model),
         }
     torch.save(refs, path)
 
@@ -94,6 +129,11 @@ def _tensor_parallel_checks(path):
             logits = gather_from_tensor_model_parallel_region(
                 model(inputs, position_ids, None), ps.get_tensor_model_parallel_group()
             )
+            # bf16 autocast: the TP-reduced embeddings are the fp32 ones, bit for bit.
+            with torch.no_grad():
+                embedded = model.embedding(input_ids=inputs, position_ids=position_ids)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    embedded_bf16 = model.embedding(input_ids=inputs, position_ids=position_ids)
             loss = model(inputs, position_ids, None, labels=labels)
             loss.mean().backward()
             allreduce_sequence_parallel_grads([model])
@@ -111,6 +151,11 @@ def _tensor_parallel_checks(path):
                 "logits": (logits.detach() - ref["logits"]).abs().max().item(),
                 "loss": (loss.detach() - ref["loss"]).abs().max().item(),
                 "grads": _max_diffs(grads, ref["grads"]),
+                "grad_norm": (_grad_norm(model), ref["grad_norm"]),
+                "bf16_embedding": (
+                    str(embedded_bf16.dtype),
+                    bool(torch.equal(embedded_bf16, embedded)),
+                ),
                 "sp_tagged": sum(
                     1 for p in model.parameters() if getattr(p, "sequence_parallel", False)
                 ),
@@ -165,6 +210,7 @@ def _pipeline_checks(path):
             result["logits"] = (logits - ref["logits"]).abs().max().item()
             result["loss"] = (loss.detach() - ref["loss"]).abs().max().item()
         allreduce_tied_embedding_grads([model])
+        result["grad_norm"] = (_grad_norm(model), ref["grad_norm"])
         stages = [None, None]
         dist.all_gather_object(
             stages,
@@ -187,6 +233,11 @@ def _bad(diffs: dict) -> dict:
     return {k: v for k, v in diffs.items() if not v < ATOL}
 
 
+def _assert_same_norm(got_want: tuple, where: str) -> None:
+    got, want = got_want
+    assert abs(got - want) <= NORM_RTOL * want, f"{where}: grad norm {got!r} != {want!r}"
+
+
 def test_tensor_and_sequence_parallel_match_single_rank(reference_path):
     reports = run_distributed(_tensor_parallel_checks, world_size=2, tp=2, args=(reference_path,))
     for report in reports:
@@ -195,6 +246,8 @@ def test_tensor_and_sequence_parallel_match_single_rank(reference_path):
             assert diffs["logits"] < ATOL, (where, diffs["logits"])
             assert diffs["loss"] < ATOL, (where, diffs["loss"])
             assert not _bad(diffs["grads"]), (where, _bad(diffs["grads"]))
+            _assert_same_norm(diffs["grad_norm"], where)
+            assert diffs["bf16_embedding"] == ("torch.float32", True), where
             if not sequence_parallel:
                 assert diffs["sp_tagged"] == 0, where
             for key, (sharded, full) in diffs["sharded_shapes"].items():
@@ -212,3 +265,16 @@ def test_two_pipeline_stages_match_single_stage(reference_path):
         assert last["logits"] < ATOL and last["loss"] < ATOL, (arm, last["logits"], last["loss"])
         for stage in (first, last):
             assert not _bad(stage["grads"]), (arm, _bad(stage["grads"]))
+            _assert_same_norm(stage["grad_norm"], f"{arm} pipeline stage")
+
+
+def test_bf16_every_arm_enters_the_decoder_alike(reference_path):
+    """training/precision.py: under bf16 autocast every arm's input module returns fp32 and
+    layer 0 receives fp32; megatron's residual add makes the stream bf16 from layer 0 on."""
+    refs = torch.load(reference_path)
+    for arm in ARMS:
+        assert refs[arm]["bf16_dtypes"] == {
+            "input module": "torch.float32",
+            "layer 0 input": "torch.float32",
+            "layer 0 output": "torch.bfloat16",
+        }, (arm, refs[arm]["bf16_dtypes"])

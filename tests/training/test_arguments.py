@@ -117,14 +117,18 @@ def test_entry_point_prints_one_error_line():
     assert "Traceback" not in proc.stderr
 
 
-def test_use_checkpoint_args_takes_the_model_flags(tmp_path):
+def test_use_checkpoint_args_takes_the_model_flags(tmp_path, caplog):
     ckpt = tmp_path / "iter_0000040"
     ckpt.mkdir()
     saved = {"num_layers": 6, "hidden_size": 96, "embedding_type": "albert", "lev_rank": 7}
     (ckpt / "args.json").write_text(json.dumps({**saved, "lr": 123.0}))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("40\n")
-    args = _parse("--load", str(tmp_path), "--use-checkpoint-args", "--num-layers", "2")
-    assert (args.num_layers, args.hidden_size, args.embedding_type) == (6, 96, "albert")
+    with caplog.at_level("WARNING"):
+        args = _parse("--load", str(tmp_path), "--use-checkpoint-args", "--num-layers", "2")
+    # Megatron-LM: a flag given on the command line wins, with a warning; the rest is restored.
+    assert (args.num_layers, args.hidden_size, args.embedding_type) == (2, 96, "albert")
+    assert "--num-layers 2 from the command line overrides the checkpoint's 6" in caplog.text
+    assert "hidden-size" not in caplog.text
     assert args.lev_rank == 7 and args.lr == 1e-3  # training flags stay the command line's
     with pytest.raises(ArgumentError, match="needs --load"):
         _parse("--use-checkpoint-args")

@@ -1,0 +1,97 @@
+"""Resuming, as users get it wrong (pretrain_leviathan.py on one rank, mock data, tiny model):
+
+- a --load directory that does not exist is a WARNING naming its absolute path (an error with
+  --exit-on-missing-checkpoint);
+- --log-jsonl holds one record per iteration after a resume from an earlier checkpoint;
+- a new --train-iters on resume points at --override-opt_param-scheduler;
+- a width change is reported with the parameter and both shapes, without blaming the
+  vocabulary padding;
+- a malformed weighted --data-path blend is refused as such (not "dataset not found: 0.5").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.data.loading import DataConfig
+from megatron_ext.data.readers import DataError
+from megatron_ext.testing.distributed import find_free_port
+
+from .conftest import ENTRY, REPO
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "64", "--seq-length", "16", "--embedding-type", "untied",
+    "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--eval-iters", "0", "--no-loss-curve", "--log-interval", "1",
+]  # fmt: skip
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, str(ENTRY), *TINY, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _error_line(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    return errors[0]
+
+
+def test_resume_mistakes_are_explained(tmp_path):
+    ckpt, jsonl = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    missing = tmp_path / "no_such_dir"
+    first = _run(
+        "--train-iters", "6", "--exit-interval", "4", "--save", str(ckpt),
+        "--save-interval", "2", "--load", str(missing), "--log-jsonl", str(jsonl),
+    )  # fmt: skip
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert f"WARNING: --load {missing} does not exist: starting from scratch" in first.stdout
+    strict = _run("--train-iters", "6", "--load", str(missing), "--exit-on-missing-checkpoint")
+    assert f"--load {missing} does not exist" in _error_line(strict)
+
+    # Resumed at iteration 2 of a log that reached 4: iterations 3-4 are not repeated.
+    resumed = _run(
+        "--train-iters", "6", "--load", str(ckpt), "--ckpt-step", "2",
+        "--log-jsonl", str(jsonl),
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
+
+    longer = _run("--train-iters", "12", "--load", str(ckpt))
+    line = _error_line(longer)
+    assert "learning-rate schedule" in line and "--override-opt_param-scheduler" in line, line
+
+    wider = _run("--train-iters", "6", "--load", str(ckpt), "--hidden-size", "48")
+    line = _error_line(wider)
+    assert "embedding.word_embeddings.weight: the checkpoint holds shape (256, 32), this model " \
+        "(256, 48)" in line, line  # fmt: skip
+    assert "vocabulary" not in line and "--use-checkpoint-args" in line, line
+
+
+@pytest.mark.parametrize(
+    "blend", [["a", "0.5"], ["0.5", "a", "b"], ["0.5", "a", "b", "0.5"], ["a", "0.3", "b"]]
+)
+def test_malformed_weighted_blend(blend):
+    with pytest.raises(DataError, match="a weighted blend is pairs of weight and prefix"):
+        DataConfig(data_path=blend)
+    DataConfig(data_path=["0.7", "a", "0.3", "b"])  # well-formed: accepted here
+    DataConfig(data_path=["a", "b"])

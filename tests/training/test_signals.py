@@ -1,0 +1,115 @@
+"""SIGTERM delivered the three ways a cluster delivers it, to a 2-rank run under
+torch.distributed.run with real DataLoader workers (--num-workers 2) and --exit-signal-handler:
+
+- to the rank processes only (`kill` of the training processes);
+- to torchrun only (it forwards SIGTERM to each rank's process group: ranks and their workers);
+- to every process of the job, DataLoader workers included (Slurm at --signal=TERM@... or at
+  the time limit).
+
+In each case the run finishes the current iteration, saves it, and every rank exits 0.
+torchrun itself exits 0 when only the ranks were signalled; when it was signalled itself it
+reports the signal (exit 1, "Received 15 death signal" and a SignalException traceback) after
+its ranks exited 0:
+docs and examples/slurm/pretrain.sbatch rely on exactly this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.testing.distributed import find_free_port
+
+from .conftest import MODEL, REPO, TRAIN
+
+RANK_ENTRY = Path(__file__).with_name("_rank_entry.py")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _records(jsonl: Path) -> list[dict]:
+    if not jsonl.exists():
+        return []
+    lines = jsonl.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+def _run_and_signal(delivery: str, args: list[str], workdir: Path, timeout: float = 240):
+    """Launch 2 ranks, SIGTERM as `delivery` says once iteration 2 is logged; return
+    (torchrun exit code, output, {rank: recorded exit}, workers per rank at the signal,
+    last logged iteration)."""
+    workdir.mkdir(parents=True)
+    jsonl, exits = workdir / "metrics.jsonl", workdir / "exits"
+    exits.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["LEVIATHAN_TEST_EXIT_DIR"] = str(exits)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()), str(RANK_ENTRY),
+        *args, "--log-jsonl", str(jsonl),
+    ]  # fmt: skip
+    log_path = workdir / "output.log"
+    workers: list[int] = []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while len(_records(jsonl)) < 2:
+                assert proc.poll() is None, log_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, "no iteration 2 before the timeout"
+                time.sleep(0.05)
+            ranks = _children(proc.pid)
+            workers = [len(_children(rank)) for rank in ranks]
+            if delivery == "ranks":
+                targets = ranks
+            elif delivery == "torchrun":
+                targets = [proc.pid]
+            else:  # the job: every process, DataLoader workers first as in the failure report
+                targets = [w for r in ranks for w in _children(r)] + ranks + [proc.pid]
+            for pid in targets:
+                os.kill(pid, signal.SIGTERM)
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    ranks_exit = {p.name: p.read_text() for p in sorted(exits.iterdir())}
+    last = max((r["iteration"] for r in _records(jsonl)), default=0)
+    return proc.returncode, log_path.read_text(), ranks_exit, workers, last
+
+
+@pytest.mark.parametrize("delivery", ["ranks", "torchrun", "job"])
+def test_sigterm_saves_and_every_rank_exits_zero(delivery, corpus, tmp_path):
+    d = tmp_path / delivery
+    args = [*MODEL, *TRAIN, *corpus, "--num-workers", "2", "--exit-signal-handler"]
+    args += ["--save", str(d / "ckpt"), "--eval-iters", "0"]
+    returncode, output, ranks_exit, workers, last = _run_and_signal(delivery, args, d)
+
+    assert workers == [2, 2], f"expected 2 DataLoader workers per rank, saw {workers}"
+    assert ranks_exit == {"rank0": "0", "rank1": "0"}, f"{ranks_exit}\n{output[-5000:]}"
+    assert "DataLoader worker" not in output, output[-5000:]
+    # The only traceback allowed is torchrun's own report of the signal it received.
+    assert output.count("Traceback") == output.count("SignalException: Process"), output[-5000:]
+    assert 2 <= last < 30, f"SIGTERM landed at iteration {last}"
+    assert f"exiting at iteration {last} (signal)" in output
+    ckpt = d / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
+    assert (ckpt / f"iter_{last:07d}" / "common.json").is_file()
+    assert not list(ckpt.glob("*.tmp"))
+    if delivery == "ranks":
+        assert returncode == 0, output[-3000:]
+    else:  # torchrun was signalled itself: it says so in its exit status (see the docstring)
+        assert returncode == 1 and "Received 15 death signal" in output, output[-3000:]
