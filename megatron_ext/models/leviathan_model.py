@@ -78,11 +78,12 @@ class LeviathanModel(GPTModel):
             parallel_output=parallel_output,
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             position_embedding_type="rope",
+            rotary_percent=model_config.rotary_percent,
             rotary_base=model_config.rotary_base,
         )
         self.rotary_pos_emb = PortableRotaryEmbedding(
             kv_channels=config.kv_channels,
-            rotary_percent=1.0,
+            rotary_percent=model_config.rotary_percent,
             rotary_interleaved=config.rotary_interleaved,
             rotary_base=model_config.rotary_base,
             use_cpu_initialization=config.use_cpu_initialization or not torch.cuda.is_available(),
