@@ -17,7 +17,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.layer_specs import get_decoder_block_spec
-from megatron_ext.models.local_modules import PortableRotaryEmbedding
+from megatron_ext.models.local_modules import (
+    PortableRotaryEmbedding,
+    PortableTransformerBlock,
+    SDPACoreAttention,
+)
 from megatron_ext.tensor_parallel import (
     PortableColumnParallelLinear,
     PortableVocabParallelEmbedding,
@@ -89,6 +93,14 @@ class LeviathanModel(GPTModel):
             use_cpu_initialization=config.use_cpu_initialization or not torch.cuda.is_available(),
             cp_group=self.pg_collection.cp,
         )
+        if config.recompute_granularity == "full" and not torch.cuda.is_available():
+            self.decoder = adopt(PortableTransformerBlock, self.decoder)
+        if config.recompute_granularity == "selective" and not torch.cuda.is_available():
+            for layer in self.decoder.layers:
+                attention = layer.self_attention
+                if isinstance(attention.core_attention, SDPACoreAttention):
+                    attention.checkpoint_core_attention = False
+                    attention.core_attention.recompute = True
         # GPTModel builds these two with megatron's classes, whose sequence-parallel
         # communication allocates on CUDA; their portable twins share the same parameters.
         if pre_process:
