@@ -256,6 +256,7 @@ _RULES: dict[str, Rule] = {
     "--dump-param-to-param-group-map": _r("parameter groups are logged at start-up"),
     "--use-legacy-models": _r("only megatron-core models (Megatron's legacy models are gone)"),
     "--high-priority-stream-groups": _c("a CUDA stream setting; no effect on CPU"),
+    "--te-precision-config-file": _c("a Transformer Engine precision recipe", cpu_refused=True),
     "--te-rng-tracker": _c("Transformer Engine's RNG tracker; the local path uses megatron's"),
     "--inference-rng-tracker": _n(_INFERENCE),
     "--warmup": _r("removed in Megatron-LM too; use --lr-warmup-fraction"),
@@ -665,7 +666,8 @@ def compat_table(parser: Optional[argparse.ArgumentParser] = None) -> str:
         f"Every flag that Megatron-LM {MEGATRON_LM_VERSION} registers in its network-size, "
         "transformer-configuration, regularisation, training, profiling, initialisation, "
         "learning-rate, checkpointing, mixed-precision, distributed, validation, data, "
-        "tokenizer and logging groups, and how `pretrain_leviathan.py` answers it "
+        "tokenizer, logging and Transformer-Engine groups, and how `pretrain_leviathan.py` "
+        "answers it "
         f"({len(rows)} flags: {summary}).",
         "",
         "- **implemented**: Megatron-LM's meaning.",

@@ -126,7 +126,7 @@ class BatchSizeRampup:
     def iterations_for(self, train_samples: int) -> int:
         """Iterations that consume `train_samples` samples (Megatron's update_train_iters)."""
         consumed, iterations = 0, 0
-        while consumed <= self.ramp_samples and consumed < train_samples:
+        while consumed <= self.ramp_samples and consumed <= train_samples:
             consumed += self.global_batch(consumed)
             iterations += 1
         if consumed < train_samples:

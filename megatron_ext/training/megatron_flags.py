@@ -4,8 +4,8 @@ Data, not code: (argument group, flag, kind) for every flag that Megatron-LM's
 `megatron/training/arguments.py` registers in the groups for the network size (including the
 generated "transformer configuration" group), regularisation, training, profiling,
 initialisation, learning rate, checkpointing, mixed precision, distributed, validation, data,
-tokenizer and logging. Extracted once from Megatron-LM's own parser at tag core_v0.16.1; every
-flag of its `examples/llama/train_llama3_8b_h100_fp8.sh` and
+tokenizer, logging and Transformer-Engine. Extracted once from Megatron-LM's own parser at
+tag core_v0.16.1; every flag of its `examples/llama/train_llama3_8b_h100_fp8.sh` and
 `examples/gpt3/train_gpt3_175b_distributed.sh` is among them. `kind` is how the flag takes
 values there: "switch" (no value), "value" (one) or "list" (one or more).
 
@@ -524,4 +524,7 @@ MEGATRON_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("logging", "--wandb-entity", "value"),
     ("logging", "--logging-level", "value"),
     ("logging", "--log-energy", "switch"),
+    # Transformer-Engine
+    ("Transformer-Engine", "--fp8-param-gather", "switch"),
+    ("Transformer-Engine", "--te-precision-config-file", "value"),
 )
