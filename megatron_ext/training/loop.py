@@ -355,7 +355,8 @@ class _Trainer:
         ck = self.cfg.ckpt
         if not ck.save or self.last_saved == self.state.iteration:
             return
-        save_checkpoint(
+        self.wait_for_save()  # one background write at a time
+        saved = save_checkpoint(
             ck.save,
             self.state,
             self.model,
@@ -365,8 +366,22 @@ class _Trainer:
             args_json=args_to_json(self.args),
             save_rng=not ck.no_save_rng,
             keep_last=ck.ckpt_keep_last,
+            async_save=self.features.async_save,
         )
+        if self.features.async_save:
+            self.pending_save = saved
         self.last_saved = self.state.iteration
+
+    def wait_for_save(self) -> None:
+        """--async-save: finish the checkpoint being written (collective)."""
+        if getattr(self, "pending_save", None) is not None:
+            self.pending_save.wait()
+            self.pending_save = None
+
+    def poll_save(self) -> None:
+        """--async-save: finish the checkpoint if every rank's write is done (collective)."""
+        if getattr(self, "pending_save", None) is not None and self.pending_save.poll():
+            self.pending_save = None
 
     def load(self) -> None:
         ck = self.cfg.ckpt
@@ -447,6 +462,7 @@ class _Trainer:
             if b.eval_iters and valid_ds is not None and it % b.eval_interval == 0:
                 self.log_evaluation(self.evaluate(valid_ds), "validation")
             ck = self.cfg.ckpt
+            self.poll_save()
             if ck.save_interval and it % ck.save_interval == 0:
                 self.save()
             if result.signal:
@@ -657,6 +673,7 @@ def pretrain(
                 logger.info("already trained %d iterations: nothing to do", trainer.state.iteration)
             return "finished"
         reason = trainer.train(train_ds, valid_ds)
+        trainer.wait_for_save()  # the latest marker moves once the last write completed
         if reason == "finished" and b.eval_iters:
             if trainer.state.iteration % b.eval_interval:  # not just evaluated
                 trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")

@@ -565,7 +565,10 @@ def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.A
             dest=dest,
             action=_CompatAction,
             megatron_rule=rule,
-            default=argparse.SUPPRESS if kind != "switch" else rule.effective or False,
+            # Only what was given (or a design flag's effective value) shows in the dump.
+            default=rule.effective
+            if kind == "switch" and rule.effective is not None
+            else argparse.SUPPRESS,
             help=f"[{rule.status}] {rule.note}",
             **_compat_kwargs(kind),
         )
