@@ -332,6 +332,7 @@ _RULES: dict[str, Rule] = {
     # logging
     "--log-progress": _r("use --log-jsonl (one record per iteration)"),
     "--timing-log-option": _n("timers are rank 0's"),
+    "--log-memory-interval": _n("memory is logged every --tensorboard-log-interval"),
     "--log-device-memory-used": _c("CUDA device memory; use --log-memory-to-tensorboard"),
     "--log-max-attention-logit": _r("needs Transformer Engine >= 2.9 attention internals"),
     "--no-barrier-with-level-1-timing": _n("timers synchronise only the local device"),
@@ -493,7 +494,8 @@ def _add_features(parser: argparse.ArgumentParser) -> None:
         type=int,
         choices=(0, 1, 2),
         default=0,
-        help="torch.cuda.empty_cache() after each step (1) and each micro-step (2); CUDA only",
+        help="torch.cuda.empty_cache() after each training step (2: also around evaluation); "
+        "CUDA only",
     )
     g.add_argument(
         "--profile", action="store_true", help="torch.profiler trace beside the TensorBoard logs"
@@ -510,7 +512,6 @@ def _add_features(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="memory in use (CUDA allocator, or this process's RSS on CPU)",
     )
-    g.add_argument("--log-memory-interval", type=int, default=None)
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
     for flag in ("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard"):
         g.add_argument(flag, dest="log_loss_scale_to_tensorboard", action="store_false")

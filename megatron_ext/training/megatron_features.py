@@ -289,6 +289,8 @@ class RunExtras:
     def around_eval(self) -> None:
         if self.cfg.manual_gc and self.cfg.manual_gc_eval:
             gc.collect()
+        if self.cfg.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def stats(self, params) -> dict[str, float]:
         """Collective (every rank): the logged extras of this iteration."""

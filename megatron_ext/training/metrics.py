@@ -118,19 +118,18 @@ def _hms(seconds: float) -> str:
 
 def format_train_line(values: dict) -> str:
     """Megatron-LM's training log line (fields it does not know are appended)."""
-    parts = [f" iteration {values['iteration']:8d}/{values['train_iters']:8d}"]
+    parts = [
+        f" iteration {values['iteration']:8d}/{values['train_iters']:8d}",
+        f"consumed samples: {values['consumed_samples']:12d}",
+        f"elapsed time per iteration (ms): {values['iteration_ms']:.1f}",
+    ]
+    # Megatron-LM's fields keep their order (log parsers rely on it); ours follow.
+    if values.get("consumed_tokens") is not None:
+        parts.append(f"consumed tokens: {values['consumed_tokens']:14d}")
     if values.get("elapsed") is not None:
         parts.append(f"elapsed: {_hms(values['elapsed'])}")
     if values.get("eta") is not None:
         parts.append(f"ETA: {_hms(values['eta'])}")
-    parts += [
-        f"consumed samples: {values['consumed_samples']:12d}",
-    ]
-    if values.get("consumed_tokens") is not None:
-        parts.append(f"consumed tokens: {values['consumed_tokens']:14d}")
-    parts += [
-        f"elapsed time per iteration (ms): {values['iteration_ms']:.1f}",
-    ]
     if values.get("tflops") is not None:
         parts.append(f"throughput per GPU (TFLOP/s/GPU): {values['tflops']:.1f}")
     if values.get("mfu") is not None:

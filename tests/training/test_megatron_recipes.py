@@ -8,6 +8,7 @@ run stopped and resumed (saved with --async-save) repeats the uninterrupted one 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import math
 import re
@@ -125,12 +126,21 @@ def test_skip_train_evaluates_the_checkpoint(launcher, llama_run, runs):
 
 def test_per_token_loss_equals_the_mean_loss_on_full_sequences(launcher, llama_run, runs):
     # Mock sequences count every token, so normalising by the global token count is the mean
-    # of the micro-batch means: the same run up to rounding (BF16 autocast).
+    # of the micro-batch means: the same run up to rounding (BF16 autocast). The run also logs
+    # to Weights & Biases in offline mode (no network) when wandb is installed.
     d = runs / "mean-loss"
-    run = launcher(1, _drop(llama3_8b(d), "--calculate-per-token-loss"), d).check()
+    wandb = importlib.util.find_spec("wandb") is not None
+    extra = ["--wandb-project", "leviathan", "--wandb-exp-name", "mean-loss",
+             "--wandb-save-dir", str(d / "wandb")] if wandb else []  # fmt: skip
+    run = launcher(1, [*_drop(llama3_8b(d), "--calculate-per-token-loss"), *extra], d).check()
     for it, loss in llama_run.losses.items():
         assert math.isclose(run.losses[it], loss, rel_tol=2e-3), (it, run.losses[it], loss)
     assert llama_run.losses[1] == run.losses[1]  # before any update
+    if wandb:
+        (record,) = glob.glob(str(d / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+        with open(record, "rb") as handle:
+            content = handle.read()
+        assert b"lm loss" in content and b"batch-size" in content
 
 
 def _rampup_argv(d) -> list[str]:
