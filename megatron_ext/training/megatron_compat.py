@@ -62,6 +62,8 @@ class Rule:
     """For CUDA-path flags: refused on CPU (else ignored there with a logged note)."""
     effective: object = None
     """For DESIGN switches: the value the run really uses (shown in the argument dump)."""
+    choices: Optional[tuple] = None
+    """Megatron-LM's valid values (argparse checks them)."""
 
 
 def _r(note: str, allowed: Optional[tuple] = None) -> Rule:
@@ -76,8 +78,8 @@ def _n(note: str) -> Rule:
     return Rule(NOTED, note)
 
 
-def _c(note: str, cpu_refused: bool = False) -> Rule:
-    return Rule(CUDA, note, cpu_refused=cpu_refused)
+def _c(note: str, cpu_refused: bool = False, choices: Optional[tuple] = None) -> Rule:
+    return Rule(CUDA, note, cpu_refused=cpu_refused, choices=choices)
 
 
 _NO_FUSION = "the local path runs no fused kernels; Transformer Engine fuses on its own"
@@ -182,10 +184,17 @@ _RULES: dict[str, Rule] = {
     "--deterministic-mode": _c("a CUDA kernel setting; CPU runs are deterministic"),
     "--batch-invariant-mode": _r("batch-invariant kernels are not supported"),
     "--cross-entropy-loss-fusion": _c("the fused cross entropy is a CUDA kernel"),
-    "--cross-entropy-fusion-impl": _c("the fused cross entropy is a CUDA kernel"),
+    "--cross-entropy-fusion-impl": _c(
+        "the fused cross entropy is a CUDA kernel", choices=("native", "te")
+    ),
+    "--fp8-amax-compute-algo": _c(_FP8, cpu_refused=True, choices=("most_recent", "max")),
+    "--fp8-recipe": _c(
+        _FP8, cpu_refused=True, choices=("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+    ),
     "--attention-backend": _c(
         "Transformer Engine picks the attention kernel on CUDA; the local path computes "
-        "unfused attention on CPU"
+        "unfused attention on CPU",
+        choices=("flash", "fused", "unfused", "local", "auto"),
     ),
     "--no-clone-scatter-output-in-embedding": _n("an embedding memory tweak; no effect here"),
     "--disable-clone-scatter-output-in-embedding": _n("an embedding memory tweak; no effect here"),
@@ -572,6 +581,7 @@ def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.A
             else argparse.SUPPRESS,
             help=f"[{rule.status}] {rule.note}",
             **_compat_kwargs(kind),
+            **({"choices": rule.choices} if rule.choices and kind != "switch" else {}),
         )
     return parser
 
@@ -589,6 +599,8 @@ def flag_status(parser: argparse.ArgumentParser, flag: str) -> tuple[str, str]:
         note += "; on CPU: " + ("refused" if rule.cpu_refused else "ignored with a logged note")
     if rule.allowed is not None:
         note += "; accepted values: " + ", ".join(str(v) for v in rule.allowed)
+    if rule.choices is not None:
+        note += "; values: " + ", ".join(rule.choices)
     return rule.status, note
 
 
