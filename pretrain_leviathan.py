@@ -67,8 +67,9 @@ def get_batch(data_iterator, use_attention_mask: bool = False) -> dict:
     return _on_this_cp_rank(out)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean next-token loss over the unmasked tokens of the micro-batch.
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
+    """Mean next-token loss over the unmasked tokens of the micro-batch (with `per_token`,
+    --calculate-per-token-loss, their sum: the loop divides by the global token count).
 
     Returns the loss to backpropagate and {"lm loss": [sum, count]} for reporting. Under
     context parallelism each rank holds part of the sequence: the token count is summed across
@@ -81,6 +82,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     total = torch.sum(losses * mask)
     count = mask.sum()
     stats = torch.stack([total.detach(), count])
+    if per_token:
+        return total, {"lm loss": stats}
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:
         torch.distributed.all_reduce(stats, group=parallel_state.get_context_parallel_group())
@@ -90,13 +93,15 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return total / count.clamp(min=1.0), {"lm loss": stats}
 
 
-def forward_step(data_iterator, model, use_attention_mask: bool = False):
+def forward_step(
+    data_iterator, model, use_attention_mask: bool = False, per_token_loss: bool = False
+):
     """Megatron's forward-step contract: (output tensor, loss function of it)."""
     batch = get_batch(data_iterator, use_attention_mask)
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
     )
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(loss_func, batch["loss_mask"], per_token=per_token_loss)
 
 
 def datasets_provider(data_config, tokenizer, num_samples: Sequence[int]):
@@ -155,6 +160,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.tokenizer_model,
             vocab_size=args.vocab_size,
             tiktoken_pattern=args.tiktoken_pattern,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
         )
         vocab = padded_vocab_size(
             tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
@@ -172,7 +179,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args,
             model_provider=functools.partial(model_provider, model_config),
             forward_step=functools.partial(
-                forward_step, use_attention_mask=args.reset_attention_mask
+                forward_step,
+                use_attention_mask=args.reset_attention_mask,
+                per_token_loss=args.calculate_per_token_loss,
             ),
             datasets_provider=functools.partial(datasets_provider, data_config, tokenizer),
             full_model_provider=functools.partial(

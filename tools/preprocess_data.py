@@ -57,6 +57,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="SentencePiece .model, .tiktoken file, or HF tokenizer directory",
     )
     group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
     group.add_argument(
         "--tiktoken-pattern",
         default="o200k",
@@ -111,6 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
         tiktoken_pattern=args.tiktoken_pattern,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
         json_keys=args.json_keys,
         append_eod=args.append_eod,
         workers=args.workers,

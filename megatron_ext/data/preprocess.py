@@ -84,6 +84,10 @@ class PreprocessConfig:
     vocab_size: Optional[int] = None
     """Only for NullTokenizer (Megatron's --vocab-size)."""
     tiktoken_pattern: str = "o200k"
+    vocab_file: Optional[str] = None
+    """GPT2BPETokenizer's vocab.json (Megatron's --vocab-file)."""
+    merge_file: Optional[str] = None
+    """GPT2BPETokenizer's merges.txt (Megatron's --merge-file)."""
     json_keys: list[str] = field(default_factory=lambda: ["text"])
     append_eod: bool = False
     workers: int = 1
@@ -580,6 +584,8 @@ def preprocess(config: PreprocessConfig) -> list[dict]:
         "tokenizer_model": config.tokenizer_model,
         "vocab_size": config.vocab_size,
         "tiktoken_pattern": config.tiktoken_pattern,
+        "vocab_file": config.vocab_file,
+        "merge_file": config.merge_file,
     }
     tokenizer = build_tokenizer(**tokenizer_kwargs)
     try:

@@ -445,6 +445,15 @@ TOKENIZER_TYPES = {
 }
 
 
+def _register_gpt2_bpe() -> None:
+    from megatron_ext.data.gpt2_bpe import GPT2BPETokenizer  # imports this module
+
+    TOKENIZER_TYPES["GPT2BPETokenizer"] = GPT2BPETokenizer
+
+
+_register_gpt2_bpe()
+
+
 def build_tokenizer(
     tokenizer_type: str, tokenizer_model: Optional[str] = None, **kw: object
 ) -> Tokenizer:
@@ -453,7 +462,8 @@ def build_tokenizer(
     Args:
         tokenizer_type: one of :data:`TOKENIZER_TYPES`.
         tokenizer_model: model file (SentencePiece ``.model``, ``.tiktoken``) or directory (HF).
-        **kw: ``vocab_size`` for NullTokenizer; ``tiktoken_pattern`` for TikTokenizer. Other
+        **kw: ``vocab_size`` for NullTokenizer; ``tiktoken_pattern`` for TikTokenizer;
+            ``vocab_file`` and ``merge_file`` for GPT2BPETokenizer. Other
             keys (e.g. unused argparse fields) are ignored.
 
     Raises:
@@ -467,6 +477,8 @@ def build_tokenizer(
     cls = TOKENIZER_TYPES[tokenizer_type]
     if cls is NullTokenizer:
         return NullTokenizer(kw.get("vocab_size"))  # type: ignore[arg-type]
+    if tokenizer_type == "GPT2BPETokenizer":
+        return cls(kw.get("vocab_file"), kw.get("merge_file"))  # type: ignore[call-arg]
     if not tokenizer_model:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
     if cls is TikTokenizer:

@@ -163,6 +163,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         seq_length=args.seq_length or 512,
         rotary_base=args.rotary_base,
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        head_dim=getattr(args, "kv_channels", None),
         norm_epsilon=args.norm_epsilon,
         init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout,
@@ -185,7 +187,9 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         fp16=getattr(args, "fp16", False),
         fp8=getattr(args, "fp8_format", None),
         use_cpu_initialization=args.use_cpu_initialization,
-        recompute_granularity=args.recompute_granularity,
+        # Megatron-LM: --recompute-activations means selective recomputation.
+        recompute_granularity=args.recompute_granularity
+        or ("selective" if getattr(args, "recompute_activations", False) else None),
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         **sizes,

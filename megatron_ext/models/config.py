@@ -96,6 +96,10 @@ class ModelConfig:
     """SwiGLU inner width (None: LLaMA's 8/3 x hidden rounded up to a multiple of 256)."""
     seq_length: int = 128
     rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that rotary positions rotate (--rotary-percent)."""
+    head_dim: Optional[int] = None
+    """Channels per attention head (--kv-channels); None: hidden_size / num_attention_heads."""
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
@@ -148,7 +152,16 @@ class ModelConfig:
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"--kv-channels must be >= 1, got {self.head_dim}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if int(self.kv_channels * self.rotary_percent) % 2:
+            raise ValueError(
+                f"--rotary-percent {self.rotary_percent} x --kv-channels {self.kv_channels} "
+                "must give an even number of rotary channels"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}"
@@ -219,8 +232,8 @@ class ModelConfig:
 
     @property
     def kv_channels(self) -> int:
-        """Width of one attention head: hidden_size / num_attention_heads."""
-        return self.hidden_size // self.num_attention_heads
+        """Width of one attention head (--kv-channels, default hidden_size / heads)."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def replace(self, **changes) -> "ModelConfig":
         """A validated copy with some fields changed."""

@@ -17,7 +17,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.layer_specs import get_decoder_block_spec
-from megatron_ext.models.local_modules import PortableRotaryEmbedding
+from megatron_ext.models.local_modules import (
+    PortableRotaryEmbedding,
+    PortableTransformerBlock,
+    SDPACoreAttention,
+)
 from megatron_ext.tensor_parallel import (
     PortableColumnParallelLinear,
     PortableVocabParallelEmbedding,
@@ -78,16 +82,25 @@ class LeviathanModel(GPTModel):
             parallel_output=parallel_output,
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             position_embedding_type="rope",
+            rotary_percent=model_config.rotary_percent,
             rotary_base=model_config.rotary_base,
         )
         self.rotary_pos_emb = PortableRotaryEmbedding(
             kv_channels=config.kv_channels,
-            rotary_percent=1.0,
+            rotary_percent=model_config.rotary_percent,
             rotary_interleaved=config.rotary_interleaved,
             rotary_base=model_config.rotary_base,
             use_cpu_initialization=config.use_cpu_initialization or not torch.cuda.is_available(),
             cp_group=self.pg_collection.cp,
         )
+        if config.recompute_granularity == "full" and not torch.cuda.is_available():
+            self.decoder = adopt(PortableTransformerBlock, self.decoder)
+        if config.recompute_granularity == "selective" and not torch.cuda.is_available():
+            for layer in self.decoder.layers:
+                attention = layer.self_attention
+                if isinstance(attention.core_attention, SDPACoreAttention):
+                    attention.checkpoint_core_attention = False
+                    attention.core_attention.recompute = True
         # GPTModel builds these two with megatron's classes, whose sequence-parallel
         # communication allocates on CUDA; their portable twins share the same parameters.
         if pre_process:

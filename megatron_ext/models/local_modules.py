@@ -10,6 +10,11 @@ They are chosen by the local layer spec (core attention, norms) or by `Leviathan
   different slice of the sequence, so their gradients are partial sums that the training step
   all-reduces across the TP group, exactly as Megatron does for its fused norms.
 - `PortableRotaryEmbedding` replaces `RotaryEmbedding`, whose `get_emb` moves `inv_freq` to CUDA.
+- Selective recomputation on CPU: `SDPACoreAttention.recompute` checkpoints core attention
+  itself with `torch.utils.checkpoint`.
+- `PortableTransformerBlock` (adopted by `LeviathanModel` on hosts without CUDA when
+  `--recompute-granularity full`) recomputes layers with `torch.utils.checkpoint`: megatron's
+  `tensor_parallel.checkpoint` saves the CUDA RNG state, which a CPU-only torch cannot read.
 """
 
 from __future__ import annotations
@@ -22,11 +27,17 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
 
-__all__ = ["SDPACoreAttention", "SequenceParallelNorm", "PortableRotaryEmbedding"]
+__all__ = [
+    "SDPACoreAttention",
+    "SequenceParallelNorm",
+    "PortableRotaryEmbedding",
+    "PortableTransformerBlock",
+]
 
 
 class SDPACoreAttention(MegatronModule):
@@ -69,6 +80,9 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self.recompute = False
+        """Selective recomputation on CPU (set by LeviathanModel instead of megatron's
+        `checkpoint_core_attention`, whose checkpoint needs CUDA)."""
 
     def forward(
         self,
@@ -81,6 +95,34 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params=None,
     ) -> Tensor:
         """SDPA (causal or masked, GQA) over q, k, v [s, b, n, hn] -> context [s, b, n*hn]."""
+        if self.recompute and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(
+                self._attend,
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type,
+                attention_bias,
+                packed_seq_params,
+                use_reentrant=False,
+            )
+        return self._attend(
+            query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+        )
+
+    def _attend(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError(
                 "packed sequences and attention bias need --transformer-impl transformer_engine"
@@ -170,3 +212,56 @@ class PortableRotaryEmbedding(RotaryEmbedding):
             emb = torch.cat((freqs, freqs), dim=-1)
         # [s, dim] -> [s, 1, 1, dim], the layout megatron's apply_rotary_pos_emb expects
         return emb[:, None, None, :]
+
+
+class PortableTransformerBlock(TransformerBlock):
+    """megatron's TransformerBlock whose full recomputation (`recompute_method` uniform: chunks
+    of `recompute_num_layers` layers; block: the first `recompute_num_layers` layers) runs
+    through `torch.utils.checkpoint`, which restores the CPU RNG state for the recomputation."""
+
+    def _checkpointed_forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor,
+        context: Tensor,
+        context_mask: Tensor,
+        rotary_pos_emb: Tensor,
+        attention_bias: Tensor,
+        packed_seq_params,
+        use_inner_quantization_context: bool,
+        padding_mask: Optional[Tensor] = None,
+    ):
+        from torch.utils.checkpoint import checkpoint
+
+        def run(start: int, end: int):
+            def forward(hidden_states, context):
+                for layer in self.layers[start:end]:
+                    hidden_states, context = layer(
+                        hidden_states=hidden_states,
+                        attention_mask=attention_mask,
+                        context=context,
+                        context_mask=context_mask,
+                        rotary_pos_emb=rotary_pos_emb,
+                        attention_bias=attention_bias,
+                        inference_context=None,
+                        packed_seq_params=packed_seq_params,
+                        padding_mask=padding_mask,
+                    )
+                return hidden_states, context
+
+            return forward
+
+        count, step = self.num_layers_per_pipeline_rank, self.config.recompute_num_layers
+        if self.config.recompute_method == "uniform":
+            chunks = [(i, min(i + step, count), True) for i in range(0, count, step)]
+        else:  # block
+            chunks = [(i, i + 1, i < step) for i in range(count)]
+        for start, end, recompute in chunks:
+            forward = run(start, end)
+            if recompute:
+                hidden_states, context = checkpoint(
+                    forward, hidden_states, context, use_reentrant=False
+                )
+            else:
+                hidden_states, context = forward(hidden_states, context)
+        return hidden_states

@@ -49,6 +49,8 @@ MODEL_ARG_NAMES = (
     "seq_length",
     "max_position_embeddings",
     "rotary_base",
+    "rotary_percent",
+    "kv_channels",
     "norm_epsilon",
     "qk_layernorm",
     "embedding_type",
@@ -409,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_args(parser)
     add_model_arguments(parser)
     add_data_arguments(parser)
+    from megatron_ext.training.megatron_compat import add_megatron_compat_arguments
+
+    add_megatron_compat_arguments(parser)  # last: answers every remaining Megatron-LM flag
     return parser
 
 
@@ -583,9 +588,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                 f"--context-parallel-size {args.context_parallel_size}"
             )
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        raise ArgumentError(
-            "--sequence-parallel needs --tensor-model-parallel-size > 1; drop the flag or raise TP"
-        )
+        # Megatron-LM's rule, so that its TP=1 launch scripts with --sequence-parallel run.
+        logger.warning("--sequence-parallel is off: --tensor-model-parallel-size is 1")
+        args.sequence_parallel = False
 
     # Optimizer and schedule (Megatron-LM steps the scheduler in samples).
     if args.lr is None:
@@ -666,7 +671,12 @@ def parse_args(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
-    return validate_args(args, world_size)
+    from megatron_ext.training.megatron_compat import apply_megatron_compat
+    from megatron_ext.training.megatron_features import validate_megatron_features
+
+    apply_megatron_compat(args, error=ArgumentError)
+    validate_args(args, world_size)
+    return validate_megatron_features(args, error=ArgumentError)
 
 
 def args_to_json(args: argparse.Namespace) -> dict:

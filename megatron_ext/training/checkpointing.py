@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -275,8 +276,14 @@ def save_checkpoint(
     args_json: Optional[dict] = None,
     save_rng: bool = True,
     keep_last: Optional[int] = None,
-) -> str:
+    async_save: bool = False,
+):
     """Save (collectively, every rank) and return the checkpoint directory.
+
+    With `async_save` (--async-save) the tensors are staged to CPU memory and written by a
+    background thread; the returned `PendingSave` finishes the checkpoint (rank files,
+    rename, latest marker) once every rank's write completed, so the latest marker never
+    points at a partial checkpoint.
 
     Raises:
         NonFiniteStateError: a parameter is NaN/inf on some rank (nothing is written).
@@ -313,28 +320,31 @@ def save_checkpoint(
             for name in ("exp_avg", "exp_avg_sq"):
                 tensors[f"optim.{key}.{name}"] = _layout_view(adam[name], param)
             tensors[f"optim.{key}.step"] = torch.as_tensor(adam["step"]).detach().float().cpu()
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
+    needed = sum(t.numel() * t.element_size() for t in local)
+    # Everything the checkpoint holds is captured now; `finish` only writes it.
+    rng = _rng_state() if save_rng else None
+    common = {
+        "format_version": FORMAT_VERSION,
+        "train_state": dataclasses.asdict(state),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
+        "layout": _layout(),
+        "has_optimizer": optimizer is not None,
+        "has_rng": save_rng,
+        "torch_version": torch.__version__,
+    }
+    finish = functools.partial(
+        _finish_save, root, tmp, final, state.iteration, rng, common, args_json, keep_last, needed
+    )
+    if async_save:
+        future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=_async_group())
+        return PendingSave(future, finish, state.iteration)
     try:
-        _write_shards(tmp, tensors, state, scheduler, loss_scaler, optimizer, args_json, save_rng)
+        dcp.save(tensors, checkpoint_id=tmp)
     except CHECKPOINT_IO_ERRORS as error:
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
-        needed = sum(t.numel() * t.element_size() for t in local)
-        failure = describe_io_error(error, root, needed)
-    _stop_if_failed(failure, root, tmp, state.iteration)  # every rank's files are on disk
-
-    try:
-        if _rank0():
-            if os.path.isdir(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            _write_atomic(os.path.join(root, TRACKER_FILENAME), f"{state.iteration}\n")
-            if keep_last:
-                _prune(root, keep_last, state.iteration)
-    except OSError as error:
-        failure = describe_io_error(error, root)
-    _stop_if_failed(failure, root, tmp, state.iteration)
-    logger.info("saved checkpoint at iteration %d to %s", state.iteration, final)
-    return final
+        return finish(error=error)
+    return finish()
 
 
 class CheckpointSaveError(CheckpointError):
@@ -361,32 +371,87 @@ def _stop_if_failed(failure: Optional[str], root: str, tmp: str, iteration: int)
     )
 
 
-def _write_shards(
-    tmp, tensors, state, scheduler, loss_scaler, optimizer, args_json, save_rng
-) -> None:
-    """This rank's part of a checkpoint: DCP shards (collective), its RNG file and, on rank 0,
-    common.json and args.json."""
-    dcp.save(tensors, checkpoint_id=tmp)
-    if save_rng:
+def _finish_save(
+    root, tmp, final, iteration, rng, common, args_json, keep_last, needed, error=None
+) -> str:
+    """After this rank's shards are written (or failed with `error`): RNG files, common.json,
+    args.json, then the rename and the latest marker (collective). Any rank's I/O failure
+    stops every rank with CheckpointSaveError and leaves the previous latest."""
+    failure = describe_io_error(error, root, needed) if error is not None else None
+    if failure is None:
+        try:
+            _write_rank_files(tmp, rng, common, args_json)
+        except CHECKPOINT_IO_ERRORS as write_error:
+            failure = describe_io_error(write_error, root, needed)
+    _stop_if_failed(failure, root, tmp, iteration)  # every rank's files are on disk
+
+    try:
+        if _rank0():
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            _write_atomic(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+            if keep_last:
+                _prune(root, keep_last, iteration)
+    except OSError as rename_error:
+        failure = describe_io_error(rename_error, root)
+    _stop_if_failed(failure, root, tmp, iteration)
+    logger.info("saved checkpoint at iteration %d to %s", iteration, final)
+    return final
+
+
+def _write_rank_files(tmp, rng, common, args_json) -> None:
+    """This rank's RNG file and, on rank 0, common.json and args.json."""
+    if rng is not None:
         coords = _coords()
         name = "pp{pp}_tp{tp}_cp{cp}_dp{dp}.pt".format(**coords)
-        torch.save(_rng_state(), os.path.join(tmp, "rng", name))
+        torch.save(rng, os.path.join(tmp, "rng", name))
     if _rank0():
-        common = {
-            "format_version": FORMAT_VERSION,
-            "train_state": dataclasses.asdict(state),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
-            "layout": _layout(),
-            "has_optimizer": optimizer is not None,
-            "has_rng": save_rng,
-            "torch_version": torch.__version__,
-        }
         with open(os.path.join(tmp, "common.json"), "w") as handle:
             json.dump(common, handle, indent=1)
         if args_json is not None:
             with open(os.path.join(tmp, "args.json"), "w") as handle:
                 json.dump(args_json, handle, indent=1, sort_keys=True)
+
+
+_ASYNC_GROUP: dict = {}
+
+
+def _async_group():
+    """A gloo group of all ranks for the background writes (collective on first use): their
+    collectives must not interleave with the training loop's on the default group."""
+    key = id(dist.group.WORLD)
+    if key not in _ASYNC_GROUP:
+        _ASYNC_GROUP.clear()
+        _ASYNC_GROUP[key] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUP[key]
+
+
+class PendingSave:
+    """An --async-save checkpoint being written; `poll` / `wait` finish it (collectives)."""
+
+    def __init__(self, future, finish, iteration: int) -> None:
+        self.future, self.finish, self.iteration = future, finish, iteration
+
+    def poll(self) -> bool:
+        """Finish the checkpoint if every rank's write completed; whether it is finished."""
+        done = torch.tensor([1.0 if self.future.done() else 0.0])
+        if torch.cuda.is_available():
+            done = done.cuda()
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # the main thread's (default) group
+        if done.item() == 0.0:
+            return False
+        self.wait()
+        return True
+
+    def wait(self) -> str:
+        """Block until this rank's write completed, then finish the checkpoint everywhere."""
+        try:
+            self.future.result()
+        except CHECKPOINT_IO_ERRORS as error:
+            return self.finish(error=error)
+        return self.finish()
 
 
 def _read_metadata(path: str):

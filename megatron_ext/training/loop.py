@@ -42,6 +42,7 @@ from megatron_ext.training.finalize_grads import (
     allreduce_tied_embedding_grads,
 )
 from megatron_ext.training.initialization import initialize_like_single_stage
+from megatron_ext.training.megatron_features import FeatureConfig, RunExtras
 from megatron_ext.training.metrics import (
     Reporter,
     flops_per_iteration,
@@ -100,7 +101,14 @@ class _Trainer:
     def __init__(self, cfg: TrainingConfig, args: argparse.Namespace, model, forward_step):
         self.cfg, self.args, self.model, self.forward_step = cfg, args, model, forward_step
         b = cfg.batch
-        self.optimizer = build_optimizer(model, cfg.optim, cfg.parallel.use_distributed_optimizer)
+        self.features = FeatureConfig.from_args(args)
+        f = self.features
+        self.optimizer = build_optimizer(
+            model,
+            cfg.optim,
+            cfg.parallel.use_distributed_optimizer,
+            decoupled=(f.decoupled_lr, f.decoupled_min_lr) if f.decoupled_lr else None,
+        )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = (
             LossScaler(
@@ -144,6 +152,10 @@ class _Trainer:
         self.last_saved: Optional[int] = None
         self.timers: dict[str, float] = {}
         self._last_mark = time.perf_counter()
+        self.extras = RunExtras(self.features, self.is_rank0, dist.get_rank())
+        self.reporter.wandb = self.extras.wandb
+        self.global_batch = b.global_batch_size
+        """This iteration's global batch size (below the flag's during --rampup-batch-size)."""
 
     # ---------------------------------------------------------------- one iteration
 
@@ -190,20 +202,29 @@ class _Trainer:
         self._mark()
         self.optimizer.zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        f = self.features
         totals = forward_backward(
             forward_step=self.forward_step,
             data_iterator=data_iterator,
             model=self.model,
-            num_microbatches=b.num_microbatches,
+            num_microbatches=self.global_batch // (b.micro_batch_size * b.data_parallel_size),
             shape=self.shape,
             loss_scale=scale,
             autocast=self.autocast,
+            per_token_loss=f.calculate_per_token_loss,
         )
         self._mark("forward-backward")
         if p.sequence_parallel:
             allreduce_sequence_parallel_grads([self.model])
         allreduce_tied_embedding_grads([self.model])
-        grads_ok = allreduce_data_parallel_grads(self.optimizer.params, scale=1.0 / scale)
+        grad_scale = 1.0 / scale
+        if f.calculate_per_token_loss:
+            grad_scale *= self._per_token_grad_scale(totals)
+        grads_ok = allreduce_data_parallel_grads(
+            self.optimizer.params,
+            scale=grad_scale,
+            reduce_dtype=torch.bfloat16 if f.grad_reduce_in_bf16 else None,
+        )
         self._mark("grads-all-reduce")
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad)
         self._mark("grad-norm-and-clip")
@@ -223,13 +244,27 @@ class _Trainer:
             self.state.skipped_iterations += 1
         else:
             self.optimizer.step()
-            self.scheduler.step(increment=b.global_batch_size)
+            self.scheduler.step(increment=self.global_batch)
             if self.scaler is not None:
                 self.scaler.update(False)
             self.consecutive_nonfinite = 0
             stepped = True
         self._mark("optimizer")
         return _StepResult(loss, grad_norm, stepped, stats[4] > 0, stats[5] > 0)
+
+    def _per_token_grad_scale(self, totals: dict) -> float:
+        """--calculate-per-token-loss: the loss is a sum over tokens; the gradient divides by
+        the global batch's token count (the DP average then multiplies back by DP x CP)."""
+        count = torch.zeros(1, dtype=torch.float64, device=self.shape.device)
+        if (
+            parallel_state.is_pipeline_last_stage()
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and "lm loss" in totals
+        ):
+            count[0] = totals["lm loss"][1]
+        dist.all_reduce(count)
+        dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return dp_cp / max(float(count.item()), 1.0)
 
     def _nonfinite(self, iteration, loss, grad_norm, loss_ok, grads_ok, stats) -> None:
         b = self.cfg.batch
@@ -279,6 +314,7 @@ class _Trainer:
             return None
         iterator = iter(loader)
         totals: dict[str, torch.Tensor] = {}
+        self.extras.around_eval()
         self.model.eval()
         try:
             for _ in range(b.eval_iters):
@@ -295,6 +331,7 @@ class _Trainer:
                     totals[key] = totals[key] + value if key in totals else value
         finally:
             self.model.train()
+            self.extras.around_eval()
         stats = self._world_stats(totals, True, True)
         return stats[0] / stats[1] if stats[1] > 0 else None
 
@@ -319,7 +356,8 @@ class _Trainer:
         ck = self.cfg.ckpt
         if not ck.save or self.last_saved == self.state.iteration:
             return
-        save_checkpoint(
+        self.wait_for_save()  # one background write at a time
+        saved = save_checkpoint(
             ck.save,
             self.state,
             self.model,
@@ -329,8 +367,22 @@ class _Trainer:
             args_json=args_to_json(self.args),
             save_rng=not ck.no_save_rng,
             keep_last=ck.ckpt_keep_last,
+            async_save=self.features.async_save,
         )
+        if self.features.async_save:
+            self.pending_save = saved
         self.last_saved = self.state.iteration
+
+    def wait_for_save(self) -> None:
+        """--async-save: finish the checkpoint being written (collective)."""
+        if getattr(self, "pending_save", None) is not None:
+            self.pending_save.wait()
+            self.pending_save = None
+
+    def poll_save(self) -> None:
+        """--async-save: finish the checkpoint if every rank's write is done (collective)."""
+        if getattr(self, "pending_save", None) is not None and self.pending_save.poll():
+            self.pending_save = None
 
     def load(self) -> None:
         ck = self.cfg.ckpt
@@ -368,8 +420,11 @@ class _Trainer:
         )
         if loader is None:
             raise RuntimeError("no training data (the train split is empty)")
-        remaining = b.train_iters - self.state.iteration
-        needed = remaining * b.num_microbatches
+        needed, consumed = 0, self.state.consumed_train_samples
+        for _ in range(b.train_iters - self.state.iteration):
+            gbs = self.extras.global_batch(consumed)
+            needed += gbs // (b.micro_batch_size * b.data_parallel_size)
+            consumed += gbs
         if len(loader.batch_sampler) < needed:
             raise RuntimeError(
                 f"the training set has {len(loader.batch_sampler)} micro-batches left for this "
@@ -385,14 +440,21 @@ class _Trainer:
         reason = "finished"
         while self.state.iteration < b.train_iters:
             step_start = time.time()
+            self.global_batch = self.extras.global_batch(self.state.consumed_train_samples)
+            self.extras.before_step(self.state.iteration + 1)
             result = self.train_step(iterator)
             self.state.iteration += 1
-            self.state.consumed_train_samples += b.global_batch_size
-            self.state.floating_point_operations_so_far += self.flops
+            self.state.consumed_train_samples += self.global_batch
+            self.state.floating_point_operations_so_far += (
+                self.flops * self.global_batch / b.global_batch_size
+            )
+            self.extras.after_step(self.state.iteration)
             it = self.state.iteration
             interval_iters += 1
             losses.append(result.loss)
             grad_norms.append(result.grad_norm)
+            if it % lg.tensorboard_log_interval == 0 or it % lg.log_interval == 0:
+                self.last_extras = self.extras.stats(self.optimizer.params)  # collective
             if it % lg.tensorboard_log_interval == 0:
                 self._tensorboard(result, it)
             self._jsonl(result, it, time.time() - step_start)
@@ -403,6 +465,7 @@ class _Trainer:
             if b.eval_iters and valid_ds is not None and it % b.eval_interval == 0:
                 self.log_evaluation(self.evaluate(valid_ds), "validation")
             ck = self.cfg.ckpt
+            self.poll_save()
             if ck.save_interval and it % ck.save_interval == 0:
                 self.save()
             if result.signal:
@@ -443,8 +506,15 @@ class _Trainer:
             r.scalar("lm loss ppl", math.exp(min(20.0, result.loss)), it)
         r.scalar("learning-rate", self.optimizer.get_lr(), it)
         r.scalar("grad-norm", result.grad_norm, it)
-        if self.scaler is not None:
+        if self.scaler is not None and self.features.log_loss_scale_to_tensorboard:
             r.scalar("loss-scale", self.scaler.scale, it)
+        tokens = self.state.consumed_train_samples * self.cfg.batch.seq_length
+        r.scalar("lm loss vs tokens", result.loss, tokens)
+        r.scalar("batch-size", self.global_batch, it)
+        if self.features.log_world_size_to_tensorboard:
+            r.scalar("world-size", dist.get_world_size(), it)
+        for key, value in getattr(self, "last_extras", {}).items():
+            r.scalar(key, value, it)
 
     def _log_line(self, start: float, iters: int, losses, grad_norms) -> None:
         self._report(start, iters, losses, grad_norms)
@@ -456,8 +526,8 @@ class _Trainer:
         elapsed = (time.time() - start) / max(iters, 1)
         b = self.cfg.batch
         world = dist.get_world_size()
-        tflops = self.flops / elapsed / world / 1e12
-        tokens = b.global_batch_size * b.seq_length / elapsed
+        tflops = self.flops * self.global_batch / b.global_batch_size / elapsed / world / 1e12
+        tokens = self.global_batch * b.seq_length / elapsed
         finite = [x for x in losses if math.isfinite(x)]
         values = dict(
             iteration=self.state.iteration,
@@ -468,7 +538,11 @@ class _Trainer:
             mfu=tflops / self.peak if self.peak else None,
             tokens_per_sec=tokens,
             lr=self.optimizer.get_lr(),
-            global_batch_size=b.global_batch_size,
+            global_batch_size=self.global_batch,
+            elapsed=time.time() - self.start_time,
+            eta=elapsed * (b.train_iters - self.state.iteration),
+            consumed_tokens=self.state.consumed_train_samples * b.seq_length,
+            extras=getattr(self, "last_extras", {}),
             loss=sum(finite) / len(finite) if finite else float("nan"),
             loss_scale=self.scaler.scale if self.scaler is not None else None,
             grad_norm=grad_norms[-1] if grad_norms else None,
@@ -636,11 +710,18 @@ def pretrain(
             b.eval_iters * b.global_batch_size,
         ]
         train_ds, valid_ds, test_ds = datasets_provider(num_samples)
+        if trainer.features.skip_train:  # Megatron-LM's --skip-train: evaluate and exit
+            if rank0:
+                logger.info("--skip-train: evaluating iteration %d", trainer.state.iteration)
+            trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
+            trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
+            return "skip-train"
         if trainer.state.iteration >= b.train_iters:
             if rank0:
                 logger.info("already trained %d iterations: nothing to do", trainer.state.iteration)
             return "finished"
         reason = trainer.train(train_ds, valid_ds)
+        trainer.wait_for_save()  # the latest marker moves once the last write completed
         if reason == "finished" and b.eval_iters:
             if trainer.state.iteration % b.eval_interval:  # not just evaluated
                 trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
@@ -648,6 +729,7 @@ def pretrain(
         return reason
     finally:
         if trainer is not None:
+            trainer.extras.close()
             if trainer.signal is not None:
                 trainer.signal.release()
             if trainer.is_rank0 and cfg.log.loss_curve:

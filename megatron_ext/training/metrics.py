@@ -111,6 +111,11 @@ def run_info() -> dict[str, str]:
     return info
 
 
+def _hms(seconds: float) -> str:
+    seconds = int(max(0.0, seconds))
+    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 def format_train_line(values: dict) -> str:
     """Megatron-LM's training log line (fields it does not know are appended)."""
     parts = [
@@ -118,6 +123,13 @@ def format_train_line(values: dict) -> str:
         f"consumed samples: {values['consumed_samples']:12d}",
         f"elapsed time per iteration (ms): {values['iteration_ms']:.1f}",
     ]
+    # Megatron-LM's fields keep their order (log parsers rely on it); ours follow.
+    if values.get("consumed_tokens") is not None:
+        parts.append(f"consumed tokens: {values['consumed_tokens']:14d}")
+    if values.get("elapsed") is not None:
+        parts.append(f"elapsed: {_hms(values['elapsed'])}")
+    if values.get("eta") is not None:
+        parts.append(f"ETA: {_hms(values['eta'])}")
     if values.get("tflops") is not None:
         parts.append(f"throughput per GPU (TFLOP/s/GPU): {values['tflops']:.1f}")
     if values.get("mfu") is not None:
@@ -133,6 +145,11 @@ def format_train_line(values: dict) -> str:
         parts.append(f"loss scale: {values['loss_scale']:.1f}")
     if values.get("grad_norm") is not None:
         parts.append(f"grad norm: {values['grad_norm']:.3f}")
+    extras = values.get("extras") or {}
+    if "params-norm" in extras:
+        parts.append(f"params norm: {extras['params-norm']:.3f}")
+    if "num-zeros" in extras:
+        parts.append(f"num zeros: {int(extras['num-zeros'])}")
     parts += [
         f"number of skipped iterations: {values['skipped']:3d}",
         f"number of nan iterations: {values['nonfinite']:3d}",
@@ -151,6 +168,8 @@ class Reporter:
 
     def __post_init__(self) -> None:
         self.writer = None
+        self.wandb = None
+        """A wandb run (--wandb-project), set by the loop on rank 0."""
         if self.enabled and self.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -163,6 +182,8 @@ class Reporter:
         self.history.setdefault(tag, []).append((step, float(value)))
         if self.writer is not None:
             self.writer.add_scalar(tag, value, step)
+        if self.wandb is not None and " vs " not in tag:  # W&B keys share one step axis
+            self.wandb.log({tag: value}, step=step)
 
     def text(self, tag: str, text: str) -> None:
         """Write a text entry to TensorBoard, if a writer is open."""

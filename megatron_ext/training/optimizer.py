@@ -55,18 +55,37 @@ def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() <= 1 or leaf.endswith("bias") or "norm" in leaf
 
 
-def param_groups(model: torch.nn.Module) -> list[dict]:
+def param_groups(
+    model: torch.nn.Module, decoupled: Optional[tuple[float, float]] = None
+) -> list[dict]:
     """Two AdamW groups: decayed (wd_mult 1) and not decayed (wd_mult 0); empty groups kept
-    so that every rank has the same group structure (the scheduler walks them)."""
-    decay, no_decay = [], []
+    so that every rank has the same group structure (the scheduler walks them).
+
+    With `decoupled` = (--decoupled-lr, --decoupled-min-lr), the input embedding and output
+    layer parameters form two more groups whose `max_lr`/`min_lr` megatron-core's scheduler
+    uses instead of --lr/--min-lr (Megatron-LM's decoupled learning rate)."""
+    from megatron_ext.training.megatron_features import is_decoupled_param
+
+    groups = {key: [] for key in ("decay", "no_decay", "decoupled_decay", "decoupled_no_decay")}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if _no_weight_decay(name, param) else decay).append(param)
-    return [
-        {"params": decay, "wd_mult": 1.0, "name": "decay"},
-        {"params": no_decay, "wd_mult": 0.0, "name": "no_decay"},
+        key = "no_decay" if _no_weight_decay(name, param) else "decay"
+        if decoupled is not None and is_decoupled_param(name):
+            key = "decoupled_" + key
+        groups[key].append(param)
+    out = [
+        {"params": groups["decay"], "wd_mult": 1.0, "name": "decay"},
+        {"params": groups["no_decay"], "wd_mult": 0.0, "name": "no_decay"},
     ]
+    if decoupled is not None:
+        lr, min_lr = decoupled
+        for key, wd_mult in (("decoupled_decay", 1.0), ("decoupled_no_decay", 0.0)):
+            out.append(
+                {"params": groups[key], "wd_mult": wd_mult, "name": key, "max_lr": lr,
+                 "min_lr": min_lr}
+            )  # fmt: skip
+    return out
 
 
 class Optimizer:
@@ -77,9 +96,15 @@ class Optimizer:
     (all of them, or its ZeRO share), keyed by the parameter tensor.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, zero_group=None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: OptimizerConfig,
+        zero_group=None,
+        decoupled: Optional[tuple[float, float]] = None,
+    ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        groups = param_groups(model)
+        groups = param_groups(model, decoupled)
         kwargs = dict(
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=0.0
         )
@@ -137,12 +162,18 @@ class Optimizer:
         return self.param_groups[0]["lr"]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, distributed: bool) -> Optimizer:
-    """AdamW; ZeRO-1 over the data-parallel (x context-parallel) group when `distributed`."""
+def build_optimizer(
+    model: torch.nn.Module,
+    cfg: OptimizerConfig,
+    distributed: bool,
+    decoupled: Optional[tuple[float, float]] = None,
+) -> Optimizer:
+    """AdamW; ZeRO-1 over the data-parallel (x context-parallel) group when `distributed`;
+    `decoupled` = (--decoupled-lr, --decoupled-min-lr) for the embedding and output layer."""
     group = None
     if distributed:
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return Optimizer(model, cfg, zero_group=group)
+    return Optimizer(model, cfg, zero_group=group, decoupled=decoupled)
 
 
 def build_scheduler(optimizer: Optimizer, cfg: OptimizerConfig):
@@ -181,12 +212,15 @@ def _buckets(grads: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
 
 
 def allreduce_data_parallel_grads(
-    params: list[torch.Tensor], group=None, scale: float = 1.0
+    params: list[torch.Tensor], group=None, scale: float = 1.0, reduce_dtype=None
 ) -> bool:
     """Average gradients over the data-parallel group (times `scale`, e.g. 1/loss-scale).
 
     Missing gradients become zeros first, so that every rank reduces (and the optimizer steps)
     the same set. Buckets are all-reduced asynchronously, a few at a time in flight.
+
+    `reduce_dtype` (--grad-reduce-in-bf16: torch.bfloat16) is the dtype on the wire; the
+    gradients are scaled in float32, reduced in that dtype and copied back to float32.
 
     Returns:
         whether this rank's own gradients were all finite before the reduction (used to name
@@ -218,6 +252,8 @@ def allreduce_data_parallel_grads(
         finite = finite and bool(torch.isfinite(flat).all())
         if factor != 1.0:
             flat.mul_(factor)
+        if reduce_dtype is not None and flat.dtype != reduce_dtype:
+            flat = flat.to(reduce_dtype)
         work = dist.all_reduce(flat, group=group, async_op=True) if size > 1 else None
         pending.append((work, flat, bucket))
         if len(pending) > _BUCKETS_IN_FLIGHT:  # bounds the extra memory of flat copies

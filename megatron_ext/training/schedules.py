@@ -99,13 +99,18 @@ def forward_backward(
     forward_only: bool = False,
     loss_scale: float = 1.0,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    per_token_loss: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run one iteration's micro-batches through this stage (forward, and backward unless
     `forward_only`); gradients accumulate in `param.grad`.
 
+    With `per_token_loss` (--calculate-per-token-loss) the losses are token sums and are not
+    divided by the number of micro-batches; the caller divides the gradients by the token count.
+
     Returns:
         on the last pipeline stage, `reports` summed over micro-batches (float64); elsewhere {}.
     """
+    divisor = 1 if per_token_loss else num_microbatches
     p2p = _P2P(shape)
     totals: dict[str, torch.Tensor] = {}
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -120,7 +125,7 @@ def forward_backward(
             with grad_ctx():
                 loss, reports = loss_func(output)
             _accumulate(totals, reports)
-            return loss * (loss_scale / num_microbatches)
+            return loss * (loss_scale / divisor)
         return output.float() if output.dtype != torch.float32 else output
 
     def backward(

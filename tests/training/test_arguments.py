@@ -67,7 +67,6 @@ def test_train_samples_derive_iterations():
         (["--train-samples", "800"], 1, "exactly one of --train-iters and --train-samples"),
         (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are exclusive"),
         (["--tensor-model-parallel-size", "3"], 4, "not divisible by tensor x pipeline"),
-        (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size"),
         (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 1, "are exclusive"),
         (["--lr-warmup-iters", "200"], 1, "warmup is not shorter than the decay"),
         (["--save-interval", "10"], 1, "--save-interval needs --save"),

@@ -1,0 +1,725 @@
+"""Every Megatron-LM flag has an answer: implemented, accepted (it restates this design),
+ignored with a logged note, CUDA-path only, or refused with one line saying why.
+
+`add_megatron_compat_arguments(parser)` runs last in `build_parser`. It adds the Megatron-LM
+training features implemented in this package (`--rampup-batch-size`, `--decoupled-lr`,
+`--profile`, ...) as ordinary flags, and registers every other flag of
+`megatron_flags.MEGATRON_FLAGS` that the parser does not know yet with a `_CompatAction` that
+records its use. `apply_megatron_compat(args)` (called by `parse_args`) then refuses, notes or
+accepts what was given, and writes the effective value of design flags (`swiglu True`).
+
+`compat_table(parser)` reads the status back from the parser's actions, so that
+docs/megatron-compat.md (`python -m megatron_ext.training.megatron_compat --write PATH`)
+cannot drift from what the parser does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_ext.training.megatron_flags import MEGATRON_FLAGS, MEGATRON_LM_VERSION
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "IMPLEMENTED",
+    "DESIGN",
+    "NOTED",
+    "CUDA",
+    "REFUSED",
+    "Rule",
+    "add_megatron_compat_arguments",
+    "apply_megatron_compat",
+    "compat_table",
+    "flag_status",
+]
+
+IMPLEMENTED = "implemented"
+DESIGN = "accepted: restates the design"
+NOTED = "accepted, ignored with a logged note"
+CUDA = "CUDA path"
+REFUSED = "refused"
+
+_GIVEN = "_megatron_compat_given"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What happens when a flag that is not implemented here is given."""
+
+    status: str
+    note: str
+    """One line: why, and what to use instead."""
+    allowed: Optional[tuple] = None
+    """For DESIGN/REFUSED value flags: the values that restate the design (accepted)."""
+    cpu_refused: bool = False
+    """For CUDA-path flags: refused on CPU (else ignored there with a logged note)."""
+    effective: object = None
+    """For DESIGN switches: the value the run really uses (shown in the argument dump)."""
+    choices: Optional[tuple] = None
+    """Megatron-LM's valid values (argparse checks them)."""
+
+
+def _r(note: str, allowed: Optional[tuple] = None) -> Rule:
+    return Rule(REFUSED, note, allowed)
+
+
+def _d(note: str, effective: object = True, allowed: Optional[tuple] = None) -> Rule:
+    return Rule(DESIGN, note, allowed, effective=effective)
+
+
+def _n(note: str) -> Rule:
+    return Rule(NOTED, note)
+
+
+def _c(note: str, cpu_refused: bool = False, choices: Optional[tuple] = None) -> Rule:
+    return Rule(CUDA, note, cpu_refused=cpu_refused, choices=choices)
+
+
+_NO_FUSION = "the local path runs no fused kernels; Transformer Engine fuses on its own"
+_SWIGLU = "the MLP is SwiGLU (LLaMA-style backbone); drop the flag"
+_ROPE = "positions are rotary (rope, base --rotary-base); drop the flag"
+_DECODER = "models are decoder-only GPTs; use --num-layers / --seq-length"
+_PP_SPLIT = "layers are split evenly over pipeline stages (1F1B); drop the flag"
+_INTERLEAVED = (
+    "the pipeline schedule is non-interleaved 1F1B (no virtual stages); drop the flag "
+    "and use --pipeline-model-parallel-size"
+)
+_NO_RERUN = "Megatron's rerun state machine is not part of this loop; --skip-nonfinite-steps"
+_FP8 = "FP8 runs through Transformer Engine on CUDA, with --fp8-format"
+_TP_OVERLAP = "TP communication overlap needs Transformer Engine userbuffers on CUDA"
+_DDP = (
+    "tunes megatron-core's CUDA DDP buffers; on CPU, gloo ranks all-reduce bucketed "
+    "gradients after backward, so it is ignored there"
+)
+_FSDP = "FSDP is not supported; use --use-distributed-optimizer (ZeRO-1) to shard Adam states"
+_OFFLOAD = "CPU offloading is not supported; use --recompute-* or --use-distributed-optimizer"
+_INFERENCE = "an inference-engine setting; training does not use it"
+_TOKENIZER = "not supported by this package's tokenizers"
+_CKPT_ONE_FORMAT = "checkpoints are one format (torch_dist via torch.distributed.checkpoint)"
+
+# Flags not implemented here, by name. Every flag of MEGATRON_FLAGS that the parser lacks
+# must be answered here or by a prefix below (tests/training/test_megatron_compat.py).
+_RULES: dict[str, Rule] = {
+    # network size / transformer configuration
+    "--apply-layernorm-1p": _d(
+        "norm weights get no weight decay, so the zero-centred (1p) weight trains exactly like "
+        "the RMSNorm weight used here"
+    ),
+    "--normalization": _d("the backbone uses RMSNorm", "RMSNorm", ("RMSNorm",)),
+    "--position-embedding-type": _d("positions are rotary", "rope", ("rope",)),
+    "--use-rotary-position-embeddings": _d("positions are rotary"),
+    "--swiglu": _d("the MLP is SwiGLU"),
+    "--disable-bias-linear": _d("linear layers have no bias"),
+    "--use-mcore-models": _d("models are megatron-core GPTModels"),
+    "--attention-softmax-in-fp32": _d("the attention softmax runs in float32"),
+    "--accumulate-allreduce-grads-in-fp32": _d(
+        "gradients are float32 (autocast keeps fp32 master weights)"
+    ),
+    "--use-flash-attn": _n("Transformer Engine picks its fused attention itself"),
+    "--no-masked-softmax-fusion": _n(_NO_FUSION),
+    "--no-bias-swiglu-fusion": _n(_NO_FUSION),
+    "--no-bias-dropout-fusion": _n(_NO_FUSION),
+    "--no-bias-gelu-fusion": _n(_NO_FUSION),
+    "--no-rope-fusion": _n(_NO_FUSION),
+    "--no-persist-layer-norm": _n(_NO_FUSION),
+    "--disable-jit-fuser": _n(_NO_FUSION),
+    "--no-gradient-accumulation-fusion": _n("gradients accumulate in float32 .grad tensors"),
+    "--encoder-num-layers": _r(_DECODER),
+    "--decoder-num-layers": _r(_DECODER),
+    "--encoder-seq-length": _r(_DECODER),
+    "--decoder-seq-length": _r(_DECODER),
+    "--bert-no-binary-head": _r(_DECODER),
+    "--window-size": _r("attention is full causal attention (no sliding window)"),
+    "--window-attn-skip-freq": _r("attention is full causal attention (no sliding window)"),
+    "--relative-attention-num-buckets": _r(_ROPE),
+    "--relative-attention-max-distance": _r(_ROPE),
+    "--no-position-embedding": _r(_ROPE),
+    "--rotary-seq-len-interpolation-factor": _r("rotary scaling is not supported; " + _ROPE),
+    "--use-rope-scaling": _r("LLaMA-3.1 rope scaling is not supported; " + _ROPE),
+    "--rope-scaling-factor": _r("LLaMA-3.1 rope scaling is not supported; " + _ROPE),
+    "--no-rope-freq": _r("every layer applies rotary positions; drop the flag"),
+    "--mrope-section": _r("multimodal rope is not supported; " + _ROPE),
+    "--rope-type": _d("plain rotary positions", "rope", ("rope",)),
+    "--rotary-interleaved": _r("rotary uses the half-split (non-interleaved) layout"),
+    "--openai-gelu": _r(_SWIGLU),
+    "--squared-relu": _r(_SWIGLU),
+    "--quick-geglu": _r(_SWIGLU),
+    "--use-fused-weighted-squared-relu": _r(_SWIGLU),
+    "--glu-linear-offset": _r(_SWIGLU),
+    "--activation-func-clamp-value": _r(_SWIGLU),
+    "--use-te-activation-func": _n(_NO_FUSION),
+    "--onnx-safe": _n("no ONNX export path here"),
+    "--add-qkv-bias": _r("linear layers have no bias (LLaMA-style); drop the flag"),
+    "--fp32-residual-connection": _r("not supported; --bf16 autocast keeps fp32 weights"),
+    "--apply-residual-connection-post-layernorm": _r("the backbone is pre-norm"),
+    "--qk-l2-norm": _r("use --qk-layernorm (RMSNorm on queries and keys)"),
+    "--qk-clip": _r("QK-clip is a Muon recipe; the optimizer is AdamW"),
+    "--qk-clip-alpha": _r("QK-clip is a Muon recipe; the optimizer is AdamW"),
+    "--qk-clip-threshold": _r("QK-clip is a Muon recipe; the optimizer is AdamW"),
+    "--attention-output-gate": _r("attention has no output gate (LLaMA-style)"),
+    "--softmax-type": _d("standard softmax attention", "vanilla", ("vanilla",)),
+    "--multi-latent-attention": _r("attention is grouped-query attention (no MLA)"),
+    "--experimental-attention-variant": _r("attention is grouped-query attention"),
+    "--embedding-init-method-std": _r(
+        "each input-embedding arm initialises as LEVIATHAN_SPEC.md says; "
+        "--init-method-std sets the backbone"
+    ),
+    "--init-model-with-meta-device": _r("weights are built on CPU from one seeded stream"),
+    "--no-initialization": _r("weights are always initialised (or loaded with --load)"),
+    "--init-method-xavier-uniform": _r("the backbone uses normal(0, --init-method-std)"),
+    "--data-parallel-random-init": _r("data-parallel replicas start from the same weights"),
+    "--apply-query-key-layer-scaling": _n("the softmax runs in float32, so no scaling is needed"),
+    "--disable-bf16-reduced-precision-matmul": _c("a cuBLAS setting; no effect on CPU"),
+    "--distribute-saved-activations": _r("not supported; use --sequence-parallel"),
+    "--recompute-modules": _d(
+        "selective recomputation covers core attention", ["core_attn"], (["core_attn"],)
+    ),
+    "--deterministic-mode": _c("a CUDA kernel setting; CPU runs are deterministic"),
+    "--batch-invariant-mode": _r("batch-invariant kernels are not supported"),
+    "--cross-entropy-loss-fusion": _c("the fused cross entropy is a CUDA kernel"),
+    "--cross-entropy-fusion-impl": _c(
+        "the fused cross entropy is a CUDA kernel", choices=("native", "te")
+    ),
+    "--fp8-amax-compute-algo": _c(_FP8, cpu_refused=True, choices=("most_recent", "max")),
+    "--fp8-recipe": _c(
+        _FP8, cpu_refused=True, choices=("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+    ),
+    "--attention-backend": _c(
+        "Transformer Engine picks the attention kernel on CUDA; the local path computes "
+        "unfused attention on CPU",
+        choices=("flash", "fused", "unfused", "local", "auto"),
+    ),
+    "--no-clone-scatter-output-in-embedding": _n("an embedding memory tweak; no effect here"),
+    "--disable-clone-scatter-output-in-embedding": _n("an embedding memory tweak; no effect here"),
+    "--config-logger-dir": _r("use --log-jsonl and the TensorBoard config text"),
+    "--is-hybrid-model": _r("the backbone is a transformer (no Mamba layers)"),
+    "--disable-mamba-mem-eff-path": _r("the backbone is a transformer (no Mamba layers)"),
+    # parallelism
+    "--pipeline-model-parallel-comm-backend": _n("p2p goes through the default process group"),
+    "--hierarchical-context-parallel-sizes": _r("context parallelism is TE's p2p ring"),
+    "--hybrid-context-parallel": _r("context parallelism is TE's p2p ring"),
+    "--max-seqlen-per-dp-cp-rank": _r("context parallelism is TE's p2p ring"),
+    "--cp-comm-type": _d("context parallelism is TE's p2p ring", ["p2p"], (["p2p"],)),
+    "--no-async-tensor-model-parallel-allreduce": _n("a CUDA overlap knob; no effect here"),
+    "--disable-async-tensor-model-parallel-allreduce": _n("a CUDA overlap knob; no effect here"),
+    "--use-ring-exchange-p2p": _n("p2p sends and receives are batched per step"),
+    "--overlap-p2p-communication-warmup-flush": _r(_INTERLEAVED),
+    "--microbatch-group-size-per-virtual-pipeline-stage": _r(_INTERLEAVED),
+    "--num-layers-per-virtual-pipeline-stage": _r(_INTERLEAVED),
+    "--num-virtual-stages-per-pipeline-rank": _r(_INTERLEAVED),
+    "--no-overlap-p2p-communication": _d("p2p communication is not overlapped"),
+    "--defer-embedding-wgrad-compute": _r("needs Megatron's CUDA pipeline schedules"),
+    "--wgrad-deferral-limit": _r("needs Megatron's CUDA pipeline schedules"),
+    "--delay-wgrad-compute": _r("needs Megatron's CUDA pipeline schedules"),
+    "--account-for-embedding-in-pipeline-split": _r(_PP_SPLIT),
+    "--account-for-loss-in-pipeline-split": _r(_PP_SPLIT),
+    "--decoder-first-pipeline-num-layers": _r(_PP_SPLIT),
+    "--decoder-last-pipeline-num-layers": _r(_PP_SPLIT),
+    "--pipeline-model-parallel-layout": _r(_PP_SPLIT),
+    "--model-parallel-size": _r("removed in Megatron-LM too; use --tensor-model-parallel-size"),
+    "--distributed-timeout-seconds-after-init": _r("use --distributed-timeout-minutes"),
+    "--no-scatter-gather-tensors-in-pipeline": _d("pipeline tensors are sent whole"),
+    "--local-rank": _n("read from LOCAL_RANK, which torchrun sets"),
+    "--lazy-mpu-init": _r("process groups are created by pretrain()"),
+    "--use-nccl-ub": _c("NCCL user buffers; no effect with gloo"),
+    "--disable-symmetric-registration": _c("NCCL user buffers; no effect with gloo"),
+    "--use-sharp": _c("an InfiniBand SHARP setting; no effect with gloo"),
+    "--sharp-enabled-group": _c("an InfiniBand SHARP setting; no effect with gloo"),
+    "--create-all-gather-group": _c("a CUDA overlap knob; no effect with gloo"),
+    "--nccl-communicator-config-path": _c("an NCCL setting; no effect with gloo"),
+    "--no-gradient-reduce-div-fusion": _c(_DDP),
+    "--overlap-grad-reduce": _c(_DDP),
+    "--overlap-param-gather": _c(_DDP),
+    "--overlap-param-gather-with-optimizer-step": _c(_DDP),
+    "--no-align-grad-reduce": _c(_DDP),
+    "--no-align-param-gather": _c(_DDP),
+    "--num-distributed-optimizer-instances": _d("one distributed-optimizer instance", 1, (1,)),
+    "--data-parallel-sharding-strategy": _d(
+        "no FSDP sharding (use --use-distributed-optimizer)", "no_shard", ("no_shard",)
+    ),
+    "--outer-dp-sharding-strategy": _d("no HSDP", "no_shard", ("no_shard",)),
+    "--use-tp-pp-dp-mapping": _r("rank order is megatron-core's default tp-cp-ep-dp-pp"),
+    "--fake-process-group": _r("runs need real ranks (gloo on CPU is cheap)"),
+    "--expert-model-parallel-size": _d("no mixture-of-experts layers", 1, (1,)),
+    "--expert-tensor-parallel-size": _r("no mixture-of-experts layers (dense backbone)"),
+    # training
+    "--decrease-batch-size-if-needed": _r("make --global-batch-size divisible instead"),
+    "--check-weight-hash-across-dp-replicas-interval": _r(_NO_RERUN),
+    "--train-sync-interval": _n("a CUDA host-sync knob; no effect here"),
+    "--exit-signal": _d("the handler catches SIGTERM", "SIGTERM", ("SIGTERM",)),
+    "--exit-signal-handler-for-dataloader": _r("dataloader workers exit with the rank"),
+    "--iterations-to-skip": _r("use --skip-nonfinite-steps to skip bad steps"),
+    "--batch-size": _r("removed in Megatron-LM too; use --micro-batch-size"),
+    "--check-for-large-grads": _r(_NO_RERUN),
+    "--result-rejected-tracker-filename": _r(_NO_RERUN),
+    "--disable-gloo-process-groups": _n("megatron-core gloo side groups are not created here"),
+    "--tp-comm-overlap-cfg": _c(_TP_OVERLAP, cpu_refused=True),
+    "--checkpoint-activations": _r("removed in Megatron-LM too; use --recompute-activations"),
+    "--dump-param-to-param-group-map": _r("parameter groups are logged at start-up"),
+    "--use-legacy-models": _r("only megatron-core models (Megatron's legacy models are gone)"),
+    "--high-priority-stream-groups": _c("a CUDA stream setting; no effect on CPU"),
+    "--te-precision-config-file": _c("a Transformer Engine precision recipe", cpu_refused=True),
+    "--te-rng-tracker": _c("Transformer Engine's RNG tracker; the local path uses megatron's"),
+    "--inference-rng-tracker": _n(_INFERENCE),
+    "--warmup": _r("removed in Megatron-LM too; use --lr-warmup-fraction"),
+    "--sgd-momentum": _r("the optimizer is AdamW (--optimizer adam)"),
+    "--apply-wd-to-qk-layernorm": _r("norm weights (qk-layernorm included) get no weight decay"),
+    "--no-weight-decay-cond-type": _r("norm weights (qk-layernorm included) get no weight decay"),
+    # profiling
+    "--use-pytorch-profiler": _d("--profile always uses torch.profiler"),
+    "--record-memory-history": _c("CUDA caching-allocator history", cpu_refused=True),
+    "--memory-snapshot-path": _c("CUDA caching-allocator history", cpu_refused=True),
+    # checkpointing
+    "--persistent-save-interval": _r("use --save-interval"),
+    "--save-wgrads-interval": _r("gradients are not checkpointed"),
+    "--save-dgrads-interval": _r("gradients are not checkpointed"),
+    "--save-retain-interval": _r("use --ckpt-keep-last N"),
+    "--load-main-params-from-ckpt": _r("weights are float32; --load restores them"),
+    "--pretrained-checkpoint": _r("use --load with --finetune"),
+    "--use-mp-args-from-checkpoint-args": _r("use --use-checkpoint-args"),
+    "--no-use-tokenizer-model-from-checkpoint-args": _n("--use-checkpoint-args restores it"),
+    "--disable-use-tokenizer-model-from-checkpoint-args": _n("--use-checkpoint-args restores it"),
+    "--auto-detect-ckpt-format": _d(_CKPT_ONE_FORMAT),
+    "--no-ckpt-fully-parallel-save": _n("every rank writes its own shards"),
+    "--disable-ckpt-fully-parallel-save": _n("every rank writes its own shards"),
+    "--ckpt-fully-parallel-save": _d("every rank writes its own shards"),
+    "--ckpt-fully-parallel-load": _d("every rank reads its own shards"),
+    "--use-persistent-ckpt-worker": _n("--async-save writes from a thread of each rank"),
+    "--ckpt-assume-constant-structure": _n("a save-planning cache; no effect here"),
+    "--dist-ckpt-strictness": _d(
+        "missing or unexpected keys are errors",
+        "raise_all",
+        ("raise_all", "assume_ok_unexpected"),
+    ),
+    "--dist-ckpt-save-pre-mcore-014": _r(_CKPT_ONE_FORMAT),
+    "--dist-ckpt-optim-fully-reshardable": _d("optimizer states reshard to any layout"),
+    "--distrib-optim-fully-reshardable-mem-efficient": _d("optimizer states reshard to any layout"),
+    "--use-dist-ckpt": _d(_CKPT_ONE_FORMAT),
+    "--dist-ckpt-format": _d(_CKPT_ONE_FORMAT, "torch_dist", ("torch_dist",)),
+    "--replication": _r("checkpoint replication is not supported; use shared storage"),
+    "--replication-jump": _r("checkpoint replication is not supported; use shared storage"),
+    "--replication-factor": _r("checkpoint replication is not supported; use shared storage"),
+    # mixed precision
+    "--fp16-lm-cross-entropy": _r("the cross entropy runs in float32"),
+    "--reuse-grad-buf-for-mxfp8-param-ag": _c(_FP8, cpu_refused=True),
+    # validation
+    "--test-mode": _r("a Megatron-LM self-test mode"),
+    "--full-validation": _r("validation reads --eval-iters batches; raise it"),
+    "--multiple-validation-sets": _r("use one --valid-data-path blend"),
+    # data
+    "--phase-transition-iterations": _r("use separate runs with --load for each phase"),
+    "--data-args-path": _r("pass the blend with --data-path"),
+    "--per-split-data-args-path": _r("pass the blends with --train/--valid/--test-data-path"),
+    "--per-dataset-sequences-path": _r("sequence counts are read from each .idx file"),
+    "--dataloader-fast-cache-load": _n("the sample-index cache is loaded as is"),
+    "--dataloader-defer-npy-index-mmap": _n("the sample-index cache is loaded as is"),
+    "--object-storage-cache-path": _r("data is read from local files"),
+    "--mid-level-dataset-surplus": _n("megatron-core's default surplus is used"),
+    "--allow-ambiguous-pad-tokens": _r(_TOKENIZER),
+    "--sample-rate": _r(_DECODER),
+    "--mask-prob": _r(_DECODER),
+    "--short-seq-prob": _r(_DECODER),
+    # tokenizer
+    "--padded-vocab-size": _r("derived from --make-vocab-size-divisible-by x TP"),
+    "--vocab-extra-ids": _r(_DECODER),
+    "--tokenizer-metadata": _r(_TOKENIZER),
+    "--tokenizer-special-tokens": _r(_TOKENIZER),
+    "--legacy-tokenizer": _d("tokenizers follow Megatron-LM's type names"),
+    "--tiktoken-num-special-tokens": _r("TikTokenizer adds <|endoftext|> and <|pad|> only"),
+    "--tiktoken-special-tokens": _r("TikTokenizer adds <|endoftext|> and <|pad|> only"),
+    "--tokenizer-sentencepiece-legacy": _r(_TOKENIZER),
+    "--tokenizer-hf-use-fast": _d("Hugging Face tokenizers load their fast version"),
+    "--tokenizer-hf-include-special-tokens": _r("text is tokenized without special tokens"),
+    "--trust-remote-code": _r("tokenizers load from local files only (no remote code)"),
+    # logging
+    "--log-progress": _r("use --log-jsonl (one record per iteration)"),
+    "--timing-log-option": _n("timers are rank 0's"),
+    "--log-memory-interval": _n("memory is logged every --tensorboard-log-interval"),
+    "--log-device-memory-used": _c("CUDA device memory; use --log-memory-to-tensorboard"),
+    "--log-max-attention-logit": _r("needs Transformer Engine >= 2.9 attention internals"),
+    "--no-barrier-with-level-1-timing": _n("timers synchronise only the local device"),
+    "--log-energy": _c("GPU energy counters", cpu_refused=True),
+}
+
+# Families of flags, by prefix (checked after _RULES).
+_PREFIX_RULES: tuple[tuple[str, Rule], ...] = (
+    ("--moe-", _r("no mixture-of-experts layers: the backbone is dense")),
+    ("--overlap-moe-", _r("no mixture-of-experts layers: the backbone is dense")),
+    ("--ep-overlap-", _r("no mixture-of-experts layers: the backbone is dense")),
+    ("--mtp-", _r("no multi-token prediction; the loss is next-token")),
+    ("--mamba-", _r("the backbone is a transformer (no Mamba layers)")),
+    ("--dsa-", _r("attention is grouped-query attention (no sparse attention)")),
+    ("--linear-", _r("attention is grouped-query attention (no linear attention)")),
+    ("--fim-", _r("fill-in-the-middle samples are not built; preprocess them yourself")),
+    ("--muon-", _r("the optimizer is AdamW (--optimizer adam)")),
+    ("--fp4-", _r("FP4 needs Transformer Engine on Blackwell GPUs; not supported")),
+    ("--fp8-", _c(_FP8, cpu_refused=True)),
+    ("--no-fp8-", _c(_FP8, cpu_refused=True)),
+    ("--disable-fp8-", _c(_FP8, cpu_refused=True)),
+    ("--first-last-layers-bf16", _c(_FP8, cpu_refused=True)),
+    ("--num-layers-at-", _c(_FP8, cpu_refused=True)),
+    ("--keep-fp8-", _r(_FSDP)),
+    ("--kitchen-", _r("NVIDIA Kitchen quantization is not supported")),
+    ("--use-kitchen-", _r("NVIDIA Kitchen quantization is not supported")),
+    ("--tp-comm-", _c(_TP_OVERLAP, cpu_refused=True)),
+    ("--no-tp-comm-", _c(_TP_OVERLAP, cpu_refused=True)),
+    ("--disable-tp-comm-", _c(_TP_OVERLAP, cpu_refused=True)),
+    ("--enable-cuda-graph", _r("CUDA graphs are not supported by this loop")),
+    ("--cuda-graph-", _r("CUDA graphs are not supported by this loop")),
+    ("--external-cuda-graph", _r("CUDA graphs are not supported by this loop")),
+    ("--ddp-", _c(_DDP)),
+    ("--fsdp-", _r(_FSDP)),
+    ("--use-megatron-fsdp", _r(_FSDP)),
+    ("--use-torch-fsdp2", _r(_FSDP)),
+    ("--torch-fsdp2-", _r(_FSDP)),
+    ("--enable-full-sharding-in-hsdp", _r(_FSDP)),
+    ("--suggested-communication-unit-size", _r(_FSDP)),
+    ("--no-strict-fsdp-", _r(_FSDP)),
+    ("--disable-strict-fsdp-", _r(_FSDP)),
+    ("--optimizer-cpu-offload", _r(_OFFLOAD)),
+    ("--optimizer-offload-", _r(_OFFLOAD)),
+    ("--use-torch-optimizer-for-cpu-offload", _r(_OFFLOAD)),
+    ("--overlap-cpu-optimizer-", _r(_OFFLOAD)),
+    ("--no-pin-cpu-", _r(_OFFLOAD)),
+    ("--cpu-offloading", _r(_OFFLOAD)),
+    ("--fine-grained-activation-offloading", _r(_OFFLOAD)),
+    ("--offload-modules", _r(_OFFLOAD)),
+    ("--min-offloaded-tensor-size", _r(_OFFLOAD)),
+    ("--inference-", _n(_INFERENCE)),
+    ("--flash-decode", _n(_INFERENCE)),
+    ("--mlp-chunks-for-prefill", _n(_INFERENCE)),
+    ("--symmetric-ar-type", _n(_INFERENCE)),
+    ("--non-persistent-", _r("only persistent checkpoints (--save/--save-interval)")),
+    ("--ckpt-convert-", _r("convert with tools/convert_checkpoint.py")),
+)
+
+
+def rule_for(flag: str) -> Optional[Rule]:
+    """The rule of a flag that is not implemented here (None: no rule)."""
+    if flag in _RULES:
+        return _RULES[flag]
+    for prefix, rule in _PREFIX_RULES:
+        if flag.startswith(prefix):
+            return rule
+    return None
+
+
+class _CompatAction(argparse.Action):
+    """Stores the value like Megatron-LM and remembers that the flag was given."""
+
+    def __init__(self, option_strings, dest, megatron_rule: Rule, **kwargs) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.megatron_rule = megatron_rule
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        value = True if self.nargs == 0 else values
+        setattr(namespace, self.dest, value)
+        given = dict(getattr(namespace, _GIVEN, {}) or {})
+        given[option_string] = value
+        setattr(namespace, _GIVEN, given)
+
+
+def _add_features(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM training features implemented in this package (their Megatron names)."""
+    g = parser.add_argument_group("Megatron-LM training features")
+    g.add_argument(
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="grow the global batch from START by INCREMENT over SAMPLES consumed samples",
+    )
+    g.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="selective recomputation (same as --recompute-granularity selective)",
+    )
+    g.add_argument("--kv-channels", type=int, default=None, help="channels per attention head")
+    g.add_argument(
+        "--rotary-percent", type=float, default=1.0, help="fraction of head channels rotated"
+    )
+    g.add_argument(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="peak LR of the input embedding (for LEV: the LEV generator) and the output head",
+    )
+    g.add_argument(
+        "--decoupled-min-lr", type=float, default=None, help="minimum LR of those parameters"
+    )
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="normalise the loss by the global batch's token count (not per micro-batch)",
+    )
+    g.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="all-reduce data-parallel gradients in bfloat16",
+    )
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
+    g.add_argument(
+        "--no-mmap-bin-files",
+        dest="mmap_bin_files",
+        action="store_false",
+        help="read .bin token files with file reads instead of mmap",
+    )
+    g.add_argument(
+        "--num-dataset-builder-threads",
+        type=int,
+        default=1,
+        help="threads building the dataset indices",
+    )
+    g.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="load --load, run validation and test, exit (implies --no-load-optim)",
+    )
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints in the background (torch.distributed.checkpoint async_save); "
+        "the latest marker moves only once every rank's write completed",
+    )
+    g.add_argument(
+        "--manual-gc", action="store_true", help="disable automatic gc; collect at fixed points"
+    )
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="collect every N iterations")
+    for flag in ("--no-manual-gc-eval", "--disable-manual-gc-eval"):
+        g.add_argument(
+            flag, dest="manual_gc_eval", action="store_false", help="no gc around evaluation"
+        )
+    g.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="torch.cuda.empty_cache() after each training step (2: also around evaluation); "
+        "CUDA only",
+    )
+    g.add_argument(
+        "--profile", action="store_true", help="torch.profiler trace beside the TensorBoard logs"
+    )
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
+    g.add_argument("--log-params-norm", action="store_true", help="L2 norm of all parameters")
+    g.add_argument(
+        "--log-num-zeros-in-grad", action="store_true", help="count of zero gradient entries"
+    )
+    g.add_argument(
+        "--log-memory-to-tensorboard",
+        action="store_true",
+        help="memory in use (CUDA allocator, or this process's RSS on CPU)",
+    )
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    for flag in ("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard"):
+        g.add_argument(flag, dest="log_loss_scale_to_tensorboard", action="store_false")
+    g.add_argument(
+        "--logging-level", type=int, default=None, help="Python logging level (e.g. 10, 20)"
+    )
+    g.add_argument("--wandb-project", default=None, help="Weights & Biases project")
+    g.add_argument("--wandb-exp-name", default=None, help="Weights & Biases run name")
+    g.add_argument("--wandb-save-dir", default=None, help="local W&B directory")
+    g.add_argument("--wandb-entity", default=None)
+    # Megatron-LM spells these two both ways.
+    g.add_argument(
+        "--override-opt-param-scheduler", dest="override_opt_param_scheduler", action="store_true"
+    )
+    g.add_argument(
+        "--use-checkpoint-opt-param-scheduler",
+        dest="use_checkpoint_opt_param_scheduler",
+        action="store_true",
+    )
+
+
+def _compat_kwargs(kind: str) -> dict:
+    if kind == "switch":
+        return dict(nargs=0)
+    if kind == "list":
+        return dict(nargs="+")
+    return dict(nargs=None)
+
+
+def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the implemented Megatron-LM features and answer every other Megatron-LM flag."""
+    known = parser._option_string_actions
+    if "--rampup-batch-size" not in known:
+        _add_features(parser)
+    group = parser.add_argument_group(
+        "Megatron-LM flags answered here",
+        f"Megatron-LM {MEGATRON_LM_VERSION} flags: accepted, noted, CUDA-path or refused "
+        "(docs/megatron-compat.md)",
+    )
+    for _, flag, kind in MEGATRON_FLAGS:
+        rule = rule_for(flag)
+        action = known.get(flag)
+        if action is not None:
+            if rule is not None and rule.status in (DESIGN, NOTED):
+                action.megatron_rule = rule  # a flag another group owns; same answer
+            continue
+        if rule is None:
+            continue  # left unknown: the compat test names it
+        dest = flag[2:].replace("-", "_")
+        group.add_argument(
+            flag,
+            dest=dest,
+            action=_CompatAction,
+            megatron_rule=rule,
+            # Only what was given (or a design flag's effective value) shows in the dump.
+            default=rule.effective
+            if kind == "switch" and rule.effective is not None
+            else argparse.SUPPRESS,
+            help=f"[{rule.status}] {rule.note}",
+            **_compat_kwargs(kind),
+            **({"choices": rule.choices} if rule.choices and kind != "switch" else {}),
+        )
+    return parser
+
+
+def flag_status(parser: argparse.ArgumentParser, flag: str) -> tuple[str, str]:
+    """(status, note) of a flag as the parser handles it; ("unknown", "") when it does not."""
+    action = parser._option_string_actions.get(flag)
+    if action is None:
+        return "unknown", ""
+    rule = getattr(action, "megatron_rule", None)
+    if rule is None:
+        return IMPLEMENTED, " ".join((action.help or "").split())
+    note = rule.note
+    if rule.status == CUDA:
+        note += "; on CPU: " + ("refused" if rule.cpu_refused else "ignored with a logged note")
+    if rule.allowed is not None:
+        note += "; accepted values: " + ", ".join(str(v) for v in rule.allowed)
+    if rule.choices is not None:
+        note += "; values: " + ", ".join(rule.choices)
+    return rule.status, note
+
+
+def _value_allowed(rule: Rule, value) -> bool:
+    if rule.allowed is None:
+        return rule.status != REFUSED
+    for allowed in rule.allowed:
+        if value == allowed or str(value) == str(allowed):
+            return True
+        if isinstance(allowed, list) and isinstance(value, list) and value == allowed:
+            return True
+    return False
+
+
+def apply_megatron_compat(
+    args: argparse.Namespace, cuda: Optional[bool] = None, error=ValueError
+) -> argparse.Namespace:
+    """Refuse, note or accept the compatibility flags given; set effective design values.
+
+    Raises:
+        `error` (the caller's ArgumentError) naming the first refused flag and why.
+    """
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    given = getattr(args, _GIVEN, None) or {}
+    if hasattr(args, _GIVEN):
+        delattr(args, _GIVEN)
+    for flag, value in given.items():
+        rule = rule_for(flag)
+        if rule is None:
+            continue
+        shown = flag if value is True else f"{flag} {value}"
+        if flag.startswith("--fp8-") and getattr(args, "fp8_format", None) is None:
+            raise error(f"{flag} needs --fp8-format (FP8 through Transformer Engine on CUDA)")
+        if rule.status == CUDA:
+            if cuda:
+                logger.info(
+                    "%s: a CUDA-path flag, not applied by this build yet (%s)", flag, rule.note
+                )
+            elif rule.cpu_refused:
+                raise error(f"{shown}: {rule.note}; drop it on CPU")
+            else:
+                logger.info("%s: ignored on CPU (%s)", flag, rule.note)
+        elif rule.status == NOTED:
+            logger.info("%s: ignored (%s)", flag, rule.note)
+        elif not _value_allowed(rule, value) or (rule.status == REFUSED and rule.allowed is None):
+            raise error(f"{shown}: {rule.note}")
+    for _, flag, kind in MEGATRON_FLAGS:
+        rule = rule_for(flag)
+        if rule is None or kind != "switch" or flag in given:
+            continue
+        dest = flag[2:].replace("-", "_")
+        if rule.status == NOTED and getattr(args, dest, False) is True:
+            logger.info("%s: ignored (%s)", flag, rule.note)  # a flag the model group owns
+        elif rule.status == DESIGN and rule.effective is not None:
+            # The argument dump shows what the run does, not what was typed.
+            setattr(args, dest, rule.effective)
+    return args
+
+
+def compat_table(parser: Optional[argparse.ArgumentParser] = None) -> str:
+    """docs/megatron-compat.md: one row per Megatron-LM flag, read from the parser."""
+    if parser is None:
+        from megatron_ext.training.arguments import build_parser
+
+        parser = build_parser()
+    rows, counts = [], {}
+    for group, flag, _ in MEGATRON_FLAGS:
+        status, note = flag_status(parser, flag)
+        counts[status] = counts.get(status, 0) + 1
+        rows.append(f"| `{flag}` | {group} | {status} | {note.replace('|', '/')} |")
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    head = [
+        "# Megatron-LM flag compatibility",
+        "",
+        "<!-- generated by `python -m megatron_ext.training.megatron_compat --write "
+        "docs/megatron-compat.md`; do not edit -->",
+        "",
+        f"Every flag that Megatron-LM {MEGATRON_LM_VERSION} registers in its network-size, "
+        "transformer-configuration, regularisation, training, profiling, initialisation, "
+        "learning-rate, checkpointing, mixed-precision, distributed, validation, data, "
+        "tokenizer, logging and Transformer-Engine groups, and how `pretrain_leviathan.py` "
+        "answers it "
+        f"({len(rows)} flags: {summary}).",
+        "",
+        "- **implemented**: Megatron-LM's meaning.",
+        f"- **{DESIGN}**: the flag asks for what this LLaMA-style design always does; values "
+        "asking for another design are refused.",
+        f"- **{NOTED}**: a performance knob with no counterpart here; the run logs a note.",
+        f"- **{CUDA}**: parsed and validated; takes effect with the CUDA path. On CPU it is "
+        "ignored with a logged note or refused, as the row says.",
+        f"- **{REFUSED}**: the run stops with one line saying why and what to use instead.",
+        "",
+        "`--decoupled-lr` / `--decoupled-min-lr` apply, as in Megatron-LM, to the input "
+        "embedding and the output layer: for `--embedding-type lev` that is every LEV "
+        "generator parameter plus the head, the knob a LEV user tunes.",
+        "",
+        "| flag | Megatron-LM group | status | note |",
+        "|---|---|---|---|",
+    ]
+    return "\n".join(head + rows) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Write docs/megatron-compat.md")
+    parser.add_argument("--write", default=None, help="output path (default: stdout)")
+    args = parser.parse_args(argv)
+    text = compat_table()
+    if args.write is None:
+        sys.stdout.write(text)
+        return 0
+    import os
+
+    tmp = args.write + ".tmp"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, args.write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

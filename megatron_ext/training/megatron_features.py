@@ -1,0 +1,354 @@
+"""Megatron-LM training features on top of the loop: batch-size ramp-up, decoupled learning
+rates, manual garbage collection, empty-cache levels, the torch profiler window, parameter-norm /
+zero-gradient / memory logging and Weights & Biases.
+
+The flags are added by `megatron_compat.add_megatron_compat_arguments`; `FeatureConfig` holds
+them, `validate_megatron_features` checks them with the other flags, and `RunExtras` is what the
+loop calls around each iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import logging
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FeatureConfig",
+    "BatchSizeRampup",
+    "validate_megatron_features",
+    "is_decoupled_param",
+    "RunExtras",
+    "memory_stats",
+]
+
+
+@dataclass
+class FeatureConfig:
+    """The Megatron-LM feature flags (names as the flags)."""
+
+    rampup_batch_size: Optional[list] = None
+    global_batch_size: int = 1
+    micro_batch_size: int = 1
+    data_parallel_size: int = 1
+    seq_length: int = 512
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
+    calculate_per_token_loss: bool = False
+    grad_reduce_in_bf16: bool = False
+    skip_train: bool = False
+    async_save: bool = False
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
+    empty_unused_memory_level: int = 0
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list = field(default_factory=lambda: [0])
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_memory_to_tensorboard: bool = False
+    log_world_size_to_tensorboard: bool = False
+    log_loss_scale_to_tensorboard: bool = True
+    tensorboard_dir: Optional[str] = None
+    save: Optional[str] = None
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    wandb_entity: Optional[str] = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "FeatureConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def rampup(self) -> Optional["BatchSizeRampup"]:
+        if not self.rampup_batch_size:
+            return None
+        start, increment, samples = self.rampup_batch_size
+        return BatchSizeRampup(
+            start, increment, samples, self.global_batch_size,
+            self.micro_batch_size * self.data_parallel_size,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BatchSizeRampup:
+    """Megatron-LM's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from
+    START by INCREMENT in equal steps of consumed samples, reaching the full global batch size
+    after SAMPLES samples. A function of consumed samples only, so a resumed run continues it."""
+
+    start: int
+    increment: int
+    ramp_samples: int
+    global_batch_size: int
+    micro_times_dp: int
+
+    def __post_init__(self) -> None:
+        if self.start < 1 or self.increment < 1 or self.ramp_samples < 0:
+            raise ValueError(
+                "--rampup-batch-size needs START >= 1, INCREMENT >= 1 and SAMPLES >= 0, got "
+                f"{self.start} {self.increment} {self.ramp_samples}"
+            )
+        diff = self.global_batch_size - self.start
+        if diff < 0 or diff % self.increment:
+            raise ValueError(
+                f"--rampup-batch-size: --global-batch-size {self.global_batch_size} minus START "
+                f"{self.start} must be a non-negative multiple of INCREMENT {self.increment}"
+            )
+        for name, value in (("START", self.start), ("INCREMENT", self.increment)):
+            if value % self.micro_times_dp:
+                raise ValueError(
+                    f"--rampup-batch-size {name} {value} is not divisible by --micro-batch-size "
+                    f"x data-parallel size = {self.micro_times_dp}; every ramp batch must split "
+                    "into whole micro-batches"
+                )
+
+    def global_batch(self, consumed_samples: int) -> int:
+        """The global batch size of the iteration that starts after `consumed_samples`."""
+        steps = (self.global_batch_size - self.start) // self.increment
+        if steps == 0 or consumed_samples >= self.ramp_samples:
+            return self.global_batch_size
+        per_step = self.ramp_samples / steps
+        size = self.start + int(consumed_samples / per_step) * self.increment
+        return min(size, self.global_batch_size)
+
+    def iterations_for(self, train_samples: int) -> int:
+        """Iterations that consume `train_samples` samples (Megatron's update_train_iters)."""
+        consumed, iterations = 0, 0
+        while consumed <= self.ramp_samples and consumed <= train_samples:
+            consumed += self.global_batch(consumed)
+            iterations += 1
+        if consumed < train_samples:
+            iterations += (train_samples - consumed) // self.global_batch_size
+        return iterations
+
+
+def validate_megatron_features(args: argparse.Namespace, error=ValueError) -> argparse.Namespace:
+    """Check the feature flags (after `validate_args`); derive what they change."""
+    if args.rampup_batch_size is not None:
+        try:
+            rampup = FeatureConfig.from_args(args).rampup()
+        except ValueError as exc:
+            raise error(str(exc)) from None
+        if args.train_samples is not None:
+            args.train_iters = rampup.iterations_for(args.train_samples)
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise error("--decoupled-min-lr needs --decoupled-lr")
+    if args.decoupled_lr is not None:
+        if args.decoupled_min_lr is None:
+            args.decoupled_min_lr = args.min_lr  # Megatron-LM's default
+        if args.decoupled_lr <= 0 or not 0 <= args.decoupled_min_lr <= args.decoupled_lr:
+            raise error(
+                f"need 0 <= --decoupled-min-lr ({args.decoupled_min_lr}) <= --decoupled-lr "
+                f"({args.decoupled_lr}), --decoupled-lr > 0"
+            )
+    if args.skip_train:
+        if not args.load:
+            raise error("--skip-train evaluates a checkpoint: pass --load")
+        args.no_load_optim = True
+    if args.async_save and not args.save:
+        raise error("--async-save needs --save")
+    if args.manual_gc_interval < 0:
+        raise error(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.profile:
+        if not 0 <= args.profile_step_start < args.profile_step_end:
+            raise error(
+                f"need 0 <= --profile-step-start ({args.profile_step_start}) < "
+                f"--profile-step-end ({args.profile_step_end})"
+            )
+        if not (args.tensorboard_dir or args.save):
+            raise error("--profile writes its trace beside the TensorBoard logs: --tensorboard-dir")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise error(
+            "--wandb-project needs the optional package wandb: pip install "
+            "'megatron-ext-leviathan[wandb]' (or drop the flag)"
+        )
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        args.tokenizer_type = "GPT2BPETokenizer"
+        logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
+    if args.logging_level is not None:
+        logging.getLogger().setLevel(args.logging_level)
+    if args.empty_unused_memory_level and not torch.cuda.is_available():
+        logger.info("--empty-unused-memory-level: no CUDA caching allocator on CPU, no effect")
+    return args
+
+
+def is_decoupled_param(name: str) -> bool:
+    """Megatron-LM applies --decoupled-lr to the input embedding and the output layer; here the
+    input embedding is the whole arm (for LEV: every LEV generator parameter)."""
+    return name.startswith("embedding.") or name.startswith("output_layer.")
+
+
+def memory_stats() -> dict[str, float]:
+    """Memory in use, in GiB: the CUDA allocator's counters, or this process's RSS on CPU."""
+    gib = float(1 << 30)
+    if torch.cuda.is_available():
+        return {
+            "mem-allocated-gigabytes": torch.cuda.memory_allocated() / gib,
+            "mem-max-allocated-gigabytes": torch.cuda.max_memory_allocated() / gib,
+            "mem-reserved-gigabytes": torch.cuda.memory_reserved() / gib,
+        }
+    import resource
+
+    out = {"mem-max-rss-gigabytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)}
+    try:
+        with open("/proc/self/statm") as handle:
+            pages = int(handle.read().split()[1])
+        out["mem-rss-gigabytes"] = pages * os.sysconf("SC_PAGESIZE") / gib
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _model_parallel_sum(values: list[float], device) -> list[float]:
+    from megatron.core import parallel_state
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    group = parallel_state.get_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor.tolist()
+
+
+def _counted(params) -> list[torch.Tensor]:
+    """Parameters counted once over the model-parallel group (TP shards, one tied copy)."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    return [
+        p
+        for p in params
+        if not getattr(p, "shared", False)
+        and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+    ]
+
+
+def params_norm(params) -> float:
+    """L2 norm of all parameters of the model (over TP and PP; DP replicas are identical)."""
+    counted = _counted(params)
+    device = counted[0].device if counted else torch.device("cpu")
+    local = sum(float(p.detach().double().square().sum()) for p in counted)
+    return math.sqrt(_model_parallel_sum([local], device)[0])
+
+
+def num_zeros_in_grad(params) -> int:
+    """Gradient entries equal to zero (after the data-parallel reduction and clipping)."""
+    counted = [p for p in _counted(params) if p.grad is not None]
+    device = counted[0].device if counted else torch.device("cpu")
+    local = sum(int(p.grad.numel() - torch.count_nonzero(p.grad)) for p in counted)
+    return int(_model_parallel_sum([float(local)], device)[0])
+
+
+class RunExtras:
+    """Per-iteration hooks of the feature flags; every rank calls them at the same points."""
+
+    def __init__(self, cfg: FeatureConfig, is_rank0: bool, rank: int) -> None:
+        self.cfg, self.is_rank0, self.rank = cfg, is_rank0, rank
+        self.rampup = cfg.rampup()
+        self._profiler = None
+        self.wandb = None
+        if cfg.manual_gc:
+            gc.disable()
+            gc.collect()
+        if cfg.wandb_project and is_rank0:
+            self.wandb = _init_wandb(cfg)
+
+    def global_batch(self, consumed_samples: int) -> int:
+        if self.rampup is None:
+            return self.cfg.global_batch_size
+        return self.rampup.global_batch(consumed_samples)
+
+    def before_step(self, iteration: int) -> None:
+        """`iteration` is the one about to run (1-based)."""
+        c = self.cfg
+        if c.profile and iteration == c.profile_step_start + 1 and self.rank in c.profile_ranks:
+            self._start_profiler()
+
+    def after_step(self, iteration: int) -> None:
+        c = self.cfg
+        if self._profiler is not None:
+            self._profiler.step()
+            if iteration >= c.profile_step_end:
+                self._stop_profiler()
+        if c.manual_gc and c.manual_gc_interval and iteration % c.manual_gc_interval == 0:
+            gc.collect()
+        if c.empty_unused_memory_level >= 1 and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def around_eval(self) -> None:
+        if self.cfg.manual_gc and self.cfg.manual_gc_eval:
+            gc.collect()
+        if self.cfg.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def stats(self, params) -> dict[str, float]:
+        """Collective (every rank): the logged extras of this iteration."""
+        out: dict[str, float] = {}
+        if self.cfg.log_params_norm:
+            out["params-norm"] = params_norm(params)
+        if self.cfg.log_num_zeros_in_grad:
+            out["num-zeros"] = float(num_zeros_in_grad(params))
+        if self.cfg.log_memory_to_tensorboard:
+            out.update(memory_stats())
+        return out
+
+    def trace_dir(self) -> str:
+        return self.cfg.tensorboard_dir or os.path.join(self.cfg.save, "profile")
+
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(
+            activities=activities,
+            on_trace_ready=tensorboard_trace_handler(self.trace_dir(), f"rank{self.rank}"),
+            record_shapes=True,
+        )
+        self._profiler.start()
+        logger.info(
+            "profiling iterations %d-%d", self.cfg.profile_step_start + 1, self.cfg.profile_step_end
+        )
+
+    def _stop_profiler(self) -> None:
+        self._profiler.stop()
+        self._profiler = None
+        logger.info("profiler trace written to %s", self.trace_dir())
+
+    def close(self) -> None:
+        if self._profiler is not None:
+            self._stop_profiler()
+        if self.cfg.manual_gc:
+            gc.enable()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _init_wandb(cfg: FeatureConfig):
+    import wandb
+
+    save_dir = cfg.wandb_save_dir or os.path.join(cfg.save or cfg.tensorboard_dir or ".", "wandb")
+    os.makedirs(save_dir, exist_ok=True)
+    # Offline unless the user configured otherwise: a run never needs the network to start.
+    mode = os.environ.get("WANDB_MODE", "offline")
+    return wandb.init(
+        project=cfg.wandb_project,
+        name=cfg.wandb_exp_name,
+        entity=cfg.wandb_entity,
+        dir=save_dir,
+        mode=mode,
+        config={k: v for k, v in vars(cfg).items() if not k.startswith("wandb")},
+    )
