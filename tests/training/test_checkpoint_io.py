@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from megatron_ext.testing.distributed import run_distributed
+from megatron_ext.testing.runs import ENTRY, REPO
 
-from .conftest import ENTRY, REPO
 from .test_checkpointing import _tiny_model
 
 

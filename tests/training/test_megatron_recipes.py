@@ -19,8 +19,7 @@ import pytest
 
 from megatron_ext.data.readers import iter_lines
 from megatron_ext.testing.gpt2_bpe import write_gpt2_bpe_files
-
-from .conftest import REPO
+from megatron_ext.testing.runs import REPO
 
 
 def llama3_8b(run_dir) -> list[str]:

@@ -21,8 +21,7 @@ import pytest
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
 from megatron_ext.testing.distributed import find_free_port
-
-from .conftest import ENTRY, REPO
+from megatron_ext.testing.runs import ENTRY, REPO
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

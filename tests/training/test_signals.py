@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.testing.distributed import find_free_port
-
-from .conftest import MODEL, REPO, TRAIN
+from megatron_ext.testing.runs import REPO
+from megatron_ext.testing.runs import TINY_LEV_MODEL as MODEL
+from megatron_ext.testing.runs import TINY_TRAIN as TRAIN
 
 RANK_ENTRY = Path(__file__).with_name("_rank_entry.py")
 
