@@ -129,3 +129,19 @@ def test_gpu_check_script_parses_and_its_cpu_parts_pass(tmp_path):
     assert result["throughput"]["lev_over_tied_step_time_bf16"] > 0
     assert "lev_bf16" in proc.stdout and "tok/s" in proc.stdout
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_container_files():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "FROM nvcr.io/nvidia/pytorch:${NGC_TAG}" in dockerfile
+    assert "ARG NGC_TAG=25.12-py3" in dockerfile
+    # NGC's torch stays: no pip line installs torch, our package goes in with --no-deps.
+    installs = [line for line in dockerfile.splitlines() if "pip install" in line]
+    assert installs and not any("torch" in line.split("#")[0] for line in installs)
+    assert "--no-deps -e ." in dockerfile
+    assert ".git" in (ROOT / ".dockerignore").read_text().split()
+    sbatch = ROOT / "examples/slurm/pretrain_container.sbatch"
+    assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    text = sbatch.read_text()
+    assert "--container-image=" in text and "#SBATCH --signal=TERM@300" in text
+    assert "--exit-signal-handler" in text and "--save /ckpt --load /ckpt" in text
