@@ -17,11 +17,18 @@ definition, whatever the order in which the two were added.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["GPU_FLAGS", "add_gpu_arguments", "validate_gpu_args", "fp8_recipe_kwargs"]
+__all__ = [
+    "GPU_FLAGS",
+    "add_gpu_arguments",
+    "validate_gpu_args",
+    "fp8_recipe_kwargs",
+    "megatron_engine_model_config",
+    "engine_limitations",
+]
 
 DDP_IMPLS = ("portable", "megatron")
 
@@ -118,7 +125,43 @@ def validate_gpu_args(args: argparse.Namespace, cuda: bool | None = None) -> arg
                 _fail(f"--{flag.replace('_', '-')} needs --fp8-format")
     if getattr(args, "fp8_amax_history_len", 1) < 1:
         _fail("--fp8-amax-history-len must be >= 1")
+    if megatron:
+        reason = engine_limitations(args)
+        if reason:
+            _fail(reason)
     return args
+
+
+def engine_limitations(args: argparse.Namespace) -> Optional[str]:
+    """The one-line reason the megatron engine cannot run these flags yet, or None."""
+    if getattr(args, "save", None) or getattr(args, "load", None):
+        return (
+            "--ddp-impl megatron does not write or read checkpoints yet (its optimizer state is "
+            "megatron's); drop --save/--load or use --ddp-impl portable"
+        )
+    if getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+        return (
+            "--num-layers-per-virtual-pipeline-stage (interleaved 1F1B) is not supported by "
+            "--ddp-impl megatron yet; drop it"
+        )
+    if getattr(args, "fp8_param_gather", False):
+        return "--fp8-param-gather is not supported by --ddp-impl megatron yet; drop it"
+    if getattr(args, "fp16", False):
+        return "--ddp-impl megatron supports --bf16 (or float32), not --fp16"
+    return None
+
+
+def megatron_engine_model_config(model_config, args: argparse.Namespace):
+    """The ModelConfig for --ddp-impl megatron: BF16 parameters (megatron's mixed precision
+    keeps float32 master weights in the optimizer) and the FP8 recipe in TransformerConfig."""
+    extra = dict(model_config.extra_transformer_config)
+    if getattr(args, "fp8_format", None):
+        extra.update(
+            fp8_margin=args.fp8_margin,
+            fp8_amax_history_len=args.fp8_amax_history_len,
+            fp8_amax_compute_algo=args.fp8_amax_compute_algo,
+        )
+    return model_config.replace(bf16=bool(args.bf16), fp16=False, extra_transformer_config=extra)
 
 
 def fp8_recipe_kwargs(args: Any) -> dict[str, Any]:

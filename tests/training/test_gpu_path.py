@@ -145,3 +145,26 @@ def test_container_files():
     text = sbatch.read_text()
     assert "--container-image=" in text and "#SBATCH --signal=TERM@300" in text
     assert "--exit-signal-handler" in text and "--save /ckpt --load /ckpt" in text
+
+
+def test_megatron_engine_refuses_what_it_does_not_do_yet():
+    from megatron_ext.training.gpu_arguments import engine_limitations, megatron_engine_model_config
+
+    assert engine_limitations(_args("--ddp-impl", "megatron")) is None
+    for flags, message in (
+        (["--save", "ckpt"], "does not write or read checkpoints yet"),
+        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+         "interleaved 1F1B"),
+        (["--fp16"], "not --fp16"),
+    ):  # fmt: skip
+        args = _args("--ddp-impl", "megatron", *flags)
+        assert message in engine_limitations(args)
+        with pytest.raises(ArgumentError, match=message):
+            validate_gpu_args(args, cuda=True)
+    # BF16 parameters and the FP8 recipe go into the model config (TransformerConfig fields).
+    from megatron_ext.models import ModelConfig
+
+    args = _args("--ddp-impl", "megatron", "--bf16", "--fp8-format", "hybrid",
+                 "--fp8-amax-history-len", "16")  # fmt: skip
+    cfg = megatron_engine_model_config(ModelConfig(vocab_size=64), args)
+    assert cfg.bf16 and cfg.extra_transformer_config["fp8_amax_history_len"] == 16
