@@ -233,17 +233,21 @@ def _launch_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h, n, d = t.shape
     r = coeff.shape[-1]
-    grad_t = torch.zeros_like(t)
+    # Each program walks the ids of one coordinate: lay t out as [h, d, N] so its loads are
+    # contiguous; dL/dt is written in the same layout and handed back as a [h, N, d] view.
+    t_hdn = t.transpose(1, 2).contiguous()
+    grad_hdn = torch.zeros_like(t_hdn)
     grad_coeff = torch.zeros_like(coeff)
     if n == 0:
-        return grad_t, grad_coeff
+        return grad_hdn.transpose(1, 2), grad_coeff
+    strides = (t_hdn.stride(0), t_hdn.stride(2), t_hdn.stride(1))  # (head, id, coordinate)
     _lev_modes_bwd_kernel[(h, d)](
-        t, coeff, scaled, grad_t, grad_coeff, n, d, r, *t.stride(),
+        t_hdn, coeff, scaled, grad_hdn, grad_coeff, n, d, r, *strides,
         scaled.stride(0), scaled.stride(1), opts.product_eps,
         KNOTS=opts.num_knots, KNOTS_PAD=_pad(opts.num_knots), NORMALIZE=opts.normalize_basis,
         BLOCK_N=_BWD_BLOCK_N, BLOCK_R=_pad(r),
     )  # fmt: skip
-    return grad_t, grad_coeff
+    return grad_hdn.transpose(1, 2), grad_coeff
 
 
 def _seed_t(z, params, opts: FusedOptions) -> torch.Tensor:
