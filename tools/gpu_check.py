@@ -180,6 +180,11 @@ def check_triton(device: str) -> dict:
     for name, g in grads_bf16["triton"].items():
         rg = grads_bf16["torch"][name]
         errors[f"bf16_{name}"] = ((g - rg).abs().max() / rg.abs().max().clamp_min(1e-30)).item()
+    speed = None
+    if big:  # fwd+bwd time of the torch fused path over the Triton kernels, best of 5
+        speed = _best_time(fused_lev_modes, inputs, opts) / _best_time(
+            triton_lev_modes, inputs, opts
+        )
     float32_ok = all(v <= 1e-5 for k, v in errors.items() if not k.startswith("bf16"))
     bf16_ok = all(v <= 2**-7 for k, v in errors.items() if k.startswith("bf16"))
     return dict(
@@ -187,7 +192,19 @@ def check_triton(device: str) -> dict:
         max_relative_error=errors,
         tolerance=dict(float32=1e-5, bf16=2**-7),
         shape=dict(n=n, heads=h, seed_dim=d, knots=kappa, rank=r),
+        torch_over_triton_time=speed,
     )
+
+
+def _best_time(fn, inputs, opts, reps: int = 5) -> float:
+    best = float("inf")
+    for _ in range(reps + 1):  # the first call compiles / warms up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(*inputs, opts).sum().backward()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def check_te_vs_local() -> dict:
