@@ -5,12 +5,13 @@
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 -v $PWD/data:/data leviathan \
 #       torchrun --nproc-per-node 8 pretrain_leviathan.py --model-size 1.2b ...
 #
-# Why 25.12-py3: megatron-core 0.16.1 is tested against Transformer Engine >= 2.9 and < 2.12
-# built for CUDA 13 (its [dev] extra pins transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12)
-# and needs torch >= 2.6 and Python >= 3.10; NGC PyTorch 25.12 ships Python 3.12, a CUDA 13
-# build of PyTorch, Transformer Engine 2.10 and apex, and megatron-core releases are built on the
-# NGC container of the month before. scripts/gpu_check.sh records the versions it finds in its
-# JSON, so a different tag can be checked with --build-arg NGC_TAG=... before it is used.
+# Why 25.12-py3: megatron-core 0.16.1 needs torch >= 2.6 and Python >= 3.10 and is tested with
+# Transformer Engine >= 2.9, < 2.12 built for CUDA 13 (its [dev] extra pins
+# transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12); megatron-core releases are built on the
+# NGC container of the month before. NGC PyTorch 25.12 (2025-12-22) is CUDA 13.1, PyTorch
+# 2.10.0a0, Python 3.12, with TE and apex of the same month. The TE version was not checked on a
+# GPU yet: scripts/gpu_check.sh records the torch/TE/apex/Triton versions it finds in its JSON,
+# so this tag (or another, --build-arg NGC_TAG=...) is confirmed by one run of it.
 ARG NGC_TAG=25.12-py3
 FROM nvcr.io/nvidia/pytorch:${NGC_TAG}
 
@@ -26,8 +27,8 @@ COPY megatron_ext ./megatron_ext
 RUN pip install --no-cache-dir --no-deps "megatron-core==0.16.1" \
  && pip install --no-cache-dir sentencepiece tensorboard zstandard tqdm matplotlib tiktoken \
  && pip install --no-cache-dir --no-deps -e . \
- && python -c "import torch, transformer_engine, megatron.core, megatron_ext.lev; \
-print('torch', torch.__version__, 'TE', transformer_engine.__version__)"
+ && python -c "import torch, megatron.core, megatron_ext.lev; print('torch', torch.__version__)"
+# (Transformer Engine is not imported here: `docker build` has no GPU, and TE loads the driver.)
 
 COPY tools ./tools
 COPY examples ./examples
