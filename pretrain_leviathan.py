@@ -167,7 +167,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )
         # fp32 master weights; --bf16/--fp16 run under autocast (megatron_ext/training/precision.py)
-        model_config = model_config_from_args(args, vocab).replace(bf16=False, fp16=False)
+        model_config = model_config_from_args(args, vocab)
+        if getattr(args, "ddp_impl", "portable") == "megatron":
+            from megatron_ext.training.gpu_arguments import megatron_engine_model_config
+
+            model_config = megatron_engine_model_config(model_config, args)
+        else:  # the portable engine: float32 parameters, --bf16/--fp16 as autocast
+            model_config = model_config.replace(bf16=False, fp16=False)
         from megatron_ext.data.loading import DataConfig
 
         data_config = DataConfig.from_args(args)

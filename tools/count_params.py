@@ -1,12 +1,16 @@
 #!/usr/bin/env python
 """Parameter table of every arm x scale x vocabulary, from the configuration alone.
 
-Nothing is allocated, so the 1.2B rows are instant. Example:
+Nothing is allocated, so the 1.2B rows are instant. With --memory, per-GPU memory (weights,
+grads, optimizer states, activations with and without full recompute) and training FLOPs per
+token for a parallel layout instead (see megatron_ext/models/memory.py). Examples:
 
     python tools/count_params.py                       # Markdown, all arms/scales/vocabs
     python tools/count_params.py --format csv --scales 1.2b --vocab-sizes 200064
     python tools/count_params.py --num-layers 4 --hidden-size 256 --num-attention-heads 4 \\
         --vocab-sizes 32000                            # a custom shape instead of presets
+    python tools/count_params.py --memory --scales 1.2b --vocab-sizes 200064 --arms lev tied \
+        --data-parallel-size 8 --micro-batch-size 2 --seq-length 4096   # plan 1.2B on 8 GPUs
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from megatron_ext.models import (
     ModelConfig,
     count_parameters,
 )
+from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
 from megatron_ext.models.param_count import resolve_embedding_sizes
 
 # o200k_base has 200,019 ids; Megatron pads vocabularies to a multiple of 128.
@@ -110,6 +115,154 @@ def to_csv(rows: list[dict]) -> str:
     return out.getvalue().rstrip("\n")
 
 
+MEMORY_COLUMNS = (
+    "scale",
+    "vocab",
+    "arm",
+    "layout",
+    "params_per_gpu",
+    "weights_gib",
+    "grads_gib",
+    "optimizer_gib",
+    "activations_gib",
+    "activations_recompute_gib",
+    "total_gib",
+    "total_recompute_gib",
+    "gflop_per_token",
+)
+_GIB = 1024**3
+
+
+def memory_rows(
+    scales: dict[str, dict[str, int]],
+    vocab_sizes,
+    arms,
+    layout: ParallelLayout,
+    seq_length: int,
+    lev: dict | None = None,
+) -> list[dict]:
+    """One row per scale x vocabulary x arm: memory of the most loaded GPU, FLOPs per token."""
+    name = (
+        f"tp{layout.tensor_parallel} pp{layout.pipeline_parallel} dp{layout.data_parallel}"
+        f"{' sp' if layout.sequence_parallel else ''} mbs{layout.micro_batch_size}"
+        f" {'bf16' if layout.bf16 else 'fp32'} {layout.engine}"
+        f"{' distopt' if layout.distributed_optimizer else ''}"
+    )
+    rows = []
+    for scale, shape in scales.items():
+        for vocab in vocab_sizes:
+            for arm in arms:
+                cfg = ModelConfig(
+                    vocab_size=vocab,
+                    seq_length=seq_length,
+                    embedding=EmbeddingConfig(embedding_type=arm, lev=dict(lev or {})),
+                    tensor_model_parallel_size=layout.tensor_parallel,
+                    pipeline_model_parallel_size=layout.pipeline_parallel,
+                    sequence_parallel=layout.sequence_parallel,
+                    **shape,
+                )
+                mem = estimate_memory(cfg, layout)
+                rows.append(
+                    dict(
+                        scale=scale,
+                        vocab=vocab,
+                        arm=arm,
+                        layout=name,
+                        params_per_gpu=mem.parameters,
+                        weights_gib=mem.weights / _GIB,
+                        grads_gib=mem.grads / _GIB,
+                        optimizer_gib=mem.optimizer / _GIB,
+                        activations_gib=mem.activations / _GIB,
+                        activations_recompute_gib=mem.activations_recompute / _GIB,
+                        total_gib=mem.total / _GIB,
+                        total_recompute_gib=mem.total_recompute / _GIB,
+                        gflop_per_token=flops_per_token(cfg, False, layout.unique_fraction) / 1e9,
+                    )
+                )
+    return rows
+
+
+def memory_markdown(rows: list[dict]) -> str:
+    head = (
+        "| scale | vocab | arm | layout | params/GPU | weights | grads | optim. | activ. | "
+        "activ. (recompute) | total | total (recompute) | GFLOP/token |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        gib = [
+            f"{r[k]:.2f} GiB"
+            for k in (
+                "weights_gib",
+                "grads_gib",
+                "optimizer_gib",
+                "activations_gib",
+                "activations_recompute_gib",
+                "total_gib",
+                "total_recompute_gib",
+            )
+        ]
+        lines.append(
+            f"| {r['scale']} | {r['vocab']:,} | {r['arm']} | {r['layout']} | "
+            f"{r['params_per_gpu'] / 1e6:,.1f}M | " + " | ".join(gib) + f" | "
+            f"{r['gflop_per_token']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=MEMORY_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+    return out.getvalue().rstrip("\n")
+
+
+def _add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("memory", "per-GPU memory and FLOPs (--memory)")
+    group.add_argument("--memory", action="store_true", help="print memory/FLOPs, not params")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--data-parallel-size", type=int, default=1)
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--micro-batch-size", type=int, default=1)
+    group.add_argument(
+        "--num-micro-batches", type=int, default=None, help="per step per DP rank (default: PP)"
+    )
+    group.add_argument("--seq-length", type=int, default=4096)
+    group.add_argument(
+        "--precision", choices=("bf16", "fp32"), default="bf16", help="activation precision"
+    )
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument(
+        "--engine",
+        choices=("portable", "megatron"),
+        default="portable",
+        help="portable: fp32 weights+grads under autocast; megatron: bf16 weights (--ddp-impl)",
+    )
+    group.add_argument(
+        "--unique-fraction",
+        type=float,
+        default=1.0,
+        help="distinct ids per token in a micro-batch (LEV dedup; 1 = upper bound)",
+    )
+
+
+def _layout_from_args(args: argparse.Namespace) -> ParallelLayout:
+    return ParallelLayout(
+        tensor_parallel=args.tensor_model_parallel_size,
+        pipeline_parallel=args.pipeline_model_parallel_size,
+        data_parallel=args.data_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        micro_batch_size=args.micro_batch_size,
+        num_micro_batches=args.num_micro_batches or args.pipeline_model_parallel_size,
+        bf16=args.precision == "bf16",
+        distributed_optimizer=args.use_distributed_optimizer,
+        engine=args.engine,
+        unique_fraction=args.unique_fraction,
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", choices=("markdown", "csv"), default="markdown")
@@ -126,6 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lev-seed-dim", type=int)
     parser.add_argument("--lev-num-knots", type=int)
     parser.add_argument("--lev-num-digits", type=int)
+    _add_memory_arguments(parser)
     args = parser.parse_args(argv)
 
     custom = {
@@ -154,6 +308,11 @@ def main(argv=None) -> int:
         if getattr(args, f"lev_{field}") is not None
     }
     try:
+        if args.memory:
+            layout = _layout_from_args(args)
+            rows = memory_rows(scales, args.vocab_sizes, args.arms, layout, args.seq_length, lev)
+            print(memory_markdown(rows) if args.format == "markdown" else memory_csv(rows))
+            return 0
         rows = parameter_rows(scales, args.vocab_sizes, args.arms, lev)
     except ValueError as err:
         print(f"count_params: error: {err}", file=sys.stderr)

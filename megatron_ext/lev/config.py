@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 _COMBINE_MODES = ("sum", "concat")
+_KERNELS = ("auto", "triton", "torch")
 
 
 def smallest_base(vocab_size: int, num_digits: int) -> int:
@@ -118,6 +119,10 @@ class LEVConfig:
     chunk_size: int = 0
     """Ids per chunk in the fused path; 0 picks one from the sizes (about 8M spline values)."""
 
+    kernel: str = "auto"
+    """Fused path implementation: "triton" (`lev.triton_kernel`), "torch" (`lev.fused`), or
+    "auto": triton for float32 CUDA tensors when triton imports, else torch."""
+
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
             raise ValueError(f"LEVConfig: {message}")
@@ -169,6 +174,12 @@ class LEVConfig:
             fail("init stds must be >= 0; change --lev-init-std / --lev-spline-init-std")
         if self.chunk_size < 0:
             fail(f"chunk_size must be >= 0, got {self.chunk_size}; change --lev-chunk-size")
+        if self.kernel not in _KERNELS:
+            fail(f"kernel must be one of {_KERNELS}, got {self.kernel!r}; change --lev-kernel")
+        if self.kernel == "triton" and not self.fused:
+            fail(
+                "--lev-kernel triton is a fused path; drop --no-lev-fused or use --lev-kernel auto"
+            )
 
     # ----------------------------------------------------------------------------- derived
 
@@ -256,6 +267,13 @@ def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default=defaults["codebook_combine"],
         dest="lev_codebook_combine",
         help="how the k codebook rows form the seed (concat: width k*d_seed)",
+    )
+    group.add_argument(
+        "--lev-kernel",
+        choices=_KERNELS,
+        default=defaults["kernel"],
+        dest="lev_kernel",
+        help="fused LEV implementation: triton kernels, torch ops, or auto (triton on CUDA)",
     )
     for field, (flag, help_) in _BOOL_FIELDS.items():
         group.add_argument(

@@ -17,7 +17,8 @@ Speed and memory:
 - dedup: LEV runs once per distinct id of the micro-batch (torch.unique), then the [U, D]
   result is gathered to the N tokens. Without sequence parallelism the all-reduce happens on the
   [U, D] distinct embeddings (U <= N, so never more traffic than VocabParallelEmbedding).
-- fused: `lev.fused` recomputes the spline tensors in backward; saved activations are the seeds
+- fused: `lev.fused` (or its Triton kernels, `lev.triton_kernel`; `--lev-kernel`) recomputes the
+  spline tensors in backward; saved activations are the seeds
   [U, d_in], the modes [U, h*r] and the integer ids.
 - eval table: with `LEVConfig.eval_table`, eval-mode forwards that need no parameter gradient
   look ids up in a materialised [V, D] table of this rank's partial embeddings (same
@@ -50,7 +51,8 @@ from megatron.core.utils import (
 
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
-from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
+from megatron_ext.lev.fused import FusedOptions
+from megatron_ext.lev.kernel_select import select_fused_kernel
 from megatron_ext.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region as portable_reduce_scatter,
 )
@@ -272,7 +274,7 @@ class LEVEmbedding(torch.nn.Module):
                 z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
             params = (self.seed_proj, self.seed_norm_weight, self.seed_norm_bias, self.spline_delta)
             if lc.fused:
-                modes = fused_lev_modes(z, *params, self._fused_opts)
+                modes = select_fused_kernel(lc.kernel, z)(z, *params, self._fused_opts)
             else:
                 modes = lev_math.lev_modes(
                     z,

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_ext.models.te_mapping import canonical_param_name
+
 __all__ = [
     "tp_layout",
     "tp_shard",
@@ -56,14 +58,18 @@ def tp_unshard(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tenso
 
 
 def global_param_name(model: torch.nn.Module, local_name: str) -> str:
-    """Map a pipeline stage's local parameter name to the single-stage model's name."""
+    """Map a pipeline stage's local parameter name to the single-stage model's name.
+
+    Transformer Engine spec names become local-spec names (`te_mapping`), so checkpoints and
+    full state dicts are the same for both specs.
+    """
     match = _LAYER_RE.match(local_name)
     if match is None:
-        return local_name
+        return canonical_param_name(local_name)
     prefix, index, rest = match.groups()
     layers = model.get_submodule(prefix.rstrip("."))
     global_index = layers[int(index)].layer_number - 1
-    return f"{prefix}{global_index}.{rest}"
+    return canonical_param_name(f"{prefix}{global_index}.{rest}")
 
 
 def is_tied_copy(model: torch.nn.Module, name: str) -> bool:

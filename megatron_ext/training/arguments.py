@@ -107,6 +107,9 @@ class BatchConfig:
     bf16: bool = False
     fp16: bool = False
     fp8_format: Optional[str] = None
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False
@@ -399,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full parser: distributed, training, optimizer, checkpoint, logging, model, data."""
     from megatron_ext.data.loading import add_data_arguments
     from megatron_ext.models import add_model_arguments
+    from megatron_ext.training.gpu_arguments import add_gpu_arguments
 
     parser = argparse.ArgumentParser(
         description="Pretrain Leviathan models and the paper's baselines (Megatron-LM flags)",
@@ -411,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_args(parser)
     add_model_arguments(parser)
     add_data_arguments(parser)
+    add_gpu_arguments(parser)
     from megatron_ext.training.megatron_compat import add_megatron_compat_arguments
 
     add_megatron_compat_arguments(parser)  # last: answers every remaining Megatron-LM flag
@@ -576,6 +581,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ArgumentError("--fp8-format needs --bf16 (FP8 hybrid runs other ops in BF16)")
     if args.transformer_impl == "transformer_engine" and not cuda:
         raise ArgumentError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
+    from megatron_ext.training.gpu_arguments import validate_gpu_args
+
+    validate_gpu_args(args, cuda)
     if args.context_parallel_size > 1:
         if args.transformer_impl != "transformer_engine":
             raise ArgumentError(

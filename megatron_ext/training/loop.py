@@ -694,7 +694,12 @@ def pretrain(
         if torch.cuda.is_available():
             model = model.cuda(torch.cuda.current_device())
         num_params = _count_parameters(model)
-        trainer = _Trainer(cfg, args, model, forward_step)
+        trainer_class = _Trainer
+        if getattr(args, "ddp_impl", "portable") == "megatron":  # CUDA only (gpu_arguments)
+            from megatron_ext.training.megatron_engine import MegatronEngineTrainer
+
+            trainer_class = MegatronEngineTrainer
+        trainer = trainer_class(cfg, args, model, forward_step)
         if rank0:
             logger.info("model parameters: %d (%.1fM)", num_params, num_params / 1e6)
             trainer.reporter.text(

@@ -27,11 +27,12 @@ from typing import Callable, ContextManager
 import torch
 
 from megatron_ext.training.arguments import BatchConfig
+from megatron_ext.training.gpu_arguments import fp8_recipe_kwargs
 
 __all__ = ["autocast_factory", "pipeline_dtype"]
 
 
-def _fp8_context(fmt: str) -> Callable[[], ContextManager]:
+def _fp8_context(fmt: str, recipe_kwargs: dict) -> Callable[[], ContextManager]:
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import DelayedScaling, Format
@@ -40,9 +41,7 @@ def _fp8_context(fmt: str) -> Callable[[], ContextManager]:
             "--fp8-format needs Transformer Engine (pip install 'megatron-ext-leviathan[gpu]')"
         ) from error
     recipe = DelayedScaling(
-        fp8_format=Format.HYBRID if fmt == "hybrid" else Format.E4M3,
-        amax_history_len=1024,
-        amax_compute_algo="max",
+        fp8_format=Format.HYBRID if fmt == "hybrid" else Format.E4M3, **recipe_kwargs
     )
     return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # pragma: no cover
 
@@ -53,7 +52,7 @@ def autocast_factory(cfg: BatchConfig) -> Callable[[], ContextManager]:
         return contextlib.nullcontext
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16
-    fp8 = _fp8_context(cfg.fp8_format) if cfg.fp8_format else None
+    fp8 = _fp8_context(cfg.fp8_format, fp8_recipe_kwargs(cfg)) if cfg.fp8_format else None
 
     @contextlib.contextmanager
     def context():

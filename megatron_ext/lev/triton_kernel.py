@@ -1,0 +1,326 @@
+"""Fused LEV modes in Triton: seed z -> separable modes M, forward and backward kernels.
+
+The same function as `lev.math.lev_modes` (and `lev.fused.fused_lev_modes`), for CUDA. Steps
+3a-3b (seed projection, LayerNorm, sigmoid: one [N, d_in] x [d_in, h*d] matmul) stay in torch;
+steps 3c-3e run in one kernel per direction:
+
+forward, one program per (head l, block of n ids), one pass over the d seed coordinates::
+
+    for c in 0..d-1:                             t[l, n, c]                 [n]
+        three non-zero basis values B and knot indices i (quadratic B-spline, renormalised)
+        phi = sum_j B_j * (1 + Delta[l, c, i_j, :])   (three row gathers)    [n, r]
+        log_abs += log(|phi| + eps);  negatives += (phi < 0)
+    M[n, l, :] = (-1)^negatives * exp(log_abs)
+
+which is `lev.math.separable_product` evaluated coordinate by coordinate: the same signed
+product (sign from the count of negative factors, magnitude exp(sum log(|phi| + eps))), with no
+[N, d, r] or [N, d, kappa] tensor ever in memory (phi lives in registers for one coordinate).
+
+backward, one program per (head l, coordinate c), looping over all ids (deterministic: no
+atomics), with G = dL/dM * M [N, h, r] and x = phi + copysign(eps, phi):
+
+    dL/dphi = G / x                                                          [n, r]
+    dL/dDelta[l, c] += B_dense^T @ dL/dphi        (tl.dot, IEEE float32)     [kappa, r]
+    dL/dB_j = sum_r dL/dphi * (1 + Delta[l, c, i_j, :])  ->  dL/dt[l, n, c]  [n]
+
+and dL/dt goes back through the sigmoid, LayerNorm and seed projection by torch autograd on a
+recomputed t (as `lev.fused` does). Saved for backward: z [N, d_in] and M [N, h, r] only.
+
+The kernels are compiled by Triton on CUDA tensors; with TRITON_INTERPRET=1 set before this
+module is imported they run on CPU tensors in Triton's interpreter (how the tests check them).
+Ids are deduplicated by the caller (`LEVEmbedding.forward`), so N is the number of distinct ids.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.fused import FusedOptions
+
+try:  # Triton is optional: the torch paths serve CPU and machines without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+__all__ = ["TRITON_AVAILABLE", "INTERPRETED", "triton_lev_modes", "check_triton_usable"]
+
+TRITON_AVAILABLE = triton is not None
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+"""Whether the kernels below were defined for Triton's CPU interpreter (fixed at import)."""
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float64)
+
+
+def check_triton_usable(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a one-line error when the Triton kernel cannot run on `device` / `dtype`."""
+    if not TRITON_AVAILABLE:
+        raise RuntimeError(
+            "--lev-kernel triton needs the triton package (pip install 'triton==3.9.0', or the "
+            "[gpu] extra); use --lev-kernel torch or auto"
+        )
+    if device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            f"--lev-kernel triton runs on CUDA tensors, got {device.type} ones (set "
+            "TRITON_INTERPRET=1 before start-up for Triton's CPU interpreter); use --lev-kernel "
+            "torch or auto"
+        )
+    if dtype not in _SUPPORTED_DTYPES:
+        raise RuntimeError(f"the LEV Triton kernel computes in float32/float64, got {dtype}")
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _basis(t, KNOTS: tl.constexpr, NORMALIZE: tl.constexpr):
+        """Three non-zero basis values, their d/ds slopes, knot indices and the total mass."""
+        s = t * (KNOTS - 1)
+        nearest = tl.floor(s + 0.5)
+        f = s - nearest
+        half_minus = 0.5 - f
+        half_plus = 0.5 + f
+        c = nearest.to(tl.int32)
+        c = tl.minimum(tl.maximum(c, 0), KNOTS - 1)
+        # Knots -1 and kappa do not exist: their basis functions are dropped.
+        keep0 = c >= 1
+        keep2 = c <= KNOTS - 2
+        w0 = tl.where(keep0, 0.5 * half_minus * half_minus, 0.0)
+        w1 = 0.75 - f * f
+        w2 = tl.where(keep2, 0.5 * half_plus * half_plus, 0.0)
+        d0 = tl.where(keep0, -half_minus, 0.0)
+        d1 = -2.0 * f
+        d2 = tl.where(keep2, half_plus, 0.0)
+        total = w0 + w1 + w2
+        if NORMALIZE:
+            w0 = w0 / total
+            w1 = w1 / total
+            w2 = w2 / total
+        i0 = tl.maximum(c - 1, 0)
+        i2 = tl.minimum(c + 1, KNOTS - 1)
+        return w0, w1, w2, d0, d1, d2, i0, c, i2, total
+
+    @triton.jit
+    def _lev_modes_fwd_kernel(
+        t_ptr,
+        coeff_ptr,
+        m_ptr,
+        N,
+        D,
+        R,
+        stride_th,
+        stride_tn,
+        stride_td,
+        stride_mn,
+        stride_mh,
+        eps,
+        KNOTS: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        head = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_n = offs_n < N
+        mask = mask_n[:, None] & (offs_r < R)[None, :]
+        log_abs = tl.zeros([BLOCK_N, BLOCK_R], dtype=m_ptr.dtype.element_ty)
+        negatives = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.int32)
+        t_row = t_ptr + head * stride_th + offs_n * stride_tn
+        for c in range(0, D):
+            t = tl.load(t_row + c * stride_td, mask=mask_n, other=0.5)
+            b0, b1, b2, _d0, _d1, _d2, i0, i1, i2, _total = _basis(t, KNOTS, NORMALIZE)
+            coeff_row = coeff_ptr + (head * D + c) * KNOTS * R + offs_r[None, :]
+            phi = b0[:, None] * tl.load(coeff_row + i0[:, None] * R, mask=mask, other=0.0)
+            phi += b1[:, None] * tl.load(coeff_row + i1[:, None] * R, mask=mask, other=0.0)
+            phi += b2[:, None] * tl.load(coeff_row + i2[:, None] * R, mask=mask, other=0.0)
+            log_abs += tl.log(tl.abs(phi) + eps)
+            negatives += (phi < 0).to(tl.int32)
+        sign = (1 - 2 * (negatives % 2)).to(log_abs.dtype)
+        modes = sign * tl.exp(log_abs)
+        out = m_ptr + offs_n[:, None] * stride_mn + head * stride_mh + offs_r[None, :]
+        tl.store(out, modes, mask=mask)
+
+    @triton.jit
+    def _lev_modes_bwd_kernel(
+        t_ptr,
+        coeff_ptr,
+        g_ptr,
+        grad_t_ptr,
+        grad_coeff_ptr,
+        N,
+        D,
+        R,
+        stride_th,
+        stride_tn,
+        stride_td,
+        stride_gn,
+        stride_gh,
+        eps,
+        KNOTS: tl.constexpr,
+        KNOTS_PAD: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        head = tl.program_id(0)
+        c = tl.program_id(1)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        knots = tl.arange(0, KNOTS_PAD)
+        coeff_row = coeff_ptr + (head * D + c) * KNOTS * R + offs_r[None, :]
+        acc = tl.zeros([KNOTS_PAD, BLOCK_R], dtype=grad_coeff_ptr.dtype.element_ty)
+        for start in range(0, N, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            mask = mask_n[:, None] & mask_r[None, :]
+            t_off = head * stride_th + offs_n * stride_tn + c * stride_td
+            t = tl.load(t_ptr + t_off, mask=mask_n, other=0.5)
+            b0, b1, b2, d0, d1, d2, i0, i1, i2, total = _basis(t, KNOTS, NORMALIZE)
+            c0 = tl.load(coeff_row + i0[:, None] * R, mask=mask, other=0.0)
+            c1 = tl.load(coeff_row + i1[:, None] * R, mask=mask, other=0.0)
+            c2 = tl.load(coeff_row + i2[:, None] * R, mask=mask, other=0.0)
+            phi = b0[:, None] * c0 + b1[:, None] * c1 + b2[:, None] * c2
+            x = tl.where(phi < 0, phi - eps, phi + eps)
+            g_off = offs_n[:, None] * stride_gn + head * stride_gh + offs_r[None, :]
+            grad_phi = tl.load(g_ptr + g_off, mask=mask, other=0.0) / x
+            g0 = tl.sum(grad_phi * c0, axis=1)
+            g1 = tl.sum(grad_phi * c1, axis=1)
+            g2 = tl.sum(grad_phi * c2, axis=1)
+            grad_s = g0 * d0 + g1 * d1 + g2 * d2
+            if NORMALIZE:
+                # B_j = w_j / T: dB_j/ds = (w'_j - B_j T') / T.
+                grad_s = (grad_s - (d0 + d1 + d2) * (g0 * b0 + g1 * b1 + g2 * b2)) / total
+            tl.store(grad_t_ptr + t_off, grad_s * (KNOTS - 1), mask=mask_n)
+            dense = tl.where(i0[:, None] == knots[None, :], b0[:, None], 0.0)
+            dense += tl.where(i1[:, None] == knots[None, :], b1[:, None], 0.0)
+            dense += tl.where(i2[:, None] == knots[None, :], b2[:, None], 0.0)
+            acc += tl.dot(tl.trans(dense), grad_phi, input_precision="ieee")
+        out = grad_coeff_ptr + (head * D + c) * KNOTS * R + knots[:, None] * R + offs_r[None, :]
+        tl.store(out, acc, mask=(knots < KNOTS)[:, None] & mask_r[None, :])
+
+
+def _pad(n: int) -> int:
+    """Power of two >= max(n, 16) (tl.arange needs powers of two; tl.dot dims >= 16)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+_FWD_BLOCK_N = 32
+_BWD_BLOCK_N = 32
+
+
+def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts: FusedOptions) -> torch.Tensor:
+    h, n, d = t.shape
+    r = coeff.shape[-1]
+    modes = torch.empty(n, h, r, dtype=t.dtype, device=t.device)
+    if n == 0:
+        return modes
+    grid = (h, triton.cdiv(n, _FWD_BLOCK_N))
+    _lev_modes_fwd_kernel[grid](
+        t, coeff, modes, n, d, r, *t.stride(), modes.stride(0), modes.stride(1),
+        opts.product_eps,
+        KNOTS=opts.num_knots, NORMALIZE=opts.normalize_basis,
+        BLOCK_N=_FWD_BLOCK_N, BLOCK_R=_pad(r),
+    )  # fmt: skip
+    return modes
+
+
+def _launch_backward(
+    t: torch.Tensor, coeff: torch.Tensor, scaled: torch.Tensor, opts: FusedOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h, n, d = t.shape
+    r = coeff.shape[-1]
+    # Each program walks the ids of one coordinate: lay t out as [h, d, N] so its loads are
+    # contiguous; dL/dt is written in the same layout and handed back as a [h, N, d] view.
+    t_hdn = t.transpose(1, 2).contiguous()
+    grad_hdn = torch.zeros_like(t_hdn)
+    grad_coeff = torch.zeros_like(coeff)
+    if n == 0:
+        return grad_hdn.transpose(1, 2), grad_coeff
+    strides = (t_hdn.stride(0), t_hdn.stride(2), t_hdn.stride(1))  # (head, id, coordinate)
+    _lev_modes_bwd_kernel[(h, d)](
+        t_hdn, coeff, scaled, grad_hdn, grad_coeff, n, d, r, *strides,
+        scaled.stride(0), scaled.stride(1), opts.product_eps,
+        KNOTS=opts.num_knots, KNOTS_PAD=_pad(opts.num_knots), NORMALIZE=opts.normalize_basis,
+        BLOCK_N=_BWD_BLOCK_N, BLOCK_R=_pad(r),
+    )  # fmt: skip
+    return grad_hdn.transpose(1, 2), grad_coeff
+
+
+def _seed_t(z, params, opts: FusedOptions) -> torch.Tensor:
+    return lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps).contiguous()
+
+
+class _TritonLEVModes(torch.autograd.Function):
+    """z [N, d_in] -> M [N, h, r]; saves only z and M (plus the parameters)."""
+
+    @staticmethod
+    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, opts: FusedOptions):
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            cdt = lev_math.compute_dtype(z.dtype)
+            check_triton_usable(z.device, cdt)
+            params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
+            t = _seed_t(z.to(cdt), params, opts)  # [h, N, d]
+            coeff = (1 + spline_delta.to(cdt)).contiguous()  # [h, d, kappa, r]
+            modes = _launch_forward(t, coeff, opts)
+        ctx.opts = opts
+        ctx.save_for_backward(z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
+        return modes
+
+    @staticmethod
+    def backward(ctx, grad_modes):
+        z, seed_proj, norm_weight, norm_bias, spline_delta, modes = ctx.saved_tensors
+        opts: FusedOptions = ctx.opts
+        need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            cdt = modes.dtype
+            params = [
+                p.detach().to(cdt).requires_grad_(need)
+                for p, need in ((seed_proj, need_w), (norm_weight, need_g), (norm_bias, need_b))
+            ]
+            zc = z.detach().to(cdt).requires_grad_(need_z)
+            with torch.enable_grad():
+                t = _seed_t(zc, params, opts)
+            coeff = (1 + spline_delta.detach().to(cdt)).contiguous()
+            scaled = (grad_modes.to(cdt) * modes).contiguous()  # dL/dM * M, [N, h, r]
+            grad_t, grad_coeff = _launch_backward(t.detach(), coeff, scaled, opts)
+            inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
+            grads = list(torch.autograd.grad(t, inputs, grad_t)) if inputs else []
+        grad_z = grads.pop(0).to(z.dtype) if need_z else None
+        grad_params = [grads.pop(0) if p.requires_grad else None for p in params]
+
+        def cast(grad, like):
+            return None if grad is None else grad.to(like.dtype)
+
+        return (
+            grad_z,
+            cast(grad_params[0], seed_proj),
+            cast(grad_params[1], norm_weight),
+            cast(grad_params[2], norm_bias),
+            cast(grad_coeff, spline_delta) if need_delta else None,
+            None,
+        )
+
+
+def triton_lev_modes(
+    z: torch.Tensor,
+    seed_proj: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    spline_delta: torch.Tensor,
+    opts: FusedOptions,
+) -> torch.Tensor:
+    """Same function and signature as `lev.fused.fused_lev_modes`, on Triton kernels.
+
+    Args:
+        z: [N, d_in] seeds of N distinct ids; seed_proj [h, d, d_in]; norm_weight,
+            norm_bias [h, d]; spline_delta [h, d, kappa, r] (h = heads on this rank).
+    Returns:
+        M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state.
+    Raises:
+        RuntimeError: triton missing, or CPU tensors outside Triton's interpreter.
+    """
+    return _TritonLEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, opts)

@@ -1,0 +1,277 @@
+"""Per-GPU memory and FLOPs of a training run, on paper (nothing is allocated).
+
+`estimate_memory(cfg, layout)` splits one GPU's memory into weights, gradients, optimizer states
+and activations (with and without full recompute) for the most loaded pipeline stage;
+`flops_per_token` counts the training FLOPs of one token. `tools/count_params.py --memory`
+prints both per arm, scale and layout.
+
+Activations follow what the local (portable) path saves for backward, tensor by tensor; the
+figure is checked against a measured CPU run (tests/models/test_memory.py counts the bytes that
+autograd saves). Per decoder layer, with T = b*s tokens of a micro-batch, A the bytes of the
+compute dtype (2 under --bf16 autocast, 4 in float32), kv = key/value width, F = FFN width::
+
+    float32 residual stream:  2 RMSNorm rstd [T] + 2 norm outputs + attention residual + layer
+                              output, [T, D] each                    -> 4 (2T + 4TD)
+    linear input copies:      qkv and fc1 inputs [T, D]                      A * 2TD
+    attention:                rotary cos/sin 4 [s, hd]; q, k (rotated), the qkv output, SDPA
+                              output; log-sum-exp [b, heads, s] in float32
+    SwiGLU MLP:               fc1 output [T, 2F], its two halves' products, fc2 input [T, F]
+    autocast weight copies:   the layer's matmul weights in A bytes (only under autocast: the
+                              float32 parameters themselves are not activations)
+
+plus, outside the layers, the ids and the embedding output (first stage), and the final norm,
+head input copy, head weight copy (autocast) and float32 logits [T, V] (last stage). Under
+tensor parallelism the per-head and per-FFN terms split over the TP ranks; the [T, D] stream
+terms split too only with sequence parallelism (except the linear input copies, which are saved
+after the all-gather). LEV adds its fused path's saved tensors: seeds
+[U, d_in], modes [U, h/tp, r] (float32) and the digits [U, k] of the U distinct ids.
+
+Transformer Engine (the GPU spec) saves a different set (fused kernels, FP8 copies): the figure
+is the local path's; `scripts/gpu_check.sh` measures the GPU one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ext.models.config import ModelConfig
+from megatron_ext.models.param_count import count_parameters, resolve_embedding_sizes
+
+__all__ = ["ParallelLayout", "MemoryEstimate", "estimate_memory", "flops_per_token"]
+
+_ENGINES = ("portable", "megatron")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a run is laid out on GPUs and trained (what memory depends on besides the model)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    """Micro-batches per step per DP rank (sets how many are in flight under pipelining)."""
+    bf16: bool = True
+    distributed_optimizer: bool = False
+    engine: str = "portable"
+    """portable: float32 params/grads + autocast; megatron: bf16 params, fp32 main grads."""
+    unique_fraction: float = 1.0
+    """Distinct ids per token of a micro-batch (LEV runs once per distinct id; 1 = bound)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_size < 1 or self.num_micro_batches < 1:
+            raise ValueError("--micro-batch-size and the micro-batch count must be >= 1")
+        if self.engine not in _ENGINES:
+            raise ValueError(f"engine must be one of {_ENGINES}, got {self.engine!r}")
+        if not 0 < self.unique_fraction <= 1:
+            raise ValueError(f"unique_fraction must be in (0, 1], got {self.unique_fraction}")
+
+    @property
+    def autocast_weight_copies(self) -> bool:
+        """The portable engine under --bf16 keeps bf16 copies of fp32 weights for backward."""
+        return self.bf16 and self.engine == "portable"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the most loaded GPU (the larger of the first and last pipeline stage)."""
+
+    parameters: int
+    """Parameters held by that GPU."""
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    """Saved for backward by all micro-batches in flight, no recompute."""
+    activations_recompute: int
+    """The same with full recompute of every layer (only layer inputs kept, one layer live)."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    @property
+    def total_recompute(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations_recompute
+
+
+def _state_bytes(layout: ParallelLayout) -> tuple[float, float, float]:
+    """Bytes per parameter of (weights, gradients, optimizer states) on one GPU."""
+    dp = layout.data_parallel if layout.distributed_optimizer else 1
+    if layout.engine == "megatron" and layout.bf16:
+        # bf16 weights, fp32 main-grad buffer, fp32 master copy + Adam m, v (sharded over DP).
+        return 2.0, 4.0, 12.0 / dp
+    # float32 weights and gradients; Adam m, v (ZeRO-1 shards them over DP).
+    return 4.0, 4.0, 8.0 / dp
+
+
+def _layer_matmul_params(cfg: ModelConfig) -> int:
+    d, hd = cfg.hidden_size, cfg.kv_channels
+    qkv = d * hd * (cfg.num_attention_heads + 2 * cfg.num_query_groups)
+    return qkv + cfg.num_attention_heads * hd * d + 3 * d * cfg.ffn_hidden_size
+
+
+def _layer_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
+    """Bytes one decoder layer saves for backward for one micro-batch (see the module doc)."""
+    tp = layout.tensor_parallel
+    sp = tp if layout.sequence_parallel else 1
+    b, s, d = layout.micro_batch_size, cfg.seq_length, cfg.hidden_size
+    t = b * s
+    hd = cfg.kv_channels
+    heads, kv = cfg.num_attention_heads / tp, cfg.num_query_groups * hd / tp
+    f = cfg.ffn_hidden_size / tp
+    a = 2 if layout.bf16 else 4
+    stream = 4 * (2 * t + 4 * t * d) / sp
+    linear_inputs = a * 2 * t * d  # saved after the sequence-parallel all-gather: full size
+    attention = a * (4 * s * hd + t * heads * hd + t * kv + t * (heads * hd + 2 * kv))
+    attention += 4 * b * heads * s + a * t * heads * hd
+    mlp = a * 5 * t * f
+    weights = a * _layer_matmul_params(cfg) / tp if layout.autocast_weight_copies else 0
+    return stream + linear_inputs + attention + mlp + weights
+
+
+def _input_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
+    """Bytes the first stage saves outside the layers: ids, input embedding, embedding output."""
+    tp = layout.tensor_parallel
+    sp = tp if layout.sequence_parallel else 1
+    t = layout.micro_batch_size * cfg.seq_length
+    a = 2 if layout.bf16 else 4
+    emb = cfg.embedding
+    total = 8 * t + 4 * t * cfg.hidden_size / sp  # ids (or LEV's gather index), output [T, D]
+    if emb.embedding_type == "lev":
+        lev = cfg.lev_config()
+        u = max(1.0, min(t * layout.unique_fraction, cfg.vocab_size))
+        total += u * (8 * lev.num_digits + 4 * lev.seed_in_dim + 4 * lev.num_heads * lev.rank / tp)
+    elif emb.embedding_type in ("tied", "untied") and tp > 1:
+        total += t  # the vocab-parallel lookup's out-of-shard mask [T] (bool)
+    elif emb.embedding_type == "albert":
+        copies = layout.autocast_weight_copies
+        total += a * t * emb.albert_dim + (a * emb.albert_dim * cfg.hidden_size if copies else 0)
+    elif emb.embedding_type in ("flat-mlp", "factored-mlp"):
+        seed = emb.flat_mlp_seed_dim
+        if emb.embedding_type == "factored-mlp":
+            lev = cfg.lev_config()
+            seed = lev.seed_in_dim
+            total += 8 * t * (lev.num_digits - 1)  # the digits [T, k] replace the ids [T]
+        # float32 seed [T, d] and LayerNorm statistics; in the compute dtype the fc1 input
+        # (normed seed), fc1 output (SiLU input) and SiLU output; autocast weight copies.
+        hidden = emb.mlp_hidden
+        total += 4 * t * seed + 8 * t + a * t * (seed + 2 * hidden)
+        if layout.autocast_weight_copies:
+            total += a * (seed * hidden + hidden * cfg.hidden_size)
+    return total
+
+
+def _output_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
+    """Bytes the last stage saves after the layers: final norm, head input, logits, labels."""
+    tp = layout.tensor_parallel
+    sp = tp if layout.sequence_parallel else 1
+    t = layout.micro_batch_size * cfg.seq_length
+    a = 2 if layout.bf16 else 4
+    head_weight = a * cfg.vocab_size * cfg.hidden_size / tp if layout.autocast_weight_copies else 0
+    norm = 4 * (t + t * cfg.hidden_size) / sp
+    loss = 9 * t  # a bool mask and the int64 labels [T]
+    # The head's input copy is saved after the sequence-parallel all-gather (full [T, D]).
+    return norm + a * t * cfg.hidden_size + head_weight + 4 * t * cfg.vocab_size / tp + loss
+
+
+def _stage_parameters(cfg: ModelConfig, layout: ParallelLayout) -> tuple[int, int]:
+    """Parameters on one GPU of the first and of the last pipeline stage."""
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    count = count_parameters(cfg)
+    layers = (count.backbone - cfg.hidden_size) / pp / tp
+    emb = cfg.embedding
+    if emb.embedding_type == "lev":
+        lev = cfg.lev_config()
+        codebooks = lev.num_digits * lev.base * lev.seed_dim
+        input_side = codebooks + (count.input_embedding - codebooks) / tp
+    elif emb.embedding_type in ("tied", "untied"):
+        input_side = count.input_embedding / tp
+    else:  # the seed tables and MLPs of the matched arms are replicated over TP
+        input_side = count.input_embedding
+    head = cfg.vocab_size * cfg.hidden_size / tp  # tied: the last stage's copy when pp > 1
+    if pp == 1:
+        total = layers + input_side + (0 if emb.tied else head) + cfg.hidden_size
+        return int(total), int(total)
+    return int(layers + input_side), int(layers + head + cfg.hidden_size)
+
+
+def estimate_memory(cfg: ModelConfig, layout: ParallelLayout) -> MemoryEstimate:
+    """Memory of the most loaded GPU of `layout` training `cfg` (see the module docstring)."""
+    cfg = resolve_embedding_sizes(cfg, log=False)
+    pp = layout.pipeline_parallel
+    if cfg.num_layers % pp:
+        raise ValueError(f"--num-layers {cfg.num_layers} is not divisible by PP size {pp}")
+    first, last = _stage_parameters(cfg, layout)
+    w, g, o = _state_bytes(layout)
+    layers = cfg.num_layers // pp
+    per_layer = _layer_activation_bytes(cfg, layout)
+    layer_input = 4 * layout.micro_batch_size * cfg.seq_length * cfg.hidden_size
+    layer_input /= layout.tensor_parallel if layout.sequence_parallel else 1
+    # 1F1B: stage i holds up to pp - i micro-batches in flight (stage 0 the most).
+    in_flight_first = min(pp, layout.num_micro_batches)
+    head = _output_activation_bytes(cfg, layout)
+    inputs = _input_activation_bytes(cfg, layout)
+    if pp == 1:
+        act = layers * per_layer + inputs + head
+        act_rc = layers * layer_input + per_layer + inputs + head
+        params = first
+    else:
+        act_first = in_flight_first * (layers * per_layer + inputs)
+        act_last = layers * per_layer + head
+        rc_first = in_flight_first * (layers * layer_input + inputs) + per_layer
+        rc_last = layers * layer_input + per_layer + head
+        first_total = first * (w + g + o) + act_first
+        last_total = last * (w + g + o) + act_last
+        if first_total >= last_total:
+            params, act, act_rc = first, act_first, rc_first
+        else:
+            params, act, act_rc = last, act_last, rc_last
+    return MemoryEstimate(
+        parameters=params,
+        weights=int(params * w),
+        grads=int(params * g),
+        optimizer=int(params * o),
+        activations=int(act),
+        activations_recompute=int(act_rc),
+    )
+
+
+def flops_per_token(cfg: ModelConfig, recompute: bool = False, unique_fraction: float = 1.0):
+    """Training FLOPs (forward + backward) of one token, whole model (all GPUs together).
+
+    Matmuls cost 2 FLOPs per multiply-add forward and twice that backward (6 per parameter per
+    token); attention scores and values add 2 * 2 * s * D per layer forward (full s x s, the
+    convention of Megatron-LM and PaLM MFU figures, not halved for the causal mask). LEV's
+    fused path runs its forward twice (recompute in backward): seed projection, spline
+    evaluation (3 multiply-adds per coordinate and mode), and output projection, per distinct
+    id. Full recompute adds one more forward of the layers.
+    """
+    cfg = resolve_embedding_sizes(cfg, log=False)
+    d, s, layers = cfg.hidden_size, cfg.seq_length, cfg.num_layers
+    layer_fwd = 2 * _layer_matmul_params(cfg) + 4 * s * d
+    head_fwd = 2 * cfg.vocab_size * d
+    emb = cfg.embedding
+    if emb.embedding_type == "lev":
+        lev = cfg.lev_config()
+        h, ds, r = lev.num_heads, lev.seed_dim, lev.rank
+        lev_fwd = 2 * h * ds * lev.seed_in_dim + 6 * h * ds * r + 2 * h * r * d
+        input_flops = 4 * lev_fwd * unique_fraction  # forward, recompute, backward (2x)
+    elif emb.embedding_type == "albert":
+        input_flops = 6 * emb.albert_dim * d
+    elif emb.embedding_type in ("flat-mlp", "factored-mlp"):
+        seed = emb.flat_mlp_seed_dim or cfg.lev_config().seed_in_dim
+        input_flops = 6 * (seed * emb.mlp_hidden + emb.mlp_hidden * d)
+    else:
+        input_flops = 0
+    passes = 4 if recompute else 3
+    return passes * layers * layer_fwd + 3 * head_fwd + input_flops

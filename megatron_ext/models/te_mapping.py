@@ -1,0 +1,136 @@
+"""Parameter names of the Transformer Engine spec <-> the local spec, so checkpoints cross specs.
+
+megatron-core's TE decoder layer fuses each RMSNorm into the following linear layer
+(TELayerNormColumnParallelLinear), so the two norms of a layer are named differently::
+
+    local spec                         Transformer Engine spec
+    input_layernorm.weight             self_attention.linear_qkv.layer_norm_weight
+    pre_mlp_layernorm.weight           mlp.linear_fc1.layer_norm_weight
+
+Every other parameter has the same name and shape in both specs (the TE attention has no
+parameters; FP8 scaling state is `_extra_state`, not a parameter). The mapping is megatron-core's
+own: its local GPT layer spec declares it as `sharded_state_dict_keys_map` so that its
+distributed checkpoints load across specs; this module reads it from there.
+
+Checkpoints of this project store the local ("canonical") names: `full_state_dict`'s
+layout-free names pass through `canonical_param_name`, so a TE-trained checkpoint loads into the
+local spec (CPU evaluation, export) and a local one into the TE spec, in any parallel layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+__all__ = [
+    "te_to_local_prefixes",
+    "canonical_param_name",
+    "te_param_name",
+    "compare_te_and_local_logits",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def te_to_local_prefixes() -> dict[str, str]:
+    """{TE name prefix: local name prefix} inside a decoder layer, from megatron-core."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    keys_map = get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map
+    # e.g. {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}: local -> TE.
+    return {te: local for local, te in keys_map.items()}
+
+
+def _split_layer(name: str) -> tuple[str, str]:
+    """("...decoder.layers.N.", rest) for a layer parameter, ("", name) otherwise."""
+    marker = "decoder.layers."
+    at = name.find(marker)
+    if at < 0:
+        return "", name
+    start = at + len(marker)
+    dot = name.find(".", start)
+    if dot < 0 or not name[start:dot].isdigit():
+        return "", name
+    return name[: dot + 1], name[dot + 1 :]
+
+
+def canonical_param_name(name: str) -> str:
+    """The local-spec name of a parameter (TE-spec names mapped; local names unchanged)."""
+    head, rest = _split_layer(name)
+    if not head:
+        return name
+    for te_prefix, local_prefix in te_to_local_prefixes().items():
+        if rest.startswith(te_prefix):
+            return head + local_prefix + rest[len(te_prefix) :]
+    return name
+
+
+def te_param_name(name: str) -> str:
+    """The TE-spec name of a local-spec parameter (inverse of `canonical_param_name`)."""
+    head, rest = _split_layer(name)
+    if not head:
+        return name
+    for te_prefix, local_prefix in te_to_local_prefixes().items():
+        if rest.startswith(local_prefix):
+            return head + te_prefix + rest[len(local_prefix) :]
+    return name
+
+
+def compare_te_and_local_logits(seed: int = 0) -> dict:
+    """GPU check: one set of weights in the local and the TE spec gives the same BF16 logits.
+
+    Builds a small LEV model in both specs (single process), copies the local weights into the
+    TE model through the checkpoint names, and compares logits under BF16 autocast.
+    """
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
+    from megatron_ext.parallel import initialize_parallel
+    from megatron_ext.testing.distributed import find_free_port
+
+    started = False
+    if not parallel_state.model_parallel_is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ["MASTER_PORT"] = str(find_free_port())
+        initialize_parallel(backend="nccl")
+        started = True
+    try:
+        cfg = ModelConfig(
+            vocab_size=4096,
+            num_layers=2,
+            hidden_size=512,
+            num_attention_heads=8,
+            seq_length=256,
+            embedding=dict(embedding_type="lev", lev=dict(num_heads=4, rank=32)),
+        )
+        torch.manual_seed(seed)
+        local = build_model(cfg).cuda()
+        te = build_model(cfg.replace(transformer_impl="transformer_engine")).cuda()
+        names = {n for n, _ in te.named_parameters()}
+        load_full_state_dict(te, gather_full_state_dict(local))
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), device="cuda")
+        pos = torch.arange(cfg.seq_length, device="cuda").expand(2, -1)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            a = local(ids, pos, None).float()
+            b = te(ids, pos, None).float()
+        rel = ((a - b).abs().max() / a.abs().max()).item()
+        fused = sorted(n for n in names if "layer_norm_weight" in n)
+        return dict(
+            status="pass" if rel < 2e-2 else "fail",
+            max_relative_logit_difference=rel,
+            tolerance=2e-2,
+            te_fused_norm_parameters=len(fused),
+        )
+    finally:
+        if started:
+            parallel_state.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()

@@ -1,0 +1,177 @@
+"""The on-paper memory of `models.memory` against bytes that autograd really saves on CPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron_ext.testing.distributed import call_in_file
+from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
+from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
+from megatron_ext.testing.distributed import run_distributed
+
+ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
+SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2)
+LEV = dict(seed_dim=16, rank=8, num_heads=2, num_knots=6)
+VOCAB, SEQ, BATCH = 300, 16, 3
+
+
+def _config(arm: str, tp: int = 1, sp: bool = False) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        ffn_hidden_size=48,
+        embedding=dict(embedding_type=arm, lev=dict(LEV)),
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+        **SHAPE,
+    )
+
+
+def _measure(arms, autocast_bf16: bool, tp: int, sp: bool) -> dict:
+    """Bytes saved for backward by one forward + loss of each arm (this rank)."""
+    from megatron_ext.testing.memory import saved_tensor_bytes
+    from megatron_ext.models import build_model
+
+    sizes = {}
+    for arm in arms:
+        torch.manual_seed(0)
+        model = build_model(_config(arm, tp, sp))
+        # Distinct ids: LEV's dedup then evaluates exactly T ids (unique_fraction = 1).
+        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[: BATCH * SEQ]
+        ids = ids.view(BATCH, SEQ).clone()  # its own storage, not a view of all V ids
+        pos = torch.arange(SEQ).expand(BATCH, SEQ)
+        ctx = (
+            torch.autocast("cpu", dtype=torch.bfloat16)
+            if autocast_bf16
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            size, loss = saved_tensor_bytes(
+                lambda: model(ids, pos, None, labels=ids), exclude=model.parameters()
+            )
+        loss.float().sum().backward()
+        sizes[arm] = size
+    return sizes
+
+
+def _measure_cases(cases) -> list:
+    return [_measure(*case) for case in cases]
+
+
+def test_activation_figure_equals_the_measured_local_path():
+    cases = [(ARMS, False, 1, False), (ARMS, True, 1, False)]
+    measured = run_distributed(call_in_file, 1, args=(__file__, "_measure_cases", cases))[0]
+    for (arms, bf16, _, _), sizes in zip(cases, measured):
+        layout = ParallelLayout(micro_batch_size=BATCH, bf16=bf16)
+        for arm in arms:
+            estimate = estimate_memory(_config(arm), layout).activations
+            assert estimate == sizes[arm], (arm, bf16, estimate, sizes[arm])
+
+
+def test_activation_figure_under_tensor_and_sequence_parallelism():
+    arms = ("untied", "lev")
+    cases = [(arms, True, 2, False), (arms, True, 2, True)]
+    measured = run_distributed(call_in_file, 2, tp=2, args=(__file__, "_measure_cases", cases))
+    for i, (_, _, tp, sp) in enumerate(cases):
+        layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=sp, micro_batch_size=BATCH)
+        for arm in arms:
+            estimate = estimate_memory(_config(arm, tp=tp, sp=sp), layout).activations
+            assert [estimate] * 2 == [m[i][arm] for m in measured], (arm, sp, estimate, measured)
+
+
+def _count_flops(arm) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_ext.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(_config(arm))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    with FlopCounterMode(display=False) as counter:
+        model(ids, pos, None, labels=ids).float().sum().backward()
+    return counter.get_total_flops()
+
+
+def test_flops_per_token_equals_torch_flop_counter():
+    # torch counts the matmuls, forward and backward, but not the CPU SDPA kernel: the
+    # attention term (2 * 2 * s * D per layer forward, x3 with backward) is added here.
+    arms = ("untied", "albert")
+    counted = run_distributed(call_in_file, 1, args=(__file__, "_count_flops_many", arms))[0]
+    attention = 3 * SHAPE["num_layers"] * 4 * SEQ * SHAPE["hidden_size"]
+    for arm in arms:
+        assert flops_per_token(_config(arm)) * BATCH * SEQ == counted[arm] + attention * BATCH * SEQ
+
+
+def _count_flops_many(arms) -> dict:
+    return {arm: _count_flops(arm) for arm in arms}
+
+
+def test_optimizer_state_bytes_and_a_1_2b_run_on_8_gpus():
+    cfg = ModelConfig(
+        vocab_size=200064, seq_length=4096, embedding=dict(embedding_type="lev"),
+        **MODEL_SIZE_PRESETS["1.2b"],
+    )  # fmt: skip
+    portable = estimate_memory(cfg, ParallelLayout(data_parallel=8))
+    assert portable.weights == portable.grads == 4 * portable.parameters
+    assert portable.optimizer == 8 * portable.parameters
+    megatron = estimate_memory(
+        cfg, ParallelLayout(data_parallel=8, engine="megatron", distributed_optimizer=True)
+    )
+    assert (megatron.weights, megatron.grads) == (2 * megatron.parameters, 4 * megatron.parameters)
+    assert megatron.optimizer == int(12 / 8 * megatron.parameters)
+    # TP=2 halves most weights; recompute keeps layer inputs only (the [T, V] logits remain).
+    tp2 = estimate_memory(cfg, ParallelLayout(tensor_parallel=2, data_parallel=4))
+    assert tp2.parameters < 0.55 * portable.parameters
+    assert portable.activations_recompute < portable.activations / 2
+    assert 1.2e9 < portable.parameters < 1.3e9
+
+
+def _tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools/count_params.py"
+    spec = importlib.util.spec_from_file_location("count_params_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_count_params_memory_cli(capsys):
+    tool = _tool()
+    argv = ["--memory", "--scales", "1.2b", "--vocab-sizes", "200064", "--arms", "lev", "tied"]
+    argv += ["--data-parallel-size", "8", "--micro-batch-size", "2", "--format", "csv"]
+    assert tool.main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split(",") == list(tool.MEMORY_COLUMNS)
+    rows = [dict(zip(tool.MEMORY_COLUMNS, line.split(","))) for line in lines[1:]]
+    assert [r["arm"] for r in rows] == ["lev", "tied"]
+    lev, tied = rows
+    # LEV costs about 0.2% more parameters and FLOPs than TIED, and fits an 80 GB GPU.
+    assert 0 < float(lev["gflop_per_token"]) / float(tied["gflop_per_token"]) - 1 < 0.01
+    assert float(lev["total_recompute_gib"]) < float(lev["total_gib"]) < 80
+    assert tool.main(["--memory", "--scales", "1.2b", "--tensor-model-parallel-size", "3"]) == 2
+    assert "not divisible by --tensor-model-parallel-size 3" in capsys.readouterr().err
+
+
+def test_flops_per_token_agrees_with_the_training_log_formula():
+    # The loop's MFU uses metrics.flops_per_iteration, which leaves the input embedding out.
+    from megatron_ext.training.metrics import flops_per_iteration
+
+    cfg = ModelConfig(vocab_size=200064, seq_length=4096, **MODEL_SIZE_PRESETS["1.2b"])
+    logged = flops_per_iteration(
+        global_batch_size=1,
+        seq_length=cfg.seq_length,
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        vocab_size=cfg.vocab_size,
+    )
+    tied = cfg.replace(embedding=dict(embedding_type="tied"))
+    assert flops_per_token(tied) * cfg.seq_length == logged
+    assert flops_per_token(cfg) > flops_per_token(tied)  # LEV's generator adds its own FLOPs

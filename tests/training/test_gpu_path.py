@@ -1,0 +1,170 @@
+"""The GPU path as far as a CPU can check it: GPU flags and their refusals, and the GPU check
+script (it parses, and its CPU-runnable parts pass in --cpu-dry-run on a tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.training.arguments import ArgumentError, build_parser
+from megatron_ext.training.gpu_arguments import GPU_FLAGS, add_gpu_arguments, validate_gpu_args
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+def _args(*flags):
+    return build_parser().parse_args([*BASE, *flags])
+
+
+def test_every_gpu_flag_is_parsed_once_even_if_defined_elsewhere():
+    parser = build_parser()
+    for flag in GPU_FLAGS:
+        assert flag in parser._option_string_actions, flag
+    # A parser that already has one of the flags (another module's definition) keeps it.
+    import argparse
+
+    other = argparse.ArgumentParser()
+    other.add_argument("--overlap-grad-reduce", action="store_true", help="theirs")
+    add_gpu_arguments(other)
+    assert other._option_string_actions["--overlap-grad-reduce"].help == "theirs"
+    args = _args(
+        "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "most_recent",
+        "--fp8-margin", "1",
+    )  # fmt: skip
+    assert (args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.fp8_margin) == (
+        16, "most_recent", 1
+    )  # fmt: skip
+    assert args.ddp_impl == "portable"
+
+
+@pytest.mark.parametrize(
+    "flags, cuda, message",
+    [
+        (["--ddp-impl", "megatron"], False, "--ddp-impl megatron needs CUDA"),
+        (["--overlap-grad-reduce"], True, "--overlap-grad-reduce needs --ddp-impl megatron"),
+        (
+            ["--ddp-impl", "megatron", "--overlap-param-gather"],
+            True,
+            "--overlap-param-gather needs --use-distributed-optimizer",
+        ),
+        (
+            ["--ddp-impl", "megatron", "--num-layers-per-virtual-pipeline-stage", "1"],
+            True,
+            "--pipeline-model-parallel-size >= 2",
+        ),
+        (
+            [
+                "--ddp-impl",
+                "megatron",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "3",
+            ],
+            True,
+            "--num-layers 4 is not divisible",
+        ),  # fmt: skip
+        (["--fp8-amax-history-len", "8"], True, "--fp8-amax-history-len needs --fp8-format"),
+        (
+            ["--ddp-impl", "megatron", "--fp8-param-gather"],
+            True,
+            "--fp8-param-gather needs --fp8-format",
+        ),
+    ],
+)
+def test_gpu_flags_are_refused_where_they_cannot_work(flags, cuda, message):
+    with pytest.raises(ArgumentError, match=message.replace("+", r"\+")):
+        validate_gpu_args(_args(*flags), cuda=cuda)
+
+
+def test_ddp_impl_megatron_refused_by_the_entry_parser_on_cpu():
+    from megatron_ext.training import parse_args
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    argv = [*BASE, "--ddp-impl", "megatron", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--seq-length", "16"]  # fmt: skip
+    with pytest.raises(ArgumentError) as error:
+        parse_args(argv, world_size=1)
+    assert str(error.value) == (
+        "--ddp-impl megatron needs CUDA (megatron-core's DDP keeps its buffers on the "
+        "GPU); use --ddp-impl portable on CPU"
+    )
+
+
+def test_gpu_check_script_parses_and_its_cpu_parts_pass(tmp_path):
+    script = ROOT / "scripts/gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    out = tmp_path / "check.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("TRITON_INTERPRET", None)  # the script sets it for the dry run itself
+    proc = subprocess.run(
+        ["bash", str(script), "--cpu-dry-run", "--out", str(out), "--time-budget-s", "400"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=470,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == "cpu-dry-run" and result["status"] == "pass"
+    checks = result["checks"]
+    assert checks["triton_vs_torch"]["status"] == "pass"
+    assert max(checks["triton_vs_torch"]["max_relative_error"].values()) < 2**-7
+    for name in ("te_vs_local_logits", "fp8_steps", "engines_20_steps", "gpu_pytest"):
+        assert checks[name]["status"] == "skipped" and "CUDA" in checks[name]["reason"]
+    runs = result["throughput"]["runs"]
+    assert set(runs) == {"lev_bf16", "tied_bf16"}
+    for run in runs.values():
+        assert run["status"] == "pass" and run["tokens_per_second"] > 0
+        assert run["tflops_per_gpu"] > 0 and run["mfu"] is None  # no GPU peak on CPU
+    assert result["throughput"]["lev_over_tied_step_time_bf16"] > 0
+    assert "lev_bf16" in proc.stdout and "tok/s" in proc.stdout
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_container_files():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "FROM nvcr.io/nvidia/pytorch:${NGC_TAG}" in dockerfile
+    assert "ARG NGC_TAG=25.12-py3" in dockerfile
+    # NGC's torch stays: no pip line installs torch, our package goes in with --no-deps.
+    installs = [line for line in dockerfile.splitlines() if "pip install" in line]
+    assert installs and not any("torch" in line.split("#")[0] for line in installs)
+    assert "--no-deps -e ." in dockerfile
+    assert ".git" in (ROOT / ".dockerignore").read_text().split()
+    sbatch = ROOT / "examples/slurm/pretrain_container.sbatch"
+    assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    text = sbatch.read_text()
+    assert "--container-image=" in text and "#SBATCH --signal=TERM@300" in text
+    assert "--exit-signal-handler" in text and "--save /ckpt --load /ckpt" in text
+
+
+def test_megatron_engine_refuses_what_it_does_not_do_yet():
+    from megatron_ext.training.gpu_arguments import engine_limitations, megatron_engine_model_config
+
+    assert engine_limitations(_args("--ddp-impl", "megatron")) is None
+    for flags, message in (
+        (["--save", "ckpt"], "does not write or read checkpoints yet"),
+        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+         "interleaved 1F1B"),
+        (["--fp16"], "not --fp16"),
+    ):  # fmt: skip
+        args = _args("--ddp-impl", "megatron", *flags)
+        assert message in engine_limitations(args)
+        with pytest.raises(ArgumentError, match=message):
+            validate_gpu_args(args, cuda=True)
+    # BF16 parameters and the FP8 recipe go into the model config (TransformerConfig fields).
+    from megatron_ext.models import ModelConfig
+
+    args = _args("--ddp-impl", "megatron", "--bf16", "--fp8-format", "hybrid",
+                 "--fp8-amax-history-len", "16")  # fmt: skip
+    cfg = megatron_engine_model_config(ModelConfig(vocab_size=64), args)
+    assert cfg.bf16 and cfg.extra_transformer_config["fp8_amax_history_len"] == 16
