@@ -13,9 +13,9 @@ import torch
 
 from megatron_ext.lev import LEVConfig
 from megatron_ext.lev import math as lev_math
-from megatron_ext.testing.memory import saved_tensor_bytes
 from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
 from megatron_ext.lev.kernel_select import select_fused_kernel
+from megatron_ext.testing.memory import saved_tensor_bytes
 
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[gpu]')")
 

@@ -6,10 +6,9 @@ import contextlib
 
 import torch
 
-from megatron_ext.testing.distributed import call_in_file
 from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
 from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
-from megatron_ext.testing.distributed import run_distributed
+from megatron_ext.testing.distributed import call_in_file, run_distributed
 
 ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
 SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2)
@@ -31,8 +30,8 @@ def _config(arm: str, tp: int = 1, sp: bool = False) -> ModelConfig:
 
 def _measure(arms, autocast_bf16: bool, tp: int, sp: bool) -> dict:
     """Bytes saved for backward by one forward + loss of each arm (this rank)."""
-    from megatron_ext.testing.memory import saved_tensor_bytes
     from megatron_ext.models import build_model
+    from megatron_ext.testing.memory import saved_tensor_bytes
 
     sizes = {}
     for arm in arms:

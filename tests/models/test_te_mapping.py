@@ -7,13 +7,12 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import call_in_file
 from megatron_ext.models.te_mapping import (
     canonical_param_name,
     te_param_name,
     te_to_local_prefixes,
 )
-from megatron_ext.testing.distributed import run_distributed
+from megatron_ext.testing.distributed import call_in_file, run_distributed
 
 # The parameters of one decoder layer in megatron-core's TE spec (TELayerNormColumnParallelLinear
 # carries the fused RMSNorm weight as `layer_norm_weight`; TEDotProductAttention has none).
