@@ -10,6 +10,9 @@ They are chosen by the local layer spec (core attention, norms) or by `Leviathan
   different slice of the sequence, so their gradients are partial sums that the training step
   all-reduces across the TP group, exactly as Megatron does for its fused norms.
 - `PortableRotaryEmbedding` replaces `RotaryEmbedding`, whose `get_emb` moves `inv_freq` to CUDA.
+- `CachedSelfAttention` replaces `SelfAttention`, whose KV cache for megatron's
+  `StaticInferenceContext` is allocated on `torch.cuda.current_device()`; the twin allocates it
+  on the device of its own weights, so generation with a KV cache also runs on CPU.
 """
 
 from __future__ import annotations
@@ -20,13 +23,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
 
-__all__ = ["SDPACoreAttention", "SequenceParallelNorm", "PortableRotaryEmbedding"]
+__all__ = [
+    "CachedSelfAttention",
+    "SDPACoreAttention",
+    "SequenceParallelNorm",
+    "PortableRotaryEmbedding",
+]
 
 
 class SDPACoreAttention(MegatronModule):
@@ -167,3 +176,21 @@ class PortableRotaryEmbedding(RotaryEmbedding):
             emb = torch.cat((freqs, freqs), dim=-1)
         # [s, dim] -> [s, 1, 1, dim], the layout megatron's apply_rotary_pos_emb expects
         return emb[:, None, None, :]
+
+
+class CachedSelfAttention(SelfAttention):
+    """megatron's SelfAttention with its inference KV cache on the weights' device.
+
+    The cache is megatron's own (`StaticInferenceContext.key_value_memory_dict`, one
+    [max_s, max_b, ng, hn] key and value buffer per layer); only where it lives changes.
+    """
+
+    def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
+        return torch.empty(
+            inference_max_sequence_length,
+            batch_size,
+            self.num_query_groups_per_partition,
+            dim,
+            dtype=dtype,
+            device=self.linear_qkv.weight.device,
+        )
