@@ -475,7 +475,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         format="[%(asctime)s] %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
     )
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex|cuda_graph_scope).*")
     args = get_args(argv)
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError

@@ -42,9 +42,10 @@ DEFAULT_EDGES = (1e-7, 1e-6, 1e-5, 1e-4)
 
 def _one_in(edge: float) -> str:
     n = 1.0 / edge
-    for value, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if n >= value and (n / value) == round(n / value):
-            return f"1/{int(n / value)}{suffix}"
+    for value, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, "")):
+        scaled = n / value
+        if scaled >= 1 and abs(scaled - round(scaled)) < 1e-6 * scaled:
+            return f"1/{round(scaled)}{suffix}"
     return f"{edge:g}"
 
 
