@@ -271,6 +271,7 @@ def _plot(results: dict[str, FrequencyStats], baseline: Optional[str], path: str
     counts = next(iter(results.values())).tokens
     ax.set_xticks(x, [f"{lab}\n({int(n)} tok)" for lab, n in zip(labels, counts)], fontsize=8)
     ax.set_yscale("log")
+    ax.set_ylim(bottom=1.0)  # bars from perplexity 1: their log-height is the loss
     ax.set_ylabel("perplexity (log scale)")
     ax.set_xlabel("training-data frequency of the target token")
     ax.set_title("Frequency-stratified perplexity")
