@@ -82,8 +82,8 @@ def main() -> None:
     tokens = torch.randint(0, args.vocab_size, (big, s + 1), device=device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(s, device=device).unsqueeze(0).expand(big, s)
-    print(f"{'arm':6} {'train fwd tok/s':>16} {'eval tok/s':>12} {'ratio':>7} "
-          f"{'eval x' + str(args.eval_batch_multiplier) + ' batch tok/s':>22} {'ratio':>7}")  # fmt: skip
+    wide = f"eval x{args.eval_batch_multiplier} batch tok/s"
+    print(f"{'arm':6} {'train fwd tok/s':>16} {'eval tok/s':>12} {'ratio':>7} {wide:>22} ratio")
     for arm in args.arms:
         model, config = _model(arm, args)
         scorer = ModelScorer(model, config.hidden_size, args.vocab_size)
@@ -101,7 +101,6 @@ def main() -> None:
         large = big * s / _median_seconds(lambda: eval_forward(big), args.repeats, args.warmup)
         print(f"{arm:6} {train:16.0f} {same:12.0f} {same / train:6.2f}x "
               f"{large:22.0f} {large / train:6.2f}x")  # fmt: skip
-        del model, scorer
 
 
 if __name__ == "__main__":

@@ -148,7 +148,8 @@ def test_detokenize(tokenized, expected):
 def test_read_wikitext_splits_articles_at_titles(tmp_path):
     path = tmp_path / "wiki.test.tokens"
     path.write_text(
-        " \n = First = \n \n Text one . \n \n = = Part = = \n \n More . \n \n = Second = \n \n Two . \n"
+        " \n = First = \n \n Text one . \n \n = = Part = = \n \n More . \n"
+        " \n = Second = \n \n Two . \n"
     )
     articles = read_wikitext(str(path))
     assert len(articles) == 2
