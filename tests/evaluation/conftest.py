@@ -60,8 +60,9 @@ def eval_runs(tmp_path_factory) -> EvalRuns:
     def held_out() -> None:
         subprocess.run(
             [sys.executable, "tools/preprocess_data.py",
-             "--input", str(corpus / "raw" / "val.jsonl.zst"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-             str(corpus / "tok.model"), "--output-prefix", str(root / "val"), "--append-eod"],
+             "--input", str(corpus / "raw" / "val.jsonl.zst"),
+             "--tokenizer-type", "SentencePieceTokenizer",
+             "--tokenizer-model", str(corpus / "tok.model"), "--output-prefix", str(root / "val"), "--append-eod"],
             check=True, cwd=REPO, capture_output=True,
         )  # fmt: skip
 
