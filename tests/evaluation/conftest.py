@@ -62,7 +62,8 @@ def eval_runs(tmp_path_factory) -> EvalRuns:
             [sys.executable, "tools/preprocess_data.py",
              "--input", str(corpus / "raw" / "val.jsonl.zst"),
              "--tokenizer-type", "SentencePieceTokenizer",
-             "--tokenizer-model", str(corpus / "tok.model"), "--output-prefix", str(root / "val"), "--append-eod"],
+             "--tokenizer-model", str(corpus / "tok.model"),
+             "--output-prefix", str(root / "val"), "--append-eod"],
             check=True, cwd=REPO, capture_output=True,
         )  # fmt: skip
 
