@@ -1,13 +1,9 @@
 """lm-evaluation-harness model class for our checkpoints (any arm; TP=1 on CPU, TP>1 on the
 ranks of a torchrun world).
 
-Importing this module registers the model as `leviathan`, so the harness's own entry points
-work as well as `tools/evaluate.py lm-eval`::
-
-    lm_eval --model leviathan --model_args load=ckpt/lev,batch_size=32 \\
-        --tasks hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai
-
-(with `--include_path` or `import megatron_ext.evaluation.lm_eval_adapter` done first.)
+Importing this module registers the model as `leviathan` with the harness, so that
+`lm_eval.simple_evaluate(model="leviathan", model_args="load=ckpt/lev,batch_size=32", ...)`
+works as well as `tools/evaluate.py lm-eval` (which passes an already loaded model).
 
 Requests are scored in batches sorted by length (longest first). A context longer than the
 model's sequence length is truncated on the left, keeping the continuation whole (or its last
