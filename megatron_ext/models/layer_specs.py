@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -31,7 +31,11 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_ext.models.config import TRANSFORMER_IMPLS
-from megatron_ext.models.local_modules import SDPACoreAttention, SequenceParallelNorm
+from megatron_ext.models.local_modules import (
+    CachedSelfAttention,
+    SDPACoreAttention,
+    SequenceParallelNorm,
+)
 from megatron_ext.tensor_parallel import PortableColumnParallelLinear, PortableRowParallelLinear
 
 __all__ = [
@@ -50,7 +54,7 @@ def get_local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
         submodules=TransformerLayerSubmodules(
             input_layernorm=SequenceParallelNorm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=CachedSelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=PortableColumnParallelLinear,

@@ -15,6 +15,9 @@ They are chosen by the local layer spec (core attention, norms) or by `Leviathan
 - `PortableTransformerBlock` (adopted by `LeviathanModel` on hosts without CUDA when
   `--recompute-granularity full`) recomputes layers with `torch.utils.checkpoint`: megatron's
   `tensor_parallel.checkpoint` saves the CUDA RNG state, which a CPU-only torch cannot read.
+- `CachedSelfAttention` replaces `SelfAttention`, whose KV cache for megatron's
+  `StaticInferenceContext` is allocated on `torch.cuda.current_device()`; the twin allocates it
+  on the device of its own weights, so generation with a KV cache also runs on CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -33,6 +37,7 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 __all__ = [
+    "CachedSelfAttention",
     "SDPACoreAttention",
     "SequenceParallelNorm",
     "PortableRotaryEmbedding",
@@ -265,3 +270,21 @@ class PortableTransformerBlock(TransformerBlock):
             else:
                 hidden_states, context = forward(hidden_states, context)
         return hidden_states
+
+
+class CachedSelfAttention(SelfAttention):
+    """megatron's SelfAttention with its inference KV cache on the weights' device.
+
+    The cache is megatron's own (`StaticInferenceContext.key_value_memory_dict`, one
+    [max_s, max_b, ng, hn] key and value buffer per layer); only where it lives changes.
+    """
+
+    def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
+        return torch.empty(
+            inference_max_sequence_length,
+            batch_size,
+            self.num_query_groups_per_partition,
+            dim,
+            dtype=dtype,
+            device=self.linear_qkv.weight.device,
+        )

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Evaluation throughput against the training forward pass, per arm, measured in one run.
+
+For each arm the same model and micro-batch run (a) the training forward pass (train mode,
+autograd recording, LEV through its spline generator) and (b) the evaluation forward of
+`megatron_ext.evaluation.scoring.ModelScorer` (eval mode, `torch.inference_mode`, LEV through
+its eval table), then (c) evaluation at --eval-batch-multiplier times the micro-batch, as
+tools/evaluate.py runs it. Printed: median tokens/s of each and the ratios (b)/(a), (c)/(a).
+
+    python benchmarks/bench_eval.py
+    python benchmarks/bench_eval.py --hidden-size 1024 --num-layers 8 --seq-length 1024 \\
+        --vocab-size 50304 --micro-batch-size 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _model(arm: str, args):
+    from megatron_ext.data.tokenizers import padded_vocab_size
+    from megatron_ext.models import build_model, model_config_from_args
+    from megatron_ext.training import parse_args
+
+    flags = parse_args([
+        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+        "--num-attention-heads", str(args.num_attention_heads),
+        "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
+        "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(args.vocab_size), "--embedding-type", arm, "--lev-eval-table",
+    ], world_size=1)  # fmt: skip
+    flags.transformer_impl = "local" if not torch.cuda.is_available() else flags.transformer_impl
+    vocab = padded_vocab_size(args.vocab_size)
+    config = model_config_from_args(flags, vocab).replace(bf16=False, fp16=False)
+    model = build_model(config)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model, config
+
+
+def _median_seconds(fn, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arms", nargs="+", default=["tied", "lev"])
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--eval-batch-multiplier", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args()
+
+    from megatron_ext.evaluation.scoring import ModelScorer
+    from megatron_ext.inference.loading import init_inference_parallel
+
+    init_inference_parallel(1, 1)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    b, s = args.micro_batch_size, args.seq_length
+    big = b * args.eval_batch_multiplier
+    tokens = torch.randint(0, args.vocab_size, (big, s + 1), device=device)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(big, s)
+    wide = f"eval x{args.eval_batch_multiplier} batch tok/s"
+    print(f"{'arm':6} {'train fwd tok/s':>16} {'eval tok/s':>12} {'ratio':>7} {wide:>22} ratio")
+    for arm in args.arms:
+        model, config = _model(arm, args)
+        scorer = ModelScorer(model, config.hidden_size, args.vocab_size)
+
+        def train_forward():
+            model.train()
+            model(inputs[:b], positions[:b], None, labels=labels[:b]).float().mean()
+
+        def eval_forward(n: int):
+            model.eval()
+            scorer.token_losses(inputs[:n], labels[:n], positions[:n])
+
+        train = b * s / _median_seconds(train_forward, args.repeats, args.warmup)
+        same = b * s / _median_seconds(lambda: eval_forward(b), args.repeats, args.warmup)
+        large = big * s / _median_seconds(lambda: eval_forward(big), args.repeats, args.warmup)
+        print(f"{arm:6} {train:16.0f} {same:12.0f} {same / train:6.2f}x "
+              f"{large:22.0f} {large / train:6.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Loss curves and sample efficiency from the logs of several runs.
+
+Sources: a TensorBoard directory (the training loop's `lm loss`, `lm loss validation` and
+their `... vs samples` tags) or a `--log-jsonl` file (training loss only: the loop writes
+validation losses to TensorBoard). x is in tokens: consumed samples times the sequence length.
+
+Sample efficiency (the paper's "2.1x fewer tokens"): the tokens run A needs to reach run B's
+final validation loss, by linear interpolation between A's evaluation points, and the ratio
+B's tokens / A's tokens.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megatron_ext.evaluation.outputs import EvaluationError, save_figure
+
+__all__ = [
+    "Curve",
+    "RunCurves",
+    "SampleEfficiency",
+    "read_run_curves",
+    "sample_efficiency",
+    "smooth",
+    "plot_curves",
+]
+
+
+@dataclass
+class Curve:
+    """Loss against tokens seen, in increasing token order."""
+
+    tokens: np.ndarray
+    loss: np.ndarray
+
+
+@dataclass
+class RunCurves:
+    name: str
+    train: Optional[Curve] = None
+    validation: Optional[Curve] = None
+    source: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _curve(points: Sequence[tuple[float, float]], seq_length: int) -> Optional[Curve]:
+    if not points:
+        return None
+    points = sorted({int(x): float(y) for x, y in points}.items())  # last value per step wins
+    x = np.array([p[0] for p in points], dtype=np.float64) * seq_length
+    return Curve(x, np.array([p[1] for p in points], dtype=np.float64))
+
+
+def _read_tensorboard(path: str) -> dict[str, list[tuple[float, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True):
+        raise EvaluationError(
+            f"{path} holds no TensorBoard event files (train with --tensorboard-dir {path})"
+        )
+    out: dict[str, list[tuple[float, float]]] = {}
+    for events in sorted(
+        {
+            os.path.dirname(p)
+            for p in glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True)
+        }
+    ):
+        acc = EventAccumulator(events, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def read_run_curves(name: str, path: str, seq_length: int) -> RunCurves:
+    """Curves of one run from a TensorBoard directory or a --log-jsonl file."""
+    if seq_length < 1:
+        raise EvaluationError(f"--seq-length must be >= 1, got {seq_length}")
+    if os.path.isdir(path):
+        tags = _read_tensorboard(path)
+        train = _curve(tags.get("lm loss vs samples", []), seq_length)
+        valid = _curve(tags.get("lm loss validation vs samples", []), seq_length)
+    elif os.path.isfile(path):
+        points = []
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    points.append((record["consumed_samples"], record["loss"]))
+                except (ValueError, KeyError, TypeError):
+                    raise EvaluationError(
+                        f"{path}:{number} is not a --log-jsonl record (needs consumed_samples "
+                        "and loss)"
+                    ) from None
+        train, valid = _curve(points, seq_length), None
+    else:
+        raise EvaluationError(f"{path} does not exist (give a TensorBoard dir or a jsonl file)")
+    if train is None and valid is None:
+        raise EvaluationError(f"{path} holds no loss values")
+    return RunCurves(name, train, valid, source=path)
+
+
+def smooth(values: np.ndarray, weight: float) -> np.ndarray:
+    """TensorBoard's debiased exponential moving average (weight 0 = no smoothing)."""
+    if not 0 <= weight < 1:
+        raise EvaluationError(f"--smoothing must be in [0, 1), got {weight}")
+    out = np.empty_like(values, dtype=np.float64)
+    last = 0.0
+    for i, v in enumerate(values):
+        last = last * weight + (1 - weight) * v
+        out[i] = last / (1 - weight ** (i + 1))
+    return out
+
+
+@dataclass
+class SampleEfficiency:
+    run: str
+    reference: str
+    target_loss: float
+    """The reference's final validation loss."""
+    reference_tokens: float
+    tokens: Optional[float]
+    """Tokens `run` needs to reach target_loss (None: it never does)."""
+    best_loss: float
+    best_tokens: float
+    at_first_point: bool = False
+    """`run` was already below target_loss at its first evaluation (tokens is an upper bound)."""
+
+    @property
+    def ratio(self) -> Optional[float]:
+        return None if self.tokens is None else self.reference_tokens / self.tokens
+
+    def message(self) -> str:
+        if self.tokens is None:
+            return (
+                f"{self.run} never reaches {self.reference}'s final validation loss "
+                f"{self.target_loss:.4f} (its best is {self.best_loss:.4f} at "
+                f"{self.best_tokens:.4g} tokens)"
+            )
+        bound = " (already at its first evaluation: an upper bound)" if self.at_first_point else ""
+        return (
+            f"{self.run} reaches {self.reference}'s final validation loss {self.target_loss:.4f} "
+            f"after {self.tokens:.4g} tokens{bound}; {self.reference} took "
+            f"{self.reference_tokens:.4g}: {self.ratio:.2f}x fewer tokens"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "run": self.run,
+            "reference": self.reference,
+            "target_loss": self.target_loss,
+            "reference_tokens": self.reference_tokens,
+            "tokens": self.tokens,
+            "ratio": self.ratio,
+            "best_loss": self.best_loss,
+            "best_tokens": self.best_tokens,
+            "at_first_point": self.at_first_point,
+            "message": self.message(),
+        }
+
+
+def tokens_to_reach(curve: Curve, target: float) -> tuple[Optional[float], bool]:
+    """First token count at which the piecewise-linear `curve` is <= target; whether that was
+    already its first point."""
+    x, y = curve.tokens, curve.loss
+    if y[0] <= target:
+        return float(x[0]), True
+    for i in range(1, len(x)):
+        if y[i] <= target:
+            frac = (y[i - 1] - target) / (y[i - 1] - y[i])
+            return float(x[i - 1] + frac * (x[i] - x[i - 1])), False
+    return None, False
+
+
+def sample_efficiency(run: RunCurves, reference: RunCurves) -> SampleEfficiency:
+    """How many tokens `run` needs to reach `reference`'s final validation loss."""
+    for r in (run, reference):
+        if r.validation is None:
+            raise EvaluationError(
+                f"{r.source} has no validation losses; sample efficiency needs the TensorBoard "
+                "directory of a run trained with --eval-interval and --tensorboard-dir"
+            )
+    target = float(reference.validation.loss[-1])
+    tokens, first = tokens_to_reach(run.validation, target)
+    best = int(np.argmin(run.validation.loss))
+    return SampleEfficiency(
+        run=run.name,
+        reference=reference.name,
+        target_loss=target,
+        reference_tokens=float(reference.validation.tokens[-1]),
+        tokens=tokens,
+        best_loss=float(run.validation.loss[best]),
+        best_tokens=float(run.validation.tokens[best]),
+        at_first_point=first,
+    )
+
+
+def plot_curves(runs: Sequence[RunCurves], path: str, smoothing: float = 0.0) -> str:
+    """Train (smoothed, solid) and validation (markers, dashed) loss of every run vs tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        color = colors[i % len(colors)]
+        if run.train is not None:
+            ax.plot(
+                run.train.tokens,
+                smooth(run.train.loss, smoothing),
+                color=color,
+                label=f"{run.name} train",
+                linewidth=1.2,
+            )
+        if run.validation is not None:
+            ax.plot(
+                run.validation.tokens,
+                run.validation.loss,
+                color=color,
+                linestyle="--",
+                marker="o",
+                markersize=3,
+                label=f"{run.name} validation",
+            )
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("lm loss (nats)")
+    title = "Loss curves" + (f" (train smoothed {smoothing:g})" if smoothing else "")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)

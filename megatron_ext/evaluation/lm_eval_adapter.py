@@ -1,0 +1,201 @@
+"""lm-evaluation-harness model class for our checkpoints (any arm; TP=1 on CPU, TP>1 on the
+ranks of a torchrun world).
+
+Importing this module registers the model as `leviathan` with the harness, so that
+`lm_eval.simple_evaluate(model="leviathan", model_args="load=ckpt/lev,batch_size=32", ...)`
+works as well as `tools/evaluate.py lm-eval` (which passes an already loaded model).
+
+Requests are scored in batches sorted by length (longest first). A context longer than the
+model's sequence length is truncated on the left, keeping the continuation whole (or its last
+`seq_length` tokens). `loglikelihood_rolling` uses the harness's own disjoint rolling windows;
+`generate_until` greedily continues with `megatron_ext.inference.generation.generate` (KV cache)
+and cuts the text at the first stop string.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import Collator
+from tqdm.auto import tqdm
+
+from megatron_ext.evaluation.scoring import LoadedModel, load_for_evaluation
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LeviathanLM"]
+
+
+@register_model("leviathan", "megatron_ext")
+class LeviathanLM(TemplateLM):
+    """A training checkpoint as an lm-eval language model.
+
+    Args:
+        load: the run's --save directory (or one iter_XXXXXXX inside it).
+        loaded: an already loaded model (instead of `load`).
+        batch_size: sequences per forward.
+        max_length: context window (default: the run's --seq-length).
+        max_gen_toks: new tokens per generate_until request, unless the task sets its own.
+        tensor_model_parallel_size, pipeline_model_parallel_size: the layout to run at.
+    """
+
+    def __init__(
+        self,
+        load: Optional[str] = None,
+        *,
+        loaded: Optional[LoadedModel] = None,
+        batch_size: int | str = 16,
+        max_length: Optional[int] = None,
+        max_gen_toks: int = 256,
+        iteration: Optional[int] = None,
+        tokenizer_model: Optional[str] = None,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        **kwargs,
+    ) -> None:
+        super().__init__()
+        if loaded is None:
+            if load is None:
+                raise ValueError("LeviathanLM needs model_args load=<checkpoint directory>")
+            from megatron_ext.inference.loading import init_inference_parallel
+
+            tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
+            if not dist.is_initialized():
+                init_inference_parallel(tp, pp)
+            loaded = load_for_evaluation(
+                load,
+                iteration=None if iteration is None else int(iteration),
+                tokenizer_model=tokenizer_model,
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+            )
+        self.loaded = loaded
+        self.scorer = loaded.scorer
+        self.tok = loaded.tokenizer
+        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 16
+        self.max_length = int(max_length or loaded.seq_length)
+        self.max_gen_toks = int(max_gen_toks)
+        self._rank0 = not dist.is_initialized() or dist.get_rank() == 0
+
+    # ---------------------------------------------------------------- harness interface
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eod
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tok.model_path)
+
+    @property
+    def rank(self) -> int:
+        return 0  # every rank of our TP x PP world computes the same results
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs):
+        return self.tok.tokenize(string)
+
+    def tok_decode(self, ids) -> str:
+        return self.tok.detokenize(list(ids))
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """[(key, context ids, continuation ids)] -> [(sum of log-probs, all greedy)]."""
+
+        def order(request):
+            ids = request[1] + request[2]
+            return -len(ids), tuple(ids)
+
+        collator = Collator(requests, sort_fn=order)
+        results = []
+        bar = tqdm(total=len(requests), disable=disable_tqdm or not self._rank0, desc="scoring")
+        for chunk in collator.get_batched(n=self.batch_size):
+            rows = []
+            for _, context, continuation in chunk:
+                # Left truncation: keep the last max_length + 1 ids (inputs are all but the last).
+                whole = (context + continuation)[-(self.max_length + 1) :]
+                rows.append((whole[:-1], whole[1:], min(len(continuation), len(whole) - 1)))
+            width = max(len(r[0]) for r in rows)
+            tokens = torch.zeros(len(rows), width, dtype=torch.long)
+            labels = torch.zeros_like(tokens)
+            for i, (inp, lab, _) in enumerate(rows):
+                tokens[i, : len(inp)] = torch.tensor(inp)
+                labels[i, : len(lab)] = torch.tensor(lab)
+            log_probs, greedy = self.scorer.target_scores(tokens, labels)
+            for i, (inp, _, n) in enumerate(rows):
+                span = slice(len(inp) - n, len(inp))
+                answer = (float(log_probs[i, span].double().sum()), bool(greedy[i, span].all()))
+                results.append(answer)
+                self.cache_hook.add_partial("loglikelihood", chunk[i][0], answer)
+            bar.update(len(rows))
+        bar.close()
+        return collator.get_original(results)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Total log-likelihood of each whole text (disjoint windows of max_length tokens)."""
+        windows, owners = [], []
+        for index, (string,) in enumerate(req.args for req in requests):
+            pieces = lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(string),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            for context, continuation in map(lm_utils.make_disjoint_window, pieces):
+                windows.append(((None, None), context, continuation))
+                owners.append(index)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for owner, (log_prob, _) in zip(owners, scores):
+            totals[owner] += log_prob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuation of each context, cut at the first of its `until` strings."""
+        from megatron_ext.inference.generation import SamplingConfig, generate
+
+        def order(request):
+            ids = self.tok_encode(request[0])
+            return -len(ids), request[0]
+
+        collator = Collator(
+            [req.args for req in requests],
+            sort_fn=order,
+            group_by="gen_kwargs",
+            group_fn=lambda x: x[1],
+        )
+        results = []
+        bar = tqdm(total=len(requests), disable=disable_tqdm or not self._rank0, desc="generating")
+        for chunk in collator.get_batched(n=self.batch_size):
+            kwargs = dict(chunk[0][1])
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            if kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0) or 0.0) > 0:
+                logger.warning("generate_until: sampling settings ignored, decoding greedily")
+            budget = max(1, self.max_length - max_new)
+            prompts = [
+                self.tok_encode(context)[-budget:] or [self.eot_token_id] for context, _ in chunk
+            ]
+            cfg = SamplingConfig(max_new_tokens=max_new, stop_token_ids=(self.eot_token_id,))
+            outputs = generate(self.scorer.model, prompts, cfg, vocab_size=self.tok.vocab_size)
+            for (context, gen_kwargs), ids in zip(chunk, outputs):
+                text = self.tok_decode(ids)
+                for stop in until:
+                    if stop and stop in text:
+                        text = text.split(stop)[0]
+                results.append(text)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            bar.update(len(chunk))
+        bar.close()
+        return collator.get_original(results)

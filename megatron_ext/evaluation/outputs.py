@@ -1,0 +1,105 @@
+"""Result files of the evaluation tools, written atomically (temporary name, then rename), so
+that an interrupted run never leaves a half-written table or figure behind."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from typing import Any, Iterator, Sequence
+
+__all__ = [
+    "EvaluationError",
+    "atomic_open",
+    "format_markdown_table",
+    "save_figure",
+    "write_csv",
+    "write_json",
+    "write_text",
+]
+
+
+class EvaluationError(ValueError):
+    """Bad evaluation input; the message is one line naming the file and what to do."""
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "w") -> Iterator[Any]:
+    """Open a temporary file beside `path`; it replaces `path` only if the block succeeds."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are as readable as any file
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: str, text: str) -> str:
+    with atomic_open(path) as handle:
+        handle.write(text)
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/inf
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def write_json(path: str, data: Any) -> str:
+    return write_text(path, json.dumps(_jsonable(data), indent=2) + "\n")
+
+
+def write_csv(path: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return write_text(path, buffer.getvalue())
+
+
+def format_markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub Markdown table; numeric columns right-aligned."""
+
+    def cell(value: Any) -> str:
+        return "" if value is None else str(value)
+
+    texts = [[cell(v) for v in row] for row in rows]
+    numeric = [
+        all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) if rows else False
+        for i in range(len(header))
+    ]
+    lines = ["| " + " | ".join(header) + " |"]
+    lines.append("|" + "|".join("---:" if n else "---" for n in numeric) + "|")
+    lines += ["| " + " | ".join(row) + " |" for row in texts]
+    return "\n".join(lines) + "\n"
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+    """Save a matplotlib figure as PNG atomically and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_open(path, "wb") as handle:
+            fig.savefig(handle, format="png", dpi=dpi, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return path

@@ -1,0 +1,200 @@
+"""Loss and perplexity over a whole token stream: an indexed dataset, raw text or jsonl files,
+or exactly the batches the training loop validates on.
+
+Packing (indexed datasets and text): documents, each ending with its EOD token, are
+concatenated into one stream and cut into sequences of `seq_length + 1` tokens that overlap by
+one token, as Megatron's GPTDataset does: every token except the stream's first is a target
+exactly once, and the last, partial sequence is included (padded and masked). Position ids
+count from 0 in every sequence, as in training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from megatron_ext.evaluation.outputs import EvaluationError
+from megatron_ext.evaluation.scoring import Batch
+
+__all__ = [
+    "LossTotals",
+    "dataset_documents",
+    "loop_validation_batches",
+    "pack_stream",
+    "text_documents",
+]
+
+
+@dataclass
+class LossTotals:
+    """Sum of token losses and token count; a `TokenConsumer`."""
+
+    loss_sum: float = 0.0
+    tokens: int = 0
+
+    def update(self, targets: np.ndarray, losses: np.ndarray) -> None:
+        self.loss_sum += float(np.sum(losses, dtype=np.float64))
+        self.tokens += int(len(targets))
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.tokens if self.tokens else float("nan")
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.tokens else float("nan")
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "loss": self.loss, "perplexity": self.perplexity}
+
+
+def pack_stream(
+    documents: Iterable[np.ndarray], seq_length: int, micro_batch_size: int
+) -> Iterator[Batch]:
+    """Micro-batches [b, seq_length] of the concatenated documents (see the module docstring).
+
+    Args:
+        documents: token id arrays, each already ending with its EOD where wanted.
+    """
+    if seq_length < 1 or micro_batch_size < 1:
+        raise ValueError("seq_length and micro_batch_size must be >= 1")
+    span = seq_length + 1
+    pending: list[np.ndarray] = []
+    buffer = np.zeros(0, dtype=np.int64)
+
+    def batch(rows: list[np.ndarray]) -> Batch:
+        tokens = np.zeros((len(rows), seq_length), dtype=np.int64)
+        labels = np.zeros((len(rows), seq_length), dtype=np.int64)
+        mask = np.zeros((len(rows), seq_length), dtype=np.float32)
+        for i, row in enumerate(rows):
+            n = len(row) - 1
+            tokens[i, :n] = row[:-1]
+            labels[i, :n] = row[1:]
+            mask[i, :n] = 1.0
+        t = torch.from_numpy(tokens)
+        return Batch(
+            tokens=t,
+            labels=torch.from_numpy(labels),
+            loss_mask=torch.from_numpy(mask),
+            position_ids=torch.arange(seq_length).unsqueeze(0).expand_as(t).contiguous(),
+        )
+
+    for document in documents:
+        buffer = np.concatenate([buffer, np.asarray(document, dtype=np.int64)])
+        while len(buffer) >= span:
+            pending.append(buffer[:span])
+            buffer = buffer[seq_length:]  # the last token is the next sequence's first input
+            if len(pending) == micro_batch_size:
+                yield batch(pending)
+                pending = []
+    if len(buffer) > 1:
+        pending.append(buffer)
+    if pending:
+        yield batch(pending)
+
+
+def dataset_documents(prefix: str) -> tuple[Iterator[np.ndarray], int]:
+    """The documents of the indexed dataset `prefix` and its total token count."""
+    from megatron_ext.data.indexed import get_bin_path, get_idx_path, load_dataset, num_tokens
+
+    for path in (get_idx_path(prefix), get_bin_path(prefix)):
+        if not os.path.isfile(path):
+            raise EvaluationError(
+                f"evaluation dataset {path} does not exist; give the prefix of a dataset made "
+                "by tools/preprocess_data.py (without .bin/.idx)"
+            )
+    total = num_tokens(prefix)
+    if total < 2:
+        raise EvaluationError(f"evaluation dataset {prefix} holds {total} tokens; nothing to score")
+    dataset = load_dataset(prefix)
+    return (np.asarray(dataset[i]) for i in range(len(dataset))), total
+
+
+def _read_texts(path: str, json_key: str) -> Iterator[str]:
+    if path.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")):
+        from megatron_ext.data.readers import iter_lines
+
+        for number, line in iter_lines(path):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                text = record[json_key]
+            except (ValueError, KeyError, TypeError):
+                raise EvaluationError(
+                    f"{path}:{number}: not a JSON object with a {json_key!r} string "
+                    "(choose the key with --json-key)"
+                ) from None
+            yield str(text)
+    else:
+        with open(path, encoding="utf-8") as handle:
+            yield handle.read()
+
+
+def text_documents(
+    paths: Sequence[str], tokenizer, json_key: str = "text"
+) -> tuple[list[np.ndarray], int]:
+    """Tokenised documents (EOD appended) of raw text files (one document each) or jsonl files
+    (one document per line), and their total token count."""
+    documents = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise EvaluationError(f"evaluation text {path} does not exist")
+        texts = [t for t in _read_texts(path, json_key) if t.strip()]
+        for ids in tokenizer.encode_batch(texts) if texts else []:
+            documents.append(np.asarray([*ids, tokenizer.eod], dtype=np.int64))
+    total = sum(len(d) for d in documents)
+    if total < 2:
+        raise EvaluationError(f"{', '.join(paths)}: no text to evaluate (empty files?)")
+    return documents, total
+
+
+def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = "valid"):
+    """The samples the training loop validated on: the first --eval-iters global batches of the
+    run's valid (or test) split, built from the run's own data flags.
+
+    Returns:
+        (batches, number of target tokens); raises EvaluationError if the run had no such set.
+    """
+    import argparse
+
+    from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
+
+    args = run.args
+    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
+    gbs = int(args.global_batch_size)
+    if eval_iters == 0:
+        raise EvaluationError(f"{run.path}: the run used --eval-iters 0 and has no {split} set")
+    values = dict(vars(args))
+    values["num_dataset_builder_threads"] = 1
+    data_config = DataConfig.from_args(argparse.Namespace(**values))
+    num_samples = [int(args.train_iters) * gbs, eval_iters * gbs, eval_iters * gbs]
+    datasets = build_train_valid_test_datasets(data_config, tokenizer, num_samples)
+    dataset = datasets[1 if split == "valid" else 2]
+    needed = eval_iters * gbs
+    if dataset is None or len(dataset) < needed:
+        raise EvaluationError(
+            f"the run's {split} split has fewer than --eval-iters x --global-batch-size = "
+            f"{needed} samples; evaluate a whole dataset with --data-path instead"
+        )
+    use_mask = bool(getattr(args, "reset_attention_mask", False))
+
+    def batches() -> Iterator[Batch]:
+        for first in range(0, needed, micro_batch_size):
+            samples = [dataset[i] for i in range(first, min(first + micro_batch_size, needed))]
+            stacked = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+            yield Batch(
+                tokens=stacked["tokens"],
+                labels=stacked["labels"],
+                loss_mask=stacked["loss_mask"],
+                position_ids=stacked["position_ids"],
+                attention_mask=stacked.get("attention_mask") if use_mask else None,
+            )
+
+    return batches(), needed * int(args.seq_length)

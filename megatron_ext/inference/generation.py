@@ -1,0 +1,229 @@
+"""Autoregressive text generation with a KV cache, for any arm at TP=1 or TP>1.
+
+    from megatron_ext.inference.generation import SamplingConfig, generate
+
+    new_tokens = generate(model, [[5, 17, 3], [5, 9]], SamplingConfig(max_new_tokens=32))
+
+The cache is megatron-core's own `StaticInferenceContext` (one key/value buffer per layer, held
+by `CachedSelfAttention` of the local spec, or by Transformer Engine's attention on GPUs).
+Prompts of different lengths share one batch the way megatron's static engine does it: the
+shortest prompt is prefilled for every row, then each step feeds one token per row, the row's
+own prompt token while it still has one and the sampled token afterwards. No padding or
+attention mask is involved, so every row computes exactly what it would alone.
+
+Under tensor parallelism every rank of the TP group passes the same prompts; the output layer
+gathers the vocab-parallel logits (`runtime_gather_output`) and the token chosen on TP rank 0 is
+broadcast, so all ranks agree. LEV embeds through its materialised eval table
+(`LEVConfig.eval_table`), built once per weight version, not through the generator per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SamplingConfig", "generate", "lev_eval_tables", "next_token_logits", "sample"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick each new token.
+
+    temperature 0 is greedy (argmax); otherwise logits are divided by the temperature, cut to
+    the `top_k` most likely ids (0: no cut) and to the smallest set whose probability reaches
+    `top_p` (1.0: no cut), then sampled from a generator seeded with `seed` (None: drawn from
+    torch's default generator). A row stops after `max_new_tokens` or at one of
+    `stop_token_ids` (the stop token is not returned).
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = ()
+    use_cache: bool = True
+    """False recomputes the whole prefix at every step (the benchmark's baseline)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no cut), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(
+    logits: torch.Tensor, cfg: SamplingConfig, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
+    """Pick one id per row of `logits` [b, V] (float32) -> [b] int64."""
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    logits = logits / cfg.temperature
+    if cfg.top_k:
+        k = min(cfg.top_k, logits.size(-1))
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop an id when the ids strictly more likely already reach top_p (the first is kept).
+        drop_sorted = probs.cumsum(dim=-1) - probs >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@contextlib.contextmanager
+def lev_eval_tables(model: torch.nn.Module) -> Iterator[None]:
+    """Let every LEV embedding of `model` answer eval forwards from its materialised table."""
+    from megatron_ext.lev.layer import LEVEmbedding
+
+    changed = []
+    for module in model.modules():
+        if isinstance(module, LEVEmbedding) and not module.lev_config.eval_table:
+            changed.append((module, module.lev_config))
+            module.lev_config = dataclasses.replace(module.lev_config, eval_table=True)
+    try:
+        yield
+    finally:
+        for module, config in changed:
+            module.lev_config = config
+
+
+def _tp_group(model: torch.nn.Module):
+    from megatron.core import parallel_state
+
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
+
+
+def next_token_logits(
+    model: torch.nn.Module, tokens: torch.Tensor, inference_context=None
+) -> torch.Tensor:
+    """float32 logits [b, V] (TP-gathered, padding included) for the token after `tokens` [b, s].
+
+    With `inference_context`, `tokens` are the ones after its `sequence_len_offset` (the
+    cache holds the rest); the offset is advanced past them.
+    """
+    logits = model(
+        tokens, None, None, inference_context=inference_context, runtime_gather_output=True
+    )  # [b, s' (1 with a context), V]
+    if inference_context is not None:
+        inference_context.sequence_len_offset += tokens.size(1)
+    return logits[:, -1, :].float()
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    cfg: SamplingConfig,
+    *,
+    vocab_size: Optional[int] = None,
+) -> list[list[int]]:
+    """Continue every prompt; returns the new ids of each (without the stop token).
+
+    Args:
+        model: a `LeviathanModel` (or megatron GPTModel) in eval mode, holding the whole
+            pipeline (PP=1); under TP>1 every rank of the TP group calls this with the same
+            prompts and gets the same result.
+        prompts: token ids, at least one per prompt.
+        cfg: sampling settings.
+        vocab_size: the tokenizer's vocabulary; ids at or above it (the padding of
+            make-vocab-size-divisible-by) are never produced.
+    """
+    inner = _unwrap(model)
+    if not (getattr(inner, "pre_process", True) and getattr(inner, "post_process", True)):
+        raise ValueError(
+            "generation needs the whole model on one pipeline stage; load the checkpoint with "
+            "--pipeline-model-parallel-size 1 (any saved layout loads)"
+        )
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if cfg.max_new_tokens == 0:
+        return [[] for _ in prompts]
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    batch, shortest = len(prompts), int(lengths.min())
+    total = int(lengths.max()) + cfg.max_new_tokens
+    seq_length = getattr(getattr(inner, "config", None), "seq_length", None) or getattr(
+        inner, "max_sequence_length", None
+    )
+    if seq_length is not None and total > seq_length:
+        logger.warning(
+            "generating up to %d positions, beyond the %d the model was trained on",
+            total,
+            seq_length,
+        )
+    tokens = torch.zeros(batch, total, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+
+    generator = None
+    if not cfg.greedy:
+        seed = cfg.seed if cfg.seed is not None else int(torch.randint(2**62, ()).item())
+        generator = torch.Generator(device=device).manual_seed(seed)
+    group = _tp_group(model)
+    tp_size = dist.get_world_size(group) if group is not None else 1
+    stops = torch.tensor(cfg.stop_token_ids or [-1], device=device)
+
+    context = None
+    if cfg.use_cache:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        context = StaticInferenceContext(batch, total)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    fed = 0
+    try:
+        with lev_eval_tables(model):
+            for position in range(shortest, total):
+                if context is not None:
+                    logits = next_token_logits(model, tokens[:, fed:position], context)
+                else:
+                    logits = next_token_logits(model, tokens[:, :position])
+                fed = position
+                if vocab_size is not None and vocab_size < logits.size(-1):
+                    logits[:, vocab_size:] = float("-inf")
+                chosen = sample(logits, cfg, generator)
+                if tp_size > 1:
+                    dist.broadcast(chosen, dist.get_global_rank(group, 0), group=group)
+                in_prompt = position < lengths
+                tokens[:, position] = torch.where(in_prompt, tokens[:, position], chosen)
+                new = ~in_prompt & ~done
+                stopped = new & torch.isin(chosen, stops)
+                for row in torch.nonzero(new & ~stopped).flatten().tolist():
+                    outputs[row].append(int(chosen[row]))
+                done |= stopped | (position + 1 >= lengths + cfg.max_new_tokens)
+                if bool(done.all()):
+                    break
+    finally:
+        model.train(was_training)
+    return outputs

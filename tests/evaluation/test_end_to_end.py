@@ -1,0 +1,178 @@
+"""End to end: tools/evaluate.py on a TIED run and a LEV run saved at TP=2 (see conftest)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_ext.testing.runs import REPO
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _validation_losses(tensorboard_dir: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tensorboard_dir)
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("lm loss validation")}
+
+
+def _assert_png(path: str) -> None:
+    import matplotlib.image
+
+    with open(path, "rb") as handle:
+        assert handle.read(8) == PNG_MAGIC
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+@pytest.mark.parametrize("arm", ["tied", "lev"])
+def test_validation_loss_equals_the_training_loops(eval_runs, tool, tmp_path, arm):
+    """The loop validated the final weights at iteration 6 (LEV at TP=2); the tool evaluates the
+    same batches at TP=1."""
+    out = tmp_path / arm
+    assert tool("perplexity", "--load", eval_runs.ckpt(arm), "--split", "valid",
+                "--output-dir", out, "--no-progress") == 0  # fmt: skip
+    result = json.loads((out / "perplexity.json").read_text())
+    loop = _validation_losses(eval_runs.tensorboard(arm))[6]
+    assert result["tokens"] == 2 * 8 * 32  # --eval-iters 2 x --global-batch-size 8 x seq 32
+    assert result["loss"] == pytest.approx(loop, rel=1e-5)  # float32 sums in another order
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+
+
+def test_tp2_saved_checkpoint_gives_the_same_loss_at_tp1_and_tp2(eval_runs, tool, tmp_path):
+    from megatron_ext.data.readers import iter_lines
+    from megatron_ext.testing.distributed import find_free_port
+
+    texts = [json.loads(line)["text"] for _, line in iter_lines(str(eval_runs.val_jsonl))]
+    text = tmp_path / "held_out.jsonl"
+    text.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:4]))
+    flags = ["perplexity", "--load", eval_runs.ckpt("lev"), "--text", str(text), "--no-progress"]
+    assert tool(*flags, "--output-dir", tmp_path / "tp1") == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(find_free_port()), "tools/evaluate.py", *flags,
+         "--tensor-model-parallel-size", "2", "--output-dir", str(tmp_path / "tp2")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tp1 = json.loads((tmp_path / "tp1" / "perplexity.json").read_text())
+    tp2 = json.loads((tmp_path / "tp2" / "perplexity.json").read_text())
+    assert tp1["tokens"] == tp2["tokens"] > 500
+    assert abs(tp1["loss"] - tp2["loss"]) < 1e-5
+
+
+def test_whole_dataset_perplexity_and_frequency_report(eval_runs, tool, tmp_path, capsys):
+    from megatron_ext.data.indexed import num_tokens
+
+    prefix = eval_runs.val_prefix
+    assert tool("perplexity", "--load", eval_runs.ckpt("tied"), "--data-path", prefix,
+                "--output-dir", tmp_path / "ppl", "--micro-batch-size", "64") == 0  # fmt: skip
+    whole = json.loads((tmp_path / "ppl" / "perplexity.json").read_text())
+    assert whole["tokens"] == num_tokens(prefix) - 1  # every token but the first, once
+
+    out = tmp_path / "freq"
+    edges = ["1e-5", "1e-4", "1e-3", "1e-2"]
+    capsys.readouterr()
+    assert tool("frequency", "--load", eval_runs.ckpt("tied"), "--load", eval_runs.ckpt("lev"),
+                "--names", "tied", "lev", "--baseline", "tied", "--data-path", prefix,
+                "--bin-edges", *edges, "--output-dir", out, "--no-progress",
+                "--micro-batch-size", "64") == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "| bin | run | tokens | share | loss | perplexity | ppl change vs tied |" in printed
+    for name in ("frequency.md", "frequency.csv", "frequency.json"):
+        assert (out / name).stat().st_size > 0
+    _assert_png(str(out / "frequency.png"))
+    report = json.loads((out / "frequency.json").read_text())
+    assert report["bins"] == ["<1/100k", "1/100k-1/10k", "1/10k-1/1k", "1/1k-1/100", ">=1/100"]
+    for run in ("tied", "lev"):
+        rows = [r for r in report["rows"] if r["run"] == run]
+        assert [r["bin"] for r in rows] == [*report["bins"], "all"]  # no bin dropped
+        assert sum(r["tokens"] for r in rows[:-1]) == rows[-1]["tokens"] == whole["tokens"]
+        for r in rows[:-1]:
+            assert (r["tokens"] == 0) == (r["loss"] is None)  # empty bins: reported, no loss
+        assert sum(r["share"] for r in rows[:-1] if r["tokens"]) == pytest.approx(1.0)
+    tied_all = [r for r in report["rows"] if r["run"] == "tied" and r["bin"] == "all"][0]
+    assert tied_all["loss"] == pytest.approx(whole["loss"], rel=1e-9)
+    lev_all = [r for r in report["rows"] if r["run"] == "lev" and r["bin"] == "all"][0]
+    assert lev_all["ppl_change_vs_baseline"] == pytest.approx(
+        lev_all["perplexity"] / tied_all["perplexity"] - 1
+    )
+
+
+def test_wikitext_zero_shot(eval_runs, tool, tmp_path, capsys):
+    from megatron_ext.data.tokenizers import build_tokenizer
+    from megatron_ext.evaluation.wikitext import detokenize, read_wikitext
+    from megatron_ext.testing.wikitext import wikitext_from_jsonl
+
+    wiki = wikitext_from_jsonl(str(eval_runs.val_jsonl), str(tmp_path / "wiki.test.tokens"), 4)
+    assert tool("wikitext", "--load", eval_runs.ckpt("lev"), "--file", wiki, "--context", "32",
+                "--stride", "16", "--output-dir", tmp_path, "--no-progress") == 0  # fmt: skip
+    result = json.loads((tmp_path / "wikitext.json").read_text())
+    articles = read_wikitext(wiki)
+    tokenizer = build_tokenizer("SentencePieceTokenizer", str(eval_runs.corpus / "tok.model"))
+    assert result["articles"] == 4
+    assert result["tokens"] == sum(len(tokenizer.tokenize(detokenize(a))) for a in articles)
+    assert result["words"] == sum(len(a.split()) for a in articles)
+    total = result["token_loss"] * result["tokens"]
+    assert result["word_perplexity"] == pytest.approx(math.exp(total / result["words"]))
+    assert "word perplexity" in capsys.readouterr().out
+
+
+def test_curves_and_sample_efficiency(eval_runs, tool, tmp_path, capsys):
+    out = tmp_path / "curves"
+    assert tool("curves", "--run", f"tied={eval_runs.tensorboard('tied')}",
+                "--run", f"lev={eval_runs.tensorboard('lev')}", "--seq-length", "32",
+                "--smoothing", "0.5", "--reference", "tied", "--output-dir", out) == 0  # fmt: skip
+    _assert_png(str(out / "curves.png"))
+    (row,) = json.loads((out / "sample_efficiency.json").read_text())
+    tied = _validation_losses(eval_runs.tensorboard("tied"))
+    assert row["target_loss"] == pytest.approx(tied[6])
+    assert row["reference_tokens"] == 6 * 8 * 32
+    assert row["message"] in capsys.readouterr().out
+    assert tool("curves", "--run", f"lev={eval_runs.jsonl('lev')}", "--seq-length", "32",
+                "--output-dir", tmp_path / "jsonl") == 0  # fmt: skip
+    _assert_png(str(tmp_path / "jsonl" / "curves.png"))
+
+
+def test_bad_input_is_one_line(eval_runs, tool, tmp_path, capsys):
+    empty_ckpt = tmp_path / "empty_run"
+    empty_ckpt.mkdir()
+    empty_text = tmp_path / "empty.txt"
+    empty_text.write_text("  \n")
+    not_wiki = tmp_path / "notes.txt"
+    not_wiki.write_text("plain text\n")
+    np.save(tmp_path / "foreign_counts.npy", np.ones(100, dtype=np.int64))
+    # a copy of the held-out dataset whose counts say another vocabulary made it
+    for suffix in (".bin", ".idx"):
+        os.link(eval_runs.val_prefix + suffix, tmp_path / f"other{suffix}")
+    np.save(tmp_path / "other_counts.npy", np.ones(1000, dtype=np.int64))
+    out = tmp_path / "out"
+    lev = eval_runs.ckpt("lev")
+    cases = [
+        (["perplexity", "--load", tmp_path / "nowhere", "--split", "valid"], "does not exist"),
+        (["perplexity", "--load", empty_ckpt, "--split", "valid"], "holds no complete checkpoint"),
+        (["perplexity", "--load", lev, "--data-path", tmp_path / "missing"], "does not exist"),
+        (["perplexity", "--load", lev, "--text", empty_text], "no text to evaluate"),
+        (["perplexity", "--load", lev, "--data-path", tmp_path / "other"],
+         "preprocessed with a vocab of 1000 ids"),
+        (["frequency", "--load", lev, "--split", "valid", "--output-dir", out,
+          "--counts-prefix", tmp_path / "foreign"], "belongs to another tokenizer"),
+        (["wikitext", "--load", lev, "--file", not_wiki], "is not in the wikitext format"),
+        (["curves", "--run", f"x={empty_ckpt}", "--seq-length", "32", "--output-dir", out],
+         "holds no TensorBoard event files"),
+    ]  # fmt: skip
+    for argv, expected in cases:
+        capsys.readouterr()
+        assert tool(*argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], (argv, err)
+    assert not out.exists()  # nothing half-written

@@ -1,0 +1,109 @@
+"""The lm-evaluation-harness adapter: the harness end to end on local tiny tasks (no network),
+and its numbers against sums of token log-probabilities computed directly from the model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_ext.testing.lm_eval_tasks import TINY_TASKS, write_tiny_tasks
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """The harness and `datasets` must not reach the network nor the user's caches."""
+    for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+
+
+def test_harness_runs_the_tiny_tasks(eval_runs, tool, tmp_path, capsys, offline):
+    tasks = write_tiny_tasks(str(eval_runs.val_jsonl), str(tmp_path / "tasks"), items=4)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert tool("lm-eval", "--load", eval_runs.ckpt("lev"), "--tasks", ",".join(TINY_TASKS),
+                "--include-path", tasks, "--micro-batch-size", "4", "--max-gen-toks", "4",
+                "--output-dir", out) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    for task in TINY_TASKS:
+        assert f"|{task}" in printed  # the harness's own table
+    results = json.loads((out / "lm_eval.json").read_text())["results"]
+    assert 0 <= results["tiny_piqa"]["acc,none"] <= 1
+    assert 0 <= results["tiny_piqa"]["acc_norm,none"] <= 1
+    assert results["tiny_lambada"]["perplexity,none"] > 1
+    assert results["tiny_wikitext"]["word_perplexity,none"] > 1
+    assert 0 <= results["tiny_gen"]["exact_match,none"] <= 1
+    assert (out / "lm_eval.md").read_text().startswith("|")
+
+
+def _reference_log_prob(model, context: list[int], continuation: list[int], vocab: int):
+    """Sum of log p(continuation | context) from the model's own per-token loss, and whether
+    every continuation token is the arg-max of the full logits."""
+    whole = torch.tensor(context + continuation)
+    inputs, labels = whole[:-1].unsqueeze(0), whole[1:].unsqueeze(0)
+    positions = torch.arange(inputs.size(1)).unsqueeze(0)
+    n = len(continuation)
+    with torch.no_grad():
+        loss = model(inputs, positions, None, labels=labels)[0, -n:]
+        logits = model(inputs, positions, None)[0, -n:, :vocab]
+    greedy = bool((logits.argmax(-1) == labels[0, -n:]).all())
+    return -float(loss.double().sum()), greedy
+
+
+def test_adapter_matches_direct_log_probabilities(eval_runs):
+    import torch.distributed as dist
+    from lm_eval.api.instance import Instance
+
+    from megatron_ext.evaluation.lm_eval_adapter import LeviathanLM
+    from megatron_ext.parallel import destroy_parallel
+
+    saved = dict(os.environ)
+    lm = LeviathanLM(load=eval_runs.ckpt("lev"), batch_size=2)  # a one-rank world at TP=1
+    try:
+        model, vocab = lm.scorer.model, lm.tok.vocab_size
+        assert lm.max_length == 32
+        short = ("Ti tingölplun cionlundmélgain ti y go", " wö be zit")
+        long_context = " ".join(["méckgrang hickple daimla bour pean"] * 12)  # > 32 tokens
+        pairs = [short, (long_context, " no méckgrang"), ("Bea no,", " méckgrang")]
+        requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+        answers = lm.loglikelihood(requests, disable_tqdm=True)
+        for (context, continuation), (log_prob, greedy) in zip(pairs, answers):
+            ctx_ids, cont_ids = lm._encode_pair(context, continuation)
+            whole = (ctx_ids + cont_ids)[-33:]  # left truncation to the 32-token window
+            if len(ctx_ids) + len(cont_ids) > 33:
+                assert len(ctx_ids) > 32  # the long case really is truncated
+            ref, ref_greedy = _reference_log_prob(model, whole[: -len(cont_ids)], cont_ids, vocab)
+            assert log_prob == pytest.approx(ref, rel=1e-5, abs=1e-5)
+            assert greedy == ref_greedy
+
+        text = "Bea no, méckgrang hickple daimla bour."
+        (rolling,) = lm.loglikelihood_rolling(
+            [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True
+        )
+        ids = lm.tok_encode(text)
+        assert len(ids) < 32
+        ref, _ = _reference_log_prob(model, [lm.eot_token_id], ids, vocab)
+        assert rolling == pytest.approx(ref, rel=1e-5, abs=1e-5)
+
+        prompt = "Ti tingölplun cionlundmélgain ti y"
+        (generated,) = lm.generate_until(
+            [Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 3}), 0)],
+            disable_tqdm=True,
+        )
+        ids = lm.tok_encode(prompt)
+        with torch.no_grad():
+            for _ in range(3):  # greedy decoding by full recomputation, no cache
+                x = torch.tensor([ids])
+                logits = model(x, torch.arange(len(ids)).unsqueeze(0), None)[0, -1, :vocab]
+                ids.append(int(logits.argmax()))
+        assert generated == lm.tok_decode(ids[-3:])
+    finally:
+        destroy_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
