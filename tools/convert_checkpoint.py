@@ -183,6 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S"
     )
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
     args = build_parser().parse_args(argv)
     from megatron_ext.conversion.common import ConversionError
     from megatron_ext.data.tokenizers import TokenizerError

@@ -138,7 +138,9 @@ def import_hf(opts: ImportHFOptions) -> str:
         padded_vocab=padded,
     )
     init_inference_parallel(1, 1)
-    model = build_model(model_config.replace(perform_initialization=False))
+    # Initialised (then overwritten): megatron tags the TP layout of a weight while it
+    # initialises it, and the checkpoint layout depends on those tags.
+    model = build_model(model_config)
     try:
         load_full_state_dict(model, full)
     except (KeyError, ValueError) as error:

@@ -16,7 +16,12 @@ import torch
 
 from megatron_ext.conversion.common import ConversionError
 
-__all__ = ["LoadedCheckpoint", "load_checkpoint_full", "materialize_input_table"]
+__all__ = [
+    "LoadedCheckpoint",
+    "load_checkpoint_full",
+    "materialize_input_table",
+    "materialize_module_table",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -131,23 +136,34 @@ def load_checkpoint_full(
     return LoadedCheckpoint(run, model, config, full, tokenizer)
 
 
-@torch.no_grad()
 def materialize_input_table(
     model: torch.nn.Module,
     *,
     compute_dtype: torch.dtype = torch.float64,
     progress: bool = True,
 ) -> torch.Tensor:
-    """The [V, D] input table of a TP=1 model: row i is the embedding of id i.
+    """The [V, D] input table of a TP=1 model: row i is the embedding of id i."""
+    return materialize_module_table(
+        model.embedding.word_embeddings, compute_dtype=compute_dtype, progress=progress
+    )
 
-    The input module runs in `compute_dtype` on a temporary copy of its parameters (the
-    model is left as it was); lookup arms return their table unchanged.
+
+@torch.no_grad()
+def materialize_module_table(
+    module: torch.nn.Module,
+    *,
+    compute_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> torch.Tensor:
+    """Run a TP=1 input module on every id: [V, D] in `compute_dtype`.
+
+    The module runs on a temporary `compute_dtype` copy of its parameters (it is left as it
+    was); a lookup table is returned as it is.
     """
     from tqdm import tqdm
 
     from megatron_ext.lev.layer import LEVEmbedding
 
-    module = model.embedding.word_embeddings
     if hasattr(module, "weight") and not list(module.children()):
         return module.weight.detach().clone()
     vocab = module.vocab_size if hasattr(module, "vocab_size") else module.num_embeddings
