@@ -177,6 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # import-time chatter
     args = build_parser().parse_args(argv)
     from megatron_ext.conversion.common import ConversionError
     from megatron_ext.data.tokenizers import TokenizerError

@@ -300,7 +300,9 @@ def write_safetensors(
         disable=not progress,
     ):
         shard = {k: state[k].contiguous() for k in keys}
-        save_file(shard, os.path.join(out_dir, filename), metadata={"format": "pt"})
+        path = os.path.join(out_dir, filename)
+        save_file(shard, path, metadata={"format": "pt"})
+        os.chmod(path, 0o666 & ~_umask())  # safetensors creates files 0600
         names.append(filename)
     if split.is_sharded:
         index = {
@@ -310,6 +312,12 @@ def write_safetensors(
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as handle:
             json.dump(index, handle, indent=2, sort_keys=True)
     return names
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def export_tokenizer(tokenizer, out_dir: str) -> None:

@@ -11,9 +11,11 @@ optimizer state. No process group is needed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,6 +61,14 @@ def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     if tensor.size(0) >= rows:
         return tensor[:rows].clone()
     return torch.cat([tensor, tensor.new_zeros(rows - tensor.size(0), *tensor.shape[1:])])
+
+
+@contextlib.contextmanager
+def _single_process():
+    """DCP warns that it runs without a process group: that is the point here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def reshard(opts: ReshardOptions) -> str:
@@ -120,7 +130,8 @@ def reshard(opts: ReshardOptions) -> str:
             k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
             for k in keys[start : start + _READ_GROUP]
         }
-        dcp.load(group, checkpoint_id=run.path, no_dist=True)
+        with _single_process():
+            dcp.load(group, checkpoint_id=run.path, no_dist=True)
         state.update(group)
         bar.update(len(group))
     bar.close()
@@ -137,7 +148,8 @@ def reshard(opts: ReshardOptions) -> str:
     with atomic_output_dir(output, opts.overwrite) as tmp:
         target = checkpoint_dir(tmp, run.iteration)
         logger.info("writing %d tensors to %s", len(state), target)
-        dcp.save(state, checkpoint_id=target, no_dist=True)
+        with _single_process():
+            dcp.save(state, checkpoint_id=target, no_dist=True)
         with open(os.path.join(target, "common.json"), "w") as handle:
             json.dump(common, handle, indent=1)
         with open(os.path.join(target, "args.json"), "w") as handle:
