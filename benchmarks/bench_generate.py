@@ -114,13 +114,15 @@ def main() -> None:
     p.add_argument("--table-hidden", type=int, default=2048)
     p.add_argument("--tmp-dir", default=None, help="where the table file is written")
     p.add_argument("--skip-table", action="store_true")
+    p.add_argument("--skip-kv-cache", action="store_true")
     args = p.parse_args()
 
     from megatron_ext.inference.loading import init_inference_parallel
 
     init_inference_parallel(1, 1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    bench_kv_cache(args)
+    if not args.skip_kv_cache:
+        bench_kv_cache(args)
     if not args.skip_table:
         bench_table(args)
 

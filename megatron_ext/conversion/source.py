@@ -167,6 +167,7 @@ def materialize_module_table(
     if hasattr(module, "weight") and not list(module.children()):
         return module.weight.detach().clone()
     vocab = module.vocab_size if hasattr(module, "vocab_size") else module.num_embeddings
+    device = next(module.parameters()).device
     saved = {name: p.data for name, p in module.named_parameters()}
     for p in module.parameters():
         p.data = p.data.to(compute_dtype)
@@ -176,11 +177,12 @@ def materialize_module_table(
     try:
         bar = tqdm(total=vocab, desc="materialising input table", unit="id", disable=not progress)
         for start in range(0, vocab, _TABLE_CHUNK):
-            ids = torch.arange(start, min(start + _TABLE_CHUNK, vocab))
+            ids = torch.arange(start, min(start + _TABLE_CHUNK, vocab), device=device)
             if isinstance(module, LEVEmbedding):
                 rows.append(module.partial_embeddings(ids).to(compute_dtype))
             else:
                 rows.append(module(ids[None, :])[0].to(compute_dtype))
+            rows[-1] = rows[-1].cpu()
             bar.update(ids.numel())
         bar.close()
     finally:
