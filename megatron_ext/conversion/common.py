@@ -34,6 +34,7 @@ class ConversionError(RuntimeError):
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype named `name` (a key of `DTYPES`); ConversionError for any other name."""
     if name not in DTYPES:
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]

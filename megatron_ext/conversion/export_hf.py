@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ExportHFOptions:
+    """Arguments of `export_hf`: source run, output directory, dtypes, sharding, tokenizer."""
+
     load: str
     output: str
     iteration: Optional[int] = None

@@ -44,6 +44,9 @@ TP_LAYOUT = {
 
 @dataclass(frozen=True)
 class ExportMegatronOptions:
+    """Arguments of `export_megatron`: source run, output directory, the TP x PP layout to write
+    and the dtypes."""
+
     load: str
     output: str
     iteration: Optional[int] = None

@@ -39,6 +39,9 @@ TOKENIZER_FILES = (
 
 @dataclass(frozen=True)
 class ImportHFOptions:
+    """Arguments of `import_hf`: the Hugging Face directory, the output checkpoint directory and
+    the model flags to record for the run."""
+
     hf_dir: str
     output: str
     embedding_type: Optional[str] = None

@@ -39,6 +39,9 @@ _READ_GROUP = 16
 
 @dataclass(frozen=True)
 class ReshardOptions:
+    """Arguments of `reshard`: source run, output directory, the TP x PP layout to write and
+    whether to keep the optimizer state."""
+
     load: str
     output: str
     iteration: Optional[int] = None

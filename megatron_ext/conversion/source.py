@@ -46,10 +46,12 @@ class LoadedCheckpoint:
 
     @property
     def embedding_type(self) -> str:
+        """The checkpoint's arm (`model_config.embedding.embedding_type`: tied, lev, ...)."""
         return self.model_config.embedding.embedding_type
 
     @property
     def padded_vocab_size(self) -> int:
+        """Rows of the model's embedding and output layer, vocabulary padding included."""
         return self.model_config.vocab_size
 
 

@@ -66,6 +66,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
+        """True when temperature is 0: `sample` then takes the argmax."""
         return self.temperature == 0.0
 
 

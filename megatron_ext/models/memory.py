@@ -78,6 +78,7 @@ class ParallelLayout:
 
     @property
     def num_gpus(self) -> int:
+        """GPUs of the layout: tensor x pipeline x data parallel."""
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
 
@@ -97,10 +98,12 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """Bytes of weights, gradients, optimizer states and activations without recompute."""
         return self.weights + self.grads + self.optimizer + self.activations
 
     @property
     def total_recompute(self) -> int:
+        """Bytes of weights, gradients, optimizer states and activations under full recompute."""
         return self.weights + self.grads + self.optimizer + self.activations_recompute
 
 
