@@ -356,11 +356,12 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration")
     g.add_argument(
         "--ckpt-format",
-        choices=("torch_dcp",),
+        choices=("torch_dcp", "torch_dist"),
         default="torch_dcp",
         help="plain torch.distributed.checkpoint (DCP) with DTensor tensor-parallel shards; "
         "not Megatron's torch_dist format (tools/convert_checkpoint.py export-megatron writes "
-        "a checkpoint Megatron-LM loads)",
+        "a checkpoint Megatron-LM loads). torch_dist, which Megatron-LM launch scripts pass, "
+        "is accepted with a logged note and means torch_dcp",
     )
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
@@ -662,6 +663,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.wd_incr_steps = args.train_iters * gbs
 
     # Checkpointing.
+    if args.ckpt_format == "torch_dist":
+        logger.info(
+            "--ckpt-format torch_dist: checkpoints are written as torch_dcp (this project's DCP "
+            "layout, not Megatron's torch_dist); tools/convert_checkpoint.py export-megatron "
+            "writes a checkpoint Megatron-LM loads"
+        )
+        args.ckpt_format = "torch_dcp"
     if args.finetune and not args.load:
         raise ArgumentError("--finetune needs --load")
     if args.ckpt_step is not None and not args.load:
