@@ -55,18 +55,46 @@ def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() <= 1 or leaf.endswith("bias") or "norm" in leaf
 
 
-def param_groups(model: torch.nn.Module) -> list[dict]:
-    """Two AdamW groups: decayed (wd_mult 1) and not decayed (wd_mult 0); empty groups kept
-    so that every rank has the same group structure (the scheduler walks them)."""
-    decay, no_decay = [], []
+def _lev_param_settings(model: torch.nn.Module) -> dict[int, tuple[bool, float]]:
+    """id(parameter) -> (weight decay?, lr multiplier) for the parameters of every LEV
+    embedding in `model`, from its LEVConfig (--lev-weight-decay-groups, --lev-lr-mult)."""
+    from megatron_ext.lev.config import LEV_PARAMETER_GROUPS
+    from megatron_ext.lev.layer import LEVEmbedding
+
+    settings = {}
+    for module in model.modules():
+        if not isinstance(module, LEVEmbedding):
+            continue
+        lc = module.lev_config
+        for group, names in LEV_PARAMETER_GROUPS.items():
+            for name in names:
+                param = getattr(module, name)
+                settings[id(param)] = (group in lc.weight_decay_groups, lc.lr_mult)
+    return settings
+
+
+def param_groups(model: torch.nn.Module, cfg: Optional[OptimizerConfig] = None) -> list[dict]:
+    """AdamW groups: decayed (wd_mult 1) and not decayed (wd_mult 0), by Megatron's rule; LEV
+    parameters follow their LEVConfig instead (decay per group; with an lr multiplier != 1 they
+    form their own groups whose `max_lr`/`min_lr` the scheduler reads, given `cfg`). The two
+    base groups are kept even when empty so that every rank has the same group structure."""
+    lev = _lev_param_settings(model)
+    groups: dict[tuple[bool, float], list] = {(True, 1.0): [], (False, 1.0): []}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if _no_weight_decay(name, param) else decay).append(param)
-    return [
-        {"params": decay, "wd_mult": 1.0, "name": "decay"},
-        {"params": no_decay, "wd_mult": 0.0, "name": "no_decay"},
-    ]
+        decay, lr_mult = lev.get(id(param), (not _no_weight_decay(name, param), 1.0))
+        groups.setdefault((decay, lr_mult), []).append(param)
+    out = []
+    for (decay, lr_mult), params in groups.items():
+        group = {"params": params, "wd_mult": 1.0 if decay else 0.0}
+        group["name"] = ("decay" if decay else "no_decay") + ("" if lr_mult == 1.0 else "_lev")
+        if lr_mult != 1.0:
+            if cfg is None:
+                raise ValueError("param_groups: an LEV lr multiplier needs the OptimizerConfig")
+            group.update(max_lr=cfg.lr * lr_mult, min_lr=cfg.min_lr * lr_mult)
+        out.append(group)
+    return out
 
 
 class Optimizer:
@@ -79,7 +107,7 @@ class Optimizer:
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, zero_group=None) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        groups = param_groups(model)
+        groups = param_groups(model, cfg)
         kwargs = dict(
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=0.0
         )
