@@ -141,53 +141,75 @@ def run(name: str, cmd: list[str], out_dir: Path, env: dict) -> dict[int, float]
     return curve
 
 
-def summarise(curves: dict[str, dict[int, dict[int, float]]], seeds: list[int]) -> list[dict]:
-    """Per run group: final loss mean/std and gap to the TIED group of its implementation."""
+def _final(curve: dict[int, float]) -> float:
+    return curve[max(curve)]
+
+
+def summarise(curves: dict[str, dict[int, dict[int, float]]]) -> list[dict]:
+    """Per run group: final loss mean/std over its seeds, and the gap to the TIED group of its
+    implementation over the seeds both have."""
     rows = []
     for group, by_seed in curves.items():
         impl = group.split("/")[0]
-        base = curves.get(f"{impl}/tied")
-        finals = [by_seed[s][max(by_seed[s])] for s in seeds]
-        gaps = [] if base is None else [f - base[s][max(base[s])] for f, s in zip(finals, seeds)]
+        base = curves.get(f"{impl}/tied", {})
+        seeds = sorted(by_seed)
+        finals = [_final(by_seed[s]) for s in seeds]
+        gaps = {s: _final(by_seed[s]) - _final(base[s]) for s in seeds if s in base}
         rows.append(
             dict(
                 group=group,
+                seeds=seeds,
                 final=statistics.mean(finals),
                 final_std=statistics.stdev(finals) if len(finals) > 1 else 0.0,
                 gaps=gaps,
-                gap=statistics.mean(gaps) if gaps else None,
-                gap_std=statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
+                gap=statistics.mean(gaps.values()) if gaps else None,
+                gap_std=statistics.stdev(gaps.values()) if len(gaps) > 1 else 0.0,
             )
         )
     return rows
 
 
-def plot(curves, seeds, path: Path) -> None:
-    """Mean validation curve per group (shaded: min..max over seeds)."""
+def plot(curves, path: Path) -> None:
+    """Mean validation curve per group over its seeds (shaded: min..max), and the gap to TIED
+    of the same implementation per iteration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, gx) = plt.subplots(1, 2, figsize=(13, 5))
     for group, by_seed in curves.items():
+        seeds = sorted(by_seed)
         its = sorted(set.intersection(*(set(by_seed[s]) for s in seeds)))
         vals = [[by_seed[s][i] for s in seeds] for i in its]
-        mean = [statistics.mean(v) for v in vals]
         style = "--" if group.startswith("plain/") else "-"
-        (line,) = ax.plot(its, mean, style, label=group)
+        label = f"{group} (n={len(seeds)})"
+        (line,) = ax.plot(its, [statistics.mean(v) for v in vals], style, label=label)
         ax.fill_between(its, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15,
                         color=line.get_color())  # fmt: skip
+        base = curves.get(group.split("/")[0] + "/tied")
+        if base is None or group.endswith("/tied"):
+            continue
+        both = [s for s in seeds if s in base]
+        gap_its = [i for i in its if all(i in base[s] for s in both)]
+        if both and gap_its:
+            gaps = [statistics.mean(by_seed[s][i] - base[s][i] for s in both) for i in gap_its]
+            gx.plot(gap_its, gaps, style, color=line.get_color(), label=label)
     ax.set_xlabel("iteration")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title(f"validation loss, mean over seeds {seeds} (band: min..max)")
+    ax.set_title("validation loss (mean over seeds; band: min..max)")
     lows = [min(min(c.values()) for c in g.values()) for g in curves.values()]
-    ax.set_ylim(min(lows) - 0.1, min(lows) + 2.0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylim(min(lows) - 0.1, min(lows) + 1.5)
+    gx.axhline(0.0, color="black", linewidth=0.8)
+    gx.set_xlabel("iteration")
+    gx.set_ylabel("validation loss - TIED's (same seed, same implementation)")
+    gx.set_title("gap to TIED (mean over seeds)")
+    for a in (ax, gx):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=100)
     os.replace(tmp, path)
 
 
@@ -201,6 +223,11 @@ def main() -> None:
     p.add_argument("--all-arms", action="store_true", help="all six arms, not TIED and LEV")
     p.add_argument("--plain", action="store_true", help="also run plain_gpt_loop.py (TIED, LEV)")
     p.add_argument("--no-stack", action="store_true", help="skip the pretrain_leviathan.py runs")
+    p.add_argument(
+        "--no-run",
+        action="store_true",
+        help="only summarise the finished runs in --out-dir (groups over the seeds they have)",
+    )
     p.add_argument(
         "--variant",
         action="append",
@@ -250,39 +277,47 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     arms = list(ALL_ARMS) if args.all_arms else ["tied", "lev"]
-    plan = []  # (group, name, command builder, arm, extra flags)
+    plan = []  # (group, name, command builder, arm, extra flags), in the order run per seed
     if not args.no_stack:
         plan += [(f"stack/{arm}", f"stack-{arm}", stack_command, arm, []) for arm in arms]
-        plan += [
-            (f"stack/lev+{n}", f"stack-lev+{n}", stack_command, "lev", f)
-            for n, f in variants.items()
-        ]
     if args.plain:
         plan += [
             (f"plain/{arm}", f"plain-{arm}", plain_command, arm, []) for arm in ("tied", "lev")
         ]
+    if not args.no_stack:
+        plan += [
+            (f"stack/lev+{n}", f"stack-lev+{n}", stack_command, "lev", f)
+            for n, f in variants.items()
+        ]
     curves: dict[str, dict[int, dict[int, float]]] = {}
     for seed in args.seeds:  # seed-major: a partial study already has every group's first seeds
         for group, name, build, arm, extra in plan:
+            log = out_dir / f"{name}-s{seed}.log"
+            if args.no_run and not finished(log):
+                continue
             cmd = build(arm, seed, extra, args)
             curves.setdefault(group, {})[seed] = run(f"{name}-s{seed}", cmd, out_dir, env)
+    if not curves:
+        sys.exit(f"bench_lev_quality: no finished run in {out_dir}")
 
-    rows = summarise(curves, args.seeds)
-    print(f"\nfinal validation loss after {args.train_iters} iterations, seeds {args.seeds}")
-    print(f"{'run group':34s} {'val loss':>16s} {'gap to TIED':>16s}  gap per seed")
+    rows = summarise(curves)
+    print(f"\nfinal validation loss after {args.train_iters} iterations (mean ± std over seeds)")
+    print(f"{'run group':30s} {'seeds':>7s} {'val loss':>15s} {'gap to TIED':>15s}  gap per seed")
     for row in rows:
         gap = "" if row["gap"] is None else f"{row['gap']:+.3f} ± {row['gap_std']:.3f}"
-        per_seed = " ".join(f"{g:+.3f}" for g in row["gaps"])
-        print(f"{row['group']:34s} {row['final']:8.3f} ± {row['final_std']:.3f} {gap:>16s}  "
-              f"{per_seed}")  # fmt: skip
-    ratio = [r for r in rows if r["group"] in ("stack/lev", "plain/lev") and r["gap"] is not None]
-    if len(ratio) == 2:
-        print(f"stack gap - plain gap: {ratio[0]['gap'] - ratio[1]['gap']:+.3f}")
+        per_seed = " ".join(f"{g:+.3f}" for g in row["gaps"].values())
+        seeds = ",".join(map(str, row["seeds"]))
+        print(f"{row['group']:30s} {seeds:>7s} {row['final']:7.3f} ± {row['final_std']:.3f} "
+              f"{gap:>15s}  {per_seed}")  # fmt: skip
+    gaps = {r["group"]: r for r in rows if r["gap"] is not None}
+    if "stack/lev" in gaps and "plain/lev" in gaps:
+        diff = gaps["stack/lev"]["gap"] - gaps["plain/lev"]["gap"]
+        print(f"stack gap - plain gap: {diff:+.3f}")
     result = dict(settings=vars(args), rows=rows, curves=curves)
     tmp = out_dir / "results.json.tmp"
     tmp.write_text(json.dumps(result, indent=1))
     os.replace(tmp, out_dir / "results.json")
-    plot(curves, args.seeds, out_dir / "curves.png")
+    plot(curves, out_dir / "curves.png")
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'curves.png'}")
 
 
