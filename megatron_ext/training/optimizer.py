@@ -77,7 +77,8 @@ def param_groups(model: torch.nn.Module, cfg: Optional[OptimizerConfig] = None) 
     """AdamW groups: decayed (wd_mult 1) and not decayed (wd_mult 0), by Megatron's rule; LEV
     parameters follow their LEVConfig instead (decay per group; with an lr multiplier != 1 they
     form their own groups whose `max_lr`/`min_lr` the scheduler reads, given `cfg`). The two
-    base groups are kept even when empty so that every rank has the same group structure."""
+    base groups are kept even when empty so that the ranks of a pipeline stage (and, without an
+    LEV lr multiplier, all ranks) have the same group structure."""
     lev = _lev_param_settings(model)
     groups: dict[tuple[bool, float], list] = {(True, 1.0): [], (False, 1.0): []}
     for name, param in model.named_parameters():
