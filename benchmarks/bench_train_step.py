@@ -53,6 +53,17 @@ CONFIGS = [
 
 
 def _run(ranks: int, flags: list[str], args: argparse.Namespace, workdir: str) -> list[float]:
+    # A free port can be taken by another program before the run binds it: retry on a new one.
+    for attempt in range(3):
+        try:
+            return _run_once(ranks, flags, args, workdir)
+        except RuntimeError as err:
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(ranks: int, flags: list[str], args, workdir: str) -> list[float]:
     jsonl = os.path.join(workdir, f"m{find_free_port()}.jsonl")
     common = [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
