@@ -9,6 +9,16 @@ than --max-ranks are skipped. On CPU the defaults take a few minutes; on GPUs pa
 `--transformer-impl transformer_engine --bf16` in --extra and larger sizes.
 
     python benchmarks/bench_train_step.py
+    python benchmarks/bench_train_step.py --num-layers 3 --hidden-size 192 \
+        --num-attention-heads 6 --seq-length 128 --micro-batch-size 16 --global-batch-size 16 \
+        --only tied lev --rounds 3 --data-flags "--data-path data/kjv8k_text_document \
+        --split 95,5,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model data/kjv8k.model"
+
+--only keeps the configurations whose label starts with one of the given words; --rounds
+repeats the whole list (interleaved, so that load changes on a shared machine hit every
+configuration alike) and takes the median over all rounds; --data-flags replaces the mock data
+(real text has far fewer distinct ids per micro-batch, which LEV's dedup exploits). With both
+the tied and lev single-rank configurations measured, the LEV / TIED tokens/s ratio is printed.
     python benchmarks/bench_train_step.py --hidden-size 1024 --num-layers 8 --seq-length 512 \\
         --max-ranks 8 --extra "--bf16"
 """
@@ -43,14 +53,24 @@ CONFIGS = [
 
 
 def _run(ranks: int, flags: list[str], args: argparse.Namespace, workdir: str) -> list[float]:
+    # A free port can be taken by another program before the run binds it: retry on a new one.
+    for attempt in range(3):
+        try:
+            return _run_once(ranks, flags, args, workdir)
+        except RuntimeError as err:
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(ranks: int, flags: list[str], args, workdir: str) -> list[float]:
     jsonl = os.path.join(workdir, f"m{find_free_port()}.jsonl")
     common = [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", str(args.num_attention_heads),
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
         "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters),
-        "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", str(args.vocab_size), "--num-workers", "0", "--eval-iters", "0",
+        "--lr", "1e-4", *shlex.split(args.data_flags), "--num-workers", "0", "--eval-iters", "0",
         "--log-interval", str(args.iters), "--no-loss-curve", "--log-jsonl", jsonl,
     ]  # fmt: skip
     port = str(find_free_port())
@@ -70,7 +90,7 @@ def _run(ranks: int, flags: list[str], args: argparse.Namespace, workdir: str) -
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(flags)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     with open(jsonl) as handle:
-        return [json.loads(line)["seconds"] for line in handle if line.strip()]
+        return [json.loads(line)[args.clock] for line in handle if line.strip()]
 
 
 def main() -> None:
@@ -86,26 +106,50 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-ranks", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--extra", default="", help="more pretrain_leviathan.py flags")
+    parser.add_argument("--only", nargs="+", default=None, help="label prefixes to run")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions")
+    parser.add_argument(
+        "--clock",
+        choices=("seconds", "cpu_seconds"),
+        default="seconds",
+        help="wall time, or the rank's CPU time (steadier on a shared machine; 1 thread/rank)",
+    )
+    parser.add_argument(
+        "--data-flags", default=None, help="data/tokenizer flags (default: mock data)"
+    )
     args = parser.parse_args()
+    if args.data_flags is None:
+        args.data_flags = (
+            f"--mock-data --tokenizer-type NullTokenizer --vocab-size {args.vocab_size}"
+        )
+    configs = [c for c in CONFIGS if not args.only or c[0].startswith(tuple(args.only))]
 
     tokens = args.global_batch_size * args.seq_length
     print(
         f"model {args.num_layers} x {args.hidden_size}, seq {args.seq_length}, global batch "
-        f"{args.global_batch_size} ({tokens} tokens), vocab {args.vocab_size}; median of "
-        f"iterations {args.warmup + 1}-{args.iters}"
+        f"{args.global_batch_size} ({tokens} tokens); median of iterations "
+        f"{args.warmup + 1}-{args.iters} x {args.rounds} round(s), clock: {args.clock}"
     )
     print(f"{'configuration':28s} {'s/iter':>9s} {'tokens/s':>10s} {'time vs baseline':>17s}")
-    baseline = None
+    times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as workdir:
-        for label, ranks, flags in CONFIGS:
-            if ranks > args.max_ranks:
-                print(f"{label:28s} skipped (needs {ranks} ranks > --max-ranks)")
-                continue
-            seconds = statistics.median(_run(ranks, flags, args, workdir)[args.warmup :])
-            baseline = baseline or seconds
-            print(
-                f"{label:28s} {seconds:9.3f} {tokens / seconds:10.0f} {seconds / baseline:16.2f}x"
-            )
+        for _ in range(args.rounds):
+            for label, ranks, flags in configs:
+                if ranks <= args.max_ranks:
+                    times.setdefault(label, []).extend(
+                        _run(ranks, flags, args, workdir)[args.warmup :]
+                    )
+    baseline = None
+    for label, ranks, _ in configs:
+        if label not in times:
+            print(f"{label:28s} skipped (needs {ranks} ranks > --max-ranks)")
+            continue
+        seconds = statistics.median(times[label])
+        baseline = baseline or seconds
+        print(f"{label:28s} {seconds:9.3f} {tokens / seconds:10.0f} {seconds / baseline:16.2f}x")
+    if "tied, 1 rank" in times and "lev, 1 rank" in times:
+        ratio = statistics.median(times["tied, 1 rank"]) / statistics.median(times["lev, 1 rank"])
+        print(f"LEV / TIED tokens/s (1 rank): {ratio:.3f}   (target >= 0.97)")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = [
+    "LEV_PARAMETER_GROUPS",
+    "SPEC_WEIGHT_DECAY_GROUPS",
     "LEVConfig",
     "add_lev_arguments",
     "lev_config_from_args",
@@ -38,6 +40,18 @@ __all__ = [
 
 _COMBINE_MODES = ("sum", "concat")
 _KERNELS = ("auto", "triton", "torch")
+
+LEV_PARAMETER_GROUPS: dict[str, tuple[str, ...]] = {
+    "codebooks": ("codebooks",),
+    "seed_proj": ("seed_proj",),
+    "seed_norm": ("seed_norm_weight", "seed_norm_bias"),
+    "spline_delta": ("spline_delta",),
+    "out_proj": ("out_proj",),
+}
+"""Optimizer-facing groups of LEV parameters (`--lev-weight-decay-groups`) -> parameter names."""
+
+SPEC_WEIGHT_DECAY_GROUPS = ("codebooks", "seed_proj", "spline_delta", "out_proj")
+"""Megatron's rule applied to LEV: every matrix decays, the seed LayerNorm does not."""
 
 
 def smallest_base(vocab_size: int, num_digits: int) -> int:
@@ -123,6 +137,16 @@ class LEVConfig:
     """Fused path implementation: "triton" (`lev.triton_kernel`), "torch" (`lev.fused`), or
     "auto": triton for float32 CUDA tensors when triton imports, else torch."""
 
+    init_output_std: Optional[float] = None
+    """If set, out_proj is rescaled at init so that the std of all entries of the [V, D]
+    embedding table is this value (the other arms start at 0.02). None: the spec's init."""
+
+    weight_decay_groups: tuple[str, ...] = SPEC_WEIGHT_DECAY_GROUPS
+    """LEV parameter groups (keys of LEV_PARAMETER_GROUPS) that get weight decay."""
+
+    lr_mult: float = 1.0
+    """Learning-rate multiplier of every LEV parameter (peak and minimum lr of the schedule)."""
+
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
             raise ValueError(f"LEVConfig: {message}")
@@ -180,6 +204,20 @@ class LEVConfig:
             fail(
                 "--lev-kernel triton is a fused path; drop --no-lev-fused or use --lev-kernel auto"
             )
+        if self.init_output_std is not None and not self.init_output_std > 0:
+            fail(
+                f"init_output_std must be > 0, got {self.init_output_std}; change "
+                "--lev-init-output-std (or omit it for the spec's init)"
+            )
+        self.weight_decay_groups = tuple(self.weight_decay_groups)
+        unknown = [g for g in self.weight_decay_groups if g not in LEV_PARAMETER_GROUPS]
+        if unknown:
+            fail(
+                f"unknown weight-decay group(s) {unknown}; --lev-weight-decay-groups takes "
+                f"any of {' '.join(LEV_PARAMETER_GROUPS)}"
+            )
+        if not self.lr_mult > 0:
+            fail(f"lr_mult must be > 0, got {self.lr_mult}; change --lev-lr-mult")
 
     # ----------------------------------------------------------------------------- derived
 
@@ -246,6 +284,13 @@ _FLAG_FIELDS = {
     "init_std": ("--lev-init-std", float, "init std of codebooks and seed_proj"),
     "spline_init_std": ("--lev-spline-init-std", float, "init std of spline_delta"),
     "chunk_size": ("--lev-chunk-size", int, "ids per chunk of the fused path (0: auto)"),
+    "init_output_std": (
+        "--lev-init-output-std",
+        float,
+        "rescale out_proj at init so the [V, D] embedding table has this std (default: the "
+        "spec's init, std ~0.2 at small widths; the other arms start at 0.02)",
+    ),
+    "lr_mult": ("--lev-lr-mult", float, "learning-rate multiplier of the LEV parameters"),
 }
 _BOOL_FIELDS = {
     "normalize_basis": ("--lev-normalize-basis", "renormalise the B-spline basis to sum 1"),
@@ -274,6 +319,16 @@ def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default=defaults["kernel"],
         dest="lev_kernel",
         help="fused LEV implementation: triton kernels, torch ops, or auto (triton on CUDA)",
+    )
+    group.add_argument(
+        "--lev-weight-decay-groups",
+        nargs="*",
+        choices=tuple(LEV_PARAMETER_GROUPS),
+        default=list(defaults["weight_decay_groups"]),
+        dest="lev_weight_decay_groups",
+        metavar="GROUP",
+        help=f"LEV parameter groups that get weight decay, any of {' '.join(LEV_PARAMETER_GROUPS)}"
+        f" (none: no flag values; default: {' '.join(SPEC_WEIGHT_DECAY_GROUPS)})",
     )
     for field, (flag, help_) in _BOOL_FIELDS.items():
         group.add_argument(

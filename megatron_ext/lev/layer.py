@@ -51,7 +51,7 @@ from megatron.core.utils import (
 
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
-from megatron_ext.lev.fused import FusedOptions
+from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
 from megatron_ext.lev.kernel_select import select_fused_kernel
 from megatron_ext.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region as portable_reduce_scatter,
@@ -59,7 +59,13 @@ from megatron_ext.tensor_parallel import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LEVEmbedding", "LEV_PARAMETER_NAMES", "LEV_TP_PARTITION_DIMS"]
+__all__ = [
+    "LEVEmbedding",
+    "LEV_PARAMETER_NAMES",
+    "LEV_TP_PARTITION_DIMS",
+    "embedding_std",
+    "std_probe_ids",
+]
 
 LEV_PARAMETER_NAMES = (
     "codebooks",
@@ -83,6 +89,7 @@ LEV_TP_PARTITION_DIMS: dict[str, Optional[int]] = {
 
 # Ids evaluated per step while building the eval table.
 _TABLE_BUILD_IDS = 8192
+_STD_PROBE_IDS = 8192
 
 
 def _resolve_tp_group(tp_group):
@@ -92,6 +99,45 @@ def _resolve_tp_group(tp_group):
     if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_model_parallel_group()
     return None
+
+
+def std_probe_ids(vocab_size: int) -> torch.Tensor:
+    """The ids whose embeddings `embedding_std` measures: all of them up to _STD_PROBE_IDS ids,
+    else _STD_PROBE_IDS ids evenly spaced over [0, V) (every digit value of every position)."""
+    if vocab_size <= _STD_PROBE_IDS:
+        return torch.arange(vocab_size)
+    return torch.linspace(0, vocab_size - 1, _STD_PROBE_IDS, dtype=torch.float64).long()
+
+
+@torch.no_grad()
+def embedding_std(lev_config: LEVConfig, params: dict[str, torch.Tensor]) -> float:
+    """Std of all entries of the LEV embeddings of `std_probe_ids` (float32, fused path).
+
+    Args:
+        lev_config: the hyper-parameters.
+        params: the full (TP=1) parameters by name, as `LEVConfig.parameter_shapes(1)`.
+    """
+    lc = lev_config
+    ids = std_probe_ids(lc.vocab_size)
+    digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
+    z = lev_math.seed(params["codebooks"].float(), digits, lc.codebook_combine)
+    opts = FusedOptions(
+        temperature=lc.temperature,
+        num_knots=lc.num_knots,
+        normalize_basis=lc.normalize_basis,
+        norm_eps=lc.norm_eps,
+        product_eps=lc.product_eps,
+        chunk_size=lc.chunk_size,
+    )
+    names = ("seed_proj", "seed_norm_weight", "seed_norm_bias", "spline_delta")
+    modes = fused_lev_modes(z, *(params[n].float() for n in names), opts)
+    std = float(lev_math.lev_embed(modes, params["out_proj"].float()).double().std())
+    if not std > 0:
+        raise ValueError(
+            "--lev-init-output-std: the initial LEV embeddings have zero spread (std "
+            f"{std}); raise --lev-init-std / --lev-spline-init-std"
+        )
+    return std
 
 
 class LEVEmbedding(torch.nn.Module):
@@ -179,7 +225,10 @@ class LEVEmbedding(torch.nn.Module):
 
         Every rank draws the full TP=1 tensors from the default CPU generator (all TP ranks
         share its seed), in the fixed order of LEV_PARAMETER_NAMES, and keeps its heads: TP=2
-        therefore builds exactly the parameters of TP=1 for the same seed.
+        therefore builds exactly the parameters of TP=1 for the same seed. With
+        `LEVConfig.init_output_std` the full out_proj is then scaled so that the embeddings of
+        `std_probe_ids` have that std (`embedding_std`, computed from the full tensors on every
+        rank: no communication, no extra random draws).
         """
         lc = self.lev_config
         full = lc.parameter_shapes(1)
@@ -189,19 +238,24 @@ class LEVEmbedding(torch.nn.Module):
             "spline_delta": lc.spline_init_std,
             "out_proj": lc.init_std / math.sqrt(lc.num_heads),
         }
+        masters = {}
+        for name in LEV_PARAMETER_NAMES:
+            if name == "seed_norm_weight":
+                masters[name] = torch.ones(full[name])
+            elif name == "seed_norm_bias":
+                masters[name] = torch.zeros(full[name])
+            else:
+                masters[name] = torch.empty(full[name]).normal_(0.0, stds[name])
+        if lc.init_output_std is not None:
+            # e is linear in out_proj: one rescale sets the std exactly (on the measured ids).
+            masters["out_proj"] *= lc.init_output_std / embedding_std(lc, masters)
         heads = slice(
             self.tp_rank * self.num_local_heads, (self.tp_rank + 1) * self.num_local_heads
         )
         with torch.no_grad():
             for name in LEV_PARAMETER_NAMES:
                 param = getattr(self, name)
-                if name == "seed_norm_weight":
-                    param.fill_(1.0)
-                    continue
-                if name == "seed_norm_bias":
-                    param.zero_()
-                    continue
-                master = torch.empty(full[name], dtype=torch.float32).normal_(0.0, stds[name])
+                master = masters[name]
                 if LEV_TP_PARTITION_DIMS[name] is not None:
                     master = master[heads]
                 param.copy_(master.to(dtype=param.dtype))

@@ -439,7 +439,7 @@ class _Trainer:
         losses: list[float] = []
         reason = "finished"
         while self.state.iteration < b.train_iters:
-            step_start = time.time()
+            step_start, step_cpu_start = time.time(), time.process_time()
             self.global_batch = self.extras.global_batch(self.state.consumed_train_samples)
             self.extras.before_step(self.state.iteration + 1)
             result = self.train_step(iterator)
@@ -457,7 +457,7 @@ class _Trainer:
                 self.last_extras = self.extras.stats(self.optimizer.params)  # collective
             if it % lg.tensorboard_log_interval == 0:
                 self._tensorboard(result, it)
-            self._jsonl(result, it, time.time() - step_start)
+            self._jsonl(result, it, time.time() - step_start, time.process_time() - step_cpu_start)
             if it % lg.log_interval == 0:
                 self._log_line(interval_start, interval_iters, losses, grad_norms)
                 interval_start, interval_iters = time.time(), 0
@@ -482,7 +482,7 @@ class _Trainer:
         self.save()
         return reason
 
-    def _jsonl(self, result: _StepResult, it: int, seconds: float) -> None:
+    def _jsonl(self, result: _StepResult, it: int, seconds: float, cpu_seconds: float) -> None:
         path = self.cfg.log.log_jsonl
         if not path or not self.is_rank0:
             return
@@ -494,6 +494,7 @@ class _Trainer:
             lr=self.optimizer.get_lr(),
             stepped=result.stepped,
             seconds=seconds,
+            cpu_seconds=cpu_seconds,  # this process's CPU time: robust on a shared machine
         )
         with open(path, "a") as handle:
             handle.write(json.dumps(record) + "\n")

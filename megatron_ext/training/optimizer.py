@@ -55,36 +55,63 @@ def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() <= 1 or leaf.endswith("bias") or "norm" in leaf
 
 
-def param_groups(
-    model: torch.nn.Module, decoupled: Optional[tuple[float, float]] = None
-) -> list[dict]:
-    """Two AdamW groups: decayed (wd_mult 1) and not decayed (wd_mult 0); empty groups kept
-    so that every rank has the same group structure (the scheduler walks them).
+def _lev_param_settings(model: torch.nn.Module) -> dict[int, tuple[bool, float]]:
+    """id(parameter) -> (weight decay?, lr multiplier) for the parameters of every LEV
+    embedding in `model`, from its LEVConfig (--lev-weight-decay-groups, --lev-lr-mult)."""
+    from megatron_ext.lev.config import LEV_PARAMETER_GROUPS
+    from megatron_ext.lev.layer import LEVEmbedding
 
-    With `decoupled` = (--decoupled-lr, --decoupled-min-lr), the input embedding and output
-    layer parameters form two more groups whose `max_lr`/`min_lr` megatron-core's scheduler
-    uses instead of --lr/--min-lr (Megatron-LM's decoupled learning rate)."""
+    settings = {}
+    for module in model.modules():
+        if not isinstance(module, LEVEmbedding):
+            continue
+        lc = module.lev_config
+        for group, names in LEV_PARAMETER_GROUPS.items():
+            for name in names:
+                param = getattr(module, name)
+                settings[id(param)] = (group in lc.weight_decay_groups, lc.lr_mult)
+    return settings
+
+
+def param_groups(
+    model: torch.nn.Module,
+    cfg: Optional[OptimizerConfig] = None,
+    decoupled: Optional[tuple[float, float]] = None,
+) -> list[dict]:
+    """AdamW groups: decayed (wd_mult 1) and not decayed (wd_mult 0), by Megatron's rule.
+
+    LEV parameters follow their LEVConfig instead (decay per --lev-weight-decay-groups; with
+    --lev-lr-mult != 1 they form their own groups whose `max_lr`/`min_lr` the scheduler reads,
+    given `cfg`). With `decoupled` = (--decoupled-lr, --decoupled-min-lr), the input embedding
+    and output layer parameters form groups with that lr (Megatron-LM's decoupled learning
+    rate; an LEV lr multiplier applies on top of it). The base groups are kept even when empty
+    so that the ranks of a pipeline stage (and, without an LEV lr multiplier, all ranks) have
+    the same group structure (the scheduler walks them)."""
     from megatron_ext.training.megatron_features import is_decoupled_param
 
-    groups = {key: [] for key in ("decay", "no_decay", "decoupled_decay", "decoupled_no_decay")}
+    lev = _lev_param_settings(model)
+    base = [False, True] if decoupled is not None else [False]
+    groups: dict[tuple[bool, float, bool], list] = {
+        (decay, 1.0, dec): [] for dec in base for decay in (True, False)
+    }
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        key = "no_decay" if _no_weight_decay(name, param) else "decay"
-        if decoupled is not None and is_decoupled_param(name):
-            key = "decoupled_" + key
-        groups[key].append(param)
-    out = [
-        {"params": groups["decay"], "wd_mult": 1.0, "name": "decay"},
-        {"params": groups["no_decay"], "wd_mult": 0.0, "name": "no_decay"},
-    ]
-    if decoupled is not None:
-        lr, min_lr = decoupled
-        for key, wd_mult in (("decoupled_decay", 1.0), ("decoupled_no_decay", 0.0)):
-            out.append(
-                {"params": groups[key], "wd_mult": wd_mult, "name": key, "max_lr": lr,
-                 "min_lr": min_lr}
-            )  # fmt: skip
+        decay, lr_mult = lev.get(id(param), (not _no_weight_decay(name, param), 1.0))
+        dec = decoupled is not None and is_decoupled_param(name)
+        groups.setdefault((decay, lr_mult, dec), []).append(param)
+    out = []
+    for (decay, lr_mult, dec), params in groups.items():
+        name = ("decoupled_" if dec else "") + ("decay" if decay else "no_decay")
+        group = {"params": params, "wd_mult": 1.0 if decay else 0.0, "name": name}
+        if lr_mult != 1.0:
+            group["name"] += "_lev"
+            if cfg is None and not dec:
+                raise ValueError("param_groups: an LEV lr multiplier needs the OptimizerConfig")
+        if dec or lr_mult != 1.0:
+            lr, min_lr = decoupled if dec else (cfg.lr, cfg.min_lr)
+            group.update(max_lr=lr * lr_mult, min_lr=min_lr * lr_mult)
+        out.append(group)
     return out
 
 
@@ -104,7 +131,7 @@ class Optimizer:
         decoupled: Optional[tuple[float, float]] = None,
     ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        groups = param_groups(model, decoupled)
+        groups = param_groups(model, cfg, decoupled)
         kwargs = dict(
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=0.0
         )

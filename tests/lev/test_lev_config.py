@@ -133,3 +133,35 @@ def test_flag_errors_surface_at_config_time():
     args = parser.parse_args(["--lev-num-knots", "2"])
     with pytest.raises(ValueError, match="--lev-num-knots"):
         LEVConfig.from_args(args, vocab_size=100, hidden_size=8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        (dict(init_output_std=0.0), "--lev-init-output-std"),
+        (dict(init_output_std=-0.1), "--lev-init-output-std"),
+        (dict(weight_decay_groups=("codebooks", "norm")), "--lev-weight-decay-groups"),
+        (dict(lr_mult=0.0), "--lev-lr-mult"),
+    ],
+)
+def test_training_controls_are_validated(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        LEVConfig(vocab_size=100, hidden_size=8, **kwargs)
+
+
+def test_training_control_flags_fill_the_config():
+    parser = add_lev_arguments(argparse.ArgumentParser())
+    defaults = lev_config_from_args(parser.parse_args([]), vocab_size=100, hidden_size=8)
+    assert defaults.init_output_std is None and defaults.lr_mult == 1.0
+    assert defaults.weight_decay_groups == ("codebooks", "seed_proj", "spline_delta", "out_proj")
+    args = parser.parse_args(
+        "--lev-init-output-std 0.02 --lev-weight-decay-groups out_proj seed_norm "
+        "--lev-lr-mult 0.5".split()
+    )
+    cfg = lev_config_from_args(args, vocab_size=100, hidden_size=8)
+    assert cfg.init_output_std == 0.02 and cfg.lr_mult == 0.5
+    assert cfg.weight_decay_groups == ("out_proj", "seed_norm")
+    none = parser.parse_args(["--lev-weight-decay-groups"])
+    assert lev_config_from_args(none, vocab_size=100, hidden_size=8).weight_decay_groups == ()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lev-weight-decay-groups", "seed_norm_weight"])

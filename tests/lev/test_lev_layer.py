@@ -216,3 +216,40 @@ def test_fused_path_saves_little(lev):
     assert sizes[True] <= bound, sizes
     # The naive path keeps at least phi [h, N, d, r] and the basis [h, N, d, kappa].
     assert sizes[False] >= 4 * 4 * n * 32 * (16 + 8)
+
+
+@pytest.mark.parametrize("target", [0.02, 0.5])
+def test_init_output_std_rescales_out_proj_to_the_measured_std(lev, target):
+    """The std of the whole [V, D] table, measured by running the module on every id, is the
+    requested value; every other parameter is the spec's init of the same seed."""
+    kw = dict(vocab_size=300, hidden_size=16, seed_dim=8, num_knots=6, rank=4, num_heads=2)
+    tc = lev.transformer_config(16)
+    torch.manual_seed(3)
+    spec = LEVEmbedding(lev.tiny_config(**kw), config=tc)
+    torch.manual_seed(3)
+    scaled = LEVEmbedding(lev.tiny_config(**kw, init_output_std=target), config=tc)
+    with torch.no_grad():
+        table = scaled(torch.arange(300).view(1, -1))[0].double()
+    assert table.std().item() == pytest.approx(target, rel=1e-5)
+    for name in LEV_PARAMETER_NAMES[:-1]:
+        assert torch.equal(getattr(spec, name), getattr(scaled, name)), name
+    ratio = scaled.out_proj / spec.out_proj
+    assert torch.allclose(ratio, ratio.flatten()[0].expand_as(ratio), rtol=1e-5)
+
+
+def test_init_output_std_with_a_large_vocabulary_measures_a_sample(lev):
+    """Above 8192 ids the std is measured on 8192 evenly spaced ids: the full table's std is
+    then within a few percent of the request."""
+    from megatron_ext.lev.layer import std_probe_ids
+
+    assert std_probe_ids(300).tolist() == list(range(300))
+    probe = std_probe_ids(20_000)
+    assert len(probe) == len(set(probe.tolist())) == 8192 and probe.max() == 19_999
+    cfg = lev.tiny_config(
+        vocab_size=20_000, hidden_size=8, seed_dim=8, num_knots=6, rank=4, init_output_std=0.03
+    )
+    torch.manual_seed(0)
+    module = LEVEmbedding(cfg, config=lev.transformer_config(8))
+    with torch.no_grad():
+        table = module(torch.arange(20_000).view(1, -1))[0].double()
+    assert table.std().item() == pytest.approx(0.03, rel=0.03)

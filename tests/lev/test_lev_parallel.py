@@ -49,7 +49,11 @@ def _check_tp2(seed: int):
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
     local = slice(rank * HEADS // 2, (rank + 1) * HEADS // 2)
     report = {}
-    variants = {"sum+dedup": dict(dedup=True), "concat+nodedup": dict(codebook_combine="concat")}
+    variants = {
+        "sum+dedup": dict(dedup=True),
+        # --lev-init-output-std rescales out_proj identically at every TP size.
+        "concat+nodedup+out-std": dict(codebook_combine="concat", init_output_std=0.05),
+    }
     for variant, extra in variants.items():
         cfg = LEVConfig(
             vocab_size=VOCAB,

@@ -131,3 +131,26 @@ def test_use_checkpoint_args_takes_the_model_flags(tmp_path, caplog):
     assert args.lev_rank == 7 and args.lr == 1e-3  # training flags stay the command line's
     with pytest.raises(ArgumentError, match="needs --load"):
         _parse("--use-checkpoint-args")
+
+
+def test_lev_training_controls_reach_args_json_and_back(tmp_path):
+    """--lev-init-output-std / --lev-weight-decay-groups / --lev-lr-mult are stored in a
+    checkpoint's args.json (the config dump prints the same dict) and restored from it."""
+    from megatron_ext.models import model_config_from_args
+    from megatron_ext.training.arguments import args_to_json
+
+    args = _parse(
+        "--lev-init-output-std", "0.02", "--lev-weight-decay-groups", "out_proj", "seed_norm",
+        "--lev-lr-mult", "0.5",
+    )  # fmt: skip
+    saved = args_to_json(args)
+    assert saved["lev_init_output_std"] == 0.02 and saved["lev_lr_mult"] == 0.5
+    assert saved["lev_weight_decay_groups"] == ["out_proj", "seed_norm"]
+    ckpt = tmp_path / "iter_0000010"
+    ckpt.mkdir()
+    (ckpt / "args.json").write_text(json.dumps(saved))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10\n")
+    restored = _parse("--load", str(tmp_path), "--use-checkpoint-args")
+    lev = model_config_from_args(restored, 128).lev_config()
+    assert (lev.init_output_std, lev.lr_mult) == (0.02, 0.5)
+    assert lev.weight_decay_groups == ("out_proj", "seed_norm")

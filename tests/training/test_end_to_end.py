@@ -79,7 +79,14 @@ def test_reference_run_logs_validates_and_checkpoints(ref_run, runs):
     for it in (10, 20):
         d = ckpt / f"iter_{it:07d}"
         assert (d / ".metadata").is_file() and (d / "common.json").is_file()
-        assert json.loads((d / "args.json").read_text())["embedding_type"] == "lev"
+        saved = json.loads((d / "args.json").read_text())
+        assert saved["embedding_type"] == "lev"
+        # LEV's training controls are recorded with their (spec) defaults.
+        assert saved["lev_init_output_std"] is None and saved["lev_lr_mult"] == 1.0
+        assert saved["lev_weight_decay_groups"] == [
+            "codebooks", "seed_proj", "spline_delta", "out_proj"
+        ]  # fmt: skip
+    assert "lev_weight_decay_groups ......" in out  # the config dump
     assert not list(ckpt.glob("*.tmp"))
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

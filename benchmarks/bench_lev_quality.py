@@ -1,0 +1,325 @@
+#!/usr/bin/env python
+"""LEV training quality at small scale: validation-loss gap of LEVIATHAN (and, with --all-arms,
+every arm) to TIED over several seeds, in this stack and in a plain-PyTorch loop.
+
+Each run is the real entry point `pretrain_leviathan.py` on one CPU process (or, for --plain,
+`benchmarks/plain_gpt_loop.py`, an independent implementation of the same math and backbone),
+on an indexed dataset made by `tools/preprocess_data.py`. Defaults are the settings of issue 14
+(3 layers, hidden 192, 6 heads, FFN 512, seq 128, global batch 16, 1500 iterations, lr 2e-3
+warmup 100 cosine to 2e-4, weight decay 0.1, clip 1.0, LEV k=3 d_seed=64 kappa=16 r=32 h=4
+tau=2). A variant ("NAME=FLAGS") reruns the LEV arm with extra flags, one factor at a time:
+
+    python benchmarks/bench_lev_quality.py --data-path data/kjv8k_text_document \\
+        --tokenizer-model data/kjv8k.model --seeds 0 1 2 --plain \\
+        --variant "out-std-0.02=--lev-init-output-std 0.02" --out-dir runs/lev-quality
+
+Prints, per arm/variant, the final validation loss (mean and std over seeds) and the gap to
+TIED of the same seed and implementation (mean, std, min..max), writes `results.json` and
+`curves.png` (validation curves, mean over seeds) into --out-dir. A run whose log already says
+"done (finished)" is not rerun, so a study can be extended one variant at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
+_VAL = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
+_LEV_FLAGS = ("num_digits", "seed_dim", "num_knots", "rank", "num_heads", "temperature")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def stack_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
+    """pretrain_leviathan.py for one arm and seed with the study's settings."""
+    cmd = [sys.executable, str(REPO / "pretrain_leviathan.py"), "--embedding-type", arm]
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "seq_length",
+        "global_batch_size",
+        "train_iters",
+        "lr",
+        "min_lr",
+        "lr_warmup_iters",
+        "weight_decay",
+        "clip_grad",
+        "adam_beta2",
+        "eval_interval",
+    ):
+        cmd += [_flag(name), str(getattr(args, name))]  # fmt: skip
+    for name in _LEV_FLAGS:
+        cmd += ["--lev-" + name.replace("_", "-"), str(getattr(args, "lev_" + name))]
+    cmd += [
+        "--micro-batch-size", str(args.global_batch_size), "--lr-decay-style", "cosine",
+        "--seed", str(seed), "--data-path", args.data_path, "--split", args.split,
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", args.tokenizer_model,
+        "--eval-iters", str(args.eval_samples // args.global_batch_size),
+        "--log-interval", str(args.log_interval), "--num-workers", "0", "--no-loss-curve",
+    ]  # fmt: skip
+    return cmd + shlex.split(args.extra) + extra
+
+
+def plain_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
+    """plain_gpt_loop.py for one arm and seed with the study's settings."""
+    from megatron_ext.data.tokenizers import build_tokenizer, padded_vocab_size
+
+    cmd = [sys.executable, str(REPO / "benchmarks" / "plain_gpt_loop.py"), "--embedding", arm]
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "seq_length",
+        "global_batch_size",
+        "train_iters",
+        "lr",
+        "min_lr",
+        "lr_warmup_iters",
+        "weight_decay",
+        "clip_grad",
+        "adam_beta2",
+        "eval_interval",
+        "eval_samples",
+        "log_interval",
+        "split",
+        "data_path",
+    ):
+        cmd += [_flag(name), str(getattr(args, name))]  # fmt: skip
+    for name in _LEV_FLAGS:
+        cmd += ["--lev-" + name.replace("_", "-"), str(getattr(args, "lev_" + name))]
+    # The stack's padded vocabulary (so LEV's digit base is the same in both).
+    vocab = padded_vocab_size(
+        build_tokenizer("SentencePieceTokenizer", args.tokenizer_model).vocab_size
+    )
+    return cmd + ["--seed", str(seed), "--vocab-size", str(vocab)] + args.plain_extra + extra
+
+
+def read_curve(log: Path) -> dict[int, float]:
+    """Iteration -> validation loss from a finished run's log."""
+    text = log.read_text(errors="replace")
+    return {int(it): float(loss) for it, loss in _VAL.findall(text)}
+
+
+def finished(log: Path) -> bool:
+    """Whether `log` is the log of a run that completed."""
+    return log.is_file() and "done (finished)" in log.read_text(errors="replace")
+
+
+def run(name: str, cmd: list[str], out_dir: Path, env: dict) -> dict[int, float]:
+    """Run `cmd` (unless its log says it finished) and return its validation curve."""
+    log = out_dir / f"{name}.log"
+    if not finished(log):
+        start = time.time()
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {shlex.join(cmd[1:])}", flush=True)
+        tmp = log.with_suffix(".log.tmp")
+        with open(tmp, "w") as handle:
+            handle.write(shlex.join(cmd) + "\n")
+            handle.flush()
+            proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+        if proc.returncode != 0:
+            sys.exit(f"bench_lev_quality: {name} failed (exit {proc.returncode}); see {tmp}")
+        os.replace(tmp, log)
+        print(f"    {name}: {time.time() - start:.0f} s", flush=True)
+    curve = read_curve(log)
+    if not curve:
+        sys.exit(f"bench_lev_quality: no validation loss in {log}")
+    return curve
+
+
+def _final(curve: dict[int, float]) -> float:
+    return curve[max(curve)]
+
+
+def summarise(curves: dict[str, dict[int, dict[int, float]]]) -> list[dict]:
+    """Per run group: final loss mean/std over its seeds, and the gap to the TIED group of its
+    implementation over the seeds both have."""
+    rows = []
+    for group, by_seed in curves.items():
+        impl = group.split("/")[0]
+        base = curves.get(f"{impl}/tied", {})
+        seeds = sorted(by_seed)
+        finals = [_final(by_seed[s]) for s in seeds]
+        gaps = {s: _final(by_seed[s]) - _final(base[s]) for s in seeds if s in base}
+        rows.append(
+            dict(
+                group=group,
+                seeds=seeds,
+                final=statistics.mean(finals),
+                final_std=statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                gaps=gaps,
+                gap=statistics.mean(gaps.values()) if gaps else None,
+                gap_std=statistics.stdev(gaps.values()) if len(gaps) > 1 else 0.0,
+            )
+        )
+    return rows
+
+
+def plot(curves, path: Path) -> None:
+    """Mean validation curve per group over its seeds (shaded: min..max), and the gap to TIED
+    of the same implementation per iteration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, gx) = plt.subplots(1, 2, figsize=(13, 5))
+    for group, by_seed in curves.items():
+        seeds = sorted(by_seed)
+        its = sorted(set.intersection(*(set(by_seed[s]) for s in seeds)))
+        vals = [[by_seed[s][i] for s in seeds] for i in its]
+        style = "--" if group.startswith("plain/") else "-"
+        label = f"{group} (n={len(seeds)})"
+        (line,) = ax.plot(its, [statistics.mean(v) for v in vals], style, label=label)
+        ax.fill_between(its, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15,
+                        color=line.get_color())  # fmt: skip
+        base = curves.get(group.split("/")[0] + "/tied")
+        if base is None or group.endswith("/tied"):
+            continue
+        both = [s for s in seeds if s in base]
+        gap_its = [i for i in its if all(i in base[s] for s in both)]
+        if both and gap_its:
+            gaps = [statistics.mean(by_seed[s][i] - base[s][i] for s in both) for i in gap_its]
+            gx.plot(gap_its, gaps, style, color=line.get_color(), label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("validation loss (mean over seeds; band: min..max)")
+    lows = [min(min(c.values()) for c in g.values()) for g in curves.values()]
+    ax.set_ylim(min(lows) - 0.1, min(lows) + 1.5)
+    gx.axhline(0.0, color="black", linewidth=0.8)
+    gx.set_xlabel("iteration")
+    gx.set_ylabel("validation loss - TIED's (same seed, same implementation)")
+    gx.set_title("gap to TIED (mean over seeds)")
+    for a in (ax, gx):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data-path", required=True, help="indexed dataset prefix (.bin/.idx)")
+    p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model of the data")
+    p.add_argument("--split", default="95,5,0")
+    p.add_argument("--out-dir", default="runs/lev-quality")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--all-arms", action="store_true", help="all six arms, not TIED and LEV")
+    p.add_argument("--plain", action="store_true", help="also run plain_gpt_loop.py (TIED, LEV)")
+    p.add_argument("--no-stack", action="store_true", help="skip the pretrain_leviathan.py runs")
+    p.add_argument(
+        "--no-run",
+        action="store_true",
+        help="only summarise the finished runs in --out-dir (groups over the seeds they have)",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="rerun the LEV arm with these extra flags (repeatable)",
+    )
+    p.add_argument("--extra", default="", help="more pretrain_leviathan.py flags for every run")
+    p.add_argument(
+        "--plain-extra", type=shlex.split, default=[], help="more plain_gpt_loop.py flags"
+    )
+    p.add_argument("--num-layers", type=int, default=3)
+    p.add_argument("--hidden-size", type=int, default=192)
+    p.add_argument("--num-attention-heads", type=int, default=6)
+    p.add_argument("--ffn-hidden-size", type=int, default=512)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--train-iters", type=int, default=1500)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr", type=float, default=2e-4)
+    p.add_argument("--lr-warmup-iters", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--adam-beta2", type=float, default=0.999)
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--eval-samples", type=int, default=128, help="validation samples per eval")
+    p.add_argument("--log-interval", type=int, default=50)
+    p.add_argument("--lev-num-digits", type=int, default=3)
+    p.add_argument("--lev-seed-dim", type=int, default=64)
+    p.add_argument("--lev-num-knots", type=int, default=16)
+    p.add_argument("--lev-rank", type=int, default=32)
+    p.add_argument("--lev-num-heads", type=int, default=4)
+    p.add_argument("--lev-temperature", type=float, default=2.0)
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run")
+    args = p.parse_args()
+    if args.eval_samples < args.global_batch_size:
+        sys.exit("bench_lev_quality: --eval-samples must be >= --global-batch-size")
+    variants = {}
+    for item in args.variant:
+        name, sep, flags = item.partition("=")
+        if not sep or not name or "/" in name:
+            sys.exit(f"bench_lev_quality: --variant wants NAME=FLAGS, got {item!r}")
+        variants[name] = shlex.split(flags)
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    arms = list(ALL_ARMS) if args.all_arms else ["tied", "lev"]
+    plan = []  # (group, name, command builder, arm, extra flags), in the order run per seed
+    if not args.no_stack:
+        plan += [(f"stack/{arm}", f"stack-{arm}", stack_command, arm, []) for arm in arms]
+    if args.plain:
+        plan += [
+            (f"plain/{arm}", f"plain-{arm}", plain_command, arm, []) for arm in ("tied", "lev")
+        ]
+    if not args.no_stack:
+        plan += [
+            (f"stack/lev+{n}", f"stack-lev+{n}", stack_command, "lev", f)
+            for n, f in variants.items()
+        ]
+    curves: dict[str, dict[int, dict[int, float]]] = {}
+    for seed in args.seeds:  # seed-major: a partial study already has every group's first seeds
+        for group, name, build, arm, extra in plan:
+            log = out_dir / f"{name}-s{seed}.log"
+            if args.no_run and not finished(log):
+                continue
+            cmd = build(arm, seed, extra, args)
+            curves.setdefault(group, {})[seed] = run(f"{name}-s{seed}", cmd, out_dir, env)
+    if not curves:
+        sys.exit(f"bench_lev_quality: no finished run in {out_dir}")
+
+    rows = summarise(curves)
+    print(f"\nfinal validation loss after {args.train_iters} iterations (mean ± std over seeds)")
+    print(f"{'run group':30s} {'seeds':>7s} {'val loss':>15s} {'gap to TIED':>15s}  gap per seed")
+    for row in rows:
+        gap = "" if row["gap"] is None else f"{row['gap']:+.3f} ± {row['gap_std']:.3f}"
+        per_seed = " ".join(f"{g:+.3f}" for g in row["gaps"].values())
+        seeds = ",".join(map(str, row["seeds"]))
+        print(f"{row['group']:30s} {seeds:>7s} {row['final']:7.3f} ± {row['final_std']:.3f} "
+              f"{gap:>15s}  {per_seed}")  # fmt: skip
+    gaps = {r["group"]: r for r in rows if r["gap"] is not None}
+    if "stack/lev" in gaps and "plain/lev" in gaps:
+        diff = gaps["stack/lev"]["gap"] - gaps["plain/lev"]["gap"]
+        print(f"stack gap - plain gap: {diff:+.3f}")
+    result = dict(settings=vars(args), rows=rows, curves=curves)
+    tmp = out_dir / "results.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out_dir / "results.json")
+    plot(curves, out_dir / "curves.png")
+    print(f"wrote {out_dir / 'results.json'} and {out_dir / 'curves.png'}")
+
+
+if __name__ == "__main__":
+    main()
