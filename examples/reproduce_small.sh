@@ -37,6 +37,6 @@ for SIZE in 200m 400m 1.2b; do
         LOADS+=" --load runs/$arm-$SIZE-o200k/ckpt"
         RUNS+=" --run $arm=runs/$arm-$SIZE-o200k/tensorboard"
     done
-    echo "  torchrun --nproc-per-node 8 tools/evaluate.py frequency$LOADS --names $ARMS --baseline tied --split valid --tensor-model-parallel-size 8 --output-dir eval/$SIZE/frequency"
+    echo "  torchrun --nproc-per-node 2 tools/evaluate.py frequency$LOADS --names $ARMS --baseline tied --split valid --tensor-model-parallel-size 2 --output-dir eval/$SIZE/frequency"
     echo "  python tools/evaluate.py curves$RUNS --seq-length 512 --smoothing 0.6 --reference tied --output-dir eval/$SIZE/curves"
 done
