@@ -9,7 +9,7 @@ temporary directory ``OUT/.<stage>.tmp``, puts a completion marker there, and re
 nothing behind and is redone by the next run; a finished stage whose settings did not change
 is reused. ``--fresh`` starts over.
 
-    python tools/quickstart.py --out runs/quickstart                # TIED vs LEV, ~8 minutes
+    python tools/quickstart.py --out runs/quickstart                # TIED vs LEV, 5-8 minutes
     python tools/quickstart.py --out runs/qs_short --iters 20       # a shortened run
 """
 
@@ -58,7 +58,7 @@ class Settings:
 
     out: Path
     arms: tuple[str, ...] = ("tied", "lev")
-    iters: int = 100
+    iters: int = 150
     nproc: int = 2
     corpus: Optional[str] = None
     valid_corpus: Optional[str] = None
@@ -147,8 +147,8 @@ def _compact(line: str) -> str:
     """Keep the informative fields of a Megatron iteration line."""
     if "iteration" not in line or "|" not in line:
         return line.strip()
-    keep = ("iteration", "elapsed time per iteration", "tokens per second", "ETA", "lm loss")
-    fields = [f.strip() for f in line.split("|") if any(k in f for k in keep)]
+    keep = ("iteration ", "elapsed time per iteration", "tokens per second", "ETA", "lm loss")
+    fields = [f.strip() for f in line.split("|") if f.strip().startswith(keep) or "]  iter" in f]
     return " | ".join(fields)
 
 
@@ -535,9 +535,7 @@ def _report(s: Settings, tmp: Path) -> str:
         cmd += ["--run", r]
     run_command(cmd, log=tmp / "curves.log", show=re.compile(r"reach|error"))
     efficiency_lines = [
-        ln.strip()
-        for ln in (tmp / "curves.log").read_text().splitlines()
-        if "reach" in ln
+        ln.strip() for ln in (tmp / "curves.log").read_text().splitlines() if "reach" in ln
     ]
     freq_dir = s.out / "evaluate" / "frequency"
     shutil.copy(freq_dir / "frequency.png", tmp / "frequency.png")
@@ -696,7 +694,7 @@ def parse_args(argv=None) -> tuple[Settings, bool]:
     )
     p.add_argument("--out", default="runs/quickstart", help="output directory")
     p.add_argument("--arms", nargs="+", default=["tied", "lev"], choices=ALL_ARMS)
-    p.add_argument("--iters", type=int, default=100, help="training iterations per arm")
+    p.add_argument("--iters", type=int, default=150, help="training iterations per arm")
     p.add_argument("--nproc", type=int, default=2, help="CPU processes (= TP size)")
     p.add_argument("--corpus", help="your training jsonl file or directory (default: sample)")
     p.add_argument("--valid-corpus", help="your validation jsonl file (with --corpus)")
