@@ -735,8 +735,10 @@ def main(argv=None) -> int:
     if fresh and s.out.exists():
         say(f"--fresh: removing {_short(str(s.out))}")
         shutil.rmtree(s.out)
-    # A second Ctrl-C while a stage cleans up must not leave its temporary directory behind.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C and SIGTERM discard the running stage, also when started where SIGINT is ignored
+    # (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     start = time.time()
     try:
         run_stages(build_stages(s), s.out)
