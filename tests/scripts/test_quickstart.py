@@ -81,9 +81,10 @@ def test_every_promised_file(quickstart_run):
     assert model.config.leviathan["embedding_type"] == "lev"
     assert not model.config.tie_word_embeddings
     text = (out / "export" / "continuation.txt").read_text()
-    assert text.startswith("The history of the river") and len(text.strip()) > 25
+    assert text.startswith("The history of the river")
     ids = tokenizer("The history of the river", return_tensors="pt").input_ids
     again = model.generate(ids, max_new_tokens=24, do_sample=False)
+    assert again.shape[1] > ids.shape[1]
     assert tokenizer.decode(again[0], skip_special_tokens=True) + "\n" == text
 
     assert "Open:" in stdout and "report/report.md" in stdout.splitlines()[-3]
