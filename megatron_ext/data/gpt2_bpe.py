@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_ext.data.tokenizers import Tokenizer, TokenizerError, _file_digest
+from megatron_ext.data.tokenizers import TOKENIZER_TYPES, Tokenizer, TokenizerError, _file_digest
 
 __all__ = ["GPT2BPETokenizer", "bytes_to_unicode"]
 
@@ -115,20 +115,26 @@ class GPT2BPETokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
+        """Number of ids: the larger of vocab.json's entry count and its highest id + 1."""
         return self._vocab_size
 
     @property
     def eod(self) -> int:
+        """Id of the <|endoftext|> token, the end-of-document marker."""
         return self._eod
 
     def tokenize(self, text: str) -> list[int]:
+        """vocab.json ids of `text` under GPT-2 byte-level BPE (special tokens not recognised)."""
         return self._rank_to_id[self._enc.encode_ordinary(text)].tolist()
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`tokenize` of each text in `texts`; an empty list for an empty text."""
         ranks = self._enc.encode_ordinary_batch(list(texts), num_threads=1)
         return [self._rank_to_id[r].tolist() if r else [] for r in ranks]
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of `ids`: their bytes joined and decoded as UTF-8 (invalid bytes replaced, unknown
+        ids dropped, the EOD id written as <|endoftext|>)."""
         pieces = []
         for i in ids:
             i = int(i)
@@ -137,6 +143,11 @@ class GPT2BPETokenizer(Tokenizer):
 
     @property
     def unique_identifiers(self) -> "OrderedDict[str, str]":
+        """The base tokenizer's identifiers plus the merges file's digest (first 16 hex digits of
+        its SHA-256), so that data caches of another merges file are not reused."""
         ident = super().unique_identifiers
         ident["merges_sha256_16"] = _file_digest(self.merge_file)
         return ident
+
+
+TOKENIZER_TYPES["GPT2BPETokenizer"] = GPT2BPETokenizer

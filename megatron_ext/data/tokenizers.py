@@ -445,13 +445,9 @@ TOKENIZER_TYPES = {
 }
 
 
-def _register_gpt2_bpe() -> None:
-    from megatron_ext.data.gpt2_bpe import GPT2BPETokenizer  # imports this module
-
-    TOKENIZER_TYPES["GPT2BPETokenizer"] = GPT2BPETokenizer
-
-
-_register_gpt2_bpe()
+# GPT2BPETokenizer registers itself in TOKENIZER_TYPES; a plain module import (no attribute
+# access) also works when gpt2_bpe, which imports this module, is the one imported first.
+import megatron_ext.data.gpt2_bpe  # noqa: E402, F401
 
 
 def build_tokenizer(

@@ -42,6 +42,8 @@ class Curve:
 
 @dataclass
 class RunCurves:
+    """Loss curves of one run (None where the source has none) and the path they were read from."""
+
     name: str
     train: Optional[Curve] = None
     validation: Optional[Curve] = None
@@ -122,6 +124,9 @@ def smooth(values: np.ndarray, weight: float) -> np.ndarray:
 
 @dataclass
 class SampleEfficiency:
+    """Tokens `run` needs to reach `reference`'s final validation loss, against the tokens
+    `reference` took (see `sample_efficiency`)."""
+
     run: str
     reference: str
     target_loss: float
@@ -136,9 +141,11 @@ class SampleEfficiency:
 
     @property
     def ratio(self) -> Optional[float]:
+        """reference_tokens / tokens: how many times fewer tokens `run` needs (None: never)."""
         return None if self.tokens is None else self.reference_tokens / self.tokens
 
     def message(self) -> str:
+        """One-line summary of the comparison for logs and reports."""
         if self.tokens is None:
             return (
                 f"{self.run} never reaches {self.reference}'s final validation loss "
@@ -153,6 +160,7 @@ class SampleEfficiency:
         )
 
     def as_dict(self) -> dict:
+        """The fields plus `ratio` and `message` as a JSON-ready dict."""
         return {
             "run": self.run,
             "reference": self.reference,

@@ -122,6 +122,7 @@ class FrequencyBins:
         return self.bin_of_id[ids]
 
     def update(self, targets: np.ndarray, losses: np.ndarray) -> None:
+        """Add each target's loss to its frequency bin; targets: [n] ids, losses: [n] nats."""
         b = self.bins(targets)
         n = len(self.labels)
         self.stats.tokens += np.bincount(b, minlength=n).astype(np.int64)
@@ -163,6 +164,7 @@ class FrequencyStats:
         return out
 
     def overall(self) -> dict:
+        """Token count, mean loss and perplexity over all bins (NaN loss without tokens)."""
         n = int(self.tokens.sum())
         loss = float(self.loss_sum.sum() / n) if n else float("nan")
         return {"tokens": n, "loss": loss, "perplexity": math.exp(loss) if n else float("nan")}

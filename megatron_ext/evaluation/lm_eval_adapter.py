@@ -87,24 +87,30 @@ class LeviathanLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
+        """End-of-text id for the harness: the tokenizer's end-of-document id."""
         return self.tok.eod
 
     @property
     def tokenizer_name(self) -> str:
+        """Name of the tokenizer for the harness: the tokenizer model's path."""
         return str(self.tok.model_path)
 
     @property
     def rank(self) -> int:
+        """Harness rank: 0 on every rank (the TP x PP ranks all compute the same results)."""
         return 0  # every rank of our TP x PP world computes the same results
 
     @property
     def world_size(self) -> int:
+        """Harness world size: 1 (the TP x PP ranks act as one harness worker)."""
         return 1
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs):
+        """Token ids of `string`; no special tokens are added (`add_special_tokens` is ignored)."""
         return self.tok.tokenize(string)
 
     def tok_decode(self, ids) -> str:
+        """Text of the token ids `ids`."""
         return self.tok.detokenize(list(ids))
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):

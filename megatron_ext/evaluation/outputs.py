@@ -49,6 +49,7 @@ def atomic_open(path: str, mode: str = "w") -> Iterator[Any]:
 
 
 def write_text(path: str, text: str) -> str:
+    """Write `text` to `path` atomically (UTF-8); returns `path`."""
     with atomic_open(path) as handle:
         handle.write(text)
     return path
@@ -65,10 +66,12 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json(path: str, data: Any) -> str:
+    """Write `data` to `path` atomically as indented JSON (NaN, inf -> null); returns `path`."""
     return write_text(path, json.dumps(_jsonable(data), indent=2) + "\n")
 
 
 def write_csv(path: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Write `header` and `rows` to `path` atomically as CSV; returns `path`."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)

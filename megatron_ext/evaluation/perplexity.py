@@ -39,18 +39,22 @@ class LossTotals:
     tokens: int = 0
 
     def update(self, targets: np.ndarray, losses: np.ndarray) -> None:
+        """Add the losses of scored targets; targets: [n] ids, losses: [n] nats."""
         self.loss_sum += float(np.sum(losses, dtype=np.float64))
         self.tokens += int(len(targets))
 
     @property
     def loss(self) -> float:
+        """Mean loss per token in nats (NaN before any token)."""
         return self.loss_sum / self.tokens if self.tokens else float("nan")
 
     @property
     def perplexity(self) -> float:
+        """exp(mean loss) (NaN before any token)."""
         return math.exp(self.loss) if self.tokens else float("nan")
 
     def as_dict(self) -> dict:
+        """Token count, mean loss and perplexity as a dict."""
         return {"tokens": self.tokens, "loss": self.loss, "perplexity": self.perplexity}
 
 

@@ -47,6 +47,7 @@ class Batch:
 
     @property
     def num_targets(self) -> int:
+        """Number of scored targets: the sum of `loss_mask` [b, s]."""
         return int(self.loss_mask.sum().item())
 
 
@@ -186,6 +187,7 @@ class LoadedModel:
 
     @property
     def name(self) -> str:
+        """The run's root directory, which names the model in results."""
         return self.run.root
 
 

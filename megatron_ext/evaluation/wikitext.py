@@ -124,6 +124,7 @@ class Window:
 
     @property
     def num_scored(self) -> int:
+        """Targets this window scores: stream positions scored_after + 1 .. end."""
         return self.end - self.scored_after
 
 
@@ -181,6 +182,9 @@ def window_batches(
 
 @dataclass
 class WikitextResult:
+    """Totals of a rolling-window wikitext evaluation: article, word and token counts, the summed
+    token loss (nats) and the window settings."""
+
     articles: int
     words: int
     tokens: int
@@ -189,6 +193,8 @@ class WikitextResult:
     stride: int
 
     def as_dict(self) -> dict:
+        """The totals plus token loss, token perplexity and word perplexity (the summed loss per
+        original word) as a dict."""
         return {
             "articles": self.articles,
             "words": self.words,

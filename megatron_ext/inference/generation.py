@@ -66,6 +66,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
+        """True when temperature is 0: `sample` then takes the argmax."""
         return self.temperature == 0.0
 
 
@@ -119,7 +120,8 @@ def _tp_group(model: torch.nn.Module):
 def next_token_logits(
     model: torch.nn.Module, tokens: torch.Tensor, inference_context=None
 ) -> torch.Tensor:
-    """float32 logits [b, V] (TP-gathered, padding included) for the token after `tokens` [b, s].
+    """Logits [b, V] (TP-gathered, padding included; float32 or wider) for the token after
+    `tokens` [b, s].
 
     With `inference_context`, `tokens` are the ones after its `sequence_len_offset` (the
     cache holds the rest); the offset is advanced past them.
@@ -129,7 +131,8 @@ def next_token_logits(
     )  # [b, s' (1 with a context), V]
     if inference_context is not None:
         inference_context.sequence_len_offset += tokens.size(1)
-    return logits[:, -1, :].float()
+    logits = logits[:, -1, :]
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

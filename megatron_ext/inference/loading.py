@@ -185,10 +185,22 @@ def init_inference_parallel(
     """Initialise torch.distributed and megatron's groups for a tool.
 
     Under torchrun the launcher's environment is used; a plain `python tools/x.py` becomes a
-    one-rank world on a free loopback port (so two tools can run side by side).
+    one-rank world on a free loopback port (so two tools can run side by side). Calling it
+    again is harmless: groups already at this layout are kept, others are rebuilt.
     """
-    from megatron_ext.parallel import initialize_parallel
+    from megatron.core import parallel_state
+
+    from megatron_ext.parallel import destroy_parallel, initialize_parallel
     from megatron_ext.testing.distributed import find_free_port
+
+    if parallel_state.model_parallel_is_initialized():
+        current = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        if current == (tensor_model_parallel_size, pipeline_model_parallel_size):
+            return
+        destroy_parallel()
 
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(

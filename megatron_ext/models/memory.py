@@ -78,6 +78,7 @@ class ParallelLayout:
 
     @property
     def num_gpus(self) -> int:
+        """GPUs of the layout: tensor x pipeline x data parallel."""
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
 
@@ -97,10 +98,12 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """Bytes of weights, gradients, optimizer states and activations without recompute."""
         return self.weights + self.grads + self.optimizer + self.activations
 
     @property
     def total_recompute(self) -> int:
+        """Bytes of weights, gradients, optimizer states and activations under full recompute."""
         return self.weights + self.grads + self.optimizer + self.activations_recompute
 
 
@@ -144,7 +147,6 @@ def _input_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
     tp = layout.tensor_parallel
     sp = tp if layout.sequence_parallel else 1
     t = layout.micro_batch_size * cfg.seq_length
-    a = 2 if layout.bf16 else 4
     emb = cfg.embedding
     total = 8 * t + 4 * t * cfg.hidden_size / sp  # ids (or LEV's gather index), output [T, D]
     if emb.embedding_type == "lev":
@@ -154,20 +156,18 @@ def _input_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
     elif emb.embedding_type in ("tied", "untied") and tp > 1:
         total += t  # the vocab-parallel lookup's out-of-shard mask [T] (bool)
     elif emb.embedding_type == "albert":
-        copies = layout.autocast_weight_copies
-        total += a * t * emb.albert_dim + (a * emb.albert_dim * cfg.hidden_size if copies else 0)
+        # The seed networks run in float32 outside autocast (training/precision.py).
+        total += 4 * t * emb.albert_dim
     elif emb.embedding_type in ("flat-mlp", "factored-mlp"):
         seed = emb.flat_mlp_seed_dim
         if emb.embedding_type == "factored-mlp":
             lev = cfg.lev_config()
             seed = lev.seed_in_dim
             total += 8 * t * (lev.num_digits - 1)  # the digits [T, k] replace the ids [T]
-        # float32 seed [T, d] and LayerNorm statistics; in the compute dtype the fc1 input
-        # (normed seed), fc1 output (SiLU input) and SiLU output; autocast weight copies.
+        # All in float32 (outside autocast): the seed [T, d] and LayerNorm statistics, the fc1
+        # input (normed seed), fc1 output (SiLU input) and SiLU output.
         hidden = emb.mlp_hidden
-        total += 4 * t * seed + 8 * t + a * t * (seed + 2 * hidden)
-        if layout.autocast_weight_copies:
-            total += a * (seed * hidden + hidden * cfg.hidden_size)
+        total += 4 * t * seed + 8 * t + 4 * t * (seed + 2 * hidden)
     return total
 
 

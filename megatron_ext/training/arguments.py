@@ -356,9 +356,11 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration")
     g.add_argument(
         "--ckpt-format",
-        choices=("torch_dist",),
-        default="torch_dist",
-        help="torch.distributed.checkpoint with DTensor tensor-parallel shards",
+        choices=("torch_dcp",),
+        default="torch_dcp",
+        help="plain torch.distributed.checkpoint (DCP) with DTensor tensor-parallel shards; "
+        "not Megatron's torch_dist format (tools/convert_checkpoint.py export-megatron writes "
+        "a checkpoint Megatron-LM loads)",
     )
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")

@@ -1,4 +1,4 @@
-"""Megatron-LM's GPU-only flags: FP8 recipe, megatron-core's DDP engine, virtual pipelining.
+"""Megatron-LM's GPU-only flags: FP8 recipe and megatron-core's DDP engine.
 
 All GPU flags of the GPU path are defined here, in `add_gpu_arguments`, and checked in
 `validate_gpu_args` (both called from `training.arguments`). A flag that another module already
@@ -7,8 +7,8 @@ definition, whatever the order in which the two were added.
 
     --ddp-impl portable|megatron                  the training engine (megatron: CUDA only)
     --overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size
-                                                  megatron-core DDP options (--ddp-impl megatron)
-    --num-layers-per-virtual-pipeline-stage N     interleaved 1F1B (--ddp-impl megatron)
+                                                  megatron-core DDP options (--ddp-impl megatron;
+                                                  ignored with a logged note by the portable engine)
     --fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo
                                                   Transformer Engine's DelayedScaling recipe
     --fp8-param-gather                            FP8 weights all-gathered (distributed optimizer)
@@ -17,9 +17,12 @@ definition, whatever the order in which the two were added.
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "GPU_FLAGS",
@@ -49,9 +52,6 @@ GPU_FLAGS: dict[str, dict[str, Any]] = {
     ),
     "--ddp-bucket-size": dict(
         type=int, default=None, help="parameters per DDP bucket (default: megatron-core's)"
-    ),
-    "--num-layers-per-virtual-pipeline-stage": dict(
-        type=int, default=None, help="layers per virtual stage: interleaved 1F1B schedule"
     ),
     "--fp8-margin": dict(type=int, default=0, help="FP8 scaling margin (DelayedScaling)"),
     "--fp8-amax-history-len": dict(
@@ -91,34 +91,25 @@ def validate_gpu_args(args: argparse.Namespace, cuda: bool | None = None) -> arg
             "--ddp-impl megatron needs CUDA (megatron-core's DDP keeps its buffers on the GPU); "
             "use --ddp-impl portable on CPU"
         )
-    for flag in (
-        "--overlap-grad-reduce",
-        "--overlap-param-gather",
-        "--ddp-bucket-size",
-        "--num-layers-per-virtual-pipeline-stage",
-        "--fp8-param-gather",
-    ):
+    for flag in ("--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size"):
+        # Megatron-LM launch scripts pass these routinely: the portable engine notes and
+        # ignores them (it all-reduces bucketed gradients after backward).
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value not in (None, False) and not megatron:
-            _fail(f"{flag} needs --ddp-impl megatron (the portable engine has no such option)")
+            where = "on CPU" if not cuda else "by --ddp-impl portable"
+            logger.info(
+                "%s: ignored %s (it tunes megatron-core's DDP; use --ddp-impl megatron on CUDA)",
+                flag,
+                where,
+            )
+    if getattr(args, "fp8_param_gather", False) and not megatron:
+        _fail(
+            "--fp8-param-gather needs --ddp-impl megatron (the portable engine has no such option)"
+        )
     if getattr(args, "overlap_param_gather", False) and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
     if getattr(args, "fp8_param_gather", False) and getattr(args, "fp8_format", None) is None:
         _fail("--fp8-param-gather needs --fp8-format")
-    vp = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if vp is not None:
-        pp = args.pipeline_model_parallel_size
-        layers = getattr(args, "num_layers", None)
-        if vp < 1 or pp < 2:
-            _fail(
-                "--num-layers-per-virtual-pipeline-stage needs >= 1 layer and "
-                "--pipeline-model-parallel-size >= 2"
-            )
-        if layers is not None and layers % (vp * pp):
-            _fail(
-                f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-                f"--num-layers-per-virtual-pipeline-stage {vp}"
-            )
     if getattr(args, "fp8_format", None) is None:
         for flag, default in (("fp8_margin", 0), ("fp8_amax_history_len", 1024)):
             if getattr(args, flag, default) != default:
@@ -138,11 +129,6 @@ def engine_limitations(args: argparse.Namespace) -> Optional[str]:
         return (
             "--ddp-impl megatron does not write or read checkpoints yet (its optimizer state is "
             "megatron's); drop --save/--load or use --ddp-impl portable"
-        )
-    if getattr(args, "num_layers_per_virtual_pipeline_stage", None):
-        return (
-            "--num-layers-per-virtual-pipeline-stage (interleaved 1F1B) is not supported by "
-            "--ddp-impl megatron yet; drop it"
         )
     if getattr(args, "fp8_param_gather", False):
         return "--fp8-param-gather is not supported by --ddp-impl megatron yet; drop it"

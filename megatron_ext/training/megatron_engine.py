@@ -119,6 +119,8 @@ class MegatronEngineTrainer(_Trainer):
         self.forward_backward_func = get_forward_backward_func()
 
     def train_step(self, data_iterator) -> _StepResult:
+        """One training iteration with megatron-core's forward-backward schedule and optimizer;
+        returns the world-reduced loss, the gradient norm and whether the step was taken."""
         b, p = self.cfg.batch, self.cfg.parallel
         self.model.zero_grad_buffer()
         self.megatron_optimizer.zero_grad()
@@ -150,5 +152,6 @@ class MegatronEngineTrainer(_Trainer):
         return _StepResult(loss, grad_norm, bool(stepped), stats[4] > 0, stats[5] > 0)
 
     def evaluate(self, dataset, name: str = "validation"):
+        """Not implemented for this engine: logs a warning and returns None."""
         logger.warning("--ddp-impl megatron: %s evaluation is not implemented yet", name)
         return None

@@ -70,9 +70,11 @@ class FeatureConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "FeatureConfig":
+        """The config from parsed arguments; fields that `args` lacks keep their defaults."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
     def rampup(self) -> Optional["BatchSizeRampup"]:
+        """The --rampup-batch-size schedule, or None when the flag is not set."""
         if not self.rampup_batch_size:
             return None
         start, increment, samples = self.rampup_batch_size
@@ -265,6 +267,7 @@ class RunExtras:
             self.wandb = _init_wandb(cfg)
 
     def global_batch(self, consumed_samples: int) -> int:
+        """Global batch size after `consumed_samples` samples (smaller while the rampup lasts)."""
         if self.rampup is None:
             return self.cfg.global_batch_size
         return self.rampup.global_batch(consumed_samples)
@@ -276,6 +279,8 @@ class RunExtras:
             self._start_profiler()
 
     def after_step(self, iteration: int) -> None:
+        """After iteration `iteration`: advance or stop the profiler, run the manual GC on its
+        interval and empty the CUDA cache at --empty-unused-memory-level >= 1."""
         c = self.cfg
         if self._profiler is not None:
             self._profiler.step()
@@ -287,6 +292,8 @@ class RunExtras:
             torch.cuda.empty_cache()
 
     def around_eval(self) -> None:
+        """Called before and after each evaluation: manual GC (with --manual-gc-eval) and, at
+        --empty-unused-memory-level >= 2, emptying the CUDA cache."""
         if self.cfg.manual_gc and self.cfg.manual_gc_eval:
             gc.collect()
         if self.cfg.empty_unused_memory_level >= 2 and torch.cuda.is_available():
@@ -304,6 +311,7 @@ class RunExtras:
         return out
 
     def trace_dir(self) -> str:
+        """Directory of the profiler traces: --tensorboard-dir, else <save>/profile."""
         return self.cfg.tensorboard_dir or os.path.join(self.cfg.save, "profile")
 
     def _start_profiler(self) -> None:
@@ -328,6 +336,7 @@ class RunExtras:
         logger.info("profiler trace written to %s", self.trace_dir())
 
     def close(self) -> None:
+        """End of the run: stop the profiler, re-enable GC after --manual-gc, finish the W&B run."""
         if self._profiler is not None:
             self._stop_profiler()
         if self.cfg.manual_gc:

@@ -48,29 +48,12 @@ def test_every_gpu_flag_is_parsed_once_even_if_defined_elsewhere():
     "flags, cuda, message",
     [
         (["--ddp-impl", "megatron"], False, "--ddp-impl megatron needs CUDA"),
-        (["--overlap-grad-reduce"], True, "--overlap-grad-reduce needs --ddp-impl megatron"),
+        (["--fp8-param-gather", "--fp8-format", "hybrid"], True, "needs --ddp-impl megatron"),
         (
             ["--ddp-impl", "megatron", "--overlap-param-gather"],
             True,
             "--overlap-param-gather needs --use-distributed-optimizer",
         ),
-        (
-            ["--ddp-impl", "megatron", "--num-layers-per-virtual-pipeline-stage", "1"],
-            True,
-            "--pipeline-model-parallel-size >= 2",
-        ),
-        (
-            [
-                "--ddp-impl",
-                "megatron",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--num-layers-per-virtual-pipeline-stage",
-                "3",
-            ],
-            True,
-            "--num-layers 4 is not divisible",
-        ),  # fmt: skip
         (["--fp8-amax-history-len", "8"], True, "--fp8-amax-history-len needs --fp8-format"),
         (
             ["--ddp-impl", "megatron", "--fp8-param-gather"],
@@ -147,14 +130,23 @@ def test_container_files():
     assert "--exit-signal-handler" in text and "--save /ckpt --load /ckpt" in text
 
 
+def test_portable_engine_notes_and_ignores_megatron_ddp_flags(caplog):
+    import logging
+
+    for cuda, where in ((False, "on CPU"), (True, "by --ddp-impl portable")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            validate_gpu_args(_args("--overlap-grad-reduce", "--ddp-bucket-size", "8"), cuda=cuda)
+        assert f"--overlap-grad-reduce: ignored {where}" in caplog.text
+        assert f"--ddp-bucket-size: ignored {where}" in caplog.text
+
+
 def test_megatron_engine_refuses_what_it_does_not_do_yet():
     from megatron_ext.training.gpu_arguments import engine_limitations, megatron_engine_model_config
 
     assert engine_limitations(_args("--ddp-impl", "megatron")) is None
     for flags, message in (
         (["--save", "ckpt"], "does not write or read checkpoints yet"),
-        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-         "interleaved 1F1B"),
         (["--fp16"], "not --fp16"),
     ):  # fmt: skip
         args = _args("--ddp-impl", "megatron", *flags)

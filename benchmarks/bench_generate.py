@@ -1,0 +1,133 @@
+"""Generation and export speed (issue 13, item 5), each measured against a baseline of this run.
+
+  (a) tokens/s of `generate` with the KV cache / tokens/s recomputing the whole prefix at
+      every step, for --new-tokens (256) greedy tokens after a --prompt-tokens prompt, on a
+      quick-start-sized LEV model (--layers x --hidden, V --vocab, batch --batch);  expected >> 1
+  (b) time to materialise the LEV input table at V = --table-vocab (200k), D = --table-hidden
+      (2048) with the default LEV hyper-parameters (float32 compute) / time to write that
+      [V, D] float32 table as safetensors;                               target <= 1
+
+CPU timings on shared machines are noisy: compare the ratios, not the seconds.
+Run: `python benchmarks/bench_generate.py`. (b) at the full 200k ids is slow on CPU (LEV's
+spline evaluation dominates; on a loaded 2-core machine 47 ids/s were measured):
+`--table-vocab 16384` measures the same per-id rate in a fraction of the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def bench_kv_cache(args) -> None:
+    from megatron_ext.inference.generation import SamplingConfig, generate
+    from megatron_ext.models import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=args.vocab,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=args.prompt_tokens + args.new_tokens,
+        embedding=dict(embedding_type="lev"),
+    )
+    model = build_model(config).eval()
+    prompts = torch.randint(0, args.vocab, (args.batch, args.prompt_tokens)).tolist()
+    results = {}
+    for use_cache in (True, False):
+        cfg = SamplingConfig(max_new_tokens=args.new_tokens, use_cache=use_cache)
+        generate(model, prompts, SamplingConfig(max_new_tokens=4, use_cache=use_cache))  # warm-up
+        out, seconds = _timed(lambda: generate(model, prompts, cfg))
+        results[use_cache] = (out, sum(len(o) for o in out) / seconds, seconds)
+    same = results[True][0] == results[False][0]
+    print(
+        f"(a) {args.new_tokens} new tokens, prompt {args.prompt_tokens}, batch {args.batch}, "
+        f"{args.layers} layers x D {args.hidden}, V {args.vocab}:\n"
+        f"    KV cache {results[True][1]:8.1f} tokens/s ({results[True][2]:.1f} s)\n"
+        f"    recompute {results[False][1]:7.1f} tokens/s ({results[False][2]:.1f} s)\n"
+        f"    ratio {results[True][1] / results[False][1]:.1f}x   (same tokens: {same})"
+    )
+
+
+def bench_table(args) -> None:
+    from megatron.core.transformer import TransformerConfig
+    from safetensors.torch import save_file
+
+    from megatron_ext.conversion.source import materialize_module_table
+    from megatron_ext.lev import LEVConfig, LEVEmbedding
+
+    torch.manual_seed(0)
+    lev_config = LEVConfig(vocab_size=args.table_vocab, hidden_size=args.table_hidden)
+    tconfig = TransformerConfig(
+        num_layers=1,
+        hidden_size=args.table_hidden,
+        num_attention_heads=16,
+        use_cpu_initialization=True,
+    )
+    module = LEVEmbedding(lev_config, config=tconfig)
+    table, build = _timed(
+        lambda: materialize_module_table(module, compute_dtype=torch.float32, progress=False)
+    )
+    with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
+        path = os.path.join(tmp, "embed.safetensors")
+
+        def write():
+            save_file({"model.embed_tokens.weight": table}, path)
+            with open(path, "rb+") as handle:
+                os.fsync(handle.fileno())
+
+        _, written = _timed(write)
+        size = os.path.getsize(path)
+    print(
+        f"(b) LEV table V {args.table_vocab} x D {args.table_hidden} "
+        f"(k={lev_config.num_digits}, b={lev_config.base}, h={lev_config.num_heads}, "
+        f"r={lev_config.rank}, d_seed={lev_config.seed_dim}):\n"
+        f"    materialise {build:6.1f} s ({args.table_vocab / build:,.0f} ids/s)\n"
+        f"    write       {written:6.1f} s ({size / 2**30:.2f} GiB, "
+        f"{size / 2**20 / written:,.0f} MiB/s)\n"
+        f"    ratio materialise / write {build / written:.2f}   (target <= 1)"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--table-vocab", type=int, default=200_064)
+    p.add_argument("--table-hidden", type=int, default=2048)
+    p.add_argument("--tmp-dir", default=None, help="where the table file is written")
+    p.add_argument("--skip-table", action="store_true")
+    p.add_argument("--skip-kv-cache", action="store_true")
+    args = p.parse_args()
+
+    from megatron_ext.inference.loading import init_inference_parallel
+
+    init_inference_parallel(1, 1)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if not args.skip_kv_cache:
+        bench_kv_cache(args)
+    if not args.skip_table:
+        bench_table(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""What every converter shares: one-line errors, atomic output directories, provenance.
+
+Outputs are written into a hidden temporary directory beside the destination and renamed into
+place only when complete, so an error or Ctrl-C never leaves a half-written export behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+from typing import Iterator
+
+import torch
+
+__all__ = [
+    "ConversionError",
+    "DTYPES",
+    "atomic_output_dir",
+    "atomic_write_text",
+    "git_revision",
+    "parse_dtype",
+]
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConversionError(RuntimeError):
+    """Bad input to a converter; the message is one line saying what to change."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype named `name` (a key of `DTYPES`); ConversionError for any other name."""
+    if name not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str, overwrite: bool = False) -> Iterator[str]:
+    """Yield a temporary directory that becomes `path` when the block completes.
+
+    Raises:
+        ConversionError: `path` exists and `overwrite` is False.
+    """
+    path = os.path.abspath(path)
+    if os.path.lexists(path) and not overwrite:
+        raise ConversionError(f"output {path} already exists; pass --overwrite or pick another")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if os.path.lexists(path):
+        old = os.path.join(parent, f".{os.path.basename(path)}.old{os.getpid()}")
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    logger.info("wrote %s", path)
+
+
+def git_revision() -> str:
+    """The project's git commit (with '-dirty' when the work tree has changes), or 'unknown'."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        rev = subprocess.run(
+            ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + ("-dirty" if dirty else "")
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write a text file through a temporary name (a reader never sees half of it)."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

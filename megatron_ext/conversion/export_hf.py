@@ -1,0 +1,130 @@
+"""export-hf: a training checkpoint (any arm, any saved layout) -> a `LlamaForCausalLM` directory.
+
+config.json               LlamaConfig + `leviathan` (arm, LEV hyper-parameters, source
+                          checkpoint, iteration, git revision, vocabulary handling)
+generation_config.json    eos = the tokenizer's end-of-document id
+model.safetensors         (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
+tokenizer.json, tokenizer_config.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_ext.conversion.common import atomic_output_dir, git_revision
+
+__all__ = ["ExportHFOptions", "export_hf"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExportHFOptions:
+    """Arguments of `export_hf`: source run, output directory, dtypes, sharding, tokenizer."""
+
+    load: str
+    output: str
+    iteration: Optional[int] = None
+    dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float64
+    """Precision of the materialised input table before the cast to `dtype`."""
+    keep_padded_vocab: bool = False
+    """Keep the make-vocab-size-divisible-by padding rows (default: trim to the tokenizer)."""
+    max_shard_size: str = "5GB"
+    tokenizer_model: Optional[str] = None
+    export_tokenizer: bool = True
+    embedding_type: Optional[str] = None
+    overwrite: bool = False
+    progress: bool = True
+
+
+def provenance(loaded, vocab_rows: int, opts: ExportHFOptions) -> dict:
+    """What the export came from, stored in config.json as `leviathan`."""
+    cfg = loaded.model_config
+    emb = cfg.embedding
+    record = {
+        "embedding_type": emb.embedding_type,
+        "source_checkpoint": loaded.run.path,
+        "iteration": loaded.run.iteration,
+        "git_revision": git_revision(),
+        "saved_layout": loaded.run.common.get("layout"),
+        "padded_vocab_size": cfg.vocab_size,
+        "exported_vocab_size": vocab_rows,
+        "input_table_compute_dtype": str(opts.compute_dtype).replace("torch.", ""),
+    }
+    if emb.embedding_type in ("lev", "factored-mlp"):
+        lev = dataclasses.asdict(cfg.lev_config())
+        record["lev"] = {k: v for k, v in lev.items()}
+    for key in ("albert_dim", "flat_mlp_seed_dim", "mlp_hidden"):
+        if getattr(emb, key) is not None:
+            record[key] = getattr(emb, key)
+    return record
+
+
+def export_hf(opts: ExportHFOptions) -> str:
+    """Write the export; returns its directory."""
+    from transformers import GenerationConfig
+
+    from megatron_ext.conversion.hf import (
+        export_tokenizer,
+        hf_config,
+        to_hf_state_dict,
+        write_safetensors,
+    )
+    from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
+
+    if os.path.lexists(opts.output) and not opts.overwrite:
+        # Fail before the (possibly long) load; atomic_output_dir checks again.
+        from megatron_ext.conversion.common import ConversionError
+
+        raise ConversionError(
+            f"output {os.path.abspath(opts.output)} already exists; pass "
+            "--overwrite or pick another"
+        )
+    loaded = load_checkpoint_full(
+        opts.load,
+        iteration=opts.iteration,
+        tokenizer_model=opts.tokenizer_model,
+        embedding_type=opts.embedding_type,
+    )
+    cfg = loaded.model_config
+    tied = cfg.embedding.tied
+    vocab_rows = cfg.vocab_size if opts.keep_padded_vocab else loaded.tokenizer.vocab_size
+    table = materialize_input_table(
+        loaded.model, compute_dtype=opts.compute_dtype, progress=opts.progress
+    )
+    state = to_hf_state_dict(
+        loaded.full,
+        table,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        tied=tied,
+        vocab_rows=vocab_rows,
+        rotary_interleaved=bool(getattr(loaded.model.config, "rotary_interleaved", False)),
+    )
+    state = {k: v.to(opts.dtype).contiguous() for k, v in state.items()}
+    config = hf_config(
+        cfg,
+        vocab_size=vocab_rows,
+        tied=tied,
+        dtype=opts.dtype,
+        tokenizer=loaded.tokenizer,
+        provenance=provenance(loaded, vocab_rows, opts),
+    )
+    with atomic_output_dir(opts.output, opts.overwrite) as tmp:
+        config.save_pretrained(tmp)
+        GenerationConfig(
+            eos_token_id=loaded.tokenizer.eod,
+            pad_token_id=loaded.tokenizer.pad,
+            do_sample=False,
+        ).save_pretrained(tmp)
+        write_safetensors(state, tmp, max_shard_size=opts.max_shard_size, progress=opts.progress)
+        if opts.export_tokenizer:
+            export_tokenizer(loaded.tokenizer, tmp)
+    return os.path.abspath(opts.output)

@@ -1,0 +1,228 @@
+"""export-megatron: any arm -> a Megatron-LM legacy checkpoint (`--ckpt-format torch`).
+
+    <out>/latest_checkpointed_iteration.txt
+    <out>/iter_XXXXXXX/mp_rank_TT/model_optim_rng.pt          (PP=1)
+    <out>/iter_XXXXXXX/mp_rank_TT_PPP/model_optim_rng.pt      (PP>1)
+
+Each file holds {"model": this rank's state dict, "checkpoint_version": 3.0, "iteration",
+"args"} with megatron-core's GPTModel key names for its local and Transformer Engine-free spec
+(our names are megatron-core's, so only the input module changes: the arm is materialised into
+`embedding.word_embeddings.weight`). Tensor-parallel shards follow megatron's splits: the
+vocabulary and QKV/fc1 rows (fc1 as gate|up per rank) across ranks for column-parallel layers,
+columns for row-parallel ones. Stock Megatron-LM loads it with
+
+    pretrain_gpt.py --load <out> --ckpt-format torch --finetune --no-load-optim --no-load-rng \\
+        --use-checkpoint-args --untie-embeddings-and-output-weights ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+
+__all__ = ["ExportMegatronOptions", "export_megatron", "megatron_rank_state_dict", "TP_LAYOUT"]
+
+logger = logging.getLogger(__name__)
+
+# Parameter-name suffix -> (partition dim, stride) of megatron's tensor-parallel split.
+TP_LAYOUT = {
+    "embedding.word_embeddings.weight": (0, 1),
+    "output_layer.weight": (0, 1),
+    "self_attention.linear_qkv.weight": (0, 1),
+    "self_attention.linear_proj.weight": (1, 1),
+    "mlp.linear_fc1.weight": (0, 2),
+    "mlp.linear_fc2.weight": (1, 1),
+}
+
+
+@dataclass(frozen=True)
+class ExportMegatronOptions:
+    """Arguments of `export_megatron`: source run, output directory, the TP x PP layout to write
+    and the dtypes."""
+
+    load: str
+    output: str
+    iteration: Optional[int] = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float64
+    tokenizer_model: Optional[str] = None
+    embedding_type: Optional[str] = None
+    overwrite: bool = False
+    progress: bool = True
+
+
+def _layout_of(name: str) -> Optional[tuple[int, int]]:
+    for suffix, layout in TP_LAYOUT.items():
+        if name.endswith(suffix):
+            return layout
+    return None
+
+
+def megatron_rank_state_dict(
+    full: dict[str, torch.Tensor],
+    *,
+    num_layers: int,
+    tied: bool,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+) -> dict[str, torch.Tensor]:
+    """One (TP, PP) rank's state dict from megatron-named full tensors (stage-local layers)."""
+    from megatron_ext.models.full_state_dict import tp_shard
+
+    per_stage = num_layers // pp_size
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():
+        if name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers.") :].split(".", 1)
+            stage, local = divmod(int(index), per_stage)
+            if stage != pp_rank:
+                continue
+            key = f"decoder.layers.{local}.{rest}"
+        elif name.startswith("embedding."):
+            if not first:
+                continue
+            key = name
+        else:  # final norm, output layer
+            if not last:
+                continue
+            key = name
+        layout = _layout_of(name)
+        if layout is not None and tp_size > 1:
+            tensor = tp_shard(tensor, *layout, rank=tp_rank, size=tp_size)
+        out[key] = tensor.clone()
+    if tied and last and not first:
+        # Megatron's last stage keeps its own copy of the tied table as output_layer.weight.
+        table = full["embedding.word_embeddings.weight"]
+        out["output_layer.weight"] = (
+            tp_shard(table, 0, 1, tp_rank, tp_size) if tp_size > 1 else table.clone()
+        )
+    return out
+
+
+def _megatron_args(loaded, padded: int, tp: int, pp: int, dtype: torch.dtype) -> argparse.Namespace:
+    cfg = loaded.model_config
+    args = loaded.run.args
+    return argparse.Namespace(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        group_query_attention=cfg.num_query_groups != cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        seq_length=cfg.seq_length,
+        max_position_embeddings=cfg.seq_length,
+        position_embedding_type="rope",
+        rotary_base=cfg.rotary_base,
+        rotary_percent=1.0,
+        rotary_interleaved=bool(getattr(loaded.model.config, "rotary_interleaved", False)),
+        normalization="RMSNorm",
+        norm_epsilon=cfg.norm_epsilon,
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=cfg.qk_layernorm,
+        untie_embeddings_and_output_weights=not cfg.embedding.tied,
+        padded_vocab_size=padded,
+        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
+        vocab_size=getattr(args, "vocab_size", None),
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        ckpt_format="torch",
+        transformer_impl="local",
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        iteration=loaded.run.iteration,
+        leviathan_embedding_type=cfg.embedding.embedding_type,
+        leviathan_source_checkpoint=loaded.run.path,
+    )
+
+
+def _resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.size(0) >= rows:
+        return tensor[:rows]
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.size(0), *tensor.shape[1:])])
+
+
+def export_megatron(opts: ExportMegatronOptions) -> str:
+    """Write the legacy checkpoint; returns its directory."""
+    from tqdm import tqdm
+
+    from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
+    from megatron_ext.data.tokenizers import padded_vocab_size
+    from megatron_ext.models.config import EmbeddingConfig
+
+    output = os.path.abspath(opts.output)
+    if os.path.lexists(output) and not opts.overwrite:
+        raise ConversionError(f"output {output} already exists; pass --overwrite or pick another")
+    tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
+    loaded = load_checkpoint_full(
+        opts.load,
+        iteration=opts.iteration,
+        tokenizer_model=opts.tokenizer_model,
+        embedding_type=opts.embedding_type,
+    )
+    cfg = loaded.model_config
+    try:  # the layout must suit the backbone (heads, groups, layers divisible)
+        cfg.replace(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            embedding=EmbeddingConfig("untied"),
+        )
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
+    if cfg.qk_layernorm:
+        raise ConversionError("export-megatron does not map --qk-layernorm models yet")
+    divisible = getattr(loaded.run.args, "make_vocab_size_divisible_by", 128)
+    padded = padded_vocab_size(loaded.tokenizer.vocab_size, divisible, tp)
+    table = materialize_input_table(
+        loaded.model, compute_dtype=opts.compute_dtype, progress=opts.progress
+    )
+    full = {k: v for k, v in loaded.full.items() if not k.startswith("embedding.")}
+    full["embedding.word_embeddings.weight"] = table
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if key in full:
+            full[key] = _resize_vocab(full[key], padded)
+    full = {k: v.to(opts.dtype) for k, v in full.items()}
+    args = _megatron_args(loaded, padded, tp, pp, opts.dtype)
+    iteration = loaded.run.iteration
+    with atomic_output_dir(output, opts.overwrite) as tmp:
+        ranks = [(t, p) for p in range(pp) for t in range(tp)]
+        for t, p in tqdm(ranks, desc="writing ranks", unit="rank", disable=not opts.progress):
+            name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+            directory = os.path.join(tmp, f"iter_{iteration:07d}", name)
+            os.makedirs(directory)
+            state = megatron_rank_state_dict(
+                full,
+                num_layers=cfg.num_layers,
+                tied=cfg.embedding.tied,
+                tp_rank=t,
+                tp_size=tp,
+                pp_rank=p,
+                pp_size=pp,
+            )
+            torch.save(
+                {"model": state, "checkpoint_version": 3.0, "iteration": iteration, "args": args},
+                os.path.join(directory, "model_optim_rng.pt"),
+            )
+        with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as handle:
+            handle.write(f"{iteration}\n")
+    return output

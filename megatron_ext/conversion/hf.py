@@ -1,0 +1,409 @@
+"""Hugging Face `LlamaForCausalLM` <-> our single-stage parameter names.
+
+    ours (megatron-core names)                         Hugging Face Llama
+    embedding.word_embeddings.weight [V, D]            model.embed_tokens.weight
+    decoder.layers.i.input_layernorm.weight            model.layers.i.input_layernorm.weight
+    decoder.layers.i.self_attention.linear_qkv.weight  q_proj | k_proj | v_proj (see below)
+    decoder.layers.i.self_attention.linear_proj.weight model.layers.i.self_attn.o_proj.weight
+    decoder.layers.i.pre_mlp_layernorm.weight          post_attention_layernorm.weight
+    decoder.layers.i.mlp.linear_fc1.weight [2F, D]     gate_proj [F, D] ; up_proj [F, D]
+    decoder.layers.i.mlp.linear_fc2.weight             down_proj
+    decoder.final_layernorm.weight                     model.norm.weight
+    output_layer.weight                                lm_head.weight (absent when tied)
+
+Megatron fuses QKV per query group: rows [ng, np/ng + 2, hn] hold each group's np/ng query
+heads, then its key head, then its value head. Llama's grouped-query attention serves query
+heads j*np/ng .. (j+1)*np/ng - 1 with key/value head j, so splitting the groups gives q/k/v in
+Llama's order. Megatron's default rotary layout (non-interleaved, rotate-half) is Llama's; an
+interleaved checkpoint (`--rotary-interleaved`) has its q/k rows permuted into that layout.
+SwiGLU's fc1 is [gate; up] and silu(gate) * up in both.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Optional
+
+import torch
+
+from megatron_ext.conversion.common import ConversionError
+
+__all__ = [
+    "LLAMA_ARCHITECTURE",
+    "hf_config",
+    "to_hf_state_dict",
+    "from_hf_state_dict",
+    "read_hf_checkpoint",
+    "write_safetensors",
+    "export_tokenizer",
+    "check_llama_like",
+]
+
+logger = logging.getLogger(__name__)
+
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def _interleaved_to_half(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of each head from interleaved (x0, y0, x1, y1, ...) to rotate-half order."""
+    hn = w.size(0) // heads
+    return w.view(heads, hn // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def _half_to_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
+    hn = w.size(0) // heads
+    return w.view(heads, 2, hn // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int, rotary_interleaved: bool = False):
+    """Megatron's fused [ng * (np/ng + 2) * hn, D] -> (q [np*hn, D], k [ng*hn, D], v)."""
+    per = heads // groups
+    hn = qkv.size(0) // (groups * (per + 2))
+    grouped = qkv.view(groups, per + 2, hn, -1)
+    q = grouped[:, :per].reshape(heads * hn, -1)
+    k = grouped[:, per].reshape(groups * hn, -1)
+    v = grouped[:, per + 1].reshape(groups * hn, -1)
+    if rotary_interleaved:
+        q, k = _interleaved_to_half(q, heads), _interleaved_to_half(k, groups)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def fuse_qkv(q, k, v, heads: int, groups: int, rotary_interleaved: bool = False):
+    """Inverse of `split_qkv`."""
+    if rotary_interleaved:
+        q, k = _half_to_interleaved(q, heads), _half_to_interleaved(k, groups)
+    per = heads // groups
+    hn = q.size(0) // heads
+    parts = [q.view(groups, per, hn, -1), k.view(groups, 1, hn, -1), v.view(groups, 1, hn, -1)]
+    return torch.cat(parts, dim=1).reshape(-1, q.size(-1)).contiguous()
+
+
+def to_hf_state_dict(
+    full: dict[str, torch.Tensor],
+    input_table: torch.Tensor,
+    *,
+    num_attention_heads: int,
+    num_query_groups: int,
+    tied: bool,
+    vocab_rows: int,
+    rotary_interleaved: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Our full state dict (input module replaced by `input_table` [Vp, D]) -> Llama names.
+
+    `vocab_rows` rows of the input table and head are kept (the tokenizer's size trims the
+    padding; the padded size keeps it).
+    """
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": input_table[:vocab_rows]}
+    for name, tensor in full.items():
+        match = _LAYER.match(name)
+        if match:
+            i, rest = match.groups()
+            prefix = f"model.layers.{i}."
+            if rest in _SIMPLE:
+                out[prefix + _SIMPLE[rest]] = tensor
+            elif rest == "self_attention.linear_qkv.weight":
+                q, k, v = split_qkv(
+                    tensor, num_attention_heads, num_query_groups, rotary_interleaved
+                )
+                out[prefix + "self_attn.q_proj.weight"] = q
+                out[prefix + "self_attn.k_proj.weight"] = k
+                out[prefix + "self_attn.v_proj.weight"] = v
+            elif rest == "mlp.linear_fc1.weight":
+                gate, up = tensor.chunk(2, dim=0)
+                out[prefix + "mlp.gate_proj.weight"] = gate.contiguous()
+                out[prefix + "mlp.up_proj.weight"] = up.contiguous()
+            else:
+                raise ConversionError(f"no Hugging Face Llama counterpart for {name}")
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = tensor
+        elif name == "output_layer.weight":
+            if not tied:
+                out["lm_head.weight"] = tensor[:vocab_rows]
+        elif not name.startswith("embedding."):
+            raise ConversionError(f"no Hugging Face Llama counterpart for {name}")
+    return out
+
+
+def from_hf_state_dict(
+    hf: dict[str, torch.Tensor],
+    *,
+    num_attention_heads: int,
+    num_query_groups: int,
+    tied: bool,
+    padded_vocab: int,
+) -> dict[str, torch.Tensor]:
+    """Llama names -> our full state dict for the TIED (tied=True) or UNTIED arm.
+
+    The vocabulary is padded with zero rows up to `padded_vocab` (never trimmed).
+    """
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        if t.size(0) > padded_vocab:
+            raise ConversionError(f"vocabulary {t.size(0)} exceeds the padded size {padded_vocab}")
+        return torch.cat([t, t.new_zeros(padded_vocab - t.size(0), *t.shape[1:])])
+
+    out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"])}
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in hf.items():
+        match = _HF_LAYER.match(name)
+        if match:
+            layers.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+    inverse = {v: k for k, v in _SIMPLE.items()}
+    for i in sorted(layers):
+        layer = layers[i]
+        prefix = f"decoder.layers.{i}."
+        for hf_name, ours in inverse.items():
+            out[prefix + ours] = layer[hf_name]
+        out[prefix + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            layer["self_attn.q_proj.weight"],
+            layer["self_attn.k_proj.weight"],
+            layer["self_attn.v_proj.weight"],
+            num_attention_heads,
+            num_query_groups,
+        )
+        out[prefix + "mlp.linear_fc1.weight"] = torch.cat(
+            [layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]]
+        )
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not tied:
+        head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+        out["output_layer.weight"] = pad(head)
+    return out
+
+
+def hf_config(
+    model_config,
+    *,
+    vocab_size: int,
+    tied: bool,
+    dtype: torch.dtype,
+    tokenizer=None,
+    provenance: Optional[dict] = None,
+):
+    """The `LlamaConfig` of an exported model; `provenance` is stored as `leviathan`."""
+    from transformers import LlamaConfig
+
+    eod = getattr(tokenizer, "eod", None)
+    pad = getattr(tokenizer, "pad", None)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=model_config.hidden_size,
+        intermediate_size=model_config.ffn_hidden_size,
+        num_hidden_layers=model_config.num_layers,
+        num_attention_heads=model_config.num_attention_heads,
+        num_key_value_heads=model_config.num_query_groups,
+        head_dim=model_config.kv_channels,
+        hidden_act="silu",
+        max_position_embeddings=model_config.seq_length,
+        rms_norm_eps=model_config.norm_epsilon,
+        rope_theta=float(model_config.rotary_base),
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=tied,
+        bos_token_id=None,
+        eos_token_id=eod,
+        pad_token_id=pad,
+        architectures=[LLAMA_ARCHITECTURE],
+    )
+    config.dtype = dtype
+    if provenance is not None:
+        config.leviathan = provenance
+    return config
+
+
+def check_llama_like(config: dict, path: str) -> None:
+    """Refuse a config.json that our TIED/UNTIED model cannot represent, naming the reason."""
+    arch = config.get("architectures") or []
+    reasons = []
+    if config.get("model_type") != "llama" and LLAMA_ARCHITECTURE not in arch:
+        reasons.append(f"model_type {config.get('model_type')!r} / architectures {arch}")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        reasons.append("linear biases")
+    if config.get("hidden_act", "silu") != "silu":
+        reasons.append(f"hidden_act {config.get('hidden_act')}")
+    rope = config.get("rope_scaling") or {}
+    params = config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or params.get("rope_type", "default")
+    if rope_type not in ("default", None):
+        reasons.append(f"rope scaling {rope_type}")
+    head_dim = config.get("head_dim")
+    if head_dim and head_dim * config["num_attention_heads"] != config["hidden_size"]:
+        reasons.append("head_dim x heads != hidden_size")
+    if reasons:
+        raise ConversionError(
+            f"{path} is not a Llama-like model this project can import ({'; '.join(reasons)}); "
+            "import-hf takes LlamaForCausalLM checkpoints"
+        )
+
+
+def read_hf_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as a dict, every tensor) of a Hugging Face model directory."""
+    from safetensors import safe_open
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConversionError(f"{path} has no config.json; give a Hugging Face model directory")
+    with open(config_path) as handle:
+        config = json.load(handle)
+    check_llama_like(config, path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as handle:
+            files = sorted(set(json.load(handle)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ConversionError(
+            f"{path} has no model.safetensors(.index.json); save the model with "
+            "save_pretrained(safe_serialization=True)"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ConversionError(f"{path} is missing shard file {name} listed in its index")
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                tensors[key] = handle.get_tensor(key)
+    return config, tensors
+
+
+def write_safetensors(
+    state: dict[str, torch.Tensor],
+    out_dir: str,
+    *,
+    max_shard_size: str | int = "5GB",
+    progress: bool = True,
+) -> list[str]:
+    """Write `state` as model.safetensors, or shards plus model.safetensors.index.json."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    names = []
+    for filename, keys in tqdm(
+        split.filename_to_tensors.items(),
+        desc="writing safetensors",
+        unit="file",
+        disable=not progress,
+    ):
+        shard = {k: state[k].contiguous() for k in keys}
+        path = os.path.join(out_dir, filename)
+        save_file(shard, path, metadata={"format": "pt"})
+        os.chmod(path, 0o666 & ~_umask())  # safetensors creates files 0600
+        names.append(filename)
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_size": split.metadata["total_size"]},
+            "weight_map": split.tensor_to_filename,
+        }
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as handle:
+            json.dump(index, handle, indent=2, sort_keys=True)
+    return names
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def export_tokenizer(tokenizer, out_dir: str) -> None:
+    """Write tokenizer files that `AutoTokenizer.from_pretrained(out_dir)` loads.
+
+    A SentencePiece BPE model becomes a `tokenizers` BPE with the same vocabulary, merges
+    (ordered by piece score, as SentencePiece merges), byte fallback and the dummy-prefix
+    metaspace; its control pieces (<s>, </s>, ...) are never matched in text, as in
+    SentencePiece. A Hugging Face tokenizer is saved as it is.
+    """
+    from megatron_ext.data.tokenizers import HuggingFaceTokenizer, SentencePieceTokenizer
+
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        tokenizer._tok.save_pretrained(out_dir)
+        return
+    if not isinstance(tokenizer, SentencePieceTokenizer):
+        raise ConversionError(
+            f"cannot export a {type(tokenizer).__name__} as a Hugging Face tokenizer; pass "
+            "--no-tokenizer and supply tokenizer files yourself"
+        )
+    _export_sentencepiece(tokenizer, out_dir)
+
+
+def _export_sentencepiece(tokenizer, out_dir: str) -> None:
+    from tokenizers import Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor, import_protobuf
+
+    model_path = tokenizer.model_path
+    proto = import_protobuf().ModelProto()
+    with open(model_path, "rb") as handle:
+        proto.ParseFromString(handle.read())
+    spec, norm = proto.trainer_spec, proto.normalizer_spec
+    problems = []
+    if spec.model_type != 2:
+        problems.append("not a BPE model (train it with --model-type bpe)")
+    if norm.name not in ("identity", "") or norm.precompiled_charsmap:
+        problems.append(f"normalisation {norm.name!r} (train with identity normalisation)")
+    if norm.remove_extra_whitespaces:
+        problems.append("remove_extra_whitespaces")
+    if problems:
+        raise ConversionError(
+            f"{model_path}: cannot reproduce this SentencePiece model exactly as a Hugging Face "
+            f"tokenizer ({'; '.join(problems)}); pass --no-tokenizer"
+        )
+    extracted = SentencePieceExtractor(model_path).extract(BPE)
+    sp = tokenizer._sp
+
+    def piece(i: int) -> Optional[str]:
+        return sp.IdToPiece(i) if 0 <= i < sp.GetPieceSize() else None
+
+    unk = piece(sp.unk_id())
+    backend = Tokenizer(
+        BPE(
+            vocab=extracted["vocab"],
+            merges=extracted["merges"],
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=spec.byte_fallback,
+        )
+    )
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if norm.add_dummy_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    backend.normalizer = normalizers.Sequence(steps)
+    strip = [decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token=unk,
+        bos_token=piece(sp.bos_id()),
+        eos_token=piece(tokenizer.eod),
+        pad_token=piece(sp.pad_id()),
+        split_special_tokens=True,  # SentencePiece never matches control pieces in text
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(out_dir)
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path) as handle:
+        config = json.load(handle)
+    # The generic class name every transformers release (and vLLM, lm-eval) knows.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["add_bos_token"] = False
+    config["add_eos_token"] = False
+    with open(config_path, "w") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)

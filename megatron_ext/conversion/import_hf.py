@@ -1,0 +1,163 @@
+"""import-hf: a Hugging Face Llama checkpoint -> a TIED or UNTIED training checkpoint.
+
+The result is an ordinary checkpoint directory (`iter_0000000/`, DCP, `args.json` holding the
+model flags derived from config.json) without optimizer or RNG state, so that
+
+    pretrain_leviathan.py --load <out> --finetune --use-checkpoint-args ...
+
+starts training from its weights at iteration 0, at any TP/PP layout. The tokenizer files of
+the Hugging Face directory are copied into `<out>/tokenizer` and recorded as the run's
+`--tokenizer-type HuggingFaceTokenizer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+
+__all__ = ["ImportHFOptions", "import_hf", "TOKENIZER_FILES"]
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+@dataclass(frozen=True)
+class ImportHFOptions:
+    """Arguments of `import_hf`: the Hugging Face directory, the output checkpoint directory and
+    the model flags to record for the run."""
+
+    hf_dir: str
+    output: str
+    embedding_type: Optional[str] = None
+    """tied or untied (default: tied when config.json ties the embeddings)."""
+    seq_length: Optional[int] = None
+    """--seq-length recorded for the run (default: max_position_embeddings, at most 4096)."""
+    make_vocab_size_divisible_by: int = 128
+    overwrite: bool = False
+
+
+def _model_flags(config: dict, arm: str, opts: ImportHFOptions) -> list[str]:
+    heads = config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    theta = config.get("rope_theta")
+    if theta is None:
+        theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    if float(theta) != int(theta):
+        raise ConversionError(f"rope_theta {theta} is not an integer (--rotary-base takes one)")
+    seq = opts.seq_length or min(int(config.get("max_position_embeddings", 4096)), 4096)
+    flags = [
+        "--num-layers", str(config["num_hidden_layers"]),
+        "--hidden-size", str(config["hidden_size"]),
+        "--num-attention-heads", str(heads),
+        "--ffn-hidden-size", str(config["intermediate_size"]),
+        "--seq-length", str(seq),
+        "--rotary-base", str(int(theta)),
+        "--norm-epsilon", str(config.get("rms_norm_eps", 1e-5)),
+        "--embedding-type", arm,
+        "--make-vocab-size-divisible-by", str(opts.make_vocab_size_divisible_by),
+    ]  # fmt: skip
+    if groups != heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(groups)]
+    return flags
+
+
+def import_hf(opts: ImportHFOptions) -> str:
+    """Write the checkpoint directory; returns its path."""
+    from megatron_ext.conversion.hf import from_hf_state_dict, read_hf_checkpoint
+    from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
+    from megatron_ext.inference.loading import init_inference_parallel
+    from megatron_ext.models import build_model, model_config_from_args
+    from megatron_ext.models.full_state_dict import load_full_state_dict
+    from megatron_ext.training.arguments import args_to_json, build_parser
+    from megatron_ext.training.checkpointing import TrainState, save_checkpoint
+
+    output = os.path.abspath(opts.output)
+    if os.path.lexists(output) and not opts.overwrite:
+        raise ConversionError(f"output {output} already exists; pass --overwrite or pick another")
+    config, tensors = read_hf_checkpoint(opts.hf_dir)
+    tied_in_hf = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors
+    arm = opts.embedding_type or ("tied" if tied_in_hf else "untied")
+    if arm not in ("tied", "untied"):
+        raise ConversionError(
+            f"import-hf makes a tied or untied model, not --embedding-type {arm}: a Hugging Face "
+            "model has a plain input table (fine-tune LEV and the other arms from scratch)"
+        )
+    if arm == "tied" and not tied_in_hf:
+        if not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            raise ConversionError(
+                f"{opts.hf_dir} has separate input and output tables; import it with "
+                "--embedding-type untied"
+            )
+    files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(opts.hf_dir, f))]
+    if not files:
+        raise ConversionError(
+            f"{opts.hf_dir} holds no tokenizer files (tokenizer.json ...); save the tokenizer "
+            "into the model directory (tokenizer.save_pretrained) first"
+        )
+    try:
+        tokenizer = build_tokenizer("HuggingFaceTokenizer", opts.hf_dir)
+    except TokenizerError as error:
+        raise ConversionError(str(error)) from None
+    hf_vocab = config["vocab_size"]
+    if tokenizer.vocab_size > hf_vocab:
+        raise ConversionError(
+            f"the tokenizer of {opts.hf_dir} has {tokenizer.vocab_size} ids but the model embeds "
+            f"only {hf_vocab}: vocabulary mismatch"
+        )
+    padded = padded_vocab_size(tokenizer.vocab_size, opts.make_vocab_size_divisible_by)
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        if key in tensors and tensors[key].size(0) > padded:
+            # Rows beyond the tokenizer's ids are never used; the run re-pads to `padded`.
+            tensors[key] = tensors[key][:padded]
+    tensors = {k: v.float() for k, v in tensors.items()}
+
+    tokenizer_dir = os.path.join(output, "tokenizer")
+    flags = _model_flags(config, arm, opts) + [
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir,
+    ]  # fmt: skip
+    args = build_parser().parse_args(flags)
+    model_config = model_config_from_args(args, padded)
+    full = from_hf_state_dict(
+        tensors,
+        num_attention_heads=model_config.num_attention_heads,
+        num_query_groups=model_config.num_query_groups,
+        tied=arm == "tied",
+        padded_vocab=padded,
+    )
+    init_inference_parallel(1, 1)
+    # Initialised (then overwritten): megatron tags the TP layout of a weight while it
+    # initialises it, and the checkpoint layout depends on those tags.
+    model = build_model(model_config)
+    try:
+        load_full_state_dict(model, full)
+    except (KeyError, ValueError) as error:
+        raise ConversionError(f"{opts.hf_dir}: {error}") from None
+    with atomic_output_dir(output, opts.overwrite) as tmp:
+        os.makedirs(os.path.join(tmp, "tokenizer"))
+        for name in files:
+            shutil.copy2(os.path.join(opts.hf_dir, name), os.path.join(tmp, "tokenizer", name))
+        save_checkpoint(tmp, TrainState(), model, args_json=args_to_json(args), save_rng=False)
+    logger.info(
+        "imported %s as a --embedding-type %s checkpoint (vocabulary %d, padded %d)",
+        opts.hf_dir,
+        arm,
+        tokenizer.vocab_size,
+        padded,
+    )
+    return output

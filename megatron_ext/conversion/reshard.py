@@ -1,0 +1,162 @@
+"""reshard: rewrite a checkpoint offline for another TP/PP layout, or as one consolidated file.
+
+Our checkpoints are layout-free (full tensors under single-stage names, see
+`megatron_ext.training.checkpointing`), so any layout can already load any checkpoint; what a
+layout change needs offline is the rest: the vocabulary padding (make-vocab-size-divisible-by x
+TP) of the embedding, head and their optimizer moments, the layout recorded in common.json and
+args.json (for --use-checkpoint-args), and the dropped per-rank RNG files. The tensors are
+rewritten by one process into a single shard file (`__0_0.distcp`), with or without the
+optimizer state. No process group is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+
+__all__ = ["ReshardOptions", "reshard", "VOCAB_KEYS"]
+
+logger = logging.getLogger(__name__)
+
+# Parameters whose rows are the (padded) vocabulary.
+VOCAB_KEYS = (
+    "embedding.word_embeddings.weight",
+    "embedding.word_embeddings.table.weight",
+    "output_layer.weight",
+)
+# Keys read per DCP load call (bounds the progress granularity, not memory).
+_READ_GROUP = 16
+
+
+@dataclass(frozen=True)
+class ReshardOptions:
+    """Arguments of `reshard`: source run, output directory, the TP x PP layout to write and
+    whether to keep the optimizer state."""
+
+    load: str
+    output: str
+    iteration: Optional[int] = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    keep_optimizer: bool = True
+    tokenizer_model: Optional[str] = None
+    overwrite: bool = False
+    progress: bool = True
+
+
+def _vocab_param(key: str) -> bool:
+    name = key.split(".", 1)[1] if key.startswith("model.") else key
+    if key.startswith("optim."):
+        name = key[len("optim.") :].rsplit(".", 1)[0]
+    return name in VOCAB_KEYS and not key.endswith(".step")
+
+
+def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.size(0) >= rows:
+        return tensor[:rows].clone()
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.size(0), *tensor.shape[1:])])
+
+
+@contextlib.contextmanager
+def _single_process():
+    """DCP warns that it runs without a process group: that is the point here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def reshard(opts: ReshardOptions) -> str:
+    """Write the resharded checkpoint (a new --save directory); returns its path."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from tqdm import tqdm
+
+    from megatron_ext.conversion.source import _check_shard_files
+    from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
+    from megatron_ext.inference.loading import find_checkpoint, run_model_config, run_tokenizer
+    from megatron_ext.lev.config import smallest_base
+    from megatron_ext.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
+
+    output = os.path.abspath(opts.output)
+    if os.path.lexists(output) and not opts.overwrite:
+        raise ConversionError(f"output {output} already exists; pass --overwrite or pick another")
+    tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
+    run = find_checkpoint(opts.load, opts.iteration)
+    _check_shard_files(run.path)
+    try:
+        tokenizer = run_tokenizer(run, opts.tokenizer_model)
+    except TokenizerError as error:
+        raise ConversionError(str(error)) from None
+    old_padded = run.padded_vocab_size()
+    divisible = getattr(run.args, "make_vocab_size_divisible_by", 128)
+    new_padded = padded_vocab_size(tokenizer.vocab_size, divisible, tp)
+
+    args = dict(vars(run.args))
+    args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if tp == 1:
+        args["sequence_parallel"] = False
+    if args["embedding_type"] in ("lev", "factored-mlp") and args.get("lev_base") is None:
+        # LEV's digit base follows from the padded vocabulary unless given: keep it fixed.
+        args["lev_base"] = smallest_base(old_padded, args.get("lev_num_digits", 3))
+    import argparse
+
+    new_run = type(run)(run.root, run.iteration, run.path, argparse.Namespace(**args), run.common)
+    try:
+        config = run_model_config(
+            new_run, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+        config.replace(vocab_size=new_padded)
+    except ValueError as error:
+        raise ConversionError(f"cannot lay the model out at TP={tp}, PP={pp}: {error}") from None
+
+    metadata = FileSystemReader(run.path).read_metadata().state_dict_metadata
+    keys = [
+        k
+        for k, md in metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+        and (k.startswith("model.") or (opts.keep_optimizer and k.startswith("optim.")))
+    ]
+    state: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=len(keys), desc="reading tensors", unit="tensor", disable=not opts.progress)
+    for start in range(0, len(keys), _READ_GROUP):
+        group = {
+            k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
+            for k in keys[start : start + _READ_GROUP]
+        }
+        with _single_process():
+            dcp.load(group, checkpoint_id=run.path, no_dist=True)
+        state.update(group)
+        bar.update(len(group))
+    bar.close()
+    if new_padded != old_padded:
+        logger.info("re-padding the vocabulary from %d to %d rows", old_padded, new_padded)
+        for key in list(state):
+            if _vocab_param(key):
+                state[key] = _resize_rows(state[key], new_padded)
+
+    common = dict(run.common)
+    common["layout"] = {"tp": tp, "pp": pp, "cp": 1, "dp": 1}
+    common["has_optimizer"] = bool(opts.keep_optimizer and run.common.get("has_optimizer"))
+    common["has_rng"] = False
+    with atomic_output_dir(output, opts.overwrite) as tmp:
+        target = checkpoint_dir(tmp, run.iteration)
+        logger.info("writing %d tensors to %s", len(state), target)
+        with _single_process():
+            dcp.save(state, checkpoint_id=target, no_dist=True)
+        with open(os.path.join(target, "common.json"), "w") as handle:
+            json.dump(common, handle, indent=1)
+        with open(os.path.join(target, "args.json"), "w") as handle:
+            json.dump(args, handle, indent=1, sort_keys=True)
+        with open(os.path.join(tmp, TRACKER_FILENAME), "w") as handle:
+            handle.write(f"{run.iteration}\n")
+    return output

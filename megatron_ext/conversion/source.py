@@ -1,0 +1,194 @@
+"""The loader side: a training checkpoint (any arm, any saved layout) as full tensors.
+
+The checkpoint is loaded into the TP=1, PP=1 model in this process (DCP reshards on load), the
+parameters gathered under their single-stage names, and the arm's input module materialised
+into an ordinary [V, D] table: LEV, ALBERT, FLAT-MLP and FACTORED-MLP are pure functions of the
+token id, so the table reproduces them exactly (up to the rounding of its dtype).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_ext.conversion.common import ConversionError
+
+__all__ = [
+    "LoadedCheckpoint",
+    "load_checkpoint_full",
+    "materialize_input_table",
+    "materialize_module_table",
+]
+
+logger = logging.getLogger(__name__)
+
+# Ids per step of the materialisation (bounds the LEV intermediates to a few hundred MB).
+_TABLE_CHUNK = 8192
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint loaded at TP=1, PP=1 in this process."""
+
+    run: object
+    """The `SavedRun` (args, iteration, path)."""
+    model: torch.nn.Module
+    """The eval-mode TP=1 model with the checkpoint's weights (float32)."""
+    model_config: object
+    """Its `ModelConfig`."""
+    full: dict
+    """Every parameter under its single-stage name (float32, on CPU)."""
+    tokenizer: Optional[object]
+    """The run's tokenizer (None when skipped)."""
+
+    @property
+    def embedding_type(self) -> str:
+        """The checkpoint's arm (`model_config.embedding.embedding_type`: tied, lev, ...)."""
+        return self.model_config.embedding.embedding_type
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the model's embedding and output layer, vocabulary padding included."""
+        return self.model_config.vocab_size
+
+
+def _check_shard_files(path: str) -> None:
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(path)
+    metadata = reader.read_metadata()
+    files = sorted({item.relative_path for item in (metadata.storage_data or {}).values()})
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise ConversionError(
+            f"{path} is missing shard file(s) {', '.join(missing)}; the checkpoint was copied "
+            "incompletely: copy the whole iter_XXXXXXX directory or pick another --iteration"
+        )
+
+
+def load_checkpoint_full(
+    load_dir: str,
+    *,
+    iteration: Optional[int] = None,
+    tokenizer_model: Optional[str] = None,
+    need_tokenizer: bool = True,
+    embedding_type: Optional[str] = None,
+) -> LoadedCheckpoint:
+    """Load `load_dir` (a `--save` directory or one iter_XXXXXXX) at TP=1 in this process.
+
+    Args:
+        embedding_type: when given, the arm the caller expects (a mismatch is an error).
+        tokenizer_model: overrides the tokenizer path recorded by the run.
+
+    Raises:
+        ConversionError / CheckpointError: every problem, as one line.
+    """
+    from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
+    from megatron_ext.inference.loading import (
+        find_checkpoint,
+        init_inference_parallel,
+        load_model,
+        run_model_config,
+        run_tokenizer,
+    )
+    from megatron_ext.models.full_state_dict import gather_full_state_dict
+
+    run = find_checkpoint(load_dir, iteration)
+    saved = run.args.embedding_type
+    if embedding_type is not None and embedding_type != saved:
+        raise ConversionError(
+            f"{run.path} holds a --embedding-type {saved} model, not {embedding_type}; drop "
+            "--embedding-type or point at the right checkpoint"
+        )
+    _check_shard_files(run.path)
+    tokenizer = None
+    if need_tokenizer:
+        try:
+            tokenizer = run_tokenizer(run, tokenizer_model)
+        except TokenizerError as error:
+            raise ConversionError(str(error)) from None
+        divisible = getattr(run.args, "make_vocab_size_divisible_by", 128)
+        tp = run.common.get("layout", {}).get("tp", 1)
+        expected = padded_vocab_size(tokenizer.vocab_size, divisible, tp)
+        if expected != run.padded_vocab_size():
+            raise ConversionError(
+                f"tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids (padded to "
+                f"{expected}) but {run.path} embeds {run.padded_vocab_size()}: it is not the "
+                "run's tokenizer; pass the right --tokenizer-model"
+            )
+    try:
+        config = run_model_config(run)
+    except ValueError as error:
+        raise ConversionError(f"{run.path}/args.json: {error}") from None
+    init_inference_parallel(1, 1)
+    model = load_model(run, config)
+    full = gather_full_state_dict(model)
+    logger.info(
+        "loaded %s (--embedding-type %s, iteration %d, saved at %s)",
+        run.path,
+        saved,
+        run.iteration,
+        run.common.get("layout"),
+    )
+    return LoadedCheckpoint(run, model, config, full, tokenizer)
+
+
+def materialize_input_table(
+    model: torch.nn.Module,
+    *,
+    compute_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> torch.Tensor:
+    """The [V, D] input table of a TP=1 model: row i is the embedding of id i."""
+    return materialize_module_table(
+        model.embedding.word_embeddings, compute_dtype=compute_dtype, progress=progress
+    )
+
+
+@torch.no_grad()
+def materialize_module_table(
+    module: torch.nn.Module,
+    *,
+    compute_dtype: torch.dtype = torch.float64,
+    progress: bool = True,
+) -> torch.Tensor:
+    """Run a TP=1 input module on every id: [V, D] in `compute_dtype`.
+
+    The module runs on a temporary `compute_dtype` copy of its parameters (it is left as it
+    was); a lookup table is returned as it is.
+    """
+    from tqdm import tqdm
+
+    from megatron_ext.lev.layer import LEVEmbedding
+
+    if hasattr(module, "weight") and not list(module.children()):
+        return module.weight.detach().clone()
+    vocab = module.vocab_size if hasattr(module, "vocab_size") else module.num_embeddings
+    device = next(module.parameters()).device
+    saved = {name: p.data for name, p in module.named_parameters()}
+    for p in module.parameters():
+        p.data = p.data.to(compute_dtype)
+    was_training = module.training
+    module.eval()
+    rows = []
+    try:
+        bar = tqdm(total=vocab, desc="materialising input table", unit="id", disable=not progress)
+        for start in range(0, vocab, _TABLE_CHUNK):
+            ids = torch.arange(start, min(start + _TABLE_CHUNK, vocab), device=device)
+            if isinstance(module, LEVEmbedding):
+                rows.append(module.partial_embeddings(ids).to(compute_dtype))
+            else:
+                rows.append(module(ids[None, :])[0].to(compute_dtype))
+            rows[-1] = rows[-1].cpu()
+            bar.update(ids.numel())
+        bar.close()
+    finally:
+        for name, p in module.named_parameters():
+            p.data = saved[name]
+        module.train(was_training)
+    return torch.cat(rows)
