@@ -114,7 +114,7 @@ def run_command(cmd: list[str], log: Optional[Path] = None, show: Optional[re.Pa
                 if show is not None and show.search(line):
                     say("    " + _compact(line.rstrip()))
         except KeyboardInterrupt:
-            _wait(proc)
+            _stop(proc)
             raise
         rc = _wait(proc)
     if rc:
@@ -126,13 +126,20 @@ def _wait(proc: subprocess.Popen) -> int:
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        # The terminal sent SIGINT to the children too; give them a moment, then make sure.
+        _stop(proc)
+        raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Interrupt the child (a terminal's Ctrl-C already did; a SIGTERM to us alone did not),
+    give it a moment to exit cleanly, then kill it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
         try:
-            return proc.wait(timeout=10)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        raise
 
 
 def _short(arg: str) -> str:
