@@ -11,15 +11,17 @@
 #   CORPUS=train.jsonl VALID=valid.jsonl bash examples/reproduce_small.sh   # your corpus
 #   ITERS=10 OUT=runs/repro_short bash examples/reproduce_small.sh          # a shortened run
 #
-# Time on a 2-core CPU (ITERS=450, from measured step times: ~1.0-1.2 s per iteration and
-# ~50 s of start-up per arm, plus ~3 minutes of data preparation and evaluation): about an hour.
+# Time on a 2-core CPU (ITERS=600 x 16 x 128 = 1.2M tokens per arm on an 8 MB sample corpus),
+# estimated from step times measured by the quick start on the shared 2-core machine (TIED
+# 0.60 s, LEV 0.67 s per iteration; the MLP arms are assumed alike) and ~50 s of start-up per
+# arm, plus ~5 minutes of data preparation, evaluation and report: 6 x ~7.5 min + 5 = ~50 min.
 # Like the quick start, finished stages are reused by a rerun (FRESH=1 starts over).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PY:-$ROOT/.venv/bin/python}"
 OUT="${OUT:-runs/reproduce_small}"
-ARGS=(--out "$OUT" --iters "${ITERS:-450}" --arms tied untied albert flat-mlp factored-mlp lev
+ARGS=(--out "$OUT" --iters "${ITERS:-600}" --corpus-mb 8 --arms tied untied albert flat-mlp factored-mlp lev
       --no-export --title "Laptop-scale reproduction: six arms")
 if [ -n "${CORPUS:-}" ]; then ARGS+=(--corpus "$CORPUS" --valid-corpus "${VALID:?set VALID=valid.jsonl with CORPUS}"); fi
 if [ -n "${FRESH:-}" ]; then ARGS+=(--fresh); fi
