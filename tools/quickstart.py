@@ -152,8 +152,8 @@ def _short(arg: str) -> str:
 
 def _compact(line: str) -> str:
     """Keep the informative fields of a Megatron iteration line."""
-    if "iteration" not in line or "|" not in line:
-        return line.strip()
+    if "|" not in line or "validation loss" in line or "iteration" not in line:
+        return line.strip().rstrip(" |")
     keep = ("iteration ", "elapsed time per iteration", "tokens per second", "ETA", "lm loss")
     fields = [f.strip() for f in line.split("|") if f.strip().startswith(keep) or "]  iter" in f]
     return " | ".join(fields)
