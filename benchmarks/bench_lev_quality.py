@@ -42,28 +42,38 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# Settings both implementations take under the same flag name (plus every LEV flag).
+_SHARED_SETTINGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "seq_length",
+    "global_batch_size",
+    "train_iters",
+    "lr",
+    "min_lr",
+    "lr_warmup_iters",
+    "weight_decay",
+    "clip_grad",
+    "adam_beta2",
+    "eval_interval",
+)
+
+
+def _setting_flags(names: tuple[str, ...], args) -> list[str]:
+    cmd = []
+    for name in names:
+        cmd += [_flag(name), str(getattr(args, name))]
+    for name in _LEV_FLAGS:
+        cmd += ["--lev-" + name.replace("_", "-"), str(getattr(args, "lev_" + name))]
+    return cmd
+
+
 def stack_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
     """pretrain_leviathan.py for one arm and seed with the study's settings."""
     cmd = [sys.executable, str(REPO / "pretrain_leviathan.py"), "--embedding-type", arm]
-    for name in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "ffn_hidden_size",
-        "seq_length",
-        "global_batch_size",
-        "train_iters",
-        "lr",
-        "min_lr",
-        "lr_warmup_iters",
-        "weight_decay",
-        "clip_grad",
-        "adam_beta2",
-        "eval_interval",
-    ):
-        cmd += [_flag(name), str(getattr(args, name))]  # fmt: skip
-    for name in _LEV_FLAGS:
-        cmd += ["--lev-" + name.replace("_", "-"), str(getattr(args, "lev_" + name))]
+    cmd += _setting_flags(_SHARED_SETTINGS, args)
     cmd += [
         "--micro-batch-size", str(args.global_batch_size), "--lr-decay-style", "cosine",
         "--seed", str(seed), "--data-path", args.data_path, "--split", args.split,
@@ -79,29 +89,8 @@ def plain_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
     from megatron_ext.data.tokenizers import build_tokenizer, padded_vocab_size
 
     cmd = [sys.executable, str(REPO / "benchmarks" / "plain_gpt_loop.py"), "--embedding", arm]
-    for name in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "ffn_hidden_size",
-        "seq_length",
-        "global_batch_size",
-        "train_iters",
-        "lr",
-        "min_lr",
-        "lr_warmup_iters",
-        "weight_decay",
-        "clip_grad",
-        "adam_beta2",
-        "eval_interval",
-        "eval_samples",
-        "log_interval",
-        "split",
-        "data_path",
-    ):
-        cmd += [_flag(name), str(getattr(args, name))]  # fmt: skip
-    for name in _LEV_FLAGS:
-        cmd += ["--lev-" + name.replace("_", "-"), str(getattr(args, "lev_" + name))]
+    plain_only = ("eval_samples", "log_interval", "split", "data_path")
+    cmd += _setting_flags(_SHARED_SETTINGS + plain_only, args)
     # The stack's padded vocabulary (so LEV's digit base is the same in both).
     vocab = padded_vocab_size(
         build_tokenizer("SentencePieceTokenizer", args.tokenizer_model).vocab_size

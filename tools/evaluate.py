@@ -265,7 +265,7 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_frequency(args) -> int:
-    from megatron_ext.data.loading import _blend_prefixes
+    from megatron_ext.data.loading import blend_prefixes
     from megatron_ext.evaluation.frequency import (
         DEFAULT_EDGES,
         FrequencyBins,
@@ -288,7 +288,7 @@ def cmd_frequency(args) -> int:
             if prefixes is None:
                 run_args = loaded.run.args
                 blend = run_args.data_path or getattr(run_args, "train_data_path", None)
-                prefixes = _blend_prefixes(blend)
+                prefixes = blend_prefixes(blend)
             counts = training_counts(prefixes, loaded.tokenizer.vocab_size)
             if _rank0():
                 logger.info("binning by the token counts of %s", ", ".join(prefixes))

@@ -37,6 +37,7 @@ __all__ = [
     "DataConfig",
     "VocabSizeMismatchError",
     "add_data_arguments",
+    "blend_prefixes",
     "build_train_valid_test_datasets",
     "check_vocab_sizes",
     "dataset_vocab_size",
@@ -221,7 +222,8 @@ def check_vocab_sizes(
         )
 
 
-def _blend_prefixes(blend: Optional[Sequence[str]]) -> list[str]:
+def blend_prefixes(blend: Optional[Sequence[str]]) -> list[str]:
+    """Dataset prefixes of a Megatron-LM blend (``[weight] prefix ...``), weights dropped."""
     from megatron.core.datasets.utils import get_blend_from_list
 
     parsed = get_blend_from_list(list(blend)) if blend else None
@@ -246,7 +248,7 @@ def _check_datasets(
     checks: list[tuple[str, Optional[tuple[float, float]], str]] = []
     if config.data_path:
         matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(config.split))
-        for prefix in _blend_prefixes(config.data_path):
+        for prefix in blend_prefixes(config.data_path):
             for i, bookends in enumerate(matrix):
                 if bookends is not None and num_samples[i]:
                     checks.append((prefix, bookends, names[i]))
@@ -254,7 +256,7 @@ def _check_datasets(
     for i, paths in enumerate(
         (config.train_data_path, config.valid_data_path, config.test_data_path)
     ):
-        for prefix in _blend_prefixes(paths):
+        for prefix in blend_prefixes(paths):
             checks.append((prefix, (0.0, 1.0) if num_samples[i] else None, names[i]))
     checked: set[str] = set()
     for prefix, bookends, split_name in checks:
@@ -388,7 +390,7 @@ def build_train_valid_test_datasets(
     if data_config.data_cache_path:
         os.makedirs(data_config.data_cache_path, exist_ok=True)
     blends = [data_config.data_path, *per_split]
-    multi = any(len(_blend_prefixes(b)) > 1 for b in blends if b)
+    multi = any(len(blend_prefixes(b)) > 1 for b in blends if b)
     with _process_group_for_build(bool(data_config.data_cache_path) and multi):
         train, valid, test = BlendedMegatronDatasetBuilder(
             cls,
