@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 from typing import Optional
 
 import torch
@@ -24,8 +25,16 @@ __all__ = [
     "validate_parallel_layout",
     "initialize_parallel",
     "destroy_parallel",
+    "find_free_port",
     "set_random_seed",
 ]
+
+
+def find_free_port() -> int:
+    """Return a TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def default_backend() -> str:
@@ -67,13 +76,21 @@ def initialize_parallel(
     backend: Optional[str] = None,
     timeout_minutes: int = 30,
 ) -> None:
-    """Initialise torch.distributed (from torchrun's env vars) and megatron's parallel groups."""
+    """Initialise torch.distributed (from torchrun's env vars) and megatron's parallel groups.
+
+    Without torchrun's variables (a plain `python pretrain_leviathan.py`) the process is a
+    one-rank world on a free loopback port, so several such runs can share a machine.
+    """
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend nccl needs CUDA; use gloo on CPU")
     if not dist.is_initialized():
-        rank = int(os.environ.get("RANK", "0"))
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         if backend == "nccl":

@@ -191,7 +191,6 @@ def init_inference_parallel(
     from megatron.core import parallel_state
 
     from megatron_ext.parallel import destroy_parallel, initialize_parallel
-    from megatron_ext.testing.distributed import find_free_port
 
     if parallel_state.model_parallel_is_initialized():
         current = (
@@ -202,14 +201,6 @@ def init_inference_parallel(
             return
         destroy_parallel()
 
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(find_free_port()),
-        )
     initialize_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 import traceback
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
+
+from megatron_ext.parallel import find_free_port
 
 __all__ = ["ParallelLayout", "call_in_file", "find_free_port", "run_distributed"]
 
@@ -44,13 +45,6 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-
-
-def find_free_port() -> int:
-    """Return a TCP port on loopback that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(
