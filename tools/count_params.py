@@ -54,7 +54,7 @@ def _arm_sizes(cfg: ModelConfig) -> str:
     if emb.embedding_type == "factored-mlp":
         return f"H={emb.mlp_hidden}"
     if emb.embedding_type == "lev":
-        lev = cfg.lev_config()
+        lev = emb.lev
         return f"k={lev.num_digits} b={lev.base} h={lev.num_heads} r={lev.rank}"
     return ""
 

@@ -2,8 +2,13 @@ import argparse
 
 import pytest
 
-from megatron_ext.lev import LEVConfig, LEVEmbedding, add_lev_arguments, smallest_base
-from megatron_ext.lev.config import lev_config_from_args
+from megatron_ext.lev import (
+    LEVConfig,
+    LEVEmbedding,
+    add_lev_arguments,
+    lev_config_from_args,
+    smallest_base,
+)
 
 
 def test_defaults_and_derived_base():
@@ -119,7 +124,7 @@ def test_flags_fill_the_config():
         "--no-lev-normalize-basis --no-lev-dedup".split()
     )
     assert args.lev_num_digits == 2 and args.lev_normalize_basis is False
-    cfg = LEVConfig.from_args(args, vocab_size=50_000, hidden_size=64)
+    cfg = lev_config_from_args(args, vocab_size=50_000, hidden_size=64)
     assert (cfg.num_digits, cfg.base, cfg.seed_dim, cfg.num_knots, cfg.rank) == (2, 300, 32, 8, 16)
     assert (cfg.num_heads, cfg.temperature, cfg.codebook_combine) == (4, 1.5, "concat")
     assert cfg.normalize_basis is False and cfg.dedup is False and cfg.fused is True
@@ -132,7 +137,7 @@ def test_flag_errors_surface_at_config_time():
     parser = add_lev_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--lev-num-knots", "2"])
     with pytest.raises(ValueError, match="--lev-num-knots"):
-        LEVConfig.from_args(args, vocab_size=100, hidden_size=8)
+        lev_config_from_args(args, vocab_size=100, hidden_size=8)
 
 
 @pytest.mark.parametrize(
