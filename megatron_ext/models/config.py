@@ -267,15 +267,19 @@ class ModelConfig:
         """A validated copy with some fields changed.
 
         A new vocab_size or hidden_size carries over to `embedding.lev` (unless `embedding` is
-        changed too); LEV's digit base stays as resolved, so its codebooks keep their shape.
+        changed too). LEV's digit base stays as resolved for the arms whose codebooks it shapes
+        (lev, factored-mlp: the weights keep their shape); albert and flat-mlp, which only match
+        LEV's parameter count, re-derive it for the new vocabulary.
         """
         lev = self.embedding.lev
         resized = {"vocab_size", "hidden_size"} & changes.keys()
         if resized and "embedding" not in changes and lev is not None:
+            keeps_base = self.embedding.embedding_type in ("lev", "factored-mlp")
             lev = dataclasses.replace(
                 lev,
                 vocab_size=changes.get("vocab_size", self.vocab_size),
                 hidden_size=changes.get("hidden_size", self.hidden_size),
+                base=lev.base if keeps_base else None,
             )
             changes["embedding"] = dataclasses.replace(self.embedding, lev=lev)
         return dataclasses.replace(self, **changes)

@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 
 import pytest
 
@@ -170,3 +171,33 @@ def test_training_control_flags_fill_the_config():
     assert lev_config_from_args(none, vocab_size=100, hidden_size=8).weight_decay_groups == ()
     with pytest.raises(SystemExit):
         parser.parse_args(["--lev-weight-decay-groups", "seed_norm_weight"])
+
+
+def test_every_field_but_v_and_d_has_its_generated_flag():
+    parser = add_lev_arguments(argparse.ArgumentParser())
+    flags = {o: a for a in parser._actions for o in a.option_strings}
+    for field in dataclasses.fields(LEVConfig):
+        flag = "--lev-" + field.name.replace("_", "-")
+        if field.name in ("vocab_size", "hidden_size"):
+            assert "flag" not in field.metadata and flag not in flags
+            continue
+        assert field.metadata["flag"] == flag and field.metadata["help"]
+        action = flags[flag]
+        assert action.dest == f"lev_{field.name}" and action.help == field.metadata["help"]
+        default = action.default
+        assert (tuple(default) if isinstance(default, list) else default) == field.default
+        if field.type == "bool":
+            assert flags["--no-lev-" + flag[6:]] is action
+    assert flags["--lev-kernel"].choices == ("auto", "triton", "torch")
+    assert flags["--lev-base"].type is int and flags["--lev-init-output-std"].type is float
+
+
+def test_config_is_frozen_and_a_missing_flag_keeps_its_default():
+    cfg = LEVConfig(vocab_size=100, hidden_size=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.fused = False
+    # The args.json of a checkpoint written before --lev-lr-mult / --lev-kernel existed.
+    old = argparse.Namespace(lev_num_knots=5, lev_weight_decay_groups=["out_proj"])
+    cfg = lev_config_from_args(old, vocab_size=100, hidden_size=8)
+    assert (cfg.num_knots, cfg.weight_decay_groups) == (5, ("out_proj",))
+    assert (cfg.lr_mult, cfg.kernel) == (1.0, "auto")
