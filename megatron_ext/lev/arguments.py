@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_ext.lev.config import LEVConfig
 
-__all__ = ["add_lev_arguments", "lev_config_from_args", "lev_flag_fields"]
+__all__ = ["add_lev_arguments", "lev_config_from_args", "lev_flag_fields", "lev_flag_values"]
 
 
 def lev_flag_fields() -> list[dataclasses.Field]:
@@ -55,14 +55,18 @@ def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def lev_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """LEVConfig field -> parsed value, for every `--lev-*` flag present in `args` (a flag
+    missing from `args` is left out: the args.json of a checkpoint written before it existed)."""
+    return {f.name: getattr(args, _dest(f)) for f in lev_flag_fields() if hasattr(args, _dest(f))}
+
+
 def lev_config_from_args(args: argparse.Namespace, vocab_size: int, hidden_size: int) -> LEVConfig:
     """The `LEVConfig` of the parsed `lev_*` values of `args`; V and D come from the model.
 
-    A flag missing from `args` keeps the field's default (the args.json of a checkpoint written
-    before that flag existed).
+    A flag missing from `args` keeps the field's default (`lev_flag_values`).
 
     Raises:
         ValueError: an impossible value, naming the flag to change (`LEVConfig.__post_init__`).
     """
-    values = {f.name: getattr(args, _dest(f)) for f in lev_flag_fields() if hasattr(args, _dest(f))}
-    return LEVConfig(vocab_size=vocab_size, hidden_size=hidden_size, **values)
+    return LEVConfig(vocab_size=vocab_size, hidden_size=hidden_size, **lev_flag_values(args))

@@ -53,6 +53,7 @@ from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.fused import fused_lev_modes
 from megatron_ext.lev.kernel_select import select_fused_kernel
+from megatron_ext.tensor_parallel import check_sequence_split
 from megatron_ext.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region as portable_reduce_scatter,
 )
@@ -342,11 +343,8 @@ class LEVEmbedding(torch.nn.Module):
             raise ValueError(f"LEV expects input_ids of shape [b, s], got {tuple(input_ids.shape)}")
         lev_math.check_ids(input_ids, self.lev_config.vocab_size)
         b, s = input_ids.shape
-        if self.reduce_scatter_embeddings and s % self.tp_size != 0:
-            raise ValueError(
-                f"sequence length {s} is not divisible by the tensor-parallel size {self.tp_size}"
-                " under sequence parallelism; change --seq-length"
-            )
+        if self.reduce_scatter_embeddings:
+            check_sequence_split(s, self.tp_size)
         out_dtype = self._output_dtype(input_ids.device)
 
         if self._use_eval_table():

@@ -32,7 +32,7 @@ from megatron.core.transformer.utils import (
 )
 
 from megatron_ext.lev import math as lev_math
-from megatron_ext.tensor_parallel import PortableVocabParallelEmbedding
+from megatron_ext.tensor_parallel import PortableVocabParallelEmbedding, check_sequence_split
 
 __all__ = ["SeedToHidden", "LookupSeedEmbedding", "DigitSeedEmbedding"]
 
@@ -179,11 +179,7 @@ class DigitSeedEmbedding(torch.nn.Module):
             # Only this rank's slice of the sequence: [b, s] -> [s/tp, b].
             size = torch.distributed.get_world_size(self.tp_group)
             rank = torch.distributed.get_rank(self.tp_group)
-            if input_ids.size(1) % size:
-                raise ValueError(
-                    f"sequence length {input_ids.size(1)} is not divisible by the "
-                    f"tensor-parallel size {size}"
-                )
+            check_sequence_split(input_ids.size(1), size)
             input_ids = input_ids.t().chunk(size, dim=0)[rank]
         digits = lev_math.to_digits(input_ids.reshape(-1), self.base, self.num_digits)
         z = lev_math.seed(self.codebooks, digits, self.codebook_combine)  # [N, seed width]
