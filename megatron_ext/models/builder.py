@@ -38,16 +38,7 @@ def input_embedding_builder(cfg: ModelConfig):
         return functools.partial(
             LookupSeedEmbedding, cfg.vocab_size, emb.flat_mlp_seed_dim, emb.mlp_hidden
         )
-    lev = emb.lev  # factored-mlp: LEV's digit codebooks
-    return functools.partial(
-        DigitSeedEmbedding,
-        cfg.vocab_size,
-        lev.num_digits,
-        lev.base,
-        lev.seed_dim,
-        lev.codebook_combine,
-        emb.mlp_hidden,
-    )
+    return functools.partial(DigitSeedEmbedding, emb.lev, emb.mlp_hidden)  # factored-mlp
 
 
 def build_model(

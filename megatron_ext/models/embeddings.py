@@ -32,6 +32,7 @@ from megatron.core.transformer.utils import (
 )
 
 from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.config import LEVConfig
 from megatron_ext.tensor_parallel import PortableVocabParallelEmbedding, check_sequence_split
 
 __all__ = ["SeedToHidden", "LookupSeedEmbedding", "DigitSeedEmbedding"]
@@ -140,17 +141,14 @@ class DigitSeedEmbedding(torch.nn.Module):
     """FACTORED-MLP ablation: LEV's digit codebooks (replicated) + norm + MLP (replicated).
 
     Args:
-        vocab_size, num_digits, base, seed_dim, codebook_combine: as in `LEVConfig`.
+        lev_config: the LEV hyper-parameters; uses V, k, b, d_seed and the codebook combine
+            (validated there: b**k >= V).
         mlp_hidden: the MLP's hidden width.
     """
 
     def __init__(
         self,
-        vocab_size: int,
-        num_digits: int,
-        base: int,
-        seed_dim: int,
-        codebook_combine: str,
+        lev_config: LEVConfig,
         mlp_hidden: int,
         *,
         config: TransformerConfig,
@@ -158,19 +156,16 @@ class DigitSeedEmbedding(torch.nn.Module):
         tp_group=None,
     ):
         super().__init__()
-        if base**num_digits < vocab_size:
-            raise ValueError(
-                f"--lev-base {base} with --lev-num-digits {num_digits} covers only "
-                f"{base**num_digits} ids < vocab size {vocab_size}; raise either"
-            )
-        self.vocab_size, self.num_digits, self.base = vocab_size, num_digits, base
-        self.codebook_combine = codebook_combine
+        lc = lev_config
+        self.vocab_size, self.num_digits, self.base = lc.vocab_size, lc.num_digits, lc.base
+        self.codebook_combine = lc.codebook_combine
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.tp_group = tp_group
-        self.codebooks = _normal((num_digits, base, seed_dim), config.init_method_std, config)
+        self.codebooks = _normal(
+            (lc.num_digits, lc.base, lc.seed_dim), config.init_method_std, config
+        )
         setattr(self.codebooks, "sequence_parallel", config.sequence_parallel)
-        seed_width = seed_dim * (num_digits if codebook_combine == "concat" else 1)
-        self.to_hidden = SeedToHidden(seed_width, config.hidden_size, mlp_hidden, config)
+        self.to_hidden = SeedToHidden(lc.seed_in_dim, config.hidden_size, mlp_hidden, config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embed ids [b, s] -> [b, s, D], or this rank's [s/tp, b, D] under sequence parallelism."""
