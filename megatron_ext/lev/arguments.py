@@ -4,8 +4,8 @@ Each `LEVConfig` field but V and D declares its flag and help in its metadata
 (`lev.config._flag`); `add_lev_arguments` turns them into one argparse group (dest
 `lev_<field>`, default the field's default, type from the annotation: booleans get
 `--lev-x/--no-lev-x`, tuples take any number of values) and `lev_config_from_args` reads the
-parsed values back into a frozen `LEVConfig`. The entry point, the tools and the tests all go
-through these two functions, so a new field needs no argparse code.
+parsed values back into a frozen `LEVConfig`. The entry point (`models.arguments`), the tools
+and the tests all go through these functions, so a new field needs no argparse code.
 """
 
 from __future__ import annotations
