@@ -31,7 +31,18 @@ __all__ = [
     "PortableRowParallelLinear",
     "PortableVocabParallelEmbedding",
     "adopt",
+    "check_sequence_split",
 ]
+
+
+def check_sequence_split(length: int, tp_size: int) -> None:
+    """Raise ValueError unless a sequence of `length` splits into `tp_size` equal parts (the
+    [s/tp, b, h] layout of sequence parallelism)."""
+    if length % tp_size:
+        raise ValueError(
+            f"sequence length {length} is not divisible by the tensor-parallel size {tp_size}"
+            " under sequence parallelism; change --seq-length"
+        )
 
 
 def _all_gather_first(x: torch.Tensor, group) -> torch.Tensor:
@@ -43,10 +54,7 @@ def _all_gather_first(x: torch.Tensor, group) -> torch.Tensor:
 
 def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     size = dist.get_world_size(group)
-    if x.size(0) % size:
-        raise ValueError(
-            f"sequence length {x.size(0)} is not divisible by the tensor-parallel size {size}"
-        )
+    check_sequence_split(x.size(0), size)
     out = torch.empty((x.size(0) // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out

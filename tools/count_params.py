@@ -20,6 +20,7 @@ import csv
 import io
 import sys
 
+from megatron_ext.lev.arguments import add_lev_arguments, lev_flag_values
 from megatron_ext.models import (
     EMBEDDING_TYPES,
     MODEL_SIZE_PRESETS,
@@ -54,7 +55,7 @@ def _arm_sizes(cfg: ModelConfig) -> str:
     if emb.embedding_type == "factored-mlp":
         return f"H={emb.mlp_hidden}"
     if emb.embedding_type == "lev":
-        lev = cfg.lev_config()
+        lev = emb.lev
         return f"k={lev.num_digits} b={lev.base} h={lev.num_heads} r={lev.rank}"
     return ""
 
@@ -62,7 +63,8 @@ def _arm_sizes(cfg: ModelConfig) -> str:
 def parameter_rows(
     scales: dict[str, dict[str, int]], vocab_sizes, arms, lev: dict | None = None
 ) -> list[dict]:
-    """One row per scale x vocabulary x arm, with the overhead over TIED in percent."""
+    """One row per scale x vocabulary x arm, with the overhead over TIED in percent; `lev`
+    holds LEVConfig fields other than vocab_size/hidden_size (defaults where absent)."""
     rows = []
     for scale, shape in scales.items():
         for vocab in vocab_sizes:
@@ -274,11 +276,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-attention-heads", type=int)
     parser.add_argument("--num-query-groups", type=int)
     parser.add_argument("--ffn-hidden-size", type=int)
-    parser.add_argument("--lev-num-heads", type=int)
-    parser.add_argument("--lev-rank", type=int)
-    parser.add_argument("--lev-seed-dim", type=int)
-    parser.add_argument("--lev-num-knots", type=int)
-    parser.add_argument("--lev-num-digits", type=int)
+    add_lev_arguments(parser)
     _add_memory_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -302,11 +300,7 @@ def main(argv=None) -> int:
         scales = {"custom": custom}
     else:
         scales = {s: MODEL_SIZE_PRESETS[s] for s in (args.scales or MODEL_SIZE_PRESETS)}
-    lev = {
-        field: getattr(args, f"lev_{field}")
-        for field in ("num_heads", "rank", "seed_dim", "num_knots", "num_digits")
-        if getattr(args, f"lev_{field}") is not None
-    }
+    lev = lev_flag_values(args)
     try:
         if args.memory:
             layout = _layout_from_args(args)

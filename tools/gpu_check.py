@@ -127,7 +127,7 @@ def check_triton(device: str) -> dict:
     from megatron.core.transformer import TransformerConfig
 
     from megatron_ext.lev import LEVConfig, LEVEmbedding
-    from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
+    from megatron_ext.lev.fused import fused_lev_modes
     from megatron_ext.lev.triton_kernel import triton_lev_modes
 
     big = device == "cuda"
@@ -145,9 +145,10 @@ def check_triton(device: str) -> dict:
         draw(h, d, std=0.3),
         draw(h, d, kappa, r, std=0.1),
     ]
-    opts = FusedOptions(2.0, kappa, True, 1e-5, 1e-9)
-    out = triton_lev_modes(*inputs, opts)
-    ref = fused_lev_modes(*inputs, opts)
+    # The kernels read tau, kappa, the eps values and the basis normalisation; not V or D.
+    kcfg = LEVConfig(vocab_size=1, hidden_size=1, num_knots=kappa)
+    out = triton_lev_modes(*inputs, kcfg)
+    ref = fused_lev_modes(*inputs, kcfg)
     weight = torch.randn_like(ref)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
     ref_grads = torch.autograd.grad((ref * weight).sum(), inputs)
@@ -182,8 +183,8 @@ def check_triton(device: str) -> dict:
         errors[f"bf16_{name}"] = ((g - rg).abs().max() / rg.abs().max().clamp_min(1e-30)).item()
     speed = None
     if big:  # fwd+bwd time of the torch fused path over the Triton kernels, best of 5
-        speed = _best_time(fused_lev_modes, inputs, opts) / _best_time(
-            triton_lev_modes, inputs, opts
+        speed = _best_time(fused_lev_modes, inputs, kcfg) / _best_time(
+            triton_lev_modes, inputs, kcfg
         )
     float32_ok = all(v <= 1e-5 for k, v in errors.items() if not k.startswith("bf16"))
     bf16_ok = all(v <= 2**-7 for k, v in errors.items() if k.startswith("bf16"))
@@ -196,12 +197,12 @@ def check_triton(device: str) -> dict:
     )
 
 
-def _best_time(fn, inputs, opts, reps: int = 5) -> float:
+def _best_time(fn, inputs, lev_config, reps: int = 5) -> float:
     best = float("inf")
     for _ in range(reps + 1):  # the first call compiles / warms up
         torch.cuda.synchronize()
         start = time.perf_counter()
-        fn(*inputs, opts).sum().backward()
+        fn(*inputs, lev_config).sum().backward()
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return best

@@ -59,7 +59,7 @@ def provenance(loaded, vocab_rows: int, opts: ExportHFOptions) -> dict:
         "input_table_compute_dtype": str(opts.compute_dtype).replace("torch.", ""),
     }
     if emb.embedding_type in ("lev", "factored-mlp"):
-        lev = dataclasses.asdict(cfg.lev_config())
+        lev = dataclasses.asdict(cfg.embedding.lev)
         record["lev"] = {k: v for k, v in lev.items()}
     for key in ("albert_dim", "flat_mlp_seed_dim", "mlp_hidden"):
         if getattr(emb, key) is not None:

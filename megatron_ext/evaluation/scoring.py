@@ -216,7 +216,7 @@ def load_for_evaluation(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
     )
     if config.embedding.embedding_type == "lev":
-        lev = dict(config.embedding.lev, eval_table=True)
+        lev = dataclasses.replace(config.embedding.lev, eval_table=True)
         config = config.replace(embedding=dataclasses.replace(config.embedding, lev=lev))
     model = load_model(run, config)
     scorer = ModelScorer(model, config.hidden_size, tokenizer.vocab_size)

@@ -2,19 +2,16 @@
 
     from megatron_ext.lev import LEVConfig, LEVEmbedding
 
-`LEVConfig` holds the hyper-parameters (docs/lev.md section 2) and their `--lev-*` flags;
+`LEVConfig` holds the hyper-parameters (docs/lev.md section 2) and declares their `--lev-*`
+flags, which `lev.arguments` generates and parses;
 `LEVEmbedding` is the tensor-parallel module that replaces megatron's VocabParallelEmbedding;
 `lev.math` is the readable forward pass; `lev.fused` the memory-lean autograd Function.
 """
 
 from megatron_ext._lazy import lazy_exports
-from megatron_ext.lev.config import (
-    LEVConfig,
-    add_lev_arguments,
-    lev_config_from_args,
-    smallest_base,
-)
-from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
+from megatron_ext.lev.arguments import add_lev_arguments, lev_config_from_args
+from megatron_ext.lev.config import LEVConfig, smallest_base
+from megatron_ext.lev.fused import fused_lev_modes
 
 # Its module imports megatron-core: loaded on first use (see megatron_ext/_lazy.py).
 _LAZY = {
@@ -30,7 +27,6 @@ __all__ = [
     "LEVEmbedding",
     "LEV_PARAMETER_NAMES",
     "LEV_TP_PARTITION_DIMS",
-    "FusedOptions",
     "add_lev_arguments",
     "fused_lev_modes",
     "lev_config_from_args",

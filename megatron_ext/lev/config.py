@@ -1,9 +1,12 @@
 """LEV hyper-parameters: a dataclass that validates itself, and its command-line flags.
 
-Every hyper-parameter of docs/lev.md section 2 is a field of `LEVConfig`; the command line
-only fills it (`add_lev_arguments` + `LEVConfig.from_args`), the way Megatron fills a
+Every hyper-parameter of docs/lev.md section 2 is a field of `LEVConfig`, and each field's
+metadata names its `--lev-*` flag and help. The command line only fills the config
+(`lev.arguments`: `add_lev_arguments` generates the flags from the fields,
+`lev_config_from_args` builds the config from the parsed values), the way Megatron fills a
 `TransformerConfig` from args. Invalid combinations fail in `__post_init__` with a message that
-names the flag to change.
+names the flag to change; the one check that needs the parallel layout (whole heads per
+tensor-parallel rank) is `heads_per_rank`.
 
 Shapes of the parameters this config implies (TP size 1, docs/design.md "Fixed contracts")::
 
@@ -22,7 +25,6 @@ projection is unchanged.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -32,9 +34,6 @@ __all__ = [
     "LEV_PARAMETER_GROUPS",
     "SPEC_WEIGHT_DECAY_GROUPS",
     "LEVConfig",
-    "add_lev_arguments",
-    "lev_config_from_args",
-    "lev_overrides",
     "smallest_base",
 ]
 
@@ -66,14 +65,23 @@ def smallest_base(vocab_size: int, num_digits: int) -> int:
     return base
 
 
-@dataclass
+def _flag(default: Any, flag: str, help: str, **argparse_options: Any) -> Any:
+    """A LEVConfig field with its command-line flag; `lev.arguments` turns it into argparse."""
+    return dataclasses.field(
+        default=default, metadata={"flag": flag, "help": help, **argparse_options}
+    )
+
+
+@dataclass(frozen=True)
 class LEVConfig:
     """Hyper-parameters of one LEV input generator (docs/lev.md section 2).
 
     The symbols of docs/lev.md are given first. Fields after `normalize_basis` are numerical or
     implementation choices that docs/lev.md fixes (eps values, initialisation) or leaves to us
     (dedup, fused path, eval table); they have flags too so every run is reproducible from its
-    command line.
+    command line. Every field but V and D carries its `--lev-*` flag and help in its metadata
+    (`lev.arguments.add_lev_arguments` builds the parser from them). Frozen: the object the
+    flags produce is the one `LEVEmbedding` and the fused kernels read.
     """
 
     vocab_size: int
@@ -82,69 +90,99 @@ class LEVConfig:
     hidden_size: int
     """D: model width, the size of each generated embedding."""
 
-    num_digits: int = 3
+    num_digits: int = _flag(3, "--lev-num-digits", "k: base-b digits per token id")
     """k: number of base-b digits of an id (and of codebooks)."""
 
-    base: Optional[int] = None
-    """b: digit base. None picks the smallest b with b**k >= V."""
+    base: Optional[int] = _flag(
+        None, "--lev-base", "b: digit base (default: smallest b with b^k >= V)"
+    )
+    """b: digit base. None picks the smallest b with b**k >= V (stored resolved)."""
 
-    seed_dim: int = 128
+    seed_dim: int = _flag(128, "--lev-seed-dim", "d_seed: codebook row / seed width")
     """d_seed: width of each codebook row and of every head's seed."""
 
-    num_knots: int = 16
+    num_knots: int = _flag(16, "--lev-num-knots", "kappa: B-spline knots (>= 3)")
     """kappa: uniform knots g_j = j/(kappa-1) of the quadratic B-spline basis (>= 3)."""
 
-    rank: int = 64
+    rank: int = _flag(64, "--lev-rank", "r: separable modes per head")
     """r: number of separable modes per head."""
 
-    num_heads: int = 8
+    num_heads: int = _flag(8, "--lev-num-heads", "h: heads (divisible by the TP size)")
     """h: number of heads; split across tensor-parallel ranks."""
 
-    temperature: float = 2.0
+    temperature: float = _flag(2.0, "--lev-temperature", "tau in sigmoid(LayerNorm(u) / tau)")
     """tau: t = sigmoid(LayerNorm(u) / tau)."""
 
-    codebook_combine: str = "sum"
+    codebook_combine: str = _flag(
+        "sum",
+        "--lev-codebook-combine",
+        "how the k codebook rows form the seed (concat: width k*d_seed)",
+        choices=_COMBINE_MODES,
+    )
     """How the k codebook rows form the seed: "sum" (width d_seed) or "concat" (k*d_seed)."""
 
-    normalize_basis: bool = True
+    normalize_basis: bool = _flag(
+        True, "--lev-normalize-basis", "renormalise the B-spline basis to sum 1"
+    )
     """Renormalise the B-spline basis so it sums to 1 at every t (boundary knots lose mass)."""
 
-    norm_eps: float = 1e-5
+    norm_eps: float = _flag(1e-5, "--lev-norm-eps", "LayerNorm epsilon")
     """LayerNorm epsilon of the per-head seed normalisation."""
 
-    product_eps: float = 1e-9
+    product_eps: float = _flag(1e-9, "--lev-product-eps", "eps in exp(sum log(|phi| + eps))")
     """epsilon in sign * exp(sum log(|phi| + eps)) of the separable product."""
 
-    init_std: float = 0.02
+    init_std: float = _flag(0.02, "--lev-init-std", "init std of codebooks and seed_proj")
     """Std of codebooks and seed_proj at init; out_proj uses init_std / sqrt(h)."""
 
-    spline_init_std: float = 0.1
+    spline_init_std: float = _flag(0.1, "--lev-spline-init-std", "init std of spline_delta")
     """Std of spline_delta at init (coefficients 1 + delta start near 1)."""
 
-    dedup: bool = True
+    dedup: bool = _flag(True, "--lev-dedup", "evaluate LEV once per distinct id of the micro-batch")
     """Evaluate LEV once per distinct id of the micro-batch, then gather."""
 
-    fused: bool = True
+    fused: bool = _flag(
+        True, "--lev-fused", "recompute-in-backward fused path (saves activation memory)"
+    )
     """Use the recompute-in-backward autograd Function (lev.fused); False = plain autograd."""
 
-    eval_table: bool = False
+    eval_table: bool = _flag(
+        False, "--lev-eval-table", "in eval mode use a materialised V x D table"
+    )
     """In eval mode, look ids up in a materialised [V, D] table, rebuilt when parameters change."""
 
-    chunk_size: int = 0
+    chunk_size: int = _flag(0, "--lev-chunk-size", "ids per chunk of the fused path (0: auto)")
     """Ids per chunk in the fused path; 0 picks one from the sizes (about 8M spline values)."""
 
-    kernel: str = "auto"
+    kernel: str = _flag(
+        "auto",
+        "--lev-kernel",
+        "fused LEV implementation: triton kernels, torch ops, or auto (triton on CUDA)",
+        choices=_KERNELS,
+    )
     """Fused path implementation: "triton" (`lev.triton_kernel`), "torch" (`lev.fused`), or
     "auto": triton for float32 CUDA tensors when triton imports, else torch."""
 
-    init_output_std: Optional[float] = None
+    init_output_std: Optional[float] = _flag(
+        None,
+        "--lev-init-output-std",
+        "rescale out_proj at init so the [V, D] embedding table has this std (default: the "
+        "spec's init, std ~0.2 at small widths; the other arms start at 0.02)",
+    )
     """If set, out_proj is rescaled at init so that the std of all entries of the [V, D]
     embedding table is this value (the other arms start at 0.02). None: the spec's init."""
 
-    weight_decay_groups: tuple[str, ...] = SPEC_WEIGHT_DECAY_GROUPS
+    weight_decay_groups: tuple[str, ...] = _flag(
+        SPEC_WEIGHT_DECAY_GROUPS,
+        "--lev-weight-decay-groups",
+        f"LEV parameter groups that get weight decay, any of {' '.join(LEV_PARAMETER_GROUPS)}"
+        f" (none: no flag values; default: {' '.join(SPEC_WEIGHT_DECAY_GROUPS)})",
+        choices=tuple(LEV_PARAMETER_GROUPS),
+        metavar="GROUP",
+    )
     """LEV parameter groups (keys of LEV_PARAMETER_GROUPS) that get weight decay."""
 
-    lr_mult: float = 1.0
+    lr_mult: float = _flag(1.0, "--lev-lr-mult", "learning-rate multiplier of the LEV parameters")
     """Learning-rate multiplier of every LEV parameter (peak and minimum lr of the schedule)."""
 
     def __post_init__(self) -> None:
@@ -158,7 +196,7 @@ class LEVConfig:
         if self.num_digits < 1:
             fail(f"num_digits must be >= 1, got {self.num_digits}; change --lev-num-digits")
         if self.base is None:
-            self.base = smallest_base(self.vocab_size, self.num_digits)
+            object.__setattr__(self, "base", smallest_base(self.vocab_size, self.num_digits))
         elif self.base < 2:
             fail(f"base must be >= 2, got {self.base}; change --lev-base (or omit it)")
         elif self.base**self.num_digits < self.vocab_size:
@@ -209,7 +247,7 @@ class LEVConfig:
                 f"init_output_std must be > 0, got {self.init_output_std}; change "
                 "--lev-init-output-std (or omit it for the spec's init)"
             )
-        self.weight_decay_groups = tuple(self.weight_decay_groups)
+        object.__setattr__(self, "weight_decay_groups", tuple(self.weight_decay_groups))
         unknown = [g for g in self.weight_decay_groups if g not in LEV_PARAMETER_GROUPS]
         if unknown:
             fail(
@@ -227,15 +265,28 @@ class LEVConfig:
         k = self.num_digits if self.codebook_combine == "concat" else 1
         return k * self.seed_dim
 
-    def parameter_shapes(self, tp_size: int = 1) -> dict[str, tuple[int, ...]]:
-        """Name -> shape of every LEV parameter on one rank of a TP group of `tp_size`."""
+    @property
+    def num_codebook_parameters(self) -> int:
+        """k*b*d_seed: the digit codebooks (replicated on every TP rank; factored-mlp's too)."""
+        return self.num_digits * self.base * self.seed_dim
+
+    def heads_per_rank(self, tp_size: int) -> int:
+        """h / tp: the heads each rank of a tensor-parallel group of `tp_size` owns.
+
+        Raises:
+            ValueError: h is not divisible by `tp_size` (every rank must own whole heads).
+        """
         if self.num_heads % tp_size != 0:
             raise ValueError(
                 f"--lev-num-heads {self.num_heads} is not divisible by "
                 f"--tensor-model-parallel-size {tp_size}: every TP rank must own whole LEV heads; "
                 f"change --lev-num-heads to a multiple of {tp_size}"
             )
-        h = self.num_heads // tp_size
+        return self.num_heads // tp_size
+
+    def parameter_shapes(self, tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every LEV parameter on one rank of a TP group of `tp_size`."""
+        h = self.heads_per_rank(tp_size)
         d, kappa, r = self.seed_dim, self.num_knots, self.rank
         return {
             "codebooks": (self.num_digits, self.base, d),
@@ -253,103 +304,11 @@ class LEVConfig:
 
         where d_in = d_seed for "sum" (the d_seed^2 term) and k*d_seed for "concat".
         """
-        k, b, d = self.num_digits, self.base, self.seed_dim
+        d = self.seed_dim
         per_head = (
             self.seed_in_dim * d
             + 2 * d
             + d * self.num_knots * self.rank
             + self.rank * self.hidden_size
         )
-        return k * b * d + self.num_heads * per_head
-
-    # ----------------------------------------------------------------------------- args
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, vocab_size: int, hidden_size: int) -> "LEVConfig":
-        """Build from parsed flags (see `add_lev_arguments`); V and D come from the model."""
-        return lev_config_from_args(args, vocab_size, hidden_size)
-
-
-# Field name -> (flag, type, help). Dest names are `lev_<field>` except where noted.
-_FLAG_FIELDS = {
-    "num_digits": ("--lev-num-digits", int, "k: base-b digits per token id"),
-    "base": ("--lev-base", int, "b: digit base (default: smallest b with b^k >= V)"),
-    "seed_dim": ("--lev-seed-dim", int, "d_seed: codebook row / seed width"),
-    "num_knots": ("--lev-num-knots", int, "kappa: B-spline knots (>= 3)"),
-    "rank": ("--lev-rank", int, "r: separable modes per head"),
-    "num_heads": ("--lev-num-heads", int, "h: heads (divisible by the TP size)"),
-    "temperature": ("--lev-temperature", float, "tau in sigmoid(LayerNorm(u) / tau)"),
-    "norm_eps": ("--lev-norm-eps", float, "LayerNorm epsilon"),
-    "product_eps": ("--lev-product-eps", float, "eps in exp(sum log(|phi| + eps))"),
-    "init_std": ("--lev-init-std", float, "init std of codebooks and seed_proj"),
-    "spline_init_std": ("--lev-spline-init-std", float, "init std of spline_delta"),
-    "chunk_size": ("--lev-chunk-size", int, "ids per chunk of the fused path (0: auto)"),
-    "init_output_std": (
-        "--lev-init-output-std",
-        float,
-        "rescale out_proj at init so the [V, D] embedding table has this std (default: the "
-        "spec's init, std ~0.2 at small widths; the other arms start at 0.02)",
-    ),
-    "lr_mult": ("--lev-lr-mult", float, "learning-rate multiplier of the LEV parameters"),
-}
-_BOOL_FIELDS = {
-    "normalize_basis": ("--lev-normalize-basis", "renormalise the B-spline basis to sum 1"),
-    "dedup": ("--lev-dedup", "evaluate LEV once per distinct id of the micro-batch"),
-    "fused": ("--lev-fused", "recompute-in-backward fused path (saves activation memory)"),
-    "eval_table": ("--lev-eval-table", "in eval mode use a materialised V x D table"),
-}
-
-
-def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the LEV flag group (`--lev-*`, dests `lev_<field>`) to `parser`; return `parser`."""
-    defaults = {f.name: f.default for f in dataclasses.fields(LEVConfig)}
-    group = parser.add_argument_group("LEV", "LEV input generator (docs/lev.md section 2)")
-    for field, (flag, typ, help_) in _FLAG_FIELDS.items():
-        group.add_argument(flag, type=typ, default=defaults[field], dest=f"lev_{field}", help=help_)
-    group.add_argument(
-        "--lev-codebook-combine",
-        choices=_COMBINE_MODES,
-        default=defaults["codebook_combine"],
-        dest="lev_codebook_combine",
-        help="how the k codebook rows form the seed (concat: width k*d_seed)",
-    )
-    group.add_argument(
-        "--lev-kernel",
-        choices=_KERNELS,
-        default=defaults["kernel"],
-        dest="lev_kernel",
-        help="fused LEV implementation: triton kernels, torch ops, or auto (triton on CUDA)",
-    )
-    group.add_argument(
-        "--lev-weight-decay-groups",
-        nargs="*",
-        choices=tuple(LEV_PARAMETER_GROUPS),
-        default=list(defaults["weight_decay_groups"]),
-        dest="lev_weight_decay_groups",
-        metavar="GROUP",
-        help=f"LEV parameter groups that get weight decay, any of {' '.join(LEV_PARAMETER_GROUPS)}"
-        f" (none: no flag values; default: {' '.join(SPEC_WEIGHT_DECAY_GROUPS)})",
-    )
-    for field, (flag, help_) in _BOOL_FIELDS.items():
-        group.add_argument(
-            flag,
-            action=argparse.BooleanOptionalAction,
-            default=defaults[field],
-            dest=f"lev_{field}",
-            help=help_,
-        )
-    return parser
-
-
-def lev_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """LEVConfig field -> value of every `lev_<field>` attribute of `args` (V and D excluded)."""
-    return {
-        field.name: getattr(args, f"lev_{field.name}")
-        for field in dataclasses.fields(LEVConfig)
-        if field.name not in ("vocab_size", "hidden_size") and hasattr(args, f"lev_{field.name}")
-    }
-
-
-def lev_config_from_args(args: argparse.Namespace, vocab_size: int, hidden_size: int) -> LEVConfig:
-    """LEVConfig from the `lev_*` attributes of `args` (absent ones keep their defaults)."""
-    return LEVConfig(vocab_size=vocab_size, hidden_size=hidden_size, **lev_overrides(args))
+        return self.num_codebook_parameters + self.num_heads * per_head

@@ -52,9 +52,9 @@ from typing import Optional
 import torch
 
 from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.config import LEVConfig
 
 __all__ = [
-    "FusedOptions",
     "fused_lev_modes",
     "default_chunk_size",
     "group_size",
@@ -65,18 +65,6 @@ __all__ = [
 # Spline values per chunk when the chunk size is automatic: h*d*r*n of them. 2M (8 MiB in
 # float32) keeps a chunk's working set in the last-level cache; measured best on CPU.
 _AUTO_CHUNK_ELEMENTS = 1 << 21
-
-
-@dataclass(frozen=True)
-class FusedOptions:
-    """The non-tensor arguments of the fused function (from LEVConfig)."""
-
-    temperature: float
-    num_knots: int
-    normalize_basis: bool
-    norm_eps: float
-    product_eps: float
-    chunk_size: int = 0
 
 
 def default_chunk_size(num_heads: int, seed_dim: int, rank: int) -> int:
@@ -240,7 +228,7 @@ class _Workspace:
             self.grad_basis = torch.empty(numel * kappa, dtype=dtype, device=device)
 
 
-def _chunk_t(z: torch.Tensor, params, opts: FusedOptions) -> torch.Tensor:
+def _chunk_t(z: torch.Tensor, params, opts: LEVConfig) -> torch.Tensor:
     """Steps 3a-3b for a chunk: z [n, d_in] -> t [h, n, d]."""
     return lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps)
 
@@ -249,7 +237,7 @@ class _FusedLEVModes(torch.autograd.Function):
     """z [N, d_in] -> M [N, h, r]; saves only z and M (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, opts: FusedOptions):
+    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, opts: LEVConfig):
         with _autocast_off(z.device):
             cdt = lev_math.compute_dtype(z.dtype)
             params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
@@ -277,7 +265,7 @@ class _FusedLEVModes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_modes):
         z, seed_proj, norm_weight, norm_bias, spline_delta, modes = ctx.saved_tensors
-        opts: FusedOptions = ctx.opts
+        opts: LEVConfig = ctx.opts
         need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
         with _autocast_off(z.device):
             cdt = modes.dtype
@@ -346,14 +334,16 @@ def fused_lev_modes(
     norm_weight: torch.Tensor,
     norm_bias: torch.Tensor,
     spline_delta: torch.Tensor,
-    opts: FusedOptions,
+    lev_config: LEVConfig,
 ) -> torch.Tensor:
     """Same function as `lev.math.lev_modes`, memory O(N*(d_in + h*r)) for backward.
 
     Args:
         z: [N, d_in] seeds; seed_proj [h, d, d_in]; norm_weight, norm_bias [h, d];
             spline_delta [h, d, kappa, r] (h = heads on this rank).
+        lev_config: the LEV hyper-parameters; reads temperature, normalize_basis, norm_eps,
+            product_eps and chunk_size (kappa, r and h come from spline_delta's shape).
     Returns:
         M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state.
     """
-    return _FusedLEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, opts)
+    return _FusedLEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, lev_config)

@@ -51,8 +51,9 @@ from megatron.core.utils import (
 
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
-from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
+from megatron_ext.lev.fused import fused_lev_modes
 from megatron_ext.lev.kernel_select import select_fused_kernel
+from megatron_ext.tensor_parallel import check_sequence_split
 from megatron_ext.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region as portable_reduce_scatter,
 )
@@ -121,16 +122,8 @@ def embedding_std(lev_config: LEVConfig, params: dict[str, torch.Tensor]) -> flo
     ids = std_probe_ids(lc.vocab_size)
     digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
     z = lev_math.seed(params["codebooks"].float(), digits, lc.codebook_combine)
-    opts = FusedOptions(
-        temperature=lc.temperature,
-        num_knots=lc.num_knots,
-        normalize_basis=lc.normalize_basis,
-        norm_eps=lc.norm_eps,
-        product_eps=lc.product_eps,
-        chunk_size=lc.chunk_size,
-    )
     names = ("seed_proj", "seed_norm_weight", "seed_norm_bias", "spline_delta")
-    modes = fused_lev_modes(z, *(params[n].float() for n in names), opts)
+    modes = fused_lev_modes(z, *(params[n].float() for n in names), lc)
     std = float(lev_math.lev_embed(modes, params["out_proj"].float()).double().std())
     if not std > 0:
         raise ValueError(
@@ -144,7 +137,8 @@ class LEVEmbedding(torch.nn.Module):
     """LEV input generator with VocabParallelEmbedding's interface.
 
     Args:
-        lev_config: LEV hyper-parameters (vocab size V, width D, heads, ...).
+        lev_config: LEV hyper-parameters (vocab size V, width D, heads, ...); frozen, kept as
+            `self.lev_config` and handed as is to the fused kernels.
 
     Keyword Args:
         config: megatron TransformerConfig; uses params_dtype, use_cpu_initialization,
@@ -183,9 +177,8 @@ class LEVEmbedding(torch.nn.Module):
                 f"TransformerConfig.tensor_model_parallel_size={cfg_tp} but the TP group has "
                 f"{self.tp_size} ranks; pass the matching tp_group"
             )
-        tp = self.tp_size
-        shapes = lev_config.parameter_shapes(tp)  # checks that every rank owns whole heads
-        self.num_local_heads = lev_config.num_heads // tp
+        shapes = lev_config.parameter_shapes(self.tp_size)
+        self.num_local_heads = lev_config.heads_per_rank(self.tp_size)
 
         if config.use_cpu_initialization or not torch.cuda.is_available():
             device = torch.device("cpu")
@@ -206,14 +199,6 @@ class LEVEmbedding(torch.nn.Module):
                 self.seed_norm_weight.fill_(1.0)
                 self.seed_norm_bias.zero_()
 
-        self._fused_opts = FusedOptions(
-            temperature=lev_config.temperature,
-            num_knots=lev_config.num_knots,
-            normalize_basis=lev_config.normalize_basis,
-            norm_eps=lev_config.norm_eps,
-            product_eps=lev_config.product_eps,
-            chunk_size=lev_config.chunk_size,
-        )
         self._table: Optional[torch.Tensor] = None
         self._table_key: Optional[tuple] = None
         self._table_snapshot: Optional[list[torch.Tensor]] = None
@@ -328,7 +313,7 @@ class LEVEmbedding(torch.nn.Module):
                 z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
             params = (self.seed_proj, self.seed_norm_weight, self.seed_norm_bias, self.spline_delta)
             if lc.fused:
-                modes = select_fused_kernel(lc.kernel, z)(z, *params, self._fused_opts)
+                modes = select_fused_kernel(lc.kernel, z)(z, *params, lc)
             else:
                 modes = lev_math.lev_modes(
                     z,
@@ -358,11 +343,8 @@ class LEVEmbedding(torch.nn.Module):
             raise ValueError(f"LEV expects input_ids of shape [b, s], got {tuple(input_ids.shape)}")
         lev_math.check_ids(input_ids, self.lev_config.vocab_size)
         b, s = input_ids.shape
-        if self.reduce_scatter_embeddings and s % self.tp_size != 0:
-            raise ValueError(
-                f"sequence length {s} is not divisible by the tensor-parallel size {self.tp_size}"
-                " under sequence parallelism; change --seq-length"
-            )
+        if self.reduce_scatter_embeddings:
+            check_sequence_split(s, self.tp_size)
         out_dtype = self._output_dtype(input_ids.device)
 
         if self._use_eval_table():

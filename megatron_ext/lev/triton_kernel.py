@@ -38,7 +38,7 @@ import os
 import torch
 
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.fused import FusedOptions
+from megatron_ext.lev.config import LEVConfig
 
 try:  # Triton is optional: the torch paths serve CPU and machines without it.
     import triton
@@ -212,7 +212,7 @@ _FWD_BLOCK_N = 32
 _BWD_BLOCK_N = 32
 
 
-def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts: FusedOptions) -> torch.Tensor:
+def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts: LEVConfig) -> torch.Tensor:
     h, n, d = t.shape
     r = coeff.shape[-1]
     modes = torch.empty(n, h, r, dtype=t.dtype, device=t.device)
@@ -229,7 +229,7 @@ def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts: FusedOptions) ->
 
 
 def _launch_backward(
-    t: torch.Tensor, coeff: torch.Tensor, scaled: torch.Tensor, opts: FusedOptions
+    t: torch.Tensor, coeff: torch.Tensor, scaled: torch.Tensor, opts: LEVConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h, n, d = t.shape
     r = coeff.shape[-1]
@@ -250,7 +250,7 @@ def _launch_backward(
     return grad_hdn.transpose(1, 2), grad_coeff
 
 
-def _seed_t(z, params, opts: FusedOptions) -> torch.Tensor:
+def _seed_t(z, params, opts: LEVConfig) -> torch.Tensor:
     return lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps).contiguous()
 
 
@@ -258,7 +258,7 @@ class _TritonLEVModes(torch.autograd.Function):
     """z [N, d_in] -> M [N, h, r]; saves only z and M (plus the parameters)."""
 
     @staticmethod
-    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, opts: FusedOptions):
+    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, opts: LEVConfig):
         with torch.autocast(device_type=z.device.type, enabled=False):
             cdt = lev_math.compute_dtype(z.dtype)
             check_triton_usable(z.device, cdt)
@@ -273,7 +273,7 @@ class _TritonLEVModes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_modes):
         z, seed_proj, norm_weight, norm_bias, spline_delta, modes = ctx.saved_tensors
-        opts: FusedOptions = ctx.opts
+        opts: LEVConfig = ctx.opts
         need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
         with torch.autocast(device_type=z.device.type, enabled=False):
             cdt = modes.dtype
@@ -311,16 +311,18 @@ def triton_lev_modes(
     norm_weight: torch.Tensor,
     norm_bias: torch.Tensor,
     spline_delta: torch.Tensor,
-    opts: FusedOptions,
+    lev_config: LEVConfig,
 ) -> torch.Tensor:
     """Same function and signature as `lev.fused.fused_lev_modes`, on Triton kernels.
 
     Args:
         z: [N, d_in] seeds of N distinct ids; seed_proj [h, d, d_in]; norm_weight,
             norm_bias [h, d]; spline_delta [h, d, kappa, r] (h = heads on this rank).
+        lev_config: the LEV hyper-parameters; reads temperature, num_knots, normalize_basis,
+            norm_eps and product_eps.
     Returns:
         M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state.
     Raises:
         RuntimeError: triton missing, or CPU tensors outside Triton's interpreter.
     """
-    return _TritonLEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, opts)
+    return _TritonLEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, lev_config)

@@ -7,10 +7,11 @@ any explicit Megatron size flag overrides the preset value.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
-from megatron_ext.lev.config import add_lev_arguments, lev_overrides
+from megatron_ext.lev.arguments import add_lev_arguments, lev_config_from_args
 from megatron_ext.models.config import (
     EMBEDDING_TYPES,
     MODEL_SIZE_PRESETS,
@@ -137,7 +138,11 @@ def _check_fixed_design(args: argparse.Namespace) -> None:
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
-    """Fill a ModelConfig from parsed flags; `vocab_size` is the padded vocabulary."""
+    """Fill a ModelConfig from parsed flags; `vocab_size` is the padded vocabulary.
+
+    The `--lev-*` flags become the frozen `LEVConfig` at `embedding.lev` (for the arms that use
+    LEV; `lev.arguments.lev_config_from_args`), the object the model hands to `LEVEmbedding`.
+    """
     _check_fixed_design(args)
     if args.embedding_type == "tied" and getattr(args, "untie_embeddings_and_output_weights"):
         raise ValueError(
@@ -157,6 +162,15 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         raise ValueError(f"set {flags} or pick a --model-size preset")
     if args.num_query_groups is not None and not args.group_query_attention:
         raise ValueError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
+    embedding = EmbeddingConfig(
+        embedding_type=args.embedding_type,
+        albert_dim=args.albert_dim,
+        flat_mlp_seed_dim=args.flat_mlp_seed_dim,
+        mlp_hidden=args.embedding_mlp_hidden,
+    )
+    if embedding.uses_lev:
+        lev = lev_config_from_args(args, vocab_size, sizes["hidden_size"])
+        embedding = dataclasses.replace(embedding, lev=lev)
     params_dtype = torch.float32
     return ModelConfig(
         vocab_size=vocab_size,
@@ -171,13 +185,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         attention_dropout=args.attention_dropout,
         qk_layernorm=args.qk_layernorm,
         transformer_impl=args.transformer_impl,
-        embedding=EmbeddingConfig(
-            embedding_type=args.embedding_type,
-            lev=lev_overrides(args),
-            albert_dim=args.albert_dim,
-            flat_mlp_seed_dim=args.flat_mlp_seed_dim,
-            mlp_hidden=args.embedding_mlp_hidden,
-        ),
+        embedding=embedding,
         tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
         pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
         context_parallel_size=getattr(args, "context_parallel_size", 1),

@@ -31,23 +31,14 @@ def input_embedding_builder(cfg: ModelConfig):
     if kind == "lev":
         from megatron_ext.lev import LEVEmbedding
 
-        return functools.partial(LEVEmbedding, cfg.lev_config())
+        return functools.partial(LEVEmbedding, emb.lev)
     if kind == "albert":
         return functools.partial(LookupSeedEmbedding, cfg.vocab_size, emb.albert_dim, None)
     if kind == "flat-mlp":
         return functools.partial(
             LookupSeedEmbedding, cfg.vocab_size, emb.flat_mlp_seed_dim, emb.mlp_hidden
         )
-    lev = cfg.lev_config()  # factored-mlp
-    return functools.partial(
-        DigitSeedEmbedding,
-        cfg.vocab_size,
-        lev.num_digits,
-        lev.base,
-        lev.seed_dim,
-        lev.codebook_combine,
-        emb.mlp_hidden,
-    )
+    return functools.partial(DigitSeedEmbedding, emb.lev, emb.mlp_hidden)  # factored-mlp
 
 
 def build_model(

@@ -2,17 +2,21 @@
 
 `ModelConfig` validates itself (impossible layouts fail at construction with a message naming
 the flag to change) and derives megatron's `TransformerConfig` through `transformer_config()`.
-The command line only fills it (see `megatron_ext.training.arguments`).
+It holds the frozen `LEVConfig` of the run (`cfg.embedding.lev`, at the model's V and D), which
+the builder hands to `LEVEmbedding` as is. The command line only fills it
+(`megatron_ext.models.arguments.model_config_from_args`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
+
+from megatron_ext.lev.config import LEVConfig
 
 __all__ = [
     "EMBEDDING_TYPES",
@@ -24,6 +28,7 @@ __all__ = [
 ]
 
 EMBEDDING_TYPES = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
+_LEV_SIZED_TYPES = ("albert", "flat-mlp", "factored-mlp", "lev")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 # LLaMA-style shapes whose TIED parameter count lands near the paper's scales at V ~ 200k
@@ -52,8 +57,12 @@ class EmbeddingConfig:
 
     embedding_type: str = "lev"
     """tied | untied | albert | flat-mlp | factored-mlp | lev."""
-    lev: dict = field(default_factory=dict)
-    """LEVConfig fields other than vocab_size/hidden_size (LEV, and factored-mlp's codebooks)."""
+    lev: Union[LEVConfig, dict[str, Any], None] = None
+    """The LEV hyper-parameters of the arms that use them: the LEV generator, factored-mlp's
+    digit codebooks, and the parameter count the albert / flat-mlp / factored-mlp widths match.
+    Inside a `ModelConfig` a `LEVConfig` at the model's V and D for those arms and None for
+    tied / untied (see `at_model_size`); given as None (the defaults) or as a dict of LEVConfig
+    fields (vocab_size/hidden_size may be left out), it is built there."""
     albert_dim: Optional[int] = None
     """ALBERT's factorisation width m (V x m table, m x D projection)."""
     flat_mlp_seed_dim: Optional[int] = None
@@ -79,6 +88,32 @@ class EmbeddingConfig:
     def tied(self) -> bool:
         """Whether the input table is shared with the output head (the TIED arm)."""
         return self.embedding_type == "tied"
+
+    @property
+    def uses_lev(self) -> bool:
+        """Whether the arm is built or sized from LEV's hyper-parameters (all but tied/untied)."""
+        return self.embedding_type in _LEV_SIZED_TYPES
+
+    def at_model_size(self, vocab_size: int, hidden_size: int) -> "EmbeddingConfig":
+        """This config with `lev` a `LEVConfig` of vocabulary `vocab_size` and width
+        `hidden_size` if the arm uses LEV, else None (self when it is so already).
+
+        Raises:
+            ValueError: a LEV hyper-parameter is impossible (naming its flag), or `lev` was
+                built for another V or D.
+        """
+        lev = self.lev
+        if not self.uses_lev:
+            lev = None
+        elif not isinstance(lev, LEVConfig):
+            lev = LEVConfig(**{"vocab_size": vocab_size, "hidden_size": hidden_size, **(lev or {})})
+        if lev is not None and (lev.vocab_size, lev.hidden_size) != (vocab_size, hidden_size):
+            raise ValueError(
+                f"the LEVConfig is for V={lev.vocab_size}, D={lev.hidden_size} but the model has "
+                f"--vocab-size {vocab_size} and --hidden-size {hidden_size}; build it with the "
+                "model's sizes (ModelConfig.replace carries new sizes over to it)"
+            )
+        return self if lev is self.lev else dataclasses.replace(self, lev=lev)
 
 
 @dataclass
@@ -138,7 +173,10 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError with the flag to change for every impossible setting."""
+        """Raise ValueError with the flag to change for every impossible setting; build the
+        LEVConfig at the model's V and D (`EmbeddingConfig.at_model_size`), which checks the
+        LEV hyper-parameters, and check its heads against the tensor-parallel size here, the
+        one place that knows the layout."""
         positive = {
             "--vocab-size": self.vocab_size,
             "--num-layers": self.num_layers,
@@ -151,6 +189,7 @@ class ModelConfig:
         for flag, value in positive.items():
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        self.embedding = self.embedding.at_model_size(self.vocab_size, self.hidden_size)
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"--kv-channels must be >= 1, got {self.head_dim}")
@@ -201,11 +240,8 @@ class ModelConfig:
                 f"--seq-length {self.seq_length} is not divisible by --tensor-model-parallel-size "
                 f"{tp}, which --sequence-parallel needs; change the sequence length"
             )
-        if self.embedding.embedding_type in ("lev", "factored-mlp"):
-            # Builds (and so validates) the LEV hyper-parameters; LEV splits heads over TP.
-            lev = self.lev_config()
-            if self.embedding.embedding_type == "lev":
-                lev.parameter_shapes(tp)
+        if self.embedding.embedding_type == "lev":
+            self.embedding.lev.heads_per_rank(tp)  # LEV splits its heads over TP
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are exclusive; pick one")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
@@ -222,21 +258,30 @@ class ModelConfig:
                     "FP8 is not available on CPU"
                 )
 
-    def lev_config(self):
-        """The LEVConfig of this model (LEV arm; the digit codebooks of factored-mlp)."""
-        from megatron_ext.lev.config import LEVConfig
-
-        return LEVConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, **self.embedding.lev
-        )
-
     @property
     def kv_channels(self) -> int:
         """Width of one attention head (--kv-channels, default hidden_size / heads)."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def replace(self, **changes) -> "ModelConfig":
-        """A validated copy with some fields changed."""
+        """A validated copy with some fields changed.
+
+        A new vocab_size or hidden_size carries over to `embedding.lev` (unless `embedding` is
+        changed too). LEV's digit base stays as resolved for the arms whose codebooks it shapes
+        (lev, factored-mlp: the weights keep their shape); albert and flat-mlp, which only match
+        LEV's parameter count, re-derive it for the new vocabulary.
+        """
+        lev = self.embedding.lev
+        resized = {"vocab_size", "hidden_size"} & changes.keys()
+        if resized and "embedding" not in changes and lev is not None:
+            keeps_base = self.embedding.embedding_type in ("lev", "factored-mlp")
+            lev = dataclasses.replace(
+                lev,
+                vocab_size=changes.get("vocab_size", self.vocab_size),
+                hidden_size=changes.get("hidden_size", self.hidden_size),
+                base=lev.base if keeps_base else None,
+            )
+            changes["embedding"] = dataclasses.replace(self.embedding, lev=lev)
         return dataclasses.replace(self, **changes)
 
     def transformer_config(self):

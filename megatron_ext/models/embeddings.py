@@ -32,7 +32,8 @@ from megatron.core.transformer.utils import (
 )
 
 from megatron_ext.lev import math as lev_math
-from megatron_ext.tensor_parallel import PortableVocabParallelEmbedding
+from megatron_ext.lev.config import LEVConfig
+from megatron_ext.tensor_parallel import PortableVocabParallelEmbedding, check_sequence_split
 
 __all__ = ["SeedToHidden", "LookupSeedEmbedding", "DigitSeedEmbedding"]
 
@@ -140,17 +141,14 @@ class DigitSeedEmbedding(torch.nn.Module):
     """FACTORED-MLP ablation: LEV's digit codebooks (replicated) + norm + MLP (replicated).
 
     Args:
-        vocab_size, num_digits, base, seed_dim, codebook_combine: as in `LEVConfig`.
+        lev_config: the LEV hyper-parameters; uses V, k, b, d_seed and the codebook combine
+            (validated there: b**k >= V).
         mlp_hidden: the MLP's hidden width.
     """
 
     def __init__(
         self,
-        vocab_size: int,
-        num_digits: int,
-        base: int,
-        seed_dim: int,
-        codebook_combine: str,
+        lev_config: LEVConfig,
         mlp_hidden: int,
         *,
         config: TransformerConfig,
@@ -158,19 +156,16 @@ class DigitSeedEmbedding(torch.nn.Module):
         tp_group=None,
     ):
         super().__init__()
-        if base**num_digits < vocab_size:
-            raise ValueError(
-                f"--lev-base {base} with --lev-num-digits {num_digits} covers only "
-                f"{base**num_digits} ids < vocab size {vocab_size}; raise either"
-            )
-        self.vocab_size, self.num_digits, self.base = vocab_size, num_digits, base
-        self.codebook_combine = codebook_combine
+        lc = lev_config
+        self.vocab_size, self.num_digits, self.base = lc.vocab_size, lc.num_digits, lc.base
+        self.codebook_combine = lc.codebook_combine
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.tp_group = tp_group
-        self.codebooks = _normal((num_digits, base, seed_dim), config.init_method_std, config)
+        self.codebooks = _normal(
+            (lc.num_digits, lc.base, lc.seed_dim), config.init_method_std, config
+        )
         setattr(self.codebooks, "sequence_parallel", config.sequence_parallel)
-        seed_width = seed_dim * (num_digits if codebook_combine == "concat" else 1)
-        self.to_hidden = SeedToHidden(seed_width, config.hidden_size, mlp_hidden, config)
+        self.to_hidden = SeedToHidden(lc.seed_in_dim, config.hidden_size, mlp_hidden, config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embed ids [b, s] -> [b, s, D], or this rank's [s/tp, b, D] under sequence parallelism."""
@@ -179,11 +174,7 @@ class DigitSeedEmbedding(torch.nn.Module):
             # Only this rank's slice of the sequence: [b, s] -> [s/tp, b].
             size = torch.distributed.get_world_size(self.tp_group)
             rank = torch.distributed.get_rank(self.tp_group)
-            if input_ids.size(1) % size:
-                raise ValueError(
-                    f"sequence length {input_ids.size(1)} is not divisible by the "
-                    f"tensor-parallel size {size}"
-                )
+            check_sequence_split(input_ids.size(1), size)
             input_ids = input_ids.t().chunk(size, dim=0)[rank]
         digits = lev_math.to_digits(input_ids.reshape(-1), self.base, self.num_digits)
         z = lev_math.seed(self.codebooks, digits, self.codebook_combine)  # [N, seed width]

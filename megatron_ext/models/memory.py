@@ -150,7 +150,7 @@ def _input_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
     emb = cfg.embedding
     total = 8 * t + 4 * t * cfg.hidden_size / sp  # ids (or LEV's gather index), output [T, D]
     if emb.embedding_type == "lev":
-        lev = cfg.lev_config()
+        lev = emb.lev
         u = max(1.0, min(t * layout.unique_fraction, cfg.vocab_size))
         total += u * (8 * lev.num_digits + 4 * lev.seed_in_dim + 4 * lev.num_heads * lev.rank / tp)
     elif emb.embedding_type in ("tied", "untied") and tp > 1:
@@ -161,7 +161,7 @@ def _input_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
     elif emb.embedding_type in ("flat-mlp", "factored-mlp"):
         seed = emb.flat_mlp_seed_dim
         if emb.embedding_type == "factored-mlp":
-            lev = cfg.lev_config()
+            lev = emb.lev
             seed = lev.seed_in_dim
             total += 8 * t * (lev.num_digits - 1)  # the digits [T, k] replace the ids [T]
         # All in float32 (outside autocast): the seed [T, d] and LayerNorm statistics, the fc1
@@ -191,8 +191,7 @@ def _stage_parameters(cfg: ModelConfig, layout: ParallelLayout) -> tuple[int, in
     layers = (count.backbone - cfg.hidden_size) / pp / tp
     emb = cfg.embedding
     if emb.embedding_type == "lev":
-        lev = cfg.lev_config()
-        codebooks = lev.num_digits * lev.base * lev.seed_dim
+        codebooks = emb.lev.num_codebook_parameters
         input_side = codebooks + (count.input_embedding - codebooks) / tp
     elif emb.embedding_type in ("tied", "untied"):
         input_side = count.input_embedding / tp
@@ -262,14 +261,14 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False, unique_fraction: 
     head_fwd = 2 * cfg.vocab_size * d
     emb = cfg.embedding
     if emb.embedding_type == "lev":
-        lev = cfg.lev_config()
+        lev = emb.lev
         h, ds, r = lev.num_heads, lev.seed_dim, lev.rank
         lev_fwd = 2 * h * ds * lev.seed_in_dim + 6 * h * ds * r + 2 * h * r * d
         input_flops = 4 * lev_fwd * unique_fraction  # forward, recompute, backward (2x)
     elif emb.embedding_type == "albert":
         input_flops = 6 * emb.albert_dim * d
     elif emb.embedding_type in ("flat-mlp", "factored-mlp"):
-        seed = emb.flat_mlp_seed_dim or cfg.lev_config().seed_in_dim
+        seed = emb.flat_mlp_seed_dim or emb.lev.seed_in_dim
         input_flops = 6 * (seed * emb.mlp_hidden + emb.mlp_hidden * d)
     else:
         input_flops = 0

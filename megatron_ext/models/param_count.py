@@ -56,14 +56,13 @@ def _input_parameters(cfg: ModelConfig, emb: EmbeddingConfig) -> int:
     if kind in ("tied", "untied"):
         return v * d
     if kind == "lev":
-        return cfg.lev_config().num_parameters()
+        return emb.lev.num_parameters()
     if kind == "albert":
         return v * emb.albert_dim + emb.albert_dim * d
     if kind == "flat-mlp":
         return v * emb.flat_mlp_seed_dim + _seed_mlp(emb.flat_mlp_seed_dim, emb.mlp_hidden, d)
-    lev = cfg.lev_config()  # factored-mlp
-    codebooks = lev.num_digits * lev.base * lev.seed_dim
-    return codebooks + _seed_mlp(lev.seed_in_dim, emb.mlp_hidden, d)
+    lev = emb.lev  # factored-mlp: LEV's digit codebooks + an MLP
+    return lev.num_codebook_parameters + _seed_mlp(lev.seed_in_dim, emb.mlp_hidden, d)
 
 
 def resolve_embedding_sizes(cfg: ModelConfig, log: bool = True) -> ModelConfig:
@@ -75,7 +74,7 @@ def resolve_embedding_sizes(cfg: ModelConfig, log: bool = True) -> ModelConfig:
     if emb.embedding_type not in ("albert", "flat-mlp", "factored-mlp"):
         return cfg
     v, d = cfg.vocab_size, cfg.hidden_size
-    budget = cfg.lev_config().num_parameters()
+    budget = emb.lev.num_parameters()
     changes: dict[str, int] = {}
     if emb.embedding_type == "albert" and emb.albert_dim is None:
         changes["albert_dim"] = max(1, round(budget / (v + d)))
@@ -90,8 +89,8 @@ def resolve_embedding_sizes(cfg: ModelConfig, log: bool = True) -> ModelConfig:
             hidden = max(1, round((budget - v * seed - 2 * seed) / (seed + d)))
         changes.update(flat_mlp_seed_dim=seed, mlp_hidden=hidden)
     elif emb.embedding_type == "factored-mlp" and emb.mlp_hidden is None:
-        lev = cfg.lev_config()
-        codebooks = lev.num_digits * lev.base * lev.seed_dim
+        lev = emb.lev
+        codebooks = lev.num_codebook_parameters
         d_in = lev.seed_in_dim
         changes["mlp_hidden"] = max(1, round((budget - codebooks - 2 * d_in) / (d_in + d)))
     if not changes:

@@ -1,9 +1,12 @@
-import argparse
+import dataclasses
 
 import pytest
 
-from megatron_ext.lev import LEVConfig, LEVEmbedding, add_lev_arguments, smallest_base
-from megatron_ext.lev.config import lev_config_from_args
+from megatron_ext.lev import (
+    LEVConfig,
+    LEVEmbedding,
+    smallest_base,
+)
 
 
 def test_defaults_and_derived_base():
@@ -51,6 +54,13 @@ def test_impossible_hyper_parameters_name_the_flag(kwargs, flag):
 def test_base_too_small_says_what_would_work():
     with pytest.raises(ValueError, match=r"--lev-base to >= 18.*--lev-num-digits to >= 4"):
         LEVConfig(vocab_size=5000, hidden_size=8, base=10)
+
+
+def test_config_is_frozen():
+    cfg = LEVConfig(vocab_size=100, hidden_size=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.fused = False
+    assert dataclasses.replace(cfg, fused=False).fused is False and cfg.fused is True
 
 
 def test_heads_not_divisible_by_tp_fails_at_construction():
@@ -111,30 +121,6 @@ def test_parameter_count_matches_formula_and_module(kwargs, lev):
     assert {n: tuple(p.shape) for n, p in module.named_parameters()} == cfg.parameter_shapes()
 
 
-def test_flags_fill_the_config():
-    parser = add_lev_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(
-        "--lev-num-digits 2 --lev-base 300 --lev-seed-dim 32 --lev-num-knots 8 --lev-rank 16 "
-        "--lev-num-heads 4 --lev-temperature 1.5 --lev-codebook-combine concat "
-        "--no-lev-normalize-basis --no-lev-dedup".split()
-    )
-    assert args.lev_num_digits == 2 and args.lev_normalize_basis is False
-    cfg = LEVConfig.from_args(args, vocab_size=50_000, hidden_size=64)
-    assert (cfg.num_digits, cfg.base, cfg.seed_dim, cfg.num_knots, cfg.rank) == (2, 300, 32, 8, 16)
-    assert (cfg.num_heads, cfg.temperature, cfg.codebook_combine) == (4, 1.5, "concat")
-    assert cfg.normalize_basis is False and cfg.dedup is False and cfg.fused is True
-    defaults = lev_config_from_args(parser.parse_args([]), vocab_size=50_000, hidden_size=64)
-    assert defaults == LEVConfig(vocab_size=50_000, hidden_size=64)
-    assert parser.parse_args(["--lev-normalize-basis"]).lev_normalize_basis is True
-
-
-def test_flag_errors_surface_at_config_time():
-    parser = add_lev_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(["--lev-num-knots", "2"])
-    with pytest.raises(ValueError, match="--lev-num-knots"):
-        LEVConfig.from_args(args, vocab_size=100, hidden_size=8)
-
-
 @pytest.mark.parametrize(
     "kwargs,flag",
     [
@@ -147,21 +133,3 @@ def test_flag_errors_surface_at_config_time():
 def test_training_controls_are_validated(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         LEVConfig(vocab_size=100, hidden_size=8, **kwargs)
-
-
-def test_training_control_flags_fill_the_config():
-    parser = add_lev_arguments(argparse.ArgumentParser())
-    defaults = lev_config_from_args(parser.parse_args([]), vocab_size=100, hidden_size=8)
-    assert defaults.init_output_std is None and defaults.lr_mult == 1.0
-    assert defaults.weight_decay_groups == ("codebooks", "seed_proj", "spline_delta", "out_proj")
-    args = parser.parse_args(
-        "--lev-init-output-std 0.02 --lev-weight-decay-groups out_proj seed_norm "
-        "--lev-lr-mult 0.5".split()
-    )
-    cfg = lev_config_from_args(args, vocab_size=100, hidden_size=8)
-    assert cfg.init_output_std == 0.02 and cfg.lr_mult == 0.5
-    assert cfg.weight_decay_groups == ("out_proj", "seed_norm")
-    none = parser.parse_args(["--lev-weight-decay-groups"])
-    assert lev_config_from_args(none, vocab_size=100, hidden_size=8).weight_decay_groups == ()
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--lev-weight-decay-groups", "seed_norm_weight"])

@@ -7,10 +7,12 @@ writes it (sign * exp(sum log(|phi| + 1e-9))), one token, head, coordinate and m
 Its gradients come from autograd through those loops.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
-from megatron_ext.lev import FusedOptions, fused_lev_modes
+from megatron_ext.lev import LEVConfig, fused_lev_modes
 
 
 def _digits_of(i, base, num_digits):
@@ -106,7 +108,7 @@ def test_matches_reference_float64(lev, name):
     assert (ref_out.abs() > 1e-3).any()
     for fused in (True, False):
         for dedup in (True, False):
-            cfg.fused, cfg.dedup = fused, dedup
+            module.lev_config = dataclasses.replace(cfg, fused=fused, dedup=dedup)
             out, grads = _module_and_grads(module, IDS, weight)
             torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
             for n, g in grads.items():
@@ -152,15 +154,11 @@ def test_gradcheck_fused_function():
     )
     inputs = tuple(x.requires_grad_(True) for x in inputs)
     for normalize in (True, False):
-        opts = FusedOptions(
-            temperature=2.0,
-            num_knots=kappa,
-            normalize_basis=normalize,
-            norm_eps=1e-5,
-            product_eps=1e-9,
-            chunk_size=2,
+        # The fused function reads only the scalars; V and D do not enter it.
+        cfg = LEVConfig(
+            vocab_size=1, hidden_size=1, num_knots=kappa, normalize_basis=normalize, chunk_size=2
         )
-        assert torch.autograd.gradcheck(lambda *a: fused_lev_modes(*a, opts), inputs)
+        assert torch.autograd.gradcheck(lambda *a: fused_lev_modes(*a, cfg), inputs)
 
 
 def test_bf16_autocast_keeps_float32_product(lev):

@@ -13,7 +13,7 @@ import torch
 
 from megatron_ext.lev import LEVConfig
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
+from megatron_ext.lev.fused import fused_lev_modes
 from megatron_ext.lev.kernel_select import select_fused_kernel
 from megatron_ext.testing.memory import saved_tensor_bytes
 
@@ -37,6 +37,11 @@ def kernel():
     )
 
 
+def _config(kappa: int, normalize: bool = True) -> LEVConfig:
+    """The hyper-parameters the kernels read (tau 2, eps defaults); V and D do not enter them."""
+    return LEVConfig(vocab_size=1, hidden_size=1, num_knots=kappa, normalize_basis=normalize)
+
+
 def _inputs(dtype, n=37, d_in=5, h=2, d=5, kappa=6, r=3, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
 
@@ -58,8 +63,7 @@ def _inputs(dtype, n=37, d_in=5, h=2, d=5, kappa=6, r=3, seed=0, device="cpu"):
 def test_kernel_equals_the_readable_math_in_float64(kernel, normalize):
     inputs = _inputs(torch.float64, device=kernel.device)
     kappa = inputs[-1].shape[2]
-    opts = FusedOptions(2.0, kappa, normalize, 1e-5, 1e-9)
-    out = kernel.modes(*inputs, opts)
+    out = kernel.modes(*inputs, _config(kappa, normalize))
     ref = lev_math.lev_modes(*inputs, temperature=2.0, num_knots=kappa, normalize_basis=normalize)
     assert out.dtype == torch.float64 and out.shape == ref.shape == (37, 2, 3)
     assert (ref < 0).any() and (ref > 0).any()  # both signs of the product are exercised
@@ -75,9 +79,9 @@ def test_kernel_equals_the_readable_math_in_float64(kernel, normalize):
 
 def test_kernel_matches_the_torch_fused_path_in_float32(kernel):
     inputs = _inputs(torch.float32, n=50, d_in=8, h=2, d=8, kappa=7, r=20, device=kernel.device)
-    opts = FusedOptions(2.0, 7, True, 1e-5, 1e-9)
-    out = kernel.modes(*inputs, opts)
-    ref = fused_lev_modes(*inputs, opts)
+    cfg = _config(7)
+    out = kernel.modes(*inputs, cfg)
+    ref = fused_lev_modes(*inputs, cfg)
     exact = lev_math.lev_modes(
         *[x.detach().double().requires_grad_() for x in inputs], temperature=2.0, num_knots=7
     )
@@ -125,11 +129,11 @@ def test_saves_only_seeds_and_modes(kernel):
     inputs = _inputs(
         torch.float32, n=n, d_in=d_in, h=h, d=d, kappa=kappa, r=r, device=kernel.device
     )
-    opts = FusedOptions(2.0, kappa, True, 1e-5, 1e-9)
+    cfg = _config(kappa)
     z = inputs[0].detach().clone().requires_grad_()
     params = inputs[1:]
     size, out = saved_tensor_bytes(
-        lambda: kernel.modes(z.clone(), *params, opts), exclude=[z, *params]
+        lambda: kernel.modes(z.clone(), *params, cfg), exclude=[z, *params]
     )
     out.sum().backward()
     # z [n, d_in] (the clone) and M [n, h, r]; no [n, d, r] or [n, d, kappa] tensor.

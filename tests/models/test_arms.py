@@ -52,7 +52,8 @@ def _arm_checks():
     out = {}
     for arm in ARMS:
         torch.manual_seed(0)
-        model = build_model(_config(arm))
+        cfg = _config(arm)
+        model = build_model(cfg)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(15):
@@ -83,6 +84,9 @@ def _arm_checks():
             mismatch=mismatch,
             other=other,
             names=sorted(state),
+            # LEV: the module reads the config object the ModelConfig holds, not a copy.
+            same_lev_config=getattr(model.embedding.word_embeddings, "lev_config", None)
+            is cfg.embedding.lev,
         )
     return out
 
@@ -130,6 +134,7 @@ def test_state_dict_round_trips_and_names_are_stable(arm_results):
         "spline_delta",
     ]
     assert "output_layer.weight" not in arm_results["tied"]["names"]
+    assert arm_results["lev"]["same_lev_config"]
 
 
 def test_loading_into_another_arm_names_both(arm_results):

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
-from megatron_ext.models import ModelConfig, add_model_arguments, model_config_from_args
+from megatron_ext.lev import LEVConfig
+from megatron_ext.models import (
+    EmbeddingConfig,
+    ModelConfig,
+    add_model_arguments,
+    model_config_from_args,
+)
 from megatron_ext.models.layer_specs import get_layer_spec, transformer_engine_available
 from megatron_ext.parallel import validate_parallel_layout
 
@@ -105,3 +112,43 @@ def test_megatron_launch_script_flags_are_accepted():
 def test_megatron_flags_asking_for_another_design_are_refused(flag, value):
     with pytest.raises(ValueError, match=f"{flag} {value}: the Leviathan backbone"):
         model_config_from_args(_parse(flag, value), 128)
+
+
+def test_lev_flags_become_the_frozen_config_the_model_holds():
+    cfg = model_config_from_args(_parse("--lev-num-knots", "5", "--lev-rank", "4"), 128)
+    lev = cfg.embedding.lev
+    assert isinstance(lev, LEVConfig)
+    assert (lev.vocab_size, lev.hidden_size, lev.num_knots, lev.rank) == (128, 64, 5, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lev.num_knots = 6
+    # The arms sized from LEV's count hold it too; tied / untied hold none.
+    albert = model_config_from_args(_parse("--embedding-type", "albert", "--lev-rank", "4"), 128)
+    assert albert.embedding.lev.rank == 4
+    assert model_config_from_args(_parse("--embedding-type", "tied"), 128).embedding.lev is None
+    with pytest.raises(ValueError, match="--lev-num-knots"):
+        model_config_from_args(_parse("--lev-num-knots", "2"), 128)
+
+
+def test_lev_given_as_dict_or_config_is_the_same_model():
+    as_dict = ModelConfig(**BASE, embedding=dict(embedding_type="lev", lev=dict(num_heads=2)))
+    lev = LEVConfig(vocab_size=128, hidden_size=64, num_heads=2)
+    as_config = ModelConfig(**BASE, embedding=EmbeddingConfig("lev", lev=lev))
+    assert as_dict == as_config and as_config.embedding.lev is lev
+    with pytest.raises(ValueError, match="LEVConfig is for V=100, D=64 .* --vocab-size 128"):
+        ModelConfig(
+            **BASE, embedding=EmbeddingConfig("lev", lev=dataclasses.replace(lev, vocab_size=100))
+        )
+
+
+def test_replace_carries_new_sizes_over_to_lev_and_keeps_its_base():
+    cfg = ModelConfig(**BASE)
+    assert cfg.embedding.lev.base == 6  # smallest b with b**3 >= 128
+    bigger = cfg.replace(vocab_size=200, hidden_size=128)
+    assert (bigger.embedding.lev.vocab_size, bigger.embedding.lev.hidden_size) == (200, 128)
+    assert bigger.embedding.lev.base == 6  # the codebooks keep their shape
+    with pytest.raises(ValueError, match=r"cover only 6\*\*3=216 ids"):
+        cfg.replace(vocab_size=300)
+    assert cfg.replace(embedding=dict(embedding_type="tied")).embedding.lev is None
+    # albert only matches LEV's count: its LEV base follows the vocabulary.
+    albert = ModelConfig(**{**BASE, "embedding": dict(embedding_type="albert")})
+    assert albert.replace(vocab_size=300).embedding.lev.base == 7

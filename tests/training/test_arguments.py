@@ -151,6 +151,6 @@ def test_lev_training_controls_reach_args_json_and_back(tmp_path):
     (ckpt / "args.json").write_text(json.dumps(saved))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("10\n")
     restored = _parse("--load", str(tmp_path), "--use-checkpoint-args")
-    lev = model_config_from_args(restored, 128).lev_config()
+    lev = model_config_from_args(restored, 128).embedding.lev
     assert (lev.init_output_std, lev.lr_mult) == (0.02, 0.5)
     assert lev.weight_decay_groups == ("out_proj", "seed_norm")
