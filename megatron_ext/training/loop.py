@@ -26,9 +26,13 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
-from megatron_ext.parallel import destroy_parallel, initialize_parallel, set_random_seed
+from megatron_ext.parallel import (
+    ProcessGroups,
+    destroy_parallel,
+    initialize_parallel,
+    set_random_seed,
+)
 from megatron_ext.training.arguments import TrainingConfig, args_to_json
 from megatron_ext.training.checkpointing import (
     TrainState,
@@ -98,15 +102,23 @@ class _StepResult:
 class _Trainer:
     """State and collaborators of one run (built by `pretrain`)."""
 
-    def __init__(self, cfg: TrainingConfig, args: argparse.Namespace, model, forward_step):
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        args: argparse.Namespace,
+        model,
+        forward_step,
+        pg: ProcessGroups,
+    ):
         self.cfg, self.args, self.model, self.forward_step = cfg, args, model, forward_step
+        self.pg = pg
         b = cfg.batch
         self.features = FeatureConfig.from_args(args)
         f = self.features
         self.optimizer = build_optimizer(
             model,
             cfg.optim,
-            cfg.parallel.use_distributed_optimizer,
+            pg.dp_cp if cfg.parallel.use_distributed_optimizer else None,
             decoupled=(f.decoupled_lr, f.decoupled_min_lr) if f.decoupled_lr else None,
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
@@ -152,7 +164,7 @@ class _Trainer:
         self.last_saved: Optional[int] = None
         self.timers: dict[str, float] = {}
         self._last_mark = time.perf_counter()
-        self.extras = RunExtras(self.features, self.is_rank0, dist.get_rank())
+        self.extras = RunExtras(self.features, pg)
         self.reporter.wandb = self.extras.wandb
         self.global_batch = b.global_batch_size
         """This iteration's global batch size (below the flag's during --rampup-batch-size)."""
@@ -164,10 +176,7 @@ class _Trainer:
         ranks; the loss counts once per data-parallel replica (TP rank 0 of the last stage)."""
         b = self.cfg.batch
         stats = torch.zeros(6, dtype=torch.float64)
-        counts_loss = (
-            parallel_state.is_pipeline_last_stage()
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-        )
+        counts_loss = self.pg.is_last_stage and self.pg.tp_rank == 0
         if counts_loss and "lm loss" in totals:
             stats[0:2] = totals["lm loss"].cpu()
         stats[2] = 0.0 if local_loss_ok else 1.0
@@ -209,24 +218,26 @@ class _Trainer:
             model=self.model,
             num_microbatches=self.global_batch // (b.micro_batch_size * b.data_parallel_size),
             shape=self.shape,
+            pg=self.pg,
             loss_scale=scale,
             autocast=self.autocast,
             per_token_loss=f.calculate_per_token_loss,
         )
         self._mark("forward-backward")
         if p.sequence_parallel:
-            allreduce_sequence_parallel_grads([self.model])
-        allreduce_tied_embedding_grads([self.model])
+            allreduce_sequence_parallel_grads([self.model], self.pg.tp)
+        allreduce_tied_embedding_grads([self.model], self.pg.embd)
         grad_scale = 1.0 / scale
         if f.calculate_per_token_loss:
             grad_scale *= self._per_token_grad_scale(totals)
         grads_ok = allreduce_data_parallel_grads(
             self.optimizer.params,
+            self.pg.dp_cp,
             scale=grad_scale,
             reduce_dtype=torch.bfloat16 if f.grad_reduce_in_bf16 else None,
         )
         self._mark("grads-all-reduce")
-        grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad)
+        grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
         self._mark("grad-norm-and-clip")
         loss_ok = all(bool(torch.isfinite(v).all()) for v in totals.values())
         stats = self._world_stats(totals, loss_ok, grads_ok)
@@ -256,14 +267,10 @@ class _Trainer:
         """--calculate-per-token-loss: the loss is a sum over tokens; the gradient divides by
         the global batch's token count (the DP average then multiplies back by DP x CP)."""
         count = torch.zeros(1, dtype=torch.float64, device=self.shape.device)
-        if (
-            parallel_state.is_pipeline_last_stage()
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-            and "lm loss" in totals
-        ):
+        if self.pg.is_last_stage and self.pg.tp_rank == 0 and "lm loss" in totals:
             count[0] = totals["lm loss"][1]
         dist.all_reduce(count)
-        dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        dp_cp = self.pg.dp_cp_size
         return dp_cp / max(float(count.item()), 1.0)
 
     def _nonfinite(self, iteration, loss, grad_norm, loss_ok, grads_ok, stats) -> None:
@@ -304,8 +311,8 @@ class _Trainer:
             dataset,
             0,
             b.micro_batch_size,
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
+            self.pg.dp_rank,
+            self.pg.dp_size,
             b.num_workers,
         )
         if loader is None or len(loader.batch_sampler) < b.eval_iters * b.num_microbatches:
@@ -324,6 +331,7 @@ class _Trainer:
                     model=self.model,
                     num_microbatches=b.num_microbatches,
                     shape=self.shape,
+                    pg=self.pg,
                     forward_only=True,
                     autocast=self.autocast,
                 )
@@ -364,6 +372,7 @@ class _Trainer:
             None if ck.no_save_optim else self.optimizer,
             self.scheduler,
             self.scaler,
+            pg=self.pg,
             args_json=args_to_json(self.args),
             save_rng=not ck.no_save_rng,
             keep_last=ck.ckpt_keep_last,
@@ -394,6 +403,7 @@ class _Trainer:
             self.optimizer,
             self.scheduler,
             self.scaler,
+            pg=self.pg,
             iteration=ck.ckpt_step,
             load_optim=not ck.no_load_optim,
             load_rng=not ck.no_load_rng,
@@ -414,8 +424,8 @@ class _Trainer:
             train_ds,
             self.state.consumed_train_samples,
             b.micro_batch_size,
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
+            self.pg.dp_rank,
+            self.pg.dp_size,
             b.num_workers,
         )
         if loader is None:
@@ -569,9 +579,9 @@ class _Trainer:
             self.reporter.flush()
 
 
-def _count_parameters(model: torch.nn.Module) -> int:
+def _count_parameters(model: torch.nn.Module, pg: ProcessGroups) -> int:
     """Unique parameters of the whole model (TP shards summed, replicas and the tied copy once)."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_rank = pg.tp_rank
     total = 0
     for param in model.parameters():
         if getattr(param, "shared", False):
@@ -581,7 +591,7 @@ def _count_parameters(model: torch.nn.Module) -> int:
     count = torch.tensor([float(total)], dtype=torch.float64)
     if torch.cuda.is_available():
         count = count.cuda()
-    dist.all_reduce(count, group=parallel_state.get_model_parallel_group())
+    dist.all_reduce(count, group=pg.mp)
     return int(count.item())
 
 
@@ -655,7 +665,7 @@ def pretrain(
     """
     cfg = TrainingConfig.from_args(args)
     p = cfg.parallel
-    initialize_parallel(
+    pg = initialize_parallel(
         p.tensor_model_parallel_size,
         p.pipeline_model_parallel_size,
         p.context_parallel_size,
@@ -667,7 +677,7 @@ def pretrain(
         seed = cfg.batch.seed
         random.seed(seed)
         np.random.seed(seed)
-        set_random_seed(seed)
+        set_random_seed(seed, pg.pp_rank)
         rank0 = dist.get_rank() == 0
         if rank0:
             info = run_info()
@@ -678,14 +688,12 @@ def pretrain(
                 p.tensor_model_parallel_size,
                 p.context_parallel_size,
                 p.pipeline_model_parallel_size,
-                parallel_state.get_data_parallel_world_size(),
+                pg.dp_size,
                 dist.get_backend(),
             )
             for key, value in sorted(args_to_json(args).items()):
                 logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
-        model = model_provider(
-            parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-        )
+        model = model_provider(pg.is_first_stage, pg.is_last_stage)
         ck = cfg.ckpt
         resuming = bool(ck.load) and (
             ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
@@ -694,13 +702,13 @@ def pretrain(
             initialize_like_single_stage(model, full_model_provider, seed)
         if torch.cuda.is_available():
             model = model.cuda(torch.cuda.current_device())
-        num_params = _count_parameters(model)
+        num_params = _count_parameters(model, pg)
         trainer_class = _Trainer
         if getattr(args, "ddp_impl", "portable") == "megatron":  # CUDA only (gpu_arguments)
             from megatron_ext.training.megatron_engine import MegatronEngineTrainer
 
             trainer_class = MegatronEngineTrainer
-        trainer = trainer_class(cfg, args, model, forward_step)
+        trainer = trainer_class(cfg, args, model, forward_step, pg)
         if rank0:
             logger.info("model parameters: %d (%.1fM)", num_params, num_params / 1e6)
             trainer.reporter.text(

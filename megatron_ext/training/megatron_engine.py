@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -96,12 +95,12 @@ def _build(cfg, args, model):
 class MegatronEngineTrainer(_Trainer):
     """`_Trainer` whose step, optimizer and scheduler are megatron-core's."""
 
-    def __init__(self, cfg, args, model, forward_step):
+    def __init__(self, cfg, args, model, forward_step, pg):
         if not torch.cuda.is_available():
             raise RuntimeError("--ddp-impl megatron needs CUDA")
         # The base class reads model attributes (vocab size, config) that the wrappers hide;
         # the portable optimizer it builds holds no state until a step and is replaced here.
-        super().__init__(cfg, args, model, forward_step)
+        super().__init__(cfg, args, model, forward_step, pg)
         ddp, optimizer = _build(cfg, args, model)
         self.model = ddp
         self.megatron_optimizer = optimizer
@@ -135,7 +134,7 @@ class MegatronEngineTrainer(_Trainer):
             forward_only=False,
         )
         totals: dict[str, torch.Tensor] = {}
-        if parallel_state.is_pipeline_last_stage():
+        if self.pg.is_last_stage:
             for report in reports:
                 for key, value in report.items():
                     value = value.double()

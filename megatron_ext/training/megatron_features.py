@@ -16,10 +16,13 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_ext.parallel import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
@@ -213,21 +216,15 @@ def memory_stats() -> dict[str, float]:
     return out
 
 
-def _model_parallel_sum(values: list[float], device) -> list[float]:
-    from megatron.core import parallel_state
-
+def _model_parallel_sum(values: list[float], device, group) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    group = parallel_state.get_model_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
     return tensor.tolist()
 
 
-def _counted(params) -> list[torch.Tensor]:
+def _counted(params, tp_rank: int) -> list[torch.Tensor]:
     """Parameters counted once over the model-parallel group (TP shards, one tied copy)."""
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     return [
         p
         for p in params
@@ -236,34 +233,36 @@ def _counted(params) -> list[torch.Tensor]:
     ]
 
 
-def params_norm(params) -> float:
+def params_norm(params, pg: ProcessGroups) -> float:
     """L2 norm of all parameters of the model (over TP and PP; DP replicas are identical)."""
-    counted = _counted(params)
+    counted = _counted(params, pg.tp_rank)
     device = counted[0].device if counted else torch.device("cpu")
     local = sum(float(p.detach().double().square().sum()) for p in counted)
-    return math.sqrt(_model_parallel_sum([local], device)[0])
+    return math.sqrt(_model_parallel_sum([local], device, pg.mp)[0])
 
 
-def num_zeros_in_grad(params) -> int:
+def num_zeros_in_grad(params, pg: ProcessGroups) -> int:
     """Gradient entries equal to zero (after the data-parallel reduction and clipping)."""
-    counted = [p for p in _counted(params) if p.grad is not None]
+    counted = [p for p in _counted(params, pg.tp_rank) if p.grad is not None]
     device = counted[0].device if counted else torch.device("cpu")
     local = sum(int(p.grad.numel() - torch.count_nonzero(p.grad)) for p in counted)
-    return int(_model_parallel_sum([float(local)], device)[0])
+    return int(_model_parallel_sum([float(local)], device, pg.mp)[0])
 
 
 class RunExtras:
     """Per-iteration hooks of the feature flags; every rank calls them at the same points."""
 
-    def __init__(self, cfg: FeatureConfig, is_rank0: bool, rank: int) -> None:
-        self.cfg, self.is_rank0, self.rank = cfg, is_rank0, rank
+    def __init__(self, cfg: FeatureConfig, pg: ProcessGroups) -> None:
+        self.cfg, self.pg = cfg, pg
+        self.rank = dist.get_rank()
+        self.is_rank0 = self.rank == 0
         self.rampup = cfg.rampup()
         self._profiler = None
         self.wandb = None
         if cfg.manual_gc:
             gc.disable()
             gc.collect()
-        if cfg.wandb_project and is_rank0:
+        if cfg.wandb_project and self.is_rank0:
             self.wandb = _init_wandb(cfg)
 
     def global_batch(self, consumed_samples: int) -> int:
@@ -303,9 +302,9 @@ class RunExtras:
         """Collective (every rank): the logged extras of this iteration."""
         out: dict[str, float] = {}
         if self.cfg.log_params_norm:
-            out["params-norm"] = params_norm(params)
+            out["params-norm"] = params_norm(params, self.pg)
         if self.cfg.log_num_zeros_in_grad:
-            out["num-zeros"] = float(num_zeros_in_grad(params))
+            out["num-zeros"] = float(num_zeros_in_grad(params, self.pg))
         if self.cfg.log_memory_to_tensorboard:
             out.update(memory_stats())
         return out
