@@ -15,7 +15,7 @@ import importlib.util
 import logging
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups
+    from megatron_ext.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,6 @@ class FeatureConfig:
     """The Megatron-LM feature flags (names as the flags)."""
 
     rampup_batch_size: Optional[list] = None
-    global_batch_size: int = 1
-    micro_batch_size: int = 1
-    data_parallel_size: int = 1
-    seq_length: int = 512
     decoupled_lr: Optional[float] = None
     decoupled_min_lr: Optional[float] = None
     calculate_per_token_loss: bool = False
@@ -64,27 +61,18 @@ class FeatureConfig:
     log_memory_to_tensorboard: bool = False
     log_world_size_to_tensorboard: bool = False
     log_loss_scale_to_tensorboard: bool = True
-    tensorboard_dir: Optional[str] = None
-    save: Optional[str] = None
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
     wandb_entity: Optional[str] = None
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "FeatureConfig":
-        """The config from parsed arguments; fields that `args` lacks keep their defaults."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
-    def rampup(self) -> Optional["BatchSizeRampup"]:
-        """The --rampup-batch-size schedule, or None when the flag is not set."""
+    def rampup(self, global_batch_size: int, micro_times_dp: int) -> Optional["BatchSizeRampup"]:
+        """The --rampup-batch-size schedule up to `global_batch_size` in steps that split into
+        `micro_times_dp` (micro-batch size x data-parallel size), or None without the flag."""
         if not self.rampup_batch_size:
             return None
         start, increment, samples = self.rampup_batch_size
-        return BatchSizeRampup(
-            start, increment, samples, self.global_batch_size,
-            self.micro_batch_size * self.data_parallel_size,
-        )  # fmt: skip
+        return BatchSizeRampup(start, increment, samples, global_batch_size, micro_times_dp)
 
 
 @dataclass(frozen=True)
@@ -143,7 +131,9 @@ def validate_megatron_features(args: argparse.Namespace, error=ValueError) -> ar
     """Check the feature flags (after `validate_args`); derive what they change."""
     if args.rampup_batch_size is not None:
         try:
-            rampup = FeatureConfig.from_args(args).rampup()
+            rampup = FeatureConfig(rampup_batch_size=args.rampup_batch_size).rampup(
+                args.global_batch_size, args.micro_batch_size * args.data_parallel_size
+            )
         except ValueError as exc:
             raise error(str(exc)) from None
         if args.train_samples is not None:
@@ -252,23 +242,31 @@ def num_zeros_in_grad(params, pg: ProcessGroups) -> int:
 class RunExtras:
     """Per-iteration hooks of the feature flags; every rank calls them at the same points."""
 
-    def __init__(self, cfg: FeatureConfig, pg: ProcessGroups) -> None:
+    def __init__(self, run: TrainingConfig, pg: ProcessGroups) -> None:
+        cfg = run.features
         self.cfg, self.pg = cfg, pg
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
-        self.rampup = cfg.rampup()
+        self.global_batch_size = run.batch.global_batch_size
+        self.rampup = cfg.rampup(
+            run.batch.global_batch_size,
+            run.batch.micro_batch_size * run.parallel.data_parallel_size,
+        )
+        # Profiler traces beside the TensorBoard events, else under --save; W&B likewise.
+        self.log_dir = run.log.tensorboard_dir
+        self.save_dir = run.ckpt.save
         self._profiler = None
         self.wandb = None
         if cfg.manual_gc:
             gc.disable()
             gc.collect()
         if cfg.wandb_project and self.is_rank0:
-            self.wandb = _init_wandb(cfg)
+            self.wandb = _init_wandb(cfg, self.save_dir or self.log_dir)
 
     def global_batch(self, consumed_samples: int) -> int:
         """Global batch size after `consumed_samples` samples (smaller while the rampup lasts)."""
         if self.rampup is None:
-            return self.cfg.global_batch_size
+            return self.global_batch_size
         return self.rampup.global_batch(consumed_samples)
 
     def before_step(self, iteration: int) -> None:
@@ -311,7 +309,7 @@ class RunExtras:
 
     def trace_dir(self) -> str:
         """Directory of the profiler traces: --tensorboard-dir, else <save>/profile."""
-        return self.cfg.tensorboard_dir or os.path.join(self.cfg.save, "profile")
+        return self.log_dir or os.path.join(self.save_dir, "profile")
 
     def _start_profiler(self) -> None:
         from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
@@ -345,10 +343,10 @@ class RunExtras:
             self.wandb = None
 
 
-def _init_wandb(cfg: FeatureConfig):
+def _init_wandb(cfg: FeatureConfig, run_dir: Optional[str]):
     import wandb
 
-    save_dir = cfg.wandb_save_dir or os.path.join(cfg.save or cfg.tensorboard_dir or ".", "wandb")
+    save_dir = cfg.wandb_save_dir or os.path.join(run_dir or ".", "wandb")
     os.makedirs(save_dir, exist_ok=True)
     # Offline unless the user configured otherwise: a run never needs the network to start.
     mode = os.environ.get("WANDB_MODE", "offline")

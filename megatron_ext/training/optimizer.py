@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.arguments import OptimizerConfig
+from megatron_ext.training.config import OptimizerConfig
 
 logger = logging.getLogger(__name__)
 
