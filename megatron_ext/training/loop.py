@@ -104,7 +104,7 @@ class _StepResult:
 
 
 class _Trainer:
-    """State and collaborators of one run (built by `pretrain`)."""
+    """State and collaborators of one run (built by `setup`)."""
 
     def __init__(self, cfg: TrainingConfig, model, forward_step, pg: ProcessGroups):
         self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
