@@ -145,7 +145,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
     from megatron_ext.models import model_config_from_args
-    from megatron_ext.training import NonFiniteError, parse_args, pretrain
+    from megatron_ext.training import (
+        NonFiniteError,
+        parse_args,
+        pretrain,
+        training_config_from_args,
+    )
     from megatron_ext.training.checkpointing import CheckpointError
 
     try:
@@ -177,12 +182,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_ext.data.loading import DataConfig
 
         data_config = DataConfig.from_args(args)
+        training_config = training_config_from_args(args)
     except (ValueError, DataError, TokenizerError) as error:
         _error(str(error))
         return 2
     try:
         reason = pretrain(
-            args,
+            training_config,
             model_provider=functools.partial(model_provider, model_config),
             forward_step=functools.partial(
                 forward_step,

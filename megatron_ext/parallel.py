@@ -1,9 +1,14 @@
 """Process-group and RNG set-up shared by the entry points, the tests and the benchmarks.
 
-megatron.core.parallel_state owns the groups; this module only picks the backend (gloo on CPU,
-nccl on CUDA), validates the layout with messages that say which flag to change, and seeds the
-random generators the way Megatron-LM does (the CUDA RNG tracker on GPU; on CPU a tracker whose
-`fork()` is a no-op, since megatron's tracker only knows CUDA generator states).
+megatron.core.parallel_state creates the groups (megatron-core's layers read them from there);
+this module picks the backend (gloo on CPU, nccl on CUDA), validates the layout with messages
+that say which flag to change, and seeds the random generators the way Megatron-LM does (the
+CUDA RNG tracker on GPU; on CPU a tracker whose `fork()` is a no-op, since megatron's tracker
+only knows CUDA generator states).
+
+`initialize_parallel` returns the groups as one `ProcessGroups` object; the training loop,
+optimizer, schedule, gradient reductions and checkpointing take it as an argument instead of
+reading megatron's globals (`ProcessGroups.from_megatron` is the one place that does).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import datetime
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,6 +27,7 @@ from megatron.core import parallel_state, tensor_parallel
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ProcessGroups",
     "default_backend",
     "validate_parallel_layout",
     "initialize_parallel",
@@ -35,6 +42,118 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The process groups of one rank, passed explicitly to the code that communicates.
+
+    Names follow megatron-core's `ProcessGroupCollection`. Ranks and sizes are within each group;
+    `embd` is None on ranks that hold no copy of a tied embedding (or with one pipeline stage).
+    """
+
+    tp: dist.ProcessGroup
+    """Tensor parallel."""
+    pp: dist.ProcessGroup
+    """Pipeline parallel (the stages of this model replica)."""
+    cp: dist.ProcessGroup
+    """Context parallel."""
+    dp: dist.ProcessGroup
+    """Data parallel (without context parallelism)."""
+    dp_cp: dist.ProcessGroup
+    """Data x context parallel: gradients are averaged and ZeRO-1 shards over it."""
+    mp: dist.ProcessGroup
+    """Model parallel (TP x PP): the global gradient norm sums over it."""
+    embd: Optional[dist.ProcessGroup] = None
+    """First and last pipeline stage, which both hold a tied embedding (this rank's, if any)."""
+
+    @classmethod
+    def from_megatron(cls) -> "ProcessGroups":
+        """The groups megatron's `parallel_state` created (it must be initialised)."""
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("megatron's process groups are not initialised: initialize_parallel")
+        embd = None
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            group = parallel_state.get_embedding_group(check_initialized=False)
+            if group is not None and dist.get_rank() in dist.get_process_group_ranks(group):
+                embd = group
+        return cls(
+            tp=parallel_state.get_tensor_model_parallel_group(),
+            pp=parallel_state.get_pipeline_model_parallel_group(),
+            cp=parallel_state.get_context_parallel_group(),
+            dp=parallel_state.get_data_parallel_group(),
+            dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+            mp=parallel_state.get_model_parallel_group(),
+            embd=embd,
+        )
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank within the tensor-parallel group."""
+        return dist.get_rank(self.tp)
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size."""
+        return dist.get_world_size(self.tp)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank\'s pipeline stage."""
+        return dist.get_rank(self.pp)
+
+    @property
+    def pp_size(self) -> int:
+        """Number of pipeline stages."""
+        return dist.get_world_size(self.pp)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank within the context-parallel group."""
+        return dist.get_rank(self.cp)
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel size."""
+        return dist.get_world_size(self.cp)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank within the data-parallel group."""
+        return dist.get_rank(self.dp)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size (without CP)."""
+        return dist.get_world_size(self.dp)
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Data x context-parallel size."""
+        return dist.get_world_size(self.dp_cp)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the first pipeline stage (the input embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage (the output head and the loss)."""
+        return self.pp_rank == self.pp_size - 1
+
+    def pp_neighbour(self, offset: int) -> int:
+        """The global rank of the pipeline stage `offset` stages away (wrapping around)."""
+        ranks = dist.get_process_group_ranks(self.pp)
+        return ranks[(self.pp_rank + offset) % len(ranks)]
+
+    def layout(self) -> dict[str, int]:
+        """{"tp", "pp", "cp", "dp"} sizes (the layout recorded in checkpoints)."""
+        return dict(tp=self.tp_size, pp=self.pp_size, cp=self.cp_size, dp=self.dp_size)
+
+    def coords(self) -> dict[str, int]:
+        """{"pp", "tp", "cp", "dp"}: this rank's position in the layout."""
+        return dict(pp=self.pp_rank, tp=self.tp_rank, cp=self.cp_rank, dp=self.dp_rank)
 
 
 def default_backend() -> str:
@@ -75,8 +194,9 @@ def initialize_parallel(
     context_parallel_size: int = 1,
     backend: Optional[str] = None,
     timeout_minutes: int = 30,
-) -> None:
-    """Initialise torch.distributed (from torchrun's env vars) and megatron's parallel groups.
+) -> ProcessGroups:
+    """Initialise torch.distributed (from torchrun's env vars) and megatron's parallel groups;
+    return this rank's groups (seeded with `set_random_seed(1234, ...)`).
 
     Without torchrun's variables (a plain `python pretrain_leviathan.py`) the process is a
     one-rank world on a free loopback port, so several such runs can share a machine.
@@ -115,7 +235,9 @@ def initialize_parallel(
         # gloo twins of every group are only needed for NCCL runs that also talk over gloo.
         create_gloo_process_groups=backend == "nccl",
     )
-    set_random_seed(1234)
+    groups = ProcessGroups.from_megatron()
+    set_random_seed(1234, groups.pp_rank)
+    return groups
 
 
 def destroy_parallel() -> None:
@@ -124,14 +246,14 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
 
 
-def set_random_seed(seed: int) -> None:
-    """Seed like Megatron-LM's `_set_random_seed`: offset by pipeline rank, same across TP.
+def set_random_seed(seed: int, pp_rank: int = 0) -> None:
+    """Seed like Megatron-LM's `_set_random_seed`: offset by the pipeline rank (`pp_rank`, from
+    `ProcessGroups.pp_rank`), the same across TP.
 
     Every tensor-parallel rank draws the same CPU stream, which megatron's
     `use_cpu_initialization` relies on to build the full master weight before splitting it.
     """
-    if parallel_state.model_parallel_is_initialized():
-        seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    seed = seed + 100 * pp_rank
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

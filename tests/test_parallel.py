@@ -1,4 +1,10 @@
-"""megatron_ext.parallel: a process started without torchrun is a one-rank world."""
+"""megatron_ext.parallel.
+
+- `ProcessGroups` (the groups passed to the loop, optimizer, schedule and checkpointing) agrees
+  with megatron's `parallel_state` on a TP=2 x PP=2 layout of 4 gloo ranks, and
+  `initialize_parallel` seeds like Megatron-LM (offset by the pipeline rank);
+- a process started without torchrun is a one-rank world on a free port.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,70 @@ import subprocess
 import sys
 import textwrap
 
+import torch
+
+from megatron_ext.testing.distributed import run_distributed
 from megatron_ext.testing.runs import REPO
+
+
+def _check_groups() -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.parallel import ProcessGroups, set_random_seed
+
+    pg = ProcessGroups.from_megatron()
+    assert (pg.tp_rank, pg.tp_size) == (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+    )
+    assert (pg.pp_rank, pg.pp_size) == (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+    )
+    assert (pg.dp_rank, pg.dp_size) == (
+        ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(),
+    )
+    assert pg.dp_cp_size == ps.get_data_parallel_world_size(with_context_parallel=True)
+    assert (pg.cp_rank, pg.cp_size) == (0, 1)
+    assert pg.is_first_stage == ps.is_pipeline_first_stage()
+    assert pg.is_last_stage == ps.is_pipeline_last_stage()
+    assert pg.pp_neighbour(-1) == ps.get_pipeline_model_parallel_prev_rank()
+    assert pg.pp_neighbour(1) == ps.get_pipeline_model_parallel_next_rank()
+    assert dist.get_process_group_ranks(pg.mp) == dist.get_process_group_ranks(
+        ps.get_model_parallel_group()
+    )
+    # A collective on the passed group reaches exactly that group's ranks.
+    ones = torch.ones(1)
+    dist.all_reduce(ones, group=pg.tp)
+    assert ones.item() == 2.0
+    set_random_seed(7, pg.pp_rank)
+    draw = torch.rand(1).item()
+    torch.manual_seed(7 + 100 * pg.pp_rank)
+    assert draw == torch.rand(1).item()
+    return dict(
+        rank=dist.get_rank(),
+        coords=pg.coords(),
+        layout=pg.layout(),
+        embd=None if pg.embd is None else dist.get_process_group_ranks(pg.embd),
+    )
+
+
+def test_process_groups_match_megatron():
+    results = run_distributed(_check_groups, world_size=4, tp=2, pp=2)
+    assert all(r["layout"] == dict(tp=2, pp=2, cp=1, dp=1) for r in results)
+    # Megatron's rank order: TP fastest, then PP (DP=1 here).
+    assert [(r["coords"]["tp"], r["coords"]["pp"]) for r in results] == [
+        (0, 0),
+        (1, 0),
+        (0, 1),
+        (1, 1),
+    ]
+    # Every rank is on the first or the last stage, so each holds a tied-embedding copy; the
+    # embedding group pairs the same TP rank of the two stages.
+    assert [r["embd"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
 
 _ONE_RANK = textwrap.dedent(
     """

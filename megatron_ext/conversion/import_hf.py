@@ -84,6 +84,7 @@ def import_hf(opts: ImportHFOptions) -> str:
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.models import build_model, model_config_from_args
     from megatron_ext.models.full_state_dict import load_full_state_dict
+    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.arguments import args_to_json, build_parser
     from megatron_ext.training.checkpointing import TrainState, save_checkpoint
 
@@ -152,7 +153,14 @@ def import_hf(opts: ImportHFOptions) -> str:
         os.makedirs(os.path.join(tmp, "tokenizer"))
         for name in files:
             shutil.copy2(os.path.join(opts.hf_dir, name), os.path.join(tmp, "tokenizer", name))
-        save_checkpoint(tmp, TrainState(), model, args_json=args_to_json(args), save_rng=False)
+        save_checkpoint(
+            tmp,
+            TrainState(),
+            model,
+            pg=ProcessGroups.from_megatron(),
+            args_json=args_to_json(args),
+            save_rng=False,
+        )
     logger.info(
         "imported %s as a --embedding-type %s checkpoint (vocabulary %d, padded %d)",
         opts.hf_dir,

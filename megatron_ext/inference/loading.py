@@ -209,19 +209,16 @@ def load_model(run: SavedRun, model_config) -> torch.nn.Module:
 
     Needs megatron's parallel groups (`init_inference_parallel`) at `model_config`'s layout.
     """
-    from megatron.core import parallel_state
-
     from megatron_ext.models import build_model
+    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.checkpointing import load_checkpoint
 
-    model = build_model(
-        model_config,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    )
+    pg = ProcessGroups.from_megatron()
+    model = build_model(model_config, pre_process=pg.is_first_stage, post_process=pg.is_last_stage)
     load_checkpoint(
         run.root,
         model,
+        pg=pg,
         iteration=run.iteration,
         load_optim=False,
         load_rng=False,

@@ -3,9 +3,9 @@ distributed checkpoints and logging. The entry point is `pretrain_leviathan.py`.
 
 from megatron_ext.training.arguments import (
     ArgumentError,
-    TrainingConfig,
     build_parser,
     parse_args,
+    training_config_from_args,
     validate_args,
 )
 from megatron_ext.training.checkpointing import (
@@ -15,6 +15,7 @@ from megatron_ext.training.checkpointing import (
     read_latest_iteration,
     save_checkpoint,
 )
+from megatron_ext.training.config import TrainingConfig
 from megatron_ext.training.loop import NonFiniteError, pretrain
 
 __all__ = [
@@ -29,5 +30,6 @@ __all__ = [
     "pretrain",
     "read_latest_iteration",
     "save_checkpoint",
+    "training_config_from_args",
     "validate_args",
 ]

@@ -1,12 +1,13 @@
 """Command-line flags of `pretrain_leviathan.py` (Megatron-LM's names and meanings) and the
-config objects they fill.
+`TrainingConfig` they fill.
 
 The parser is built from the groups below plus the model (`megatron_ext.models`) and data
 (`megatron_ext.data`) flag groups. `parse_args` parses, optionally replaces the model flags with
 the ones stored in a checkpoint (`--use-checkpoint-args`), and validates everything that can be
 checked before any process group exists, raising `ArgumentError` (a ValueError) with one line
-that names the flag to change. The library never reads the namespace: the loop receives the
-dataclasses of `TrainingConfig.from_args`, one per concern.
+that names the flag to change (the model's own checks are `ModelConfig`'s). The library never
+reads the namespace: `training_config_from_args` turns it into the dataclasses of
+`config.TrainingConfig`, one per concern, which is all `pretrain` receives.
 """
 
 from __future__ import annotations
@@ -16,24 +17,34 @@ import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Optional, Sequence
 
 import torch
+
+from megatron_ext.training.config import (
+    BatchConfig,
+    CheckpointConfig,
+    EngineConfig,
+    EvalConfig,
+    ExitConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainingConfig,
+)
+from megatron_ext.training.megatron_features import FeatureConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ArgumentError",
-    "ParallelConfig",
-    "BatchConfig",
-    "OptimizerConfig",
-    "CheckpointConfig",
-    "LoggingConfig",
-    "TrainingConfig",
     "build_parser",
     "parse_args",
     "validate_args",
+    "training_config_from_args",
+    "args_to_json",
     "checkpoint_args_path",
 ]
 
@@ -69,156 +80,31 @@ class ArgumentError(ValueError):
     """An impossible or contradictory combination of flags (the message names the flag)."""
 
 
-def _fill(cls, args: argparse.Namespace):
-    """Build dataclass `cls` from the namespace attributes of the same names."""
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+def _fill(cls, args: argparse.Namespace, **values):
+    """Build dataclass `cls` from the namespace attributes of the same names (and `values`)."""
+    taken = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    return cls(**{**taken, **values})
 
 
-@dataclass
-class ParallelConfig:
-    """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
+def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
+    """The `TrainingConfig` of a namespace that went through `parse_args` (validated, derived).
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-    """Split norm/dropout activations over the sequence across TP ranks (Megatron-LM's SP)."""
-    use_distributed_optimizer: bool = False
-    """Shard Adam states across data-parallel ranks (ZeRO-1)."""
-    distributed_backend: Optional[str] = None
-    """nccl | gloo; None picks nccl when CUDA is available, gloo otherwise."""
-    distributed_timeout_minutes: int = 10
-    data_parallel_size: int = 1
-    """Derived: world size / (TP x CP x PP)."""
-
-
-@dataclass
-class BatchConfig:
-    """Batch sizes, run length, precision and exit conditions."""
-
-    micro_batch_size: int = 1
-    global_batch_size: int = 1
-    seq_length: int = 512
-    train_iters: int = 0
-    """Iterations to train (derived from --train-samples when that is given)."""
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    seed: int = 1234
-    bf16: bool = False
-    fp16: bool = False
-    fp8_format: Optional[str] = None
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
-    exit_interval: Optional[int] = None
-    exit_duration_in_mins: Optional[float] = None
-    exit_signal_handler: bool = False
-    check_for_nan_in_loss_and_grad: bool = True
-    skip_nonfinite_steps: bool = False
-    """Skip the optimizer step of an iteration whose loss or grad norm is not finite (instead of
-    stopping); the run still stops after --max-nonfinite-steps such iterations in a row."""
-    max_nonfinite_steps: int = 10
-    loss_scale: Optional[float] = None
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    num_workers: int = 0
-    """DataLoader worker processes (the data flag --num-workers)."""
-    data_parallel_size: int = 1
-
-    @property
-    def num_microbatches(self) -> int:
-        """Micro-batches per data-parallel rank per iteration (gradient accumulation steps)."""
-        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
-
-
-@dataclass
-class OptimizerConfig:
-    """AdamW and Megatron's learning-rate / weight-decay schedule (in samples)."""
-
-    optimizer: str = "adam"
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"
-    lr_warmup_init: float = 0.0
-    lr_wsd_decay_style: str = "exponential"
-    weight_decay: float = 0.01
-    start_weight_decay: Optional[float] = None
-    end_weight_decay: Optional[float] = None
-    weight_decay_incr_style: str = "constant"
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    override_opt_param_scheduler: bool = False
-    use_checkpoint_opt_param_scheduler: bool = False
-    # Derived, in samples (Megatron-LM steps its scheduler by the global batch size).
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 1
-    lr_wsd_decay_steps: Optional[int] = None
-    wd_incr_steps: int = 1
-
-
-@dataclass
-class CheckpointConfig:
-    """torch.distributed.checkpoint directories `<save>/iter_0000100/` + the latest marker."""
-
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    ckpt_keep_last: Optional[int] = None
-    """Delete all but the newest N checkpoints after each successful save (None: keep all)."""
-    ckpt_step: Optional[int] = None
-    """Load this iteration instead of the latest."""
-    no_save_optim: bool = False
-    no_save_rng: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    exit_on_missing_checkpoint: bool = False
-
-
-@dataclass
-class LoggingConfig:
-    """What the loop logs, where, and how often (Megatron-LM's logging flags)."""
-
-    log_interval: int = 100
-    tensorboard_dir: Optional[str] = None
-    tensorboard_log_interval: int = 1
-    tensorboard_queue_size: int = 1000
-    log_throughput: bool = False
-    log_validation_ppl_to_tensorboard: bool = False
-    log_timers_to_tensorboard: bool = False
-    timing_log_level: int = 0
-    peak_tflops: Optional[float] = None
-    """Per-GPU peak TFLOP/s for MFU (default: looked up from the GPU name)."""
-    log_jsonl: Optional[str] = None
-    """Append one JSON record per iteration (full-precision loss, grad norm, lr) to this file."""
-    loss_curve: bool = True
-    """Write loss_curve.png beside the TensorBoard events (or the checkpoints) at the end."""
-
-
-@dataclass
-class TrainingConfig:
-    """Every training setting, one dataclass per concern."""
-
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
-    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LoggingConfig = field(default_factory=LoggingConfig)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TrainingConfig":
-        """Fill from a namespace that went through `validate_args`."""
-        return cls(
-            parallel=_fill(ParallelConfig, args),
-            batch=_fill(BatchConfig, args),
-            optim=_fill(OptimizerConfig, args),
-            ckpt=_fill(CheckpointConfig, args),
-            log=_fill(LoggingConfig, args),
-        )
+    Every field is taken from the flag of the same name; `ckpt.args_json` is the whole command
+    line as args.json records it.
+    """
+    return TrainingConfig(
+        batch=_fill(BatchConfig, args),
+        parallel=_fill(ParallelConfig, args),
+        precision=_fill(PrecisionConfig, args),
+        exit=_fill(ExitConfig, args),
+        eval=_fill(EvalConfig, args),
+        optim=_fill(OptimizerConfig, args),
+        ckpt=_fill(CheckpointConfig, args, args_json=args_to_json(args)),
+        log=_fill(LoggingConfig, args),
+        features=_fill(FeatureConfig, args),
+        engine=_fill(EngineConfig, args),
+        seed=args.seed,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,19 +455,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.exit_signal_handler and not args.save:
         logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")
 
-    # Precision.
-    if args.bf16 and args.fp16:
-        raise ArgumentError("--bf16 and --fp16 are exclusive; pick one")
-    if args.fp8_format is not None:
-        if not cuda:
-            raise ArgumentError(
-                "--fp8-format needs a CUDA GPU with Transformer Engine; FP8 is not available on "
-                "CPU (drop the flag, --bf16 works on CPU)"
-            )
-        if args.transformer_impl != "transformer_engine":
-            raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine")
-        if not (args.bf16 or args.fp16):
-            raise ArgumentError("--fp8-format needs --bf16 (FP8 hybrid runs other ops in BF16)")
+    # Precision (--bf16 with --fp16, and --fp8-format without Transformer Engine, are refused by
+    # ModelConfig, which also holds these flags).
+    if args.fp8_format is not None and not (args.bf16 or args.fp16):
+        raise ArgumentError("--fp8-format needs --bf16 (FP8 hybrid runs other ops in BF16)")
     if args.transformer_impl == "transformer_engine" and not cuda:
         raise ArgumentError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
     from megatron_ext.training.gpu_arguments import validate_gpu_args

@@ -51,9 +51,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from megatron.core import parallel_state
 
 from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
+from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.checkpoint_io import (
     CHECKPOINT_IO_ERRORS,
     agree_on_failure,
@@ -128,39 +128,27 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _coords() -> dict[str, int]:
-    return dict(
-        pp=parallel_state.get_pipeline_model_parallel_rank(),
-        tp=parallel_state.get_tensor_model_parallel_rank(),
-        cp=parallel_state.get_context_parallel_rank(),
-        dp=parallel_state.get_data_parallel_rank(),
-    )
-
-
-def _layout() -> dict[str, int]:
-    return dict(
-        tp=parallel_state.get_tensor_model_parallel_world_size(),
-        pp=parallel_state.get_pipeline_model_parallel_world_size(),
-        cp=parallel_state.get_context_parallel_world_size(),
-        dp=parallel_state.get_data_parallel_world_size(),
-    )
+def _rng_file(path: str, pg: ProcessGroups) -> str:
+    return os.path.join(path, "rng", "pp{pp}_tp{tp}_cp{cp}_dp{dp}.pt".format(**pg.coords()))
 
 
 _MESHES: dict[tuple, Any] = {}
 
 
-def _tp_mesh(device: torch.device):
+def _tp_mesh(device: torch.device, group: dist.ProcessGroup):
     from torch.distributed.device_mesh import DeviceMesh
 
-    group = parallel_state.get_tensor_model_parallel_group()
     key = (id(group), device.type)
     if key not in _MESHES:
         _MESHES[key] = DeviceMesh.from_group(group, device_type=device.type)
     return _MESHES[key]
 
 
-def _layout_view(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The layout-free view of a parameter-shaped tensor (a DTensor when TP-sharded)."""
+def _layout_view(
+    tensor: torch.Tensor, param: torch.Tensor, tp_group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The layout-free view of a parameter-shaped tensor (a DTensor over `tp_group` when
+    TP-sharded)."""
     layout = tp_layout(param)
     if layout is None:
         return tensor
@@ -171,7 +159,7 @@ def _layout_view(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         shape = list(tensor.shape)
         local = tensor.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1 :])
         shard_dim = dim + 1
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_size = dist.get_world_size(tp_group)
     if tp_size == 1:
         return local
     from torch.distributed.tensor import DTensor, Shard
@@ -181,7 +169,7 @@ def _layout_view(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     contiguous = torch.empty(global_shape, device="meta").stride()
     return DTensor.from_local(
         local,
-        _tp_mesh(tensor.device),
+        _tp_mesh(tensor.device, tp_group),
         [Shard(shard_dim)],
         run_check=False,
         shape=torch.Size(global_shape),
@@ -273,12 +261,13 @@ def save_checkpoint(
     scheduler=None,
     loss_scaler=None,
     *,
+    pg: ProcessGroups,
     args_json: Optional[dict] = None,
     save_rng: bool = True,
     keep_last: Optional[int] = None,
     async_save: bool = False,
 ):
-    """Save (collectively, every rank) and return the checkpoint directory.
+    """Save (collectively, every rank of the layout `pg`) and return the checkpoint directory.
 
     With `async_save` (--async-save) the tensors are staged to CPU memory and written by a
     background thread; the returned `PendingSave` finishes the checkpoint (rank files,
@@ -310,7 +299,7 @@ def save_checkpoint(
     keys: dict[int, str] = {}
     for _, key, param, tied in _named_params(model):
         if not tied:
-            tensors[f"model.{key}"] = _layout_view(param.detach(), param)
+            tensors[f"model.{key}"] = _layout_view(param.detach(), param, pg.tp)
             keys[id(param)] = key
     if optimizer is not None:
         for param, adam in optimizer.owned_state().items():
@@ -318,18 +307,18 @@ def save_checkpoint(
             if key is None:
                 continue  # the tied copy: its state equals the first stage's
             for name in ("exp_avg", "exp_avg_sq"):
-                tensors[f"optim.{key}.{name}"] = _layout_view(adam[name], param)
+                tensors[f"optim.{key}.{name}"] = _layout_view(adam[name], param, pg.tp)
             tensors[f"optim.{key}.step"] = torch.as_tensor(adam["step"]).detach().float().cpu()
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
     needed = sum(t.numel() * t.element_size() for t in local)
     # Everything the checkpoint holds is captured now; `finish` only writes it.
-    rng = _rng_state() if save_rng else None
+    rng = (_rng_file(tmp, pg), _rng_state()) if save_rng else None
     common = {
         "format_version": FORMAT_VERSION,
         "train_state": dataclasses.asdict(state),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
-        "layout": _layout(),
+        "layout": pg.layout(),
         "has_optimizer": optimizer is not None,
         "has_rng": save_rng,
         "torch_version": torch.__version__,
@@ -402,11 +391,9 @@ def _finish_save(
 
 
 def _write_rank_files(tmp, rng, common, args_json) -> None:
-    """This rank's RNG file and, on rank 0, common.json and args.json."""
+    """This rank's RNG file (`rng` = (path, states)) and, on rank 0, common.json and args.json."""
     if rng is not None:
-        coords = _coords()
-        name = "pp{pp}_tp{tp}_cp{cp}_dp{dp}.pt".format(**coords)
-        torch.save(rng, os.path.join(tmp, "rng", name))
+        torch.save(rng[1], rng[0])
     if _rank0():
         with open(os.path.join(tmp, "common.json"), "w") as handle:
             json.dump(common, handle, indent=1)
@@ -515,13 +502,15 @@ def load_checkpoint(
     scheduler=None,
     loss_scaler=None,
     *,
+    pg: ProcessGroups,
     iteration: Optional[int] = None,
     load_optim: bool = True,
     load_rng: bool = True,
     finetune: bool = False,
     strict_missing: bool = False,
 ) -> Optional[TrainState]:
-    """Load the latest (or `iteration`) checkpoint of `root` into this rank's shards.
+    """Load the latest (or `iteration`) checkpoint of `root` into this rank's shards (of the
+    layout `pg`).
 
     Returns:
         the restored TrainState (zeroed with `finetune`), or None when `root` has no checkpoint
@@ -565,7 +554,7 @@ def load_checkpoint(
 
     target: dict[str, Any] = {}
     for _, key, param, _tied in _named_params(model):
-        view = _layout_view(param.data, param)
+        view = _layout_view(param.data, param, pg.tp)
         _check_shape(metadata, f"model.{key}", view, path)
         target[f"model.{key}"] = view
     pending = []
@@ -583,7 +572,7 @@ def load_checkpoint(
                 "step": torch.zeros((), dtype=torch.float32),
             }
             for name in ("exp_avg", "exp_avg_sq"):
-                target[f"optim.{key}.{name}"] = _layout_view(adam[name], param)
+                target[f"optim.{key}.{name}"] = _layout_view(adam[name], param, pg.tp)
             target[f"optim.{key}.step"] = adam["step"]
             pending.append((param, adam))
     with _unreadable_as_checkpoint_error(root, path, iteration):
@@ -608,7 +597,7 @@ def load_checkpoint(
         loss_scaler.load_state_dict(common["loss_scaler"])
     if load_rng:
         with _unreadable_as_checkpoint_error(root, path, iteration):
-            _load_rng(path, common)
+            _load_rng(path, common, pg)
     state = TrainState(**common["train_state"])
     logger.info(
         "loaded checkpoint %s (iteration %d, %d consumed samples; saved at %s)",
@@ -638,16 +627,16 @@ def _unreadable_as_checkpoint_error(root: str, path: str, iteration: int):
         ) from None
 
 
-def _load_rng(path: str, common: dict) -> None:
+def _load_rng(path: str, common: dict, pg: ProcessGroups) -> None:
     saved_layout = common.get("layout")
-    file = os.path.join(path, "rng", "pp{pp}_tp{tp}_cp{cp}_dp{dp}.pt".format(**_coords()))
-    if not common.get("has_rng", True) or saved_layout != _layout() or not os.path.isfile(file):
+    file = _rng_file(path, pg)
+    if not common.get("has_rng", True) or saved_layout != pg.layout() or not os.path.isfile(file):
         if _rank0():
             logger.warning(
                 "RNG states not restored (checkpoint layout %s, this run %s): dropout streams "
                 "restart from --seed",
                 saved_layout,
-                _layout(),
+                pg.layout(),
             )
         return
     _set_rng_state(torch.load(file, weights_only=False))

@@ -14,7 +14,6 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["allreduce_sequence_parallel_grads", "allreduce_tied_embedding_grads"]
@@ -30,10 +29,9 @@ def _allreduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup) ->
 
 
 def allreduce_sequence_parallel_grads(
-    modules: Iterable[torch.nn.Module], tp_group: Optional[dist.ProcessGroup] = None
+    modules: Iterable[torch.nn.Module], tp_group: dist.ProcessGroup
 ) -> None:
-    """Sum the gradients of parameters tagged `sequence_parallel` across the TP group."""
-    tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
+    """Sum the gradients of parameters tagged `sequence_parallel` across `tp_group`."""
     if dist.get_world_size(tp_group) == 1:
         return
     grads = [
@@ -45,12 +43,13 @@ def allreduce_sequence_parallel_grads(
     _allreduce_coalesced(grads, tp_group)
 
 
-def allreduce_tied_embedding_grads(modules: Iterable[torch.nn.Module]) -> None:
-    """Sum the gradient of a tied embedding held by both the first and last pipeline stage."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return
-    group = parallel_state.get_embedding_group(check_initialized=False)
-    if group is None or dist.get_rank() not in dist.get_process_group_ranks(group):
+def allreduce_tied_embedding_grads(
+    modules: Iterable[torch.nn.Module], embd_group: Optional[dist.ProcessGroup]
+) -> None:
+    """Sum the gradient of a tied embedding held by both the first and last pipeline stage
+    over `embd_group` (`ProcessGroups.embd`: None on the ranks that hold no copy)."""
+    group = embd_group
+    if group is None:
         return
     for module in modules:
         for param in module.parameters():

@@ -1,5 +1,10 @@
-"""The training loop: `pretrain(args, model_provider=..., forward_step=..., datasets_provider=...)`,
+"""The training loop: `pretrain(cfg, model_provider=..., forward_step=..., datasets_provider=...)`,
 Megatron-LM's entry contract on the portable (gloo/NCCL) machinery of this package.
+
+`pretrain` initialises the process groups (`parallel.initialize_parallel` returns them as one
+`ProcessGroups`, passed to everything that communicates) and runs three steps: `setup` (seeds,
+model, optimizer, checkpoint load), `train` (datasets, the iterations, final evaluation) and
+`close` (logs, profiler, process groups), which runs whatever happened.
 
 One iteration: forward/backward over the micro-batches (`schedules.forward_backward`, 1F1B under
 pipeline parallelism) -> Megatron's gradient reductions (sequence-parallel norms, tied
@@ -12,7 +17,6 @@ saves before leaving.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -26,23 +30,27 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
-from megatron_ext.parallel import destroy_parallel, initialize_parallel, set_random_seed
-from megatron_ext.training.arguments import TrainingConfig, args_to_json
+from megatron_ext.parallel import (
+    ProcessGroups,
+    destroy_parallel,
+    initialize_parallel,
+    set_random_seed,
+)
 from megatron_ext.training.checkpointing import (
     TrainState,
     load_checkpoint,
     read_latest_iteration,
     save_checkpoint,
 )
+from megatron_ext.training.config import TrainingConfig
 from megatron_ext.training.data import build_data_loader
 from megatron_ext.training.finalize_grads import (
     allreduce_sequence_parallel_grads,
     allreduce_tied_embedding_grads,
 )
 from megatron_ext.training.initialization import initialize_like_single_stage
-from megatron_ext.training.megatron_features import FeatureConfig, RunExtras
+from megatron_ext.training.megatron_features import RunExtras
 from megatron_ext.training.metrics import (
     Reporter,
     flops_per_iteration,
@@ -62,7 +70,7 @@ from megatron_ext.training.schedules import ForwardStep, PipelineShape, forward_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pretrain", "NonFiniteError"]
+__all__ = ["pretrain", "setup", "train", "close", "NonFiniteError"]
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
 DatasetsProvider = Callable[[Sequence[int]], tuple]
@@ -96,39 +104,39 @@ class _StepResult:
 
 
 class _Trainer:
-    """State and collaborators of one run (built by `pretrain`)."""
+    """State and collaborators of one run (built by `setup`)."""
 
-    def __init__(self, cfg: TrainingConfig, args: argparse.Namespace, model, forward_step):
-        self.cfg, self.args, self.model, self.forward_step = cfg, args, model, forward_step
-        b = cfg.batch
-        self.features = FeatureConfig.from_args(args)
+    def __init__(self, cfg: TrainingConfig, model, forward_step, pg: ProcessGroups):
+        self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
+        b, prec = cfg.batch, cfg.precision
+        self.features = cfg.features
         f = self.features
         self.optimizer = build_optimizer(
             model,
             cfg.optim,
-            cfg.parallel.use_distributed_optimizer,
+            pg.dp_cp if cfg.parallel.use_distributed_optimizer else None,
             decoupled=(f.decoupled_lr, f.decoupled_min_lr) if f.decoupled_lr else None,
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = (
             LossScaler(
-                b.loss_scale,
-                b.initial_loss_scale,
-                b.min_loss_scale,
-                b.loss_scale_window,
-                b.hysteresis,
+                prec.loss_scale,
+                prec.initial_loss_scale,
+                prec.min_loss_scale,
+                prec.loss_scale_window,
+                prec.hysteresis,
             )
-            if b.fp16
+            if prec.fp16
             else None
         )
-        self.autocast = autocast_factory(b)
+        self.autocast = autocast_factory(prec)
         device = next(model.parameters()).device
         tp = cfg.parallel.tensor_model_parallel_size
         seq = b.seq_length // cfg.parallel.context_parallel_size
         if cfg.parallel.sequence_parallel:
             seq //= tp
         self.shape = PipelineShape(
-            (seq, b.micro_batch_size, model.config.hidden_size), pipeline_dtype(b), device
+            (seq, b.micro_batch_size, model.config.hidden_size), pipeline_dtype(prec), device
         )
         self.state = TrainState()
         self.is_rank0 = dist.get_rank() == 0
@@ -147,12 +155,12 @@ class _Trainer:
         )
         self.peak = peak_tflops(cfg.log.peak_tflops)
         self.start_time = time.time()
-        self.signal = _SignalHandler() if b.exit_signal_handler else None
+        self.signal = _SignalHandler() if cfg.exit.exit_signal_handler else None
         self.consecutive_nonfinite = 0
         self.last_saved: Optional[int] = None
         self.timers: dict[str, float] = {}
         self._last_mark = time.perf_counter()
-        self.extras = RunExtras(self.features, self.is_rank0, dist.get_rank())
+        self.extras = RunExtras(cfg, pg)
         self.reporter.wandb = self.extras.wandb
         self.global_batch = b.global_batch_size
         """This iteration's global batch size (below the flag's during --rampup-batch-size)."""
@@ -162,18 +170,14 @@ class _Trainer:
     def _world_stats(self, totals: dict, local_loss_ok: bool, local_grad_ok: bool) -> list:
         """[loss sum, token count, bad-loss ranks, bad-grad ranks, signal, timeout] over all
         ranks; the loss counts once per data-parallel replica (TP rank 0 of the last stage)."""
-        b = self.cfg.batch
         stats = torch.zeros(6, dtype=torch.float64)
-        counts_loss = (
-            parallel_state.is_pipeline_last_stage()
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-        )
+        counts_loss = self.pg.is_last_stage and self.pg.tp_rank == 0
         if counts_loss and "lm loss" in totals:
             stats[0:2] = totals["lm loss"].cpu()
         stats[2] = 0.0 if local_loss_ok else 1.0
         stats[3] = 0.0 if local_grad_ok else 1.0
         stats[4] = 1.0 if self.signal is not None and self.signal.received else 0.0
-        limit = b.exit_duration_in_mins
+        limit = self.cfg.exit.exit_duration_in_mins
         stats[5] = 1.0 if limit and (time.time() - self.start_time) / 60.0 > limit else 0.0
         if self.shape.device.type == "cuda":
             stats = stats.cuda()
@@ -207,26 +211,28 @@ class _Trainer:
             forward_step=self.forward_step,
             data_iterator=data_iterator,
             model=self.model,
-            num_microbatches=self.global_batch // (b.micro_batch_size * b.data_parallel_size),
+            num_microbatches=self.global_batch // (b.micro_batch_size * p.data_parallel_size),
             shape=self.shape,
+            pg=self.pg,
             loss_scale=scale,
             autocast=self.autocast,
             per_token_loss=f.calculate_per_token_loss,
         )
         self._mark("forward-backward")
         if p.sequence_parallel:
-            allreduce_sequence_parallel_grads([self.model])
-        allreduce_tied_embedding_grads([self.model])
+            allreduce_sequence_parallel_grads([self.model], self.pg.tp)
+        allreduce_tied_embedding_grads([self.model], self.pg.embd)
         grad_scale = 1.0 / scale
         if f.calculate_per_token_loss:
             grad_scale *= self._per_token_grad_scale(totals)
         grads_ok = allreduce_data_parallel_grads(
             self.optimizer.params,
+            self.pg.dp_cp,
             scale=grad_scale,
             reduce_dtype=torch.bfloat16 if f.grad_reduce_in_bf16 else None,
         )
         self._mark("grads-all-reduce")
-        grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad)
+        grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
         self._mark("grad-norm-and-clip")
         loss_ok = all(bool(torch.isfinite(v).all()) for v in totals.values())
         stats = self._world_stats(totals, loss_ok, grads_ok)
@@ -239,7 +245,7 @@ class _Trainer:
             # An FP16 overflow: halve the scale (after hysteresis) and skip the step.
             self.scaler.update(True)
             self.state.skipped_iterations += 1
-        elif b.check_for_nan_in_loss_and_grad and not (loss_finite and grad_finite):
+        elif self.cfg.exit.check_for_nan_in_loss_and_grad and not (loss_finite and grad_finite):
             self._nonfinite(iteration, loss, grad_norm, loss_ok, grads_ok, stats)
             self.state.skipped_iterations += 1
         else:
@@ -256,18 +262,14 @@ class _Trainer:
         """--calculate-per-token-loss: the loss is a sum over tokens; the gradient divides by
         the global batch's token count (the DP average then multiplies back by DP x CP)."""
         count = torch.zeros(1, dtype=torch.float64, device=self.shape.device)
-        if (
-            parallel_state.is_pipeline_last_stage()
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-            and "lm loss" in totals
-        ):
+        if self.pg.is_last_stage and self.pg.tp_rank == 0 and "lm loss" in totals:
             count[0] = totals["lm loss"][1]
         dist.all_reduce(count)
-        dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        dp_cp = self.pg.dp_cp_size
         return dp_cp / max(float(count.item()), 1.0)
 
     def _nonfinite(self, iteration, loss, grad_norm, loss_ok, grads_ok, stats) -> None:
-        b = self.cfg.batch
+        ex = self.cfg.exit
         self.state.nonfinite_iterations += 1
         self.consecutive_nonfinite += 1
         bad_loss = self._bad_ranks(not loss_ok) if stats[2] else []
@@ -280,11 +282,11 @@ class _Trainer:
         message = f"iteration {iteration}: loss {loss} / grad norm {grad_norm} is not finite" + (
             f" ({'; '.join(where)})" if where else ""
         )
-        if not b.skip_nonfinite_steps:
+        if not ex.skip_nonfinite_steps:
             raise NonFiniteError(
                 message + "; stopped without saving (--skip-nonfinite-steps skips such steps)"
             )
-        if self.consecutive_nonfinite >= b.max_nonfinite_steps:
+        if self.consecutive_nonfinite >= ex.max_nonfinite_steps:
             raise NonFiniteError(
                 message + f"; {self.consecutive_nonfinite} non-finite iterations in a row "
                 "(--max-nonfinite-steps), stopped"
@@ -297,18 +299,19 @@ class _Trainer:
     def evaluate(self, dataset, name: str = "validation") -> Optional[float]:
         """Mean loss over the first --eval-iters global batches of `dataset` (the same samples
         at every evaluation, so that validation curves compare like with like)."""
-        b = self.cfg.batch
-        if dataset is None or b.eval_iters == 0:
+        b, ev = self.cfg.batch, self.cfg.eval
+        num_microbatches = self.cfg.num_microbatches
+        if dataset is None or ev.eval_iters == 0:
             return None
         loader = build_data_loader(
             dataset,
             0,
             b.micro_batch_size,
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
+            self.pg.dp_rank,
+            self.pg.dp_size,
             b.num_workers,
         )
-        if loader is None or len(loader.batch_sampler) < b.eval_iters * b.num_microbatches:
+        if loader is None or len(loader.batch_sampler) < ev.eval_iters * num_microbatches:
             if self.is_rank0:
                 logger.warning("%s set is smaller than --eval-iters global batches", name)
             return None
@@ -317,13 +320,14 @@ class _Trainer:
         self.extras.around_eval()
         self.model.eval()
         try:
-            for _ in range(b.eval_iters):
+            for _ in range(ev.eval_iters):
                 step = forward_backward(
                     forward_step=self.forward_step,
                     data_iterator=iterator,
                     model=self.model,
-                    num_microbatches=b.num_microbatches,
+                    num_microbatches=num_microbatches,
                     shape=self.shape,
+                    pg=self.pg,
                     forward_only=True,
                     autocast=self.autocast,
                 )
@@ -364,7 +368,8 @@ class _Trainer:
             None if ck.no_save_optim else self.optimizer,
             self.scheduler,
             self.scaler,
-            args_json=args_to_json(self.args),
+            pg=self.pg,
+            args_json=ck.args_json,
             save_rng=not ck.no_save_rng,
             keep_last=ck.ckpt_keep_last,
             async_save=self.features.async_save,
@@ -394,6 +399,7 @@ class _Trainer:
             self.optimizer,
             self.scheduler,
             self.scaler,
+            pg=self.pg,
             iteration=ck.ckpt_step,
             load_optim=not ck.no_load_optim,
             load_rng=not ck.no_load_rng,
@@ -414,8 +420,8 @@ class _Trainer:
             train_ds,
             self.state.consumed_train_samples,
             b.micro_batch_size,
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
+            self.pg.dp_rank,
+            self.pg.dp_size,
             b.num_workers,
         )
         if loader is None:
@@ -423,7 +429,7 @@ class _Trainer:
         needed, consumed = 0, self.state.consumed_train_samples
         for _ in range(b.train_iters - self.state.iteration):
             gbs = self.extras.global_batch(consumed)
-            needed += gbs // (b.micro_batch_size * b.data_parallel_size)
+            needed += gbs // (b.micro_batch_size * self.cfg.parallel.data_parallel_size)
             consumed += gbs
         if len(loader.batch_sampler) < needed:
             raise RuntimeError(
@@ -462,7 +468,8 @@ class _Trainer:
                 self._log_line(interval_start, interval_iters, losses, grad_norms)
                 interval_start, interval_iters = time.time(), 0
                 losses, grad_norms = [], []
-            if b.eval_iters and valid_ds is not None and it % b.eval_interval == 0:
+            ev = self.cfg.eval
+            if ev.eval_iters and valid_ds is not None and it % ev.eval_interval == 0:
                 self.log_evaluation(self.evaluate(valid_ds), "validation")
             ck = self.cfg.ckpt
             self.poll_save()
@@ -472,7 +479,7 @@ class _Trainer:
                 reason = "signal"
             elif result.timeout:
                 reason = "exit-duration"
-            elif b.exit_interval and it % b.exit_interval == 0:
+            elif self.cfg.exit.exit_interval and it % self.cfg.exit.exit_interval == 0:
                 reason = "exit-interval"
             if reason != "finished":
                 if self.is_rank0:
@@ -569,9 +576,9 @@ class _Trainer:
             self.reporter.flush()
 
 
-def _count_parameters(model: torch.nn.Module) -> int:
+def _count_parameters(model: torch.nn.Module, pg: ProcessGroups) -> int:
     """Unique parameters of the whole model (TP shards summed, replicas and the tied copy once)."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_rank = pg.tp_rank
     total = 0
     for param in model.parameters():
         if getattr(param, "shared", False):
@@ -581,7 +588,7 @@ def _count_parameters(model: torch.nn.Module) -> int:
     count = torch.tensor([float(total)], dtype=torch.float64)
     if torch.cuda.is_available():
         count = count.cuda()
-    dist.all_reduce(count, group=parallel_state.get_model_parallel_group())
+    dist.all_reduce(count, group=pg.mp)
     return int(count.item())
 
 
@@ -628,113 +635,106 @@ def _check_save_directory(root: str, num_params: int, with_optimizer: bool) -> N
         )
 
 
-def pretrain(
-    args: argparse.Namespace,
+def setup(
+    cfg: TrainingConfig,
+    pg: ProcessGroups,
     *,
     model_provider: ModelProvider,
     forward_step: ForwardStep,
-    datasets_provider: DatasetsProvider,
     full_model_provider: Optional[Callable[[], torch.nn.Module]] = None,
-) -> str:
-    """Initialise the process groups, build, load, train, validate, save; tear down.
-
-    Args:
-        args: flags from `megatron_ext.training.arguments.parse_args` (validated).
-        model_provider: `(pre_process, post_process) -> module` of this pipeline stage.
-        forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
-        datasets_provider: `[train, valid, test] sample counts -> (train, valid, test)`.
-        full_model_provider: builds the whole model as a single pipeline stage; under pipeline
-            parallelism a fresh run copies its initial weights from it, so that PP>1 starts
-            from the same weights as PP=1 (see `initialization.py`).
+) -> _Trainer:
+    """Seed, build this stage's model, its optimizer and the rest of the run, and load --load.
 
     Returns:
-        why training stopped: "finished", "signal", "exit-duration" or "exit-interval".
-
-    Raises:
-        NonFiniteError: a NaN/inf loss or grad norm stopped the run (nothing was saved).
+        the trainer (its `state` at the loaded iteration), ready for `train`.
     """
-    cfg = TrainingConfig.from_args(args)
-    p = cfg.parallel
-    initialize_parallel(
-        p.tensor_model_parallel_size,
-        p.pipeline_model_parallel_size,
-        p.context_parallel_size,
-        backend=p.distributed_backend,
-        timeout_minutes=p.distributed_timeout_minutes,
+    p, ck = cfg.parallel, cfg.ckpt
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    set_random_seed(cfg.seed, pg.pp_rank)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        info = run_info()
+        logger.info("run: %s", ", ".join(f"{k}={v}" for k, v in info.items()))
+        logger.info(
+            "layout: world %d = TP %d x CP %d x PP %d x DP %d; backend %s",
+            dist.get_world_size(),
+            p.tensor_model_parallel_size,
+            p.context_parallel_size,
+            p.pipeline_model_parallel_size,
+            pg.dp_size,
+            dist.get_backend(),
+        )
+        for key, value in sorted(ck.args_json.items()):
+            logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
+    model = model_provider(pg.is_first_stage, pg.is_last_stage)
+    resuming = bool(ck.load) and (
+        ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
     )
-    trainer = None
-    try:
-        seed = cfg.batch.seed
-        random.seed(seed)
-        np.random.seed(seed)
-        set_random_seed(seed)
-        rank0 = dist.get_rank() == 0
-        if rank0:
-            info = run_info()
-            logger.info("run: %s", ", ".join(f"{k}={v}" for k, v in info.items()))
-            logger.info(
-                "layout: world %d = TP %d x CP %d x PP %d x DP %d; backend %s",
-                dist.get_world_size(),
-                p.tensor_model_parallel_size,
-                p.context_parallel_size,
-                p.pipeline_model_parallel_size,
-                parallel_state.get_data_parallel_world_size(),
-                dist.get_backend(),
-            )
-            for key, value in sorted(args_to_json(args).items()):
-                logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
-        model = model_provider(
-            parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-        )
-        ck = cfg.ckpt
-        resuming = bool(ck.load) and (
-            ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
-        )
-        if p.pipeline_model_parallel_size > 1 and full_model_provider and not resuming:
-            initialize_like_single_stage(model, full_model_provider, seed)
-        if torch.cuda.is_available():
-            model = model.cuda(torch.cuda.current_device())
-        num_params = _count_parameters(model)
-        trainer_class = _Trainer
-        if getattr(args, "ddp_impl", "portable") == "megatron":  # CUDA only (gpu_arguments)
-            from megatron_ext.training.megatron_engine import MegatronEngineTrainer
+    if p.pipeline_model_parallel_size > 1 and full_model_provider and not resuming:
+        initialize_like_single_stage(model, full_model_provider, cfg.seed)
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    num_params = _count_parameters(model, pg)
+    trainer_class = _Trainer
+    if cfg.engine.ddp_impl == "megatron":  # CUDA only (gpu_arguments)
+        from megatron_ext.training.megatron_engine import MegatronEngineTrainer
 
-            trainer_class = MegatronEngineTrainer
-        trainer = trainer_class(cfg, args, model, forward_step)
+        trainer_class = MegatronEngineTrainer
+    trainer = trainer_class(cfg, model, forward_step, pg)
+    if rank0:
+        logger.info("model parameters: %d (%.1fM)", num_params, num_params / 1e6)
+        trainer.reporter.text(
+            "config", "\n".join(f"    {k}: {v}" for k, v in sorted(ck.args_json.items()))
+        )
+    trainer.load()
+    if ck.save:
+        _check_save_directory(ck.save, num_params, with_optimizer=not ck.no_save_optim)
+    return trainer
+
+
+def train(trainer: _Trainer, datasets_provider: DatasetsProvider) -> str:
+    """Build the datasets, train to --train-iters (or an exit condition), then validate and
+    test; with --skip-train only evaluate.
+
+    Returns:
+        why training stopped: "finished", "signal", "exit-duration", "exit-interval" or
+        "skip-train".
+    """
+    cfg = trainer.cfg
+    b, ev = cfg.batch, cfg.eval
+    rank0 = trainer.is_rank0
+    num_samples = [
+        b.train_iters * b.global_batch_size,
+        ev.eval_iters * b.global_batch_size,
+        ev.eval_iters * b.global_batch_size,
+    ]
+    train_ds, valid_ds, test_ds = datasets_provider(num_samples)
+    if cfg.features.skip_train:  # Megatron-LM's --skip-train: evaluate and exit
         if rank0:
-            logger.info("model parameters: %d (%.1fM)", num_params, num_params / 1e6)
-            trainer.reporter.text(
-                "config", "\n".join(f"    {k}: {v}" for k, v in sorted(args_to_json(args).items()))
-            )
-        trainer.load()
-        if ck.save:
-            _check_save_directory(ck.save, num_params, with_optimizer=not ck.no_save_optim)
-        b = cfg.batch
-        num_samples = [
-            b.train_iters * b.global_batch_size,
-            b.eval_iters * b.global_batch_size,
-            b.eval_iters * b.global_batch_size,
-        ]
-        train_ds, valid_ds, test_ds = datasets_provider(num_samples)
-        if trainer.features.skip_train:  # Megatron-LM's --skip-train: evaluate and exit
-            if rank0:
-                logger.info("--skip-train: evaluating iteration %d", trainer.state.iteration)
+            logger.info("--skip-train: evaluating iteration %d", trainer.state.iteration)
+        trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
+        trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
+        return "skip-train"
+    if trainer.state.iteration >= b.train_iters:
+        if rank0:
+            logger.info("already trained %d iterations: nothing to do", trainer.state.iteration)
+        return "finished"
+    reason = trainer.train(train_ds, valid_ds)
+    trainer.wait_for_save()  # the latest marker moves once the last write completed
+    if reason == "finished" and ev.eval_iters:
+        if trainer.state.iteration % ev.eval_interval:  # not just evaluated
             trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
-            trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
-            return "skip-train"
-        if trainer.state.iteration >= b.train_iters:
-            if rank0:
-                logger.info("already trained %d iterations: nothing to do", trainer.state.iteration)
-            return "finished"
-        reason = trainer.train(train_ds, valid_ds)
-        trainer.wait_for_save()  # the latest marker moves once the last write completed
-        if reason == "finished" and b.eval_iters:
-            if trainer.state.iteration % b.eval_interval:  # not just evaluated
-                trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
-            trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
-        return reason
-    finally:
+        trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
+    return reason
+
+
+def close(trainer: Optional[_Trainer]) -> None:
+    """End the run, whatever happened: profiler, signal handler, loss curve and TensorBoard,
+    then the process groups (megatron's and torch.distributed's)."""
+    try:
         if trainer is not None:
+            cfg = trainer.cfg
             trainer.extras.close()
             if trainer.signal is not None:
                 trainer.signal.release()
@@ -744,6 +744,55 @@ def pretrain(
                     logger.info("loss curve: %s", curve)
             else:
                 trainer.reporter.close()
+    finally:
         destroy_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def pretrain(
+    cfg: TrainingConfig,
+    *,
+    model_provider: ModelProvider,
+    forward_step: ForwardStep,
+    datasets_provider: DatasetsProvider,
+    full_model_provider: Optional[Callable[[], torch.nn.Module]] = None,
+) -> str:
+    """Initialise the process groups, then `setup`, `train` and `close`.
+
+    Args:
+        cfg: the run's settings (`arguments.training_config_from_args` fills them from flags).
+        model_provider: `(pre_process, post_process) -> module` of this pipeline stage.
+        forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
+        datasets_provider: `[train, valid, test] sample counts -> (train, valid, test)`.
+        full_model_provider: builds the whole model as a single pipeline stage; under pipeline
+            parallelism a fresh run copies its initial weights from it, so that PP>1 starts
+            from the same weights as PP=1 (see `initialization.py`).
+
+    Returns:
+        why training stopped: "finished", "signal", "exit-duration", "exit-interval" or
+        "skip-train".
+
+    Raises:
+        NonFiniteError: a NaN/inf loss or grad norm stopped the run (nothing was saved).
+    """
+    p = cfg.parallel
+    pg = initialize_parallel(
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.context_parallel_size,
+        backend=p.distributed_backend,
+        timeout_minutes=p.distributed_timeout_minutes,
+    )
+    trainer = None
+    try:
+        trainer = setup(
+            cfg,
+            pg,
+            model_provider=model_provider,
+            forward_step=forward_step,
+            full_model_provider=full_model_provider,
+        )
+        return train(trainer, datasets_provider)
+    finally:
+        close(trainer)

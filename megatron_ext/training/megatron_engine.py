@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -56,7 +55,7 @@ class _OptimizerAdapter:
         self.inner.zero_grad()
 
 
-def _build(cfg, args, model):
+def _build(cfg, model):
     """(DDP-wrapped model, megatron optimizer) for one model chunk."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -67,11 +66,11 @@ def _build(cfg, args, model):
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
+        overlap_grad_reduce=cfg.engine.overlap_grad_reduce,
+        overlap_param_gather=cfg.engine.overlap_param_gather,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        bucket_size=args.ddp_bucket_size,
-        check_for_nan_in_grad=cfg.batch.check_for_nan_in_loss_and_grad,
+        bucket_size=cfg.engine.ddp_bucket_size,
+        check_for_nan_in_grad=cfg.exit.check_for_nan_in_loss_and_grad,
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     o = cfg.optim
@@ -96,13 +95,13 @@ def _build(cfg, args, model):
 class MegatronEngineTrainer(_Trainer):
     """`_Trainer` whose step, optimizer and scheduler are megatron-core's."""
 
-    def __init__(self, cfg, args, model, forward_step):
+    def __init__(self, cfg, model, forward_step, pg):
         if not torch.cuda.is_available():
             raise RuntimeError("--ddp-impl megatron needs CUDA")
         # The base class reads model attributes (vocab size, config) that the wrappers hide;
         # the portable optimizer it builds holds no state until a step and is replaced here.
-        super().__init__(cfg, args, model, forward_step)
-        ddp, optimizer = _build(cfg, args, model)
+        super().__init__(cfg, model, forward_step, pg)
+        ddp, optimizer = _build(cfg, model)
         self.model = ddp
         self.megatron_optimizer = optimizer
         self.optimizer = _OptimizerAdapter(optimizer)
@@ -111,10 +110,10 @@ class MegatronEngineTrainer(_Trainer):
         config = ddp.config
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
-        if args.overlap_grad_reduce:
+        if cfg.engine.overlap_grad_reduce:
             config.no_sync_func = ddp.no_sync
             config.grad_sync_func = ddp.start_grad_sync
-        if args.overlap_param_gather:
+        if cfg.engine.overlap_param_gather:
             config.param_sync_func = ddp.start_param_sync
         self.forward_backward_func = get_forward_backward_func()
 
@@ -129,13 +128,13 @@ class MegatronEngineTrainer(_Trainer):
             forward_step_func=self.forward_step,
             data_iterator=data_iterator,
             model=[self.model],
-            num_microbatches=b.num_microbatches,
+            num_microbatches=self.cfg.num_microbatches,
             seq_length=seq,
             micro_batch_size=b.micro_batch_size,
             forward_only=False,
         )
         totals: dict[str, torch.Tensor] = {}
-        if parallel_state.is_pipeline_last_stage():
+        if self.pg.is_last_stage:
             for report in reports:
                 for key, value in report.items():
                     value = value.double()

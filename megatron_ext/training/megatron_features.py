@@ -15,11 +15,15 @@ import importlib.util
 import logging
 import math
 import os
-from dataclasses import dataclass, field, fields
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_ext.parallel import ProcessGroups
+    from megatron_ext.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +42,6 @@ class FeatureConfig:
     """The Megatron-LM feature flags (names as the flags)."""
 
     rampup_batch_size: Optional[list] = None
-    global_batch_size: int = 1
-    micro_batch_size: int = 1
-    data_parallel_size: int = 1
-    seq_length: int = 512
     decoupled_lr: Optional[float] = None
     decoupled_min_lr: Optional[float] = None
     calculate_per_token_loss: bool = False
@@ -61,27 +61,18 @@ class FeatureConfig:
     log_memory_to_tensorboard: bool = False
     log_world_size_to_tensorboard: bool = False
     log_loss_scale_to_tensorboard: bool = True
-    tensorboard_dir: Optional[str] = None
-    save: Optional[str] = None
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
     wandb_entity: Optional[str] = None
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "FeatureConfig":
-        """The config from parsed arguments; fields that `args` lacks keep their defaults."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
-    def rampup(self) -> Optional["BatchSizeRampup"]:
-        """The --rampup-batch-size schedule, or None when the flag is not set."""
+    def rampup(self, global_batch_size: int, micro_times_dp: int) -> Optional["BatchSizeRampup"]:
+        """The --rampup-batch-size schedule up to `global_batch_size` in steps that split into
+        `micro_times_dp` (micro-batch size x data-parallel size), or None without the flag."""
         if not self.rampup_batch_size:
             return None
         start, increment, samples = self.rampup_batch_size
-        return BatchSizeRampup(
-            start, increment, samples, self.global_batch_size,
-            self.micro_batch_size * self.data_parallel_size,
-        )  # fmt: skip
+        return BatchSizeRampup(start, increment, samples, global_batch_size, micro_times_dp)
 
 
 @dataclass(frozen=True)
@@ -140,7 +131,9 @@ def validate_megatron_features(args: argparse.Namespace, error=ValueError) -> ar
     """Check the feature flags (after `validate_args`); derive what they change."""
     if args.rampup_batch_size is not None:
         try:
-            rampup = FeatureConfig.from_args(args).rampup()
+            rampup = FeatureConfig(rampup_batch_size=args.rampup_batch_size).rampup(
+                args.global_batch_size, args.micro_batch_size * args.data_parallel_size
+            )
         except ValueError as exc:
             raise error(str(exc)) from None
         if args.train_samples is not None:
@@ -213,21 +206,15 @@ def memory_stats() -> dict[str, float]:
     return out
 
 
-def _model_parallel_sum(values: list[float], device) -> list[float]:
-    from megatron.core import parallel_state
-
+def _model_parallel_sum(values: list[float], device, group) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    group = parallel_state.get_model_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
     return tensor.tolist()
 
 
-def _counted(params) -> list[torch.Tensor]:
+def _counted(params, tp_rank: int) -> list[torch.Tensor]:
     """Parameters counted once over the model-parallel group (TP shards, one tied copy)."""
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     return [
         p
         for p in params
@@ -236,40 +223,50 @@ def _counted(params) -> list[torch.Tensor]:
     ]
 
 
-def params_norm(params) -> float:
+def params_norm(params, pg: ProcessGroups) -> float:
     """L2 norm of all parameters of the model (over TP and PP; DP replicas are identical)."""
-    counted = _counted(params)
+    counted = _counted(params, pg.tp_rank)
     device = counted[0].device if counted else torch.device("cpu")
     local = sum(float(p.detach().double().square().sum()) for p in counted)
-    return math.sqrt(_model_parallel_sum([local], device)[0])
+    return math.sqrt(_model_parallel_sum([local], device, pg.mp)[0])
 
 
-def num_zeros_in_grad(params) -> int:
+def num_zeros_in_grad(params, pg: ProcessGroups) -> int:
     """Gradient entries equal to zero (after the data-parallel reduction and clipping)."""
-    counted = [p for p in _counted(params) if p.grad is not None]
+    counted = [p for p in _counted(params, pg.tp_rank) if p.grad is not None]
     device = counted[0].device if counted else torch.device("cpu")
     local = sum(int(p.grad.numel() - torch.count_nonzero(p.grad)) for p in counted)
-    return int(_model_parallel_sum([float(local)], device)[0])
+    return int(_model_parallel_sum([float(local)], device, pg.mp)[0])
 
 
 class RunExtras:
     """Per-iteration hooks of the feature flags; every rank calls them at the same points."""
 
-    def __init__(self, cfg: FeatureConfig, is_rank0: bool, rank: int) -> None:
-        self.cfg, self.is_rank0, self.rank = cfg, is_rank0, rank
-        self.rampup = cfg.rampup()
+    def __init__(self, run: TrainingConfig, pg: ProcessGroups) -> None:
+        cfg = run.features
+        self.cfg, self.pg = cfg, pg
+        self.rank = dist.get_rank()
+        self.is_rank0 = self.rank == 0
+        self.global_batch_size = run.batch.global_batch_size
+        self.rampup = cfg.rampup(
+            run.batch.global_batch_size,
+            run.batch.micro_batch_size * run.parallel.data_parallel_size,
+        )
+        # Profiler traces beside the TensorBoard events, else under --save; W&B likewise.
+        self.log_dir = run.log.tensorboard_dir
+        self.save_dir = run.ckpt.save
         self._profiler = None
         self.wandb = None
         if cfg.manual_gc:
             gc.disable()
             gc.collect()
-        if cfg.wandb_project and is_rank0:
-            self.wandb = _init_wandb(cfg)
+        if cfg.wandb_project and self.is_rank0:
+            self.wandb = _init_wandb(cfg, self.save_dir or self.log_dir)
 
     def global_batch(self, consumed_samples: int) -> int:
         """Global batch size after `consumed_samples` samples (smaller while the rampup lasts)."""
         if self.rampup is None:
-            return self.cfg.global_batch_size
+            return self.global_batch_size
         return self.rampup.global_batch(consumed_samples)
 
     def before_step(self, iteration: int) -> None:
@@ -303,16 +300,16 @@ class RunExtras:
         """Collective (every rank): the logged extras of this iteration."""
         out: dict[str, float] = {}
         if self.cfg.log_params_norm:
-            out["params-norm"] = params_norm(params)
+            out["params-norm"] = params_norm(params, self.pg)
         if self.cfg.log_num_zeros_in_grad:
-            out["num-zeros"] = float(num_zeros_in_grad(params))
+            out["num-zeros"] = float(num_zeros_in_grad(params, self.pg))
         if self.cfg.log_memory_to_tensorboard:
             out.update(memory_stats())
         return out
 
     def trace_dir(self) -> str:
         """Directory of the profiler traces: --tensorboard-dir, else <save>/profile."""
-        return self.cfg.tensorboard_dir or os.path.join(self.cfg.save, "profile")
+        return self.log_dir or os.path.join(self.save_dir, "profile")
 
     def _start_profiler(self) -> None:
         from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
@@ -346,10 +343,10 @@ class RunExtras:
             self.wandb = None
 
 
-def _init_wandb(cfg: FeatureConfig):
+def _init_wandb(cfg: FeatureConfig, run_dir: Optional[str]):
     import wandb
 
-    save_dir = cfg.wandb_save_dir or os.path.join(cfg.save or cfg.tensorboard_dir or ".", "wandb")
+    save_dir = cfg.wandb_save_dir or os.path.join(run_dir or ".", "wandb")
     os.makedirs(save_dir, exist_ok=True)
     # Offline unless the user configured otherwise: a run never needs the network to start.
     mode = os.environ.get("WANDB_MODE", "offline")

@@ -27,10 +27,10 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megatron_ext.training.arguments import OptimizerConfig
+from megatron_ext.parallel import ProcessGroups
+from megatron_ext.training.config import OptimizerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -192,15 +192,13 @@ class Optimizer:
 def build_optimizer(
     model: torch.nn.Module,
     cfg: OptimizerConfig,
-    distributed: bool,
+    zero_group: Optional[dist.ProcessGroup],
     decoupled: Optional[tuple[float, float]] = None,
 ) -> Optimizer:
-    """AdamW; ZeRO-1 over the data-parallel (x context-parallel) group when `distributed`;
+    """AdamW; ZeRO-1 over `zero_group` (the data x context-parallel group `ProcessGroups.dp_cp`
+    under --use-distributed-optimizer; None: every rank keeps all Adam states);
     `decoupled` = (--decoupled-lr, --decoupled-min-lr) for the embedding and output layer."""
-    group = None
-    if distributed:
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return Optimizer(model, cfg, zero_group=group, decoupled=decoupled)
+    return Optimizer(model, cfg, zero_group=zero_group, decoupled=decoupled)
 
 
 def build_scheduler(optimizer: Optimizer, cfg: OptimizerConfig):
@@ -239,9 +237,13 @@ def _buckets(grads: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
 
 
 def allreduce_data_parallel_grads(
-    params: list[torch.Tensor], group=None, scale: float = 1.0, reduce_dtype=None
+    params: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    scale: float = 1.0,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> bool:
-    """Average gradients over the data-parallel group (times `scale`, e.g. 1/loss-scale).
+    """Average gradients over `group`, the data-parallel (x context-parallel) group
+    (`ProcessGroups.dp_cp`), times `scale` (e.g. 1/loss-scale).
 
     Missing gradients become zeros first, so that every rank reduces (and the optimizer steps)
     the same set. Buckets are all-reduced asynchronously, a few at a time in flight.
@@ -253,7 +255,6 @@ def allreduce_data_parallel_grads(
         whether this rank's own gradients were all finite before the reduction (used to name
         the rank that produced a NaN/inf).
     """
-    group = group or parallel_state.get_data_parallel_group(with_context_parallel=True)
     size = dist.get_world_size(group)
     for param in params:
         if param.grad is None:
@@ -296,15 +297,14 @@ def _counts_for_norm(param: torch.Tensor, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group=None) -> float:
-    """Global gradient L2 norm across TP and PP (grads already identical across DP); scale
-    the gradients down to `max_norm` when it is exceeded (0 disables clipping).
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pg: ProcessGroups) -> float:
+    """Global gradient L2 norm across TP and PP (`pg.mp`; grads already identical across DP);
+    scale the gradients down to `max_norm` when it is exceeded (0 disables clipping).
 
     Returns:
         the norm before clipping (nan/inf if any gradient is not finite; nothing is scaled).
     """
-    group = group or parallel_state.get_model_parallel_group()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    group, tp_rank = pg.mp, pg.tp_rank
     grads = [p.grad for p in params if p.grad is not None and _counts_for_norm(p, tp_rank)]
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)

@@ -26,7 +26,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from megatron_ext.training.arguments import BatchConfig
+from megatron_ext.training.config import PrecisionConfig
 from megatron_ext.training.gpu_arguments import fp8_recipe_kwargs
 
 __all__ = ["autocast_factory", "pipeline_dtype"]
@@ -46,7 +46,7 @@ def _fp8_context(fmt: str, recipe_kwargs: dict) -> Callable[[], ContextManager]:
     return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # pragma: no cover
 
 
-def autocast_factory(cfg: BatchConfig) -> Callable[[], ContextManager]:
+def autocast_factory(cfg: PrecisionConfig) -> Callable[[], ContextManager]:
     """A zero-argument callable returning the forward's precision context."""
     if not (cfg.bf16 or cfg.fp16):
         return contextlib.nullcontext
@@ -66,7 +66,7 @@ def autocast_factory(cfg: BatchConfig) -> Callable[[], ContextManager]:
     return context
 
 
-def pipeline_dtype(cfg: BatchConfig) -> torch.dtype:
+def pipeline_dtype(cfg: PrecisionConfig) -> torch.dtype:
     """dtype of activations sent between pipeline stages: float32, which holds the fp32
     embeddings and the bf16/fp16 residual stream exactly (see the module docstring)."""
     return torch.float32

@@ -23,7 +23,8 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+
+from megatron_ext.parallel import ProcessGroups
 
 __all__ = ["forward_backward", "PipelineShape"]
 
@@ -52,13 +53,11 @@ def _exchange(send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tenso
 
 
 class _P2P:
-    def __init__(self, shape: Optional[PipelineShape]) -> None:
+    def __init__(self, shape: Optional[PipelineShape], pg: ProcessGroups) -> None:
         self.shape = shape
-        self.first = parallel_state.is_pipeline_first_stage()
-        self.last = parallel_state.is_pipeline_last_stage()
+        self.first, self.last = pg.is_first_stage, pg.is_last_stage
         if not (self.first and self.last):
-            self.prev = parallel_state.get_pipeline_model_parallel_prev_rank()
-            self.next = parallel_state.get_pipeline_model_parallel_next_rank()
+            self.prev, self.next = pg.pp_neighbour(-1), pg.pp_neighbour(1)
 
     def run(
         self,
@@ -96,13 +95,14 @@ def forward_backward(
     model: torch.nn.Module,
     num_microbatches: int,
     shape: Optional[PipelineShape],
+    pg: ProcessGroups,
     forward_only: bool = False,
     loss_scale: float = 1.0,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     per_token_loss: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run one iteration's micro-batches through this stage (forward, and backward unless
-    `forward_only`); gradients accumulate in `param.grad`.
+    `forward_only`); gradients accumulate in `param.grad`. `pg.pp` orders the stages.
 
     With `per_token_loss` (--calculate-per-token-loss) the losses are token sums and are not
     divided by the number of micro-batches; the caller divides the gradients by the token count.
@@ -111,9 +111,9 @@ def forward_backward(
         on the last pipeline stage, `reports` summed over micro-batches (float64); elsewhere {}.
     """
     divisor = 1 if per_token_loss else num_microbatches
-    p2p = _P2P(shape)
+    p2p = _P2P(shape, pg)
     totals: dict[str, torch.Tensor] = {}
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_size = pg.pp_size
     grad_ctx = torch.no_grad if forward_only else contextlib.nullcontext
 
     def forward(input_tensor: Optional[torch.Tensor]) -> Any:
@@ -151,7 +151,7 @@ def forward_backward(
                 backward(input_tensor, output, None)
         return totals
 
-    rank = parallel_state.get_pipeline_model_parallel_rank()
+    rank = pg.pp_rank
     warmup = min(pp_size - rank - 1, num_microbatches)
     steady = num_microbatches - warmup
     inputs: list[Optional[torch.Tensor]] = []

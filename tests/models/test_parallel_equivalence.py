@@ -49,9 +49,10 @@ def _batch():
 
 
 def _grad_norm(model) -> float:
+    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.optimizer import clip_grad_norm
 
-    return clip_grad_norm(list(model.parameters()), 0.0)
+    return clip_grad_norm(list(model.parameters()), 0.0, ProcessGroups.from_megatron())
 
 
 def _bf16_dtypes(model, inputs, position_ids) -> dict:
@@ -136,7 +137,7 @@ def _tensor_parallel_checks(path):
                     embedded_bf16 = model.embedding(input_ids=inputs, position_ids=position_ids)
             loss = model(inputs, position_ids, None, labels=labels)
             loss.mean().backward()
-            allreduce_sequence_parallel_grads([model])
+            allreduce_sequence_parallel_grads([model], ps.get_tensor_model_parallel_group())
             grads = gather_full_state_dict(model, grads=True)
             # Megatron's distributed-checkpoint view must describe the full tensors.
             sharded = model.sharded_state_dict(
@@ -170,6 +171,7 @@ def _pipeline_checks(path):
 
     from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
+    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.finalize_grads import allreduce_tied_embedding_grads
 
     refs = torch.load(path)
@@ -209,7 +211,7 @@ def _pipeline_checks(path):
                 logits = model(None, position_ids, None)
             result["logits"] = (logits - ref["logits"]).abs().max().item()
             result["loss"] = (loss.detach() - ref["loss"]).abs().max().item()
-        allreduce_tied_embedding_grads([model])
+        allreduce_tied_embedding_grads([model], ProcessGroups.from_megatron().embd)
         result["grad_norm"] = (_grad_norm(model), ref["grad_norm"])
         stages = [None, None]
         dist.all_gather_object(

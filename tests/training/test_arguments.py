@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.training.arguments import ArgumentError, TrainingConfig, parse_args
+from megatron_ext.training.arguments import (
+    ArgumentError,
+    parse_args,
+    training_config_from_args,
+)
 
 BASE = [
     "--micro-batch-size", "2", "--seq-length", "32", "--lr", "1e-3", "--train-iters", "100",
@@ -36,14 +40,18 @@ def test_megatron_flags_fill_the_configs():
         "--clip-grad", "0.5", "--bf16", "--save", "ckpt", "--save-interval", "10",
         world_size=8,
     )  # fmt: skip
-    cfg = TrainingConfig.from_args(args)
+    cfg = training_config_from_args(args)
     assert cfg.parallel.data_parallel_size == 2 and cfg.parallel.sequence_parallel
     assert cfg.parallel.use_distributed_optimizer
-    assert cfg.batch.num_microbatches == 4  # 16 / (2 x DP 2)
-    assert cfg.batch.bf16 and cfg.optim.adam_beta2 == 0.95 and cfg.optim.clip_grad == 0.5
+    assert cfg.num_microbatches == 4  # 16 / (2 x DP 2)
+    assert cfg.precision.bf16 and cfg.optim.adam_beta2 == 0.95 and cfg.optim.clip_grad == 0.5
+    assert cfg.batch.seq_length == 32 and cfg.seed == 1234 and cfg.eval.eval_iters == 100
     # Megatron steps the schedule in samples: decay over 100 iterations x 16, warmup 10%.
     assert cfg.optim.lr_decay_steps == 1600 and cfg.optim.lr_warmup_steps == 160
     assert cfg.ckpt.save == "ckpt" and cfg.ckpt.save_interval == 10
+    # args.json keeps every flag and derived value, as before the configs existed.
+    assert cfg.ckpt.args_json["lr_decay_steps"] == 1600
+    assert cfg.ckpt.args_json["seq_length"] == 32 and cfg.ckpt.args_json["bf16"] is True
 
 
 def test_defaults_follow_megatron():
@@ -65,7 +73,6 @@ def test_train_samples_derive_iterations():
     [
         (["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible by"),
         (["--train-samples", "800"], 1, "exactly one of --train-iters and --train-samples"),
-        (["--bf16", "--fp16"], 1, "--bf16 and --fp16 are exclusive"),
         (["--tensor-model-parallel-size", "3"], 4, "not divisible by tensor x pipeline"),
         (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 1, "are exclusive"),
         (["--lr-warmup-iters", "200"], 1, "warmup is not shorter than the decay"),
@@ -91,9 +98,16 @@ def test_required_flags():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
-def test_fp8_on_cpu_is_a_clear_error():
-    with pytest.raises(ArgumentError, match="FP8 is not available on CPU"):
-        _parse("--fp8-format", "hybrid", "--bf16")
+def test_precision_errors_come_from_the_model_config():
+    """The model's precision checks live in ModelConfig only (not repeated for the flags)."""
+    from megatron_ext.models import model_config_from_args
+
+    with pytest.raises(ValueError, match="FP8 is not available on CPU"):
+        model_config_from_args(_parse("--fp8-format", "hybrid", "--bf16"), 128)
+    with pytest.raises(ValueError, match="--bf16 and --fp16 are exclusive"):
+        model_config_from_args(_parse("--bf16", "--fp16"), 128)
+    with pytest.raises(ArgumentError, match="--fp8-format needs --bf16"):
+        _parse("--fp8-format", "hybrid")
 
 
 def test_entry_point_prints_one_error_line():

@@ -79,16 +79,18 @@ def _failing_writes(failing_rank: int, error: str):
 
 
 def _save_and_load_failures(root: str) -> dict:
+    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training import checkpointing as ck
     from megatron_ext.training.checkpoint_io import check_save_directory
 
+    pg = ProcessGroups.from_megatron()
     model = _tiny_model()
-    ck.save_checkpoint(root, ck.TrainState(iteration=1), model)
+    ck.save_checkpoint(root, ck.TrainState(iteration=1), model, pg=pg)
     errors = {}
     for failing_rank, kind in ((1, "ENOSPC"), (0, "EACCES")):
         with _failing_writes(failing_rank, kind):
             with pytest.raises(ck.CheckpointSaveError) as caught:
-                ck.save_checkpoint(root, ck.TrainState(iteration=2), model)
+                ck.save_checkpoint(root, ck.TrainState(iteration=2), model, pg=pg)
         torch.distributed.barrier()
         errors[kind] = str(caught.value)
         assert not os.path.exists(ck.checkpoint_dir(root, 2) + ".tmp"), kind
@@ -96,8 +98,8 @@ def _save_and_load_failures(root: str) -> dict:
         assert ck.read_latest_iteration(root) == 1, kind
 
     # The run could go on: the next save works and is loadable.
-    ck.save_checkpoint(root, ck.TrainState(iteration=2), model)
-    assert ck.load_checkpoint(root, model).iteration == 2
+    ck.save_checkpoint(root, ck.TrainState(iteration=2), model, pg=pg)
+    assert ck.load_checkpoint(root, model, pg=pg).iteration == 2
     torch.distributed.barrier()
 
     # A truncated shard of iteration 2.
@@ -108,7 +110,7 @@ def _save_and_load_failures(root: str) -> dict:
             handle.truncate(os.path.getsize(os.path.join(path, shard)) // 2)
     torch.distributed.barrier()
     with pytest.raises(ck.CheckpointError) as caught:
-        ck.load_checkpoint(root, model)
+        ck.load_checkpoint(root, model, pg=pg)
     errors["shard"] = str(caught.value)
     torch.distributed.barrier()
     # A truncated .metadata.
@@ -117,9 +119,9 @@ def _save_and_load_failures(root: str) -> dict:
             handle.truncate(10)
     torch.distributed.barrier()
     with pytest.raises(ck.CheckpointError) as caught:
-        ck.load_checkpoint(root, model)
+        ck.load_checkpoint(root, model, pg=pg)
     errors["metadata"] = str(caught.value)
-    assert ck.load_checkpoint(root, model, iteration=1).iteration == 1  # the hint works
+    assert ck.load_checkpoint(root, model, pg=pg, iteration=1).iteration == 1  # the hint works
 
     # --save checks: a path below a regular file; too little space for one checkpoint.
     blocker = os.path.join(root, "a_file")

@@ -36,10 +36,12 @@ def _tiny_model(arm: str = "untied"):
 def _killed_and_nonfinite_saves(root: str) -> bool:
     import torch.distributed.checkpoint as dcp
 
+    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training import checkpointing as ck
 
+    pg = ProcessGroups.from_megatron()
     model = _tiny_model()
-    ck.save_checkpoint(root, ck.TrainState(iteration=1, consumed_train_samples=8), model)
+    ck.save_checkpoint(root, ck.TrainState(iteration=1, consumed_train_samples=8), model, pg=pg)
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for param in model.parameters():
@@ -52,7 +54,7 @@ def _killed_and_nonfinite_saves(root: str) -> bool:
     real = ck.dcp
     ck.dcp = types.SimpleNamespace(save=dying_save, load=real.load)
     try:
-        ck.save_checkpoint(root, ck.TrainState(iteration=2), model)
+        ck.save_checkpoint(root, ck.TrainState(iteration=2), model, pg=pg)
         raise AssertionError("the save should have died")
     except _Killed:
         pass
@@ -62,7 +64,7 @@ def _killed_and_nonfinite_saves(root: str) -> bool:
     assert not os.path.exists(ck.checkpoint_dir(root, 2))
     assert os.path.isdir(ck.checkpoint_dir(root, 2) + ".tmp")  # the debris of the dead save
 
-    state = ck.load_checkpoint(root, model)
+    state = ck.load_checkpoint(root, model, pg=pg)
     assert state.iteration == 1 and state.consumed_train_samples == 8
     for name, param in model.named_parameters():
         assert torch.equal(param, saved[name]), name
@@ -72,25 +74,25 @@ def _killed_and_nonfinite_saves(root: str) -> bool:
         with torch.no_grad():
             next(model.parameters())[0, 0] = float("nan")
     try:
-        ck.save_checkpoint(root, ck.TrainState(iteration=3), model)
+        ck.save_checkpoint(root, ck.TrainState(iteration=3), model, pg=pg)
         raise AssertionError("a non-finite model was saved")
     except ck.NonFiniteStateError:
         pass
     assert ck.read_latest_iteration(root) == 1
 
     # The next good save replaces the debris and moves the marker.
-    ck.load_checkpoint(root, model)
-    ck.save_checkpoint(root, ck.TrainState(iteration=2), model, keep_last=1)
+    ck.load_checkpoint(root, model, pg=pg)
+    ck.save_checkpoint(root, ck.TrainState(iteration=2), model, pg=pg, keep_last=1)
     torch.distributed.barrier()
     assert ck.read_latest_iteration(root) == 2
     assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
     # A checkpoint of another embedding arm is refused, naming both arms.
     ck.save_checkpoint(
-        root, ck.TrainState(iteration=4), model, args_json={"embedding_type": "untied"}
+        root, ck.TrainState(iteration=4), model, pg=pg, args_json={"embedding_type": "untied"}
     )
     try:
-        ck.load_checkpoint(root, _tiny_model("lev"))
+        ck.load_checkpoint(root, _tiny_model("lev"), pg=pg)
         raise AssertionError("an untied checkpoint loaded into a lev model")
     except ck.CheckpointError as error:
         assert "--embedding-type untied" in str(error) and "--embedding-type lev" in str(error)

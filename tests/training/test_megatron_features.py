@@ -104,6 +104,7 @@ def _loss_and_grads(model, tokens):
 def _check_bf16_reduce():
     import torch.distributed as dist
 
+    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.optimizer import allreduce_data_parallel_grads
 
     rank = dist.get_rank()
@@ -117,7 +118,8 @@ def _check_bf16_reduce():
         table.copy_(torch.stack(gathered).double())
     for param, grad in zip(params, local):
         param.grad = grad.clone()
-    allreduce_data_parallel_grads(params, reduce_dtype=torch.bfloat16)
+    group = ProcessGroups.from_megatron().dp_cp
+    allreduce_data_parallel_grads(params, group, reduce_dtype=torch.bfloat16)
     for param, table in zip(params, everyone):
         halves = (table / 2).to(torch.bfloat16).double()  # what each rank puts on the wire
         expected = halves.sum(0)
@@ -131,6 +133,7 @@ def _check_bf16_reduce():
 
 def _check_decoupled_lr_and_norms():
     from megatron_ext.models import build_model
+    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.arguments import OptimizerConfig
     from megatron_ext.training.megatron_features import num_zeros_in_grad, params_norm
     from megatron_ext.training.optimizer import build_optimizer, build_scheduler
@@ -141,7 +144,7 @@ def _check_decoupled_lr_and_norms():
         lr=1.5e-4, min_lr=1e-5, lr_decay_style="cosine", lr_warmup_steps=40, lr_decay_steps=400,
         start_weight_decay=0.1, end_weight_decay=0.1, wd_incr_steps=400,
     )  # fmt: skip
-    optimizer = build_optimizer(model, cfg, distributed=False, decoupled=(5e-4, 4.5e-5))
+    optimizer = build_optimizer(model, cfg, zero_group=None, decoupled=(5e-4, 4.5e-5))
     names = {id(p): n for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         decoupled = group["name"].startswith("decoupled")
@@ -166,12 +169,13 @@ def _check_decoupled_lr_and_norms():
     assert math.isclose(lrs()["decoupled_decay"], 4.5e-5) and math.isclose(lrs()["decay"], 1e-5)
 
     params = list(model.parameters())
+    pg = ProcessGroups.from_megatron()
     reference = math.sqrt(sum(float(p.detach().double().square().sum()) for p in params))
-    assert math.isclose(params_norm(params), reference, rel_tol=1e-12)
+    assert math.isclose(params_norm(params, pg), reference, rel_tol=1e-12)
     for i, p in enumerate(params):
         p.grad = torch.ones_like(p)
         p.grad.view(-1)[: i + 1] = 0.0
-    assert num_zeros_in_grad(params) == sum(min(i + 1, p.numel()) for i, p in enumerate(params))
+    assert num_zeros_in_grad(params, pg) == sum(min(i + 1, p.numel()) for i, p in enumerate(params))
 
 
 def _check_recompute_on_cpu():

@@ -1,0 +1,135 @@
+"""`pretrain(cfg)` driven by a `TrainingConfig` built in code, without any flags: `setup`,
+`train` and `close` in one single-rank gloo process (the flag path is covered end to end by
+test_end_to_end.py); `close` tears the process groups down even when setup fails."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_ext.testing.distributed import find_free_port
+
+SEQ, VOCAB = 16, 128
+
+
+class _Samples(torch.utils.data.Dataset):
+    """Deterministic random token sequences in the GPT dataset's sample format."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict:
+        tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(index))
+        return dict(
+            tokens=tokens[:-1],
+            labels=tokens[1:],
+            loss_mask=torch.ones(SEQ),
+            position_ids=torch.arange(SEQ),
+        )
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(losses):
+        total = losses.float().sum()
+        count = batch["loss_mask"].sum()
+        return total / count, {"lm loss": torch.stack([total.detach(), count])}
+
+    return output, loss_func
+
+
+def _model_provider(pre_process: bool, post_process: bool):
+    from megatron_ext.models import ModelConfig, build_model
+
+    config = ModelConfig(
+        vocab_size=VOCAB, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ
+    )
+    return build_model(config, pre_process=pre_process, post_process=post_process)
+
+
+@pytest.fixture
+def single_rank(monkeypatch):
+    """torchrun's environment for a one-rank world on a free port."""
+    port = str(find_free_port())
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_PORT=port).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+
+
+def _config(tmp_path):
+    from megatron_ext.training.config import (
+        BatchConfig,
+        CheckpointConfig,
+        EvalConfig,
+        LoggingConfig,
+        OptimizerConfig,
+        TrainingConfig,
+    )
+
+    return TrainingConfig(
+        batch=BatchConfig(seq_length=SEQ, micro_batch_size=2, global_batch_size=4, train_iters=3),
+        optim=OptimizerConfig(
+            lr=1e-3, lr_decay_steps=12, start_weight_decay=0.01, end_weight_decay=0.01
+        ),
+        eval=EvalConfig(eval_interval=2, eval_iters=1),
+        ckpt=CheckpointConfig(
+            save=str(tmp_path / "ckpt"), save_interval=3, args_json={"note": "from code"}
+        ),
+        log=LoggingConfig(log_interval=1, log_jsonl=str(tmp_path / "log.jsonl"), loss_curve=False),
+    )
+
+
+def test_pretrain_from_a_config_built_in_code(tmp_path, single_rank):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_ext.training import pretrain
+    from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
+
+    cfg = _config(tmp_path)
+    reason = pretrain(
+        cfg,
+        model_provider=_model_provider,
+        forward_step=_forward_step,
+        datasets_provider=lambda counts: tuple(_Samples(n) for n in counts),
+    )
+    assert reason == "finished"
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert [r["consumed_samples"] for r in records] == [4, 8, 12]
+    assert all(math.isfinite(r["loss"]) and r["stepped"] for r in records)
+    # Random tokens: the first loss is near ln(V) for an untrained model.
+    assert abs(records[0]["loss"] - math.log(VOCAB)) < 1.0
+    root = cfg.ckpt.save
+    assert read_latest_iteration(root) == 3
+    with open(f"{checkpoint_dir(root, 3)}/args.json") as handle:
+        assert json.load(handle) == {"note": "from code"}
+    # close() ran: no process group is left behind.
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+
+
+def test_close_runs_when_setup_fails(tmp_path, single_rank):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_ext.training import pretrain
+
+    def broken_provider(pre_process, post_process):
+        raise RuntimeError("no model today")
+
+    with pytest.raises(RuntimeError, match="no model today"):
+        pretrain(
+            _config(tmp_path),
+            model_provider=broken_provider,
+            forward_step=_forward_step,
+            datasets_provider=lambda counts: (None, None, None),
+        )
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
