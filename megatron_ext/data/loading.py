@@ -22,7 +22,7 @@ import logging
 import os
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -62,15 +62,14 @@ class DataConfig:
     data_cache_path: Optional[str] = None
     """Directory for Megatron-Core's cached sample indices (None: beside the data)."""
     mock_data: bool = False
-    seq_length: int = 512
+    seq_length: int = field(kw_only=True)
+    """Tokens per sample (--seq-length; no default here: the run's one value is passed in)."""
     seed: int = 1234
     tokenizer_type: Optional[str] = None
     tokenizer_model: Optional[str] = None
     vocab_size: Optional[int] = None
     """NullTokenizer only (Megatron's --vocab-size)."""
     tiktoken_pattern: str = "o200k"
-    num_workers: int = 2
-    """DataLoader worker processes."""
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False

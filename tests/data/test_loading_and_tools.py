@@ -96,16 +96,20 @@ def test_single_and_per_split_paths(datasets, sp_model):
 def test_clear_errors(datasets, sp_model, tiktoken_file):
     tok = build_tokenizer("SentencePieceTokenizer", sp_model)
     with pytest.raises(DataError, match="no training data"):
-        DataConfig()
+        DataConfig(seq_length=16)
     with pytest.raises(DataError, match="dataset not found"):
-        build_train_valid_test_datasets(DataConfig(data_path=["/nope/x"]), tok, [1, 1, 1])
+        build_train_valid_test_datasets(
+            DataConfig(data_path=["/nope/x"], seq_length=16), tok, [1, 1, 1]
+        )
     with pytest.raises(DataError, match="split of .* is empty"):
         build_train_valid_test_datasets(
-            DataConfig(data_path=[datasets["val"]], split="999,1,0"), tok, [1, 1, 0]
+            DataConfig(data_path=[datasets["val"]], split="999,1,0", seq_length=16), tok, [1, 1, 0]
         )
     other = build_tokenizer("TikTokenizer", tiktoken_file)
     with pytest.raises(VocabSizeMismatchError, match="preprocessed with a vocab of 600"):
-        build_train_valid_test_datasets(DataConfig(data_path=[datasets["val"]]), other, [1, 0, 0])
+        build_train_valid_test_datasets(
+            DataConfig(data_path=[datasets["val"]], seq_length=16), other, [1, 0, 0]
+        )
     with pytest.raises(VocabSizeMismatchError, match="model vocab size 500"):
         check_vocab_sizes(600, 600, 500)
     check_vocab_sizes(600, 600, 640)
