@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 _COMBINE_MODES = ("sum", "concat")
-_KERNELS = ("auto", "triton", "torch")
+_KERNELS = ("auto", "triton", "cpu", "torch")
 
 LEV_PARAMETER_GROUPS: dict[str, tuple[str, ...]] = {
     "codebooks": ("codebooks",),
@@ -134,8 +134,9 @@ class LEVConfig:
     """Ids per chunk in the fused path; 0 picks one from the sizes (about 8M spline values)."""
 
     kernel: str = "auto"
-    """Fused path implementation: "triton" (`lev.triton_kernel`), "torch" (`lev.fused`), or
-    "auto": triton for float32 CUDA tensors when triton imports, else torch."""
+    """Fused path implementation: "triton" (`lev.triton_kernel`), "cpu" (`lev.cpu_fused`, a
+    compiled C++ kernel), "torch" (`lev.fused`), or "auto": triton for float32 CUDA tensors when
+    triton imports, cpu for CPU tensors when a C++ compiler builds it, else torch."""
 
     init_output_std: Optional[float] = None
     """If set, out_proj is rescaled at init so that the std of all entries of the [V, D]
@@ -200,9 +201,10 @@ class LEVConfig:
             fail(f"chunk_size must be >= 0, got {self.chunk_size}; change --lev-chunk-size")
         if self.kernel not in _KERNELS:
             fail(f"kernel must be one of {_KERNELS}, got {self.kernel!r}; change --lev-kernel")
-        if self.kernel == "triton" and not self.fused:
+        if self.kernel in ("triton", "cpu") and not self.fused:
             fail(
-                "--lev-kernel triton is a fused path; drop --no-lev-fused or use --lev-kernel auto"
+                f"--lev-kernel {self.kernel} is a fused path; drop --no-lev-fused or use "
+                "--lev-kernel auto"
             )
         if self.init_output_std is not None and not self.init_output_std > 0:
             fail(
@@ -318,7 +320,8 @@ def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         choices=_KERNELS,
         default=defaults["kernel"],
         dest="lev_kernel",
-        help="fused LEV implementation: triton kernels, torch ops, or auto (triton on CUDA)",
+        help="fused LEV implementation: triton kernels, the C++ CPU kernel, torch ops, or "
+        "auto (triton on CUDA, cpu on CPU)",
     )
     group.add_argument(
         "--lev-weight-decay-groups",
