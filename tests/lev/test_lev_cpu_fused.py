@@ -14,6 +14,7 @@ from megatron_ext.lev import cpu_fused
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
 from megatron_ext.lev.kernel_select import select_fused_kernel
+from megatron_ext.testing.memory import saved_tensor_bytes
 
 if cpu_fused.cpu_kernel_error() is not None:  # pragma: no cover - needs a machine without g++
     pytest.skip(f"CPU kernel unavailable: {cpu_fused.cpu_kernel_error()}", allow_module_level=True)
@@ -176,6 +177,17 @@ def test_threads_give_the_same_result():
     # Each output and each parameter-gradient row is computed by one thread: bitwise equal.
     assert torch.equal(one, many)
     assert all(torch.equal(a, b) for a, b in zip(one_grads, many_grads))
+
+
+def test_saves_only_the_seeds_and_the_modes():
+    inputs = [x.detach().requires_grad_() for x in _inputs(torch.float32, n=50, d=16, r=8)]
+    z, params = inputs[0], inputs[1:]
+    size, out = saved_tensor_bytes(
+        lambda: cpu_fused.cpu_lev_modes(z.clone(), *params, _opts(6)), exclude=[z, *params]
+    )
+    out.sum().backward()
+    # z [n, d_in] (the clone) and M [n, h, r]; no [n, d, r] or [n, d, kappa] tensor.
+    assert size == 4 * 50 * (5 + 3 * 8)
 
 
 def test_autocast_keeps_float32():
