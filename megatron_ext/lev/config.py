@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 _COMBINE_MODES = ("sum", "concat")
-_KERNELS = ("auto", "triton", "torch")
+_KERNELS = ("auto", "triton", "cpu", "torch")
 
 LEV_PARAMETER_GROUPS: dict[str, tuple[str, ...]] = {
     "codebooks": ("codebooks",),
@@ -157,11 +157,13 @@ class LEVConfig:
     kernel: str = _flag(
         "auto",
         "--lev-kernel",
-        "fused LEV implementation: triton kernels, torch ops, or auto (triton on CUDA)",
+        "fused LEV implementation: triton kernels, the C++ CPU kernel, torch ops, or auto "
+        "(triton on CUDA, cpu on CPU)",
         choices=_KERNELS,
     )
-    """Fused path implementation: "triton" (`lev.triton_kernel`), "torch" (`lev.fused`), or
-    "auto": triton for float32 CUDA tensors when triton imports, else torch."""
+    """Fused path implementation: "triton" (`lev.triton_kernel`), "cpu" (`lev.cpu_fused`, a
+    compiled C++ kernel), "torch" (`lev.fused`), or "auto": triton for float32 CUDA tensors when
+    triton imports, cpu for CPU tensors when a C++ compiler builds it, else torch."""
 
     init_output_std: Optional[float] = _flag(
         None,
@@ -238,9 +240,10 @@ class LEVConfig:
             fail(f"chunk_size must be >= 0, got {self.chunk_size}; change --lev-chunk-size")
         if self.kernel not in _KERNELS:
             fail(f"kernel must be one of {_KERNELS}, got {self.kernel!r}; change --lev-kernel")
-        if self.kernel == "triton" and not self.fused:
+        if self.kernel in ("triton", "cpu") and not self.fused:
             fail(
-                "--lev-kernel triton is a fused path; drop --no-lev-fused or use --lev-kernel auto"
+                f"--lev-kernel {self.kernel} is a fused path; drop --no-lev-fused or use "
+                "--lev-kernel auto"
             )
         if self.init_output_std is not None and not self.init_output_std > 0:
             fail(

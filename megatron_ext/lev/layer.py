@@ -17,9 +17,9 @@ Speed and memory:
 - dedup: LEV runs once per distinct id of the micro-batch (torch.unique), then the [U, D]
   result is gathered to the N tokens. Without sequence parallelism the all-reduce happens on the
   [U, D] distinct embeddings (U <= N, so never more traffic than VocabParallelEmbedding).
-- fused: `lev.fused` (or its Triton kernels, `lev.triton_kernel`; `--lev-kernel`) recomputes the
-  spline tensors in backward; saved activations are the seeds
-  [U, d_in], the modes [U, h*r] and the integer ids.
+- fused: `lev.fused` (or its kernels: Triton on CUDA, `lev.triton_kernel`; C++ on CPU,
+  `lev.cpu_fused`; `--lev-kernel`) recomputes the spline tensors in backward; saved activations
+  are the seeds [U, d_in], the modes [U, h*r] and the integer ids.
 - eval table: with `LEVConfig.eval_table`, eval-mode forwards that need no parameter gradient
   look ids up in a materialised [V, D] table of this rank's partial embeddings (same
   communication as training), rebuilt whenever a parameter changes (in-place optimizer steps,

@@ -106,14 +106,16 @@ def test_matches_reference_float64(lev, name):
     weight = torch.randn(2, 6, cfg.hidden_size, dtype=torch.float64)
     ref_out, ref_grads = _reference_and_grads(module, IDS, weight)
     assert (ref_out.abs() > 1e-3).any()
-    for fused in (True, False):
+    # The fused path through each CPU implementation (lev.cpu_fused, lev.fused), and the plain one.
+    for fused, kernel in ((True, "cpu"), (True, "torch"), (False, "auto")):
         for dedup in (True, False):
-            module.lev_config = dataclasses.replace(cfg, fused=fused, dedup=dedup)
+            module.lev_config = dataclasses.replace(cfg, fused=fused, kernel=kernel, dedup=dedup)
             out, grads = _module_and_grads(module, IDS, weight)
-            torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+            where = f"fused={fused} kernel={kernel} dedup={dedup}"
+            torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10, msg=where)
             for n, g in grads.items():
                 torch.testing.assert_close(
-                    g, ref_grads[n], rtol=1e-10, atol=1e-10, msg=f"{n} fused={fused} dedup={dedup}"
+                    g, ref_grads[n], rtol=1e-10, atol=1e-10, msg=f"{n} {where}"
                 )
 
 

@@ -140,11 +140,15 @@ def test_saves_only_seeds_and_modes(kernel):
     assert size == 4 * n * (d_in + h * r)
 
 
-def test_auto_picks_torch_on_cpu_and_triton_refuses_cpu_outside_the_interpreter(
+def test_auto_never_picks_triton_on_cpu_and_triton_refuses_cpu_outside_the_interpreter(
     kernel, monkeypatch
 ):
+    from megatron_ext.lev import cpu_fused
+
     z = torch.zeros(2, 3)
-    assert select_fused_kernel("auto", z) is fused_lev_modes
+    # On CPU tensors auto means the C++ kernel (lev.cpu_fused), or torch where it cannot build.
+    cpu_choice = cpu_fused.cpu_lev_modes if cpu_fused.cpu_kernel_error() is None else None
+    assert select_fused_kernel("auto", z) is (cpu_choice or fused_lev_modes)
     assert select_fused_kernel("torch", z) is fused_lev_modes
     assert select_fused_kernel("triton", z) is kernel.modes  # the interpreter runs CPU tensors
     if kernel.device.type != "cpu":

@@ -1,0 +1,253 @@
+// LEV modes on CPU: t [h, n, d] -> M [n, h, r], and its backward (lev/cpu_fused.py).
+//
+// The CPU twin of lev/triton_kernel.py: per (head, id) the d spline values of each rank
+// component are evaluated from the three non-zero quadratic B-spline basis values of their
+// coordinate and multiplied into the mode at once, so no [h, d, n, kappa] basis or
+// [h, d, n, r] spline tensor ever exists. Plain C++ (no torch headers: compiles in about a
+// second), called through ctypes with raw pointers to contiguous tensors.
+//
+// The product is docs/lev.md step 3e, M = sign * exp(sum_d log(|phi| + eps)), evaluated as the
+// product of the signed factors x = phi + copysign(eps, phi) in double precision, renormalised
+// with frexp every few factors so that no partial product can overflow or underflow; the
+// result is rounded once to the compute dtype (overflow -> inf and underflow -> 0 there, as
+// exp() of the log-sum would).
+//
+// Backward, with s = dL/dM * M (computed by the caller): dL/dphi = s / x, dL/dDelta[l, c, j] =
+// sum_i B_j(t[l, i, c]) dL/dphi, and dL/dt through the basis values (and their normalisation).
+// It runs one (head, coordinate) per task so that each task owns its rows of dL/dDelta.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// The quadratic B-spline basis (lev/fused.py _basis_parts) of a run of m values t, one
+// vectorised pass: knot indices c-1, c, c+1 clamped into [0, kappa) (a dropped knot gets value
+// and slope 0), the values (normalised if asked), and what the derivative needs.
+template <typename T>
+void basis_run(const T* __restrict t, int64_t m, T last, bool normalize,
+               int32_t* __restrict i0, int32_t* __restrict i1, int32_t* __restrict i2,
+               T* __restrict a0, T* __restrict a1, T* __restrict a2, T* __restrict s0,
+               T* __restrict s1, T* __restrict s2, T* __restrict tot) {
+#pragma omp simd
+  for (int64_t q = 0; q < m; ++q) {
+    const T s = t[q] * last;
+    // Nearest knot round(s) = floor(s + 1/2), by truncation of a non-negative value. t is in
+    // [0, 1] (a sigmoid); the clamp keeps memory accesses in range and makes a NaN s a finite
+    // knot (f, and so every value, stays NaN).
+    const T up = s + T(0.5);
+    const int32_t c = static_cast<int32_t>(std::min(std::max(T(0), up), last));
+    const T nearest = static_cast<T>(c);
+    const T f = s - nearest;
+    const T hm = static_cast<T>(0.5) - f, hp = static_cast<T>(0.5) + f;
+    const bool keep0 = nearest >= T(1), keep2 = nearest <= last - T(1);
+    const T w0 = keep0 ? static_cast<T>(0.5) * hm * hm : T(0);
+    const T w1 = static_cast<T>(0.75) - f * f;
+    const T w2 = keep2 ? static_cast<T>(0.5) * hp * hp : T(0);
+    i0[q] = keep0 ? c - 1 : c;
+    i1[q] = c;
+    i2[q] = keep2 ? c + 1 : c;
+    const T total = normalize ? w0 + w1 + w2 : T(1);
+    a0[q] = w0 / total;
+    a1[q] = w1 / total;
+    a2[q] = w2 / total;
+    s0[q] = keep0 ? -hm : T(0);
+    s1[q] = static_cast<T>(-2) * f;
+    s2[q] = keep2 ? hp : T(0);
+    tot[q] = total;
+  }
+}
+
+// The basis of a run of values, in per-thread buffers reused by every task.
+template <typename T>
+struct BasisRun {
+  std::vector<int32_t> k0, k1, k2;
+  std::vector<T> v0, v1, v2, d0, d1, d2, total;
+  explicit BasisRun(int64_t m)
+      : k0(m), k1(m), k2(m), v0(m), v1(m), v2(m), d0(m), d1(m), d2(m), total(m) {}
+
+  void eval(const T* __restrict t, int64_t m, int64_t kappa, bool normalize) {
+    basis_run(t, m, static_cast<T>(kappa - 1), normalize, k0.data(), k1.data(),
+              k2.data(), v0.data(), v1.data(), v2.data(), d0.data(), d1.data(), d2.data(),
+              total.data());
+  }
+};
+
+// Factors multiplied in double between two renormalisations: each |x| is in [eps, max of T],
+// so for float (and eps >= 1e-30) 8 of them stay inside double's normal range.
+template <typename T>
+int renorm_group(double eps) {
+  return sizeof(T) == 4 && eps >= 1e-30 ? 8 : 1;
+}
+
+// a = m * 2^e with m in [0.5, 1): move the exponent of every normal a into e (vectorised
+// frexp; zero, subnormal, inf and NaN are left as they are).
+inline void renormalise(double* __restrict a, int64_t* __restrict e, int64_t r) {
+  constexpr uint64_t mask = 0x7ffULL << 52;
+#pragma omp simd
+  for (int64_t rho = 0; rho < r; ++rho) {
+    uint64_t bits;
+    std::memcpy(&bits, &a[rho], sizeof(bits));
+    const int64_t ex = static_cast<int64_t>((bits & mask) >> 52);
+    const bool normal = ex != 0 && ex != 0x7ff;
+    e[rho] += normal ? ex - 1022 : 0;
+    bits = normal ? (bits & ~mask) | (1022ULL << 52) : bits;
+    std::memcpy(&a[rho], &bits, sizeof(bits));
+  }
+}
+
+template <typename T>
+void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict modes, int64_t h,
+             int64_t n, int64_t d, int64_t kappa, int64_t r, bool normalize, double eps,
+             int threads) {
+  const T eps_t = static_cast<T>(eps);
+  const int group = renorm_group<T>(eps);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<double> acc(r);
+    std::vector<int64_t> expo(r);
+    BasisRun<T> basis(d);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < h * n; ++task) {
+      const int64_t l = task / n, i = task % n;
+      double* __restrict a = acc.data();
+      for (int64_t rho = 0; rho < r; ++rho) {
+        a[rho] = 1.0;
+        expo[rho] = 0;
+      }
+      basis.eval(t + (l * n + i) * d, d, kappa, normalize);
+      for (int64_t c = 0; c < d; ++c) {
+        const T* table = coeff + (l * d + c) * kappa * r;
+        const T* __restrict c0 = table + basis.k0[c] * r;
+        const T* __restrict c1 = table + basis.k1[c] * r;
+        const T* __restrict c2 = table + basis.k2[c] * r;
+        const T v0 = basis.v0[c], v1 = basis.v1[c], v2 = basis.v2[c];
+#pragma omp simd
+        for (int64_t rho = 0; rho < r; ++rho) {
+          const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
+          a[rho] *= static_cast<double>(phi + std::copysign(eps_t, phi));
+        }
+        if ((c + 1) % group == 0) renormalise(a, expo.data(), r);
+      }
+      T* out = modes + (i * h + l) * r;
+      for (int64_t rho = 0; rho < r; ++rho) {
+        out[rho] = static_cast<T>(std::ldexp(a[rho], static_cast<int>(expo[rho])));
+      }
+    }
+  }
+}
+
+// t_hdn and grad_t_hdn are [h, d, n] (each task reads and writes one contiguous row).
+template <typename T>
+void backward(const T* __restrict t_hdn, const T* __restrict coeff, const T* __restrict scaled,
+              T* __restrict grad_coeff, T* __restrict grad_t_hdn, int64_t h, int64_t n,
+              int64_t d, int64_t kappa, int64_t r, bool normalize, double eps, int threads) {
+  const T eps_t = static_cast<T>(eps);
+  const T ds_dt = static_cast<T>(kappa - 1);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<T> gphi(r), g0s(n), g1s(n), g2s(n);
+    BasisRun<T> basis(n);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < h * d; ++task) {
+      const int64_t l = task / d;
+      const T* table = coeff + task * kappa * r;
+      T* gtable = grad_coeff + task * kappa * r;
+      for (int64_t k = 0; k < kappa * r; ++k) gtable[k] = 0;
+      basis.eval(t_hdn + task * n, n, kappa, normalize);
+      T* __restrict gp = gphi.data();
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t k0 = basis.k0[i], k1 = basis.k1[i], k2 = basis.k2[i];
+        const T* __restrict c0 = table + k0 * r;
+        const T* __restrict c1 = table + k1 * r;
+        const T* __restrict c2 = table + k2 * r;
+        const T* __restrict srow = scaled + (i * h + l) * r;
+        const T v0 = basis.v0[i], v1 = basis.v1[i], v2 = basis.v2[i];
+        T g0 = 0, g1 = 0, g2 = 0;  // dL/dB_j
+#pragma omp simd reduction(+ : g0, g1, g2)
+        for (int64_t rho = 0; rho < r; ++rho) {
+          const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
+          const T g = srow[rho] / (phi + std::copysign(eps_t, phi));
+          gp[rho] = g;
+          g0 += g * c0[rho];
+          g1 += g * c1[rho];
+          g2 += g * c2[rho];
+        }
+        g0s[i] = g0;
+        g1s[i] = g1;
+        g2s[i] = g2;
+        if (k0 != k1 && k1 != k2) {
+          T* __restrict r0 = gtable + k0 * r;
+          T* __restrict r1 = gtable + k1 * r;
+          T* __restrict r2 = gtable + k2 * r;
+#pragma omp simd
+          for (int64_t rho = 0; rho < r; ++rho) {
+            r0[rho] += v0 * gp[rho];
+            r1[rho] += v1 * gp[rho];
+            r2[rho] += v2 * gp[rho];
+          }
+        } else {
+          // A dropped knot shares its (clamped) row with a kept one: one row per loop.
+          const int32_t ks[3] = {k0, k1, k2};
+          const T vs[3] = {v0, v1, v2};
+          for (int j = 0; j < 3; ++j) {
+            T* __restrict row = gtable + ks[j] * r;
+#pragma omp simd
+            for (int64_t rho = 0; rho < r; ++rho) row[rho] += vs[j] * gp[rho];
+          }
+        }
+      }
+      T* __restrict gt = grad_t_hdn + task * n;
+      const T* __restrict g0p = g0s.data();
+      const T* __restrict g1p = g1s.data();
+      const T* __restrict g2p = g2s.data();
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const T a0 = basis.v0[i], a1 = basis.v1[i], a2 = basis.v2[i];
+        const T s0 = basis.d0[i], s1 = basis.d1[i], s2 = basis.d2[i];
+        T grad_s = g0p[i] * s0 + g1p[i] * s1 + g2p[i] * s2;
+        if (normalize) {
+          // B_j = w_j / W:  dB_j/ds = (w'_j - B_j W') / W.
+          const T gv = g0p[i] * a0 + g1p[i] * a1 + g2p[i] * a2;
+          grad_s = (grad_s - (s0 + s1 + s2) * gv) / basis.total[i];
+        }
+        gt[i] = grad_s * ds_dt;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void lev_forward_f32(const float* t, const float* coeff, float* modes, int64_t h, int64_t n,
+                     int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
+                     int threads) {
+  forward<float>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, threads);
+}
+
+void lev_forward_f64(const double* t, const double* coeff, double* modes, int64_t h, int64_t n,
+                     int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
+                     int threads) {
+  forward<double>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, threads);
+}
+
+void lev_backward_f32(const float* t_hdn, const float* coeff, const float* scaled,
+                      float* grad_coeff, float* grad_t_hdn, int64_t h, int64_t n, int64_t d,
+                      int64_t kappa, int64_t r, int normalize, double eps, int threads) {
+  backward<float>(t_hdn, coeff, scaled, grad_coeff, grad_t_hdn, h, n, d, kappa, r,
+                  normalize != 0, eps, threads);
+}
+
+void lev_backward_f64(const double* t_hdn, const double* coeff, const double* scaled,
+                      double* grad_coeff, double* grad_t_hdn, int64_t h, int64_t n, int64_t d,
+                      int64_t kappa, int64_t r, int normalize, double eps, int threads) {
+  backward<double>(t_hdn, coeff, scaled, grad_coeff, grad_t_hdn, h, n, d, kappa, r,
+                   normalize != 0, eps, threads);
+}
+
+}  // extern "C"
