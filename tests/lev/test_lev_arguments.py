@@ -65,7 +65,7 @@ def test_every_field_but_v_and_d_has_its_generated_flag():
         assert (tuple(default) if isinstance(default, list) else default) == field.default
         if field.type == "bool":
             assert flags["--no-lev-" + flag[6:]] is action
-    assert flags["--lev-kernel"].choices == ("auto", "triton", "torch")
+    assert flags["--lev-kernel"].choices == ("auto", "triton", "cpu", "torch")
     assert flags["--lev-base"].type is int and flags["--lev-init-output-std"].type is float
 
 

@@ -12,7 +12,8 @@ import torch
 
 from megatron_ext.lev import cpu_fused
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.fused import FusedOptions, fused_lev_modes
+from megatron_ext.lev.config import LEVConfig
+from megatron_ext.lev.fused import fused_lev_modes
 from megatron_ext.lev.kernel_select import select_fused_kernel
 from megatron_ext.testing.memory import saved_tensor_bytes
 
@@ -24,10 +25,10 @@ if cpu_fused.cpu_kernel_error() is not None:  # pragma: no cover - needs a machi
 _TEMPERATURE = 0.3
 
 
-def _opts(kappa: int, normalize: bool = True, eps: float = 1e-9) -> FusedOptions:
-    return FusedOptions(
-        temperature=_TEMPERATURE, num_knots=kappa, normalize_basis=normalize, norm_eps=1e-5,
-        product_eps=eps,
+def _opts(kappa: int, normalize: bool = True, eps: float = 1e-9) -> LEVConfig:
+    return LEVConfig(
+        vocab_size=1, hidden_size=1, temperature=_TEMPERATURE, num_knots=kappa,
+        normalize_basis=normalize, norm_eps=1e-5, product_eps=eps,
     )  # fmt: skip
 
 
