@@ -103,10 +103,11 @@ def _product_over_dim1(x: torch.Tensor, first_group: int) -> Optional[torch.Tens
     return (2 * x) * torch.exp2((exponent - 1).to(x.dtype))
 
 
-def _separable_product(phi: torch.Tensor, eps: float) -> torch.Tensor:
-    """M [h, m] = sign * exp(sum_d log(|phi| + eps)) for phi [h, d, m] (overwritten with x)."""
+def _separable_product(phi: torch.Tensor, eps: float, scratch: torch.Tensor) -> torch.Tensor:
+    """M [h, m] = sign * exp(sum_d log(|phi| + eps)) for phi [h, d, m] (overwritten with x;
+    `scratch` is a flat buffer of at least phi's size)."""
     eps_t = torch.tensor(eps, dtype=phi.dtype, device=phi.device)
-    x = phi.add_(torch.copysign(eps_t, phi))
+    x = phi.add_(torch.copysign(eps_t, phi, out=scratch[: phi.numel()].view(phi.shape)))
     product = _product_over_dim1(x, _first_group(x.dtype, eps))
     if product is None:
         # Some |phi| is huge: one frexp per factor (never overflows; inf/nan stay so).
@@ -159,6 +160,7 @@ class LEVTable:
         self.hidden_size = self.out_proj.shape[1]
         self.device = codebooks.device
         self.chunk_size = chunk_size or table_chunk_size(h, d, r)
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def _t(self, ids: torch.Tensor) -> torch.Tensor:
         """Steps 1-3b: ids [n] -> t [h, d, n]."""
@@ -188,8 +190,16 @@ class LEVTable:
         index.clamp_(0, kappa - 1)
         if self.lev_config.normalize_basis:
             values.div_(values.sum(dim=-1, keepdim=True))
-        basis = torch.zeros(*s.shape, kappa, dtype=s.dtype, device=s.device)
+        basis = self._buffer("basis", s.numel() * kappa).view(*s.shape, kappa).zero_()
         return basis.scatter_add_(-1, index, values)
+
+    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+        """A flat workspace reused by every chunk: on CPU, fresh multi-megabyte tensors per
+        chunk cost more in page faults than the arithmetic on them."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return buffer[:numel]
 
     @torch.no_grad()
     def modes(self, ids: torch.Tensor) -> torch.Tensor:
@@ -198,8 +208,11 @@ class LEVTable:
         n = ids.shape[0]
         with torch.autocast(device_type=self.device.type, enabled=False):
             basis = self._basis(self._t(ids))  # [h*d, n, kappa]
-            phi = torch.bmm(basis, self.coeff)  # [h*d, n, r]
-            product = _separable_product(phi.view(h, d, n * r), self.lev_config.product_eps)
+            phi = self._buffer("phi", h * d * n * r).view(h * d, n, r)
+            torch.bmm(basis, self.coeff, out=phi)
+            product = _separable_product(
+                phi.view(h, d, n * r), self.lev_config.product_eps, self._buffer("x", phi.numel())
+            )
         return product.view(h, n, r).transpose(0, 1)
 
     @torch.no_grad()
