@@ -174,7 +174,7 @@ def materialize_module_table(
     if isinstance(module, LEVEmbedding):
         builder = LEVTable(module.lev_config, dict(module.named_parameters()), dtype=compute_dtype)
         with tqdm(
-            total=vocab, desc="materialising LEV table", unit="id", disable=not progress
+            total=vocab, desc="materialising input table", unit="id", disable=not progress
         ) as bar:
             return builder.table(progress=bar.update).cpu()
     device = next(module.parameters()).device

@@ -14,7 +14,9 @@ attention mask is involved, so every row computes exactly what it would alone.
 Under tensor parallelism every rank of the TP group passes the same prompts; the output layer
 gathers the vocab-parallel logits (`runtime_gather_output`) and the token chosen on TP rank 0 is
 broadcast, so all ranks agree. LEV embeds through its materialised eval table
-(`LEVConfig.eval_table`), built once per weight version, not through the generator per token.
+(`LEVConfig.eval_table`, built by `lev.table`), checked or built once per call, not through the
+generator per token. A decoding step costs one token's work: `CachedSelfAttention` caches keys
+already rotated, and without stop ids the loop makes no host synchronisation.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ Speed and memory:
   [U, d_in], the modes [U, h*r] and the integer ids.
 - eval table: with `LEVConfig.eval_table`, eval-mode forwards that need no parameter gradient
   look ids up in a materialised [V, D] table of this rank's partial embeddings (same
-  communication as training), rebuilt whenever a parameter changes (in-place optimizer steps,
-  load_state_dict, `.data` writes, dtype/device moves).
+  communication as training), computed by `lev.table` (batched no-grad math), rebuilt whenever
+  a parameter changes (in-place optimizer steps, load_state_dict, `.data` writes, dtype/device
+  moves); inside `pinned_eval_table` (generation) that check runs once, not per forward.
 """
 
 from __future__ import annotations
