@@ -13,12 +13,14 @@ same function (docs/lev.md section 2) with the work per id cut to what the outpu
 3. The three non-zero quadratic B-spline values per coordinate (as `lev.fused`), scattered
    into a dense [h*d, n, kappa] basis, and phi = basis @ (1 + Delta) as one batched matmul.
 4. The separable product without logarithms: sign * exp(sum_d log(|phi| + eps)) is exactly
-   prod_d x with x = phi + copysign(eps, phi). Groups of G factors are multiplied (G such that
-   G factors >= eps cannot underflow), each group product is split by `torch.frexp` into a
-   mantissa in [0.5, 1) and an integer exponent, mantissas are multiplied 32 at a time (never
-   below 2^-32) and split again, and the exponents are summed as integers: no intermediate
-   under- or overflows, and the result differs from the definition only by rounding. If a group
-   product overflows (|phi| > ~1e9 in float32) the chunk is redone with G = 1.
+   prod_d x with x = phi + copysign(eps, phi) (= basis @ (1 + Delta + eps) when every
+   coefficient is positive and the basis normalised, the usual case). Groups of G factors
+   are multiplied (G such that G factors >= eps cannot underflow), each group product is
+   split by `torch.frexp` into a mantissa in [0.5, 1) and an integer exponent, mantissas are
+   multiplied 32 at a time (never below 2^-32) and split again, and the exponents are summed
+   as integers: no intermediate under- or overflows, and the result differs from the
+   definition only by rounding. If a group product overflows (|phi| > ~1e9 in float32) the
+   chunk is redone with G = 1.
 5. out_proj: one [n, h*r] @ [h*r, D] matmul, written straight into the output rows.
 
 Shapes (n ids per chunk, h heads on this rank, d = d_seed, kappa knots, rank r, width D)::
@@ -103,11 +105,15 @@ def _product_over_dim1(x: torch.Tensor, first_group: int) -> Optional[torch.Tens
     return (2 * x) * torch.exp2((exponent - 1).to(x.dtype))
 
 
-def _separable_product(phi: torch.Tensor, eps: float, scratch: torch.Tensor) -> torch.Tensor:
+def _separable_product(
+    phi: torch.Tensor, eps: float, scratch: torch.Tensor, eps_added: bool = False
+) -> torch.Tensor:
     """M [h, m] = sign * exp(sum_d log(|phi| + eps)) for phi [h, d, m] (overwritten with x;
-    `scratch` is a flat buffer of at least phi's size)."""
-    eps_t = torch.tensor(eps, dtype=phi.dtype, device=phi.device)
-    x = phi.add_(torch.copysign(eps_t, phi, out=scratch[: phi.numel()].view(phi.shape)))
+    `scratch` is a flat buffer of at least phi's size). `eps_added`: phi is x already."""
+    x = phi
+    if not eps_added:
+        eps_t = torch.tensor(eps, dtype=phi.dtype, device=phi.device)
+        x = phi.add_(torch.copysign(eps_t, phi, out=scratch[: phi.numel()].view(phi.shape)))
     product = _product_over_dim1(x, _first_group(x.dtype, eps))
     if product is None:
         # Some |phi| is huge: one frexp per factor (never overflows; inf/nan stay so).
@@ -155,6 +161,13 @@ class LEVTable:
             self.bias = p["seed_norm_bias"].reshape(h, d, 1).contiguous()
             kappa, r = p["spline_delta"].shape[2:]
             self.coeff = (1 + p["spline_delta"]).reshape(h * d, kappa, r).contiguous()
+            # With a normalised basis (weights summing to 1) and positive coefficients every
+            # phi is positive and x = phi + eps = basis @ (coeff + eps): the eps and sign pass
+            # over the largest tensor disappear (the usual case: coefficients start at 1 + N(0,
+            # 0.1^2) and stay near 1).
+            self.eps_in_coeff = lc.normalize_basis and bool((self.coeff > 0).all())
+            if self.eps_in_coeff:
+                self.coeff += lc.product_eps
             self.out_proj = p["out_proj"].reshape(h * r, -1).contiguous()
         self.num_heads, self.seed_dim, self.num_knots, self.rank = h, d, kappa, r
         self.hidden_size = self.out_proj.shape[1]
@@ -211,7 +224,10 @@ class LEVTable:
             phi = self._buffer("phi", h * d * n * r).view(h * d, n, r)
             torch.bmm(basis, self.coeff, out=phi)
             product = _separable_product(
-                phi.view(h, d, n * r), self.lev_config.product_eps, self._buffer("x", phi.numel())
+                phi.view(h, d, n * r),
+                self.lev_config.product_eps,
+                self._buffer("x", phi.numel()),
+                eps_added=self.eps_in_coeff,
             )
         return product.view(h, n, r).transpose(0, 1)
 

@@ -40,14 +40,19 @@ def _params(module):
     return dict(module.named_parameters())
 
 
+@pytest.mark.parametrize("spread", [1.5, 0.0])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_table_matches_definition(lev, name):
+def test_table_matches_definition(lev, name, spread):
+    # spread 1.5: negative spline values (the sign path); 0: the init's coefficients 1 + N(0,
+    # 0.1^2), all positive (eps folded into the coefficients when the basis is normalised).
     cfg = lev.tiny_config(**CONFIGS[name])
-    module = lev.make_lev(cfg, dtype=torch.float64, spread=1.5)  # negative spline values too
+    module = lev.make_lev(cfg, dtype=torch.float64, spread=spread)
     ref = _definition(module, torch.arange(cfg.vocab_size))
     assert (ref.abs() > 1e-3).any()
     # float64: the same function up to float64 rounding, over several chunks.
-    table = LEVTable(cfg, _params(module), dtype=torch.float64, chunk_size=7).table()
+    builder = LEVTable(cfg, _params(module), dtype=torch.float64, chunk_size=7)
+    assert builder.eps_in_coeff == (spread == 0.0 and cfg.normalize_basis)
+    table = builder.table()
     assert table.dtype == torch.float64 and table.shape == (cfg.vocab_size, cfg.hidden_size)
     torch.testing.assert_close(table, ref, rtol=1e-10, atol=1e-10)
     # float32 (the default): rounding only, relative to the embeddings' magnitude.
