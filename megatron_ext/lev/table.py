@@ -16,7 +16,8 @@ same function (docs/lev.md section 2) with the work per id cut to what the outpu
    prod_d x with x = phi + copysign(eps, phi) (= basis @ (1 + Delta + eps) when every
    coefficient is positive and the basis normalised, the usual case). Groups of G factors
    are multiplied (G such that G factors >= eps cannot underflow), each group product is
-   split by `torch.frexp` into a mantissa in [0.5, 1) and an integer exponent, mantissas are
+   (float32 ones continue in float64, 8 at a time, where they stay normal) split by
+   `torch.frexp` into a mantissa in [0.5, 1) and an integer exponent, mantissas are
    multiplied 32 at a time (never below 2^-32) and split again, and the exponents are summed
    as integers: no intermediate under- or overflows, and the result differs from the
    definition only by rounding. If a group product overflows (|phi| > ~1e9 in float32) the
@@ -69,17 +70,15 @@ def _first_group(dtype: torch.dtype, eps: float) -> int:
 def _group_products(x: torch.Tensor, group: int) -> torch.Tensor:
     """[h, q*group (+ rest), m] -> [h, q (+ rest), m]: products of `group` rows of dim 1.
 
-    Row j of the result multiplies rows j, j+q, ..., j+(group-1)*q; leftover rows (dim 1 not
-    divisible by `group`) are appended unchanged.
+    Row j of the result multiplies rows j, j+q, ..., j+(group-1)*q (one reduction op);
+    leftover rows (dim 1 not divisible by `group`) are appended unchanged.
     """
-    rows = x.shape[1]
+    h, rows, m = x.shape
     group = min(group, rows)
     q = rows // group
     if group == 1:
         return x
-    out = x[:, :q] * x[:, q : 2 * q]
-    for g in range(2, group):
-        out.mul_(x[:, g * q : (g + 1) * q])
+    out = x[:, : group * q].view(h, group, q, m).prod(dim=1)
     if group * q < rows:
         out = torch.cat([out, x[:, group * q :]], dim=1)
     return out
@@ -88,21 +87,26 @@ def _group_products(x: torch.Tensor, group: int) -> torch.Tensor:
 def _product_over_dim1(x: torch.Tensor, first_group: int) -> Optional[torch.Tensor]:
     """prod over dim 1 of x [h, d, m] -> [h, m], or None if a first-level product overflowed.
 
-    Every factor must have magnitude >= the eps that `first_group` was chosen for.
+    Every factor must have magnitude >= the eps that `first_group` was chosen for. float32
+    group products (in [eps^G, 3.4e38]) continue in float64, 8 at a time, where that product
+    stays normal; then mantissas and integer exponents take over.
     """
-    exponent = torch.zeros(x.shape[0], x.shape[2], dtype=torch.int32, device=x.device)
-    group = first_group
+    dtype = x.dtype
+    x = _group_products(x, first_group)
+    if dtype == torch.float32:
+        x = _group_products(x.double(), 8)
+    exponent = torch.zeros(x.shape[0], x.shape[2], dtype=torch.int64, device=x.device)
     while x.shape[1] > 1:
-        x = _group_products(x, group)
-        if group == first_group and not bool(torch.isfinite(x).all()):
-            return None
         x, e = torch.frexp(x)
-        exponent += e.sum(dim=1, dtype=torch.int32)
-        group = _MANTISSA_GROUP
+        exponent += e.sum(dim=1)
+        x = _group_products(x, _MANTISSA_GROUP)
     x, e = torch.frexp(x[:, 0])
     exponent += e
+    # An overflowed group product (or an inf/nan factor) stays inf/nan through the mantissas.
+    if first_group > 1 and not bool(torch.isfinite(x).all()):
+        return None
     # (2m) * 2^(e-1): 2m lies in [1, 2), so 2^(e-1) is finite whenever the result is.
-    return (2 * x) * torch.exp2((exponent - 1).to(x.dtype))
+    return ((2 * x) * torch.exp2((exponent - 1).to(x.dtype))).to(dtype)
 
 
 def _separable_product(
