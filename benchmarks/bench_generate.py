@@ -7,10 +7,15 @@
       (2048) with the default LEV hyper-parameters (float32 compute) / time to write that
       [V, D] float32 table as safetensors;                               target <= 1
 
+(a) decodes with megatron's StaticInferenceContext, LEV from its eval table (built and checked
+once per `generate` call) and keys rotated once before they enter the cache; the baseline runs
+the whole prefix through the model at every step. (b) is `lev.table.LEVTable` (batched no-grad
+math, the path of `tools/convert_checkpoint.py export-hf/export-megatron --compute-dtype
+float32`), and the write includes safetensors' serialisation and an fsync.
+
 CPU timings on shared machines are noisy: compare the ratios, not the seconds.
-Run: `python benchmarks/bench_generate.py`. (b) at the full 200k ids is slow on CPU (LEV's
-spline evaluation dominates; on a loaded 2-core machine 47 ids/s were measured):
-`--table-vocab 16384` measures the same per-id rate in a fraction of the time.
+Run: `python benchmarks/bench_generate.py` (`--table-vocab 16384` measures (b)'s per-id rate
+in a fraction of the time).
 """
 
 from __future__ import annotations

@@ -159,16 +159,24 @@ def materialize_module_table(
 ) -> torch.Tensor:
     """Run a TP=1 input module on every id: [V, D] in `compute_dtype`.
 
-    The module runs on a temporary `compute_dtype` copy of its parameters (it is left as it
-    was); a lookup table is returned as it is.
+    LEV is computed by `lev.table.LEVTable` (batched no-grad math in `compute_dtype`, float32
+    or float64); the other generated arms run on a temporary `compute_dtype` copy of their
+    parameters (the module is left as it was); a lookup table is returned as it is.
     """
     from tqdm import tqdm
 
     from megatron_ext.lev.layer import LEVEmbedding
+    from megatron_ext.lev.table import LEVTable
 
     if hasattr(module, "weight") and not list(module.children()):
         return module.weight.detach().clone()
     vocab = module.vocab_size if hasattr(module, "vocab_size") else module.num_embeddings
+    if isinstance(module, LEVEmbedding):
+        builder = LEVTable(module.lev_config, dict(module.named_parameters()), dtype=compute_dtype)
+        with tqdm(
+            total=vocab, desc="materialising input table", unit="id", disable=not progress
+        ) as bar:
+            return builder.table(progress=bar.update).cpu()
     device = next(module.parameters()).device
     saved = {name: p.data for name, p in module.named_parameters()}
     for p in module.parameters():
@@ -180,10 +188,7 @@ def materialize_module_table(
         bar = tqdm(total=vocab, desc="materialising input table", unit="id", disable=not progress)
         for start in range(0, vocab, _TABLE_CHUNK):
             ids = torch.arange(start, min(start + _TABLE_CHUNK, vocab), device=device)
-            if isinstance(module, LEVEmbedding):
-                rows.append(module.partial_embeddings(ids).to(compute_dtype))
-            else:
-                rows.append(module(ids[None, :])[0].to(compute_dtype))
+            rows.append(module(ids[None, :])[0].to(compute_dtype))
             rows[-1] = rows[-1].cpu()
             bar.update(ids.numel())
         bar.close()

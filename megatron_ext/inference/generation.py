@@ -14,7 +14,9 @@ attention mask is involved, so every row computes exactly what it would alone.
 Under tensor parallelism every rank of the TP group passes the same prompts; the output layer
 gathers the vocab-parallel logits (`runtime_gather_output`) and the token chosen on TP rank 0 is
 broadcast, so all ranks agree. LEV embeds through its materialised eval table
-(`LEVConfig.eval_table`), built once per weight version, not through the generator per token.
+(`LEVConfig.eval_table`, built by `lev.table`), checked or built once per call, not through the
+generator per token. A decoding step costs one token's work: `CachedSelfAttention` caches keys
+already rotated, and without stop ids the loop makes no host synchronisation.
 """
 
 from __future__ import annotations
@@ -94,19 +96,23 @@ def sample(
 
 @contextlib.contextmanager
 def lev_eval_tables(model: torch.nn.Module) -> Iterator[None]:
-    """Let every LEV embedding of `model` answer eval forwards from its materialised table."""
+    """Let every LEV embedding of `model` answer eval forwards from its materialised table,
+    built (or checked) once on entry: the weights must not change inside the block."""
     from megatron_ext.lev.layer import LEVEmbedding
 
     changed = []
-    for module in model.modules():
-        if isinstance(module, LEVEmbedding) and not module.lev_config.eval_table:
-            changed.append((module, module.lev_config))
-            module.lev_config = dataclasses.replace(module.lev_config, eval_table=True)
-    try:
-        yield
-    finally:
-        for module, config in changed:
-            module.lev_config = config
+    with contextlib.ExitStack() as stack:
+        for module in model.modules():
+            if isinstance(module, LEVEmbedding):
+                if not module.lev_config.eval_table:
+                    changed.append((module, module.lev_config))
+                    module.lev_config = dataclasses.replace(module.lev_config, eval_table=True)
+                stack.enter_context(module.pinned_eval_table())
+        try:
+            yield
+        finally:
+            for module, config in changed:
+                module.lev_config = config
 
 
 def _tp_group(model: torch.nn.Module):
@@ -202,7 +208,8 @@ def generate(
         from megatron.core.inference.contexts import StaticInferenceContext
 
         context = StaticInferenceContext(batch, total)
-    outputs: list[list[int]] = [[] for _ in prompts]
+    # Row r's new tokens are tokens[r, lengths[r]:end[r]]; a stop token moves its end.
+    end = torch.clamp(lengths + cfg.max_new_tokens, max=total)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     fed = 0
     try:
@@ -220,13 +227,13 @@ def generate(
                     dist.broadcast(chosen, dist.get_global_rank(group, 0), group=group)
                 in_prompt = position < lengths
                 tokens[:, position] = torch.where(in_prompt, tokens[:, position], chosen)
-                new = ~in_prompt & ~done
-                stopped = new & torch.isin(chosen, stops)
-                for row in torch.nonzero(new & ~stopped).flatten().tolist():
-                    outputs[row].append(int(chosen[row]))
-                done |= stopped | (position + 1 >= lengths + cfg.max_new_tokens)
-                if bool(done.all()):
-                    break
+                if cfg.stop_token_ids:
+                    stopped = ~in_prompt & ~done & torch.isin(chosen, stops)
+                    end = torch.where(stopped, position, end)
+                    done |= stopped | (position + 1 >= end)
+                    # The one host sync per step, only where a stop token can end rows early.
+                    if bool(done.all()):
+                        break
     finally:
         model.train(was_training)
-    return outputs
+    return [tokens[row, len(p) : int(end[row])].tolist() for row, p in enumerate(prompts)]

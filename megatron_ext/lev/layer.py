@@ -22,15 +22,17 @@ Speed and memory:
   are the seeds [U, d_in], the modes [U, h*r] and the integer ids.
 - eval table: with `LEVConfig.eval_table`, eval-mode forwards that need no parameter gradient
   look ids up in a materialised [V, D] table of this rank's partial embeddings (same
-  communication as training), rebuilt whenever a parameter changes (in-place optimizer steps,
-  load_state_dict, `.data` writes, dtype/device moves).
+  communication as training), computed by `lev.table` (batched no-grad math), rebuilt whenever
+  a parameter changes (in-place optimizer steps, load_state_dict, `.data` writes, dtype/device
+  moves); inside `pinned_eval_table` (generation) that check runs once, not per forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,7 @@ from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.fused import fused_lev_modes
 from megatron_ext.lev.kernel_select import select_fused_kernel
+from megatron_ext.lev.table import LEVTable
 from megatron_ext.tensor_parallel import check_sequence_split
 from megatron_ext.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region as portable_reduce_scatter,
@@ -88,8 +91,6 @@ LEV_TP_PARTITION_DIMS: dict[str, Optional[int]] = {
 }
 """Parameter name -> tensor-parallel partition dim (None: replicated on every TP rank)."""
 
-# Ids evaluated per step while building the eval table.
-_TABLE_BUILD_IDS = 8192
 _STD_PROBE_IDS = 8192
 
 
@@ -388,26 +389,53 @@ class LEVEmbedding(torch.nn.Module):
             (p.data_ptr(), p._version, p.dtype, p.device) for p in self.parameters()
         )
 
-    def _eval_table(self, out_dtype: torch.dtype) -> torch.Tensor:
-        """The [V, D] table of this rank's partial embeddings, rebuilt if parameters changed.
+    def _table_fresh(self, out_dtype: torch.dtype) -> bool:
+        """Whether the table was built from the current parameters, in `out_dtype`.
 
         The key (storage pointers and version counters) catches in-place optimizer steps and
         load_state_dict; the value snapshot (about 2M numbers, compared exactly) also catches
         writes through `.data`, which bypass the version counters.
         """
-        key = self._table_key_now(out_dtype)
-        fresh = (
+        return (
             self._table is not None
-            and key == self._table_key
+            and self._table_key_now(out_dtype) == self._table_key
             and all(torch.equal(p, q) for p, q in zip(self.parameters(), self._table_snapshot))
         )
-        if not fresh:
+
+    def _eval_table(self, out_dtype: torch.dtype) -> torch.Tensor:
+        """The [V, D] table of this rank's partial embeddings, rebuilt if parameters changed."""
+        if self._table_pinned and self._table is not None and self._table_key[0] == out_dtype:
+            return self._table
+        if not self._table_fresh(out_dtype):
             self.rebuild_eval_table(out_dtype)
         return self._table
 
+    _table_pinned = False
+
+    @contextlib.contextmanager
+    def pinned_eval_table(self) -> Iterator[None]:
+        """Promise that the parameters do not change inside the block (generation, evaluation).
+
+        The table's freshness is checked on entry (a stale one is dropped) and by the forward
+        that builds it, not at every forward: the exact comparison with the snapshot costs as
+        much as several decoding steps of a small model.
+        """
+        previous = self._table_pinned
+        if self._table is not None and not self._table_fresh(self._table_key[0]):
+            self.drop_eval_table()
+        self._table_pinned = True
+        try:
+            yield
+        finally:
+            self._table_pinned = previous
+
     @torch.no_grad()
     def rebuild_eval_table(self, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Materialise this rank's [V, D] partial table now (called lazily by eval forwards)."""
+        """Materialise this rank's [V, D] partial table now (called lazily by eval forwards).
+
+        Computed by `lev.table` (batched no-grad math, float32; float64 for float64
+        parameters), which equals `partial_embeddings` up to rounding.
+        """
         device = self.codebooks.device
         out_dtype = out_dtype or self._output_dtype(device)
         vocab = self.lev_config.vocab_size
@@ -416,9 +444,8 @@ class LEVEmbedding(torch.nn.Module):
         )
         self._table = None
         table = torch.empty(vocab, self.embedding_dim, dtype=out_dtype, device=device)
-        for start in range(0, vocab, _TABLE_BUILD_IDS):
-            ids = torch.arange(start, min(start + _TABLE_BUILD_IDS, vocab), device=device)
-            table[start : start + ids.numel()] = self.partial_embeddings(ids)
+        compute = lev_math.compute_dtype(self.codebooks.dtype)
+        LEVTable(self.lev_config, dict(self.named_parameters()), dtype=compute).table(out=table)
         self._table = table
         self._table_key = self._table_key_now(out_dtype)
         self._table_snapshot = [p.detach().clone() for p in self.parameters()]

@@ -27,7 +27,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -276,8 +280,41 @@ class CachedSelfAttention(SelfAttention):
     """megatron's SelfAttention with its inference KV cache on the weights' device.
 
     The cache is megatron's own (`StaticInferenceContext.key_value_memory_dict`, one
-    [max_s, max_b, ng, hn] key and value buffer per layer); only where it lives changes.
+    [max_s, max_b, ng, hn] key and value buffer per layer); only where it lives changes, and
+    what it holds: keys already rotated. megatron's static path caches un-rotated keys and
+    rotates the whole cached prefix again at every decoding step (cos/sin of every position,
+    every layer), which makes one new token cost O(prefix); here each key is rotated once, with
+    its own positions, before it is stored (as megatron's dynamic and flash-decode paths do).
+    The rotated values are the same numbers, so the logits are unchanged.
     """
+
+    def _adjust_key_value_for_inference(
+        self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
+    ):
+        if (
+            inference_context is None
+            or rotary_pos_emb is None
+            or self.config.flash_decode
+            or not inference_context.is_static_batching()
+        ):
+            return super()._adjust_key_value_for_inference(
+                inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
+            )
+        q_pos_emb, k_pos_emb = rotary_pos_emb
+        start = inference_context.sequence_len_offset
+        end = start + key.size(0)
+        key = apply_rotary_pos_emb(
+            key,
+            k_pos_emb[start:end],
+            config=self.config,
+            mscale=_yarn_get_concentration_factor_from_config(self.config),
+            cp_group=self.pg_collection.cp,
+        )
+        query, key, value, _, mask_type, block_table = super()._adjust_key_value_for_inference(
+            inference_context, query, key, value, None, *args, **kwargs
+        )
+        # The caller rotates the new queries only; the cached keys are rotated already.
+        return query, key, value, (q_pos_emb[start:end], None), mask_type, block_table
 
     def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
         return torch.empty(

@@ -144,7 +144,7 @@ def test_eval_table_matches_and_refreshes_after_optimizer_step(lev):
     table = module._table
     assert table is not None and table.shape == (200, 6)
     torch.testing.assert_close(out, _per_token(module, ids), **EXACT)
-    torch.testing.assert_close(table, _per_token(module, torch.arange(200)), rtol=0, atol=0)
+    torch.testing.assert_close(table, _per_token(module, torch.arange(200)), **EXACT)
     with torch.no_grad():
         module(ids)
     assert module._table is table  # parameters unchanged: reused
@@ -185,6 +185,23 @@ def test_eval_table_sees_load_state_dict_and_data_writes(lev):
         torch.testing.assert_close(module(ids), _per_token(other, ids), **EXACT)
         module.out_proj.data.mul_(2.0)  # .data bypasses the version counter
         torch.testing.assert_close(module(ids), _per_token(module, ids), **EXACT)
+
+
+def test_pinned_eval_table_checks_once(lev, monkeypatch):
+    cfg = lev.tiny_config(eval_table=True)
+    module = lev.make_lev(cfg, dtype=F64, spread=0.3).eval()
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        module(ids)
+        module.out_proj.data.mul_(2.0)  # the table is stale on entry: dropped there
+        with module.pinned_eval_table():
+            out = module(ids)
+            table = module._table
+            monkeypatch.setattr(module, "_table_fresh", lambda dtype: pytest.fail("checked"))
+            assert torch.equal(module(ids), out) and module._table is table
+        monkeypatch.undo()
+        torch.testing.assert_close(out, _per_token(module, ids), **EXACT)
+        assert not module._table_pinned
 
 
 def test_eval_table_not_used_when_gradients_are_needed(lev):
