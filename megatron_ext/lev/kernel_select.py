@@ -20,7 +20,7 @@ import torch
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.fused import fused_lev_modes
 
-__all__ = ["select_fused_kernel", "triton_importable"]
+__all__ = ["cpu_kernel_available", "select_fused_kernel", "triton_importable"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def triton_importable() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_kernel_or_log() -> bool:
+def cpu_kernel_available() -> bool:
     """Whether the CPU kernel is usable; logs the reason once when it is not."""
     from megatron_ext.lev import cpu_fused
 
@@ -55,7 +55,7 @@ def select_fused_kernel(kernel: str, z: torch.Tensor) -> Callable[..., torch.Ten
         from megatron_ext.lev import cpu_fused
 
         if kernel == "auto":
-            return cpu_fused.cpu_lev_modes if _cpu_kernel_or_log() else fused_lev_modes
+            return cpu_fused.cpu_lev_modes if cpu_kernel_available() else fused_lev_modes
         if z.device.type != "cpu":
             raise RuntimeError(
                 f"--lev-kernel cpu runs on CPU tensors, but LEV's input is on {z.device}; "

@@ -24,6 +24,11 @@ same function (docs/lev.md section 2) with the work per id cut to what the outpu
    chunk is redone with G = 1.
 5. out_proj: one [n, h*r] @ [h*r, D] matmul, written straight into the output rows.
 
+On CPU tensors, when `LEVConfig.kernel` is "auto" or "cpu" and the C++ kernel builds
+(`lev.cpu_fused`, the training path's CPU kernel: three basis values per coordinate, the product
+in double, no [.., kappa] or [.., r] tensor), steps 2-4 run in that kernel instead, about 7x
+faster at the paper's widths; "torch" keeps the steps above on every device.
+
 Shapes (n ids per chunk, h heads on this rank, d = d_seed, kappa knots, rank r, width D)::
 
     ids [n] -> digits [n, k] -> u [n, h*d] -> t [h*d, n] -> basis [h*d, n, kappa]
@@ -52,6 +57,23 @@ __all__ = ["LEVTable", "lev_table", "table_chunk_size"]
 _CHUNK_ELEMENTS = 1 << 24
 # Mantissas in [0.5, 1) multiplied before the next frexp: the product stays above 2^-32.
 _MANTISSA_GROUP = 32
+
+
+def _cpu_kernel_usable(kernel: str) -> bool:
+    """Whether `kernel` ("auto" or "cpu") lets the table use the C++ kernel, and it builds
+    ("auto" logs once why it does not).
+
+    Raises:
+        RuntimeError: --lev-kernel cpu asked for and the kernel cannot be built (its reason).
+    """
+    from megatron_ext.lev.cpu_fused import cpu_kernel_error
+    from megatron_ext.lev.kernel_select import cpu_kernel_available
+
+    if kernel == "auto":
+        return cpu_kernel_available()
+    if kernel == "cpu" and cpu_kernel_error() is not None:
+        raise RuntimeError(cpu_kernel_error())
+    return kernel == "cpu"
 
 
 def table_chunk_size(num_heads: int, seed_dim: int, rank: int) -> int:
@@ -173,10 +195,15 @@ class LEVTable:
             if self.eps_in_coeff:
                 self.coeff += lc.product_eps
             self.out_proj = p["out_proj"].reshape(h * r, -1).contiguous()
+            self.kernel_params = tuple(
+                p[name] for name in ("seed_proj", "seed_norm_weight", "seed_norm_bias")
+            ) + (p["spline_delta"],)
+            self.codebooks = codebooks
         self.num_heads, self.seed_dim, self.num_knots, self.rank = h, d, kappa, r
         self.hidden_size = self.out_proj.shape[1]
         self.device = codebooks.device
         self.chunk_size = chunk_size or table_chunk_size(h, d, r)
+        self.cpu_kernel = self.device.type == "cpu" and _cpu_kernel_usable(lc.kernel)
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _t(self, ids: torch.Tensor) -> torch.Tensor:
@@ -223,7 +250,14 @@ class LEVTable:
         """Steps 1-3e: ids [n] (int64, in [0, V), not checked) -> M [n, h, r]."""
         h, d, r = self.num_heads, self.seed_dim, self.rank
         n = ids.shape[0]
+        lc = self.lev_config
         with torch.autocast(device_type=self.device.type, enabled=False):
+            if self.cpu_kernel:
+                from megatron_ext.lev.cpu_fused import cpu_lev_modes
+
+                digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
+                z = lev_math.seed(self.codebooks, digits, lc.codebook_combine)  # [n, d_in]
+                return cpu_lev_modes(z, *self.kernel_params, lc)
             basis = self._basis(self._t(ids))  # [h*d, n, kappa]
             phi = self._buffer("phi", h * d * n * r).view(h * d, n, r)
             torch.bmm(basis, self.coeff, out=phi)

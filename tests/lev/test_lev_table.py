@@ -40,17 +40,25 @@ def _params(module):
     return dict(module.named_parameters())
 
 
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
 @pytest.mark.parametrize("spread", [1.5, 0.0])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_table_matches_definition(lev, name, spread):
+def test_table_matches_definition(lev, name, spread, kernel):
     # spread 1.5: negative spline values (the sign path); 0: the init's coefficients 1 + N(0,
     # 0.1^2), all positive (eps folded into the coefficients when the basis is normalised).
-    cfg = lev.tiny_config(**CONFIGS[name])
+    # kernel "torch": the batched torch steps of lev.table; "cpu": the C++ kernel's modes.
+    if kernel == "cpu":
+        from megatron_ext.lev.cpu_fused import cpu_kernel_error
+
+        if cpu_kernel_error() is not None:  # pragma: no cover - needs a machine without g++
+            pytest.skip(cpu_kernel_error())
+    cfg = lev.tiny_config(**CONFIGS[name], kernel=kernel)
     module = lev.make_lev(cfg, dtype=torch.float64, spread=spread)
     ref = _definition(module, torch.arange(cfg.vocab_size))
     assert (ref.abs() > 1e-3).any()
     # float64: the same function up to float64 rounding, over several chunks.
     builder = LEVTable(cfg, _params(module), dtype=torch.float64, chunk_size=7)
+    assert builder.cpu_kernel == (kernel == "cpu")
     assert builder.eps_in_coeff == (spread == 0.0 and cfg.normalize_basis)
     table = builder.table()
     assert table.dtype == torch.float64 and table.shape == (cfg.vocab_size, cfg.hidden_size)
@@ -94,7 +102,7 @@ def test_product_neither_underflows_nor_overflows(lev, monkeypatch):
     monkeypatch.setattr(
         lev_table, "_product_over_dim1", lambda x, g: calls.append(g) or product(x, g)
     )
-    cfg = lev.tiny_config(seed_dim=32)
+    cfg = lev.tiny_config(seed_dim=32, kernel="torch")  # the torch steps' grouped product
     module = lev.make_lev(cfg, dtype=torch.float64)
     ids = torch.arange(cfg.vocab_size)
     huge = [1e20] + [1.0] * 7 + [1e20] + [1e-15] * 2 + [1.0] * 21
