@@ -143,7 +143,11 @@ def summarise(curves: dict[str, dict[int, dict[int, float]]]) -> list[dict]:
         base = curves.get(f"{impl}/tied", {})
         seeds = sorted(by_seed)
         finals = [_final(by_seed[s]) for s in seeds]
-        gaps = {s: _final(by_seed[s]) - _final(base[s]) for s in seeds if s in base}
+        gaps, at = {}, {}
+        for s in seeds:
+            if s in base:  # at the last evaluation both runs reached (the end, once finished)
+                it = at[s] = max(set(by_seed[s]) & set(base[s]))
+                gaps[s] = by_seed[s][it] - base[s][it]
         rows.append(
             dict(
                 group=group,
@@ -151,6 +155,8 @@ def summarise(curves: dict[str, dict[int, dict[int, float]]]) -> list[dict]:
                 final=statistics.mean(finals),
                 final_std=statistics.stdev(finals) if len(finals) > 1 else 0.0,
                 gaps=gaps,
+                gap_iterations=at,
+                last_iteration=min(max(by_seed[s]) for s in seeds),
                 gap=statistics.mean(gaps.values()) if gaps else None,
                 gap_std=statistics.stdev(gaps.values()) if len(gaps) > 1 else 0.0,
             )
@@ -212,6 +218,12 @@ def main() -> None:
     p.add_argument("--all-arms", action="store_true", help="all six arms, not TIED and LEV")
     p.add_argument("--plain", action="store_true", help="also run plain_gpt_loop.py (TIED, LEV)")
     p.add_argument("--no-stack", action="store_true", help="skip the pretrain_leviathan.py runs")
+    p.add_argument(
+        "--include-running",
+        action="store_true",
+        help="with --no-run: also summarise runs still in progress (their .log.tmp); gaps are "
+        "then taken at the last evaluation both runs of a pair reached",
+    )
     p.add_argument(
         "--no-run",
         action="store_true",
@@ -283,6 +295,9 @@ def main() -> None:
         for group, name, build, arm, extra in plan:
             log = out_dir / f"{name}-s{seed}.log"
             if args.no_run and not finished(log):
+                running = log.with_suffix(".log.tmp")
+                if args.include_running and running.is_file() and read_curve(running):
+                    curves.setdefault(group, {})[seed] = read_curve(running)
                 continue
             cmd = build(arm, seed, extra, args)
             curves.setdefault(group, {})[seed] = run(f"{name}-s{seed}", cmd, out_dir, env)
@@ -294,14 +309,29 @@ def main() -> None:
     print(f"{'run group':30s} {'seeds':>7s} {'val loss':>15s} {'gap to TIED':>15s}  gap per seed")
     for row in rows:
         gap = "" if row["gap"] is None else f"{row['gap']:+.3f} ± {row['gap_std']:.3f}"
-        per_seed = " ".join(f"{g:+.3f}" for g in row["gaps"].values())
+        per_seed = " ".join(
+            f"{g:+.3f}" + ("" if row["gap_iterations"][s] == args.train_iters else
+                           f" (at {row['gap_iterations'][s]})")
+            for s, g in row["gaps"].items()
+        )  # fmt: skip
+        if row["last_iteration"] < args.train_iters:
+            per_seed += f"  [running: {row['last_iteration']} iterations so far]"
         seeds = ",".join(map(str, row["seeds"]))
         print(f"{row['group']:30s} {seeds:>7s} {row['final']:7.3f} ± {row['final_std']:.3f} "
               f"{gap:>15s}  {per_seed}")  # fmt: skip
     gaps = {r["group"]: r for r in rows if r["gap"] is not None}
-    if "stack/lev" in gaps and "plain/lev" in gaps:
+    done = {g for g, r in gaps.items() if r["last_iteration"] >= args.train_iters}
+    if {"stack/lev", "plain/lev"} <= done:
         diff = gaps["stack/lev"]["gap"] - gaps["plain/lev"]["gap"]
         print(f"stack gap - plain gap: {diff:+.3f}")
+    pair_groups = ("stack/lev", "stack/tied", "plain/lev", "plain/tied")
+    if all(g in curves for g in pair_groups):  # like for like, also while runs are in progress
+        for seed in sorted(set.intersection(*(set(curves[g]) for g in pair_groups))):
+            it = max(set.intersection(*(set(curves[g][seed]) for g in pair_groups)))
+            gap = {i: curves[f"{i}/lev"][seed][it] - curves[f"{i}/tied"][seed][it]
+                   for i in ("stack", "plain")}  # fmt: skip
+            print(f"seed {seed}, iteration {it} (the last all four runs reached): "
+                  f"stack gap {gap['stack']:+.3f}, plain gap {gap['plain']:+.3f}")  # fmt: skip
     result = dict(settings=vars(args), rows=rows, curves=curves)
     tmp = out_dir / "results.json.tmp"
     tmp.write_text(json.dumps(result, indent=1))
