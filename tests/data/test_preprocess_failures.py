@@ -87,16 +87,17 @@ def test_mid_run_error_and_ctrl_c_print_one_line(sp_model, tmp_path):
                       "re-download or re-compress it"], errors  # fmt: skip
 
     # Ctrl-C: the terminal signals the whole foreground process group, workers included.
-    # 60,000 documents (~20 s of work): the run must still be going when this process, maybe
-    # descheduled for seconds on a loaded machine, gets to send the signal.
     big = tmp_path / "big.jsonl"
-    big.write_bytes(docs * 10)
+    big.write_bytes(docs)
     proc = subprocess.Popen(
         _tool(sp_model, big, tmp_path / "b"),
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # As in a terminal: a suite started in the background (`cmd &` without job control)
+        # hands its children SIGINT ignored, and Python keeps an ignored SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen = []
     for line in proc.stderr:
