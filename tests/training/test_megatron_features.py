@@ -1,6 +1,7 @@
 """Megatron-LM training features, piece by piece: batch-size ramp-up (against megatron-core's own
 calculator), decoupled learning rates, bf16 gradient reduction, parameter-norm / zero-gradient
-logging (against float64 references), recomputation on CPU, --kv-channels / --rotary-percent.
+logging (against float64 references), recomputation on CPU, --kv-channels / --rotary-percent,
+--async-save's atomicity.
 One set of two spawned gloo ranks runs the checks that need process groups."""
 
 from __future__ import annotations
@@ -227,13 +228,45 @@ def _check_kv_channels_and_rotary_percent():
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
-def _checks():
+def _check_async_save(root: str):
+    import torch.distributed as dist
+
+    from megatron_ext.models import build_model
+    from megatron_ext.parallel import ProcessGroups
+    from megatron_ext.training.checkpointing import (
+        TrainState,
+        load_checkpoint,
+        read_latest_iteration,
+        save_checkpoint,
+    )
+
+    pg = ProcessGroups.from_megatron()
+    torch.manual_seed(5)
+    model = build_model(_tiny())
+    at_save = [p.detach().clone() for p in model.parameters()]
+    pending = save_checkpoint(root, TrainState(iteration=5), model, pg=pg, async_save=True)
+    with torch.no_grad():  # training goes on while the staged copy is written
+        for p in model.parameters():
+            p.add_(1.0)
+    # The latest marker moves only when the checkpoint is finished (every rank's write done).
+    assert read_latest_iteration(root) is None
+    dist.barrier()
+    assert pending.wait().endswith("iter_0000005")
+    assert read_latest_iteration(root) == 5
+    restored = build_model(_tiny())
+    assert load_checkpoint(root, restored, pg=pg, load_rng=False).iteration == 5
+    for expected, q in zip(at_save, restored.parameters()):
+        assert torch.equal(expected, q)  # the values at save time, not the later ones
+
+
+def _checks(tmp: str):
     _check_bf16_reduce()
     _check_decoupled_lr_and_norms()
     _check_recompute_on_cpu()
     _check_kv_channels_and_rotary_percent()
+    _check_async_save(tmp)
     return True
 
 
-def test_features_on_two_gloo_ranks():
-    assert run_distributed(_checks, world_size=2) == [True, True]
+def test_features_on_two_gloo_ranks(tmp_path):
+    assert run_distributed(_checks, world_size=2, args=(str(tmp_path / "ckpt"),)) == [True, True]
