@@ -207,7 +207,6 @@ def initialize_parallel(
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(find_free_port()))
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])

@@ -71,9 +71,12 @@ def _cpu_kernel_usable(kernel: str) -> bool:
 
     if kernel == "auto":
         return cpu_kernel_available()
-    if kernel == "cpu" and cpu_kernel_error() is not None:
-        raise RuntimeError(cpu_kernel_error())
-    return kernel == "cpu"
+    if kernel != "cpu":
+        return False
+    error = cpu_kernel_error()
+    if error is not None:
+        raise RuntimeError(error)
+    return True
 
 
 def table_chunk_size(num_heads: int, seed_dim: int, rank: int) -> int:
