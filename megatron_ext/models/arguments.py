@@ -172,10 +172,11 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         lev = lev_config_from_args(args, vocab_size, sizes["hidden_size"])
         embedding = dataclasses.replace(embedding, lev=lev)
     params_dtype = torch.float32
+    # Without --seq-length (a tool building the model alone): ModelConfig's own default.
+    seq = {} if args.seq_length is None else {"seq_length": args.seq_length}
     return ModelConfig(
         vocab_size=vocab_size,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        seq_length=args.seq_length or 512,
         rotary_base=args.rotary_base,
         rotary_percent=getattr(args, "rotary_percent", 1.0),
         head_dim=getattr(args, "kv_channels", None),
@@ -201,4 +202,5 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         **sizes,
+        **seq,
     )

@@ -24,6 +24,7 @@ __all__ = [
     "TRANSFORMER_IMPLS",
     "EmbeddingConfig",
     "ModelConfig",
+    "check_half_precision",
     "llama_ffn_hidden_size",
 ]
 
@@ -45,6 +46,13 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
     """LLaMA's SwiGLU width: 2/3 of 4D (same FLOPs as a 4D GELU MLP), rounded up."""
     ffn = int(2 * 4 * hidden_size / 3)
     return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
+
+
+def check_half_precision(bf16: bool, fp16: bool) -> None:
+    """Refuse --bf16 with --fp16 (the model's parameter dtype, and the training autocast in
+    `training.config.PrecisionConfig`, take one of them)."""
+    if bf16 and fp16:
+        raise ValueError("--bf16 and --fp16 are exclusive; pick one")
 
 
 @dataclass
@@ -130,6 +138,9 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = None
     """SwiGLU inner width (None: LLaMA's 8/3 x hidden rounded up to a multiple of 256)."""
     seq_length: int = 128
+    """Tokens per sequence the model is built for (rotary positions need no table, so the
+    default only serves models built in code; `models.arguments.model_config_from_args` passes
+    the run's --seq-length, the one value `BatchConfig` and `DataConfig` also receive)."""
     rotary_base: int = 10000
     rotary_percent: float = 1.0
     """Fraction of each head's channels that rotary positions rotate (--rotary-percent)."""
@@ -242,8 +253,7 @@ class ModelConfig:
             )
         if self.embedding.embedding_type == "lev":
             self.embedding.lev.heads_per_rank(tp)  # LEV splits its heads over TP
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 are exclusive; pick one")
+        check_half_precision(self.bf16, self.fp16)
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(
                 "--transformer-impl must be local or transformer_engine, got "

@@ -3,11 +3,13 @@
 
 The parser is built from the groups below plus the model (`megatron_ext.models`) and data
 (`megatron_ext.data`) flag groups. `parse_args` parses, optionally replaces the model flags with
-the ones stored in a checkpoint (`--use-checkpoint-args`), and validates everything that can be
-checked before any process group exists, raising `ArgumentError` (a ValueError) with one line
-that names the flag to change (the model's own checks are `ModelConfig`'s). The library never
-reads the namespace: `training_config_from_args` turns it into the dataclasses of
-`config.TrainingConfig`, one per concern, which is all `pretrain` receives.
+the ones stored in a checkpoint (`--use-checkpoint-args`), applies Megatron-LM's flag-level
+rewrites, and builds the `config.TrainingConfig` dataclasses from the flags: they check
+themselves, and their one-line ValueError (naming the flag to change) becomes `ArgumentError`.
+The values they derive (data-parallel size, iterations from samples, schedule lengths in
+samples, ...) are written back to the namespace, which args.json records. The model's own checks
+are `ModelConfig`'s. The library never reads the namespace: `training_config_from_args` turns it
+into the `TrainingConfig` that is all `pretrain` receives.
 """
 
 from __future__ import annotations
@@ -86,25 +88,30 @@ def _fill(cls, args: argparse.Namespace, **values):
     return cls(**{**taken, **values})
 
 
+def _configs_from(args: argparse.Namespace, **given) -> TrainingConfig:
+    parts = dict(
+        batch=BatchConfig,
+        parallel=ParallelConfig,
+        precision=PrecisionConfig,
+        exit=ExitConfig,
+        eval=EvalConfig,
+        optim=OptimizerConfig,
+        log=LoggingConfig,
+        features=FeatureConfig,
+        engine=EngineConfig,
+    )
+    built = {name: given.get(name) or _fill(cls, args) for name, cls in parts.items()}
+    ckpt = _fill(CheckpointConfig, args, args_json=args_to_json(args))
+    return TrainingConfig(**built, ckpt=ckpt, seed=args.seed)
+
+
 def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
     """The `TrainingConfig` of a namespace that went through `parse_args` (validated, derived).
 
-    Every field is taken from the flag of the same name; `ckpt.args_json` is the whole command
-    line as args.json records it.
+    Every field is taken from the flag (or derived value) of the same name; `ckpt.args_json` is
+    the whole command line as args.json records it.
     """
-    return TrainingConfig(
-        batch=_fill(BatchConfig, args),
-        parallel=_fill(ParallelConfig, args),
-        precision=_fill(PrecisionConfig, args),
-        exit=_fill(ExitConfig, args),
-        eval=_fill(EvalConfig, args),
-        optim=_fill(OptimizerConfig, args),
-        ckpt=_fill(CheckpointConfig, args, args_json=args_to_json(args)),
-        log=_fill(LoggingConfig, args),
-        features=_fill(FeatureConfig, args),
-        engine=_fill(EngineConfig, args),
-        seed=args.seed,
-    )
+    return _configs_from(args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,174 +379,73 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
 # --------------------------------------------------------------------------------------------
 # Validation
 
+# OptimizerConfig's schedule lengths in samples (`OptimizerConfig.from_schedule` derives them).
+_SCHEDULE_IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "lr_wsd_decay_steps", "wd_incr_steps")
+# Values the configs derive that args.json records beside the flags (config -> fields).
+_DERIVED = {
+    "parallel": ("data_parallel_size",),
+    "batch": ("global_batch_size", "train_iters"),
+    "optim": (*_SCHEDULE_IN_SAMPLES, "start_weight_decay", "end_weight_decay"),
+    "features": ("decoupled_min_lr",),
+    "ckpt": ("no_load_optim",),
+}
 
-def _positive(name: str, value, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value < 1:
-        raise ArgumentError(f"{name} must be >= 1, got {value}")
+
+def _build_training_config(args: argparse.Namespace, world_size: int) -> TrainingConfig:
+    """The `TrainingConfig` of the flags as typed, Megatron-LM's derivations included."""
+    parallel = _fill(ParallelConfig, args).resolve(world_size)
+    batch = BatchConfig.from_run_length(
+        parallel.data_parallel_size,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters,
+        train_samples=args.train_samples,
+        rampup_batch_size=args.rampup_batch_size,
+        num_workers=args.num_workers,
+    )
+    schedule = (
+        "lr_decay_iters",
+        "lr_decay_samples",
+        "lr_warmup_iters",
+        "lr_warmup_samples",
+        "lr_warmup_fraction",
+        "lr_wsd_decay_iters",
+        "lr_wsd_decay_samples",
+    )
+    optim_fields = [f.name for f in fields(OptimizerConfig) if f.name not in _SCHEDULE_IN_SAMPLES]
+    optim = OptimizerConfig.from_schedule(
+        global_batch_size=batch.global_batch_size,
+        train_iters=args.train_iters,
+        train_samples=args.train_samples,
+        **{name: getattr(args, name) for name in schedule},
+        **{name: getattr(args, name) for name in optim_fields},
+    )
+    return _configs_from(args, batch=batch, parallel=parallel, optim=optim)
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Check and derive (in place) everything that does not need a process group.
+    """Apply the flag-level conveniences, build the configs (which check themselves) and write
+    what they derive back to the namespace for args.json (in place).
 
-    Derives data_parallel_size, global_batch_size (default), train_iters (from train_samples),
-    and the scheduler's warmup/decay lengths in samples, as Megatron-LM does.
+    Raises:
+        ArgumentError: the one-line message of the config that refused a value.
     """
-    from megatron_ext.parallel import validate_parallel_layout
-
-    try:
-        dp = validate_parallel_layout(
-            world_size,
-            args.tensor_model_parallel_size,
-            args.pipeline_model_parallel_size,
-            args.context_parallel_size,
-        )
-    except ValueError as error:
-        raise ArgumentError(str(error)) from None
-    args.data_parallel_size = dp
     cuda = torch.cuda.is_available()
+    # What this machine must have (the configs check values, not the machine).
     if args.distributed_backend == "nccl" and not cuda:
         raise ArgumentError("--distributed-backend nccl needs CUDA; drop it (gloo is used on CPU)")
-
-    # Batch and run length.
-    if args.micro_batch_size is None:
-        raise ArgumentError("--micro-batch-size is required")
-    _positive("--micro-batch-size", args.micro_batch_size)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    _positive("--global-batch-size", args.global_batch_size)
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise ArgumentError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by "
-            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp} = "
-            f"{args.micro_batch_size * dp}; change one of them"
-        )
-    if args.seq_length is None:
-        raise ArgumentError("--seq-length is required")
-    _positive("--seq-length", args.seq_length)
-    if (args.train_iters is None) == (args.train_samples is None):
-        raise ArgumentError("give exactly one of --train-iters and --train-samples")
-    if args.train_samples is not None:
-        _positive("--train-samples", args.train_samples)
-        if args.train_samples < args.global_batch_size:
-            raise ArgumentError(
-                f"--train-samples {args.train_samples} is less than one global batch "
-                f"({args.global_batch_size})"
-            )
-        args.train_iters = args.train_samples // args.global_batch_size
-        if args.lr_decay_iters is not None or args.lr_warmup_iters:
-            raise ArgumentError(
-                "with --train-samples give the schedule in samples (--lr-decay-samples, "
-                "--lr-warmup-samples), not iterations"
-            )
-    else:
-        _positive("--train-iters", args.train_iters)
-        if args.lr_decay_samples is not None or args.lr_warmup_samples:
-            raise ArgumentError(
-                "with --train-iters give the schedule in iterations (--lr-decay-iters, "
-                "--lr-warmup-iters), not samples"
-            )
-    for flag in ("log_interval", "eval_interval", "tensorboard_log_interval"):
-        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    if args.eval_iters < 0:
-        raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    _positive("--exit-interval", args.exit_interval)
-    _positive("--save-interval", args.save_interval)
-    _positive("--ckpt-keep-last", args.ckpt_keep_last)
-    _positive("--max-nonfinite-steps", args.max_nonfinite_steps)
-    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
-        raise ArgumentError("--exit-duration-in-mins must be > 0")
-    if args.save_interval and not args.save:
-        raise ArgumentError("--save-interval needs --save")
-    if args.exit_signal_handler and not args.save:
-        logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")
-
-    # Precision (--bf16 with --fp16, and --fp8-format without Transformer Engine, are refused by
-    # ModelConfig, which also holds these flags).
-    if args.fp8_format is not None and not (args.bf16 or args.fp16):
-        raise ArgumentError("--fp8-format needs --bf16 (FP8 hybrid runs other ops in BF16)")
     if args.transformer_impl == "transformer_engine" and not cuda:
         raise ArgumentError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
-    from megatron_ext.training.gpu_arguments import validate_gpu_args
-
-    validate_gpu_args(args, cuda)
-    if args.context_parallel_size > 1:
-        if args.transformer_impl != "transformer_engine":
-            raise ArgumentError(
-                "--context-parallel-size > 1 needs --transformer-impl transformer_engine "
-                "(megatron-core's context-parallel attention is Transformer Engine's)"
-            )
-        if args.seq_length % (2 * args.context_parallel_size):
-            raise ArgumentError(
-                f"--seq-length {args.seq_length} is not divisible by 2 x "
-                f"--context-parallel-size {args.context_parallel_size}"
-            )
+    if args.context_parallel_size > 1 and args.transformer_impl != "transformer_engine":
+        raise ArgumentError(
+            "--context-parallel-size > 1 needs --transformer-impl transformer_engine "
+            "(megatron-core's context-parallel attention is Transformer Engine's)"
+        )
+    # Megatron-LM's flag-level rewrites, so that its launch scripts run.
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        # Megatron-LM's rule, so that its TP=1 launch scripts with --sequence-parallel run.
         logger.warning("--sequence-parallel is off: --tensor-model-parallel-size is 1")
         args.sequence_parallel = False
-
-    # Optimizer and schedule (Megatron-LM steps the scheduler in samples).
-    if args.lr is None:
-        raise ArgumentError("--lr is required")
-    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
-        raise ArgumentError(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr}), --lr > 0")
-    if args.lr_warmup_init > args.lr:
-        raise ArgumentError("--lr-warmup-init must not exceed --lr")
-    if args.clip_grad < 0:
-        raise ArgumentError(f"--clip-grad must be >= 0, got {args.clip_grad}")
-    if not (0.0 <= args.adam_beta1 < 1.0 and 0.0 <= args.adam_beta2 < 1.0):
-        raise ArgumentError("--adam-beta1 and --adam-beta2 must be in [0, 1)")
-    if args.weight_decay < 0:
-        raise ArgumentError("--weight-decay must be >= 0")
-    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        raise ArgumentError(
-            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler conflict"
-        )
-    gbs = args.global_batch_size
-    if args.train_samples is None:
-        decay_iters = args.lr_decay_iters or args.train_iters
-        args.lr_decay_steps = decay_iters * gbs
-        warmup_fraction_of = args.lr_decay_steps
-        args.lr_warmup_steps = args.lr_warmup_iters * gbs
-        args.lr_wsd_decay_steps = (
-            args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
-        )
-    else:
-        args.lr_decay_steps = args.lr_decay_samples or args.train_samples
-        warmup_fraction_of = args.lr_decay_steps
-        args.lr_warmup_steps = args.lr_warmup_samples
-        args.lr_wsd_decay_steps = args.lr_wsd_decay_samples
-    if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters or args.lr_warmup_samples:
-            raise ArgumentError(
-                "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive"
-            )
-        if not 0.0 <= args.lr_warmup_fraction < 1.0:
-            raise ArgumentError("--lr-warmup-fraction must be in [0, 1)")
-        args.lr_warmup_steps = int(args.lr_warmup_fraction * warmup_fraction_of)
-    if args.lr_warmup_steps >= args.lr_decay_steps:
-        raise ArgumentError(
-            "the warmup is not shorter than the decay; lower --lr-warmup-* or raise "
-            "--lr-decay-iters/--train-iters"
-        )
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_steps is None:
-        raise ArgumentError("--lr-decay-style WSD needs --lr-wsd-decay-iters/-samples")
-    if args.start_weight_decay is None:
-        args.start_weight_decay = args.weight_decay
-    if args.end_weight_decay is None:
-        args.end_weight_decay = args.weight_decay
-    if args.weight_decay_incr_style == "constant" and (
-        args.start_weight_decay != args.end_weight_decay
-    ):
-        raise ArgumentError(
-            "--start-weight-decay != --end-weight-decay needs --weight-decay-incr-style "
-            "linear or cosine"
-        )
-    args.wd_incr_steps = args.train_iters * gbs
-
-    # Checkpointing.
     if args.ckpt_format == "torch_dist":
         logger.info(
             "--ckpt-format torch_dist: checkpoints are written as torch_dcp (this project's DCP "
@@ -547,10 +453,18 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             "writes a checkpoint Megatron-LM loads"
         )
         args.ckpt_format = "torch_dcp"
-    if args.finetune and not args.load:
-        raise ArgumentError("--finetune needs --load")
-    if args.ckpt_step is not None and not args.load:
-        raise ArgumentError("--ckpt-step needs --load")
+    try:
+        cfg = _build_training_config(args, world_size)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+    for part, names in _DERIVED.items():
+        for name in names:
+            setattr(args, name, getattr(getattr(cfg, part), name))
+    if args.exit_signal_handler and not args.save:
+        logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")
+    from megatron_ext.training.gpu_arguments import validate_gpu_args
+
+    validate_gpu_args(args, cuda)
     return args
 
 

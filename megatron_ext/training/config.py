@@ -2,17 +2,30 @@
 
 `pretrain(cfg)` reads these and nothing else (no argparse namespace). Each field has one owner:
 the layout in `ParallelConfig`, batch sizes and run length in `BatchConfig`, numerics in
-`PrecisionConfig`, when to stop in `ExitConfig`, and so on. The command line fills them in
-`arguments.training_config_from_args` after `arguments.validate_args` checked the flags and
-derived the values Megatron-LM derives (data-parallel size, iterations from samples, schedule
-lengths in samples); a library user can also build them directly.
+`PrecisionConfig`, when to stop in `ExitConfig`, and so on.
+
+Each dataclass checks its own fields in `__post_init__`, raising ValueError with one line that
+names the flag to change (the command line is their main user); `TrainingConfig.__post_init__`
+checks what spans two of them (the global batch against micro-batch x data-parallel size, the
+ramp-up, --skip-train with --load, ...). The one value that needs the world size, the
+data-parallel size, is set by `TrainingConfig.resolve(world_size)` (`pretrain` calls it). Two
+constructors translate Megatron-LM's run-length flags: `BatchConfig.from_run_length` (global
+batch default, iterations from --train-samples) and `OptimizerConfig.from_schedule` (the
+schedule in iterations or samples -> samples). `arguments.validate_args` builds the configs from
+the flags with these; a library user builds them directly and gets the same checks.
+
+Whether this machine can run a valid config (CUDA for nccl / Transformer Engine / megatron-core's
+engine, the optional wandb package) is checked by the entry point (`arguments.validate_args`,
+`gpu_arguments.validate_gpu_args`, `megatron_features.validate_megatron_features`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_ext.models.config import check_half_precision
 from megatron_ext.training.megatron_features import FeatureConfig
 
 __all__ = [
@@ -27,6 +40,17 @@ __all__ = [
     "EngineConfig",
     "TrainingConfig",
 ]
+
+
+def _required(flag: str, value) -> None:
+    if value is None:
+        raise ValueError(f"{flag} is required")
+
+
+def _at_least(flag: str, value, minimum: int = 1) -> None:
+    """Refuse `value` below `minimum` (None: not set, allowed)."""
+    if value is not None and value < minimum:
+        raise ValueError(f"{flag} must be >= {minimum}, got {value}")
 
 
 @dataclass
@@ -44,7 +68,44 @@ class ParallelConfig:
     """nccl | gloo; None picks nccl when CUDA is available, gloo otherwise."""
     distributed_timeout_minutes: int = 10
     data_parallel_size: int = 1
-    """Derived: world size / (TP x CP x PP)."""
+    """Derived: world size / (TP x CP x PP), set by `resolve`."""
+
+    def __post_init__(self) -> None:
+        from megatron_ext.parallel import validate_parallel_layout
+
+        _at_least("data-parallel size", self.data_parallel_size)
+        validate_parallel_layout(self.world_size, *self._model_parallel_sizes)
+        if self.distributed_backend not in (None, "nccl", "gloo"):
+            raise ValueError(
+                f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}"
+            )
+
+    @property
+    def _model_parallel_sizes(self) -> tuple[int, int, int]:
+        return (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
+
+    @property
+    def world_size(self) -> int:
+        """TP x CP x PP x DP ranks."""
+        tp, pp, cp = self._model_parallel_sizes
+        return tp * pp * cp * self.data_parallel_size
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        """This layout on `world_size` ranks: the data-parallel size derived (self if it is).
+
+        Raises:
+            ValueError: the ranks do not split into TP x CP x PP x DP.
+        """
+        from megatron_ext.parallel import validate_parallel_layout
+
+        dp = validate_parallel_layout(world_size, *self._model_parallel_sizes)
+        if dp == self.data_parallel_size:
+            return self
+        return dataclasses.replace(self, data_parallel_size=dp)
 
 
 @dataclass
@@ -60,6 +121,62 @@ class BatchConfig:
     """Iterations to train (derived from --train-samples when that is given)."""
     num_workers: int = 0
     """DataLoader worker processes (the data flag --num-workers)."""
+
+    def __post_init__(self) -> None:
+        _required("--micro-batch-size", self.micro_batch_size)
+        _at_least("--micro-batch-size", self.micro_batch_size)
+        _required("--global-batch-size", self.global_batch_size)
+        _at_least("--global-batch-size", self.global_batch_size)
+        _required("--seq-length", self.seq_length)
+        _at_least("--seq-length", self.seq_length)
+        _at_least("--train-iters", self.train_iters, 0)
+
+    @classmethod
+    def from_run_length(
+        cls,
+        data_parallel_size: int,
+        *,
+        seq_length: int,
+        micro_batch_size: int,
+        global_batch_size: Optional[int] = None,
+        train_iters: Optional[int] = None,
+        train_samples: Optional[int] = None,
+        rampup_batch_size: Optional[list] = None,
+        num_workers: int = 0,
+    ) -> "BatchConfig":
+        """Megatron-LM's batch flags at `data_parallel_size`: the global batch defaults to
+        micro-batch x DP (no accumulation); the run length is exactly one of `train_iters` and
+        `train_samples`, iterations derived from samples (through --rampup-batch-size, if any).
+        """
+        _required("--micro-batch-size", micro_batch_size)
+        _at_least("--micro-batch-size", micro_batch_size)
+        if global_batch_size is None:
+            global_batch_size = micro_batch_size * data_parallel_size
+        if (train_iters is None) == (train_samples is None):
+            raise ValueError("give exactly one of --train-iters and --train-samples")
+        if train_samples is None:
+            _at_least("--train-iters", train_iters)
+        else:
+            _at_least("--train-samples", train_samples)
+            _at_least("--global-batch-size", global_batch_size)
+            if train_samples < global_batch_size:
+                raise ValueError(
+                    f"--train-samples {train_samples} is less than one global batch "
+                    f"({global_batch_size})"
+                )
+            train_iters = train_samples // global_batch_size
+            rampup = FeatureConfig(rampup_batch_size=rampup_batch_size).rampup(
+                global_batch_size, micro_batch_size * data_parallel_size
+            )
+            if rampup is not None:
+                train_iters = rampup.iterations_for(train_samples)
+        return cls(
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            train_iters=train_iters,
+            num_workers=num_workers,
+        )
 
 
 @dataclass
@@ -79,6 +196,19 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
 
+    def __post_init__(self) -> None:
+        check_half_precision(self.bf16, self.fp16)
+        if self.fp8_format is None:
+            for flag, value, default in (
+                ("--fp8-margin", self.fp8_margin, 0),
+                ("--fp8-amax-history-len", self.fp8_amax_history_len, 1024),
+            ):
+                if value != default:
+                    raise ValueError(f"{flag} needs --fp8-format")
+        elif not (self.bf16 or self.fp16):
+            raise ValueError("--fp8-format needs --bf16 (FP8 hybrid runs other ops in BF16)")
+        _at_least("--fp8-amax-history-len", self.fp8_amax_history_len)
+
 
 @dataclass
 class ExitConfig:
@@ -93,6 +223,12 @@ class ExitConfig:
     stopping); the run still stops after --max-nonfinite-steps such iterations in a row."""
     max_nonfinite_steps: int = 10
 
+    def __post_init__(self) -> None:
+        _at_least("--exit-interval", self.exit_interval)
+        _at_least("--max-nonfinite-steps", self.max_nonfinite_steps)
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ValueError("--exit-duration-in-mins must be > 0")
+
 
 @dataclass
 class EvalConfig:
@@ -101,6 +237,10 @@ class EvalConfig:
     eval_interval: int = 1000
     eval_iters: int = 100
     """Global batches per evaluation (0: no evaluation)."""
+
+    def __post_init__(self) -> None:
+        _at_least("--eval-interval", self.eval_interval)
+        _at_least("--eval-iters", self.eval_iters, 0)
 
 
 @dataclass
@@ -115,6 +255,7 @@ class OptimizerConfig:
     lr_wsd_decay_style: str = "exponential"
     weight_decay: float = 0.01
     start_weight_decay: Optional[float] = None
+    """None: --weight-decay (as is end_weight_decay)."""
     end_weight_decay: Optional[float] = None
     weight_decay_incr_style: str = "constant"
     adam_beta1: float = 0.9
@@ -123,11 +264,105 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
-    # Derived, in samples (Megatron-LM steps its scheduler by the global batch size).
+    # In samples (Megatron-LM steps its scheduler by the global batch size); `from_schedule`
+    # derives them from the flags in iterations or samples.
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 1
     lr_wsd_decay_steps: Optional[int] = None
     wd_incr_steps: int = 1
+
+    def __post_init__(self) -> None:
+        _required("--lr", self.lr)
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}), --lr > 0")
+        if self.lr_warmup_init > self.lr:
+            raise ValueError("--lr-warmup-init must not exceed --lr")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0):
+            raise ValueError("--adam-beta1 and --adam-beta2 must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ValueError("--weight-decay must be >= 0")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError(
+                "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler conflict"
+            )
+        if self.lr_warmup_steps >= self.lr_decay_steps:
+            raise ValueError(
+                "the warmup is not shorter than the decay; lower --lr-warmup-* or raise "
+                "--lr-decay-iters/--train-iters"
+            )
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_steps is None:
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters/-samples")
+        if self.start_weight_decay is None:
+            self.start_weight_decay = self.weight_decay
+        if self.end_weight_decay is None:
+            self.end_weight_decay = self.weight_decay
+        if self.weight_decay_incr_style == "constant" and (
+            self.start_weight_decay != self.end_weight_decay
+        ):
+            raise ValueError(
+                "--start-weight-decay != --end-weight-decay needs --weight-decay-incr-style "
+                "linear or cosine"
+            )
+
+    @classmethod
+    def from_schedule(
+        cls,
+        *,
+        global_batch_size: int,
+        train_iters: Optional[int] = None,
+        train_samples: Optional[int] = None,
+        lr_decay_iters: Optional[int] = None,
+        lr_decay_samples: Optional[int] = None,
+        lr_warmup_iters: int = 0,
+        lr_warmup_samples: int = 0,
+        lr_warmup_fraction: Optional[float] = None,
+        lr_wsd_decay_iters: Optional[int] = None,
+        lr_wsd_decay_samples: Optional[int] = None,
+        **fields,
+    ) -> "OptimizerConfig":
+        """Megatron-LM's schedule flags -> the lengths in samples: a run given in iterations
+        (`train_iters`) gives its schedule in iterations (x `global_batch_size`), one given in
+        samples (`train_samples`) in samples; `lr_warmup_fraction` is a fraction of the decay.
+        The decay defaults to the whole run, the weight-decay ramp spans the whole run.
+        `fields` are the other fields of the config."""
+        gbs = global_batch_size
+        if train_samples is None:
+            if lr_decay_samples is not None or lr_warmup_samples:
+                raise ValueError(
+                    "with --train-iters give the schedule in iterations (--lr-decay-iters, "
+                    "--lr-warmup-iters), not samples"
+                )
+            decay = (lr_decay_iters or train_iters) * gbs
+            warmup = lr_warmup_iters * gbs
+            wsd_decay = lr_wsd_decay_iters * gbs if lr_wsd_decay_iters is not None else None
+            iterations = train_iters
+        else:
+            if lr_decay_iters is not None or lr_warmup_iters:
+                raise ValueError(
+                    "with --train-samples give the schedule in samples (--lr-decay-samples, "
+                    "--lr-warmup-samples), not iterations"
+                )
+            decay = lr_decay_samples or train_samples
+            warmup = lr_warmup_samples
+            wsd_decay = lr_wsd_decay_samples
+            iterations = train_samples // gbs
+        if lr_warmup_fraction is not None:
+            if lr_warmup_iters or lr_warmup_samples:
+                raise ValueError(
+                    "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive"
+                )
+            if not 0.0 <= lr_warmup_fraction < 1.0:
+                raise ValueError("--lr-warmup-fraction must be in [0, 1)")
+            warmup = int(lr_warmup_fraction * decay)
+        return cls(
+            **fields,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=decay,
+            lr_wsd_decay_steps=wsd_decay,
+            wd_incr_steps=iterations * gbs,
+        )
 
 
 @dataclass
@@ -151,6 +386,16 @@ class CheckpointConfig:
     """The run's flags, written as args.json beside each checkpoint (--use-checkpoint-args
     reads the model flags back from it) and logged at start."""
 
+    def __post_init__(self) -> None:
+        _at_least("--save-interval", self.save_interval)
+        _at_least("--ckpt-keep-last", self.ckpt_keep_last)
+        if self.save_interval and not self.save:
+            raise ValueError("--save-interval needs --save")
+        if self.finetune and not self.load:
+            raise ValueError("--finetune needs --load")
+        if self.ckpt_step is not None and not self.load:
+            raise ValueError("--ckpt-step needs --load")
+
 
 @dataclass
 class LoggingConfig:
@@ -171,6 +416,10 @@ class LoggingConfig:
     loss_curve: bool = True
     """Write loss_curve.png beside the TensorBoard events (or the checkpoints) at the end."""
 
+    def __post_init__(self) -> None:
+        _at_least("--log-interval", self.log_interval)
+        _at_least("--tensorboard-log-interval", self.tensorboard_log_interval)
+
 
 @dataclass
 class EngineConfig:
@@ -181,6 +430,11 @@ class EngineConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     ddp_bucket_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.ddp_impl not in ("portable", "megatron"):
+            raise ValueError(f"--ddp-impl must be portable or megatron, got {self.ddp_impl!r}")
+        _at_least("--ddp-bucket-size", self.ddp_bucket_size)
 
 
 @dataclass
@@ -199,6 +453,50 @@ class TrainingConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     seed: int = 1234
     """Seeds Python, NumPy and torch (offset by the pipeline rank, as Megatron-LM does)."""
+
+    def __post_init__(self) -> None:
+        """The checks that span two configs, and the values one config derives for another
+        (--decoupled-min-lr defaults to --min-lr; --skip-train loads no optimizer state)."""
+        b, p, f = self.batch, self.parallel, self.features
+        micro_times_dp = b.micro_batch_size * p.data_parallel_size
+        if b.global_batch_size % micro_times_dp:
+            raise ValueError(
+                f"--global-batch-size {b.global_batch_size} is not divisible by "
+                f"--micro-batch-size {b.micro_batch_size} x data-parallel size "
+                f"{p.data_parallel_size} = {micro_times_dp}; change one of them"
+            )
+        cp = p.context_parallel_size
+        if cp > 1 and b.seq_length % (2 * cp):
+            raise ValueError(
+                f"--seq-length {b.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
+            )
+        f.rampup(b.global_batch_size, micro_times_dp)  # checks --rampup-batch-size
+        if f.decoupled_lr is not None and f.decoupled_min_lr is None:
+            self.features = f = dataclasses.replace(f, decoupled_min_lr=self.optim.min_lr)
+        if f.skip_train:
+            if not self.ckpt.load:
+                raise ValueError("--skip-train evaluates a checkpoint: pass --load")
+            if not self.ckpt.no_load_optim:
+                self.ckpt = dataclasses.replace(self.ckpt, no_load_optim=True)
+        if f.async_save and not self.ckpt.save:
+            raise ValueError("--async-save needs --save")
+        if f.profile and not (self.log.tensorboard_dir or self.ckpt.save):
+            raise ValueError(
+                "--profile writes its trace beside the TensorBoard logs: --tensorboard-dir"
+            )
+
+    def resolve(self, world_size: int) -> "TrainingConfig":
+        """This config on `world_size` ranks: `parallel.data_parallel_size` derived from the
+        layout and the batch checked against it (self if nothing changes).
+
+        Raises:
+            ValueError: the ranks do not split into the layout, or the global batch does not
+                split into micro-batches over the data-parallel ranks.
+        """
+        parallel = self.parallel.resolve(world_size)
+        if parallel is self.parallel:
+            return self
+        return dataclasses.replace(self, parallel=parallel)
 
     @property
     def num_microbatches(self) -> int:

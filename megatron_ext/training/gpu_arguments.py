@@ -1,9 +1,10 @@
 """Megatron-LM's GPU-only flags: FP8 recipe and megatron-core's DDP engine.
 
 All GPU flags of the GPU path are defined here, in `add_gpu_arguments`, and checked in
-`validate_gpu_args` (both called from `training.arguments`). A flag that another module already
-defined (e.g. the Megatron-LM compatibility layer) is left as it is: every flag has one
-definition, whatever the order in which the two were added.
+`validate_gpu_args` (both called from `training.arguments`) where they need CUDA or the engine;
+the FP8 recipe's values are checked by `training.config.PrecisionConfig`. A flag that another
+module already defined (e.g. the Megatron-LM compatibility layer) is left as it is: every flag
+has one definition, whatever the order in which the two were added.
 
     --ddp-impl portable|megatron                  the training engine (megatron: CUDA only)
     --overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size
@@ -110,12 +111,7 @@ def validate_gpu_args(args: argparse.Namespace, cuda: bool | None = None) -> arg
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
     if getattr(args, "fp8_param_gather", False) and getattr(args, "fp8_format", None) is None:
         _fail("--fp8-param-gather needs --fp8-format")
-    if getattr(args, "fp8_format", None) is None:
-        for flag, default in (("fp8_margin", 0), ("fp8_amax_history_len", 1024)):
-            if getattr(args, flag, default) != default:
-                _fail(f"--{flag.replace('_', '-')} needs --fp8-format")
-    if getattr(args, "fp8_amax_history_len", 1) < 1:
-        _fail("--fp8-amax-history-len must be >= 1")
+    # --fp8-margin / --fp8-amax-history-len without --fp8-format: PrecisionConfig's checks.
     if megatron:
         reason = engine_limitations(args)
         if reason:

@@ -786,6 +786,7 @@ def pretrain(
     )
     trainer = None
     try:
+        cfg = cfg.resolve(dist.get_world_size())  # the data-parallel size of this world
         trainer = setup(
             cfg,
             pg,

@@ -3,7 +3,8 @@ rates, manual garbage collection, empty-cache levels, the torch profiler window,
 zero-gradient / memory logging and Weights & Biases.
 
 The flags are added by `megatron_compat.add_megatron_compat_arguments`; `FeatureConfig` holds
-them, `validate_megatron_features` checks them with the other flags, and `RunExtras` is what the
+and checks them (`TrainingConfig` checks them against the batch and checkpoint settings),
+`validate_megatron_features` checks what they need of the machine, and `RunExtras` is what the
 loop calls around each iteration.
 """
 
@@ -65,6 +66,25 @@ class FeatureConfig:
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
     wandb_entity: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        """The checks of these flags alone; those against the batch or the checkpoint flags
+        (--rampup-batch-size, --skip-train, ...) are `TrainingConfig`'s."""
+        if self.decoupled_min_lr is not None:
+            if self.decoupled_lr is None:
+                raise ValueError("--decoupled-min-lr needs --decoupled-lr")
+            if self.decoupled_lr <= 0 or not 0 <= self.decoupled_min_lr <= self.decoupled_lr:
+                raise ValueError(
+                    f"need 0 <= --decoupled-min-lr ({self.decoupled_min_lr}) <= --decoupled-lr "
+                    f"({self.decoupled_lr}), --decoupled-lr > 0"
+                )
+        if self.manual_gc_interval < 0:
+            raise ValueError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
+        if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
+            raise ValueError(
+                f"need 0 <= --profile-step-start ({self.profile_step_start}) < "
+                f"--profile-step-end ({self.profile_step_end})"
+            )
 
     def rampup(self, global_batch_size: int, micro_times_dp: int) -> Optional["BatchSizeRampup"]:
         """The --rampup-batch-size schedule up to `global_batch_size` in steps that split into
@@ -128,42 +148,8 @@ class BatchSizeRampup:
 
 
 def validate_megatron_features(args: argparse.Namespace, error=ValueError) -> argparse.Namespace:
-    """Check the feature flags (after `validate_args`); derive what they change."""
-    if args.rampup_batch_size is not None:
-        try:
-            rampup = FeatureConfig(rampup_batch_size=args.rampup_batch_size).rampup(
-                args.global_batch_size, args.micro_batch_size * args.data_parallel_size
-            )
-        except ValueError as exc:
-            raise error(str(exc)) from None
-        if args.train_samples is not None:
-            args.train_iters = rampup.iterations_for(args.train_samples)
-    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
-        raise error("--decoupled-min-lr needs --decoupled-lr")
-    if args.decoupled_lr is not None:
-        if args.decoupled_min_lr is None:
-            args.decoupled_min_lr = args.min_lr  # Megatron-LM's default
-        if args.decoupled_lr <= 0 or not 0 <= args.decoupled_min_lr <= args.decoupled_lr:
-            raise error(
-                f"need 0 <= --decoupled-min-lr ({args.decoupled_min_lr}) <= --decoupled-lr "
-                f"({args.decoupled_lr}), --decoupled-lr > 0"
-            )
-    if args.skip_train:
-        if not args.load:
-            raise error("--skip-train evaluates a checkpoint: pass --load")
-        args.no_load_optim = True
-    if args.async_save and not args.save:
-        raise error("--async-save needs --save")
-    if args.manual_gc_interval < 0:
-        raise error(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
-    if args.profile:
-        if not 0 <= args.profile_step_start < args.profile_step_end:
-            raise error(
-                f"need 0 <= --profile-step-start ({args.profile_step_start}) < "
-                f"--profile-step-end ({args.profile_step_end})"
-            )
-        if not (args.tensorboard_dir or args.save):
-            raise error("--profile writes its trace beside the TensorBoard logs: --tensorboard-dir")
+    """What the feature flags need of this machine and the flag-level defaults (after
+    `validate_args`, which checked their values through `FeatureConfig` and `TrainingConfig`)."""
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         raise error(
             "--wandb-project needs the optional package wandb: pip install "

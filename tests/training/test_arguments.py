@@ -98,14 +98,18 @@ def test_required_flags():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
-def test_precision_errors_come_from_the_model_config():
-    """The model's precision checks live in ModelConfig only (not repeated for the flags)."""
-    from megatron_ext.models import model_config_from_args
+def test_precision_errors_come_from_the_configs():
+    """Each precision check lives in one place: FP8 needing Transformer Engine in ModelConfig,
+    --fp8-format needing --bf16 in PrecisionConfig, --bf16 with --fp16 in one function that
+    both configs call (the flags fill both)."""
+    from megatron_ext.models import ModelConfig, model_config_from_args
 
     with pytest.raises(ValueError, match="FP8 is not available on CPU"):
         model_config_from_args(_parse("--fp8-format", "hybrid", "--bf16"), 128)
+    with pytest.raises(ArgumentError, match="--bf16 and --fp16 are exclusive"):
+        _parse("--bf16", "--fp16")
     with pytest.raises(ValueError, match="--bf16 and --fp16 are exclusive"):
-        model_config_from_args(_parse("--bf16", "--fp16"), 128)
+        ModelConfig(vocab_size=128, bf16=True, fp16=True)
     with pytest.raises(ArgumentError, match="--fp8-format needs --bf16"):
         _parse("--fp8-format", "hybrid")
 

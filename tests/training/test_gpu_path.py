@@ -54,7 +54,6 @@ def test_every_gpu_flag_is_parsed_once_even_if_defined_elsewhere():
             True,
             "--overlap-param-gather needs --use-distributed-optimizer",
         ),
-        (["--fp8-amax-history-len", "8"], True, "--fp8-amax-history-len needs --fp8-format"),
         (
             ["--ddp-impl", "megatron", "--fp8-param-gather"],
             True,
