@@ -480,6 +480,8 @@ class TrainingConfig:
                 self.ckpt = dataclasses.replace(self.ckpt, no_load_optim=True)
         if f.async_save and not self.ckpt.save:
             raise ValueError("--async-save needs --save")
+        if self.engine.overlap_param_gather and not p.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         if f.profile and not (self.log.tensorboard_dir or self.ckpt.save):
             raise ValueError(
                 "--profile writes its trace beside the TensorBoard logs: --tensorboard-dir"

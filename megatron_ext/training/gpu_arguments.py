@@ -107,11 +107,10 @@ def validate_gpu_args(args: argparse.Namespace, cuda: bool | None = None) -> arg
         _fail(
             "--fp8-param-gather needs --ddp-impl megatron (the portable engine has no such option)"
         )
-    if getattr(args, "overlap_param_gather", False) and not args.use_distributed_optimizer:
-        _fail("--overlap-param-gather needs --use-distributed-optimizer")
     if getattr(args, "fp8_param_gather", False) and getattr(args, "fp8_format", None) is None:
         _fail("--fp8-param-gather needs --fp8-format")
-    # --fp8-margin / --fp8-amax-history-len without --fp8-format: PrecisionConfig's checks.
+    # The values (--fp8-margin without --fp8-format, --overlap-param-gather without the
+    # distributed optimizer) are checked by PrecisionConfig and TrainingConfig.
     if megatron:
         reason = engine_limitations(args)
         if reason:

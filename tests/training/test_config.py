@@ -151,6 +151,10 @@ def _run(**parts) -> TrainingConfig:
             "need 0 <= --decoupled-min-lr (0.001) <= --decoupled-lr (0.0001)",
         ),
         (
+            lambda: _run(engine=EngineConfig(overlap_param_gather=True)),
+            "--overlap-param-gather needs --use-distributed-optimizer",
+        ),
+        (
             lambda: _run(features=FeatureConfig(skip_train=True)),
             "--skip-train evaluates a checkpoint: pass --load",
         ),

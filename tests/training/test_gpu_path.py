@@ -50,11 +50,6 @@ def test_every_gpu_flag_is_parsed_once_even_if_defined_elsewhere():
         (["--ddp-impl", "megatron"], False, "--ddp-impl megatron needs CUDA"),
         (["--fp8-param-gather", "--fp8-format", "hybrid"], True, "needs --ddp-impl megatron"),
         (
-            ["--ddp-impl", "megatron", "--overlap-param-gather"],
-            True,
-            "--overlap-param-gather needs --use-distributed-optimizer",
-        ),
-        (
             ["--ddp-impl", "megatron", "--fp8-param-gather"],
             True,
             "--fp8-param-gather needs --fp8-format",
