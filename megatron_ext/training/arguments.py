@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -465,6 +466,18 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     from megatron_ext.training.gpu_arguments import validate_gpu_args
 
     validate_gpu_args(args, cuda)
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError(
+            "--wandb-project needs the optional package wandb: pip install "
+            "'megatron-ext-leviathan[wandb]' (or drop the flag)"
+        )
+    if args.empty_unused_memory_level and not cuda:
+        logger.info("--empty-unused-memory-level: no CUDA caching allocator on CPU, no effect")
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        args.tokenizer_type = "GPT2BPETokenizer"
+        logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
+    if args.logging_level is not None:
+        logging.getLogger().setLevel(args.logging_level)
     return args
 
 
@@ -481,11 +494,9 @@ def parse_args(
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     from megatron_ext.training.megatron_compat import apply_megatron_compat
-    from megatron_ext.training.megatron_features import validate_megatron_features
 
     apply_megatron_compat(args, error=ArgumentError)
-    validate_args(args, world_size)
-    return validate_megatron_features(args, error=ArgumentError)
+    return validate_args(args, world_size)
 
 
 def args_to_json(args: argparse.Namespace) -> dict:

@@ -16,7 +16,7 @@ the flags with these; a library user builds them directly and gets the same chec
 
 Whether this machine can run a valid config (CUDA for nccl / Transformer Engine / megatron-core's
 engine, the optional wandb package) is checked by the entry point (`arguments.validate_args`,
-`gpu_arguments.validate_gpu_args`, `megatron_features.validate_megatron_features`).
+`gpu_arguments.validate_gpu_args`).
 """
 
 from __future__ import annotations

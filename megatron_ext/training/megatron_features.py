@@ -3,16 +3,14 @@ rates, manual garbage collection, empty-cache levels, the torch profiler window,
 zero-gradient / memory logging and Weights & Biases.
 
 The flags are added by `megatron_compat.add_megatron_compat_arguments`; `FeatureConfig` holds
-and checks them (`TrainingConfig` checks them against the batch and checkpoint settings),
-`validate_megatron_features` checks what they need of the machine, and `RunExtras` is what the
-loop calls around each iteration.
+and checks them (`TrainingConfig` checks them against the batch and checkpoint settings;
+`arguments.validate_args` what they need of the machine), and `RunExtras` is what the loop calls
+around each iteration.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import importlib.util
 import logging
 import math
 import os
@@ -31,7 +29,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "FeatureConfig",
     "BatchSizeRampup",
-    "validate_megatron_features",
     "is_decoupled_param",
     "RunExtras",
     "memory_stats",
@@ -145,24 +142,6 @@ class BatchSizeRampup:
         if consumed < train_samples:
             iterations += (train_samples - consumed) // self.global_batch_size
         return iterations
-
-
-def validate_megatron_features(args: argparse.Namespace, error=ValueError) -> argparse.Namespace:
-    """What the feature flags need of this machine and the flag-level defaults (after
-    `validate_args`, which checked their values through `FeatureConfig` and `TrainingConfig`)."""
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise error(
-            "--wandb-project needs the optional package wandb: pip install "
-            "'megatron-ext-leviathan[wandb]' (or drop the flag)"
-        )
-    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
-        args.tokenizer_type = "GPT2BPETokenizer"
-        logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
-    if args.logging_level is not None:
-        logging.getLogger().setLevel(args.logging_level)
-    if args.empty_unused_memory_level and not torch.cuda.is_available():
-        logger.info("--empty-unused-memory-level: no CUDA caching allocator on CPU, no effect")
-    return args
 
 
 def is_decoupled_param(name: str) -> bool:
