@@ -259,6 +259,11 @@ class ModelConfig:
                 "--transformer-impl must be local or transformer_engine, got "
                 f"{self.transformer_impl!r}"
             )
+        if self.context_parallel_size > 1 and self.transformer_impl != "transformer_engine":
+            raise ValueError(
+                "--context-parallel-size > 1 needs --transformer-impl transformer_engine "
+                "(megatron-core's context-parallel attention is Transformer Engine's)"
+            )
         if self.fp8 is not None:
             if self.fp8 not in ("hybrid", "e4m3"):
                 raise ValueError(f"--fp8-format must be hybrid or e4m3, got {self.fp8!r}")

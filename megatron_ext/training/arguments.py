@@ -438,11 +438,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError("--distributed-backend nccl needs CUDA; drop it (gloo is used on CPU)")
     if args.transformer_impl == "transformer_engine" and not cuda:
         raise ArgumentError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
-    if args.context_parallel_size > 1 and args.transformer_impl != "transformer_engine":
-        raise ArgumentError(
-            "--context-parallel-size > 1 needs --transformer-impl transformer_engine "
-            "(megatron-core's context-parallel attention is Transformer Engine's)"
-        )
     # Megatron-LM's flag-level rewrites, so that its launch scripts run.
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         logger.warning("--sequence-parallel is off: --tensor-model-parallel-size is 1")

@@ -129,6 +129,7 @@ class BatchConfig:
         _at_least("--global-batch-size", self.global_batch_size)
         _required("--seq-length", self.seq_length)
         _at_least("--seq-length", self.seq_length)
+        _required("--train-iters", self.train_iters)
         _at_least("--train-iters", self.train_iters, 0)
 
     @classmethod

@@ -79,7 +79,7 @@ def test_train_samples_derive_iterations():
         (["--save-interval", "10"], 1, "--save-interval needs --save"),
         (["--min-lr", "1"], 1, "--min-lr"),
         (["--finetune"], 1, "--finetune needs --load"),
-        (["--context-parallel-size", "2"], 2, "--context-parallel-size > 1 needs"),
+        (["--context-parallel-size", "3"], 3, "--seq-length 32 is not divisible by 2 x"),
     ],
 )
 def test_bad_flags_fail_with_one_line(argv, world, message):
