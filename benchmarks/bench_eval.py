@@ -21,7 +21,7 @@ import time
 import torch
 
 
-def _model(arm: str, args):
+def _model(arm: str, args, pg):
     from megatron_ext.data.tokenizers import padded_vocab_size
     from megatron_ext.models import build_model, model_config_from_args
     from megatron_ext.training import parse_args
@@ -36,7 +36,7 @@ def _model(arm: str, args):
     flags.transformer_impl = "local" if not torch.cuda.is_available() else flags.transformer_impl
     vocab = padded_vocab_size(args.vocab_size)
     config = model_config_from_args(flags, vocab).replace(bf16=False, fp16=False)
-    model = build_model(config)
+    model = build_model(config, pg=pg)
     if torch.cuda.is_available():
         model = model.cuda()
     return model, config
@@ -74,7 +74,7 @@ def main() -> None:
     from megatron_ext.evaluation.scoring import ModelScorer
     from megatron_ext.inference.loading import init_inference_parallel
 
-    init_inference_parallel(1, 1)
+    pg = init_inference_parallel(1, 1)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     b, s = args.micro_batch_size, args.seq_length
@@ -85,8 +85,8 @@ def main() -> None:
     wide = f"eval x{args.eval_batch_multiplier} batch tok/s"
     print(f"{'arm':6} {'train fwd tok/s':>16} {'eval tok/s':>12} {'ratio':>7} {wide:>22} ratio")
     for arm in args.arms:
-        model, config = _model(arm, args)
-        scorer = ModelScorer(model, config.hidden_size, args.vocab_size)
+        model, config = _model(arm, args, pg)
+        scorer = ModelScorer(model, config.hidden_size, args.vocab_size, pg)
 
         def train_forward():
             model.train()

@@ -37,7 +37,7 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def bench_kv_cache(args) -> None:
+def bench_kv_cache(args, pg) -> None:
     from megatron_ext.inference.generation import SamplingConfig, generate
     from megatron_ext.models import ModelConfig, build_model
 
@@ -50,13 +50,14 @@ def bench_kv_cache(args) -> None:
         seq_length=args.prompt_tokens + args.new_tokens,
         embedding=dict(embedding_type="lev"),
     )
-    model = build_model(config).eval()
+    model = build_model(config, pg=pg).eval()
     prompts = torch.randint(0, args.vocab, (args.batch, args.prompt_tokens)).tolist()
     results = {}
     for use_cache in (True, False):
         cfg = SamplingConfig(max_new_tokens=args.new_tokens, use_cache=use_cache)
-        generate(model, prompts, SamplingConfig(max_new_tokens=4, use_cache=use_cache))  # warm-up
-        out, seconds = _timed(lambda: generate(model, prompts, cfg))
+        warm_up = SamplingConfig(max_new_tokens=4, use_cache=use_cache)
+        generate(model, prompts, warm_up, tp_group=pg.tp)
+        out, seconds = _timed(lambda: generate(model, prompts, cfg, tp_group=pg.tp))
         results[use_cache] = (out, sum(len(o) for o in out) / seconds, seconds)
     same = results[True][0] == results[False][0]
     print(
@@ -126,10 +127,10 @@ def main() -> None:
 
     from megatron_ext.inference.loading import init_inference_parallel
 
-    init_inference_parallel(1, 1)
+    pg = init_inference_parallel(1, 1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if not args.skip_kv_cache:
-        bench_kv_cache(args)
+        bench_kv_cache(args, pg)
     if not args.skip_table:
         bench_table(args)
 

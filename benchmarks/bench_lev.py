@@ -93,13 +93,14 @@ class LlamaLayer(torch.nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
-def init_single_process() -> None:
+def init_single_process():
+    """A one-rank gloo world; returns its `ProcessGroups`."""
     from megatron_ext.parallel import initialize_parallel
     from megatron_ext.testing.distributed import find_free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(find_free_port())
-    initialize_parallel(backend="gloo")
+    return initialize_parallel(backend="gloo")
 
 
 def main() -> None:
@@ -130,14 +131,13 @@ def main() -> None:
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
 
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import VocabParallelEmbedding
     from megatron.core.transformer import TransformerConfig
 
     from megatron_ext.lev import LEVConfig, LEVEmbedding
     from megatron_ext.testing.memory import saved_tensor_bytes
 
-    init_single_process()
+    pg = init_single_process()
     torch.manual_seed(0)
     D, N = args.hidden_size, args.tokens
     b, s = N // args.seq_length, args.seq_length
@@ -179,7 +179,7 @@ def main() -> None:
             D,
             init_method=torch.nn.init.normal_,
             config=tc,
-            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            tp_group=pg.tp,
         )
         t_table = best_time(fwd_bwd(table, ids), args.reps)
         del table

@@ -7,8 +7,11 @@ CUDA RNG tracker on GPU; on CPU a tracker whose `fork()` is a no-op, since megat
 only knows CUDA generator states).
 
 `initialize_parallel` returns the groups as one `ProcessGroups` object; the training loop,
-optimizer, schedule, gradient reductions and checkpointing take it as an argument instead of
-reading megatron's globals (`ProcessGroups.from_megatron` is the one place that does).
+optimizer, schedule, gradient reductions, checkpointing, the model builder, evaluation,
+generation and conversion take it (or the one group they need) as an argument instead of
+reading megatron's globals. This module is the one place that reads them
+(`ProcessGroups.from_megatron`, `ProcessGroups.current`); tests/test_no_global_groups.py keeps
+it so.
 """
 
 from __future__ import annotations
@@ -85,6 +88,29 @@ class ProcessGroups:
             dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
             mp=parallel_state.get_model_parallel_group(),
             embd=embd,
+        )
+
+    @classmethod
+    def current(cls) -> Optional["ProcessGroups"]:
+        """megatron's groups when `parallel_state` is initialised, else None (tools that may
+        be called again in the same process check what is already there)."""
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        return cls.from_megatron()
+
+    def megatron_collection(self):
+        """These groups as megatron-core's `ProcessGroupCollection` (GPTModel's `pg_collection`),
+        so that megatron's layers communicate over the same groups as this package's code."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return ProcessGroupCollection(
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            dp=self.dp,
+            dp_cp=self.dp_cp,
+            mp=self.mp,
+            embd=self.embd,
         )
 
     @property

@@ -3,6 +3,8 @@
 - `ProcessGroups` (the groups passed to the loop, optimizer, schedule and checkpointing) agrees
   with megatron's `parallel_state` on a TP=2 x PP=2 layout of 4 gloo ranks, and
   `initialize_parallel` seeds like Megatron-LM (offset by the pipeline rank);
+- `ProcessGroups.current()` finds the same groups, `megatron_collection()` hands exactly
+  them to megatron-core; without initialised groups `current()` is None;
 - a process started without torchrun is a one-rank world on a free port.
 """
 
@@ -47,6 +49,10 @@ def _check_groups() -> dict:
     assert dist.get_process_group_ranks(pg.mp) == dist.get_process_group_ranks(
         ps.get_model_parallel_group()
     )
+    assert ProcessGroups.current() == pg
+    collection = pg.megatron_collection()  # what build_model(pg=...) hands to GPTModel
+    for name in ("tp", "pp", "cp", "dp", "dp_cp", "mp", "embd"):
+        assert getattr(collection, name) is getattr(pg, name), name
     # A collective on the passed group reaches exactly that group's ranks.
     ones = torch.ones(1)
     dist.all_reduce(ones, group=pg.tp)
@@ -81,7 +87,8 @@ def test_process_groups_match_megatron():
 _ONE_RANK = textwrap.dedent(
     """
     import os, sys, time
-    from megatron_ext.parallel import initialize_parallel
+    from megatron_ext.parallel import ProcessGroups, initialize_parallel
+    assert ProcessGroups.current() is None
     initialize_parallel()
     import torch.distributed as dist
     print(dist.get_world_size(), os.environ["MASTER_PORT"], flush=True)

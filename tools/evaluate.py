@@ -150,9 +150,8 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _init(args) -> None:
-    import torch.distributed as dist
-
+def _init(args):
+    """This rank's `ProcessGroups` at the requested layout (initialised here if needed)."""
     from megatron_ext.evaluation.outputs import EvaluationError
     from megatron_ext.inference.loading import init_inference_parallel
 
@@ -165,19 +164,14 @@ def _init(args) -> None:
         )
     if args.micro_batch_size < 1:
         raise EvaluationError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    if not dist.is_initialized():
-        init_inference_parallel(tp, pp)
+    return init_inference_parallel(tp, pp)
 
 
-def _load(args, load_dir: str):
+def _load(args, load_dir: str, pg):
     from megatron_ext.evaluation.scoring import load_for_evaluation
 
     loaded = load_for_evaluation(
-        load_dir,
-        iteration=args.ckpt_step,
-        tokenizer_model=args.tokenizer_model,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        load_dir, pg, iteration=args.ckpt_step, tokenizer_model=args.tokenizer_model
     )
     if _rank0():
         logger.info(
@@ -223,8 +217,8 @@ def cmd_perplexity(args) -> int:
     from megatron_ext.evaluation.perplexity import LossTotals
     from megatron_ext.evaluation.scoring import score_batches
 
-    _init(args)
-    loaded = _load(args, args.load)
+    pg = _init(args)
+    loaded = _load(args, args.load, pg)
     batches, total, source = _batches(args, loaded)
     totals = LossTotals()
     speed = score_batches(
@@ -280,10 +274,10 @@ def cmd_frequency(args) -> int:
         raise EvaluationError("--names needs one distinct name per --load")
     if args.baseline is not None and args.baseline not in names:
         raise EvaluationError(f"--baseline {args.baseline} is not one of --names {names}")
-    _init(args)
+    pg = _init(args)
     results, counts, prefixes = {}, None, args.counts_prefix
     for name, load_dir in zip(names, args.load):
-        loaded = _load(args, load_dir)
+        loaded = _load(args, load_dir, pg)
         if counts is None:
             if prefixes is None:
                 run_args = loaded.run.args
@@ -330,8 +324,8 @@ def cmd_wikitext(args) -> int:
     )
 
     articles = read_wikitext(args.file)  # check the file before loading anything
-    _init(args)
-    loaded = _load(args, args.load)
+    pg = _init(args)
+    loaded = _load(args, args.load, pg)
     context = args.context or loaded.seq_length
     stride = args.stride or max(1, context // 2)
     rolling_windows(1, context, stride)  # validates context/stride
@@ -374,8 +368,8 @@ def cmd_lm_eval(args) -> int:
     from megatron_ext.evaluation.lm_eval_adapter import LeviathanLM
     from megatron_ext.evaluation.outputs import write_json, write_text
 
-    _init(args)
-    loaded = _load(args, args.load)
+    pg = _init(args)
+    loaded = _load(args, args.load, pg)
     lm = LeviathanLM(
         loaded=loaded, batch_size=args.micro_batch_size, max_gen_toks=args.max_gen_toks
     )

@@ -132,8 +132,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ConversionError(
             f"--tensor-model-parallel-size {tp} needs torchrun --nproc-per-node {tp}"
         )
-    init_inference_parallel(tp, 1)
-    model = load_model(run_, config)
+    pg = init_inference_parallel(tp, 1)
+    model = load_model(run_, config, pg)
     records = []
     start, produced = time.perf_counter(), 0
     for first in range(0, len(prompts), args.batch_size):
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         empty = [p for p, i in zip(batch, ids) if not i]
         if empty:
             raise ConversionError(f"prompt {empty[0]!r} encodes to no token")
-        outputs = generate(model, ids, sampling, vocab_size=tokenizer.vocab_size)
+        outputs = generate(model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size)
         for prompt, prompt_ids, new in zip(batch, ids, outputs):
             stopped = "eod" if len(new) < sampling.max_new_tokens else "length"
             produced += len(new)

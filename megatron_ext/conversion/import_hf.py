@@ -84,7 +84,6 @@ def import_hf(opts: ImportHFOptions) -> str:
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.models import build_model, model_config_from_args
     from megatron_ext.models.full_state_dict import load_full_state_dict
-    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.arguments import args_to_json, build_parser
     from megatron_ext.training.checkpointing import TrainState, save_checkpoint
 
@@ -141,12 +140,12 @@ def import_hf(opts: ImportHFOptions) -> str:
         tied=arm == "tied",
         padded_vocab=padded,
     )
-    init_inference_parallel(1, 1)
+    pg = init_inference_parallel(1, 1)
     # Initialised (then overwritten): megatron tags the TP layout of a weight while it
     # initialises it, and the checkpoint layout depends on those tags.
-    model = build_model(model_config)
+    model = build_model(model_config, pg=pg)
     try:
-        load_full_state_dict(model, full)
+        load_full_state_dict(model, full, pg.tp)
     except (KeyError, ValueError) as error:
         raise ConversionError(f"{opts.hf_dir}: {error}") from None
     with atomic_output_dir(output, opts.overwrite) as tmp:
@@ -157,7 +156,7 @@ def import_hf(opts: ImportHFOptions) -> str:
             tmp,
             TrainState(),
             model,
-            pg=ProcessGroups.from_megatron(),
+            pg=pg,
             args_json=args_to_json(args),
             save_rng=False,
         )

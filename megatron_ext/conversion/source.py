@@ -125,9 +125,9 @@ def load_checkpoint_full(
         config = run_model_config(run)
     except ValueError as error:
         raise ConversionError(f"{run.path}/args.json: {error}") from None
-    init_inference_parallel(1, 1)
-    model = load_model(run, config)
-    full = gather_full_state_dict(model)
+    pg = init_inference_parallel(1, 1)
+    model = load_model(run, config, pg)
+    full = gather_full_state_dict(model, pg.tp)
     logger.info(
         "loaded %s (--embedding-type %s, iteration %d, saved at %s)",
         run.path,

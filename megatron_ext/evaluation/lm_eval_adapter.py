@@ -65,15 +65,14 @@ class LeviathanLM(TemplateLM):
                 raise ValueError("LeviathanLM needs model_args load=<checkpoint directory>")
             from megatron_ext.inference.loading import init_inference_parallel
 
-            tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
-            if not dist.is_initialized():
-                init_inference_parallel(tp, pp)
+            pg = init_inference_parallel(
+                int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
+            )
             loaded = load_for_evaluation(
                 load,
+                pg,
                 iteration=None if iteration is None else int(iteration),
                 tokenizer_model=tokenizer_model,
-                tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp,
             )
         self.loaded = loaded
         self.scorer = loaded.scorer
@@ -194,7 +193,13 @@ class LeviathanLM(TemplateLM):
                 self.tok_encode(context)[-budget:] or [self.eot_token_id] for context, _ in chunk
             ]
             cfg = SamplingConfig(max_new_tokens=max_new, stop_token_ids=(self.eot_token_id,))
-            outputs = generate(self.scorer.model, prompts, cfg, vocab_size=self.tok.vocab_size)
+            outputs = generate(
+                self.scorer.model,
+                prompts,
+                cfg,
+                tp_group=self.scorer.pg.tp,
+                vocab_size=self.tok.vocab_size,
+            )
             for (context, gen_kwargs), ids in zip(chunk, outputs):
                 text = self.tok_decode(ids)
                 for stop in until:

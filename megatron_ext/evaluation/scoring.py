@@ -13,11 +13,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_ext.parallel import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +69,29 @@ class ModelScorer:
         hidden_size: the model's hidden size (PP activations are [s, b, h]).
         vocab_size: the tokenizer's vocabulary; `target_scores` never predicts the padding ids
             above it.
+        pg: the groups the model was built over (`init_inference_parallel`); the stages talk
+            over `pg.pp`, the vocab-parallel logits over `pg.tp`.
     """
 
-    def __init__(self, model: torch.nn.Module, hidden_size: int, vocab_size: int) -> None:
-        from megatron.core import parallel_state as ps
-
+    def __init__(
+        self, model: torch.nn.Module, hidden_size: int, vocab_size: int, pg: "ProcessGroups"
+    ) -> None:
         self.model = model
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
+        self.pg = pg
         self.device = next(model.parameters()).device
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.first = ps.is_pipeline_first_stage()
-        self.last = ps.is_pipeline_last_stage()
+        self.pp = pg.pp_size
+        self.first = pg.is_first_stage
+        self.last = pg.is_last_stage
         if self.pp > 1:
-            self.pp_group = ps.get_pipeline_model_parallel_group()
-            self.last_rank = ps.get_pipeline_model_parallel_last_rank()
-            self.prev = None if self.first else ps.get_pipeline_model_parallel_prev_rank()
-            self.next = None if self.last else ps.get_pipeline_model_parallel_next_rank()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
+            self.pp_group = pg.pp
+            self.last_rank = dist.get_process_group_ranks(pg.pp)[-1]
+            self.prev = None if self.first else pg.pp_neighbour(-1)
+            self.next = None if self.last else pg.pp_neighbour(1)
+        self.tp_group = pg.tp
+        self.tp = pg.tp_size
+        self.tp_rank = pg.tp_rank
 
     def _run(self, tokens, position_ids, attention_mask, labels) -> Optional[torch.Tensor]:
         tokens = tokens.to(self.device)
@@ -193,14 +199,13 @@ class LoadedModel:
 
 def load_for_evaluation(
     load_dir: str,
+    pg: "ProcessGroups",
     *,
     iteration: Optional[int] = None,
     tokenizer_model: Optional[str] = None,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
 ) -> LoadedModel:
-    """Load a checkpoint (any arm, saved at any layout) at the caller's TP x PP layout, LEV
-    with its eval table. `megatron_ext.inference.loading.init_inference_parallel` first."""
+    """Load a checkpoint (any arm, saved at any layout) at the TP x PP layout of `pg` (from
+    `megatron_ext.inference.loading.init_inference_parallel`), LEV with its eval table."""
     from megatron_ext.inference.loading import (
         find_checkpoint,
         load_model,
@@ -211,15 +216,13 @@ def load_for_evaluation(
     run = find_checkpoint(load_dir, iteration)
     tokenizer = run_tokenizer(run, tokenizer_model)
     config = run_model_config(
-        run,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        run, tensor_model_parallel_size=pg.tp_size, pipeline_model_parallel_size=pg.pp_size
     )
     if config.embedding.embedding_type == "lev":
         lev = dataclasses.replace(config.embedding.lev, eval_table=True)
         config = config.replace(embedding=dataclasses.replace(config.embedding, lev=lev))
-    model = load_model(run, config)
-    scorer = ModelScorer(model, config.hidden_size, tokenizer.vocab_size)
+    model = load_model(run, config, pg)
+    scorer = ModelScorer(model, config.hidden_size, tokenizer.vocab_size, pg)
     return LoadedModel(run, tokenizer, scorer, config.seq_length)
 
 

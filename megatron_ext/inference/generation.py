@@ -2,7 +2,8 @@
 
     from megatron_ext.inference.generation import SamplingConfig, generate
 
-    new_tokens = generate(model, [[5, 17, 3], [5, 9]], SamplingConfig(max_new_tokens=32))
+    new_tokens = generate(model, [[5, 17, 3], [5, 9]], SamplingConfig(max_new_tokens=32),
+                          tp_group=pg.tp)  # pg from init_inference_parallel; None: no TP
 
 The cache is megatron-core's own `StaticInferenceContext` (one key/value buffer per layer, held
 by `CachedSelfAttention` of the local spec, or by Transformer Engine's attention on GPUs).
@@ -115,12 +116,16 @@ def lev_eval_tables(model: torch.nn.Module) -> Iterator[None]:
                 module.lev_config = config
 
 
-def _tp_group(model: torch.nn.Module):
-    from megatron.core import parallel_state
-
-    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    return None
+def _tp_size(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup]) -> int:
+    if tp_group is not None:
+        return dist.get_world_size(tp_group)
+    model_tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1) or 1
+    if model_tp > 1:
+        raise ValueError(
+            f"the model is split over {model_tp} tensor-parallel ranks; pass its tp_group "
+            "(ProcessGroups.tp) to generate"
+        )
+    return 1
 
 
 def next_token_logits(
@@ -153,6 +158,7 @@ def generate(
     prompts: Sequence[Sequence[int]],
     cfg: SamplingConfig,
     *,
+    tp_group: Optional[dist.ProcessGroup] = None,
     vocab_size: Optional[int] = None,
 ) -> list[list[int]]:
     """Continue every prompt; returns the new ids of each (without the stop token).
@@ -163,6 +169,9 @@ def generate(
             prompts and gets the same result.
         prompts: token ids, at least one per prompt.
         cfg: sampling settings.
+        tp_group: the model's tensor-parallel group (`ProcessGroups.tp`): the token chosen on
+            its first rank is broadcast over it. None: the model is not tensor-parallel
+            (refused for a TP>1 model).
         vocab_size: the tokenizer's vocabulary; ids at or above it (the padding of
             make-vocab-size-divisible-by) are never produced.
     """
@@ -199,8 +208,7 @@ def generate(
     if not cfg.greedy:
         seed = cfg.seed if cfg.seed is not None else int(torch.randint(2**62, ()).item())
         generator = torch.Generator(device=device).manual_seed(seed)
-    group = _tp_group(model)
-    tp_size = dist.get_world_size(group) if group is not None else 1
+    tp_size = _tp_size(inner, tp_group)
     stops = torch.tensor(cfg.stop_token_ids or [-1], device=device)
 
     context = None
@@ -224,7 +232,7 @@ def generate(
                     logits[:, vocab_size:] = float("-inf")
                 chosen = sample(logits, cfg, generator)
                 if tp_size > 1:
-                    dist.broadcast(chosen, dist.get_global_rank(group, 0), group=group)
+                    dist.broadcast(chosen, dist.get_global_rank(tp_group, 0), group=tp_group)
                 in_prompt = position < lengths
                 tokens[:, position] = torch.where(in_prompt, tokens[:, position], chosen)
                 if cfg.stop_token_ids:

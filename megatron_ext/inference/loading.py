@@ -5,9 +5,13 @@ A checkpoint directory records everything needed to rebuild its model: the run's
 it back into a model at whatever layout the caller runs (TP=1 on one CPU process included)::
 
     run = find_checkpoint("ckpt/lev")                  # latest, or iteration=...
-    init_inference_parallel(tensor_model_parallel_size=1)
+    pg = init_inference_parallel(tensor_model_parallel_size=1)
     tokenizer = run_tokenizer(run)
-    model = load_model(run, run_model_config(run))     # eval mode, weights loaded
+    model = load_model(run, run_model_config(run), pg)  # eval mode, weights loaded
+
+The `ProcessGroups` that `init_inference_parallel` returns are what the model is built over and
+what scoring (`evaluation.scoring.ModelScorer`) and generation (`generate(..., tp_group=pg.tp)`)
+take.
 
 Every problem with the directory is a `CheckpointError` whose one-line message names the path
 and says what to do.
@@ -19,7 +23,7 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -29,6 +33,9 @@ from megatron_ext.training.checkpointing import (
     checkpoint_dir,
     read_latest_iteration,
 )
+
+if TYPE_CHECKING:
+    from megatron_ext.parallel import ProcessGroups
 
 __all__ = [
     "SavedRun",
@@ -181,40 +188,46 @@ def run_model_config(
 
 def init_inference_parallel(
     tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
-) -> None:
-    """Initialise torch.distributed and megatron's groups for a tool.
+) -> "ProcessGroups":
+    """Initialise torch.distributed and megatron's groups for a tool; return this rank's groups.
 
     Under torchrun the launcher's environment is used; a plain `python tools/x.py` becomes a
     one-rank world on a free loopback port (so two tools can run side by side). Calling it
     again is harmless: groups already at this layout are kept, others are rebuilt.
     """
-    from megatron.core import parallel_state
+    from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
 
-    from megatron_ext.parallel import destroy_parallel, initialize_parallel
-
-    if parallel_state.model_parallel_is_initialized():
-        current = (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-        )
-        if current == (tensor_model_parallel_size, pipeline_model_parallel_size):
-            return
+    current = ProcessGroups.current()
+    if current is not None:
+        if (current.tp_size, current.pp_size) == (
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
+        ):
+            return current
         destroy_parallel()
+    return initialize_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
 
-    initialize_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
 
-
-def load_model(run: SavedRun, model_config) -> torch.nn.Module:
+def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Module:
     """This rank's stage of the run's model with the checkpoint's weights, in eval mode.
 
-    Needs megatron's parallel groups (`init_inference_parallel`) at `model_config`'s layout.
+    Args:
+        run: the checkpoint (`find_checkpoint`).
+        model_config: `run_model_config(run, ...)` at `pg`'s layout.
+        pg: the groups (`init_inference_parallel`) the model is built over and loaded with.
     """
     from megatron_ext.models import build_model
-    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.checkpointing import load_checkpoint
 
-    pg = ProcessGroups.from_megatron()
-    model = build_model(model_config, pre_process=pg.is_first_stage, post_process=pg.is_last_stage)
+    layout = (model_config.tensor_model_parallel_size, model_config.pipeline_model_parallel_size)
+    if layout != (pg.tp_size, pg.pp_size):
+        raise ValueError(
+            f"the model config is for TP x PP = {layout[0]} x {layout[1]} but the process groups "
+            f"are {pg.tp_size} x {pg.pp_size}; build both for the same layout"
+        )
+    model = build_model(
+        model_config, pre_process=pg.is_first_stage, post_process=pg.is_last_stage, pg=pg
+    )
     load_checkpoint(
         run.root,
         model,

@@ -36,7 +36,6 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -94,15 +93,6 @@ LEV_TP_PARTITION_DIMS: dict[str, Optional[int]] = {
 _STD_PROBE_IDS = 8192
 
 
-def _resolve_tp_group(tp_group):
-    """The TP group to use, or None for a single process (no parallel_state, no group)."""
-    if tp_group is not None:
-        return tp_group
-    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    return None
-
-
 def std_probe_ids(vocab_size: int) -> torch.Tensor:
     """The ids whose embeddings `embedding_std` measures: all of them up to _STD_PROBE_IDS ids,
     else _STD_PROBE_IDS ids evenly spaced over [0, V) (every digit value of every position)."""
@@ -144,7 +134,10 @@ class LEVEmbedding(torch.nn.Module):
     Keyword Args:
         config: megatron TransformerConfig; uses params_dtype, use_cpu_initialization,
             perform_initialization and tensor_model_parallel_size (a consistency check).
-        tp_group: tensor-parallel group (default: megatron's, or none in a single process).
+        tp_group: the tensor-parallel group (`ProcessGroups.tp`; a model passes its own). None
+            means no tensor parallelism: the module holds every head and never communicates
+            (a single process, with or without torch.distributed); it is refused when
+            `config.tensor_model_parallel_size` > 1. Nothing is read from megatron's globals.
         reduce_scatter_embeddings: return [s/tp, b, D] reduce-scattered along the sequence (what
             LanguageModelEmbedding asks for under sequence parallelism) instead of [b, s, D].
     """
@@ -161,7 +154,7 @@ class LEVEmbedding(torch.nn.Module):
         self.lev_config = lev_config
         self.config = config
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        self.tp_group = _resolve_tp_group(tp_group)
+        self.tp_group = tp_group
         self.tp_size = get_pg_size(self.tp_group)
         self.tp_rank = get_pg_rank(self.tp_group)
         # VocabParallelEmbedding's public attributes, for code that inspects word_embeddings.
@@ -173,10 +166,10 @@ class LEVEmbedding(torch.nn.Module):
                 f"--hidden-size {config.hidden_size}; build LEVConfig with the model's width"
             )
         cfg_tp = getattr(config, "tensor_model_parallel_size", 1) or 1
-        if self.tp_group is not None and cfg_tp != self.tp_size:
+        if cfg_tp != self.tp_size:
             raise ValueError(
                 f"TransformerConfig.tensor_model_parallel_size={cfg_tp} but the TP group has "
-                f"{self.tp_size} ranks; pass the matching tp_group"
+                f"{self.tp_size} ranks (tp_group=None: 1); pass the matching tp_group"
             )
         shapes = lev_config.parameter_shapes(self.tp_size)
         self.num_local_heads = lev_config.heads_per_rank(self.tp_size)
@@ -264,11 +257,15 @@ class LEVEmbedding(torch.nn.Module):
         Args:
             prefix: key prefix (e.g. "embedding.word_embeddings.").
             sharded_offsets: offsets of enclosing shardings (e.g. pipeline), passed through.
-            metadata: megatron's metadata dict; its "dp_cp_group" is used when present.
+            metadata: megatron's metadata dict; its "dp_cp_group" (`ProcessGroups.dp_cp`, which
+                the model's `sharded_state_dict` fills in) sets the replica ids.
         """
         dp_cp_group = (metadata or {}).get("dp_cp_group")
-        if dp_cp_group is None and parallel_state.model_parallel_is_initialized():
-            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if dp_cp_group is None:
+            raise ValueError(
+                "LEVEmbedding.sharded_state_dict needs metadata={'dp_cp_group': ...} "
+                "(ProcessGroups.dp_cp); the model's sharded_state_dict passes it"
+            )
         groups = dict(tp_group=self.tp_group, dp_cp_group=dp_cp_group)
         state = self.state_dict(prefix="", keep_vars=True)
         sharded = {}

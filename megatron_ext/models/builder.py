@@ -13,11 +13,15 @@ Under pipeline parallelism the input module lives on the first stage, the head o
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Optional
 
 from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.embeddings import DigitSeedEmbedding, LookupSeedEmbedding
 from megatron_ext.models.leviathan_model import LeviathanModel
 from megatron_ext.models.param_count import resolve_embedding_sizes
+
+if TYPE_CHECKING:
+    from megatron_ext.parallel import ProcessGroups
 
 __all__ = ["build_model", "input_embedding_builder"]
 
@@ -42,9 +46,18 @@ def input_embedding_builder(cfg: ModelConfig):
 
 
 def build_model(
-    cfg: ModelConfig, *, pre_process: bool = True, post_process: bool = True
+    cfg: ModelConfig,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    pg: Optional["ProcessGroups"] = None,
 ) -> LeviathanModel:
-    """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`."""
+    """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`.
+
+    `pg`: the process groups the model communicates over (`LeviathanModel`); None keeps
+    megatron's default for its own layers (Megatron's `model_provider(pre_process,
+    post_process)` contract has no groups).
+    """
     cfg = resolve_embedding_sizes(cfg)
     return LeviathanModel(
         cfg,
@@ -52,4 +65,5 @@ def build_model(
         post_process=post_process,
         share_embeddings_and_output_weights=cfg.embedding.tied,
         input_embedding_builder=input_embedding_builder(cfg),
+        pg=pg,
     )

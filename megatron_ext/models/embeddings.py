@@ -30,6 +30,7 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
@@ -172,8 +173,8 @@ class DigitSeedEmbedding(torch.nn.Module):
         lev_math.check_ids(input_ids, self.vocab_size)
         if self.reduce_scatter_embeddings:
             # Only this rank's slice of the sequence: [b, s] -> [s/tp, b].
-            size = torch.distributed.get_world_size(self.tp_group)
-            rank = torch.distributed.get_rank(self.tp_group)
+            # tp_group None: not tensor-parallel (size 1), never the default world group.
+            size, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
             check_sequence_split(input_ids.size(1), size)
             input_ids = input_ids.t().chunk(size, dim=0)[rank]
         digits = lev_math.to_digits(input_ids.reshape(-1), self.base, self.num_digits)

@@ -7,6 +7,8 @@ stride 1 is a plain contiguous split. Layer names are made global with each laye
 `layer_number`, so a pipeline stage's `decoder.layers.0` is `decoder.layers.{offset}`.
 
 Used by the layout-equivalence tests, checkpoint conversion and the Hugging Face exporter.
+The caller passes the tensor-parallel group (`ProcessGroups.tp`); None means the model is not
+tensor-parallel (one process holds whole tensors), which a TP>1 model refuses.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_ext.models.te_mapping import canonical_param_name
 
@@ -88,13 +89,31 @@ def layout_free_name(model: torch.nn.Module, local_name: str) -> str:
     return global_param_name(model, local_name)
 
 
+def _tp_size_rank(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup]) -> tuple:
+    """(size, rank) of `tp_group`; (1, 0) for None, refused for a tensor-parallel model."""
+    if tp_group is not None:
+        return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    model_tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1) or 1
+    if model_tp > 1:
+        raise ValueError(
+            f"the model is split over {model_tp} tensor-parallel ranks; pass its tp_group "
+            "(ProcessGroups.tp)"
+        )
+    return 1, 0
+
+
 def gather_full_state_dict(
-    model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup] = None, grads: bool = False
+    model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], grads: bool = False
 ) -> dict[str, torch.Tensor]:
     """This pipeline stage's parameters (or their `.grad` with grads=True), unsharded across
-    TP, under global names, on CPU. Every rank of the TP group gets the same dict."""
-    tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
-    tp_size = dist.get_world_size(tp_group) if dist.is_initialized() else 1
+    TP, under global names, on CPU. Every rank of the TP group gets the same dict.
+
+    Args:
+        model: this rank's model (stage).
+        tp_group: its tensor-parallel group (`ProcessGroups.tp`); None: not tensor-parallel.
+        grads: gather `.grad` instead of the parameters.
+    """
+    tp_size, _ = _tp_size_rank(model, tp_group)
     full: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         if is_tied_copy(model, name):
@@ -114,13 +133,12 @@ def gather_full_state_dict(
 def load_full_state_dict(
     model: torch.nn.Module,
     full: dict[str, torch.Tensor],
-    tp_group: Optional[dist.ProcessGroup] = None,
+    tp_group: Optional[dist.ProcessGroup],
     strict: bool = True,
 ) -> None:
-    """Copy full parameters into this rank's shards (the inverse of `gather_full_state_dict`)."""
-    tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
-    tp_size = dist.get_world_size(tp_group) if dist.is_initialized() else 1
-    tp_rank = dist.get_rank(tp_group) if dist.is_initialized() else 0
+    """Copy full parameters into this rank's shards (the inverse of `gather_full_state_dict`);
+    `tp_group` as there."""
+    tp_size, tp_rank = _tp_size_rank(model, tp_group)
     for name, param in model.named_parameters():
         key = layout_free_name(model, name)
         if key not in full:

@@ -9,7 +9,7 @@ swaps in the CPU-safe rotary embedding and makes the tied-embedding pipeline set
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -27,6 +27,9 @@ from megatron_ext.tensor_parallel import (
     PortableVocabParallelEmbedding,
     adopt,
 )
+
+if TYPE_CHECKING:
+    from megatron_ext.parallel import ProcessGroups
 
 __all__ = ["LeviathanModel", "InputEmbeddingBuilder"]
 
@@ -46,9 +49,13 @@ class LeviathanModel(GPTModel):
             (the TIED arm; needs a [V/tp, D] input weight).
         input_embedding_builder: None keeps megatron's VocabParallelEmbedding; otherwise called
             as `builder(config=..., reduce_scatter_embeddings=..., tp_group=...)` to build the
-            replacement.
+            replacement, with the model's own tensor-parallel group.
         transformer_layer_spec: a layer or block spec overriding the one picked by
             `model_config.transformer_impl`.
+        pg: the process groups, handed to megatron's GPTModel as its `pg_collection` (so its
+            layers and the input module use exactly these groups). None: GPTModel's default,
+            megatron's own `parallel_state` groups (what Megatron's `model_provider(pre_process,
+            post_process)` contract gives a training entry point).
     """
 
     def __init__(
@@ -61,6 +68,7 @@ class LeviathanModel(GPTModel):
         input_embedding_builder: Optional[InputEmbeddingBuilder] = None,
         transformer_layer_spec: Optional[ModuleSpec] = None,
         parallel_output: bool = True,
+        pg: Optional["ProcessGroups"] = None,
     ) -> None:
         if share_embeddings_and_output_weights and input_embedding_builder is not None:
             raise ValueError(
@@ -84,6 +92,7 @@ class LeviathanModel(GPTModel):
             position_embedding_type="rope",
             rotary_percent=model_config.rotary_percent,
             rotary_base=model_config.rotary_base,
+            pg_collection=None if pg is None else pg.megatron_collection(),
         )
         self.rotary_pos_emb = PortableRotaryEmbedding(
             kv_channels=config.kv_channels,

@@ -87,16 +87,15 @@ def compare_te_and_local_logits(seed: int = 0) -> dict:
     """
 
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from megatron_ext.models import ModelConfig, build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
-    from megatron_ext.parallel import initialize_parallel
+    from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
 
-    started = False
-    if not parallel_state.model_parallel_is_initialized():
-        initialize_parallel(backend="nccl")  # a one-rank world outside torchrun
-        started = True
+    pg = ProcessGroups.current()
+    started = pg is None
+    if started:
+        pg = initialize_parallel(backend="nccl")  # a one-rank world outside torchrun
     try:
         cfg = ModelConfig(
             vocab_size=4096,
@@ -107,10 +106,10 @@ def compare_te_and_local_logits(seed: int = 0) -> dict:
             embedding=dict(embedding_type="lev", lev=dict(num_heads=4, rank=32)),
         )
         torch.manual_seed(seed)
-        local = build_model(cfg).cuda()
-        te = build_model(cfg.replace(transformer_impl="transformer_engine")).cuda()
+        local = build_model(cfg, pg=pg).cuda()
+        te = build_model(cfg.replace(transformer_impl="transformer_engine"), pg=pg).cuda()
         names = {n for n, _ in te.named_parameters()}
-        load_full_state_dict(te, gather_full_state_dict(local))
+        load_full_state_dict(te, gather_full_state_dict(local, pg.tp), pg.tp)
         ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), device="cuda")
         pos = torch.arange(cfg.seq_length, device="cuda").expand(2, -1)
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -126,6 +125,6 @@ def compare_te_and_local_logits(seed: int = 0) -> dict:
         )
     finally:
         if started:
-            parallel_state.destroy_model_parallel()
+            destroy_parallel()
             if dist.is_initialized():
                 dist.destroy_process_group()

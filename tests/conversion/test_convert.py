@@ -49,11 +49,22 @@ def _ids(vocab: int, shape=(3, 32)) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(IDS_SEED))
 
 
-def _our_logits(ckpt: str, ids: torch.Tensor, tp: int = 1) -> torch.Tensor:
-    from megatron_ext.inference.loading import find_checkpoint, load_model, run_model_config
+def _load(ckpt: str, tp: int = 1):
+    """(model, groups) of `ckpt` at TP=`tp` in this rank's already initialised world."""
+    from megatron_ext.inference.loading import (
+        find_checkpoint,
+        init_inference_parallel,
+        load_model,
+        run_model_config,
+    )
 
+    pg = init_inference_parallel(tp, 1)
     run = find_checkpoint(ckpt)
-    model = load_model(run, run_model_config(run, tensor_model_parallel_size=tp))
+    return load_model(run, run_model_config(run, tensor_model_parallel_size=tp), pg), pg
+
+
+def _our_logits(ckpt: str, ids: torch.Tensor, tp: int = 1) -> torch.Tensor:
+    model, _ = _load(ckpt, tp)
     with torch.no_grad():
         return model(ids, None, None, runtime_gather_output=True).double()
 
@@ -333,35 +344,36 @@ def _pair_checks(trained: dict, out: str) -> dict:
     import torch.distributed as dist
 
     from megatron_ext.inference.generation import SamplingConfig, generate
-    from megatron_ext.inference.loading import find_checkpoint, load_model, run_model_config
 
     lev = trained["ckpt"]["lev"]
     ids = _ids(512)
     res = {"logits": _our_logits(lev, ids, tp=2).numpy()}
     res["megatron_tp2"] = _megatron_gpt_logits(f"{out}/mlm_lev_tp2", lev, ids).numpy()
-    run = find_checkpoint(lev)
-    model = load_model(run, run_model_config(run, tensor_model_parallel_size=2))
+    model, pg = _load(lev, tp=2)
     prompts = [[5, 17, 33, 2], [9, 9], [100, 200, 300, 400, 500, 7]]
-    res["greedy"] = generate(model, prompts, SamplingConfig(max_new_tokens=10))
-    res["sampled"] = generate(model, prompts, SamplingConfig(
-        max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95, seed=3))  # fmt: skip
+    res["greedy"] = generate(model, prompts, SamplingConfig(max_new_tokens=10), tp_group=pg.tp)
+    sampled = SamplingConfig(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95, seed=3)
+    res["sampled"] = generate(model, prompts, sampled, tp_group=pg.tp)
+    try:
+        generate(model, prompts, SamplingConfig(max_new_tokens=1))
+    except ValueError as error:
+        res["no_group"] = str(error)
     res["rank"] = dist.get_rank()
     return res
 
 
 def _tp1_generation(trained: dict) -> dict:
     from megatron_ext.inference.generation import SamplingConfig, generate
-    from megatron_ext.inference.loading import find_checkpoint, load_model, run_model_config
 
-    run = find_checkpoint(trained["ckpt"]["lev"])
-    model = load_model(run, run_model_config(run))
+    model, pg = _load(trained["ckpt"]["lev"])
     prompts = [[5, 17, 33, 2], [9, 9], [100, 200, 300, 400, 500, 7]]
     return {
-        "greedy": generate(model, prompts, SamplingConfig(max_new_tokens=10)),
+        "greedy": generate(model, prompts, SamplingConfig(max_new_tokens=10), tp_group=pg.tp),
         "sampled": generate(
             model,
             prompts,
             SamplingConfig(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95, seed=3),
+            tp_group=pg.tp,
         ),  # fmt: skip
     }
 
@@ -450,6 +462,8 @@ def test_generation_at_tp2_equals_tp1(results):
     for rank in results["pair"]:
         assert rank["greedy"] == tp1["greedy"]
         assert rank["sampled"] == tp1["sampled"]
+        # A TP=2 model without its group is refused, not decoded rank by rank.
+        assert "pass its tp_group" in rank["no_group"]
 
 
 BAD_INPUTS = {

@@ -272,3 +272,16 @@ def test_init_output_std_with_a_large_vocabulary_measures_a_sample(lev):
     with torch.no_grad():
         table = module(torch.arange(20_000).view(1, -1))[0].double()
     assert table.std().item() == pytest.approx(0.03, rel=0.03)
+
+
+def test_without_a_group_it_is_whole_and_says_so(lev):
+    """tp_group=None means no tensor parallelism (nothing is read from megatron's globals): a
+    TP>1 config without its group, and a checkpoint view without its DP x CP group, are refused."""
+    cfg = lev.tiny_config()
+    module = LEVEmbedding(cfg, config=lev.transformer_config(6))
+    assert module.tp_group is None and (module.tp_size, module.tp_rank) == (1, 0)
+    assert module.num_local_heads == cfg.num_heads
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 but the TP group has 1"):
+        LEVEmbedding(cfg, config=lev.transformer_config(6, tp=2))
+    with pytest.raises(ValueError, match="dp_cp_group"):
+        module.sharded_state_dict(prefix="embedding.word_embeddings.")

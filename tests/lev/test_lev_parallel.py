@@ -39,13 +39,13 @@ def _close(a, b, what, tol=1e-12):
 
 def _check_tp2(seed: int):
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from megatron_ext.lev import LEV_PARAMETER_NAMES, LEVConfig, LEVEmbedding
+    from megatron_ext.parallel import ProcessGroups
 
-    rank = ps.get_tensor_model_parallel_rank()
-    tp_group = ps.get_tensor_model_parallel_group()
+    pg = ProcessGroups.from_megatron()
+    rank, tp_group = pg.tp_rank, pg.tp
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
     local = slice(rank * HEADS // 2, (rank + 1) * HEADS // 2)
     report = {}
@@ -67,7 +67,7 @@ def _check_tp2(seed: int):
         torch.manual_seed(seed)
         ref = LEVEmbedding(cfg, config=_transformer_config(1), tp_group=singles[dist.get_rank()])
         torch.manual_seed(seed)
-        tp = LEVEmbedding(cfg, config=_transformer_config(2))  # default group: megatron's TP
+        tp = LEVEmbedding(cfg, config=_transformer_config(2), tp_group=tp_group)
         torch.manual_seed(seed)
         sp = LEVEmbedding(
             cfg,
@@ -131,7 +131,9 @@ def _check_tp2(seed: int):
         report[variant] = out_tp.detach().sum().item()
 
     # Distributed-checkpoint view of the TP=2 module.
-    sharded = tp.sharded_state_dict(prefix="embedding.word_embeddings.")
+    sharded = tp.sharded_state_dict(
+        prefix="embedding.word_embeddings.", metadata={"dp_cp_group": pg.dp_cp}
+    )
     assert sorted(sharded) == sorted(f"embedding.word_embeddings.{n}" for n in LEV_PARAMETER_NAMES)
     for name in LEV_PARAMETER_NAMES:
         st = sharded[f"embedding.word_embeddings.{name}"]

@@ -81,19 +81,21 @@ def _bf16_dtypes(model, inputs, position_ids) -> dict:
 def _references(path):
     from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict
+    from megatron_ext.parallel import ProcessGroups
 
+    pg = ProcessGroups.from_megatron()
     inputs, labels, position_ids = _batch()
     refs = {}
     for arm in ARMS:
         torch.manual_seed(1)
-        model = build_model(_model_config(arm))
+        model = build_model(_model_config(arm), pg=pg)
         logits = model(inputs, position_ids, None).detach()
         loss = model(inputs, position_ids, None, labels=labels)
         loss.mean().backward()
         refs[arm] = {
             "bf16_dtypes": _bf16_dtypes(model, inputs, position_ids),
-            "weights": gather_full_state_dict(model),
-            "grads": gather_full_state_dict(model, grads=True),
+            "weights": gather_full_state_dict(model, pg.tp),
+            "grads": gather_full_state_dict(model, pg.tp, grads=True),
             "logits": logits,
             "loss": loss.detach(),
             "grad_norm": _grad_norm(model),
@@ -108,13 +110,13 @@ def _max_diffs(got: dict, want: dict) -> dict:
 
 def _tensor_parallel_checks(path):
     """TP=2 without and with sequence parallelism, each arm against its single-rank reference."""
-    from megatron.core import parallel_state as ps
-
     from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
+    from megatron_ext.parallel import ProcessGroups
     from megatron_ext.tensor_parallel import gather_from_tensor_model_parallel_region
     from megatron_ext.training.finalize_grads import allreduce_sequence_parallel_grads
 
+    pg = ProcessGroups.from_megatron()
     refs = torch.load(path)
     inputs, labels, position_ids = _batch()
     report = {}
@@ -124,11 +126,12 @@ def _tensor_parallel_checks(path):
             model = build_model(
                 _model_config(
                     arm, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel
-                )
+                ),
+                pg=pg,
             )
-            load_full_state_dict(model, ref["weights"])
+            load_full_state_dict(model, ref["weights"], pg.tp)
             logits = gather_from_tensor_model_parallel_region(
-                model(inputs, position_ids, None), ps.get_tensor_model_parallel_group()
+                model(inputs, position_ids, None), pg.tp
             )
             # bf16 autocast: the TP-reduced embeddings are the fp32 ones, bit for bit.
             with torch.no_grad():
@@ -137,12 +140,10 @@ def _tensor_parallel_checks(path):
                     embedded_bf16 = model.embedding(input_ids=inputs, position_ids=position_ids)
             loss = model(inputs, position_ids, None, labels=labels)
             loss.mean().backward()
-            allreduce_sequence_parallel_grads([model], ps.get_tensor_model_parallel_group())
-            grads = gather_full_state_dict(model, grads=True)
+            allreduce_sequence_parallel_grads([model], pg.tp)
+            grads = gather_full_state_dict(model, pg.tp, grads=True)
             # Megatron's distributed-checkpoint view must describe the full tensors.
-            sharded = model.sharded_state_dict(
-                metadata={"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-            )
+            sharded = model.sharded_state_dict(metadata={"dp_cp_group": pg.dp_cp})
             report[(arm, sequence_parallel)] = {
                 "sharded_shapes": {
                     k: (getattr(sharded.get(k), "global_shape", None), tuple(v.shape))
@@ -167,21 +168,17 @@ def _tensor_parallel_checks(path):
 def _pipeline_checks(path):
     """Two stages (input + layers 0-1 | layers 2-3 + head) driven by hand with send/recv."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.finalize_grads import allreduce_tied_embedding_grads
 
+    pg = ProcessGroups.from_megatron()
     refs = torch.load(path)
     inputs, labels, position_ids = _batch()
-    first = ps.is_pipeline_first_stage()
-    peer = (
-        ps.get_pipeline_model_parallel_next_rank()
-        if first
-        else ps.get_pipeline_model_parallel_prev_rank()
-    )
+    first = pg.is_first_stage
+    peer = pg.pp_neighbour(1 if first else -1)
     report = {}
     for arm in ARMS:
         ref = refs[arm]
@@ -189,8 +186,9 @@ def _pipeline_checks(path):
             _model_config(arm, pipeline_model_parallel_size=2),
             pre_process=first,
             post_process=not first,
+            pg=pg,
         )
-        load_full_state_dict(model, ref["weights"])
+        load_full_state_dict(model, ref["weights"], pg.tp)
         result = {"layer_numbers": [layer.layer_number for layer in model.decoder.layers]}
         if first:
             hidden = model(inputs, position_ids, None)
@@ -211,13 +209,13 @@ def _pipeline_checks(path):
                 logits = model(None, position_ids, None)
             result["logits"] = (logits - ref["logits"]).abs().max().item()
             result["loss"] = (loss.detach() - ref["loss"]).abs().max().item()
-        allreduce_tied_embedding_grads([model], ProcessGroups.from_megatron().embd)
+        allreduce_tied_embedding_grads([model], pg.embd)
         result["grad_norm"] = (_grad_norm(model), ref["grad_norm"])
         stages = [None, None]
         dist.all_gather_object(
             stages,
-            gather_full_state_dict(model, grads=True),
-            ps.get_pipeline_model_parallel_group(),
+            gather_full_state_dict(model, pg.tp, grads=True),
+            pg.pp,
         )
         result["grads"] = _max_diffs({**stages[0], **stages[1]}, ref["grads"])
         report[arm] = result

@@ -75,16 +75,18 @@ class _TENamedLayer(torch.nn.Module):
 def _round_trip() -> dict:
     from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
+    from megatron_ext.parallel import ProcessGroups
 
+    pg = ProcessGroups.from_megatron()
     torch.manual_seed(0)
-    local = build_model(_config())
-    full = gather_full_state_dict(local)
+    local = build_model(_config(), pg=pg)
+    full = gather_full_state_dict(local, pg.tp)
     shapes = {k: v.shape for k, v in full.items()}
     te_like = torch.nn.Module()
     te_like.decoder = torch.nn.Module()
     te_like.decoder.layers = torch.nn.ModuleList([_TENamedLayer(shapes, i + 1) for i in range(2)])
-    load_full_state_dict(te_like, full, strict=False)  # a local checkpoint into TE names
-    back = gather_full_state_dict(te_like)  # ... and back under the checkpoint's names
+    load_full_state_dict(te_like, full, pg.tp, strict=False)  # a local checkpoint into TE names
+    back = gather_full_state_dict(te_like, pg.tp)  # ... and back under the checkpoint's names
     layer0 = {n[len("decoder.layers.0.") :] for n in full if n.startswith("decoder.layers.0.")}
     return dict(
         local_layer_names=layer0,
