@@ -29,11 +29,17 @@ import torch
 logger = logging.getLogger("pretrain_leviathan")
 
 
-def model_provider(model_config, pre_process: bool = True, post_process: bool = True):
-    """This pipeline stage of the model (input embedding on the first, head on the last)."""
+def model_provider(
+    model_config, pre_process: bool = True, post_process: bool = True, pg_collection=None
+):
+    """This pipeline stage of the model (input embedding on the first, head on the last), its
+    layers communicating over `pg_collection` (megatron-core's `ProcessGroupCollection`; None:
+    megatron's global groups, as for the single-stage twin built before PP training)."""
     from megatron_ext.models import build_model
+    from megatron_ext.parallel import ProcessGroups
 
-    return build_model(model_config, pre_process=pre_process, post_process=post_process)
+    pg = None if pg_collection is None else ProcessGroups.from_collection(pg_collection)
+    return build_model(model_config, pre_process=pre_process, post_process=post_process, pg=pg)
 
 
 def _on_this_cp_rank(batch: dict) -> dict:

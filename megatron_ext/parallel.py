@@ -113,6 +113,20 @@ class ProcessGroups:
             embd=self.embd,
         )
 
+    @classmethod
+    def from_collection(cls, collection) -> "ProcessGroups":
+        """The groups of a megatron-core `ProcessGroupCollection` (what Megatron-LM hands a
+        `model_provider` as `pg_collection`); the inverse of `megatron_collection`."""
+        return cls(
+            tp=collection.tp,
+            pp=collection.pp,
+            cp=collection.cp,
+            dp=collection.dp,
+            dp_cp=collection.dp_cp,
+            mp=collection.mp,
+            embd=getattr(collection, "embd", None),
+        )
+
     @property
     def tp_rank(self) -> int:
         """This rank within the tensor-parallel group."""

@@ -53,6 +53,8 @@ def _check_groups() -> dict:
     collection = pg.megatron_collection()  # what build_model(pg=...) hands to GPTModel
     for name in ("tp", "pp", "cp", "dp", "dp_cp", "mp", "embd"):
         assert getattr(collection, name) is getattr(pg, name), name
+    # ... and what a training model_provider gets back from its pg_collection.
+    assert ProcessGroups.from_collection(collection) == pg
     # A collective on the passed group reaches exactly that group's ranks.
     ones = torch.ones(1)
     dist.all_reduce(ones, group=pg.tp)

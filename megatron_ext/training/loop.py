@@ -667,7 +667,12 @@ def setup(
         )
         for key, value in sorted(ck.args_json.items()):
             logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
-    model = model_provider(pg.is_first_stage, pg.is_last_stage)
+    # Megatron-LM's contract: the provider builds its stage on the groups it is given.
+    model = model_provider(
+        pre_process=pg.is_first_stage,
+        post_process=pg.is_last_stage,
+        pg_collection=pg.megatron_collection(),
+    )
     resuming = bool(ck.load) and (
         ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
     )

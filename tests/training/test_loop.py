@@ -46,13 +46,19 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _model_provider(pre_process: bool, post_process: bool):
+def _model_provider(pre_process: bool, post_process: bool, pg_collection=None):
     from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.parallel import ProcessGroups
 
     config = ModelConfig(
         vocab_size=VOCAB, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ
     )
-    return build_model(config, pre_process=pre_process, post_process=post_process)
+    return build_model(
+        config,
+        pre_process=pre_process,
+        post_process=post_process,
+        pg=ProcessGroups.from_collection(pg_collection),
+    )
 
 
 @pytest.fixture
@@ -122,7 +128,7 @@ def test_close_runs_when_setup_fails(tmp_path, single_rank):
 
     from megatron_ext.training import pretrain
 
-    def broken_provider(pre_process, post_process):
+    def broken_provider(pre_process, post_process, pg_collection):
         raise RuntimeError("no model today")
 
     with pytest.raises(RuntimeError, match="no model today"):
