@@ -483,6 +483,14 @@ class TrainingConfig:
             raise ValueError("--async-save needs --save")
         if self.engine.overlap_param_gather and not p.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+        if self.engine.ddp_impl == "megatron":
+            if self.ckpt.save or self.ckpt.load:
+                raise ValueError(
+                    "--ddp-impl megatron does not write or read checkpoints yet (its optimizer "
+                    "state is megatron's); drop --save/--load or use --ddp-impl portable"
+                )
+            if self.precision.fp16:
+                raise ValueError("--ddp-impl megatron supports --bf16 (or float32), not --fp16")
         if f.profile and not (self.log.tensorboard_dir or self.ckpt.save):
             raise ValueError(
                 "--profile writes its trace beside the TensorBoard logs: --tensorboard-dir"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -31,7 +31,6 @@ __all__ = [
     "validate_gpu_args",
     "fp8_recipe_kwargs",
     "megatron_engine_model_config",
-    "engine_limitations",
 ]
 
 DDP_IMPLS = ("portable", "megatron")
@@ -109,27 +108,12 @@ def validate_gpu_args(args: argparse.Namespace, cuda: bool | None = None) -> arg
         )
     if getattr(args, "fp8_param_gather", False) and getattr(args, "fp8_format", None) is None:
         _fail("--fp8-param-gather needs --fp8-format")
+    if megatron and getattr(args, "fp8_param_gather", False):
+        _fail("--fp8-param-gather is not supported by --ddp-impl megatron yet; drop it")
     # The values (--fp8-margin without --fp8-format, --overlap-param-gather without the
-    # distributed optimizer) are checked by PrecisionConfig and TrainingConfig.
-    if megatron:
-        reason = engine_limitations(args)
-        if reason:
-            _fail(reason)
+    # distributed optimizer, the megatron engine with --save/--load or --fp16) are checked by
+    # PrecisionConfig and TrainingConfig.
     return args
-
-
-def engine_limitations(args: argparse.Namespace) -> Optional[str]:
-    """The one-line reason the megatron engine cannot run these flags yet, or None."""
-    if getattr(args, "save", None) or getattr(args, "load", None):
-        return (
-            "--ddp-impl megatron does not write or read checkpoints yet (its optimizer state is "
-            "megatron's); drop --save/--load or use --ddp-impl portable"
-        )
-    if getattr(args, "fp8_param_gather", False):
-        return "--fp8-param-gather is not supported by --ddp-impl megatron yet; drop it"
-    if getattr(args, "fp16", False):
-        return "--ddp-impl megatron supports --bf16 (or float32), not --fp16"
-    return None
 
 
 def megatron_engine_model_config(model_config, args: argparse.Namespace):

@@ -160,6 +160,18 @@ def _run(**parts) -> TrainingConfig:
         ),
         (lambda: _run(features=FeatureConfig(async_save=True)), "--async-save needs --save"),
         (
+            lambda: _run(
+                engine=EngineConfig(ddp_impl="megatron"), ckpt=CheckpointConfig(save="ckpt")
+            ),
+            "--ddp-impl megatron does not write or read checkpoints yet",
+        ),
+        (
+            lambda: _run(
+                engine=EngineConfig(ddp_impl="megatron"), precision=PrecisionConfig(fp16=True)
+            ),
+            "--ddp-impl megatron supports --bf16 (or float32), not --fp16",
+        ),
+        (
             lambda: _run(features=FeatureConfig(profile=True)),
             "--profile writes its trace beside the TensorBoard logs",
         ),

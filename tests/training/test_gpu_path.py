@@ -136,17 +136,13 @@ def test_portable_engine_notes_and_ignores_megatron_ddp_flags(caplog):
 
 
 def test_megatron_engine_refuses_what_it_does_not_do_yet():
-    from megatron_ext.training.gpu_arguments import engine_limitations, megatron_engine_model_config
+    # --save/--load and --fp16 are TrainingConfig's checks (tests/training/test_config.py).
+    from megatron_ext.training.gpu_arguments import megatron_engine_model_config
 
-    assert engine_limitations(_args("--ddp-impl", "megatron")) is None
-    for flags, message in (
-        (["--save", "ckpt"], "does not write or read checkpoints yet"),
-        (["--fp16"], "not --fp16"),
-    ):  # fmt: skip
-        args = _args("--ddp-impl", "megatron", *flags)
-        assert message in engine_limitations(args)
-        with pytest.raises(ArgumentError, match=message):
-            validate_gpu_args(args, cuda=True)
+    validate_gpu_args(_args("--ddp-impl", "megatron"), cuda=True)
+    args = _args("--ddp-impl", "megatron", "--bf16", "--fp8-format", "hybrid", "--fp8-param-gather")
+    with pytest.raises(ArgumentError, match="--fp8-param-gather is not supported by --ddp-impl"):
+        validate_gpu_args(args, cuda=True)
     # BF16 parameters and the FP8 recipe go into the model config (TransformerConfig fields).
     from megatron_ext.models import ModelConfig
 
