@@ -61,6 +61,8 @@ __all__ = [
 ]
 
 SUMMARY_SUFFIX = "_summary.json"
+# How long a stopping run waits for the chunks already in the pool (see `_settle`).
+_SETTLE_SECONDS = 30.0
 
 
 class BadRecordError(DataError):
@@ -473,17 +475,21 @@ class _UnitRunner:
         start = time.monotonic()
         if self.config.overwrite and os.path.exists(self.unit.summary_path):
             os.remove(self.unit.summary_path)  # the unit counts as unfinished until rewritten
+        # Chunks handed to the pool, oldest first; the head leaves only once consumed, so that a
+        # stopping run knows every chunk still in flight.
+        pending: collections.deque = collections.deque()
         try:
             for item in self.unit.files:
-                pending: collections.deque = collections.deque()
                 for first_line, chunk in iter_line_chunks(item.path, self.config.chunk_bytes):
                     if self.cancel.is_set():
                         raise Interrupted("stopped")
                     pending.append(self.pool.apply_async(_worker_encode, ((chunk, first_line),)))
                     if len(pending) >= self.max_in_flight:
-                        self._consume(item.path, self._get(pending.popleft()))
+                        self._consume(item.path, self._get(pending[0]))
+                        pending.popleft()
                 while pending:
-                    self._consume(item.path, self._get(pending.popleft()))
+                    self._consume(item.path, self._get(pending[0]))
+                    pending.popleft()
             if self.stats["documents"] == 0 and self.stats["bad"]:
                 raise DataError(
                     f"{self.unit.prefix}: every record was bad ({self.stats['bad']} bad records: "
@@ -498,6 +504,7 @@ class _UnitRunner:
         except BaseException:
             for writer in self.writers.values():
                 writer.abort()
+            _settle(pending)
             raise
         summary = {
             "output_prefix": self.unit.prefix,
@@ -538,6 +545,16 @@ class _UnitRunner:
         return summary
 
 
+def _settle(pending: Sequence[Any], timeout: float = _SETTLE_SECONDS) -> None:
+    """Wait (at most `timeout` seconds in all) for the chunks still in flight; their results
+    are dropped. A stopping run does this before it terminates the pool: Pool.terminate()
+    deadlocks when finished chunks still fill the result pipe (its task handler blocks sending
+    a sentinel into the pipe after the result handler has stopped reading it)."""
+    deadline = time.monotonic() + timeout
+    for result in pending:
+        result.wait(max(0.0, deadline - time.monotonic()))
+
+
 class _SerialPool:
     """The Pool interface, run in this process (workers=1 path and debugging)."""
 
@@ -547,6 +564,9 @@ class _SerialPool:
 
         def get(self, timeout: Optional[float] = None) -> Any:
             return self.value
+
+        def wait(self, timeout: Optional[float] = None) -> None:
+            pass
 
     def __init__(self, tokenizer_kwargs: dict, options: dict) -> None:
         self._tokenizer = build_tokenizer(**tokenizer_kwargs)
