@@ -32,7 +32,28 @@ __all__ = [
     "PortableVocabParallelEmbedding",
     "adopt",
     "check_sequence_split",
+    "model_tp_size_rank",
 ]
+
+
+def model_tp_size_rank(
+    model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup]
+) -> tuple[int, int]:
+    """(size, rank) of `model`'s tensor-parallel group `tp_group` (`ProcessGroups.tp`).
+
+    None means the model is not tensor-parallel: (1, 0), refused (ValueError) when the model's
+    config says it is split over several ranks, so that no caller silently treats a shard as
+    the whole tensor.
+    """
+    if tp_group is not None:
+        return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    model_tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1) or 1
+    if model_tp > 1:
+        raise ValueError(
+            f"the model is split over {model_tp} tensor-parallel ranks; pass its tp_group "
+            "(ProcessGroups.tp)"
+        )
+    return 1, 0
 
 
 def check_sequence_split(length: int, tp_size: int) -> None:

@@ -116,18 +116,6 @@ def lev_eval_tables(model: torch.nn.Module) -> Iterator[None]:
                 module.lev_config = config
 
 
-def _tp_size(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup]) -> int:
-    if tp_group is not None:
-        return dist.get_world_size(tp_group)
-    model_tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1) or 1
-    if model_tp > 1:
-        raise ValueError(
-            f"the model is split over {model_tp} tensor-parallel ranks; pass its tp_group "
-            "(ProcessGroups.tp) to generate"
-        )
-    return 1
-
-
 def next_token_logits(
     model: torch.nn.Module, tokens: torch.Tensor, inference_context=None
 ) -> torch.Tensor:
@@ -208,7 +196,9 @@ def generate(
     if not cfg.greedy:
         seed = cfg.seed if cfg.seed is not None else int(torch.randint(2**62, ()).item())
         generator = torch.Generator(device=device).manual_seed(seed)
-    tp_size = _tp_size(inner, tp_group)
+    from megatron_ext.tensor_parallel import model_tp_size_rank
+
+    tp_size, _ = model_tp_size_rank(inner, tp_group)
     stops = torch.tensor(cfg.stop_token_ids or [-1], device=device)
 
     context = None

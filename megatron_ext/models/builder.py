@@ -55,8 +55,7 @@ def build_model(
     """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`.
 
     `pg`: the process groups the model communicates over (`LeviathanModel`); None keeps
-    megatron's default for its own layers (Megatron's `model_provider(pre_process,
-    post_process)` contract has no groups).
+    megatron's default for its own layers (its `parallel_state` groups).
     """
     cfg = resolve_embedding_sizes(cfg)
     return LeviathanModel(

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.models.te_mapping import canonical_param_name
+from megatron_ext.tensor_parallel import model_tp_size_rank
 
 __all__ = [
     "tp_layout",
@@ -89,19 +90,6 @@ def layout_free_name(model: torch.nn.Module, local_name: str) -> str:
     return global_param_name(model, local_name)
 
 
-def _tp_size_rank(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup]) -> tuple:
-    """(size, rank) of `tp_group`; (1, 0) for None, refused for a tensor-parallel model."""
-    if tp_group is not None:
-        return dist.get_world_size(tp_group), dist.get_rank(tp_group)
-    model_tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1) or 1
-    if model_tp > 1:
-        raise ValueError(
-            f"the model is split over {model_tp} tensor-parallel ranks; pass its tp_group "
-            "(ProcessGroups.tp)"
-        )
-    return 1, 0
-
-
 def gather_full_state_dict(
     model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], grads: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -113,7 +101,7 @@ def gather_full_state_dict(
         tp_group: its tensor-parallel group (`ProcessGroups.tp`); None: not tensor-parallel.
         grads: gather `.grad` instead of the parameters.
     """
-    tp_size, _ = _tp_size_rank(model, tp_group)
+    tp_size, _ = model_tp_size_rank(model, tp_group)
     full: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         if is_tied_copy(model, name):
@@ -138,7 +126,7 @@ def load_full_state_dict(
 ) -> None:
     """Copy full parameters into this rank's shards (the inverse of `gather_full_state_dict`);
     `tp_group` as there."""
-    tp_size, tp_rank = _tp_size_rank(model, tp_group)
+    tp_size, tp_rank = model_tp_size_rank(model, tp_group)
     for name, param in model.named_parameters():
         key = layout_free_name(model, name)
         if key not in full:

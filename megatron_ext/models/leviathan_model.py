@@ -54,8 +54,7 @@ class LeviathanModel(GPTModel):
             `model_config.transformer_impl`.
         pg: the process groups, handed to megatron's GPTModel as its `pg_collection` (so its
             layers and the input module use exactly these groups). None: GPTModel's default,
-            megatron's own `parallel_state` groups (what Megatron's `model_provider(pre_process,
-            post_process)` contract gives a training entry point).
+            megatron's own `parallel_state` groups.
     """
 
     def __init__(
