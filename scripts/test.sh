@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# Set up the environment if needed, then run the whole test suite (CPU only, ~20 minutes on
-# 2 cores). Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/lev -k gradcheck`.
+# Set up the environment if needed, then run the tests (CPU only).
+#   bash scripts/test.sh                 the whole suite, both tiers, on 2 pytest-xdist workers
+#                                        (TEST_WORKERS=N to change; 0 runs serially)
+#   bash scripts/test.sh --fast          the unit tier only: no launched process, no training
+#   bash scripts/test.sh tests/lev -k gradcheck    anything else goes to pytest as it is
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-exec "$PY" -m pytest -q "${@:-tests}"
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    exec "$PY" -m pytest -q -m "not integration" "${@:-tests}"
+fi
+if [ $# -eq 0 ]; then
+    exec "$PY" -m pytest -q -n "${TEST_WORKERS:-2}" tests
+fi
+exec "$PY" -m pytest -q "$@"

@@ -1,12 +1,93 @@
 """Session-wide test set-up, loaded before any test module (and so before triton is imported).
 
+Two tiers, as Megatron-LM's unit_tests / functional_tests and torchtitan's unit / integration
+tests: a module that launches processes (torchrun, spawned gloo ranks, tool subprocesses,
+DataLoader workers) or trains declares ``pytestmark = pytest.mark.integration``; everything else
+is the unit tier (``bash scripts/test.sh --fast``). The tier is enforced: a test outside the
+integration tier that starts a Python process fails and says which marker it is missing.
+
 Without a GPU, Triton kernels run in Triton's CPU interpreter, which must be chosen before
-triton is first imported (megatron-core imports it): tests/lev/test_lev_triton.py relies on it.
+triton is first imported (megatron-core imports it): the LEV Triton tests rely on it.
 """
 
+import contextlib
+import multiprocessing.process
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "integration: launches processes or trains (excluded by `scripts/test.sh --fast`)",
+    )
+
+
+def _launches_python(args) -> bool:
+    """Whether a Popen argv (list or shell string) starts Python or torchrun."""
+    first = os.fsdecode(args if isinstance(args, (str, bytes, os.PathLike)) else args[0])
+    program = first.split()[0] if isinstance(args, str) else first
+    name = Path(program).name
+    return program == sys.executable or name.startswith("python") or name == "torchrun"
+
+
+@contextlib.contextmanager
+def _no_launches(where: str):
+    """Make starting a Python process or a multiprocessing child fail, naming the test.
+
+    Compilers and other non-Python helpers (the C++ LEV kernel's build, ``git`` for the run
+    metadata) stay allowed: they are part of what a unit under test does, not a launched run.
+    """
+
+    def refuse(what: str):
+        raise AssertionError(
+            f"{where} {what}: it belongs to the integration tier; add "
+            "`pytestmark = pytest.mark.integration` to its module"
+        )
+
+    popen_init = subprocess.Popen.__init__
+    start = multiprocessing.process.BaseProcess.start
+
+    def guarded_popen(self, args, *a, **kw):
+        if _launches_python(args):
+            refuse(f"launches a Python process ({args!r:.120})")
+        popen_init(self, args, *a, **kw)
+
+    def guarded_start(self):
+        refuse(f"starts a multiprocessing child ({type(self).__name__})")
+
+    subprocess.Popen.__init__ = guarded_popen
+    multiprocessing.process.BaseProcess.start = guarded_start
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = popen_init
+        multiprocessing.process.BaseProcess.start = start
+
+
+def _guarded(item):
+    if item.get_closest_marker("integration") is not None:
+        return contextlib.nullcontext()
+    return _no_launches(item.nodeid)
+
+
+# Setup is wrapped too: a session fixture that builds a corpus with the tools is set up while
+# the first test that asks for it sets up.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _guarded(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _guarded(item):
+        yield

@@ -15,10 +15,13 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from megatron_ext.testing.distributed import run_distributed
 from megatron_ext.testing.runs import REPO
+
+pytestmark = pytest.mark.integration
 
 
 def _check_groups() -> dict:

@@ -29,6 +29,8 @@ import torch
 
 from megatron_ext.testing.distributed import run_distributed
 
+pytestmark = pytest.mark.integration
+
 MIXED_TEXT = [
     "Hello, world! The quick brown fox.",
     "café naïve résumé Ångström façade",

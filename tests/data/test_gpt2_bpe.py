@@ -17,6 +17,8 @@ from megatron_ext.data.readers import iter_lines
 from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
 from megatron_ext.testing.gpt2_bpe import write_gpt2_bpe_files
 
+pytestmark = pytest.mark.integration
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLES = [
     "The quick brown fox jumps over the lazy dog.",

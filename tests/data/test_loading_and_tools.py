@@ -24,6 +24,8 @@ from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpu
 from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
 from megatron_ext.data.tokenizers import build_tokenizer
 
+pytestmark = pytest.mark.integration
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

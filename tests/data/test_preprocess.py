@@ -16,6 +16,8 @@ from megatron_ext.data.indexed import load_dataset, merge_datasets, read_counts
 from megatron_ext.data.readers import CorruptInputError, DataError, iter_lines
 from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
 
+pytestmark = pytest.mark.integration
+
 
 def write_jsonl(path, records_or_lines) -> str:
     """Write records (dicts) or raw lines (bytes/str) to a .jsonl file."""

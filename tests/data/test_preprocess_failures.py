@@ -18,6 +18,8 @@ import zstandard
 from megatron_ext.data import preprocess as pp
 from megatron_ext.data.readers import DataError
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "preprocess_data.py"
 

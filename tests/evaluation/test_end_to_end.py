@@ -13,6 +13,8 @@ import pytest
 
 from megatron_ext.testing.runs import REPO
 
+pytestmark = pytest.mark.integration
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

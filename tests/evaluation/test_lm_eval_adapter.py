@@ -11,6 +11,8 @@ import torch
 
 from megatron_ext.testing.lm_eval_tasks import TINY_TASKS, write_tiny_tasks
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def offline(monkeypatch, tmp_path):

@@ -15,6 +15,8 @@ import torch
 
 from megatron_ext.testing.distributed import run_distributed
 
+pytestmark = pytest.mark.integration
+
 ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
 VOCAB = 160
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [42]]

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from megatron_ext.testing.distributed import call_in_file, run_distributed
+
+pytestmark = pytest.mark.integration
 
 VOCAB, HIDDEN, BATCH, SEQ, HEADS = 300, 8, 2, 8, 4
 

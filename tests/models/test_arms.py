@@ -11,6 +11,8 @@ import torch
 
 from megatron_ext.testing.distributed import run_distributed
 
+pytestmark = pytest.mark.integration
+
 ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
 VOCAB, SEQ = 200, 32

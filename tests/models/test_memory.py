@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
 from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
 from megatron_ext.testing.distributed import call_in_file, run_distributed
+
+pytestmark = pytest.mark.integration
 
 ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
 SHAPE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2)

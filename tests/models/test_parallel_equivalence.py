@@ -15,6 +15,8 @@ import torch
 
 from megatron_ext.testing.distributed import run_distributed
 
+pytestmark = pytest.mark.integration
+
 VOCAB, SEQ, BATCH, HIDDEN = 96, 16, 2, 64
 ATOL = 1e-5
 # float32 gradients, squared norms summed in float64: layouts differ by ~1e-7 relative.

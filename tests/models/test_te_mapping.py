@@ -14,6 +14,8 @@ from megatron_ext.models.te_mapping import (
 )
 from megatron_ext.testing.distributed import call_in_file, run_distributed
 
+pytestmark = pytest.mark.integration
+
 # The parameters of one decoder layer in megatron-core's TE spec (TELayerNormColumnParallelLinear
 # carries the fused RMSNorm weight as `layer_norm_weight`; TEDotProductAttention has none).
 TE_LAYER = {

@@ -4,6 +4,8 @@ import torch.distributed as dist
 
 from megatron_ext.testing.distributed import run_distributed
 
+pytestmark = pytest.mark.integration
+
 
 def _layout_and_allreduce():
     from megatron.core import parallel_state as ps

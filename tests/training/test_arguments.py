@@ -16,6 +16,8 @@ from megatron_ext.training.arguments import (
     training_config_from_args,
 )
 
+pytestmark = pytest.mark.integration
+
 BASE = [
     "--micro-batch-size", "2", "--seq-length", "32", "--lr", "1e-3", "--train-iters", "100",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",

@@ -26,6 +26,8 @@ from megatron_ext.testing.runs import ENTRY, REPO
 
 from .test_checkpointing import _tiny_model
 
+pytestmark = pytest.mark.integration
+
 
 class _FillsUp:
     """A writable stream on a disk that is full after `room` bytes."""

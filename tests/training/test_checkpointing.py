@@ -7,9 +7,12 @@ from __future__ import annotations
 import os
 import types
 
+import pytest
 import torch
 
 from megatron_ext.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.integration
 
 
 class _Killed(BaseException):

@@ -15,6 +15,8 @@ import math
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 RTOL = 1e-5
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from megatron_ext.training.arguments import parse_args
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "recipes" / "pretrain.sh"
 ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")

@@ -15,6 +15,8 @@ import torch
 from megatron_ext.training.arguments import ArgumentError, build_parser
 from megatron_ext.training.gpu_arguments import GPU_FLAGS, add_gpu_arguments, validate_gpu_args
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
 

@@ -15,6 +15,8 @@ from megatron_ext.testing.distributed import run_distributed
 from megatron_ext.training.megatron_features import BatchSizeRampup, memory_stats
 from megatron_ext.training.metrics import format_train_line
 
+pytestmark = pytest.mark.integration
+
 
 def _megatron_rampup(gbs, mbs, dp, start, incr, samples):
     from megatron.core.num_microbatches_calculator import (

@@ -21,6 +21,8 @@ from megatron_ext.data.readers import iter_lines
 from megatron_ext.testing.gpt2_bpe import write_gpt2_bpe_files
 from megatron_ext.testing.runs import REPO
 
+pytestmark = pytest.mark.integration
+
 
 def llama3_8b(run_dir) -> list[str]:
     """examples/llama/train_llama3_8b_h100_fp8.sh: sizes shrunk, --fp8-* removed."""

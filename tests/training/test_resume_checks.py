@@ -23,6 +23,8 @@ from megatron_ext.data.readers import DataError
 from megatron_ext.testing.distributed import find_free_port
 from megatron_ext.testing.runs import ENTRY, REPO
 
+pytestmark = pytest.mark.integration
+
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--ffn-hidden-size", "64", "--seq-length", "16", "--embedding-type", "untied",

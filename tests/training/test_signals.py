@@ -30,6 +30,8 @@ from megatron_ext.testing.runs import REPO
 from megatron_ext.testing.runs import TINY_LEV_MODEL as MODEL
 from megatron_ext.testing.runs import TINY_TRAIN as TRAIN
 
+pytestmark = pytest.mark.integration
+
 RANK_ENTRY = Path(__file__).with_name("_rank_entry.py")
 
 
