@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.quickstart import ALL_ARMS, MARKER
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-
-import quickstart  # noqa: E402
 
 STAGES = ("corpus", "tokenizer", "data", "train_tied", "train_lev", "evaluate", "report", "export")
 
@@ -55,7 +54,7 @@ def test_every_promised_file(quickstart_run):
 
     out, stdout = quickstart_run
     for stage in STAGES:
-        marker = json.loads((out / stage / quickstart.MARKER).read_text())
+        marker = json.loads((out / stage / MARKER).read_text())
         assert marker["fingerprint"] and marker["summary"]
     assert not list(out.glob(".*.tmp")), "temporary stage directories left behind"
     for png in ("report/curves.png", "report/frequency.png", "evaluate/frequency/frequency.png"):
@@ -94,31 +93,18 @@ def test_every_promised_file(quickstart_run):
 
 def test_rerun_reuses_finished_stages_and_redoes_unfinished(quickstart_run):
     out, _ = quickstart_run
-    before = {s: (out / s / quickstart.MARKER).stat().st_mtime_ns for s in STAGES}
+    before = {s: (out / s / MARKER).stat().st_mtime_ns for s in STAGES}
     # An export interrupted mid-way: no marker in place, a temporary directory left over.
-    (out / "export" / quickstart.MARKER).unlink()
+    (out / "export" / MARKER).unlink()
     (out / ".export.tmp").mkdir()
     (out / ".export.tmp" / "partial.safetensors").write_bytes(b"half")
     stdout = _run(out)
     assert stdout.count("reusing the finished stage") == len(STAGES) - 1
     for stage in STAGES[:-1]:
-        assert (out / stage / quickstart.MARKER).stat().st_mtime_ns == before[stage]
+        assert (out / stage / MARKER).stat().st_mtime_ns == before[stage]
     assert "export LEVIATHAN" in stdout and "tools/convert_checkpoint.py export-hf" in stdout
-    assert (out / "export" / quickstart.MARKER).is_file()
+    assert (out / "export" / MARKER).is_file()
     assert not (out / ".export.tmp").exists()
-
-
-def test_decomposition_telescopes_to_lev_vs_albert():
-    losses = {"albert": 5.0, "flat-mlp": 4.9, "factored-mlp": 4.85, "lev": 4.8, "tied": 5.1}
-    parts = quickstart.decomposition(losses)
-    assert [p[0] for p in parts] == [
-        "continuous representation",
-        "compositional structure",
-        "separable spline smoothness",
-    ]
-    assert [p[3] for p in parts] == pytest.approx([2.0, 1.0, 1.0])
-    assert sum(p[3] for p in parts) == pytest.approx(100 * (5.0 - 4.8) / 5.0)
-    assert quickstart.decomposition({"tied": 5.0, "lev": 4.9}) is None
 
 
 def test_reproduce_small_runs_all_six_arms_identically():
@@ -136,7 +122,7 @@ def test_reproduce_small_runs_all_six_arms_identically():
     call = proc.stdout.splitlines()[0].split()
     assert call[:3] == ["tools/quickstart.py", "--out", "runs/x"]
     arms = call[call.index("--arms") + 1 : call.index("--no-export")]
-    assert arms == list(quickstart.ALL_ARMS)
+    assert arms == list(ALL_ARMS)
     assert call[call.index("--iters") + 1] == "7"
     assert call[call.index("--corpus") + 1] == "a.jsonl"
     for size in ("200m", "400m", "1.2b"):

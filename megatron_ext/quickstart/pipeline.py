@@ -1,0 +1,505 @@
+"""The quick start's pipeline: corpus -> tokenizer -> datasets -> training of several arms ->
+evaluation -> report (tables + PNGs) -> Hugging Face export and a greedy continuation through
+transformers, each a resumable stage (:mod:`megatron_ext.quickstart.stages`).
+
+Used by ``scripts/quickstart.sh`` (TIED vs LEVIATHAN in under ten minutes) and by
+``examples/reproduce_small.sh`` (all six arms, about an hour) through ``tools/quickstart.py``.
+The stages run the project's own tools and ``pretrain_leviathan.py`` from the source checkout,
+exactly as a user would type them (each command is echoed). ``--fresh`` starts over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megatron_ext.evaluation.report import write_comparison_report
+from megatron_ext.quickstart.stages import (
+    Stage,
+    StageError,
+    run_command,
+    run_stages,
+    say,
+    short_path,
+)
+
+__all__ = ["ALL_ARMS", "REPO", "Settings", "build_stages", "main", "parse_args"]
+
+# The source checkout whose tools/ and pretrain_leviathan.py the stages run.
+REPO = Path(__file__).resolve().parents[2]
+ALL_ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
+# Training output worth showing live; the full log is kept in the stage's train.log.
+_SHOW = re.compile(r"iteration\s+\d+/|validation loss|model parameters|error|Error|Traceback")
+
+
+@dataclass
+class Settings:
+    """Everything that decides the outputs; a stage is redone when its part changes."""
+
+    out: Path
+    arms: tuple[str, ...] = ("tied", "lev")
+    iters: int = 150
+    nproc: int = 2
+    corpus: Optional[str] = None
+    valid_corpus: Optional[str] = None
+    corpus_mb: float = 4.0
+    vocab_size: int = 4096
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 4
+    seq_length: int = 128
+    micro_batch: int = 8
+    global_batch: int = 16
+    lr: float = 2e-3
+    eval_interval: int = 20
+    eval_iters: int = 4
+    seed: int = 1234
+    bin_edges: tuple[float, ...] = (1e-5, 1e-4, 1e-3, 1e-2)
+    export: bool = True
+    prompt: str = "The history of the river"
+    title: str = "Quick start: TIED vs LEVIATHAN"
+    python: str = sys.executable
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        """Training tokens per arm."""
+        return self.iters * self.global_batch * self.seq_length
+
+
+def _run(cmd: list[str], **kw) -> None:
+    run_command(cmd, cwd=REPO, **kw)
+
+
+def _tool(s: Settings, script: str, *args: str) -> list[str]:
+    return [s.python, str(REPO / "tools" / script), *args]
+
+
+def _torchrun(s: Settings, script: str, *args: str) -> list[str]:
+    return [
+        s.python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(s.nproc),
+        str(REPO / script),
+        *args,
+    ]
+
+
+def build_stages(s: Settings) -> list[Stage]:
+    """The pipeline for these settings (see the module docstring)."""
+    out = s.out
+    tok_model = out / "tokenizer" / "sp.model"
+    train_prefix, valid_prefix = out / "data" / "train", out / "data" / "valid"
+    tok_flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tok_model)]
+    corpus_key = dict(corpus=s.corpus, valid=s.valid_corpus, mb=s.corpus_mb, seed=s.seed)
+
+    def corpus(tmp: Path) -> str:
+        if s.corpus:
+            return f"using your corpus {s.corpus} (train) and {s.valid_corpus} (valid)"
+        _run(
+            _tool(
+                s,
+                "make_sample_corpus.py",
+                "--output",
+                str(tmp),
+                "--size-mb",
+                str(s.corpus_mb),
+                "--seed",
+                str(s.seed),
+            )
+        )
+        return f"sample corpus in {short_path(str(out / 'corpus'))} (train/, val.jsonl.zst)"
+
+    def train_input() -> str:
+        return s.corpus or str(out / "corpus" / "train")
+
+    def valid_input() -> str:
+        return s.valid_corpus or str(out / "corpus" / "val.jsonl.zst")
+
+    def tokenizer(tmp: Path) -> str:
+        _run(
+            _tool(
+                s,
+                "train_tokenizer.py",
+                "--input",
+                train_input(),
+                "--vocab-size",
+                str(s.vocab_size),
+                "--model-prefix",
+                str(tmp / "sp"),
+                "--seed",
+                str(s.seed),
+            ),
+            log=tmp / "train_tokenizer.log",
+        )
+        return f"{s.vocab_size}-piece SentencePiece BPE model {short_path(str(tok_model))}"
+
+    def data(tmp: Path) -> str:
+        tmp_tok = [
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            str(tok_model),
+        ]
+        for split, src in (("train", train_input()), ("valid", valid_input())):
+            say(f"  preprocessing the {split} split")
+            _run(
+                _tool(
+                    s,
+                    "preprocess_data.py",
+                    "--input",
+                    src,
+                    "--output-prefix",
+                    str(tmp / split),
+                    *tmp_tok,
+                    "--append-eod",
+                    "--workers",
+                    "2",
+                ),
+                log=tmp / f"{split}.log",
+                show=re.compile(r"done:|error"),
+            )
+        return (
+            f"indexed datasets {short_path(str(train_prefix))}_text_document / valid_text_document"
+        )
+
+    stages = [
+        Stage("corpus", "corpus", corpus_key, corpus),
+        Stage("tokenizer", "tokenizer", dict(corpus_key, vocab=s.vocab_size), tokenizer),
+        Stage("data", "preprocess train/valid", dict(corpus_key, vocab=s.vocab_size), data),
+    ]
+    model_key = dict(
+        corpus_key,
+        vocab=s.vocab_size,
+        iters=s.iters,
+        nproc=s.nproc,
+        layers=s.num_layers,
+        hidden=s.hidden_size,
+        heads=s.num_heads,
+        seq=s.seq_length,
+        mbs=s.micro_batch,
+        gbs=s.global_batch,
+        lr=s.lr,
+        eval=(s.eval_interval, s.eval_iters),
+    )
+    for arm in s.arms:
+        stages.append(
+            Stage(
+                f"train_{arm}",
+                f"train {arm.upper()} ({s.iters} iterations, "
+                f"{s.tokens:,} tokens, {s.nproc} CPU processes, TP={s.nproc})",
+                dict(model_key, arm=arm),
+                _train_stage(s, arm, tok_flags, train_prefix, valid_prefix),
+            )
+        )
+    eval_key = dict(model_key, arms=s.arms, bins=s.bin_edges)
+    stages.append(
+        Stage(
+            "evaluate",
+            "evaluate: validation perplexity by token frequency",
+            eval_key,
+            lambda tmp: _evaluate(s, tmp, valid_prefix),
+        )
+    )
+    stages.append(
+        Stage(
+            "report",
+            "report: tables, loss curves, frequency bars",
+            eval_key,
+            lambda tmp: _report(s, tmp),
+        )
+    )
+    if s.export and "lev" in s.arms:
+        stages.append(
+            Stage(
+                "export",
+                "export LEVIATHAN to Hugging Face + greedy continuation",
+                dict(model_key, prompt=s.prompt),
+                lambda tmp: _export(s, tmp),
+            )
+        )
+    return stages
+
+
+def _train_stage(s: Settings, arm: str, tok_flags, train_prefix: Path, valid_prefix: Path):
+    def train(tmp: Path) -> str:
+        warmup = max(1, s.iters // 10)
+        cmd = _torchrun(
+            s,
+            "pretrain_leviathan.py",
+            "--tensor-model-parallel-size",
+            str(s.nproc),
+            "--sequence-parallel",
+            "--embedding-type",
+            arm,
+            # LEV's sizes for a D=128 model; its training controls are the project defaults.
+            "--lev-num-heads",
+            "4",
+            "--lev-seed-dim",
+            "64",
+            "--lev-rank",
+            "16",
+            "--num-layers",
+            str(s.num_layers),
+            "--hidden-size",
+            str(s.hidden_size),
+            "--num-attention-heads",
+            str(s.num_heads),
+            "--seq-length",
+            str(s.seq_length),
+            "--micro-batch-size",
+            str(s.micro_batch),
+            "--global-batch-size",
+            str(s.global_batch),
+            "--train-iters",
+            str(s.iters),
+            "--lr",
+            str(s.lr),
+            "--min-lr",
+            str(s.lr / 10),
+            "--lr-decay-style",
+            "cosine",
+            "--lr-warmup-iters",
+            str(warmup),
+            "--weight-decay",
+            "0.1",
+            "--clip-grad",
+            "1.0",
+            "--seed",
+            str(s.seed),
+            "--train-data-path",
+            f"{train_prefix}_text_document",
+            "--valid-data-path",
+            f"{valid_prefix}_text_document",
+            *tok_flags,
+            "--log-interval",
+            str(max(1, min(10, s.iters // 4))),
+            "--eval-interval",
+            str(min(s.eval_interval, s.iters)),
+            "--eval-iters",
+            str(s.eval_iters),
+            "--num-workers",
+            "0",
+            "--save",
+            str(tmp / "ckpt"),
+            "--save-interval",
+            str(s.iters),
+            "--tensorboard-dir",
+            str(tmp / "tb"),
+            "--log-jsonl",
+            str(tmp / "train.jsonl"),
+        )
+        _run(cmd, log=tmp / "train.log", show=_SHOW)
+        text = (tmp / "train.log").read_text()
+        params = re.findall(r"model parameters: (\d+)", text)
+        vals = re.findall(r"validation loss at iteration\s+(\d+) \| lm loss value: (\S+)", text)
+        if not params or not vals:
+            raise StageError(
+                f"training log {tmp / 'train.log'} has no parameter count or validation loss"
+            )
+        info = dict(
+            arm=arm,
+            parameters=int(params[-1]),
+            final_iteration=int(vals[-1][0]),
+            final_valid_loss=float(vals[-1][1]),
+            tokens=s.tokens,
+        )
+        (tmp / "run.json").write_text(json.dumps(info, indent=1))
+        return (
+            f"{info['parameters']:,} parameters, validation loss "
+            f"{info['final_valid_loss']:.4f}; checkpoint in "
+            f"{short_path(str(s.out / f'train_{arm}' / 'ckpt'))}"
+        )
+
+    return train
+
+
+def _evaluate(s: Settings, tmp: Path, valid_prefix: Path) -> str:
+    loads = []
+    for arm in s.arms:
+        loads += ["--load", str(s.out / f"train_{arm}" / "ckpt")]
+    base = "tied" if "tied" in s.arms else s.arms[0]
+    _run(
+        _torchrun(
+            s,
+            "tools/evaluate.py",
+            "frequency",
+            *loads,
+            "--names",
+            *s.arms,
+            "--baseline",
+            base,
+            "--data-path",
+            f"{valid_prefix}_text_document",
+            "--tensor-model-parallel-size",
+            str(s.nproc),
+            "--micro-batch-size",
+            "32",
+            "--bin-edges",
+            *[str(e) for e in s.bin_edges],
+            "--output-dir",
+            str(tmp / "frequency"),
+        ),
+        log=tmp / "evaluate.log",
+        show=re.compile(r"tokens in .* s \(|^\||error"),
+    )
+    return f"frequency table {short_path(str(s.out / 'evaluate' / 'frequency' / 'frequency.md'))}"
+
+
+def _report(s: Settings, tmp: Path) -> str:
+    base = "tied" if "tied" in s.arms else s.arms[0]
+    cmd = _tool(
+        s,
+        "evaluate.py",
+        "curves",
+        "--seq-length",
+        str(s.seq_length),
+        "--smoothing",
+        "0.6",
+        "--reference",
+        base,
+        "--output-dir",
+        str(tmp),
+    )
+    for arm in s.arms:
+        cmd += ["--run", f"{arm}={s.out / f'train_{arm}' / 'tb'}"]
+    _run(cmd, log=tmp / "curves.log", show=re.compile(r"reach|error"))
+    efficiency_lines = [
+        ln.strip() for ln in (tmp / "curves.log").read_text().splitlines() if "reach" in ln
+    ]
+    freq_dir = s.out / "evaluate" / "frequency"
+    shutil.copy(freq_dir / "frequency.png", tmp / "frequency.png")
+    setup = (
+        f"Same backbone ({s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} heads, "
+        f"sequence {s.seq_length}), seed {s.seed}, data order and token budget for every arm: "
+        f"{s.iters} iterations x {s.global_batch} sequences = {s.tokens:,} tokens, "
+        f"{s.nproc} CPU processes at TP={s.nproc}. Vocabulary: {s.vocab_size} SentencePiece "
+        "pieces. Only `--embedding-type` differs."
+    )
+    write_comparison_report(
+        tmp,
+        title=s.title,
+        setup=setup,
+        arms=s.arms,
+        runs={a: json.loads((s.out / f"train_{a}" / "run.json").read_text()) for a in s.arms},
+        freq=json.loads((freq_dir / "frequency.json").read_text()),
+        freq_md=(freq_dir / "frequency.md").read_text(),
+        efficiency_lines=efficiency_lines,
+        bin_edges=s.bin_edges,
+    )
+    return f"{short_path(str(s.out / 'report' / 'report.md'))} with curves.png and frequency.png"
+
+
+def _export(s: Settings, tmp: Path) -> str:
+    _run(
+        _tool(
+            s,
+            "convert_checkpoint.py",
+            "export-hf",
+            "--load",
+            str(s.out / "train_lev" / "ckpt"),
+            "--output",
+            str(tmp / "hf"),
+        )
+    )
+    say(f"  loading the export with transformers and continuing {s.prompt!r} greedily")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp / "hf", dtype=torch.float32)
+    ids = tokenizer(s.prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)
+    text = tokenizer.decode(out[0], skip_special_tokens=True)
+    (tmp / "continuation.txt").write_text(text + "\n")
+    say("  " + text.replace("\n", " "))
+    return f"Hugging Face model {short_path(str(s.out / 'export' / 'hf'))}"
+
+
+def parse_args(argv=None) -> tuple[Settings, bool]:
+    """The command line -> (settings, --fresh); bad input exits 2 with one line."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default="runs/quickstart", help="output directory")
+    p.add_argument("--arms", nargs="+", default=["tied", "lev"], choices=ALL_ARMS)
+    p.add_argument("--iters", type=int, default=150, help="training iterations per arm")
+    p.add_argument("--nproc", type=int, default=2, help="CPU processes (= TP size)")
+    p.add_argument("--corpus", help="your training jsonl file or directory (default: sample)")
+    p.add_argument("--valid-corpus", help="your validation jsonl file (with --corpus)")
+    p.add_argument("--corpus-mb", type=float, default=4.0, help="size of the sample corpus")
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--eval-interval", type=int, default=20)
+    p.add_argument("--no-export", action="store_true", help="skip the Hugging Face export")
+    p.add_argument("--title", default="Quick start: TIED vs LEVIATHAN")
+    p.add_argument("--fresh", action="store_true", help="delete OUT and start over")
+    a = p.parse_args(argv)
+    if a.iters < 1:
+        p.error("--iters must be at least 1")
+    if bool(a.corpus) != bool(a.valid_corpus):
+        p.error("--corpus and --valid-corpus go together (a training and a validation jsonl)")
+    for path in (a.corpus, a.valid_corpus):
+        if path and not os.path.exists(path):
+            p.error(f"{path} does not exist")
+    s = Settings(
+        out=Path(a.out).resolve(),
+        arms=tuple(dict.fromkeys(a.arms)),
+        iters=a.iters,
+        nproc=a.nproc,
+        corpus=a.corpus and os.path.abspath(a.corpus),
+        valid_corpus=a.valid_corpus and os.path.abspath(a.valid_corpus),
+        corpus_mb=a.corpus_mb,
+        hidden_size=a.hidden_size,
+        num_layers=a.num_layers,
+        eval_interval=a.eval_interval,
+        export=not a.no_export,
+        title=a.title,
+    )
+    return s, a.fresh
+
+
+def main(argv=None) -> int:
+    """Run (or resume) the quick start; 0 when every stage is done, 1 when one failed."""
+    s, fresh = parse_args(argv)
+    if fresh and s.out.exists():
+        say(f"--fresh: removing {short_path(str(s.out))}")
+        shutil.rmtree(s.out)
+    # Ctrl-C and SIGTERM discard the running stage, also when started where SIGINT is ignored
+    # (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    start = time.time()
+    try:
+        run_stages(build_stages(s), s.out)
+    except StageError as e:
+        say(f"\nerror: {e}")
+        say("rerun the same command to retry from the failed stage")
+        return 1
+    report = s.out / "report" / "report.md"
+    say(f"\nall stages done in {time.time() - start:.0f}s. Open:")
+    say(f"  {short_path(str(report))}   (comparison table, loss curves, frequency bars)")
+    say(
+        f"  {short_path(str(s.out / 'report' / 'curves.png'))}, "
+        f"{short_path(str(s.out / 'report' / 'frequency.png'))}"
+    )
+    if (s.out / "export" / "hf").is_dir():
+        say(
+            f"  {short_path(str(s.out / 'export' / 'hf'))}   "
+            "(AutoModelForCausalLM.from_pretrained; "
+            f"continuation in {short_path(str(s.out / 'export' / 'continuation.txt'))})"
+        )
+    return 0

@@ -1,0 +1,185 @@
+"""A resumable stage runner: each stage writes into a temporary directory that is renamed into
+place only when complete, and a finished stage whose settings did not change is reused.
+
+Every stage writes into ``OUT/.<stage>.tmp``, puts a completion marker (:data:`MARKER`) there and
+renames it to ``OUT/<stage>``; an interrupted or failed stage leaves nothing behind and is redone
+by the next run. Once one stage is redone, every later stage is redone too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+__all__ = [
+    "MARKER",
+    "Stage",
+    "StageError",
+    "compact_iteration_line",
+    "run_command",
+    "run_stages",
+    "say",
+    "short_path",
+]
+
+MARKER = ".complete.json"
+
+
+class StageError(RuntimeError):
+    """A stage's command failed; the message says which and where its log is."""
+
+
+@dataclass
+class Stage:
+    """One step of a pipeline: ``run(tmp)`` writes everything into ``tmp`` and returns a
+    one-line summary; ``key`` holds the settings that decide its outputs."""
+
+    name: str
+    title: str
+    key: dict
+    run: Callable[[Path], str]
+
+
+def say(msg: str = "") -> None:
+    """Print a progress line at once (the stages' output is interleaved with children's)."""
+    print(msg, flush=True)
+
+
+def short_path(arg: str) -> str:
+    """A path relative to the current directory when it is below it, else as given."""
+    if not os.path.isabs(arg):
+        return arg
+    rel = os.path.relpath(arg)
+    return arg if rel.startswith("..") else rel
+
+
+def compact_iteration_line(line: str) -> str:
+    """Keep the informative fields of a Megatron iteration line."""
+    if "|" not in line or "validation loss" in line or "iteration" not in line:
+        return line.strip().rstrip(" |")
+    keep = ("iteration ", "elapsed time per iteration", "tokens per second", "ETA", "lm loss")
+    fields = [f.strip() for f in line.split("|") if f.strip().startswith(keep) or "]  iter" in f]
+    return " | ".join(fields)
+
+
+def run_command(
+    cmd: list[str],
+    *,
+    cwd: Path,
+    log: Optional[Path] = None,
+    show: Optional[re.Pattern] = None,
+) -> None:
+    """Run ``cmd`` in ``cwd`` (put first on PYTHONPATH; OMP_NUM_THREADS=1 unless set).
+
+    With ``log``, its output goes to that file and the lines matching ``show`` are echoed;
+    otherwise it goes straight to the terminal (progress bars included). A non-zero exit raises
+    :class:`StageError` with the end of the log. Ctrl-C interrupts the child, then re-raises.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    say("  $ " + " ".join(short_path(c) for c in cmd))
+    if log is None:
+        rc = _wait(subprocess.Popen(cmd, cwd=cwd, env=env))
+        if rc:
+            raise StageError(f"command failed with exit code {rc}: {cmd[0]} ...")
+        return
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            for line in proc.stdout:
+                fh.write(line)
+                if show is not None and show.search(line):
+                    say("    " + compact_iteration_line(line.rstrip()))
+        except KeyboardInterrupt:
+            _stop(proc)
+            raise
+        rc = _wait(proc)
+    if rc:
+        tail = "".join(open(log).readlines()[-25:])
+        raise StageError(f"command failed with exit code {rc}; end of {log}:\n{tail}")
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        _stop(proc)
+        raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Interrupt the child (a terminal's Ctrl-C already did; a SIGTERM to us alone did not),
+    give it a moment to exit cleanly, then kill it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _fingerprint(key: dict) -> str:
+    return hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_stages(stages: list[Stage], out: Path) -> None:
+    """Run the stages in order into ``out``, reusing each finished one whose ``key`` did not
+    change; once a stage is redone, every later stage is redone too.
+
+    Ctrl-C discards the running stage's temporary directory and exits 130; any other error
+    discards it and propagates.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    redo = False
+    for i, stage in enumerate(stages, 1):
+        final, tmp = out / stage.name, out / f".{stage.name}.tmp"
+        fp = _fingerprint(stage.key)
+        header = f"[{i}/{len(stages)}] {stage.title}"
+        marker = final / MARKER
+        if not redo and marker.is_file():
+            done = json.loads(marker.read_text())
+            if done.get("fingerprint") == fp:
+                say(
+                    f"\n{header}: reusing the finished stage in {short_path(str(final))} "
+                    f"({done.get('summary', '')})"
+                )
+                continue
+        redo = True
+        say(f"\n{header} -> {short_path(str(final))}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        start = time.time()
+        try:
+            summary = stage.run(tmp)
+        except KeyboardInterrupt:
+            shutil.rmtree(tmp, ignore_errors=True)
+            say(
+                f"\ninterrupted: stage '{stage.name}' discarded (nothing half-written); "
+                "rerun the same command to resume from it"
+            )
+            raise SystemExit(130)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        took = time.time() - start
+        (tmp / MARKER).write_text(
+            json.dumps({"fingerprint": fp, "summary": summary, "seconds": round(took, 1)})
+        )
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        say(f"  done in {took:.0f}s: {summary}")
