@@ -3,12 +3,12 @@ state dict round-trips into the same arm and is refused, naming both arms, by an
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_ext.models.param_table import parameter_rows
 from megatron_ext.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.integration
@@ -98,16 +98,8 @@ def arm_results():
     return run_distributed(_arm_checks, world_size=1)[0]
 
 
-def _count_params_tool():
-    spec = importlib.util.spec_from_file_location("count_params", ROOT / "tools/count_params.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tool_arithmetic_matches_instantiated_models(arm_results):
-    tool = _count_params_tool()
-    rows = tool.parameter_rows({"tiny": SHAPE}, [VOCAB], ARMS, lev=LEV)
+    rows = parameter_rows({"tiny": SHAPE}, [VOCAB], ARMS, lev=LEV)
     for row in rows:
         real = arm_results[row["arm"]]["counts"]
         assert real == {k: row[k] for k in real}, row["arm"]

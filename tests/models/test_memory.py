@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
+from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig, param_table
 from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
 from megatron_ext.testing.distributed import call_in_file, run_distributed
 
@@ -131,31 +131,21 @@ def test_optimizer_state_bytes_and_a_1_2b_run_on_8_gpus():
     assert 1.2e9 < portable.parameters < 1.3e9
 
 
-def _tool():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "tools/count_params.py"
-    spec = importlib.util.spec_from_file_location("count_params_tool", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_count_params_memory_cli(capsys):
-    tool = _tool()
     argv = ["--memory", "--scales", "1.2b", "--vocab-sizes", "200064", "--arms", "lev", "tied"]
     argv += ["--data-parallel-size", "8", "--micro-batch-size", "2", "--format", "csv"]
-    assert tool.main(argv) == 0
+    assert param_table.main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].split(",") == list(tool.MEMORY_COLUMNS)
-    rows = [dict(zip(tool.MEMORY_COLUMNS, line.split(","))) for line in lines[1:]]
+    assert lines[0].split(",") == list(param_table.MEMORY_COLUMNS)
+    rows = [dict(zip(param_table.MEMORY_COLUMNS, line.split(","))) for line in lines[1:]]
     assert [r["arm"] for r in rows] == ["lev", "tied"]
     lev, tied = rows
     # LEV costs about 0.2% more parameters and FLOPs than TIED, and fits an 80 GB GPU.
     assert 0 < float(lev["gflop_per_token"]) / float(tied["gflop_per_token"]) - 1 < 0.01
     assert float(lev["total_recompute_gib"]) < float(lev["total_gib"]) < 80
-    assert tool.main(["--memory", "--scales", "1.2b", "--tensor-model-parallel-size", "3"]) == 2
+    assert (
+        param_table.main(["--memory", "--scales", "1.2b", "--tensor-model-parallel-size", "3"]) == 2
+    )
     assert "not divisible by --tensor-model-parallel-size 3" in capsys.readouterr().err
 
 

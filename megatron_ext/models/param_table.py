@@ -1,0 +1,327 @@
+"""Parameter and memory tables of arms x scales x vocabularies, from the configuration alone.
+
+Nothing is allocated, so the 1.2B rows are instant. :func:`parameter_rows` counts parameters
+by part (input embedding, output head, backbone) with the overhead against TIED;
+:func:`memory_rows` plans per-GPU memory and training FLOPs per token for a parallel layout
+(:mod:`megatron_ext.models.memory`). ``tools/count_params.py`` prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+
+from megatron_ext.lev.arguments import add_lev_arguments, lev_flag_values
+from megatron_ext.models.config import (
+    EMBEDDING_TYPES,
+    MODEL_SIZE_PRESETS,
+    EmbeddingConfig,
+    ModelConfig,
+)
+from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
+from megatron_ext.models.param_count import count_parameters, resolve_embedding_sizes
+
+__all__ = [
+    "COLUMNS",
+    "main",
+    "MEMORY_COLUMNS",
+    "PAPER_VOCAB_SIZES",
+    "memory_csv",
+    "memory_markdown",
+    "memory_rows",
+    "parameter_rows",
+    "to_csv",
+    "to_markdown",
+]
+
+# o200k_base has 200,019 ids; Megatron pads vocabularies to a multiple of 128.
+PAPER_VOCAB_SIZES = (50304, 100352, 200064)
+COLUMNS = (
+    "scale",
+    "vocab",
+    "arm",
+    "total",
+    "input_embedding",
+    "output_head",
+    "backbone",
+    "overhead_vs_tied_pct",
+    "arm_sizes",
+)
+
+
+def _arm_sizes(cfg: ModelConfig) -> str:
+    emb = resolve_embedding_sizes(cfg, log=False).embedding
+    if emb.embedding_type == "albert":
+        return f"m={emb.albert_dim}"
+    if emb.embedding_type == "flat-mlp":
+        return f"d={emb.flat_mlp_seed_dim} H={emb.mlp_hidden}"
+    if emb.embedding_type == "factored-mlp":
+        return f"H={emb.mlp_hidden}"
+    if emb.embedding_type == "lev":
+        lev = emb.lev
+        return f"k={lev.num_digits} b={lev.base} h={lev.num_heads} r={lev.rank}"
+    return ""
+
+
+def parameter_rows(
+    scales: dict[str, dict[str, int]], vocab_sizes, arms, lev: dict | None = None
+) -> list[dict]:
+    """One row per scale x vocabulary x arm, with the overhead over TIED in percent; `lev`
+    holds LEVConfig fields other than vocab_size/hidden_size (defaults where absent)."""
+    rows = []
+    for scale, shape in scales.items():
+        for vocab in vocab_sizes:
+            tied_total = None
+            for arm in ("tied", *[a for a in arms if a != "tied"]):
+                cfg = ModelConfig(
+                    vocab_size=vocab,
+                    embedding=EmbeddingConfig(embedding_type=arm, lev=dict(lev or {})),
+                    **shape,
+                )
+                count = count_parameters(cfg)
+                if arm == "tied":
+                    tied_total = count.total
+                if arm not in arms:
+                    continue
+                rows.append(
+                    dict(
+                        scale=scale,
+                        vocab=vocab,
+                        arm=arm,
+                        total=count.total,
+                        input_embedding=count.input_embedding,
+                        output_head=count.output_head,
+                        backbone=count.backbone,
+                        overhead_vs_tied_pct=100.0 * (count.total - tied_total) / tied_total,
+                        arm_sizes=_arm_sizes(cfg),
+                    )
+                )
+    return rows
+
+
+def to_markdown(rows: list[dict]) -> str:
+    """The parameter rows as a Markdown table."""
+    head = "| scale | vocab | arm | total | input emb. | output head | backbone | vs TIED | sizes |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['scale']} | {r['vocab']:,} | {r['arm']} | {r['total'] / 1e6:,.2f}M | "
+            f"{r['input_embedding'] / 1e6:,.3f}M | {r['output_head'] / 1e6:,.2f}M | "
+            f"{r['backbone'] / 1e6:,.2f}M | {r['overhead_vs_tied_pct']:+.2f}% | {r['arm_sizes']} |"
+        )
+    return "\n".join(lines)
+
+
+def to_csv(rows: list[dict]) -> str:
+    """The parameter rows as CSV (:data:`COLUMNS`)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({**r, "overhead_vs_tied_pct": f"{r['overhead_vs_tied_pct']:.4f}"})
+    return out.getvalue().rstrip("\n")
+
+
+MEMORY_COLUMNS = (
+    "scale",
+    "vocab",
+    "arm",
+    "layout",
+    "params_per_gpu",
+    "weights_gib",
+    "grads_gib",
+    "optimizer_gib",
+    "activations_gib",
+    "activations_recompute_gib",
+    "total_gib",
+    "total_recompute_gib",
+    "gflop_per_token",
+)
+_GIB = 1024**3
+
+
+def memory_rows(
+    scales: dict[str, dict[str, int]],
+    vocab_sizes,
+    arms,
+    layout: ParallelLayout,
+    seq_length: int,
+    lev: dict | None = None,
+) -> list[dict]:
+    """One row per scale x vocabulary x arm: memory of the most loaded GPU, FLOPs per token."""
+    name = (
+        f"tp{layout.tensor_parallel} pp{layout.pipeline_parallel} dp{layout.data_parallel}"
+        f"{' sp' if layout.sequence_parallel else ''} mbs{layout.micro_batch_size}"
+        f" {'bf16' if layout.bf16 else 'fp32'} {layout.engine}"
+        f"{' distopt' if layout.distributed_optimizer else ''}"
+    )
+    rows = []
+    for scale, shape in scales.items():
+        for vocab in vocab_sizes:
+            for arm in arms:
+                cfg = ModelConfig(
+                    vocab_size=vocab,
+                    seq_length=seq_length,
+                    embedding=EmbeddingConfig(embedding_type=arm, lev=dict(lev or {})),
+                    tensor_model_parallel_size=layout.tensor_parallel,
+                    pipeline_model_parallel_size=layout.pipeline_parallel,
+                    sequence_parallel=layout.sequence_parallel,
+                    **shape,
+                )
+                mem = estimate_memory(cfg, layout)
+                rows.append(
+                    dict(
+                        scale=scale,
+                        vocab=vocab,
+                        arm=arm,
+                        layout=name,
+                        params_per_gpu=mem.parameters,
+                        weights_gib=mem.weights / _GIB,
+                        grads_gib=mem.grads / _GIB,
+                        optimizer_gib=mem.optimizer / _GIB,
+                        activations_gib=mem.activations / _GIB,
+                        activations_recompute_gib=mem.activations_recompute / _GIB,
+                        total_gib=mem.total / _GIB,
+                        total_recompute_gib=mem.total_recompute / _GIB,
+                        gflop_per_token=flops_per_token(cfg, False, layout.unique_fraction) / 1e9,
+                    )
+                )
+    return rows
+
+
+def memory_markdown(rows: list[dict]) -> str:
+    """The memory rows as a Markdown table (GiB)."""
+    head = (
+        "| scale | vocab | arm | layout | params/GPU | weights | grads | optim. | activ. | "
+        "activ. (recompute) | total | total (recompute) | GFLOP/token |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        gib = [
+            f"{r[k]:.2f} GiB"
+            for k in (
+                "weights_gib",
+                "grads_gib",
+                "optimizer_gib",
+                "activations_gib",
+                "activations_recompute_gib",
+                "total_gib",
+                "total_recompute_gib",
+            )
+        ]
+        lines.append(
+            f"| {r['scale']} | {r['vocab']:,} | {r['arm']} | {r['layout']} | "
+            f"{r['params_per_gpu'] / 1e6:,.1f}M | " + " | ".join(gib) + f" | "
+            f"{r['gflop_per_token']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_csv(rows: list[dict]) -> str:
+    """The memory rows as CSV (:data:`MEMORY_COLUMNS`)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=MEMORY_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+    return out.getvalue().rstrip("\n")
+
+
+def _add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("memory", "per-GPU memory and FLOPs (--memory)")
+    group.add_argument("--memory", action="store_true", help="print memory/FLOPs, not params")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--data-parallel-size", type=int, default=1)
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--micro-batch-size", type=int, default=1)
+    group.add_argument(
+        "--num-micro-batches", type=int, default=None, help="per step per DP rank (default: PP)"
+    )
+    group.add_argument("--seq-length", type=int, default=4096)
+    group.add_argument(
+        "--precision", choices=("bf16", "fp32"), default="bf16", help="activation precision"
+    )
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument(
+        "--engine",
+        choices=("portable", "megatron"),
+        default="portable",
+        help="portable: fp32 weights+grads under autocast; megatron: bf16 weights (--ddp-impl)",
+    )
+    group.add_argument(
+        "--unique-fraction",
+        type=float,
+        default=1.0,
+        help="distinct ids per token in a micro-batch (LEV dedup; 1 = upper bound)",
+    )
+
+
+def _layout_from_args(args: argparse.Namespace) -> ParallelLayout:
+    return ParallelLayout(
+        tensor_parallel=args.tensor_model_parallel_size,
+        pipeline_parallel=args.pipeline_model_parallel_size,
+        data_parallel=args.data_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        micro_batch_size=args.micro_batch_size,
+        num_micro_batches=args.num_micro_batches or args.pipeline_model_parallel_size,
+        bf16=args.precision == "bf16",
+        distributed_optimizer=args.use_distributed_optimizer,
+        engine=args.engine,
+        unique_fraction=args.unique_fraction,
+    )
+
+
+def main(argv=None) -> int:
+    """``tools/count_params.py``: print the parameter (or, with --memory, memory) table."""
+    parser = argparse.ArgumentParser(
+        description="Parameter table of every arm x scale x vocabulary, from the configuration."
+    )
+    parser.add_argument("--format", choices=("markdown", "csv"), default="markdown")
+    parser.add_argument("--scales", nargs="+", choices=sorted(MODEL_SIZE_PRESETS), default=None)
+    parser.add_argument("--vocab-sizes", nargs="+", type=int, default=list(PAPER_VOCAB_SIZES))
+    parser.add_argument("--arms", nargs="+", choices=EMBEDDING_TYPES, default=list(EMBEDDING_TYPES))
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--hidden-size", type=int)
+    parser.add_argument("--num-attention-heads", type=int)
+    parser.add_argument("--num-query-groups", type=int)
+    parser.add_argument("--ffn-hidden-size", type=int)
+    add_lev_arguments(parser)
+    _add_memory_arguments(parser)
+    args = parser.parse_args(argv)
+
+    custom = {
+        k: getattr(args, k)
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+        )
+        if getattr(args, k) is not None
+    }
+    if custom and args.scales:
+        parser.error("give either --scales or explicit size flags, not both")
+    if custom:
+        missing = {"num_layers", "hidden_size", "num_attention_heads"} - set(custom)
+        if missing:
+            parser.error("a custom shape needs --num-layers, --hidden-size, --num-attention-heads")
+        scales = {"custom": custom}
+    else:
+        scales = {s: MODEL_SIZE_PRESETS[s] for s in (args.scales or MODEL_SIZE_PRESETS)}
+    lev = lev_flag_values(args)
+    try:
+        if args.memory:
+            layout = _layout_from_args(args)
+            rows = memory_rows(scales, args.vocab_sizes, args.arms, layout, args.seq_length, lev)
+            print(memory_markdown(rows) if args.format == "markdown" else memory_csv(rows))
+            return 0
+        rows = parameter_rows(scales, args.vocab_sizes, args.arms, lev)
+    except ValueError as err:
+        print(f"count_params: error: {err}", file=sys.stderr)
+        return 2
+    print(to_markdown(rows) if args.format == "markdown" else to_csv(rows))
+    return 0
