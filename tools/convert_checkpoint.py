@@ -186,6 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # import-time chatter
     args = build_parser().parse_args(argv)
+    from megatron_ext._paths import display_path
     from megatron_ext.conversion.common import ConversionError
     from megatron_ext.data.tokenizers import TokenizerError
     from megatron_ext.training.checkpointing import CheckpointError
@@ -200,7 +201,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     finally:
         _shutdown()
-    print(f"{args.command}: wrote {path}", flush=True)
+    print(f"{args.command}: wrote {display_path(path)}", flush=True)
     return 0
 
 

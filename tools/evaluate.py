@@ -19,6 +19,7 @@ Exit codes: 0 done, 2 bad input (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -69,6 +70,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         help="the batches the training loop validated on (--eval-iters)",
     )
     p.add_argument("--json-key", default="text", help="jsonl field holding the text")
+    _add_encoding_arg(p)
+
+
+def _add_encoding_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--encoding",
+        default="utf-8",
+        help="text encoding of plain-text inputs (default utf-8; e.g. latin-1)",
+    )
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -103,6 +113,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = sub.add_parser("wikitext", help="Wikitext-103 zero-shot perplexity")
     _add_model_args(p)
     p.add_argument("--file", required=True, help="wiki.test.tokens (or wiki.test.raw)")
+    _add_encoding_arg(p)
     p.add_argument("--context", type=int, default=None, help="window (default --seq-length)")
     p.add_argument("--stride", type=int, default=None, help="window step (default context/2)")
     p.add_argument("--output-dir", default=None, help="write wikitext.json here")
@@ -120,6 +131,12 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--include-path", default=None, help="a directory of extra task YAMLs")
     p.add_argument("--max-gen-toks", type=int, default=256)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--log-samples",
+        action="store_true",
+        help="keep every item's requests and log-likelihoods (the harness's own flag); "
+        "written to samples_<task>.jsonl in --output-dir",
+    )
     p.add_argument("--output-dir", default=None, help="write lm_eval.json/.md here")
 
     p = sub.add_parser("curves", help="loss curves and sample efficiency of several runs")
@@ -142,6 +159,12 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def display_path(path: str) -> str:
+    from megatron_ext._paths import display_path as shown
+
+    return shown(path)
 
 
 def _rank0() -> bool:
@@ -176,7 +199,7 @@ def _load(args, load_dir: str, pg):
     if _rank0():
         logger.info(
             "loaded %s (iteration %d, --embedding-type %s) at TP=%d PP=%d",
-            loaded.run.root,
+            display_path(loaded.run.root),
             loaded.run.iteration,
             loaded.run.embedding_type,
             args.tensor_model_parallel_size,
@@ -205,7 +228,7 @@ def _batches(args, loaded):
             loaded.tokenizer.vocab_size, dataset_vocab_size(args.data_path), None, args.data_path
         )
         return pack_stream(documents, seq, mbs), total - 1, args.data_path
-    documents, total = text_documents(args.text, loaded.tokenizer, args.json_key)
+    documents, total = text_documents(args.text, loaded.tokenizer, args.json_key, args.encoding)
     return pack_stream(documents, seq, mbs), total - 1, " ".join(args.text)
 
 
@@ -237,7 +260,8 @@ def cmd_perplexity(args) -> int:
     )
     if _rank0():
         print(
-            f"{loaded.run.path}: {source}: {totals.tokens} tokens, loss {totals.loss:.6f}, "
+            f"{display_path(loaded.run.path)}: {source}: {totals.tokens} tokens, "
+            f"loss {totals.loss:.6f}, "
             f"perplexity {totals.perplexity:.4f} ({speed['tokens_per_second']:.0f} tokens/s)"
         )
         if args.output_dir:
@@ -323,7 +347,7 @@ def cmd_wikitext(args) -> int:
         window_batches,
     )
 
-    articles = read_wikitext(args.file)  # check the file before loading anything
+    articles = read_wikitext(args.file, args.encoding)  # check it before loading anything
     pg = _init(args)
     loaded = _load(args, args.load, pg)
     context = args.context or loaded.seq_length
@@ -366,8 +390,10 @@ def cmd_lm_eval(args) -> int:
             "lm-eval is not installed: pip install -e '.[eval]' (pins lm-eval)"
         ) from None
     from megatron_ext.evaluation.lm_eval_adapter import LeviathanLM
-    from megatron_ext.evaluation.outputs import write_json, write_text
+    from megatron_ext.evaluation.outputs import EvaluationError, write_json, write_text
 
+    if args.log_samples and not args.output_dir:
+        raise EvaluationError("--log-samples writes samples_<task>.jsonl: give --output-dir")
     pg = _init(args)
     loaded = _load(args, args.load, pg)
     lm = LeviathanLM(
@@ -386,7 +412,7 @@ def cmd_lm_eval(args) -> int:
         numpy_random_seed=args.seed,
         torch_random_seed=args.seed,
         fewshot_random_seed=args.seed,
-        log_samples=False,
+        log_samples=args.log_samples,
     )
     if _rank0() and results is not None:
         table = make_table(results)
@@ -402,6 +428,12 @@ def cmd_lm_eval(args) -> int:
                     "checkpoint": loaded.run.path,
                 },
             )
+            for task, samples in (results.get("samples") or {}).items():
+                lines = [json.dumps(sample, default=str) for sample in samples]
+                write_text(
+                    os.path.join(args.output_dir, f"samples_{task}.jsonl"),
+                    "".join(line + "\n" for line in lines),
+                )
     return 0
 
 
@@ -423,14 +455,17 @@ def cmd_curves(args) -> int:
     by_name = {r.name: r for r in runs}
     if len(by_name) != len(runs):
         raise EvaluationError("--run names must be distinct")
+    if args.reference is not None and args.reference not in by_name:
+        raise EvaluationError(f"--reference {args.reference} is not one of {list(by_name)}")
+    rows = []
+    if args.reference is not None:
+        reference = by_name[args.reference]
+        # Computed before anything is written: a reference without validation losses fails here.
+        rows = [sample_efficiency(r, reference) for r in runs if r is not reference]
     png = plot_curves(runs, os.path.join(args.output_dir, "curves.png"), args.smoothing)
     print(f"wrote {png}")
     if args.reference is None:
         return 0
-    if args.reference not in by_name:
-        raise EvaluationError(f"--reference {args.reference} is not one of {list(by_name)}")
-    reference = by_name[args.reference]
-    rows = [sample_efficiency(r, reference) for r in runs if r is not reference]
     for row in rows:
         print(row.message())
     table = format_markdown_table(

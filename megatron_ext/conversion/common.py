@@ -15,6 +15,8 @@ from typing import Iterator
 
 import torch
 
+from megatron_ext._paths import display_path
+
 __all__ = [
     "ConversionError",
     "DTYPES",
@@ -67,7 +69,7 @@ def atomic_output_dir(path: str, overwrite: bool = False) -> Iterator[str]:
     os.rename(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    logger.info("wrote %s", path)
+    logger.info("wrote %s", display_path(path))
 
 
 def git_revision() -> str:

@@ -3,6 +3,7 @@ that an interrupted run never leaves a half-written table or figure behind."""
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import csv
 import io
@@ -16,6 +17,7 @@ __all__ = [
     "EvaluationError",
     "atomic_open",
     "format_markdown_table",
+    "read_text_file",
     "save_figure",
     "write_csv",
     "write_json",
@@ -25,6 +27,39 @@ __all__ = [
 
 class EvaluationError(ValueError):
     """Bad evaluation input; the message is one line naming the file and what to do."""
+
+
+_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}
+
+
+def read_text_file(path: str, encoding: str = "utf-8") -> str:
+    """The whole text of ``path`` decoded with ``encoding``.
+
+    Raises:
+        EvaluationError: unknown encoding, or bytes that are not valid in it (the message names
+            the file and the byte offset, and says which compressed format it looks like).
+    """
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise EvaluationError(
+            f"--encoding {encoding!r} is not a text encoding Python knows (e.g. utf-8, latin-1)"
+        ) from None
+    with open(path, "rb") as handle:
+        data = handle.read()
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as error:
+        kind = next((k for magic, k in _MAGIC.items() if data.startswith(magic)), None)
+        hint = (
+            f"it looks like {kind}-compressed data: decompress it first"
+            if kind
+            else "pass its --encoding (e.g. --encoding latin-1) or convert it to UTF-8"
+        )
+        raise EvaluationError(
+            f"{path} is not valid {encoding} text: byte 0x{data[error.start]:02x} at byte "
+            f"offset {error.start} ({error.reason}); {hint}"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from megatron_ext.evaluation.outputs import EvaluationError
+from megatron_ext.evaluation.outputs import EvaluationError, read_text_file
 from megatron_ext.evaluation.scoring import Batch
 
 __all__ = [
@@ -120,7 +120,7 @@ def dataset_documents(prefix: str) -> tuple[Iterator[np.ndarray], int]:
     return (np.asarray(dataset[i]) for i in range(len(dataset))), total
 
 
-def _read_texts(path: str, json_key: str) -> Iterator[str]:
+def _read_texts(path: str, json_key: str, encoding: str) -> Iterator[str]:
     if path.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")):
         from megatron_ext.data.readers import iter_lines
 
@@ -137,20 +137,20 @@ def _read_texts(path: str, json_key: str) -> Iterator[str]:
                 ) from None
             yield str(text)
     else:
-        with open(path, encoding="utf-8") as handle:
-            yield handle.read()
+        yield read_text_file(path, encoding)
 
 
 def text_documents(
-    paths: Sequence[str], tokenizer, json_key: str = "text"
+    paths: Sequence[str], tokenizer, json_key: str = "text", encoding: str = "utf-8"
 ) -> tuple[list[np.ndarray], int]:
-    """Tokenised documents (EOD appended) of raw text files (one document each) or jsonl files
-    (one document per line), and their total token count."""
+    """Tokenised documents (EOD appended) of raw text files (one document each, decoded with
+    ``encoding``) or jsonl files (one document per line, UTF-8 as JSON requires), and their
+    total token count."""
     documents = []
     for path in paths:
         if not os.path.isfile(path):
             raise EvaluationError(f"evaluation text {path} does not exist")
-        texts = [t for t in _read_texts(path, json_key) if t.strip()]
+        texts = [t for t in _read_texts(path, json_key, encoding) if t.strip()]
         for ids in tokenizer.encode_batch(texts) if texts else []:
             documents.append(np.asarray([*ids, tokenizer.eod], dtype=np.int64))
     total = sum(len(d) for d in documents)

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from megatron_ext.evaluation.outputs import EvaluationError
+from megatron_ext.evaluation.outputs import EvaluationError, read_text_file
 from megatron_ext.evaluation.scoring import Batch
 
 __all__ = [
@@ -80,19 +80,19 @@ def detokenize(text: str) -> str:
     return text
 
 
-def read_wikitext(path: str) -> list[str]:
+def read_wikitext(path: str, encoding: str = "utf-8") -> list[str]:
     """The articles of a wikitext file, each from its ` = Title = ` line to the next one.
 
     Raises:
-        EvaluationError: missing file, or no article heading (not a wikitext file).
+        EvaluationError: missing file, text not valid in ``encoding``, or no article heading
+            (not a wikitext file).
     """
     if not os.path.isfile(path):
         raise EvaluationError(
             f"wikitext file {path} does not exist; download wikitext-103 once (see "
             "docs/evaluation.md) and pass wiki.test.tokens"
         )
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.readlines()
+    lines = read_text_file(path, encoding).splitlines(keepends=True)
     articles: list[list[str]] = []
     for line in lines:
         if _TITLE.match(line.rstrip("\n")):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from megatron_ext._paths import display_path
 from megatron_ext.training.checkpointing import (
     TRACKER_FILENAME,
     CheckpointError,
@@ -92,7 +93,7 @@ def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> SavedRun:
     """
     load_dir = os.path.abspath(load_dir)
     if not os.path.isdir(load_dir):
-        raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
+        raise CheckpointError(f"checkpoint directory {display_path(load_dir)} does not exist")
     name = os.path.basename(load_dir.rstrip(os.sep))
     if name.startswith(_ITER_PREFIX) and iteration is None:
         try:

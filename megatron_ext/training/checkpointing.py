@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from megatron_ext._paths import display_path
 from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.checkpoint_io import (
@@ -601,7 +602,7 @@ def load_checkpoint(
     state = TrainState(**common["train_state"])
     logger.info(
         "loaded checkpoint %s (iteration %d, %d consumed samples; saved at %s)",
-        path,
+        display_path(path),
         state.iteration,
         state.consumed_train_samples,
         common.get("layout"),

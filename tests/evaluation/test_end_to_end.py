@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -157,8 +158,13 @@ def test_bad_input_is_one_line(eval_runs, tool, tmp_path, capsys):
     for suffix in (".bin", ".idx"):
         os.link(eval_runs.val_prefix + suffix, tmp_path / f"other{suffix}")
     np.save(tmp_path / "other_counts.npy", np.ones(1000, dtype=np.int64))
+    latin1 = tmp_path / "gutenberg.txt"
+    latin1.write_bytes(" = Caf\xe9 = \n\n Na\xefve text . \n".encode("latin-1"))
+    gz = tmp_path / "wiki.test.tokens.gz"
+    gz.write_bytes(gzip.compress(b" = T = \n" * 50))
     out = tmp_path / "out"
     lev = eval_runs.ckpt("lev")
+    tied_tb = f"tied={eval_runs.tensorboard('tied')}"
     cases = [
         (["perplexity", "--load", tmp_path / "nowhere", "--split", "valid"], "does not exist"),
         (["perplexity", "--load", empty_ckpt, "--split", "valid"], "holds no complete checkpoint"),
@@ -171,6 +177,19 @@ def test_bad_input_is_one_line(eval_runs, tool, tmp_path, capsys):
         (["wikitext", "--load", lev, "--file", not_wiki], "is not in the wikitext format"),
         (["curves", "--run", f"x={empty_ckpt}", "--seq-length", "32", "--output-dir", out],
          "holds no TensorBoard event files"),
+        (["wikitext", "--load", lev, "--file", latin1],
+         f"{latin1} is not valid utf-8 text: byte 0xe9 at byte offset 6"),
+        (["wikitext", "--load", lev, "--file", gz], "looks like gzip-compressed data"),
+        (["perplexity", "--load", lev, "--text", latin1], "pass its --encoding"),
+        (["perplexity", "--load", lev, "--text", latin1, "--encoding", "klingon"],
+         "--encoding 'klingon' is not a text encoding"),
+        # every argument is checked before curves.png is written
+        (["curves", "--run", tied_tb, "--seq-length", "32", "--reference", "nobody",
+          "--output-dir", out], "--reference nobody is not one of ['tied']"),
+        (["curves", "--run", tied_tb, "--run", f"lev={eval_runs.jsonl('lev')}",
+          "--seq-length", "32", "--reference", "lev", "--output-dir", out],
+         "has no validation losses"),
+        (["lm-eval", "--load", lev, "--tasks", "x", "--log-samples"], "give --output-dir"),
     ]  # fmt: skip
     for argv, expected in cases:
         capsys.readouterr()
@@ -178,3 +197,20 @@ def test_bad_input_is_one_line(eval_runs, tool, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], (argv, err)
     assert not out.exists()  # nothing half-written
+
+
+def test_text_in_another_encoding_with_encoding_flag(eval_runs, tool, tmp_path, capsys):
+    """The same text as UTF-8 and as Latin-1 (with --encoding latin-1) scores identically."""
+    text = " = Caf\u00e9 = \n\n Na\u00efve r\u00e9sum\u00e9 of the river . \n" * 4
+    (tmp_path / "utf8.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes(text.encode("latin-1"))
+    lev = eval_runs.ckpt("lev")
+    for name, extra in (("utf8", []), ("latin1", ["--encoding", "latin-1"])):
+        assert tool("perplexity", "--load", lev, "--text", tmp_path / f"{name}.txt", *extra,
+                    "--output-dir", tmp_path / name) == 0  # fmt: skip
+        assert tool("wikitext", "--load", lev, "--file", tmp_path / f"{name}.txt", *extra,
+                    "--output-dir", tmp_path / name) == 0  # fmt: skip
+    for result in ("perplexity.json", "wikitext.json"):
+        a, b = (json.loads((tmp_path / n / result).read_text()) for n in ("utf8", "latin1"))
+        key = "loss" if result == "perplexity.json" else "token_loss"
+        assert a[key] == b[key] and a["tokens"] == b["tokens"]

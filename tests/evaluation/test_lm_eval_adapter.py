@@ -29,7 +29,7 @@ def test_harness_runs_the_tiny_tasks(eval_runs, tool, tmp_path, capsys, offline)
     capsys.readouterr()
     assert tool("lm-eval", "--load", eval_runs.ckpt("lev"), "--tasks", ",".join(TINY_TASKS),
                 "--include-path", tasks, "--micro-batch-size", "4", "--max-gen-toks", "4",
-                "--output-dir", out) == 0  # fmt: skip
+                "--log-samples", "--output-dir", out) == 0  # fmt: skip
     printed = capsys.readouterr().out
     for task in TINY_TASKS:
         assert f"|{task}" in printed  # the harness's own table
@@ -40,6 +40,11 @@ def test_harness_runs_the_tiny_tasks(eval_runs, tool, tmp_path, capsys, offline)
     assert results["tiny_wikitext"]["word_perplexity,none"] > 1
     assert 0 <= results["tiny_gen"]["exact_match,none"] <= 1
     assert (out / "lm_eval.md").read_text().startswith("|")
+    # --log-samples: every item's log-likelihoods, one JSON line each.
+    piqa = [json.loads(line) for line in (out / "samples_tiny_piqa.jsonl").read_text().splitlines()]
+    assert len(piqa) == 4
+    assert all(len(item["resps"]) == len(item["arguments"]) >= 2 for item in piqa)
+    assert {"doc", "target", "acc"} <= set(piqa[0])
 
 
 def _reference_log_prob(model, context: list[int], continuation: list[int], vocab: int):

@@ -215,3 +215,18 @@ def test_loss_totals():
     totals.update(np.array([1, 2]), np.array([1.0, 2.0]))
     totals.update(np.array([3]), np.array([3.0]))
     assert totals.tokens == 3 and totals.loss == 2.0 and totals.perplexity == math.exp(2.0)
+
+
+def test_read_text_file_names_the_byte_offset(tmp_path):
+    from megatron_ext.evaluation.outputs import read_text_file
+
+    path = tmp_path / "t.txt"
+    path.write_bytes("ok \u00e9".encode("utf-8") + b" \xff tail")
+    with pytest.raises(EvaluationError, match=r"byte 0xff at byte offset 6 \(invalid start byte\)"):
+        read_text_file(str(path))
+    assert read_text_file(str(path), "latin-1").endswith("\xff tail")
+    path.write_bytes(b"\x28\xb5\x2f\xfd" + b"\xff" * 8)
+    with pytest.raises(EvaluationError, match="zstd-compressed data: decompress it first"):
+        read_text_file(str(path))
+    with pytest.raises(EvaluationError, match="not a text encoding"):
+        read_text_file(str(path), "no-such-codec")

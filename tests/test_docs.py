@@ -1,0 +1,51 @@
+"""The docs stand on their own: no path of the machine they were written on, no dead relative
+link, every page indexed in docs/README.md."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = sorted([REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("examples/**/*.md")])
+# Home and work directories of the machines the docs were written on; outputs are shown with
+# paths relative to the repository root, where every documented command runs.
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home|Users|private|mnt/data)/[\w.-]+")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_machine_paths(page):
+    hits = [
+        f"{page.relative_to(REPO)}:{n}: {m.group(0)}"
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for m in MACHINE_PATH.finditer(line)
+    ]
+    assert not hits, "absolute paths of a machine in the docs:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_exist(page):
+    dead = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # URLs, mailto:, in-page anchors
+        path = (page.parent / target.split("#")[0]).resolve()
+        if not path.exists():
+            dead.append(target)
+    assert not dead, f"{page.relative_to(REPO)} links to missing files: {dead}"
+
+
+def test_every_page_is_indexed():
+    index = (REPO / "docs" / "README.md").read_text()
+    linked = set(LINK.findall(index))
+    missing = [
+        p.name for p in REPO.glob("docs/*.md") if p.name != "README.md" and p.name not in linked
+    ]
+    assert not missing, f"docs/README.md does not index {missing}"
+
+
+def test_the_checks_catch_what_they_should(tmp_path):
+    assert MACHINE_PATH.search("loaded /work/wt/eval12/runs/x") is not None
+    assert MACHINE_PATH.search("$ /root/.venv/bin/python") is not None
+    assert MACHINE_PATH.search("runs/quickstart/work/x and ./work/y and ~/work") is None
