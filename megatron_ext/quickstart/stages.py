@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_ext._paths import display_path
+
 __all__ = [
     "MARKER",
     "Stage",
@@ -55,11 +57,12 @@ def say(msg: str = "") -> None:
 
 
 def short_path(arg: str) -> str:
-    """A path relative to the current directory when it is below it, else as given."""
-    if not os.path.isabs(arg):
-        return arg
-    rel = os.path.relpath(arg)
-    return arg if rel.startswith("..") else rel
+    """An argument as shown: a path (or the PATH of ``NAME=PATH``) relative to the current
+    directory when it lies below it (``.venv/bin/python`` for the project's interpreter)."""
+    name, sep, path = arg.partition("=")
+    if sep and os.path.isabs(path) and not os.path.isabs(arg):
+        return f"{name}={display_path(path)}"
+    return display_path(arg)
 
 
 def compact_iteration_line(line: str) -> str:

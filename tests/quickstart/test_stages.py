@@ -12,6 +12,7 @@ from megatron_ext.quickstart.stages import (
     compact_iteration_line,
     run_command,
     run_stages,
+    short_path,
 )
 
 
@@ -86,3 +87,13 @@ def test_compact_iteration_line_keeps_the_informative_fields():
     assert compact_iteration_line("validation loss at iteration 10 | x |") == (
         "validation loss at iteration 10 | x"
     )
+
+
+def test_commands_are_shown_with_relative_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    inside = str(tmp_path / "runs" / "tb")
+    assert short_path(inside) == "runs/tb"
+    assert short_path(f"tied={inside}") == "tied=runs/tb"
+    assert short_path(str(tmp_path / ".venv" / "bin" / "python")) == ".venv/bin/python"
+    assert short_path("/elsewhere/x") == "/elsewhere/x"
+    assert short_path("--lr") == "--lr"
