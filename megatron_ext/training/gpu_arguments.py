@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from megatron_ext.config_flags import ArgumentError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -77,8 +79,6 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def _fail(message: str) -> None:
-    from megatron_ext.training.arguments import ArgumentError
-
     raise ArgumentError(message)
 
 
