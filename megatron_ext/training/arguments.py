@@ -41,7 +41,7 @@ from megatron_ext.training.config import (
     PrecisionConfig,
     TrainingConfig,
 )
-from megatron_ext.training.gpu_arguments import add_gpu_arguments, validate_gpu_args
+from megatron_ext.training.gpu_arguments import validate_gpu_args
 from megatron_ext.training.megatron_compat import (
     add_megatron_compat_arguments,
     apply_megatron_compat,
@@ -145,27 +145,16 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true", help="BF16 autocast (fp32 master weights)")
-    g.add_argument("--fp16", action="store_true", help="FP16 autocast with dynamic loss scaling")
-    g.add_argument(
-        "--fp8-format",
-        choices=("e4m3", "hybrid"),
-        default=None,
-        help="FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
-    )
-    g.add_argument("--loss-scale", type=float, default=None, help="static FP16 loss scale")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument(
         "--dataloader-type",
         choices=("single",),
         default="single",
         help="Megatron-LM's sequential pretraining sampler (resumes at the consumed sample)",
     )
+    add_config_arguments(parser, TrainingConfig, "run")  # --seed
+    add_config_arguments(parser, PrecisionConfig, "precision")
     add_config_arguments(parser, ExitConfig, "exit conditions and non-finite steps")
+    add_config_arguments(parser, EngineConfig, "engine", "the portable engine or megatron-core's")
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
@@ -217,7 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_args(parser)
     add_model_arguments(parser)
     add_data_arguments(parser)
-    add_gpu_arguments(parser)
     add_megatron_compat_arguments(parser)  # last: answers every remaining Megatron-LM flag
     return parser
 

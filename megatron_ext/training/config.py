@@ -192,18 +192,27 @@ class BatchConfig:
 class PrecisionConfig:
     """Autocast precision of the portable engine and FP16 loss scaling (see `precision.py`)."""
 
-    bf16: bool = False
-    fp16: bool = False
-    fp8_format: Optional[str] = None
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
-    loss_scale: Optional[float] = None
+    bf16: bool = flag(False, "--bf16", "BF16 autocast (fp32 master weights)")
+    fp16: bool = flag(False, "--fp16", "FP16 autocast with dynamic loss scaling")
+    fp8_format: Optional[str] = flag(
+        None,
+        "--fp8-format",
+        "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
+        choices=("e4m3", "hybrid"),
+    )
+    fp8_margin: int = flag(0, "--fp8-margin", "FP8 scaling margin (DelayedScaling)")
+    fp8_amax_history_len: int = flag(
+        1024, "--fp8-amax-history-len", "amax history length of FP8 delayed scaling"
+    )
+    fp8_amax_compute_algo: str = flag(
+        "max", "--fp8-amax-compute-algo", "amax from the history", choices=("most_recent", "max")
+    )
+    loss_scale: Optional[float] = flag(None, "--loss-scale", "static FP16 loss scale")
     """Static FP16 loss scale (None: dynamic)."""
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    initial_loss_scale: float = flag(2.0**32, "--initial-loss-scale")
+    min_loss_scale: float = flag(1.0, "--min-loss-scale")
+    loss_scale_window: int = flag(1000, "--loss-scale-window")
+    hysteresis: int = flag(2, "--hysteresis")
 
     def __post_init__(self) -> None:
         check_half_precision(self.bf16, self.fp16)
@@ -468,10 +477,32 @@ class EngineConfig:
     """Which training engine runs the step: the portable one (`loop._Trainer`, gloo and NCCL)
     or megatron-core's (`--ddp-impl megatron`, CUDA only) and its DDP settings."""
 
-    ddp_impl: str = "portable"
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    ddp_bucket_size: Optional[int] = None
+    ddp_impl: str = flag(
+        "portable",
+        "--ddp-impl",
+        "training engine: portable (CPU and GPU; the default) or megatron (megatron-core's "
+        "DistributedDataParallel, distributed optimizer and pipeline schedules; CUDA only)",
+        choices=("portable", "megatron"),
+    )
+    overlap_grad_reduce: bool = flag(
+        False,
+        "--overlap-grad-reduce",
+        "overlap the DP gradient reduce with backward (megatron DDP)",
+    )
+    overlap_param_gather: bool = flag(
+        False,
+        "--overlap-param-gather",
+        "overlap the distributed optimizer's parameter all-gather with forward",
+    )
+    ddp_bucket_size: Optional[int] = flag(
+        None, "--ddp-bucket-size", "parameters per DDP bucket (default: megatron-core's)"
+    )
+    fp8_param_gather: bool = flag(
+        False,
+        "--fp8-param-gather",
+        "keep FP8 weights and all-gather them in FP8 (megatron engine)",
+    )
+    """Refused for now by both engines (`gpu_arguments.validate_gpu_args` says why)."""
 
     def __post_init__(self) -> None:
         if self.ddp_impl not in ("portable", "megatron"):
@@ -494,7 +525,7 @@ class TrainingConfig:
     log: LoggingConfig = field(default_factory=LoggingConfig)
     features: FeatureConfig = field(default_factory=FeatureConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    seed: int = 1234
+    seed: int = flag(1234, "--seed")
     """Seeds Python, NumPy and torch (offset by the pipeline rank, as Megatron-LM does)."""
 
     def __post_init__(self) -> None:
