@@ -23,6 +23,7 @@ __all__ = [
     "flag",
     "flag_fields",
     "flag_dest",
+    "field_default",
     "add_config_arguments",
     "config_flag_values",
 ]
@@ -32,15 +33,27 @@ class ArgumentError(ValueError):
     """An impossible or contradictory combination of flags (the message names the flag)."""
 
 
-def flag(default: Any, name: str, help: str = "", **argparse_options: Any) -> Any:
+def flag(
+    default: Any, name: str, help: str = "", *, aliases: tuple[str, ...] = (), **argparse_options
+) -> Any:
     """A dataclass field whose command-line flag is `name` (e.g. "--lr-decay-style").
 
-    `argparse_options` go to `add_argument` as they are (choices, metavar, dest, action, ...);
-    the default is the field's, so the command line and a library user agree.
+    `aliases` are other spellings of the same flag (Megatron-LM accepts several for a few).
+    `argparse_options` go to `add_argument` as they are (choices, metavar, dest, action, nargs);
+    the default is the field's, so the command line and a library user agree. A list default
+    becomes a default factory (each config gets its own copy).
     """
-    return dataclasses.field(
-        default=default, metadata={"flag": name, "help": help, **argparse_options}
-    )
+    metadata = {"flag": name, "aliases": tuple(aliases), "help": help, **argparse_options}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def field_default(field: dataclasses.Field) -> Any:
+    """The default of `field` (calling its default factory, if it has one)."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
 
 
 def flag_fields(cls: type) -> list[dataclasses.Field]:
@@ -55,8 +68,8 @@ def flag_dest(field: dataclasses.Field) -> str:
 
 def _argparse_options(field: dataclasses.Field, annotation: Any) -> dict[str, Any]:
     """add_argument keywords of one field, from its annotation and metadata."""
-    meta = {k: v for k, v in field.metadata.items() if k != "flag"}
-    options: dict[str, Any] = dict(dest=flag_dest(field), default=field.default)
+    meta = {k: v for k, v in field.metadata.items() if k not in ("flag", "aliases")}
+    options: dict[str, Any] = dict(dest=flag_dest(field), default=field_default(field))
     options.update(meta)
     if not options.get("help"):
         options.pop("help", None)
@@ -66,7 +79,7 @@ def _argparse_options(field: dataclasses.Field, annotation: Any) -> dict[str, An
         # A switch that is off by default is Megatron-LM's store_true; on by default, --no-x.
         off = field.default is False
         options["action"] = "store_true" if off else argparse.BooleanOptionalAction
-    elif typing.get_origin(annotation) in (list, tuple):
+    elif typing.get_origin(annotation) in (list, tuple) or annotation in (list, tuple):
         options.setdefault("nargs", "*")
         (item, *_) = typing.get_args(annotation) or (str,)
         options.setdefault("type", item)
@@ -84,7 +97,8 @@ def add_config_arguments(
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(title, description)
     for field in flag_fields(cls):
-        group.add_argument(field.metadata["flag"], **_argparse_options(field, hints[field.name]))
+        names = (field.metadata["flag"], *field.metadata.get("aliases", ()))
+        group.add_argument(*names, **_argparse_options(field, hints[field.name]))
     return group
 
 

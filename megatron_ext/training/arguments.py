@@ -155,6 +155,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, PrecisionConfig, "precision")
     add_config_arguments(parser, ExitConfig, "exit conditions and non-finite steps")
     add_config_arguments(parser, EngineConfig, "engine", "the portable engine or megatron-core's")
+    add_config_arguments(parser, FeatureConfig, "Megatron-LM training features")
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:

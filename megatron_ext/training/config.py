@@ -305,8 +305,15 @@ class OptimizerConfig:
     adam_beta2: float = flag(0.999, "--adam-beta2")
     adam_eps: float = flag(1e-8, "--adam-eps")
     clip_grad: float = flag(1.0, "--clip-grad", "0 disables clipping")
-    override_opt_param_scheduler: bool = flag(False, "--override-opt_param-scheduler")
-    use_checkpoint_opt_param_scheduler: bool = flag(False, "--use-checkpoint-opt_param-scheduler")
+    # Megatron-LM spells these two both ways.
+    override_opt_param_scheduler: bool = flag(
+        False, "--override-opt_param-scheduler", aliases=("--override-opt-param-scheduler",)
+    )
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False,
+        "--use-checkpoint-opt_param-scheduler",
+        aliases=("--use-checkpoint-opt-param-scheduler",),
+    )
     # In samples (Megatron-LM steps its scheduler by the global batch size); `from_schedule`
     # derives them from the flags in iterations or samples.
     lr_warmup_steps: int = 0
