@@ -272,14 +272,17 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
 
 # OptimizerConfig's schedule lengths in samples (`OptimizerConfig.from_schedule` derives them).
 _SCHEDULE_IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "lr_wsd_decay_steps", "wd_incr_steps")
-# Values the configs derive that args.json records beside the flags (config -> fields).
-_DERIVED = {
-    "parallel": ("data_parallel_size",),
-    "batch": ("global_batch_size", "train_iters"),
-    "optim": (*_SCHEDULE_IN_SAMPLES, "start_weight_decay", "end_weight_decay"),
-    "features": ("decoupled_min_lr",),
-    "ckpt": ("no_load_optim",),
-}
+def _record_config(args: argparse.Namespace, cfg: TrainingConfig) -> None:
+    """Write every field of `cfg`'s parts to the namespace (args.json records them): the values
+    the configs derive (data-parallel size, iterations, schedule lengths in samples, ...) land
+    beside the flags without a hand-kept list of names."""
+    for part in fields(cfg):
+        value = getattr(cfg, part.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        for f in fields(value):
+            if f.name != "args_json":
+                setattr(args, f.name, getattr(value, f.name))
 
 
 def _build_training_config(args: argparse.Namespace, world_size: int) -> TrainingConfig:
@@ -343,9 +346,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         cfg = _build_training_config(args, world_size)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
-    for part, names in _DERIVED.items():
-        for name in names:
-            setattr(args, name, getattr(getattr(cfg, part), name))
+    _record_config(args, cfg)
     if args.exit_signal_handler and not args.save:
         logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")
     validate_gpu_args(args, cuda)

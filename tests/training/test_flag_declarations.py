@@ -128,6 +128,11 @@ def test_every_declared_field_reaches_args_json_and_the_config():
         for f in flag_fields(cls):
             value = getattr(part, f.name)
             assert saved[flag_dest(f)] == (list(value) if isinstance(value, list) else value), f
+        # Derived fields too (no hand-kept list of them): every field but args.json itself.
+        for f in dataclasses.fields(cls):
+            if f.name != "args_json" and not dataclasses.is_dataclass(getattr(part, f.name)):
+                assert saved[f.name] == getattr(part, f.name), f.name
+    assert (saved["data_parallel_size"], saved["lr_decay_steps"]) == (1, 20)
     assert (cfg.exit.exit_interval, cfg.eval.eval_iters, cfg.optim.clip_grad) == (5, 3, 0.5)
     assert (cfg.optim.lr_decay_style, cfg.log.log_interval, cfg.seed) == ("cosine", 7, 99)
     assert (cfg.engine.ddp_bucket_size, cfg.features.profile_ranks) == (1000, [0, 1])
