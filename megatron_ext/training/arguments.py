@@ -272,6 +272,8 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
 
 # OptimizerConfig's schedule lengths in samples (`OptimizerConfig.from_schedule` derives them).
 _SCHEDULE_IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "lr_wsd_decay_steps", "wd_incr_steps")
+
+
 def _record_config(args: argparse.Namespace, cfg: TrainingConfig) -> None:
     """Write every field of `cfg`'s parts to the namespace (args.json records them): the values
     the configs derive (data-parallel size, iterations, schedule lengths in samples, ...) land
