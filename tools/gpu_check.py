@@ -210,7 +210,7 @@ def _best_time(fn, inputs, lev_config, reps: int = 5) -> float:
 
 def check_te_vs_local() -> dict:
     """Same weights in the TE spec and the local spec: BF16 logits agree."""
-    from megatron_ext.models.te_mapping import compare_te_and_local_logits
+    from megatron_ext.models.te_check import compare_te_and_local_logits
 
     return compare_te_and_local_logits()
 

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_ext.data.tokenizers import TOKENIZER_TYPES, Tokenizer, TokenizerError, _file_digest
+from megatron_ext.data.tokenizer_base import Tokenizer, TokenizerError, _file_digest
 
 __all__ = ["GPT2BPETokenizer", "bytes_to_unicode"]
 
@@ -148,6 +148,3 @@ class GPT2BPETokenizer(Tokenizer):
         ident = super().unique_identifiers
         ident["merges_sha256_16"] = _file_digest(self.merge_file)
         return ident
-
-
-TOKENIZER_TYPES["GPT2BPETokenizer"] = GPT2BPETokenizer

@@ -21,11 +21,13 @@ Types (``--tokenizer-type``): ``SentencePieceTokenizer`` (alias ``GPTSentencePie
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 import os
 from collections import OrderedDict
 from typing import Optional, Sequence
+
+from megatron_ext.data.gpt2_bpe import GPT2BPETokenizer
+from megatron_ext.data.tokenizer_base import Tokenizer, TokenizerError, _file_digest
 
 logger = logging.getLogger(__name__)
 
@@ -40,72 +42,6 @@ __all__ = [
     "build_tokenizer",
     "padded_vocab_size",
 ]
-
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be built or used; the message is one line that says what to change."""
-
-
-def _file_digest(path: str, limit: int = 1 << 26) -> str:
-    """sha256 of (at most the first ``limit`` bytes of) a file, for cache identifiers."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        digest.update(handle.read(limit))
-    return digest.hexdigest()[:16]
-
-
-class Tokenizer:
-    """Base class: the interface shared by all tokenizers (see the module docstring)."""
-
-    #: The name used with ``--tokenizer-type``.
-    type_name: str = ""
-
-    def __init__(self, model_path: Optional[str]) -> None:
-        self.model_path = model_path
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids (including special ids); the model's embedding must hold them all."""
-        raise NotImplementedError
-
-    @property
-    def eod(self) -> int:
-        """End-of-document id."""
-        raise NotImplementedError
-
-    @property
-    def pad(self) -> Optional[int]:
-        """Padding id, or None when the vocabulary has no padding token."""
-        return None
-
-    def tokenize(self, text: str) -> list[int]:
-        """Ids of ``text`` (no EOD appended)."""
-        return self.encode_batch([text])[0]
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Ids of each text; equal to ``[self.tokenize(t) for t in texts]``, only faster."""
-        raise NotImplementedError
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``."""
-        raise NotImplementedError
-
-    @property
-    def unique_identifiers(self) -> "OrderedDict[str, str]":
-        """What identifies this tokenizer, hashed into Megatron-Core's dataset cache names."""
-        ident: OrderedDict[str, str] = OrderedDict()
-        ident["class"] = f"{type(self).__module__}.{type(self).__qualname__}"
-        ident["tokenizer_path"] = str(self.model_path)
-        if self.model_path and os.path.isfile(self.model_path):
-            ident["sha256_16"] = _file_digest(self.model_path)
-        ident["vocab_size"] = str(self.vocab_size)
-        return ident
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(model={self.model_path!r}, vocab_size={self.vocab_size}, "
-            f"eod={self.eod}, pad={self.pad})"
-        )
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -442,12 +378,8 @@ TOKENIZER_TYPES = {
     "HuggingFaceTokenizer": HuggingFaceTokenizer,
     "TikTokenizer": TikTokenizer,
     "NullTokenizer": NullTokenizer,
+    "GPT2BPETokenizer": GPT2BPETokenizer,
 }
-
-
-# GPT2BPETokenizer registers itself in TOKENIZER_TYPES; a plain module import (no attribute
-# access) also works when gpt2_bpe, which imports this module, is the one imported first.
-import megatron_ext.data.gpt2_bpe  # noqa: E402, F401
 
 
 def build_tokenizer(

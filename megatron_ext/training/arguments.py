@@ -25,6 +25,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_ext.config_flags import ArgumentError, add_config_arguments
+from megatron_ext.data.loading import add_data_arguments
+from megatron_ext.models import add_model_arguments
+from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
 from megatron_ext.training.config import (
     BatchConfig,
     CheckpointConfig,
@@ -36,6 +40,11 @@ from megatron_ext.training.config import (
     ParallelConfig,
     PrecisionConfig,
     TrainingConfig,
+)
+from megatron_ext.training.gpu_arguments import validate_gpu_args
+from megatron_ext.training.megatron_compat import (
+    add_megatron_compat_arguments,
+    apply_megatron_compat,
 )
 from megatron_ext.training.megatron_features import FeatureConfig
 
@@ -79,10 +88,6 @@ MODEL_ARG_NAMES = (
 )
 
 
-class ArgumentError(ValueError):
-    """An impossible or contradictory combination of flags (the message names the flag)."""
-
-
 def _fill(cls, args: argparse.Namespace, **values):
     """Build dataclass `cls` from the namespace attributes of the same names (and `values`)."""
     taken = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
@@ -120,23 +125,7 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("distributed")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument(
-        "--use-distributed-optimizer",
-        action="store_true",
-        help="shard optimizer states across data-parallel ranks (ZeRO-1)",
-    )
-    g.add_argument(
-        "--distributed-backend",
-        choices=("nccl", "gloo"),
-        default=None,
-        help="default: nccl on CUDA, gloo on CPU",
-    )
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g = add_config_arguments(parser, ParallelConfig, "distributed")
     g.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
@@ -156,98 +145,34 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true", help="BF16 autocast (fp32 master weights)")
-    g.add_argument("--fp16", action="store_true", help="FP16 autocast with dynamic loss scaling")
-    g.add_argument(
-        "--fp8-format",
-        choices=("e4m3", "hybrid"),
-        default=None,
-        help="FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
-    )
-    g.add_argument("--loss-scale", type=float, default=None, help="static FP16 loss scale")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--exit-interval", type=int, default=None, help="exit at a multiple of this")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
-    g.add_argument(
-        "--exit-signal-handler",
-        action="store_true",
-        help="on SIGTERM, save a checkpoint and exit cleanly at the end of the iteration",
-    )
-    g.add_argument(
-        "--check-for-nan-in-loss-and-grad",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="stop (or skip, see --skip-nonfinite-steps) on a non-finite loss or grad norm",
-    )
-    g.add_argument(
-        "--skip-nonfinite-steps",
-        action="store_true",
-        help="skip the optimizer step of a non-finite iteration instead of stopping",
-    )
-    g.add_argument("--max-nonfinite-steps", type=int, default=10)
     g.add_argument(
         "--dataloader-type",
         choices=("single",),
         default="single",
         help="Megatron-LM's sequential pretraining sampler (resumes at the consumed sample)",
     )
+    add_config_arguments(parser, TrainingConfig, "run")  # --seed
+    add_config_arguments(parser, PrecisionConfig, "precision")
+    add_config_arguments(parser, ExitConfig, "exit conditions and non-finite steps")
+    add_config_arguments(parser, EngineConfig, "engine", "the portable engine or megatron-core's")
+    add_config_arguments(parser, FeatureConfig, "Megatron-LM training features")
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("optimizer and learning-rate schedule")
-    g.add_argument(
-        "--optimizer", choices=("adam", "adamw"), default="adam", help="AdamW (decoupled WD)"
-    )
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument(
-        "--lr-decay-style",
-        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
-        default="linear",
-    )
+    g = add_config_arguments(parser, OptimizerConfig, "optimizer and learning-rate schedule")
+    # The schedule lengths in iterations or samples; `OptimizerConfig.from_schedule` turns them
+    # into its *_steps fields (in samples).
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument(
-        "--lr-wsd-decay-style",
-        choices=("exponential", "linear", "cosine", "minus_sqrt"),
-        default="exponential",
-    )
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--start-weight-decay", type=float, default=None)
-    g.add_argument("--end-weight-decay", type=float, default=None)
-    g.add_argument(
-        "--weight-decay-incr-style", choices=("constant", "linear", "cosine"), default="constant"
-    )
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--override-opt_param-scheduler", action="store_true")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true")
 
 
 def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None, help="directory of iter_XXXXXXX/ checkpoints")
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument(
-        "--ckpt-keep-last",
-        type=int,
-        default=None,
-        help="keep only the newest N checkpoints in --save (default: keep all)",
-    )
-    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration")
+    g = add_config_arguments(parser, CheckpointConfig, "checkpointing")
     g.add_argument(
         "--ckpt-format",
         choices=("torch_dcp", "torch_dist"),
@@ -257,50 +182,20 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         "a checkpoint Megatron-LM loads). torch_dist, which Megatron-LM launch scripts pass, "
         "is accepted with a logged note and means torch_dcp",
     )
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--no-save-rng", action="store_true")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument(
-        "--finetune",
-        action="store_true",
-        help="load weights only; reset iteration, optimizer, scheduler and RNG",
-    )
     g.add_argument(
         "--use-checkpoint-args",
         action="store_true",
         help="take the model flags from the checkpoint in --load",
     )
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("logging and validation")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--tensorboard-log-interval", type=int, default=1)
-    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
-    g.add_argument("--log-throughput", action="store_true", help="TFLOP/s per GPU in the line")
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true")
-    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0)
-    g.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU")
-    g.add_argument(
-        "--log-jsonl",
-        default=None,
-        help="append one JSON line per iteration (full-precision loss, grad norm, lr, time)",
-    )
-    g.add_argument("--no-loss-curve", dest="loss_curve", action="store_false")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
+    add_config_arguments(parser, LoggingConfig, "logging")
+    add_config_arguments(parser, EvalConfig, "validation")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: distributed, training, optimizer, checkpoint, logging, model, data."""
-    from megatron_ext.data.loading import add_data_arguments
-    from megatron_ext.models import add_model_arguments
-    from megatron_ext.training.gpu_arguments import add_gpu_arguments
-
     parser = argparse.ArgumentParser(
         description="Pretrain Leviathan models and the paper's baselines (Megatron-LM flags)",
         allow_abbrev=False,
@@ -312,9 +207,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_args(parser)
     add_model_arguments(parser)
     add_data_arguments(parser)
-    add_gpu_arguments(parser)
-    from megatron_ext.training.megatron_compat import add_megatron_compat_arguments
-
     add_megatron_compat_arguments(parser)  # last: answers every remaining Megatron-LM flag
     return parser
 
@@ -325,8 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def checkpoint_args_path(load_dir: str, iteration: Optional[int] = None) -> Optional[str]:
     """The args.json of the latest (or `iteration`) checkpoint in `load_dir`, if any."""
-    from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
-
     if iteration is None:
         iteration = read_latest_iteration(load_dir)
     if iteration is None:
@@ -382,14 +272,19 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
 
 # OptimizerConfig's schedule lengths in samples (`OptimizerConfig.from_schedule` derives them).
 _SCHEDULE_IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "lr_wsd_decay_steps", "wd_incr_steps")
-# Values the configs derive that args.json records beside the flags (config -> fields).
-_DERIVED = {
-    "parallel": ("data_parallel_size",),
-    "batch": ("global_batch_size", "train_iters"),
-    "optim": (*_SCHEDULE_IN_SAMPLES, "start_weight_decay", "end_weight_decay"),
-    "features": ("decoupled_min_lr",),
-    "ckpt": ("no_load_optim",),
-}
+
+
+def _record_config(args: argparse.Namespace, cfg: TrainingConfig) -> None:
+    """Write every field of `cfg`'s parts to the namespace (args.json records them): the values
+    the configs derive (data-parallel size, iterations, schedule lengths in samples, ...) land
+    beside the flags without a hand-kept list of names."""
+    for part in fields(cfg):
+        value = getattr(cfg, part.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        for f in fields(value):
+            if f.name != "args_json":
+                setattr(args, f.name, getattr(value, f.name))
 
 
 def _build_training_config(args: argparse.Namespace, world_size: int) -> TrainingConfig:
@@ -453,13 +348,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         cfg = _build_training_config(args, world_size)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
-    for part, names in _DERIVED.items():
-        for name in names:
-            setattr(args, name, getattr(getattr(cfg, part), name))
+    _record_config(args, cfg)
     if args.exit_signal_handler and not args.save:
         logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")
-    from megatron_ext.training.gpu_arguments import validate_gpu_args
-
     validate_gpu_args(args, cuda)
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ArgumentError(
@@ -488,8 +379,6 @@ def parse_args(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
-    from megatron_ext.training.megatron_compat import apply_megatron_compat
-
     apply_megatron_compat(args, error=ArgumentError)
     return validate_args(args, world_size)
 

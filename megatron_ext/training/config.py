@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_ext.config_flags import flag
 from megatron_ext.models.config import check_half_precision
 from megatron_ext.training.megatron_features import FeatureConfig
 
@@ -57,16 +58,23 @@ def _at_least(flag: str, value, minimum: int = 1) -> None:
 class ParallelConfig:
     """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
+    tensor_model_parallel_size: int = flag(1, "--tensor-model-parallel-size")
+    pipeline_model_parallel_size: int = flag(1, "--pipeline-model-parallel-size")
+    context_parallel_size: int = flag(1, "--context-parallel-size")
+    sequence_parallel: bool = flag(False, "--sequence-parallel")
     """Split norm/dropout activations over the sequence across TP ranks (Megatron-LM's SP)."""
-    use_distributed_optimizer: bool = False
-    """Shard Adam states across data-parallel ranks (ZeRO-1)."""
-    distributed_backend: Optional[str] = None
-    """nccl | gloo; None picks nccl when CUDA is available, gloo otherwise."""
-    distributed_timeout_minutes: int = 10
+    use_distributed_optimizer: bool = flag(
+        False,
+        "--use-distributed-optimizer",
+        "shard optimizer states across data-parallel ranks (ZeRO-1)",
+    )
+    distributed_backend: Optional[str] = flag(
+        None,
+        "--distributed-backend",
+        "default: nccl on CUDA, gloo on CPU",
+        choices=("nccl", "gloo"),
+    )
+    distributed_timeout_minutes: int = flag(10, "--distributed-timeout-minutes")
     data_parallel_size: int = 1
     """Derived: world size / (TP x CP x PP), set by `resolve`."""
 
@@ -184,18 +192,27 @@ class BatchConfig:
 class PrecisionConfig:
     """Autocast precision of the portable engine and FP16 loss scaling (see `precision.py`)."""
 
-    bf16: bool = False
-    fp16: bool = False
-    fp8_format: Optional[str] = None
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
-    loss_scale: Optional[float] = None
+    bf16: bool = flag(False, "--bf16", "BF16 autocast (fp32 master weights)")
+    fp16: bool = flag(False, "--fp16", "FP16 autocast with dynamic loss scaling")
+    fp8_format: Optional[str] = flag(
+        None,
+        "--fp8-format",
+        "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
+        choices=("e4m3", "hybrid"),
+    )
+    fp8_margin: int = flag(0, "--fp8-margin", "FP8 scaling margin (DelayedScaling)")
+    fp8_amax_history_len: int = flag(
+        1024, "--fp8-amax-history-len", "amax history length of FP8 delayed scaling"
+    )
+    fp8_amax_compute_algo: str = flag(
+        "max", "--fp8-amax-compute-algo", "amax from the history", choices=("most_recent", "max")
+    )
+    loss_scale: Optional[float] = flag(None, "--loss-scale", "static FP16 loss scale")
     """Static FP16 loss scale (None: dynamic)."""
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    initial_loss_scale: float = flag(2.0**32, "--initial-loss-scale")
+    min_loss_scale: float = flag(1.0, "--min-loss-scale")
+    loss_scale_window: int = flag(1000, "--loss-scale-window")
+    hysteresis: int = flag(2, "--hysteresis")
 
     def __post_init__(self) -> None:
         check_half_precision(self.bf16, self.fp16)
@@ -215,14 +232,26 @@ class PrecisionConfig:
 class ExitConfig:
     """When the run stops early: exit conditions (each saves first) and non-finite steps."""
 
-    exit_interval: Optional[int] = None
-    exit_duration_in_mins: Optional[float] = None
-    exit_signal_handler: bool = False
-    check_for_nan_in_loss_and_grad: bool = True
-    skip_nonfinite_steps: bool = False
+    exit_interval: Optional[int] = flag(None, "--exit-interval", "exit at a multiple of this")
+    exit_duration_in_mins: Optional[float] = flag(None, "--exit-duration-in-mins")
+    exit_signal_handler: bool = flag(
+        False,
+        "--exit-signal-handler",
+        "on SIGTERM, save a checkpoint and exit cleanly at the end of the iteration",
+    )
+    check_for_nan_in_loss_and_grad: bool = flag(
+        True,
+        "--check-for-nan-in-loss-and-grad",
+        "stop (or skip, see --skip-nonfinite-steps) on a non-finite loss or grad norm",
+    )
+    skip_nonfinite_steps: bool = flag(
+        False,
+        "--skip-nonfinite-steps",
+        "skip the optimizer step of a non-finite iteration instead of stopping",
+    )
     """Skip the optimizer step of an iteration whose loss or grad norm is not finite (instead of
     stopping); the run still stops after --max-nonfinite-steps such iterations in a row."""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: int = flag(10, "--max-nonfinite-steps")
 
     def __post_init__(self) -> None:
         _at_least("--exit-interval", self.exit_interval)
@@ -235,8 +264,8 @@ class ExitConfig:
 class EvalConfig:
     """Validation during training (and the test set at the end)."""
 
-    eval_interval: int = 1000
-    eval_iters: int = 100
+    eval_interval: int = flag(1000, "--eval-interval")
+    eval_iters: int = flag(100, "--eval-iters")
     """Global batches per evaluation (0: no evaluation)."""
 
     def __post_init__(self) -> None:
@@ -248,23 +277,43 @@ class EvalConfig:
 class OptimizerConfig:
     """AdamW and Megatron's learning-rate / weight-decay schedule (in samples)."""
 
-    optimizer: str = "adam"
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"
-    lr_warmup_init: float = 0.0
-    lr_wsd_decay_style: str = "exponential"
-    weight_decay: float = 0.01
-    start_weight_decay: Optional[float] = None
+    optimizer: str = flag("adam", "--optimizer", "AdamW (decoupled WD)", choices=("adam", "adamw"))
+    lr: Optional[float] = flag(None, "--lr")
+    """Required (as on Megatron-LM's command line, which has no default learning rate)."""
+    min_lr: float = flag(0.0, "--min-lr")
+    lr_decay_style: str = flag(
+        "linear",
+        "--lr-decay-style",
+        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    )
+    """Megatron-LM's command-line default (linear), so its launch scripts train the schedule
+    they trained there; a library user gets the same default."""
+    lr_warmup_init: float = flag(0.0, "--lr-warmup-init")
+    lr_wsd_decay_style: str = flag(
+        "exponential",
+        "--lr-wsd-decay-style",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+    )
+    weight_decay: float = flag(0.01, "--weight-decay")
+    start_weight_decay: Optional[float] = flag(None, "--start-weight-decay")
     """None: --weight-decay (as is end_weight_decay)."""
-    end_weight_decay: Optional[float] = None
-    weight_decay_incr_style: str = "constant"
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    override_opt_param_scheduler: bool = False
-    use_checkpoint_opt_param_scheduler: bool = False
+    end_weight_decay: Optional[float] = flag(None, "--end-weight-decay")
+    weight_decay_incr_style: str = flag(
+        "constant", "--weight-decay-incr-style", choices=("constant", "linear", "cosine")
+    )
+    adam_beta1: float = flag(0.9, "--adam-beta1")
+    adam_beta2: float = flag(0.999, "--adam-beta2")
+    adam_eps: float = flag(1e-8, "--adam-eps")
+    clip_grad: float = flag(1.0, "--clip-grad", "0 disables clipping")
+    # Megatron-LM spells these two both ways.
+    override_opt_param_scheduler: bool = flag(
+        False, "--override-opt_param-scheduler", aliases=("--override-opt-param-scheduler",)
+    )
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False,
+        "--use-checkpoint-opt_param-scheduler",
+        aliases=("--use-checkpoint-opt-param-scheduler",),
+    )
     # In samples (Megatron-LM steps its scheduler by the global batch size); `from_schedule`
     # derives them from the flags in iterations or samples.
     lr_warmup_steps: int = 0
@@ -370,19 +419,23 @@ class OptimizerConfig:
 class CheckpointConfig:
     """torch.distributed.checkpoint directories `<save>/iter_0000100/` + the latest marker."""
 
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    ckpt_keep_last: Optional[int] = None
+    save: Optional[str] = flag(None, "--save", "directory of iter_XXXXXXX/ checkpoints")
+    load: Optional[str] = flag(None, "--load")
+    save_interval: Optional[int] = flag(None, "--save-interval")
+    ckpt_keep_last: Optional[int] = flag(
+        None, "--ckpt-keep-last", "keep only the newest N checkpoints in --save (default: keep all)"
+    )
     """Delete all but the newest N checkpoints after each successful save (None: keep all)."""
-    ckpt_step: Optional[int] = None
+    ckpt_step: Optional[int] = flag(None, "--ckpt-step", "load this iteration")
     """Load this iteration instead of the latest."""
-    no_save_optim: bool = False
-    no_save_rng: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    exit_on_missing_checkpoint: bool = False
+    no_save_optim: bool = flag(False, "--no-save-optim")
+    no_save_rng: bool = flag(False, "--no-save-rng")
+    no_load_optim: bool = flag(False, "--no-load-optim")
+    no_load_rng: bool = flag(False, "--no-load-rng")
+    finetune: bool = flag(
+        False, "--finetune", "load weights only; reset iteration, optimizer, scheduler and RNG"
+    )
+    exit_on_missing_checkpoint: bool = flag(False, "--exit-on-missing-checkpoint")
     args_json: dict = field(default_factory=dict)
     """The run's flags, written as args.json beside each checkpoint (--use-checkpoint-args
     reads the model flags back from it) and logged at start."""
@@ -402,19 +455,23 @@ class CheckpointConfig:
 class LoggingConfig:
     """What the loop logs, where, and how often (Megatron-LM's logging flags)."""
 
-    log_interval: int = 100
-    tensorboard_dir: Optional[str] = None
-    tensorboard_log_interval: int = 1
-    tensorboard_queue_size: int = 1000
-    log_throughput: bool = False
-    log_validation_ppl_to_tensorboard: bool = False
-    log_timers_to_tensorboard: bool = False
-    timing_log_level: int = 0
-    peak_tflops: Optional[float] = None
+    log_interval: int = flag(100, "--log-interval")
+    tensorboard_dir: Optional[str] = flag(None, "--tensorboard-dir")
+    tensorboard_log_interval: int = flag(1, "--tensorboard-log-interval")
+    tensorboard_queue_size: int = flag(1000, "--tensorboard-queue-size")
+    log_throughput: bool = flag(False, "--log-throughput", "TFLOP/s per GPU in the line")
+    log_validation_ppl_to_tensorboard: bool = flag(False, "--log-validation-ppl-to-tensorboard")
+    log_timers_to_tensorboard: bool = flag(False, "--log-timers-to-tensorboard")
+    timing_log_level: int = flag(0, "--timing-log-level", choices=(0, 1, 2))
+    peak_tflops: Optional[float] = flag(None, "--peak-tflops", "per-GPU peak for MFU")
     """Per-GPU peak TFLOP/s for MFU (default: looked up from the GPU name)."""
-    log_jsonl: Optional[str] = None
+    log_jsonl: Optional[str] = flag(
+        None,
+        "--log-jsonl",
+        "append one JSON line per iteration (full-precision loss, grad norm, lr, time)",
+    )
     """Append one JSON record per iteration (full-precision loss, grad norm, lr) to this file."""
-    loss_curve: bool = True
+    loss_curve: bool = flag(True, "--no-loss-curve", action="store_false")
     """Write loss_curve.png beside the TensorBoard events (or the checkpoints) at the end."""
 
     def __post_init__(self) -> None:
@@ -427,10 +484,32 @@ class EngineConfig:
     """Which training engine runs the step: the portable one (`loop._Trainer`, gloo and NCCL)
     or megatron-core's (`--ddp-impl megatron`, CUDA only) and its DDP settings."""
 
-    ddp_impl: str = "portable"
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    ddp_bucket_size: Optional[int] = None
+    ddp_impl: str = flag(
+        "portable",
+        "--ddp-impl",
+        "training engine: portable (CPU and GPU; the default) or megatron (megatron-core's "
+        "DistributedDataParallel, distributed optimizer and pipeline schedules; CUDA only)",
+        choices=("portable", "megatron"),
+    )
+    overlap_grad_reduce: bool = flag(
+        False,
+        "--overlap-grad-reduce",
+        "overlap the DP gradient reduce with backward (megatron DDP)",
+    )
+    overlap_param_gather: bool = flag(
+        False,
+        "--overlap-param-gather",
+        "overlap the distributed optimizer's parameter all-gather with forward",
+    )
+    ddp_bucket_size: Optional[int] = flag(
+        None, "--ddp-bucket-size", "parameters per DDP bucket (default: megatron-core's)"
+    )
+    fp8_param_gather: bool = flag(
+        False,
+        "--fp8-param-gather",
+        "keep FP8 weights and all-gather them in FP8 (megatron engine)",
+    )
+    """Refused for now by both engines (`gpu_arguments.validate_gpu_args` says why)."""
 
     def __post_init__(self) -> None:
         if self.ddp_impl not in ("portable", "megatron"):
@@ -443,16 +522,17 @@ class TrainingConfig:
     """Every training setting, one dataclass per concern."""
 
     batch: BatchConfig
+    optim: OptimizerConfig
+    """Required: --lr has no default (as in Megatron-LM)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LoggingConfig = field(default_factory=LoggingConfig)
     features: FeatureConfig = field(default_factory=FeatureConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    seed: int = 1234
+    seed: int = flag(1234, "--seed")
     """Seeds Python, NumPy and torch (offset by the pipeline rank, as Megatron-LM does)."""
 
     def __post_init__(self) -> None:

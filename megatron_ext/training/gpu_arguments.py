@@ -1,18 +1,8 @@
-"""Megatron-LM's GPU-only flags: FP8 recipe and megatron-core's DDP engine.
+"""The checks of the GPU-only flags that need this machine: CUDA for megatron-core's engine,
+what each engine supports (`validate_gpu_args`), and the FP8 recipe's keywords.
 
-All GPU flags of the GPU path are defined here, in `add_gpu_arguments`, and checked in
-`validate_gpu_args` (both called from `training.arguments`) where they need CUDA or the engine;
-the FP8 recipe's values are checked by `training.config.PrecisionConfig`. A flag that another
-module already defined (e.g. the Megatron-LM compatibility layer) is left as it is: every flag
-has one definition, whatever the order in which the two were added.
-
-    --ddp-impl portable|megatron                  the training engine (megatron: CUDA only)
-    --overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size
-                                                  megatron-core DDP options (--ddp-impl megatron;
-                                                  ignored with a logged note by the portable engine)
-    --fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo
-                                                  Transformer Engine's DelayedScaling recipe
-    --fp8-param-gather                            FP8 weights all-gathered (distributed optimizer)
+The flags themselves are fields: the FP8 recipe on `training.config.PrecisionConfig`, the
+engine and its DDP options on `training.config.EngineConfig`; their values are checked there.
 """
 
 from __future__ import annotations
@@ -23,62 +13,18 @@ from typing import Any
 
 import torch
 
+from megatron_ext.config_flags import ArgumentError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "GPU_FLAGS",
-    "add_gpu_arguments",
     "validate_gpu_args",
     "fp8_recipe_kwargs",
     "megatron_engine_model_config",
 ]
 
-DDP_IMPLS = ("portable", "megatron")
-
-# flag -> add_argument keyword arguments (the dest is argparse's default for the flag).
-GPU_FLAGS: dict[str, dict[str, Any]] = {
-    "--ddp-impl": dict(
-        choices=DDP_IMPLS,
-        default="portable",
-        help="training engine: portable (CPU and GPU; the default) or megatron (megatron-core's "
-        "DistributedDataParallel, distributed optimizer and pipeline schedules; CUDA only)",
-    ),
-    "--overlap-grad-reduce": dict(
-        action="store_true", help="overlap the DP gradient reduce with backward (megatron DDP)"
-    ),
-    "--overlap-param-gather": dict(
-        action="store_true",
-        help="overlap the distributed optimizer's parameter all-gather with forward",
-    ),
-    "--ddp-bucket-size": dict(
-        type=int, default=None, help="parameters per DDP bucket (default: megatron-core's)"
-    ),
-    "--fp8-margin": dict(type=int, default=0, help="FP8 scaling margin (DelayedScaling)"),
-    "--fp8-amax-history-len": dict(
-        type=int, default=1024, help="amax history length of FP8 delayed scaling"
-    ),
-    "--fp8-amax-compute-algo": dict(
-        choices=("most_recent", "max"), default="max", help="amax from the history"
-    ),
-    "--fp8-param-gather": dict(
-        action="store_true", help="keep FP8 weights and all-gather them in FP8 (megatron engine)"
-    ),
-}
-
-
-def add_gpu_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the GPU flags missing from `parser` (see the module docstring); return `parser`."""
-    group = parser.add_argument_group("GPU", "Transformer Engine FP8 and megatron-core's engine")
-    existing = set(parser._option_string_actions)
-    for flag, kwargs in GPU_FLAGS.items():
-        if flag not in existing:
-            group.add_argument(flag, **kwargs)
-    return parser
-
 
 def _fail(message: str) -> None:
-    from megatron_ext.training.arguments import ArgumentError
-
     raise ArgumentError(message)
 
 

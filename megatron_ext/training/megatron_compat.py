@@ -9,7 +9,7 @@ records its use. `apply_megatron_compat(args)` (called by `parse_args`) then ref
 accepts what was given, and writes the effective value of design flags (`swiglu True`).
 
 `compat_table(parser)` reads the status back from the parser's actions, so that
-docs/megatron-compat.md (`python -m megatron_ext.training.megatron_compat --write PATH`)
+docs/megatron-compat.md (`python -m megatron_ext.training.compat_doc --write PATH`)
 cannot drift from what the parser does.
 """
 
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -427,16 +426,9 @@ class _CompatAction(argparse.Action):
 
 
 def _add_features(parser: argparse.ArgumentParser) -> None:
-    """Megatron-LM training features implemented in this package (their Megatron names)."""
-    g = parser.add_argument_group("Megatron-LM training features")
-    g.add_argument(
-        "--rampup-batch-size",
-        nargs=3,
-        type=int,
-        default=None,
-        metavar=("START", "INCREMENT", "SAMPLES"),
-        help="grow the global batch from START by INCREMENT over SAMPLES consumed samples",
-    )
+    """Megatron-LM model and data flags implemented here that no config declares yet (the
+    training features are `FeatureConfig`'s fields)."""
+    g = parser.add_argument_group("Megatron-LM model and data features")
     g.add_argument(
         "--recompute-activations",
         action="store_true",
@@ -445,25 +437,6 @@ def _add_features(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, default=None, help="channels per attention head")
     g.add_argument(
         "--rotary-percent", type=float, default=1.0, help="fraction of head channels rotated"
-    )
-    g.add_argument(
-        "--decoupled-lr",
-        type=float,
-        default=None,
-        help="peak LR of the input embedding (for LEV: the LEV generator) and the output head",
-    )
-    g.add_argument(
-        "--decoupled-min-lr", type=float, default=None, help="minimum LR of those parameters"
-    )
-    g.add_argument(
-        "--calculate-per-token-loss",
-        action="store_true",
-        help="normalise the loss by the global batch's token count (not per micro-batch)",
-    )
-    g.add_argument(
-        "--grad-reduce-in-bf16",
-        action="store_true",
-        help="all-reduce data-parallel gradients in bfloat16",
     )
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
@@ -479,67 +452,6 @@ def _add_features(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="threads building the dataset indices",
     )
-    g.add_argument(
-        "--skip-train",
-        action="store_true",
-        help="load --load, run validation and test, exit (implies --no-load-optim)",
-    )
-    g.add_argument(
-        "--async-save",
-        action="store_true",
-        help="write checkpoints in the background (torch.distributed.checkpoint async_save); "
-        "the latest marker moves only once every rank's write completed",
-    )
-    g.add_argument(
-        "--manual-gc", action="store_true", help="disable automatic gc; collect at fixed points"
-    )
-    g.add_argument("--manual-gc-interval", type=int, default=0, help="collect every N iterations")
-    for flag in ("--no-manual-gc-eval", "--disable-manual-gc-eval"):
-        g.add_argument(
-            flag, dest="manual_gc_eval", action="store_false", help="no gc around evaluation"
-        )
-    g.add_argument(
-        "--empty-unused-memory-level",
-        type=int,
-        choices=(0, 1, 2),
-        default=0,
-        help="torch.cuda.empty_cache() after each training step (2: also around evaluation); "
-        "CUDA only",
-    )
-    g.add_argument(
-        "--profile", action="store_true", help="torch.profiler trace beside the TensorBoard logs"
-    )
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
-    g.add_argument("--log-params-norm", action="store_true", help="L2 norm of all parameters")
-    g.add_argument(
-        "--log-num-zeros-in-grad", action="store_true", help="count of zero gradient entries"
-    )
-    g.add_argument(
-        "--log-memory-to-tensorboard",
-        action="store_true",
-        help="memory in use (CUDA allocator, or this process's RSS on CPU)",
-    )
-    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
-    for flag in ("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard"):
-        g.add_argument(flag, dest="log_loss_scale_to_tensorboard", action="store_false")
-    g.add_argument(
-        "--logging-level", type=int, default=None, help="Python logging level (e.g. 10, 20)"
-    )
-    g.add_argument("--wandb-project", default=None, help="Weights & Biases project")
-    g.add_argument("--wandb-exp-name", default=None, help="Weights & Biases run name")
-    g.add_argument("--wandb-save-dir", default=None, help="local W&B directory")
-    g.add_argument("--wandb-entity", default=None)
-    # Megatron-LM spells these two both ways.
-    g.add_argument(
-        "--override-opt-param-scheduler", dest="override_opt_param_scheduler", action="store_true"
-    )
-    g.add_argument(
-        "--use-checkpoint-opt-param-scheduler",
-        dest="use_checkpoint_opt_param_scheduler",
-        action="store_true",
-    )
 
 
 def _compat_kwargs(kind: str) -> dict:
@@ -553,7 +465,7 @@ def _compat_kwargs(kind: str) -> dict:
 def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the implemented Megatron-LM features and answer every other Megatron-LM flag."""
     known = parser._option_string_actions
-    if "--rampup-batch-size" not in known:
+    if "--kv-channels" not in known:
         _add_features(parser)
     group = parser.add_argument_group(
         "Megatron-LM flags answered here",
@@ -661,12 +573,9 @@ def apply_megatron_compat(
     return args
 
 
-def compat_table(parser: Optional[argparse.ArgumentParser] = None) -> str:
-    """docs/megatron-compat.md: one row per Megatron-LM flag, read from the parser."""
-    if parser is None:
-        from megatron_ext.training.arguments import build_parser
-
-        parser = build_parser()
+def compat_table(parser: argparse.ArgumentParser) -> str:
+    """docs/megatron-compat.md: one row per Megatron-LM flag, read from the entry point's parser
+    (`training.arguments.build_parser`; `training.compat_doc` writes the file)."""
     rows, counts = [], {}
     for group, flag, _ in MEGATRON_FLAGS:
         status, note = flag_status(parser, flag)
@@ -676,7 +585,7 @@ def compat_table(parser: Optional[argparse.ArgumentParser] = None) -> str:
     head = [
         "# Megatron-LM flag compatibility",
         "",
-        "<!-- generated by `python -m megatron_ext.training.megatron_compat --write "
+        "<!-- generated by `python -m megatron_ext.training.compat_doc --write "
         "docs/megatron-compat.md`; do not edit -->",
         "",
         f"Every flag that Megatron-LM {MEGATRON_LM_VERSION} registers in its network-size, "
@@ -702,24 +611,3 @@ def compat_table(parser: Optional[argparse.ArgumentParser] = None) -> str:
         "|---|---|---|---|",
     ]
     return "\n".join(head + rows) + "\n"
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="Write docs/megatron-compat.md")
-    parser.add_argument("--write", default=None, help="output path (default: stdout)")
-    args = parser.parse_args(argv)
-    text = compat_table()
-    if args.write is None:
-        sys.stdout.write(text)
-        return 0
-    import os
-
-    tmp = args.write + ".tmp"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, args.write)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

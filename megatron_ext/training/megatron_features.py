@@ -14,11 +14,13 @@ import gc
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_ext.config_flags import flag
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups
@@ -39,30 +41,84 @@ __all__ = [
 class FeatureConfig:
     """The Megatron-LM feature flags (names as the flags)."""
 
-    rampup_batch_size: Optional[list] = None
-    decoupled_lr: Optional[float] = None
-    decoupled_min_lr: Optional[float] = None
-    calculate_per_token_loss: bool = False
-    grad_reduce_in_bf16: bool = False
-    skip_train: bool = False
-    async_save: bool = False
-    manual_gc: bool = False
-    manual_gc_interval: int = 0
-    manual_gc_eval: bool = True
-    empty_unused_memory_level: int = 0
-    profile: bool = False
-    profile_step_start: int = 10
-    profile_step_end: int = 12
-    profile_ranks: list = field(default_factory=lambda: [0])
-    log_params_norm: bool = False
-    log_num_zeros_in_grad: bool = False
-    log_memory_to_tensorboard: bool = False
-    log_world_size_to_tensorboard: bool = False
-    log_loss_scale_to_tensorboard: bool = True
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
-    wandb_save_dir: Optional[str] = None
-    wandb_entity: Optional[str] = None
+    rampup_batch_size: Optional[list[int]] = flag(
+        None,
+        "--rampup-batch-size",
+        "grow the global batch from START by INCREMENT over SAMPLES consumed samples",
+        nargs=3,
+        type=int,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+    )
+    decoupled_lr: Optional[float] = flag(
+        None,
+        "--decoupled-lr",
+        "peak LR of the input embedding (for LEV: the LEV generator) and the output head",
+    )
+    decoupled_min_lr: Optional[float] = flag(
+        None, "--decoupled-min-lr", "minimum LR of those parameters"
+    )
+    calculate_per_token_loss: bool = flag(
+        False,
+        "--calculate-per-token-loss",
+        "normalise the loss by the global batch's token count (not per micro-batch)",
+    )
+    grad_reduce_in_bf16: bool = flag(
+        False, "--grad-reduce-in-bf16", "all-reduce data-parallel gradients in bfloat16"
+    )
+    skip_train: bool = flag(
+        False,
+        "--skip-train",
+        "load --load, run validation and test, exit (implies --no-load-optim)",
+    )
+    async_save: bool = flag(
+        False,
+        "--async-save",
+        "write checkpoints in the background (torch.distributed.checkpoint async_save); "
+        "the latest marker moves only once every rank's write completed",
+    )
+    manual_gc: bool = flag(False, "--manual-gc", "disable automatic gc; collect at fixed points")
+    manual_gc_interval: int = flag(0, "--manual-gc-interval", "collect every N iterations")
+    manual_gc_eval: bool = flag(
+        True,
+        "--no-manual-gc-eval",
+        "no gc around evaluation",
+        aliases=("--disable-manual-gc-eval",),
+        action="store_false",
+    )
+    empty_unused_memory_level: int = flag(
+        0,
+        "--empty-unused-memory-level",
+        "torch.cuda.empty_cache() after each training step (2: also around evaluation); CUDA only",
+        choices=(0, 1, 2),
+    )
+    profile: bool = flag(False, "--profile", "torch.profiler trace beside the TensorBoard logs")
+    profile_step_start: int = flag(10, "--profile-step-start")
+    profile_step_end: int = flag(12, "--profile-step-end")
+    profile_ranks: list[int] = flag([0], "--profile-ranks", nargs="+")
+    log_params_norm: bool = flag(False, "--log-params-norm", "L2 norm of all parameters")
+    log_num_zeros_in_grad: bool = flag(
+        False, "--log-num-zeros-in-grad", "count of zero gradient entries"
+    )
+    log_memory_to_tensorboard: bool = flag(
+        False,
+        "--log-memory-to-tensorboard",
+        "memory in use (CUDA allocator, or this process's RSS on CPU)",
+    )
+    log_world_size_to_tensorboard: bool = flag(False, "--log-world-size-to-tensorboard")
+    log_loss_scale_to_tensorboard: bool = flag(
+        True,
+        "--no-log-loss-scale-to-tensorboard",
+        aliases=("--disable-log-loss-scale-to-tensorboard",),
+        action="store_false",
+    )
+    logging_level: Optional[int] = flag(
+        None, "--logging-level", "Python logging level (e.g. 10, 20)"
+    )
+    """Applied by the entry point (the root logger's level) before anything runs."""
+    wandb_project: Optional[str] = flag(None, "--wandb-project", "Weights & Biases project")
+    wandb_exp_name: Optional[str] = flag(None, "--wandb-exp-name", "Weights & Biases run name")
+    wandb_save_dir: Optional[str] = flag(None, "--wandb-save-dir", "local W&B directory")
+    wandb_entity: Optional[str] = flag(None, "--wandb-entity")
 
     def __post_init__(self) -> None:
         """The checks of these flags alone; those against the batch or the checkpoint flags

@@ -28,6 +28,7 @@ def _run(**parts) -> TrainingConfig:
     parts.setdefault(
         "batch", BatchConfig(seq_length=32, micro_batch_size=2, global_batch_size=4, train_iters=3)
     )
+    parts.setdefault("optim", OptimizerConfig(lr=1e-4))
     return TrainingConfig(**parts)
 
 
@@ -76,29 +77,32 @@ def _run(**parts) -> TrainingConfig:
             lambda: OptimizerConfig(lr=1e-3, min_lr=1.0),
             "need 0 <= --min-lr (1.0) <= --lr (0.001), --lr > 0",
         ),
-        (lambda: OptimizerConfig(lr_warmup_init=1.0), "--lr-warmup-init must not exceed --lr"),
-        (lambda: OptimizerConfig(clip_grad=-1.0), "--clip-grad must be >= 0, got -1.0"),
         (
-            lambda: OptimizerConfig(adam_beta2=1.0),
+            lambda: OptimizerConfig(lr=1e-4, lr_warmup_init=1.0),
+            "--lr-warmup-init must not exceed --lr",
+        ),
+        (lambda: OptimizerConfig(lr=1e-4, clip_grad=-1.0), "--clip-grad must be >= 0, got -1.0"),
+        (
+            lambda: OptimizerConfig(lr=1e-4, adam_beta2=1.0),
             "--adam-beta1 and --adam-beta2 must be in [0, 1)",
         ),
-        (lambda: OptimizerConfig(weight_decay=-0.1), "--weight-decay must be >= 0"),
+        (lambda: OptimizerConfig(lr=1e-4, weight_decay=-0.1), "--weight-decay must be >= 0"),
         (
             lambda: OptimizerConfig(
-                override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True
+                lr=1e-4, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True
             ),
             "conflict",
         ),
         (
-            lambda: OptimizerConfig(lr_warmup_steps=10, lr_decay_steps=10),
+            lambda: OptimizerConfig(lr=1e-4, lr_warmup_steps=10, lr_decay_steps=10),
             "the warmup is not shorter than the decay",
         ),
         (
-            lambda: OptimizerConfig(lr_decay_style="WSD"),
+            lambda: OptimizerConfig(lr=1e-4, lr_decay_style="WSD"),
             "--lr-decay-style WSD needs --lr-wsd-decay-iters/-samples",
         ),
         (
-            lambda: OptimizerConfig(start_weight_decay=0.0, end_weight_decay=0.1),
+            lambda: OptimizerConfig(lr=1e-4, start_weight_decay=0.0, end_weight_decay=0.1),
             "needs --weight-decay-incr-style linear or cosine",
         ),
         (lambda: CheckpointConfig(save_interval=10), "--save-interval needs --save"),
@@ -232,12 +236,16 @@ def test_optimizer_from_schedule_counts_in_samples():
     assert (o.lr_decay_steps, o.lr_warmup_steps, o.wd_incr_steps) == (1600, 160, 1600)
     o = OptimizerConfig.from_schedule(
         global_batch_size=8, train_iters=100, lr_decay_iters=80, lr_warmup_iters=5,
-        lr_wsd_decay_iters=20, lr_decay_style="WSD",
+        lr_wsd_decay_iters=20, lr_decay_style="WSD", lr=1e-3,
     )  # fmt: skip
     assert (o.lr_decay_steps, o.lr_warmup_steps, o.lr_wsd_decay_steps) == (640, 40, 160)
     # In samples: taken as they are; the weight-decay ramp spans whole global batches.
     o = OptimizerConfig.from_schedule(
-        global_batch_size=8, train_samples=1001, lr_decay_samples=800, lr_warmup_samples=100
+        global_batch_size=8,
+        train_samples=1001,
+        lr_decay_samples=800,
+        lr_warmup_samples=100,
+        lr=1e-3,
     )
     assert (o.lr_decay_steps, o.lr_warmup_steps, o.wd_incr_steps) == (800, 100, 1000)
     # --start/--end-weight-decay default to --weight-decay.

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ext.config_flags import flag_fields
 from megatron_ext.training.arguments import ArgumentError, build_parser
-from megatron_ext.training.gpu_arguments import GPU_FLAGS, add_gpu_arguments, validate_gpu_args
+from megatron_ext.training.config import EngineConfig, PrecisionConfig
+from megatron_ext.training.gpu_arguments import validate_gpu_args
 
 pytestmark = pytest.mark.integration
 
@@ -25,17 +27,18 @@ def _args(*flags):
     return build_parser().parse_args([*BASE, *flags])
 
 
-def test_every_gpu_flag_is_parsed_once_even_if_defined_elsewhere():
+def test_every_gpu_flag_is_declared_by_its_config_field():
     parser = build_parser()
-    for flag in GPU_FLAGS:
-        assert flag in parser._option_string_actions, flag
-    # A parser that already has one of the flags (another module's definition) keeps it.
-    import argparse
-
-    other = argparse.ArgumentParser()
-    other.add_argument("--overlap-grad-reduce", action="store_true", help="theirs")
-    add_gpu_arguments(other)
-    assert other._option_string_actions["--overlap-grad-reduce"].help == "theirs"
+    owners = {
+        "--ddp-impl": EngineConfig, "--overlap-grad-reduce": EngineConfig,
+        "--overlap-param-gather": EngineConfig, "--ddp-bucket-size": EngineConfig,
+        "--fp8-param-gather": EngineConfig, "--fp8-margin": PrecisionConfig,
+        "--fp8-amax-history-len": PrecisionConfig, "--fp8-amax-compute-algo": PrecisionConfig,
+    }  # fmt: skip
+    for flag, cls in owners.items():
+        (field,) = [f for f in flag_fields(cls) if f.metadata["flag"] == flag]
+        action = parser._option_string_actions[flag]
+        assert action.default == field.default, flag  # the command line's default is the field's
     args = _args(
         "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "most_recent",
         "--fp8-margin", "1",

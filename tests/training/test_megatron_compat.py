@@ -88,7 +88,7 @@ def test_example_scripts_parse(parser, argv):
 def test_docs_table_is_generated_from_the_parser(parser):
     doc = (REPO / "docs" / "megatron-compat.md").read_text()
     assert doc == compat_table(parser), (
-        "docs/megatron-compat.md is stale: python -m megatron_ext.training.megatron_compat "
+        "docs/megatron-compat.md is stale: python -m megatron_ext.training.compat_doc "
         "--write docs/megatron-compat.md"
     )
     assert "| `--apply-layernorm-1p` |" in doc and "| `--moe-router-topk` |" in doc
