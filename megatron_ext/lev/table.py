@@ -67,7 +67,7 @@ def _cpu_kernel_usable(kernel: str) -> bool:
         RuntimeError: --lev-kernel cpu asked for and the kernel cannot be built (its reason).
     """
     from megatron_ext.lev.cpu_fused import cpu_kernel_error
-    from megatron_ext.lev.kernel_select import cpu_kernel_available
+    from megatron_ext.lev.kernels import cpu_kernel_available
 
     if kernel == "auto":
         return cpu_kernel_available()

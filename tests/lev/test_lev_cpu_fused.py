@@ -14,7 +14,7 @@ from megatron_ext.lev import cpu_fused
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.fused import fused_lev_modes
-from megatron_ext.lev.kernel_select import select_fused_kernel
+from megatron_ext.lev.kernels import select_backend
 from megatron_ext.testing.memory import saved_tensor_bytes
 
 if cpu_fused.cpu_kernel_error() is not None:  # pragma: no cover - needs a machine without g++
@@ -200,9 +200,9 @@ def test_autocast_keeps_float32():
 
 def test_selection():
     z = torch.zeros(2, 3)
-    assert select_fused_kernel("cpu", z) is cpu_fused.cpu_lev_modes
-    assert select_fused_kernel("auto", z) is cpu_fused.cpu_lev_modes
-    assert select_fused_kernel("torch", z) is fused_lev_modes
+    assert select_backend("cpu", z) is cpu_fused.CPU_BACKEND
+    assert select_backend("auto", z) is cpu_fused.CPU_BACKEND
+    assert select_backend("torch", z).name == "torch"
 
 
 def test_missing_compiler_is_one_clear_error(monkeypatch, tmp_path):
@@ -214,7 +214,7 @@ def test_missing_compiler_is_one_clear_error(monkeypatch, tmp_path):
         error = cpu_fused.cpu_kernel_error()
         assert error is not None and "--lev-kernel torch" in error and "$CXX" in error
         with pytest.raises(RuntimeError, match="no-such-compiler"):
-            select_fused_kernel("cpu", torch.zeros(2, 3))
+            select_backend("cpu", torch.zeros(2, 3))
     finally:
         cpu_fused.load_library.cache_clear()
         cpu_fused.cpu_kernel_error.cache_clear()

@@ -14,7 +14,7 @@ import torch
 from megatron_ext.lev import LEVConfig
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.fused import fused_lev_modes
-from megatron_ext.lev.kernel_select import select_fused_kernel
+from megatron_ext.lev.kernels import select_backend
 from megatron_ext.testing.memory import saved_tensor_bytes
 
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[gpu]')")
@@ -147,16 +147,14 @@ def test_auto_never_picks_triton_on_cpu_and_triton_refuses_cpu_outside_the_inter
 
     z = torch.zeros(2, 3)
     # On CPU tensors auto means the C++ kernel (lev.cpu_fused), or torch where it cannot build.
-    cpu_choice = cpu_fused.cpu_lev_modes if cpu_fused.cpu_kernel_error() is None else None
-    assert select_fused_kernel("auto", z) is (cpu_choice or fused_lev_modes)
-    assert select_fused_kernel("torch", z) is fused_lev_modes
-    assert select_fused_kernel("triton", z) is kernel.modes  # the interpreter runs CPU tensors
+    cpu_choice = "cpu" if cpu_fused.cpu_kernel_error() is None else "torch"
+    assert select_backend("auto", z).name == cpu_choice
+    assert select_backend("torch", z).name == "torch"
+    assert select_backend("triton", z).name == "triton"  # the interpreter runs CPU tensors
     if kernel.device.type != "cpu":
         pytest.skip("checks the CPU selection rules")
     monkeypatch.setattr(kernel.module, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="runs on CUDA tensors.*--lev-kernel torch"):
-        select_fused_kernel("triton", z)
-    with pytest.raises(ValueError, match="--lev-kernel triton is a fused path"):
-        LEVConfig(vocab_size=10, hidden_size=4, kernel="triton", fused=False)
+        select_backend("triton", z)
     with pytest.raises(ValueError, match="change --lev-kernel"):
         LEVConfig(vocab_size=10, hidden_size=4, kernel="cuda")
