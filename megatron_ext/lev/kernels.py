@@ -92,9 +92,7 @@ class LEVBackend(Protocol):
 
     name: str
 
-    def forward(
-        self, t: torch.Tensor, coeff: torch.Tensor, opts: LEVKernelOptions
-    ) -> torch.Tensor:
+    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts: LEVKernelOptions) -> torch.Tensor:
         """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
         ...
 
