@@ -81,7 +81,7 @@ class LEVConfig:
     (dedup, kernel, eval table); they have flags too so every run is reproducible from its
     command line. Every field but V and D carries its `--lev-*` flag and help in its metadata
     (`lev.arguments.add_lev_arguments` builds the parser from them). Frozen: the object the
-    flags produce is the one `LEVEmbedding` and the fused kernels read.
+    flags produce is the one `LEVEmbedding` and the kernels read (through `LEVKernelOptions.of`).
     """
 
     vocab_size: int

@@ -103,7 +103,7 @@ def std_probe_ids(vocab_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def embedding_std(lev_config: LEVConfig, params: dict[str, torch.Tensor]) -> float:
-    """Std of all entries of the LEV embeddings of `std_probe_ids` (float32, fused path).
+    """Std of all entries of the LEV embeddings of `std_probe_ids` (float32, torch kernel).
 
     Args:
         lev_config: the hyper-parameters.
@@ -129,7 +129,7 @@ class LEVEmbedding(torch.nn.Module):
 
     Args:
         lev_config: LEV hyper-parameters (vocab size V, width D, heads, ...); frozen, kept as
-            `self.lev_config` and handed as is to the fused kernels.
+            `self.lev_config` and whose kernel options (`LEVKernelOptions.of`) the kernels get.
 
     Keyword Args:
         config: megatron TransformerConfig; uses params_dtype, use_cpu_initialization,
