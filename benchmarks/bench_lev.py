@@ -196,7 +196,8 @@ def main() -> None:
             ("fused", True, False),
             ("fused+dedup", True, True),
         ]:
-            lev.lev_config = dataclasses.replace(cfg, fused=fused, dedup=dedup)
+            kernel = cfg.kernel if fused else "reference"
+            lev.lev_config = dataclasses.replace(cfg, kernel=kernel, dedup=dedup)
             times[name] = best_time(fwd_bwd(lev, sub), args.reps)
         lev.lev_config = cfg
 

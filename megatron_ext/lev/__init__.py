@@ -5,13 +5,15 @@
 `LEVConfig` holds the hyper-parameters (docs/lev.md section 2) and declares their `--lev-*`
 flags, which `lev.arguments` generates and parses;
 `LEVEmbedding` is the tensor-parallel module that replaces megatron's VocabParallelEmbedding;
-`lev.math` is the readable forward pass; `lev.fused` the memory-lean autograd Function.
+`lev.math` is the readable forward pass; `lev.kernels` the memory-lean autograd Function
+over its backends (`LEVKernelOptions`, `lev_modes`).
 """
 
 from megatron_ext._lazy import lazy_exports
 from megatron_ext.lev.arguments import add_lev_arguments, lev_config_from_args
 from megatron_ext.lev.config import LEVConfig, smallest_base
 from megatron_ext.lev.fused import fused_lev_modes
+from megatron_ext.lev.kernels import LEVKernelOptions, lev_modes
 
 # Its module imports megatron-core: loaded on first use (see megatron_ext/_lazy.py).
 _LAZY = {
@@ -25,10 +27,12 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 __all__ = [
     "LEVConfig",
     "LEVEmbedding",
+    "LEVKernelOptions",
     "LEV_PARAMETER_NAMES",
     "LEV_TP_PARTITION_DIMS",
     "add_lev_arguments",
     "fused_lev_modes",
     "lev_config_from_args",
+    "lev_modes",
     "smallest_base",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+import warnings
 from typing import Any
 
 from megatron_ext.lev.config import LEVConfig
@@ -52,13 +53,55 @@ def add_lev_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group = parser.add_argument_group("LEV", "LEV input generator (docs/lev.md section 2)")
     for field in lev_flag_fields():
         group.add_argument(field.metadata["flag"], **_argparse_options(field, hints[field.name]))
+    group.add_argument(
+        "--lev-fused",
+        dest="lev_fused",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="deprecated: --no-lev-fused is --lev-kernel reference; --lev-fused is the default",
+    )
     return parser
 
 
 def lev_flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """LEVConfig field -> parsed value, for every `--lev-*` flag present in `args` (a flag
-    missing from `args` is left out: the args.json of a checkpoint written before it existed)."""
-    return {f.name: getattr(args, _dest(f)) for f in lev_flag_fields() if hasattr(args, _dest(f))}
+    missing from `args` is left out: the args.json of a checkpoint written before it existed).
+
+    The deprecated `--lev-fused/--no-lev-fused` (`lev_fused`, also in old args.json) is mapped
+    onto `kernel`: False means "reference" (with "auto"; refused with another kernel), True the
+    default. Either warns once per process.
+
+    Raises:
+        ValueError: --no-lev-fused together with --lev-kernel torch/triton/cpu.
+    """
+    values = {f.name: getattr(args, _dest(f)) for f in lev_flag_fields() if hasattr(args, _dest(f))}
+    fused = getattr(args, "lev_fused", None)
+    if fused is not None:
+        _warn_fused_deprecated()
+        kernel = values.get("kernel", "auto")
+        if not fused:
+            if kernel not in ("auto", "reference"):
+                raise ValueError(
+                    f"--no-lev-fused (deprecated: --lev-kernel reference) contradicts "
+                    f"--lev-kernel {kernel}; drop --no-lev-fused"
+                )
+            values["kernel"] = "reference"
+    return values
+
+
+_warned_fused = False
+
+
+def _warn_fused_deprecated() -> None:
+    global _warned_fused
+    if not _warned_fused:
+        _warned_fused = True
+        warnings.warn(
+            "--lev-fused/--no-lev-fused (lev_fused in args.json) is deprecated: use --lev-kernel "
+            "(--no-lev-fused is --lev-kernel reference)",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 def lev_config_from_args(args: argparse.Namespace, vocab_size: int, hidden_size: int) -> LEVConfig:

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 _COMBINE_MODES = ("sum", "concat")
-_KERNELS = ("auto", "triton", "cpu", "torch")
+_KERNELS = ("auto", "reference", "torch", "triton", "cpu")
 
 LEV_PARAMETER_GROUPS: dict[str, tuple[str, ...]] = {
     "codebooks": ("codebooks",),
@@ -78,10 +78,10 @@ class LEVConfig:
 
     The symbols of docs/lev.md are given first. Fields after `normalize_basis` are numerical or
     implementation choices that docs/lev.md fixes (eps values, initialisation) or leaves to us
-    (dedup, fused path, eval table); they have flags too so every run is reproducible from its
+    (dedup, kernel, eval table); they have flags too so every run is reproducible from its
     command line. Every field but V and D carries its `--lev-*` flag and help in its metadata
     (`lev.arguments.add_lev_arguments` builds the parser from them). Frozen: the object the
-    flags produce is the one `LEVEmbedding` and the fused kernels read.
+    flags produce is the one `LEVEmbedding` and the kernels read (through `LEVKernelOptions.of`).
     """
 
     vocab_size: int
@@ -141,29 +141,27 @@ class LEVConfig:
     dedup: bool = _flag(True, "--lev-dedup", "evaluate LEV once per distinct id of the micro-batch")
     """Evaluate LEV once per distinct id of the micro-batch, then gather."""
 
-    fused: bool = _flag(
-        True, "--lev-fused", "recompute-in-backward fused path (saves activation memory)"
-    )
-    """Use the recompute-in-backward autograd Function (lev.fused); False = plain autograd."""
-
     eval_table: bool = _flag(
         False, "--lev-eval-table", "in eval mode use a materialised V x D table"
     )
     """In eval mode, look ids up in a materialised [V, D] table, rebuilt when parameters change."""
 
-    chunk_size: int = _flag(0, "--lev-chunk-size", "ids per chunk of the fused path (0: auto)")
-    """Ids per chunk in the fused path; 0 picks one from the sizes (about 8M spline values)."""
+    chunk_size: int = _flag(0, "--lev-chunk-size", "ids per chunk of the torch kernel (0: auto)")
+    """Ids per chunk of the torch kernel (`lev.fused`); 0 picks one from the sizes (about 2M
+    spline values per chunk)."""
 
     kernel: str = _flag(
         "auto",
         "--lev-kernel",
-        "fused LEV implementation: triton kernels, the C++ CPU kernel, torch ops, or auto "
-        "(triton on CUDA, cpu on CPU)",
+        "LEV implementation: the readable math under plain autograd (reference), torch ops, "
+        "Triton kernels, the C++ CPU kernel, or auto (triton on CUDA, cpu on CPU)",
         choices=_KERNELS,
     )
-    """Fused path implementation: "triton" (`lev.triton_kernel`), "cpu" (`lev.cpu_fused`, a
-    compiled C++ kernel), "torch" (`lev.fused`), or "auto": triton for float32 CUDA tensors when
-    triton imports, cpu for CPU tensors when a C++ compiler builds it, else torch."""
+    """Implementation of steps 3a-3e (`lev.kernels`): "reference" (`lev.math` under plain
+    autograd, every intermediate saved), "torch" (`lev.fused`), "triton" (`lev.triton_kernel`),
+    "cpu" (`lev.cpu_fused`, a compiled C++ kernel), or "auto": triton for float32 CUDA tensors
+    when triton imports, cpu for CPU tensors when a C++ compiler builds it, else torch. All but
+    reference save only the seeds and the modes for backward."""
 
     init_output_std: Optional[float] = _flag(
         None,
@@ -240,11 +238,6 @@ class LEVConfig:
             fail(f"chunk_size must be >= 0, got {self.chunk_size}; change --lev-chunk-size")
         if self.kernel not in _KERNELS:
             fail(f"kernel must be one of {_KERNELS}, got {self.kernel!r}; change --lev-kernel")
-        if self.kernel in ("triton", "cpu") and not self.fused:
-            fail(
-                f"--lev-kernel {self.kernel} is a fused path; drop --no-lev-fused or use "
-                "--lev-kernel auto"
-            )
         if self.init_output_std is not None and not self.init_output_std > 0:
             fail(
                 f"init_output_std must be > 0, got {self.init_output_std}; change "

@@ -36,11 +36,16 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.lev import math as lev_math
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["cpu_lev_modes", "cpu_kernel_error", "load_library", "CpuKernelUnavailable"]
+__all__ = [
+    "CPU_BACKEND",
+    "CpuBackend",
+    "cpu_lev_modes",
+    "cpu_kernel_error",
+    "load_library",
+    "CpuKernelUnavailable",
+]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "lev_cpu.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
@@ -149,74 +154,40 @@ def _ptr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
 
 
-def _autocast_off(device: torch.device):
-    return torch.autocast(device_type=device.type, enabled=False)
+class CpuBackend:
+    """Steps 3c-3e in the C++ kernel (`lev.kernels.LEVBackend`; CPU tensors)."""
 
+    name = "cpu"
 
-def _seed_to_t(z, params, opts) -> torch.Tensor:
-    """Steps 3a-3b: z [N, d_in] -> t [h, N, d] (contiguous)."""
-    return lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps).contiguous()
-
-
-class _CpuLEVModes(torch.autograd.Function):
-    """z [N, d_in] -> M [N, h, r]; saves z and M (like `lev.fused`)."""
-
-    @staticmethod
-    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, opts):
+    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
+        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
         lib = load_library()
-        with _autocast_off(z.device), torch.no_grad():
-            cdt = lev_math.compute_dtype(z.dtype)
-            params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
-            t = _seed_to_t(z.to(cdt), params, opts)  # [h, N, d]
-            coeff = (1 + spline_delta.to(cdt)).contiguous()  # [h, d, kappa, r]
-            h, d, kappa, r = coeff.shape
-            n = z.shape[0]
-            modes = torch.empty(n, h, r, dtype=cdt)
-            getattr(lib, f"lev_forward_{_suffix(cdt)}")(
-                _ptr(t), _ptr(coeff), _ptr(modes), h, n, d, kappa, r,
-                int(opts.normalize_basis), float(opts.product_eps), torch.get_num_threads(),
-            )  # fmt: skip
-        ctx.opts = opts
-        ctx.save_for_backward(z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
+        h, d, kappa, r = coeff.shape
+        n = t.shape[1]
+        modes = torch.empty(n, h, r, dtype=t.dtype)
+        getattr(lib, f"lev_forward_{_suffix(t.dtype)}")(
+            _ptr(t), _ptr(coeff), _ptr(modes), h, n, d, kappa, r,
+            int(opts.normalize_basis), float(opts.product_eps), torch.get_num_threads(),
+        )  # fmt: skip
         return modes
 
-    @staticmethod
-    def backward(ctx, grad_modes):
-        z, seed_proj, norm_weight, norm_bias, spline_delta, modes = ctx.saved_tensors
-        opts = ctx.opts
-        need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
+    def backward(self, t, coeff, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
         lib = load_library()
-        with _autocast_off(z.device):
-            cdt = modes.dtype
-            params = [
-                p.detach().to(cdt).requires_grad_(need)
-                for p, need in ((seed_proj, need_w), (norm_weight, need_g), (norm_bias, need_b))
-            ]
-            zc = z.detach().to(cdt).requires_grad_(need_z)
-            with torch.enable_grad():
-                t = _seed_to_t(zc, params, opts)  # [h, N, d]
-            coeff = (1 + spline_delta.detach().to(cdt)).contiguous()
-            h, d, kappa, r = coeff.shape
-            n = z.shape[0]
-            scaled = (grad_modes.to(cdt) * modes).contiguous()  # dL/dM * M, [N, h, r]
-            t_hdn = t.detach().transpose(1, 2).contiguous()  # one contiguous row per task
-            grad_coeff = torch.empty_like(coeff)
-            grad_t_hdn = torch.empty_like(t_hdn)
-            getattr(lib, f"lev_backward_{_suffix(cdt)}")(
-                _ptr(t_hdn), _ptr(coeff), _ptr(scaled), _ptr(grad_coeff), _ptr(grad_t_hdn),
-                h, n, d, kappa, r, int(opts.normalize_basis), float(opts.product_eps),
-                torch.get_num_threads(),
-            )  # fmt: skip
-            inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
-            grad_t = grad_t_hdn.transpose(1, 2)
-            grads = list(torch.autograd.grad(t, inputs, grad_t)) if inputs else []
-        grad_z = grads.pop(0).to(z.dtype) if need_z else None
-        grad_params = [
-            grads.pop(0).to(p.dtype) if need else None
-            for p, need in ((seed_proj, need_w), (norm_weight, need_g), (norm_bias, need_b))
-        ]
-        grad_delta = grad_coeff.to(spline_delta.dtype) if need_delta else None
-        return (grad_z, *grad_params, grad_delta, None)
+        h, d, kappa, r = coeff.shape
+        n = t.shape[1]
+        t_hdn = t.transpose(1, 2).contiguous()  # one contiguous row per task
+        grad_coeff = torch.empty_like(coeff)
+        grad_t_hdn = torch.empty_like(t_hdn)
+        getattr(lib, f"lev_backward_{_suffix(t.dtype)}")(
+            _ptr(t_hdn), _ptr(coeff), _ptr(grad), _ptr(grad_coeff), _ptr(grad_t_hdn),
+            h, n, d, kappa, r, int(opts.normalize_basis), float(opts.product_eps),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return grad_t_hdn.transpose(1, 2), grad_coeff
+
+
+CPU_BACKEND = CpuBackend()
 
 
 def cpu_lev_modes(
@@ -227,19 +198,15 @@ def cpu_lev_modes(
     spline_delta: torch.Tensor,
     opts,
 ) -> torch.Tensor:
-    """Same function as `lev.math.lev_modes` on CPU tensors, memory O(N*(d_in + h*r)).
+    """`lev.kernels.lev_modes` on the C++ backend (same arguments, all on the CPU; `opts` a
+    LEVKernelOptions or LEVConfig): M [N, h, r], memory O(N*(d_in + h*r)) for backward.
 
-    Args:
-        z: [N, d_in] seeds; seed_proj [h, d, d_in]; norm_weight, norm_bias [h, d];
-            spline_delta [h, d, kappa, r] (h = heads on this rank), all on the CPU.
-        opts: the LEV options (temperature, normalize_basis, norm_eps, product_eps; e.g.
-            the LEVConfig); chunk_size is not used (no chunking:
-            the kernel has no large temporaries).
-    Returns:
-        M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state.
     Raises:
-        CpuKernelUnavailable: the kernel cannot be built here (see `cpu_kernel_error`).
+        ValueError: a tensor not on the CPU.
+        RuntimeError: the kernel cannot be built here (see `cpu_kernel_error`).
     """
+    from megatron_ext.lev.kernels import lev_modes
+
     if z.device.type != "cpu":
         raise ValueError(f"the CPU LEV kernel got a tensor on {z.device}; use --lev-kernel auto")
-    return _CpuLEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, opts)
+    return lev_modes(z, seed_proj, norm_weight, norm_bias, spline_delta, opts, kernel="cpu")

@@ -47,14 +47,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.config import LEVConfig
+if TYPE_CHECKING:
+    from megatron_ext.lev.kernels import LEVKernelOptions
 
 __all__ = [
+    "TORCH_BACKEND",
+    "TorchBackend",
     "fused_lev_modes",
     "default_chunk_size",
     "group_size",
@@ -209,11 +211,7 @@ def signed_factors(
     return phi.add_(torch.copysign(eps_t, phi, out=_prefix(scratch, *phi.shape)))
 
 
-# ----------------------------------------------------------------------------- autograd
-
-
-def _autocast_off(device: torch.device):
-    return torch.autocast(device_type=device.type, enabled=False)
+# ----------------------------------------------------------------------------- backend
 
 
 class _Workspace:
@@ -228,104 +226,65 @@ class _Workspace:
             self.grad_basis = torch.empty(numel * kappa, dtype=dtype, device=device)
 
 
-def _chunk_t(z: torch.Tensor, params, opts: LEVConfig) -> torch.Tensor:
-    """Steps 3a-3b for a chunk: z [n, d_in] -> t [h, n, d]."""
-    return lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps)
+def _chunk(opts: "LEVKernelOptions", h: int, d: int, r: int, n_total: int) -> int:
+    return max(1, min(opts.chunk_size or default_chunk_size(h, d, r), n_total))
 
 
-class _FusedLEVModes(torch.autograd.Function):
-    """z [N, d_in] -> M [N, h, r]; saves only z and M (see the module docstring)."""
+class TorchBackend:
+    """Steps 3c-3e in chunked torch ops (`lev.kernels.LEVBackend`; any device)."""
 
-    @staticmethod
-    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, opts: LEVConfig):
-        with _autocast_off(z.device):
-            cdt = lev_math.compute_dtype(z.dtype)
-            params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
-            coeff = 1 + spline_delta.to(cdt)  # [h, d, kappa, r]
-            h, d, kappa, r = coeff.shape
-            coeff3 = coeff.view(h * d, kappa, r)
-            n_total = z.shape[0]
-            chunk = max(1, min(opts.chunk_size or default_chunk_size(h, d, r), n_total))
-            ws = _Workspace(h, d, chunk, kappa, r, cdt, z.device, backward=False)
-            modes = torch.empty(n_total, h, r, dtype=cdt, device=z.device)
-            for start in range(0, n_total, chunk):
-                n = min(chunk, n_total - start)
-                t = _chunk_t(z[start : start + n].to(cdt), params, opts)
-                parts = _basis_parts(t.transpose(1, 2).contiguous(), kappa, opts.normalize_basis)
-                basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
-                phi = _prefix(ws.phi, h, d, n, r)
-                torch.bmm(basis.view(h * d, n, kappa), coeff3, out=phi.view(h * d, n, r))
-                product = separable_product_from_phi(phi, opts.product_eps, ws.scratch, ws.scratch)
-                modes[start : start + n] = product.transpose(0, 1)
-        ctx.opts = opts
-        ctx.chunk = chunk
-        ctx.save_for_backward(z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
+    name = "torch"
+
+    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts: "LEVKernelOptions"):
+        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
+        h, d, kappa, r = coeff.shape
+        coeff3 = coeff.view(h * d, kappa, r)
+        n_total = t.shape[1]
+        chunk = _chunk(opts, h, d, r, n_total)
+        ws = _Workspace(h, d, chunk, kappa, r, t.dtype, t.device, backward=False)
+        modes = torch.empty(n_total, h, r, dtype=t.dtype, device=t.device)
+        for start in range(0, n_total, chunk):
+            n = min(chunk, n_total - start)
+            tt = t[:, start : start + n].transpose(1, 2).contiguous()  # [h, d, n]
+            parts = _basis_parts(tt, kappa, opts.normalize_basis)
+            basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
+            phi = _prefix(ws.phi, h, d, n, r)
+            torch.bmm(basis.view(h * d, n, kappa), coeff3, out=phi.view(h * d, n, r))
+            product = separable_product_from_phi(phi, opts.product_eps, ws.scratch, ws.scratch)
+            modes[start : start + n] = product.transpose(0, 1)
         return modes
 
-    @staticmethod
-    def backward(ctx, grad_modes):
-        z, seed_proj, norm_weight, norm_bias, spline_delta, modes = ctx.saved_tensors
-        opts: LEVConfig = ctx.opts
-        need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
-        with _autocast_off(z.device):
-            cdt = modes.dtype
-            params = [
-                p.detach().to(cdt).requires_grad_(need)
-                for p, need in ((seed_proj, need_w), (norm_weight, need_g), (norm_bias, need_b))
-            ]
-            coeff = 1 + spline_delta.detach().to(cdt)  # [h, d, kappa, r]
-            h, d, kappa, r = coeff.shape
-            coeff3 = coeff.view(h * d, kappa, r)
-            coeff3_t = coeff3.transpose(1, 2)  # [h*d, r, kappa]
-            # dL/dM * M, the factor shared by every dL/dphi of one mode.
-            scaled = (grad_modes.to(cdt) * modes).transpose(0, 1).unsqueeze(1)  # [h, 1, N, r]
-            grad_z = torch.empty(z.shape, dtype=cdt, device=z.device) if need_z else None
-            grad_params = [torch.zeros_like(p) if p.requires_grad else None for p in params]
-            grad_coeff3 = torch.zeros_like(coeff3) if need_delta else None
-            n_total = z.shape[0]
-            ws = _Workspace(h, d, ctx.chunk, kappa, r, cdt, z.device, backward=True)
-            for start in range(0, n_total, ctx.chunk):
-                n = min(ctx.chunk, n_total - start)
-                zc = z[start : start + n].detach().to(cdt).requires_grad_(need_z)
-                with torch.enable_grad():
-                    t = _chunk_t(zc, params, opts)  # [h, n, d]
-                with torch.no_grad():
-                    tt = t.detach().transpose(1, 2).contiguous()  # [h, d, n]
-                    parts = _basis_parts(tt, kappa, opts.normalize_basis)
-                    basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
-                    basis3 = basis.view(h * d, n, kappa)
-                    x = _prefix(ws.phi, h, d, n, r)
-                    torch.bmm(basis3, coeff3, out=x.view(h * d, n, r))
-                    # x = phi + copysign(eps, phi); dM/dphi = M / x.
-                    signed_factors(x, opts.product_eps, ws.scratch)
-                    grad_phi = torch.div(scaled[:, :, start : start + n], x, out=x)
-                    grad_phi3 = grad_phi.view(h * d, n, r)
-                    if grad_coeff3 is not None:
-                        grad_coeff3.baddbmm_(basis3.transpose(1, 2), grad_phi3)
-                    grad_basis = _prefix(ws.grad_basis, h, d, n, kappa)
-                    torch.bmm(grad_phi3, coeff3_t, out=grad_basis.view(h * d, n, kappa))
-                    grad_t = _basis_backward(grad_basis, parts, kappa).transpose(1, 2)
-                inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
-                if inputs:
-                    grads = list(torch.autograd.grad(t, inputs, grad_t))
-                    if need_z:
-                        grad_z[start : start + n] = grads.pop(0)
-                    for i, p in enumerate(params):
-                        if p.requires_grad:
-                            grad_params[i] += grads.pop(0)
+    def backward(self, t, coeff, grad, opts: "LEVKernelOptions"):
+        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
+        h, d, kappa, r = coeff.shape
+        coeff3 = coeff.view(h * d, kappa, r)
+        coeff3_t = coeff3.transpose(1, 2)  # [h*d, r, kappa]
+        scaled = grad.transpose(0, 1).unsqueeze(1)  # [h, 1, N, r]
+        n_total = t.shape[1]
+        chunk = _chunk(opts, h, d, r, n_total)
+        grad_t = torch.empty_like(t)
+        grad_coeff3 = torch.zeros_like(coeff3)
+        ws = _Workspace(h, d, chunk, kappa, r, t.dtype, t.device, backward=True)
+        for start in range(0, n_total, chunk):
+            n = min(chunk, n_total - start)
+            tt = t[:, start : start + n].transpose(1, 2).contiguous()  # [h, d, n]
+            parts = _basis_parts(tt, kappa, opts.normalize_basis)
+            basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
+            basis3 = basis.view(h * d, n, kappa)
+            x = _prefix(ws.phi, h, d, n, r)
+            torch.bmm(basis3, coeff3, out=x.view(h * d, n, r))
+            # x = phi + copysign(eps, phi); dM/dphi = M / x.
+            signed_factors(x, opts.product_eps, ws.scratch)
+            grad_phi = torch.div(scaled[:, :, start : start + n], x, out=x)
+            grad_phi3 = grad_phi.view(h * d, n, r)
+            grad_coeff3.baddbmm_(basis3.transpose(1, 2), grad_phi3)
+            grad_basis = _prefix(ws.grad_basis, h, d, n, kappa)
+            torch.bmm(grad_phi3, coeff3_t, out=grad_basis.view(h * d, n, kappa))
+            grad_t[:, start : start + n] = _basis_backward(grad_basis, parts, kappa).transpose(1, 2)
+        return grad_t, grad_coeff3.view(h, d, kappa, r)
 
-        def cast(grad, like):
-            return None if grad is None else grad.to(like.dtype)
 
-        grad_delta = None if grad_coeff3 is None else grad_coeff3.view(h, d, kappa, r)
-        return (
-            cast(grad_z, z),
-            cast(grad_params[0], seed_proj),
-            cast(grad_params[1], norm_weight),
-            cast(grad_params[2], norm_bias),
-            cast(grad_delta, spline_delta),
-            None,
-        )
+TORCH_BACKEND = TorchBackend()
 
 
 def fused_lev_modes(
@@ -334,16 +293,10 @@ def fused_lev_modes(
     norm_weight: torch.Tensor,
     norm_bias: torch.Tensor,
     spline_delta: torch.Tensor,
-    lev_config: LEVConfig,
+    opts,
 ) -> torch.Tensor:
-    """Same function as `lev.math.lev_modes`, memory O(N*(d_in + h*r)) for backward.
+    """`lev.kernels.lev_modes` on the torch backend (same arguments; `opts` a LEVKernelOptions
+    or LEVConfig): M [N, h, r], memory O(N*(d_in + h*r)) for backward."""
+    from megatron_ext.lev.kernels import lev_modes
 
-    Args:
-        z: [N, d_in] seeds; seed_proj [h, d, d_in]; norm_weight, norm_bias [h, d];
-            spline_delta [h, d, kappa, r] (h = heads on this rank).
-        lev_config: the LEV hyper-parameters; reads temperature, normalize_basis, norm_eps,
-            product_eps and chunk_size (kappa, r and h come from spline_delta's shape).
-    Returns:
-        M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state.
-    """
-    return _FusedLEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, lev_config)
+    return lev_modes(z, seed_proj, norm_weight, norm_bias, spline_delta, opts, kernel="torch")

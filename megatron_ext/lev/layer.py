@@ -17,9 +17,10 @@ Speed and memory:
 - dedup: LEV runs once per distinct id of the micro-batch (torch.unique), then the [U, D]
   result is gathered to the N tokens. Without sequence parallelism the all-reduce happens on the
   [U, D] distinct embeddings (U <= N, so never more traffic than VocabParallelEmbedding).
-- fused: `lev.fused` (or its kernels: Triton on CUDA, `lev.triton_kernel`; C++ on CPU,
-  `lev.cpu_fused`; `--lev-kernel`) recomputes the spline tensors in backward; saved activations
-  are the seeds [U, d_in], the modes [U, h*r] and the integer ids.
+- kernels: `lev.kernels.lev_modes` (`--lev-kernel`: one autograd Function over the torch, C++
+  and Triton backends) recomputes the spline tensors in backward; saved activations are the
+  seeds [U, d_in], the modes [U, h*r] and the integer ids (`--lev-kernel reference`: the plain
+  autograd of `lev.math`, every intermediate saved).
 - eval table: with `LEVConfig.eval_table`, eval-mode forwards that need no parameter gradient
   look ids up in a materialised [V, D] table of this rank's partial embeddings (same
   communication as training), computed by `lev.table` (batched no-grad math), rebuilt whenever
@@ -52,8 +53,7 @@ from megatron.core.utils import (
 
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
-from megatron_ext.lev.fused import fused_lev_modes
-from megatron_ext.lev.kernel_select import select_fused_kernel
+from megatron_ext.lev.kernels import lev_modes
 from megatron_ext.lev.table import LEVTable
 from megatron_ext.tensor_parallel import check_sequence_split
 from megatron_ext.tensor_parallel import (
@@ -103,7 +103,7 @@ def std_probe_ids(vocab_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def embedding_std(lev_config: LEVConfig, params: dict[str, torch.Tensor]) -> float:
-    """Std of all entries of the LEV embeddings of `std_probe_ids` (float32, fused path).
+    """Std of all entries of the LEV embeddings of `std_probe_ids` (float32, torch kernel).
 
     Args:
         lev_config: the hyper-parameters.
@@ -114,7 +114,7 @@ def embedding_std(lev_config: LEVConfig, params: dict[str, torch.Tensor]) -> flo
     digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
     z = lev_math.seed(params["codebooks"].float(), digits, lc.codebook_combine)
     names = ("seed_proj", "seed_norm_weight", "seed_norm_bias", "spline_delta")
-    modes = fused_lev_modes(z, *(params[n].float() for n in names), lc)
+    modes = lev_modes(z, *(params[n].float() for n in names), lc, kernel="torch")
     std = float(lev_math.lev_embed(modes, params["out_proj"].float()).double().std())
     if not std > 0:
         raise ValueError(
@@ -129,7 +129,7 @@ class LEVEmbedding(torch.nn.Module):
 
     Args:
         lev_config: LEV hyper-parameters (vocab size V, width D, heads, ...); frozen, kept as
-            `self.lev_config` and handed as is to the fused kernels.
+            `self.lev_config` and whose kernel options (`LEVKernelOptions.of`) the kernels get.
 
     Keyword Args:
         config: megatron TransformerConfig; uses params_dtype, use_cpu_initialization,
@@ -310,18 +310,7 @@ class LEVEmbedding(torch.nn.Module):
                 # Every head on every rank consumes z: sum its gradient over the TP group.
                 z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
             params = (self.seed_proj, self.seed_norm_weight, self.seed_norm_bias, self.spline_delta)
-            if lc.fused:
-                modes = select_fused_kernel(lc.kernel, z)(z, *params, lc)
-            else:
-                modes = lev_math.lev_modes(
-                    z,
-                    *params,
-                    temperature=lc.temperature,
-                    num_knots=lc.num_knots,
-                    normalize_basis=lc.normalize_basis,
-                    norm_eps=lc.norm_eps,
-                    product_eps=lc.product_eps,
-                )
+            modes = lev_modes(z, *params, lc, kernel=lc.kernel)
             return lev_math.lev_embed(modes, self.out_proj)  # [U, D]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -465,5 +454,5 @@ class LEVEmbedding(torch.nn.Module):
             f"V={lc.vocab_size}, D={lc.hidden_size}, k={lc.num_digits}, b={lc.base}, "
             f"d_seed={lc.seed_dim}, kappa={lc.num_knots}, r={lc.rank}, "
             f"heads={self.num_local_heads}/{lc.num_heads} (tp {self.tp_rank}/{self.tp_size}), "
-            f"combine={lc.codebook_combine}, fused={lc.fused}, dedup={lc.dedup}"
+            f"combine={lc.codebook_combine}, kernel={lc.kernel}, dedup={lc.dedup}"
         )

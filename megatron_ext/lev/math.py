@@ -1,10 +1,10 @@
 """The LEV forward pass, one function per step of docs/lev.md section 2, in order.
 
 This is the readable ("naive") form: plain torch ops, differentiated by autograd, every
-intermediate kept in memory. It is the definition, not the default training path: `lev.fused`
-(`LEVConfig.fused=True`, `--lev-fused`, the default) computes steps 3a-3e with
-recompute-in-backward and a cheaper separable product; `LEVConfig(fused=False)`
-(`--no-lev-fused`) runs this file as is. Both paths match an independent float64 reference,
+intermediate kept in memory. It is the definition, not the default training path:
+`lev.kernels.lev_modes` (`--lev-kernel auto|torch|cpu|triton`) computes steps 3a-3e with
+recompute-in-backward and a cheaper separable product; `--lev-kernel reference` runs this file
+as is. Every kernel matches an independent float64 reference,
 outputs and every gradient, in `tests/lev/test_lev_reference.py::test_matches_reference_float64`.
 
 Shapes (N ids, k digits, base b, seed width d = d_seed, seed input width d_in = d or k*d,

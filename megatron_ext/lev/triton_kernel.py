@@ -37,9 +37,6 @@ import os
 
 import torch
 
-from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.config import LEVConfig
-
 try:  # Triton is optional: the torch paths serve CPU and machines without it.
     import triton
     import triton.language as tl
@@ -47,7 +44,14 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
 
-__all__ = ["TRITON_AVAILABLE", "INTERPRETED", "triton_lev_modes", "check_triton_usable"]
+__all__ = [
+    "TRITON_BACKEND",
+    "TritonBackend",
+    "TRITON_AVAILABLE",
+    "INTERPRETED",
+    "triton_lev_modes",
+    "check_triton_usable",
+]
 
 TRITON_AVAILABLE = triton is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -212,7 +216,7 @@ _FWD_BLOCK_N = 32
 _BWD_BLOCK_N = 32
 
 
-def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts: LEVConfig) -> torch.Tensor:
+def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
     h, n, d = t.shape
     r = coeff.shape[-1]
     modes = torch.empty(n, h, r, dtype=t.dtype, device=t.device)
@@ -222,14 +226,14 @@ def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts: LEVConfig) -> to
     _lev_modes_fwd_kernel[grid](
         t, coeff, modes, n, d, r, *t.stride(), modes.stride(0), modes.stride(1),
         opts.product_eps,
-        KNOTS=opts.num_knots, NORMALIZE=opts.normalize_basis,
+        KNOTS=coeff.shape[2], NORMALIZE=opts.normalize_basis,
         BLOCK_N=_FWD_BLOCK_N, BLOCK_R=_pad(r),
     )  # fmt: skip
     return modes
 
 
 def _launch_backward(
-    t: torch.Tensor, coeff: torch.Tensor, scaled: torch.Tensor, opts: LEVConfig
+    t: torch.Tensor, coeff: torch.Tensor, scaled: torch.Tensor, opts
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h, n, d = t.shape
     r = coeff.shape[-1]
@@ -244,65 +248,28 @@ def _launch_backward(
     _lev_modes_bwd_kernel[(h, d)](
         t_hdn, coeff, scaled, grad_hdn, grad_coeff, n, d, r, *strides,
         scaled.stride(0), scaled.stride(1), opts.product_eps,
-        KNOTS=opts.num_knots, KNOTS_PAD=_pad(opts.num_knots), NORMALIZE=opts.normalize_basis,
+        KNOTS=coeff.shape[2], KNOTS_PAD=_pad(coeff.shape[2]), NORMALIZE=opts.normalize_basis,
         BLOCK_N=_BWD_BLOCK_N, BLOCK_R=_pad(r),
     )  # fmt: skip
     return grad_hdn.transpose(1, 2), grad_coeff
 
 
-def _seed_t(z, params, opts: LEVConfig) -> torch.Tensor:
-    return lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps).contiguous()
+class TritonBackend:
+    """Steps 3c-3e in the Triton kernels (`lev.kernels.LEVBackend`)."""
+
+    name = "triton"
+
+    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
+        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
+        check_triton_usable(t.device, t.dtype)
+        return _launch_forward(t, coeff, opts)
+
+    def backward(self, t, coeff, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
+        return _launch_backward(t, coeff, grad, opts)
 
 
-class _TritonLEVModes(torch.autograd.Function):
-    """z [N, d_in] -> M [N, h, r]; saves only z and M (plus the parameters)."""
-
-    @staticmethod
-    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, opts: LEVConfig):
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            cdt = lev_math.compute_dtype(z.dtype)
-            check_triton_usable(z.device, cdt)
-            params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
-            t = _seed_t(z.to(cdt), params, opts)  # [h, N, d]
-            coeff = (1 + spline_delta.to(cdt)).contiguous()  # [h, d, kappa, r]
-            modes = _launch_forward(t, coeff, opts)
-        ctx.opts = opts
-        ctx.save_for_backward(z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
-        return modes
-
-    @staticmethod
-    def backward(ctx, grad_modes):
-        z, seed_proj, norm_weight, norm_bias, spline_delta, modes = ctx.saved_tensors
-        opts: LEVConfig = ctx.opts
-        need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            cdt = modes.dtype
-            params = [
-                p.detach().to(cdt).requires_grad_(need)
-                for p, need in ((seed_proj, need_w), (norm_weight, need_g), (norm_bias, need_b))
-            ]
-            zc = z.detach().to(cdt).requires_grad_(need_z)
-            with torch.enable_grad():
-                t = _seed_t(zc, params, opts)
-            coeff = (1 + spline_delta.detach().to(cdt)).contiguous()
-            scaled = (grad_modes.to(cdt) * modes).contiguous()  # dL/dM * M, [N, h, r]
-            grad_t, grad_coeff = _launch_backward(t.detach(), coeff, scaled, opts)
-            inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
-            grads = list(torch.autograd.grad(t, inputs, grad_t)) if inputs else []
-        grad_z = grads.pop(0).to(z.dtype) if need_z else None
-        grad_params = [grads.pop(0) if p.requires_grad else None for p in params]
-
-        def cast(grad, like):
-            return None if grad is None else grad.to(like.dtype)
-
-        return (
-            grad_z,
-            cast(grad_params[0], seed_proj),
-            cast(grad_params[1], norm_weight),
-            cast(grad_params[2], norm_bias),
-            cast(grad_coeff, spline_delta) if need_delta else None,
-            None,
-        )
+TRITON_BACKEND = TritonBackend()
 
 
 def triton_lev_modes(
@@ -311,18 +278,14 @@ def triton_lev_modes(
     norm_weight: torch.Tensor,
     norm_bias: torch.Tensor,
     spline_delta: torch.Tensor,
-    lev_config: LEVConfig,
+    opts,
 ) -> torch.Tensor:
-    """Same function and signature as `lev.fused.fused_lev_modes`, on Triton kernels.
+    """`lev.kernels.lev_modes` on the Triton backend (same arguments; `opts` a LEVKernelOptions
+    or LEVConfig).
 
-    Args:
-        z: [N, d_in] seeds of N distinct ids; seed_proj [h, d, d_in]; norm_weight,
-            norm_bias [h, d]; spline_delta [h, d, kappa, r] (h = heads on this rank).
-        lev_config: the LEV hyper-parameters; reads temperature, num_knots, normalize_basis,
-            norm_eps and product_eps.
-    Returns:
-        M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state.
     Raises:
         RuntimeError: triton missing, or CPU tensors outside Triton's interpreter.
     """
-    return _TritonLEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, lev_config)
+    from megatron_ext.lev.kernels import lev_modes
+
+    return lev_modes(z, seed_proj, norm_weight, norm_bias, spline_delta, opts, kernel="triton")

@@ -19,7 +19,7 @@ def test_flags_fill_the_config():
     cfg = lev_config_from_args(args, vocab_size=50_000, hidden_size=64)
     assert (cfg.num_digits, cfg.base, cfg.seed_dim, cfg.num_knots, cfg.rank) == (2, 300, 32, 8, 16)
     assert (cfg.num_heads, cfg.temperature, cfg.codebook_combine) == (4, 1.5, "concat")
-    assert cfg.normalize_basis is False and cfg.dedup is False and cfg.fused is True
+    assert cfg.normalize_basis is False and cfg.dedup is False and cfg.kernel == "auto"
     defaults = lev_config_from_args(parser.parse_args([]), vocab_size=50_000, hidden_size=64)
     assert defaults == LEVConfig(vocab_size=50_000, hidden_size=64)
     assert parser.parse_args(["--lev-normalize-basis"]).lev_normalize_basis is True
@@ -65,7 +65,7 @@ def test_every_field_but_v_and_d_has_its_generated_flag():
         assert (tuple(default) if isinstance(default, list) else default) == field.default
         if field.type == "bool":
             assert flags["--no-lev-" + flag[6:]] is action
-    assert flags["--lev-kernel"].choices == ("auto", "triton", "cpu", "torch")
+    assert flags["--lev-kernel"].choices == ("auto", "reference", "torch", "triton", "cpu")
     assert flags["--lev-base"].type is int and flags["--lev-init-output-std"].type is float
 
 
@@ -75,3 +75,30 @@ def test_a_flag_missing_from_old_args_keeps_its_default():
     cfg = lev_config_from_args(old, vocab_size=100, hidden_size=8)
     assert (cfg.num_knots, cfg.weight_decay_groups) == (5, ("out_proj",))
     assert (cfg.lr_mult, cfg.kernel) == (1.0, "auto")
+
+
+def test_deprecated_lev_fused_maps_onto_lev_kernel_with_one_warning(monkeypatch):
+    from megatron_ext.lev import arguments
+
+    monkeypatch.setattr(arguments, "_warned_fused", False)
+    parser = add_lev_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).lev_fused is None  # new args.json: no mapping, no warning
+    with pytest.warns(FutureWarning, match="--lev-kernel reference"):
+        cfg = lev_config_from_args(
+            parser.parse_args(["--no-lev-fused"]), vocab_size=100, hidden_size=8
+        )
+    assert cfg.kernel == "reference"
+    # Old args.json (lev_fused stored, no lev_kernel): mapped, and no second warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        old_unfused = argparse.Namespace(lev_fused=False, lev_num_knots=5)
+        assert lev_config_from_args(old_unfused, 100, 8).kernel == "reference"
+        old_fused = argparse.Namespace(lev_fused=True, lev_kernel="cpu")
+        assert lev_config_from_args(old_fused, 100, 8).kernel == "cpu"
+        assert lev_config_from_args(argparse.Namespace(lev_fused=True), 100, 8).kernel == "auto"
+    with pytest.raises(ValueError, match="drop --no-lev-fused"):
+        lev_config_from_args(
+            parser.parse_args(["--no-lev-fused", "--lev-kernel", "triton"]), 100, 8
+        )

@@ -227,7 +227,7 @@ def test_fused_path_saves_little(lev):
     n = ids.numel()
     sizes = {}
     for fused in (True, False):
-        module.lev_config = dataclasses.replace(cfg, fused=fused)
+        module.lev_config = dataclasses.replace(cfg, kernel="auto" if fused else "reference")
         sizes[fused], out = saved_tensor_bytes(lambda: module(ids), exclude=module.parameters())
         out.sum().backward()
     # Seeds [N, d] + modes [N, h*r] in float32, plus the int64 ids, digits and gather index.

@@ -1,5 +1,11 @@
-"""The fast paths equal an independent float64 reference written with plain loops from
-docs/lev.md section 2.
+"""Every LEV kernel (`--lev-kernel reference|torch|cpu|triton`, each that can run here) equals
+an independent float64 reference written with plain loops from docs/lev.md section 2.
+
+The module-level tests run `LEVEmbedding` against `reference_lev` below; the kernel-level tests
+run `lev.kernels.lev_modes` on each backend against the same function in float64 (values, all
+five input gradients, gradcheck, the product at the extremes of its range, autocast, what is
+saved for backward, 1 vs 2 threads). Triton runs in its CPU interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 when there is no GPU), so its shapes stay small.
 
 The reference below shares no code with megatron_ext.lev: digits by integer arithmetic, the
 basis knot by knot from the definition of beta2, the separable product exactly as docs/lev.md
@@ -12,7 +18,31 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_ext.lev import LEVConfig, fused_lev_modes
+from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.kernels import LEVKernelOptions, lev_modes
+from megatron_ext.testing.memory import saved_tensor_bytes
+
+KERNELS = ["reference", "torch", "cpu", "triton"]
+FUSED = ["torch", "cpu", "triton"]
+
+
+def _device(kernel: str) -> torch.device:
+    """Where `kernel`'s tensors go; skips the test when the kernel cannot run here."""
+    if kernel == "cpu":
+        from megatron_ext.lev import cpu_fused
+
+        if cpu_fused.cpu_kernel_error() is not None:  # pragma: no cover - needs no g++
+            pytest.skip(f"CPU kernel unavailable: {cpu_fused.cpu_kernel_error()}")
+    if kernel == "triton":
+        pytest.importorskip("triton", reason="triton is not installed (pip install '.[gpu]')")
+        from megatron_ext.lev import triton_kernel
+
+        if triton_kernel.INTERPRETED:
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 def _digits_of(i, base, num_digits):
@@ -99,24 +129,22 @@ def _module_and_grads(module, ids, weight):
     return out.detach(), {n: p.grad for n, p in module.named_parameters()}
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_matches_reference_float64(lev, name):
+def test_matches_reference_float64(lev, name, kernel):
+    _device(kernel)
     cfg = lev.tiny_config(**CONFIGS[name])
     module = lev.make_lev(cfg, dtype=torch.float64, spread=1.5)
     weight = torch.randn(2, 6, cfg.hidden_size, dtype=torch.float64)
     ref_out, ref_grads = _reference_and_grads(module, IDS, weight)
     assert (ref_out.abs() > 1e-3).any()
-    # The fused path through each CPU implementation (lev.cpu_fused, lev.fused), and the plain one.
-    for fused, kernel in ((True, "cpu"), (True, "torch"), (False, "auto")):
-        for dedup in (True, False):
-            module.lev_config = dataclasses.replace(cfg, fused=fused, kernel=kernel, dedup=dedup)
-            out, grads = _module_and_grads(module, IDS, weight)
-            where = f"fused={fused} kernel={kernel} dedup={dedup}"
-            torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10, msg=where)
-            for n, g in grads.items():
-                torch.testing.assert_close(
-                    g, ref_grads[n], rtol=1e-10, atol=1e-10, msg=f"{n} {where}"
-                )
+    for dedup in (True, False):
+        module.lev_config = dataclasses.replace(cfg, kernel=kernel, dedup=dedup)
+        out, grads = _module_and_grads(module, IDS, weight)
+        where = f"kernel={kernel} dedup={dedup}"
+        torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10, msg=where)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-10, atol=1e-10, msg=f"{n} {where}")
 
 
 def test_reference_sees_negative_spline_values(lev):
@@ -132,8 +160,10 @@ def test_reference_sees_negative_spline_values(lev):
     assert (negatives % 2 == 1).any() and (negatives >= 2).any()
 
 
-def test_matches_reference_float32(lev):
-    cfg = lev.tiny_config(chunk_size=4)  # several chunks in the fused path
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_matches_reference_float32(lev, kernel):
+    _device(kernel)
+    cfg = lev.tiny_config(chunk_size=4, kernel=kernel)  # several chunks in the torch kernel
     module = lev.make_lev(cfg, dtype=torch.float32, spread=0.3)
     weight = torch.randn(2, 6, cfg.hidden_size, dtype=torch.float64)
     ref_out, ref_grads = _reference_and_grads(module, IDS, weight)
@@ -144,27 +174,10 @@ def test_matches_reference_float32(lev):
         torch.testing.assert_close(g.double(), ref_grads[n], rtol=1e-4, atol=1e-4, msg=n)
 
 
-def test_gradcheck_fused_function():
-    torch.manual_seed(0)
-    n, d_in, h, d, kappa, r = 5, 3, 2, 3, 4, 2
-    inputs = (
-        torch.randn(n, d_in, dtype=torch.float64),
-        0.7 * torch.randn(h, d, d_in, dtype=torch.float64),
-        1 + 0.3 * torch.randn(h, d, dtype=torch.float64),
-        0.3 * torch.randn(h, d, dtype=torch.float64),
-        0.5 * torch.randn(h, d, kappa, r, dtype=torch.float64),
-    )
-    inputs = tuple(x.requires_grad_(True) for x in inputs)
-    for normalize in (True, False):
-        # The fused function reads only the scalars; V and D do not enter it.
-        cfg = LEVConfig(
-            vocab_size=1, hidden_size=1, num_knots=kappa, normalize_basis=normalize, chunk_size=2
-        )
-        assert torch.autograd.gradcheck(lambda *a: fused_lev_modes(*a, cfg), inputs)
-
-
-def test_bf16_autocast_keeps_float32_product(lev):
-    cfg = lev.tiny_config()
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_autocast_keeps_float32_product(lev, kernel):
+    _device(kernel)
+    cfg = lev.tiny_config(kernel=kernel)
     module = lev.make_lev(cfg, dtype=torch.float32, spread=0.3)
     ids = torch.tensor(IDS)
     exact = module(ids)
@@ -176,3 +189,233 @@ def test_bf16_autocast_keeps_float32_product(lev):
     assert torch.equal(low, exact)
     low.sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in module.parameters())
+
+
+# ----------------------------------------------------------------------------- kernel level
+
+# Low enough that t = sigmoid(LN(.) / tau) spreads over [0, 1] and reaches both end knots.
+_TEMPERATURE = 0.3
+
+
+def _opts(normalize: bool = True, eps: float = 1e-9, chunk_size: int = 0) -> LEVKernelOptions:
+    return LEVKernelOptions(
+        temperature=_TEMPERATURE, normalize_basis=normalize, product_eps=eps, chunk_size=chunk_size
+    )
+
+
+def _inputs(dtype, n=37, d_in=5, h=3, d=9, kappa=6, r=5, seed=0, delta_std=0.8, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, std=1.0, mean=0.0):
+        x = mean + std * torch.randn(*shape, generator=gen, dtype=torch.float64)
+        return x.to(device=device, dtype=dtype).requires_grad_()
+
+    # delta_std 0.8: many spline values are negative (the product's sign matters).
+    return [
+        draw(n, d_in),
+        draw(h, d, d_in, std=0.5),
+        draw(h, d, mean=1.0, std=0.3),
+        draw(h, d, std=0.3),
+        draw(h, d, kappa, r, std=delta_std),
+    ]
+
+
+def _definition(inputs, opts: LEVKernelOptions):
+    """docs/lev.md steps 3a-3e in float64, spelled out here (not through lev.math)."""
+    z, w, gain, bias, delta = (x.double() for x in inputs)
+    kappa = delta.shape[2]
+    u = torch.einsum("nj,hoj->hno", z, w)
+    mean = u.mean(-1, keepdim=True)
+    var = (u - mean).pow(2).mean(-1, keepdim=True)
+    normed = (u - mean) / torch.sqrt(var + opts.norm_eps) * gain[:, None] + bias[:, None]
+    t = torch.sigmoid(normed / opts.temperature)  # [h, n, d]
+    dist = ((kappa - 1) * (t[..., None] - torch.arange(kappa, dtype=t.dtype) / (kappa - 1))).abs()
+    basis = torch.where(
+        dist < 0.5, 0.75 - dist**2, torch.where(dist < 1.5, 0.5 * (1.5 - dist) ** 2, 0 * dist)
+    )
+    if opts.normalize_basis:
+        basis = basis / basis.sum(-1, keepdim=True)
+    phi = torch.einsum("hndk,hdkr->hndr", basis, 1 + delta)
+    negatives = (phi < 0).sum(2)
+    magnitude = torch.exp(torch.log(phi.abs() + opts.product_eps).sum(2))
+    return ((1 - 2 * (negatives % 2)) * magnitude).transpose(0, 1)  # [n, h, r]
+
+
+def _with_grads(fn, inputs, weight):
+    for x in inputs:
+        x.grad = None
+    out = fn()
+    (out * weight.to(out.dtype)).sum().backward()
+    return out.detach(), [x.grad.clone() for x in inputs]
+
+
+_GRAD_NAMES = ["z", "seed_proj", "norm_weight", "norm_bias", "spline_delta"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_kernel_equals_the_definition_in_float64(kernel, normalize):
+    device = _device(kernel)
+    inputs = _inputs(torch.float64, device=device)
+    opts = _opts(normalize, chunk_size=8)  # several chunks in the torch kernel
+    weight = torch.randn(37, 3, 5, dtype=torch.float64)
+    ref, ref_grads = _with_grads(lambda: _definition(inputs, opts), inputs, weight)
+    out, grads = _with_grads(lambda: lev_modes(*inputs, opts, kernel=kernel), inputs, weight)
+    assert (ref < 0).any() and (ref > 0).any()  # both signs of the product were produced
+    t = lev_math.seed_to_t(inputs[0].detach(), *(x.detach() for x in inputs[1:4]), _TEMPERATURE)
+    assert (t * 5 < 0.5).any() and (t * 5 > 4.5).any()  # both end knots are dropped somewhere
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
+    for name, g, g_ref in zip(_GRAD_NAMES, grads, ref_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-11, atol=1e-13, msg=name)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_float32_matches_the_definition(kernel):
+    device = _device(kernel)
+    inputs64 = _inputs(torch.float64, n=60, d=32, r=16, kappa=16, delta_std=0.1, device=device)
+    inputs32 = [x.detach().float().requires_grad_() for x in inputs64]
+    opts = _opts()
+    weight = torch.randn(60, 3, 16, dtype=torch.float64)
+    ref, ref_grads = _with_grads(lambda: _definition(inputs64, opts), inputs64, weight)
+    out, grads = _with_grads(lambda: lev_modes(*inputs32, opts, kernel=kernel), inputs32, weight)
+    assert out.dtype == torch.float32
+    # float32 rounding of a product of 32 factors (and of their sums): relative to the scale.
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    for name, g, g_ref in zip(_GRAD_NAMES, grads, ref_grads):
+        tol = 1e-5 * float(g_ref.abs().max())
+        torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gradcheck(kernel):
+    device = _device(kernel)
+    inputs = [x.detach()[:4].clone() if i == 0 else x.detach().clone()
+              for i, x in enumerate(_inputs(torch.float64, d=3, h=2, r=2, kappa=4,
+                                            device=device))]  # fmt: skip
+    inputs = [x.requires_grad_() for x in inputs]
+    for normalize in (True, False):
+        opts = _opts(normalize, chunk_size=2)
+        assert torch.autograd.gradcheck(lambda *a: lev_modes(*a, opts, kernel=kernel), inputs)
+
+
+def _constant_spline(values: torch.Tensor, kappa: int) -> torch.Tensor:
+    """spline_delta [1, d, kappa, 1] whose spline is the constant values[c] on coordinate c
+    (a normalised basis sums to 1)."""
+    return (values - 1).view(1, -1, 1, 1).expand(1, values.numel(), kappa, 1).clone()
+
+
+def _constant_inputs(values, dtype, device, kappa=5, n=4):
+    d = values.numel()
+    return [
+        torch.randn(n, 3, dtype=dtype, device=device),
+        torch.randn(1, d, 3, dtype=dtype, device=device),
+        torch.ones(1, d, dtype=dtype, device=device),
+        torch.zeros(1, d, dtype=dtype, device=device),
+        _constant_spline(values, kappa).to(device=device, dtype=dtype),
+    ]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_product_survives_partial_overflow(kernel, dtype):
+    # Factors 1e30, 1e30, then six exact zeros (each counted as eps = 1e-9): a running float32
+    # product overflows after two factors and would stay inf; the spec's exp(sum log) gives
+    # 1e60 * 1e-54 = 1e6.
+    device = _device(kernel)
+    values = torch.tensor([1e30, 1e30, 0, 0, 0, 0, 0, 0], dtype=torch.float64)
+    out = lev_modes(*_constant_inputs(values, dtype, device), _opts(), kernel=kernel)
+    expected = torch.full((4, 1, 1), 1e6, dtype=torch.float64)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("eps", [1e-30, 1e-9, 1.0])
+def test_product_at_the_extremes_of_the_flags_range(kernel, eps):
+    # --lev-product-eps anywhere in (0, inf): 64 coordinates, half of them huge factors (1/eps,
+    # up to 1e30, alternating signs), half exact zeros (each counted as eps): partial products
+    # leave float32's range in both directions; the whole product is moderate.
+    device = _device(kernel)
+    d, big = 64, (1.0 / eps if eps < 1 else 2.0)
+    values = torch.tensor([(-big if c % 4 == 0 else big) if c % 2 == 0 else 0.0
+                           for c in range(d)], dtype=torch.float64)  # fmt: skip
+    inputs = _constant_inputs(values, torch.float32, device)
+    out = lev_modes(*inputs, _opts(eps=eps), kernel=kernel)
+    expected = _definition([x.double() for x in inputs], _opts(eps=eps))
+    assert torch.isfinite(expected).all() and (expected.abs() > 1e-3).all()
+    torch.testing.assert_close(out.double().cpu(), expected.cpu(), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_product_underflow_and_overflow_of_the_result(kernel):
+    # The product itself out of float32's range: 0 and inf, as exp(sum log) gives.
+    device = _device(kernel)
+    tiny = lev_modes(*_constant_inputs(torch.full((8,), 1e-6), torch.float32, device), _opts(),
+                     kernel=kernel)  # fmt: skip
+    huge = lev_modes(*_constant_inputs(torch.full((8,), 1e6), torch.float32, device), _opts(),
+                     kernel=kernel)  # fmt: skip
+    assert (tiny == 0).all() and torch.isinf(huge).all() and (huge > 0).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_seed_gives_nan_modes(kernel):
+    device = _device(kernel)
+    inputs = [x.detach() for x in _inputs(torch.float32, device=device)]
+    inputs[0][3] = float("nan")
+    out = lev_modes(*inputs, _opts(), kernel=kernel)
+    assert torch.isnan(out[3]).all() and torch.isfinite(out[:3]).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_and_two_threads_give_the_same_result(kernel):
+    device = _device(kernel)
+    inputs = _inputs(torch.float64, n=64, device=device)
+    weight = torch.randn(64, 3, 5, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(
+                _with_grads(lambda: lev_modes(*inputs, _opts(), kernel=kernel), inputs, weight)
+            )
+    finally:
+        torch.set_num_threads(threads)
+    (one, one_grads), (two, two_grads) = results
+    if kernel == "cpu":
+        # Each output and each parameter-gradient row is computed by one thread: bitwise equal.
+        assert torch.equal(one, two)
+        assert all(torch.equal(a, b) for a, b in zip(one_grads, two_grads))
+    else:
+        torch.testing.assert_close(one, two, rtol=1e-14, atol=0)
+        for a, b in zip(one_grads, two_grads):
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_saved_for_backward(kernel):
+    device = _device(kernel)
+    n, d_in, h, d, kappa, r = 50, 5, 3, 16, 6, 8
+    inputs = _inputs(torch.float32, n=n, d_in=d_in, h=h, d=d, kappa=kappa, r=r, device=device)
+    z, params = inputs[0], inputs[1:]
+    size, out = saved_tensor_bytes(
+        lambda: lev_modes(z.clone(), *params, _opts(), kernel=kernel), exclude=[z, *params]
+    )
+    out.sum().backward()
+    if kernel == "reference":
+        # Plain autograd keeps at least phi [h, n, d, r] and the basis [h, n, d, kappa].
+        assert size >= 4 * h * n * d * (r + kappa)
+    else:
+        # z [n, d_in] (the clone) and M [n, h, r]; no [n, d, r] or [n, d, kappa] tensor.
+        assert size == 4 * n * (d_in + h * r)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_autocast_keeps_float32(kernel):
+    device = _device(kernel)
+    inputs = _inputs(torch.float32, device=device)
+    exact = lev_modes(*inputs, _opts(), kernel=kernel)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = lev_modes(*inputs, _opts(), kernel=kernel)
+    assert out.dtype == torch.float32 and torch.equal(out, exact)
+    out.sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.float32 for x in inputs)

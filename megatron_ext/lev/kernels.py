@@ -1,0 +1,247 @@
+"""LEV's fused modes: one autograd Function over pluggable backends (`--lev-kernel`).
+
+    z [N, d_in] --(torch: seed projection, LayerNorm, sigmoid)--> t [h, N, d]
+    t, coeff = 1 + Delta [h, d, kappa, r] --(backend.forward)--> M [N, h, r]
+
+`LEVModes` owns everything the backends share, the way Megatron-Core's fused kernels are pure
+forward/backward functions under one thin autograd wrapper: autocast off, the compute dtype
+(float32; float64 for float64 inputs), steps 3a-3b (`lev.math.seed_to_t`, torch ops), the
+coefficients 1 + Delta, saving only the seeds z and the modes M for backward, recomputing t
+there, taking dL/dt back through 3a-3b by a local autograd graph, and casting the gradients back
+to their parameters' dtypes. A backend implements steps 3c-3e (quadratic B-spline basis, spline
+values, signed separable product) and their gradient:
+
+    forward(t [h, N, d], coeff [h, d, kappa, r], opts) -> M [N, h, r]
+    backward(t, coeff, grad [N, h, r], opts) -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])
+
+with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x). All
+tensors are contiguous and in the compute dtype. Backends: "torch" (`lev.fused`, chunked torch
+ops, any device), "cpu" (`lev.cpu_fused`, a C++ kernel compiled on first use) and "triton"
+(`lev.triton_kernel`, CUDA, or CPU under TRITON_INTERPRET=1). "reference" is the readable
+`lev.math.lev_modes` under plain autograd (every intermediate saved). "auto" takes triton for
+float32 CUDA tensors when the triton package imports, cpu for CPU tensors when its kernel builds
+(else it logs why, once, and takes torch), else torch. Every choice computes the same function
+and saves the same tensors, so a run may switch kernels on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Protocol, Union
+
+import torch
+
+from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.config import LEVConfig
+
+__all__ = [
+    "KERNELS",
+    "LEVBackend",
+    "LEVKernelOptions",
+    "LEVModes",
+    "cpu_kernel_available",
+    "lev_modes",
+    "select_backend",
+    "triton_importable",
+]
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("auto", "reference", "torch", "triton", "cpu")
+"""The values of `--lev-kernel` (`LEVConfig.kernel`)."""
+
+
+@dataclass(frozen=True)
+class LEVKernelOptions:
+    """What a LEV kernel needs besides its tensors (kappa, r, h, d come from their shapes)."""
+
+    temperature: float = 2.0
+    """tau in t = sigmoid(LayerNorm(u) / tau)."""
+    norm_eps: float = 1e-5
+    """LayerNorm epsilon."""
+    normalize_basis: bool = True
+    """Renormalise the B-spline basis to sum 1."""
+    product_eps: float = 1e-9
+    """eps in sign * exp(sum log(|phi| + eps))."""
+    chunk_size: int = 0
+    """Ids per chunk of the torch backend (0: about 2M spline values per chunk)."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0 or not self.norm_eps > 0 or not self.product_eps > 0:
+            raise ValueError(
+                "LEVKernelOptions: temperature, norm_eps and product_eps must be > 0, got "
+                f"{self.temperature}, {self.norm_eps}, {self.product_eps}"
+            )
+        if self.chunk_size < 0:
+            raise ValueError(f"LEVKernelOptions: chunk_size must be >= 0, got {self.chunk_size}")
+
+    @classmethod
+    def of(cls, config: Union["LEVKernelOptions", LEVConfig]) -> "LEVKernelOptions":
+        """The options of a `LEVConfig` (or `config` itself when it already is options)."""
+        if isinstance(config, cls):
+            return config
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
+class LEVBackend(Protocol):
+    """Steps 3c-3e and their gradient (see the module docstring for shapes)."""
+
+    name: str
+
+    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts: LEVKernelOptions) -> torch.Tensor:
+        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
+        ...
+
+    def backward(
+        self, t: torch.Tensor, coeff: torch.Tensor, grad: torch.Tensor, opts: LEVKernelOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
+        ...
+
+
+def _seed_to_t(z: torch.Tensor, params, opts: LEVKernelOptions) -> torch.Tensor:
+    """Steps 3a-3b: z [N, d_in] -> t [h, N, d] (contiguous)."""
+    return lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps).contiguous()
+
+
+class LEVModes(torch.autograd.Function):
+    """z [N, d_in] -> M [N, h, r] through `backend`; saves z, the parameters and M."""
+
+    @staticmethod
+    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts):
+        """Shapes as `lev_modes`; `backend` a LEVBackend, `opts` LEVKernelOptions."""
+        with torch.autocast(device_type=z.device.type, enabled=False), torch.no_grad():
+            cdt = lev_math.compute_dtype(z.dtype)
+            params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
+            t = _seed_to_t(z.to(cdt), params, opts)
+            coeff = (1 + spline_delta.to(cdt)).contiguous()
+            modes = backend.forward(t, coeff, opts)
+        ctx.backend, ctx.opts = backend, opts
+        ctx.save_for_backward(z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
+        return modes
+
+    @staticmethod
+    def backward(ctx, grad_modes):
+        """grad_modes [N, h, r] -> gradients of z and the four parameters (None: not needed)."""
+        z, seed_proj, norm_weight, norm_bias, spline_delta, modes = ctx.saved_tensors
+        opts: LEVKernelOptions = ctx.opts
+        need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
+        originals = (seed_proj, norm_weight, norm_bias)
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            cdt = modes.dtype
+            params = [
+                p.detach().to(cdt).requires_grad_(need)
+                for p, need in zip(originals, (need_w, need_g, need_b))
+            ]
+            zc = z.detach().to(cdt).requires_grad_(need_z)
+            with torch.enable_grad():
+                t = _seed_to_t(zc, params, opts)
+            coeff = (1 + spline_delta.detach().to(cdt)).contiguous()
+            scaled = (grad_modes.to(cdt) * modes).contiguous()  # dL/dM * M, [N, h, r]
+            with torch.no_grad():
+                grad_t, grad_coeff = ctx.backend.backward(t.detach(), coeff, scaled, opts)
+            inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
+            grads = list(torch.autograd.grad(t, inputs, grad_t)) if inputs else []
+        grad_z = grads.pop(0).to(z.dtype) if need_z else None
+        grad_params = [
+            grads.pop(0).to(p.dtype) if need else None
+            for p, need in zip(originals, (need_w, need_g, need_b))
+        ]
+        grad_delta = grad_coeff.to(spline_delta.dtype) if need_delta else None
+        return (grad_z, *grad_params, grad_delta, None, None)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    """True when the triton package is installed (checked once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel_available() -> bool:
+    """Whether the CPU kernel is usable; logs the reason once when it is not."""
+    from megatron_ext.lev import cpu_fused
+
+    error = cpu_fused.cpu_kernel_error()
+    if error is not None:
+        logger.warning("LEV runs the torch backend on CPU (slower): %s", error)
+    return error is None
+
+
+def select_backend(kernel: str, z: torch.Tensor) -> LEVBackend:
+    """The backend that `--lev-kernel kernel` runs for seeds z [N, d_in] ("reference" has none).
+
+    Raises:
+        RuntimeError: "triton" or "cpu" asked for where it cannot run (one line saying what to
+            change).
+        ValueError: an unknown kernel name.
+    """
+    from megatron_ext.lev import fused
+
+    if kernel == "torch":
+        return fused.TORCH_BACKEND
+    if kernel == "cpu" or (kernel == "auto" and z.device.type == "cpu"):
+        from megatron_ext.lev import cpu_fused
+
+        if kernel == "auto":
+            return cpu_fused.CPU_BACKEND if cpu_kernel_available() else fused.TORCH_BACKEND
+        if z.device.type != "cpu":
+            raise RuntimeError(
+                f"--lev-kernel cpu runs on CPU tensors, but LEV's input is on {z.device}; "
+                "use --lev-kernel auto"
+            )
+        error = cpu_fused.cpu_kernel_error()
+        if error is not None:
+            raise RuntimeError(error)
+        return cpu_fused.CPU_BACKEND
+    cdt = lev_math.compute_dtype(z.dtype)
+    if kernel == "auto":
+        if not (z.is_cuda and cdt == torch.float32 and triton_importable()):
+            return fused.TORCH_BACKEND
+    elif kernel != "triton":
+        raise ValueError(f"unknown LEV kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    from megatron_ext.lev import triton_kernel
+
+    triton_kernel.check_triton_usable(z.device, cdt)
+    return triton_kernel.TRITON_BACKEND
+
+
+def lev_modes(
+    z: torch.Tensor,
+    seed_proj: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    spline_delta: torch.Tensor,
+    opts: Union[LEVKernelOptions, LEVConfig],
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """LEV steps 3a-3e (`lev.math.lev_modes`) through `--lev-kernel kernel`.
+
+    Args:
+        z: [N, d_in] seeds; seed_proj [h, d, d_in]; norm_weight, norm_bias [h, d];
+            spline_delta [h, d, kappa, r] (h = heads on this rank).
+        opts: the kernel options (a `LEVConfig` is converted by `LEVKernelOptions.of`).
+        kernel: one of KERNELS.
+    Returns:
+        M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state; every
+        kernel but "reference" saves only z, the parameters and M for backward.
+    """
+    opts = LEVKernelOptions.of(opts)
+    if kernel == "reference":
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            cdt = lev_math.compute_dtype(z.dtype)
+            return lev_math.lev_modes(
+                z.to(cdt),
+                *(p.to(cdt) for p in (seed_proj, norm_weight, norm_bias, spline_delta)),
+                temperature=opts.temperature,
+                num_knots=spline_delta.shape[2],
+                normalize_basis=opts.normalize_basis,
+                norm_eps=opts.norm_eps,
+                product_eps=opts.product_eps,
+            )
+    backend = select_backend(kernel, z)
+    return LEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts)
