@@ -7,7 +7,15 @@ autograd recording, LEV through its spline generator) and (b) the evaluation for
 its eval table), then (c) evaluation at --eval-batch-multiplier times the micro-batch, as
 tools/evaluate.py runs it. Printed: median tokens/s of each and the ratios (b)/(a), (c)/(a).
 
+Then (issue 28) perplexity against the peer users would pick instead: LEV, the same packed
+windows (`pack_stream` of --peer-documents random documents, micro-batch --peer-micro-batch)
+scored by `score_batches` as `tools/evaluate.py perplexity` does, and by a plain transformers
+forward of our HF export (`LlamaForCausalLM`, float32, same threads) with
+`F.cross_entropy` over the same masked targets; --pairs interleaved runs, the per-pair ratio
+(ours/theirs speed) as min and median, and both losses (equal to float rounding).
+
     python benchmarks/bench_eval.py
+    python benchmarks/bench_eval.py --skip-arms          # only the transformers comparison
     python benchmarks/bench_eval.py --hidden-size 1024 --num-layers 8 --seq-length 1024 \\
         --vocab-size 50304 --micro-batch-size 4
 """
@@ -57,6 +65,85 @@ def _median_seconds(fn, repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def bench_vs_transformers(args, pg) -> None:
+    import dataclasses
+    import os
+    import sys
+
+    import numpy as np
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.hf_peer import hf_export
+    from megatron_ext.evaluation.perplexity import LossTotals, pack_stream
+    from megatron_ext.evaluation.scoring import ModelScorer, score_batches
+    from megatron_ext.models import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=args.vocab_size,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        embedding=dict(embedding_type="lev"),
+    )
+    lev = dataclasses.replace(config.embedding.lev, eval_table=True)  # as load_for_evaluation
+    config = config.replace(embedding=dataclasses.replace(config.embedding, lev=lev))
+    model = build_model(config, pg=pg).eval()
+    hf = hf_export(model, config, tied=config.embedding.tied)
+    scorer = ModelScorer(model, config.hidden_size, args.vocab_size, pg)
+    rng = np.random.default_rng(0)
+    documents = [
+        rng.integers(0, args.vocab_size, size=int(n)) for n in rng.integers(
+            50, 2 * args.seq_length, size=args.peer_documents)
+    ]  # fmt: skip
+    batches = list(pack_stream(documents, args.seq_length, args.peer_micro_batch))
+    targets = int(sum(b.loss_mask.sum() for b in batches))
+
+    def ours() -> float:
+        totals = LossTotals()
+        score_batches(scorer, batches, [totals], show_progress=False)
+        return totals.loss
+
+    def theirs() -> float:
+        loss_sum = 0.0
+        with torch.inference_mode():
+            for batch in batches:
+                logits = hf(batch.tokens, position_ids=batch.position_ids).logits
+                losses = F.cross_entropy(
+                    logits.float().flatten(0, 1), batch.labels.flatten(), reduction="none"
+                )
+                mask = batch.loss_mask.flatten() > 0
+                loss_sum += float(losses[mask].double().sum())
+        return loss_sum / targets
+
+    ours(), theirs()  # warm-up (LEV eval table built here)
+    ratios, rates, rates_peer, losses = [], [], [], []
+    for _ in range(args.pairs):
+        start = time.perf_counter()
+        a = ours()
+        middle = time.perf_counter()
+        b = theirs()
+        end = time.perf_counter()
+        ratios.append((end - middle) / (middle - start))
+        rates.append(targets / (middle - start))
+        rates_peer.append(targets / (end - middle))
+        losses.append((a, b))
+    same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in losses)
+    print(
+        f"perplexity, LEV, {len(batches)} micro-batches of {args.peer_micro_batch} x "
+        f"{args.seq_length} ({targets} targets), {args.num_layers} layers x D "
+        f"{args.hidden_size}, V {args.vocab_size}, {args.pairs} pairs:\n"
+        f"    ours (score_batches)      {statistics.median(rates):8.0f} tokens/s (median; "
+        f"{min(rates):.0f}-{max(rates):.0f})\n"
+        f"    transformers forward + CE {statistics.median(rates_peer):8.0f} tokens/s (median; "
+        f"{min(rates_peer):.0f}-{max(rates_peer):.0f})\n"
+        f"    ratio ours/theirs min {min(ratios):.2f} median {statistics.median(ratios):.2f}   "
+        f"(loss {losses[0][0]:.6f} vs {losses[0][1]:.6f}, equal to rel 1e-5: {same})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arms", nargs="+", default=["tied", "lev"])
@@ -69,12 +156,21 @@ def main() -> None:
     parser.add_argument("--eval-batch-multiplier", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--peer-micro-batch", type=int, default=16)
+    parser.add_argument("--peer-documents", type=int, default=48)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--skip-arms", action="store_true", help="only the transformers row")
+    parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
 
     from megatron_ext.evaluation.scoring import ModelScorer
     from megatron_ext.inference.loading import init_inference_parallel
 
     pg = init_inference_parallel(1, 1)
+    if not args.skip_transformers:
+        bench_vs_transformers(args, pg)
+    if args.skip_arms:
+        return
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     b, s = args.micro_batch_size, args.seq_length

@@ -1,4 +1,4 @@
-"""Generation and export speed (issue 13, item 5), each measured against a baseline of this run.
+"""Generation and export speed (issues 13 and 28), each measured against a baseline of this run.
 
   (a) tokens/s of `generate` with the KV cache / tokens/s recomputing the whole prefix at
       every step, for --new-tokens (256) greedy tokens after a --prompt-tokens prompt, on a
@@ -6,6 +6,11 @@
   (b) time to materialise the LEV input table at V = --table-vocab (200k), D = --table-hidden
       (2048) with the default LEV hyper-parameters (float32 compute) / time to write that
       [V, D] float32 table as safetensors;                               target <= 1
+  (c) tokens/s of `generate` (KV cache, greedy) / tokens/s of transformers' `generate` on our
+      HF export of the same model (`LlamaForCausalLM`, float32, same threads), --new-tokens
+      tokens per row, at each of --peer-batches, --pairs interleaved runs (ours, theirs, ours,
+      ...); min and median of the per-pair ratios, and whether every pair gave the same
+      tokens;                                                           target >= 1.2 (batch 1)
 
 (a) decodes with megatron's StaticInferenceContext, LEV from its eval table (built and checked
 once per `generate` call) and keys rotated once before they enter the cache; the baseline runs
@@ -69,6 +74,62 @@ def bench_kv_cache(args, pg) -> None:
     )
 
 
+def bench_vs_transformers(args, pg) -> None:
+    import statistics
+
+    from benchmarks.hf_peer import hf_export
+    from megatron_ext.inference.generation import SamplingConfig, generate
+    from megatron_ext.models import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=args.vocab,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=args.prompt_tokens + args.new_tokens,
+        embedding=dict(embedding_type="lev"),
+    )
+    model = build_model(config, pg=pg).eval()
+    hf = hf_export(model, config, tied=config.embedding.tied)
+    n = args.new_tokens
+    for batch in args.peer_batches:
+        prompts = torch.randint(0, args.vocab, (batch, args.prompt_tokens))
+        cfg = SamplingConfig(max_new_tokens=n)
+
+        def ours():
+            return generate(model, prompts.tolist(), cfg, tp_group=pg.tp)
+
+        def theirs():
+            with torch.inference_mode():
+                out = hf.generate(
+                    prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                    min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None,
+                )  # fmt: skip
+            return out[:, args.prompt_tokens :].tolist()
+
+        ours(), theirs()  # warm-up
+        ratios, same = [], True
+        rates = {"ours": [], "theirs": []}
+        for _ in range(args.pairs):
+            a, t_ours = _timed(ours)
+            b, t_theirs = _timed(theirs)
+            same &= a == b
+            rates["ours"].append(batch * n / t_ours)
+            rates["theirs"].append(batch * n / t_theirs)
+            ratios.append(t_theirs / t_ours)
+        print(
+            f"(c) greedy, {n} new tokens, prompt {args.prompt_tokens}, batch {batch}, "
+            f"{args.layers} layers x D {args.hidden}, V {args.vocab}, {args.pairs} pairs:\n"
+            f"    ours (KV cache)        {statistics.median(rates['ours']):8.1f} tokens/s "
+            f"(median; {min(rates['ours']):.1f}-{max(rates['ours']):.1f})\n"
+            f"    transformers generate  {statistics.median(rates['theirs']):8.1f} tokens/s "
+            f"(median; {min(rates['theirs']):.1f}-{max(rates['theirs']):.1f})\n"
+            f"    ratio ours/theirs min {min(ratios):.2f} median {statistics.median(ratios):.2f}"
+            f"   (same tokens: {same})"
+        )
+
+
 def bench_table(args) -> None:
     from megatron.core.transformer import TransformerConfig
     from safetensors.torch import save_file
@@ -115,14 +176,17 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--peer-batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--table-vocab", type=int, default=200_064)
     p.add_argument("--table-hidden", type=int, default=2048)
     p.add_argument("--tmp-dir", default=None, help="where the table file is written")
     p.add_argument("--skip-table", action="store_true")
     p.add_argument("--skip-kv-cache", action="store_true")
+    p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args()
 
     from megatron_ext.inference.loading import init_inference_parallel
@@ -131,6 +195,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if not args.skip_kv_cache:
         bench_kv_cache(args, pg)
+    if not args.skip_transformers:
+        bench_vs_transformers(args, pg)
     if not args.skip_table:
         bench_table(args)
 

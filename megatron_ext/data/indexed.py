@@ -1,9 +1,9 @@
 """Writing Megatron-Core indexed datasets (``.bin``/``.idx``) and their token counts, safely.
 
 The format is Megatron-Core's (``megatron.core.datasets.indexed_dataset``): the ``.idx`` is
-written by its ``_IndexWriter`` (only the sequence-pointer computation is vectorised, because the
-stock one loops in Python and keeps a Python list per sequence, which for a merged Pile is
-minutes and gigabytes), the ``.bin`` is the concatenated token ids in the index dtype. One
+written in its ``_IndexWriter``'s layout with vectorised sequence pointers (the stock writer loops
+in Python and keeps a Python list per sequence, which for a merged Pile is minutes and
+gigabytes; preprocessing writes it without importing megatron.core at all), the ``.bin`` is the concatenated token ids in the index dtype. One
 document is one sequence, as Megatron-LM's preprocess_data.py writes without
 ``--split-sentences``. Beside them, ``<prefix>_counts.npy`` holds the int64 count of every
 token id (length = the tokenizer's vocab size).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import struct
 import warnings
 
 import numpy as np
@@ -94,9 +95,29 @@ def get_idx_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
+# Megatron-Core's .idx layout (indexed_dataset._INDEX_HEADER, DType codes, _IndexWriter.write).
+_INDEX_HEADER = b"MMIDIDX\x00\x00"
+_DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.uint16: 8}
+
+
 def _write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
-    with _fast_index_writer()(path, dtype) as writer:
-        writer.write(lengths, None, np.arange(len(lengths) + 1, dtype=np.int64))
+    """The .idx Megatron-Core's ``_IndexWriter`` writes for one document per sequence, byte for
+    byte (tests/data/test_preprocess.py compares them), without importing megatron.core: that
+    import is seconds of start-up and logs Megatron-FSDP banners a preprocessing run does not
+    need."""
+    lengths = np.asarray(lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
+    with open(path, "wb") as handle:
+        handle.write(_INDEX_HEADER)
+        handle.write(struct.pack("<Q", 1))
+        handle.write(struct.pack("<B", _DTYPE_CODES[dtype]))
+        handle.write(struct.pack("<Q", len(lengths)))
+        handle.write(struct.pack("<Q", len(lengths) + 1))
+        handle.write(lengths.tobytes(order="C"))
+        handle.write(pointers.tobytes(order="C"))
+        handle.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes(order="C"))
 
 
 def _save_npy(path: str, array: np.ndarray) -> None:

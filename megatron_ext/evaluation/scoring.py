@@ -9,11 +9,12 @@ broadcasts the result, so every rank returns the same tensor. Everything runs un
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Protocol
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
@@ -226,6 +227,20 @@ def load_for_evaluation(
     return LoadedModel(run, tokenizer, scorer, config.seq_length)
 
 
+@contextlib.contextmanager
+def _pinned_lev_tables(model: torch.nn.Module) -> Iterator[None]:
+    """Check each LEV eval table once for the whole pass instead of at every batch (the exact
+    comparison of the parameters with the table's snapshot): the weights do not change while
+    batches are scored."""
+    from megatron_ext.lev.layer import LEVEmbedding
+
+    with contextlib.ExitStack() as stack:
+        for module in model.modules():
+            if isinstance(module, LEVEmbedding):
+                stack.enter_context(module.pinned_eval_table())
+        yield
+
+
 def score_batches(
     scorer: ModelScorer,
     batches: Iterable[Batch],
@@ -257,7 +272,7 @@ def score_batches(
     )
     start = time.perf_counter()
     scored = 0
-    with bar:
+    with bar, _pinned_lev_tables(scorer.model):
         for batch in batches:
             losses = scorer.token_losses(
                 batch.tokens, batch.labels, batch.position_ids, batch.attention_mask

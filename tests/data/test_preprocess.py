@@ -99,6 +99,53 @@ def test_index_matches_megatron_builder(corpus_dir, sp_model, tmp_path):
         assert ours_bytes == open(ref + ext, "rb").read()
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_index_writer_matches_megatron_index_writer(tmp_path, dtype):
+    """indexed._write_index (no megatron.core import) == Megatron-Core's _IndexWriter, byte for
+    byte, for both token dtypes, including an empty dataset and one-document datasets."""
+    from megatron.core.datasets.indexed_dataset import _IndexWriter
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 517):
+        lengths = rng.integers(1, 5000, size=n).astype(np.int32)
+        ours, ref = tmp_path / f"ours{n}.idx", tmp_path / f"ref{n}.idx"
+        indexed._write_index(str(ours), dtype, lengths)
+        with _IndexWriter(str(ref), dtype) as writer:
+            writer.write(lengths.tolist(), None, list(range(n + 1)))
+        assert ours.read_bytes() == ref.read_bytes()
+
+
+def test_tool_is_quiet_and_does_not_import_megatron_core(corpus_dir, sp_model, tmp_path):
+    """Issue 22 item 7: no Megatron-FSDP banners; the data tool never imports megatron.core (its
+    import was the seconds of start-up of a tiny split). Output equals the library call's."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    val = os.path.join(corpus_dir, "val.jsonl.zst")
+    code = (
+        "import runpy, sys; sys.argv = sys.argv[1:]\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "finally:\n    print('megatron.core imported:', 'megatron.core' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, os.path.join(repo, "tools", "preprocess_data.py"),
+         "--input", val, "--output-prefix", str(tmp_path / "cli"), "--workers", "2",
+         "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
+         "--append-eod"],
+        capture_output=True, text=True, cwd=repo, timeout=300,
+        env={**os.environ, "PYTHONPATH": repo},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Megatron-FSDP" not in output and "Detected Megatron Core" not in output
+    assert "megatron.core imported: False" in result.stdout
+    pp.preprocess(_config(val, tmp_path / "lib", sp_model, workers=1))
+    for ext in (".bin", ".idx", "_counts.npy"):
+        cli = open(str(tmp_path / "cli_text_document") + ext, "rb").read()
+        assert cli == open(str(tmp_path / "lib_text_document") + ext, "rb").read()
+
+
 def test_split_by_pile_set_name(corpus_dir, sp_model, tmp_path):
     val = os.path.join(corpus_dir, "val.jsonl.zst")
     [summary] = pp.preprocess(
