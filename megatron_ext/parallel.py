@@ -233,13 +233,15 @@ def initialize_parallel(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     backend: Optional[str] = None,
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 30,
 ) -> ProcessGroups:
     """Initialise torch.distributed (from torchrun's env vars) and megatron's parallel groups;
     return this rank's groups (seeded with `set_random_seed(1234, ...)`).
 
     Without torchrun's variables (a plain `python pretrain_leviathan.py`) the process is a
     one-rank world on a free loopback port, so several such runs can share a machine.
+    `timeout_minutes` (fractions allowed) bounds every collective of every group: a rank that
+    waits longer for a stopped or hung peer raises (`is_collective_timeout`) instead of hanging.
     """
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
@@ -277,6 +279,21 @@ def initialize_parallel(
     groups = ProcessGroups.from_megatron()
     set_random_seed(1234, groups.pp_rank)
     return groups
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether `error` is a collective that waited past the process-group timeout (gloo says
+    "Timed out waiting ... for recv", NCCL's watchdog "Watchdog caught collective operation
+    timeout")."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def group_description(group) -> str:
+    """'ranks [0, 1]' of a torch.distributed group (the world for None)."""
+    if group is None:
+        return f"ranks 0..{dist.get_world_size() - 1}"
+    return f"ranks {dist.get_process_group_ranks(group)}"
 
 
 def destroy_parallel() -> None:

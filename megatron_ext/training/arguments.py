@@ -136,7 +136,7 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="default: nccl on CUDA, gloo on CPU",
     )
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10)
     g.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
