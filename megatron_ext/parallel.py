@@ -40,6 +40,10 @@ __all__ = [
 ]
 
 
+STARTUP_TIMEOUT_MINUTES = 10.0
+"""The least time rendezvous and group creation wait for every rank (see initialize_parallel)."""
+
+
 def find_free_port() -> int:
     """Return a TCP port on loopback that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -240,9 +244,12 @@ def initialize_parallel(
 
     Without torchrun's variables (a plain `python pretrain_leviathan.py`) the process is a
     one-rank world on a free loopback port, so several such runs can share a machine.
-    `timeout_minutes` (fractions allowed) bounds every collective of every group: a rank that
-    waits longer for a stopped or hung peer raises (`is_collective_timeout`) instead of hanging.
+    `timeout_minutes` (fractions allowed) bounds every collective of every group once the
+    groups exist: a rank that waits longer for a stopped or hung peer raises
+    (`is_collective_timeout`) instead of hanging. Start-up (rendezvous, creating the groups)
+    waits at least STARTUP_TIMEOUT_MINUTES, so that a short timeout does not fail a slow start.
     """
+    startup = datetime.timedelta(minutes=max(timeout_minutes, STARTUP_TIMEOUT_MINUTES))
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend nccl needs CUDA; use gloo on CPU")
@@ -260,7 +267,7 @@ def initialize_parallel(
             backend=backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=startup,
         )
     validate_parallel_layout(
         dist.get_world_size(),
@@ -272,13 +279,25 @@ def initialize_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
-        distributed_timeout_minutes=timeout_minutes,
+        distributed_timeout_minutes=startup.total_seconds() / 60,
         # gloo twins of every group are only needed for NCCL runs that also talk over gloo.
         create_gloo_process_groups=backend == "nccl",
     )
     groups = ProcessGroups.from_megatron()
+    dist.barrier()  # every rank is up: from now on a silent peer is a failure
+    _set_timeout(datetime.timedelta(minutes=timeout_minutes))
     set_random_seed(1234, groups.pp_rank)
     return groups
+
+
+def _set_timeout(timeout: datetime.timedelta) -> None:
+    """Set the timeout of every process group this rank belongs to (as Megatron-LM's
+    --distributed-timeout-seconds-after-init does)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timeout, group)
 
 
 def is_collective_timeout(error: BaseException) -> bool:
