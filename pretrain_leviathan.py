@@ -152,6 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
     from megatron_ext.models import model_config_from_args
     from megatron_ext.training import (
+        CollectiveTimeoutError,
         NonFiniteError,
         parse_args,
         pretrain,
@@ -208,6 +209,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
     except NonFiniteError as error:
         _error(str(error))
+        return 1
+    except CollectiveTimeoutError as error:  # every rank says which of its groups timed out
+        print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
     except (DataError, TokenizerError, CheckpointError) as error:
         _error(str(error))

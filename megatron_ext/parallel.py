@@ -40,6 +40,10 @@ __all__ = [
 ]
 
 
+STARTUP_TIMEOUT_MINUTES = 10.0
+"""The least time rendezvous and group creation wait for every rank (see initialize_parallel)."""
+
+
 def find_free_port() -> int:
     """Return a TCP port on loopback that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -233,14 +237,19 @@ def initialize_parallel(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     backend: Optional[str] = None,
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 30,
 ) -> ProcessGroups:
     """Initialise torch.distributed (from torchrun's env vars) and megatron's parallel groups;
     return this rank's groups (seeded with `set_random_seed(1234, ...)`).
 
     Without torchrun's variables (a plain `python pretrain_leviathan.py`) the process is a
     one-rank world on a free loopback port, so several such runs can share a machine.
+    `timeout_minutes` (fractions allowed) bounds every collective of every group once the
+    groups exist: a rank that waits longer for a stopped or hung peer raises
+    (`is_collective_timeout`) instead of hanging. Start-up (rendezvous, creating the groups)
+    waits at least STARTUP_TIMEOUT_MINUTES, so that a short timeout does not fail a slow start.
     """
+    startup = datetime.timedelta(minutes=max(timeout_minutes, STARTUP_TIMEOUT_MINUTES))
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend nccl needs CUDA; use gloo on CPU")
@@ -258,7 +267,7 @@ def initialize_parallel(
             backend=backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=startup,
         )
     validate_parallel_layout(
         dist.get_world_size(),
@@ -270,13 +279,40 @@ def initialize_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
-        distributed_timeout_minutes=timeout_minutes,
+        distributed_timeout_minutes=startup.total_seconds() / 60,
         # gloo twins of every group are only needed for NCCL runs that also talk over gloo.
         create_gloo_process_groups=backend == "nccl",
     )
     groups = ProcessGroups.from_megatron()
+    dist.barrier()  # every rank is up: from now on a silent peer is a failure
+    _set_timeout(datetime.timedelta(minutes=timeout_minutes))
     set_random_seed(1234, groups.pp_rank)
     return groups
+
+
+def _set_timeout(timeout: datetime.timedelta) -> None:
+    """Set the timeout of every process group this rank belongs to (as Megatron-LM's
+    --distributed-timeout-seconds-after-init does)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timeout, group)
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether `error` is a collective that waited past the process-group timeout (gloo says
+    "Timed out waiting ... for recv", NCCL's watchdog "Watchdog caught collective operation
+    timeout")."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def group_description(group) -> str:
+    """'ranks [0, 1]' of a torch.distributed group (the world for None)."""
+    if group is None:
+        return f"ranks 0..{dist.get_world_size() - 1}"
+    return f"ranks {dist.get_process_group_ranks(group)}"
 
 
 def destroy_parallel() -> None:

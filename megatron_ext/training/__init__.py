@@ -16,11 +16,12 @@ from megatron_ext.training.checkpointing import (
     save_checkpoint,
 )
 from megatron_ext.training.config import TrainingConfig
-from megatron_ext.training.loop import NonFiniteError, pretrain
+from megatron_ext.training.loop import CollectiveTimeoutError, NonFiniteError, pretrain
 
 __all__ = [
     "ArgumentError",
     "CheckpointError",
+    "CollectiveTimeoutError",
     "NonFiniteError",
     "TrainState",
     "TrainingConfig",

@@ -74,7 +74,11 @@ class ParallelConfig:
         "default: nccl on CUDA, gloo on CPU",
         choices=("nccl", "gloo"),
     )
-    distributed_timeout_minutes: int = flag(10, "--distributed-timeout-minutes")
+    distributed_timeout_minutes: float = flag(
+        10,
+        "--distributed-timeout-minutes",
+        "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)",
+    )
     data_parallel_size: int = 1
     """Derived: world size / (TP x CP x PP), set by `resolve`."""
 
@@ -83,6 +87,10 @@ class ParallelConfig:
 
         _at_least("data-parallel size", self.data_parallel_size)
         validate_parallel_layout(self.world_size, *self._model_parallel_sizes)
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(
+                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
+            )
         if self.distributed_backend not in (None, "nccl", "gloo"):
             raise ValueError(
                 f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}"

@@ -34,7 +34,9 @@ import torch.distributed as dist
 from megatron_ext.parallel import (
     ProcessGroups,
     destroy_parallel,
+    group_description,
     initialize_parallel,
+    is_collective_timeout,
     set_random_seed,
 )
 from megatron_ext.training.checkpointing import (
@@ -80,18 +82,41 @@ class NonFiniteError(RuntimeError):
     """The loss or the gradient norm became NaN/inf; the run stopped without saving it."""
 
 
-class _SignalHandler:
-    """Remembers that SIGTERM arrived; the loop acts on it at the end of the iteration."""
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""--exit-signal-handler: SIGTERM (preemption, the time limit) and SIGUSR1 (Slurm's
+`--signal=USR1@120` warning before the time limit) both mean save and exit."""
 
-    def __init__(self, sig: int = signal.SIGTERM) -> None:
-        self.sig, self.received = sig, False
-        self._previous = signal.signal(sig, self._handle)
+
+class _SignalHandler:
+    """Remembers that an exit signal arrived; the loop acts on it at the end of the iteration."""
+
+    def __init__(self, sigs: Sequence[int] = EXIT_SIGNALS) -> None:
+        self.received = False
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
 
     def _handle(self, signum, frame) -> None:
         self.received = True
 
     def release(self) -> None:
-        signal.signal(self.sig, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited past --distributed-timeout-minutes (a peer stopped, hung or died)."""
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds): --exit-duration-in-mins counts from there,
+    imports and process-group start-up included (time.time() now where /proc is missing)."""
+    try:
+        with open("/proc/self/stat") as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as handle:
+            boot = next(int(line.split()[1]) for line in handle if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
 @dataclass
@@ -155,6 +180,13 @@ class _Trainer:
         )
         self.peak = peak_tflops(cfg.log.peak_tflops)
         self.start_time = time.time()
+        """Job start for --exit-duration-in-mins (`pretrain` sets the process's start time)."""
+        self.step_seconds = 0.0
+        """Wall time of the latest iteration (the exit-duration check's look-ahead)."""
+        self.save_seconds = 0.0
+        """Longest save (or load) of this run: the exit-duration check reserves it."""
+        self.phase: tuple[str, Optional[dist.ProcessGroup]] = ("setup", None)
+        """What the rank is doing and over which group: named when a collective times out."""
         self.signal = _SignalHandler() if cfg.exit.exit_signal_handler else None
         self.consecutive_nonfinite = 0
         self.last_saved: Optional[int] = None
@@ -177,12 +209,26 @@ class _Trainer:
         stats[2] = 0.0 if local_loss_ok else 1.0
         stats[3] = 0.0 if local_grad_ok else 1.0
         stats[4] = 1.0 if self.signal is not None and self.signal.received else 0.0
-        limit = self.cfg.exit.exit_duration_in_mins
-        stats[5] = 1.0 if limit and (time.time() - self.start_time) / 60.0 > limit else 0.0
+        stats[5] = 1.0 if self._duration_exhausted() else 0.0
         if self.shape.device.type == "cuda":
             stats = stats.cuda()
         dist.all_reduce(stats)
         return stats.cpu().tolist()
+
+    def _duration_exhausted(self) -> bool:
+        """--exit-duration-in-mins: would one more iteration plus the final save end past the
+        limit (from the job start)? Then this iteration is the last one, and the save after it
+        ends before the limit as long as the next iteration and save take no longer than the
+        slowest seen so far. Before any save or load was timed, a save is reserved
+        max(2 iterations, 5% of the limit up to 60 s)."""
+        limit = self.cfg.exit.exit_duration_in_mins
+        if not limit:
+            return False
+        save = self.save_seconds
+        if save <= 0:
+            save = max(2 * self.step_seconds, min(3.0 * limit, 60.0))
+        ahead = time.time() - self.start_time + self.step_seconds + save
+        return ahead > 60.0 * limit
 
     def _bad_ranks(self, local_bad: bool) -> list[int]:
         flags = torch.zeros(dist.get_world_size(), dtype=torch.float32, device=self.shape.device)
@@ -207,6 +253,7 @@ class _Trainer:
         self.optimizer.zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         f = self.features
+        self.phase = ("forward-backward (tensor/pipeline-parallel group)", self.pg.mp)
         totals = forward_backward(
             forward_step=self.forward_step,
             data_iterator=data_iterator,
@@ -222,6 +269,7 @@ class _Trainer:
         if p.sequence_parallel:
             allreduce_sequence_parallel_grads([self.model], self.pg.tp)
         allreduce_tied_embedding_grads([self.model], self.pg.embd)
+        self.phase = ("data-parallel gradient all-reduce (data-parallel group)", self.pg.dp_cp)
         grad_scale = 1.0 / scale
         if f.calculate_per_token_loss:
             grad_scale *= self._per_token_grad_scale(totals)
@@ -235,6 +283,7 @@ class _Trainer:
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
         self._mark("grad-norm-and-clip")
         loss_ok = all(bool(torch.isfinite(v).all()) for v in totals.values())
+        self.phase = ("all-reduce of the iteration's loss and exit flags (world group)", None)
         stats = self._world_stats(totals, loss_ok, grads_ok)
         loss = stats[0] / stats[1] if stats[1] > 0 else float("nan")
         grad_finite = math.isfinite(grad_norm)
@@ -361,6 +410,8 @@ class _Trainer:
         if not ck.save or self.last_saved == self.state.iteration:
             return
         self.wait_for_save()  # one background write at a time
+        self.phase = ("checkpoint save (world group)", None)
+        started = time.time()
         saved = save_checkpoint(
             ck.save,
             self.state,
@@ -377,6 +428,8 @@ class _Trainer:
         if self.features.async_save:
             self.pending_save = saved
         self.last_saved = self.state.iteration
+        self.save_seconds = max(self.save_seconds, time.time() - started)
+        self.phase = ("training loop (world group)", None)
 
     def wait_for_save(self) -> None:
         """--async-save: finish the checkpoint being written (collective)."""
@@ -393,6 +446,7 @@ class _Trainer:
         ck = self.cfg.ckpt
         if not ck.load:
             return
+        started = time.time()
         state = load_checkpoint(
             ck.load,
             self.model,
@@ -407,6 +461,9 @@ class _Trainer:
             strict_missing=ck.exit_on_missing_checkpoint or ck.ckpt_step is not None,
         )
         if state is not None:
+            # Reading a checkpoint takes about as long as writing it: the exit-duration check
+            # reserves that much before this run's first save.
+            self.save_seconds = time.time() - started
             self.state = state
             if not ck.finetune:
                 self.last_saved = state.iteration if ck.load == ck.save else None
@@ -455,6 +512,7 @@ class _Trainer:
                 self.flops * self.global_batch / b.global_batch_size
             )
             self.extras.after_step(self.state.iteration)
+            self.step_seconds = max(self.step_seconds, time.time() - step_start)
             it = self.state.iteration
             interval_iters += 1
             losses.append(result.loss)
@@ -485,6 +543,16 @@ class _Trainer:
                 if self.is_rank0:
                     logger.info("exiting at iteration %d (%s)", it, reason)
                 self.save()
+                self.wait_for_save()
+                if reason == "exit-duration" and self.is_rank0:
+                    logger.info(
+                        "exit-duration: saved iteration %d %.1f s after the job start "
+                        "(--exit-duration-in-mins %g = %.1f s)",
+                        it,
+                        time.time() - self.start_time,
+                        self.cfg.exit.exit_duration_in_mins,
+                        60.0 * self.cfg.exit.exit_duration_in_mins,
+                    )
                 return reason
         self.save()
         return reason
@@ -781,6 +849,7 @@ def pretrain(
     Raises:
         NonFiniteError: a NaN/inf loss or grad norm stopped the run (nothing was saved).
     """
+    job_start = process_start_time()
     p = cfg.parallel
     pg = initialize_parallel(
         p.tensor_model_parallel_size,
@@ -799,6 +868,40 @@ def pretrain(
             forward_step=forward_step,
             full_model_provider=full_model_provider,
         )
+        trainer.start_time = job_start
+        _log_restart(trainer)
         return train(trainer, datasets_provider)
+    except RuntimeError as error:
+        if trainer is None or not is_collective_timeout(error):
+            raise
+        what, group = trainer.phase
+        ck = trainer.cfg.ckpt
+        latest = read_latest_iteration(ck.save) if ck.save else None
+        raise CollectiveTimeoutError(
+            f"rank {dist.get_rank()}: {what} over {group_description(group)} did not complete "
+            f"within --distributed-timeout-minutes {p.distributed_timeout_minutes:g} "
+            f"({60 * p.distributed_timeout_minutes:g} s) after iteration "
+            f"{trainer.state.iteration}: a rank of that group stopped, hung or died; "
+            + (
+                f"the last complete checkpoint is iteration {latest} in --save {ck.save}"
+                if latest is not None
+                else "no checkpoint was saved"
+            )
+        ) from None
     finally:
         close(trainer)
+
+
+def _log_restart(trainer: _Trainer) -> None:
+    """Under torchrun --max-restarts, say which restart this is and where it resumed."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts and trainer.is_rank0:
+        logger.warning(
+            "torchrun restarted the ranks (restart %d of --max-restarts %s) after a rank failed: "
+            "%s",
+            restarts,
+            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+            f"resuming from iteration {trainer.state.iteration} (--load {trainer.cfg.ckpt.load})"
+            if trainer.state.iteration
+            else "no checkpoint to resume from: starting again from iteration 0",
+        )
