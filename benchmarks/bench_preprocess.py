@@ -66,8 +66,11 @@ def _run(cmd: list[str], env: dict) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_DIR"),
-                        help="Megatron-LM checkout at core_v0.16.1 (or MEGATRON_LM_DIR)")  # fmt: skip
+    parser.add_argument(
+        "--megatron-lm",
+        default=os.environ.get("MEGATRON_LM_DIR"),
+        help="Megatron-LM checkout at core_v0.16.1 (or MEGATRON_LM_DIR)",
+    )
     parser.add_argument("--megatron-python", default=sys.executable)
     parser.add_argument("--size-mb", type=float, default=25.0)
     parser.add_argument("--workers", type=int, default=2)
@@ -95,8 +98,10 @@ def main() -> int:
               "--workers", str(args.workers)]  # fmt: skip
     theirs_cmd = [args.megatron_python, script, *common, "--tokenizer-type",
                   "GPTSentencePieceTokenizer", "--log-interval", "100000000"]  # fmt: skip
-    ours_cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), *common,
-                "--tokenizer-type", "SentencePieceTokenizer", "--log-interval", "100000000"]  # fmt: skip
+    ours_cmd = [
+        sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), *common,
+        "--tokenizer-type", "SentencePieceTokenizer", "--log-interval", "100000000",
+    ]  # fmt: skip
     theirs_env = {**os.environ, "PYTHONPATH": os.path.abspath(args.megatron_lm)}
     ours_env = {**os.environ, "PYTHONPATH": REPO}
     times: dict[str, list[float]] = {"theirs": [], "ours": []}
@@ -106,9 +111,10 @@ def main() -> int:
         times["theirs"].append(_run([*theirs_cmd, "--output-prefix", peer], theirs_env))
         times["ours"].append(_run([*ours_cmd, "--output-prefix", mine], ours_env))
         for ext in (".bin", ".idx"):
-            with open(f"{mine}_text_document{ext}", "rb") as a, open(
-                f"{peer}_text_document{ext}", "rb"
-            ) as b:
+            with (
+                open(f"{mine}_text_document{ext}", "rb") as a,
+                open(f"{peer}_text_document{ext}", "rb") as b,
+            ):
                 identical &= a.read() == b.read()
         for name in os.listdir(work):
             if name.startswith((f"ours{pair}", f"mlm{pair}")):

@@ -127,8 +127,13 @@ def check_triton(device: str) -> dict:
     from megatron.core.transformer import TransformerConfig
 
     from megatron_ext.lev import LEVConfig, LEVEmbedding
-    from megatron_ext.lev.fused import fused_lev_modes
-    from megatron_ext.lev.triton_kernel import triton_lev_modes
+    from megatron_ext.lev.kernels import lev_modes
+
+    def fused_lev_modes(*args):
+        return lev_modes(*args, kernel="torch")
+
+    def triton_lev_modes(*args):
+        return lev_modes(*args, kernel="triton")
 
     big = device == "cuda"
     n, h, d, kappa, r = (4096, 8, 128, 16, 64) if big else (40, 2, 8, 6, 16)

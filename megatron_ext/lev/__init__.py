@@ -12,7 +12,6 @@ over its backends (`LEVKernelOptions`, `lev_modes`).
 from megatron_ext._lazy import lazy_exports
 from megatron_ext.lev.arguments import add_lev_arguments, lev_config_from_args
 from megatron_ext.lev.config import LEVConfig, smallest_base
-from megatron_ext.lev.fused import fused_lev_modes
 from megatron_ext.lev.kernels import LEVKernelOptions, lev_modes
 
 # Its module imports megatron-core: loaded on first use (see megatron_ext/_lazy.py).
@@ -31,7 +30,6 @@ __all__ = [
     "LEV_PARAMETER_NAMES",
     "LEV_TP_PARTITION_DIMS",
     "add_lev_arguments",
-    "fused_lev_modes",
     "lev_config_from_args",
     "lev_modes",
     "smallest_base",

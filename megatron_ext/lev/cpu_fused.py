@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CPU_BACKEND",
     "CpuBackend",
-    "cpu_lev_modes",
     "cpu_kernel_error",
     "load_library",
     "CpuKernelUnavailable",
@@ -188,25 +187,3 @@ class CpuBackend:
 
 
 CPU_BACKEND = CpuBackend()
-
-
-def cpu_lev_modes(
-    z: torch.Tensor,
-    seed_proj: torch.Tensor,
-    norm_weight: torch.Tensor,
-    norm_bias: torch.Tensor,
-    spline_delta: torch.Tensor,
-    opts,
-) -> torch.Tensor:
-    """`lev.kernels.lev_modes` on the C++ backend (same arguments, all on the CPU; `opts` a
-    LEVKernelOptions or LEVConfig): M [N, h, r], memory O(N*(d_in + h*r)) for backward.
-
-    Raises:
-        ValueError: a tensor not on the CPU.
-        RuntimeError: the kernel cannot be built here (see `cpu_kernel_error`).
-    """
-    from megatron_ext.lev.kernels import lev_modes
-
-    if z.device.type != "cpu":
-        raise ValueError(f"the CPU LEV kernel got a tensor on {z.device}; use --lev-kernel auto")
-    return lev_modes(z, seed_proj, norm_weight, norm_bias, spline_delta, opts, kernel="cpu")

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 __all__ = [
     "TORCH_BACKEND",
     "TorchBackend",
-    "fused_lev_modes",
     "default_chunk_size",
     "group_size",
     "fast_bspline_basis",
@@ -285,18 +284,3 @@ class TorchBackend:
 
 
 TORCH_BACKEND = TorchBackend()
-
-
-def fused_lev_modes(
-    z: torch.Tensor,
-    seed_proj: torch.Tensor,
-    norm_weight: torch.Tensor,
-    norm_bias: torch.Tensor,
-    spline_delta: torch.Tensor,
-    opts,
-) -> torch.Tensor:
-    """`lev.kernels.lev_modes` on the torch backend (same arguments; `opts` a LEVKernelOptions
-    or LEVConfig): M [N, h, r], memory O(N*(d_in + h*r)) for backward."""
-    from megatron_ext.lev.kernels import lev_modes
-
-    return lev_modes(z, seed_proj, norm_weight, norm_bias, spline_delta, opts, kernel="torch")

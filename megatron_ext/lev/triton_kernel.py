@@ -49,7 +49,6 @@ __all__ = [
     "TritonBackend",
     "TRITON_AVAILABLE",
     "INTERPRETED",
-    "triton_lev_modes",
     "check_triton_usable",
 ]
 
@@ -270,22 +269,3 @@ class TritonBackend:
 
 
 TRITON_BACKEND = TritonBackend()
-
-
-def triton_lev_modes(
-    z: torch.Tensor,
-    seed_proj: torch.Tensor,
-    norm_weight: torch.Tensor,
-    norm_bias: torch.Tensor,
-    spline_delta: torch.Tensor,
-    opts,
-) -> torch.Tensor:
-    """`lev.kernels.lev_modes` on the Triton backend (same arguments; `opts` a LEVKernelOptions
-    or LEVConfig).
-
-    Raises:
-        RuntimeError: triton missing, or CPU tensors outside Triton's interpreter.
-    """
-    from megatron_ext.lev.kernels import lev_modes
-
-    return lev_modes(z, seed_proj, norm_weight, norm_bias, spline_delta, opts, kernel="triton")

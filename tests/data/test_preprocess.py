@@ -129,11 +129,27 @@ def test_tool_is_quiet_and_does_not_import_megatron_core(corpus_dir, sp_model, t
         "finally:\n    print('megatron.core imported:', 'megatron.core' in sys.modules)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, os.path.join(repo, "tools", "preprocess_data.py"),
-         "--input", val, "--output-prefix", str(tmp_path / "cli"), "--workers", "2",
-         "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
-         "--append-eod"],
-        capture_output=True, text=True, cwd=repo, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            code,
+            os.path.join(repo, "tools", "preprocess_data.py"),
+            "--input",
+            val,
+            "--output-prefix",
+            str(tmp_path / "cli"),
+            "--workers",
+            "2",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            sp_model,
+            "--append-eod",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": repo},
     )
     output = result.stdout + result.stderr

@@ -5,8 +5,11 @@ forward of each batch (float64 model; the scorer rounds each token's loss to flo
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from megatron_ext.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.integration
 
 
 def _checks() -> dict:

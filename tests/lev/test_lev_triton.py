@@ -8,13 +8,14 @@ on CPU tensors (scripts/gpu_check.sh repeats the comparison compiled, on a GPU).
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_ext.lev import LEVConfig
-from megatron_ext.lev.kernels import select_backend
+from megatron_ext.lev.kernels import lev_modes, select_backend
 
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[gpu]')")
 
@@ -32,7 +33,7 @@ def kernel():
     else:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)")
     return SimpleNamespace(
-        module=triton_kernel, modes=triton_kernel.triton_lev_modes, device=device
+        module=triton_kernel, modes=functools.partial(lev_modes, kernel="triton"), device=device
     )
 
 

@@ -32,6 +32,8 @@ import pytest
 from megatron_ext.testing.distributed import find_free_port
 from megatron_ext.testing.runs import ENTRY, REPO, TINY_LEV_MODEL, TINY_TRAIN, launch
 
+pytestmark = pytest.mark.integration
+
 ITERS = 12
 SAVE_INTERVAL = 4
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
