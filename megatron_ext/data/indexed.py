@@ -5,8 +5,8 @@ written in its ``_IndexWriter``'s layout with vectorised sequence pointers (the 
 in Python and keeps a Python list per sequence, which for a merged Pile is minutes and
 gigabytes; preprocessing writes it without importing megatron.core at all), the ``.bin`` is the
 concatenated token ids in the index dtype. One document is one sequence, as Megatron-LM's
-preprocess_data.py writes without ``--split-sentences``. Beside them, ``<prefix>_counts.npy`` holds the int64 count of every
-token id (length = the tokenizer's vocab size).
+preprocess_data.py writes without ``--split-sentences``. Beside them, ``<prefix>_counts.npy``
+holds the int64 count of every token id (length = the tokenizer's vocab size).
 
 Every file is written under a temporary name (``<final>.tmp``) and renamed only when complete:
 counts first, then ``.bin``, then ``.idx`` last, so a dataset whose ``.idx`` exists is whole.
