@@ -211,7 +211,9 @@ def hf_config(
         attention_bias=False,
         mlp_bias=False,
         tie_word_embeddings=tied,
-        bos_token_id=None,
+        # Documents were trained as EOD-separated streams: the EOD id is what starts one, so
+        # harnesses that prefix scored text with BOS (lm-eval's `hf`) use what training did.
+        bos_token_id=eod,
         eos_token_id=eod,
         pad_token_id=pad,
         architectures=[LLAMA_ARCHITECTURE],
@@ -391,7 +393,9 @@ def _export_sentencepiece(tokenizer, out_dir: str) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         unk_token=unk,
-        bos_token=piece(sp.bos_id()),
+        # BOS is the end-of-document piece, as in training (see `llama_config`); never added to
+        # encoded text (add_bos_token False below), only used as a scoring prefix.
+        bos_token=piece(tokenizer.eod),
         eos_token=piece(tokenizer.eod),
         pad_token=piece(sp.pad_id()),
         split_special_tokens=True,  # SentencePiece never matches control pieces in text
