@@ -462,7 +462,11 @@ def main(argv=None) -> int:
             checks["fp8_steps"] = dict(no_te)
         if cuda:
             _run_phase("engines_20_steps", checks, budget, 90, lambda: check_engines(workdir, dry))
-            files = ["tests/lev/test_lev_triton.py", "tests/models/test_te_mapping.py"]
+            files = [
+                "tests/lev/test_lev_reference.py",  # every kernel, Triton on CUDA, vs float64
+                "tests/lev/test_lev_triton.py",
+                "tests/models/test_te_mapping.py",
+            ]
             _run_phase("gpu_pytest", checks, budget, 60, lambda: run_pytest(files, 120))
         else:
             reason = "needs CUDA (the megatron engine and the GPU pytest run are CUDA only)"
