@@ -150,3 +150,13 @@ def test_rampup_sets_train_iters_from_train_samples():
     # Megatron's count: batches 2, 2, 4, 6 (14 samples, past the 12 of the ramp), then
     # (40 - 14) // 8 = 3 full batches.
     assert args.train_iters == 7
+
+
+def test_parsed_but_refused_flags_are_not_called_implemented(parser):
+    from megatron_ext.training.megatron_compat import PARSED_BUT_REFUSED, REFUSED
+
+    for flag in PARSED_BUT_REFUSED:
+        assert flag in parser._option_string_actions, flag  # a config field declares it
+        assert flag_status(parser, flag)[0] == REFUSED
+    row = next(ln for ln in compat_table(parser).splitlines() if "`--fp8-param-gather`" in ln)
+    assert "| refused |" in row and "implemented" not in row
