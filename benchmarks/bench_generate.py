@@ -42,8 +42,8 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def bench_kv_cache(args, pg) -> None:
-    from megatron_ext.inference.generation import SamplingConfig, generate
+def _lev_model(args, pg):
+    """(config, model) of the benchmarked LEV model, seeded, in eval mode."""
     from megatron_ext.models import ModelConfig, build_model
 
     torch.manual_seed(0)
@@ -55,7 +55,13 @@ def bench_kv_cache(args, pg) -> None:
         seq_length=args.prompt_tokens + args.new_tokens,
         embedding=dict(embedding_type="lev"),
     )
-    model = build_model(config, pg=pg).eval()
+    return config, build_model(config, pg=pg).eval()
+
+
+def bench_kv_cache(args, pg) -> None:
+    from megatron_ext.inference.generation import SamplingConfig, generate
+
+    _, model = _lev_model(args, pg)
     prompts = torch.randint(0, args.vocab, (args.batch, args.prompt_tokens)).tolist()
     results = {}
     for use_cache in (True, False):
@@ -79,18 +85,8 @@ def bench_vs_transformers(args, pg) -> None:
 
     from benchmarks.hf_peer import hf_export
     from megatron_ext.inference.generation import SamplingConfig, generate
-    from megatron_ext.models import ModelConfig, build_model
 
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=args.vocab,
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        seq_length=args.prompt_tokens + args.new_tokens,
-        embedding=dict(embedding_type="lev"),
-    )
-    model = build_model(config, pg=pg).eval()
+    config, model = _lev_model(args, pg)
     hf = hf_export(model, config, tied=config.embedding.tied)
     n = args.new_tokens
     for batch in args.peer_batches:

@@ -26,6 +26,8 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
+from megatron_ext._paths import display_path
+
 logger = logging.getLogger("evaluate")
 
 
@@ -159,12 +161,6 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def display_path(path: str) -> str:
-    from megatron_ext._paths import display_path as shown
-
-    return shown(path)
 
 
 def _rank0() -> bool:
