@@ -29,6 +29,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from megatron_ext._paths import display_path
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SUBSETS", "SampleCorpusSpec", "write_sample_corpus", "generate_documents"]
@@ -257,11 +259,11 @@ def write_sample_corpus(
         path = os.path.join(output_dir, "train", f"{shard:02d}.jsonl.zst")
         docs = _write_zst(path, generate_documents(spec, shard, per_shard, gen))
         paths[f"train/{shard:02d}"] = path
-        logger.info("wrote %s (%d documents)", path, docs)
+        logger.info("wrote %s (%d documents)", display_path(path), docs)
     held_out = max(64_000, int(total * spec.valid_fraction))
     for offset, name in enumerate(("val", "test")):
         path = os.path.join(output_dir, f"{name}.jsonl.zst")
         docs = _write_zst(path, generate_documents(spec, 10_000 + offset, held_out, gen))
         paths[name] = path
-        logger.info("wrote %s (%d documents)", path, docs)
+        logger.info("wrote %s (%d documents)", display_path(path), docs)
     return paths

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from megatron_ext._paths import display_path
 from megatron_ext.data.readers import DataError, expand_inputs, iter_lines
 
 logger = logging.getLogger(__name__)
@@ -203,5 +204,10 @@ def train_sentencepiece(config: TokenizerTrainingConfig) -> str:
         for suffix in (".model", ".vocab"):
             if os.path.exists(tmp_prefix + suffix):
                 os.remove(tmp_prefix + suffix)
-    logger.info("wrote %s (vocab size %d, %s)", model_path, config.vocab_size, config.model_type)
+    logger.info(
+        "wrote %s (vocab size %d, %s)",
+        display_path(model_path),
+        config.vocab_size,
+        config.model_type,
+    )
     return model_path
