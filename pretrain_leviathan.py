@@ -175,6 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
         )
+        args.tokenizer_fingerprint = tokenizer.fingerprint  # recorded in args.json
         vocab = padded_vocab_size(
             tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )

@@ -27,6 +27,7 @@ import warnings
 from typing import Optional, Sequence
 
 from megatron_ext._paths import display_path
+from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
 
 logger = logging.getLogger("evaluate")
 
@@ -223,6 +224,12 @@ def _batches(args, loaded):
         check_vocab_sizes(
             loaded.tokenizer.vocab_size, dataset_vocab_size(args.data_path), None, args.data_path
         )
+        check_dataset_tokenizers(
+            [args.data_path],
+            tokenizer_record(loaded.tokenizer),
+            against="the checkpoint's tokenizer",
+            fix="score the checkpoint on data made with its tokenizer",
+        )
         return pack_stream(documents, seq, mbs), total - 1, args.data_path
     documents, total = text_documents(args.text, loaded.tokenizer, args.json_key, args.encoding)
     return pack_stream(documents, seq, mbs), total - 1, " ".join(args.text)
@@ -303,7 +310,9 @@ def cmd_frequency(args) -> int:
                 run_args = loaded.run.args
                 blend = run_args.data_path or getattr(run_args, "train_data_path", None)
                 prefixes = blend_prefixes(blend)
-            counts = training_counts(prefixes, loaded.tokenizer.vocab_size)
+            counts = training_counts(
+                prefixes, loaded.tokenizer.vocab_size, tokenizer_record(loaded.tokenizer)
+            )
             if _rank0():
                 logger.info("binning by the token counts of %s", ", ".join(prefixes))
         elif len(counts) != loaded.tokenizer.vocab_size:

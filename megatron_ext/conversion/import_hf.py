@@ -132,6 +132,7 @@ def import_hf(opts: ImportHFOptions) -> str:
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir,
     ]  # fmt: skip
     args = build_parser().parse_args(flags)
+    args.tokenizer_fingerprint = tokenizer.fingerprint
     model_config = model_config_from_args(args, padded)
     full = from_hf_state_dict(
         tensors,

@@ -6,10 +6,12 @@ in Python and keeps a Python list per sequence, which for a merged Pile is minut
 gigabytes; preprocessing writes it without importing megatron.core at all), the ``.bin`` is the
 concatenated token ids in the index dtype. One document is one sequence, as Megatron-LM's
 preprocess_data.py writes without ``--split-sentences``. Beside them, ``<prefix>_counts.npy``
-holds the int64 count of every token id (length = the tokenizer's vocab size).
+holds the int64 count of every token id (length = the tokenizer's vocab size), and
+``<prefix>_tokenizer.json`` which tokenizer made it (``data/fingerprint.py``).
 
 Every file is written under a temporary name (``<final>.tmp``) and renamed only when complete:
-counts first, then ``.bin``, then ``.idx`` last, so a dataset whose ``.idx`` exists is whole.
+counts and tokenizer record first, then ``.bin``, then ``.idx`` last, so a dataset whose
+``.idx`` exists is whole.
 ``abort()`` (on errors and Ctrl-C) removes the temporary files.
 """
 
@@ -20,9 +22,11 @@ import logging
 import os
 import struct
 import warnings
+from typing import Optional
 
 import numpy as np
 
+from megatron_ext.data.fingerprint import common_record, sidecar_path, write_sidecar
 from megatron_ext.data.readers import DataError
 
 logger = logging.getLogger(__name__)
@@ -137,10 +141,15 @@ class DatasetWriter:
     Args:
         prefix: the dataset prefix (the path given to ``--data-path``).
         vocab_size: the tokenizer's vocab size (sets the dtype and the counts' length).
+        tokenizer_record: `fingerprint.tokenizer_record` of the tokenizer that made the ids,
+            written beside the dataset; None writes none (and removes a stale one).
     """
 
-    def __init__(self, prefix: str, vocab_size: int) -> None:
+    def __init__(
+        self, prefix: str, vocab_size: int, tokenizer_record: Optional[dict] = None
+    ) -> None:
         self.prefix = prefix
+        self.tokenizer_record = tokenizer_record
         self.vocab_size = int(vocab_size)
         self.dtype = token_dtype(self.vocab_size)
         directory = os.path.dirname(os.path.abspath(prefix))
@@ -171,6 +180,7 @@ class DatasetWriter:
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
         _write_index(self._tmp[1], self.dtype, lengths)
         _save_npy(self._tmp[2], self.counts)
+        _place_sidecar(self.prefix, self.tokenizer_record)
         # counts, bin, idx: the .idx appears last, so its presence means the dataset is whole.
         _replace_all([(self._tmp[2], self._final[2]), (self._tmp[0], self._final[0])])
         _replace_all([(self._tmp[1], self._final[1])])
@@ -190,6 +200,17 @@ class DatasetWriter:
                 os.remove(path)
             except FileNotFoundError:
                 pass
+
+
+def _place_sidecar(prefix: str, record: Optional[dict]) -> None:
+    """Write (atomically) or remove the tokenizer record of the dataset ``prefix``."""
+    path = sidecar_path(prefix)
+    if record is None:
+        if os.path.exists(path):
+            os.remove(path)  # an overwritten dataset must not keep another tokenizer's record
+        return
+    write_sidecar(path + TMP_SUFFIX, record)
+    os.replace(path + TMP_SUFFIX, path)
 
 
 def read_counts(prefix: str) -> np.ndarray:
@@ -212,7 +233,9 @@ def merge_datasets(
         a summary dict (documents, tokens, inputs).
 
     Raises:
-        DataError: no inputs, a missing input, mixed dtypes or vocab sizes, existing output.
+        DataError: no inputs, a missing input, mixed dtypes or vocab sizes, existing output;
+            `TokenizerMismatchError` when the inputs' tokenizer records differ (inputs without
+            one are merged with a warning, and the output then has none).
     """
     if not prefixes:
         raise DataError("nothing to merge: no dataset prefixes given")
@@ -222,6 +245,7 @@ def merge_datasets(
     existing = [path for path in dataset_files(output_prefix) if os.path.exists(path)]
     if existing and not overwrite:
         raise DataError(f"output exists: {existing[0]} (pass --overwrite to replace it)")
+    record = common_record(prefixes)
     indices = [_mcore()._IndexReader(get_idx_path(prefix), multimodal=False) for prefix in prefixes]
     dtypes = {np.dtype(index.dtype) for index in indices}
     if len(dtypes) != 1:
@@ -273,6 +297,7 @@ def merge_datasets(
         if counts is not None:
             _save_npy(tmp[2], counts)
             pairs.insert(0, (tmp[2], final[2]))
+        _place_sidecar(output_prefix, record)
         _replace_all(pairs)
         _replace_all([(tmp[1], final[1])])
     except BaseException:
@@ -289,6 +314,7 @@ def merge_datasets(
         "tokens": int(lengths.sum(dtype=np.int64)),
         "dtype": np.dtype(dtype).name,
         "counts": counts is not None,
+        "tokenizer": record,
     }
     logger.info(
         "merged %d datasets into %s: %d documents, %d tokens",

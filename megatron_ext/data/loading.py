@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
 from megatron_ext.data.indexed import counts_path, get_bin_path, get_idx_path, token_dtype
 from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import TOKENIZER_TYPES, Tokenizer
@@ -287,6 +288,13 @@ def _check_datasets(
                 f"{prefix} stores uint16 ids but the tokenizer has {tokenizer.vocab_size} ids; "
                 "it was preprocessed with a different tokenizer"
             )
+    check_dataset_tokenizers(
+        sorted(checked),
+        tokenizer_record(tokenizer),
+        against="this run's tokenizer (--tokenizer-type/--tokenizer-model)",
+        fix="pass the tokenizer the dataset was made with, or re-run tools/preprocess_data.py "
+        "with this one",
+    )
 
 
 class _DatasetTokenizer:

@@ -45,6 +45,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from megatron_ext import _signals
+from megatron_ext.data.fingerprint import tokenizer_record
 from megatron_ext.data.indexed import TMP_SUFFIX, DatasetWriter, dataset_files, token_dtype
 from megatron_ext.data.readers import DataError, InputFile, expand_inputs, iter_line_chunks
 from megatron_ext.data.tokenizers import Tokenizer, TokenizerError, build_tokenizer
@@ -436,7 +437,11 @@ class _UnitRunner:
     def _writer(self, group: Optional[str], key: str) -> DatasetWriter:
         writer = self.writers.get((group, key))
         if writer is None:
-            writer = DatasetWriter(_dataset_prefix(self.unit.prefix, key, group), self.vocab_size)
+            writer = DatasetWriter(
+                _dataset_prefix(self.unit.prefix, key, group),
+                self.vocab_size,
+                tokenizer_record=self.tokenizer_info,
+            )
             self.writers[(group, key)] = writer
         return writer
 
@@ -629,13 +634,7 @@ def preprocess(config: PreprocessConfig) -> list[dict]:
     if not todo:
         logger.info("nothing to do: all %d outputs are finished", len(units))
         return []
-    tokenizer_info = {
-        "type": config.tokenizer_type,
-        "model": config.tokenizer_model,
-        "vocab_size": vocab_size,
-        "eod": tokenizer.eod,
-        "pad": tokenizer.pad,
-    }
+    tokenizer_info = tokenizer_record(tokenizer)
     logger.info(
         "preprocess %d input file(s) into %d output(s) with %s, %d worker(s), dtype %s",
         sum(len(unit.files) for unit in todo),

@@ -7,6 +7,7 @@ What each tokenizer exposes is described in `tokenizers`' module docstring; the 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections import OrderedDict
 from typing import Optional, Sequence
@@ -72,6 +73,16 @@ class Tokenizer:
             ident["sha256_16"] = _file_digest(self.model_path)
         ident["vocab_size"] = str(self.vocab_size)
         return ident
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits that change whenever text would map to other ids: a digest of
+        `unique_identifiers` (the type, the digests of the model files, the vocab size, the
+        split pattern...) without the file locations, so a copied model file keeps it.
+        Recorded beside every dataset and in every checkpoint (`data/fingerprint.py`)."""
+        ident = {k: v for k, v in self.unique_identifiers.items() if k != "tokenizer_path"}
+        blob = json.dumps(ident, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
 
     def __repr__(self) -> str:
         return (

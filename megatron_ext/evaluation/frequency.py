@@ -58,12 +58,20 @@ def bin_labels(edges: Sequence[float]) -> list[str]:
     return labels
 
 
-def training_counts(prefixes: Sequence[str], vocab_size: int) -> np.ndarray:
+def training_counts(
+    prefixes: Sequence[str], vocab_size: int, tokenizer: Optional[dict] = None
+) -> np.ndarray:
     """Summed token counts of the datasets `prefixes` (int64 [vocab_size]).
 
+    Args:
+        tokenizer: the run's tokenizer record (`data.fingerprint.tokenizer_record`), compared
+            with each dataset's; None checks the vocabulary size only.
+
     Raises:
-        EvaluationError: a counts file is missing or was made with another tokenizer.
+        EvaluationError: a counts file is missing or has another vocabulary size;
+            `TokenizerMismatchError`: a dataset was made with another tokenizer.
     """
+    from megatron_ext.data.fingerprint import check_dataset_tokenizers
     from megatron_ext.data.indexed import counts_path
 
     total: Optional[np.ndarray] = None
@@ -84,6 +92,12 @@ def training_counts(prefixes: Sequence[str], vocab_size: int) -> np.ndarray:
         total = np.array(counts, dtype=np.int64) if total is None else total + counts
     if total is None:
         raise EvaluationError("no training datasets to count tokens from (--counts-prefix)")
+    check_dataset_tokenizers(
+        prefixes,
+        tokenizer,
+        against="the run's tokenizer",
+        fix="give the counts of the data the run was trained on with --counts-prefix",
+    )
     if total.sum() == 0:
         raise EvaluationError(f"{counts_path(prefixes[0])} holds no tokens")
     return total

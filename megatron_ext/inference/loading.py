@@ -133,7 +133,8 @@ def _isfile(path: str, name: str) -> bool:
 
 def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
     """The tokenizer the run trained with (`tokenizer_model` overrides the saved path, e.g.
-    when the run was launched from another directory)."""
+    when the run was launched from another directory), checked against the fingerprint the
+    checkpoint recorded (checkpoints written before fingerprints are not checked)."""
     from megatron_ext.data.tokenizers import build_tokenizer
 
     args = run.args
@@ -151,6 +152,18 @@ def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
         vocab_size=getattr(args, "vocab_size", None),
         tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
     )
+    recorded = getattr(args, "tokenizer_fingerprint", None)
+    if recorded is not None and recorded != tokenizer.fingerprint:
+        cause = (
+            "another tokenizer was given"
+            if tokenizer_model
+            else "the file changed after training"
+        )
+        raise CheckpointError(
+            f"tokenizer {model_path} (fingerprint {tokenizer.fingerprint}) is not the one "
+            f"{run.path} was trained with (fingerprint {recorded}): {cause}; pass the run's "
+            "tokenizer with --tokenizer-model"
+        )
     padded = run.padded_vocab_size()
     if tokenizer.vocab_size > padded:
         raise CheckpointError(

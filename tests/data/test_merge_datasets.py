@@ -49,3 +49,22 @@ def test_trained_on_prefix_and_directory_inputs(tmp_path):
     run = _merge("--input", str(shards), "--output-prefix", str(tmp_path / "all"))
     assert run.returncode == 0, run.stderr
     assert np.load(tmp_path / "all_counts.npy").sum() == 6
+
+
+def test_datasets_of_different_tokenizers_are_not_merged(tmp_path):
+    records = [
+        {"fingerprint": fp, "type": "SentencePieceTokenizer", "model": name, "vocab_size": 50}
+        for fp, name in (("aaaaaaaaaaaaaaaa", "a.model"), ("bbbbbbbbbbbbbbbb", "b.model"))
+    ]
+    for name, record in zip("ab", records):
+        writer = DatasetWriter(str(tmp_path / name), 50, tokenizer_record=record)
+        writer.add_documents(np.array([1, 2, 3]), np.array([3], dtype=np.int32))
+        writer.finalize()
+    run = _merge("--input", str(tmp_path / "a"), str(tmp_path / "b"), "--output-prefix",
+                 str(tmp_path / "out"))  # fmt: skip
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
+    assert run.returncode == 1 and len(errors) == 1, run.stderr  # the data tools exit 1
+    assert "Traceback" not in run.stderr
+    assert errors[0].startswith("error: cannot merge datasets made with different tokenizers")
+    assert "b.model (fingerprint bbbbbbbbbbbbbbbb)" in errors[0]
+    assert not list(tmp_path.glob("out*"))

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,6 +159,13 @@ def test_bad_input_is_one_line(eval_runs, tool, tmp_path, capsys):
     for suffix in (".bin", ".idx"):
         os.link(eval_runs.val_prefix + suffix, tmp_path / f"other{suffix}")
     np.save(tmp_path / "other_counts.npy", np.ones(1000, dtype=np.int64))
+    # a copy whose tokenizer record says another tokenizer of the same vocabulary made it
+    for suffix in (".bin", ".idx", "_counts.npy"):
+        os.link(eval_runs.val_prefix + suffix, tmp_path / f"foreign_tok{suffix}")
+    record = json.loads(Path(eval_runs.val_prefix + "_tokenizer.json").read_text())
+    (tmp_path / "foreign_tok_tokenizer.json").write_text(
+        json.dumps({**record, "fingerprint": "0123456789abcdef", "model": "other.model"})
+    )
     latin1 = tmp_path / "gutenberg.txt"
     latin1.write_bytes(" = Caf\xe9 = \n\n Na\xefve text . \n".encode("latin-1"))
     gz = tmp_path / "wiki.test.tokens.gz"
@@ -174,6 +182,11 @@ def test_bad_input_is_one_line(eval_runs, tool, tmp_path, capsys):
          "preprocessed with a vocab of 1000 ids"),
         (["frequency", "--load", lev, "--split", "valid", "--output-dir", out,
           "--counts-prefix", tmp_path / "foreign"], "belongs to another tokenizer"),
+        (["perplexity", "--load", lev, "--data-path", tmp_path / "foreign_tok"],
+         "was tokenized with SentencePieceTokenizer other.model (fingerprint 0123456789abcdef) "
+         "but the checkpoint's tokenizer is SentencePieceTokenizer tok.model"),
+        (["frequency", "--load", lev, "--split", "valid", "--output-dir", out,
+          "--counts-prefix", tmp_path / "foreign_tok"], "give the counts of the data the run"),
         (["wikitext", "--load", lev, "--file", not_wiki], "is not in the wikitext format"),
         (["curves", "--run", f"x={empty_ckpt}", "--seq-length", "32", "--output-dir", out],
          "holds no TensorBoard event files"),
@@ -197,6 +210,22 @@ def test_bad_input_is_one_line(eval_runs, tool, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], (argv, err)
     assert not out.exists()  # nothing half-written
+
+
+def test_checkpoints_and_datasets_record_the_tokenizer(eval_runs):
+    from megatron_ext.data.fingerprint import read_sidecar
+    from megatron_ext.data.tokenizers import build_tokenizer
+
+    fingerprint = build_tokenizer(
+        "SentencePieceTokenizer", str(eval_runs.corpus / "tok.model")
+    ).fingerprint
+    for arm in ("tied", "lev"):
+        saved = sorted(Path(eval_runs.ckpt(arm)).glob("iter_*/args.json"))
+        assert saved
+        for args_json in saved:
+            assert json.loads(args_json.read_text())["tokenizer_fingerprint"] == fingerprint
+    for prefix in (eval_runs.val_prefix, str(eval_runs.corpus / "sample_text_document")):
+        assert read_sidecar(prefix)["fingerprint"] == fingerprint
 
 
 def test_text_in_another_encoding_with_encoding_flag(eval_runs, tool, tmp_path, capsys):
