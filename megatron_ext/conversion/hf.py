@@ -330,17 +330,32 @@ def export_tokenizer(tokenizer, out_dir: str) -> None:
     metaspace; its control pieces (<s>, </s>, ...) are never matched in text, as in
     SentencePiece. A Hugging Face tokenizer is saved as it is.
     """
-    from megatron_ext.data.tokenizers import HuggingFaceTokenizer, SentencePieceTokenizer
+    from megatron_ext.data.tokenizers import (
+        EXPORT_PROVENANCE_FILE,
+        HuggingFaceTokenizer,
+        SentencePieceTokenizer,
+    )
 
     if isinstance(tokenizer, HuggingFaceTokenizer):
         tokenizer._tok.save_pretrained(out_dir)
-        return
-    if not isinstance(tokenizer, SentencePieceTokenizer):
+    elif isinstance(tokenizer, SentencePieceTokenizer):
+        _export_sentencepiece(tokenizer, out_dir)
+    else:
         raise ConversionError(
             f"cannot export a {type(tokenizer).__name__} as a Hugging Face tokenizer; pass "
             "--no-tokenizer and supply tokenizer files yourself"
         )
-    _export_sentencepiece(tokenizer, out_dir)
+    # The exported files map text to the source's ids, so datasets and checkpoints made with
+    # the source keep matching (data/fingerprint.py) as long as these files are unchanged.
+    provenance = {
+        "source_fingerprint": tokenizer.fingerprint,
+        "source_type": tokenizer.type_name,
+        # computed before the record exists, so it is the files' own fingerprint
+        "exported_fingerprint": HuggingFaceTokenizer(out_dir).fingerprint,
+    }
+    with open(os.path.join(out_dir, EXPORT_PROVENANCE_FILE), "w") as handle:
+        json.dump(provenance, handle, indent=1, sort_keys=True)
+        handle.write("\n")
 
 
 def _export_sentencepiece(tokenizer, out_dir: str) -> None:

@@ -34,6 +34,7 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "leviathan_tokenizer.json",  # EXPORT_PROVENANCE_FILE: which tokenizer an export came from
 )
 
 

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
 
 __all__ = ["ReshardOptions", "reshard", "VOCAB_KEYS"]
@@ -150,7 +151,7 @@ def reshard(opts: ReshardOptions) -> str:
     common["has_rng"] = False
     with atomic_output_dir(output, opts.overwrite) as tmp:
         target = checkpoint_dir(tmp, run.iteration)
-        logger.info("writing %d tensors to %s", len(state), target)
+        logger.info("writing %d tensors to %s", len(state), display_path(target))
         with _single_process():
             dcp.save(state, checkpoint_id=target, no_dist=True)
         with open(os.path.join(target, "common.json"), "w") as handle:

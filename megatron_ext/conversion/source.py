@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import ConversionError
 
 __all__ = [
@@ -130,7 +131,7 @@ def load_checkpoint_full(
     full = gather_full_state_dict(model, pg.tp)
     logger.info(
         "loaded %s (--embedding-type %s, iteration %d, saved at %s)",
-        run.path,
+        display_path(run.path),
         saved,
         run.iteration,
         run.common.get("layout"),

@@ -21,6 +21,7 @@ Types (``--tokenizer-type``): ``SentencePieceTokenizer`` (alias ``GPTSentencePie
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 from collections import OrderedDict
@@ -41,6 +42,8 @@ __all__ = [
     "TOKENIZER_TYPES",
     "build_tokenizer",
     "padded_vocab_size",
+    "EXPORT_PROVENANCE_FILE",
+    "read_export_provenance",
 ]
 
 
@@ -178,6 +181,17 @@ class HuggingFaceTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text decoded from ids."""
         return self._tok.decode([int(i) for i in ids])
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the tokenizer this directory was exported from, when
+        ``leviathan_tokenizer.json`` (written by ``export-hf``, which reproduces the source's
+        ids exactly) says so and the files are unchanged since; else that of its own files."""
+        own = super().fingerprint
+        provenance = read_export_provenance(self.model_path)
+        if provenance and provenance.get("exported_fingerprint") == own:
+            return str(provenance["source_fingerprint"])
+        return own
 
     @property
     def unique_identifiers(self) -> "OrderedDict[str, str]":
@@ -370,6 +384,22 @@ class NullTokenizer(Tokenizer):
         ident = super().unique_identifiers
         ident["null_vocab_size"] = str(self._n)
         return ident
+
+
+EXPORT_PROVENANCE_FILE = "leviathan_tokenizer.json"
+"""Written into an exported Hugging Face tokenizer directory: ``source_fingerprint`` (the
+tokenizer it was converted from), ``source_type``, ``exported_fingerprint`` (its own files)."""
+
+
+def read_export_provenance(directory: str) -> Optional[dict]:
+    """The export record of a Hugging Face tokenizer directory, or None (absent, unreadable)."""
+    path = os.path.join(directory, EXPORT_PROVENANCE_FILE)
+    try:
+        with open(path) as handle:
+            record = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "source_fingerprint" in record else None
 
 
 TOKENIZER_TYPES = {

@@ -387,7 +387,7 @@ def _finish_save(
     except OSError as rename_error:
         failure = describe_io_error(rename_error, root)
     _stop_if_failed(failure, root, tmp, iteration)
-    logger.info("saved checkpoint at iteration %d to %s", iteration, final)
+    logger.info("saved checkpoint at iteration %d to %s", iteration, display_path(final))
     return final
 
 

@@ -208,3 +208,30 @@ def test_a_checkpoint_refuses_a_tokenizer_other_than_its_own(sp_model, other_sp_
     assert own in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(CheckpointError, match="the file changed after training"):
         run_tokenizer(run(_sp(other_sp_model).fingerprint))
+
+
+def test_an_exported_tokenizer_keeps_its_sources_fingerprint_until_its_files_change(
+    sp_model, tmp_path
+):
+    """export-hf turns a SentencePiece model into tokenizer.json files that encode
+    identically, so an import-hf checkpoint still matches datasets made with the source."""
+    pytest.importorskip("transformers")
+    from megatron_ext.conversion.hf import export_tokenizer
+
+    source = _sp(sp_model)
+    out = tmp_path / "hf"
+    out.mkdir()
+    export_tokenizer(source, str(out))
+    exported = build_tokenizer("HuggingFaceTokenizer", str(out))
+    text = "The history of the river, a café and 東京."
+    assert exported.tokenize(text) == source.tokenize(text)
+    assert exported.fingerprint == source.fingerprint
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)  # what import-hf does with the files
+    assert build_tokenizer("HuggingFaceTokenizer", str(copy)).fingerprint == source.fingerprint
+
+    # edited after the export: its own files' fingerprint, no longer the source's
+    config = json.loads((copy / "tokenizer.json").read_text())
+    config["normalizer"] = None
+    (copy / "tokenizer.json").write_text(json.dumps(config))
+    assert build_tokenizer("HuggingFaceTokenizer", str(copy)).fingerprint != source.fingerprint
