@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import atomic_output_dir, git_revision
 
 __all__ = ["ExportHFOptions", "export_hf"]
@@ -84,7 +85,7 @@ def export_hf(opts: ExportHFOptions) -> str:
         from megatron_ext.conversion.common import ConversionError
 
         raise ConversionError(
-            f"output {os.path.abspath(opts.output)} already exists; pass "
+            f"output {display_path(opts.output)} already exists; pass "
             "--overwrite or pick another"
         )
     loaded = load_checkpoint_full(

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
 
 __all__ = ["ExportMegatronOptions", "export_megatron", "megatron_rank_state_dict", "TP_LAYOUT"]
@@ -172,7 +173,7 @@ def export_megatron(opts: ExportMegatronOptions) -> str:
 
     output = os.path.abspath(opts.output)
     if os.path.lexists(output) and not opts.overwrite:
-        raise ConversionError(f"output {output} already exists; pass --overwrite or pick another")
+        raise ConversionError(f"output {display_path(output)} already exists; pass --overwrite or pick another")
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     loaded = load_checkpoint_full(
         opts.load,
