@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Training speed against the loop users would write instead (issue 28, third row).
+
+Ours: `pretrain_leviathan.py` itself, one process, TIED, --layers x --hidden, --seq tokens,
+micro-batch --micro-batch, Megatron-Core's mock data, AdamW with clip 1.0 and a constant
+learning rate; the time per iteration comes from its --log-jsonl (`seconds`, wall clock).
+
+Theirs: a plain PyTorch loop training transformers' `LlamaForCausalLM` of the same shape
+(tied embeddings, float32, same threads): `torch.optim.AdamW` with the same betas, eps, weight
+decay (not on norms and biases, as Megatron) and learning rate, `clip_grad_norm_(1.0)`, on the
+same samples (the same MockGPTDataset, in the same order). It starts from our model's initial
+weights (built in this process from the same --seed as the entry point builds it, mapped by
+export-hf's mapping), so the two loss curves must agree: the first loss to float rounding
+(same weights, same batch), the following ones to a small tolerance (two AdamW
+implementations summing in different orders).
+
+--pairs interleaved runs (ours, theirs, ours, ...); per run the median tokens/s over the
+iterations after --warmup; printed: min and median of the per-pair ratios ours/theirs.
+
+    python benchmarks/bench_train_peer.py
+    python benchmarks/bench_train_peer.py --hidden 512 --layers 8 --iters 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _flags(args) -> list[str]:
+    return [
+        "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
+        "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
+        "--max-position-embeddings", str(args.seq), "--embedding-type", "tied",
+        "--micro-batch-size", str(args.micro_batch), "--global-batch-size", str(args.micro_batch),
+        "--train-iters", str(args.iters), "--lr", str(args.lr), "--lr-decay-style", "constant",
+        "--weight-decay", str(args.weight_decay), "--clip-grad", "1.0",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab - 1),
+        "--seed", str(args.seed), "--eval-iters", "0", "--num-workers", "0",
+        "--log-interval", str(args.iters),
+    ]  # fmt: skip
+
+
+def run_ours(args, workdir: str) -> tuple[list[float], list[float]]:
+    """(losses, seconds per iteration) of `pretrain_leviathan.py` on one process."""
+    log = os.path.join(workdir, "ours.jsonl")
+    if os.path.exists(log):
+        os.remove(log)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    cmd = [sys.executable, str(REPO / "pretrain_leviathan.py"), *_flags(args), "--log-jsonl", log]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: pretrain_leviathan.py failed:\n{done.stderr[-3000:]}")
+    records = [json.loads(line) for line in open(log)]
+    return [r["loss"] for r in records], [r["seconds"] for r in records]
+
+
+def _build_peer(args):
+    """transformers' Llama with our initial weights, its optimizer, and the training samples."""
+    from benchmarks.hf_peer import hf_export
+    from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
+    from megatron_ext.data.tokenizers import build_tokenizer, padded_vocab_size
+    from megatron_ext.inference.loading import init_inference_parallel
+    from megatron_ext.models import build_model, model_config_from_args
+    from megatron_ext.parallel import set_random_seed
+    from megatron_ext.training import parse_args
+
+    flags = parse_args(_flags(args))
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=args.vocab - 1)
+    vocab = padded_vocab_size(tokenizer.vocab_size, flags.make_vocab_size_divisible_by, 1)
+    config = model_config_from_args(flags, vocab).replace(bf16=False, fp16=False)
+    pg = init_inference_parallel(1, 1)
+    set_random_seed(args.seed, 0)  # as the entry point seeds before building the model
+    ours = build_model(config, pg=pg)
+    hf = hf_export(ours, config, tied=True).train()
+    del ours
+    decay = [p for n, p in hf.named_parameters() if p.ndim > 1]
+    no_decay = [p for n, p in hf.named_parameters() if p.ndim <= 1]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(flags.adam_beta1, flags.adam_beta2), eps=flags.adam_eps,
+    )  # fmt: skip
+    data = DataConfig(mock_data=True, seq_length=args.seq, seed=args.seed)
+    train, _, _ = build_train_valid_test_datasets(
+        data, tokenizer, [args.iters * args.micro_batch, None, None]
+    )
+    return hf, optimizer, train
+
+
+def run_theirs(args) -> tuple[list[float], list[float]]:
+    """(losses, seconds per iteration) of the plain transformers loop."""
+    torch.set_num_threads(args.threads)
+    hf, optimizer, train = _build_peer(args)
+    losses, seconds = [], []
+    for step in range(args.iters):
+        samples = [train[step * args.micro_batch + i] for i in range(args.micro_batch)]
+        tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in samples]).long()
+        labels = torch.stack([torch.as_tensor(s["labels"]) for s in samples]).long()
+        mask = torch.stack([torch.as_tensor(s["loss_mask"]) for s in samples]).float()
+        start = time.perf_counter()
+        logits = hf(input_ids=tokens).logits
+        per_token = torch.nn.functional.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), labels.view(-1), reduction="none"
+        )
+        loss = (per_token * mask.view(-1)).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        optimizer.step()
+        seconds.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+    return losses, seconds
+
+
+def _tokens_per_second(seconds: list[float], args) -> float:
+    steady = seconds[args.warmup :]
+    return args.micro_batch * args.seq / statistics.median(steady)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args()
+    if args.warmup >= args.iters:
+        p.error("--warmup must be smaller than --iters")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads; TIED, {args.layers} layers x D "
+        f"{args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}, V {args.vocab}, "
+        f"{args.iters} iterations (median of {args.iters - args.warmup} after {args.warmup}), "
+        f"{args.pairs} pairs",
+        flush=True,
+    )
+    ratios, ours_tps, theirs_tps = [], [], []
+    agree = True
+    with tempfile.TemporaryDirectory() as workdir:
+        for pair in range(args.pairs):
+            our_losses, our_seconds = run_ours(args, workdir)
+            their_losses, their_seconds = run_theirs(args)
+            ours_tps.append(_tokens_per_second(our_seconds, args))
+            theirs_tps.append(_tokens_per_second(their_seconds, args))
+            ratios.append(ours_tps[-1] / theirs_tps[-1])
+            first = abs(our_losses[0] - their_losses[0]) / abs(their_losses[0])
+            worst = max(abs(a - b) / abs(b) for a, b in zip(our_losses, their_losses))
+            agree &= first < 1e-5 and worst < 1e-3
+            print(
+                f"  pair {pair + 1}: ours {ours_tps[-1]:7.0f} tokens/s, transformers "
+                f"{theirs_tps[-1]:7.0f} tokens/s, ratio {ratios[-1]:.2f}; losses "
+                f"{our_losses[0]:.6f} vs {their_losses[0]:.6f} at iteration 1, "
+                f"{our_losses[-1]:.6f} vs {their_losses[-1]:.6f} at {args.iters} "
+                f"(largest relative gap {worst:.1e})",
+                flush=True,
+            )
+    print(
+        f"    ours (pretrain_leviathan.py)       {statistics.median(ours_tps):7.0f} tokens/s "
+        f"(median; {min(ours_tps):.0f}-{max(ours_tps):.0f})\n"
+        f"    transformers LlamaForCausalLM loop {statistics.median(theirs_tps):7.0f} tokens/s "
+        f"(median; {min(theirs_tps):.0f}-{max(theirs_tps):.0f})\n"
+        f"    ratio ours/theirs min {min(ratios):.2f} median {statistics.median(ratios):.2f} "
+        f"(target >= 1.05)   (losses agree: {agree})"
+    )
+
+
+if __name__ == "__main__":
+    main()
