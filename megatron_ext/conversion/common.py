@@ -51,7 +51,9 @@ def atomic_output_dir(path: str, overwrite: bool = False) -> Iterator[str]:
     """
     path = os.path.abspath(path)
     if os.path.lexists(path) and not overwrite:
-        raise ConversionError(f"output {display_path(path)} already exists; pass --overwrite or pick another")
+        raise ConversionError(
+            f"output {display_path(path)} already exists; pass --overwrite or pick another"
+        )
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp{os.getpid()}")

@@ -85,8 +85,7 @@ def export_hf(opts: ExportHFOptions) -> str:
         from megatron_ext.conversion.common import ConversionError
 
         raise ConversionError(
-            f"output {display_path(opts.output)} already exists; pass "
-            "--overwrite or pick another"
+            f"output {display_path(opts.output)} already exists; pass --overwrite or pick another"
         )
     loaded = load_checkpoint_full(
         opts.load,

@@ -173,7 +173,9 @@ def export_megatron(opts: ExportMegatronOptions) -> str:
 
     output = os.path.abspath(opts.output)
     if os.path.lexists(output) and not opts.overwrite:
-        raise ConversionError(f"output {display_path(output)} already exists; pass --overwrite or pick another")
+        raise ConversionError(
+            f"output {display_path(output)} already exists; pass --overwrite or pick another"
+        )
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     loaded = load_checkpoint_full(
         opts.load,

@@ -91,7 +91,9 @@ def import_hf(opts: ImportHFOptions) -> str:
 
     output = os.path.abspath(opts.output)
     if os.path.lexists(output) and not opts.overwrite:
-        raise ConversionError(f"output {display_path(output)} already exists; pass --overwrite or pick another")
+        raise ConversionError(
+            f"output {display_path(output)} already exists; pass --overwrite or pick another"
+        )
     config, tensors = read_hf_checkpoint(opts.hf_dir)
     tied_in_hf = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors
     arm = opts.embedding_type or ("tied" if tied_in_hf else "untied")

@@ -90,7 +90,9 @@ def reshard(opts: ReshardOptions) -> str:
 
     output = os.path.abspath(opts.output)
     if os.path.lexists(output) and not opts.overwrite:
-        raise ConversionError(f"output {display_path(output)} already exists; pass --overwrite or pick another")
+        raise ConversionError(
+            f"output {display_path(output)} already exists; pass --overwrite or pick another"
+        )
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     run = find_checkpoint(opts.load, opts.iteration)
     _check_shard_files(run.path)

@@ -67,8 +67,8 @@ def _check_shard_files(path: str) -> None:
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise ConversionError(
-            f"{display_path(path)} is missing shard file(s) {', '.join(missing)}; the checkpoint was copied "
-            "incompletely: copy the whole iter_XXXXXXX directory or pick another --iteration"
+            f"{display_path(path)} is missing shard file(s) {', '.join(missing)}; the checkpoint "
+            "was copied incompletely: copy the whole iter_XXXXXXX directory or pick another --iteration"
         )
 
 
@@ -103,8 +103,8 @@ def load_checkpoint_full(
     saved = run.args.embedding_type
     if embedding_type is not None and embedding_type != saved:
         raise ConversionError(
-            f"{display_path(run.path)} holds a --embedding-type {saved} model, not {embedding_type}; drop "
-            "--embedding-type or point at the right checkpoint"
+            f"{display_path(run.path)} holds a --embedding-type {saved} model, not "
+            f"{embedding_type}; drop --embedding-type or point at the right checkpoint"
         )
     _check_shard_files(run.path)
     tokenizer = None
@@ -119,8 +119,8 @@ def load_checkpoint_full(
         if expected != run.padded_vocab_size():
             raise ConversionError(
                 f"tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids (padded to "
-                f"{expected}) but {display_path(run.path)} embeds {run.padded_vocab_size()}: it is not the "
-                "run's tokenizer; pass the right --tokenizer-model"
+                f"{expected}) but {display_path(run.path)} embeds {run.padded_vocab_size()}: it is "
+                "not the run's tokenizer; pass the right --tokenizer-model"
             )
     try:
         config = run_model_config(run)

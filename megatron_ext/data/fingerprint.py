@@ -157,7 +157,9 @@ def check_dataset_tokenizers(
 
 
 def _warn_unchecked(prefixes: Sequence[str]) -> None:
-    shown = ", ".join(prefixes[:3]) + (f" and {len(prefixes) - 3} more" if len(prefixes) > 3 else "")
+    shown = ", ".join(prefixes[:3]) + (
+        f" and {len(prefixes) - 3} more" if len(prefixes) > 3 else ""
+    )
     logger.warning(
         "the tokenizer of %s cannot be checked: no %s beside it (made by stock Megatron-LM or "
         "before tokenizer fingerprints); make sure it was preprocessed with this tokenizer",

@@ -155,9 +155,7 @@ def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
     recorded = getattr(args, "tokenizer_fingerprint", None)
     if recorded is not None and recorded != tokenizer.fingerprint:
         cause = (
-            "another tokenizer was given"
-            if tokenizer_model
-            else "the file changed after training"
+            "another tokenizer was given" if tokenizer_model else "the file changed after training"
         )
         raise CheckpointError(
             f"tokenizer {model_path} (fingerprint {tokenizer.fingerprint}) is not the one "

@@ -26,7 +26,8 @@ def test_pretrain_and_a_plain_transformers_loop_train_identically():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     pair = re.search(
-        r"losses (\d+\.\d+) vs (\d+\.\d+) at iteration 1, (\d+\.\d+) vs (\d+\.\d+) at 4", done.stdout
+        r"losses (\d+\.\d+) vs (\d+\.\d+) at iteration 1, (\d+\.\d+) vs (\d+\.\d+) at 4",
+        done.stdout,
     )
     assert pair, done.stdout
     first_ours, first_theirs, last_ours, last_theirs = map(float, pair.groups())

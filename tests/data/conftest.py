@@ -19,17 +19,29 @@ def corpus_dir(tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="session")
-def sp_model(corpus_dir, tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tok")
+def train_sp_model(inputs: list[str], out_dir, vocab_size: int = 600) -> str:
+    """A SentencePiece model of `vocab_size` pieces trained on `inputs`; its .model path."""
     config = TokenizerTrainingConfig(
-        input=[os.path.join(corpus_dir, "train")],
-        model_prefix=str(out / "sp"),
-        vocab_size=600,
+        input=inputs,
+        model_prefix=str(out_dir / "sp"),
+        vocab_size=vocab_size,
         input_sentence_size=20000,
         num_threads=1,
     )
     return train_sentencepiece(config)
+
+
+@pytest.fixture(scope="session")
+def sp_model(corpus_dir, tmp_path_factory) -> str:
+    return train_sp_model([os.path.join(corpus_dir, "train")], tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def other_sp_model(corpus_dir, tmp_path_factory) -> str:
+    """A second model of `sp_model`'s vocabulary size trained on other text (the validation
+    split): the same size, other ids."""
+    inputs = [os.path.join(corpus_dir, "val.jsonl.zst")]
+    return train_sp_model(inputs, tmp_path_factory.mktemp("tok_other"))
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 
-import numpy as np
 import pytest
 
 from megatron_ext.data.fingerprint import (
@@ -23,26 +22,10 @@ from megatron_ext.data.indexed import dataset_files, merge_datasets
 from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import DataError
-from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.evaluation.frequency import training_counts
 from megatron_ext.inference.loading import SavedRun, run_tokenizer
 from megatron_ext.training.checkpointing import CheckpointError
-
-
-@pytest.fixture(scope="module")
-def other_sp_model(corpus_dir, tmp_path_factory) -> str:
-    """A second SentencePiece model of the same vocabulary size as `sp_model`, trained on
-    other text (the validation split): same size, different ids."""
-    out = tmp_path_factory.mktemp("tok_other")
-    config = TokenizerTrainingConfig(
-        input=[os.path.join(corpus_dir, "val.jsonl.zst")],
-        model_prefix=str(out / "sp"),
-        vocab_size=600,
-        input_sentence_size=20000,
-        num_threads=1,
-    )
-    return train_sentencepiece(config)
 
 
 def _sp(path: str):
