@@ -68,7 +68,8 @@ def _check_shard_files(path: str) -> None:
     if missing:
         raise ConversionError(
             f"{display_path(path)} is missing shard file(s) {', '.join(missing)}; the checkpoint "
-            "was copied incompletely: copy the whole iter_XXXXXXX directory or pick another --iteration"
+            "was copied incompletely: copy the whole iter_XXXXXXX directory or pick another "
+            "--iteration"
         )
 
 
