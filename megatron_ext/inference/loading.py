@@ -158,9 +158,9 @@ def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
             "another tokenizer was given" if tokenizer_model else "the file changed after training"
         )
         raise CheckpointError(
-            f"tokenizer {model_path} (fingerprint {tokenizer.fingerprint}) is not the one "
-            f"{run.path} was trained with (fingerprint {recorded}): {cause}; pass the run's "
-            "tokenizer with --tokenizer-model"
+            f"tokenizer {model_path} (fingerprint {tokenizer.fingerprint}) is not the run's "
+            f"tokenizer: {run.path} was trained with fingerprint {recorded} ({cause}); pass "
+            "the run's tokenizer with --tokenizer-model"
         )
     padded = run.padded_vocab_size()
     if tokenizer.vocab_size > padded:
