@@ -25,9 +25,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_ext.config_flags import ArgumentError, add_config_arguments
-from megatron_ext.data.loading import add_data_arguments
-from megatron_ext.models import add_model_arguments
+from megatron_ext.config_flags import (
+    ArgumentError,
+    add_config_arguments,
+    config_flag_values,
+    flag_dest,
+    flag_fields,
+)
+from megatron_ext.data.loading import DataConfig, add_data_arguments
+from megatron_ext.models.arguments import add_model_arguments
+from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
 from megatron_ext.training.config import (
     BatchConfig,
@@ -58,34 +65,23 @@ __all__ = [
     "training_config_from_args",
     "args_to_json",
     "checkpoint_args_path",
+    "model_shaping_dests",
 ]
 
-# Flags restored by --use-checkpoint-args: everything that shapes the model's parameters.
-MODEL_ARG_NAMES = (
-    "model_size",
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "group_query_attention",
-    "num_query_groups",
-    "seq_length",
-    "max_position_embeddings",
-    "rotary_base",
-    "rotary_percent",
-    "kv_channels",
-    "norm_epsilon",
-    "qk_layernorm",
-    "embedding_type",
-    "untie_embeddings_and_output_weights",
-    "albert_dim",
-    "flat_mlp_seed_dim",
-    "embedding_mlp_hidden",
-    "make_vocab_size_divisible_by",
-    "tokenizer_type",
-    "tokenizer_model",
-    "vocab_size",
-)
+# The configs whose flags (those marked `shapes_model`) --use-checkpoint-args restores.
+_MODEL_SHAPING = (ModelConfig, EmbeddingConfig, DataConfig)
+
+
+def model_shaping_dests() -> list[str]:
+    """The namespace names --use-checkpoint-args restores: every flag that shapes the model's
+    parameters (`flag(..., shapes_model=True)` on the model, embedding and tokenizer fields),
+    and the `--lev-*` flags."""
+    return [
+        flag_dest(f)
+        for cls in _MODEL_SHAPING
+        for f in flag_fields(cls)
+        if f.metadata.get("shapes_model")
+    ]
 
 
 def _fill(cls, args: argparse.Namespace, **values):
@@ -125,32 +121,11 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    g = add_config_arguments(parser, ParallelConfig, "distributed")
-    g.add_argument(
-        "--make-vocab-size-divisible-by",
-        type=int,
-        default=128,
-        help="pad the vocabulary to a multiple of this times the TP size",
-    )
+    add_config_arguments(parser, ParallelConfig, "distributed")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=None,
-        help="default: micro-batch size x data-parallel size (no accumulation)",
-    )
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument(
-        "--dataloader-type",
-        choices=("single",),
-        default="single",
-        help="Megatron-LM's sequential pretraining sampler (resumes at the consumed sample)",
-    )
+    add_config_arguments(parser, BatchConfig, "training", "batch sizes and run length")
     add_config_arguments(parser, TrainingConfig, "run")  # --seed
     add_config_arguments(parser, PrecisionConfig, "precision")
     add_config_arguments(parser, ExitConfig, "exit conditions and non-finite steps")
@@ -250,7 +225,7 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
         raise ArgumentError(f"--use-checkpoint-args: no checkpoint with args.json in {args.load}")
     with open(path) as handle:
         saved = json.load(handle)
-    names = [n for n in MODEL_ARG_NAMES if n in saved]
+    names = [n for n in model_shaping_dests() if n in saved]
     names += [n for n in saved if n.startswith("lev_") and n not in names]
     for name in names:
         if name in explicit:
@@ -293,12 +268,7 @@ def _build_training_config(args: argparse.Namespace, world_size: int) -> Trainin
     batch = BatchConfig.from_run_length(
         parallel.data_parallel_size,
         seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters,
-        train_samples=args.train_samples,
-        rampup_batch_size=args.rampup_batch_size,
-        num_workers=args.num_workers,
+        **config_flag_values(BatchConfig, args),
     )
     schedule = (
         "lr_decay_iters",

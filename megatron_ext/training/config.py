@@ -27,7 +27,7 @@ from typing import Optional
 
 from megatron_ext.config_flags import flag
 from megatron_ext.models.config import check_half_precision
-from megatron_ext.training.megatron_features import FeatureConfig
+from megatron_ext.training.megatron_features import BatchSizeRampup, FeatureConfig
 
 __all__ = [
     "ParallelConfig",
@@ -126,17 +126,42 @@ class ParallelConfig:
 
 @dataclass
 class BatchConfig:
-    """Batch sizes and run length."""
+    """Batch sizes and run length (Megatron-LM's flags). The command line leaves the global
+    batch and the run length unset and `from_run_length` derives them; a library user gives
+    them directly."""
 
     seq_length: int
-    """Tokens per sample (--seq-length, the length the model is built for)."""
-    micro_batch_size: int = 1
-    global_batch_size: int = 1
-    """At the end of --rampup-batch-size (`FeatureConfig`), if any."""
-    train_iters: int = 0
+    """Tokens per sample (--seq-length, `ModelConfig`'s flag: the length the model is built for)."""
+    micro_batch_size: Optional[int] = flag(1, "--micro-batch-size", command_line_default=None)
+    """Required on the command line (as in Megatron-LM)."""
+    global_batch_size: Optional[int] = flag(
+        1,
+        "--global-batch-size",
+        "default: micro-batch size x data-parallel size (no accumulation)",
+        command_line_default=None,
+    )
+    """At the end of --rampup-batch-size, if any. Command line: derived when not given."""
+    train_iters: Optional[int] = flag(0, "--train-iters", command_line_default=None)
     """Iterations to train (derived from --train-samples when that is given)."""
-    num_workers: int = 0
-    """DataLoader worker processes (the data flag --num-workers)."""
+    train_samples: Optional[int] = flag(None, "--train-samples")
+    """The run length in samples, if given so (`train_iters` is derived from it)."""
+    rampup_batch_size: Optional[list[int]] = flag(
+        None,
+        "--rampup-batch-size",
+        "grow the global batch from START by INCREMENT over SAMPLES consumed samples",
+        nargs=3,
+        type=int,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+    )
+    num_workers: int = flag(0, "--num-workers", "dataloader workers", command_line_default=2)
+    """DataLoader worker processes: Megatron-LM's 2 on the command line; 0 (in-process) for a
+    config built in code."""
+    dataloader_type: str = flag(
+        "single",
+        "--dataloader-type",
+        "Megatron-LM's sequential pretraining sampler (resumes at the consumed sample)",
+        choices=("single",),
+    )
 
     def __post_init__(self) -> None:
         _required("--micro-batch-size", self.micro_batch_size)
@@ -148,6 +173,19 @@ class BatchConfig:
         _required("--train-iters", self.train_iters)
         _at_least("--train-iters", self.train_iters, 0)
 
+    def rampup(self, data_parallel_size: int) -> Optional[BatchSizeRampup]:
+        """The --rampup-batch-size schedule up to the global batch, in steps that split into
+        micro-batches over `data_parallel_size` ranks, or None without the flag.
+
+        Raises:
+            ValueError: a ramp that does not reach the global batch or does not split.
+        """
+        if not self.rampup_batch_size:
+            return None
+        start, increment, samples = self.rampup_batch_size
+        micro_times_dp = self.micro_batch_size * data_parallel_size
+        return BatchSizeRampup(start, increment, samples, self.global_batch_size, micro_times_dp)
+
     @classmethod
     def from_run_length(
         cls,
@@ -158,12 +196,12 @@ class BatchConfig:
         global_batch_size: Optional[int] = None,
         train_iters: Optional[int] = None,
         train_samples: Optional[int] = None,
-        rampup_batch_size: Optional[list] = None,
-        num_workers: int = 0,
+        **flags,
     ) -> "BatchConfig":
         """Megatron-LM's batch flags at `data_parallel_size`: the global batch defaults to
         micro-batch x DP (no accumulation); the run length is exactly one of `train_iters` and
         `train_samples`, iterations derived from samples (through --rampup-batch-size, if any).
+        `flags` are the other fields as given (rampup_batch_size, num_workers, ...).
         """
         _required("--micro-batch-size", micro_batch_size)
         _at_least("--micro-batch-size", micro_batch_size)
@@ -182,18 +220,19 @@ class BatchConfig:
                     f"({global_batch_size})"
                 )
             train_iters = train_samples // global_batch_size
-            rampup = FeatureConfig(rampup_batch_size=rampup_batch_size).rampup(
-                global_batch_size, micro_batch_size * data_parallel_size
-            )
-            if rampup is not None:
-                train_iters = rampup.iterations_for(train_samples)
-        return cls(
+        batch = cls(
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
             train_iters=train_iters,
-            num_workers=num_workers,
+            train_samples=train_samples,
+            **flags,
         )
+        if train_samples is not None:
+            rampup = batch.rampup(data_parallel_size)
+            if rampup is not None:
+                batch = dataclasses.replace(batch, train_iters=rampup.iterations_for(train_samples))
+        return batch
 
 
 @dataclass
@@ -559,7 +598,7 @@ class TrainingConfig:
             raise ValueError(
                 f"--seq-length {b.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
             )
-        f.rampup(b.global_batch_size, micro_times_dp)  # checks --rampup-batch-size
+        b.rampup(p.data_parallel_size)  # checks --rampup-batch-size
         if f.decoupled_lr is not None and f.decoupled_min_lr is None:
             self.features = f = dataclasses.replace(f, decoupled_min_lr=self.optim.min_lr)
         if f.skip_train:

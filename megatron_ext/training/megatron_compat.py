@@ -1,9 +1,8 @@
 """Every Megatron-LM flag has an answer: implemented, accepted (it restates this design),
 ignored with a logged note, CUDA-path only, or refused with one line saying why.
 
-`add_megatron_compat_arguments(parser)` runs last in `build_parser`. It adds the Megatron-LM
-training features implemented in this package (`--rampup-batch-size`, `--decoupled-lr`,
-`--profile`, ...) as ordinary flags, and registers every other flag of
+`add_megatron_compat_arguments(parser)` runs last in `build_parser`: the flags implemented here
+are declared on the config fields that own them, so it registers every flag of
 `megatron_flags.MEGATRON_FLAGS` that the parser does not know yet with a `_CompatAction` that
 records its use. `apply_megatron_compat(args)` (called by `parse_args`) then refuses, notes or
 accepts what was given, and writes the effective value of design flags (`swiglu True`).
@@ -428,35 +427,6 @@ class _CompatAction(argparse.Action):
         setattr(namespace, _GIVEN, given)
 
 
-def _add_features(parser: argparse.ArgumentParser) -> None:
-    """Megatron-LM model and data flags implemented here that no config declares yet (the
-    training features are `FeatureConfig`'s fields)."""
-    g = parser.add_argument_group("Megatron-LM model and data features")
-    g.add_argument(
-        "--recompute-activations",
-        action="store_true",
-        help="selective recomputation (same as --recompute-granularity selective)",
-    )
-    g.add_argument("--kv-channels", type=int, default=None, help="channels per attention head")
-    g.add_argument(
-        "--rotary-percent", type=float, default=1.0, help="fraction of head channels rotated"
-    )
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
-    g.add_argument(
-        "--no-mmap-bin-files",
-        dest="mmap_bin_files",
-        action="store_false",
-        help="read .bin token files with file reads instead of mmap",
-    )
-    g.add_argument(
-        "--num-dataset-builder-threads",
-        type=int,
-        default=1,
-        help="threads building the dataset indices",
-    )
-
-
 def _compat_kwargs(kind: str) -> dict:
     if kind == "switch":
         return dict(nargs=0)
@@ -466,10 +436,8 @@ def _compat_kwargs(kind: str) -> dict:
 
 
 def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the implemented Megatron-LM features and answer every other Megatron-LM flag."""
+    """Answer every Megatron-LM flag the parser does not know yet (by a rule)."""
     known = parser._option_string_actions
-    if "--kv-channels" not in known:
-        _add_features(parser)
     group = parser.add_argument_group(
         "Megatron-LM flags answered here",
         f"Megatron-LM {MEGATRON_LM_VERSION} flags: accepted, noted, CUDA-path or refused "

@@ -41,14 +41,6 @@ __all__ = [
 class FeatureConfig:
     """The Megatron-LM feature flags (names as the flags)."""
 
-    rampup_batch_size: Optional[list[int]] = flag(
-        None,
-        "--rampup-batch-size",
-        "grow the global batch from START by INCREMENT over SAMPLES consumed samples",
-        nargs=3,
-        type=int,
-        metavar=("START", "INCREMENT", "SAMPLES"),
-    )
     decoupled_lr: Optional[float] = flag(
         None,
         "--decoupled-lr",
@@ -121,8 +113,8 @@ class FeatureConfig:
     wandb_entity: Optional[str] = flag(None, "--wandb-entity")
 
     def __post_init__(self) -> None:
-        """The checks of these flags alone; those against the batch or the checkpoint flags
-        (--rampup-batch-size, --skip-train, ...) are `TrainingConfig`'s."""
+        """The checks of these flags alone; those against the checkpoint flags (--skip-train,
+        --async-save) are `TrainingConfig`'s."""
         if self.decoupled_min_lr is not None:
             if self.decoupled_lr is None:
                 raise ValueError("--decoupled-min-lr needs --decoupled-lr")
@@ -138,14 +130,6 @@ class FeatureConfig:
                 f"need 0 <= --profile-step-start ({self.profile_step_start}) < "
                 f"--profile-step-end ({self.profile_step_end})"
             )
-
-    def rampup(self, global_batch_size: int, micro_times_dp: int) -> Optional["BatchSizeRampup"]:
-        """The --rampup-batch-size schedule up to `global_batch_size` in steps that split into
-        `micro_times_dp` (micro-batch size x data-parallel size), or None without the flag."""
-        if not self.rampup_batch_size:
-            return None
-        start, increment, samples = self.rampup_batch_size
-        return BatchSizeRampup(start, increment, samples, global_batch_size, micro_times_dp)
 
 
 @dataclass(frozen=True)
@@ -269,10 +253,7 @@ class RunExtras:
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
         self.global_batch_size = run.batch.global_batch_size
-        self.rampup = cfg.rampup(
-            run.batch.global_batch_size,
-            run.batch.micro_batch_size * run.parallel.data_parallel_size,
-        )
+        self.rampup = run.batch.rampup(run.parallel.data_parallel_size)
         # Profiler traces beside the TensorBoard events, else under --save; W&B likewise.
         self.log_dir = run.log.tensorboard_dir
         self.save_dir = run.ckpt.save
