@@ -134,34 +134,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
-    g = add_config_arguments(parser, OptimizerConfig, "optimizer and learning-rate schedule")
-    # The schedule lengths in iterations or samples; `OptimizerConfig.from_schedule` turns them
-    # into its *_steps fields (in samples).
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    add_config_arguments(parser, OptimizerConfig, "optimizer and learning-rate schedule")
 
 
 def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    g = add_config_arguments(parser, CheckpointConfig, "checkpointing")
-    g.add_argument(
-        "--ckpt-format",
-        choices=("torch_dcp", "torch_dist"),
-        default="torch_dcp",
-        help="plain torch.distributed.checkpoint (DCP) with DTensor tensor-parallel shards; "
-        "not Megatron's torch_dist format (tools/convert_checkpoint.py export-megatron writes "
-        "a checkpoint Megatron-LM loads). torch_dist, which Megatron-LM launch scripts pass, "
-        "is accepted with a logged note and means torch_dcp",
-    )
-    g.add_argument(
-        "--use-checkpoint-args",
-        action="store_true",
-        help="take the model flags from the checkpoint in --load",
-    )
+    add_config_arguments(parser, CheckpointConfig, "checkpointing")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -245,10 +222,6 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
 # --------------------------------------------------------------------------------------------
 # Validation
 
-# OptimizerConfig's schedule lengths in samples (`OptimizerConfig.from_schedule` derives them).
-_SCHEDULE_IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "lr_wsd_decay_steps", "wd_incr_steps")
-
-
 def _record_config(args: argparse.Namespace, cfg: TrainingConfig) -> None:
     """Write every field of `cfg`'s parts to the namespace (args.json records them): the values
     the configs derive (data-parallel size, iterations, schedule lengths in samples, ...) land
@@ -270,22 +243,11 @@ def _build_training_config(args: argparse.Namespace, world_size: int) -> Trainin
         seq_length=args.seq_length,
         **config_flag_values(BatchConfig, args),
     )
-    schedule = (
-        "lr_decay_iters",
-        "lr_decay_samples",
-        "lr_warmup_iters",
-        "lr_warmup_samples",
-        "lr_warmup_fraction",
-        "lr_wsd_decay_iters",
-        "lr_wsd_decay_samples",
-    )
-    optim_fields = [f.name for f in fields(OptimizerConfig) if f.name not in _SCHEDULE_IN_SAMPLES]
     optim = OptimizerConfig.from_schedule(
         global_batch_size=batch.global_batch_size,
         train_iters=args.train_iters,
         train_samples=args.train_samples,
-        **{name: getattr(args, name) for name in schedule},
-        **{name: getattr(args, name) for name in optim_fields},
+        **config_flag_values(OptimizerConfig, args),
     )
     return _configs_from(args, batch=batch, parallel=parallel, optim=optim)
 

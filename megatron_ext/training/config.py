@@ -361,6 +361,15 @@ class OptimizerConfig:
         "--use-checkpoint-opt_param-scheduler",
         aliases=("--use-checkpoint-opt-param-scheduler",),
     )
+    # The schedule as the flags give it, in iterations or in samples (recorded as typed);
+    # `from_schedule` turns them into the *_steps below. A config built in code sets those.
+    lr_decay_iters: Optional[int] = flag(None, "--lr-decay-iters")
+    lr_decay_samples: Optional[int] = flag(None, "--lr-decay-samples")
+    lr_warmup_iters: int = flag(0, "--lr-warmup-iters")
+    lr_warmup_samples: int = flag(0, "--lr-warmup-samples")
+    lr_warmup_fraction: Optional[float] = flag(None, "--lr-warmup-fraction")
+    lr_wsd_decay_iters: Optional[int] = flag(None, "--lr-wsd-decay-iters")
+    lr_wsd_decay_samples: Optional[int] = flag(None, "--lr-wsd-decay-samples")
     # In samples (Megatron-LM steps its scheduler by the global batch size); `from_schedule`
     # derives them from the flags in iterations or samples.
     lr_warmup_steps: int = 0
@@ -455,6 +464,13 @@ class OptimizerConfig:
             warmup = int(lr_warmup_fraction * decay)
         return cls(
             **fields,
+            lr_decay_iters=lr_decay_iters,
+            lr_decay_samples=lr_decay_samples,
+            lr_warmup_iters=lr_warmup_iters,
+            lr_warmup_samples=lr_warmup_samples,
+            lr_warmup_fraction=lr_warmup_fraction,
+            lr_wsd_decay_iters=lr_wsd_decay_iters,
+            lr_wsd_decay_samples=lr_wsd_decay_samples,
             lr_warmup_steps=warmup,
             lr_decay_steps=decay,
             lr_wsd_decay_steps=wsd_decay,
@@ -483,6 +499,20 @@ class CheckpointConfig:
         False, "--finetune", "load weights only; reset iteration, optimizer, scheduler and RNG"
     )
     exit_on_missing_checkpoint: bool = flag(False, "--exit-on-missing-checkpoint")
+    ckpt_format: str = flag(
+        "torch_dcp",
+        "--ckpt-format",
+        "plain torch.distributed.checkpoint (DCP) with DTensor tensor-parallel shards; "
+        "not Megatron's torch_dist format (tools/convert_checkpoint.py export-megatron writes "
+        "a checkpoint Megatron-LM loads). torch_dist, which Megatron-LM launch scripts pass, "
+        "is accepted with a logged note and means torch_dcp",
+        choices=("torch_dcp", "torch_dist"),
+    )
+    """The one format written (the entry point turns Megatron-LM's torch_dist into it)."""
+    use_checkpoint_args: bool = flag(
+        False, "--use-checkpoint-args", "take the model flags from the checkpoint in --load"
+    )
+    """Applied by the entry point while parsing (`arguments.parse_args`); recorded here."""
     args_json: dict = field(default_factory=dict)
     """The run's flags, written as args.json beside each checkpoint (--use-checkpoint-args
     reads the model flags back from it) and logged at start."""
