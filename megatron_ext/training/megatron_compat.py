@@ -62,18 +62,23 @@ class Rule:
     """For DESIGN switches: the value the run really uses (shown in the argument dump)."""
     choices: Optional[tuple] = None
     """Megatron-LM's valid values (argparse checks them)."""
+    default: object = argparse.SUPPRESS
+    """The value the namespace (and args.json) holds when the flag is not given: Megatron-LM's
+    default for the launch-script flags of this backbone's fixed design, else nothing."""
 
 
 def _r(note: str, allowed: Optional[tuple] = None) -> Rule:
     return Rule(REFUSED, note, allowed)
 
 
-def _d(note: str, effective: object = True, allowed: Optional[tuple] = None) -> Rule:
-    return Rule(DESIGN, note, allowed, effective=effective)
+def _d(
+    note: str, effective: object = True, allowed: Optional[tuple] = None, **default
+) -> Rule:
+    return Rule(DESIGN, note, allowed, effective=effective, **default)
 
 
-def _n(note: str) -> Rule:
-    return Rule(NOTED, note)
+def _n(note: str, **default) -> Rule:
+    return Rule(NOTED, note, **default)
 
 
 def _c(note: str, cpu_refused: bool = False, choices: Optional[tuple] = None) -> Rule:
@@ -113,8 +118,19 @@ _RULES: dict[str, Rule] = {
         "norm weights get no weight decay, so the zero-centred (1p) weight trains exactly like "
         "the RMSNorm weight used here"
     ),
-    "--normalization": _d("the backbone uses RMSNorm", "RMSNorm", ("RMSNorm",)),
-    "--position-embedding-type": _d("positions are rotary", "rope", ("rope",)),
+    # The design flags of Megatron-LM GPT launch scripts keep a value in args.json (default).
+    "--normalization": _d(
+        "the Leviathan backbone is LLaMA-style and uses RMSNorm; drop the flag",
+        "RMSNorm",
+        ("RMSNorm",),
+        default="RMSNorm",
+    ),
+    "--position-embedding-type": _d(
+        "the Leviathan backbone uses rotary positions; drop the flag",
+        "rope",
+        ("rope",),
+        default="rope",
+    ),
     "--use-rotary-position-embeddings": _d("positions are rotary"),
     "--swiglu": _d("the MLP is SwiGLU"),
     "--disable-bias-linear": _d("linear layers have no bias"),
@@ -123,15 +139,17 @@ _RULES: dict[str, Rule] = {
     "--accumulate-allreduce-grads-in-fp32": _d(
         "gradients are float32 (autocast keeps fp32 master weights)"
     ),
-    "--use-flash-attn": _n("Transformer Engine picks its fused attention itself"),
-    "--no-masked-softmax-fusion": _n(_NO_FUSION),
-    "--no-bias-swiglu-fusion": _n(_NO_FUSION),
-    "--no-bias-dropout-fusion": _n(_NO_FUSION),
+    "--use-flash-attn": _n("Transformer Engine picks its fused attention itself", default=False),
+    "--no-masked-softmax-fusion": _n(_NO_FUSION, default=False),
+    "--no-bias-swiglu-fusion": _n(_NO_FUSION, default=False),
+    "--no-bias-dropout-fusion": _n(_NO_FUSION, default=False),
     "--no-bias-gelu-fusion": _n(_NO_FUSION),
-    "--no-rope-fusion": _n(_NO_FUSION),
+    "--no-rope-fusion": _n(_NO_FUSION, default=False),
     "--no-persist-layer-norm": _n(_NO_FUSION),
     "--disable-jit-fuser": _n(_NO_FUSION),
-    "--no-gradient-accumulation-fusion": _n("gradients accumulate in float32 .grad tensors"),
+    "--no-gradient-accumulation-fusion": _n(
+        "gradients accumulate in float32 .grad tensors", default=False
+    ),
     "--encoder-num-layers": _r(_DECODER),
     "--decoder-num-layers": _r(_DECODER),
     "--encoder-seq-length": _r(_DECODER),
@@ -458,10 +476,11 @@ def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.A
             dest=dest,
             action=_CompatAction,
             megatron_rule=rule,
-            # Only what was given (or a design flag's effective value) shows in the dump.
+            # Only what was given (or a design flag's effective value, or the rule's default)
+            # shows in the dump.
             default=rule.effective
             if kind == "switch" and rule.effective is not None
-            else argparse.SUPPRESS,
+            else rule.default,
             help=f"[{rule.status}] {rule.note}",
             **_compat_kwargs(kind),
             **({"choices": rule.choices} if rule.choices and kind != "switch" else {}),

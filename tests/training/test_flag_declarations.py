@@ -29,11 +29,6 @@ TREE = (
 HAND_DECLARED = {
     # deprecated alias mapped onto --lev-kernel by lev.arguments.lev_flag_values (old args.json)
     "--lev-fused",
-    # model: Megatron-LM design flags (models/arguments.py)
-    "--use-mcore-models", "--swiglu", "--disable-bias-linear", "--attention-softmax-in-fp32",
-    "--use-flash-attn", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
-    "--normalization", "--position-embedding-type",
 }  # fmt: skip
 
 BASE = [
