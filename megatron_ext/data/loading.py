@@ -49,7 +49,7 @@ class VocabSizeMismatchError(DataError):
     """Tokenizer, dataset and model disagree on the vocabulary."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where training data comes from and how samples are cut (fields named as the flags)."""
 

@@ -73,7 +73,7 @@ def check_half_precision(bf16: bool, fp16: bool) -> None:
         raise ValueError("--bf16 and --fp16 are exclusive; pick one")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EmbeddingConfig:
     """Which input embedding the model uses, and the sizes of the non-LEV arms.
 
@@ -166,7 +166,7 @@ class EmbeddingConfig:
         return self if lev is self.lev else dataclasses.replace(self, lev=lev)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only LLaMA-style model: RMSNorm, SwiGLU, rotary positions, no biases."""
 
@@ -267,7 +267,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.embedding, dict):
-            self.embedding = EmbeddingConfig(**self.embedding)
+            object.__setattr__(self, "embedding", EmbeddingConfig(**self.embedding))
         if self.model_size is not None and self.model_size not in MODEL_SIZE_PRESETS:
             raise ValueError(
                 f"--model-size must be one of {', '.join(sorted(MODEL_SIZE_PRESETS))}, "
@@ -276,15 +276,15 @@ class ModelConfig:
         preset = MODEL_SIZE_PRESETS.get(self.model_size, {}) if self.model_size else {}
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
             if getattr(self, name) is None:
-                setattr(self, name, preset.get(name, _DEBUG_MODEL.get(name)))
+                object.__setattr__(self, name, preset.get(name, _DEBUG_MODEL.get(name)))
         if self.seq_length is None:
-            self.seq_length = 128
+            object.__setattr__(self, "seq_length", 128)
         if self.recompute_activations and self.recompute_granularity is None:
-            self.recompute_granularity = "selective"  # Megatron-LM's meaning
+            object.__setattr__(self, "recompute_granularity", "selective")  # Megatron-LM's
         if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = llama_ffn_hidden_size(self.hidden_size)
+            object.__setattr__(self, "ffn_hidden_size", llama_ffn_hidden_size(self.hidden_size))
         self.validate()
 
     def validate(self) -> None:
@@ -304,7 +304,9 @@ class ModelConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.embedding = self.embedding.at_model_size(self.vocab_size, self.hidden_size)
+        object.__setattr__(
+            self, "embedding", self.embedding.at_model_size(self.vocab_size, self.hidden_size)
+        )
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"--kv-channels must be >= 1, got {self.head_dim}")

@@ -54,7 +54,7 @@ def _at_least(flag: str, value, minimum: int = 1) -> None:
         raise ValueError(f"{flag} must be >= {minimum}, got {value}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
 
@@ -124,7 +124,7 @@ class ParallelConfig:
         return dataclasses.replace(self, data_parallel_size=dp)
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchConfig:
     """Batch sizes and run length (Megatron-LM's flags). The command line leaves the global
     batch and the run length unset and `from_run_length` derives them; a library user gives
@@ -235,7 +235,7 @@ class BatchConfig:
         return batch
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionConfig:
     """Autocast precision of the portable engine and FP16 loss scaling (see `precision.py`)."""
 
@@ -275,7 +275,7 @@ class PrecisionConfig:
         _at_least("--fp8-amax-history-len", self.fp8_amax_history_len)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExitConfig:
     """When the run stops early: exit conditions (each saves first) and non-finite steps."""
 
@@ -307,7 +307,7 @@ class ExitConfig:
             raise ValueError("--exit-duration-in-mins must be > 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     """Validation during training (and the test set at the end)."""
 
@@ -320,7 +320,7 @@ class EvalConfig:
         _at_least("--eval-iters", self.eval_iters, 0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW and Megatron's learning-rate / weight-decay schedule (in samples)."""
 
@@ -401,9 +401,9 @@ class OptimizerConfig:
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_steps is None:
             raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters/-samples")
         if self.start_weight_decay is None:
-            self.start_weight_decay = self.weight_decay
+            object.__setattr__(self, "start_weight_decay", self.weight_decay)
         if self.end_weight_decay is None:
-            self.end_weight_decay = self.weight_decay
+            object.__setattr__(self, "end_weight_decay", self.weight_decay)
         if self.weight_decay_incr_style == "constant" and (
             self.start_weight_decay != self.end_weight_decay
         ):
@@ -478,7 +478,7 @@ class OptimizerConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """torch.distributed.checkpoint directories `<save>/iter_0000100/` + the latest marker."""
 
@@ -528,7 +528,7 @@ class CheckpointConfig:
             raise ValueError("--ckpt-step needs --load")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     """What the loop logs, where, and how often (Megatron-LM's logging flags)."""
 
@@ -556,7 +556,7 @@ class LoggingConfig:
         _at_least("--tensorboard-log-interval", self.tensorboard_log_interval)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """Which training engine runs the step: the portable one (`loop._Trainer`, gloo and NCCL)
     or megatron-core's (`--ddp-impl megatron`, CUDA only) and its DDP settings."""
@@ -594,7 +594,7 @@ class EngineConfig:
         _at_least("--ddp-bucket-size", self.ddp_bucket_size)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingConfig:
     """Every training setting, one dataclass per concern."""
 
@@ -630,12 +630,14 @@ class TrainingConfig:
             )
         b.rampup(p.data_parallel_size)  # checks --rampup-batch-size
         if f.decoupled_lr is not None and f.decoupled_min_lr is None:
-            self.features = f = dataclasses.replace(f, decoupled_min_lr=self.optim.min_lr)
+            f = dataclasses.replace(f, decoupled_min_lr=self.optim.min_lr)
+            object.__setattr__(self, "features", f)
         if f.skip_train:
             if not self.ckpt.load:
                 raise ValueError("--skip-train evaluates a checkpoint: pass --load")
             if not self.ckpt.no_load_optim:
-                self.ckpt = dataclasses.replace(self.ckpt, no_load_optim=True)
+                ckpt = dataclasses.replace(self.ckpt, no_load_optim=True)
+                object.__setattr__(self, "ckpt", ckpt)
         if f.async_save and not self.ckpt.save:
             raise ValueError("--async-save needs --save")
         if self.engine.overlap_param_gather and not p.use_distributed_optimizer:

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class FeatureConfig:
     """The Megatron-LM feature flags (names as the flags)."""
 
