@@ -61,6 +61,7 @@ __all__ = [
     "ArgumentError",
     "build_parser",
     "parse_args",
+    "parse_config",
     "validate_args",
     "training_config_from_args",
     "args_to_json",
@@ -108,10 +109,10 @@ def _configs_from(args: argparse.Namespace, **given) -> TrainingConfig:
 
 
 def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
-    """The `TrainingConfig` of a namespace that went through `parse_args` (validated, derived).
-
-    Every field is taken from the flag (or derived value) of the same name; `ckpt.args_json` is
-    the whole command line as args.json records it.
+    """The `TrainingConfig` of a namespace that went through `parse_args` (validated, derived),
+    or of a checkpoint's args.json: every field is taken from the flag (or derived value) of
+    the same name; `ckpt.args_json` is the whole command line as args.json records it. The
+    entry point has it from `parse_config` already; this rebuilds the same config.
     """
     return _configs_from(args)
 
@@ -259,6 +260,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     Raises:
         ArgumentError: the one-line message of the config that refused a value.
     """
+    _validate(args, world_size)
+    return args
+
+
+def _validate(args: argparse.Namespace, world_size: int) -> TrainingConfig:
+    """`validate_args`, returning the `TrainingConfig` it built (args.json: the final flags)."""
     cuda = torch.cuda.is_available()
     # What this machine must have (the configs check values, not the machine).
     if args.distributed_backend == "nccl" and not cuda:
@@ -296,14 +303,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
     if args.logging_level is not None:
         logging.getLogger().setLevel(args.logging_level)
-    return args
+    ckpt = dataclasses.replace(cfg.ckpt, args_json=args_to_json(args))
+    return dataclasses.replace(cfg, ckpt=ckpt)
 
 
-def parse_args(
+def parse_config(
     argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
-) -> argparse.Namespace:
+) -> tuple[argparse.Namespace, TrainingConfig]:
     """Parse and validate `argv` (default sys.argv) for `world_size` ranks (default torchrun's
-    WORLD_SIZE, else 1)."""
+    WORLD_SIZE, else 1): the namespace (what args.json records) and the frozen `TrainingConfig`
+    built from it once, its derived values included.
+
+    Raises:
+        ArgumentError: a refused flag or combination (one line naming the flag).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.use_checkpoint_args:
@@ -312,7 +325,14 @@ def parse_args(
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     apply_megatron_compat(args, error=ArgumentError)
-    return validate_args(args, world_size)
+    return args, _validate(args, world_size)
+
+
+def parse_args(
+    argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
+) -> argparse.Namespace:
+    """`parse_config`'s namespace alone (tools and tests that read flags)."""
+    return parse_config(argv, world_size)[0]
 
 
 def args_to_json(args: argparse.Namespace) -> dict:

@@ -235,3 +235,29 @@ def test_every_model_and_data_flag_reaches_args_json_and_its_config():
     assert model.recompute_granularity == "selective"  # Megatron-LM's --recompute-activations
     assert (model.head_dim, model.embedding.mlp_hidden) == (16, 10)
     assert (data.create_attention_mask, data.mmap_bin_files) == (False, False)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--train-samples", "1000", "--lr-decay-samples", "800", "--lr-warmup-samples", "80",
+         "--rampup-batch-size", "4", "4", "400", "--global-batch-size", "8", "--decoupled-lr",
+         "1e-3", "--lr-decay-style", "cosine", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel", "--embedding-type", "albert"],
+    ],
+)  # fmt: skip
+def test_the_entry_point_builds_the_config_once_and_args_json_rebuilds_the_same(extra):
+    """`parse_config` returns the frozen TrainingConfig it built while validating (derived
+    values included); rebuilding it from the namespace (a checkpoint's args.json, for tools)
+    gives the same config, and its args_json is the final namespace."""
+    from megatron_ext.training.arguments import parse_config, training_config_from_args
+
+    argv = [*RUN, "--seq-length", "32", *extra]
+    if "--train-samples" in extra:
+        argv.remove("--train-iters"), argv.remove("10")
+    args, cfg = parse_config(argv, world_size=4)
+    assert cfg == training_config_from_args(args)
+    assert cfg.ckpt.args_json == args_to_json(args)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.batch.train_iters = 1
