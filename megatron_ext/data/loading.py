@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
+import torch.distributed as dist
 
 from megatron_ext.config_flags import add_config_arguments, config_flag_values, flag
 from megatron_ext.data.indexed import counts_path, get_bin_path, get_idx_path, token_dtype
@@ -68,9 +69,7 @@ class DataConfig:
         None, "--data-cache-path", "directory for cached sample indices"
     )
     """Directory for Megatron-Core's cached sample indices (None: beside the data)."""
-    mock_data: bool = flag(
-        False, "--mock-data", "synthetic data (Megatron-Core's MockGPTDataset)"
-    )
+    mock_data: bool = flag(False, "--mock-data", "synthetic data (Megatron-Core's MockGPTDataset)")
     seq_length: int = field(kw_only=True)
     """Tokens per sample (--seq-length, `ModelConfig`'s flag: the run's one value is passed in)."""
     seed: int = 1234
@@ -99,9 +98,7 @@ class DataConfig:
     reset_attention_mask: bool = flag(
         False, "--reset-attention-mask", "do not attend across end-of-document tokens"
     )
-    eod_mask_loss: bool = flag(
-        False, "--eod-mask-loss", "mask the loss at end-of-document tokens"
-    )
+    eod_mask_loss: bool = flag(False, "--eod-mask-loss", "mask the loss at end-of-document tokens")
     create_attention_mask: bool = flag(
         True,
         "--no-create-attention-mask-in-dataloader",
@@ -135,13 +132,13 @@ class DataConfig:
             raise DataError(f"--seq-length must be >= 1, got {self.seq_length}")
         if self.data_path and not self.split:
             raise DataError("--data-path needs --split (e.g. 969,30,1)")
-        for flag, blend in (
+        for name, blend in (
             ("--data-path", self.data_path),
             ("--train-data-path", self.train_data_path),
             ("--valid-data-path", self.valid_data_path),
             ("--test-data-path", self.test_data_path),
         ):
-            _check_blend(flag, blend)
+            _check_blend(name, blend)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DataConfig":
@@ -222,6 +219,8 @@ def check_vocab_sizes(
 
 def blend_prefixes(blend: Optional[Sequence[str]]) -> list[str]:
     """Dataset prefixes of a Megatron-LM blend (``[weight] prefix ...``), weights dropped."""
+    # megatron-core's dataset modules import all of megatron.core (seconds, and Apex / TE
+    # warnings): DataConfig and its flags stay importable without them.
     from megatron.core.datasets.utils import get_blend_from_list
 
     parsed = get_blend_from_list(list(blend)) if blend else None
@@ -237,6 +236,7 @@ def _num_sequences(prefix: str) -> int:
 def _check_datasets(
     config: DataConfig, tokenizer: Tokenizer, num_samples: Sequence[Optional[int]]
 ) -> None:
+    # megatron.core on first use (see blend_prefixes)
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -305,8 +305,6 @@ class _DatasetTokenizer:
 
 @contextlib.contextmanager
 def _process_group_for_build(needed: bool) -> Iterator[None]:
-    import torch.distributed as dist
-
     if not needed or dist.is_initialized():
         yield
         return
@@ -345,7 +343,7 @@ def build_train_valid_test_datasets(
         DataError: missing dataset prefix; VocabSizeMismatchError when a dataset was made with
             another vocabulary.
     """
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # megatron.core on first use (see blend_prefixes)
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder,

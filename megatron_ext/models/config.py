@@ -10,8 +10,8 @@ at the model's V and D), which the builder hands to `LEVEmbedding` as is.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 import importlib.util
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -407,6 +407,8 @@ class ModelConfig:
 
     def transformer_config(self):
         """The megatron-core TransformerConfig of this model."""
+        # megatron.core on first use: `megatron_ext.models` keeps the configs importable without
+        # it (its megatron-core modules are lazy exports, megatron_ext/_lazy.py).
         from megatron.core.transformer import TransformerConfig
 
         params_dtype = self.params_dtype

@@ -223,6 +223,7 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
 # --------------------------------------------------------------------------------------------
 # Validation
 
+
 def _record_config(args: argparse.Namespace, cfg: TrainingConfig) -> None:
     """Write every field of `cfg`'s parts to the namespace (args.json records them): the values
     the configs derive (data-parallel size, iterations, schedule lengths in samples, ...) land

@@ -83,6 +83,8 @@ class ParallelConfig:
     """Derived: world size / (TP x CP x PP), set by `resolve`."""
 
     def __post_init__(self) -> None:
+        # megatron_ext.parallel imports megatron-core's parallel_state: the configs stay
+        # importable (and checkable) without loading megatron.core.
         from megatron_ext.parallel import validate_parallel_layout
 
         _at_least("data-parallel size", self.data_parallel_size)
@@ -116,7 +118,7 @@ class ParallelConfig:
         Raises:
             ValueError: the ranks do not split into TP x CP x PP x DP.
         """
-        from megatron_ext.parallel import validate_parallel_layout
+        from megatron_ext.parallel import validate_parallel_layout  # megatron.core: see above
 
         dp = validate_parallel_layout(world_size, *self._model_parallel_sizes)
         if dp == self.data_parallel_size:

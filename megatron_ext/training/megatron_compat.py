@@ -71,9 +71,7 @@ def _r(note: str, allowed: Optional[tuple] = None) -> Rule:
     return Rule(REFUSED, note, allowed)
 
 
-def _d(
-    note: str, effective: object = True, allowed: Optional[tuple] = None, **default
-) -> Rule:
+def _d(note: str, effective: object = True, allowed: Optional[tuple] = None, **default) -> Rule:
     return Rule(DESIGN, note, allowed, effective=effective, **default)
 
 

@@ -14,11 +14,13 @@ import gc
 import logging
 import math
 import os
+import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
 from megatron_ext.config_flags import flag
 
@@ -199,8 +201,6 @@ def memory_stats() -> dict[str, float]:
             "mem-max-allocated-gigabytes": torch.cuda.max_memory_allocated() / gib,
             "mem-reserved-gigabytes": torch.cuda.memory_reserved() / gib,
         }
-    import resource
-
     out = {"mem-max-rss-gigabytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)}
     try:
         with open("/proc/self/statm") as handle:
@@ -314,8 +314,6 @@ class RunExtras:
         return self.log_dir or os.path.join(self.save_dir, "profile")
 
     def _start_profiler(self) -> None:
-        from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
-
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
@@ -346,7 +344,7 @@ class RunExtras:
 
 
 def _init_wandb(cfg: FeatureConfig, run_dir: Optional[str]):
-    import wandb
+    import wandb  # optional dependency (the [wandb] extra), imported only with --wandb-project
 
     save_dir = cfg.wandb_save_dir or os.path.join(run_dir or ".", "wandb")
     os.makedirs(save_dir, exist_ok=True)

@@ -143,7 +143,9 @@ def _run(**parts) -> TrainingConfig:
         (
             lambda: _run(
                 batch=BatchConfig(
-                    seq_length=8, micro_batch_size=2, global_batch_size=8,
+                    seq_length=8,
+                    micro_batch_size=2,
+                    global_batch_size=8,
                     rampup_batch_size=[2, 4, 100],
                 ),
             ),  # fmt: skip

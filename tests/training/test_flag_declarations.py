@@ -198,7 +198,9 @@ def test_every_model_flag_reaches_args_json_and_round_trips_through_use_checkpoi
     cfg = model_config_from_args(restored, 256)
     assert (cfg.num_layers, cfg.hidden_size, cfg.kv_channels, cfg.seq_length) == (3, 96, 16, 48)
     assert (cfg.model_size, cfg.num_query_groups, cfg.embedding.embedding_type) == (
-        "200m", 2, "albert"
+        "200m",
+        2,
+        "albert",
     )
     assert (cfg.embedding.mlp_hidden, cfg.embedding.lev.rank) == (10, 4)
     data = DataConfig.from_args(restored)
