@@ -1,5 +1,5 @@
-"""Training data: Megatron-LM's data flags, a DataConfig, and GPT datasets built by
-Megatron-Core's BlendedMegatronDatasetBuilder.
+"""Training data: `DataConfig` (which declares Megatron-LM's data and tokenizer flags on its
+fields) and GPT datasets built by Megatron-Core's BlendedMegatronDatasetBuilder.
 
 Flag forms (as Megatron-LM): ``--data-path PREFIX`` | ``--data-path W1 P1 W2 P2 ...`` |
 ``--data-path P1 P2 ...`` (weights from dataset sizes) with ``--split 969,30,1``; or

@@ -1,15 +1,15 @@
-"""Command-line flags of `pretrain_leviathan.py` (Megatron-LM's names and meanings) and the
-`TrainingConfig` they fill.
+"""The command line of `pretrain_leviathan.py` (Megatron-LM's names and meanings): the parser
+generated from the config tree, and the frozen `TrainingConfig` it fills, built once.
 
-The parser is built from the groups below plus the model (`megatron_ext.models`) and data
-(`megatron_ext.data`) flag groups. `parse_args` parses, optionally replaces the model flags with
-the ones stored in a checkpoint (`--use-checkpoint-args`), applies Megatron-LM's flag-level
-rewrites, and builds the `config.TrainingConfig` dataclasses from the flags: they check
-themselves, and their one-line ValueError (naming the flag to change) becomes `ArgumentError`.
-The values they derive (data-parallel size, iterations from samples, schedule lengths in
-samples, ...) are written back to the namespace, which args.json records. The model's own checks
-are `ModelConfig`'s. The library never reads the namespace: `training_config_from_args` turns it
-into the `TrainingConfig` that is all `pretrain` receives.
+Every flag is declared on the field of the config that owns it (`config_flags.flag`; the
+training configs, `ModelConfig`/`EmbeddingConfig`, `DataConfig`, `LEVConfig`) or answered by a
+`megatron_compat` rule. `parse_config` parses, optionally restores the model-shaping flags from
+a checkpoint's args.json (`--use-checkpoint-args`: the fields marked `shapes_model`), applies
+Megatron-LM's flag-level rewrites and builds the `TrainingConfig` (derived values from
+`BatchConfig.from_run_length`, `OptimizerConfig.from_schedule`, `ParallelConfig.resolve`). A
+config's one-line ValueError becomes `ArgumentError`. The namespace, derived values written
+back by field name, is what args.json records; `training_config_from_args` rebuilds the same
+config from it (tools reading a checkpoint).
 """
 
 from __future__ import annotations

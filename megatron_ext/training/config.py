@@ -2,7 +2,9 @@
 
 `pretrain(cfg)` reads these and nothing else (no argparse namespace). Each field has one owner:
 the layout in `ParallelConfig`, batch sizes and run length in `BatchConfig`, numerics in
-`PrecisionConfig`, when to stop in `ExitConfig`, and so on.
+`PrecisionConfig`, when to stop in `ExitConfig`, and so on. A field with a command-line flag
+declares it (`config_flags.flag`); the configs are frozen, their derived values set once in
+`__post_init__` or by the constructors below.
 
 Each dataclass checks its own fields in `__post_init__`, raising ValueError with one line that
 names the flag to change (the command line is their main user); `TrainingConfig.__post_init__`

@@ -1,11 +1,10 @@
-"""Megatron-LM training features on top of the loop: batch-size ramp-up, decoupled learning
-rates, manual garbage collection, empty-cache levels, the torch profiler window, parameter-norm /
-zero-gradient / memory logging and Weights & Biases.
+"""Megatron-LM training features on top of the loop: the batch-size ramp-up schedule,
+decoupled learning rates, manual garbage collection, empty-cache levels, the torch profiler
+window, parameter-norm / zero-gradient / memory logging and Weights & Biases.
 
-The flags are added by `megatron_compat.add_megatron_compat_arguments`; `FeatureConfig` holds
-and checks them (`TrainingConfig` checks them against the batch and checkpoint settings;
-`arguments.validate_args` what they need of the machine), and `RunExtras` is what the loop calls
-around each iteration.
+`FeatureConfig` declares and checks their flags (`--rampup-batch-size` is `BatchConfig`'s;
+`TrainingConfig` checks them against the checkpoint settings), `BatchSizeRampup` is the ramp,
+and `RunExtras` is what the loop calls around each iteration.
 """
 
 from __future__ import annotations
