@@ -162,6 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pretrain,
     )
     from megatron_ext.training.checkpointing import CheckpointError
+    from megatron_ext.training.gpu_arguments import engine_model_config
 
     try:
         # Parsed once: the namespace is what args.json records, the frozen TrainingConfig is
@@ -183,14 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         vocab = padded_vocab_size(
             tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )
-        # fp32 master weights; --bf16/--fp16 run under autocast (megatron_ext/training/precision.py)
-        model_config = model_config_from_args(args, vocab)
-        if getattr(args, "ddp_impl", "portable") == "megatron":
-            from megatron_ext.training.gpu_arguments import megatron_engine_model_config
-
-            model_config = megatron_engine_model_config(model_config, args)
-        else:  # the portable engine: float32 parameters, --bf16/--fp16 as autocast
-            model_config = model_config.replace(bf16=False, fp16=False)
+        model_config = engine_model_config(model_config_from_args(args, vocab), training_config)
         data_config = DataConfig.from_args(args)
     except (ValueError, DataError, TokenizerError) as error:
         _error(str(error))
