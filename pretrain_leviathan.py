@@ -17,6 +17,7 @@ Exit codes: 0 trained (or left cleanly on --exit-* / SIGTERM), 1 non-finite loss
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -148,20 +149,26 @@ def _error(message: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse flags, build the configs and train; return the process exit code (0, 1 or 2)."""
     _setup_logging()
+    # The package (and megatron-core, which warns about Apex / Transformer Engine when it is
+    # imported) is imported only now, after the warning filter of _setup_logging; the providers
+    # above import it lazily for the same reason.
+    from megatron_ext.data.loading import DataConfig
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
     from megatron_ext.models import model_config_from_args
     from megatron_ext.training import (
         CollectiveTimeoutError,
         NonFiniteError,
-        parse_args,
+        parse_config,
         pretrain,
-        training_config_from_args,
     )
     from megatron_ext.training.checkpointing import CheckpointError
+    from megatron_ext.training.gpu_arguments import engine_model_config
 
     try:
-        args = parse_args(argv)
+        # Parsed once: the namespace is what args.json records, the frozen TrainingConfig is
+        # all that `pretrain` receives.
+        args, training_config = parse_config(argv)
         if args.tokenizer_type is None:
             raise ValueError(
                 "--tokenizer-type is required (e.g. SentencePieceTokenizer with "
@@ -175,22 +182,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
         )
-        args.tokenizer_fingerprint = tokenizer.fingerprint  # recorded in args.json
+        # args.json records which tokenizer made the run (data/fingerprint.py compares it)
+        args.tokenizer_fingerprint = tokenizer.fingerprint
+        training_config = dataclasses.replace(
+            training_config,
+            ckpt=dataclasses.replace(
+                training_config.ckpt,
+                args_json={
+                    **training_config.ckpt.args_json,
+                    "tokenizer_fingerprint": tokenizer.fingerprint,
+                },
+            ),
+        )
         vocab = padded_vocab_size(
             tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )
-        # fp32 master weights; --bf16/--fp16 run under autocast (megatron_ext/training/precision.py)
-        model_config = model_config_from_args(args, vocab)
-        if getattr(args, "ddp_impl", "portable") == "megatron":
-            from megatron_ext.training.gpu_arguments import megatron_engine_model_config
-
-            model_config = megatron_engine_model_config(model_config, args)
-        else:  # the portable engine: float32 parameters, --bf16/--fp16 as autocast
-            model_config = model_config.replace(bf16=False, fp16=False)
-        from megatron_ext.data.loading import DataConfig
-
+        model_config = engine_model_config(model_config_from_args(args, vocab), training_config)
         data_config = DataConfig.from_args(args)
-        training_config = training_config_from_args(args)
     except (ValueError, DataError, TokenizerError) as error:
         _error(str(error))
         return 2

@@ -24,6 +24,7 @@ __all__ = [
     "flag_fields",
     "flag_dest",
     "field_default",
+    "command_line_default",
     "add_config_arguments",
     "config_flag_values",
 ]
@@ -34,7 +35,14 @@ class ArgumentError(ValueError):
 
 
 def flag(
-    default: Any, name: str, help: str = "", *, aliases: tuple[str, ...] = (), **argparse_options
+    default: Any,
+    name: str,
+    help: str = "",
+    *,
+    aliases: tuple[str, ...] = (),
+    shapes_model: bool = False,
+    command_line_default: Any = dataclasses.MISSING,
+    **argparse_options,
 ) -> Any:
     """A dataclass field whose command-line flag is `name` (e.g. "--lr-decay-style").
 
@@ -42,8 +50,18 @@ def flag(
     `argparse_options` go to `add_argument` as they are (choices, metavar, dest, action, nargs);
     the default is the field's, so the command line and a library user agree. A list default
     becomes a default factory (each config gets its own copy).
+
+    `shapes_model`: the value shapes the model's parameters, so `--use-checkpoint-args` takes
+    it from the checkpoint's args.json. `command_line_default`: the flag's default (or a
+    callable giving it) where it must differ from the library's: Megatron-LM's default, e.g.
+    None for a flag that is required or derived on the command line, or `--transformer-impl`
+    transformer_engine where this machine can run it. The field's docstring says why.
     """
     metadata = {"flag": name, "aliases": tuple(aliases), "help": help, **argparse_options}
+    if shapes_model:
+        metadata["shapes_model"] = True
+    if command_line_default is not dataclasses.MISSING:
+        metadata["command_line_default"] = command_line_default
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -66,15 +84,28 @@ def flag_dest(field: dataclasses.Field) -> str:
     return field.metadata.get("dest", field.name)
 
 
+def command_line_default(field: dataclasses.Field) -> Any:
+    """The default of a field's flag: the field's own unless it declares another."""
+    if "command_line_default" in field.metadata:
+        default = field.metadata["command_line_default"]
+        return default() if callable(default) else default
+    return field_default(field)
+
+
+_NOT_ARGPARSE = ("flag", "aliases", "shapes_model", "command_line_default")
+
+
 def _argparse_options(field: dataclasses.Field, annotation: Any) -> dict[str, Any]:
     """add_argument keywords of one field, from its annotation and metadata."""
-    meta = {k: v for k, v in field.metadata.items() if k not in ("flag", "aliases")}
-    options: dict[str, Any] = dict(dest=flag_dest(field), default=field_default(field))
+    meta = {k: v for k, v in field.metadata.items() if k not in _NOT_ARGPARSE}
+    options: dict[str, Any] = dict(dest=flag_dest(field), default=command_line_default(field))
     options.update(meta)
     if not options.get("help"):
         options.pop("help", None)
     if "action" in options:  # an explicit action (store_true, BooleanOptionalAction, ...)
         return options
+    if typing.get_origin(annotation) is typing.Union:  # Optional[X] -> X
+        (annotation, *_) = [a for a in typing.get_args(annotation) if a is not type(None)]
     if annotation is bool:
         # A switch that is off by default is Megatron-LM's store_true; on by default, --no-x.
         off = field.default is False
@@ -83,10 +114,8 @@ def _argparse_options(field: dataclasses.Field, annotation: Any) -> dict[str, An
         options.setdefault("nargs", "*")
         (item, *_) = typing.get_args(annotation) or (str,)
         options.setdefault("type", item)
-    elif "type" not in options:  # Optional[int] -> int; plain types as they are
-        options["type"] = next(
-            (a for a in typing.get_args(annotation) if a is not type(None)), annotation
-        )
+    elif "type" not in options:
+        options["type"] = annotation
     return options
 
 

@@ -1,5 +1,5 @@
-"""Training data: Megatron-LM's data flags, a DataConfig, and GPT datasets built by
-Megatron-Core's BlendedMegatronDatasetBuilder.
+"""Training data: `DataConfig` (which declares Megatron-LM's data and tokenizer flags on its
+fields) and GPT datasets built by Megatron-Core's BlendedMegatronDatasetBuilder.
 
 Flag forms (as Megatron-LM): ``--data-path PREFIX`` | ``--data-path W1 P1 W2 P2 ...`` |
 ``--data-path P1 P2 ...`` (weights from dataset sizes) with ``--split 969,30,1``; or
@@ -22,11 +22,13 @@ import logging
 import os
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
+import torch.distributed as dist
 
+from megatron_ext.config_flags import add_config_arguments, config_flag_values, flag
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
 from megatron_ext.data.indexed import counts_path, get_bin_path, get_idx_path, token_dtype
 from megatron_ext.data.readers import DataError
@@ -49,34 +51,71 @@ class VocabSizeMismatchError(DataError):
     """Tokenizer, dataset and model disagree on the vocabulary."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where training data comes from and how samples are cut (fields named as the flags)."""
 
-    data_path: Optional[list[str]] = None
+    data_path: Optional[list[str]] = flag(
+        None, "--data-path", "dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...", nargs="*"
+    )
     """Megatron-style blend: [prefix] | [w1, p1, w2, p2, ...] | [p1, p2, ...]."""
-    split: Optional[str] = "969,30,1"
+    split: Optional[str] = flag(
+        "969,30,1", "--split", "train,valid,test proportions of --data-path (default 969,30,1)"
+    )
     """Train/valid/test proportions of each ``data_path`` dataset."""
-    train_data_path: Optional[list[str]] = None
-    valid_data_path: Optional[list[str]] = None
-    test_data_path: Optional[list[str]] = None
-    data_cache_path: Optional[str] = None
+    train_data_path: Optional[list[str]] = flag(None, "--train-data-path", nargs="*")
+    valid_data_path: Optional[list[str]] = flag(None, "--valid-data-path", nargs="*")
+    test_data_path: Optional[list[str]] = flag(None, "--test-data-path", nargs="*")
+    data_cache_path: Optional[str] = flag(
+        None, "--data-cache-path", "directory for cached sample indices"
+    )
     """Directory for Megatron-Core's cached sample indices (None: beside the data)."""
-    mock_data: bool = False
+    mock_data: bool = flag(False, "--mock-data", "synthetic data (Megatron-Core's MockGPTDataset)")
     seq_length: int = field(kw_only=True)
-    """Tokens per sample (--seq-length; no default here: the run's one value is passed in)."""
+    """Tokens per sample (--seq-length, `ModelConfig`'s flag: the run's one value is passed in)."""
     seed: int = 1234
-    tokenizer_type: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    vocab_size: Optional[int] = None
+    """The run's --seed (`TrainingConfig`'s flag)."""
+    tokenizer_type: Optional[str] = flag(
+        None, "--tokenizer-type", shapes_model=True, choices=sorted(TOKENIZER_TYPES)
+    )
+    tokenizer_model: Optional[str] = flag(None, "--tokenizer-model", shapes_model=True)
+    vocab_size: Optional[int] = flag(None, "--vocab-size", "for NullTokenizer", shapes_model=True)
     """NullTokenizer only (Megatron's --vocab-size)."""
-    tiktoken_pattern: str = "o200k"
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    create_attention_mask: bool = True
-    mmap_bin_files: bool = True
-    num_dataset_builder_threads: int = 1
+    tiktoken_pattern: str = flag("o200k", "--tiktoken-pattern")
+    vocab_file: Optional[str] = flag(None, "--vocab-file", "GPT2BPETokenizer vocab.json")
+    merge_file: Optional[str] = flag(None, "--merge-file", "GPT2BPETokenizer merges.txt")
+    make_vocab_size_divisible_by: int = flag(
+        128,
+        "--make-vocab-size-divisible-by",
+        "pad the vocabulary to a multiple of this times the TP size",
+        shapes_model=True,
+    )
+    """The model's vocabulary is the tokenizer's padded to this times the TP size."""
+    reset_position_ids: bool = flag(
+        False,
+        "--reset-position-ids",
+        "restart position ids after each end-of-document token",
+    )
+    reset_attention_mask: bool = flag(
+        False, "--reset-attention-mask", "do not attend across end-of-document tokens"
+    )
+    eod_mask_loss: bool = flag(False, "--eod-mask-loss", "mask the loss at end-of-document tokens")
+    create_attention_mask: bool = flag(
+        True,
+        "--no-create-attention-mask-in-dataloader",
+        dest="create_attention_mask_in_dataloader",
+        action="store_false",
+    )
+    mmap_bin_files: bool = flag(
+        True,
+        "--no-mmap-bin-files",
+        "read .bin token files with file reads instead of mmap",
+        dest="mmap_bin_files",
+        action="store_false",
+    )
+    num_dataset_builder_threads: int = flag(
+        1, "--num-dataset-builder-threads", "threads building the dataset indices"
+    )
 
     def __post_init__(self) -> None:
         per_split = any([self.train_data_path, self.valid_data_path, self.test_data_path])
@@ -94,21 +133,21 @@ class DataConfig:
             raise DataError(f"--seq-length must be >= 1, got {self.seq_length}")
         if self.data_path and not self.split:
             raise DataError("--data-path needs --split (e.g. 969,30,1)")
-        for flag, blend in (
+        for name, blend in (
             ("--data-path", self.data_path),
             ("--train-data-path", self.train_data_path),
             ("--valid-data-path", self.valid_data_path),
             ("--test-data-path", self.test_data_path),
         ):
-            _check_blend(flag, blend)
+            _check_blend(name, blend)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DataConfig":
-        """Fill from parsed arguments by field name (missing names keep their defaults);
-        ``--no-create-attention-mask-in-dataloader`` maps to ``create_attention_mask``."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        if hasattr(args, "create_attention_mask_in_dataloader"):
-            values["create_attention_mask"] = args.create_attention_mask_in_dataloader
+        """Fill from parsed arguments (or a checkpoint's args.json as a namespace) by each
+        field's flag destination, plus the run's --seq-length and --seed; a name missing from
+        `args` keeps its default."""
+        values = config_flag_values(cls, args)
+        values.update({k: getattr(args, k) for k in ("seq_length", "seed") if hasattr(args, k)})
         return cls(**values)
 
 
@@ -137,52 +176,9 @@ def _check_blend(flag: str, blend: Optional[Sequence[str]]) -> None:
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add Megatron-LM's data and tokenizer flags (``--seq-length`` and ``--seed`` belong to the
-    training arguments; :meth:`DataConfig.from_args` reads them when present)."""
-    group = parser.add_argument_group("data and tokenizer")
-    group.add_argument(
-        "--data-path",
-        nargs="*",
-        default=None,
-        help="dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...",
-    )
-    group.add_argument(
-        "--split",
-        default="969,30,1",
-        help="train,valid,test proportions of --data-path (default 969,30,1)",
-    )
-    group.add_argument("--train-data-path", nargs="*", default=None)
-    group.add_argument("--valid-data-path", nargs="*", default=None)
-    group.add_argument("--test-data-path", nargs="*", default=None)
-    group.add_argument(
-        "--data-cache-path", default=None, help="directory for cached sample indices"
-    )
-    group.add_argument(
-        "--mock-data", action="store_true", help="synthetic data (Megatron-Core's MockGPTDataset)"
-    )
-    group.add_argument("--tokenizer-type", default=None, choices=sorted(TOKENIZER_TYPES))
-    group.add_argument("--tokenizer-model", default=None)
-    group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
-    group.add_argument("--tiktoken-pattern", default="o200k")
-    group.add_argument("--num-workers", type=int, default=2, help="dataloader workers")
-    group.add_argument(
-        "--eod-mask-loss", action="store_true", help="mask the loss at end-of-document tokens"
-    )
-    group.add_argument(
-        "--reset-position-ids",
-        action="store_true",
-        help="restart position ids after each end-of-document token",
-    )
-    group.add_argument(
-        "--reset-attention-mask",
-        action="store_true",
-        help="do not attend across end-of-document tokens",
-    )
-    group.add_argument(
-        "--no-create-attention-mask-in-dataloader",
-        dest="create_attention_mask_in_dataloader",
-        action="store_false",
-    )
+    """Add `DataConfig`'s flags (Megatron-LM's data and tokenizer flags; ``--seq-length`` and
+    ``--seed`` belong to the model and training configs); return parser."""
+    add_config_arguments(parser, DataConfig, "data and tokenizer")
     return parser
 
 
@@ -224,6 +220,8 @@ def check_vocab_sizes(
 
 def blend_prefixes(blend: Optional[Sequence[str]]) -> list[str]:
     """Dataset prefixes of a Megatron-LM blend (``[weight] prefix ...``), weights dropped."""
+    # megatron-core's dataset modules import all of megatron.core (seconds, and Apex / TE
+    # warnings): DataConfig and its flags stay importable without them.
     from megatron.core.datasets.utils import get_blend_from_list
 
     parsed = get_blend_from_list(list(blend)) if blend else None
@@ -239,6 +237,7 @@ def _num_sequences(prefix: str) -> int:
 def _check_datasets(
     config: DataConfig, tokenizer: Tokenizer, num_samples: Sequence[Optional[int]]
 ) -> None:
+    # megatron.core on first use (see blend_prefixes)
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -314,8 +313,6 @@ class _DatasetTokenizer:
 
 @contextlib.contextmanager
 def _process_group_for_build(needed: bool) -> Iterator[None]:
-    import torch.distributed as dist
-
     if not needed or dist.is_initialized():
         yield
         return
@@ -354,7 +351,7 @@ def build_train_valid_test_datasets(
         DataError: missing dataset prefix; VocabSizeMismatchError when a dataset was made with
             another vocabulary.
     """
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # megatron.core on first use (see blend_prefixes)
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder,

@@ -1,21 +1,23 @@
 """Model configuration: the LLaMA-style backbone plus its parallel layout and precision.
 
-`ModelConfig` validates itself (impossible layouts fail at construction with a message naming
-the flag to change) and derives megatron's `TransformerConfig` through `transformer_config()`.
-It holds the frozen `LEVConfig` of the run (`cfg.embedding.lev`, at the model's V and D), which
-the builder hands to `LEVEmbedding` as is. The command line only fills it
-(`megatron_ext.models.arguments.model_config_from_args`).
+`ModelConfig` and `EmbeddingConfig` declare the model's command-line flags on their fields
+(`config_flags.flag`), validate themselves (impossible layouts fail at construction with a
+message naming the flag to change) and derive megatron's `TransformerConfig` through
+`transformer_config()`. The model holds the frozen `LEVConfig` of the run (`cfg.embedding.lev`,
+at the model's V and D), which the builder hands to `LEVEmbedding` as is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.config_flags import flag
 from megatron_ext.lev.config import LEVConfig
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "ModelConfig",
     "check_half_precision",
     "llama_ffn_hidden_size",
+    "transformer_engine_available",
 ]
 
 EMBEDDING_TYPES = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
@@ -41,6 +44,21 @@ MODEL_SIZE_PRESETS: dict[str, dict[str, int]] = {
     "1.2b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632),
 }
 
+# The debug flavour: sizes neither a preset nor a flag gives (tiny, CPU friendly).
+_DEBUG_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine is importable and a CUDA device is present."""
+    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+
+
+def default_transformer_impl() -> str:
+    """`--transformer-impl`'s default: Megatron-LM's (transformer_engine) where it can run."""
+    return "transformer_engine" if transformer_engine_available() else "local"
+
 
 def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
     """LLaMA's SwiGLU width: 2/3 of 4D (same FLOPs as a 4D GELU MLP), rounded up."""
@@ -55,7 +73,7 @@ def check_half_precision(bf16: bool, fp16: bool) -> None:
         raise ValueError("--bf16 and --fp16 are exclusive; pick one")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EmbeddingConfig:
     """Which input embedding the model uses, and the sizes of the non-LEV arms.
 
@@ -63,7 +81,9 @@ class EmbeddingConfig:
     (see `megatron_ext.models.param_count.resolve_embedding_sizes`).
     """
 
-    embedding_type: str = "lev"
+    embedding_type: str = flag(
+        "lev", "--embedding-type", shapes_model=True, choices=EMBEDDING_TYPES
+    )
     """tied | untied | albert | flat-mlp | factored-mlp | lev."""
     lev: Union[LEVConfig, dict[str, Any], None] = None
     """The LEV hyper-parameters of the arms that use them: the LEV generator, factored-mlp's
@@ -71,12 +91,30 @@ class EmbeddingConfig:
     Inside a `ModelConfig` a `LEVConfig` at the model's V and D for those arms and None for
     tied / untied (see `at_model_size`); given as None (the defaults) or as a dict of LEVConfig
     fields (vocab_size/hidden_size may be left out), it is built there."""
-    albert_dim: Optional[int] = None
+    albert_dim: Optional[int] = flag(
+        None, "--albert-dim", "ALBERT's m (default: match LEV)", shapes_model=True
+    )
     """ALBERT's factorisation width m (V x m table, m x D projection)."""
-    flat_mlp_seed_dim: Optional[int] = None
+    flat_mlp_seed_dim: Optional[int] = flag(
+        None, "--flat-mlp-seed-dim", "FLAT-MLP table width (default: match)", shapes_model=True
+    )
     """FLAT-MLP's lookup width d (V x d table)."""
-    mlp_hidden: Optional[int] = None
+    mlp_hidden: Optional[int] = flag(
+        None,
+        "--embedding-mlp-hidden",
+        "hidden width of the FLAT-MLP / FACTORED-MLP networks (default: match LEV)",
+        shapes_model=True,
+        dest="embedding_mlp_hidden",
+    )
     """Hidden width of the FLAT-MLP / FACTORED-MLP networks."""
+    untie_embeddings_and_output_weights: bool = flag(
+        False,
+        "--untie-embeddings-and-output-weights",
+        "Megatron-LM's flag; every arm but 'tied' is untied already, so it only "
+        "conflicts with --embedding-type tied",
+        shapes_model=True,
+    )
+    """Megatron-LM's switch; only checked against the tied arm (the others are untied)."""
 
     def __post_init__(self) -> None:
         if self.embedding_type not in EMBEDDING_TYPES:
@@ -84,13 +122,17 @@ class EmbeddingConfig:
                 f"--embedding-type must be one of {', '.join(EMBEDDING_TYPES)}, "
                 f"got {self.embedding_type!r}"
             )
-        for flag, value in (
+        for name, value in (
             ("--albert-dim", self.albert_dim),
             ("--flat-mlp-seed-dim", self.flat_mlp_seed_dim),
             ("--embedding-mlp-hidden", self.mlp_hidden),
         ):
             if value is not None and value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.tied and self.untie_embeddings_and_output_weights:
+            raise ValueError(
+                "--untie-embeddings-and-output-weights contradicts --embedding-type tied; drop one"
+            )
 
     @property
     def tied(self) -> bool:
@@ -124,37 +166,52 @@ class EmbeddingConfig:
         return self if lev is self.lev else dataclasses.replace(self, lev=lev)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only LLaMA-style model: RMSNorm, SwiGLU, rotary positions, no biases."""
 
     vocab_size: int
     """Size of the (padded) vocabulary the model embeds and scores."""
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None
+    num_layers: Optional[int] = flag(None, "--num-layers", shapes_model=True)
+    """None: the --model-size preset's, else 2 (the debug flavour, as hidden 64 and 4 heads)."""
+    hidden_size: Optional[int] = flag(None, "--hidden-size", shapes_model=True)
+    num_attention_heads: Optional[int] = flag(None, "--num-attention-heads", shapes_model=True)
+    num_query_groups: Optional[int] = flag(None, "--num-query-groups", shapes_model=True)
     """Grouped-query attention: number of key/value heads (None: one per query head)."""
-    ffn_hidden_size: Optional[int] = None
-    """SwiGLU inner width (None: LLaMA's 8/3 x hidden rounded up to a multiple of 256)."""
-    seq_length: int = 128
-    """Tokens per sequence the model is built for (rotary positions need no table, so the
-    default only serves models built in code; `models.arguments.model_config_from_args` passes
-    the run's --seq-length, the one value `BatchConfig` and `DataConfig` also receive)."""
-    rotary_base: int = 10000
-    rotary_percent: float = 1.0
+    ffn_hidden_size: Optional[int] = flag(None, "--ffn-hidden-size", shapes_model=True)
+    """SwiGLU inner width (None: the preset's, else LLaMA's 8/3 x hidden rounded up to a
+    multiple of 256)."""
+    seq_length: Optional[int] = flag(None, "--seq-length", shapes_model=True)
+    """Tokens per sequence (the run's one value, which `BatchConfig` and `DataConfig` also
+    receive). Rotary positions need no table, so None (a model built alone) means 128."""
+    rotary_base: int = flag(10000, "--rotary-base", shapes_model=True)
+    rotary_percent: float = flag(
+        1.0, "--rotary-percent", "fraction of head channels rotated", shapes_model=True
+    )
     """Fraction of each head's channels that rotary positions rotate (--rotary-percent)."""
-    head_dim: Optional[int] = None
+    head_dim: Optional[int] = flag(
+        None, "--kv-channels", "channels per attention head", shapes_model=True, dest="kv_channels"
+    )
     """Channels per attention head (--kv-channels); None: hidden_size / num_attention_heads."""
-    norm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    qk_layernorm: bool = False
-    transformer_impl: str = "local"
-    """'local' (megatron-core modules + CPU twins) or 'transformer_engine'."""
+    norm_epsilon: float = flag(1e-5, "--norm-epsilon", shapes_model=True)
+    init_method_std: float = flag(0.02, "--init-method-std")
+    hidden_dropout: float = flag(0.0, "--hidden-dropout")
+    attention_dropout: float = flag(0.0, "--attention-dropout")
+    qk_layernorm: bool = flag(False, "--qk-layernorm", shapes_model=True)
+    transformer_impl: str = flag(
+        "local",
+        "--transformer-impl",
+        "transformer_engine (TE on CUDA) or local (megatron-core modules with CPU twins); "
+        "default: transformer_engine where TE and a GPU are present, else local",
+        command_line_default=default_transformer_impl,
+        choices=TRANSFORMER_IMPLS,
+    )
+    """'local' (megatron-core modules + CPU twins) or 'transformer_engine'. The command line
+    defaults to Megatron-LM's transformer_engine where TE and a GPU are present; a model built
+    in code stays on the local path unless asked (so it runs on CPU tensors anywhere)."""
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
+    # The layout and precision of the run (ParallelConfig's / PrecisionConfig's flags).
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
@@ -163,24 +220,71 @@ class ModelConfig:
     params_dtype: torch.dtype = torch.float32
     bf16: bool = False
     fp16: bool = False
-    fp8: Optional[str] = None
-    """FP8 recipe format ('hybrid' or 'e4m3'), Transformer Engine only."""
-    use_cpu_initialization: bool = True
+    fp8: Optional[str] = field(default=None, metadata={"dest": "fp8_format"})
+    """FP8 recipe format ('hybrid' or 'e4m3'), Transformer Engine only (--fp8-format)."""
+    use_cpu_initialization: bool = flag(
+        True,
+        "--use-cpu-initialization",
+        "initialise weights on CPU from one seeded stream (identical at every TP size)",
+    )
     """Build weights on CPU from one seeded stream, so that any TP size gets the same model."""
     perform_initialization: bool = True
-    recompute_granularity: Optional[str] = None
-    recompute_method: Optional[str] = None
-    recompute_num_layers: Optional[int] = None
+    recompute_granularity: Optional[str] = flag(
+        None, "--recompute-granularity", choices=RECOMPUTE_GRANULARITIES
+    )
+    recompute_method: Optional[str] = flag(None, "--recompute-method", choices=RECOMPUTE_METHODS)
+    recompute_num_layers: Optional[int] = flag(None, "--recompute-num-layers")
     extra_transformer_config: dict = field(default_factory=dict)
     """Further TransformerConfig fields, passed through unchanged (Megatron-style overrides)."""
+    model_size: Optional[str] = flag(
+        None,
+        "--model-size",
+        "preset depth/width/heads/FFN for the paper's scales (explicit flags override)",
+        shapes_model=True,
+        choices=sorted(MODEL_SIZE_PRESETS),
+    )
+    """A `MODEL_SIZE_PRESETS` name: fills the sizes left None."""
+    group_query_attention: bool = flag(
+        False,
+        "--group-query-attention",
+        "use --num-query-groups KV heads",
+        shapes_model=True,
+    )
+    """Megatron-LM's switch for --num-query-groups (the command line needs both)."""
+    max_position_embeddings: Optional[int] = flag(
+        None,
+        "--max-position-embeddings",
+        "accepted for Megatron compatibility; rotary positions need no table",
+        shapes_model=True,
+    )
+    """Recorded only: rotary positions need no table."""
+    recompute_activations: bool = flag(
+        False,
+        "--recompute-activations",
+        "selective recomputation (same as --recompute-granularity selective)",
+    )
+    """Megatron-LM's short form of recompute_granularity 'selective'."""
 
     def __post_init__(self) -> None:
         if isinstance(self.embedding, dict):
-            self.embedding = EmbeddingConfig(**self.embedding)
+            object.__setattr__(self, "embedding", EmbeddingConfig(**self.embedding))
+        if self.model_size is not None and self.model_size not in MODEL_SIZE_PRESETS:
+            raise ValueError(
+                f"--model-size must be one of {', '.join(sorted(MODEL_SIZE_PRESETS))}, "
+                f"got {self.model_size!r}"
+            )
+        preset = MODEL_SIZE_PRESETS.get(self.model_size, {}) if self.model_size else {}
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, preset.get(name, _DEBUG_MODEL.get(name)))
+        if self.seq_length is None:
+            object.__setattr__(self, "seq_length", 128)
+        if self.recompute_activations and self.recompute_granularity is None:
+            object.__setattr__(self, "recompute_granularity", "selective")  # Megatron-LM's
         if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = llama_ffn_hidden_size(self.hidden_size)
+            object.__setattr__(self, "ffn_hidden_size", llama_ffn_hidden_size(self.hidden_size))
         self.validate()
 
     def validate(self) -> None:
@@ -197,10 +301,12 @@ class ModelConfig:
             "--ffn-hidden-size": self.ffn_hidden_size,
             "--seq-length": self.seq_length,
         }
-        for flag, value in positive.items():
+        for name, value in positive.items():
             if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        self.embedding = self.embedding.at_model_size(self.vocab_size, self.hidden_size)
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        object.__setattr__(
+            self, "embedding", self.embedding.at_model_size(self.vocab_size, self.hidden_size)
+        )
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"--kv-channels must be >= 1, got {self.head_dim}")
@@ -301,6 +407,8 @@ class ModelConfig:
 
     def transformer_config(self):
         """The megatron-core TransformerConfig of this model."""
+        # megatron.core on first use: `megatron_ext.models` keeps the configs importable without
+        # it (its megatron-core modules are lazy exports, megatron_ext/_lazy.py).
         from megatron.core.transformer import TransformerConfig
 
         params_dtype = self.params_dtype

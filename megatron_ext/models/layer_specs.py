@@ -11,8 +11,6 @@ Engine spec is megatron-core's own TE spec (fused norm+linear, TE attention, FP8
 
 from __future__ import annotations
 
-import importlib.util
-
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -30,7 +28,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
-from megatron_ext.models.config import TRANSFORMER_IMPLS
+from megatron_ext.models.config import TRANSFORMER_IMPLS, transformer_engine_available
 from megatron_ext.models.local_modules import (
     CachedSelfAttention,
     SDPACoreAttention,
@@ -77,13 +75,6 @@ def get_local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
     )
 
 
-def transformer_engine_available() -> bool:
-    """True when Transformer Engine is importable and a CUDA device is present."""
-    import torch
-
-    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
-
-
 def get_transformer_engine_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
     """megatron-core's Transformer Engine decoder layer (needs TE and CUDA)."""
     if not transformer_engine_available():
@@ -92,6 +83,7 @@ def get_transformer_engine_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
             "(pip install 'megatron-ext-leviathan[gpu]' in the NGC container); use "
             "--transformer-impl local on CPU"
         )
+    # Transformer Engine (optional): megatron-core's TE spec module imports it.
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -121,7 +113,7 @@ def get_decoder_block_spec(
     """
     layer = get_layer_spec(transformer_impl, qk_layernorm)
     if transformer_impl == "transformer_engine":
-        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.extensions.transformer_engine import TENorm  # optional: TE
 
         final_norm = TENorm
     else:

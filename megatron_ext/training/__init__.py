@@ -5,6 +5,7 @@ from megatron_ext.training.arguments import (
     ArgumentError,
     build_parser,
     parse_args,
+    parse_config,
     training_config_from_args,
     validate_args,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "build_parser",
     "load_checkpoint",
     "parse_args",
+    "parse_config",
     "pretrain",
     "read_latest_iteration",
     "save_checkpoint",

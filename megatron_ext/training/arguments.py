@@ -1,15 +1,15 @@
-"""Command-line flags of `pretrain_leviathan.py` (Megatron-LM's names and meanings) and the
-`TrainingConfig` they fill.
+"""The command line of `pretrain_leviathan.py` (Megatron-LM's names and meanings): the parser
+generated from the config tree, and the frozen `TrainingConfig` it fills, built once.
 
-The parser is built from the groups below plus the model (`megatron_ext.models`) and data
-(`megatron_ext.data`) flag groups. `parse_args` parses, optionally replaces the model flags with
-the ones stored in a checkpoint (`--use-checkpoint-args`), applies Megatron-LM's flag-level
-rewrites, and builds the `config.TrainingConfig` dataclasses from the flags: they check
-themselves, and their one-line ValueError (naming the flag to change) becomes `ArgumentError`.
-The values they derive (data-parallel size, iterations from samples, schedule lengths in
-samples, ...) are written back to the namespace, which args.json records. The model's own checks
-are `ModelConfig`'s. The library never reads the namespace: `training_config_from_args` turns it
-into the `TrainingConfig` that is all `pretrain` receives.
+Every flag is declared on the field of the config that owns it (`config_flags.flag`; the
+training configs, `ModelConfig`/`EmbeddingConfig`, `DataConfig`, `LEVConfig`) or answered by a
+`megatron_compat` rule. `parse_config` parses, optionally restores the model-shaping flags from
+a checkpoint's args.json (`--use-checkpoint-args`: the fields marked `shapes_model`), applies
+Megatron-LM's flag-level rewrites and builds the `TrainingConfig` (derived values from
+`BatchConfig.from_run_length`, `OptimizerConfig.from_schedule`, `ParallelConfig.resolve`). A
+config's one-line ValueError becomes `ArgumentError`. The namespace, derived values written
+back by field name, is what args.json records; `training_config_from_args` rebuilds the same
+config from it (tools reading a checkpoint).
 """
 
 from __future__ import annotations
@@ -25,9 +25,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_ext.config_flags import ArgumentError, add_config_arguments
-from megatron_ext.data.loading import add_data_arguments
-from megatron_ext.models import add_model_arguments
+from megatron_ext.config_flags import (
+    ArgumentError,
+    add_config_arguments,
+    config_flag_values,
+    flag_dest,
+    flag_fields,
+)
+from megatron_ext.data.loading import DataConfig, add_data_arguments
+from megatron_ext.models.arguments import add_model_arguments
+from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
 from megatron_ext.training.config import (
     BatchConfig,
@@ -54,38 +61,28 @@ __all__ = [
     "ArgumentError",
     "build_parser",
     "parse_args",
+    "parse_config",
     "validate_args",
     "training_config_from_args",
     "args_to_json",
     "checkpoint_args_path",
+    "model_shaping_dests",
 ]
 
-# Flags restored by --use-checkpoint-args: everything that shapes the model's parameters.
-MODEL_ARG_NAMES = (
-    "model_size",
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "group_query_attention",
-    "num_query_groups",
-    "seq_length",
-    "max_position_embeddings",
-    "rotary_base",
-    "rotary_percent",
-    "kv_channels",
-    "norm_epsilon",
-    "qk_layernorm",
-    "embedding_type",
-    "untie_embeddings_and_output_weights",
-    "albert_dim",
-    "flat_mlp_seed_dim",
-    "embedding_mlp_hidden",
-    "make_vocab_size_divisible_by",
-    "tokenizer_type",
-    "tokenizer_model",
-    "vocab_size",
-)
+# The configs whose flags (those marked `shapes_model`) --use-checkpoint-args restores.
+_MODEL_SHAPING = (ModelConfig, EmbeddingConfig, DataConfig)
+
+
+def model_shaping_dests() -> list[str]:
+    """The namespace names --use-checkpoint-args restores: every flag that shapes the model's
+    parameters (`flag(..., shapes_model=True)` on the model, embedding and tokenizer fields),
+    and the `--lev-*` flags."""
+    return [
+        flag_dest(f)
+        for cls in _MODEL_SHAPING
+        for f in flag_fields(cls)
+        if f.metadata.get("shapes_model")
+    ]
 
 
 def _fill(cls, args: argparse.Namespace, **values):
@@ -112,10 +109,10 @@ def _configs_from(args: argparse.Namespace, **given) -> TrainingConfig:
 
 
 def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
-    """The `TrainingConfig` of a namespace that went through `parse_args` (validated, derived).
-
-    Every field is taken from the flag (or derived value) of the same name; `ckpt.args_json` is
-    the whole command line as args.json records it.
+    """The `TrainingConfig` of a namespace that went through `parse_args` (validated, derived),
+    or of a checkpoint's args.json: every field is taken from the flag (or derived value) of
+    the same name; `ckpt.args_json` is the whole command line as args.json records it. The
+    entry point has it from `parse_config` already; this rebuilds the same config.
     """
     return _configs_from(args)
 
@@ -125,32 +122,11 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    g = add_config_arguments(parser, ParallelConfig, "distributed")
-    g.add_argument(
-        "--make-vocab-size-divisible-by",
-        type=int,
-        default=128,
-        help="pad the vocabulary to a multiple of this times the TP size",
-    )
+    add_config_arguments(parser, ParallelConfig, "distributed")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=None,
-        help="default: micro-batch size x data-parallel size (no accumulation)",
-    )
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument(
-        "--dataloader-type",
-        choices=("single",),
-        default="single",
-        help="Megatron-LM's sequential pretraining sampler (resumes at the consumed sample)",
-    )
+    add_config_arguments(parser, BatchConfig, "training", "batch sizes and run length")
     add_config_arguments(parser, TrainingConfig, "run")  # --seed
     add_config_arguments(parser, PrecisionConfig, "precision")
     add_config_arguments(parser, ExitConfig, "exit conditions and non-finite steps")
@@ -159,34 +135,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
-    g = add_config_arguments(parser, OptimizerConfig, "optimizer and learning-rate schedule")
-    # The schedule lengths in iterations or samples; `OptimizerConfig.from_schedule` turns them
-    # into its *_steps fields (in samples).
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    add_config_arguments(parser, OptimizerConfig, "optimizer and learning-rate schedule")
 
 
 def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    g = add_config_arguments(parser, CheckpointConfig, "checkpointing")
-    g.add_argument(
-        "--ckpt-format",
-        choices=("torch_dcp", "torch_dist"),
-        default="torch_dcp",
-        help="plain torch.distributed.checkpoint (DCP) with DTensor tensor-parallel shards; "
-        "not Megatron's torch_dist format (tools/convert_checkpoint.py export-megatron writes "
-        "a checkpoint Megatron-LM loads). torch_dist, which Megatron-LM launch scripts pass, "
-        "is accepted with a logged note and means torch_dcp",
-    )
-    g.add_argument(
-        "--use-checkpoint-args",
-        action="store_true",
-        help="take the model flags from the checkpoint in --load",
-    )
+    add_config_arguments(parser, CheckpointConfig, "checkpointing")
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -250,7 +203,7 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
         raise ArgumentError(f"--use-checkpoint-args: no checkpoint with args.json in {args.load}")
     with open(path) as handle:
         saved = json.load(handle)
-    names = [n for n in MODEL_ARG_NAMES if n in saved]
+    names = [n for n in model_shaping_dests() if n in saved]
     names += [n for n in saved if n.startswith("lev_") and n not in names]
     for name in names:
         if name in explicit:
@@ -269,9 +222,6 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
 
 # --------------------------------------------------------------------------------------------
 # Validation
-
-# OptimizerConfig's schedule lengths in samples (`OptimizerConfig.from_schedule` derives them).
-_SCHEDULE_IN_SAMPLES = ("lr_warmup_steps", "lr_decay_steps", "lr_wsd_decay_steps", "wd_incr_steps")
 
 
 def _record_config(args: argparse.Namespace, cfg: TrainingConfig) -> None:
@@ -293,29 +243,13 @@ def _build_training_config(args: argparse.Namespace, world_size: int) -> Trainin
     batch = BatchConfig.from_run_length(
         parallel.data_parallel_size,
         seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters,
-        train_samples=args.train_samples,
-        rampup_batch_size=args.rampup_batch_size,
-        num_workers=args.num_workers,
+        **config_flag_values(BatchConfig, args),
     )
-    schedule = (
-        "lr_decay_iters",
-        "lr_decay_samples",
-        "lr_warmup_iters",
-        "lr_warmup_samples",
-        "lr_warmup_fraction",
-        "lr_wsd_decay_iters",
-        "lr_wsd_decay_samples",
-    )
-    optim_fields = [f.name for f in fields(OptimizerConfig) if f.name not in _SCHEDULE_IN_SAMPLES]
     optim = OptimizerConfig.from_schedule(
         global_batch_size=batch.global_batch_size,
         train_iters=args.train_iters,
         train_samples=args.train_samples,
-        **{name: getattr(args, name) for name in schedule},
-        **{name: getattr(args, name) for name in optim_fields},
+        **config_flag_values(OptimizerConfig, args),
     )
     return _configs_from(args, batch=batch, parallel=parallel, optim=optim)
 
@@ -327,6 +261,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     Raises:
         ArgumentError: the one-line message of the config that refused a value.
     """
+    _validate(args, world_size)
+    return args
+
+
+def _validate(args: argparse.Namespace, world_size: int) -> TrainingConfig:
+    """`validate_args`, returning the `TrainingConfig` it built (args.json: the final flags)."""
     cuda = torch.cuda.is_available()
     # What this machine must have (the configs check values, not the machine).
     if args.distributed_backend == "nccl" and not cuda:
@@ -364,14 +304,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
     if args.logging_level is not None:
         logging.getLogger().setLevel(args.logging_level)
-    return args
+    ckpt = dataclasses.replace(cfg.ckpt, args_json=args_to_json(args))
+    return dataclasses.replace(cfg, ckpt=ckpt)
 
 
-def parse_args(
+def parse_config(
     argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
-) -> argparse.Namespace:
+) -> tuple[argparse.Namespace, TrainingConfig]:
     """Parse and validate `argv` (default sys.argv) for `world_size` ranks (default torchrun's
-    WORLD_SIZE, else 1)."""
+    WORLD_SIZE, else 1): the namespace (what args.json records) and the frozen `TrainingConfig`
+    built from it once, its derived values included.
+
+    Raises:
+        ArgumentError: a refused flag or combination (one line naming the flag).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.use_checkpoint_args:
@@ -380,7 +326,14 @@ def parse_args(
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
     apply_megatron_compat(args, error=ArgumentError)
-    return validate_args(args, world_size)
+    return args, _validate(args, world_size)
+
+
+def parse_args(
+    argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
+) -> argparse.Namespace:
+    """`parse_config`'s namespace alone (tools and tests that read flags)."""
+    return parse_config(argv, world_size)[0]
 
 
 def args_to_json(args: argparse.Namespace) -> dict:

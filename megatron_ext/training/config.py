@@ -2,7 +2,9 @@
 
 `pretrain(cfg)` reads these and nothing else (no argparse namespace). Each field has one owner:
 the layout in `ParallelConfig`, batch sizes and run length in `BatchConfig`, numerics in
-`PrecisionConfig`, when to stop in `ExitConfig`, and so on.
+`PrecisionConfig`, when to stop in `ExitConfig`, and so on. A field with a command-line flag
+declares it (`config_flags.flag`); the configs are frozen, their derived values set once in
+`__post_init__` or by the constructors below.
 
 Each dataclass checks its own fields in `__post_init__`, raising ValueError with one line that
 names the flag to change (the command line is their main user); `TrainingConfig.__post_init__`
@@ -27,7 +29,7 @@ from typing import Optional
 
 from megatron_ext.config_flags import flag
 from megatron_ext.models.config import check_half_precision
-from megatron_ext.training.megatron_features import FeatureConfig
+from megatron_ext.training.megatron_features import BatchSizeRampup, FeatureConfig
 
 __all__ = [
     "ParallelConfig",
@@ -54,7 +56,7 @@ def _at_least(flag: str, value, minimum: int = 1) -> None:
         raise ValueError(f"{flag} must be >= {minimum}, got {value}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
 
@@ -83,6 +85,8 @@ class ParallelConfig:
     """Derived: world size / (TP x CP x PP), set by `resolve`."""
 
     def __post_init__(self) -> None:
+        # megatron_ext.parallel imports megatron-core's parallel_state: the configs stay
+        # importable (and checkable) without loading megatron.core.
         from megatron_ext.parallel import validate_parallel_layout
 
         _at_least("data-parallel size", self.data_parallel_size)
@@ -116,7 +120,7 @@ class ParallelConfig:
         Raises:
             ValueError: the ranks do not split into TP x CP x PP x DP.
         """
-        from megatron_ext.parallel import validate_parallel_layout
+        from megatron_ext.parallel import validate_parallel_layout  # megatron.core: see above
 
         dp = validate_parallel_layout(world_size, *self._model_parallel_sizes)
         if dp == self.data_parallel_size:
@@ -124,19 +128,44 @@ class ParallelConfig:
         return dataclasses.replace(self, data_parallel_size=dp)
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchConfig:
-    """Batch sizes and run length."""
+    """Batch sizes and run length (Megatron-LM's flags). The command line leaves the global
+    batch and the run length unset and `from_run_length` derives them; a library user gives
+    them directly."""
 
     seq_length: int
-    """Tokens per sample (--seq-length, the length the model is built for)."""
-    micro_batch_size: int = 1
-    global_batch_size: int = 1
-    """At the end of --rampup-batch-size (`FeatureConfig`), if any."""
-    train_iters: int = 0
+    """Tokens per sample (--seq-length, `ModelConfig`'s flag: the length the model is built for)."""
+    micro_batch_size: Optional[int] = flag(1, "--micro-batch-size", command_line_default=None)
+    """Required on the command line (as in Megatron-LM)."""
+    global_batch_size: Optional[int] = flag(
+        1,
+        "--global-batch-size",
+        "default: micro-batch size x data-parallel size (no accumulation)",
+        command_line_default=None,
+    )
+    """At the end of --rampup-batch-size, if any. Command line: derived when not given."""
+    train_iters: Optional[int] = flag(0, "--train-iters", command_line_default=None)
     """Iterations to train (derived from --train-samples when that is given)."""
-    num_workers: int = 0
-    """DataLoader worker processes (the data flag --num-workers)."""
+    train_samples: Optional[int] = flag(None, "--train-samples")
+    """The run length in samples, if given so (`train_iters` is derived from it)."""
+    rampup_batch_size: Optional[list[int]] = flag(
+        None,
+        "--rampup-batch-size",
+        "grow the global batch from START by INCREMENT over SAMPLES consumed samples",
+        nargs=3,
+        type=int,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+    )
+    num_workers: int = flag(0, "--num-workers", "dataloader workers", command_line_default=2)
+    """DataLoader worker processes: Megatron-LM's 2 on the command line; 0 (in-process) for a
+    config built in code."""
+    dataloader_type: str = flag(
+        "single",
+        "--dataloader-type",
+        "Megatron-LM's sequential pretraining sampler (resumes at the consumed sample)",
+        choices=("single",),
+    )
 
     def __post_init__(self) -> None:
         _required("--micro-batch-size", self.micro_batch_size)
@@ -148,6 +177,19 @@ class BatchConfig:
         _required("--train-iters", self.train_iters)
         _at_least("--train-iters", self.train_iters, 0)
 
+    def rampup(self, data_parallel_size: int) -> Optional[BatchSizeRampup]:
+        """The --rampup-batch-size schedule up to the global batch, in steps that split into
+        micro-batches over `data_parallel_size` ranks, or None without the flag.
+
+        Raises:
+            ValueError: a ramp that does not reach the global batch or does not split.
+        """
+        if not self.rampup_batch_size:
+            return None
+        start, increment, samples = self.rampup_batch_size
+        micro_times_dp = self.micro_batch_size * data_parallel_size
+        return BatchSizeRampup(start, increment, samples, self.global_batch_size, micro_times_dp)
+
     @classmethod
     def from_run_length(
         cls,
@@ -158,12 +200,12 @@ class BatchConfig:
         global_batch_size: Optional[int] = None,
         train_iters: Optional[int] = None,
         train_samples: Optional[int] = None,
-        rampup_batch_size: Optional[list] = None,
-        num_workers: int = 0,
+        **flags,
     ) -> "BatchConfig":
         """Megatron-LM's batch flags at `data_parallel_size`: the global batch defaults to
         micro-batch x DP (no accumulation); the run length is exactly one of `train_iters` and
         `train_samples`, iterations derived from samples (through --rampup-batch-size, if any).
+        `flags` are the other fields as given (rampup_batch_size, num_workers, ...).
         """
         _required("--micro-batch-size", micro_batch_size)
         _at_least("--micro-batch-size", micro_batch_size)
@@ -182,21 +224,22 @@ class BatchConfig:
                     f"({global_batch_size})"
                 )
             train_iters = train_samples // global_batch_size
-            rampup = FeatureConfig(rampup_batch_size=rampup_batch_size).rampup(
-                global_batch_size, micro_batch_size * data_parallel_size
-            )
-            if rampup is not None:
-                train_iters = rampup.iterations_for(train_samples)
-        return cls(
+        batch = cls(
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
             train_iters=train_iters,
-            num_workers=num_workers,
+            train_samples=train_samples,
+            **flags,
         )
+        if train_samples is not None:
+            rampup = batch.rampup(data_parallel_size)
+            if rampup is not None:
+                batch = dataclasses.replace(batch, train_iters=rampup.iterations_for(train_samples))
+        return batch
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionConfig:
     """Autocast precision of the portable engine and FP16 loss scaling (see `precision.py`)."""
 
@@ -236,7 +279,7 @@ class PrecisionConfig:
         _at_least("--fp8-amax-history-len", self.fp8_amax_history_len)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExitConfig:
     """When the run stops early: exit conditions (each saves first) and non-finite steps."""
 
@@ -268,7 +311,7 @@ class ExitConfig:
             raise ValueError("--exit-duration-in-mins must be > 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     """Validation during training (and the test set at the end)."""
 
@@ -281,7 +324,7 @@ class EvalConfig:
         _at_least("--eval-iters", self.eval_iters, 0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW and Megatron's learning-rate / weight-decay schedule (in samples)."""
 
@@ -322,6 +365,15 @@ class OptimizerConfig:
         "--use-checkpoint-opt_param-scheduler",
         aliases=("--use-checkpoint-opt-param-scheduler",),
     )
+    # The schedule as the flags give it, in iterations or in samples (recorded as typed);
+    # `from_schedule` turns them into the *_steps below. A config built in code sets those.
+    lr_decay_iters: Optional[int] = flag(None, "--lr-decay-iters")
+    lr_decay_samples: Optional[int] = flag(None, "--lr-decay-samples")
+    lr_warmup_iters: int = flag(0, "--lr-warmup-iters")
+    lr_warmup_samples: int = flag(0, "--lr-warmup-samples")
+    lr_warmup_fraction: Optional[float] = flag(None, "--lr-warmup-fraction")
+    lr_wsd_decay_iters: Optional[int] = flag(None, "--lr-wsd-decay-iters")
+    lr_wsd_decay_samples: Optional[int] = flag(None, "--lr-wsd-decay-samples")
     # In samples (Megatron-LM steps its scheduler by the global batch size); `from_schedule`
     # derives them from the flags in iterations or samples.
     lr_warmup_steps: int = 0
@@ -353,9 +405,9 @@ class OptimizerConfig:
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_steps is None:
             raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters/-samples")
         if self.start_weight_decay is None:
-            self.start_weight_decay = self.weight_decay
+            object.__setattr__(self, "start_weight_decay", self.weight_decay)
         if self.end_weight_decay is None:
-            self.end_weight_decay = self.weight_decay
+            object.__setattr__(self, "end_weight_decay", self.weight_decay)
         if self.weight_decay_incr_style == "constant" and (
             self.start_weight_decay != self.end_weight_decay
         ):
@@ -416,6 +468,13 @@ class OptimizerConfig:
             warmup = int(lr_warmup_fraction * decay)
         return cls(
             **fields,
+            lr_decay_iters=lr_decay_iters,
+            lr_decay_samples=lr_decay_samples,
+            lr_warmup_iters=lr_warmup_iters,
+            lr_warmup_samples=lr_warmup_samples,
+            lr_warmup_fraction=lr_warmup_fraction,
+            lr_wsd_decay_iters=lr_wsd_decay_iters,
+            lr_wsd_decay_samples=lr_wsd_decay_samples,
             lr_warmup_steps=warmup,
             lr_decay_steps=decay,
             lr_wsd_decay_steps=wsd_decay,
@@ -423,7 +482,7 @@ class OptimizerConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """torch.distributed.checkpoint directories `<save>/iter_0000100/` + the latest marker."""
 
@@ -444,6 +503,20 @@ class CheckpointConfig:
         False, "--finetune", "load weights only; reset iteration, optimizer, scheduler and RNG"
     )
     exit_on_missing_checkpoint: bool = flag(False, "--exit-on-missing-checkpoint")
+    ckpt_format: str = flag(
+        "torch_dcp",
+        "--ckpt-format",
+        "plain torch.distributed.checkpoint (DCP) with DTensor tensor-parallel shards; "
+        "not Megatron's torch_dist format (tools/convert_checkpoint.py export-megatron writes "
+        "a checkpoint Megatron-LM loads). torch_dist, which Megatron-LM launch scripts pass, "
+        "is accepted with a logged note and means torch_dcp",
+        choices=("torch_dcp", "torch_dist"),
+    )
+    """The one format written (the entry point turns Megatron-LM's torch_dist into it)."""
+    use_checkpoint_args: bool = flag(
+        False, "--use-checkpoint-args", "take the model flags from the checkpoint in --load"
+    )
+    """Applied by the entry point while parsing (`arguments.parse_args`); recorded here."""
     args_json: dict = field(default_factory=dict)
     """The run's flags, written as args.json beside each checkpoint (--use-checkpoint-args
     reads the model flags back from it) and logged at start."""
@@ -459,7 +532,7 @@ class CheckpointConfig:
             raise ValueError("--ckpt-step needs --load")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     """What the loop logs, where, and how often (Megatron-LM's logging flags)."""
 
@@ -487,7 +560,7 @@ class LoggingConfig:
         _at_least("--tensorboard-log-interval", self.tensorboard_log_interval)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """Which training engine runs the step: the portable one (`loop._Trainer`, gloo and NCCL)
     or megatron-core's (`--ddp-impl megatron`, CUDA only) and its DDP settings."""
@@ -525,7 +598,7 @@ class EngineConfig:
         _at_least("--ddp-bucket-size", self.ddp_bucket_size)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingConfig:
     """Every training setting, one dataclass per concern."""
 
@@ -559,14 +632,16 @@ class TrainingConfig:
             raise ValueError(
                 f"--seq-length {b.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
             )
-        f.rampup(b.global_batch_size, micro_times_dp)  # checks --rampup-batch-size
+        b.rampup(p.data_parallel_size)  # checks --rampup-batch-size
         if f.decoupled_lr is not None and f.decoupled_min_lr is None:
-            self.features = f = dataclasses.replace(f, decoupled_min_lr=self.optim.min_lr)
+            f = dataclasses.replace(f, decoupled_min_lr=self.optim.min_lr)
+            object.__setattr__(self, "features", f)
         if f.skip_train:
             if not self.ckpt.load:
                 raise ValueError("--skip-train evaluates a checkpoint: pass --load")
             if not self.ckpt.no_load_optim:
-                self.ckpt = dataclasses.replace(self.ckpt, no_load_optim=True)
+                ckpt = dataclasses.replace(self.ckpt, no_load_optim=True)
+                object.__setattr__(self, "ckpt", ckpt)
         if f.async_save and not self.ckpt.save:
             raise ValueError("--async-save needs --save")
         if self.engine.overlap_param_gather and not p.use_distributed_optimizer:

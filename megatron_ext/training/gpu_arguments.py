@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_ext.config_flags import ArgumentError
+
+if TYPE_CHECKING:
+    from megatron_ext.training.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +24,7 @@ __all__ = [
     "validate_gpu_args",
     "fp8_recipe_kwargs",
     "megatron_engine_model_config",
+    "engine_model_config",
 ]
 
 
@@ -62,17 +66,29 @@ def validate_gpu_args(args: argparse.Namespace, cuda: bool | None = None) -> arg
     return args
 
 
-def megatron_engine_model_config(model_config, args: argparse.Namespace):
+def megatron_engine_model_config(model_config, precision: Any):
     """The ModelConfig for --ddp-impl megatron: BF16 parameters (megatron's mixed precision
-    keeps float32 master weights in the optimizer) and the FP8 recipe in TransformerConfig."""
+    keeps float32 master weights in the optimizer) and the FP8 recipe in TransformerConfig.
+    `precision`: a `PrecisionConfig` (or a namespace with its fields)."""
     extra = dict(model_config.extra_transformer_config)
-    if getattr(args, "fp8_format", None):
+    if getattr(precision, "fp8_format", None):
         extra.update(
-            fp8_margin=args.fp8_margin,
-            fp8_amax_history_len=args.fp8_amax_history_len,
-            fp8_amax_compute_algo=args.fp8_amax_compute_algo,
+            fp8_margin=precision.fp8_margin,
+            fp8_amax_history_len=precision.fp8_amax_history_len,
+            fp8_amax_compute_algo=precision.fp8_amax_compute_algo,
         )
-    return model_config.replace(bf16=bool(args.bf16), fp16=False, extra_transformer_config=extra)
+    return model_config.replace(
+        bf16=bool(precision.bf16), fp16=False, extra_transformer_config=extra
+    )
+
+
+def engine_model_config(model_config, cfg: "TrainingConfig"):
+    """The ModelConfig the run's engine builds (the one place the engine shapes the model's
+    precision): float32 parameters for the portable engine, which runs --bf16/--fp16 as
+    autocast (`training.precision`); megatron's for --ddp-impl megatron."""
+    if cfg.engine.ddp_impl == "megatron":
+        return megatron_engine_model_config(model_config, cfg.precision)
+    return model_config.replace(bf16=False, fp16=False)
 
 
 def fp8_recipe_kwargs(args: Any) -> dict[str, Any]:

@@ -1,9 +1,8 @@
 """Every Megatron-LM flag has an answer: implemented, accepted (it restates this design),
 ignored with a logged note, CUDA-path only, or refused with one line saying why.
 
-`add_megatron_compat_arguments(parser)` runs last in `build_parser`. It adds the Megatron-LM
-training features implemented in this package (`--rampup-batch-size`, `--decoupled-lr`,
-`--profile`, ...) as ordinary flags, and registers every other flag of
+`add_megatron_compat_arguments(parser)` runs last in `build_parser`: the flags implemented here
+are declared on the config fields that own them, so it registers every flag of
 `megatron_flags.MEGATRON_FLAGS` that the parser does not know yet with a `_CompatAction` that
 records its use. `apply_megatron_compat(args)` (called by `parse_args`) then refuses, notes or
 accepts what was given, and writes the effective value of design flags (`swiglu True`).
@@ -63,18 +62,21 @@ class Rule:
     """For DESIGN switches: the value the run really uses (shown in the argument dump)."""
     choices: Optional[tuple] = None
     """Megatron-LM's valid values (argparse checks them)."""
+    default: object = argparse.SUPPRESS
+    """The value the namespace (and args.json) holds when the flag is not given: Megatron-LM's
+    default for the launch-script flags of this backbone's fixed design, else nothing."""
 
 
 def _r(note: str, allowed: Optional[tuple] = None) -> Rule:
     return Rule(REFUSED, note, allowed)
 
 
-def _d(note: str, effective: object = True, allowed: Optional[tuple] = None) -> Rule:
-    return Rule(DESIGN, note, allowed, effective=effective)
+def _d(note: str, effective: object = True, allowed: Optional[tuple] = None, **default) -> Rule:
+    return Rule(DESIGN, note, allowed, effective=effective, **default)
 
 
-def _n(note: str) -> Rule:
-    return Rule(NOTED, note)
+def _n(note: str, **default) -> Rule:
+    return Rule(NOTED, note, **default)
 
 
 def _c(note: str, cpu_refused: bool = False, choices: Optional[tuple] = None) -> Rule:
@@ -114,8 +116,19 @@ _RULES: dict[str, Rule] = {
         "norm weights get no weight decay, so the zero-centred (1p) weight trains exactly like "
         "the RMSNorm weight used here"
     ),
-    "--normalization": _d("the backbone uses RMSNorm", "RMSNorm", ("RMSNorm",)),
-    "--position-embedding-type": _d("positions are rotary", "rope", ("rope",)),
+    # The design flags of Megatron-LM GPT launch scripts keep a value in args.json (default).
+    "--normalization": _d(
+        "the Leviathan backbone is LLaMA-style and uses RMSNorm; drop the flag",
+        "RMSNorm",
+        ("RMSNorm",),
+        default="RMSNorm",
+    ),
+    "--position-embedding-type": _d(
+        "the Leviathan backbone uses rotary positions; drop the flag",
+        "rope",
+        ("rope",),
+        default="rope",
+    ),
     "--use-rotary-position-embeddings": _d("positions are rotary"),
     "--swiglu": _d("the MLP is SwiGLU"),
     "--disable-bias-linear": _d("linear layers have no bias"),
@@ -124,15 +137,17 @@ _RULES: dict[str, Rule] = {
     "--accumulate-allreduce-grads-in-fp32": _d(
         "gradients are float32 (autocast keeps fp32 master weights)"
     ),
-    "--use-flash-attn": _n("Transformer Engine picks its fused attention itself"),
-    "--no-masked-softmax-fusion": _n(_NO_FUSION),
-    "--no-bias-swiglu-fusion": _n(_NO_FUSION),
-    "--no-bias-dropout-fusion": _n(_NO_FUSION),
+    "--use-flash-attn": _n("Transformer Engine picks its fused attention itself", default=False),
+    "--no-masked-softmax-fusion": _n(_NO_FUSION, default=False),
+    "--no-bias-swiglu-fusion": _n(_NO_FUSION, default=False),
+    "--no-bias-dropout-fusion": _n(_NO_FUSION, default=False),
     "--no-bias-gelu-fusion": _n(_NO_FUSION),
-    "--no-rope-fusion": _n(_NO_FUSION),
+    "--no-rope-fusion": _n(_NO_FUSION, default=False),
     "--no-persist-layer-norm": _n(_NO_FUSION),
     "--disable-jit-fuser": _n(_NO_FUSION),
-    "--no-gradient-accumulation-fusion": _n("gradients accumulate in float32 .grad tensors"),
+    "--no-gradient-accumulation-fusion": _n(
+        "gradients accumulate in float32 .grad tensors", default=False
+    ),
     "--encoder-num-layers": _r(_DECODER),
     "--decoder-num-layers": _r(_DECODER),
     "--encoder-seq-length": _r(_DECODER),
@@ -428,35 +443,6 @@ class _CompatAction(argparse.Action):
         setattr(namespace, _GIVEN, given)
 
 
-def _add_features(parser: argparse.ArgumentParser) -> None:
-    """Megatron-LM model and data flags implemented here that no config declares yet (the
-    training features are `FeatureConfig`'s fields)."""
-    g = parser.add_argument_group("Megatron-LM model and data features")
-    g.add_argument(
-        "--recompute-activations",
-        action="store_true",
-        help="selective recomputation (same as --recompute-granularity selective)",
-    )
-    g.add_argument("--kv-channels", type=int, default=None, help="channels per attention head")
-    g.add_argument(
-        "--rotary-percent", type=float, default=1.0, help="fraction of head channels rotated"
-    )
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
-    g.add_argument(
-        "--no-mmap-bin-files",
-        dest="mmap_bin_files",
-        action="store_false",
-        help="read .bin token files with file reads instead of mmap",
-    )
-    g.add_argument(
-        "--num-dataset-builder-threads",
-        type=int,
-        default=1,
-        help="threads building the dataset indices",
-    )
-
-
 def _compat_kwargs(kind: str) -> dict:
     if kind == "switch":
         return dict(nargs=0)
@@ -466,10 +452,8 @@ def _compat_kwargs(kind: str) -> dict:
 
 
 def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the implemented Megatron-LM features and answer every other Megatron-LM flag."""
+    """Answer every Megatron-LM flag the parser does not know yet (by a rule)."""
     known = parser._option_string_actions
-    if "--kv-channels" not in known:
-        _add_features(parser)
     group = parser.add_argument_group(
         "Megatron-LM flags answered here",
         f"Megatron-LM {MEGATRON_LM_VERSION} flags: accepted, noted, CUDA-path or refused "
@@ -490,10 +474,11 @@ def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.A
             dest=dest,
             action=_CompatAction,
             megatron_rule=rule,
-            # Only what was given (or a design flag's effective value) shows in the dump.
+            # Only what was given (or a design flag's effective value, or the rule's default)
+            # shows in the dump.
             default=rule.effective
             if kind == "switch" and rule.effective is not None
-            else argparse.SUPPRESS,
+            else rule.default,
             help=f"[{rule.status}] {rule.note}",
             **_compat_kwargs(kind),
             **({"choices": rule.choices} if rule.choices and kind != "switch" else {}),

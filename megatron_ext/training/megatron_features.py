@@ -1,11 +1,10 @@
-"""Megatron-LM training features on top of the loop: batch-size ramp-up, decoupled learning
-rates, manual garbage collection, empty-cache levels, the torch profiler window, parameter-norm /
-zero-gradient / memory logging and Weights & Biases.
+"""Megatron-LM training features on top of the loop: the batch-size ramp-up schedule,
+decoupled learning rates, manual garbage collection, empty-cache levels, the torch profiler
+window, parameter-norm / zero-gradient / memory logging and Weights & Biases.
 
-The flags are added by `megatron_compat.add_megatron_compat_arguments`; `FeatureConfig` holds
-and checks them (`TrainingConfig` checks them against the batch and checkpoint settings;
-`arguments.validate_args` what they need of the machine), and `RunExtras` is what the loop calls
-around each iteration.
+`FeatureConfig` declares and checks their flags (`--rampup-batch-size` is `BatchConfig`'s;
+`TrainingConfig` checks them against the checkpoint settings), `BatchSizeRampup` is the ramp,
+and `RunExtras` is what the loop calls around each iteration.
 """
 
 from __future__ import annotations
@@ -14,11 +13,13 @@ import gc
 import logging
 import math
 import os
+import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
 from megatron_ext.config_flags import flag
 
@@ -37,18 +38,10 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class FeatureConfig:
     """The Megatron-LM feature flags (names as the flags)."""
 
-    rampup_batch_size: Optional[list[int]] = flag(
-        None,
-        "--rampup-batch-size",
-        "grow the global batch from START by INCREMENT over SAMPLES consumed samples",
-        nargs=3,
-        type=int,
-        metavar=("START", "INCREMENT", "SAMPLES"),
-    )
     decoupled_lr: Optional[float] = flag(
         None,
         "--decoupled-lr",
@@ -121,8 +114,8 @@ class FeatureConfig:
     wandb_entity: Optional[str] = flag(None, "--wandb-entity")
 
     def __post_init__(self) -> None:
-        """The checks of these flags alone; those against the batch or the checkpoint flags
-        (--rampup-batch-size, --skip-train, ...) are `TrainingConfig`'s."""
+        """The checks of these flags alone; those against the checkpoint flags (--skip-train,
+        --async-save) are `TrainingConfig`'s."""
         if self.decoupled_min_lr is not None:
             if self.decoupled_lr is None:
                 raise ValueError("--decoupled-min-lr needs --decoupled-lr")
@@ -138,14 +131,6 @@ class FeatureConfig:
                 f"need 0 <= --profile-step-start ({self.profile_step_start}) < "
                 f"--profile-step-end ({self.profile_step_end})"
             )
-
-    def rampup(self, global_batch_size: int, micro_times_dp: int) -> Optional["BatchSizeRampup"]:
-        """The --rampup-batch-size schedule up to `global_batch_size` in steps that split into
-        `micro_times_dp` (micro-batch size x data-parallel size), or None without the flag."""
-        if not self.rampup_batch_size:
-            return None
-        start, increment, samples = self.rampup_batch_size
-        return BatchSizeRampup(start, increment, samples, global_batch_size, micro_times_dp)
 
 
 @dataclass(frozen=True)
@@ -215,8 +200,6 @@ def memory_stats() -> dict[str, float]:
             "mem-max-allocated-gigabytes": torch.cuda.max_memory_allocated() / gib,
             "mem-reserved-gigabytes": torch.cuda.memory_reserved() / gib,
         }
-    import resource
-
     out = {"mem-max-rss-gigabytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)}
     try:
         with open("/proc/self/statm") as handle:
@@ -269,10 +252,7 @@ class RunExtras:
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
         self.global_batch_size = run.batch.global_batch_size
-        self.rampup = cfg.rampup(
-            run.batch.global_batch_size,
-            run.batch.micro_batch_size * run.parallel.data_parallel_size,
-        )
+        self.rampup = run.batch.rampup(run.parallel.data_parallel_size)
         # Profiler traces beside the TensorBoard events, else under --save; W&B likewise.
         self.log_dir = run.log.tensorboard_dir
         self.save_dir = run.ckpt.save
@@ -333,8 +313,6 @@ class RunExtras:
         return self.log_dir or os.path.join(self.save_dir, "profile")
 
     def _start_profiler(self) -> None:
-        from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
-
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
@@ -365,7 +343,7 @@ class RunExtras:
 
 
 def _init_wandb(cfg: FeatureConfig, run_dir: Optional[str]):
-    import wandb
+    import wandb  # optional dependency (the [wandb] extra), imported only with --wandb-project
 
     save_dir = cfg.wandb_save_dir or os.path.join(run_dir or ".", "wandb")
     os.makedirs(save_dir, exist_ok=True)

@@ -95,14 +95,18 @@ def test_flag_conflicts_are_clear_errors():
 
 
 def test_megatron_launch_script_flags_are_accepted():
+    from megatron_ext.training.arguments import parse_args
+
     argv = (
         "--use-mcore-models --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
         "--seq-length 32 --swiglu --disable-bias-linear --normalization RMSNorm "
         "--position-embedding-type rope --untie-embeddings-and-output-weights "
         "--no-masked-softmax-fusion --no-bias-swiglu-fusion --no-rope-fusion "
-        "--attention-softmax-in-fp32 --use-flash-attn --no-gradient-accumulation-fusion"
+        "--attention-softmax-in-fp32 --use-flash-attn --no-gradient-accumulation-fusion "
+        "--micro-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 100"
     ).split()
-    cfg = model_config_from_args(_parse(*argv), 128)
+    cfg = model_config_from_args(parse_args(argv, world_size=1), 128)
     assert (cfg.num_layers, cfg.hidden_size, cfg.embedding.embedding_type) == (2, 64, "lev")
 
 
@@ -111,8 +115,12 @@ def test_megatron_launch_script_flags_are_accepted():
     [("--normalization", "LayerNorm"), ("--position-embedding-type", "learned_absolute")],
 )
 def test_megatron_flags_asking_for_another_design_are_refused(flag, value):
-    with pytest.raises(ValueError, match=f"{flag} {value}: the Leviathan backbone"):
-        model_config_from_args(_parse(flag, value), 128)
+    """Megatron-LM compatibility rules (`training.megatron_compat`) answer these flags."""
+    from megatron_ext.training.arguments import ArgumentError, parse_args
+
+    argv = [flag, value, "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
+    with pytest.raises(ArgumentError, match=f"{flag} {value}: the Leviathan backbone"):
+        parse_args([*argv, "--mock-data", "--tokenizer-type", "NullTokenizer"], world_size=1)
 
 
 def test_lev_flags_become_the_frozen_config_the_model_holds():

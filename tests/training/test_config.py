@@ -142,9 +142,13 @@ def _run(**parts) -> TrainingConfig:
         ),
         (
             lambda: _run(
-                features=FeatureConfig(rampup_batch_size=[2, 4, 100]),
-                batch=BatchConfig(seq_length=8, micro_batch_size=2, global_batch_size=8),
-            ),
+                batch=BatchConfig(
+                    seq_length=8,
+                    micro_batch_size=2,
+                    global_batch_size=8,
+                    rampup_batch_size=[2, 4, 100],
+                ),
+            ),  # fmt: skip
             "minus START 2 must be a non-negative multiple of INCREMENT 4",
         ),
         (

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
-from megatron_ext.config_flags import field_default, flag_dest, flag_fields
+from megatron_ext.config_flags import command_line_default, flag_dest, flag_fields
+from megatron_ext.data.loading import DataConfig
 from megatron_ext.lev.arguments import lev_flag_fields
+from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 from megatron_ext.training import config as C
 from megatron_ext.training.arguments import args_to_json, build_parser, parse_args
 from megatron_ext.training.megatron_compat import _CompatAction
@@ -18,7 +21,7 @@ from megatron_ext.training.megatron_features import FeatureConfig
 TREE = (
     C.TrainingConfig, C.ParallelConfig, C.BatchConfig, C.PrecisionConfig, C.ExitConfig,
     C.EvalConfig, C.OptimizerConfig, C.CheckpointConfig, C.LoggingConfig, C.EngineConfig,
-    FeatureConfig,
+    FeatureConfig, ModelConfig, EmbeddingConfig, DataConfig,
 )  # fmt: skip
 
 # Flags still declared by hand (argparse code), until the config that owns them declares them.
@@ -26,32 +29,6 @@ TREE = (
 HAND_DECLARED = {
     # deprecated alias mapped onto --lev-kernel by lev.arguments.lev_flag_values (old args.json)
     "--lev-fused",
-    # entry point / run length, schedule lengths (BatchConfig.from_run_length,
-    # OptimizerConfig.from_schedule translate them)
-    "--make-vocab-size-divisible-by", "--micro-batch-size", "--global-batch-size",
-    "--train-iters", "--train-samples", "--dataloader-type", "--lr-decay-iters",
-    "--lr-decay-samples", "--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction",
-    "--lr-wsd-decay-iters", "--lr-wsd-decay-samples", "--ckpt-format", "--use-checkpoint-args",
-    # model (models/arguments.py, megatron_compat._add_features)
-    "--model-size", "--num-layers", "--hidden-size", "--ffn-hidden-size",
-    "--num-attention-heads", "--group-query-attention", "--num-query-groups", "--seq-length",
-    "--max-position-embeddings", "--rotary-base", "--norm-epsilon", "--init-method-std",
-    "--hidden-dropout", "--attention-dropout", "--qk-layernorm", "--transformer-impl",
-    "--use-cpu-initialization", "--recompute-granularity", "--recompute-method",
-    "--recompute-num-layers", "--embedding-type", "--untie-embeddings-and-output-weights",
-    "--albert-dim", "--flat-mlp-seed-dim", "--embedding-mlp-hidden", "--recompute-activations",
-    "--kv-channels", "--rotary-percent",
-    # model: Megatron-LM design flags (models/arguments.py)
-    "--use-mcore-models", "--swiglu", "--disable-bias-linear", "--attention-softmax-in-fp32",
-    "--use-flash-attn", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
-    "--normalization", "--position-embedding-type",
-    # data (data/loading.py, megatron_compat._add_features)
-    "--data-path", "--split", "--train-data-path", "--valid-data-path", "--test-data-path",
-    "--data-cache-path", "--mock-data", "--tokenizer-type", "--tokenizer-model", "--vocab-size",
-    "--tiktoken-pattern", "--num-workers", "--eod-mask-loss", "--reset-position-ids",
-    "--reset-attention-mask", "--no-create-attention-mask-in-dataloader", "--vocab-file",
-    "--merge-file", "--no-mmap-bin-files", "--num-dataset-builder-threads",
 }  # fmt: skip
 
 BASE = [
@@ -90,13 +67,24 @@ def test_no_flag_is_declared_outside_the_tree():
 
 
 def test_the_command_line_default_is_the_fields_default():
+    """The flag's default is the field's, except where the field declares Megatron-LM's
+    command-line default (and says why in its docstring)."""
     parser = build_parser()
+    differs = set()
     for name, f in _declared().items():
         action = parser._option_string_actions[name]
         if f in lev_flag_fields():
             continue  # lev/arguments.py's own copy of the mechanism
         assert action.dest == flag_dest(f), name
-        assert action.default == field_default(f), name
+        assert action.default == command_line_default(f), name
+        if "command_line_default" in f.metadata:
+            differs.add(name)
+    # Required or derived on the command line (None), Megatron-LM's 2 workers, and TE where
+    # it can run: each field's docstring says so.
+    assert differs == {
+        "--micro-batch-size", "--global-batch-size", "--train-iters", "--num-workers",
+        "--transformer-impl",
+    }  # fmt: skip
 
 
 def test_lr_decay_style_default_is_megatron_lms_command_line_default():
@@ -140,3 +128,138 @@ def test_every_declared_field_reaches_args_json_and_the_config():
     assert (cfg.engine.ddp_bucket_size, cfg.features.profile_ranks) == (1000, [0, 1])
     assert cfg.features.manual_gc_eval is False
     assert cfg.precision.fp8_amax_compute_algo == "most_recent"
+
+
+# A non-default value for every flag that shapes the model (one valid model together). The test
+# fails naming a field marked shapes_model that has no value here, so a new one is covered.
+SHAPING_VALUES = {
+    "--model-size": ["200m"], "--num-layers": ["3"], "--hidden-size": ["96"],
+    "--num-attention-heads": ["6"], "--group-query-attention": [], "--num-query-groups": ["2"],
+    "--ffn-hidden-size": ["256"], "--seq-length": ["48"], "--rotary-base": ["500000"],
+    "--rotary-percent": ["0.5"], "--kv-channels": ["16"], "--norm-epsilon": ["1e-6"],
+    "--qk-layernorm": [], "--max-position-embeddings": ["4096"], "--embedding-type": ["albert"],
+    "--albert-dim": ["8"], "--flat-mlp-seed-dim": ["9"], "--embedding-mlp-hidden": ["10"],
+    "--untie-embeddings-and-output-weights": [], "--tokenizer-type": ["NullTokenizer"],
+    "--tokenizer-model": ["unused.model"], "--vocab-size": ["200"],
+    "--make-vocab-size-divisible-by": ["64"], "--lev-rank": ["4"], "--lev-num-knots": ["5"],
+}  # fmt: skip
+RUN = [
+    "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+]  # fmt: skip
+
+
+def _write_checkpoint_args(root, saved: dict) -> None:
+    ckpt = root / "iter_0000010"
+    ckpt.mkdir()
+    (ckpt / "args.json").write_text(json.dumps(saved))
+    (root / "latest_checkpointed_iteration.txt").write_text("10\n")
+
+
+def test_every_model_flag_reaches_args_json_and_round_trips_through_use_checkpoint_args(
+    tmp_path,
+):
+    """Every field marked shapes_model (model, embedding, tokenizer) and every --lev-* flag is
+    written to args.json and restored by --use-checkpoint-args (names read from the fields,
+    no list), giving the same ModelConfig and the same tokenizer settings."""
+    from megatron_ext.models import model_config_from_args
+    from megatron_ext.training.arguments import model_shaping_dests
+
+    parser = build_parser()
+    shaping = [
+        f for cls in (ModelConfig, EmbeddingConfig, DataConfig) for f in flag_fields(cls)
+        if f.metadata.get("shapes_model")
+    ]  # fmt: skip
+    missing = {f.metadata["flag"] for f in shaping} - SHAPING_VALUES.keys()
+    assert not missing, f"give these model-shaping flags a value in SHAPING_VALUES: {missing}"
+    argv = [*RUN]
+    for name, values in SHAPING_VALUES.items():
+        argv += [name, *values]
+    original = parse_args(argv, world_size=1)
+    saved = args_to_json(original)
+    lev = [parser._option_string_actions[f.metadata["flag"]].dest for f in lev_flag_fields()]
+    dests = [flag_dest(f) for f in shaping] + lev
+    assert set(model_shaping_dests()) == {flag_dest(f) for f in shaping}
+    for dest in dests:
+        assert dest in saved, dest
+    for f in shaping:  # every value in the test differs from the flag's default
+        action = parser._option_string_actions[f.metadata["flag"]]
+        assert saved[flag_dest(f)] != action.default, f.metadata["flag"]
+
+    _write_checkpoint_args(tmp_path, saved)
+    # The command line restates none of them (its own NullTokenizer size is overridden too,
+    # with a warning): all come from args.json.
+    restored = parse_args(
+        [*RUN[:-4], "--load", str(tmp_path), "--use-checkpoint-args"], world_size=1
+    )
+    for dest in dests:
+        assert getattr(restored, dest) == saved[dest], dest
+    assert model_config_from_args(restored, 256) == model_config_from_args(original, 256)
+    cfg = model_config_from_args(restored, 256)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.kv_channels, cfg.seq_length) == (3, 96, 16, 48)
+    assert (cfg.model_size, cfg.num_query_groups, cfg.embedding.embedding_type) == (
+        "200m",
+        2,
+        "albert",
+    )
+    assert (cfg.embedding.mlp_hidden, cfg.embedding.lev.rank) == (10, 4)
+    data = DataConfig.from_args(restored)
+    assert (data.vocab_size, data.make_vocab_size_divisible_by) == (200, 64)
+
+
+def test_every_model_and_data_flag_reaches_args_json_and_its_config():
+    """A model or data flag set to a non-default value shows in args.json under its dest and in
+    the config built from the namespace (renamed fields included: --kv-channels is head_dim)."""
+    from megatron_ext.models import model_config_from_args
+
+    argv = [*RUN]
+    for name, values in SHAPING_VALUES.items():
+        argv += [name, *values]
+    argv += [
+        "--init-method-std", "0.01", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+        "--no-use-cpu-initialization", "--recompute-activations", "--recompute-method",
+        "uniform", "--recompute-num-layers", "1", "--split", "90,5,5", "--data-cache-path",
+        "cache", "--tiktoken-pattern", "cl100k", "--eod-mask-loss", "--reset-position-ids",
+        "--reset-attention-mask", "--no-create-attention-mask-in-dataloader",
+        "--no-mmap-bin-files", "--num-dataset-builder-threads", "3", "--vocab-file", "v.json",
+        "--merge-file", "m.txt",
+    ]  # fmt: skip
+    args = parse_args(argv, world_size=1)
+    saved = args_to_json(args)
+    model = model_config_from_args(args, 256)
+    data = DataConfig.from_args(args)
+    for cls, part in ((ModelConfig, model), (EmbeddingConfig, model.embedding), (DataConfig, data)):
+        for f in flag_fields(cls):
+            assert saved[flag_dest(f)] == getattr(args, flag_dest(f)), f.name
+            flag_value = getattr(args, flag_dest(f))
+            if flag_value is not None and not (cls is DataConfig and f.name == "seed"):
+                assert getattr(part, f.name) == flag_value, f.name
+    assert model.recompute_granularity == "selective"  # Megatron-LM's --recompute-activations
+    assert (model.head_dim, model.embedding.mlp_hidden) == (16, 10)
+    assert (data.create_attention_mask, data.mmap_bin_files) == (False, False)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--train-samples", "1000", "--lr-decay-samples", "800", "--lr-warmup-samples", "80",
+         "--rampup-batch-size", "4", "4", "400", "--global-batch-size", "8", "--decoupled-lr",
+         "1e-3", "--lr-decay-style", "cosine", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel", "--embedding-type", "albert"],
+    ],
+)  # fmt: skip
+def test_the_entry_point_builds_the_config_once_and_args_json_rebuilds_the_same(extra):
+    """`parse_config` returns the frozen TrainingConfig it built while validating (derived
+    values included); rebuilding it from the namespace (a checkpoint's args.json, for tools)
+    gives the same config, and its args_json is the final namespace."""
+    from megatron_ext.training.arguments import parse_config, training_config_from_args
+
+    argv = [*RUN, "--seq-length", "32", *extra]
+    if "--train-samples" in extra:
+        argv.remove("--train-iters"), argv.remove("10")
+    args, cfg = parse_config(argv, world_size=4)
+    assert cfg == training_config_from_args(args)
+    assert cfg.ckpt.args_json == args_to_json(args)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.batch.train_iters = 1

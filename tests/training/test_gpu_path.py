@@ -155,3 +155,29 @@ def test_megatron_engine_refuses_what_it_does_not_do_yet():
                  "--fp8-amax-history-len", "16")  # fmt: skip
     cfg = megatron_engine_model_config(ModelConfig(vocab_size=64), args)
     assert cfg.bf16 and cfg.extra_transformer_config["fp8_amax_history_len"] == 16
+
+
+def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
+    """Portable engine: float32 parameters whatever --bf16/--fp16 say (autocast runs them);
+    megatron's engine: BF16 parameters and the FP8 recipe in the TransformerConfig fields."""
+    from megatron_ext.models import ModelConfig
+    from megatron_ext.training.config import (
+        BatchConfig,
+        EngineConfig,
+        OptimizerConfig,
+        PrecisionConfig,
+        TrainingConfig,
+    )
+    from megatron_ext.training.gpu_arguments import engine_model_config
+
+    model = ModelConfig(vocab_size=64, bf16=True)
+    batch, optim = BatchConfig(seq_length=8), OptimizerConfig(lr=1e-3)
+    portable = TrainingConfig(batch=batch, optim=optim, precision=PrecisionConfig(bf16=True))
+    assert not engine_model_config(model, portable).bf16
+    precision = PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_amax_history_len=16)
+    megatron = TrainingConfig(
+        batch=batch, optim=optim, precision=precision, engine=EngineConfig(ddp_impl="megatron")
+    )
+    cfg = engine_model_config(ModelConfig(vocab_size=64), megatron)
+    assert cfg.bf16 and not cfg.fp16
+    assert cfg.extra_transformer_config["fp8_amax_history_len"] == 16

@@ -86,8 +86,10 @@ def test_lev_lr_multiplier_follows_the_schedule():
     from megatron_ext.training.arguments import OptimizerConfig
     from megatron_ext.training.optimizer import Optimizer, build_scheduler
 
-    cfg = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_steps=4, lr_decay_steps=20)
-    cfg.start_weight_decay = cfg.end_weight_decay = 0.1  # what validate_args derives
+    cfg = OptimizerConfig(
+        lr=1e-3, min_lr=1e-4, lr_warmup_steps=4, lr_decay_steps=20,
+        start_weight_decay=0.1, end_weight_decay=0.1,
+    )  # fmt: skip
     model = _lev_model(lr_mult=0.25, weight_decay_groups=("out_proj",))
     optimizer = Optimizer(model, cfg)
     groups = {g["name"]: g for g in optimizer.param_groups}
