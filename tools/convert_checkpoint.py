@@ -17,15 +17,11 @@ bad input ends with one line on stderr and exit code 2. See docs/convert.md.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
-import warnings
 from typing import Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ext.conversion.common import DTYPES  # noqa: E402
+from megatron_ext.cli import run_tool
+from megatron_ext.conversion.common import DTYPES
 
 
 def _add_load(p: argparse.ArgumentParser) -> None:
@@ -178,31 +174,28 @@ def _shutdown() -> None:
         dist.destroy_process_group()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S"
-    )
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
-    warnings.filterwarnings("ignore", message="full scope is deprecated")
-    logging.getLogger("megatron").setLevel(logging.WARNING)  # import-time chatter
-    args = build_parser().parse_args(argv)
-    from megatron_ext._paths import display_path
+def _errors() -> tuple:
     from megatron_ext.conversion.common import ConversionError
     from megatron_ext.data.tokenizers import TokenizerError
     from megatron_ext.training.checkpointing import CheckpointError
 
+    return (ConversionError, CheckpointError, TokenizerError)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_ext._paths import display_path
+
     try:
         path = run(args)
-    except (ConversionError, CheckpointError, TokenizerError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr, flush=True)
-        return 130
     finally:
         _shutdown()
     print(f"{args.command}: wrote {display_path(path)}", flush=True)
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_tool(_main, argv, errors=_errors, interrupted="interrupted: nothing was written")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ import logging
 import os
 import sys
 import time
-import warnings
 from typing import Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_ext.cli import run_tool
 
 logger = logging.getLogger("generate")
 
@@ -167,29 +166,18 @@ def run(args: argparse.Namespace) -> list[dict]:
     return records
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="[%(asctime)s] %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-        stream=sys.stderr,
-    )
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
-    warnings.filterwarnings("ignore", message="full scope is deprecated")
-    logging.getLogger("megatron").setLevel(logging.WARNING)  # import-time chatter
-    args = build_parser().parse_args(argv)
+def _errors() -> tuple:
     from megatron_ext.conversion.common import ConversionError
     from megatron_ext.data.tokenizers import TokenizerError
     from megatron_ext.training.checkpointing import CheckpointError
 
-    try:
-        records = run(args)
-    except (ConversionError, CheckpointError, TokenizerError) as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
-    if rank != 0:
+    return (ConversionError, CheckpointError, TokenizerError)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    records = run(args)
+    if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if args.output:
         from megatron_ext.conversion.common import atomic_write_text
@@ -200,6 +188,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for record in records:
             print(f"### {record['prompt']}\n{record['prompt']}{record['completion']}\n", flush=True)
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_tool(_main, argv, errors=_errors)
 
 
 if __name__ == "__main__":

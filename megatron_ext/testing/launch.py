@@ -328,7 +328,7 @@ def launch(
         nproc: ranks on this node.
         args: the entry's arguments.
         env: variables added to the inherited environment (PYTHONUNBUFFERED=1 and
-            OMP_NUM_THREADS=1 are set unless given).
+            OMP_NUM_THREADS=1 are set unless given; a None value removes the variable).
         signal_targets: where :meth:`Job.send_signal` delivers by default (module docstring).
         timeout: seconds from the start after which :meth:`Job.wait` kills the job and raises
             TimeoutError (None: no limit).
@@ -357,7 +357,11 @@ def launch(
     environment["PYTHONPATH"] = os.pathsep.join(
         dict.fromkeys(filter(None, [str(PACKAGE_ROOT), environment.get("PYTHONPATH")]))
     )
-    environment.update(env or {})
+    for key, value in (env or {}).items():
+        if value is None:
+            environment.pop(key, None)
+        else:
+            environment[key] = str(value)
     # A MASTER_PORT inherited from the caller's own process group is not reused.
     port = (env or {}).get("MASTER_PORT") or str(find_free_port())
     if torchrun:
