@@ -73,6 +73,7 @@ def run_tool(
     log_stream: Optional[TextIO] = None,
     interrupted: str = "interrupted",
     sigterm_interrupts: bool = False,
+    shutdown_distributed: bool = True,
 ) -> int:
     """Run a command's ``main(argv)`` and return its exit code.
 
@@ -87,8 +88,8 @@ def run_tool(
         interrupted: the line printed on Ctrl-C (exit 130).
         sigterm_interrupts: treat SIGTERM (Slurm preemption, ``kill``) as Ctrl-C, so that the
             command's clean-up runs.
-
-    Process groups the command left initialized are destroyed on the way out.
+        shutdown_distributed: destroy the process groups the command left initialized (off
+            for training, whose loop owns its groups' teardown).
     """
     if log_format is not None:
         setup_logging(stream=log_stream, fmt=log_format)
@@ -108,4 +109,5 @@ def run_tool(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        _shutdown_distributed()
+        if shutdown_distributed:
+            _shutdown_distributed()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Convert checkpoints: Hugging Face export/import, Megatron-LM export, offline resharding.
 
     python tools/convert_checkpoint.py export-hf --load ckpt/lev --output hf/lev --dtype bfloat16

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Write a small deterministic Pile-format corpus (jsonl.zst) for demos and tests.
 
     python tools/make_sample_corpus.py --output data/sample --size-mb 4 --seed 1234
@@ -20,7 +19,7 @@ from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpu
 logger = logging.getLogger("make_sample_corpus")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--output", required=True, help="output directory")
     parser.add_argument(
@@ -45,5 +44,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command (tools/make_sample_corpus.py): parse ``argv``, run, return the exit code."""
+    return run_tool(_main, argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_tool(main))
+    raise SystemExit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Concatenate indexed datasets (e.g. per-shard preprocess outputs) and sum their token counts.
 
     python tools/merge_datasets.py --input "data/shards/train_*_text_document" \
@@ -41,7 +40,7 @@ def _prefixes(inputs: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(prefixes))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument(
         "--input",
@@ -69,5 +68,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command (tools/merge_datasets.py): parse ``argv``, run, return the exit code."""
+    return run_tool(_main, argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_tool(main))
+    raise SystemExit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Tokenise jsonl corpora into Megatron-Core indexed datasets (Megatron-LM's flags).
 
     python tools/preprocess_data.py --input pile/val.jsonl.zst --output-prefix data/pile_val \
@@ -103,7 +102,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _main(argv: Optional[Sequence[str]]) -> int:
     args = get_args(argv)
     setup_logging()
     config = PreprocessConfig(
@@ -140,5 +139,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command (tools/preprocess_data.py): parse ``argv``, run, return the exit code."""
+    return run_tool(_main, argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_tool(main))
+    raise SystemExit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Train a SentencePiece tokenizer (BPE by default, unigram by flag) on jsonl corpora.
 
     python tools/train_tokenizer.py --input pile/train/00.jsonl.zst --model-prefix tok/pile50k \
@@ -77,7 +76,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _main(argv: Optional[Sequence[str]]) -> int:
     args = get_args(argv)
     setup_logging()
     config = TokenizerTrainingConfig(**vars(args))
@@ -86,5 +85,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command (tools/train_tokenizer.py): parse ``argv``, run, return the exit code."""
+    return run_tool(_main, argv)
+
+
 if __name__ == "__main__":
-    raise SystemExit(run_tool(main))
+    raise SystemExit(main())

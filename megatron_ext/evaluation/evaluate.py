@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Evaluate training checkpoints: the paper's tables and figures for your own runs.
 
     python tools/evaluate.py perplexity --load ckpt/lev --data-path data/val_text_document
@@ -23,10 +22,10 @@ import json
 import logging
 import os
 import sys
-import warnings
 from typing import Optional, Sequence
 
 from megatron_ext._paths import display_path
+from megatron_ext.cli import run_tool
 
 logger = logging.getLogger("evaluate")
 
@@ -492,35 +491,23 @@ COMMANDS = {
 }
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        stream=sys.stderr,
-        format="[%(asctime)s] %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-    )
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex|cuda_graph_scope).*")
-    args = get_args(argv)
+def _errors() -> tuple:
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError
     from megatron_ext.evaluation.outputs import EvaluationError
     from megatron_ext.training.checkpointing import CheckpointError
 
-    try:
-        return COMMANDS[args.command](args)
-    except (EvaluationError, DataError, TokenizerError, CheckpointError) as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        import torch.distributed as dist
+    return (EvaluationError, DataError, TokenizerError, CheckpointError)
 
-        if dist.is_initialized():
-            from megatron_ext.parallel import destroy_parallel
 
-            destroy_parallel()
-            dist.destroy_process_group()
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = get_args(argv)
+    return COMMANDS[args.command](args)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command (tools/evaluate.py): parse ``argv``, run, return the exit code."""
+    return run_tool(_main, argv, errors=_errors)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Generate text from a training checkpoint (any arm) with a KV cache.
 
     python tools/generate.py --load ckpt/lev --prompt "The river" --max-new-tokens 64

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The GPU check: correctness of the GPU paths, then 1.2B throughput, into one JSON file.
 
 Run through `scripts/gpu_check.sh` (which sets the environment). Phases, each recorded in the
@@ -36,21 +35,17 @@ from typing import Callable, Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from megatron_ext.cli import run_tool
+from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
+from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
+from megatron_ext.testing.launch import PACKAGE_ROOT, launch
+from megatron_ext.training.metrics import peak_tflops
 
-from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig  # noqa: E402
-from megatron_ext.models.memory import (  # noqa: E402
-    ParallelLayout,
-    estimate_memory,
-    flops_per_token,
-)
-from megatron_ext.testing.distributed import find_free_port  # noqa: E402
+# The GPU-side pytest files run from the source checkout holding this package (when there).
+REPO = PACKAGE_ROOT
 
 # o200k_base (200,019 ids) padded to a multiple of 128, the paper's 1.2B vocabulary.
 PAPER_VOCAB = 200064
-_PEAK_BF16 = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0}
 _OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
@@ -61,6 +56,7 @@ class Budget:
         self.deadline = time.monotonic() + seconds
 
     def left(self) -> float:
+        """Seconds left."""
         return self.deadline - time.monotonic()
 
 
@@ -94,6 +90,7 @@ def _run_phase(name: str, results: dict, budget: Budget, need_s: float, fn: Call
 
 
 def environment() -> dict:
+    """Date, host, versions, device and commit of this check."""
     info = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(),
@@ -221,29 +218,20 @@ def check_te_vs_local() -> dict:
 
 
 def _pretrain(flags: list[str], jsonl: str, ranks: int = 1, timeout: float = 300) -> dict:
-    """Run pretrain_leviathan.py; returns rc, the per-step records and the output tail."""
-    port = str(find_free_port())
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-port", port, str(REPO / "pretrain_leviathan.py")]  # fmt: skip
-    if ranks == 1:
-        cmd = [sys.executable, str(REPO / "pretrain_leviathan.py")]
+    """Run pretrain_leviathan; returns rc, the per-step records and the output tail."""
     common = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--num-workers", "0",
               "--eval-iters", "0", "--no-loss-curve", "--log-jsonl", jsonl, "--lr", "3e-4",
               "--lr-warmup-iters", "2", "--seed", "1234"]  # fmt: skip
-    _log("run: " + " ".join(shlex.quote(c) for c in [*cmd[-1:], *flags]))
-    try:
-        proc = subprocess.run(
-            [*cmd, *common, *flags],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
-    except subprocess.TimeoutExpired as error:
-        rc, tail = 124, str(error)[-2000:]
+    _log("run: pretrain_leviathan " + " ".join(shlex.quote(c) for c in flags))
+    log = Path(jsonl).with_suffix(".log")
+    # The ranks keep the caller's thread settings (OMP_NUM_THREADS is not forced to 1).
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    with launch("pretrain_leviathan", ranks, [*common, *flags], env=env, log=log) as job:
+        try:
+            rc = job.wait(timeout=timeout)
+            tail = job.output()[-4000:]
+        except TimeoutError as error:
+            rc, tail = 124, str(error)[-2000:]
     records = []
     if os.path.exists(jsonl):
         with open(jsonl) as handle:
@@ -311,6 +299,9 @@ def check_engines(workdir: str, dry: bool) -> dict:
 
 
 def run_pytest(files: list[str], timeout: float) -> dict:
+    """The GPU-side test files, from the source checkout (skipped for an installed package)."""
+    if not (REPO / "tests").is_dir():
+        return dict(status="skipped", reason="no tests/ beside the package (not a checkout)")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     last = (proc.stdout.strip().splitlines() or [""])[-1]
@@ -349,8 +340,7 @@ def throughput(workdir: str, dry: bool, budget: Budget, iters: int, warmup: int)
     peak = None
     if torch.cuda.is_available():
         memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in _PEAK_BF16.items() if k in name), None)
+        peak = peak_tflops()  # the training log's table (megatron_ext/training/metrics.py)
     shape_flags = (
         ["--model-size", "1.2b", "--no-use-cpu-initialization"]
         if not dry
@@ -429,6 +419,11 @@ def throughput(workdir: str, dry: bool, budget: Budget, iters: int, warmup: int)
 
 
 def main(argv=None) -> int:
+    """The command (tools/gpu_check.py, scripts/gpu_check.sh): checks, throughput, JSON."""
+    return run_tool(_main, argv, log_format=None)
+
+
+def _main(argv) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="the JSON file to write")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU")
