@@ -366,8 +366,7 @@ def launch(
     port = (env or {}).get("MASTER_PORT") or str(find_free_port())
     if torchrun:
         cmd = [
-            python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            *torchrun_args,
+            python, "-m", "torch.distributed.run", *torchrun_args, "--nproc-per-node", str(nproc),
         ]  # fmt: skip
         if not any(a.startswith("--rdzv") or a == "--standalone" for a in torchrun_args):
             cmd += ["--master-addr", "127.0.0.1", "--master-port", port]
