@@ -69,6 +69,27 @@ def descendant_pids(pid: int) -> list[int]:
     return children + [d for c in children for d in descendant_pids(c)]
 
 
+def _start_time(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): with
+    the pid it names one process, even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _same_process_running(pid: int, started: Optional[int]) -> bool:
+    """Whether the process seen as (pid, start time) still runs (a zombie does not)."""
+    if started is None:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return int(stat[19]) == started and stat[0] not in ("Z", "X")
+
+
 def _rank_of(pid: int) -> Optional[int]:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -105,7 +126,7 @@ class Job:
         self.signal_targets = signal_targets
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
-        self.seen: set[int] = set()
+        self.seen: dict[int, Optional[int]] = {}  # pid -> start time
         self._log = open(self.log_path, "w")
         self.stderr_path = None if stderr_path is None else Path(stderr_path)
         self._err = None if stderr_path is None else open(stderr_path, "w")
@@ -133,8 +154,13 @@ class Job:
     def processes(self) -> list[int]:
         """Every process of the job now running below the agent (remembered for the kill)."""
         found = descendant_pids(self.proc.pid)
-        self.seen.update(found)
+        self._remember(found)
         return found
+
+    def _remember(self, pids: list[int]) -> None:
+        for pid in pids:
+            if pid not in self.seen:
+                self.seen[pid] = _start_time(pid)
 
     def ranks(self) -> dict[int, int]:
         """{rank: pid} of the training processes now running."""
@@ -142,7 +168,7 @@ class Job:
             return {} if self.proc.poll() is not None else {0: self.proc.pid}
         out = {}
         for pid in child_pids(self.proc.pid):
-            self.seen.add(pid)
+            self._remember([pid])
             rank = _rank_of(pid)
             if rank is not None:
                 out[rank] = pid
@@ -153,7 +179,7 @@ class Job:
         out = {}
         for rank, pid in self.ranks().items():
             out[rank] = descendant_pids(pid)
-            self.seen.update(out[rank])
+            self._remember(out[rank])
         return out
 
     def targets(self, which: Optional[SignalTargets] = None) -> list[int]:
@@ -250,7 +276,8 @@ class Job:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL the session and every descendant seen (stopped ones are continued first)."""
+        """SIGKILL the session and every descendant seen that still runs (stopped ones are
+        continued first), so that a process that left the session dies too."""
         if self.proc.poll() is None:
             self.processes()
             try:
@@ -258,12 +285,21 @@ class Job:
             except ProcessLookupError:
                 pass
             self.proc.wait()
-        for pid in sorted(self.seen):
+        killed = []
+        for pid, started in sorted(self.seen.items()):
+            if not _same_process_running(pid, started):
+                continue  # gone (its pid may belong to another process by now)
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
                     os.kill(pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
+            killed.append(pid)
+        deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+        while any(_same_process_running(p, self.seen[p]) for p in killed):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
 
     def output(self) -> str:
         """The log so far (stdout and stderr of every process, interleaved, unless stderr
