@@ -486,6 +486,12 @@ def parse_args(argv=None) -> tuple[Settings, bool]:
 
 def main(argv=None) -> int:
     """Run (or resume) the quick start; 0 when every stage is done, 1 when one failed."""
+    from megatron_ext.cli import run_tool
+
+    return run_tool(_main, argv, log_format=None)
+
+
+def _main(argv) -> int:
     s, fresh = parse_args(argv)
     if fresh and s.out.exists():
         say(f"--fresh: removing {short_path(str(s.out))}")
