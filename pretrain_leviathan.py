@@ -229,5 +229,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def cli_main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command (``python pretrain_leviathan.py``, ``python -m pretrain_leviathan``, the
+    ``leviathan-pretrain`` console script): :func:`main` under megatron_ext.cli.run_tool."""
+    from megatron_ext.cli import run_tool
+
+    return run_tool(main, argv, log_format=None, shutdown_distributed=False)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli_main())

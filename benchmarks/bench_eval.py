@@ -67,17 +67,14 @@ def _median_seconds(fn, repeats: int, warmup: int) -> float:
 
 def bench_vs_transformers(args, pg) -> None:
     import dataclasses
-    import os
-    import sys
 
     import numpy as np
     import torch.nn.functional as F
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks.hf_peer import hf_export
     from megatron_ext.evaluation.perplexity import LossTotals, pack_stream
     from megatron_ext.evaluation.scoring import ModelScorer, score_batches
     from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.testing.hf_peer import hf_export
 
     torch.manual_seed(0)
     config = ModelConfig(

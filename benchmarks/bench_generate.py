@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _timed(fn):
@@ -83,8 +80,8 @@ def bench_kv_cache(args, pg) -> None:
 def bench_vs_transformers(args, pg) -> None:
     import statistics
 
-    from benchmarks.hf_peer import hf_export
     from megatron_ext.inference.generation import SamplingConfig, generate
+    from megatron_ext.testing.hf_peer import hf_export
 
     config, model = _lev_model(args, pg)
     hf = hf_export(model, config, tied=config.embedding.tied)

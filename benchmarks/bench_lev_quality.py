@@ -3,7 +3,7 @@
 every arm) to TIED over several seeds, in this stack and in a plain-PyTorch loop.
 
 Each run is the real entry point `pretrain_leviathan.py` on one CPU process (or, for --plain,
-`benchmarks/plain_gpt_loop.py`, an independent implementation of the same math and backbone),
+`megatron_ext/testing/plain_gpt.py`, an independent implementation of the same math and backbone),
 on an indexed dataset made by `tools/preprocess_data.py`. Defaults are the settings of issue 14
 (3 layers, hidden 192, 6 heads, FFN 512, seq 128, global batch 16, 1500 iterations, lr 2e-3
 warmup 100 cosine to 2e-4, weight decay 0.1, clip 1.0, LEV k=3 d_seed=64 kappa=16 r=32 h=4
@@ -85,10 +85,10 @@ def stack_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
 
 
 def plain_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
-    """plain_gpt_loop.py for one arm and seed with the study's settings."""
+    """megatron_ext.testing.plain_gpt for one arm and seed with the study's settings."""
     from megatron_ext.data.tokenizers import build_tokenizer, padded_vocab_size
 
-    cmd = [sys.executable, str(REPO / "benchmarks" / "plain_gpt_loop.py"), "--embedding", arm]
+    cmd = [sys.executable, "-m", "megatron_ext.testing.plain_gpt", "--embedding", arm]
     plain_only = ("eval_samples", "log_interval", "split", "data_path")
     cmd += _setting_flags(_SHARED_SETTINGS + plain_only, args)
     # The stack's padded vocabulary (so LEV's digit base is the same in both).
@@ -216,7 +216,9 @@ def main() -> None:
     p.add_argument("--out-dir", default="runs/lev-quality")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--all-arms", action="store_true", help="all six arms, not TIED and LEV")
-    p.add_argument("--plain", action="store_true", help="also run plain_gpt_loop.py (TIED, LEV)")
+    p.add_argument(
+        "--plain", action="store_true", help="also run the plain-PyTorch baseline (TIED, LEV)"
+    )
     p.add_argument("--no-stack", action="store_true", help="skip the pretrain_leviathan.py runs")
     p.add_argument(
         "--include-running",
@@ -237,9 +239,7 @@ def main() -> None:
         help="rerun the LEV arm with these extra flags (repeatable)",
     )
     p.add_argument("--extra", default="", help="more pretrain_leviathan.py flags for every run")
-    p.add_argument(
-        "--plain-extra", type=shlex.split, default=[], help="more plain_gpt_loop.py flags"
-    )
+    p.add_argument("--plain-extra", type=shlex.split, default=[], help="more plain-baseline flags")
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--hidden-size", type=int, default=192)
     p.add_argument("--num-attention-heads", type=int, default=6)

@@ -32,12 +32,11 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 
 def write_corpus(path: str, size_mb: float) -> int:
     """KJV chapters repeated up to `size_mb` MB of jsonl; returns the number of documents."""
-    from benchmarks.make_kjv_corpus import chapters
+    from make_kjv_corpus import chapters  # beside this script (its directory is on sys.path)
 
     docs = chapters()
     written = count = 0

@@ -33,14 +33,11 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from megatron_ext.testing.distributed import find_free_port
-
-REPO = Path(__file__).resolve().parents[1]
+from megatron_ext.testing.launch import launch
 
 # (label, ranks, flags) in the order reported; the first is the baseline.
 CONFIGS = [
@@ -76,24 +73,13 @@ def _run_once(ranks: int, flags: list[str], args, workdir: str) -> list[float]:
         "--lr", "1e-4", *shlex.split(args.data_flags), "--num-workers", "0", "--eval-iters", "0",
         "--log-interval", str(args.iters), "--no-loss-curve", "--log-jsonl", jsonl,
     ]  # fmt: skip
-    port = str(find_free_port())
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    if ranks == 1:
-        cmd = [sys.executable, str(REPO / "pretrain_leviathan.py")]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-port", port, str(REPO / "pretrain_leviathan.py")]  # fmt: skip
-    proc = subprocess.run(
-        [*cmd, *common, *flags, *shlex.split(args.extra)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(flags)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    env = {"OMP_NUM_THREADS": str(args.threads) if args.threads else None}
+    log = os.path.join(workdir, f"m{find_free_port()}.log")
+    argv = [*common, *flags, *shlex.split(args.extra)]
+    with launch("pretrain_leviathan", ranks, argv, env=env, log=Path(log), timeout=None) as job:
+        returncode = job.wait()
+    if returncode != 0:
+        raise RuntimeError(f"{' '.join(flags)} failed:\n{job.output()[-6000:]}")
     with open(jsonl) as handle:
         return [json.loads(line)[args.clock] for line in handle if line.strip()]
 

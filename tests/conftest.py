@@ -91,3 +91,13 @@ def pytest_runtest_setup(item):
 def pytest_runtest_call(item):
     with _guarded(item):
         yield
+
+
+@pytest.fixture(scope="session")
+def sample_data(tmp_path_factory) -> list[str]:
+    """Data + tokenizer flags of one generated corpus for the whole session (about 150k tokens,
+    SentencePiece vocab 512; megatron_ext.testing.runs.prepare_sample_data), shared by the
+    training and conversion runs."""
+    from megatron_ext.testing.runs import prepare_sample_data
+
+    return prepare_sample_data(tmp_path_factory.mktemp("sample_data"))

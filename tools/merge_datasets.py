@@ -1,73 +1,13 @@
 #!/usr/bin/env python
 """Concatenate indexed datasets (e.g. per-shard preprocess outputs) and sum their token counts.
 
-    python tools/merge_datasets.py --input "data/shards/train_*_text_document" \
-        --output-prefix data/pile_train_text_document
-
-``--input`` takes dataset prefixes, globs of ``.idx`` files or prefixes, or a directory (every
-dataset in it, as Megatron-LM's merge_datasets.py). Inputs are merged in sorted order. A prefix
-with a dataset wins over a directory of the same name: training creates one next to each
-dataset (megatron's index cache, ``<prefix>/cache/GPTDataset_indices``).
+A thin script over `megatron_ext.data.merge_datasets`, which is also run as
+`python -m megatron_ext.data.merge_datasets` or the `leviathan-merge-datasets` console script.
 """
 
-from __future__ import annotations
+import sys
 
-import argparse
-import glob
-import logging
-import os
-from typing import Optional, Sequence
-
-from megatron_ext.data.cli import run_tool, setup_logging
-from megatron_ext.data.indexed import merge_datasets
-from megatron_ext.data.readers import DataError
-
-logger = logging.getLogger("merge_datasets")
-
-
-def _prefixes(inputs: Sequence[str]) -> list[str]:
-    prefixes: list[str] = []
-    for arg in inputs:
-        if os.path.isfile(arg + ".idx"):
-            found = [arg + ".idx"]
-        elif os.path.isdir(arg):
-            found = sorted(glob.glob(os.path.join(glob.escape(arg), "*.idx")))
-        else:
-            pattern = arg if arg.endswith(".idx") else arg + "*.idx"
-            found = sorted(glob.glob(pattern))
-        if not found:
-            raise DataError(f"no datasets found for --input {arg}")
-        prefixes.extend(path[: -len(".idx")] for path in found)
-    return list(dict.fromkeys(prefixes))
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        help="dataset prefixes, globs, or a directory of datasets",
-    )
-    parser.add_argument("--output-prefix", required=True, help="prefix of the merged dataset")
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument(
-        "--allow-missing-counts",
-        action="store_true",
-        help="merge even when some inputs lack _counts.npy (then none is written)",
-    )
-    args = parser.parse_args(argv)
-    setup_logging()
-    prefixes = [p for p in _prefixes(args.input) if p != args.output_prefix]
-    logger.info("merging %d datasets into %s", len(prefixes), args.output_prefix)
-    merge_datasets(
-        prefixes,
-        args.output_prefix,
-        overwrite=args.overwrite,
-        require_counts=not args.allow_missing_counts,
-    )
-    return 0
-
+from megatron_ext.data.merge_datasets import main
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool(main))
+    sys.exit(main())

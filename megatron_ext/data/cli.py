@@ -1,48 +1,35 @@
-"""Shared plumbing for the data tools: logging to stderr and one-line errors."""
+"""The data tools' settings for the shared entry-point plumbing (megatron_ext.cli): log lines
+with their level, DataError/TokenizerError -> ``error: ...`` and exit 1, Ctrl-C or SIGTERM
+(Slurm preemption) -> exit 130 after the tool removed its temporary files."""
 
 from __future__ import annotations
 
-import logging
-import signal
-import sys
 from typing import Callable, Optional, Sequence
 
+from megatron_ext import cli
 from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import TokenizerError
 
-__all__ = ["setup_logging", "run_tool"]
+__all__ = ["LOG_FORMAT", "setup_logging", "run_tool"]
+
+LOG_FORMAT = "[%(asctime)s] %(levelname)s %(message)s"
 
 
 def setup_logging(verbose: bool = False) -> None:
-    """INFO (or DEBUG) lines to stderr, Megatron-style, once per process."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        stream=sys.stderr,
-        format="[%(asctime)s] %(levelname)s %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-    )
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    """INFO (or DEBUG) lines to stderr with their level, once per process."""
+    cli.setup_logging(verbose=verbose, fmt=LOG_FORMAT)
 
 
 def run_tool(
     main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None
 ) -> int:
-    """Run a tool's ``main``; turn expected failures into one-line messages and exit codes.
-
-    DataError/TokenizerError -> ``error: ...`` and exit 1; Ctrl-C or SIGTERM (Slurm preemption)
-    -> exit 130 after the tool removed its temporary files.
-    """
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        return main(argv)
-    except (DataError, TokenizerError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: temporary outputs removed, finished outputs kept", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    """``megatron_ext.cli.run_tool`` with the data tools' settings (module docstring)."""
+    return cli.run_tool(
+        main,
+        argv,
+        errors=(DataError, TokenizerError),
+        error_code=1,
+        log_format=None,  # each tool sets logging up after parsing its flags
+        interrupted="interrupted: temporary outputs removed, finished outputs kept",
+        sigterm_interrupts=True,
+    )

@@ -276,6 +276,12 @@ def _layout_from_args(args: argparse.Namespace) -> ParallelLayout:
 
 def main(argv=None) -> int:
     """``tools/count_params.py``: print the parameter (or, with --memory, memory) table."""
+    from megatron_ext.cli import run_tool
+
+    return run_tool(_main, argv, log_format=None)
+
+
+def _main(argv) -> int:
     parser = argparse.ArgumentParser(
         description="Parameter table of every arm x scale x vocabulary, from the configuration."
     )

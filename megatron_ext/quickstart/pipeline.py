@@ -27,6 +27,7 @@ from megatron_ext.quickstart.stages import (
     Stage,
     StageError,
     run_command,
+    run_launched,
     run_stages,
     say,
     short_path,
@@ -80,21 +81,35 @@ def _run(cmd: list[str], **kw) -> None:
     run_command(cmd, cwd=REPO, **kw)
 
 
+# The commands the stages run: tools/ scripts and pretrain_leviathan.py from the source checkout
+# (as the commands shown to the user), or the same modules of an installed package.
+_MODULES = {
+    "make_sample_corpus.py": "megatron_ext.data.make_sample_corpus",
+    "train_tokenizer.py": "megatron_ext.data.train_tokenizer",
+    "preprocess_data.py": "megatron_ext.data.preprocess_data",
+    "evaluate.py": "megatron_ext.evaluation.evaluate",
+    "convert_checkpoint.py": "megatron_ext.conversion.convert_checkpoint",
+}
+
+
 def _tool(s: Settings, script: str, *args: str) -> list[str]:
-    return [s.python, str(REPO / "tools" / script), *args]
+    path = REPO / "tools" / script
+    return [s.python, *([str(path)] if path.is_file() else ["-m", _MODULES[script]]), *args]
 
 
-def _torchrun(s: Settings, script: str, *args: str) -> list[str]:
-    return [
-        s.python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(s.nproc),
-        str(REPO / script),
-        *args,
-    ]
+def _entry(script: str) -> str:
+    """A launch entry: the checkout's file, else the installed module."""
+    path = REPO / script
+    if path.is_file():
+        return str(path)
+    return (
+        "pretrain_leviathan" if script == "pretrain_leviathan.py" else _MODULES[Path(script).name]
+    )
+
+
+def _launch(s: Settings, script: str, *args: str, log: Path, show: re.Pattern) -> None:
+    run_launched(_entry(script), s.nproc, list(args), python=s.python, cwd=REPO, log=log,
+                 show=show)  # fmt: skip
 
 
 def build_stages(s: Settings) -> list[Stage]:
@@ -236,8 +251,7 @@ def build_stages(s: Settings) -> list[Stage]:
 def _train_stage(s: Settings, arm: str, tok_flags, train_prefix: Path, valid_prefix: Path):
     def train(tmp: Path) -> str:
         warmup = max(1, s.iters // 10)
-        cmd = _torchrun(
-            s,
+        args = (
             "pretrain_leviathan.py",
             "--tensor-model-parallel-size",
             str(s.nproc),
@@ -301,7 +315,7 @@ def _train_stage(s: Settings, arm: str, tok_flags, train_prefix: Path, valid_pre
             "--log-jsonl",
             str(tmp / "train.jsonl"),
         )
-        _run(cmd, log=tmp / "train.log", show=_SHOW)
+        _launch(s, *args, log=tmp / "train.log", show=_SHOW)
         text = (tmp / "train.log").read_text()
         params = re.findall(r"model parameters: (\d+)", text)
         vals = re.findall(r"validation loss at iteration\s+(\d+) \| lm loss value: (\S+)", text)
@@ -331,27 +345,25 @@ def _evaluate(s: Settings, tmp: Path, valid_prefix: Path) -> str:
     for arm in s.arms:
         loads += ["--load", str(s.out / f"train_{arm}" / "ckpt")]
     base = "tied" if "tied" in s.arms else s.arms[0]
-    _run(
-        _torchrun(
-            s,
-            "tools/evaluate.py",
-            "frequency",
-            *loads,
-            "--names",
-            *s.arms,
-            "--baseline",
-            base,
-            "--data-path",
-            f"{valid_prefix}_text_document",
-            "--tensor-model-parallel-size",
-            str(s.nproc),
-            "--micro-batch-size",
-            "32",
-            "--bin-edges",
-            *[str(e) for e in s.bin_edges],
-            "--output-dir",
-            str(tmp / "frequency"),
-        ),
+    _launch(
+        s,
+        "tools/evaluate.py",
+        "frequency",
+        *loads,
+        "--names",
+        *s.arms,
+        "--baseline",
+        base,
+        "--data-path",
+        f"{valid_prefix}_text_document",
+        "--tensor-model-parallel-size",
+        str(s.nproc),
+        "--micro-batch-size",
+        "32",
+        "--bin-edges",
+        *[str(e) for e in s.bin_edges],
+        "--output-dir",
+        str(tmp / "frequency"),
         log=tmp / "evaluate.log",
         show=re.compile(r"tokens in .* s \(|^\||error"),
     )
@@ -474,6 +486,12 @@ def parse_args(argv=None) -> tuple[Settings, bool]:
 
 def main(argv=None) -> int:
     """Run (or resume) the quick start; 0 when every stage is done, 1 when one failed."""
+    from megatron_ext.cli import run_tool
+
+    return run_tool(_main, argv, log_format=None)
+
+
+def _main(argv) -> int:
     s, fresh = parse_args(argv)
     if fresh and s.out.exists():
         say(f"--fresh: removing {short_path(str(s.out))}")

@@ -28,6 +28,7 @@ __all__ = [
     "StageError",
     "compact_iteration_line",
     "run_command",
+    "run_launched",
     "run_stages",
     "say",
     "short_path",
@@ -109,6 +110,43 @@ def run_command(
             _stop(proc)
             raise
         rc = _wait(proc)
+    if rc:
+        tail = "".join(open(log).readlines()[-25:])
+        raise StageError(f"command failed with exit code {rc}; end of {log}:\n{tail}")
+
+
+def run_launched(
+    entry: str,
+    nproc: int,
+    args: list[str],
+    *,
+    python: str,
+    cwd: Path,
+    log: Path,
+    show: Optional[re.Pattern] = None,
+    torchrun_args: tuple[str, ...] = ("--standalone",),
+) -> None:
+    """Run ``entry`` on ``nproc`` ranks under torchrun (megatron_ext.testing.launch), output to
+    ``log`` with the lines matching ``show`` echoed, as :func:`run_command` does for a plain
+    command. Ctrl-C interrupts the ranks (torchrun forwards it), then re-raises."""
+    from megatron_ext.testing.launch import launch
+
+    job = launch(
+        entry, nproc, args, python=python, cwd=cwd, log=log, timeout=None, torchrun=True,
+        torchrun_args=torchrun_args,
+    )  # fmt: skip
+    say("  $ " + " ".join(short_path(c) for c in job.cmd))
+
+    def echo(line: str) -> None:
+        if show is not None and show.search(line):
+            say("    " + compact_iteration_line(line.rstrip()))
+
+    with job:
+        try:
+            rc = job.wait(on_line=echo)
+        except KeyboardInterrupt:
+            job.stop(grace=15)
+            raise
     if rc:
         tail = "".join(open(log).readlines()[-25:])
         raise StageError(f"command failed with exit code {rc}; end of {log}:\n{tail}")

@@ -1,5 +1,5 @@
 """End-to-end test runs: a generated corpus taken through the quick-start data path, and a
-launcher that runs `pretrain_leviathan.py` under torchrun on N gloo ranks.
+launcher that runs `pretrain_leviathan` under torchrun on N gloo ranks.
 
 Shared by the training, evaluation and conversion tests (each wraps them in pytest fixtures)::
 
@@ -12,18 +12,29 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megatron_ext.testing.distributed import find_free_port
+from megatron_ext.testing.launch import PACKAGE_ROOT
+from megatron_ext.testing.launch import launch as start
 
-__all__ = ["REPO", "ENTRY", "TINY_LEV_MODEL", "TINY_TRAIN", "Run", "launch", "prepare_sample_data"]
+__all__ = [
+    "REPO",
+    "ENTRY",
+    "ENTRY_MODULE",
+    "TINY_LEV_MODEL",
+    "TINY_TRAIN",
+    "Run",
+    "launch",
+    "prepare_sample_data",
+]
 
-REPO = Path(__file__).resolve().parents[2]
+# The training entry, importable from a checkout and from an installed package (it is installed
+# as a top-level module beside megatron_ext; see pyproject.toml).
+ENTRY_MODULE = "pretrain_leviathan"
+# In a source checkout only: the checkout and the entry's file.
+REPO = PACKAGE_ROOT
 ENTRY = REPO / "pretrain_leviathan.py"
 
 # A tiny LEV model (2 LEV heads so that TP=2 owns one each) on 32-token sequences.
@@ -63,29 +74,34 @@ class Run:
         return self
 
 
-def _tool(*argv: str) -> None:
-    subprocess.run([sys.executable, *argv], check=True, cwd=REPO, capture_output=True)
-
-
 def prepare_sample_data(root: Path, vocab_size: int = 512, size_mb: float = 0.4) -> list[str]:
-    """Data flags for a generated corpus: make_sample_corpus -> train_tokenizer ->
-    preprocess_data (the quick-start path); 0.4 MB is about 150k tokens."""
+    """Data flags for a generated corpus, the quick-start path (make_sample_corpus ->
+    train_tokenizer -> preprocess_data, called in this process through the package functions
+    those tools wrap); 0.4 MB is about 150k tokens."""
+    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+    from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
+    from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
+
     root = Path(root)
-    _tool("tools/make_sample_corpus.py", "--output", str(root / "raw"), "--size-mb", str(size_mb))
-    _tool(
-        "tools/train_tokenizer.py",
-        "--input", str(root / "raw" / "train"),
-        "--model-prefix", str(root / "tok"),
-        "--vocab-size", str(vocab_size),
-    )  # fmt: skip
-    _tool(
-        "tools/preprocess_data.py",
-        "--input", str(root / "raw" / "train"),
-        "--tokenizer-type", "SentencePieceTokenizer",
-        "--tokenizer-model", str(root / "tok.model"),
-        "--output-prefix", str(root / "sample"),
-        "--append-eod",
-    )  # fmt: skip
+    write_sample_corpus(root / "raw", spec=SampleCorpusSpec(size_mb=size_mb))
+    train = str(root / "raw" / "train")
+    train_sentencepiece(
+        TokenizerTrainingConfig(
+            input=[train],
+            model_prefix=str(root / "tok"),
+            vocab_size=vocab_size,
+            num_threads=os.cpu_count() or 1,  # the tool's default
+        )
+    )
+    preprocess(
+        PreprocessConfig(
+            input=[train],
+            output_prefix=str(root / "sample"),
+            tokenizer_type="SentencePieceTokenizer",
+            tokenizer_model=str(root / "tok.model"),
+            append_eod=True,
+        )
+    )
     return [
         "--data-path", str(root / "sample_text_document"), "--split", "90,7,3",
         "--data-cache-path", str(root / "cache"),
@@ -101,7 +117,8 @@ def launch(
     timeout: float = 300,
     sigterm_after_iteration: Optional[int] = None,
 ) -> Run:
-    """Run pretrain_leviathan.py on `nproc` ranks (torchrun; plain python for one rank).
+    """Run pretrain_leviathan on `nproc` ranks (torchrun; plain python for one rank) in
+    `workdir`, with --log-jsonl there, and wait for it (megatron_ext.testing.launch).
 
     With `sigterm_after_iteration`, SIGTERM is sent to every rank once that iteration has been
     logged (as Slurm does on preemption).
@@ -111,59 +128,13 @@ def launch(
     jsonl = workdir / "metrics.jsonl"
     if jsonl.exists():
         jsonl.unlink()
-    port = find_free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    if nproc == 1:
-        cmd = [sys.executable, str(ENTRY)]
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            env.pop(key, None)
-    else:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(port), str(ENTRY),
-        ]  # fmt: skip
-    cmd += [*args, "--log-jsonl", str(jsonl)]
-    log_path = workdir / "output.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout
-        signalled = False
-        try:
-            while proc.poll() is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"run timed out after {timeout}s: {' '.join(cmd)}")
-                if sigterm_after_iteration is not None and not signalled:
-                    done = _iterations_done(jsonl)
-                    if done >= sigterm_after_iteration:
-                        _sigterm_workers(proc.pid, nproc)
-                        signalled = True
-                time.sleep(0.05)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    args = [*args, "--log-jsonl", str(jsonl)]
+    with start(ENTRY_MODULE, nproc, args, cwd=workdir, timeout=timeout) as job:
+        if sigterm_after_iteration is not None:
+            job.wait_for_lines(jsonl, sigterm_after_iteration, require=False)
+            job.send_signal(signal.SIGTERM, "ranks")
+        returncode = job.wait()
     records = []
     if jsonl.exists():
         records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    return Run(proc.returncode, log_path.read_text(), records)
-
-
-def _iterations_done(jsonl: Path) -> int:
-    if not jsonl.exists():
-        return 0
-    return sum(1 for line in jsonl.read_text().splitlines() if line.strip())
-
-
-def _sigterm_workers(pid: int, nproc: int) -> None:
-    """SIGTERM the training processes (the torchrun agent's children, or the single rank)."""
-    if nproc == 1:
-        os.kill(pid, signal.SIGTERM)
-        return
-    children = subprocess.run(
-        ["pgrep", "-P", str(pid)], capture_output=True, text=True
-    ).stdout.split()
-    for child in children:
-        os.kill(int(child), signal.SIGTERM)
+    return Run(returncode, job.output(), records)

@@ -3,20 +3,14 @@ package (float64, same parameters), and its --lev-init-output-std means the same
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "plain_gpt_loop.py"
-
 
 def _plain():
-    spec = importlib.util.spec_from_file_location("plain_gpt_loop", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megatron_ext.testing import plain_gpt
+
+    return plain_gpt
 
 
 def test_plain_lev_matches_the_package_float64():

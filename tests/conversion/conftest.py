@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.runs import TINY_LEV_MODEL, TINY_TRAIN, launch, prepare_sample_data
+from megatron_ext.testing.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
 
 # arm -> (ranks, layout flags)
 ARM_LAYOUTS = {
@@ -30,10 +30,10 @@ def _arm_flags(arm: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory) -> dict:
+def trained(tmp_path_factory, sample_data) -> dict:
     """{"data": data flags, "tokenizer": tok.model path, "ckpt": {arm: --save directory}}."""
     root = tmp_path_factory.mktemp("conversion")
-    data = prepare_sample_data(root / "corpus")
+    data = sample_data
     train = [*TINY_TRAIN, "--exit-interval", "2", "--save-interval", "2", "--eval-iters", "0"]
 
     def one(arm: str) -> Path:

@@ -21,7 +21,6 @@ import io
 import json
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,13 +137,11 @@ def _run_tool(module, argv: list[str]) -> tuple[int, str]:
 
 
 def _tool(name: str):
-    import importlib.util
+    """The module behind tools/<name>.py."""
+    import importlib
 
-    path = Path(__file__).resolve().parents[2] / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_tool_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    areas = {"generate": "inference", "convert_checkpoint": "conversion"}
+    return importlib.import_module(f"megatron_ext.{areas[name]}.{name}")
 
 
 # --------------------------------------------------------------------------- single rank

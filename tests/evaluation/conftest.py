@@ -5,7 +5,6 @@ tools/evaluate.py's main in this process."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -82,18 +81,11 @@ def eval_runs(tmp_path_factory) -> EvalRuns:
     return EvalRuns(root, corpus, str(root / "val_text_document"))
 
 
-def _evaluate_module():
-    spec = importlib.util.spec_from_file_location("evaluate_tool", REPO / "tools" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def tool():
     """`tool(*argv) -> (exit code, stdout, stderr)`: tools/evaluate.py in this process (a
     one-rank world set up and torn down by the call; the environment is restored)."""
-    module = _evaluate_module()
+    from megatron_ext.evaluation import evaluate as module
 
     def run(*argv: str) -> int:
         saved = dict(os.environ)

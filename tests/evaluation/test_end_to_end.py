@@ -6,14 +6,10 @@ import gzip
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from megatron_ext.testing.runs import REPO
 
 pytestmark = pytest.mark.integration
 
@@ -53,21 +49,16 @@ def test_validation_loss_equals_the_training_loops(eval_runs, tool, tmp_path, ar
 
 def test_tp2_saved_checkpoint_gives_the_same_loss_at_tp1_and_tp2(eval_runs, tool, tmp_path):
     from megatron_ext.data.readers import iter_lines
-    from megatron_ext.testing.distributed import find_free_port
+    from megatron_ext.testing.launch import launch
 
     texts = [json.loads(line)["text"] for _, line in iter_lines(str(eval_runs.val_jsonl))]
     text = tmp_path / "held_out.jsonl"
     text.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:4]))
     flags = ["perplexity", "--load", eval_runs.ckpt("lev"), "--text", str(text), "--no-progress"]
     assert tool(*flags, "--output-dir", tmp_path / "tp1") == 0
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(find_free_port()), "tools/evaluate.py", *flags,
-         "--tensor-model-parallel-size", "2", "--output-dir", str(tmp_path / "tp2")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = [*flags, "--tensor-model-parallel-size", "2", "--output-dir", str(tmp_path / "tp2")]
+    with launch("megatron_ext.evaluation.evaluate", 2, args, cwd=tmp_path) as job:
+        assert job.wait() == 0, job.output()[-3000:]
     tp1 = json.loads((tmp_path / "tp1" / "perplexity.json").read_text())
     tp2 = json.loads((tmp_path / "tp2" / "perplexity.json").read_text())
     assert tp1["tokens"] == tp2["tokens"] > 500

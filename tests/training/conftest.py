@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.testing.runs import TINY_LEV_MODEL, TINY_TRAIN, launch, prepare_sample_data
+from megatron_ext.testing.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
 
 
 @pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> list[str]:
-    """Data flags for a generated corpus (about 150k tokens, SentencePiece vocab 512)."""
-    return prepare_sample_data(tmp_path_factory.mktemp("corpus"))
+def corpus(sample_data) -> list[str]:
+    """Data flags for a generated corpus (about 150k tokens, SentencePiece vocab 512; the
+    session's `sample_data`, also used by the conversion tests)."""
+    return sample_data
 
 
 @pytest.fixture(scope="session")

@@ -15,14 +15,13 @@ import contextlib
 import errno
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron_ext.testing.distributed import run_distributed
-from megatron_ext.testing.runs import ENTRY, REPO
+from megatron_ext.testing.launch import launch
+from megatron_ext.testing.runs import ENTRY_MODULE
 
 from .test_checkpointing import _tiny_model
 
@@ -167,13 +166,13 @@ def test_unwritable_save_is_refused_before_training(tmp_path):
         "--vocab-size", "128", "--save", str(blocker / "ckpt"), "--eval-iters", "0",
         "--log-jsonl", str(tmp_path / "metrics.jsonl"), "--no-loss-curve",
     ]  # fmt: skip
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="0", OMP_NUM_THREADS="1")
-    run = subprocess.run(
-        [sys.executable, str(ENTRY), *args], cwd=REPO, env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    out, err = tmp_path / "run.out", tmp_path / "run.err"
+    with launch(ENTRY_MODULE, 1, args, log=out, stderr=err, cwd=tmp_path) as job:
+        returncode = job.wait()
+    stdout, stderr = job.output(), job.errors()
+    assert returncode == 2, stdout[-3000:] + stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"--save {blocker / 'ckpt'} cannot hold" in errors[0], errors
     assert "not a directory" in errors[0], errors
-    assert "Traceback" not in run.stderr
+    assert "Traceback" not in stderr
     assert not (tmp_path / "metrics.jsonl").exists()  # no iteration ran

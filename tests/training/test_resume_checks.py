@@ -12,16 +12,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
-from megatron_ext.testing.distributed import find_free_port
-from megatron_ext.testing.runs import ENTRY, REPO
+from megatron_ext.testing.launch import launch
+from megatron_ext.testing.runs import ENTRY_MODULE
 
 pytestmark = pytest.mark.integration
 
@@ -34,19 +33,13 @@ TINY = [
 ]  # fmt: skip
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)
-    return subprocess.run(
-        [sys.executable, str(ENTRY), *TINY, *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def _run(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    """pretrain_leviathan on one rank (megatron_ext.testing.launch); stdout and stderr apart."""
+    n = len(list(workdir.glob("run*.out")))
+    out, err = workdir / f"run{n}.out", workdir / f"run{n}.err"
+    with launch(ENTRY_MODULE, 1, [*TINY, *args], log=out, stderr=err, cwd=workdir) as job:
+        returncode = job.wait()
+        return subprocess.CompletedProcess(job.cmd, returncode, job.output(), job.errors())
 
 
 def _error_line(run: subprocess.CompletedProcess) -> str:
@@ -60,28 +53,30 @@ def test_resume_mistakes_are_explained(tmp_path):
     ckpt, jsonl = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     missing = tmp_path / "no_such_dir"
     first = _run(
-        "--train-iters", "6", "--exit-interval", "4", "--save", str(ckpt),
+        tmp_path, "--train-iters", "6", "--exit-interval", "4", "--save", str(ckpt),
         "--save-interval", "2", "--load", str(missing), "--log-jsonl", str(jsonl),
     )  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert f"WARNING: --load {missing} does not exist: starting from scratch" in first.stdout
-    strict = _run("--train-iters", "6", "--load", str(missing), "--exit-on-missing-checkpoint")
+    strict = _run(
+        tmp_path, "--train-iters", "6", "--load", str(missing), "--exit-on-missing-checkpoint"
+    )
     assert f"--load {missing} does not exist" in _error_line(strict)
 
     # Resumed at iteration 2 of a log that reached 4: iterations 3-4 are not repeated.
     resumed = _run(
-        "--train-iters", "6", "--load", str(ckpt), "--ckpt-step", "2",
+        tmp_path, "--train-iters", "6", "--load", str(ckpt), "--ckpt-step", "2",
         "--log-jsonl", str(jsonl),
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
 
-    longer = _run("--train-iters", "12", "--load", str(ckpt))
+    longer = _run(tmp_path, "--train-iters", "12", "--load", str(ckpt))
     line = _error_line(longer)
     assert "learning-rate schedule" in line and "--override-opt_param-scheduler" in line, line
 
-    wider = _run("--train-iters", "6", "--load", str(ckpt), "--hidden-size", "48")
+    wider = _run(tmp_path, "--train-iters", "6", "--load", str(ckpt), "--hidden-size", "48")
     line = _error_line(wider)
     assert "embedding.word_embeddings.weight: the checkpoint holds shape (256, 32), this model " \
         "(256, 48)" in line, line  # fmt: skip

@@ -16,28 +16,18 @@ docs and examples/slurm/pretrain.sbatch rely on exactly this.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.distributed import find_free_port
-from megatron_ext.testing.runs import REPO
+from megatron_ext.testing.launch import launch
 from megatron_ext.testing.runs import TINY_LEV_MODEL as MODEL
 from megatron_ext.testing.runs import TINY_TRAIN as TRAIN
 
 pytestmark = pytest.mark.integration
 
 RANK_ENTRY = Path(__file__).with_name("_rank_entry.py")
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 def _records(jsonl: Path) -> list[dict]:
@@ -54,44 +44,20 @@ def _run_and_signal(delivery: str, args: list[str], workdir: Path, timeout: floa
     workdir.mkdir(parents=True)
     jsonl, exits = workdir / "metrics.jsonl", workdir / "exits"
     exits.mkdir()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["LEVIATHAN_TEST_EXIT_DIR"] = str(exits)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()), str(RANK_ENTRY),
-        *args, "--log-jsonl", str(jsonl),
-    ]  # fmt: skip
-    log_path = workdir / "output.log"
-    workers: list[int] = []
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            while len(_records(jsonl)) < 2:
-                assert proc.poll() is None, log_path.read_text()[-4000:]
-                assert time.monotonic() < deadline, "no iteration 2 before the timeout"
-                time.sleep(0.05)
-            ranks = _children(proc.pid)
-            workers = [len(_children(rank)) for rank in ranks]
-            if delivery == "ranks":
-                targets = ranks
-            elif delivery == "torchrun":
-                targets = [proc.pid]
-            else:  # the job: every process, DataLoader workers first as in the failure report
-                targets = [w for r in ranks for w in _children(r)] + ranks + [proc.pid]
-            for pid in targets:
-                os.kill(pid, signal.SIGTERM)
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    env = {"LEVIATHAN_TEST_EXIT_DIR": str(exits)}
+    args = [*args, "--log-jsonl", str(jsonl)]
+    # "job": every process, DataLoader workers first as in the failure report.
+    targets = {"torchrun": "agent"}.get(delivery, delivery)
+    with launch(
+        RANK_ENTRY, 2, args, env=env, signal_targets=targets, timeout=timeout, cwd=workdir
+    ) as job:
+        job.wait_for_lines(jsonl, 2)
+        workers = [len(pids) for pids in job.workers().values()]
+        assert len(job.send_signal(signal.SIGTERM)) >= 1
+        returncode = job.wait()
     ranks_exit = {p.name: p.read_text() for p in sorted(exits.iterdir())}
     last = max((r["iteration"] for r in _records(jsonl)), default=0)
-    return proc.returncode, log_path.read_text(), ranks_exit, workers, last
+    return returncode, job.output(), ranks_exit, workers, last
 
 
 @pytest.mark.parametrize("delivery", ["ranks", "torchrun", "job"])

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """A plain-PyTorch GPT training loop with a TIED or a LEV input embedding: the baseline of
 `bench_lev_quality.py`.
 
@@ -19,8 +18,8 @@ first --eval-samples windows of the validation stream, the same at every evaluat
 Output: Megatron-style lines (`validation loss at iteration N | lm loss value: X`) that
 `bench_lev_quality.py` parses.
 
-    python benchmarks/plain_gpt_loop.py --data-path data/kjv8k_text_document --vocab-size 8000 \\
-        --embedding lev --train-iters 300
+    python -m megatron_ext.testing.plain_gpt --data-path data/kjv8k_text_document \\
+        --vocab-size 8000 --embedding lev --train-iters 300
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The peer users would pick instead: transformers' `LlamaForCausalLM` holding our HF export of
 the same model (the export-hf mapping: `conversion.hf.to_hf_state_dict` with the LEV input table
-materialised), same dtype, same threads. Shared by bench_generate.py and bench_eval.py."""
+materialised), same dtype, same threads. Shared by benchmarks/bench_generate.py and
+bench_eval.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,113 @@
+"""Entry-point plumbing shared by every command (tools/, pretrain_leviathan, the console
+scripts): logging set-up, and expected failures turned into one ``error:`` line and an exit code.
+
+    def main(argv=None) -> int:
+        return run_tool(_main, argv, errors=(CheckpointError, TokenizerError))
+
+Library code raises its own exception classes and never exits; only entry points call this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import warnings
+from typing import Callable, Optional, Sequence, TextIO, Union
+
+__all__ = ["LOG_FORMAT", "rank", "setup_logging", "run_tool"]
+
+LOG_FORMAT = "[%(asctime)s] %(message)s"
+# Import-time chatter of optional back-ends that are absent on CPU machines.
+_QUIET_WARNINGS = ".*(Apex|Transformer Engine|apex|cuda_graph_scope|full scope is deprecated).*"
+
+ErrorClasses = Union[tuple, Callable[[], tuple]]
+
+
+def rank() -> int:
+    """This process's global rank under torchrun (0 when not launched by it)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def setup_logging(
+    *, verbose: bool = False, stream: Optional[TextIO] = None, fmt: str = LOG_FORMAT
+) -> None:
+    """INFO (DEBUG with ``verbose``) lines on rank 0, warnings only on the other ranks, to
+    ``stream`` (default stderr); once per process (logging.basicConfig)."""
+    level = logging.DEBUG if verbose else logging.INFO
+    logging.basicConfig(
+        level=level if rank() == 0 else logging.WARNING,
+        stream=stream or sys.stderr,
+        format=fmt,
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
+    warnings.filterwarnings("ignore", message=_QUIET_WARNINGS)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _shutdown_distributed() -> None:
+    """Destroy the process groups a command created (no-op if torch.distributed is unused)."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from megatron_ext.parallel import destroy_parallel
+
+        destroy_parallel()
+        dist.destroy_process_group()
+
+
+def run_tool(
+    main: Callable[[Optional[Sequence[str]]], int],
+    argv: Optional[Sequence[str]] = None,
+    *,
+    errors: ErrorClasses = (),
+    error_code: int = 2,
+    log_format: Optional[str] = LOG_FORMAT,
+    log_stream: Optional[TextIO] = None,
+    interrupted: str = "interrupted",
+    sigterm_interrupts: bool = False,
+    shutdown_distributed: bool = True,
+) -> int:
+    """Run a command's ``main(argv)`` and return its exit code.
+
+    Args:
+        main: parses ``argv`` and does the work; returns the exit code.
+        errors: the expected failure classes (or a function returning them, so that heavy
+            modules are imported only when the command runs): each becomes ``error: <message>``
+            on stderr (rank 0 only) and ``error_code``, without a traceback. Anything else
+            propagates with its traceback (a bug).
+        log_format: the logging format (see :func:`setup_logging`); None leaves logging alone.
+        log_stream: where log lines go (default stderr).
+        interrupted: the line printed on Ctrl-C (exit 130).
+        sigterm_interrupts: treat SIGTERM (Slurm preemption, ``kill``) as Ctrl-C, so that the
+            command's clean-up runs.
+        shutdown_distributed: destroy the process groups the command left initialized (off
+            for training, whose loop owns its groups' teardown).
+    """
+    if log_format is not None:
+        setup_logging(stream=log_stream, fmt=log_format)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if sigterm_interrupts else None
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr, flush=True)
+        return 130
+    except Exception as error:
+        expected = errors() if callable(errors) else errors
+        if not isinstance(error, tuple(expected)):
+            raise
+        if rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return error_code
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if shutdown_distributed:
+            _shutdown_distributed()

@@ -1,0 +1,201 @@
+"""Convert checkpoints: Hugging Face export/import, Megatron-LM export, offline resharding.
+
+    python tools/convert_checkpoint.py export-hf --load ckpt/lev --output hf/lev --dtype bfloat16
+    python tools/convert_checkpoint.py import-hf --hf-dir hf/llama --output ckpt/llama-import
+    python tools/convert_checkpoint.py export-megatron --load ckpt/lev --output mlm/lev \\
+        --target-tensor-parallel-size 2
+    python tools/convert_checkpoint.py reshard --load ckpt/lev --output ckpt/lev-tp1 \\
+        --target-tensor-parallel-size 1 --no-optimizer
+
+Like Megatron-LM's tools/checkpoint/convert.py, every subcommand is a loader side (a training
+checkpoint at any TP/PP/DP layout, or a Hugging Face directory) and a saver side. Outputs are
+written to a temporary directory and renamed into place when complete (Ctrl-C leaves nothing);
+bad input ends with one line on stderr and exit code 2. See docs/convert.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from megatron_ext.cli import run_tool
+from megatron_ext.conversion.common import DTYPES
+
+
+def _add_load(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
+    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
+    p.add_argument(
+        "--embedding-type", default=None, help="refuse the checkpoint unless it holds this arm"
+    )
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", required=True, help="directory to create")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="stored dtype")
+    p.add_argument(
+        "--compute-dtype",
+        choices=("float64", "float32"),
+        default="float64",
+        help="precision of the materialised input table before the cast to --dtype",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("export-hf", help="training checkpoint -> Hugging Face LlamaForCausalLM")
+    _add_load(p)
+    _add_output(p)
+    _add_dtype(p)
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard limit (5GB)")
+    p.add_argument(
+        "--keep-padded-vocab",
+        action="store_true",
+        help="keep the make-vocab-size-divisible-by padding rows (default: trim to the tokenizer)",
+    )
+    p.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer files")
+
+    p = sub.add_parser("import-hf", help="Hugging Face Llama -> TIED/UNTIED training checkpoint")
+    p.add_argument("--hf-dir", required=True, help="a LlamaForCausalLM directory")
+    _add_output(p)
+    p.add_argument("--embedding-type", choices=("tied", "untied"), default=None)
+    p.add_argument("--seq-length", type=int, default=None)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+    p = sub.add_parser("export-megatron", help="any arm -> Megatron-LM legacy checkpoint")
+    _add_load(p)
+    _add_output(p)
+    _add_dtype(p)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+
+    p = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP layout")
+    p.add_argument("--load", required=True)
+    p.add_argument("--iteration", type=int, default=None)
+    p.add_argument("--tokenizer-model", default=None)
+    _add_output(p)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--no-optimizer", action="store_true", help="drop the optimizer state")
+    return parser
+
+
+def run(args: argparse.Namespace) -> str:
+    import torch
+
+    progress = not args.no_progress
+    if args.command == "export-hf":
+        from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
+
+        return export_hf(
+            ExportHFOptions(
+                load=args.load,
+                output=args.output,
+                iteration=args.iteration,
+                dtype=DTYPES[args.dtype],
+                compute_dtype=getattr(torch, args.compute_dtype),
+                keep_padded_vocab=args.keep_padded_vocab,
+                max_shard_size=args.max_shard_size,
+                tokenizer_model=args.tokenizer_model,
+                export_tokenizer=not args.no_tokenizer,
+                embedding_type=args.embedding_type,
+                overwrite=args.overwrite,
+                progress=progress,
+            )
+        )
+    if args.command == "import-hf":
+        from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
+
+        return import_hf(
+            ImportHFOptions(
+                hf_dir=args.hf_dir,
+                output=args.output,
+                embedding_type=args.embedding_type,
+                seq_length=args.seq_length,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                overwrite=args.overwrite,
+            )
+        )
+    if args.command == "export-megatron":
+        from megatron_ext.conversion.export_megatron import (
+            ExportMegatronOptions,
+            export_megatron,
+        )
+
+        return export_megatron(
+            ExportMegatronOptions(
+                load=args.load,
+                output=args.output,
+                iteration=args.iteration,
+                tensor_model_parallel_size=args.target_tensor_parallel_size,
+                pipeline_model_parallel_size=args.target_pipeline_parallel_size,
+                dtype=DTYPES[args.dtype],
+                compute_dtype=getattr(torch, args.compute_dtype),
+                tokenizer_model=args.tokenizer_model,
+                embedding_type=args.embedding_type,
+                overwrite=args.overwrite,
+                progress=progress,
+            )
+        )
+    from megatron_ext.conversion.reshard import ReshardOptions, reshard
+
+    return reshard(
+        ReshardOptions(
+            load=args.load,
+            output=args.output,
+            iteration=args.iteration,
+            tensor_model_parallel_size=args.target_tensor_parallel_size,
+            pipeline_model_parallel_size=args.target_pipeline_parallel_size,
+            keep_optimizer=not args.no_optimizer,
+            tokenizer_model=args.tokenizer_model,
+            overwrite=args.overwrite,
+            progress=progress,
+        )
+    )
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    from megatron_ext.parallel import destroy_parallel
+
+    destroy_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _errors() -> tuple:
+    from megatron_ext.conversion.common import ConversionError
+    from megatron_ext.data.tokenizers import TokenizerError
+    from megatron_ext.training.checkpointing import CheckpointError
+
+    return (ConversionError, CheckpointError, TokenizerError)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_ext._paths import display_path
+
+    try:
+        path = run(args)
+    finally:
+        _shutdown()
+    print(f"{args.command}: wrote {display_path(path)}", flush=True)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_tool(_main, argv, errors=_errors, interrupted="interrupted: nothing was written")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

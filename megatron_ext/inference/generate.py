@@ -1,0 +1,197 @@
+"""Generate text from a training checkpoint (any arm) with a KV cache.
+
+    python tools/generate.py --load ckpt/lev --prompt "The river" --max-new-tokens 64
+    python tools/generate.py --load ckpt/lev --prompts-file prompts.txt --temperature 0.8 \\
+        --top-p 0.9 --seed 1 --output completions.jsonl
+    torchrun --nproc-per-node 2 tools/generate.py --load ckpt/lev \\
+        --tensor-model-parallel-size 2 --prompt "The river"      # the training layout on GPUs
+
+A prompts file holds one prompt per line (.txt) or {"prompt": ...} objects (.jsonl). Greedy by
+default; generation stops at the tokenizer's end-of-document id unless --no-stop-at-eod.
+Results are printed, or written as jsonl (prompt, completion, token ids, why it stopped).
+Bad input ends with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+from megatron_ext.cli import run_tool
+
+logger = logging.getLogger("generate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
+    p.add_argument("--iteration", type=int, default=None)
+    p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    src.add_argument("--prompts-file", help="one prompt per line (.txt) or jsonl with 'prompt'")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0: no cut")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0: no cut")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-stop-at-eod", action="store_true", help="ignore the end-of-document id")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch")
+    p.add_argument("--no-cache", action="store_true", help="recompute the prefix every step")
+    p.add_argument("--output", default=None, help="write jsonl here instead of printing")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    return p
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    from megatron_ext.conversion.common import ConversionError
+
+    if args.prompt:
+        return list(args.prompt)
+    path = args.prompts_file
+    if not os.path.isfile(path):
+        raise ConversionError(f"--prompts-file {path} does not exist")
+    prompts = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if path.endswith(".jsonl"):
+                try:
+                    prompts.append(json.loads(line)["prompt"])
+                except (ValueError, KeyError, TypeError):
+                    raise ConversionError(
+                        f"{path}:{number} is not a JSON object with a 'prompt' string"
+                    ) from None
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise ConversionError(f"--prompts-file {path} holds no prompt")
+    return prompts
+
+
+def completion_text(tokenizer, prompt_ids: list[int], new: list[int]) -> str:
+    """The text the new ids add to the prompt (decoded in context, so a leading space stays)."""
+    prefix = tokenizer.detokenize(prompt_ids)
+    full = tokenizer.detokenize(prompt_ids + new)
+    return full[len(prefix) :] if full.startswith(prefix) else tokenizer.detokenize(new)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import torch.distributed as dist
+
+    from megatron_ext.conversion.common import ConversionError
+    from megatron_ext.inference.generation import SamplingConfig, generate
+    from megatron_ext.inference.loading import (
+        find_checkpoint,
+        init_inference_parallel,
+        load_model,
+        run_model_config,
+        run_tokenizer,
+    )
+
+    try:
+        sampling = SamplingConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            use_cache=not args.no_cache,
+        )
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
+    if args.batch_size < 1:
+        raise ConversionError("--batch-size must be >= 1")
+    prompts = read_prompts(args)
+    run_ = find_checkpoint(args.load, args.iteration)
+    tokenizer = run_tokenizer(run_, args.tokenizer_model)
+    if not args.no_stop_at_eod:
+        from dataclasses import replace
+
+        sampling = replace(sampling, stop_token_ids=(tokenizer.eod,))
+    tp = args.tensor_model_parallel_size
+    try:
+        config = run_model_config(run_, tensor_model_parallel_size=tp)
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != tp:
+        raise ConversionError(
+            f"launch exactly --tensor-model-parallel-size ({tp}) ranks, "
+            f"not {os.environ['WORLD_SIZE']}"
+        )
+    if "WORLD_SIZE" not in os.environ and tp != 1:
+        raise ConversionError(
+            f"--tensor-model-parallel-size {tp} needs torchrun --nproc-per-node {tp}"
+        )
+    pg = init_inference_parallel(tp, 1)
+    model = load_model(run_, config, pg)
+    records = []
+    start, produced = time.perf_counter(), 0
+    for first in range(0, len(prompts), args.batch_size):
+        batch = prompts[first : first + args.batch_size]
+        ids = [tokenizer.tokenize(p) for p in batch]
+        empty = [p for p, i in zip(batch, ids) if not i]
+        if empty:
+            raise ConversionError(f"prompt {empty[0]!r} encodes to no token")
+        outputs = generate(model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size)
+        for prompt, prompt_ids, new in zip(batch, ids, outputs):
+            stopped = "eod" if len(new) < sampling.max_new_tokens else "length"
+            produced += len(new)
+            records.append(
+                {
+                    "prompt": prompt,
+                    "completion": completion_text(tokenizer, prompt_ids, new),
+                    "prompt_ids": prompt_ids,
+                    "completion_ids": new,
+                    "stop_reason": stopped,
+                }
+            )
+    elapsed = time.perf_counter() - start
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(
+            "generated %d tokens for %d prompts in %.1f s (%.1f tokens/s)",
+            produced,
+            len(prompts),
+            elapsed,
+            produced / max(elapsed, 1e-9),
+        )
+    return records
+
+
+def _errors() -> tuple:
+    from megatron_ext.conversion.common import ConversionError
+    from megatron_ext.data.tokenizers import TokenizerError
+    from megatron_ext.training.checkpointing import CheckpointError
+
+    return (ConversionError, CheckpointError, TokenizerError)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
+    records = run(args)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if args.output:
+        from megatron_ext.conversion.common import atomic_write_text
+
+        atomic_write_text(args.output, "".join(json.dumps(r) + "\n" for r in records))
+        logger.info("wrote %d completions to %s", len(records), args.output)
+    else:
+        for record in records:
+            print(f"### {record['prompt']}\n{record['prompt']}{record['completion']}\n", flush=True)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_tool(_main, argv, errors=_errors)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

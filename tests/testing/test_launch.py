@@ -1,0 +1,120 @@
+"""megatron_ext.testing.launch with a small entry script: the environment each rank gets,
+signals delivered to the ranks / torchrun / the whole job (workers included), and the kill on
+timeout that leaves nothing running."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.testing.launch import PACKAGE_ROOT, count_records, launch
+
+pytestmark = pytest.mark.integration
+
+# Each rank starts one worker child, records {"who", "pid", "rank", ...} lines and, on SIGTERM,
+# records who got it and exits 0 (a worker: just exits).
+ENTRY = """
+import json, os, signal, subprocess, sys, time
+out = os.environ["LAUNCH_TEST_OUT"]
+def record(**kw):
+    with open(out, "a") as f:
+        f.write(json.dumps(kw) + "\\n")
+role = sys.argv[1] if len(sys.argv) > 1 else "rank"
+def on_term(signum, frame):
+    record(who=role, got="SIGTERM", rank=os.environ.get("RANK"))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+if role == "rank":
+    worker = subprocess.Popen([sys.executable, __file__, "worker"])
+    record(who="rank", pid=os.getpid(), rank=os.environ.get("RANK"),
+           world=os.environ.get("WORLD_SIZE"), port=os.environ.get("MASTER_PORT"),
+           path=os.environ.get("PYTHONPATH", "").split(os.pathsep)[0], worker=worker.pid)
+time.sleep(float(os.environ.get("LAUNCH_TEST_SLEEP", "60")))
+"""
+
+
+def _entry(tmp_path: Path) -> Path:
+    path = tmp_path / "entry.py"
+    path.write_text(ENTRY)
+    return path
+
+
+def _lines(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("targets", ["ranks", "agent", "job"])
+def test_sigterm_reaches_the_targets_a_cluster_would_signal(tmp_path, targets):
+    out = tmp_path / "out.jsonl"
+    env = {"LAUNCH_TEST_OUT": str(out)}
+    with launch(_entry(tmp_path), 2, [], env=env, signal_targets=targets, cwd=tmp_path,
+                timeout=120) as job:  # fmt: skip
+        job.wait_for_lines(out, 2)
+        ranks = job.ranks()
+        assert sorted(ranks) == [0, 1]
+        workers = job.workers()
+        assert all(len(pids) == 1 for pids in workers.values()), workers
+        sent = job.send_signal(signal.SIGTERM)
+        job.wait()
+    started = [r for r in _lines(out) if r["who"] == "rank" and "pid" in r]
+    assert sorted(r["rank"] for r in started) == ["0", "1"]
+    assert {r["world"] for r in started} == {"2"} and len({r["port"] for r in started}) == 1
+    assert {r["path"] for r in started} == {str(PACKAGE_ROOT)}  # the caller's megatron_ext
+    got = sorted((r["who"], r["rank"]) for r in _lines(out) if r.get("got") == "SIGTERM")
+    if targets == "ranks":
+        assert sent == list(ranks.values())
+        assert got == [("rank", "0"), ("rank", "1")]
+    elif targets == "agent":  # torchrun forwards SIGTERM to each rank's process group
+        assert sent == [job.pid]
+        assert sorted(who for who, _ in got) == ["rank", "rank", "worker", "worker"]
+    else:  # workers first, then ranks, then torchrun
+        assert sent[-1] == job.pid and set(sent[:2]) == {p for w in workers.values() for p in w}
+        assert sorted(who for who, _ in got).count("worker") == 2
+    for pid in [*ranks.values(), *(p for w in workers.values() for p in w)]:
+        assert not _alive(pid), pid
+
+
+def test_one_rank_without_torchrun_gets_a_port_and_no_inherited_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "7")
+    out = tmp_path / "out.jsonl"
+    env = {"LAUNCH_TEST_OUT": str(out), "LAUNCH_TEST_SLEEP": "0"}
+    with launch(_entry(tmp_path), 1, [], env=env, cwd=tmp_path, log=tmp_path / "a.log") as job:
+        assert job.wait() == 0, job.output()
+        assert job.ranks() == {}  # exited
+    (record,) = [r for r in _lines(out) if "pid" in r]
+    assert record["pid"] == job.pid and record["rank"] is None and int(record["port"]) > 0
+    assert (tmp_path / "a.log").exists()
+
+
+def test_timeout_kills_everything_it_started(tmp_path):
+    out = tmp_path / "out.jsonl"
+    env = {"LAUNCH_TEST_OUT": str(out)}
+    start = time.monotonic()
+    with launch(_entry(tmp_path), 2, [], env=env, cwd=tmp_path, timeout=20) as job:
+        job.wait_for_lines(out, 2)
+        pids = [job.pid, *job.ranks().values(), *(w for ws in job.workers().values() for w in ws)]
+        with pytest.raises(TimeoutError, match="killed after 20 s"):
+            job.wait()
+    assert time.monotonic() - start < 60
+    assert len(pids) == 5 and not any(_alive(pid) for pid in pids)
+    assert count_records(out) == 2  # nobody got to handle a signal: SIGKILL
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="nproc must be >= 1"):
+        launch("pretrain_leviathan", 0, [])
+    with pytest.raises(ValueError, match="more than one rank needs torchrun"):
+        launch("pretrain_leviathan", 2, [], torchrun=False)
