@@ -25,17 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _flags(args) -> list[str]:
@@ -54,26 +49,28 @@ def _flags(args) -> list[str]:
 
 def run_ours(args, workdir: str) -> tuple[list[float], list[float]]:
     """(losses, seconds per iteration) of `pretrain_leviathan.py` on one process."""
-    log = os.path.join(workdir, "ours.jsonl")
-    if os.path.exists(log):
-        os.remove(log)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    cmd = [sys.executable, str(REPO / "pretrain_leviathan.py"), *_flags(args), "--log-jsonl", log]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: pretrain_leviathan.py failed:\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in open(log)]
+    from megatron_ext.testing.launch import launch
+
+    log = Path(workdir) / "ours.jsonl"
+    log.unlink(missing_ok=True)
+    env = {"OMP_NUM_THREADS": str(args.threads)}
+    argv = [*_flags(args), "--log-jsonl", str(log)]
+    output = Path(workdir) / "ours.log"
+    with launch("pretrain_leviathan", 1, argv, env=env, log=output, timeout=None) as job:
+        if job.wait() != 0:
+            raise SystemExit(f"error: pretrain_leviathan failed:\n{job.output()[-3000:]}")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
     return [r["loss"] for r in records], [r["seconds"] for r in records]
 
 
 def _build_peer(args):
     """transformers' Llama with our initial weights, its optimizer, and the training samples."""
-    from benchmarks.hf_peer import hf_export
     from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
     from megatron_ext.data.tokenizers import build_tokenizer, padded_vocab_size
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.models import build_model, model_config_from_args
     from megatron_ext.parallel import set_random_seed
+    from megatron_ext.testing.hf_peer import hf_export
     from megatron_ext.training import parse_args
 
     flags = parse_args(_flags(args))
