@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_ext.elastic import round_store, uses_agent_store
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -263,8 +265,14 @@ def initialize_parallel(
         os.environ.setdefault("MASTER_PORT", "29500")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        store = None
+        if uses_agent_store():
+            # torchrun's store outlives a restart round: start in a key space of this round.
+            store, token = round_store(rank, world_size, startup)
+            logger.debug("torchrun round %s", token)
         dist.init_process_group(
             backend=backend,
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=startup,
