@@ -35,9 +35,7 @@ def uses_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def round_store(
-    rank: int, world_size: int, timeout: datetime.timedelta
-) -> tuple[dist.Store, str]:
+def round_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple[dist.Store, str]:
     """Connect to the agent's store (MASTER_ADDR:MASTER_PORT) and return (a PrefixStore that only
     this round's ranks use, the round's token). Raises RuntimeError after `timeout` when the
     ranks do not all arrive."""

@@ -7,6 +7,8 @@
   intact;
 - torchrun --max-restarts 2 after a SIGKILLed rank: the ranks restart, resume by themselves from
   the latest checkpoint (--load = --save) and train the same losses as an uninterrupted run;
+- two torchrun agents (--nnodes 2, c10d rendezvous on loopback) with 2 processes each and TP=2:
+  TP stays within an agent's processes, DP runs across, the losses equal one 4-process agent's;
 - examples/slurm/pretrain_requeue.sbatch, with `srun` and `scontrol` replaced by small scripts:
   SIGUSR1 to every process of the step saves and exits 0, the job requeues itself, and the
   requeued job resumes with the same losses.
@@ -144,12 +146,13 @@ class _Job:
         self._log.close()
 
 
-def _torchrun(args: list[str], jsonl: Path, *extra: str) -> list[str]:
+def _torchrun(
+    args: list[str], jsonl: Path, *extra: str, nproc: int = 2, endpoint: str | None = None
+) -> list[str]:
+    endpoint = endpoint or f"127.0.0.1:{find_free_port()}"
     return [
-        *TORCHRUN, "--nproc-per-node", "2", *extra,
-        # c10d rendezvous: each restart round gets fresh store keys (the static
-        # --master-port rendezvous reuses the first round's and the restart cannot connect).
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{find_free_port()}",
+        *TORCHRUN, "--nproc-per-node", str(nproc), *extra,
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
         str(ENTRY), *args, "--log-jsonl", str(jsonl),
     ]  # fmt: skip
 
@@ -309,3 +312,67 @@ def test_slurm_usr1_saves_requeues_and_resumes(train_args, reference, tmp_path):
     assert sorted(losses) == list(range(1, ITERS + 1))
     for it in range(last + 1, ITERS + 1):
         assert losses[it] == reference[it], f"iteration {it}: {losses[it]} != {reference[it]}"
+
+
+MULTI_NODE_ITERS = 4
+
+
+def _tp2_run(train_args, ckpt: Path) -> list[str]:
+    return [*train_args, "--tensor-model-parallel-size", "2", "--exit-interval",
+            str(MULTI_NODE_ITERS), "--save", str(ckpt)]  # fmt: skip
+
+
+def _placement(output: str) -> dict[str, list[tuple[int, int, int]]]:
+    """{node: [(rank, tp, dp), ...]} from rank 0's `placement:` lines."""
+    nodes = {}
+    for node, ranks in re.findall(r"placement: (node \d+): (.*)", output):
+        found = re.findall(r"rank (\d+) \(local \d+: tp (\d+) dp (\d+) pp 0\)", ranks)
+        nodes[node] = [tuple(map(int, r)) for r in found]
+    return nodes
+
+
+def test_two_nodes_tp_within_dp_across_equal_one_node(train_args, tmp_path):
+    """Two torchrun agents (--nnodes 2, c10d rendezvous on loopback), 2 processes each, TP=2:
+    each agent's processes form one TP group, DP runs across the agents, and the losses equal
+    those of one agent with 4 processes."""
+    single = tmp_path / "single"
+    with _Job(_torchrun(_tp2_run(train_args, single / "ckpt"), single / "metrics.jsonl",
+                        nproc=4), single) as job:  # fmt: skip
+        assert job.wait() == 0, job.output()[-4000:]
+    expected = {r["iteration"]: r["loss"] for r in _records(single / "metrics.jsonl")}
+    assert sorted(expected) == list(range(1, MULTI_NODE_ITERS + 1))
+
+    multi = tmp_path / "multi"
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    jsonl, ckpt = multi / "metrics.jsonl", multi / "ckpt"
+    agents = []
+    for node in (0, 1):
+        cmd = _torchrun(_tp2_run(train_args, ckpt), jsonl, "--nnodes", "2", "--node-rank",
+                        str(node), endpoint=endpoint)  # fmt: skip
+        agents.append(_Job(cmd, multi / f"agent{node}"))
+    with agents[0], agents[1]:
+        launched = [{}, {}]  # {rank: pid} each agent started, seen while they run
+        while any(a.proc.poll() is None for a in agents) and not all(len(r) == 2 for r in launched):
+            for seen, agent in zip(launched, agents):
+                seen.update(agent.ranks())
+            time.sleep(0.05)
+        returncodes = [a.wait() for a in agents]
+    output = "".join(a.output() for a in agents)
+    assert returncodes == [0, 0], output[-4000:]
+    assert sorted(sorted(r) for r in launched) == [[0, 1], [2, 3]], launched
+
+    nodes = _placement(output)
+    # torchrun's node index (GROUP_RANK) of each rank, as the ranks report it: one node per
+    # agent, TP ranks 0 and 1 on the same node, the DP replicas on different nodes.
+    assert sorted(nodes.values()) == [[(0, 0, 0), (1, 1, 0)], [(2, 0, 1), (3, 1, 1)]], nodes
+    assert "span nodes" not in output
+
+    losses = {r["iteration"]: r["loss"] for r in _records(jsonl)}
+    assert losses == expected
+    for run in (single / "ckpt", ckpt):
+        assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == str(
+            MULTI_NODE_ITERS
+        )
+    saved = [sorted(p.name for p in (c / f"iter_{MULTI_NODE_ITERS:07d}").iterdir())
+             for c in (single / "ckpt", ckpt)]  # fmt: skip
+    assert saved[0] == saved[1] and "common.json" in saved[0]
