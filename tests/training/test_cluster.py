@@ -206,7 +206,15 @@ def test_stopped_rank_times_out_and_keeps_the_last_checkpoint(train_args, tmp_pa
     args += ["--save", str(ckpt), "--distributed-timeout-minutes", "0.1"]
     with _Job(_torchrun(args, jsonl), tmp_path) as job:
         job.wait_for(jsonl, SAVE_INTERVAL + 1)
-        os.kill(job.ranks()[1], signal.SIGSTOP)
+        stopped = job.ranks()[1]
+        os.kill(stopped, signal.SIGSTOP)
+        deadline = time.monotonic() + 240
+        while "error: rank 0:" not in job.output() and job.proc.poll() is None:
+            assert time.monotonic() < deadline, job.output()[-4000:]
+            time.sleep(0.1)
+        # The stopped rank cannot act on torchrun's SIGTERM; torchrun would SIGKILL it after
+        # 30 s (its shutdown timeout), which the test does at once.
+        os.kill(stopped, signal.SIGKILL)
         returncode = job.wait()
     output = job.output()
     assert returncode != 0, output[-4000:]
