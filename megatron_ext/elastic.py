@@ -12,7 +12,9 @@ two nodes can disagree.
 `round_store` agrees on a prefix that is new in every round: rank 0 publishes a random token;
 every other rank answers the token it reads with its own token, and proceeds once rank 0 lists
 its token among the members of the round. A token left by a dead rank 0 is never confirmed with
-a live rank's token, so nobody can settle on a previous round.
+a live rank's token, so nobody can settle on a previous round. Rank 0 also counts the rounds in
+the store, so every rank knows the job-wide restart number (`restart_round`), which the agents'
+own counters do not give: an agent whose ranks were healthy restarts them without counting.
 """
 
 from __future__ import annotations
@@ -24,15 +26,25 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["uses_agent_store", "round_store"]
+__all__ = ["uses_agent_store", "round_store", "restart_round"]
 
 _ROOT = "leviathan/round"
 _POLL_S = 0.05
+_round: int | None = None
 
 
 def uses_agent_store() -> bool:
     """Whether this process is a torchrun worker sharing the agent's TCPStore."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def restart_round() -> int:
+    """How many times torchrun has restarted this job's ranks before this round (0 for the first
+    round): counted by `round_store` across all agents, else this agent's
+    TORCHELASTIC_RESTART_COUNT (0 outside torchrun)."""
+    if _round is not None:
+        return _round
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def round_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple[dist.Store, str]:
@@ -55,15 +67,19 @@ def round_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tupl
         if acks:
             base.wait(acks, timeout)
         members = [token, *(base.get(key).decode() for key in acks)]
-        base.set(f"{token}/members", ",".join(members))
+        count = base.add("rounds", 1) - 1
+        base.set(f"{token}/members", f"{count}:" + ",".join(members))
         leader = token
     else:
-        leader = _join(base, rank, token, timeout)
+        leader, count = _join(base, rank, token, timeout)
+    global _round
+    _round = count
     return dist.PrefixStore(f"{_ROOT}/{leader}", store), leader
 
 
-def _join(base: dist.Store, rank: int, token: str, timeout: datetime.timedelta) -> str:
-    """Answer whichever leader token is published until one confirms `token`; return it."""
+def _join(base: dist.Store, rank: int, token: str, timeout: datetime.timedelta) -> tuple[str, int]:
+    """Answer whichever leader token is published until one confirms `token`; return it and
+    the round's number."""
     deadline = time.monotonic() + timeout.total_seconds()
     answered = None
     while True:
@@ -73,8 +89,10 @@ def _join(base: dist.Store, rank: int, token: str, timeout: datetime.timedelta) 
                 base.set(f"{leader}/ack/{rank}", token)
                 answered = leader
             members = f"{leader}/members"
-            if base.check([members]) and token in base.get(members).decode().split(","):
-                return leader
+            if base.check([members]):
+                count, tokens = base.get(members).decode().split(":")
+                if token in tokens.split(","):
+                    return leader, int(count)
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"rank {rank}: rank 0 of this torchrun round did not start within "

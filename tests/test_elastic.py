@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from megatron_ext.elastic import round_store
+from megatron_ext.elastic import restart_round, round_store
 from megatron_ext.parallel import find_free_port
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -50,12 +50,13 @@ def _round(world_size: int, order: list[int]) -> dict[int, tuple]:
 def test_restarted_ranks_ignore_the_previous_round(agent_store):
     first = _round(3, [0, 1, 2])
     tokens = {token for _, token in first.values()}
-    assert len(tokens) == 1
+    assert len(tokens) == 1 and restart_round() == 0
     first[0][0].set("rank_1_address", "dead")
     # The restarted round: rank 0 starts last, so ranks 1 and 2 read the dead leader first.
     second = _round(3, [2, 1, 0])
     (token,) = {t for _, t in second.values()}
     assert token not in tokens
+    assert restart_round() == 1  # the job-wide count, whichever agent restarted
     assert not second[2][0].check(["rank_1_address"])  # the old round's keys are out of sight
     second[1][0].set("rank_1_address", "alive")
     assert second[0][0].get("rank_1_address") == b"alive"

@@ -322,16 +322,18 @@ def test_slurm_usr1_saves_requeues_and_resumes(train_args, reference, tmp_path):
         assert losses[it] == reference[it], f"iteration {it}: {losses[it]} != {reference[it]}"
 
 
-MULTI_NODE_ITERS = 4
+MULTI_NODE_ITERS = 10
+MULTI_NODE_SAVE_INTERVAL = 2
 
 
 def _tp2_run(train_args, ckpt: Path) -> list[str]:
     return [*train_args, "--tensor-model-parallel-size", "2", "--exit-interval",
-            str(MULTI_NODE_ITERS), "--save", str(ckpt)]  # fmt: skip
+            str(MULTI_NODE_ITERS), "--save-interval", str(MULTI_NODE_SAVE_INTERVAL),
+            "--save", str(ckpt), "--load", str(ckpt)]  # fmt: skip
 
 
 def _placement(output: str) -> dict[str, list[tuple[int, int, int]]]:
-    """{node: [(rank, tp, dp), ...]} from rank 0's `placement:` lines."""
+    """{node: [(rank, tp, dp), ...]} from rank 0's `placement:` lines (the last round's)."""
     nodes = {}
     for node, ranks in re.findall(r"placement: (node \d+): (.*)", output):
         found = re.findall(r"rank (\d+) \(local \d+: tp (\d+) dp (\d+) pp 0\)", ranks)
@@ -342,7 +344,10 @@ def _placement(output: str) -> dict[str, list[tuple[int, int, int]]]:
 def test_two_nodes_tp_within_dp_across_equal_one_node(train_args, tmp_path):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on loopback), 2 processes each, TP=2:
     each agent's processes form one TP group, DP runs across the agents, and the losses equal
-    those of one agent with 4 processes."""
+    those of one agent with 4 processes. Under --max-restarts a rank of the second agent is
+    killed mid-run: both agents restart their ranks (their own restart counters may differ; the
+    log counts the job's restarts), which resume from the latest checkpoint and still train the
+    same losses."""
     single = tmp_path / "single"
     with _Job(_torchrun(_tp2_run(train_args, single / "ckpt"), single / "metrics.jsonl",
                         nproc=4), single) as job:  # fmt: skip
@@ -356,18 +361,35 @@ def test_two_nodes_tp_within_dp_across_equal_one_node(train_args, tmp_path):
     agents = []
     for node in (0, 1):
         cmd = _torchrun(_tp2_run(train_args, ckpt), jsonl, "--nnodes", "2", "--node-rank",
-                        str(node), endpoint=endpoint)  # fmt: skip
+                        str(node), "--max-restarts", "2", endpoint=endpoint)  # fmt: skip
         agents.append(_Job(cmd, multi / f"agent{node}"))
     with agents[0], agents[1]:
-        launched = [{}, {}]  # {rank: pid} each agent started, seen while they run
-        while any(a.proc.poll() is None for a in agents) and not all(len(r) == 2 for r in launched):
+        launched = [{}, {}]  # {rank: pid} each agent started
+        deadline = time.monotonic() + 240
+        while not all(len(r) == 2 for r in launched):
+            assert all(a.proc.poll() is None for a in agents), agents[0].output()[-4000:]
+            assert time.monotonic() < deadline, launched
             for seen, agent in zip(launched, agents):
                 seen.update(agent.ranks())
             time.sleep(0.05)
+        agents[0].wait_for(jsonl, MULTI_NODE_SAVE_INTERVAL + 1)
+        pids = [pid for seen in launched for pid in seen.values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+        victim = min(launched[1].values())
+        os.kill(victim, signal.SIGKILL)
+        for pid in pids:
+            if pid != victim:
+                os.kill(pid, signal.SIGCONT)
         returncodes = [a.wait() for a in agents]
     output = "".join(a.output() for a in agents)
     assert returncodes == [0, 0], output[-4000:]
     assert sorted(sorted(r) for r in launched) == [[0, 1], [2, 3]], launched
+    assert (
+        "torchrun restarted the ranks (restart 1 of --max-restarts 2) after a rank failed: "
+        f"resuming from iteration {saved}"
+    ) in output, output[-4000:]
 
     nodes = _placement(output)
     # torchrun's node index (GROUP_RANK) of each rank, as the ranks report it: one node per
@@ -381,6 +403,6 @@ def test_two_nodes_tp_within_dp_across_equal_one_node(train_args, tmp_path):
         assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == str(
             MULTI_NODE_ITERS
         )
-    saved = [sorted(p.name for p in (c / f"iter_{MULTI_NODE_ITERS:07d}").iterdir())
-             for c in (single / "ckpt", ckpt)]  # fmt: skip
-    assert saved[0] == saved[1] and "common.json" in saved[0]
+    saved_files = [sorted(p.name for p in (c / f"iter_{MULTI_NODE_ITERS:07d}").iterdir())
+                   for c in (single / "ckpt", ckpt)]  # fmt: skip
+    assert saved_files[0] == saved_files[1] and "common.json" in saved_files[0]
