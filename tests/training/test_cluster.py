@@ -8,7 +8,8 @@
 - torchrun --max-restarts 2 after a SIGKILLed rank: the ranks restart, resume by themselves from
   the latest checkpoint (--load = --save) and train the same losses as an uninterrupted run;
 - two torchrun agents (--nnodes 2, c10d rendezvous on loopback) with 2 processes each and TP=2:
-  TP stays within an agent's processes, DP runs across, the losses equal one 4-process agent's;
+  TP stays within an agent's processes, DP runs across, the losses equal one 4-process agent's,
+  also when a rank of the second agent is killed and both agents restart their ranks;
 - examples/slurm/pretrain_requeue.sbatch, with `srun` and `scontrol` replaced by small scripts:
   SIGUSR1 to every process of the step saves and exits 0, the job requeues itself, and the
   requeued job resumes with the same losses.
