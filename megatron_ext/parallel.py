@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_ext import placement
+from megatron_ext.elastic import round_store, uses_agent_store
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -263,8 +266,14 @@ def initialize_parallel(
         os.environ.setdefault("MASTER_PORT", "29500")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        store = None
+        if uses_agent_store():
+            # torchrun's store outlives a restart round: start in a key space of this round.
+            store, token = round_store(rank, world_size, startup)
+            logger.debug("torchrun round %s", token)
         dist.init_process_group(
             backend=backend,
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=startup,
@@ -285,9 +294,29 @@ def initialize_parallel(
     )
     groups = ProcessGroups.from_megatron()
     dist.barrier()  # every rank is up: from now on a silent peer is a failure
+    if dist.get_world_size() > 1:
+        _log_placement(groups)
     _set_timeout(datetime.timedelta(minutes=timeout_minutes))
     set_random_seed(1234, groups.pp_rank)
     return groups
+
+
+def _log_placement(groups: ProcessGroups) -> None:
+    """Rank 0 logs which node runs which ranks, and warns when a tensor-parallel group spans
+    nodes (its per-layer all-reduces would cross the slower inter-node network)."""
+    table = placement.rank_placement(groups)
+    if dist.get_rank() != 0:
+        return
+    for line in placement.describe(table):
+        logger.info("placement: %s", line)
+    spanning = placement.tp_groups_spanning_nodes(table)
+    if spanning:
+        logger.warning(
+            "tensor-parallel groups %s span nodes: make the processes per node a multiple of "
+            "--tensor-model-parallel-size %d",
+            ", ".join(str(list(g)) for g in spanning),
+            groups.tp_size,
+        )
 
 
 def _set_timeout(timeout: datetime.timedelta) -> None:

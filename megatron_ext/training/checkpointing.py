@@ -520,7 +520,7 @@ def load_checkpoint(
     if iteration is None:
         iteration = read_latest_iteration(root)
     if iteration is None:
-        where = os.path.abspath(root)
+        where = display_path(os.path.abspath(root))
         what = "does not exist" if not os.path.isdir(root) else f"has no {TRACKER_FILENAME}"
         if strict_missing:
             raise CheckpointError(f"--load {where} {what}: no checkpoint to load")

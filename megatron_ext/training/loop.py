@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext.elastic import restart_round
 from megatron_ext.parallel import (
     ProcessGroups,
     destroy_parallel,
@@ -894,7 +895,7 @@ def pretrain(
 
 def _log_restart(trainer: _Trainer) -> None:
     """Under torchrun --max-restarts, say which restart this is and where it resumed."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restarts = restart_round()
     if restarts and trainer.is_rank0:
         logger.warning(
             "torchrun restarted the ranks (restart %d of --max-restarts %s) after a rank failed: "
