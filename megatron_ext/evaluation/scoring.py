@@ -132,55 +132,13 @@ class ModelScorer:
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """[b, s] float32 negative log-likelihood of each label given its prefix.
-
-        On the last stage the output layer is applied here, `HEAD_CHUNK` tokens at a time,
-        each chunk's logits reduced to its losses at once: the whole [s, b, V] logits and
-        the several [s, b, V] temporaries of megatron's cross entropy are never built (about
-        twice as fast on CPU at V = 32k). Same math: the normaliser runs over the whole padded
-        output, as the training loss's does.
-        """
+        """[b, s] float32 negative log-likelihood of each label given its prefix."""
         if position_ids is None:
             position_ids = _positions(tokens)
-        head = getattr(self.model, "output_layer", None) if self.last else None
-        if head is None or getattr(head, "sequence_parallel", False) or head.bias is not None:
-            out = self._run(tokens, position_ids, attention_mask, labels)
-        else:
-            with _output_layer_bypassed(self.model) as weight:
-                hidden = self._run(tokens, position_ids, attention_mask, None)  # [b, s, h]
-            out = self._head_losses(hidden, weight, labels.to(self.device))
+        out = self._run(tokens, position_ids, attention_mask, labels)
         if out is not None:
             out = out.float()
         return self._from_last_stage(out, tuple(tokens.shape), torch.float32)
-
-    def _head_losses(
-        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
-    ) -> torch.Tensor:
-        """[b, s] float32 losses of `labels` [b, s] under the output layer `weight`
-        [V/tp, h] (this rank's vocabulary shard) applied to `hidden` [b, s, h]."""
-        b, s, h = hidden.shape
-        x, y = hidden.reshape(b * s, h), labels.reshape(b * s)
-        shard = weight.size(0)
-        first = self.tp_rank * shard
-        losses = torch.empty(b * s, dtype=torch.float32, device=hidden.device)
-        for start in range(0, b * s, HEAD_CHUNK):
-            end = min(start + HEAD_CHUNK, b * s)
-            logits = (x[start:end] @ weight.t()).float()  # [n, V/tp]
-            target = y[start:end]
-            if self.tp == 1:
-                picked = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-                losses[start:end] = torch.logsumexp(logits, -1) - picked
-                continue
-            top = logits.amax(-1)
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.tp_group)
-            sum_exp = torch.exp(logits - top.unsqueeze(-1)).sum(-1)
-            local = (target >= first) & (target < first + shard)
-            index = (target - first).clamp(0, shard - 1).unsqueeze(-1)
-            picked = torch.where(local, logits.gather(-1, index).squeeze(-1), 0.0)
-            dist.all_reduce(sum_exp, group=self.tp_group)
-            dist.all_reduce(picked, group=self.tp_group)
-            losses[start:end] = top + torch.log(sum_exp) - picked
-        return losses.view(b, s)
 
     @torch.inference_mode()
     def target_scores(
@@ -219,39 +177,6 @@ class ModelScorer:
             out = torch.stack([log_prob, greedy])
         out = self._from_last_stage(out, (2, *tokens.shape), torch.float32)
         return out[0], out[1] > 0
-
-
-HEAD_CHUNK = 1024
-"""Tokens whose logits `ModelScorer.token_losses` holds at once ([HEAD_CHUNK, V/tp] float32:
-128 MB at V = 32k)."""
-
-
-class _HiddenStatesOut(torch.nn.Module):
-    """Stands in for the output layer: returns its input, so the model's forward returns the
-    final hidden states [b, s, h]. `weight` stays visible for megatron's tied-weight lookup."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = weight
-        self.sequence_parallel = False
-
-    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        """[s, b, h] in, ([s, b, h], no bias) out."""
-        return hidden_states, None
-
-
-@contextlib.contextmanager
-def _output_layer_bypassed(model: torch.nn.Module) -> Iterator[torch.Tensor]:
-    """Within: `model` returns hidden states instead of logits; yields the output weight
-    [V/tp, h] (the shared embedding table for tied arms) that the caller applies itself."""
-    head = model.output_layer
-    shared = getattr(model, "share_embeddings_and_output_weights", False)
-    weight = model.shared_embedding_or_output_weight() if shared else head.weight
-    model.output_layer = _HiddenStatesOut(head.weight)
-    try:
-        yield weight
-    finally:
-        model.output_layer = head
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
