@@ -2,10 +2,19 @@
 
 float32 parameters, gradients and Adam states; --bf16/--fp16 run forward and backward under
 autocast. One step: forward/backward over the micro-batches (`schedules.forward_backward`,
-1F1B under pipeline parallelism) -> Megatron's gradient reductions (sequence-parallel norms,
-tied embeddings) -> data-parallel all-reduce -> global grad-norm clipping -> one world
-all-reduce of [loss sum, token count, non-finite flags, the caller's flags] ->
+1F1B under pipeline parallelism) with the data-parallel gradient average -> Megatron's
+gradient reductions (sequence-parallel norms, tied embeddings) -> global grad-norm clipping
+-> one world all-reduce of [loss sum, token count, non-finite flags, the caller's flags] ->
 optimizer step (or a stop / skip on a non-finite loss or grad norm) -> scheduler step.
+
+Data-parallel gradients: with one pipeline stage, torch's `DistributedDataParallel` over
+`pg.dp_cp` (bucketed all-reduce overlapped with the last micro-batch's backward; earlier
+micro-batches accumulate under `no_sync`). Its communication hook averages each bucket, notes
+whether this rank's own gradients were finite (to name the rank of a NaN) and, with
+--grad-reduce-in-bf16, sends BF16. Under pipeline parallelism the 1F1B schedule interleaves
+the backwards of different micro-batches, which DDP's reducer cannot attribute to the forward
+that prepared it, so there the gradients are averaged after the schedule by
+`optimizer.allreduce_data_parallel_grads` (bucketed, asynchronous).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.config import TrainingConfig
@@ -46,6 +56,34 @@ from megatron_ext.training.schedules import ForwardStep, PipelineShape, forward_
 logger = logging.getLogger(__name__)
 
 __all__ = ["PortableEngine"]
+
+
+class _AverageHook:
+    """State of `_average_hook`: the group, the dtype on the wire, and whether this rank's own
+    gradients were finite in this iteration's buckets."""
+
+    def __init__(self, group: dist.ProcessGroup, reduce_dtype: Optional[torch.dtype]) -> None:
+        self.group, self.reduce_dtype = group, reduce_dtype
+        self.finite = True
+
+
+def _average_hook(state, bucket):  # annotations left off: DDP checks them at run time
+    """DDP communication hook: average one gradient bucket over `state.group` (sent in
+    `state.reduce_dtype` when given), after noting whether it was finite on this rank."""
+    buffer = bucket.buffer()
+    if not bool(torch.isfinite(buffer).all()):
+        state.finite = False
+    buffer.div_(dist.get_world_size(state.group))
+    wire = buffer if state.reduce_dtype is None else buffer.to(state.reduce_dtype)
+    future = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
+
+    def unpack(done):
+        reduced = done.value()[0]
+        if reduced is not buffer:
+            buffer.copy_(reduced)
+        return buffer
+
+    return future.then(unpack)
 
 
 class PortableEngine(Engine):
@@ -99,6 +137,17 @@ class PortableEngine(Engine):
             (seq, b.micro_batch_size, model.config.hidden_size), pipeline_dtype(prec), device
         )
         self.consecutive_nonfinite = 0
+        self._hook = _AverageHook(pg.dp_cp, torch.bfloat16 if f.grad_reduce_in_bf16 else None)
+        self.ddp: Optional[DistributedDataParallel] = None
+        """torch DDP over `pg.dp_cp` (one pipeline stage and DP x CP > 1), else None."""
+        if pg.pp_size == 1 and pg.dp_cp_size > 1:
+            self.ddp = DistributedDataParallel(
+                model,
+                process_group=pg.dp_cp,
+                broadcast_buffers=False,
+                init_sync=False,  # every DP rank built the same weights from the same seed
+            )
+            self.ddp.register_comm_hook(self._hook, _average_hook)
 
     def _counts_loss(self) -> bool:
         return self.pg.is_last_stage and self.pg.tp_rank == 0
@@ -111,32 +160,49 @@ class PortableEngine(Engine):
         self.timers.mark()
         self.optimizer.zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        self.phase.set("forward-backward (tensor/pipeline-parallel group)", self.pg.mp)
+        ddp = self.ddp
+        self.phase.set(
+            "forward-backward (tensor/pipeline-parallel group)"
+            if ddp is None
+            else "forward-backward with the data-parallel all-reduce (model- and data-parallel "
+            "groups)",
+            self.pg.mp if ddp is None else self.pg.dp_cp,
+        )
+        self._hook.finite = True
         totals = forward_backward(
             forward_step=self.forward_step,
             data_iterator=data_iterator,
-            model=self.model,
+            model=self.model if ddp is None else ddp,
             num_microbatches=global_batch // (b.micro_batch_size * p.data_parallel_size),
             shape=self.shape,
             pg=self.pg,
             loss_scale=scale,
             autocast=self.autocast,
             per_token_loss=f.calculate_per_token_loss,
+            no_sync=None if ddp is None else ddp.no_sync,
         )
         self.timers.mark("forward-backward")
         if p.sequence_parallel:
             allreduce_sequence_parallel_grads([self.model], self.pg.tp)
         allreduce_tied_embedding_grads([self.model], self.pg.embd)
-        self.phase.set("data-parallel gradient all-reduce (data-parallel group)", self.pg.dp_cp)
         grad_scale = 1.0 / scale
         if f.calculate_per_token_loss:
             grad_scale *= self._per_token_grad_scale(totals)
-        grads_ok = allreduce_data_parallel_grads(
-            self.optimizer.params,
-            self.pg.dp_cp,
-            scale=grad_scale,
-            reduce_dtype=torch.bfloat16 if f.grad_reduce_in_bf16 else None,
-        )
+        if ddp is not None:  # averaged over DP x CP during backward
+            grads_ok = self._hook.finite
+            for param in self.optimizer.params:
+                if param.grad is None:  # every rank steps the same set
+                    param.grad = torch.zeros_like(param)
+            if grad_scale != 1.0:
+                torch._foreach_mul_([p.grad for p in self.optimizer.params], grad_scale)
+        else:
+            self.phase.set("data-parallel gradient all-reduce (data-parallel group)", self.pg.dp_cp)
+            grads_ok = allreduce_data_parallel_grads(
+                self.optimizer.params,
+                self.pg.dp_cp,
+                scale=grad_scale,
+                reduce_dtype=torch.bfloat16 if f.grad_reduce_in_bf16 else None,
+            )
         self.timers.mark("grads-all-reduce")
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
         self.timers.mark("grad-norm-and-clip")

@@ -8,7 +8,9 @@ Everything here runs on gloo (CPU) and NCCL (GPU) alike:
   each DP rank keeps Adam states for its share of the parameters, steps them, and broadcasts
   the new values (ZeRO stage 1).
 - `allreduce_data_parallel_grads`: a bucketed all-reduce of the gradients over the data-parallel
-  (x context-parallel) group, averaging them as Megatron does, after all micro-batches.
+  (x context-parallel) group, averaging them as Megatron does, after all micro-batches; the
+  portable engine uses it under pipeline parallelism (with one stage, torch DDP averages them
+  during backward, see `engine_portable.py`).
 - `clip_grad_norm`: the global L2 norm over all ranks: tensor-parallel shards summed over TP,
   replicated parameters counted once, the last pipeline stage's copy of a tied embedding not at
   all, then summed over pipeline stages.

@@ -103,7 +103,15 @@ def main(engine: str, out: Path, load: str | None) -> None:
         ),
         engine=EngineConfig(ddp_impl=engine),
     )
-    builder = None
+
+    def builder(cfg, model, forward_step, pg, phase, timers):
+        from megatron_ext.training.engine_portable import PortableEngine
+
+        built = PortableEngine(cfg, model, forward_step, pg, phase, timers)
+        # Which data-parallel machinery the portable engine chose (torch DDP at PP=1).
+        (out / f"dp{os.environ['RANK']}.txt").write_text(type(built.ddp).__name__)
+        return built
+
     if engine == "megatron":
         from megatron_ext.testing.megatron_doubles import CallLog, recording_parts
         from megatron_ext.training.megatron_engine import MegatronEngine

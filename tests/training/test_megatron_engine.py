@@ -4,9 +4,10 @@ megatron-core's DDP, optimizer, schedule and gradient finalisation need CUDA; he
 recording doubles of `megatron_ext.testing.megatron_doubles` (megatron's own configs, parameter
 grouping and config overrides otherwise), and `pretrain` runs 4 iterations on 2 gloo ranks
 (DP=2) launched by torch.distributed.run, with batch ramp-up, --decoupled-lr, params-norm and
-num-zeros logging, evaluation and checkpoints. The same run with the portable engine is the
-reference: both engines train float32 AdamW on the same samples, so their losses agree, and a
-checkpoint written by either engine resumes in the other with the same losses.
+num-zeros logging, evaluation and checkpoints. The same run with the portable engine (torch
+DDP over the two ranks) is the reference: both engines train float32 AdamW on the same
+samples, so their losses agree, and a checkpoint written by either engine resumes in the other
+with the same losses.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def test_megatron_engine_matches_the_portable_engine(runs):
         assert _close(m["grad_norm"], p["grad_norm"]), (it, m, p)
     # Batch ramp-up: 4 samples for the first two iterations, then the full 8.
     assert [megatron[it]["consumed_samples"] for it in (1, 2, 3, 4)] == [4, 8, 16, 24]
+    # The portable engine averaged its gradients with torch DDP (one micro-batch per rank,
+    # then two: the first under no_sync), the megatron engine with its own DDP (the double).
+    for rank in (0, 1):
+        assert (root / "portable" / f"dp{rank}.txt").read_text() == "DistributedDataParallel"
 
 
 def test_megatron_engine_wiring_recorded_by_the_doubles(runs):
