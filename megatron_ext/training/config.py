@@ -562,7 +562,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Which training engine runs the step: the portable one (`loop._Trainer`, gloo and NCCL)
+    """Which training engine runs the step: the portable one (`engine_portable`, gloo and NCCL)
     or megatron-core's (`--ddp-impl megatron`, CUDA only) and its DDP settings."""
 
     ddp_impl: str = flag(
@@ -647,10 +647,15 @@ class TrainingConfig:
         if self.engine.overlap_param_gather and not p.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         if self.engine.ddp_impl == "megatron":
-            if self.ckpt.save or self.ckpt.load:
+            ck = self.ckpt
+            saves_optim = bool(ck.save) and not ck.no_save_optim
+            loads_optim = bool(ck.load) and not ck.no_load_optim
+            if p.use_distributed_optimizer and (saves_optim or loads_optim):
                 raise ValueError(
-                    "--ddp-impl megatron does not write or read checkpoints yet (its optimizer "
-                    "state is megatron's); drop --save/--load or use --ddp-impl portable"
+                    "--ddp-impl megatron with --use-distributed-optimizer cannot save or load "
+                    "optimizer state in the checkpoint format (megatron's distributed optimizer "
+                    "keeps flat per-bucket shards that do not reshard); pass --no-save-optim "
+                    "and --no-load-optim, or drop --use-distributed-optimizer"
                 )
             if self.precision.fp16:
                 raise ValueError("--ddp-impl megatron supports --bf16 (or float32), not --fp16")

@@ -61,8 +61,8 @@ def validate_gpu_args(args: argparse.Namespace, cuda: bool | None = None) -> arg
     if megatron and getattr(args, "fp8_param_gather", False):
         _fail("--fp8-param-gather is not supported by --ddp-impl megatron yet; drop it")
     # The values (--fp8-margin without --fp8-format, --overlap-param-gather without the
-    # distributed optimizer, the megatron engine with --save/--load or --fp16) are checked by
-    # PrecisionConfig and TrainingConfig.
+    # distributed optimizer, the megatron engine with --fp16 or with distributed-optimizer
+    # state to save/load) are checked by PrecisionConfig and TrainingConfig.
     return args
 
 

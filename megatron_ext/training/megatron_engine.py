@@ -1,137 +1,280 @@
-"""`--ddp-impl megatron`: megatron-core's own training engine on CUDA.
+"""`--ddp-impl megatron`: megatron-core's own training machinery as an `Engine`.
 
-The portable engine (`loop._Trainer`) keeps float32 parameters and runs the model under
-autocast, with this project's gradient all-reduce, ZeRO-1 and pipeline schedule. This engine
-swaps in megatron-core's machinery, as Megatron-LM's `pretrain` uses it:
+The portable engine (`engine_portable.PortableEngine`) keeps float32 parameters and runs the
+model under autocast, with this project's gradient all-reduce, ZeRO-1 and pipeline schedule.
+This engine is a peer implementation of the same interface built from megatron-core's pieces,
+as Megatron-LM's `pretrain` uses them:
 
-- parameters in BF16 (the model is built with `bf16=True`; `Float16Module` wraps it), float32
-  main gradients in megatron's `DistributedDataParallel` buffers, bucketed, with
+- parameters in BF16 with --bf16 (the model is built with `bf16=True`; `Float16Module` wraps
+  it), float32 main gradients in megatron's `DistributedDataParallel` buffers, bucketed, with
   `--overlap-grad-reduce` and `--ddp-bucket-size`;
-- megatron's optimizer (`get_megatron_optimizer`): float32 master weights, Adam, gradient
-  clipping, and with `--use-distributed-optimizer` the distributed optimizer
-  (`--overlap-param-gather`);
-- megatron's schedules (`get_forward_backward_func`: no pipelining or 1F1B) with
-  `finalize_model_grads` (DP reduce, TP/SP norm and tied-embedding gradients).
+- megatron's optimizer (`get_megatron_optimizer` with megatron's standard parameter groups:
+  no weight decay on biases and 1-D parameters, `--decoupled-lr` on the input embedding and
+  output layer): float32 master weights, Adam, gradient clipping, and with
+  `--use-distributed-optimizer` the distributed optimizer (`--overlap-param-gather`);
+- megatron's schedules (`get_forward_backward_func`) with `finalize_model_grads` (DP reduce,
+  TP/SP norm and tied-embedding gradients); the global batch of each iteration (smaller during
+  --rampup-batch-size) sets the number of micro-batches;
+- megatron-core's OptimizerParamScheduler, stepped by the iteration's samples.
 
-Status: written against megatron-core 0.16.1 and refused on CPU (`gpu_arguments`); it has not
-been executed yet (no GPU was available while it was written): `scripts/gpu_check.sh` compares
-its losses with the portable engine over 20 steps. Until that comparison passes it is opt-in,
-and three things are refused with a one-line error instead of being half-done: checkpoints
-(--save/--load: the optimizer state is megatron's, not the project's format yet), the
-interleaved schedule (--num-layers-per-virtual-pipeline-stage: needs model chunks per virtual
-stage) and --fp8-param-gather.
+Checkpoints are the project's format (`checkpointing.save_checkpoint`): the float32 master
+weights are saved as `model.<name>` and Adam's moments as `optim.<name>.*`, so a checkpoint of
+either engine loads into the other and at another layout. megatron's distributed optimizer
+keeps its state in flat per-bucket shards that do not map onto the project's per-parameter
+layout: with --use-distributed-optimizer, saving or loading optimizer state is refused (one
+line, `TrainingConfig`); the weights still save and load.
+
+megatron-core's DDP, optimizers and schedules need CUDA. Every piece the engine calls is taken
+from a `MegatronParts`; `MegatronParts.megatron_core()` is the real one, and
+`megatron_ext.testing.megatron_doubles` supplies CPU test doubles that record the calls, so
+`tests/training/test_megatron_engine.py` drives this engine end to end on CPU.
+`scripts/gpu_check.sh` compares the two engines' losses on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-from megatron.core.distributed import finalize_model_grads
-from megatron.core.pipeline_parallel import get_forward_backward_func
+import torch.distributed as dist
 
-from megatron_ext.training.loop import _StepResult, _Trainer
+from megatron_ext.parallel import ProcessGroups
+from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.engine import (
+    CheckpointParts,
+    Engine,
+    NonFiniteError,
+    Phase,
+    StepResult,
+    world_stats,
+)
+from megatron_ext.training.megatron_features import is_decoupled_param
+from megatron_ext.training.metrics_logger import Timers
 from megatron_ext.training.optimizer import build_scheduler
+from megatron_ext.training.schedules import ForwardStep
+from megatron_ext.training.unique_params import counted_once
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MegatronEngineTrainer"]
+__all__ = ["MegatronEngine", "MegatronParts"]
 
 
-class _OptimizerAdapter:
-    """megatron's optimizer with the two calls the loop makes (`get_lr`, `zero_grad`)."""
+@dataclass(frozen=True)
+class MegatronParts:
+    """The megatron-core callables the engine is built from (the CUDA-only ones replaceable).
 
-    def __init__(self, optimizer):
-        self.inner = optimizer
+    ddp: `DistributedDataParallel(config=, ddp_config=, module=, pg_collection=)`.
+    ddp_config: `DistributedDataParallelConfig(**fields)`.
+    float16_module: `Float16Module(config, module)` (BF16 parameters).
+    optimizer_config: `OptimizerConfig(**fields)`.
+    config_overrides: `get_standard_config_overrides(optimizer_config)`.
+    get_optimizer: `get_megatron_optimizer(config, model_chunks, config_overrides=,
+        pg_collection=)` -> a ChainedOptimizer.
+    forward_backward: `get_forward_backward_func(pp_size=, vp_size=)`.
+    finalize_model_grads: megatron's `finalize_model_grads(model_chunks, num_tokens, ...)`.
+    """
+
+    ddp: Callable
+    ddp_config: Callable
+    float16_module: Callable
+    optimizer_config: Callable
+    config_overrides: Callable
+    get_optimizer: Callable
+    forward_backward: Callable
+    finalize_model_grads: Callable
+
+    @classmethod
+    def megatron_core(cls) -> "MegatronParts":
+        """megatron-core's own pieces (CUDA)."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import (
+            OptimizerConfig,
+            get_megatron_optimizer,
+            get_standard_config_overrides,
+        )
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.module import Float16Module
+
+        return cls(
+            ddp=DistributedDataParallel,
+            ddp_config=DistributedDataParallelConfig,
+            float16_module=Float16Module,
+            optimizer_config=OptimizerConfig,
+            config_overrides=get_standard_config_overrides,
+            get_optimizer=get_megatron_optimizer,
+            forward_backward=get_forward_backward_func,
+            finalize_model_grads=finalize_model_grads,
+        )
+
+
+class _OptimizerState:
+    """megatron's optimizer seen by `checkpointing` (`owns`, `owned_state`, `set_state`,
+    `param_groups`, `get_lr`): Adam's state per model parameter, whether megatron keeps it on
+    a float32 main copy (BF16 parameters) or on the parameter itself (float32)."""
+
+    def __init__(self, chained) -> None:
+        self.inner = chained
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.main_of: dict[int, torch.Tensor] = {}
+        """id(model parameter) -> its float32 main parameter (BF16 parameters only)."""
+        self.owners: dict[int, Any] = {}
+        """id(model parameter) -> the torch optimizer holding its state."""
+        for opt in chained.chained_optimizers:
+            pairs = []
+            if hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+                for model_group, main_group in zip(
+                    opt.float16_groups, opt.fp32_from_float16_groups
+                ):
+                    pairs += list(zip(model_group, main_group))
+            for group in opt.optimizer.param_groups:
+                for param in group["params"]:
+                    if not any(param is main for _, main in pairs):
+                        pairs.append((param, param))
+            for model_param, main in pairs:
+                if main is not model_param:
+                    self.main_of[id(model_param)] = main
+                self.owners[id(model_param)] = opt.optimizer
+            self._pairs += pairs
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
     def get_lr(self) -> float:
         return float(self.inner.param_groups[0]["lr"])
 
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, the tensor Adam updates) for every parameter of this rank."""
+        return self._pairs
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return id(param) in self.owners
+
+    def owned_state(self) -> dict[torch.Tensor, dict]:
+        out = {}
+        for model_param, main in self._pairs:
+            state = self.owners[id(model_param)].state.get(main)
+            if state:
+                out[model_param] = state
+        return out
+
+    def set_state(self, param: torch.Tensor, state: dict) -> None:
+        main = self.main_of.get(id(param), param)
+        state = {
+            k: v.to(torch.float32) if k != "step" and torch.is_tensor(v) else v
+            for k, v in state.items()
+        }
+        self.owners[id(param)].state[main] = state
 
 
-def _build(cfg, model):
-    """(DDP-wrapped model, megatron optimizer) for one model chunk."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
+class MegatronEngine(Engine):
+    """megatron-core's DDP, optimizer and schedule behind the `Engine` interface.
 
-    config = model.config
-    if config.bf16:
-        model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cfg.engine.overlap_grad_reduce,
-        overlap_param_gather=cfg.engine.overlap_param_gather,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        bucket_size=cfg.engine.ddp_bucket_size,
-        check_for_nan_in_grad=cfg.exit.check_for_nan_in_loss_and_grad,
-    )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    o = cfg.optim
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        bf16=config.bf16,
-        params_dtype=config.params_dtype,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        overlap_param_gather_with_optimizer_step=False,
-    )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
-    return ddp, optimizer
+    Args:
+        cfg: the run's settings.
+        model: this pipeline stage's model (megatron's GPTModel or a subclass).
+        forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
+        pg: the run's process groups.
+        phase: shared with the loop.
+        timers: --timing-log-level's timers.
+        parts: megatron-core's pieces (default: the real ones, which need CUDA).
+    """
 
-
-class MegatronEngineTrainer(_Trainer):
-    """`_Trainer` whose step, optimizer and scheduler are megatron-core's."""
-
-    def __init__(self, cfg, model, forward_step, pg):
-        if not torch.cuda.is_available():
-            raise RuntimeError("--ddp-impl megatron needs CUDA")
-        # The base class reads model attributes (vocab size, config) that the wrappers hide;
-        # the portable optimizer it builds holds no state until a step and is replaced here.
-        super().__init__(cfg, model, forward_step, pg)
-        ddp, optimizer = _build(cfg, model)
-        self.model = ddp
-        self.megatron_optimizer = optimizer
-        self.optimizer = _OptimizerAdapter(optimizer)
-        self.scheduler = build_scheduler(optimizer, cfg.optim)
-        self.autocast = None  # parameters are BF16 already; TE handles FP8 from the config
-        config = ddp.config
-        config.finalize_model_grads_func = finalize_model_grads
-        config.grad_scale_func = optimizer.scale_loss
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        model: torch.nn.Module,
+        forward_step: ForwardStep,
+        pg: ProcessGroups,
+        phase: Phase,
+        timers: Timers,
+        parts: Optional[MegatronParts] = None,
+    ) -> None:
+        if parts is None:
+            if not torch.cuda.is_available():
+                raise RuntimeError("--ddp-impl megatron needs CUDA")
+            parts = MegatronParts.megatron_core()
+        self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
+        self.phase, self.timers, self.parts = phase, timers, parts
+        self.scaler = None  # megatron's optimizer owns loss scaling (BF16/float32: none)
+        config = model.config
+        module = parts.float16_module(config, model) if config.bf16 else model
+        collection = pg.megatron_collection()
+        ddp_config = parts.ddp_config(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=cfg.engine.overlap_grad_reduce,
+            overlap_param_gather=cfg.engine.overlap_param_gather,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+            bucket_size=cfg.engine.ddp_bucket_size,
+            check_for_nan_in_grad=cfg.exit.check_for_nan_in_loss_and_grad,
+        )
+        self.ddp = parts.ddp(
+            config=config, ddp_config=ddp_config, module=module, pg_collection=collection
+        )
+        f, o = cfg.features, cfg.optim
+        # megatron's decoupled-lr group is its input embedding and output layer; here the
+        # input embedding is the whole arm (every LEV generator parameter), as in the
+        # portable engine.
+        for name, param in model.named_parameters():
+            if f.decoupled_lr is not None and is_decoupled_param(name):
+                param.is_embedding_or_output_parameter = True
+        opt_config = parts.optimizer_config(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            decoupled_lr=f.decoupled_lr,
+            decoupled_min_lr=f.decoupled_min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+            log_num_zeros_in_grad=f.log_num_zeros_in_grad,
+        )
+        self.megatron_optimizer = parts.get_optimizer(
+            opt_config,
+            [self.ddp],
+            config_overrides=parts.config_overrides(opt_config),
+            pg_collection=collection,
+        )
+        self.optimizer = _OptimizerState(self.megatron_optimizer)
+        self.scheduler = build_scheduler(self.optimizer, o)
+        config.finalize_model_grads_func = parts.finalize_model_grads
+        config.grad_scale_func = self.megatron_optimizer.scale_loss
         if cfg.engine.overlap_grad_reduce:
-            config.no_sync_func = ddp.no_sync
-            config.grad_sync_func = ddp.start_grad_sync
+            config.no_sync_func = self.ddp.no_sync
+            config.grad_sync_func = self.ddp.start_grad_sync
         if cfg.engine.overlap_param_gather:
-            config.param_sync_func = ddp.start_param_sync
-        self.forward_backward_func = get_forward_backward_func()
+            config.param_sync_func = self.ddp.start_param_sync
+        self.forward_backward = parts.forward_backward(pp_size=pg.pp_size, vp_size=None)
+        self.device = next(model.parameters()).device
+        self.num_zeros: Optional[int] = None
+        """Zeros in the latest step's gradients (--log-num-zeros-in-grad)."""
 
-    def train_step(self, data_iterator) -> _StepResult:
-        """One training iteration with megatron-core's forward-backward schedule and optimizer;
-        returns the world-reduced loss, the gradient norm and whether the step was taken."""
+    def _counts_loss(self) -> bool:
+        return self.pg.is_last_stage and self.pg.tp_rank == 0
+
+    def _run(self, data_iterator: Iterator, num_microbatches: int, forward_only: bool) -> dict:
         b, p = self.cfg.batch, self.cfg.parallel
-        self.model.zero_grad_buffer()
-        self.megatron_optimizer.zero_grad()
-        seq = b.seq_length // p.context_parallel_size
-        reports = self.forward_backward_func(
+        reports = self.forward_backward(
             forward_step_func=self.forward_step,
             data_iterator=data_iterator,
-            model=[self.model],
-            num_microbatches=self.cfg.num_microbatches,
-            seq_length=seq,
+            model=[self.ddp],
+            num_microbatches=num_microbatches,
+            seq_length=b.seq_length // p.context_parallel_size,
             micro_batch_size=b.micro_batch_size,
-            forward_only=False,
+            forward_only=forward_only,
         )
         totals: dict[str, torch.Tensor] = {}
         if self.pg.is_last_stage:
@@ -139,18 +282,102 @@ class MegatronEngineTrainer(_Trainer):
                 for key, value in report.items():
                     value = value.double()
                     totals[key] = totals[key] + value if key in totals else value
-        loss_ok = all(bool(torch.isfinite(v).all()) for v in totals.values())
-        stepped, grad_norm, _ = self.megatron_optimizer.step()
-        grad_norm = float("nan") if grad_norm is None else float(grad_norm)
-        stats = self._world_stats(totals, loss_ok, stepped)
-        loss = stats[0] / stats[1] if stats[1] > 0 else float("nan")
-        if stepped:
-            self.scheduler.step(increment=b.global_batch_size)
-        else:
-            self.state.skipped_iterations += 1
-        return _StepResult(loss, grad_norm, bool(stepped), stats[4] > 0, stats[5] > 0)
+        return totals
 
-    def evaluate(self, dataset, name: str = "validation"):
-        """Not implemented for this engine: logs a warning and returns None."""
-        logger.warning("--ddp-impl megatron: %s evaluation is not implemented yet", name)
-        return None
+    def step(
+        self, data_iterator: Iterator, global_batch: int, flags: Sequence[bool] = ()
+    ) -> StepResult:
+        """See `Engine.step`."""
+        b, p = self.cfg.batch, self.cfg.parallel
+        self.timers.mark()
+        self.ddp.zero_grad_buffer()
+        self.megatron_optimizer.zero_grad()
+        self.phase.set("forward-backward (megatron schedule)", self.pg.mp)
+        totals = self._run(
+            data_iterator, global_batch // (b.micro_batch_size * p.data_parallel_size), False
+        )
+        self.timers.mark("forward-backward")
+        loss_ok = all(bool(torch.isfinite(v).all()) for v in totals.values())
+        self.phase.set("all-reduce of the iteration's loss and exit flags (world group)")
+        stats = world_stats(totals, self._counts_loss(), [not loss_ok, *flags], self.device)
+        loss = stats[0] / stats[1] if stats[1] > 0 and stats[2] == 0 else float("nan")
+        if not math.isfinite(loss) and self.cfg.exit.check_for_nan_in_loss_and_grad:
+            raise NonFiniteError(
+                f"loss {loss} is not finite; stopped without saving (--ddp-impl megatron "
+                "stops on a non-finite loss; its optimizer skips non-finite gradients)"
+            )
+        self.phase.set("megatron optimizer step (model-parallel group)", self.pg.mp)
+        stepped, grad_norm, num_zeros = self.megatron_optimizer.step()
+        self.num_zeros = None if num_zeros is None else int(num_zeros)
+        grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+        if stepped:
+            self.scheduler.step(increment=global_batch)
+        self.timers.mark("optimizer")
+        return StepResult(
+            loss=loss,
+            grad_norm=grad_norm,
+            stepped=bool(stepped),
+            skipped=not stepped,
+            nonfinite=not stepped and not math.isfinite(grad_norm),
+            lr=self.optimizer.get_lr(),
+            flags=tuple(v > 0 for v in stats[3:]),
+            note="megatron's optimizer skipped the step" if not stepped else "",
+        )
+
+    def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Optional[float]:
+        """See `Engine.evaluate`."""
+        totals: dict[str, torch.Tensor] = {}
+        self.ddp.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(eval_iters):
+                    for key, value in self._run(
+                        data_iterator, self.cfg.num_microbatches, True
+                    ).items():
+                        totals[key] = totals[key] + value if key in totals else value
+        finally:
+            self.ddp.train()
+        stats = world_stats(totals, self._counts_loss(), [], self.device)
+        return stats[0] / stats[1] if stats[1] > 0 else None
+
+    def log_stats(self) -> dict[str, float]:
+        """See `Engine.log_stats`."""
+        f, out = self.cfg.features, {}
+        if f.log_params_norm:
+            # The float32 main parameters are what the optimizer updates.
+            tp_rank = self.pg.tp_rank
+            local = sum(
+                float(main.detach().double().square().sum())
+                for model_param, main in self.optimizer.pairs()
+                if counted_once(model_param, tp_rank)
+            )
+            total = torch.tensor([local], dtype=torch.float64, device=self.device)
+            dist.all_reduce(total, group=self.pg.mp)
+            out["params-norm"] = math.sqrt(float(total.item()))
+        if f.log_num_zeros_in_grad and self.num_zeros is not None:
+            out["num-zeros"] = float(self.num_zeros)
+        return out
+
+    def train(self) -> None:
+        """Put the wrapped model in training mode."""
+        self.ddp.train()
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        """See `Engine.checkpoint_parts`."""
+        return CheckpointParts(self.model, self.optimizer, self.scheduler, None)
+
+    @contextlib.contextmanager
+    def checkpoint_view(self):
+        """While checkpointing, each BF16 parameter shows its float32 main copy (so checkpoints
+        hold the master weights); afterwards the BF16 parameters are refreshed from it."""
+        swapped = []
+        for model_param, main in self.optimizer.pairs():
+            if main is not model_param:
+                swapped.append((model_param, model_param.data))
+                model_param.data = main.data
+        try:
+            yield
+        finally:
+            for model_param, data in swapped:
+                data.copy_(model_param.data)
+                model_param.data = data

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
 from megatron_ext.config_flags import flag
+from megatron_ext.training.unique_params import counted_params
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups
@@ -217,19 +218,9 @@ def _model_parallel_sum(values: list[float], device, group) -> list[float]:
     return tensor.tolist()
 
 
-def _counted(params, tp_rank: int) -> list[torch.Tensor]:
-    """Parameters counted once over the model-parallel group (TP shards, one tied copy)."""
-    return [
-        p
-        for p in params
-        if not getattr(p, "shared", False)
-        and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
-    ]
-
-
 def params_norm(params, pg: ProcessGroups) -> float:
     """L2 norm of all parameters of the model (over TP and PP; DP replicas are identical)."""
-    counted = _counted(params, pg.tp_rank)
+    counted = counted_params(params, pg.tp_rank)
     device = counted[0].device if counted else torch.device("cpu")
     local = sum(float(p.detach().double().square().sum()) for p in counted)
     return math.sqrt(_model_parallel_sum([local], device, pg.mp)[0])
@@ -237,7 +228,7 @@ def params_norm(params, pg: ProcessGroups) -> float:
 
 def num_zeros_in_grad(params, pg: ProcessGroups) -> int:
     """Gradient entries equal to zero (after the data-parallel reduction and clipping)."""
-    counted = [p for p in _counted(params, pg.tp_rank) if p.grad is not None]
+    counted = [p for p in counted_params(params, pg.tp_rank) if p.grad is not None]
     device = counted[0].device if counted else torch.device("cpu")
     local = sum(int(p.grad.numel() - torch.count_nonzero(p.grad)) for p in counted)
     return int(_model_parallel_sum([float(local)], device, pg.mp)[0])

@@ -38,26 +38,15 @@ _PEAK_BF16_TFLOPS = {
 }
 
 
-def flops_per_iteration(
-    *,
-    global_batch_size: int,
-    seq_length: int,
-    num_layers: int,
-    hidden_size: int,
-    ffn_hidden_size: int,
-    num_attention_heads: int,
-    num_query_groups: int,
-    vocab_size: int,
-) -> float:
-    """Model FLOPs of one training iteration (forward + backward = 3 x forward), counted like
-    Megatron-LM: every GEMM of the SwiGLU/GQA backbone, full (non-causal) attention scores and
-    the output head. The input embedding is not counted (a lookup for the table arms; LEV's
-    generator is small next to the backbone), so MFU compares the backbone across arms."""
-    h, s = hidden_size, seq_length
-    kv = h * num_query_groups // num_attention_heads
-    per_token_layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * 3 * h * ffn_hidden_size + 4 * s * h
-    per_token = num_layers * per_token_layer + 2 * h * vocab_size
-    return 3.0 * per_token * global_batch_size * s
+def flops_per_iteration(model_config, global_batch_size: int) -> float:
+    """Model FLOPs of one training iteration of `global_batch_size` sequences: the one formula
+    of the project, `models.memory.flops_per_token` (every GEMM of the SwiGLU/GQA backbone,
+    full attention scores, the output head and the input embedding's own FLOPs: LEV's
+    generator, the MLP arms), times the iteration's tokens. `tools/gpu_check.py` computes its
+    MFU from the same function."""
+    from megatron_ext.models.memory import flops_per_token
+
+    return float(flops_per_token(model_config)) * global_batch_size * model_config.seq_length
 
 
 def peak_tflops(override: Optional[float] = None) -> Optional[float]:

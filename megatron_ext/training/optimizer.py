@@ -8,7 +8,9 @@ Everything here runs on gloo (CPU) and NCCL (GPU) alike:
   each DP rank keeps Adam states for its share of the parameters, steps them, and broadcasts
   the new values (ZeRO stage 1).
 - `allreduce_data_parallel_grads`: a bucketed all-reduce of the gradients over the data-parallel
-  (x context-parallel) group, averaging them as Megatron does, after all micro-batches.
+  (x context-parallel) group, averaging them as Megatron does, after all micro-batches; the
+  portable engine uses it under pipeline parallelism (with one stage, torch DDP averages them
+  during backward, see `engine_portable.py`).
 - `clip_grad_norm`: the global L2 norm over all ranks: tensor-parallel shards summed over TP,
   replicated parameters counted once, the last pipeline stage's copy of a tied embedding not at
   all, then summed over pipeline stages.
@@ -31,6 +33,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.config import OptimizerConfig
+from megatron_ext.training.unique_params import counted_params
 
 logger = logging.getLogger(__name__)
 
@@ -291,12 +294,6 @@ def allreduce_data_parallel_grads(
     return finite
 
 
-def _counts_for_norm(param: torch.Tensor, tp_rank: int) -> bool:
-    if getattr(param, "shared", False):
-        return False  # the last stage's copy of a tied embedding (the first stage counts it)
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
-
-
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pg: ProcessGroups) -> float:
     """Global gradient L2 norm across TP and PP (`pg.mp`; grads already identical across DP);
     scale the gradients down to `max_norm` when it is exceeded (0 disables clipping).
@@ -305,7 +302,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pg: ProcessGroup
         the norm before clipping (nan/inf if any gradient is not finite; nothing is scaled).
     """
     group, tp_rank = pg.mp, pg.tp_rank
-    grads = [p.grad for p in params if p.grad is not None and _counts_for_norm(p, tp_rank)]
+    grads = [p.grad for p in counted_params(params, tp_rank) if p.grad is not None]
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
     if grads:

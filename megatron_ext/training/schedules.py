@@ -100,9 +100,14 @@ def forward_backward(
     loss_scale: float = 1.0,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     per_token_loss: bool = False,
+    no_sync: Optional[Callable[[], ContextManager]] = None,
 ) -> dict[str, torch.Tensor]:
     """Run one iteration's micro-batches through this stage (forward, and backward unless
     `forward_only`); gradients accumulate in `param.grad`. `pg.pp` orders the stages.
+
+    `no_sync` (one pipeline stage only: torch DDP's `no_sync`) wraps the forward and backward
+    of every micro-batch but the last, so that DDP reduces the accumulated gradients once,
+    overlapped with the last backward.
 
     With `per_token_loss` (--calculate-per-token-loss) the losses are token sums and are not
     divided by the number of micro-batches; the caller divides the gradients by the token count.
@@ -142,14 +147,18 @@ def forward_backward(
         return tensor
 
     if forward_only or pp_size == 1:
-        for _ in range(num_microbatches):
-            input_tensor = received(p2p.run(recv_prev=True)[0])
-            output = forward(input_tensor)
-            if forward_only:
-                p2p.run(send_next=output)
-            else:
-                backward(input_tensor, output, None)
+        for i in range(num_microbatches):
+            accumulate = no_sync is not None and not forward_only and i < num_microbatches - 1
+            with no_sync() if accumulate else contextlib.nullcontext():
+                input_tensor = received(p2p.run(recv_prev=True)[0])
+                output = forward(input_tensor)
+                if forward_only:
+                    p2p.run(send_next=output)
+                else:
+                    backward(input_tensor, output, None)
         return totals
+    if no_sync is not None:
+        raise ValueError("forward_backward: no_sync needs a single pipeline stage")
 
     rank = pg.pp_rank
     warmup = min(pp_size - rank - 1, num_microbatches)

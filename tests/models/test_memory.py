@@ -150,20 +150,11 @@ def test_count_params_memory_cli(capsys):
 
 
 def test_flops_per_token_agrees_with_the_training_log_formula():
-    # The loop's MFU uses metrics.flops_per_iteration, which leaves the input embedding out.
+    # The loop's MFU (metrics.flops_per_iteration) is this formula times the batch's tokens.
     from megatron_ext.training.metrics import flops_per_iteration
 
     cfg = ModelConfig(vocab_size=200064, seq_length=4096, **MODEL_SIZE_PRESETS["1.2b"])
-    logged = flops_per_iteration(
-        global_batch_size=1,
-        seq_length=cfg.seq_length,
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        vocab_size=cfg.vocab_size,
-    )
     tied = cfg.replace(embedding=dict(embedding_type="tied"))
-    assert flops_per_token(tied) * cfg.seq_length == logged
+    assert flops_per_iteration(tied, 1) == flops_per_token(tied) * cfg.seq_length
+    assert flops_per_iteration(cfg, 1) == flops_per_token(cfg) * cfg.seq_length
     assert flops_per_token(cfg) > flops_per_token(tied)  # LEV's generator adds its own FLOPs

@@ -169,9 +169,11 @@ def _run(**parts) -> TrainingConfig:
         (lambda: _run(features=FeatureConfig(async_save=True)), "--async-save needs --save"),
         (
             lambda: _run(
-                engine=EngineConfig(ddp_impl="megatron"), ckpt=CheckpointConfig(save="ckpt")
+                engine=EngineConfig(ddp_impl="megatron"),
+                parallel=ParallelConfig(use_distributed_optimizer=True),
+                ckpt=CheckpointConfig(save="ckpt"),
             ),
-            "--ddp-impl megatron does not write or read checkpoints yet",
+            "--ddp-impl megatron with --use-distributed-optimizer cannot save or load optimizer",
         ),
         (
             lambda: _run(

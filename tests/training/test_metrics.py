@@ -7,20 +7,36 @@ from megatron_ext.training.metrics import flops_per_iteration, format_train_line
 
 def test_flops_match_six_n_d_for_short_sequences():
     """Without the attention term, training FLOPs are 6 x (GEMM parameters) x tokens."""
+    from megatron_ext.models import ModelConfig
+
     h, ffn, v, layers, gbs, s = 256, 512, 1000, 3, 4, 1
-    flops = flops_per_iteration(
-        global_batch_size=gbs,
+    config = ModelConfig(
+        vocab_size=v,
         seq_length=s,
         num_layers=layers,
         hidden_size=h,
         ffn_hidden_size=ffn,
         num_attention_heads=8,
         num_query_groups=8,
-        vocab_size=v,
+        embedding=dict(embedding_type="tied"),
     )
+    flops = flops_per_iteration(config, gbs)
     gemm_params = layers * (4 * h * h + 3 * h * ffn) + h * v
     attention = 3 * layers * 4 * s * h * gbs * s
     assert flops == 6 * gemm_params * gbs * s + attention
+
+
+def test_iteration_flops_and_gpu_check_share_one_formula():
+    """The iteration line's MFU and tools/gpu_check.py's MFU count the same FLOPs, LEV's
+    generator included."""
+    from megatron_ext.models import ModelConfig
+    from megatron_ext.models.memory import flops_per_token
+
+    config = ModelConfig(vocab_size=512, seq_length=64, num_layers=2, hidden_size=64)
+    assert config.embedding.embedding_type == "lev"
+    tied = config.replace(embedding=dict(embedding_type="tied"))
+    assert flops_per_iteration(config, 8) == flops_per_token(config) * 8 * 64
+    assert flops_per_iteration(config, 8) > flops_per_iteration(tied, 8)
 
 
 def test_log_line_has_megatron_fields():

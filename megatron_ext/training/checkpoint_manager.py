@@ -1,0 +1,125 @@
+"""The run's checkpoint glue: --save (with --async-save, one write in flight), --load, and the
+bookkeeping the exit conditions need (the slowest save, the last saved iteration).
+
+It saves and loads whatever the engine's `checkpoint_parts()` names, in the project's format
+(`checkpointing.save_checkpoint` / `load_checkpoint`), so both engines write the same layout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+from megatron_ext.parallel import ProcessGroups
+from megatron_ext.training.checkpointing import (
+    CheckpointError,
+    PendingSave,
+    TrainState,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.engine import Engine, Phase
+
+__all__ = ["CheckpointManager", "check_save_directory"]
+
+
+def check_save_directory(root: str, num_params: int, with_optimizer: bool) -> None:
+    """Refuse to start when --save is not writable or cannot hold one checkpoint (fp32
+    weights, plus two Adam moments each with the optimizer state)."""
+    from megatron_ext.training.checkpoint_io import check_save_directory as check
+
+    needed = 4 * num_params * (3 if with_optimizer else 1)
+    problem = check(root, needed)
+    if problem is not None:
+        raise CheckpointError(
+            f"--save {os.path.abspath(root)} cannot hold checkpoints: {problem}; point --save "
+            "at a writable directory with enough space"
+        )
+
+
+class CheckpointManager:
+    """Saves and loads `engine.checkpoint_parts()` with the run's `TrainState`."""
+
+    def __init__(
+        self, cfg: TrainingConfig, engine: Engine, pg: ProcessGroups, phase: Phase
+    ) -> None:
+        self.cfg, self.engine, self.pg, self.phase = cfg, engine, pg, phase
+        self.pending: Optional[PendingSave] = None
+        """--async-save: the checkpoint being written in the background."""
+        self.last_saved: Optional[int] = None
+        """The iteration last saved into --save (a second save of it is skipped)."""
+        self.save_seconds = 0.0
+        """Longest save (or load) of this run: the exit-duration check reserves it."""
+
+    def save(self, state: TrainState) -> None:
+        """Save `state` into --save (collective; nothing without --save or when this iteration
+        is saved already)."""
+        ck = self.cfg.ckpt
+        if not ck.save or self.last_saved == state.iteration:
+            return
+        self.wait()  # one background write at a time
+        self.phase.set("checkpoint save (world group)")
+        started = time.time()
+        parts = self.engine.checkpoint_parts()
+        with self.engine.checkpoint_view():
+            saved = save_checkpoint(
+                ck.save,
+                state,
+                parts.model,
+                None if ck.no_save_optim else parts.optimizer,
+                parts.scheduler,
+                parts.loss_scaler,
+                pg=self.pg,
+                args_json=ck.args_json,
+                save_rng=not ck.no_save_rng,
+                keep_last=ck.ckpt_keep_last,
+                async_save=self.cfg.features.async_save,
+            )
+        if self.cfg.features.async_save:
+            self.pending = saved
+        self.last_saved = state.iteration
+        self.save_seconds = max(self.save_seconds, time.time() - started)
+        self.phase.set("training loop (world group)")
+
+    def wait(self) -> None:
+        """--async-save: finish the checkpoint being written (collective)."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def poll(self) -> None:
+        """--async-save: finish the checkpoint if every rank's write is done (collective)."""
+        if self.pending is not None and self.pending.poll():
+            self.pending = None
+
+    def load(self) -> Optional[TrainState]:
+        """Load --load into the engine's parts; the loaded state, or None (nothing to load)."""
+        ck = self.cfg.ckpt
+        if not ck.load:
+            return None
+        started = time.time()
+        parts = self.engine.checkpoint_parts()
+        with self.engine.checkpoint_view():
+            state = load_checkpoint(
+                ck.load,
+                parts.model,
+                parts.optimizer,
+                parts.scheduler,
+                parts.loss_scaler,
+                pg=self.pg,
+                iteration=ck.ckpt_step,
+                load_optim=not ck.no_load_optim,
+                load_rng=not ck.no_load_rng,
+                finetune=ck.finetune,
+                strict_missing=ck.exit_on_missing_checkpoint or ck.ckpt_step is not None,
+            )
+        if state is None:
+            return None
+        # Reading a checkpoint takes about as long as writing it: the exit-duration check
+        # reserves that much before this run's first save.
+        self.save_seconds = time.time() - started
+        if not ck.finetune:
+            self.last_saved = state.iteration if ck.load == ck.save else None
+        return state

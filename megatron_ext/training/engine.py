@@ -1,0 +1,151 @@
+"""The training engine interface: what the loop needs from whoever runs the step.
+
+As narrow as Megatron-LM's `train_step(forward_step_func, data_iterator, model, optimizer,
+opt_param_scheduler, config)`: an engine is built from this stage's model and the run's
+settings (it owns the model chunks it runs, the optimizer, the LR scheduler and the FP16 loss
+scaler), and
+
+- `step(data_iterator, global_batch, flags)` runs one global batch: forward/backward over its
+  micro-batches, the gradient reductions, clipping, the optimizer and scheduler step (or a
+  skip), and returns a `StepResult` (world loss, grad norm, stepped / skipped / non-finite,
+  learning rate, and the caller's flags ORed over the world in the same all-reduce);
+- `evaluate(data_iterator, eval_iters)` runs forward-only batches and returns the world loss;
+- `log_stats()` (collective) returns the optional logged extras (params norm, zeros in grads);
+- `checkpoint_parts()` returns the objects the checkpoint manager saves and loads in the
+  project's format (`checkpointing.save_checkpoint`): the model, an optimizer exposing
+  `owned_state / owns / set_state`, the scheduler and the loss scaler.
+
+Two implementations: `engine_portable.PortableEngine` (gloo and NCCL) and
+`megatron_engine.MegatronEngine` (megatron-core's DDP, optimizer and schedules; CUDA).
+The loop (`loop.py`), the metrics logger (`metrics_logger.py`) and the checkpoint manager
+(`checkpoint_manager.py`) are composed around either.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Engine",
+    "StepResult",
+    "CheckpointParts",
+    "Phase",
+    "NonFiniteError",
+    "world_stats",
+]
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm became NaN/inf; the run stopped without saving it."""
+
+
+class Phase:
+    """What the rank is doing and over which group, named when a collective times out."""
+
+    def __init__(self) -> None:
+        self.what = "setup"
+        self.group: Optional[dist.ProcessGroup] = None
+
+    def set(self, what: str, group: Optional[dist.ProcessGroup] = None) -> None:
+        """Enter a phase; `group` None means the world group."""
+        self.what, self.group = what, group
+
+
+@dataclass
+class StepResult:
+    """One iteration as the loop sees it (identical on every rank)."""
+
+    loss: float
+    """Mean loss over the global batch's tokens (nan when not finite)."""
+    grad_norm: float
+    """Global gradient L2 norm before clipping (nan when unknown or not finite)."""
+    stepped: bool
+    """The optimizer stepped."""
+    skipped: bool
+    """The step was skipped (FP16 overflow or a skipped non-finite step)."""
+    nonfinite: bool
+    """The loss or grad norm was not finite (counted as a nan iteration)."""
+    lr: float
+    """The learning rate after the step (of the first parameter group)."""
+    flags: tuple[bool, ...] = field(default_factory=tuple)
+    """The caller's flags, each True when it was True on any rank."""
+    note: str = ""
+    """Why a non-finite step was skipped (the loop logs it with the iteration)."""
+
+
+@dataclass
+class CheckpointParts:
+    """What a checkpoint holds besides the train state (see `checkpointing.save_checkpoint`)."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    loss_scaler: Any = None
+
+
+def world_stats(
+    totals: dict, counts_loss: bool, flags: Sequence[bool], device: torch.device
+) -> list[float]:
+    """[loss sum, token count, *flags] summed over the world in one all-reduce; the loss counts
+    on the ranks with `counts_loss` (TP rank 0 of the last stage: once per DP replica)."""
+    stats = torch.zeros(2 + len(flags), dtype=torch.float64)
+    if counts_loss and "lm loss" in totals:
+        stats[0:2] = totals["lm loss"].double().cpu()
+    for i, flag in enumerate(flags):
+        stats[2 + i] = 1.0 if flag else 0.0
+    if device.type == "cuda":
+        stats = stats.cuda()
+    dist.all_reduce(stats)
+    return stats.cpu().tolist()
+
+
+class Engine(abc.ABC):
+    """One training engine: the model chunks it runs, its optimizer and scheduler, and `step`.
+
+    Attributes every implementation sets in `__init__`:
+        model: this pipeline stage's unwrapped model (what checkpoints and FLOP counts read).
+        optimizer: the optimizer (`param_groups` and `get_lr()` at least).
+        scheduler: megatron-core's OptimizerParamScheduler over `optimizer`.
+        scaler: the FP16 loss scaler (`scale`), or None.
+        phase: the shared `Phase` the engine updates around its collectives.
+    """
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    phase: Phase
+
+    @abc.abstractmethod
+    def step(
+        self, data_iterator: Iterator, global_batch: int, flags: Sequence[bool] = ()
+    ) -> StepResult:
+        """Train on one global batch of `global_batch` samples drawn from `data_iterator`."""
+
+    @abc.abstractmethod
+    def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Optional[float]:
+        """Mean forward-only loss over `eval_iters` global batches (None without tokens)."""
+
+    @abc.abstractmethod
+    def log_stats(self) -> dict[str, float]:
+        """Collective: the optional logged extras of the latest step (params-norm, num-zeros)."""
+
+    @abc.abstractmethod
+    def checkpoint_parts(self) -> CheckpointParts:
+        """The objects a checkpoint saves and loads, in the project's format."""
+
+    def train(self) -> None:
+        """Put the model chunks in training mode."""
+        self.model.train()
+
+    @contextlib.contextmanager
+    def checkpoint_view(self):
+        """The checkpoint manager saves and loads `checkpoint_parts()` inside this context (an
+        engine with low-precision parameters shows their float32 master copies here)."""
+        yield

@@ -1,0 +1,270 @@
+"""Where a run's numbers go: the Megatron-style iteration line, TensorBoard, W&B (through the
+`Reporter`), --log-jsonl records, evaluation lines and the loss-curve PNG at the end.
+
+`MetricsLogger` is rank 0's sink (every method is a no-op elsewhere, except `Timers`, which
+all ranks keep for --timing-log-level). It reads nothing from the engine: the loop hands it a
+`StepResult` and the run's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+
+from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.engine import StepResult
+from megatron_ext.training.metrics import Reporter, format_train_line
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MetricsLogger", "Timers", "truncate_jsonl"]
+
+
+class Timers:
+    """--timing-log-level >= 1: wall time per named part of the iteration (summed until the
+    next log line)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.totals: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: Optional[str] = None) -> None:
+        """Add the time since the previous mark to `name` (None: only restart the clock)."""
+        if not self.enabled:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if name is not None:
+            self.totals[name] = self.totals.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def take(self) -> dict[str, float]:
+        """The totals since the previous call, cleared."""
+        out, self.totals = self.totals, {}
+        return out
+
+
+def truncate_jsonl(path: str, iteration: int) -> None:
+    """--log-jsonl keeps one record per iteration: a run resumed at `iteration` drops the
+    records after it (those iterations are trained again), and a torn last line."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as handle:
+        lines = handle.readlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["iteration"] <= iteration:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    if len(keep) == len(lines):
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.writelines(keep)
+    os.replace(tmp, path)
+    logger.info(
+        "--log-jsonl %s: dropped %d record(s) after iteration %d",
+        path,
+        len(lines) - len(keep),
+        iteration,
+    )
+
+
+class MetricsLogger:
+    """The iteration line, TensorBoard/W&B scalars and --log-jsonl records of one run.
+
+    Args:
+        cfg: the run's settings (log, batch and feature flags are read).
+        is_rank0: only rank 0 writes anything.
+        flops_per_batch: model FLOPs of one iteration at the full --global-batch-size (None:
+            unknown, no TFLOP/s).
+        peak: per-device peak TFLOP/s for MFU (None: no MFU).
+        world_size: devices the FLOPs are spread over.
+        wandb: a W&B run or None.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        *,
+        is_rank0: bool,
+        flops_per_batch: Optional[float],
+        peak: Optional[float],
+        world_size: int,
+        wandb=None,
+    ) -> None:
+        self.cfg, self.is_rank0 = cfg, is_rank0
+        self.flops_per_batch, self.peak, self.world_size = flops_per_batch, peak, world_size
+        self.reporter = Reporter(
+            cfg.log.tensorboard_dir, cfg.log.tensorboard_queue_size, enabled=is_rank0
+        )
+        self.reporter.wandb = wandb
+        self.extras: dict[str, float] = {}
+        """The engine's and the features' logged extras of the latest logged iteration."""
+        self._losses: list[float] = []
+        self._grad_norms: list[float] = []
+        self._interval_start = time.time()
+        self._interval_iters = 0
+
+    def start(self, iteration: int) -> None:
+        """Before the first iteration: drop --log-jsonl records past `iteration`, start the
+        interval clock."""
+        if self.is_rank0 and self.cfg.log.log_jsonl:
+            truncate_jsonl(self.cfg.log.log_jsonl, iteration)
+        self._interval_start, self._interval_iters = time.time(), 0
+
+    def text(self, tag: str, text: str) -> None:
+        """A TensorBoard text entry (rank 0)."""
+        self.reporter.text(tag, text)
+
+    def iteration(
+        self,
+        result: StepResult,
+        state,
+        *,
+        global_batch: int,
+        seconds: float,
+        cpu_seconds: float,
+        loss_scale: Optional[float],
+    ) -> None:
+        """Record one finished iteration (`state` already counts it): TensorBoard every
+        --tensorboard-log-interval, the jsonl record every iteration."""
+        it = state.iteration
+        self._interval_iters += 1
+        self._losses.append(result.loss)
+        self._grad_norms.append(result.grad_norm)
+        if it % self.cfg.log.tensorboard_log_interval == 0:
+            self._tensorboard(result, state, global_batch, loss_scale)
+        if self.cfg.log.log_jsonl and self.is_rank0:
+            record = dict(
+                iteration=it,
+                consumed_samples=state.consumed_train_samples,
+                loss=result.loss,
+                grad_norm=result.grad_norm,
+                lr=result.lr,
+                stepped=result.stepped,
+                seconds=seconds,
+                cpu_seconds=cpu_seconds,  # this process's CPU time: robust on a shared machine
+            )
+            with open(self.cfg.log.log_jsonl, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def _tensorboard(self, result: StepResult, state, global_batch: int, loss_scale) -> None:
+        r, f, it = self.reporter, self.cfg.features, state.iteration
+        r.scalar("lm loss", result.loss, it)
+        r.scalar("lm loss vs samples", result.loss, state.consumed_train_samples)
+        if math.isfinite(result.loss):
+            r.scalar("lm loss ppl", math.exp(min(20.0, result.loss)), it)
+        r.scalar("learning-rate", result.lr, it)
+        r.scalar("grad-norm", result.grad_norm, it)
+        if loss_scale is not None and f.log_loss_scale_to_tensorboard:
+            r.scalar("loss-scale", loss_scale, it)
+        tokens = state.consumed_train_samples * self.cfg.batch.seq_length
+        r.scalar("lm loss vs tokens", result.loss, tokens)
+        r.scalar("batch-size", global_batch, it)
+        if f.log_world_size_to_tensorboard:
+            r.scalar("world-size", self.world_size, it)
+        for key, value in self.extras.items():
+            r.scalar(key, value, it)
+
+    def line(
+        self,
+        state,
+        *,
+        global_batch: int,
+        lr: float,
+        loss_scale: Optional[float],
+        elapsed_since_start: float,
+        timers: dict[str, float],
+    ) -> None:
+        """The iteration line over the iterations since the previous one, then restart the
+        interval."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        iters = max(self._interval_iters, 1)
+        elapsed = (time.time() - self._interval_start) / iters
+        b = self.cfg.batch
+        tflops = None
+        if self.flops_per_batch:
+            flops = self.flops_per_batch * global_batch / b.global_batch_size
+            tflops = flops / elapsed / self.world_size / 1e12
+        tokens = global_batch * b.seq_length / elapsed
+        finite = [x for x in self._losses if math.isfinite(x)]
+        show_tflops = tflops is not None and (
+            torch.cuda.is_available() or self.cfg.log.log_throughput
+        )
+        values = dict(
+            iteration=state.iteration,
+            train_iters=b.train_iters,
+            consumed_samples=state.consumed_train_samples,
+            iteration_ms=1000 * elapsed,
+            tflops=tflops if show_tflops else None,
+            mfu=tflops / self.peak if (self.peak and tflops is not None) else None,
+            tokens_per_sec=tokens,
+            lr=lr,
+            global_batch_size=global_batch,
+            elapsed=elapsed_since_start,
+            eta=elapsed * (b.train_iters - state.iteration),
+            consumed_tokens=state.consumed_train_samples * b.seq_length,
+            extras=self.extras,
+            loss=sum(finite) / len(finite) if finite else float("nan"),
+            loss_scale=loss_scale,
+            grad_norm=self._grad_norms[-1] if self._grad_norms else None,
+            skipped=state.skipped_iterations,
+            nonfinite=state.nonfinite_iterations,
+        )
+        if self.is_rank0:
+            logger.info(format_train_line(values))
+            it = state.iteration
+            if timers:
+                logger.info(
+                    "    time per iteration (ms): %s",
+                    " | ".join(f"{k}: {1000 * v / iters:.1f}" for k, v in timers.items()),
+                )
+                if self.cfg.log.log_timers_to_tensorboard:
+                    for key, value in timers.items():
+                        self.reporter.scalar(f"timers/{key}", value / iters, it)
+            self.reporter.scalar("iteration-time", elapsed, it)
+            self.reporter.scalar("throughput/tokens per second", tokens, it)
+            if tflops is not None:
+                self.reporter.scalar("throughput/TFLOP per second per GPU", tflops, it)
+            if values["mfu"] is not None:
+                self.reporter.scalar("throughput/MFU", values["mfu"], it)
+            self.reporter.flush()
+        self._interval_start, self._interval_iters = time.time(), 0
+        self._losses, self._grad_norms = [], []
+
+    def evaluation(self, loss: Optional[float], name: str, state) -> None:
+        """The boxed validation/test line and its scalars (nothing when `loss` is None)."""
+        if loss is None or not self.is_rank0:
+            return
+        ppl = math.exp(min(20.0, loss))
+        it = state.iteration
+        line = (
+            f" {name} loss at iteration {it} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        )
+        bar = "-" * len(line)
+        logger.info("%s\n%s\n%s", bar, line, bar)
+        tag = "lm loss validation" if name == "validation" else f"lm loss {name}"
+        self.reporter.scalar(tag, loss, it)
+        self.reporter.scalar(f"{tag} ppl", ppl, it)
+        self.reporter.scalar(f"{tag} vs samples", loss, state.consumed_train_samples)
+
+    def close(self, curve_dir: Optional[str]) -> None:
+        """Close TensorBoard; with --loss-curve write loss_curve.png into `curve_dir`."""
+        if self.is_rank0 and self.cfg.log.loss_curve:
+            curve = self.reporter.close(curve_dir)
+            if curve:
+                logger.info("loss curve: %s", curve)
+        else:
+            self.reporter.close()
