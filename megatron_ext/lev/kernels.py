@@ -22,6 +22,24 @@ ops, any device), "cpu" (`lev.cpu_fused`, a C++ kernel compiled on first use) an
 float32 CUDA tensors when the triton package imports, cpu for CPU tensors when its kernel builds
 (else it logs why, once, and takes torch), else torch. Every choice computes the same function
 and saves the same tensors, so a run may switch kernels on resume.
+
+The signed product. docs/lev.md step 3e defines M = sign * exp(sum_d log(|phi| + eps)) with
+sign = (-1)^(number of negative phi): `lev.math.separable_product` computes exactly that, the
+readable definition. Every backend computes the same number as the product of the signed
+factors x = phi - eps (phi < 0) or phi + eps (phi >= 0) in one way, chosen because it is exact
+over the whole range the flags allow (--lev-product-eps any positive float, --lev-seed-dim
+factors, each any finite float) and needs no log or exp:
+
+    m_c, e_c = frexp(x_c)            1/2 <= |m_c| < 1, e_c an integer (bit operations)
+    acc = prod m_c, E = sum e_c      acc renormalised by frexp every 64 factors (into E)
+    M = acc * 2^E                    rounded once: inf or 0 only when M itself is out of range
+
+A factor with phi == 0 is eps itself, split in float64 (so an eps that the compute dtype
+rounds or flushes to 0 still counts exactly). No partial product can overflow or underflow,
+whatever the factors: a running mantissa times 64 more stays above 2^-65. Implementations:
+`lev.fused.separable_product_from_phi` (torch), `split`/`forward` in csrc/lev_cpu.cpp (C++),
+`_split`/`_lev_modes_fwd_kernel` in `lev.triton_kernel`; tests/lev/test_lev_reference.py checks
+all three at the extremes (huge factors, eps from 1e-320 to 1, 600 factors).
 """
 
 from __future__ import annotations
@@ -66,7 +84,7 @@ class LEVKernelOptions:
     normalize_basis: bool = True
     """Renormalise the B-spline basis to sum 1."""
     product_eps: float = 1e-9
-    """eps in sign * exp(sum log(|phi| + eps))."""
+    """eps in sign * exp(sum log(|phi| + eps)) (any positive float; see "The signed product")."""
     chunk_size: int = 0
     """Ids per chunk of the torch backend (0: about 2M spline values per chunk)."""
 

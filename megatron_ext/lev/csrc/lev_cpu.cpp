@@ -7,10 +7,9 @@
 // second), called through ctypes with raw pointers to contiguous tensors.
 //
 // The product is docs/lev.md step 3e, M = sign * exp(sum_d log(|phi| + eps)), evaluated as the
-// product of the signed factors x = phi + copysign(eps, phi) in double precision, renormalised
-// with frexp every few factors so that no partial product can overflow or underflow; the
-// result is rounded once to the compute dtype (overflow -> inf and underflow -> 0 there, as
-// exp() of the log-sum would).
+// product of the signed factors x = phi -/+ eps split into mantissas and exponents (see
+// `split` below and lev/kernels.py "The signed product"): no log or exp per factor, and no
+// partial product can overflow or underflow.
 //
 // Backward, with s = dL/dM * M (computed by the caller): dL/dphi = s / x, dL/dDelta[l, c, j] =
 // sum_i B_j(t[l, i, c]) dL/dphi, and dL/dt through the basis values (and their normalisation).
@@ -76,47 +75,77 @@ struct BasisRun {
   }
 };
 
-// Factors multiplied in double between two renormalisations: each |x| is in [eps, max of T],
-// so for float (and eps >= 1e-30) 8 of them stay inside double's normal range.
+// The separable product (lev/kernels.py "The signed product", the same in every backend):
+// every factor x = phi -/+ eps is split as m * 2^e with 1/2 <= |m| < 1; the mantissas are
+// multiplied in the compute dtype, renormalised every kGroup factors, and the integer
+// exponents summed, so no partial product can overflow or underflow whatever the factors and
+// eps; the result m * 2^E is rounded once (std::ldexp), to inf or 0 only when the exact
+// product is out of range. A factor with phi == 0 is eps itself, split in double by the caller
+// (so an eps below the compute dtype's range still counts exactly).
+constexpr int kGroup = 64;  // |product of 65 mantissas| >= 2^-65: normal in float and double
+
 template <typename T>
-int renorm_group(double eps) {
-  return sizeof(T) == 4 && eps >= 1e-30 ? 8 : 1;
+struct FloatBits;
+template <>
+struct FloatBits<float> {
+  using U = uint32_t;
+  static constexpr int kMant = 23, kExpMax = 0xff, kBias = 127;
+};
+template <>
+struct FloatBits<double> {
+  using U = uint64_t;
+  static constexpr int kMant = 52, kExpMax = 0x7ff, kBias = 1023;
+};
+
+// frexp by bit manipulation (vectorises): x = m * 2^e with 1/2 <= |m| < 1 for finite non-zero
+// x (subnormals included); 0, inf and NaN give m = x, e = 0.
+template <typename T>
+inline T split(T x, int32_t& e) {
+  using F = FloatBits<T>;
+  using U = typename F::U;
+  U bits;
+  std::memcpy(&bits, &x, sizeof(T));
+  const bool sub = ((bits >> F::kMant) & U(F::kExpMax)) == 0 && x != T(0);
+  x = sub ? x * static_cast<T>(18446744073709551616.0) : x;  // * 2^64: normal
+  std::memcpy(&bits, &x, sizeof(T));
+  const int32_t ex = static_cast<int32_t>((bits >> F::kMant) & U(F::kExpMax));
+  const bool normal = ex != 0 && ex != F::kExpMax;
+  e = normal ? ex - (F::kBias - 1) - (sub ? 64 : 0) : 0;
+  const U mask = U(F::kExpMax) << F::kMant;
+  bits = normal ? (bits & ~mask) | (U(F::kBias - 1) << F::kMant) : bits;
+  std::memcpy(&x, &bits, sizeof(T));
+  return x;
 }
 
-// a = m * 2^e with m in [0.5, 1): move the exponent of every normal a into e (vectorised
-// frexp; zero, subnormal, inf and NaN are left as they are).
-inline void renormalise(double* __restrict a, int64_t* __restrict e, int64_t r) {
-  constexpr uint64_t mask = 0x7ffULL << 52;
+template <typename T>
+inline void renormalise(T* __restrict a, int32_t* __restrict e, int64_t r) {
 #pragma omp simd
   for (int64_t rho = 0; rho < r; ++rho) {
-    uint64_t bits;
-    std::memcpy(&bits, &a[rho], sizeof(bits));
-    const int64_t ex = static_cast<int64_t>((bits & mask) >> 52);
-    const bool normal = ex != 0 && ex != 0x7ff;
-    e[rho] += normal ? ex - 1022 : 0;
-    bits = normal ? (bits & ~mask) | (1022ULL << 52) : bits;
-    std::memcpy(&a[rho], &bits, sizeof(bits));
+    int32_t ex;
+    a[rho] = split(a[rho], ex);
+    e[rho] += ex;
   }
 }
 
 template <typename T>
 void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict modes, int64_t h,
              int64_t n, int64_t d, int64_t kappa, int64_t r, bool normalize, double eps,
-             int threads) {
+             double eps_mant, int32_t eps_exp, int threads) {
   const T eps_t = static_cast<T>(eps);
-  const int group = renorm_group<T>(eps);
+  const T eps_m = static_cast<T>(eps_mant);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<double> acc(r);
-    std::vector<int64_t> expo(r);
+    std::vector<T> acc(r);
+    std::vector<int32_t> expo(r);
     BasisRun<T> basis(d);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < h * n; ++task) {
       const int64_t l = task / n, i = task % n;
-      double* __restrict a = acc.data();
+      T* __restrict a = acc.data();
+      int32_t* __restrict ex = expo.data();
       for (int64_t rho = 0; rho < r; ++rho) {
-        a[rho] = 1.0;
-        expo[rho] = 0;
+        a[rho] = T(1);
+        ex[rho] = 0;
       }
       basis.eval(t + (l * n + i) * d, d, kappa, normalize);
       for (int64_t c = 0; c < d; ++c) {
@@ -128,14 +157,16 @@ void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict mod
 #pragma omp simd
         for (int64_t rho = 0; rho < r; ++rho) {
           const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
-          a[rho] *= static_cast<double>(phi + std::copysign(eps_t, phi));
+          int32_t e;
+          const T m = split(phi < T(0) ? phi - eps_t : phi + eps_t, e);
+          const bool zero = phi == T(0);
+          a[rho] *= zero ? eps_m : m;
+          ex[rho] += zero ? eps_exp : e;
         }
-        if ((c + 1) % group == 0) renormalise(a, expo.data(), r);
+        if ((c + 1) % kGroup == 0) renormalise(a, ex, r);
       }
       T* out = modes + (i * h + l) * r;
-      for (int64_t rho = 0; rho < r; ++rho) {
-        out[rho] = static_cast<T>(std::ldexp(a[rho], static_cast<int>(expo[rho])));
-      }
+      for (int64_t rho = 0; rho < r; ++rho) out[rho] = std::ldexp(a[rho], ex[rho]);
     }
   }
 }
@@ -170,7 +201,7 @@ void backward(const T* __restrict t_hdn, const T* __restrict coeff, const T* __r
 #pragma omp simd reduction(+ : g0, g1, g2)
         for (int64_t rho = 0; rho < r; ++rho) {
           const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
-          const T g = srow[rho] / (phi + std::copysign(eps_t, phi));
+          const T g = srow[rho] / (phi < T(0) ? phi - eps_t : phi + eps_t);
           gp[rho] = g;
           g0 += g * c0[rho];
           g1 += g * c1[rho];
@@ -226,14 +257,16 @@ extern "C" {
 
 void lev_forward_f32(const float* t, const float* coeff, float* modes, int64_t h, int64_t n,
                      int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
-                     int threads) {
-  forward<float>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, threads);
+                     double eps_mant, int32_t eps_exp, int threads) {
+  forward<float>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
+                 threads);
 }
 
 void lev_forward_f64(const double* t, const double* coeff, double* modes, int64_t h, int64_t n,
                      int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
-                     int threads) {
-  forward<double>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, threads);
+                     double eps_mant, int32_t eps_exp, int threads) {
+  forward<double>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
+                  threads);
 }
 
 void lev_backward_f32(const float* t_hdn, const float* coeff, const float* scaled,
