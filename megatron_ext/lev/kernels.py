@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Protocol, Union
 
 import torch
+import torch.nn.functional as F
 
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
@@ -122,8 +123,15 @@ class LEVBackend(Protocol):
 
 
 def _seed_to_t(z: torch.Tensor, params, opts: LEVKernelOptions) -> torch.Tensor:
-    """Steps 3a-3b: z [N, d_in] -> t [h, N, d] (contiguous)."""
-    return lev_math.seed_to_t(z, *params, opts.temperature, opts.norm_eps).contiguous()
+    """Steps 3a-3b: z [N, d_in] -> t [h, N, d] (contiguous), `lev.math.seed_to_t` in three
+    fused ops and their fused backwards instead of about ten elementwise passes:
+    sigmoid((LN(u) * g + b) / tau) = sigmoid(LN(u) * (g / tau) + b / tau)."""
+    seed_proj, norm_weight, norm_bias = params
+    u = torch.matmul(z, seed_proj.transpose(1, 2))  # [h, N, d]
+    normed = F.layer_norm(u, u.shape[-1:], eps=opts.norm_eps)
+    gain = (norm_weight / opts.temperature).unsqueeze(1)
+    shift = (norm_bias / opts.temperature).unsqueeze(1)
+    return torch.sigmoid(torch.addcmul(shift, normed, gain))
 
 
 class LEVModes(torch.autograd.Function):

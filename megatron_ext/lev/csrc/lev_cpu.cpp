@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -98,16 +99,19 @@ struct FloatBits<double> {
 };
 
 // frexp by bit manipulation (vectorises): x = m * 2^e with 1/2 <= |m| < 1 for finite non-zero
-// x (subnormals included); 0, inf and NaN give m = x, e = 0.
-template <typename T>
+// x (subnormals too, unless kNormal promises there are none); 0, inf and NaN give m = x, e = 0.
+template <typename T, bool kNormal = false>
 inline T split(T x, int32_t& e) {
   using F = FloatBits<T>;
   using U = typename F::U;
   U bits;
   std::memcpy(&bits, &x, sizeof(T));
-  const bool sub = ((bits >> F::kMant) & U(F::kExpMax)) == 0 && x != T(0);
-  x = sub ? x * static_cast<T>(18446744073709551616.0) : x;  // * 2^64: normal
-  std::memcpy(&bits, &x, sizeof(T));
+  bool sub = false;
+  if (!kNormal) {
+    sub = ((bits >> F::kMant) & U(F::kExpMax)) == 0 && x != T(0);
+    x = sub ? x * static_cast<T>(18446744073709551616.0) : x;  // * 2^64: normal
+    std::memcpy(&bits, &x, sizeof(T));
+  }
   const int32_t ex = static_cast<int32_t>((bits >> F::kMant) & U(F::kExpMax));
   const bool normal = ex != 0 && ex != F::kExpMax;
   e = normal ? ex - (F::kBias - 1) - (sub ? 64 : 0) : 0;
@@ -122,12 +126,15 @@ inline void renormalise(T* __restrict a, int32_t* __restrict e, int64_t r) {
 #pragma omp simd
   for (int64_t rho = 0; rho < r; ++rho) {
     int32_t ex;
-    a[rho] = split(a[rho], ex);
+    a[rho] = split<T, true>(a[rho], ex);  // |a| >= 2^-65
     e[rho] += ex;
   }
 }
 
-template <typename T>
+// kEpsNormal: eps is a normal number of T, so every factor |x| >= eps is normal (or inf/NaN),
+// and x = +eps at phi == 0 splits into eps's own (rounded) mantissa and exponent: the general
+// path's subnormal scaling and phi == 0 selection are then no-ops, skipped.
+template <typename T, bool kEpsNormal>
 void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict modes, int64_t h,
              int64_t n, int64_t d, int64_t kappa, int64_t r, bool normalize, double eps,
              double eps_mant, int32_t eps_exp, int threads) {
@@ -158,16 +165,36 @@ void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict mod
         for (int64_t rho = 0; rho < r; ++rho) {
           const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
           int32_t e;
-          const T m = split(phi < T(0) ? phi - eps_t : phi + eps_t, e);
-          const bool zero = phi == T(0);
-          a[rho] *= zero ? eps_m : m;
-          ex[rho] += zero ? eps_exp : e;
+          const T m = split<T, kEpsNormal>(phi < T(0) ? phi - eps_t : phi + eps_t, e);
+          if (kEpsNormal) {
+            a[rho] *= m;
+            ex[rho] += e;
+          } else {
+            const bool zero = phi == T(0);
+            a[rho] *= zero ? eps_m : m;
+            ex[rho] += zero ? eps_exp : e;
+          }
         }
         if ((c + 1) % kGroup == 0) renormalise(a, ex, r);
       }
       T* out = modes + (i * h + l) * r;
       for (int64_t rho = 0; rho < r; ++rho) out[rho] = std::ldexp(a[rho], ex[rho]);
     }
+  }
+}
+
+template <typename T>
+void forward(const T* t, const T* coeff, T* modes, int64_t h, int64_t n, int64_t d,
+             int64_t kappa, int64_t r, bool normalize, double eps, double eps_mant,
+             int32_t eps_exp, int threads) {
+  const bool eps_normal = eps >= static_cast<double>(std::numeric_limits<T>::min()) &&
+                          eps <= static_cast<double>(std::numeric_limits<T>::max());
+  if (eps_normal) {
+    forward<T, true>(t, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
+                     threads);
+  } else {
+    forward<T, false>(t, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
+                      threads);
   }
 }
 
