@@ -140,15 +140,20 @@ if TRITON_AVAILABLE:
     def _power_of_two(k, IS_F64: tl.constexpr):
         """2^k exactly for integer k in the dtype's normal range (built from its bits)."""
         if IS_F64:
-            return ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
-        return ((k + 127) << 23).to(tl.float32, bitcast=True)
+            p = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+        else:
+            p = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        return p
 
     @triton.jit
     def _ldexp(m, e, IS_F64: tl.constexpr):
-        """m * 2^e rounded once (lev/fused.py exact_ldexp)."""
-        LIMIT: tl.constexpr = 1000 if IS_F64 else 100
-        first = tl.minimum(tl.maximum(e, -LIMIT), LIMIT)
-        second = tl.minimum(tl.maximum(e - first, -LIMIT), LIMIT)
+        """m * 2^e rounded once (lev/fused.py exact_ldexp): the first step is exact."""
+        if IS_F64:
+            first = tl.minimum(tl.maximum(e, -1000), 1000)
+            second = tl.minimum(tl.maximum(e - first, -1000), 1000)
+        else:
+            first = tl.minimum(tl.maximum(e, -100), 100)
+            second = tl.minimum(tl.maximum(e - first, -100), 100)
         return m * _power_of_two(first, IS_F64) * _power_of_two(second, IS_F64)
 
     @triton.jit
