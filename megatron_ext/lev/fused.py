@@ -148,7 +148,7 @@ def fast_bspline_basis(t: torch.Tensor, num_knots: int, normalize: bool = True) 
 
 PRODUCT_GROUP = 64
 """Mantissas multiplied between two renormalisations (the same in every backend): a running
-mantissa in [1/2, 1) times 64 more stays above 2^-65, inside float32's and float64's normal range."""
+mantissa in [1/2, 1) times 64 more stays above 2^-65, well inside float32's normal range."""
 
 _FLOAT_BITS = {
     # dtype: (integer dtype of the same width, mantissa bits, exponent bias, ldexp step limit)
