@@ -157,10 +157,19 @@ _FLOAT_BITS = {
 }
 
 
-def signed_factors(phi: torch.Tensor, eps: float) -> torch.Tensor:
-    """x = phi - eps where phi < 0, else phi + eps: sign(phi) * (|phi| + eps) with phi == 0
-    (also -0.0) a positive factor, as the sign count of docs/lev.md step 3e has it."""
-    return torch.where(phi < 0, phi - eps, phi + eps)
+def signed_factors(
+    phi: torch.Tensor, eps: float, scratch: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """x = phi - eps where phi < 0, else phi + eps, in place on `phi`: sign(phi) * (|phi| + eps)
+    with phi == 0 (also -0.0, turned into +0.0 by adding 0) a positive factor, as the sign count
+    of docs/lev.md step 3e has it. `scratch` (phi's shape) avoids a temporary."""
+    eps_t = torch.tensor(eps, dtype=phi.dtype, device=phi.device)
+    return phi.add_(0.0).add_(torch.copysign(eps_t, phi, out=scratch))
+
+
+def _is_normal(value: float, dtype: torch.dtype) -> bool:
+    info = torch.finfo(dtype)
+    return info.tiny <= value <= info.max
 
 
 def _power_of_two(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -180,21 +189,34 @@ def exact_ldexp(mantissa: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
     return mantissa * _power_of_two(first, dtype) * _power_of_two(second, dtype)
 
 
-def separable_product_from_phi(phi: torch.Tensor, eps: float) -> torch.Tensor:
+def separable_product_from_phi(
+    phi: torch.Tensor,
+    eps: float,
+    mantissa: Optional[torch.Tensor] = None,
+    exponent: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """M [h, n, r] = sign * exp(sum_d log(|phi| + eps)) from phi [h, d, n, r] (dim 1 = d).
 
     The signed product of `lev.kernels` ("The signed product"): each factor x = phi -/+ eps is
     split by frexp into a mantissa in [1/2, 1) and an integer exponent (phi == 0 counts as eps,
     split in float64 so that an eps below the dtype's range counts exactly); the mantissas are
     multiplied, renormalised every PRODUCT_GROUP factors, the exponents summed, and the result
-    rounded once. No log or exp, and no partial product can overflow or underflow.
+    rounded once. No log or exp, and no partial product can overflow or underflow. `phi` is
+    overwritten; the optional `mantissa` (phi's dtype) and `exponent` (int32) buffers of phi's
+    shape avoid allocating full-size temporaries (page faults cost more than the arithmetic).
     """
-    mantissa, exponent = torch.frexp(signed_factors(phi, eps))
-    zero = phi == 0
-    eps_mantissa, eps_exponent = math.frexp(eps)
-    mantissa.masked_fill_(zero, eps_mantissa)
-    exponent.masked_fill_(zero, eps_exponent)
-    total = exponent.sum(dim=1, dtype=torch.int64)
+    if mantissa is None:
+        mantissa = torch.empty_like(phi)
+    if exponent is None:
+        exponent = torch.empty(phi.shape, dtype=torch.int32, device=phi.device)
+    zero = None if _is_normal(eps, phi.dtype) else phi == 0
+    torch.frexp(signed_factors(phi, eps, scratch=mantissa), out=(mantissa, exponent))
+    if zero is not None:
+        # Where eps is a normal number of the dtype, frexp(+eps) is already eps's own split.
+        eps_mantissa, eps_exponent = math.frexp(eps)
+        mantissa.masked_fill_(zero, eps_mantissa)
+        exponent.masked_fill_(zero, eps_exponent)
+    total = exponent.sum(dim=1, dtype=torch.int32)  # |sum| <= 1100 d
     acc = None
     for start in range(0, phi.shape[1], PRODUCT_GROUP):
         part = mantissa[:, start : start + PRODUCT_GROUP].prod(dim=1)
@@ -213,6 +235,8 @@ class _Workspace:
         numel = h * d * chunk
         self.basis = torch.empty(numel * kappa, dtype=dtype, device=device)
         self.phi = torch.empty(numel * r, dtype=dtype, device=device)
+        self.mantissa = torch.empty(numel * r, dtype=dtype, device=device)
+        self.exponent = torch.empty(numel * r, dtype=torch.int32, device=device)
         if backward:
             self.grad_basis = torch.empty(numel * kappa, dtype=dtype, device=device)
 
@@ -241,7 +265,12 @@ class TorchBackend:
             basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
             phi = _prefix(ws.phi, h, d, n, r)
             torch.bmm(basis.view(h * d, n, kappa), coeff3, out=phi.view(h * d, n, r))
-            product = separable_product_from_phi(phi, opts.product_eps)
+            product = separable_product_from_phi(
+                phi,
+                opts.product_eps,
+                _prefix(ws.mantissa, h, d, n, r),
+                _prefix(ws.exponent, h, d, n, r),
+            )
             modes[start : start + n] = product.transpose(0, 1)
         return modes
 
@@ -265,7 +294,7 @@ class TorchBackend:
             x = _prefix(ws.phi, h, d, n, r)
             torch.bmm(basis3, coeff3, out=x.view(h * d, n, r))
             # dM/dphi = M / x with x = phi -/+ eps.
-            factors = signed_factors(x, opts.product_eps)
+            factors = signed_factors(x, opts.product_eps, _prefix(ws.mantissa, h, d, n, r))
             grad_phi = torch.div(scaled[:, :, start : start + n], factors, out=x)
             grad_phi3 = grad_phi.view(h * d, n, r)
             grad_coeff3.baddbmm_(basis3.transpose(1, 2), grad_phi3)
