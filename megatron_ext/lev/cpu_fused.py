@@ -9,9 +9,8 @@ accumulates dL/dDelta and dL/dt in the same pass. Nothing of size h*d*r per id i
 
 The function is the same as `lev.math.lev_modes` (docs/lev.md steps 3a-3e) and saves the same
 tensors as `lev.fused` (the seeds z [N, d_in] and the modes M [N, h, r]); steps 3a-3b (seed
-projection, LayerNorm, sigmoid) stay torch ops, recomputed in backward. The product is taken as
-the product of the signed factors sign(phi)(|phi| + eps) with periodic renormalisation, equal to
-the spec's sign * exp(sum log(|phi| + eps)) up to rounding (see the C++ file).
+projection, LayerNorm, sigmoid) stay torch ops, recomputed in backward. The product is the
+mantissa-exponent product every backend shares (`lev.kernels`, "The signed product").
 
 The C++ source is compiled on first use with the system C++ compiler ($CXX, else c++ or g++)
 into a shared library cached under $MEGATRON_EXT_CACHE (default ~/.cache/megatron_ext), keyed
@@ -26,6 +25,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -125,9 +125,10 @@ def load_library() -> ctypes.CDLL:
         _build(compiler, target)
     lib = ctypes.CDLL(str(target))
     ints = [_INT64] * 5 + [ctypes.c_int, ctypes.c_double, ctypes.c_int]
+    eps_split = [ctypes.c_double, ctypes.c_int32]
     for dtype in ("f32", "f64"):
         forward = getattr(lib, f"lev_forward_{dtype}")
-        forward.argtypes = [_PTR] * 3 + ints
+        forward.argtypes = [_PTR] * 3 + ints[:-1] + eps_split + ints[-1:]
         forward.restype = None
         backward = getattr(lib, f"lev_backward_{dtype}")
         backward.argtypes = [_PTR] * 5 + ints
@@ -164,9 +165,11 @@ class CpuBackend:
         h, d, kappa, r = coeff.shape
         n = t.shape[1]
         modes = torch.empty(n, h, r, dtype=t.dtype)
+        eps_mant, eps_exp = math.frexp(opts.product_eps)
         getattr(lib, f"lev_forward_{_suffix(t.dtype)}")(
             _ptr(t), _ptr(coeff), _ptr(modes), h, n, d, kappa, r,
-            int(opts.normalize_basis), float(opts.product_eps), torch.get_num_threads(),
+            int(opts.normalize_basis), float(opts.product_eps), eps_mant, eps_exp,
+            torch.get_num_threads(),
         )  # fmt: skip
         return modes
 

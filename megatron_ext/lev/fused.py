@@ -12,15 +12,13 @@ is one batched matmul per (head, coordinate))::
     t = sigmoid(LN(z W^T) / tau)                  [h, n, d]        (lev.math.seed_to_t)
     B = basis(t)                                  [h, d, n, kappa] (3 non-zeros per row)
     phi = B @ (1 + Delta)                         [h, d, n, r]
-    x = phi + copysign(eps, phi)                  sign(phi) * (|phi| + eps)
+    x = phi -/+ eps                               sign(phi) * (|phi| + eps)
     M = prod_d x                                  [h, n, r]
 
 The last line is docs/lev.md step 3e, sign * exp(sum_d log(|phi| + eps)): the product of the signed
 factors has the sign (-1)^(#negative phi) and the magnitude prod(|phi| + eps). It is evaluated
-by multiplying groups of G coordinates before one log|.| (and one sign count) per group, which
-cuts the transcendental work G-fold. G is chosen so that no product of G factors (each >= eps)
-can underflow; if one overflows (|phi| > ~4e9 in float32) the chunk falls back to one log per
-factor, so the result never depends on the grouping beyond rounding.
+as the mantissa-exponent product every backend shares (`lev.kernels`, "The signed product";
+`separable_product_from_phi` here).
 
 The basis is built from the three non-zero values per coordinate (nearest knot c = round(s),
 s = (kappa-1) t, f = s - c: B_{c-1} = (1/2 - f)^2 / 2, B_c = 3/4 - f^2, B_{c+1} = (1/2 + f)^2 / 2,
@@ -58,9 +56,11 @@ __all__ = [
     "TORCH_BACKEND",
     "TorchBackend",
     "default_chunk_size",
-    "group_size",
+    "PRODUCT_GROUP",
+    "exact_ldexp",
     "fast_bspline_basis",
     "separable_product_from_phi",
+    "signed_factors",
 ]
 
 # Spline values per chunk when the chunk size is automatic: h*d*r*n of them. 2M (8 MiB in
@@ -71,13 +71,6 @@ _AUTO_CHUNK_ELEMENTS = 1 << 21
 def default_chunk_size(num_heads: int, seed_dim: int, rank: int) -> int:
     """Ids per chunk so that one chunk's spline values hold about 2M numbers."""
     return max(1, _AUTO_CHUNK_ELEMENTS // (num_heads * seed_dim * rank))
-
-
-def group_size(dtype: torch.dtype, eps: float) -> int:
-    """Largest G <= 8 such that a product of G factors of magnitude >= eps stays normal."""
-    if eps >= 1.0:
-        return 8
-    return max(1, min(8, int(math.log(torch.finfo(dtype).tiny) / math.log(eps))))
 
 
 def _prefix(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -153,61 +146,83 @@ def fast_bspline_basis(t: torch.Tensor, num_knots: int, normalize: bool = True) 
 
 # ----------------------------------------------------------------------------- product
 
+PRODUCT_GROUP = 64
+"""Mantissas multiplied between two renormalisations (the same in every backend): a running
+mantissa in [1/2, 1) times 64 more stays above 2^-65, well inside float32's normal range."""
 
-def _signed_exp(log_abs: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
-    return (1 - 2 * (negatives % 2)).to(log_abs.dtype) * log_abs.exp_()
-
-
-def separable_product_from_phi(
-    phi: torch.Tensor,
-    eps: float,
-    scratch: Optional[torch.Tensor] = None,
-    prod_buffer: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """M [h, n, r] = sign * exp(sum_d log(|phi| + eps)) from phi [h, d, n, r] (dim 1 = d).
-
-    With x = sign(phi) (|phi| + eps), M = prod_d x: the product of the signed factors carries
-    the sign (-1)^(#negative phi) itself. Factors are multiplied in groups of G (signed), then
-    one log|.| and one sign count per group. `phi` is overwritten with x; the optional flat
-    buffers avoid allocating full-size temporaries.
-    """
-    x = signed_factors(phi, eps, scratch)
-    d = x.shape[1]
-    group = min(group_size(x.dtype, eps), d)
-    if group > 1:
-        q = d // group
-        shape = (x.shape[0], q, *x.shape[2:])
-        if prod_buffer is None:
-            prod = torch.empty(shape, dtype=x.dtype, device=x.device)
-        else:
-            prod = _prefix(prod_buffer, *shape)
-        torch.mul(x[:, :q], x[:, q : 2 * q], out=prod)
-        for g in range(2, group):
-            prod.mul_(x[:, g * q : (g + 1) * q])
-        negatives = torch.lt(prod, 0).sum(dim=1)
-        log_abs = prod.abs_().log_().sum(dim=1)
-        if group * q < d:
-            rest = x[:, group * q :]
-            negatives += torch.lt(rest, 0).sum(dim=1)
-            log_abs += rest.abs().log_().sum(dim=1)
-        if bool(torch.isfinite(log_abs).all()):
-            return _signed_exp(log_abs, negatives)
-        # A grouped product overflowed (or phi holds inf/nan): one log per factor.
-    return _signed_exp(x.abs().log_().sum(dim=1), torch.lt(x, 0).sum(dim=1))
+_FLOAT_BITS = {
+    # dtype: (integer dtype of the same width, mantissa bits, exponent bias, ldexp step limit)
+    torch.float32: (torch.int32, 23, 127, 100),
+    torch.float64: (torch.int64, 52, 1023, 1000),
+}
 
 
 def signed_factors(
     phi: torch.Tensor, eps: float, scratch: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """x = phi + copysign(eps, phi) = sign(phi) * (|phi| + eps), in place on `phi`.
-
-    At phi == +0 this is +eps (a positive factor, as the sign count of docs/lev.md step 3e has
-    it); a -0.0 (which needs every term of the spline sum to be -0.0) would count as negative.
-    """
+    """x = phi - eps where phi < 0, else phi + eps, in place on `phi`: sign(phi) * (|phi| + eps)
+    with phi == 0 (also -0.0, turned into +0.0 by adding 0) a positive factor, as the sign count
+    of docs/lev.md step 3e has it. `scratch` (phi's shape) avoids a temporary."""
     eps_t = torch.tensor(eps, dtype=phi.dtype, device=phi.device)
-    if scratch is None:
-        return phi.add_(torch.copysign(eps_t, phi))
-    return phi.add_(torch.copysign(eps_t, phi, out=_prefix(scratch, *phi.shape)))
+    return phi.add_(0.0).add_(torch.copysign(eps_t, phi, out=scratch))
+
+
+def _is_normal(value: float, dtype: torch.dtype) -> bool:
+    info = torch.finfo(dtype)
+    return info.tiny <= value <= info.max
+
+
+def _power_of_two(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2^k exactly, for integer k within the normal range of `dtype` (built from its bits)."""
+    int_dtype, mant, bias, _ = _FLOAT_BITS[dtype]
+    return ((k.to(int_dtype) + bias) << mant).view(dtype)
+
+
+def exact_ldexp(mantissa: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """mantissa * 2^exponent rounded once (to inf or 0 only when out of range), for
+    1/2 <= |mantissa| < 1, the same on every device (torch.ldexp may form 2^exponent first,
+    which overflows before the product does): the first step is exact, only the second rounds."""
+    limit = _FLOAT_BITS[mantissa.dtype][3]
+    first = exponent.clamp(-limit, limit)
+    second = (exponent - first).clamp(-limit, limit)
+    dtype = mantissa.dtype
+    return mantissa * _power_of_two(first, dtype) * _power_of_two(second, dtype)
+
+
+def separable_product_from_phi(
+    phi: torch.Tensor,
+    eps: float,
+    mantissa: Optional[torch.Tensor] = None,
+    exponent: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """M [h, n, r] = sign * exp(sum_d log(|phi| + eps)) from phi [h, d, n, r] (dim 1 = d).
+
+    The signed product of `lev.kernels` ("The signed product"): each factor x = phi -/+ eps is
+    split by frexp into a mantissa in [1/2, 1) and an integer exponent (phi == 0 counts as eps,
+    split in float64 so that an eps below the dtype's range counts exactly); the mantissas are
+    multiplied, renormalised every PRODUCT_GROUP factors, the exponents summed, and the result
+    rounded once. No log or exp, and no partial product can overflow or underflow. `phi` is
+    overwritten; the optional `mantissa` (phi's dtype) and `exponent` (int32) buffers of phi's
+    shape avoid allocating full-size temporaries (page faults cost more than the arithmetic).
+    """
+    if mantissa is None:
+        mantissa = torch.empty_like(phi)
+    if exponent is None:
+        exponent = torch.empty(phi.shape, dtype=torch.int32, device=phi.device)
+    zero = None if _is_normal(eps, phi.dtype) else phi == 0
+    torch.frexp(signed_factors(phi, eps, scratch=mantissa), out=(mantissa, exponent))
+    if zero is not None:
+        # Where eps is a normal number of the dtype, frexp(+eps) is already eps's own split.
+        eps_mantissa, eps_exponent = math.frexp(eps)
+        mantissa.masked_fill_(zero, eps_mantissa)
+        exponent.masked_fill_(zero, eps_exponent)
+    total = exponent.sum(dim=1, dtype=torch.int32)  # |sum| <= 1100 d
+    acc = None
+    for start in range(0, phi.shape[1], PRODUCT_GROUP):
+        part = mantissa[:, start : start + PRODUCT_GROUP].prod(dim=1)
+        acc, shift = torch.frexp(part if acc is None else acc.mul_(part))
+        total += shift
+    return exact_ldexp(acc, total)
 
 
 # ----------------------------------------------------------------------------- backend
@@ -220,7 +235,8 @@ class _Workspace:
         numel = h * d * chunk
         self.basis = torch.empty(numel * kappa, dtype=dtype, device=device)
         self.phi = torch.empty(numel * r, dtype=dtype, device=device)
-        self.scratch = torch.empty(numel * r, dtype=dtype, device=device)
+        self.mantissa = torch.empty(numel * r, dtype=dtype, device=device)
+        self.exponent = torch.empty(numel * r, dtype=torch.int32, device=device)
         if backward:
             self.grad_basis = torch.empty(numel * kappa, dtype=dtype, device=device)
 
@@ -249,7 +265,12 @@ class TorchBackend:
             basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
             phi = _prefix(ws.phi, h, d, n, r)
             torch.bmm(basis.view(h * d, n, kappa), coeff3, out=phi.view(h * d, n, r))
-            product = separable_product_from_phi(phi, opts.product_eps, ws.scratch, ws.scratch)
+            product = separable_product_from_phi(
+                phi,
+                opts.product_eps,
+                _prefix(ws.mantissa, h, d, n, r),
+                _prefix(ws.exponent, h, d, n, r),
+            )
             modes[start : start + n] = product.transpose(0, 1)
         return modes
 
@@ -272,9 +293,9 @@ class TorchBackend:
             basis3 = basis.view(h * d, n, kappa)
             x = _prefix(ws.phi, h, d, n, r)
             torch.bmm(basis3, coeff3, out=x.view(h * d, n, r))
-            # x = phi + copysign(eps, phi); dM/dphi = M / x.
-            signed_factors(x, opts.product_eps, ws.scratch)
-            grad_phi = torch.div(scaled[:, :, start : start + n], x, out=x)
+            # dM/dphi = M / x with x = phi -/+ eps.
+            factors = signed_factors(x, opts.product_eps, _prefix(ws.mantissa, h, d, n, r))
+            grad_phi = torch.div(scaled[:, :, start : start + n], factors, out=x)
             grad_phi3 = grad_phi.view(h * d, n, r)
             grad_coeff3.baddbmm_(basis3.transpose(1, 2), grad_phi3)
             grad_basis = _prefix(ws.grad_basis, h, d, n, kappa)

@@ -9,11 +9,11 @@ forward, one program per (head l, block of n ids), one pass over the d seed coor
     for c in 0..d-1:                             t[l, n, c]                 [n]
         three non-zero basis values B and knot indices i (quadratic B-spline, renormalised)
         phi = sum_j B_j * (1 + Delta[l, c, i_j, :])   (three row gathers)    [n, r]
-        log_abs += log(|phi| + eps);  negatives += (phi < 0)
-    M[n, l, :] = (-1)^negatives * exp(log_abs)
+        m, e = frexp(phi -/+ eps);  acc *= m;  expo += e   (renormalise acc every 64)
+    M[n, l, :] = acc * 2^expo
 
-which is `lev.math.separable_product` evaluated coordinate by coordinate: the same signed
-product (sign from the count of negative factors, magnitude exp(sum log(|phi| + eps))), with no
+which is `lev.math.separable_product` evaluated coordinate by coordinate as the
+mantissa-exponent product every backend shares (`lev.kernels`, "The signed product"), with no
 [N, d, r] or [N, d, kappa] tensor ever in memory (phi lives in registers for one coordinate).
 
 backward, one program per (head l, coordinate c), looping over all ids (deterministic: no
@@ -33,9 +33,12 @@ Ids are deduplicated by the caller (`LEVEmbedding.forward`), so N is the number 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
+
+from megatron_ext.lev.fused import PRODUCT_GROUP
 
 try:  # Triton is optional: the torch paths serve CPU and machines without it.
     import triton
@@ -107,6 +110,53 @@ if TRITON_AVAILABLE:
         return w0, w1, w2, d0, d1, d2, i0, c, i2, total
 
     @triton.jit
+    def _split(x, IS_F64: tl.constexpr):
+        """frexp by bits: x = m * 2^e, 1/2 <= |m| < 1 (finite non-zero x, subnormals too);
+        0, inf and NaN give m = x, e = 0 (as lev/csrc/lev_cpu.cpp `split`)."""
+        if IS_F64:
+            bits = x.to(tl.int64, bitcast=True)
+            sub = (((bits >> 52) & 0x7FF) == 0) & (x != 0)
+            x = tl.where(sub, x * 18446744073709551616.0, x)  # * 2^64: normal
+            bits = x.to(tl.int64, bitcast=True)
+            ex = ((bits >> 52) & 0x7FF).to(tl.int32)
+            normal = (ex != 0) & (ex != 0x7FF)
+            # Clear the exponent field (mask ~(0x7ff << 52)), set it to 1022: [1/2, 1).
+            mant = (bits & -9218868437227405313) | 4602678819172646912
+            m = tl.where(normal, mant.to(tl.float64, bitcast=True), x)
+            e = tl.where(normal, ex - 1022, 0) - tl.where(sub, 64, 0)
+        else:
+            bits = x.to(tl.int32, bitcast=True)
+            sub = (((bits >> 23) & 0xFF) == 0) & (x != 0)
+            x = tl.where(sub, x * 18446744073709551616.0, x)
+            bits = x.to(tl.int32, bitcast=True)
+            ex = (bits >> 23) & 0xFF
+            normal = (ex != 0) & (ex != 0xFF)
+            mant = (bits & -2139095041) | 1056964608  # ~(0xff << 23); 126 << 23
+            m = tl.where(normal, mant.to(tl.float32, bitcast=True), x)
+            e = tl.where(normal, ex - 126, 0) - tl.where(sub, 64, 0)
+        return m, e
+
+    @triton.jit
+    def _power_of_two(k, IS_F64: tl.constexpr):
+        """2^k exactly for integer k in the dtype's normal range (built from its bits)."""
+        if IS_F64:
+            p = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+        else:
+            p = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        return p
+
+    @triton.jit
+    def _ldexp(m, e, IS_F64: tl.constexpr):
+        """m * 2^e rounded once (lev/fused.py exact_ldexp): the first step is exact."""
+        if IS_F64:
+            first = tl.minimum(tl.maximum(e, -1000), 1000)
+            second = tl.minimum(tl.maximum(e - first, -1000), 1000)
+        else:
+            first = tl.minimum(tl.maximum(e, -100), 100)
+            second = tl.minimum(tl.maximum(e - first, -100), 100)
+        return m * _power_of_two(first, IS_F64) * _power_of_two(second, IS_F64)
+
+    @triton.jit
     def _lev_modes_fwd_kernel(
         t_ptr,
         coeff_ptr,
@@ -119,9 +169,12 @@ if TRITON_AVAILABLE:
         stride_td,
         stride_mn,
         stride_mh,
-        eps,
+        eps_ptr,
+        eps_exp,
         KNOTS: tl.constexpr,
         NORMALIZE: tl.constexpr,
+        IS_F64: tl.constexpr,
+        GROUP: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
@@ -130,8 +183,11 @@ if TRITON_AVAILABLE:
         offs_r = tl.arange(0, BLOCK_R)
         mask_n = offs_n < N
         mask = mask_n[:, None] & (offs_r < R)[None, :]
-        log_abs = tl.zeros([BLOCK_N, BLOCK_R], dtype=m_ptr.dtype.element_ty)
-        negatives = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.int32)
+        # eps and its frexp mantissa in the compute dtype (a float argument would be float32).
+        eps = tl.load(eps_ptr)
+        eps_mant = tl.load(eps_ptr + 1)
+        acc = tl.full([BLOCK_N, BLOCK_R], 1.0, dtype=m_ptr.dtype.element_ty)
+        expo = tl.zeros([BLOCK_N, BLOCK_R], dtype=tl.int32)
         t_row = t_ptr + head * stride_th + offs_n * stride_tn
         for c in range(0, D):
             t = tl.load(t_row + c * stride_td, mask=mask_n, other=0.5)
@@ -140,10 +196,13 @@ if TRITON_AVAILABLE:
             phi = b0[:, None] * tl.load(coeff_row + i0[:, None] * R, mask=mask, other=0.0)
             phi += b1[:, None] * tl.load(coeff_row + i1[:, None] * R, mask=mask, other=0.0)
             phi += b2[:, None] * tl.load(coeff_row + i2[:, None] * R, mask=mask, other=0.0)
-            log_abs += tl.log(tl.abs(phi) + eps)
-            negatives += (phi < 0).to(tl.int32)
-        sign = (1 - 2 * (negatives % 2)).to(log_abs.dtype)
-        modes = sign * tl.exp(log_abs)
+            m, e = _split(tl.where(phi < 0, phi - eps, phi + eps), IS_F64)
+            acc *= tl.where(phi == 0, eps_mant, m)
+            expo += tl.where(phi == 0, eps_exp, e)
+            if c % GROUP == GROUP - 1:
+                acc, e = _split(acc, IS_F64)
+                expo += e
+        modes = _ldexp(acc, expo, IS_F64)
         out = m_ptr + offs_n[:, None] * stride_mn + head * stride_mh + offs_r[None, :]
         tl.store(out, modes, mask=mask)
 
@@ -162,7 +221,7 @@ if TRITON_AVAILABLE:
         stride_td,
         stride_gn,
         stride_gh,
-        eps,
+        eps_ptr,
         KNOTS: tl.constexpr,
         KNOTS_PAD: tl.constexpr,
         NORMALIZE: tl.constexpr,
@@ -176,6 +235,7 @@ if TRITON_AVAILABLE:
         knots = tl.arange(0, KNOTS_PAD)
         coeff_row = coeff_ptr + (head * D + c) * KNOTS * R + offs_r[None, :]
         acc = tl.zeros([KNOTS_PAD, BLOCK_R], dtype=grad_coeff_ptr.dtype.element_ty)
+        eps = tl.load(eps_ptr)
         for start in range(0, N, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
@@ -222,10 +282,12 @@ def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
     if n == 0:
         return modes
     grid = (h, triton.cdiv(n, _FWD_BLOCK_N))
+    eps_mant, eps_exp = math.frexp(opts.product_eps)
+    eps = torch.tensor([opts.product_eps, eps_mant], dtype=t.dtype, device=t.device)
     _lev_modes_fwd_kernel[grid](
-        t, coeff, modes, n, d, r, *t.stride(), modes.stride(0), modes.stride(1),
-        opts.product_eps,
+        t, coeff, modes, n, d, r, *t.stride(), modes.stride(0), modes.stride(1), eps, eps_exp,
         KNOTS=coeff.shape[2], NORMALIZE=opts.normalize_basis,
+        IS_F64=t.dtype == torch.float64, GROUP=PRODUCT_GROUP,
         BLOCK_N=_FWD_BLOCK_N, BLOCK_R=_pad(r),
     )  # fmt: skip
     return modes
@@ -246,7 +308,8 @@ def _launch_backward(
     strides = (t_hdn.stride(0), t_hdn.stride(2), t_hdn.stride(1))  # (head, id, coordinate)
     _lev_modes_bwd_kernel[(h, d)](
         t_hdn, coeff, scaled, grad_hdn, grad_coeff, n, d, r, *strides,
-        scaled.stride(0), scaled.stride(1), opts.product_eps,
+        scaled.stride(0), scaled.stride(1),
+        torch.tensor([opts.product_eps], dtype=t.dtype, device=t.device),
         KNOTS=coeff.shape[2], KNOTS_PAD=_pad(coeff.shape[2]), NORMALIZE=opts.normalize_basis,
         BLOCK_N=_BWD_BLOCK_N, BLOCK_R=_pad(r),
     )  # fmt: skip

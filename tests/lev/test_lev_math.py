@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.fused import group_size, separable_product_from_phi
+from megatron_ext.lev.fused import PRODUCT_GROUP, exact_ldexp, separable_product_from_phi
 
 
 @pytest.mark.parametrize("base,k", [(2, 1), (10, 3), (59, 3), (7, 4), (300, 2)])
@@ -75,12 +75,11 @@ def test_product_sign_handling(negatives):
 
 
 def _product_rtol(phi: torch.Tensor) -> float:
-    """Relative error bound of a product over d factors (phi [h, N, d, r]) in phi's dtype:
-    each factor adds ~eps; the log-sum fallback adds eps x |sum of logs| through exp. Twice
-    that leaves room for any summation order (the bound does not depend on the CPU)."""
+    """Relative error bound of a product over d factors (phi [h, N, d, r]) in phi's dtype: each
+    factor (its sum with eps, its multiplication) adds ~eps, the renormalisations are exact.
+    Twice that leaves room (the bound does not depend on the CPU)."""
     eps = torch.finfo(phi.dtype).eps
-    logs = phi.double().abs().clamp_min(1e-30).log().abs().sum(dim=2).max().item()
-    return 2 * eps * (phi.shape[2] + logs) + 1e-14
+    return 2 * eps * (2 * phi.shape[2] + 1) + 1e-14
 
 
 def _tiny(phi: torch.Tensor) -> float:
@@ -89,28 +88,49 @@ def _tiny(phi: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("d", [1, 3, 4, 13, 128])
+@pytest.mark.parametrize("d", [1, 3, 4, 13, 128, 300])
 def test_fused_product_equals_spec_formula(dtype, d):
     torch.manual_seed(d)
     phi = torch.randn(3, 7, d, 5, dtype=dtype)  # about half the factors negative
     phi[0, 0, 0, 0] = 0.0  # |0| + eps: a factor of +eps
-    phi[1, 2, :, 1] = 1e-8  # tiny factors: the grouped product must not underflow
+    phi[1, 2, :, 1] = 1e-8  # tiny factors: the mantissa product must not underflow
     # Against the spec's formula in float64 on the same inputs (before the fused call, which
     # overwrites its input, and that may share phi's storage when d == 1).
     expected = lev_math.separable_product(phi.double())
     fused = separable_product_from_phi(phi.permute(0, 2, 1, 3).contiguous(), 1e-9)
     torch.testing.assert_close(fused.double(), expected, rtol=_product_rtol(phi), atol=_tiny(phi))
-    assert group_size(dtype, 1e-9) > 1
+    if d > PRODUCT_GROUP:
+        # 300 mantissas in [1/2, 1) multiply to as little as 2^-300: renormalised in between.
+        assert ((expected != 0) & (expected.abs() < 1e30)).any()
 
 
-def test_fused_product_overflow_falls_back():
-    # Grouping four factors of 1e12 overflows float32; the log-sum of docs/lev.md step 3e does not.
-    phi = torch.full((1, 2, 8, 2), 1e12, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_product_has_no_overflowing_partial_product(dtype):
+    # Four factors of 1e12 overflow a running float32 product; the mantissa-exponent product
+    # of docs/lev.md step 3e does not, and neither does float32's largest finite factor
+    # followed by five factors of eps (|phi| = 0 or << eps).
+    big = torch.finfo(torch.float32).max
+    phi = torch.full((1, 2, 8, 2), 1e12, dtype=dtype)
     phi[:, :, 4:] = 1e-12
+    phi[:, 1, :, 1] = torch.tensor([big, 0, 0, -1e-30, 0, 1e-20, -2.0, 4.0], dtype=dtype)
     assert torch.isfinite(lev_math.separable_product(phi)).all()
     expected = lev_math.separable_product(phi.double())
     fused = separable_product_from_phi(phi.permute(0, 2, 1, 3).contiguous(), 1e-9)
     torch.testing.assert_close(fused.double(), expected, rtol=_product_rtol(phi), atol=_tiny(phi))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exact_ldexp_rounds_once_over_the_whole_range(dtype):
+    info = torch.finfo(dtype)
+    max_exp = 128 if dtype == torch.float32 else 1024
+    mantissa = torch.tensor([0.75, -0.75, 0.5, 0.999, 0.75, 0.75, 0.5], dtype=dtype)
+    exponent = torch.tensor([max_exp, max_exp, max_exp + 1, 0, -(max_exp + 10), -(10**6), 10**6])
+    out = exact_ldexp(mantissa, exponent)
+    # 0.75 * 2^max_exp is finite although 2^max_exp is not.
+    assert out[0].item() == 0.75 * 2.0 ** (max_exp - 1) * 2 and out[0].item() <= info.max
+    assert out[1] == -out[0] and torch.isinf(out[2]) and out[3] == mantissa[3]
+    assert 0 < out[4] < info.tiny and out[4].item() == 0.75 * 2.0 ** -(max_exp + 10)  # subnormal
+    assert out[5] == 0 and torch.isinf(out[6])
 
 
 def test_product_is_float32_for_low_precision_input():

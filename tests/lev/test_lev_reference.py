@@ -345,6 +345,48 @@ def test_product_at_the_extremes_of_the_flags_range(kernel, eps):
     torch.testing.assert_close(out.double().cpu(), expected.cpu(), rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("kernel", FUSED)
+@pytest.mark.parametrize(
+    "dtype, eps, big, zeros, bigs",
+    [
+        (torch.float32, 1e-45, 1e30, 16, 24),  # float32 rounds eps to 1.4e-45 (subnormal)
+        (torch.float32, 1e-60, 1e30, 16, 32),  # float32 flushes eps to 0
+        (torch.float64, 1e-200, 1e300, 15, 10),
+        (torch.float64, 1e-320, 1e300, 15, 16),  # float64 rounds eps (subnormal)
+    ],
+)
+def test_product_with_eps_below_the_dtypes_range(kernel, dtype, eps, big, zeros, bigs):
+    # --lev-product-eps has no lower bound: where phi == 0 the factor is eps itself, exactly,
+    # even when the compute dtype cannot hold it. `zeros` such factors are balanced by `bigs`
+    # factors of +-big, so that the product is moderate. (The readable `lev.math`, kernel
+    # "reference", adds eps in the compute dtype, as docs/lev.md writes it: not exact here.)
+    device = _device(kernel)
+    values = torch.tensor([0.0] * zeros + [(-big if c % 3 == 0 else big) for c in range(bigs)],
+                          dtype=torch.float64)  # fmt: skip
+    inputs = _constant_inputs(values, dtype, device)
+    out = lev_modes(*inputs, _opts(eps=eps), kernel=kernel)
+    expected = _definition([x.double() for x in inputs], _opts(eps=eps))
+    assert torch.isfinite(expected).all() and (expected.abs() > 1e-3).all()
+    assert (expected.abs() < 1e3).all()
+    torch.testing.assert_close(out.double().cpu(), expected.cpu(), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_long_product_is_renormalised(kernel, dtype):
+    # --lev-seed-dim has no upper bound: 600 factors alternating 0.75 and -1.5 have mantissas
+    # whose plain product (0.75^600 = 1e-75) underflows float32; the exact product is
+    # 1.125^300 = 2e15.
+    device = _device(kernel)
+    values = torch.tensor([0.75, -1.5] * 300, dtype=torch.float64)
+    inputs = _constant_inputs(values, dtype, device, n=2)
+    out = lev_modes(*inputs, _opts(), kernel=kernel)
+    expected = _definition([x.double() for x in inputs], _opts())
+    assert (expected.abs() > 1e15).all() and torch.isfinite(expected).all()
+    rtol = 1e-4 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out.double().cpu(), expected.cpu(), rtol=rtol, atol=0)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_product_underflow_and_overflow_of_the_result(kernel):
     # The product itself out of float32's range: 0 and inf, as exp(sum log) gives.

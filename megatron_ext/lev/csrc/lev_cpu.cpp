@@ -7,10 +7,9 @@
 // second), called through ctypes with raw pointers to contiguous tensors.
 //
 // The product is docs/lev.md step 3e, M = sign * exp(sum_d log(|phi| + eps)), evaluated as the
-// product of the signed factors x = phi + copysign(eps, phi) in double precision, renormalised
-// with frexp every few factors so that no partial product can overflow or underflow; the
-// result is rounded once to the compute dtype (overflow -> inf and underflow -> 0 there, as
-// exp() of the log-sum would).
+// product of the signed factors x = phi -/+ eps split into mantissas and exponents (see
+// `split` below and lev/kernels.py "The signed product"): no log or exp per factor, and no
+// partial product can overflow or underflow.
 //
 // Backward, with s = dL/dM * M (computed by the caller): dL/dphi = s / x, dL/dDelta[l, c, j] =
 // sum_i B_j(t[l, i, c]) dL/dphi, and dL/dt through the basis values (and their normalisation).
@@ -20,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -76,47 +76,83 @@ struct BasisRun {
   }
 };
 
-// Factors multiplied in double between two renormalisations: each |x| is in [eps, max of T],
-// so for float (and eps >= 1e-30) 8 of them stay inside double's normal range.
+// The separable product (lev/kernels.py "The signed product", the same in every backend):
+// every factor x = phi -/+ eps is split as m * 2^e with 1/2 <= |m| < 1; the mantissas are
+// multiplied in the compute dtype, renormalised every kGroup factors, and the integer
+// exponents summed, so no partial product can overflow or underflow whatever the factors and
+// eps; the result m * 2^E is rounded once (std::ldexp), to inf or 0 only when the exact
+// product is out of range. A factor with phi == 0 is eps itself, split in double by the caller
+// (so an eps below the compute dtype's range still counts exactly).
+constexpr int kGroup = 64;  // |product of 65 mantissas| >= 2^-65: normal in float and double
+
 template <typename T>
-int renorm_group(double eps) {
-  return sizeof(T) == 4 && eps >= 1e-30 ? 8 : 1;
+struct FloatBits;
+template <>
+struct FloatBits<float> {
+  using U = uint32_t;
+  static constexpr int kMant = 23, kExpMax = 0xff, kBias = 127;
+};
+template <>
+struct FloatBits<double> {
+  using U = uint64_t;
+  static constexpr int kMant = 52, kExpMax = 0x7ff, kBias = 1023;
+};
+
+// frexp by bit manipulation (vectorises): x = m * 2^e with 1/2 <= |m| < 1 for finite non-zero
+// x (subnormals too, unless kNormal promises there are none); 0, inf and NaN give m = x, e = 0.
+template <typename T, bool kNormal = false>
+inline T split(T x, int32_t& e) {
+  using F = FloatBits<T>;
+  using U = typename F::U;
+  U bits;
+  std::memcpy(&bits, &x, sizeof(T));
+  bool sub = false;
+  if (!kNormal) {
+    sub = ((bits >> F::kMant) & U(F::kExpMax)) == 0 && x != T(0);
+    x = sub ? x * static_cast<T>(18446744073709551616.0) : x;  // * 2^64: normal
+    std::memcpy(&bits, &x, sizeof(T));
+  }
+  const int32_t ex = static_cast<int32_t>((bits >> F::kMant) & U(F::kExpMax));
+  const bool normal = ex != 0 && ex != F::kExpMax;
+  e = normal ? ex - (F::kBias - 1) - (sub ? 64 : 0) : 0;
+  const U mask = U(F::kExpMax) << F::kMant;
+  bits = normal ? (bits & ~mask) | (U(F::kBias - 1) << F::kMant) : bits;
+  std::memcpy(&x, &bits, sizeof(T));
+  return x;
 }
 
-// a = m * 2^e with m in [0.5, 1): move the exponent of every normal a into e (vectorised
-// frexp; zero, subnormal, inf and NaN are left as they are).
-inline void renormalise(double* __restrict a, int64_t* __restrict e, int64_t r) {
-  constexpr uint64_t mask = 0x7ffULL << 52;
+template <typename T>
+inline void renormalise(T* __restrict a, int32_t* __restrict e, int64_t r) {
 #pragma omp simd
   for (int64_t rho = 0; rho < r; ++rho) {
-    uint64_t bits;
-    std::memcpy(&bits, &a[rho], sizeof(bits));
-    const int64_t ex = static_cast<int64_t>((bits & mask) >> 52);
-    const bool normal = ex != 0 && ex != 0x7ff;
-    e[rho] += normal ? ex - 1022 : 0;
-    bits = normal ? (bits & ~mask) | (1022ULL << 52) : bits;
-    std::memcpy(&a[rho], &bits, sizeof(bits));
+    int32_t ex;
+    a[rho] = split<T, true>(a[rho], ex);  // |a| >= 2^-65
+    e[rho] += ex;
   }
 }
 
-template <typename T>
+// kEpsNormal: eps is a normal number of T, so every factor |x| >= eps is normal (or inf/NaN),
+// and x = +eps at phi == 0 splits into eps's own (rounded) mantissa and exponent: the general
+// path's subnormal scaling and phi == 0 selection are then no-ops, skipped.
+template <typename T, bool kEpsNormal>
 void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict modes, int64_t h,
              int64_t n, int64_t d, int64_t kappa, int64_t r, bool normalize, double eps,
-             int threads) {
+             double eps_mant, int32_t eps_exp, int threads) {
   const T eps_t = static_cast<T>(eps);
-  const int group = renorm_group<T>(eps);
+  const T eps_m = static_cast<T>(eps_mant);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<double> acc(r);
-    std::vector<int64_t> expo(r);
+    std::vector<T> acc(r);
+    std::vector<int32_t> expo(r);
     BasisRun<T> basis(d);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < h * n; ++task) {
       const int64_t l = task / n, i = task % n;
-      double* __restrict a = acc.data();
+      T* __restrict a = acc.data();
+      int32_t* __restrict ex = expo.data();
       for (int64_t rho = 0; rho < r; ++rho) {
-        a[rho] = 1.0;
-        expo[rho] = 0;
+        a[rho] = T(1);
+        ex[rho] = 0;
       }
       basis.eval(t + (l * n + i) * d, d, kappa, normalize);
       for (int64_t c = 0; c < d; ++c) {
@@ -128,23 +164,55 @@ void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict mod
 #pragma omp simd
         for (int64_t rho = 0; rho < r; ++rho) {
           const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
-          a[rho] *= static_cast<double>(phi + std::copysign(eps_t, phi));
+          int32_t e;
+          const T m = split<T, kEpsNormal>(phi < T(0) ? phi - eps_t : phi + eps_t, e);
+          if (kEpsNormal) {
+            a[rho] *= m;
+            ex[rho] += e;
+          } else {
+            const bool zero = phi == T(0);
+            a[rho] *= zero ? eps_m : m;
+            ex[rho] += zero ? eps_exp : e;
+          }
         }
-        if ((c + 1) % group == 0) renormalise(a, expo.data(), r);
+        if ((c + 1) % kGroup == 0) renormalise(a, ex, r);
       }
       T* out = modes + (i * h + l) * r;
-      for (int64_t rho = 0; rho < r; ++rho) {
-        out[rho] = static_cast<T>(std::ldexp(a[rho], static_cast<int>(expo[rho])));
-      }
+      for (int64_t rho = 0; rho < r; ++rho) out[rho] = std::ldexp(a[rho], ex[rho]);
     }
   }
 }
 
+template <typename T>
+void forward(const T* t, const T* coeff, T* modes, int64_t h, int64_t n, int64_t d,
+             int64_t kappa, int64_t r, bool normalize, double eps, double eps_mant,
+             int32_t eps_exp, int threads) {
+  const bool eps_normal = eps >= static_cast<double>(std::numeric_limits<T>::min()) &&
+                          eps <= static_cast<double>(std::numeric_limits<T>::max());
+  if (eps_normal) {
+    forward<T, true>(t, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
+                     threads);
+  } else {
+    forward<T, false>(t, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
+                      threads);
+  }
+}
+
+// 256-bit vectors in backward: with r = 64 the three per-id reductions over short rows of
+// 512-bit ones cost more than they save (measured about 25% slower on an AVX-512 CPU).
+#if defined(__GNUC__) && !defined(__clang__)
+#define LEV_PREFER_256 __attribute__((target("prefer-vector-width=256")))
+#else
+#define LEV_PREFER_256
+#endif
+
 // t_hdn and grad_t_hdn are [h, d, n] (each task reads and writes one contiguous row).
 template <typename T>
-void backward(const T* __restrict t_hdn, const T* __restrict coeff, const T* __restrict scaled,
-              T* __restrict grad_coeff, T* __restrict grad_t_hdn, int64_t h, int64_t n,
-              int64_t d, int64_t kappa, int64_t r, bool normalize, double eps, int threads) {
+LEV_PREFER_256 void backward(const T* __restrict t_hdn, const T* __restrict coeff,
+                             const T* __restrict scaled, T* __restrict grad_coeff,
+                             T* __restrict grad_t_hdn, int64_t h, int64_t n, int64_t d,
+                             int64_t kappa, int64_t r, bool normalize, double eps,
+                             int threads) {
   const T eps_t = static_cast<T>(eps);
   const T ds_dt = static_cast<T>(kappa - 1);
 #pragma omp parallel num_threads(threads)
@@ -167,29 +235,33 @@ void backward(const T* __restrict t_hdn, const T* __restrict coeff, const T* __r
         const T* __restrict srow = scaled + (i * h + l) * r;
         const T v0 = basis.v0[i], v1 = basis.v1[i], v2 = basis.v2[i];
         T g0 = 0, g1 = 0, g2 = 0;  // dL/dB_j
-#pragma omp simd reduction(+ : g0, g1, g2)
-        for (int64_t rho = 0; rho < r; ++rho) {
-          const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
-          const T g = srow[rho] / (phi + std::copysign(eps_t, phi));
-          gp[rho] = g;
-          g0 += g * c0[rho];
-          g1 += g * c1[rho];
-          g2 += g * c2[rho];
-        }
-        g0s[i] = g0;
-        g1s[i] = g1;
-        g2s[i] = g2;
         if (k0 != k1 && k1 != k2) {
+          // Three distinct rows of dL/dDelta: updated in the same pass (dL/dphi stays in
+          // registers).
           T* __restrict r0 = gtable + k0 * r;
           T* __restrict r1 = gtable + k1 * r;
           T* __restrict r2 = gtable + k2 * r;
-#pragma omp simd
+#pragma omp simd reduction(+ : g0, g1, g2)
           for (int64_t rho = 0; rho < r; ++rho) {
-            r0[rho] += v0 * gp[rho];
-            r1[rho] += v1 * gp[rho];
-            r2[rho] += v2 * gp[rho];
+            const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
+            const T g = srow[rho] / (phi < T(0) ? phi - eps_t : phi + eps_t);
+            g0 += g * c0[rho];
+            g1 += g * c1[rho];
+            g2 += g * c2[rho];
+            r0[rho] += v0 * g;
+            r1[rho] += v1 * g;
+            r2[rho] += v2 * g;
           }
         } else {
+#pragma omp simd reduction(+ : g0, g1, g2)
+          for (int64_t rho = 0; rho < r; ++rho) {
+            const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
+            const T g = srow[rho] / (phi < T(0) ? phi - eps_t : phi + eps_t);
+            gp[rho] = g;
+            g0 += g * c0[rho];
+            g1 += g * c1[rho];
+            g2 += g * c2[rho];
+          }
           // A dropped knot shares its (clamped) row with a kept one: one row per loop.
           const int32_t ks[3] = {k0, k1, k2};
           const T vs[3] = {v0, v1, v2};
@@ -199,6 +271,9 @@ void backward(const T* __restrict t_hdn, const T* __restrict coeff, const T* __r
             for (int64_t rho = 0; rho < r; ++rho) row[rho] += vs[j] * gp[rho];
           }
         }
+        g0s[i] = g0;
+        g1s[i] = g1;
+        g2s[i] = g2;
       }
       T* __restrict gt = grad_t_hdn + task * n;
       const T* __restrict g0p = g0s.data();
@@ -226,14 +301,16 @@ extern "C" {
 
 void lev_forward_f32(const float* t, const float* coeff, float* modes, int64_t h, int64_t n,
                      int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
-                     int threads) {
-  forward<float>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, threads);
+                     double eps_mant, int32_t eps_exp, int threads) {
+  forward<float>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
+                 threads);
 }
 
 void lev_forward_f64(const double* t, const double* coeff, double* modes, int64_t h, int64_t n,
                      int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
-                     int threads) {
-  forward<double>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, threads);
+                     double eps_mant, int32_t eps_exp, int threads) {
+  forward<double>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
+                  threads);
 }
 
 void lev_backward_f32(const float* t_hdn, const float* coeff, const float* scaled,
