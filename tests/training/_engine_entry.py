@@ -82,7 +82,13 @@ def main(engine: str, out: Path, load: str | None) -> None:
     from megatron_ext.training.megatron_features import FeatureConfig
 
     cfg = TrainingConfig(
-        batch=BatchConfig(seq_length=SEQ, micro_batch_size=2, global_batch_size=8, train_iters=4),
+        batch=BatchConfig(
+            seq_length=SEQ,
+            micro_batch_size=2,
+            global_batch_size=8,
+            train_iters=4,
+            rampup_batch_size=[4, 4, 8],  # 4, then 8 after 8 samples
+        ),
         optim=OptimizerConfig(
             lr=1e-3,
             lr_decay_steps=40,
@@ -96,7 +102,6 @@ def main(engine: str, out: Path, load: str | None) -> None:
         ),
         log=LoggingConfig(log_interval=1, log_jsonl=str(out / "log.jsonl"), loss_curve=False),
         features=FeatureConfig(
-            rampup_batch_size=[4, 4, 8],  # 4, then 8 after 8 samples
             decoupled_lr=3e-3,
             log_params_norm=True,
             log_num_zeros_in_grad=True,

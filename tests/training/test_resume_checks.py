@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -57,11 +58,13 @@ def test_resume_mistakes_are_explained(tmp_path):
         "--save-interval", "2", "--load", str(missing), "--log-jsonl", str(jsonl),
     )  # fmt: skip
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert f"WARNING: --load {missing} does not exist: starting from scratch" in first.stdout
+    # the path as the run shows it: relative to its working directory when below it
+    shown = os.path.relpath(missing, tmp_path)
+    assert f"WARNING: --load {shown} does not exist: starting from scratch" in first.stdout
     strict = _run(
         tmp_path, "--train-iters", "6", "--load", str(missing), "--exit-on-missing-checkpoint"
     )
-    assert f"--load {missing} does not exist" in _error_line(strict)
+    assert f"--load {shown} does not exist" in _error_line(strict)
 
     # Resumed at iteration 2 of a log that reached 4: iterations 3-4 are not repeated.
     resumed = _run(
