@@ -12,60 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
-SEQ, VOCAB = 16, 128
-
-
-class Samples(torch.utils.data.Dataset):
-    """Deterministic random token sequences in the GPT dataset's sample format."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> dict:
-        tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(index))
-        return dict(
-            tokens=tokens[:-1],
-            labels=tokens[1:],
-            loss_mask=torch.ones(SEQ),
-            position_ids=torch.arange(SEQ),
-        )
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-    def loss_func(losses):
-        total = losses.float().sum()
-        count = batch["loss_mask"].sum()
-        return total / count, {"lm loss": torch.stack([total.detach(), count])}
-
-    return output, loss_func
-
-
-def model_provider(pre_process: bool, post_process: bool, pg_collection=None):
-    from megatron_ext.models import ModelConfig, build_model
-    from megatron_ext.parallel import ProcessGroups
-
-    config = ModelConfig(
-        vocab_size=VOCAB,
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=SEQ,
-        embedding=dict(embedding_type="untied"),
-    )
-    return build_model(
-        config,
-        pre_process=pre_process,
-        post_process=post_process,
-        pg=ProcessGroups.from_collection(pg_collection),
-    )
+from megatron_ext.testing.tiny_gpt import SEQ, RandomSamples, forward_step, model_provider
 
 
 def main(engine: str, out: Path, load: str | None) -> None:
@@ -133,7 +80,7 @@ def main(engine: str, out: Path, load: str | None) -> None:
             cfg,
             model_provider=model_provider,
             forward_step=forward_step,
-            datasets_provider=lambda counts: tuple(Samples(n) for n in counts),
+            datasets_provider=lambda counts: tuple(RandomSamples(n) for n in counts),
             engine_builder=builder,
         )
     finally:

@@ -4,61 +4,18 @@ test_end_to_end.py); `close` tears the process groups down even when setup fails
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
 import pytest
-import torch
 
 from megatron_ext.testing.distributed import find_free_port
+from megatron_ext.testing.tiny_gpt import SEQ, VOCAB, RandomSamples, forward_step
+from megatron_ext.testing.tiny_gpt import model_provider as _tiny_provider
 
-SEQ, VOCAB = 16, 128
-
-
-class _Samples(torch.utils.data.Dataset):
-    """Deterministic random token sequences in the GPT dataset's sample format."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> dict:
-        tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(index))
-        return dict(
-            tokens=tokens[:-1],
-            labels=tokens[1:],
-            loss_mask=torch.ones(SEQ),
-            position_ids=torch.arange(SEQ),
-        )
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-    def loss_func(losses):
-        total = losses.float().sum()
-        count = batch["loss_mask"].sum()
-        return total / count, {"lm loss": torch.stack([total.detach(), count])}
-
-    return output, loss_func
-
-
-def _model_provider(pre_process: bool, post_process: bool, pg_collection=None):
-    from megatron_ext.models import ModelConfig, build_model
-    from megatron_ext.parallel import ProcessGroups
-
-    config = ModelConfig(
-        vocab_size=VOCAB, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ
-    )
-    return build_model(
-        config,
-        pre_process=pre_process,
-        post_process=post_process,
-        pg=ProcessGroups.from_collection(pg_collection),
-    )
+# The loop's tests train the default arm (LEV).
+model_provider = functools.partial(_tiny_provider, embedding_type="lev")
 
 
 @pytest.fixture
@@ -103,9 +60,9 @@ def test_pretrain_from_a_config_built_in_code(tmp_path, single_rank):
     cfg = _config(tmp_path)
     reason = pretrain(
         cfg,
-        model_provider=_model_provider,
-        forward_step=_forward_step,
-        datasets_provider=lambda counts: tuple(_Samples(n) for n in counts),
+        model_provider=model_provider,
+        forward_step=forward_step,
+        datasets_provider=lambda counts: tuple(RandomSamples(n) for n in counts),
     )
     assert reason == "finished"
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
@@ -135,7 +92,7 @@ def test_close_runs_when_setup_fails(tmp_path, single_rank):
         pretrain(
             _config(tmp_path),
             model_provider=broken_provider,
-            forward_step=_forward_step,
+            forward_step=forward_step,
             datasets_provider=lambda counts: (None, None, None),
         )
     assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()

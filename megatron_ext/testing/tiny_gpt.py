@@ -1,0 +1,66 @@
+"""A tiny GPT and random-token samples for tests that drive `training.pretrain` directly
+(no tokenizer, no files): the pieces Megatron-LM's `pretrain_gpt.py` supplies, at toy size."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SEQ", "VOCAB", "RandomSamples", "forward_step", "model_provider"]
+
+SEQ, VOCAB = 16, 128
+
+
+class RandomSamples(torch.utils.data.Dataset):
+    """Deterministic random token sequences (sample i from seed i) in the GPT dataset's
+    format: `tokens`/`labels`/`loss_mask`/`position_ids`, each [SEQ]."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict:
+        tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=torch.Generator().manual_seed(index))
+        return dict(
+            tokens=tokens[:-1],
+            labels=tokens[1:],
+            loss_mask=torch.ones(SEQ),
+            position_ids=torch.arange(SEQ),
+        )
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward-step contract: (per-token losses, loss_func -> (mean loss, report))."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(losses):
+        total = losses.float().sum()
+        count = batch["loss_mask"].sum()
+        return total / count, {"lm loss": torch.stack([total.detach(), count])}
+
+    return output, loss_func
+
+
+def model_provider(
+    pre_process: bool, post_process: bool, pg_collection=None, *, embedding_type: str = "untied"
+):
+    """A 2-layer, hidden-32 GPT stage (`embedding_type` arm) on the groups of `pg_collection`."""
+    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.parallel import ProcessGroups
+
+    config = ModelConfig(
+        vocab_size=VOCAB,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=SEQ,
+        embedding=dict(embedding_type=embedding_type),
+    )
+    return build_model(
+        config,
+        pre_process=pre_process,
+        post_process=post_process,
+        pg=ProcessGroups.from_collection(pg_collection),
+    )
