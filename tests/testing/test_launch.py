@@ -14,8 +14,9 @@ from megatron_ext.testing.launch import PACKAGE_ROOT, count_records, launch
 
 pytestmark = pytest.mark.integration
 
-# Each rank starts one worker child, records {"who", "pid", "rank", ...} lines and, on SIGTERM,
-# records who got it and exits 0 (a worker: just exits).
+# Each rank starts one worker child and records {"who", "pid", "rank", ...}; a worker records
+# {"who": "worker", "ready": true} once its handler is installed (a signal sent earlier would
+# kill it unrecorded). On SIGTERM each records who got it and exits 0.
 ENTRY = """
 import json, os, signal, subprocess, sys, time
 out = os.environ["LAUNCH_TEST_OUT"]
@@ -27,6 +28,8 @@ def on_term(signum, frame):
     record(who=role, got="SIGTERM", rank=os.environ.get("RANK"))
     sys.exit(0)
 signal.signal(signal.SIGTERM, on_term)
+if role == "worker":  # its handler is in place: the test may signal from now on
+    record(who="worker", ready=True)
 if role == "rank":
     worker = subprocess.Popen([sys.executable, __file__, "worker"])
     record(who="rank", pid=os.getpid(), rank=os.environ.get("RANK"),
@@ -62,7 +65,7 @@ def test_sigterm_reaches_the_targets_a_cluster_would_signal(tmp_path, targets):
     env = {"LAUNCH_TEST_OUT": str(out)}
     with launch(_entry(tmp_path), 2, [], env=env, signal_targets=targets, cwd=tmp_path,
                 timeout=120) as job:  # fmt: skip
-        job.wait_for_lines(out, 2)
+        job.wait_for_lines(out, 4)  # two ranks and their two workers, handlers installed
         ranks = job.ranks()
         assert sorted(ranks) == [0, 1]
         workers = job.workers()
@@ -104,13 +107,13 @@ def test_timeout_kills_everything_it_started(tmp_path):
     env = {"LAUNCH_TEST_OUT": str(out)}
     start = time.monotonic()
     with launch(_entry(tmp_path), 2, [], env=env, cwd=tmp_path, timeout=20) as job:
-        job.wait_for_lines(out, 2)
+        job.wait_for_lines(out, 4)  # two ranks, two workers
         pids = [job.pid, *job.ranks().values(), *(w for ws in job.workers().values() for w in ws)]
         with pytest.raises(TimeoutError, match="killed after 20 s"):
             job.wait()
     assert time.monotonic() - start < 60
     assert len(pids) == 5 and not any(_alive(pid) for pid in pids)
-    assert count_records(out) == 2  # nobody got to handle a signal: SIGKILL
+    assert count_records(out) == 4  # the start-up records only: SIGKILL is not handled
 
 
 def test_bad_arguments_are_refused():
