@@ -209,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             forward_step=functools.partial(
                 forward_step,
                 use_attention_mask=args.reset_attention_mask,
-                per_token_loss=args.calculate_per_token_loss,
+                per_token_loss=training_config.engine.calculate_per_token_loss,
             ),
             datasets_provider=functools.partial(datasets_provider, data_config, tokenizer),
             full_model_provider=functools.partial(

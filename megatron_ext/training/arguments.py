@@ -43,6 +43,7 @@ from megatron_ext.training.config import (
     EvalConfig,
     ExitConfig,
     LoggingConfig,
+    MemoryConfig,
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
@@ -53,7 +54,6 @@ from megatron_ext.training.megatron_compat import (
     add_megatron_compat_arguments,
     apply_megatron_compat,
 )
-from megatron_ext.training.megatron_features import FeatureConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _configs_from(args: argparse.Namespace, **given) -> TrainingConfig:
         eval=EvalConfig,
         optim=OptimizerConfig,
         log=LoggingConfig,
-        features=FeatureConfig,
+        memory=MemoryConfig,
         engine=EngineConfig,
     )
     built = {name: given.get(name) or _fill(cls, args) for name, cls in parts.items()}
@@ -131,7 +131,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, PrecisionConfig, "precision")
     add_config_arguments(parser, ExitConfig, "exit conditions and non-finite steps")
     add_config_arguments(parser, EngineConfig, "engine", "the portable engine or megatron-core's")
-    add_config_arguments(parser, FeatureConfig, "Megatron-LM training features")
+    add_config_arguments(parser, MemoryConfig, "memory", "manual garbage collection, CUDA cache")
 
 
 def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:

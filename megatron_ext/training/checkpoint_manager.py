@@ -75,9 +75,9 @@ class CheckpointManager:
                 args_json=ck.args_json,
                 save_rng=not ck.no_save_rng,
                 keep_last=ck.ckpt_keep_last,
-                async_save=self.cfg.features.async_save,
+                async_save=self.cfg.ckpt.async_save,
             )
-        if self.cfg.features.async_save:
+        if self.cfg.ckpt.async_save:
             self.pending = saved
         self.last_saved = state.iteration
         self.save_seconds = max(self.save_seconds, time.time() - started)

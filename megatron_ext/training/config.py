@@ -29,7 +29,7 @@ from typing import Optional
 
 from megatron_ext.config_flags import flag
 from megatron_ext.models.config import check_half_precision
-from megatron_ext.training.megatron_features import BatchSizeRampup, FeatureConfig
+from megatron_ext.training.megatron_features import BatchSizeRampup
 
 __all__ = [
     "ParallelConfig",
@@ -40,6 +40,7 @@ __all__ = [
     "OptimizerConfig",
     "CheckpointConfig",
     "LoggingConfig",
+    "MemoryConfig",
     "EngineConfig",
     "TrainingConfig",
 ]
@@ -264,6 +265,9 @@ class PrecisionConfig:
     min_loss_scale: float = flag(1.0, "--min-loss-scale")
     loss_scale_window: int = flag(1000, "--loss-scale-window")
     hysteresis: int = flag(2, "--hysteresis")
+    grad_reduce_in_bf16: bool = flag(
+        False, "--grad-reduce-in-bf16", "all-reduce data-parallel gradients in bfloat16"
+    )
 
     def __post_init__(self) -> None:
         check_half_precision(self.bf16, self.fp16)
@@ -281,7 +285,8 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class ExitConfig:
-    """When the run stops early: exit conditions (each saves first) and non-finite steps."""
+    """When the run stops early: exit conditions (each saves first), non-finite steps, and
+    --skip-train (evaluate a checkpoint, train nothing)."""
 
     exit_interval: Optional[int] = flag(None, "--exit-interval", "exit at a multiple of this")
     exit_duration_in_mins: Optional[float] = flag(None, "--exit-duration-in-mins")
@@ -303,6 +308,12 @@ class ExitConfig:
     """Skip the optimizer step of an iteration whose loss or grad norm is not finite (instead of
     stopping); the run still stops after --max-nonfinite-steps such iterations in a row."""
     max_nonfinite_steps: int = flag(10, "--max-nonfinite-steps")
+    skip_train: bool = flag(
+        False,
+        "--skip-train",
+        "load --load, run validation and test, exit (implies --no-load-optim)",
+    )
+    """Checked against the checkpoint flags by `TrainingConfig` (needs --load)."""
 
     def __post_init__(self) -> None:
         _at_least("--exit-interval", self.exit_interval)
@@ -365,6 +376,15 @@ class OptimizerConfig:
         "--use-checkpoint-opt_param-scheduler",
         aliases=("--use-checkpoint-opt-param-scheduler",),
     )
+    decoupled_lr: Optional[float] = flag(
+        None,
+        "--decoupled-lr",
+        "peak LR of the input embedding (for LEV: the LEV generator) and the output head",
+    )
+    decoupled_min_lr: Optional[float] = flag(
+        None, "--decoupled-min-lr", "minimum LR of those parameters"
+    )
+    """None with --decoupled-lr: --min-lr (as in Megatron-LM)."""
     # The schedule as the flags give it, in iterations or in samples (recorded as typed);
     # `from_schedule` turns them into the *_steps below. A config built in code sets those.
     lr_decay_iters: Optional[int] = flag(None, "--lr-decay-iters")
@@ -415,6 +435,17 @@ class OptimizerConfig:
                 "--start-weight-decay != --end-weight-decay needs --weight-decay-incr-style "
                 "linear or cosine"
             )
+        if self.decoupled_lr is None:
+            if self.decoupled_min_lr is not None:
+                raise ValueError("--decoupled-min-lr needs --decoupled-lr")
+        else:
+            if self.decoupled_min_lr is None:  # Megatron-LM: --min-lr
+                object.__setattr__(self, "decoupled_min_lr", self.min_lr)
+            if self.decoupled_lr <= 0 or not 0 <= self.decoupled_min_lr <= self.decoupled_lr:
+                raise ValueError(
+                    f"need 0 <= --decoupled-min-lr ({self.decoupled_min_lr}) <= --decoupled-lr "
+                    f"({self.decoupled_lr}), --decoupled-lr > 0"
+                )
 
     @classmethod
     def from_schedule(
@@ -503,6 +534,12 @@ class CheckpointConfig:
         False, "--finetune", "load weights only; reset iteration, optimizer, scheduler and RNG"
     )
     exit_on_missing_checkpoint: bool = flag(False, "--exit-on-missing-checkpoint")
+    async_save: bool = flag(
+        False,
+        "--async-save",
+        "write checkpoints in the background (torch.distributed.checkpoint async_save); "
+        "the latest marker moves only once every rank's write completed",
+    )
     ckpt_format: str = flag(
         "torch_dcp",
         "--ckpt-format",
@@ -526,6 +563,8 @@ class CheckpointConfig:
         _at_least("--ckpt-keep-last", self.ckpt_keep_last)
         if self.save_interval and not self.save:
             raise ValueError("--save-interval needs --save")
+        if self.async_save and not self.save:
+            raise ValueError("--async-save needs --save")
         if self.finetune and not self.load:
             raise ValueError("--finetune needs --load")
         if self.ckpt_step is not None and not self.load:
@@ -554,16 +593,78 @@ class LoggingConfig:
     """Append one JSON record per iteration (full-precision loss, grad norm, lr) to this file."""
     loss_curve: bool = flag(True, "--no-loss-curve", action="store_false")
     """Write loss_curve.png beside the TensorBoard events (or the checkpoints) at the end."""
+    log_params_norm: bool = flag(False, "--log-params-norm", "L2 norm of all parameters")
+    log_num_zeros_in_grad: bool = flag(
+        False, "--log-num-zeros-in-grad", "count of zero gradient entries"
+    )
+    log_memory_to_tensorboard: bool = flag(
+        False,
+        "--log-memory-to-tensorboard",
+        "memory in use (CUDA allocator, or this process's RSS on CPU)",
+    )
+    log_world_size_to_tensorboard: bool = flag(False, "--log-world-size-to-tensorboard")
+    log_loss_scale_to_tensorboard: bool = flag(
+        True,
+        "--no-log-loss-scale-to-tensorboard",
+        aliases=("--disable-log-loss-scale-to-tensorboard",),
+        action="store_false",
+    )
+    logging_level: Optional[int] = flag(
+        None, "--logging-level", "Python logging level (e.g. 10, 20)"
+    )
+    """Applied by the entry point (the root logger's level) before anything runs."""
+    profile: bool = flag(False, "--profile", "torch.profiler trace beside the TensorBoard logs")
+    profile_step_start: int = flag(10, "--profile-step-start")
+    profile_step_end: int = flag(12, "--profile-step-end")
+    profile_ranks: list[int] = flag([0], "--profile-ranks", nargs="+")
+    wandb_project: Optional[str] = flag(None, "--wandb-project", "Weights & Biases project")
+    wandb_exp_name: Optional[str] = flag(None, "--wandb-exp-name", "Weights & Biases run name")
+    wandb_save_dir: Optional[str] = flag(None, "--wandb-save-dir", "local W&B directory")
+    wandb_entity: Optional[str] = flag(None, "--wandb-entity")
 
     def __post_init__(self) -> None:
+        """Checks of these flags alone; --profile's need of a directory (--tensorboard-dir or
+        --save) is `TrainingConfig`'s."""
         _at_least("--log-interval", self.log_interval)
         _at_least("--tensorboard-log-interval", self.tensorboard_log_interval)
+        if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
+            raise ValueError(
+                f"need 0 <= --profile-step-start ({self.profile_step_start}) < "
+                f"--profile-step-end ({self.profile_step_end})"
+            )
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Memory housekeeping around the steps: manual garbage collection (Python) and emptying
+    the CUDA caching allocator (`megatron_features.RunExtras` applies both)."""
+
+    manual_gc: bool = flag(False, "--manual-gc", "disable automatic gc; collect at fixed points")
+    manual_gc_interval: int = flag(0, "--manual-gc-interval", "collect every N iterations")
+    manual_gc_eval: bool = flag(
+        True,
+        "--no-manual-gc-eval",
+        "no gc around evaluation",
+        aliases=("--disable-manual-gc-eval",),
+        action="store_false",
+    )
+    empty_unused_memory_level: int = flag(
+        0,
+        "--empty-unused-memory-level",
+        "torch.cuda.empty_cache() after each training step (2: also around evaluation); CUDA only",
+        choices=(0, 1, 2),
+    )
+
+    def __post_init__(self) -> None:
+        if self.manual_gc_interval < 0:
+            raise ValueError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Which training engine runs the step: the portable one (`engine_portable`, gloo and NCCL)
-    or megatron-core's (`--ddp-impl megatron`, CUDA only) and its DDP settings."""
+    or megatron-core's (`--ddp-impl megatron`, CUDA only), its DDP settings and the loss
+    normalisation."""
 
     ddp_impl: str = flag(
         "portable",
@@ -591,6 +692,12 @@ class EngineConfig:
         "keep FP8 weights and all-gather them in FP8 (megatron engine)",
     )
     """Refused for now by both engines (`gpu_arguments.validate_gpu_args` says why)."""
+    calculate_per_token_loss: bool = flag(
+        False,
+        "--calculate-per-token-loss",
+        "normalise the loss by the global batch's token count (not per micro-batch)",
+    )
+    """How the step normalises its loss and gradients (both engines honour it)."""
 
     def __post_init__(self) -> None:
         if self.ddp_impl not in ("portable", "megatron"):
@@ -611,15 +718,15 @@ class TrainingConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LoggingConfig = field(default_factory=LoggingConfig)
-    features: FeatureConfig = field(default_factory=FeatureConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     seed: int = flag(1234, "--seed")
     """Seeds Python, NumPy and torch (offset by the pipeline rank, as Megatron-LM does)."""
 
     def __post_init__(self) -> None:
         """The checks that span two configs, and the values one config derives for another
-        (--decoupled-min-lr defaults to --min-lr; --skip-train loads no optimizer state)."""
-        b, p, f = self.batch, self.parallel, self.features
+        (--skip-train loads no optimizer state)."""
+        b, p = self.batch, self.parallel
         micro_times_dp = b.micro_batch_size * p.data_parallel_size
         if b.global_batch_size % micro_times_dp:
             raise ValueError(
@@ -633,17 +740,12 @@ class TrainingConfig:
                 f"--seq-length {b.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
             )
         b.rampup(p.data_parallel_size)  # checks --rampup-batch-size
-        if f.decoupled_lr is not None and f.decoupled_min_lr is None:
-            f = dataclasses.replace(f, decoupled_min_lr=self.optim.min_lr)
-            object.__setattr__(self, "features", f)
-        if f.skip_train:
+        if self.exit.skip_train:
             if not self.ckpt.load:
                 raise ValueError("--skip-train evaluates a checkpoint: pass --load")
             if not self.ckpt.no_load_optim:
                 ckpt = dataclasses.replace(self.ckpt, no_load_optim=True)
                 object.__setattr__(self, "ckpt", ckpt)
-        if f.async_save and not self.ckpt.save:
-            raise ValueError("--async-save needs --save")
         if self.engine.overlap_param_gather and not p.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         if self.engine.ddp_impl == "megatron":
@@ -659,7 +761,7 @@ class TrainingConfig:
                 )
             if self.precision.fp16:
                 raise ValueError("--ddp-impl megatron supports --bf16 (or float32), not --fp16")
-        if f.profile and not (self.log.tensorboard_dir or self.ckpt.save):
+        if self.log.profile and not (self.log.tensorboard_dir or self.ckpt.save):
             raise ValueError(
                 "--profile writes its trace beside the TensorBoard logs: --tensorboard-dir"
             )

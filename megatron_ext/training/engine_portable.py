@@ -109,12 +109,12 @@ class PortableEngine(Engine):
     ) -> None:
         self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
         self.phase, self.timers = phase, timers
-        b, prec, f = cfg.batch, cfg.precision, cfg.features
+        b, prec, o = cfg.batch, cfg.precision, cfg.optim
         self.optimizer = build_optimizer(
             model,
             cfg.optim,
             pg.dp_cp if cfg.parallel.use_distributed_optimizer else None,
-            decoupled=(f.decoupled_lr, f.decoupled_min_lr) if f.decoupled_lr else None,
+            decoupled=(o.decoupled_lr, o.decoupled_min_lr) if o.decoupled_lr else None,
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.scaler = (
@@ -137,7 +137,7 @@ class PortableEngine(Engine):
             (seq, b.micro_batch_size, model.config.hidden_size), pipeline_dtype(prec), device
         )
         self.consecutive_nonfinite = 0
-        self._hook = _AverageHook(pg.dp_cp, torch.bfloat16 if f.grad_reduce_in_bf16 else None)
+        self._hook = _AverageHook(pg.dp_cp, torch.bfloat16 if prec.grad_reduce_in_bf16 else None)
         self.ddp: Optional[DistributedDataParallel] = None
         """torch DDP over `pg.dp_cp` (one pipeline stage and DP x CP > 1), else None."""
         if pg.pp_size == 1 and pg.dp_cp_size > 1:
@@ -156,7 +156,8 @@ class PortableEngine(Engine):
         self, data_iterator: Iterator, global_batch: int, flags: Sequence[bool] = ()
     ) -> StepResult:
         """See `Engine.step`."""
-        b, p, f = self.cfg.batch, self.cfg.parallel, self.cfg.features
+        b, p = self.cfg.batch, self.cfg.parallel
+        per_token_loss = self.cfg.engine.calculate_per_token_loss
         self.timers.mark()
         self.optimizer.zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -178,7 +179,7 @@ class PortableEngine(Engine):
             pg=self.pg,
             loss_scale=scale,
             autocast=self.autocast,
-            per_token_loss=f.calculate_per_token_loss,
+            per_token_loss=per_token_loss,
             no_sync=None if ddp is None else ddp.no_sync,
         )
         self.timers.mark("forward-backward")
@@ -186,7 +187,7 @@ class PortableEngine(Engine):
             allreduce_sequence_parallel_grads([self.model], self.pg.tp)
         allreduce_tied_embedding_grads([self.model], self.pg.embd)
         grad_scale = 1.0 / scale
-        if f.calculate_per_token_loss:
+        if per_token_loss:
             grad_scale *= self._per_token_grad_scale(totals)
         if ddp is not None:  # averaged over DP x CP during backward
             grads_ok = self._hook.finite
@@ -201,7 +202,7 @@ class PortableEngine(Engine):
                 self.optimizer.params,
                 self.pg.dp_cp,
                 scale=grad_scale,
-                reduce_dtype=torch.bfloat16 if f.grad_reduce_in_bf16 else None,
+                reduce_dtype=torch.bfloat16 if self.cfg.precision.grad_reduce_in_bf16 else None,
             )
         self.timers.mark("grads-all-reduce")
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
@@ -312,10 +313,10 @@ class PortableEngine(Engine):
 
     def log_stats(self) -> dict[str, float]:
         """See `Engine.log_stats`."""
-        f, out = self.cfg.features, {}
-        if f.log_params_norm:
+        log, out = self.cfg.log, {}
+        if log.log_params_norm:
             out["params-norm"] = params_norm(self.optimizer.params, self.pg)
-        if f.log_num_zeros_in_grad:
+        if log.log_num_zeros_in_grad:
             out["num-zeros"] = float(num_zeros_in_grad(self.optimizer.params, self.pg))
         return out
 

@@ -251,7 +251,7 @@ class Trainer:
             it = state.iteration
             if it % lg.tensorboard_log_interval == 0 or it % lg.log_interval == 0:
                 extras = self.engine.log_stats()  # collective
-                if self.cfg.features.log_memory_to_tensorboard:
+                if self.cfg.log.log_memory_to_tensorboard:
                     extras.update(memory_stats())
                 self.metrics.extras = extras
             loss_scale = self.engine.scaler.scale if self.engine.scaler is not None else None
@@ -421,7 +421,7 @@ def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
         ev.eval_iters * b.global_batch_size,
     ]
     train_ds, valid_ds, test_ds = datasets_provider(num_samples)
-    if cfg.features.skip_train:  # Megatron-LM's --skip-train: evaluate and exit
+    if cfg.exit.skip_train:  # Megatron-LM's --skip-train: evaluate and exit
         if rank0:
             logger.info("--skip-train: evaluating iteration %d", trainer.state.iteration)
         trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")

@@ -219,19 +219,19 @@ class MegatronEngine(Engine):
         self.ddp = parts.ddp(
             config=config, ddp_config=ddp_config, module=module, pg_collection=collection
         )
-        f, o = cfg.features, cfg.optim
+        o = cfg.optim
         # megatron's decoupled-lr group is its input embedding and output layer; here the
         # input embedding is the whole arm (every LEV generator parameter), as in the
         # portable engine.
         for name, param in model.named_parameters():
-            if f.decoupled_lr is not None and is_decoupled_param(name):
+            if o.decoupled_lr is not None and is_decoupled_param(name):
                 param.is_embedding_or_output_parameter = True
         opt_config = parts.optimizer_config(
             optimizer="adam",
             lr=o.lr,
             min_lr=o.min_lr,
-            decoupled_lr=f.decoupled_lr,
-            decoupled_min_lr=f.decoupled_min_lr,
+            decoupled_lr=o.decoupled_lr,
+            decoupled_min_lr=o.decoupled_min_lr,
             weight_decay=o.weight_decay,
             adam_beta1=o.adam_beta1,
             adam_beta2=o.adam_beta2,
@@ -240,7 +240,7 @@ class MegatronEngine(Engine):
             bf16=config.bf16,
             params_dtype=config.params_dtype,
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-            log_num_zeros_in_grad=f.log_num_zeros_in_grad,
+            log_num_zeros_in_grad=cfg.log.log_num_zeros_in_grad,
         )
         self.megatron_optimizer = parts.get_optimizer(
             opt_config,
@@ -342,8 +342,8 @@ class MegatronEngine(Engine):
 
     def log_stats(self) -> dict[str, float]:
         """See `Engine.log_stats`."""
-        f, out = self.cfg.features, {}
-        if f.log_params_norm:
+        log, out = self.cfg.log, {}
+        if log.log_params_norm:
             # The float32 main parameters are what the optimizer updates.
             tp_rank = self.pg.tp_rank
             local = sum(
@@ -354,7 +354,7 @@ class MegatronEngine(Engine):
             total = torch.tensor([local], dtype=torch.float64, device=self.device)
             dist.all_reduce(total, group=self.pg.mp)
             out["params-norm"] = math.sqrt(float(total.item()))
-        if f.log_num_zeros_in_grad and self.num_zeros is not None:
+        if log.log_num_zeros_in_grad and self.num_zeros is not None:
             out["num-zeros"] = float(self.num_zeros)
         return out
 

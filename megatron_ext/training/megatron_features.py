@@ -1,10 +1,10 @@
-"""Megatron-LM training features on top of the loop: the batch-size ramp-up schedule,
-decoupled learning rates, manual garbage collection, empty-cache levels, the torch profiler
-window, parameter-norm / zero-gradient / memory logging and Weights & Biases.
+"""Megatron-LM training features on top of the loop: the batch-size ramp-up schedule
+(`BatchSizeRampup`), which parameters take --decoupled-lr, and `RunExtras`, what the loop calls
+around each iteration (manual garbage collection, empty-cache levels, the torch profiler
+window, parameter-norm / zero-gradient / memory statistics, Weights & Biases).
 
-`FeatureConfig` declares and checks their flags (`--rampup-batch-size` is `BatchConfig`'s;
-`TrainingConfig` checks them against the checkpoint settings), `BatchSizeRampup` is the ramp,
-and `RunExtras` is what the loop calls around each iteration.
+Their flags are fields of the configs that own them (`training/config.py`: `BatchConfig`,
+`OptimizerConfig`, `LoggingConfig`, `MemoryConfig`).
 """
 
 from __future__ import annotations
@@ -21,117 +21,20 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
-from megatron_ext.config_flags import flag
 from megatron_ext.training.unique_params import counted_params
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training.config import TrainingConfig
+    from megatron_ext.training.config import LoggingConfig, TrainingConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FeatureConfig",
     "BatchSizeRampup",
     "is_decoupled_param",
     "RunExtras",
     "memory_stats",
 ]
-
-
-@dataclass(frozen=True)
-class FeatureConfig:
-    """The Megatron-LM feature flags (names as the flags)."""
-
-    decoupled_lr: Optional[float] = flag(
-        None,
-        "--decoupled-lr",
-        "peak LR of the input embedding (for LEV: the LEV generator) and the output head",
-    )
-    decoupled_min_lr: Optional[float] = flag(
-        None, "--decoupled-min-lr", "minimum LR of those parameters"
-    )
-    calculate_per_token_loss: bool = flag(
-        False,
-        "--calculate-per-token-loss",
-        "normalise the loss by the global batch's token count (not per micro-batch)",
-    )
-    grad_reduce_in_bf16: bool = flag(
-        False, "--grad-reduce-in-bf16", "all-reduce data-parallel gradients in bfloat16"
-    )
-    skip_train: bool = flag(
-        False,
-        "--skip-train",
-        "load --load, run validation and test, exit (implies --no-load-optim)",
-    )
-    async_save: bool = flag(
-        False,
-        "--async-save",
-        "write checkpoints in the background (torch.distributed.checkpoint async_save); "
-        "the latest marker moves only once every rank's write completed",
-    )
-    manual_gc: bool = flag(False, "--manual-gc", "disable automatic gc; collect at fixed points")
-    manual_gc_interval: int = flag(0, "--manual-gc-interval", "collect every N iterations")
-    manual_gc_eval: bool = flag(
-        True,
-        "--no-manual-gc-eval",
-        "no gc around evaluation",
-        aliases=("--disable-manual-gc-eval",),
-        action="store_false",
-    )
-    empty_unused_memory_level: int = flag(
-        0,
-        "--empty-unused-memory-level",
-        "torch.cuda.empty_cache() after each training step (2: also around evaluation); CUDA only",
-        choices=(0, 1, 2),
-    )
-    profile: bool = flag(False, "--profile", "torch.profiler trace beside the TensorBoard logs")
-    profile_step_start: int = flag(10, "--profile-step-start")
-    profile_step_end: int = flag(12, "--profile-step-end")
-    profile_ranks: list[int] = flag([0], "--profile-ranks", nargs="+")
-    log_params_norm: bool = flag(False, "--log-params-norm", "L2 norm of all parameters")
-    log_num_zeros_in_grad: bool = flag(
-        False, "--log-num-zeros-in-grad", "count of zero gradient entries"
-    )
-    log_memory_to_tensorboard: bool = flag(
-        False,
-        "--log-memory-to-tensorboard",
-        "memory in use (CUDA allocator, or this process's RSS on CPU)",
-    )
-    log_world_size_to_tensorboard: bool = flag(False, "--log-world-size-to-tensorboard")
-    log_loss_scale_to_tensorboard: bool = flag(
-        True,
-        "--no-log-loss-scale-to-tensorboard",
-        aliases=("--disable-log-loss-scale-to-tensorboard",),
-        action="store_false",
-    )
-    logging_level: Optional[int] = flag(
-        None, "--logging-level", "Python logging level (e.g. 10, 20)"
-    )
-    """Applied by the entry point (the root logger's level) before anything runs."""
-    wandb_project: Optional[str] = flag(None, "--wandb-project", "Weights & Biases project")
-    wandb_exp_name: Optional[str] = flag(None, "--wandb-exp-name", "Weights & Biases run name")
-    wandb_save_dir: Optional[str] = flag(None, "--wandb-save-dir", "local W&B directory")
-    wandb_entity: Optional[str] = flag(None, "--wandb-entity")
-
-    def __post_init__(self) -> None:
-        """The checks of these flags alone; those against the checkpoint flags (--skip-train,
-        --async-save) are `TrainingConfig`'s."""
-        if self.decoupled_min_lr is not None:
-            if self.decoupled_lr is None:
-                raise ValueError("--decoupled-min-lr needs --decoupled-lr")
-            if self.decoupled_lr <= 0 or not 0 <= self.decoupled_min_lr <= self.decoupled_lr:
-                raise ValueError(
-                    f"need 0 <= --decoupled-min-lr ({self.decoupled_min_lr}) <= --decoupled-lr "
-                    f"({self.decoupled_lr}), --decoupled-lr > 0"
-                )
-        if self.manual_gc_interval < 0:
-            raise ValueError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
-        if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
-            raise ValueError(
-                f"need 0 <= --profile-step-start ({self.profile_step_start}) < "
-                f"--profile-step-end ({self.profile_step_end})"
-            )
 
 
 @dataclass(frozen=True)
@@ -238,8 +141,7 @@ class RunExtras:
     """Per-iteration hooks of the feature flags; every rank calls them at the same points."""
 
     def __init__(self, run: TrainingConfig, pg: ProcessGroups) -> None:
-        cfg = run.features
-        self.cfg, self.pg = cfg, pg
+        self.log, self.memory, self.pg = run.log, run.memory, pg
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
         self.global_batch_size = run.batch.global_batch_size
@@ -249,11 +151,11 @@ class RunExtras:
         self.save_dir = run.ckpt.save
         self._profiler = None
         self.wandb = None
-        if cfg.manual_gc:
+        if self.memory.manual_gc:
             gc.disable()
             gc.collect()
-        if cfg.wandb_project and self.is_rank0:
-            self.wandb = _init_wandb(cfg, self.save_dir or self.log_dir)
+        if self.log.wandb_project and self.is_rank0:
+            self.wandb = _init_wandb(run, self.save_dir or self.log_dir)
 
     def global_batch(self, consumed_samples: int) -> int:
         """Global batch size after `consumed_samples` samples (smaller while the rampup lasts)."""
@@ -263,39 +165,39 @@ class RunExtras:
 
     def before_step(self, iteration: int) -> None:
         """`iteration` is the one about to run (1-based)."""
-        c = self.cfg
+        c = self.log
         if c.profile and iteration == c.profile_step_start + 1 and self.rank in c.profile_ranks:
             self._start_profiler()
 
     def after_step(self, iteration: int) -> None:
         """After iteration `iteration`: advance or stop the profiler, run the manual GC on its
         interval and empty the CUDA cache at --empty-unused-memory-level >= 1."""
-        c = self.cfg
+        m = self.memory
         if self._profiler is not None:
             self._profiler.step()
-            if iteration >= c.profile_step_end:
+            if iteration >= self.log.profile_step_end:
                 self._stop_profiler()
-        if c.manual_gc and c.manual_gc_interval and iteration % c.manual_gc_interval == 0:
+        if m.manual_gc and m.manual_gc_interval and iteration % m.manual_gc_interval == 0:
             gc.collect()
-        if c.empty_unused_memory_level >= 1 and torch.cuda.is_available():
+        if m.empty_unused_memory_level >= 1 and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def around_eval(self) -> None:
         """Called before and after each evaluation: manual GC (with --manual-gc-eval) and, at
         --empty-unused-memory-level >= 2, emptying the CUDA cache."""
-        if self.cfg.manual_gc and self.cfg.manual_gc_eval:
+        if self.memory.manual_gc and self.memory.manual_gc_eval:
             gc.collect()
-        if self.cfg.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+        if self.memory.empty_unused_memory_level >= 2 and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def stats(self, params) -> dict[str, float]:
         """Collective (every rank): the logged extras of this iteration."""
         out: dict[str, float] = {}
-        if self.cfg.log_params_norm:
+        if self.log.log_params_norm:
             out["params-norm"] = params_norm(params, self.pg)
-        if self.cfg.log_num_zeros_in_grad:
+        if self.log.log_num_zeros_in_grad:
             out["num-zeros"] = float(num_zeros_in_grad(params, self.pg))
-        if self.cfg.log_memory_to_tensorboard:
+        if self.log.log_memory_to_tensorboard:
             out.update(memory_stats())
         return out
 
@@ -314,7 +216,7 @@ class RunExtras:
         )
         self._profiler.start()
         logger.info(
-            "profiling iterations %d-%d", self.cfg.profile_step_start + 1, self.cfg.profile_step_end
+            "profiling iterations %d-%d", self.log.profile_step_start + 1, self.log.profile_step_end
         )
 
     def _stop_profiler(self) -> None:
@@ -326,15 +228,17 @@ class RunExtras:
         """End of the run: stop the profiler, re-enable GC after --manual-gc, finish the W&B run."""
         if self._profiler is not None:
             self._stop_profiler()
-        if self.cfg.manual_gc:
+        if self.memory.manual_gc:
             gc.enable()
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
 
 
-def _init_wandb(cfg: FeatureConfig, run_dir: Optional[str]):
+def _init_wandb(run: TrainingConfig, run_dir: Optional[str]):
     import wandb  # optional dependency (the [wandb] extra), imported only with --wandb-project
+
+    cfg: LoggingConfig = run.log
 
     save_dir = cfg.wandb_save_dir or os.path.join(run_dir or ".", "wandb")
     os.makedirs(save_dir, exist_ok=True)
@@ -346,5 +250,5 @@ def _init_wandb(cfg: FeatureConfig, run_dir: Optional[str]):
         entity=cfg.wandb_entity,
         dir=save_dir,
         mode=mode,
-        config={k: v for k, v in vars(cfg).items() if not k.startswith("wandb")},
+        config={k: v for k, v in run.ckpt.args_json.items() if not k.startswith("wandb")},
     )

@@ -160,19 +160,19 @@ class MetricsLogger:
                 handle.write(json.dumps(record) + "\n")
 
     def _tensorboard(self, result: StepResult, state, global_batch: int, loss_scale) -> None:
-        r, f, it = self.reporter, self.cfg.features, state.iteration
+        r, log, it = self.reporter, self.cfg.log, state.iteration
         r.scalar("lm loss", result.loss, it)
         r.scalar("lm loss vs samples", result.loss, state.consumed_train_samples)
         if math.isfinite(result.loss):
             r.scalar("lm loss ppl", math.exp(min(20.0, result.loss)), it)
         r.scalar("learning-rate", result.lr, it)
         r.scalar("grad-norm", result.grad_norm, it)
-        if loss_scale is not None and f.log_loss_scale_to_tensorboard:
+        if loss_scale is not None and log.log_loss_scale_to_tensorboard:
             r.scalar("loss-scale", loss_scale, it)
         tokens = state.consumed_train_samples * self.cfg.batch.seq_length
         r.scalar("lm loss vs tokens", result.loss, tokens)
         r.scalar("batch-size", global_batch, it)
-        if f.log_world_size_to_tensorboard:
+        if log.log_world_size_to_tensorboard:
             r.scalar("world-size", self.world_size, it)
         for key, value in self.extras.items():
             r.scalar(key, value, it)

@@ -26,7 +26,6 @@ def main(engine: str, out: Path, load: str | None) -> None:
         OptimizerConfig,
         TrainingConfig,
     )
-    from megatron_ext.training.megatron_features import FeatureConfig
 
     cfg = TrainingConfig(
         batch=BatchConfig(
@@ -42,14 +41,16 @@ def main(engine: str, out: Path, load: str | None) -> None:
             start_weight_decay=0.1,
             end_weight_decay=0.1,
             clip_grad=1.0,
+            decoupled_lr=3e-3,
         ),
         eval=EvalConfig(eval_interval=4, eval_iters=1),
         ckpt=CheckpointConfig(
             save=str(out / "ckpt"), save_interval=2, load=load, ckpt_step=2 if load else None
         ),
-        log=LoggingConfig(log_interval=1, log_jsonl=str(out / "log.jsonl"), loss_curve=False),
-        features=FeatureConfig(
-            decoupled_lr=3e-3,
+        log=LoggingConfig(
+            log_interval=1,
+            log_jsonl=str(out / "log.jsonl"),
+            loss_curve=False,
             log_params_norm=True,
             log_num_zeros_in_grad=True,
         ),

@@ -174,3 +174,74 @@ def test_lev_training_controls_reach_args_json_and_back(tmp_path):
     lev = model_config_from_args(restored, 128).embedding.lev
     assert (lev.init_output_std, lev.lr_mult) == (0.02, 0.5)
     assert lev.weight_decay_groups == ("out_proj", "seed_norm")
+
+
+# The command line of data/args_before_feature_split.json, an args.json written by commit
+# c8cae8e (before FeatureConfig's fields moved to the configs that own them).
+OLD_LAYOUT_ARGV = [
+    *BASE, "--min-lr", "1e-5", "--num-layers", "3", "--hidden-size", "96",
+    "--num-attention-heads", "6", "--save", "ckpt", "--load", "ckpt", "--async-save",
+    "--decoupled-lr", "5e-3", "--calculate-per-token-loss", "--grad-reduce-in-bf16",
+    "--skip-train", "--manual-gc", "--manual-gc-interval", "4", "--no-manual-gc-eval",
+    "--empty-unused-memory-level", "1", "--profile", "--profile-step-start", "2",
+    "--profile-step-end", "5", "--profile-ranks", "0", "1", "--log-params-norm",
+    "--log-num-zeros-in-grad", "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
+    "--no-log-loss-scale-to-tensorboard", "--logging-level", "20",
+    "--wandb-project", "lev", "--wandb-exp-name", "run1", "--wandb-save-dir", "wb",
+    "--wandb-entity", "team",
+]  # fmt: skip
+
+
+def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
+    """args.json is flat (one key per flag or derived field), so a checkpoint's args.json from
+    before FeatureConfig was split rebuilds the same TrainingConfig, each moved field at its
+    owner, and --use-checkpoint-args reads it."""
+    import argparse
+    import dataclasses
+    import importlib.util
+    import logging
+
+    from megatron_ext.training.arguments import args_to_json
+
+    old = json.loads(
+        (Path(__file__).parent / "data" / "args_before_feature_split.json").read_text()
+    )
+    cfg = training_config_from_args(argparse.Namespace(**old))
+    assert cfg.ckpt.async_save and cfg.exit.skip_train and cfg.ckpt.no_load_optim
+    assert (cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr) == (5e-3, 1e-5)
+    assert cfg.engine.calculate_per_token_loss and cfg.precision.grad_reduce_in_bf16
+    m = cfg.memory
+    assert (m.manual_gc, m.manual_gc_interval, m.manual_gc_eval) == (True, 4, False)
+    assert m.empty_unused_memory_level == 1
+    log = cfg.log
+    assert (log.profile, log.profile_step_start, log.profile_step_end) == (True, 2, 5)
+    assert log.profile_ranks == [0, 1] and log.logging_level == 20
+    assert log.log_params_norm and log.log_num_zeros_in_grad and log.log_memory_to_tensorboard
+    assert log.log_world_size_to_tensorboard and not log.log_loss_scale_to_tensorboard
+    assert (log.wandb_project, log.wandb_exp_name, log.wandb_save_dir, log.wandb_entity) == (
+        "lev", "run1", "wb", "team"
+    )  # fmt: skip
+
+    # Parity: today's parser writes the same args.json and builds the same config from the flags.
+    argv, keep = OLD_LAYOUT_ARGV, lambda key: True
+    if importlib.util.find_spec("wandb") is None:  # --wandb-project needs the package
+        argv = argv[: argv.index("--wandb-project")]
+        keep = lambda key: not key.startswith("wandb_")  # noqa: E731
+    level = logging.getLogger().level
+    try:
+        args = parse_args(argv, world_size=1)
+    finally:  # --logging-level sets the root logger's level
+        logging.getLogger().setLevel(level)
+    assert {k: v for k, v in args_to_json(args).items() if keep(k)} == {
+        k: v for k, v in old.items() if keep(k)
+    }
+    new = dataclasses.replace(training_config_from_args(args), ckpt=cfg.ckpt)
+    if keep("wandb_project"):
+        assert new == cfg
+
+    # --use-checkpoint-args takes the model flags from it.
+    (tmp_path / "iter_0000100").mkdir()
+    (tmp_path / "iter_0000100" / "args.json").write_text(json.dumps(old))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("100\n")
+    restored = _parse("--load", str(tmp_path), "--use-checkpoint-args")
+    assert (restored.num_layers, restored.hidden_size, restored.num_attention_heads) == (3, 96, 6)

@@ -15,12 +15,12 @@ from megatron_ext.training.config import (
     EvalConfig,
     ExitConfig,
     LoggingConfig,
+    MemoryConfig,
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
     TrainingConfig,
 )
-from megatron_ext.training.megatron_features import FeatureConfig
 
 
 def _run(**parts) -> TrainingConfig:
@@ -119,15 +119,24 @@ def _run(**parts) -> TrainingConfig:
             "--tensorboard-log-interval must be >= 1",
         ),
         (lambda: EngineConfig(ddp_impl="fsdp"), "--ddp-impl must be portable or megatron"),
-        (lambda: FeatureConfig(decoupled_min_lr=1e-5), "--decoupled-min-lr needs --decoupled-lr"),
         (
-            lambda: FeatureConfig(decoupled_lr=1e-4, decoupled_min_lr=1e-3),
+            lambda: OptimizerConfig(lr=1e-3, decoupled_min_lr=1e-5),
+            "--decoupled-min-lr needs --decoupled-lr",
+        ),
+        (
+            lambda: OptimizerConfig(lr=1e-3, decoupled_lr=1e-4, decoupled_min_lr=1e-3),
             "need 0 <= --decoupled-min-lr (0.001)",
         ),
-        (lambda: FeatureConfig(manual_gc_interval=-1), "--manual-gc-interval must be >= 0, got -1"),
+        (lambda: MemoryConfig(manual_gc_interval=-1), "--manual-gc-interval must be >= 0, got -1"),
         (
-            lambda: FeatureConfig(profile=True, profile_step_start=3, profile_step_end=3),
+            lambda: LoggingConfig(profile=True, profile_step_start=3, profile_step_end=3),
             "need 0 <= --profile-step-start (3)",
+        ),
+        (lambda: CheckpointConfig(async_save=True), "--async-save needs --save"),
+        (
+            # --decoupled-min-lr defaults to --min-lr, and the default is checked too.
+            lambda: OptimizerConfig(lr=1e-3, min_lr=1e-3, decoupled_lr=1e-4),
+            "need 0 <= --decoupled-min-lr (0.001) <= --decoupled-lr (0.0001)",
         ),
         # Checks across two configs: TrainingConfig's.
         (
@@ -152,21 +161,13 @@ def _run(**parts) -> TrainingConfig:
             "minus START 2 must be a non-negative multiple of INCREMENT 4",
         ),
         (
-            lambda: _run(
-                features=FeatureConfig(decoupled_lr=1e-4),
-                optim=OptimizerConfig(lr=1e-3, min_lr=1e-3),
-            ),
-            "need 0 <= --decoupled-min-lr (0.001) <= --decoupled-lr (0.0001)",
-        ),
-        (
             lambda: _run(engine=EngineConfig(overlap_param_gather=True)),
             "--overlap-param-gather needs --use-distributed-optimizer",
         ),
         (
-            lambda: _run(features=FeatureConfig(skip_train=True)),
+            lambda: _run(exit=ExitConfig(skip_train=True)),
             "--skip-train evaluates a checkpoint: pass --load",
         ),
-        (lambda: _run(features=FeatureConfig(async_save=True)), "--async-save needs --save"),
         (
             lambda: _run(
                 engine=EngineConfig(ddp_impl="megatron"),
@@ -182,7 +183,7 @@ def _run(**parts) -> TrainingConfig:
             "--ddp-impl megatron supports --bf16 (or float32), not --fp16",
         ),
         (
-            lambda: _run(features=FeatureConfig(profile=True)),
+            lambda: _run(log=LoggingConfig(profile=True)),
             "--profile writes its trace beside the TensorBoard logs",
         ),
         (
@@ -269,11 +270,11 @@ def test_optimizer_from_schedule_counts_in_samples():
 
 def test_training_config_derives_across_configs():
     cfg = _run(
-        features=FeatureConfig(decoupled_lr=5e-3, skip_train=True),
-        optim=OptimizerConfig(lr=1e-3, min_lr=1e-5),
+        exit=ExitConfig(skip_train=True),
+        optim=OptimizerConfig(lr=1e-3, min_lr=1e-5, decoupled_lr=5e-3),
         ckpt=CheckpointConfig(load="ckpt"),
     )
-    assert cfg.features.decoupled_min_lr == 1e-5  # Megatron-LM: --min-lr
+    assert cfg.optim.decoupled_min_lr == 1e-5  # Megatron-LM: --min-lr
     assert cfg.ckpt.no_load_optim  # --skip-train evaluates the weights only
     # resolve: the data-parallel size of the world, and the batch checked against it.
     assert cfg.resolve(1) is cfg

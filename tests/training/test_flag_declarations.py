@@ -16,12 +16,11 @@ from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 from megatron_ext.training import config as C
 from megatron_ext.training.arguments import args_to_json, build_parser, parse_args
 from megatron_ext.training.megatron_compat import _CompatAction
-from megatron_ext.training.megatron_features import FeatureConfig
 
 TREE = (
     C.TrainingConfig, C.ParallelConfig, C.BatchConfig, C.PrecisionConfig, C.ExitConfig,
-    C.EvalConfig, C.OptimizerConfig, C.CheckpointConfig, C.LoggingConfig, C.EngineConfig,
-    FeatureConfig, ModelConfig, EmbeddingConfig, DataConfig,
+    C.EvalConfig, C.OptimizerConfig, C.CheckpointConfig, C.LoggingConfig, C.MemoryConfig,
+    C.EngineConfig, ModelConfig, EmbeddingConfig, DataConfig,
 )  # fmt: skip
 
 # Flags still declared by hand (argparse code), until the config that owns them declares them.
@@ -112,7 +111,7 @@ def test_every_declared_field_reaches_args_json_and_the_config():
         C.TrainingConfig: cfg, C.ParallelConfig: cfg.parallel, C.PrecisionConfig: cfg.precision,
         C.ExitConfig: cfg.exit, C.EvalConfig: cfg.eval, C.OptimizerConfig: cfg.optim,
         C.CheckpointConfig: cfg.ckpt, C.LoggingConfig: cfg.log, C.EngineConfig: cfg.engine,
-        FeatureConfig: cfg.features,
+        C.MemoryConfig: cfg.memory,
     }  # fmt: skip
     for cls, part in parts.items():
         for f in flag_fields(cls):
@@ -125,8 +124,8 @@ def test_every_declared_field_reaches_args_json_and_the_config():
     assert (saved["data_parallel_size"], saved["lr_decay_steps"]) == (1, 20)
     assert (cfg.exit.exit_interval, cfg.eval.eval_iters, cfg.optim.clip_grad) == (5, 3, 0.5)
     assert (cfg.optim.lr_decay_style, cfg.log.log_interval, cfg.seed) == ("cosine", 7, 99)
-    assert (cfg.engine.ddp_bucket_size, cfg.features.profile_ranks) == (1000, [0, 1])
-    assert cfg.features.manual_gc_eval is False
+    assert (cfg.engine.ddp_bucket_size, cfg.log.profile_ranks) == (1000, [0, 1])
+    assert cfg.memory.manual_gc_eval is False
     assert cfg.precision.fp8_amax_compute_algo == "most_recent"
 
 
