@@ -1,10 +1,9 @@
-"""Model configuration: the LLaMA-style backbone plus its parallel layout and precision.
+"""`ModelConfig` and `EmbeddingConfig`: the LLaMA-style backbone and its input embedding (with
+the frozen `LEVConfig` at the model's V and D), plus the parallel layout and precision the model
+is built for; `ModelConfig.transformer_config()` composes megatron's `TransformerConfig`.
 
-`ModelConfig` and `EmbeddingConfig` declare the model's command-line flags on their fields
-(`config_flags.flag`), validate themselves (impossible layouts fail at construction with a
-message naming the flag to change) and derive megatron's `TransformerConfig` through
-`transformer_config()`. The model holds the frozen `LEVConfig` of the run (`cfg.embedding.lev`,
-at the model's V and D), which the builder hands to `LEVEmbedding` as is.
+Both declare their flags on their fields and validate themselves; the story is in
+docs/architecture.md "One flag, end to end".
 """
 
 from __future__ import annotations

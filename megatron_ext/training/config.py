@@ -1,24 +1,10 @@
-"""`TrainingConfig`: every setting of a training run, one small dataclass per concern.
+"""`TrainingConfig` and its parts: every setting of a training run, one frozen dataclass per
+concern (layout, batch and run length, precision, exit, evaluation, optimizer, checkpoint,
+logging, memory, engine).
 
-`pretrain(cfg)` reads these and nothing else (no argparse namespace). Each field has one owner:
-the layout in `ParallelConfig`, batch sizes and run length in `BatchConfig`, numerics in
-`PrecisionConfig`, when to stop in `ExitConfig`, and so on. A field with a command-line flag
-declares it (`config_flags.flag`); the configs are frozen, their derived values set once in
-`__post_init__` or by the constructors below.
-
-Each dataclass checks its own fields in `__post_init__`, raising ValueError with one line that
-names the flag to change (the command line is their main user); `TrainingConfig.__post_init__`
-checks what spans two of them (the global batch against micro-batch x data-parallel size, the
-ramp-up, --skip-train with --load, ...). The one value that needs the world size, the
-data-parallel size, is set by `TrainingConfig.resolve(world_size)` (`pretrain` calls it). Two
-constructors translate Megatron-LM's run-length flags: `BatchConfig.from_run_length` (global
-batch default, iterations from --train-samples) and `OptimizerConfig.from_schedule` (the
-schedule in iterations or samples -> samples). `arguments.validate_args` builds the configs from
-the flags with these; a library user builds them directly and gets the same checks.
-
-Whether this machine can run a valid config (CUDA for nccl / Transformer Engine / megatron-core's
-engine, the optional wandb package) is checked by the entry point (`arguments.validate_args`,
-`gpu_arguments.validate_gpu_args`).
+Each part declares its flags on its fields and checks itself in `__post_init__`;
+`TrainingConfig` checks what spans two parts and `resolve(world_size)` derives the
+data-parallel size. How the command line fills them: docs/architecture.md "One flag, end to end".
 """
 
 from __future__ import annotations
