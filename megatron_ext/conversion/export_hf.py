@@ -70,6 +70,7 @@ def provenance(loaded, vocab_rows: int, opts: ExportHFOptions) -> dict:
 
 def export_hf(opts: ExportHFOptions) -> str:
     """Write the export; returns its directory."""
+    # optional: the [eval] extra
     from transformers import GenerationConfig
 
     from megatron_ext.conversion.hf import (

@@ -192,6 +192,7 @@ def hf_config(
     provenance: Optional[dict] = None,
 ):
     """The `LlamaConfig` of an exported model; `provenance` is stored as `leviathan`."""
+    # optional: the [eval] extra
     from transformers import LlamaConfig
 
     eod = getattr(tokenizer, "eod", None)
@@ -251,6 +252,7 @@ def check_llama_like(config: dict, path: str) -> None:
 
 def read_hf_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, every tensor) of a Hugging Face model directory."""
+    # optional: the [eval] extra
     from safetensors import safe_open
 
     config_path = os.path.join(path, "config.json")
@@ -289,6 +291,7 @@ def write_safetensors(
     progress: bool = True,
 ) -> list[str]:
     """Write `state` as model.safetensors, or shards plus model.safetensors.index.json."""
+    # optional: the [eval] extra (transformers')
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -359,6 +362,7 @@ def export_tokenizer(tokenizer, out_dir: str) -> None:
 
 
 def _export_sentencepiece(tokenizer, out_dir: str) -> None:
+    # optional: the [eval] extra (transformers')
     from tokenizers import Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast

@@ -129,6 +129,7 @@ class HuggingFaceTokenizer(Tokenizer):
                 f"not a directory: {model_path}"
             )
         try:
+            # optional: the [eval] extra
             import transformers
         except ImportError:
             raise TokenizerError(

@@ -384,6 +384,7 @@ def cmd_wikitext(args) -> int:
 
 def cmd_lm_eval(args) -> int:
     try:
+        # optional: the [eval] extra
         import lm_eval
         from lm_eval.tasks import TaskManager
         from lm_eval.utils import make_table

@@ -428,6 +428,7 @@ def _export(s: Settings, tmp: Path) -> str:
     )
     say(f"  loading the export with transformers and continuing {s.prompt!r} greedily")
     import torch
+    # optional: the [eval] extra
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tmp / "hf")

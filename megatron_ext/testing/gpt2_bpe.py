@@ -14,6 +14,7 @@ __all__ = ["write_gpt2_bpe_files"]
 
 def write_gpt2_bpe_files(directory: str, texts: Iterable[str], vocab_size: int = 600):
     """Train on `texts`; return (vocab.json path, merges.txt path) in `directory`."""
+    # optional: the [test] extra (transformers')
     from tokenizers import ByteLevelBPETokenizer
 
     tokenizer = ByteLevelBPETokenizer()

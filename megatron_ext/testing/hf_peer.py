@@ -11,6 +11,7 @@ import torch
 def hf_export(model, model_config, tied: bool):
     """`LlamaForCausalLM` (eval, float32) with `model`'s weights as tools/convert_checkpoint.py
     export-hf writes them (padded vocab kept, so logits line up id for id)."""
+    # optional: the [test] extra
     from transformers import LlamaForCausalLM
 
     from megatron_ext.conversion.hf import hf_config, to_hf_state_dict

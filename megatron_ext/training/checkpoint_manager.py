@@ -12,6 +12,7 @@ import time
 from typing import Optional
 
 from megatron_ext.parallel import ProcessGroups
+from megatron_ext.training.checkpoint_io import check_save_directory as check
 from megatron_ext.training.checkpointing import (
     CheckpointError,
     PendingSave,
@@ -28,8 +29,6 @@ __all__ = ["CheckpointManager", "check_save_directory"]
 def check_save_directory(root: str, num_params: int, with_optimizer: bool) -> None:
     """Refuse to start when --save is not writable or cannot hold one checkpoint (fp32
     weights, plus two Adam moments each with the optimizer state)."""
-    from megatron_ext.training.checkpoint_io import check_save_directory as check
-
     needed = 4 * num_params * (3 if with_optimizer else 1)
     problem = check(root, needed)
     if problem is not None:

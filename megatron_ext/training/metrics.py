@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from megatron_ext.models.memory import flops_per_token
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -44,8 +46,6 @@ def flops_per_iteration(model_config, global_batch_size: int) -> float:
     full attention scores, the output head and the input embedding's own FLOPs: LEV's
     generator, the MLP arms), times the iteration's tokens. `tools/gpu_check.py` computes its
     MFU from the same function."""
-    from megatron_ext.models.memory import flops_per_token
-
     return float(flops_per_token(model_config)) * global_batch_size * model_config.seq_length
 
 

@@ -29,10 +29,15 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from megatron_ext.lev.config import LEV_PARAMETER_GROUPS
+from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.config import OptimizerConfig
+from megatron_ext.training.megatron_features import is_decoupled_param
 from megatron_ext.training.unique_params import counted_params
 
 logger = logging.getLogger(__name__)
@@ -61,9 +66,6 @@ def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
 def _lev_param_settings(model: torch.nn.Module) -> dict[int, tuple[bool, float]]:
     """id(parameter) -> (weight decay?, lr multiplier) for the parameters of every LEV
     embedding in `model`, from its LEVConfig (--lev-weight-decay-groups, --lev-lr-mult)."""
-    from megatron_ext.lev.config import LEV_PARAMETER_GROUPS
-    from megatron_ext.lev.layer import LEVEmbedding
-
     settings = {}
     for module in model.modules():
         if not isinstance(module, LEVEmbedding):
@@ -90,8 +92,6 @@ def param_groups(
     rate; an LEV lr multiplier applies on top of it). The base groups are kept even when empty
     so that the ranks of a pipeline stage (and, without an LEV lr multiplier, all ranks) have
     the same group structure (the scheduler walks them)."""
-    from megatron_ext.training.megatron_features import is_decoupled_param
-
     lev = _lev_param_settings(model)
     base = [False, True] if decoupled is not None else [False]
     groups: dict[tuple[bool, float, bool], list] = {
@@ -140,8 +140,6 @@ class Optimizer:
         )
         self.distributed = zero_group is not None
         if self.distributed:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
             # ZeroRedundancyOptimizer drops empty groups at construction; keep only filled ones
             # (the no-decay group always has the norm weights).
             groups = [g for g in groups if g["params"]]
@@ -206,8 +204,6 @@ def build_optimizer(
 
 def build_scheduler(optimizer: Optimizer, cfg: OptimizerConfig):
     """megatron-core's OptimizerParamScheduler (Megatron-LM's exact schedule, in samples)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     return OptimizerParamScheduler(
         optimizer,
         init_lr=cfg.lr_warmup_init,

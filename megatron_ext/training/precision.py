@@ -34,6 +34,7 @@ __all__ = ["autocast_factory", "pipeline_dtype"]
 
 def _fp8_context(fmt: str, recipe_kwargs: dict) -> Callable[[], ContextManager]:
     try:
+        # optional: the [gpu] extra
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import DelayedScaling, Format
     except ImportError as error:  # pragma: no cover - GPU only
