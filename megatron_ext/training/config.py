@@ -15,6 +15,7 @@ from typing import Optional
 
 from megatron_ext.config_flags import flag
 from megatron_ext.models.config import check_half_precision
+from megatron_ext.parallel import validate_parallel_layout
 from megatron_ext.training.megatron_features import BatchSizeRampup
 
 __all__ = [
@@ -72,10 +73,6 @@ class ParallelConfig:
     """Derived: world size / (TP x CP x PP), set by `resolve`."""
 
     def __post_init__(self) -> None:
-        # megatron_ext.parallel imports megatron-core's parallel_state: the configs stay
-        # importable (and checkable) without loading megatron.core.
-        from megatron_ext.parallel import validate_parallel_layout
-
         _at_least("data-parallel size", self.data_parallel_size)
         validate_parallel_layout(self.world_size, *self._model_parallel_sizes)
         if not self.distributed_timeout_minutes > 0:
@@ -107,8 +104,6 @@ class ParallelConfig:
         Raises:
             ValueError: the ranks do not split into TP x CP x PP x DP.
         """
-        from megatron_ext.parallel import validate_parallel_layout  # megatron.core: see above
-
         dp = validate_parallel_layout(world_size, *self._model_parallel_sizes)
         if dp == self.data_parallel_size:
             return self

@@ -193,7 +193,6 @@ LOCAL_IMPORTS_TO_MOVE: dict[str, int] = {
     "megatron_ext/testing/tiny_gpt.py": 2,
     "megatron_ext/testing/wikitext.py": 1,
     "megatron_ext/training/checkpointing.py": 5,
-    "megatron_ext/training/config.py": 2,
     "megatron_ext/training/loop.py": 2,
     "megatron_ext/training/megatron_engine.py": 4,
     "megatron_ext/training/metrics.py": 3,
