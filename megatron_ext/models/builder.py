@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Optional
 
+from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.embeddings import DigitSeedEmbedding, LookupSeedEmbedding
 from megatron_ext.models.leviathan_model import LeviathanModel
@@ -33,8 +34,6 @@ def input_embedding_builder(cfg: ModelConfig):
     if kind in ("tied", "untied"):
         return None
     if kind == "lev":
-        from megatron_ext.lev import LEVEmbedding
-
         return functools.partial(LEVEmbedding, emb.lev)
     if kind == "albert":
         return functools.partial(LookupSeedEmbedding, cfg.vocab_size, emb.albert_dim, None)

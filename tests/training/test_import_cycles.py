@@ -174,7 +174,6 @@ LOCAL_IMPORTS_TO_MOVE: dict[str, int] = {
     "megatron_ext/inference/generation.py": 3,
     "megatron_ext/inference/loading.py": 6,
     "megatron_ext/lev/kernels.py": 4,
-    "megatron_ext/models/builder.py": 1,
     "megatron_ext/models/config.py": 1,
     "megatron_ext/models/layer_specs.py": 2,
     "megatron_ext/models/local_modules.py": 2,
