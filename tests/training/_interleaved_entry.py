@@ -1,0 +1,103 @@
+"""torchrun entry of test_interleaved_pipeline.py: a few portable-engine steps of a 4-layer
+tiny GPT, on one rank or over P pipeline ranks with V model chunks each (interleaved 1F1B).
+
+    python -m torch.distributed.run --nproc-per-node P _interleaved_entry.py OUT V
+
+Every stage starts from the single-stage model's weights (`initialize_like_single_stage`);
+rank 0 writes OUT/losses.json: the training losses, grad norms and one evaluation loss.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_ext.testing.tiny_gpt import SEQ, VOCAB, RandomSamples, forward_step
+
+LAYERS, MICRO_BATCH, GLOBAL_BATCH, ITERS, SEED = 4, 1, 4, 4, 1234
+
+
+def main(out: Path, chunks_per_rank: int) -> None:
+    import torch.distributed as dist
+
+    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.parallel import destroy_parallel, initialize_parallel, set_random_seed
+    from megatron_ext.training.config import (
+        BatchConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        TrainingConfig,
+    )
+    from megatron_ext.training.engine import Phase
+    from megatron_ext.training.engine_portable import PortableEngine
+    from megatron_ext.training.initialization import initialize_like_single_stage
+    from megatron_ext.training.metrics_logger import Timers
+
+    pp = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    pg = initialize_parallel(pipeline_model_parallel_size=pp, backend="gloo")
+    set_random_seed(SEED, pg.pp_rank)
+    config = ModelConfig(
+        vocab_size=VOCAB,
+        num_layers=LAYERS,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=SEQ,
+        pipeline_model_parallel_size=pp,
+        embedding=dict(embedding_type="untied"),
+    )
+    V = chunks_per_rank
+    chunks = [
+        build_model(
+            config,
+            pre_process=pg.is_first_stage and c == 0,
+            post_process=pg.is_last_stage and c == V - 1,
+            pg=pg,
+            vp_stage=c if V > 1 else None,
+            vp_size=V if V > 1 else None,
+        )
+        for c in range(V)
+    ]
+    full = config.replace(pipeline_model_parallel_size=1)
+    with torch.no_grad():
+        for chunk in chunks:
+            initialize_like_single_stage(chunk, lambda: build_model(full), SEED)
+    layers = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
+    cfg = TrainingConfig(
+        batch=BatchConfig(
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            global_batch_size=GLOBAL_BATCH,
+            train_iters=ITERS,
+        ),
+        optim=OptimizerConfig(lr=1e-2, lr_decay_steps=ITERS, clip_grad=1.0),
+        parallel=ParallelConfig(pipeline_model_parallel_size=pp),
+    ).resolve(dist.get_world_size())
+    engine = PortableEngine(
+        cfg, chunks if V > 1 else chunks[0], forward_step, pg, Phase(), Timers(False)
+    )
+    samples = RandomSamples(GLOBAL_BATCH * (ITERS + 1))
+
+    def micro_batches(iteration: int):
+        start = iteration * GLOBAL_BATCH
+        for i in range(start, start + GLOBAL_BATCH, MICRO_BATCH):
+            yield torch.utils.data.default_collate([samples[j] for j in range(i, i + MICRO_BATCH)])
+
+    results = [engine.step(micro_batches(i), GLOBAL_BATCH) for i in range(ITERS)]
+    eval_loss = engine.evaluate(micro_batches(ITERS), 1)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, layers)
+    if dist.get_rank() == 0:
+        record = dict(
+            losses=[r.loss for r in results],
+            grad_norms=[r.grad_norm for r in results],
+            stepped=[r.stepped for r in results],
+            eval_loss=eval_loss,
+            layers=gathered,
+        )
+        (out / "losses.json").write_text(json.dumps(record))
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))
