@@ -1,7 +1,9 @@
 """torchrun entry of test_interleaved_pipeline.py: a few portable-engine steps of a 4-layer
 tiny GPT, on one rank or over P pipeline ranks with V model chunks each (interleaved 1F1B).
 
-    python -m torch.distributed.run --nproc-per-node P _interleaved_entry.py OUT V
+    python -m torch.distributed.run --nproc-per-node P _interleaved_entry.py OUT V [GLOBAL_BATCH]
+
+GLOBAL_BATCH (default 4) micro-batches of one sample each make one iteration.
 
 Every stage starts from the single-stage model's weights (`initialize_like_single_stage`);
 rank 0 writes OUT/losses.json: the training losses, grad norms and one evaluation loss.
@@ -15,10 +17,10 @@ import torch
 
 from megatron_ext.testing.tiny_gpt import SEQ, VOCAB, RandomSamples, forward_step
 
-LAYERS, MICRO_BATCH, GLOBAL_BATCH, ITERS, SEED = 4, 1, 4, 4, 1234
+LAYERS, MICRO_BATCH, ITERS, SEED = 4, 1, 4, 1234
 
 
-def main(out: Path, chunks_per_rank: int) -> None:
+def main(out: Path, chunks_per_rank: int, global_batch: int) -> None:
     import torch.distributed as dist
 
     from megatron_ext.models import ModelConfig, build_model
@@ -67,7 +69,7 @@ def main(out: Path, chunks_per_rank: int) -> None:
         batch=BatchConfig(
             seq_length=SEQ,
             micro_batch_size=MICRO_BATCH,
-            global_batch_size=GLOBAL_BATCH,
+            global_batch_size=global_batch,
             train_iters=ITERS,
         ),
         optim=OptimizerConfig(lr=1e-2, lr_decay_steps=ITERS, clip_grad=1.0),
@@ -76,14 +78,14 @@ def main(out: Path, chunks_per_rank: int) -> None:
     engine = PortableEngine(
         cfg, chunks if V > 1 else chunks[0], forward_step, pg, Phase(), Timers(False)
     )
-    samples = RandomSamples(GLOBAL_BATCH * (ITERS + 1))
+    samples = RandomSamples(global_batch * (ITERS + 1))
 
     def micro_batches(iteration: int):
-        start = iteration * GLOBAL_BATCH
-        for i in range(start, start + GLOBAL_BATCH, MICRO_BATCH):
+        start = iteration * global_batch
+        for i in range(start, start + global_batch, MICRO_BATCH):
             yield torch.utils.data.default_collate([samples[j] for j in range(i, i + MICRO_BATCH)])
 
-    results = [engine.step(micro_batches(i), GLOBAL_BATCH) for i in range(ITERS)]
+    results = [engine.step(micro_batches(i), global_batch) for i in range(ITERS)]
     eval_loss = engine.evaluate(micro_batches(ITERS), 1)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, layers)
@@ -100,4 +102,4 @@ def main(out: Path, chunks_per_rank: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 4)
