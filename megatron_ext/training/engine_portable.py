@@ -11,9 +11,10 @@ Data-parallel gradients: with one pipeline stage, torch's `DistributedDataParall
 `pg.dp_cp` (bucketed all-reduce overlapped with the last micro-batch's backward; earlier
 micro-batches accumulate under `no_sync`). Its communication hook averages each bucket, notes
 whether this rank's own gradients were finite (to name the rank of a NaN) and, with
---grad-reduce-in-bf16, sends BF16. Under pipeline parallelism the 1F1B schedule (interleaved 1F1B over model chunks) interleaves
-the backwards of different micro-batches, which DDP's reducer cannot attribute to the forward
-that prepared it, so there the gradients are averaged after the schedule by
+--grad-reduce-in-bf16, sends BF16. Under pipeline parallelism the 1F1B schedule (interleaved
+1F1B over model chunks, `--num-layers-per-virtual-pipeline-stage`) interleaves the backwards of
+different micro-batches, which DDP's reducer cannot attribute to the forward that prepared it,
+so there the gradients are averaged after the schedule by
 `optimizer.allreduce_data_parallel_grads` (bucketed, asynchronous).
 """
 
@@ -143,9 +144,7 @@ class PortableEngine(Engine):
         seq = b.seq_length // cfg.parallel.context_parallel_size
         if cfg.parallel.sequence_parallel:
             seq //= cfg.parallel.tensor_model_parallel_size
-        self.shape = PipelineShape(
-            (seq, b.micro_batch_size, hidden), pipeline_dtype(prec), device
-        )
+        self.shape = PipelineShape((seq, b.micro_batch_size, hidden), pipeline_dtype(prec), device)
         self.consecutive_nonfinite = 0
         self._hook = _AverageHook(pg.dp_cp, torch.bfloat16 if f.grad_reduce_in_bf16 else None)
         self.ddp: Optional[DistributedDataParallel] = None

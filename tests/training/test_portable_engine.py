@@ -1,5 +1,5 @@
-"""Interleaved 1F1B (virtual pipeline stages) against one rank, on 2 gloo ranks launched by
-torch.distributed.run.
+"""The portable engine on 2 gloo ranks launched by torch.distributed.run: interleaved 1F1B
+(virtual pipeline stages) against one rank, and a NaN on one data-parallel rank named.
 
 A 4-layer tiny GPT trains 4 iterations from the single-stage model's weights: on one rank, as
 2 pipeline stages of 2 layers (1F1B), and as 2 stages x 2 model chunks of 1 layer each (rank 0
@@ -24,20 +24,23 @@ from megatron_ext.testing.distributed import find_free_port
 
 pytestmark = pytest.mark.integration
 
-ENTRY = Path(__file__).with_name("_interleaved_entry.py")
+ENTRY = Path(__file__).with_name("_portable_entry.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(out: Path, nproc: int, chunks: int, global_batch: int) -> dict:
+def _launch(out: Path, nproc: int, *args: object) -> None:
     out.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(find_free_port()), str(ENTRY), str(out), str(chunks),
-        str(global_batch),
+        "--master-port", str(find_free_port()), str(ENTRY), str(out), *map(str, args),
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def _run(out: Path, nproc: int, chunks: int, global_batch: int) -> dict:
+    _launch(out, nproc, chunks, global_batch)
     return json.loads((out / "losses.json").read_text())
 
 
@@ -61,3 +64,18 @@ def test_interleaved_pipeline_matches_one_rank(tmp_path, global_batch):
         assert plain["layers"] == [[[1, 2]], [[3, 4]]]
         _assert_same(plain, single)
         assert interleaved["losses"] == plain["losses"]  # same sums in the same order
+
+
+@pytest.mark.parametrize("nan_rank", [1])
+def test_nonfinite_loss_under_ddp_names_its_rank(tmp_path, nan_rank):
+    """DP=2 on torch DDP: rank 1's second-iteration loss is NaN, rank 0's is finite. Both
+    ranks stop at iteration 2 and name rank 1 alone: for the loss, and for the gradients (its
+    DDP hook saw its own buckets non-finite before the average spread the NaN to rank 0)."""
+    out = tmp_path / "dp2"
+    _launch(out, 2, 1, 4, nan_rank)
+    for rank in (0, 1):
+        assert (out / f"ddp{rank}.txt").read_text() == "DistributedDataParallel"
+        error = (out / f"error{rank}.txt").read_text()
+        assert error.startswith("2: loss nan / grad norm nan is not finite"), error
+        assert f"non-finite loss on rank(s) [{nan_rank}]" in error, error
+        assert f"non-finite gradients on rank(s) [{nan_rank}]" in error, error
