@@ -17,12 +17,20 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_ext.testing.distributed import find_free_port
-
-pytestmark = pytest.mark.integration
+from megatron_ext.training.config import (
+    BatchConfig,
+    CheckpointConfig,
+    OptimizerConfig,
+    TrainingConfig,
+)
+from megatron_ext.training.engine_portable import PortableEngine
+from megatron_ext.training.schedules import forward_backward
 
 ENTRY = Path(__file__).with_name("_portable_entry.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +60,28 @@ def _assert_same(actual: dict, expected: dict, rel: float = 1e-6) -> None:
     assert math.isclose(actual["eval_loss"], expected["eval_loss"], rel_tol=rel)
 
 
+def test_interleaved_schedule_needs_micro_batches_in_groups_of_the_pipeline_size():
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    pg = SimpleNamespace(pp_size=2)  # refused before any communication
+    with pytest.raises(ValueError, match=r"micro-batches \(3\) to be a multiple of the pipeline"):
+        forward_backward(
+            forward_step=None, data_iterator=iter(()), model=chunks, num_microbatches=3,
+            shape=None, pg=pg,
+        )  # fmt: skip
+
+
+def test_engine_refuses_checkpoints_of_model_chunks():
+    cfg = TrainingConfig(
+        batch=BatchConfig(seq_length=16, micro_batch_size=1, global_batch_size=2, train_iters=2),
+        optim=OptimizerConfig(lr=1e-3),
+        ckpt=CheckpointConfig(save="ckpt", save_interval=1),
+    )
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    with pytest.raises(ValueError, match="checkpoints of virtual pipeline stages"):
+        PortableEngine(cfg, chunks, None, None, None, None)
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("global_batch", [4, 2], ids=["steady-1f1b", "all-warmup"])
 def test_interleaved_pipeline_matches_one_rank(tmp_path, global_batch):
     single = _run(tmp_path / "pp1", 1, 1, global_batch)
@@ -66,6 +96,7 @@ def test_interleaved_pipeline_matches_one_rank(tmp_path, global_batch):
         assert interleaved["losses"] == plain["losses"]  # same sums in the same order
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("nan_rank", [1])
 def test_nonfinite_loss_under_ddp_names_its_rank(tmp_path, nan_rank):
     """DP=2 on torch DDP: rank 1's second-iteration loss is NaN, rank 0's is finite. Both
