@@ -31,16 +31,29 @@ logger = logging.getLogger("pretrain_leviathan")
 
 
 def model_provider(
-    model_config, pre_process: bool = True, post_process: bool = True, pg_collection=None
+    model_config,
+    pre_process: bool = True,
+    post_process: bool = True,
+    pg_collection=None,
+    vp_stage=None,
+    vp_size=None,
 ):
     """This pipeline stage of the model (input embedding on the first, head on the last), its
     layers communicating over `pg_collection` (megatron-core's `ProcessGroupCollection`; None:
-    megatron's global groups, as for the single-stage twin built before PP training)."""
+    megatron's global groups, as for the single-stage twin built before PP training); with
+    `vp_stage` of `vp_size` model chunks per rank, that chunk of the stage's layers."""
     from megatron_ext.models import build_model
     from megatron_ext.parallel import ProcessGroups
 
     pg = None if pg_collection is None else ProcessGroups.from_collection(pg_collection)
-    return build_model(model_config, pre_process=pre_process, post_process=post_process, pg=pg)
+    return build_model(
+        model_config,
+        pre_process=pre_process,
+        post_process=post_process,
+        pg=pg,
+        vp_stage=vp_stage,
+        vp_size=vp_size,
+    )
 
 
 def _on_this_cp_rank(batch: dict) -> dict:

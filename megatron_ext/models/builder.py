@@ -50,11 +50,14 @@ def build_model(
     pre_process: bool = True,
     post_process: bool = True,
     pg: Optional["ProcessGroups"] = None,
+    vp_stage: Optional[int] = None,
+    vp_size: Optional[int] = None,
 ) -> LeviathanModel:
     """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`.
 
     `pg`: the process groups the model communicates over (`LeviathanModel`); None keeps
     megatron's default for its own layers (its `parallel_state` groups).
+    `vp_stage`/`vp_size`: build model chunk `vp_stage` of `vp_size` on this pipeline rank.
     """
     cfg = resolve_embedding_sizes(cfg)
     return LeviathanModel(
@@ -64,4 +67,6 @@ def build_model(
         share_embeddings_and_output_weights=cfg.embedding.tied,
         input_embedding_builder=input_embedding_builder(cfg),
         pg=pg,
+        vp_stage=vp_stage,
+        vp_size=vp_size,
     )

@@ -55,6 +55,8 @@ class LeviathanModel(GPTModel):
         pg: the process groups, handed to megatron's GPTModel as its `pg_collection` (so its
             layers and the input module use exactly these groups). None: GPTModel's default,
             megatron's own `parallel_state` groups.
+        vp_stage, vp_size: this model chunk's virtual pipeline stage and the number of chunks
+            per pipeline rank (--num-layers-per-virtual-pipeline-stage); None: one chunk.
     """
 
     def __init__(
@@ -68,6 +70,8 @@ class LeviathanModel(GPTModel):
         transformer_layer_spec: Optional[ModuleSpec] = None,
         parallel_output: bool = True,
         pg: Optional["ProcessGroups"] = None,
+        vp_stage: Optional[int] = None,
+        vp_size: Optional[int] = None,
     ) -> None:
         if share_embeddings_and_output_weights and input_embedding_builder is not None:
             raise ValueError(
@@ -76,6 +80,9 @@ class LeviathanModel(GPTModel):
             )
         self.model_config = model_config
         config = model_config.transformer_config()
+        if vp_size is not None:
+            # Set after construction: megatron sizes and offsets each chunk's layers from it.
+            config.virtual_pipeline_model_parallel_size = vp_size
         spec = transformer_layer_spec or get_decoder_block_spec(
             config, model_config.transformer_impl, qk_layernorm=model_config.qk_layernorm
         )
@@ -92,6 +99,7 @@ class LeviathanModel(GPTModel):
             rotary_percent=model_config.rotary_percent,
             rotary_base=model_config.rotary_base,
             pg_collection=None if pg is None else pg.megatron_collection(),
+            vp_stage=vp_stage,
         )
         self.rotary_pos_emb = PortableRotaryEmbedding(
             kv_channels=config.kv_channels,

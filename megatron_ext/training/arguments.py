@@ -286,6 +286,7 @@ def _validate(args: argparse.Namespace, world_size: int) -> TrainingConfig:
         args.ckpt_format = "torch_dcp"
     try:
         cfg = _build_training_config(args, world_size)
+        cfg = dataclasses.replace(cfg, parallel=cfg.parallel.with_num_layers(args.num_layers))
     except ValueError as error:
         raise ArgumentError(str(error)) from None
     _record_config(args, cfg)

@@ -69,8 +69,17 @@ class ParallelConfig:
         "--distributed-timeout-minutes",
         "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)",
     )
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
+        None,
+        "--num-layers-per-virtual-pipeline-stage",
+        "layers per model chunk: each pipeline rank runs num-layers / (PP x N) chunks with "
+        "the interleaved 1F1B schedule (portable engine, no --save/--load yet)",
+    )
     data_parallel_size: int = 1
     """Derived: world size / (TP x CP x PP), set by `resolve`."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Derived: model chunks per pipeline rank, num-layers / (PP x
+    num_layers_per_virtual_pipeline_stage), set by `with_num_layers` (None: one chunk)."""
 
     def __post_init__(self) -> None:
         _at_least("data-parallel size", self.data_parallel_size)
@@ -83,6 +92,37 @@ class ParallelConfig:
             raise ValueError(
                 f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}"
             )
+        _at_least(
+            "--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage
+        )
+        if self.num_layers_per_virtual_pipeline_stage and self.pipeline_model_parallel_size < 2:
+            raise ValueError(
+                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
+                "> 1 (the interleaved schedule splits each pipeline rank's layers into chunks); "
+                "drop the flag or raise PP"
+            )
+
+    def with_num_layers(self, num_layers: int) -> "ParallelConfig":
+        """This layout for a `num_layers` model: the model chunks per pipeline rank derived
+        from --num-layers-per-virtual-pipeline-stage (self if nothing changes).
+
+        Raises:
+            ValueError: `num_layers` is not divisible by PP x layers per virtual stage.
+        """
+        per_stage = self.num_layers_per_virtual_pipeline_stage
+        if per_stage is None:
+            return self
+        pp = self.pipeline_model_parallel_size
+        if num_layers % (pp * per_stage):
+            raise ValueError(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+                f"{pp} x --num-layers-per-virtual-pipeline-stage {per_stage} = {pp * per_stage}; "
+                "change one of them"
+            )
+        vp_size = num_layers // (pp * per_stage)
+        if vp_size == self.virtual_pipeline_model_parallel_size:
+            return self
+        return dataclasses.replace(self, virtual_pipeline_model_parallel_size=vp_size)
 
     @property
     def _model_parallel_sizes(self) -> tuple[int, int, int]:
@@ -721,6 +761,8 @@ class TrainingConfig:
                 f"--seq-length {b.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
             )
         b.rampup(p.data_parallel_size)  # checks --rampup-batch-size
+        if p.num_layers_per_virtual_pipeline_stage:
+            self._check_interleaved()
         if self.exit.skip_train:
             if not self.ckpt.load:
                 raise ValueError("--skip-train evaluates a checkpoint: pass --load")
@@ -745,6 +787,28 @@ class TrainingConfig:
         if self.log.profile and not (self.log.tensorboard_dir or self.ckpt.save):
             raise ValueError(
                 "--profile writes its trace beside the TensorBoard logs: --tensorboard-dir"
+            )
+
+    def _check_interleaved(self) -> None:
+        """What the interleaved 1F1B schedule (virtual pipeline stages) needs of the run."""
+        p, b = self.parallel, self.batch
+        flag_ = "--num-layers-per-virtual-pipeline-stage"
+        if self.engine.ddp_impl != "portable":
+            raise ValueError(f"{flag_} runs on the portable engine: drop --ddp-impl megatron")
+        if self.ckpt.save or self.ckpt.load:
+            raise ValueError(
+                f"{flag_} cannot --save/--load yet (model chunks have no checkpoint format); "
+                "drop --save/--load, or the flag to checkpoint a non-interleaved run"
+            )
+        if b.rampup_batch_size:
+            raise ValueError(f"{flag_} does not support --rampup-batch-size; drop one of them")
+        pp = p.pipeline_model_parallel_size
+        if self.num_microbatches % pp:
+            raise ValueError(
+                f"{flag_} needs the number of micro-batches per iteration ({self.num_microbatches}"
+                f" = --global-batch-size {b.global_batch_size} / (--micro-batch-size "
+                f"{b.micro_batch_size} x data-parallel size {p.data_parallel_size})) to be a "
+                f"multiple of --pipeline-model-parallel-size {pp}; change the global batch"
             )
 
     def resolve(self, world_size: int) -> "TrainingConfig":

@@ -11,9 +11,10 @@ Data-parallel gradients: with one pipeline stage, torch's `DistributedDataParall
 `pg.dp_cp` (bucketed all-reduce overlapped with the last micro-batch's backward; earlier
 micro-batches accumulate under `no_sync`). Its communication hook averages each bucket, notes
 whether this rank's own gradients were finite (to name the rank of a NaN) and, with
---grad-reduce-in-bf16, sends BF16. Under pipeline parallelism the 1F1B schedule interleaves
-the backwards of different micro-batches, which DDP's reducer cannot attribute to the forward
-that prepared it, so there the gradients are averaged after the schedule by
+--grad-reduce-in-bf16, sends BF16. Under pipeline parallelism the 1F1B schedule (interleaved
+1F1B over model chunks, `--num-layers-per-virtual-pipeline-stage`) interleaves the backwards of
+different micro-batches, which DDP's reducer cannot attribute to the forward that prepared it,
+so there the gradients are averaged after the schedule by
 `optimizer.allreduce_data_parallel_grads` (bucketed, asynchronous).
 """
 
@@ -91,7 +92,8 @@ class PortableEngine(Engine):
 
     Args:
         cfg: the run's settings.
-        model: this pipeline stage's model (float32 parameters).
+        model: this pipeline stage's model (float32 parameters), or its model chunks in order
+            (virtual pipeline stages: the interleaved 1F1B schedule; no checkpointing yet).
         forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
         pg: the run's process groups.
         phase: shared with the loop, named when a collective times out.
@@ -101,12 +103,20 @@ class PortableEngine(Engine):
     def __init__(
         self,
         cfg: TrainingConfig,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
         forward_step: ForwardStep,
         pg: ProcessGroups,
         phase: Phase,
         timers: Timers,
     ) -> None:
+        self.chunks = list(model) if isinstance(model, Sequence) else [model]
+        if len(self.chunks) > 1:
+            if cfg.ckpt.save or cfg.ckpt.load:
+                raise ValueError(
+                    "checkpoints of virtual pipeline stages (model chunks) are not supported "
+                    "yet; drop --save/--load or the virtual pipeline stages"
+                )
+            model = torch.nn.ModuleList(self.chunks)
         self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
         self.phase, self.timers = phase, timers
         b, prec, o = cfg.batch, cfg.precision, cfg.optim
@@ -130,12 +140,11 @@ class PortableEngine(Engine):
         )
         self.autocast = autocast_factory(prec)
         device = next(model.parameters()).device
+        hidden = self.chunks[0].config.hidden_size
         seq = b.seq_length // cfg.parallel.context_parallel_size
         if cfg.parallel.sequence_parallel:
             seq //= cfg.parallel.tensor_model_parallel_size
-        self.shape = PipelineShape(
-            (seq, b.micro_batch_size, model.config.hidden_size), pipeline_dtype(prec), device
-        )
+        self.shape = PipelineShape((seq, b.micro_batch_size, hidden), pipeline_dtype(prec), device)
         self.consecutive_nonfinite = 0
         self._hook = _AverageHook(pg.dp_cp, torch.bfloat16 if prec.grad_reduce_in_bf16 else None)
         self.ddp: Optional[DistributedDataParallel] = None
@@ -173,7 +182,7 @@ class PortableEngine(Engine):
         totals = forward_backward(
             forward_step=self.forward_step,
             data_iterator=data_iterator,
-            model=self.model if ddp is None else ddp,
+            model=self.chunks if ddp is None else ddp,
             num_microbatches=global_batch // (b.micro_batch_size * p.data_parallel_size),
             shape=self.shape,
             pg=self.pg,
@@ -184,8 +193,8 @@ class PortableEngine(Engine):
         )
         self.timers.mark("forward-backward")
         if p.sequence_parallel:
-            allreduce_sequence_parallel_grads([self.model], self.pg.tp)
-        allreduce_tied_embedding_grads([self.model], self.pg.embd)
+            allreduce_sequence_parallel_grads(self.chunks, self.pg.tp)
+        allreduce_tied_embedding_grads(self.chunks, self.pg.embd)
         grad_scale = 1.0 / scale
         if per_token_loss:
             grad_scale *= self._per_token_grad_scale(totals)
@@ -297,7 +306,7 @@ class PortableEngine(Engine):
                 step = forward_backward(
                     forward_step=self.forward_step,
                     data_iterator=data_iterator,
-                    model=self.model,
+                    model=self.chunks,
                     num_microbatches=self.cfg.num_microbatches,
                     shape=self.shape,
                     pg=self.pg,

@@ -316,6 +316,44 @@ def build_engine(cfg: TrainingConfig, model, forward_step, pg, phase, timers) ->
     return PortableEngine(cfg, model, forward_step, pg, phase, timers)
 
 
+def _build_chunks(
+    cfg: TrainingConfig, pg: ProcessGroups, model_provider: ModelProvider
+) -> list[torch.nn.Module]:
+    """This pipeline rank's model: one module, or with --num-layers-per-virtual-pipeline-stage
+    its V model chunks in order (chunk c holds virtual stage c x PP + pp_rank; the embedding on
+    the first rank's chunk 0, the head on the last rank's chunk V-1).
+
+    Megatron-LM's contract: the provider builds its stage on the groups it is given, and a
+    chunk when given `vp_stage` (here also `vp_size`, the chunks per rank).
+    """
+    collection = pg.megatron_collection()
+    p = cfg.parallel
+    if p.num_layers_per_virtual_pipeline_stage is None:
+        return [
+            model_provider(
+                pre_process=pg.is_first_stage,
+                post_process=pg.is_last_stage,
+                pg_collection=collection,
+            )
+        ]
+    vp_size = p.virtual_pipeline_model_parallel_size
+    if vp_size is None:
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage: derive the chunks per rank first "
+            "(ParallelConfig.with_num_layers(num_layers))"
+        )
+    return [
+        model_provider(
+            pre_process=pg.is_first_stage and c == 0,
+            post_process=pg.is_last_stage and c == vp_size - 1,
+            pg_collection=collection,
+            vp_stage=c,
+            vp_size=vp_size,
+        )
+        for c in range(vp_size)
+    ]
+
+
 def setup(
     cfg: TrainingConfig,
     pg: ProcessGroups,
@@ -351,26 +389,29 @@ def setup(
             pg.dp_size,
             dist.get_backend(),
         )
+        if p.virtual_pipeline_model_parallel_size:
+            logger.info(
+                "interleaved 1F1B: model chunks per pipeline rank: %d (%d layers each)",
+                p.virtual_pipeline_model_parallel_size,
+                p.num_layers_per_virtual_pipeline_stage,
+            )
         for key, value in sorted(ck.args_json.items()):
             logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
-    # Megatron-LM's contract: the provider builds its stage on the groups it is given.
-    model = model_provider(
-        pre_process=pg.is_first_stage,
-        post_process=pg.is_last_stage,
-        pg_collection=pg.megatron_collection(),
-    )
+    chunks = _build_chunks(cfg, pg, model_provider)
     resuming = bool(ck.load) and (
         ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
     )
     if p.pipeline_model_parallel_size > 1 and full_model_provider and not resuming:
-        initialize_like_single_stage(model, full_model_provider, cfg.seed)
+        for chunk in chunks:
+            initialize_like_single_stage(chunk, full_model_provider, cfg.seed)
     if torch.cuda.is_available():
-        model = model.cuda(torch.cuda.current_device())
-    num_params = unique_numel(model, pg)
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+    model = chunks[0] if len(chunks) == 1 else chunks
+    num_params = unique_numel(torch.nn.ModuleList(chunks), pg)
     phase, timers = Phase(), Timers(cfg.log.timing_log_level > 0)
     engine = (engine_builder or build_engine)(cfg, model, forward_step, pg, phase, timers)
     extras = RunExtras(cfg, pg)
-    model_config = getattr(model, "model_config", None)  # a LeviathanModel's ModelConfig
+    model_config = getattr(chunks[0], "model_config", None)  # a LeviathanModel's ModelConfig
     flops = (
         flops_per_iteration(model_config, cfg.batch.global_batch_size)
         if model_config is not None

@@ -1,0 +1,133 @@
+"""torchrun entry of test_portable_engine.py: a few portable-engine steps of a 4-layer
+tiny GPT, on one rank or over P pipeline ranks with V model chunks each (interleaved 1F1B).
+
+    python -m torch.distributed.run --nproc-per-node P _portable_entry.py OUT V [GLOBAL_BATCH]
+    python -m torch.distributed.run --nproc-per-node 2 _portable_entry.py OUT 1 4 NAN_RANK
+
+GLOBAL_BATCH (default 4) micro-batches of one sample each make one iteration. With NAN_RANK
+the ranks are data-parallel instead (PP=1, torch DDP), rank NAN_RANK's loss of the second
+iteration is NaN, and each rank writes the engine's error to OUT/error<rank>.txt.
+
+Every stage starts from the single-stage model's weights (`initialize_like_single_stage`);
+rank 0 writes OUT/losses.json: the training losses, grad norms and one evaluation loss.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_ext.testing.tiny_gpt import SEQ, VOCAB, RandomSamples, forward_step
+
+LAYERS, MICRO_BATCH, ITERS, SEED = 4, 1, 4, 1234
+
+
+def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | None) -> None:
+    import torch.distributed as dist
+
+    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.parallel import destroy_parallel, initialize_parallel, set_random_seed
+    from megatron_ext.training.config import (
+        BatchConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        TrainingConfig,
+    )
+    from megatron_ext.training.engine import NonFiniteError, Phase
+    from megatron_ext.training.engine_portable import PortableEngine
+    from megatron_ext.training.initialization import initialize_like_single_stage
+    from megatron_ext.training.metrics_logger import Timers
+
+    pp = 1 if nan_rank is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    pg = initialize_parallel(pipeline_model_parallel_size=pp, backend="gloo")
+    set_random_seed(SEED, pg.pp_rank)
+    config = ModelConfig(
+        vocab_size=VOCAB,
+        num_layers=LAYERS,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=SEQ,
+        pipeline_model_parallel_size=pp,
+        embedding=dict(embedding_type="untied"),
+    )
+    V = chunks_per_rank
+    chunks = [
+        build_model(
+            config,
+            pre_process=pg.is_first_stage and c == 0,
+            post_process=pg.is_last_stage and c == V - 1,
+            pg=pg,
+            vp_stage=c if V > 1 else None,
+            vp_size=V if V > 1 else None,
+        )
+        for c in range(V)
+    ]
+    full = config.replace(pipeline_model_parallel_size=1)
+    with torch.no_grad():
+        for chunk in chunks:
+            initialize_like_single_stage(chunk, lambda: build_model(full), SEED)
+    layers = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
+    cfg = TrainingConfig(
+        batch=BatchConfig(
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            global_batch_size=global_batch,
+            train_iters=ITERS,
+        ),
+        optim=OptimizerConfig(lr=1e-2, lr_decay_steps=ITERS, clip_grad=1.0),
+        parallel=ParallelConfig(pipeline_model_parallel_size=pp),
+    ).resolve(dist.get_world_size())
+    step_fn, iteration = forward_step, [0]
+    if nan_rank is not None:
+
+        def step_fn(data_iterator, model):  # NaN losses on one data-parallel rank only
+            output, loss_func = forward_step(data_iterator, model)
+            if dist.get_rank() == nan_rank and iteration[0] == 1:
+                output = output * float("nan")
+            return output, loss_func
+
+    engine = PortableEngine(
+        cfg, chunks if V > 1 else chunks[0], step_fn, pg, Phase(), Timers(False)
+    )
+    samples = RandomSamples(global_batch * (ITERS + 1))
+
+    def micro_batches(iteration: int):
+        start = iteration * global_batch
+        for i in range(start, start + global_batch, MICRO_BATCH):
+            yield torch.utils.data.default_collate([samples[j] for j in range(i, i + MICRO_BATCH)])
+
+    if nan_rank is not None:
+        (out / f"ddp{dist.get_rank()}.txt").write_text(type(engine.ddp).__name__)
+        try:
+            for iteration[0] in range(ITERS):
+                engine.step(micro_batches(iteration[0]), global_batch)
+        except NonFiniteError as error:
+            (out / f"error{dist.get_rank()}.txt").write_text(f"{iteration[0] + 1}: {error}")
+        destroy_parallel()
+        return
+    results = [engine.step(micro_batches(i), global_batch) for i in range(ITERS)]
+    eval_loss = engine.evaluate(micro_batches(ITERS), 1)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, layers)
+    if dist.get_rank() == 0:
+        record = dict(
+            losses=[r.loss for r in results],
+            grad_norms=[r.grad_norm for r in results],
+            stepped=[r.stepped for r in results],
+            eval_loss=eval_loss,
+            layers=gathered,
+        )
+        (out / "losses.json").write_text(json.dumps(record))
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    main(
+        Path(argv[0]),
+        int(argv[1]),
+        int(argv[2]) if len(argv) > 2 else 4,
+        int(argv[3]) if len(argv) > 3 else None,
+    )

@@ -1,0 +1,81 @@
+"""--num-layers-per-virtual-pipeline-stage from the command line: `pretrain_leviathan.py` on
+two gloo ranks (PP=2, two model chunks per rank: the interleaved 1F1B schedule) logs the
+training and validation losses of the single-rank run; bad combinations of the flag are refused
+with one line."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from megatron_ext.training.arguments import ArgumentError, parse_args
+
+RTOL = 1e-5
+INTERLEAVED = [
+    "--pipeline-model-parallel-size",
+    "2",
+    "--num-layers-per-virtual-pipeline-stage",
+    "1",
+]
+SHORT = ["--exit-interval", "3", "--eval-interval", "2"]
+
+
+def _validation_losses(run) -> dict[int, float]:
+    """The boxed evaluation lines: `validation loss at iteration N | lm loss value: X |`."""
+    pattern = r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|"
+    return {int(it): float(value) for it, value in re.findall(pattern, run.output)}
+
+
+@pytest.mark.integration
+def test_interleaved_pipeline_matches_one_rank(launcher, base_args, tmp_path):
+    single = launcher(1, [*base_args, *SHORT], tmp_path / "pp1").check()
+    interleaved = launcher(2, [*base_args, *SHORT, *INTERLEAVED], tmp_path / "vp2").check()
+    assert "model chunks per pipeline rank: 2" in interleaved.output
+    assert sorted(interleaved.losses) == [1, 2, 3]
+    for it in (1, 2, 3):
+        a, b = interleaved.losses[it], single.losses[it]
+        assert math.isclose(a, b, rel_tol=RTOL), f"iteration {it}: {a!r} != {b!r}"
+    grad_norms = {r["iteration"]: r["grad_norm"] for r in interleaved.records}
+    for r in single.records:
+        assert math.isclose(grad_norms[r["iteration"]], r["grad_norm"], rel_tol=RTOL), r
+    assert "lm loss:" in interleaved.output and "grad norm:" in interleaved.output
+    expected, actual = _validation_losses(single), _validation_losses(interleaved)
+    assert sorted(expected) == sorted(actual) == [2], (expected, actual)
+    assert math.isclose(actual[2], expected[2], rel_tol=RTOL), (actual, expected)
+
+
+BASE = [
+    "--micro-batch-size", "1", "--global-batch-size", "4", "--seq-length", "32", "--lr", "1e-3",
+    "--train-iters", "10", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
+    "--num-attention-heads", "4",
+]  # fmt: skip
+
+
+def test_the_flag_derives_the_chunks_per_rank():
+    args = parse_args([*BASE, *INTERLEAVED], world_size=2)
+    assert args.num_layers_per_virtual_pipeline_stage == 1
+    assert args.virtual_pipeline_model_parallel_size == 2  # 4 layers / (PP 2 x 1)
+    args = parse_args([*BASE, "--pipeline-model-parallel-size", "2"], world_size=2)
+    assert args.virtual_pipeline_model_parallel_size is None
+
+
+@pytest.mark.parametrize(
+    "extra,world_size,message",
+    [
+        (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "needs --pipeline-model-parallel"),
+        ([*INTERLEAVED[:3], "2", "--num-layers", "6"], 2, "--num-layers 6 is not divisible by"),
+        ([*INTERLEAVED[:2], "--num-layers-per-virtual-pipeline-stage", "0"], 2, "must be >= 1"),
+        ([*INTERLEAVED, "--global-batch-size", "3"], 2, "micro-batches per iteration (3"),
+        ([*INTERLEAVED, "--save", "ckpt"], 2, "cannot --save/--load yet"),
+        ([*INTERLEAVED, "--load", "ckpt"], 2, "cannot --save/--load yet"),
+        ([*INTERLEAVED, "--rampup-batch-size", "2", "2", "8"], 2, "--rampup-batch-size"),
+    ],
+)
+def test_bad_virtual_pipeline_flags_are_refused_in_one_line(extra, world_size, message):
+    with pytest.raises(ArgumentError) as info:
+        parse_args([*BASE, *extra], world_size=world_size)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert "--num-layers-per-virtual-pipeline-stage" in str(info.value) or "PP" in str(info.value)

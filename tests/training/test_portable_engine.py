@@ -1,0 +1,112 @@
+"""The portable engine on 2 gloo ranks launched by torch.distributed.run: interleaved 1F1B
+(virtual pipeline stages) against one rank, and a NaN on one data-parallel rank named.
+
+A 4-layer tiny GPT trains 4 iterations from the single-stage model's weights: on one rank, as
+2 pipeline stages of 2 layers (1F1B), and as 2 stages x 2 model chunks of 1 layer each (rank 0
+holds layers 1 and 3, rank 1 layers 2 and 4; the activations go round the ring twice). All
+three must report the same losses, grad norms and evaluation loss. With 4 micro-batches the
+schedule runs warm-up, steady 1F1B and cool-down; with 2 (= the pipeline size) it is all
+warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_ext.testing.distributed import find_free_port
+from megatron_ext.training.config import (
+    BatchConfig,
+    CheckpointConfig,
+    OptimizerConfig,
+    TrainingConfig,
+)
+from megatron_ext.training.engine_portable import PortableEngine
+from megatron_ext.training.schedules import forward_backward
+
+ENTRY = Path(__file__).with_name("_portable_entry.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _launch(out: Path, nproc: int, *args: object) -> None:
+    out.mkdir(parents=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(find_free_port()), str(ENTRY), str(out), *map(str, args),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def _run(out: Path, nproc: int, chunks: int, global_batch: int) -> dict:
+    _launch(out, nproc, chunks, global_batch)
+    return json.loads((out / "losses.json").read_text())
+
+
+def _assert_same(actual: dict, expected: dict, rel: float = 1e-6) -> None:
+    assert actual["stepped"] == [True] * 4, actual
+    for key in ("losses", "grad_norms"):
+        for it, (a, e) in enumerate(zip(actual[key], expected[key]), start=1):
+            assert math.isclose(a, e, rel_tol=rel), f"{key} at iteration {it}: {a!r} != {e!r}"
+    assert math.isclose(actual["eval_loss"], expected["eval_loss"], rel_tol=rel)
+
+
+def test_interleaved_schedule_needs_micro_batches_in_groups_of_the_pipeline_size():
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    pg = SimpleNamespace(pp_size=2)  # refused before any communication
+    with pytest.raises(ValueError, match=r"micro-batches \(3\) to be a multiple of the pipeline"):
+        forward_backward(
+            forward_step=None, data_iterator=iter(()), model=chunks, num_microbatches=3,
+            shape=None, pg=pg,
+        )  # fmt: skip
+
+
+def test_engine_refuses_checkpoints_of_model_chunks():
+    cfg = TrainingConfig(
+        batch=BatchConfig(seq_length=16, micro_batch_size=1, global_batch_size=2, train_iters=2),
+        optim=OptimizerConfig(lr=1e-3),
+        ckpt=CheckpointConfig(save="ckpt", save_interval=1),
+    )
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    with pytest.raises(ValueError, match="checkpoints of virtual pipeline stages"):
+        PortableEngine(cfg, chunks, None, None, None, None)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("global_batch", [4, 2], ids=["steady-1f1b", "all-warmup"])
+def test_interleaved_pipeline_matches_one_rank(tmp_path, global_batch):
+    single = _run(tmp_path / "pp1", 1, 1, global_batch)
+    interleaved = _run(tmp_path / "pp2_vp2", 2, 2, global_batch)
+    assert interleaved["layers"] == [[[1], [3]], [[2], [4]]]  # rank -> chunk -> layer numbers
+    assert len(set(single["losses"])) > 1  # the weights moved
+    _assert_same(interleaved, single)
+    if global_batch == 4:
+        plain = _run(tmp_path / "pp2", 2, 1, global_batch)
+        assert plain["layers"] == [[[1, 2]], [[3, 4]]]
+        _assert_same(plain, single)
+        assert interleaved["losses"] == plain["losses"]  # same sums in the same order
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("nan_rank", [1])
+def test_nonfinite_loss_under_ddp_names_its_rank(tmp_path, nan_rank):
+    """DP=2 on torch DDP: rank 1's second-iteration loss is NaN, rank 0's is finite. Both
+    ranks stop at iteration 2 and name rank 1 alone: for the loss, and for the gradients (its
+    DDP hook saw its own buckets non-finite before the average spread the NaN to rank 0)."""
+    out = tmp_path / "dp2"
+    _launch(out, 2, 1, 4, nan_rank)
+    for rank in (0, 1):
+        assert (out / f"ddp{rank}.txt").read_text() == "DistributedDataParallel"
+        error = (out / f"error{rank}.txt").read_text()
+        assert error.startswith("2: loss nan / grad norm nan is not finite"), error
+        assert f"non-finite loss on rank(s) [{nan_rank}]" in error, error
+        assert f"non-finite gradients on rank(s) [{nan_rank}]" in error, error
