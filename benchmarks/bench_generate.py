@@ -32,7 +32,6 @@ import time
 
 import torch
 
-
 CLOCKS = {"wall": time.perf_counter, "cpu_seconds": time.process_time}
 _clock = time.perf_counter
 """--clock: wall time, or this process's CPU seconds (all threads; steadier on a loaded host)."""

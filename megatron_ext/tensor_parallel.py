@@ -188,7 +188,9 @@ class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear):
         if (
             _forward_only_single_rank(self)
             and not self.config.defer_embedding_wgrad_compute
-            and (weight is None or weight.shape == (self.output_size_per_partition, self.input_size))
+            and (
+                weight is None or weight.shape == (self.output_size_per_partition, self.input_size)
+            )
         ):
             weight = self.weight if weight is None else weight
             output = F.linear(input_, weight, None if self.skip_bias_add else self.bias)
