@@ -136,6 +136,19 @@ def adopt(cls: type, module: torch.nn.Module) -> torch.nn.Module:
     return twin
 
 
+def _forward_only_single_rank(layer) -> bool:
+    """True when a CPU linear may skip megatron's communication wrappers: no autograd is
+    recorded (evaluation, generation) and its TP group has one rank, so every copy, reduce and
+    gather is the identity. Skipping them saves several autograd-Function calls per layer and
+    token, which dominate a decoding step's overhead on CPU; the matmul is the same call."""
+    if torch.is_grad_enabled() or layer.sequence_parallel:
+        return False
+    single = layer.__dict__.get("_tp_single_rank")
+    if single is None:
+        single = layer.__dict__["_tp_single_rank"] = layer.tp_group.size() == 1
+    return single
+
+
 class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear):
     """megatron's ColumnParallelLinear; on CPU its matmul and communication avoid CUDA."""
 
@@ -172,6 +185,16 @@ class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear):
         """megatron's forward on CUDA; on CPU the same math with portable collectives."""
         if input_.is_cuda:
             return super().forward(input_, weight, runtime_gather_output)
+        if (
+            _forward_only_single_rank(self)
+            and not self.config.defer_embedding_wgrad_compute
+            and (
+                weight is None or weight.shape == (self.output_size_per_partition, self.input_size)
+            )
+        ):
+            weight = self.weight if weight is None else weight
+            output = F.linear(input_, weight, None if self.skip_bias_add else self.bias)
+            return output, self.bias if self.skip_bias_add else None
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         output, output_bias = super().forward(input_, weight, runtime_gather_output=False)
         if gather:
@@ -189,7 +212,9 @@ class PortableRowParallelLinear(mcore_tp.RowParallelLinear):
         if not self.input_is_parallel:
             raise ValueError("the portable RowParallelLinear expects input_is_parallel=True")
         output = F.linear(input_, self.weight)
-        if self.sequence_parallel:
+        if _forward_only_single_rank(self):
+            pass
+        elif self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
         else:
             output = reduce_from_tensor_model_parallel_region(output, group=self.tp_group)

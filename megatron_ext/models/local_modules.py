@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
@@ -276,6 +276,52 @@ class PortableTransformerBlock(TransformerBlock):
         return hidden_states
 
 
+class _RopeTables:
+    """cos and sin of megatron's rotary angles, computed once per angle tensor.
+
+    megatron's `apply_rotary_pos_emb` takes the angles [s, 1, 1, d] and evaluates cos and sin
+    again for every call: twice per layer per forward (query and key), and at every decoding
+    step. The angles come from `RotaryEmbedding.forward`, which megatron memoises per sequence
+    length, so the same tensor object comes back forward after forward; its tables are kept
+    here (a few entries, keyed by that object, the dtype, mscale and whether inference mode was
+    on: an inference tensor must not reach a forward that records autograd).
+    """
+
+    _entries: dict = {}
+
+    @classmethod
+    def get(cls, freqs: Tensor, dtype: torch.dtype, mscale: float) -> tuple[Tensor, Tensor]:
+        """(cos, sin) [s, 1, 1, d] of `freqs`, as megatron's `_apply_rotary_pos_emb_bshd`
+        computes them (`(torch.cos(freqs) * mscale).to(dtype)`)."""
+        key = (id(freqs), dtype, mscale, torch.is_inference_mode_enabled())
+        entry = cls._entries.get(key)
+        if entry is not None and entry[0] is freqs:
+            return entry[1], entry[2]
+        with torch.no_grad():
+            cos = (torch.cos(freqs) * mscale).to(dtype)
+            sin = (torch.sin(freqs) * mscale).to(dtype)
+        if len(cls._entries) >= 8:
+            cls._entries.clear()
+        cls._entries[key] = (freqs, cos, sin)  # holds `freqs`, so its id is not reused
+        return cos, sin
+
+
+def _rotate(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """megatron's rotary embedding of t [s, b, n, hn] with cos/sin [s, 1, 1, d] (d <= hn; the
+    rest of hn passes through), bit for bit. Non-interleaved it takes fewer passes over t:
+    megatron's `t * cos + cat(-t2, t1) * sin` is, half by half, `t1 * c1 - t2 * s1` and
+    `t2 * c2 + t1 * s2` (IEEE: `a + (-b) * c` equals `a - b * c` exactly)."""
+    rot_dim = cos.size(-1)
+    rest = t[..., rot_dim:]
+    if interleaved:
+        rotated = t[..., :rot_dim]
+        return torch.cat((rotated * cos + _rotate_half(rotated, True) * sin, rest), dim=-1)
+    half = rot_dim // 2
+    t1, t2 = t[..., :half], t[..., half:rot_dim]
+    c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+    return torch.cat((t1 * c1 - t2 * s1, t2 * c2 + t1 * s2, rest), dim=-1)
+
+
 class CachedSelfAttention(SelfAttention):
     """megatron's SelfAttention with its inference KV cache on the weights' device.
 
@@ -286,35 +332,46 @@ class CachedSelfAttention(SelfAttention):
     every layer), which makes one new token cost O(prefix); here each key is rotated once, with
     its own positions, before it is stored (as megatron's dynamic and flash-decode paths do).
     The rotated values are the same numbers, so the logits are unchanged.
+
+    The rotary embedding itself (queries and keys, with or without a cache) is applied here
+    too, from cos/sin tables computed once per angle tensor (`_RopeTables`) instead of at
+    every call, with megatron's exact arithmetic (`_rotate`); the caller then has nothing left
+    to rotate. Configurations this does not cover (fused RoPE, multi-latent
+    attention, flash decoding, dynamic batching) take megatron's own path.
     """
+
+    def _rope_here(self, inference_context) -> bool:
+        config = self.config
+        return not (
+            config.apply_rope_fusion
+            or config.multi_latent_attention
+            or config.flash_decode
+            or (inference_context is not None and not inference_context.is_static_batching())
+        )
 
     def _adjust_key_value_for_inference(
         self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
     ):
-        if (
-            inference_context is None
-            or rotary_pos_emb is None
-            or self.config.flash_decode
-            or not inference_context.is_static_batching()
-        ):
+        if rotary_pos_emb is None or not self._rope_here(inference_context):
             return super()._adjust_key_value_for_inference(
                 inference_context, query, key, value, rotary_pos_emb, *args, **kwargs
             )
         q_pos_emb, k_pos_emb = rotary_pos_emb
-        start = inference_context.sequence_len_offset
-        end = start + key.size(0)
-        key = apply_rotary_pos_emb(
-            key,
-            k_pos_emb[start:end],
-            config=self.config,
-            mscale=_yarn_get_concentration_factor_from_config(self.config),
-            cp_group=self.pg_collection.cp,
-        )
-        query, key, value, _, mask_type, block_table = super()._adjust_key_value_for_inference(
+        start = 0 if inference_context is None else inference_context.sequence_len_offset
+        mscale = _yarn_get_concentration_factor_from_config(self.config)
+        interleaved = self.config.rotary_interleaved
+        if q_pos_emb is not None:
+            cos, sin = _RopeTables.get(q_pos_emb, query.dtype, mscale)
+            end = start + query.size(0)
+            query = _rotate(query, cos[start:end], sin[start:end], interleaved)
+        if k_pos_emb is not None:
+            cos, sin = _RopeTables.get(k_pos_emb, key.dtype, mscale)
+            end = start + key.size(0)
+            key = _rotate(key, cos[start:end], sin[start:end], interleaved)
+        # The cache (if any) now stores rotated keys, and nothing is left for the caller to rotate.
+        return super()._adjust_key_value_for_inference(
             inference_context, query, key, value, None, *args, **kwargs
         )
-        # The caller rotates the new queries only; the cached keys are rotated already.
-        return query, key, value, (q_pos_emb[start:end], None), mask_type, block_table
 
     def _allocate_memory(self, inference_max_sequence_length, batch_size, dim, dtype):
         return torch.empty(
