@@ -97,7 +97,11 @@ def pytest_runtest_call(item):
 def sample_data(tmp_path_factory) -> list[str]:
     """Data + tokenizer flags of one generated corpus for the whole session (about 150k tokens,
     SentencePiece vocab 512; megatron_ext.testing.runs.prepare_sample_data), shared by the
-    training and conversion runs."""
+    training and conversion runs (built once, also across xdist workers)."""
+    from megatron_ext.testing.once import build_once, session_dir
     from megatron_ext.testing.runs import prepare_sample_data
 
-    return prepare_sample_data(tmp_path_factory.mktemp("sample_data"))
+    flags = build_once(session_dir(tmp_path_factory), "sample_data", prepare_sample_data)
+    # Megatron writes its dataset index caches unlocked: one cache directory per worker.
+    flags[flags.index("--data-cache-path") + 1] = str(tmp_path_factory.mktemp("data_cache"))
+    return flags
