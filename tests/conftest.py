@@ -3,7 +3,8 @@
 Two tiers, as Megatron-LM's unit_tests / functional_tests and torchtitan's unit / integration
 tests: a module that launches processes (torchrun, spawned gloo ranks, tool subprocesses,
 DataLoader workers) or trains declares ``pytestmark = pytest.mark.integration``; everything else
-is the unit tier (``bash scripts/test.sh --fast``). The tier is enforced: a test outside the
+is the unit tier (``bash scripts/test.sh --fast``, which also leaves out the few unit tests
+marked ``slow``). The tier is enforced: a test outside the
 integration tier that starts a Python process fails and says which marker it is missing.
 
 Without a GPU, Triton kernels run in Triton's CPU interpreter, which must be chosen before
@@ -28,6 +29,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "integration: launches processes or trains (excluded by `scripts/test.sh --fast`)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "slow: a unit test of over half a minute of CPU (a gradcheck in Triton's interpreter); "
+        "run by the full suite, excluded by `scripts/test.sh --fast`",
     )
 
 
