@@ -3,7 +3,8 @@
 Two tiers, as Megatron-LM's unit_tests / functional_tests and torchtitan's unit / integration
 tests: a module that launches processes (torchrun, spawned gloo ranks, tool subprocesses,
 DataLoader workers) or trains declares ``pytestmark = pytest.mark.integration``; everything else
-is the unit tier (``bash scripts/test.sh --fast``). The tier is enforced: a test outside the
+is the unit tier (``bash scripts/test.sh --fast``, which also leaves out the few unit tests
+marked ``slow``). The tier is enforced: a test outside the
 integration tier that starts a Python process fails and says which marker it is missing.
 
 Without a GPU, Triton kernels run in Triton's CPU interpreter, which must be chosen before
@@ -28,6 +29,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "integration: launches processes or trains (excluded by `scripts/test.sh --fast`)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "slow: a unit test of over half a minute of CPU (a gradcheck in Triton's interpreter); "
+        "run by the full suite, excluded by `scripts/test.sh --fast`",
     )
 
 
@@ -97,7 +103,11 @@ def pytest_runtest_call(item):
 def sample_data(tmp_path_factory) -> list[str]:
     """Data + tokenizer flags of one generated corpus for the whole session (about 150k tokens,
     SentencePiece vocab 512; megatron_ext.testing.runs.prepare_sample_data), shared by the
-    training and conversion runs."""
+    training and conversion runs (built once, also across xdist workers)."""
+    from megatron_ext.testing.once import build_once, session_dir
     from megatron_ext.testing.runs import prepare_sample_data
 
-    return prepare_sample_data(tmp_path_factory.mktemp("sample_data"))
+    flags = build_once(session_dir(tmp_path_factory), "sample_data", prepare_sample_data)
+    # Megatron writes its dataset index caches unlocked: one cache directory per worker.
+    flags[flags.index("--data-cache-path") + 1] = str(tmp_path_factory.mktemp("data_cache"))
+    return flags

@@ -39,7 +39,15 @@ from typing import Callable, Literal, Optional, Sequence, Union
 import megatron_ext
 from megatron_ext.testing.distributed import find_free_port
 
-__all__ = ["PACKAGE_ROOT", "Job", "SignalTargets", "launch", "child_pids", "descendant_pids"]
+__all__ = [
+    "PACKAGE_ROOT",
+    "Job",
+    "SignalTargets",
+    "launch",
+    "job_environment",
+    "child_pids",
+    "descendant_pids",
+]
 
 SignalTargets = Literal["ranks", "agent", "job"]
 
@@ -99,6 +107,17 @@ def _rank_of(pid: int) -> Optional[int]:
         if item.startswith(b"RANK="):
             return int(item[5:])
     return None
+
+
+def _is_torchrun(pid: int) -> bool:
+    """Whether ``pid`` runs torchrun (``python -m torch.distributed.run`` or the script)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"torch.distributed.run" in argv[:3] or any(
+        Path(os.fsdecode(a)).name == "torchrun" for a in argv[:2]
+    )
 
 
 class Job:
@@ -162,16 +181,27 @@ class Job:
             if pid not in self.seen:
                 self.seen[pid] = _start_time(pid)
 
+    def agents(self) -> list[int]:
+        """The torchrun processes of the job: the launched process itself, or those started
+        below it by a wrapper (a batch script, ``srun`` running ``torchrun``)."""
+        if not self.torchrun:
+            return []
+        pids = [self.proc.pid, *descendant_pids(self.proc.pid)]
+        self._remember(pids)
+        return [pid for pid in pids if _is_torchrun(pid)]
+
     def ranks(self) -> dict[int, int]:
-        """{rank: pid} of the training processes now running."""
+        """{rank: pid} of the training processes now running: the children of the torchrun
+        agents that carry a RANK (their own DataLoader workers are grandchildren)."""
         if not self.torchrun:
             return {} if self.proc.poll() is not None else {0: self.proc.pid}
         out = {}
-        for pid in child_pids(self.proc.pid):
-            self._remember([pid])
-            rank = _rank_of(pid)
-            if rank is not None:
-                out[rank] = pid
+        for agent in self.agents():
+            for pid in child_pids(agent):
+                self._remember([pid])
+                rank = _rank_of(pid)
+                if rank is not None:
+                    out[rank] = pid
         return dict(sorted(out.items()))
 
     def workers(self) -> dict[int, list[int]]:
@@ -189,7 +219,7 @@ class Job:
         if which == "ranks":
             return ranks
         if which == "agent":
-            return [self.proc.pid]
+            return (self.agents() if self.torchrun else []) or [self.proc.pid]
         if which == "job":
             workers = [w for pids in self.workers().values() for w in pids]
             return workers + [r for r in ranks if r != self.proc.pid] + [self.proc.pid]
@@ -342,6 +372,26 @@ def _entry_command(entry: Union[str, Path]) -> list[str]:
     return ["-m", entry]
 
 
+def job_environment(env: Optional[dict] = None) -> dict:
+    """The environment of a launched job: the caller's, without an inherited rank identity,
+    with PYTHONUNBUFFERED=1 and OMP_NUM_THREADS=1 unless set, this ``megatron_ext`` first on
+    PYTHONPATH, then ``env`` added (a None value removes the variable)."""
+    environment = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        environment.pop(key, None)
+    environment.setdefault("PYTHONUNBUFFERED", "1")
+    environment.setdefault("OMP_NUM_THREADS", "1")
+    environment["PYTHONPATH"] = os.pathsep.join(
+        dict.fromkeys(filter(None, [str(PACKAGE_ROOT), environment.get("PYTHONPATH")]))
+    )
+    for key, value in (env or {}).items():
+        if value is None:
+            environment.pop(key, None)
+        else:
+            environment[key] = str(value)
+    return environment
+
+
 def launch(
     entry: Union[str, Path],
     nproc: int,
@@ -385,19 +435,7 @@ def launch(
     log_path = Path(log) if log is not None else cwd / "output.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    environment = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        environment.pop(key, None)
-    environment.setdefault("PYTHONUNBUFFERED", "1")
-    environment.setdefault("OMP_NUM_THREADS", "1")
-    environment["PYTHONPATH"] = os.pathsep.join(
-        dict.fromkeys(filter(None, [str(PACKAGE_ROOT), environment.get("PYTHONPATH")]))
-    )
-    for key, value in (env or {}).items():
-        if value is None:
-            environment.pop(key, None)
-        else:
-            environment[key] = str(value)
+    environment = job_environment(env)
     # A MASTER_PORT inherited from the caller's own process group is not reused.
     port = (env or {}).get("MASTER_PORT") or str(find_free_port())
     if torchrun:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.testing.once import build_once, session_dir
 from megatron_ext.testing.runs import REPO, TINY_LEV_MODEL, TINY_TRAIN, launch, prepare_sample_data
 
 
@@ -41,7 +42,13 @@ class EvalRuns:
 
 @pytest.fixture(scope="session")
 def eval_runs(tmp_path_factory) -> EvalRuns:
-    root = tmp_path_factory.mktemp("eval_runs")
+    """Built once per session, also when the modules using it run on two xdist workers
+    (megatron_ext.testing.once); the tests only read it."""
+    root = Path(build_once(session_dir(tmp_path_factory), "eval_runs", _build_eval_runs))
+    return EvalRuns(root, root / "corpus", str(root / "val_text_document"))
+
+
+def _build_eval_runs(root: Path) -> str:
     corpus = root / "corpus"
     data = prepare_sample_data(corpus, size_mb=0.2)
     tied = ["tied" if a == "lev" else a for a in TINY_LEV_MODEL]
@@ -78,7 +85,7 @@ def eval_runs(tmp_path_factory) -> EvalRuns:
             pool.submit(held_out),
         ]:
             future.result()
-    return EvalRuns(root, corpus, str(root / "val_text_document"))
+    return str(root)
 
 
 @pytest.fixture(scope="session")

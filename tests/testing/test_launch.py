@@ -5,12 +5,21 @@ timeout that leaves nothing running."""
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.launch import PACKAGE_ROOT, count_records, launch
+from megatron_ext.testing.distributed import find_free_port
+from megatron_ext.testing.launch import (
+    PACKAGE_ROOT,
+    Job,
+    child_pids,
+    count_records,
+    job_environment,
+    launch,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -88,6 +97,28 @@ def test_sigterm_reaches_the_targets_a_cluster_would_signal(tmp_path, targets):
         assert sorted(who for who, _ in got).count("worker") == 2
     for pid in [*ranks.values(), *(p for w in workers.values() for p in w)]:
         assert not _alive(pid), pid
+
+
+def test_ranks_and_agent_are_found_below_a_wrapper_script(tmp_path):
+    """A batch script that runs torchrun (as `srun` does in a Slurm step): ranks() and the
+    "agent" target follow script -> torchrun -> ranks."""
+    out = tmp_path / "out.jsonl"
+    torchrun = (
+        f"{sys.executable} -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 "
+        f"--master-port {find_free_port()} {_entry(tmp_path)}"
+    )
+    env = job_environment({"LAUNCH_TEST_OUT": str(out)})
+    with Job(["bash", "-c", f"{torchrun}; exit $?"], log_path=tmp_path / "out.log", env=env,
+             cwd=tmp_path, torchrun=True, signal_targets="agent", timeout=120) as job:  # fmt: skip
+        job.wait_for_lines(out, 4)
+        (agent,) = job.agents()
+        assert agent != job.pid and agent in child_pids(job.pid)
+        ranks = job.ranks()
+        assert sorted(ranks) == [0, 1] and all(p in child_pids(agent) for p in ranks.values())
+        assert job.send_signal(signal.SIGTERM) == [agent]
+        job.wait()  # torchrun forwards SIGTERM to the ranks, then exits with an error itself
+    got = sorted(r["who"] for r in _lines(out) if r.get("got") == "SIGTERM")
+    assert got == ["rank", "rank", "worker", "worker"]
 
 
 def test_one_rank_without_torchrun_gets_a_port_and_no_inherited_rank(tmp_path, monkeypatch):

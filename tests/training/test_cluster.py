@@ -25,7 +25,6 @@ import os
 import re
 import signal
 import stat
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.testing.distributed import find_free_port
+from megatron_ext.testing.launch import Job, descendant_pids, job_environment
 from megatron_ext.testing.runs import ENTRY, REPO, TINY_LEV_MODEL, TINY_TRAIN, launch
 
 pytestmark = pytest.mark.integration
@@ -49,102 +49,15 @@ def _records(jsonl: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip().endswith("}")]
 
 
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    children = [int(p) for p in out.split()]
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in env:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
-
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-class _Job:
-    """A launched process tree (own session) with its log; everything it started is killed when
-    the `with` block ends."""
-
-    def __init__(self, cmd: list[str], workdir: Path, env: dict | None = None):
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log_path = workdir / "output.log"
-        environment = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        environment["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(REPO), environment.get("PYTHONPATH")])
-        )
-        environment.update(env or {})
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=environment,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.seen: set[int] = set()
-
-    def processes(self) -> list[int]:
-        found = _descendants(self.proc.pid)
-        self.seen.update(found)
-        return found
-
-    def ranks(self) -> dict[int, int]:
-        """{rank: pid} of the training processes now running."""
-        out = {}
-        for pid in self.processes():
-            rank = _rank_of(pid)
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if rank is not None else b""
-            if rank is not None and b"pretrain_leviathan.py" in cmdline and rank not in out:
-                # A rank's DataLoader workers share its environment: keep the parent.
-                if _rank_of(int(Path(f"/proc/{pid}/stat").read_text().split()[3])) != rank:
-                    out[rank] = pid
-        return out
-
-    def wait_for(self, jsonl: Path, iterations: int, timeout: float = 240) -> int:
-        deadline = time.monotonic() + timeout
-        while len(_records(jsonl)) < iterations:
-            assert self.proc.poll() is None, self.output()[-4000:]
-            assert time.monotonic() < deadline, f"no iteration {iterations} in {timeout}s"
-            self.processes()
-            time.sleep(0.05)
-        return len(_records(jsonl))
-
-    def wait(self, timeout: float = 240) -> int:
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            assert time.monotonic() < deadline, f"still running after {timeout}s"
-            self.processes()
-            time.sleep(0.1)
-        return self.proc.returncode
-
-    def output(self) -> str:
-        return self.log_path.read_text()
-
-    def __enter__(self) -> "_Job":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.processes()
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        _kill_all(sorted(self.seen))
-        self._log.close()
+def _job(cmd: list[str], workdir: Path, env: dict | None = None) -> Job:
+    """`cmd` (torchrun, or a batch script that starts it) in its own session, run from the
+    repository, logging to workdir/output.log; everything it started is killed when the `with`
+    block ends."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    return Job(
+        cmd, log_path=workdir / "output.log", env=job_environment(env), cwd=REPO,
+        torchrun=True, signal_targets="ranks", timeout=480,
+    )  # fmt: skip
 
 
 def _torchrun(
@@ -173,7 +86,7 @@ def reference(train_args, tmp_path_factory) -> dict[int, float]:
     d = tmp_path_factory.mktemp("reference")
     jsonl = d / "metrics.jsonl"
     args = [*train_args, "--save", str(d / "ckpt")]
-    with _Job(_torchrun(args, jsonl), d) as job:
+    with _job(_torchrun(args, jsonl), d) as job:
         assert job.wait() == 0, job.output()[-4000:]
     assert f"exiting at iteration {ITERS} (exit-interval)" in job.output()
     assert (d / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
@@ -205,8 +118,8 @@ def test_stopped_rank_times_out_and_keeps_the_last_checkpoint(train_args, tmp_pa
     jsonl, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     args = [*train_args, "--train-iters", "400", "--exit-interval", "400"]
     args += ["--save", str(ckpt), "--distributed-timeout-minutes", "0.1"]
-    with _Job(_torchrun(args, jsonl), tmp_path) as job:
-        job.wait_for(jsonl, SAVE_INTERVAL + 1)
+    with _job(_torchrun(args, jsonl), tmp_path) as job:
+        job.wait_for_lines(jsonl, SAVE_INTERVAL + 1)
         stopped = job.ranks()[1]
         os.kill(stopped, signal.SIGSTOP)
         deadline = time.monotonic() + 240
@@ -234,8 +147,8 @@ def test_stopped_rank_times_out_and_keeps_the_last_checkpoint(train_args, tmp_pa
 def test_torchrun_restarts_after_sigkill_and_resumes(train_args, reference, tmp_path):
     jsonl, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     args = [*train_args, "--save", str(ckpt), "--load", str(ckpt)]
-    with _Job(_torchrun(args, jsonl, "--max-restarts", "2"), tmp_path) as job:
-        job.wait_for(jsonl, SAVE_INTERVAL + 2)
+    with _job(_torchrun(args, jsonl, "--max-restarts", "2"), tmp_path) as job:
+        job.wait_for_lines(jsonl, SAVE_INTERVAL + 2)
         # The ranks are frozen while rank 1 is killed (an iteration takes about 50 ms): what
         # was saved and trained at the kill is then known exactly.
         ranks = job.ranks()
@@ -291,12 +204,11 @@ def test_slurm_usr1_saves_requeues_and_resumes(train_args, reference, tmp_path):
         SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost",
     )  # fmt: skip
     env["LOG_DIR"] = str(tmp_path / "logs")
-    with _Job(["bash", *script], tmp_path / "job1", env) as job:
-        job.wait_for(jsonl, 2)
-        torchrun = [p for p in job.processes() if b"torch.distributed.run" in
-                    Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
-        assert len(torchrun) == 1
-        step = [torchrun[0], *_descendants(torchrun[0])]  # the step, as Slurm signals it
+    with _job(["bash", *script], tmp_path / "job1", env) as job:
+        job.wait_for_lines(jsonl, 2)
+        torchrun = job.agents()  # batch script -> srun stand-in -> torchrun
+        assert len(torchrun) == 1 and sorted(job.ranks()) == [0, 1]
+        step = [torchrun[0], *descendant_pids(torchrun[0])]  # the step, as Slurm signals it
         # The 12 iterations take about a second: the step is frozen while every process gets
         # SIGUSR1, so that a slow test process cannot lose the race against the run's end.
         for sig in (signal.SIGSTOP, signal.SIGUSR1, signal.SIGCONT):
@@ -311,7 +223,7 @@ def test_slurm_usr1_saves_requeues_and_resumes(train_args, reference, tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
 
     env.update(SLURM_RESTART_COUNT="1", MASTER_PORT=str(find_free_port()))
-    with _Job(["bash", *script], tmp_path / "job2", env) as job:
+    with _job(["bash", *script], tmp_path / "job2", env) as job:
         assert job.wait() == 0, job.output()[-4000:]
     second = job.output()
     assert "requeue count 1" in second and "requeueing" not in second
@@ -350,7 +262,7 @@ def test_two_nodes_tp_within_dp_across_equal_one_node(train_args, tmp_path):
     log counts the job's restarts), which resume from the latest checkpoint and still train the
     same losses."""
     single = tmp_path / "single"
-    with _Job(_torchrun(_tp2_run(train_args, single / "ckpt"), single / "metrics.jsonl",
+    with _job(_torchrun(_tp2_run(train_args, single / "ckpt"), single / "metrics.jsonl",
                         nproc=4), single) as job:  # fmt: skip
         assert job.wait() == 0, job.output()[-4000:]
     expected = {r["iteration"]: r["loss"] for r in _records(single / "metrics.jsonl")}
@@ -363,7 +275,7 @@ def test_two_nodes_tp_within_dp_across_equal_one_node(train_args, tmp_path):
     for node in (0, 1):
         cmd = _torchrun(_tp2_run(train_args, ckpt), jsonl, "--nnodes", "2", "--node-rank",
                         str(node), "--max-restarts", "2", endpoint=endpoint)  # fmt: skip
-        agents.append(_Job(cmd, multi / f"agent{node}"))
+        agents.append(_job(cmd, multi / f"agent{node}"))
     with agents[0], agents[1]:
         launched = [{}, {}]  # {rank: pid} each agent started
         deadline = time.monotonic() + 240
@@ -373,7 +285,7 @@ def test_two_nodes_tp_within_dp_across_equal_one_node(train_args, tmp_path):
             for seen, agent in zip(launched, agents):
                 seen.update(agent.ranks())
             time.sleep(0.05)
-        agents[0].wait_for(jsonl, MULTI_NODE_SAVE_INTERVAL + 1)
+        agents[0].wait_for_lines(jsonl, MULTI_NODE_SAVE_INTERVAL + 1)
         pids = [pid for seen in launched for pid in seen.values()]
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
