@@ -22,10 +22,11 @@ import functools
 import logging
 import os
 import sys
-import warnings
 from typing import Optional, Sequence
 
 import torch
+
+from megatron_ext.cli import setup_logging
 
 logger = logging.getLogger("pretrain_leviathan")
 
@@ -131,29 +132,6 @@ def datasets_provider(data_config, tokenizer, num_samples: Sequence[int]):
     return build_train_valid_test_datasets(data_config, tokenizer, num_samples)
 
 
-class _LevelFormatter(logging.Formatter):
-    """Megatron-style lines; a warning or an error says so after the prefix."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        line = super().formatMessage(record)
-        if record.levelno < logging.WARNING:
-            return line
-        return line.replace("] ", f"] {record.levelname}: ", 1)
-
-
-def _setup_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(
-        _LevelFormatter(
-            "[%(asctime)s] %(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
-            datefmt="%Y-%m-%d %H:%M:%S",
-        )
-    )
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=[handler])
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
-
-
 def _error(message: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -161,9 +139,9 @@ def _error(message: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse flags, build the configs and train; return the process exit code (0, 1 or 2)."""
-    _setup_logging()
+    setup_logging(stream=sys.stdout, rank_prefix=True, quiet_megatron=False)
     # The package (and megatron-core, which warns about Apex / Transformer Engine when it is
-    # imported) is imported only now, after the warning filter of _setup_logging; the providers
+    # imported) is imported only now, after the warning filter of setup_logging; the providers
     # above import it lazily for the same reason.
     from megatron_ext.data.loading import DataConfig
     from megatron_ext.data.readers import DataError

@@ -16,7 +16,7 @@ import sys
 import warnings
 from typing import Callable, Optional, Sequence, TextIO, Union
 
-__all__ = ["LOG_FORMAT", "rank", "setup_logging", "run_tool"]
+__all__ = ["LOG_FORMAT", "LevelFormatter", "rank", "setup_logging", "run_tool"]
 
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 # Import-time chatter of optional back-ends that are absent on CPU machines.
@@ -30,20 +30,44 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+class LevelFormatter(logging.Formatter):
+    """Megatron-style lines; a warning or an error says so after the ``]`` of the prefix."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The formatted line, its level named when it is a warning or worse."""
+        line = super().formatMessage(record)
+        if record.levelno < logging.WARNING:
+            return line
+        return line.replace("] ", f"] {record.levelname}: ", 1)
+
+
 def setup_logging(
-    *, verbose: bool = False, stream: Optional[TextIO] = None, fmt: str = LOG_FORMAT
+    *,
+    verbose: bool = False,
+    stream: Optional[TextIO] = None,
+    fmt: str = LOG_FORMAT,
+    rank_prefix: bool = False,
+    quiet_megatron: bool = True,
 ) -> None:
     """INFO (DEBUG with ``verbose``) lines on rank 0, warnings only on the other ranks, to
-    ``stream`` (default stderr); once per process (logging.basicConfig)."""
+    ``stream`` (default stderr); once per process (logging.basicConfig).
+
+    ``rank_prefix``: the other ranks' lines start ``[rank N]`` instead of the time, and
+    warnings and errors name their level (the training entry point's lines).
+    ``quiet_megatron``: megatron-core's own INFO lines are dropped (the tools'); training keeps
+    them, as Megatron-LM shows them.
+    """
     level = logging.DEBUG if verbose else logging.INFO
-    logging.basicConfig(
-        level=level if rank() == 0 else logging.WARNING,
-        stream=stream or sys.stderr,
-        format=fmt,
-        datefmt="%Y-%m-%d %H:%M:%S",
-    )
+    handler = logging.StreamHandler(stream or sys.stderr)
+    if rank_prefix:
+        prefix_fmt = fmt if rank() == 0 else f"[rank {rank()}] %(message)s"
+        handler.setFormatter(LevelFormatter(prefix_fmt, datefmt="%Y-%m-%d %H:%M:%S"))
+    else:
+        handler.setFormatter(logging.Formatter(fmt, datefmt="%Y-%m-%d %H:%M:%S"))
+    logging.basicConfig(level=level if rank() == 0 else logging.WARNING, handlers=[handler])
     warnings.filterwarnings("ignore", message=_QUIET_WARNINGS)
-    logging.getLogger("megatron").setLevel(logging.WARNING)
+    if quiet_megatron:
+        logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
