@@ -145,10 +145,7 @@ void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict mod
     std::vector<T> acc(r);
     std::vector<int32_t> expo(r);
     BasisRun<T> basis(d);
-    // Dynamic: on a loaded machine a preempted thread's share is taken over instead of waited
-    // for (spinning at the barrier). Tasks write disjoint outputs, so the result does not depend
-    // on the schedule.
-#pragma omp for schedule(dynamic, 32)
+#pragma omp for schedule(static)
     for (int64_t task = 0; task < h * n; ++task) {
       const int64_t l = task / n, i = task % n;
       T* __restrict a = acc.data();
@@ -222,8 +219,7 @@ LEV_PREFER_256 void backward(const T* __restrict t_hdn, const T* __restrict coef
   {
     std::vector<T> gphi(r), g0s(n), g1s(n), g2s(n);
     BasisRun<T> basis(n);
-    // Dynamic for the same reason as forward; one task is n * r spline values.
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
     for (int64_t task = 0; task < h * d; ++task) {
       const int64_t l = task / d;
       const T* table = coeff + task * kappa * r;
