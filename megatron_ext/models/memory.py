@@ -13,18 +13,20 @@ compute dtype (2 under --bf16 autocast, 4 in float32), kv = key/value width, F =
     float32 residual stream:  2 RMSNorm rstd [T] + 2 norm outputs + attention residual + layer
                               output, [T, D] each                    -> 4 (2T + 4TD)
     linear input copies:      qkv and fc1 inputs [T, D]                      A * 2TD
-    attention:                rotary cos/sin 4 [s, hd]; q, k (rotated), the qkv output, SDPA
-                              output; log-sum-exp [b, heads, s] in float32
+    attention:                q, k (rotated), the qkv output, SDPA output; log-sum-exp
+                              [b, heads, s] in float32
     SwiGLU MLP:               fc1 output [T, 2F], its two halves' products, fc2 input [T, F]
     autocast weight copies:   the layer's matmul weights in A bytes (only under autocast: the
                               float32 parameters themselves are not activations)
 
-plus, outside the layers, the ids and the embedding output (first stage), and the final norm,
-head input copy, head weight copy (autocast) and float32 logits [T, V] (last stage). Under
-tensor parallelism the per-head and per-FFN terms split over the TP ranks; the [T, D] stream
-terms split too only with sequence parallelism (except the linear input copies, which are saved
-after the all-gather). LEV adds its fused path's saved tensors: seeds
-[U, d_in], modes [U, h/tp, r] (float32) and the digits [U, k] of the U distinct ids.
+plus, once per stage, the rotary cos and sin tables [s, rotary dim] (computed once and shared by
+every layer and micro-batch: models/local_modules.py), and, outside the layers, the ids and the
+embedding output (first stage), and the final norm, head input copy, head weight copy (autocast)
+and float32 logits [T, V] (last stage). Under tensor parallelism the per-head and per-FFN terms
+split over the TP ranks; the [T, D] stream terms split too only with sequence parallelism
+(except the linear input copies, which are saved after the all-gather). LEV adds its fused
+path's saved tensors: seeds [U, d_in], modes [U, h/tp, r] (float32) and the digits [U, k] of
+the U distinct ids.
 
 Transformer Engine (the GPU spec) saves a different set (fused kernels, FP8 copies): the figure
 is the local path's; `scripts/gpu_check.sh` measures the GPU one.
@@ -135,7 +137,7 @@ def _layer_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
     a = 2 if layout.bf16 else 4
     stream = 4 * (2 * t + 4 * t * d) / sp
     linear_inputs = a * 2 * t * d  # saved after the sequence-parallel all-gather: full size
-    attention = a * (4 * s * hd + t * heads * hd + t * kv + t * (heads * hd + 2 * kv))
+    attention = a * (t * heads * hd + t * kv + t * (heads * hd + 2 * kv))
     attention += 4 * b * heads * s + a * t * heads * hd
     mlp = a * 5 * t * f
     weights = a * _layer_matmul_params(cfg) / tp if layout.autocast_weight_copies else 0
@@ -220,15 +222,18 @@ def estimate_memory(cfg: ModelConfig, layout: ParallelLayout) -> MemoryEstimate:
     in_flight_first = min(pp, layout.num_micro_batches)
     head = _output_activation_bytes(cfg, layout)
     inputs = _input_activation_bytes(cfg, layout)
+    # The rotary cos/sin tables, shared by the stage's layers and micro-batches.
+    rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
+    rope = (2 if layout.bf16 else 4) * 2 * cfg.seq_length * rotary_dim
     if pp == 1:
-        act = layers * per_layer + inputs + head
-        act_rc = layers * layer_input + per_layer + inputs + head
+        act = layers * per_layer + inputs + head + rope
+        act_rc = layers * layer_input + per_layer + inputs + head + rope
         params = first
     else:
-        act_first = in_flight_first * (layers * per_layer + inputs)
-        act_last = layers * per_layer + head
-        rc_first = in_flight_first * (layers * layer_input + inputs) + per_layer
-        rc_last = layers * layer_input + per_layer + head
+        act_first = in_flight_first * (layers * per_layer + inputs) + rope
+        act_last = layers * per_layer + head + rope
+        rc_first = in_flight_first * (layers * layer_input + inputs) + per_layer + rope
+        rc_last = layers * layer_input + per_layer + head + rope
         first_total = first * (w + g + o) + act_first
         last_total = last * (w + g + o) + act_last
         if first_total >= last_total:
