@@ -47,35 +47,9 @@ def _parse(argv=None) -> argparse.Namespace:
 
 
 def _chunks(pg, V: int, hidden: int):
-    from megatron_ext.models import ModelConfig, build_model
-    from megatron_ext.testing.tiny_gpt import SEQ, VOCAB
-    from megatron_ext.training.initialization import initialize_like_single_stage
+    from megatron_ext.testing.tiny_gpt import pipeline_chunks
 
-    config = ModelConfig(
-        vocab_size=VOCAB,
-        num_layers=LAYERS,
-        hidden_size=hidden,
-        num_attention_heads=4,
-        seq_length=SEQ,
-        pipeline_model_parallel_size=pg.pp_size,
-        embedding=dict(embedding_type="untied"),
-    )
-    chunks = [
-        build_model(
-            config,
-            pre_process=pg.is_first_stage and c == 0,
-            post_process=pg.is_last_stage and c == V - 1,
-            pg=pg,
-            vp_stage=c if V > 1 else None,
-            vp_size=V if V > 1 else None,
-        )
-        for c in range(V)
-    ]
-    full = config.replace(pipeline_model_parallel_size=1)
-    with torch.no_grad():
-        for chunk in chunks:
-            initialize_like_single_stage(chunk, lambda: build_model(full), SEED)
-    return chunks
+    return pipeline_chunks(pg, num_layers=LAYERS, hidden_size=hidden, chunks_per_rank=V, seed=SEED)
 
 
 class _StageAdapter(torch.nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SEQ", "VOCAB", "RandomSamples", "forward_step", "model_provider"]
+__all__ = ["SEQ", "VOCAB", "RandomSamples", "forward_step", "model_provider", "pipeline_chunks"]
 
 SEQ, VOCAB = 16, 128
 
@@ -64,3 +64,38 @@ def model_provider(
         post_process=post_process,
         pg=ProcessGroups.from_collection(pg_collection),
     )
+
+
+def pipeline_chunks(pg, *, num_layers: int, hidden_size: int, chunks_per_rank: int, seed: int):
+    """This pipeline rank's `chunks_per_rank` model chunks (virtual stages) of an untied GPT,
+    each holding exactly the weights of the same layers of one single-stage model built from
+    `seed`, so that any pipeline layout trains like one rank."""
+    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.training.initialization import initialize_like_single_stage
+
+    config = ModelConfig(
+        vocab_size=VOCAB,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=4,
+        seq_length=SEQ,
+        pipeline_model_parallel_size=pg.pp_size,
+        embedding=dict(embedding_type="untied"),
+    )
+    v = chunks_per_rank
+    chunks = [
+        build_model(
+            config,
+            pre_process=pg.is_first_stage and c == 0,
+            post_process=pg.is_last_stage and c == v - 1,
+            pg=pg,
+            vp_stage=c if v > 1 else None,
+            vp_size=v if v > 1 else None,
+        )
+        for c in range(v)
+    ]
+    full = config.replace(pipeline_model_parallel_size=1)
+    with torch.no_grad():
+        for chunk in chunks:
+            initialize_like_single_stage(chunk, lambda: build_model(full), seed)
+    return chunks

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.testing.tiny_gpt import SEQ, VOCAB, RandomSamples, forward_step
+from megatron_ext.testing.tiny_gpt import SEQ, RandomSamples, forward_step, pipeline_chunks
 
 LAYERS, MICRO_BATCH, ITERS, SEED = 4, 1, 4, 1234
 
@@ -27,7 +27,6 @@ LAYERS, MICRO_BATCH, ITERS, SEED = 4, 1, 4, 1234
 def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | None) -> None:
     import torch.distributed as dist
 
-    from megatron_ext.models import ModelConfig, build_model
     from megatron_ext.parallel import destroy_parallel, initialize_parallel, set_random_seed
     from megatron_ext.training.config import (
         BatchConfig,
@@ -37,37 +36,14 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
     )
     from megatron_ext.training.engine import NonFiniteError, Phase
     from megatron_ext.training.engine_portable import PortableEngine
-    from megatron_ext.training.initialization import initialize_like_single_stage
     from megatron_ext.training.metrics_logger import Timers
 
     pp = 1 if nan_rank is not None else int(os.environ.get("WORLD_SIZE", "1"))
     pg = initialize_parallel(pipeline_model_parallel_size=pp, backend="gloo")
     set_random_seed(SEED, pg.pp_rank)
-    config = ModelConfig(
-        vocab_size=VOCAB,
-        num_layers=LAYERS,
-        hidden_size=32,
-        num_attention_heads=4,
-        seq_length=SEQ,
-        pipeline_model_parallel_size=pp,
-        embedding=dict(embedding_type="untied"),
+    chunks = pipeline_chunks(
+        pg, num_layers=LAYERS, hidden_size=32, chunks_per_rank=chunks_per_rank, seed=SEED
     )
-    V = chunks_per_rank
-    chunks = [
-        build_model(
-            config,
-            pre_process=pg.is_first_stage and c == 0,
-            post_process=pg.is_last_stage and c == V - 1,
-            pg=pg,
-            vp_stage=c if V > 1 else None,
-            vp_size=V if V > 1 else None,
-        )
-        for c in range(V)
-    ]
-    full = config.replace(pipeline_model_parallel_size=1)
-    with torch.no_grad():
-        for chunk in chunks:
-            initialize_like_single_stage(chunk, lambda: build_model(full), SEED)
     layers = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
     cfg = TrainingConfig(
         batch=BatchConfig(
@@ -89,7 +65,7 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
             return output, loss_func
 
     engine = PortableEngine(
-        cfg, chunks if V > 1 else chunks[0], step_fn, pg, Phase(), Timers(False)
+        cfg, chunks if chunks_per_rank > 1 else chunks[0], step_fn, pg, Phase(), Timers(False)
     )
     samples = RandomSamples(global_batch * (ITERS + 1))
 
