@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.models import ModelConfig, build_model
+from megatron_ext.parallel import ProcessGroups
+from megatron_ext.training.initialization import initialize_like_single_stage
+
 __all__ = ["SEQ", "VOCAB", "RandomSamples", "forward_step", "model_provider", "pipeline_chunks"]
 
 SEQ, VOCAB = 16, 128
@@ -47,9 +51,6 @@ def model_provider(
     pre_process: bool, post_process: bool, pg_collection=None, *, embedding_type: str = "untied"
 ):
     """A 2-layer, hidden-32 GPT stage (`embedding_type` arm) on the groups of `pg_collection`."""
-    from megatron_ext.models import ModelConfig, build_model
-    from megatron_ext.parallel import ProcessGroups
-
     config = ModelConfig(
         vocab_size=VOCAB,
         num_layers=2,
@@ -70,9 +71,6 @@ def pipeline_chunks(pg, *, num_layers: int, hidden_size: int, chunks_per_rank: i
     """This pipeline rank's `chunks_per_rank` model chunks (virtual stages) of an untied GPT,
     each holding exactly the weights of the same layers of one single-stage model built from
     `seed`, so that any pipeline layout trains like one rank."""
-    from megatron_ext.models import ModelConfig, build_model
-    from megatron_ext.training.initialization import initialize_like_single_stage
-
     config = ModelConfig(
         vocab_size=VOCAB,
         num_layers=num_layers,

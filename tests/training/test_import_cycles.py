@@ -189,7 +189,6 @@ LOCAL_IMPORTS_TO_MOVE: dict[str, int] = {
     "megatron_ext/testing/megatron_doubles.py": 6,
     "megatron_ext/testing/plain_gpt.py": 2,
     "megatron_ext/testing/runs.py": 3,
-    "megatron_ext/testing/tiny_gpt.py": 2,
     "megatron_ext/testing/wikitext.py": 1,
     "megatron_ext/training/checkpointing.py": 5,
     "megatron_ext/training/loop.py": 2,

@@ -26,6 +26,12 @@ from megatron_ext.testing.runs import TINY_LEV_MODEL as MODEL
 from megatron_ext.testing.runs import TINY_TRAIN as TRAIN
 
 pytestmark = pytest.mark.integration
+# Long enough that the signal, sent once iteration 2 is logged, always lands mid-run: at 30
+# iterations (TINY_TRAIN) a quiet machine finished the run in about a second, before the
+# process-tree walk that finds torchrun had delivered it.
+ITERS = 1000
+_AT = TRAIN.index("--train-iters") + 1
+TRAIN = [*TRAIN[:_AT], str(ITERS), *TRAIN[_AT + 1 :]]
 
 RANK_ENTRY = Path(__file__).with_name("_rank_entry.py")
 
@@ -72,7 +78,7 @@ def test_sigterm_saves_and_every_rank_exits_zero(delivery, corpus, tmp_path):
     assert "DataLoader worker" not in output, output[-5000:]
     # The only traceback allowed is torchrun's own report of the signal it received.
     assert output.count("Traceback") == output.count("SignalException: Process"), output[-5000:]
-    assert 2 <= last < 30, f"SIGTERM landed at iteration {last}"
+    assert 2 <= last < ITERS, f"SIGTERM landed at iteration {last}"
     assert f"exiting at iteration {last} (signal)" in output
     ckpt = d / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
