@@ -17,6 +17,8 @@ Keys are layout-free, so a checkpoint saved at one TP/PP/DP layout loads at anot
   `Shard(partition_dim + 1)`: then every layout's shards tile the same global tensor.
   Replicated parameters are plain tensors (DCP writes one copy). The last pipeline stage's copy
   of a tied embedding is not saved; it loads from `model.embedding.word_embeddings.weight`.
+  Model chunks (virtual pipeline stages) are saved under the same names (their layers carry
+  global layer numbers), so an interleaved run resumes without chunks and vice versa.
 - `optim.<name>.exp_avg|exp_avg_sq` (same layout as the parameter) and `optim.<name>.step`,
   written by whichever data-parallel rank owns the state (all of them without ZeRO; DCP keeps
   one), read by whichever rank owns it in the new layout: ZeRO states reshard across DP too.
@@ -45,7 +47,7 @@ import random
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -178,11 +180,24 @@ def _layout_view(
     )
 
 
-def _named_params(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parameter, bool]]:
-    """(local name, checkpoint name, parameter, is the tied copy) of every parameter."""
+def _model_chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """This rank's model chunks: a list/tuple or `torch.nn.ModuleList` of chunks (virtual
+    pipeline stages, in order) as given, one module as a list of one."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return list(model)
+    return [model]
+
+
+def _named_params(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+) -> list[tuple[str, str, torch.nn.Parameter, bool]]:
+    """(local name, checkpoint name, parameter, is the tied copy) of every parameter of every
+    chunk. Each chunk's layers carry their global `layer_number`, so chunk names are already the
+    single-stage model's: the checkpoint does not record the chunking."""
     out = []
-    for name, param in model.named_parameters():
-        out.append((name, layout_free_name(model, name), param, is_tied_copy(model, name)))
+    for chunk in _model_chunks(model):
+        for name, param in chunk.named_parameters():
+            out.append((name, layout_free_name(chunk, name), param, is_tied_copy(chunk, name)))
     return out
 
 
@@ -211,8 +226,8 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _all_finite(model: torch.nn.Module) -> bool:
-    params = list(model.parameters())
+def _all_finite(model: torch.nn.Module | Sequence[torch.nn.Module]) -> bool:
+    params = [p for chunk in _model_chunks(model) for p in chunk.parameters()]
     finite = all(bool(torch.isfinite(p).all()) for p in params)
     device = params[0].device if params else torch.device("cpu")
     flag = torch.tensor([0.0 if finite else 1.0], device=device)
@@ -257,7 +272,7 @@ def _prune(root: str, keep_last: int, latest: int) -> None:
 def save_checkpoint(
     root: str,
     state: TrainState,
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     optimizer=None,
     scheduler=None,
     loss_scaler=None,
@@ -451,7 +466,7 @@ def _read_metadata(path: str):
 def _check_same_arm(path: str, model: torch.nn.Module) -> None:
     """Refuse a checkpoint of another embedding arm, naming both (before any shape check)."""
     args_path = os.path.join(path, "args.json")
-    ours = getattr(model, "embedding_type", None)
+    ours = getattr(_model_chunks(model)[0], "embedding_type", None)
     if ours is None or not os.path.isfile(args_path):
         return
     with open(args_path) as handle:
@@ -498,7 +513,7 @@ def _shape_mismatch_message(key: str, saved: tuple, expected: tuple) -> str:
 
 def load_checkpoint(
     root: str,
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     optimizer=None,
     scheduler=None,
     loss_scaler=None,

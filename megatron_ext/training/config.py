@@ -73,7 +73,13 @@ class ParallelConfig:
         None,
         "--num-layers-per-virtual-pipeline-stage",
         "layers per model chunk: each pipeline rank runs num-layers / (PP x N) chunks with "
-        "the interleaved 1F1B schedule (portable engine, no --save/--load yet)",
+        "the interleaved 1F1B schedule (portable engine)",
+    )
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
+        None,
+        "--num-virtual-stages-per-pipeline-rank",
+        "model chunks per pipeline rank (Megatron-LM's other spelling of the interleaved "
+        "schedule: sets --num-layers-per-virtual-pipeline-stage to num-layers / (PP x N))",
     )
     data_parallel_size: int = 1
     """Derived: world size / (TP x CP x PP), set by `resolve`."""
@@ -95,12 +101,24 @@ class ParallelConfig:
         _at_least(
             "--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage
         )
-        if self.num_layers_per_virtual_pipeline_stage and self.pipeline_model_parallel_size < 2:
+        _at_least(
+            "--num-virtual-stages-per-pipeline-rank", self.num_virtual_stages_per_pipeline_rank
+        )
+        if self.num_layers_per_virtual_pipeline_stage and self.num_virtual_stages_per_pipeline_rank:
             raise ValueError(
-                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
-                "> 1 (the interleaved schedule splits each pipeline rank's layers into chunks); "
-                "drop the flag or raise PP"
+                "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-"
+                "rank cannot be set at the same time (both set the model chunks per pipeline "
+                "rank); keep one of them"
             )
+        for name, value in (
+            ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
+            ("--num-virtual-stages-per-pipeline-rank", self.num_virtual_stages_per_pipeline_rank),
+        ):
+            if value and self.pipeline_model_parallel_size < 2:
+                raise ValueError(
+                    f"{name} needs --pipeline-model-parallel-size > 1 (the interleaved schedule "
+                    "splits each pipeline rank's layers into chunks); drop the flag or raise PP"
+                )
 
     def with_num_layers(self, num_layers: int) -> "ParallelConfig":
         """This layout for a `num_layers` model: the model chunks per pipeline rank derived
@@ -110,9 +128,26 @@ class ParallelConfig:
             ValueError: `num_layers` is not divisible by PP x layers per virtual stage.
         """
         per_stage = self.num_layers_per_virtual_pipeline_stage
+        pp = self.pipeline_model_parallel_size
+        stages = self.num_virtual_stages_per_pipeline_rank
+        if stages is not None:
+            if num_layers % (pp * stages):
+                raise ValueError(
+                    f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-"
+                    f"size {pp} x --num-virtual-stages-per-pipeline-rank {stages} = "
+                    f"{pp * stages}; change one of them"
+                )
+            if stages == 1:  # Megatron-LM: one virtual stage is no interleaving
+                return dataclasses.replace(self, num_virtual_stages_per_pipeline_rank=None)
+            per_stage = num_layers // (pp * stages)
+            return dataclasses.replace(
+                self,
+                num_layers_per_virtual_pipeline_stage=per_stage,
+                num_virtual_stages_per_pipeline_rank=None,
+                virtual_pipeline_model_parallel_size=stages,
+            )
         if per_stage is None:
             return self
-        pp = self.pipeline_model_parallel_size
         if num_layers % (pp * per_stage):
             raise ValueError(
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
@@ -795,14 +830,19 @@ class TrainingConfig:
         flag_ = "--num-layers-per-virtual-pipeline-stage"
         if self.engine.ddp_impl != "portable":
             raise ValueError(f"{flag_} runs on the portable engine: drop --ddp-impl megatron")
-        if self.ckpt.save or self.ckpt.load:
-            raise ValueError(
-                f"{flag_} cannot --save/--load yet (model chunks have no checkpoint format); "
-                "drop --save/--load, or the flag to checkpoint a non-interleaved run"
-            )
-        if b.rampup_batch_size:
-            raise ValueError(f"{flag_} does not support --rampup-batch-size; drop one of them")
         pp = p.pipeline_model_parallel_size
+        if b.rampup_batch_size:
+            # Every ramp batch is START + k x INCREMENT, so both must split into a multiple of PP.
+            per_pp = b.micro_batch_size * p.data_parallel_size * pp
+            start, increment, _ = b.rampup_batch_size
+            for name, value in (("START", start), ("INCREMENT", increment)):
+                if value % per_pp:
+                    raise ValueError(
+                        f"{flag_} with --rampup-batch-size needs {name} {value} to be a multiple "
+                        f"of --micro-batch-size x data-parallel size x "
+                        f"--pipeline-model-parallel-size = {per_pp} (every ramp batch must split "
+                        "into a multiple of PP micro-batches); change the ramp"
+                    )
         if self.num_microbatches % pp:
             raise ValueError(
                 f"{flag_} needs the number of micro-batches per iteration ({self.num_microbatches}"

@@ -93,7 +93,7 @@ class PortableEngine(Engine):
     Args:
         cfg: the run's settings.
         model: this pipeline stage's model (float32 parameters), or its model chunks in order
-            (virtual pipeline stages: the interleaved 1F1B schedule; no checkpointing yet).
+            (virtual pipeline stages: the interleaved 1F1B schedule).
         forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
         pg: the run's process groups.
         phase: shared with the loop, named when a collective times out.
@@ -111,11 +111,6 @@ class PortableEngine(Engine):
     ) -> None:
         self.chunks = list(model) if isinstance(model, Sequence) else [model]
         if len(self.chunks) > 1:
-            if cfg.ckpt.save or cfg.ckpt.load:
-                raise ValueError(
-                    "checkpoints of virtual pipeline stages (model chunks) are not supported "
-                    "yet; drop --save/--load or the virtual pipeline stages"
-                )
             model = torch.nn.ModuleList(self.chunks)
         self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
         self.phase, self.timers = phase, timers

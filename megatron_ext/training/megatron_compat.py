@@ -89,8 +89,8 @@ _ROPE = "positions are rotary (rope, base --rotary-base); drop the flag"
 _DECODER = "models are decoder-only GPTs; use --num-layers / --seq-length"
 _PP_SPLIT = "layers are split evenly over pipeline stages (1F1B); drop the flag"
 _INTERLEAVED = (
-    "virtual pipeline stages are set by --num-layers-per-virtual-pipeline-stage only; "
-    "drop the flag"
+    "virtual pipeline stages are set by --num-layers-per-virtual-pipeline-stage or "
+    "--num-virtual-stages-per-pipeline-rank only; drop the flag"
 )
 _NO_RERUN = "Megatron's rerun state machine is not part of this loop; --skip-nonfinite-steps"
 _FP8 = "FP8 runs through Transformer Engine on CUDA, with --fp8-format"
@@ -229,7 +229,6 @@ _RULES: dict[str, Rule] = {
     "--use-ring-exchange-p2p": _n("p2p sends and receives are batched per step"),
     "--overlap-p2p-communication-warmup-flush": _r(_INTERLEAVED),
     "--microbatch-group-size-per-virtual-pipeline-stage": _r(_INTERLEAVED),
-    "--num-virtual-stages-per-pipeline-rank": _r(_INTERLEAVED),
     "--no-overlap-p2p-communication": _d("p2p communication is not overlapped"),
     "--defer-embedding-wgrad-compute": _r("needs Megatron's CUDA pipeline schedules"),
     "--wgrad-deferral-limit": _r("needs Megatron's CUDA pipeline schedules"),

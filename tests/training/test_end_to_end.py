@@ -4,8 +4,10 @@ A tiny LEV model trains on a generated, tokenized and preprocessed corpus. One s
 (20 iterations, checkpoints at 10 and 20) is the reference: TP=2 (+ sequence parallel), PP=2 and
 DP=2 (+ distributed optimizer) runs match its losses (float32, same data order); resuming it at
 iteration 10 reproduces iterations 11-20 bit for bit; checkpoints saved at TP=2 and by the
-distributed optimizer at DP=2 resume at other layouts with the same losses; SIGTERM leaves a
-loadable checkpoint; a NaN stops the run without saving it.
+distributed optimizer at DP=2 resume at other layouts with the same losses, and so do the
+model chunks of an interleaved PP=2 x 2 run (which itself resumes the reference; resumed at its
+own layout it is bit-identical); SIGTERM leaves a loadable checkpoint; a NaN stops the run
+without saving it.
 """
 
 from __future__ import annotations
@@ -175,6 +177,61 @@ def test_distributed_optimizer_states_reshard(launcher, base_args, zero_run, ref
     run = launcher(2, [*args, "--exit-interval", str(stopped + 3)], d).check()
     assert sorted(run.losses) == [stopped + 1, stopped + 2, stopped + 3]
     _assert_close(run.losses, ref_run.losses, sorted(run.losses))
+
+
+@pytest.fixture(scope="module")
+def interleaved_run(launcher, base_args, ref_run, runs):
+    """PP=2 x 2 model chunks per rank (interleaved 1F1B) resuming the single-rank reference
+    at iteration 10 and saving its chunks at 12 and 14."""
+    d = runs / "vp2"
+    args = [*base_args, "--pipeline-model-parallel-size", "2"]
+    args += ["--num-layers-per-virtual-pipeline-stage", "1", "--exit-interval", "14"]
+    args += ["--load", str(runs / "ref" / "ckpt"), "--ckpt-step", "10"]
+    return launcher(2, [*args, *_ckpt(d, "--save-interval", "2")], d).check()
+
+
+def test_interleaved_chunks_load_a_single_stage_checkpoint(interleaved_run, ref_run, runs):
+    run = interleaved_run
+    assert "model chunks per pipeline rank: 2" in run.output
+    assert "loaded checkpoint" in run.output and "RNG states not restored" in run.output
+    assert sorted(run.losses) == [11, 12, 13, 14]
+    _assert_close(run.losses, ref_run.losses, [11, 12, 13, 14])
+    _assert_close(_grad_norms(run), _grad_norms(ref_run), [11, 12, 13, 14])
+    ckpt = runs / "vp2" / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000012", "iter_0000014"]
+    layout = json.loads((ckpt / "iter_0000012" / "common.json").read_text())["layout"]
+    assert layout == {"tp": 1, "pp": 2, "cp": 1, "dp": 1}, layout
+
+
+def test_interleaved_resume_is_bit_identical(launcher, base_args, interleaved_run, runs):
+    """The same layout, spelled the other Megatron-LM way (chunks per rank, not layers per
+    chunk): iterations 13-14 equal the saving run's bit for bit."""
+    d = runs / "vp2_resume"
+    args = [*base_args, "--pipeline-model-parallel-size", "2"]
+    args += ["--num-virtual-stages-per-pipeline-rank", "2", "--exit-interval", "14"]
+    args += ["--load", str(runs / "vp2" / "ckpt"), "--ckpt-step", "12"]
+    run = launcher(2, args, d).check()
+    assert "model chunks per pipeline rank: 2 (1 layers each)" in run.output
+    assert "RNG states not restored" not in run.output
+    assert sorted(run.losses) == [13, 14]
+    for it in (13, 14):
+        assert run.losses[it] == interleaved_run.losses[it], f"iteration {it} differs"
+        assert _grad_norms(run)[it] == _grad_norms(interleaved_run)[it], f"iteration {it}"
+
+
+def test_interleaved_checkpoint_resumes_without_chunks_at_tp2(
+    launcher, base_args, interleaved_run, ref_run, runs
+):
+    """Chunks saved by PP=2 x 2 load into one unchunked TP=2 stage (each TP rank now holds half
+    of every layer of both ranks' chunks), Adam moments included."""
+    d = runs / "from_vp2"
+    args = [*base_args, "--tensor-model-parallel-size", "2", "--exit-interval", "14"]
+    run = launcher(2, [*args, "--load", str(runs / "vp2" / "ckpt"), "--ckpt-step", "12"], d)
+    run.check()
+    assert "model chunks per pipeline rank" not in run.output
+    assert sorted(run.losses) == [13, 14]
+    _assert_close(run.losses, interleaved_run.losses, [13, 14])
+    _assert_close(run.losses, ref_run.losses, [13, 14])
 
 
 def test_tied_embeddings_under_pipeline_parallelism(launcher, base_args, runs):

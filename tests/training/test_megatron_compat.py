@@ -99,7 +99,10 @@ def test_docs_table_is_generated_from_the_parser(parser):
     [
         (["--moe-router-topk", "2"], "--moe-router-topk 2: no mixture-of-experts layers"),
         (["--use-legacy-models"], "--use-legacy-models: only megatron-core models"),
-        (["--num-virtual-stages-per-pipeline-rank", "2"], "--num-layers-per-virtual-pipeline"),
+        (
+            ["--microbatch-group-size-per-virtual-pipeline-stage", "2"],
+            "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank",
+        ),
         (["--cp-comm-type", "a2a"], "context parallelism is TE's p2p ring"),
         (["--dist-ckpt-format", "zarr"], "checkpoints are one format"),
         (["--fp8-amax-history-len", "16"], "needs --fp8-format"),

@@ -23,13 +23,6 @@ import pytest
 import torch
 
 from megatron_ext.testing.distributed import find_free_port
-from megatron_ext.training.config import (
-    BatchConfig,
-    CheckpointConfig,
-    OptimizerConfig,
-    TrainingConfig,
-)
-from megatron_ext.training.engine_portable import PortableEngine
 from megatron_ext.training.schedules import forward_backward
 
 ENTRY = Path(__file__).with_name("_portable_entry.py")
@@ -68,17 +61,6 @@ def test_interleaved_schedule_needs_micro_batches_in_groups_of_the_pipeline_size
             forward_step=None, data_iterator=iter(()), model=chunks, num_microbatches=3,
             shape=None, pg=pg,
         )  # fmt: skip
-
-
-def test_engine_refuses_checkpoints_of_model_chunks():
-    cfg = TrainingConfig(
-        batch=BatchConfig(seq_length=16, micro_batch_size=1, global_batch_size=2, train_iters=2),
-        optim=OptimizerConfig(lr=1e-3),
-        ckpt=CheckpointConfig(save="ckpt", save_interval=1),
-    )
-    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
-    with pytest.raises(ValueError, match="checkpoints of virtual pipeline stages"):
-        PortableEngine(cfg, chunks, None, None, None, None)
 
 
 @pytest.mark.integration
