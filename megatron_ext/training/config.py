@@ -827,9 +827,14 @@ class TrainingConfig:
     def _check_interleaved(self) -> None:
         """What the interleaved 1F1B schedule (virtual pipeline stages) needs of the run."""
         p, b = self.parallel, self.batch
-        flag_ = "--num-layers-per-virtual-pipeline-stage"
+        flag_ = (
+            "--num-layers-per-virtual-pipeline-stage (or --num-virtual-stages-per-pipeline-rank)"
+        )
         if self.engine.ddp_impl != "portable":
-            raise ValueError(f"{flag_} runs on the portable engine: drop --ddp-impl megatron")
+            raise ValueError(
+                f"{flag_} runs on the portable engine (megatron-core's interleaved schedule needs "
+                "CUDA and is not tested here): drop --ddp-impl megatron"
+            )
         pp = p.pipeline_model_parallel_size
         if b.rampup_batch_size:
             # Every ramp batch is START + k x INCREMENT, so both must split into a multiple of PP.

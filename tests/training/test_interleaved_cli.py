@@ -82,6 +82,7 @@ def test_the_flag_derives_the_chunks_per_rank():
         ([*STAGES[:3], "3"], 2, "--num-layers 4 is not divisible by"),
         ([*STAGES, *INTERLEAVED[2:]], 2, "cannot be set at the same time"),
         ([*STAGES, "--global-batch-size", "3"], 2, "micro-batches per iteration (3"),
+        ([*STAGES, "--ddp-impl", "megatron"], 2, "runs on the portable engine"),
     ],
 )
 def test_bad_virtual_pipeline_flags_are_refused_in_one_line(extra, world_size, message):
