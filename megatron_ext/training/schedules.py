@@ -139,20 +139,28 @@ class _SharedBatches:
 
     def iterator(self, chunk: int) -> Iterator:
         """The data iterator handed to `forward_step` for model chunk `chunk`."""
-        shared = self
+        return _ChunkBatches(self, chunk)
 
-        class _Chunk:
-            def __iter__(self):
-                return self
 
-            def __next__(self):
-                index = shared.read[chunk]
-                shared.read[chunk] += 1
-                while len(shared.batches) <= index:
-                    shared.batches.append(next(shared.source))
-                return shared.batches[index]
+class _ChunkBatches:
+    """`_SharedBatches.iterator(chunk)`. A module-level class, not one made per call: a class
+    lives in a reference cycle, so a per-call class closing over the shared batches kept the
+    data iterator (and its DataLoader worker processes) alive until a garbage collection, and
+    at interpreter exit multiprocessing joined those workers before they were told to stop."""
 
-        return _Chunk()
+    def __init__(self, shared: _SharedBatches, chunk: int) -> None:
+        self.shared, self.chunk = shared, chunk
+
+    def __iter__(self) -> "_ChunkBatches":
+        return self
+
+    def __next__(self):
+        shared = self.shared
+        index = shared.read[self.chunk]
+        shared.read[self.chunk] += 1
+        while len(shared.batches) <= index:
+            shared.batches.append(next(shared.source))
+        return shared.batches[index]
 
 
 def _accumulate(totals: dict[str, torch.Tensor], reports: dict[str, torch.Tensor]) -> None:

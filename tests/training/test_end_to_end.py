@@ -205,11 +205,15 @@ def test_interleaved_chunks_load_a_single_stage_checkpoint(interleaved_run, ref_
 
 def test_interleaved_resume_is_bit_identical(launcher, base_args, interleaved_run, runs):
     """The same layout, spelled the other Megatron-LM way (chunks per rank, not layers per
-    chunk): iterations 13-14 equal the saving run's bit for bit."""
+    chunk), with DataLoader workers: iterations 13-14 equal the saving run's bit for bit, and
+    the ranks exit."""
     d = runs / "vp2_resume"
     args = [*base_args, "--pipeline-model-parallel-size", "2"]
     args += ["--num-virtual-stages-per-pipeline-rank", "2", "--exit-interval", "14"]
     args += ["--load", str(runs / "vp2" / "ckpt"), "--ckpt-step", "12"]
+    # DataLoader workers: the chunks' shared batch iterator once kept them alive past the end,
+    # and the ranks hung at exit (multiprocessing joined workers never told to stop).
+    args += ["--num-workers", "2"]
     run = launcher(2, args, d).check()
     assert "model chunks per pipeline rank: 2 (1 layers each)" in run.output
     assert "RNG states not restored" not in run.output
