@@ -1,5 +1,5 @@
 """megatron_ext.placement on rank tables (the running check is in
-tests/training/test_cluster.py's two-agent run)."""
+tests/training/test_cluster_nodes.py)."""
 
 from megatron_ext.placement import RankPlace, describe, tp_groups_spanning_nodes
 

@@ -7,68 +7,38 @@
   intact;
 - torchrun --max-restarts 2 after a SIGKILLed rank: the ranks restart, resume by themselves from
   the latest checkpoint (--load = --save) and train the same losses as an uninterrupted run;
-- two torchrun agents (--nnodes 2, c10d rendezvous on loopback) with 2 processes each and TP=2:
-  TP stays within an agent's processes, DP runs across, the losses equal one 4-process agent's,
-  also when a rank of the second agent is killed and both agents restart their ranks;
 - examples/slurm/pretrain_requeue.sbatch, with `srun` and `scontrol` replaced by small scripts:
   SIGUSR1 to every process of the step saves and exits 0, the job requeues itself, and the
   requeued job resumes with the same losses.
 
 One uninterrupted 2-rank run (the reference, 12 iterations, a checkpoint every 4) is shared by
-the checks that compare losses.
+the checks that compare losses. The two-agent (--nnodes 2) run is in test_cluster_nodes.py, a
+module of its own so that pytest-xdist (--dist loadfile) can run it beside this one.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import stat
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from megatron_ext.testing.cluster import TORCHRUN
+from megatron_ext.testing.cluster import cluster_job as _job
+from megatron_ext.testing.cluster import records as _records
+from megatron_ext.testing.cluster import torchrun_cmd as _torchrun
 from megatron_ext.testing.distributed import find_free_port
-from megatron_ext.testing.launch import Job, descendant_pids, job_environment
-from megatron_ext.testing.runs import ENTRY, REPO, TINY_LEV_MODEL, TINY_TRAIN, launch
+from megatron_ext.testing.launch import descendant_pids
+from megatron_ext.testing.runs import REPO, TINY_LEV_MODEL, TINY_TRAIN, launch
 
 pytestmark = pytest.mark.integration
 
 ITERS = 12
 SAVE_INTERVAL = 4
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _records(jsonl: Path) -> list[dict]:
-    if not jsonl.exists():
-        return []
-    lines = jsonl.read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip().endswith("}")]
-
-
-def _job(cmd: list[str], workdir: Path, env: dict | None = None) -> Job:
-    """`cmd` (torchrun, or a batch script that starts it) in its own session, run from the
-    repository, logging to workdir/output.log; everything it started is killed when the `with`
-    block ends."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    return Job(
-        cmd, log_path=workdir / "output.log", env=job_environment(env), cwd=REPO,
-        torchrun=True, signal_targets="ranks", timeout=480,
-    )  # fmt: skip
-
-
-def _torchrun(
-    args: list[str], jsonl: Path, *extra: str, nproc: int = 2, endpoint: str | None = None
-) -> list[str]:
-    endpoint = endpoint or f"127.0.0.1:{find_free_port()}"
-    return [
-        *TORCHRUN, "--nproc-per-node", str(nproc), *extra,
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-        str(ENTRY), *args, "--log-jsonl", str(jsonl),
-    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -233,89 +203,3 @@ def test_slurm_usr1_saves_requeues_and_resumes(train_args, reference, tmp_path):
     assert sorted(losses) == list(range(1, ITERS + 1))
     for it in range(last + 1, ITERS + 1):
         assert losses[it] == reference[it], f"iteration {it}: {losses[it]} != {reference[it]}"
-
-
-MULTI_NODE_ITERS = 10
-MULTI_NODE_SAVE_INTERVAL = 2
-
-
-def _tp2_run(train_args, ckpt: Path) -> list[str]:
-    return [*train_args, "--tensor-model-parallel-size", "2", "--exit-interval",
-            str(MULTI_NODE_ITERS), "--save-interval", str(MULTI_NODE_SAVE_INTERVAL),
-            "--save", str(ckpt), "--load", str(ckpt)]  # fmt: skip
-
-
-def _placement(output: str) -> dict[str, list[tuple[int, int, int]]]:
-    """{node: [(rank, tp, dp), ...]} from rank 0's `placement:` lines (the last round's)."""
-    nodes = {}
-    for node, ranks in re.findall(r"placement: (node \d+): (.*)", output):
-        found = re.findall(r"rank (\d+) \(local \d+: tp (\d+) dp (\d+) pp 0\)", ranks)
-        nodes[node] = [tuple(map(int, r)) for r in found]
-    return nodes
-
-
-def test_two_nodes_tp_within_dp_across_equal_one_node(train_args, tmp_path):
-    """Two torchrun agents (--nnodes 2, c10d rendezvous on loopback), 2 processes each, TP=2:
-    each agent's processes form one TP group, DP runs across the agents, and the losses equal
-    those of one agent with 4 processes. Under --max-restarts a rank of the second agent is
-    killed mid-run: both agents restart their ranks (their own restart counters may differ; the
-    log counts the job's restarts), which resume from the latest checkpoint and still train the
-    same losses."""
-    single = tmp_path / "single"
-    with _job(_torchrun(_tp2_run(train_args, single / "ckpt"), single / "metrics.jsonl",
-                        nproc=4), single) as job:  # fmt: skip
-        assert job.wait() == 0, job.output()[-4000:]
-    expected = {r["iteration"]: r["loss"] for r in _records(single / "metrics.jsonl")}
-    assert sorted(expected) == list(range(1, MULTI_NODE_ITERS + 1))
-
-    multi = tmp_path / "multi"
-    endpoint = f"127.0.0.1:{find_free_port()}"
-    jsonl, ckpt = multi / "metrics.jsonl", multi / "ckpt"
-    agents = []
-    for node in (0, 1):
-        cmd = _torchrun(_tp2_run(train_args, ckpt), jsonl, "--nnodes", "2", "--node-rank",
-                        str(node), "--max-restarts", "2", endpoint=endpoint)  # fmt: skip
-        agents.append(_job(cmd, multi / f"agent{node}"))
-    with agents[0], agents[1]:
-        launched = [{}, {}]  # {rank: pid} each agent started
-        deadline = time.monotonic() + 240
-        while not all(len(r) == 2 for r in launched):
-            assert all(a.proc.poll() is None for a in agents), agents[0].output()[-4000:]
-            assert time.monotonic() < deadline, launched
-            for seen, agent in zip(launched, agents):
-                seen.update(agent.ranks())
-            time.sleep(0.05)
-        agents[0].wait_for_lines(jsonl, MULTI_NODE_SAVE_INTERVAL + 1)
-        pids = [pid for seen in launched for pid in seen.values()]
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
-        victim = min(launched[1].values())
-        os.kill(victim, signal.SIGKILL)
-        for pid in pids:
-            if pid != victim:
-                os.kill(pid, signal.SIGCONT)
-        returncodes = [a.wait() for a in agents]
-    output = "".join(a.output() for a in agents)
-    assert returncodes == [0, 0], output[-4000:]
-    assert sorted(sorted(r) for r in launched) == [[0, 1], [2, 3]], launched
-    assert (
-        "torchrun restarted the ranks (restart 1 of --max-restarts 2) after a rank failed: "
-        f"resuming from iteration {saved}"
-    ) in output, output[-4000:]
-
-    nodes = _placement(output)
-    # torchrun's node index (GROUP_RANK) of each rank, as the ranks report it: one node per
-    # agent, TP ranks 0 and 1 on the same node, the DP replicas on different nodes.
-    assert sorted(nodes.values()) == [[(0, 0, 0), (1, 1, 0)], [(2, 0, 1), (3, 1, 1)]], nodes
-    assert "span nodes" not in output
-
-    losses = {r["iteration"]: r["loss"] for r in _records(jsonl)}
-    assert losses == expected
-    for run in (single / "ckpt", ckpt):
-        assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == str(
-            MULTI_NODE_ITERS
-        )
-    saved_files = [sorted(p.name for p in (c / f"iter_{MULTI_NODE_ITERS:07d}").iterdir())
-                   for c in (single / "ckpt", ckpt)]  # fmt: skip
-    assert saved_files[0] == saved_files[1] and "common.json" in saved_files[0]
