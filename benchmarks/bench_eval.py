@@ -16,6 +16,7 @@ forward of our HF export (`LlamaForCausalLM`, float32, same threads) with
 
     python benchmarks/bench_eval.py
     python benchmarks/bench_eval.py --skip-arms          # only the transformers comparison
+    python benchmarks/bench_eval.py --skip-arms --threads 1 --clock cpu_seconds  # loaded host
     python benchmarks/bench_eval.py --hidden-size 1024 --num-layers 8 --seq-length 1024 \\
         --vocab-size 50304 --micro-batch-size 4
 """
@@ -161,6 +162,13 @@ def main() -> None:
     parser.add_argument("--peer-documents", type=int, default=48)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--skip-arms", action="store_true", help="only the transformers row")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for both sides (default: torch's own choice); 1 gives "
+        "the steadiest A/B on a shared machine",
+    )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument(
         "--clock",
@@ -170,6 +178,10 @@ def main() -> None:
         "seconds (steadier when other work shares the machine)",
     )
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     from megatron_ext.evaluation.scoring import ModelScorer
     from megatron_ext.inference.loading import init_inference_parallel
