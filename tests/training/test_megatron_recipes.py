@@ -3,7 +3,7 @@
 run on CPU with --mock-data, and those of `examples/gpt3/train_gpt3_175b_distributed.sh` run on
 2 gloo ranks at TP=2 with a GPT2BPETokenizer vocab/merges pair and a dataset preprocessed with
 it. The same runs check --skip-train, --calculate-per-token-loss, and that a --rampup-batch-size
-run stopped and resumed (saved with --async-save) repeats the uninterrupted one exactly."""
+run resumed from its own mid-run --async-save checkpoint repeats the uninterrupted run exactly."""
 
 from __future__ import annotations
 
@@ -148,23 +148,36 @@ def _rampup_argv(d) -> list[str]:
     return [
         *llama3_8b(d), "--rampup-batch-size", "1", "1", "6", "--log-params-norm",
         "--log-num-zeros-in-grad", "--log-memory-to-tensorboard", "--manual-gc-interval", "1",
+        "--async-save",
     ]  # fmt: skip
 
 
+def _replace(argv: list[str], flag: str, value: str) -> list[str]:
+    i = argv.index(flag)
+    return [*argv[: i + 1], value, *argv[i + 2 :]]
+
+
 def test_rampup_resumes_exactly(launcher, runs):
-    whole = launcher(1, _rampup_argv(runs / "ramp"), runs / "ramp").check()
+    # The uninterrupted run also saves (asynchronously) at iteration 3 and exits by
+    # --exit-interval at its last iteration; a second run resumes from the iteration-3 save.
+    d = runs / "ramp"
+    argv = [*_replace(_rampup_argv(d), "--save-interval", "3"), "--exit-interval", "5"]
+    whole = launcher(1, argv, d).check()
     # Megatron's ramp of 3 steps over 6 samples: 1, 1, 2, 3 (7 samples), then full batches of 4.
     consumed = [r["consumed_samples"] for r in whole.records]
     assert consumed == [1, 2, 4, 7, 11]
-    d = runs / "ramp-resumed"
-    first = launcher(1, [*_rampup_argv(d), "--exit-interval", "3", "--async-save"], d).check()
-    assert "exiting at iteration 3" in first.output
-    assert (d / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    second = launcher(1, [*_rampup_argv(d), "--async-save"], d / "second").check()
-    resumed = first.records + second.records
+    assert "exiting at iteration 5 (exit-interval)" in whole.output
+    assert (d / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    for it in (3, 5):
+        assert (d / "ckpt" / f"iter_{it:07d}" / "common.json").is_file(), it
+    resumed_dir = runs / "ramp-resumed"
+    argv = _replace(_rampup_argv(resumed_dir), "--load", str(d / "ckpt")) + ["--ckpt-step", "3"]
+    second = launcher(1, argv, resumed_dir).check()
+    assert "loaded checkpoint" in second.output and "(iteration 3," in second.output
+    assert [r["iteration"] for r in second.records] == [4, 5]
     for key in ("iteration", "consumed_samples", "loss", "grad_norm", "lr"):
-        assert [r[key] for r in resumed] == [r[key] for r in whole.records], key
-    scalars = _scalars(runs / "ramp" / "tb")
+        assert [r[key] for r in second.records] == [r[key] for r in whole.records[3:]], key
+    scalars = _scalars(d / "tb")
     assert [v for _, v in scalars["batch-size"]] == [1.0, 1.0, 2.0, 3.0, 4.0]
     assert "params-norm" in scalars and "num-zeros" in scalars
     assert any(tag.startswith("mem-") for tag in scalars)
