@@ -1,7 +1,8 @@
 """The lean decode step (`LeanDecoder`) against megatron's path, in one single-rank worker:
 
 - its cached logits (a prefill, single-token steps, and a multi-token chunk after the prefill)
-  equal the full forward's and megatron's cached step's (where `generate` uses it) on float64 models of every arm and of layer variants
+  equal the full forward's and megatron's cached step's (fed as `generate` feeds it) on
+  float64 models of every arm and of layer variants
   (grouped or full attention, LayerNorm, a non-gated GELU MLP, partial and interleaved RoPE);
 - `generate(step="lean")` gives megatron's tokens (greedy, sampled, mixed prompt lengths, stop
   ids) on float32 models;
