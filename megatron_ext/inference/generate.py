@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ConversionError(str(error)) from None
     if args.batch_size < 1:
         raise ConversionError("--batch-size must be >= 1")
+    if args.decode_step == "lean" and args.no_cache:
+        raise ConversionError("--decode-step lean always uses its KV cache; drop --no-cache")
     prompts = read_prompts(args)
     run_ = find_checkpoint(args.load, args.iteration)
     tokenizer = run_tokenizer(run_, args.tokenizer_model)

@@ -168,3 +168,12 @@ def test_what_the_lean_step_does_not_cover_is_named_and_refused(results):
     assert refused["generate"] == "the lean decode step does not cover qk layernorm"
     assert results["no_cache"] == ("megatron", "no KV cache requested")
     assert "KV cache" in results["no_cache_lean"]
+
+
+def test_tool_refuses_the_lean_step_without_a_cache(capsys):
+    from megatron_ext.inference.generate import main
+
+    code = main(["--load", "no-such-run", "--prompt", "a", "--decode-step", "lean", "--no-cache"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == "error: --decode-step lean always uses its KV cache; drop --no-cache"
