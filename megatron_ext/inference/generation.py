@@ -17,7 +17,9 @@ gathers the vocab-parallel logits (`runtime_gather_output`) and the token chosen
 broadcast, so all ranks agree. LEV embeds through its materialised eval table
 (`LEVConfig.eval_table`, built by `lev.table`), checked or built once per call, not through the
 generator per token. A decoding step costs one token's work: `CachedSelfAttention` caches keys
-already rotated, and without stop ids the loop makes no host synchronisation.
+already rotated, and without stop ids the loop makes no host synchronisation. `step="lean"`
+(TP=1, local spec) computes the same logits with `LeanDecoder`'s plain torch ops and cache
+instead of the model's forward; `decode_step_for` says which step covers a model.
 """
 
 from __future__ import annotations
