@@ -6,7 +6,8 @@
   (b) time to materialise the LEV input table at V = --table-vocab (200k), D = --table-hidden
       (2048) with the default LEV hyper-parameters (float32 compute) / time to write that
       [V, D] float32 table as safetensors;                               target <= 1
-  (c) tokens/s of `generate` (KV cache, greedy) / tokens/s of transformers' `generate` on our
+  (c) tokens/s of `generate` (KV cache, greedy; --step, by default the lean decode step where
+      it covers the model, as tools/generate.py) / tokens/s of transformers' `generate` on our
       HF export of the same model (`LlamaForCausalLM`, float32, same threads), --new-tokens
       tokens per row, at each of --peer-batches, --pairs interleaved runs (ours, theirs, ours,
       ...); min and median of the per-pair ratios, and whether every pair gave the same
@@ -84,10 +85,11 @@ def bench_kv_cache(args, pg) -> None:
 def bench_vs_transformers(args, pg) -> None:
     import statistics
 
-    from megatron_ext.inference.generation import SamplingConfig, generate
+    from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
     from megatron_ext.testing.hf_peer import hf_export
 
     config, model = _lev_model(args, pg)
+    step = args.step if args.step != "auto" else decode_step_for(model)[0]
     hf = hf_export(model, config, tied=config.embedding.tied)
     n = args.new_tokens
     for batch in args.peer_batches:
@@ -95,7 +97,7 @@ def bench_vs_transformers(args, pg) -> None:
         cfg = SamplingConfig(max_new_tokens=n)
 
         def ours():
-            return generate(model, prompts.tolist(), cfg, tp_group=pg.tp)
+            return generate(model, prompts.tolist(), cfg, tp_group=pg.tp, step=step)
 
         def theirs():
             with torch.inference_mode():
@@ -118,7 +120,7 @@ def bench_vs_transformers(args, pg) -> None:
         print(
             f"(c) greedy, {n} new tokens, prompt {args.prompt_tokens}, batch {batch}, "
             f"{args.layers} layers x D {args.hidden}, V {args.vocab}, {args.pairs} pairs:\n"
-            f"    ours (KV cache)        {statistics.median(rates['ours']):8.1f} tokens/s "
+            f"    {'ours (' + step + ' step)':23s}{statistics.median(rates['ours']):8.1f} tokens/s "
             f"(median; {min(rates['ours']):.1f}-{max(rates['ours']):.1f})\n"
             f"    transformers generate  {statistics.median(rates['theirs']):8.1f} tokens/s "
             f"(median; {min(rates['theirs']):.1f}-{max(rates['theirs']):.1f})\n"
@@ -181,6 +183,13 @@ def main() -> None:
     p.add_argument("--table-vocab", type=int, default=200_064)
     p.add_argument("--table-hidden", type=int, default=2048)
     p.add_argument("--tmp-dir", default=None, help="where the table file is written")
+    p.add_argument(
+        "--step",
+        choices=("auto", "lean", "megatron"),
+        default="auto",
+        help="(c)'s decode step (`generate(step=...)`); auto: what tools/generate.py picks",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--skip-table", action="store_true")
     p.add_argument("--skip-kv-cache", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
@@ -194,6 +203,8 @@ def main() -> None:
     args = p.parse_args()
     global _clock
     _clock = CLOCKS[args.clock]
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from megatron_ext.inference.loading import init_inference_parallel
 

@@ -167,7 +167,7 @@ class LeviathanLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuation of each context, cut at the first of its `until` strings."""
-        from megatron_ext.inference.generation import SamplingConfig, generate
+        from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
 
         def order(request):
             ids = self.tok_encode(request[0])
@@ -180,6 +180,9 @@ class LeviathanLM(TemplateLM):
             group_fn=lambda x: x[1],
         )
         results = []
+        step, why = decode_step_for(self.scorer.model)
+        if self._rank0:
+            logger.info("generate_until: decode step %s (%s)", step, why)
         bar = tqdm(total=len(requests), disable=disable_tqdm or not self._rank0, desc="generating")
         for chunk in collator.get_batched(n=self.batch_size):
             kwargs = dict(chunk[0][1])
@@ -199,6 +202,7 @@ class LeviathanLM(TemplateLM):
                 cfg,
                 tp_group=self.scorer.pg.tp,
                 vocab_size=self.tok.vocab_size,
+                step=step,
             )
             for (context, gen_kwargs), ids in zip(chunk, outputs):
                 text = self.tok_decode(ids)

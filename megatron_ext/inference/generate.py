@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stop-at-eod", action="store_true", help="ignore the end-of-document id")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch")
     p.add_argument("--no-cache", action="store_true", help="recompute the prefix every step")
+    p.add_argument(
+        "--decode-step",
+        choices=("auto", "lean", "megatron"),
+        default="auto",
+        help="lean: plain torch ops on the model's weights (TP=1 local spec, KV cache); "
+        "megatron: the model's forward; auto: lean where it covers the model (logged)",
+    )
     p.add_argument("--output", default=None, help="write jsonl here instead of printing")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     return p
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
     from megatron_ext.conversion.common import ConversionError
-    from megatron_ext.inference.generation import SamplingConfig, generate
+    from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
     from megatron_ext.inference.loading import (
         find_checkpoint,
         init_inference_parallel,
@@ -109,6 +116,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ConversionError(str(error)) from None
     if args.batch_size < 1:
         raise ConversionError("--batch-size must be >= 1")
+    if args.decode_step == "lean" and args.no_cache:
+        raise ConversionError("--decode-step lean always uses its KV cache; drop --no-cache")
     prompts = read_prompts(args)
     run_ = find_checkpoint(args.load, args.iteration)
     tokenizer = run_tokenizer(run_, args.tokenizer_model)
@@ -132,6 +141,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         )
     pg = init_inference_parallel(tp, 1)
     model = load_model(run_, config, pg)
+    step, why = decode_step_for(model, sampling.use_cache)
+    if args.decode_step != "auto":
+        if args.decode_step == "lean" and step != "lean":
+            raise ConversionError(f"--decode-step lean: {why}; use --decode-step megatron")
+        step, why = args.decode_step, "--decode-step"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info("decode step: %s (%s)", step, why)
     records = []
     start, produced = time.perf_counter(), 0
     for first in range(0, len(prompts), args.batch_size):
@@ -140,7 +156,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         empty = [p for p, i in zip(batch, ids) if not i]
         if empty:
             raise ConversionError(f"prompt {empty[0]!r} encodes to no token")
-        outputs = generate(model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size)
+        outputs = generate(
+            model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size, step=step
+        )
         for prompt, prompt_ids, new in zip(batch, ids, outputs):
             stopped = "eod" if len(new) < sampling.max_new_tokens else "length"
             produced += len(new)

@@ -17,7 +17,9 @@ gathers the vocab-parallel logits (`runtime_gather_output`) and the token chosen
 broadcast, so all ranks agree. LEV embeds through its materialised eval table
 (`LEVConfig.eval_table`, built by `lev.table`), checked or built once per call, not through the
 generator per token. A decoding step costs one token's work: `CachedSelfAttention` caches keys
-already rotated, and without stop ids the loop makes no host synchronisation.
+already rotated, and without stop ids the loop makes no host synchronisation. `step="lean"`
+(TP=1, local spec) computes the same logits with `LeanDecoder`'s plain torch ops and cache
+instead of the model's forward; `decode_step_for` says which step covers a model.
 """
 
 from __future__ import annotations
@@ -31,9 +33,22 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["SamplingConfig", "generate", "lev_eval_tables", "next_token_logits", "sample"]
+from megatron_ext.inference.lean_decode import LeanDecoder, lean_decode_unsupported
+
+__all__ = [
+    "DECODE_STEPS",
+    "SamplingConfig",
+    "decode_step_for",
+    "generate",
+    "lev_eval_tables",
+    "next_token_logits",
+    "sample",
+]
 
 logger = logging.getLogger(__name__)
+
+DECODE_STEPS = ("megatron", "lean")
+"""How `generate` computes each step's logits (see its `step` argument)."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +149,17 @@ def next_token_logits(
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def decode_step_for(model: torch.nn.Module, use_cache: bool = True) -> tuple[str, str]:
+    """(step, why): "lean" where `LeanDecoder` covers `model` (same logits, less Python per
+    token), else "megatron" and what stands in the way, for the caller's log line."""
+    if not use_cache:
+        return "megatron", "no KV cache requested"
+    reason = lean_decode_unsupported(_unwrap(model))
+    if reason is not None:
+        return "megatron", f"the lean step does not cover {reason}"
+    return "lean", "local spec at TP=1: plain torch ops on the model's weights"
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
@@ -148,6 +174,7 @@ def generate(
     *,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_size: Optional[int] = None,
+    step: str = "megatron",
 ) -> list[list[int]]:
     """Continue every prompt; returns the new ids of each (without the stop token).
 
@@ -162,7 +189,16 @@ def generate(
             (refused for a TP>1 model).
         vocab_size: the tokenizer's vocabulary; ids at or above it (the padding of
             make-vocab-size-divisible-by) are never produced.
+        step: "megatron" runs each step through the model's forward with megatron's
+            `StaticInferenceContext` (or without a cache when `cfg.use_cache` is False);
+            "lean" runs `LeanDecoder` (same logits, plain torch ops, TP=1 local spec with the
+            cache only; `decode_step_for` picks one and says why). A model the lean step does
+            not cover is refused, never silently run the other way.
     """
+    if step not in DECODE_STEPS:
+        raise ValueError(f"step must be one of {DECODE_STEPS}, got {step!r}")
+    if step == "lean" and not cfg.use_cache:
+        raise ValueError("the lean decode step always uses its KV cache (use_cache=True)")
     inner = _unwrap(model)
     if not (getattr(inner, "pre_process", True) and getattr(inner, "post_process", True)):
         raise ValueError(
@@ -202,7 +238,7 @@ def generate(
     stops = torch.tensor(cfg.stop_token_ids or [-1], device=device)
 
     context = None
-    if cfg.use_cache:
+    if cfg.use_cache and step == "megatron":
         from megatron.core.inference.contexts import StaticInferenceContext
 
         context = StaticInferenceContext(batch, total)
@@ -212,8 +248,11 @@ def generate(
     fed = 0
     try:
         with lev_eval_tables(model):
+            lean = LeanDecoder(inner, batch, total) if step == "lean" else None
             for position in range(shortest, total):
-                if context is not None:
+                if lean is not None:
+                    logits = lean(tokens[:, fed:position])
+                elif context is not None:
                     logits = next_token_logits(model, tokens[:, fed:position], context)
                 else:
                     logits = next_token_logits(model, tokens[:, :position])

@@ -1,0 +1,217 @@
+"""A lean cached decode step for the local layer spec at TP=1: the same layers, plain torch ops.
+
+Per generated token, megatron-core's TransformerLayer machinery (module dispatch, the static
+inference context's bookkeeping, [s, b] layout shuffles, bias-dropout-add closures) costs more
+Python than the token's matmuls on a small model. `LeanDecoder` runs exactly the computation of
+the local spec (`SequenceParallelNorm`, `CachedSelfAttention` with `SDPACoreAttention`, megatron's
+`MLP`) on the model's own weights, batch-first, with its own KV cache ([b, ng, max_s, hn] per
+layer, keys stored already rotated):
+
+    decoder = LeanDecoder(model, batch=2, max_sequence_length=64)   # raises if not covered
+    logits = decoder(tokens[:, :5])   # prefill: [b, 5] -> next-token logits [b, V]
+    logits = decoder(tokens[:, 5:6])  # one decoding step
+
+The embedding and output layer are the model's own modules (so every embedding arm, LEV from its
+eval table, tied or untied heads). `lean_decode_unsupported` names what a model has that the lean
+step does not cover (tensor parallelism, biases, MoE, MLA, qk-norm, ...); callers then run
+megatron's path and say so.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import Tensor
+
+from megatron_ext.models.local_modules import (
+    CachedSelfAttention,
+    SDPACoreAttention,
+    SequenceParallelNorm,
+    _rotate,
+)
+
+__all__ = ["LeanDecoder", "lean_decode_unsupported"]
+
+
+def _config_unsupported(config) -> Optional[str]:
+    checks = (
+        (config.tensor_model_parallel_size != 1, "tensor parallelism (TP>1)"),
+        (config.sequence_parallel, "sequence parallelism"),
+        (config.add_bias_linear or config.add_qkv_bias, "linear biases"),
+        (config.qk_layernorm, "qk layernorm"),
+        (getattr(config, "multi_latent_attention", False), "multi-latent attention"),
+        (getattr(config, "attention_output_gate", False), "gated attention output"),
+        (getattr(config, "num_moe_experts", None), "mixture of experts"),
+        (config.apply_rope_fusion, "fused RoPE"),
+        (config.fp32_residual_connection, "fp32 residual connection"),
+        (config.apply_residual_connection_post_layernorm, "residual after the layernorm"),
+        (config.use_te_activation_func or config.bias_activation_fusion, "fused activations"),
+        (getattr(config, "activation_func_clamp_value", None) is not None, "clamped GLU"),
+        (getattr(config, "glu_linear_offset", 0.0) != 0.0, "GLU linear offset"),
+        (config.fp16 or config.bf16, "fp16/bf16 mixed precision"),
+    )
+    for failed, what in checks:
+        if failed:
+            return what
+    return None
+
+
+def lean_decode_unsupported(model: torch.nn.Module) -> Optional[str]:
+    """None when `LeanDecoder` computes exactly what `model`'s forward computes; otherwise what
+    the model has that the lean step does not cover (for the caller's log line)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "decoder"):
+        return "not a GPT model"
+    if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+        return "pipeline stages"
+    if getattr(model, "position_embedding_type", None) != "rope":
+        return f"position embedding {getattr(model, 'position_embedding_type', None)!r}"
+    if getattr(model, "mtp_process", False):
+        return "multi-token prediction"
+    reason = _config_unsupported(config)
+    if reason:
+        return reason
+    for layer in model.decoder.layers:
+        attention = getattr(layer, "self_attention", None)
+        if not (
+            type(layer) is TransformerLayer
+            and isinstance(layer.input_layernorm, SequenceParallelNorm)
+            and isinstance(layer.pre_mlp_layernorm, SequenceParallelNorm)
+            and type(attention) is CachedSelfAttention
+            and type(attention.core_attention) is SDPACoreAttention
+            and isinstance(attention.q_layernorm, IdentityOp)
+            and isinstance(attention.k_layernorm, IdentityOp)
+            and isinstance(layer.cross_attention, IdentityOp)
+            and type(layer.mlp) is MLP
+        ):
+            return "a layer outside the local spec (Transformer Engine, MoE, custom modules)"
+    if not isinstance(model.decoder.final_layernorm, SequenceParallelNorm):
+        return "a final norm outside the local spec"
+    return None
+
+
+def _norm(norm: SequenceParallelNorm, x: Tensor) -> Tensor:
+    if norm.normalization == "RMSNorm":
+        return F.rms_norm(x, (x.size(-1),), norm.weight, norm.eps)
+    return F.layer_norm(x, (x.size(-1),), norm.weight, norm.bias, norm.eps)
+
+
+class LeanDecoder:
+    """Cached next-token logits for `batch` rows of up to `max_sequence_length` positions.
+
+    Each call feeds the tokens [b, s] after those already fed (s >= 1; the first call starts at
+    position 0) and returns the logits [b, V] (float32 or wider) for the token after them. The
+    model must not change between calls; run it under `torch.no_grad()` (and, for LEV, under
+    `lev_eval_tables`).
+    """
+
+    def __init__(self, model: torch.nn.Module, batch: int, max_sequence_length: int):
+        reason = lean_decode_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the lean decode step does not cover {reason}")
+        self.model = model
+        config = model.config
+        first = model.decoder.layers[0].self_attention
+        self.heads = first.num_attention_heads_per_partition
+        self.groups = first.num_query_groups_per_partition
+        self.head_dim = first.hidden_size_per_attention_head
+        self.scale = first.core_attention.softmax_scale
+        self.activation = config.activation_func
+        self.gated = config.gated_linear_unit
+        self.interleaved = config.rotary_interleaved
+        weight = model.decoder.layers[0].self_attention.linear_qkv.weight
+        dtype, device = weight.dtype, weight.device
+        freqs = model.rotary_pos_emb(max_sequence_length)  # [max_s, 1, 1, d]
+        mscale = _yarn_get_concentration_factor_from_config(config)
+        # megatron's `_apply_rotary_pos_emb_bshd` arithmetic, laid out [1, max_s, 1, d].
+        self.cos = (torch.cos(freqs) * mscale).to(dtype).view(1, max_sequence_length, 1, -1)
+        self.sin = (torch.sin(freqs) * mscale).to(dtype).view(1, max_sequence_length, 1, -1)
+        cache_shape = (batch, self.groups, max_sequence_length, self.head_dim)
+        self.caches = [
+            (
+                torch.empty(cache_shape, dtype=dtype, device=device),
+                torch.empty(cache_shape, dtype=dtype, device=device),
+            )
+            for _ in model.decoder.layers
+        ]
+        self.max_sequence_length = max_sequence_length
+        self.offset = 0
+        output_layer = model.output_layer
+        self.output_weight = (
+            model.shared_embedding_or_output_weight()
+            if model.share_embeddings_and_output_weights
+            else None
+        )
+        self._output = output_layer
+
+    def _attention(self, layer, x: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """x [b, s, h] (normed) -> attention output [b, s, h] before the residual."""
+        attention = layer.self_attention
+        b, s, _ = x.shape
+        start, end = self.offset, self.offset + s
+        per_group = self.heads // self.groups
+        mixed = F.linear(x, attention.linear_qkv.weight)  # [b, s, ng * (np/ng + 2) * hn]
+        mixed = mixed.view(b, s, self.groups, (per_group + 2) * self.head_dim)
+        query, key, value = torch.split(
+            mixed, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=3
+        )
+        query = query.reshape(b, s, self.heads, self.head_dim)
+        cos, sin = self.cos[:, start:end], self.sin[:, start:end]
+        query = _rotate(query, cos, sin, self.interleaved)
+        key = _rotate(key, cos, sin, self.interleaved)
+        k_cache[:, :, start:end] = key.transpose(1, 2)
+        v_cache[:, :, start:end] = value.transpose(1, 2)
+        mask, causal = None, False
+        if s > 1 and start == 0:
+            causal = True
+        elif s > 1:
+            rows = torch.arange(start, end, device=x.device)[:, None]
+            mask = torch.arange(end, device=x.device)[None, :] <= rows  # True: may attend
+        context = F.scaled_dot_product_attention(
+            query.transpose(1, 2),
+            k_cache[:, :, :end],
+            v_cache[:, :, :end],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=self.heads != self.groups,
+        )  # [b, np, s, hn]
+        context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return F.linear(context, attention.linear_proj.weight)
+
+    def _mlp(self, mlp: MLP, x: Tensor) -> Tensor:
+        hidden = F.linear(x, mlp.linear_fc1.weight)
+        if self.gated:
+            gate, linear = torch.chunk(hidden, 2, dim=-1)
+            hidden = self.activation(gate) * linear
+        else:
+            hidden = self.activation(hidden)
+        return F.linear(hidden, mlp.linear_fc2.weight)
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        """tokens [b, s] after the ones already fed -> next-token logits [b, V]."""
+        s = tokens.size(1)
+        if self.offset + s > self.max_sequence_length:
+            raise ValueError(
+                f"{self.offset + s} positions exceed the cache's {self.max_sequence_length}"
+            )
+        model = self.model
+        hidden = model.embedding(input_ids=tokens, position_ids=None).transpose(0, 1)
+        for layer, (k_cache, v_cache) in zip(model.decoder.layers, self.caches):
+            hidden = hidden + self._attention(
+                layer, _norm(layer.input_layernorm, hidden), k_cache, v_cache
+            )
+            hidden = hidden + self._mlp(layer.mlp, _norm(layer.pre_mlp_layernorm, hidden))
+        self.offset += s
+        last = _norm(model.decoder.final_layernorm, hidden[:, -1:])  # [b, 1, h]
+        logits, _ = self._output(last, weight=self.output_weight)
+        logits = logits[:, 0]
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
