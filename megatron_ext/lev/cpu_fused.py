@@ -128,7 +128,8 @@ def load_library() -> ctypes.CDLL:
     eps_split = [ctypes.c_double, ctypes.c_int32]
     for dtype in ("f32", "f64"):
         forward = getattr(lib, f"lev_forward_{dtype}")
-        forward.argtypes = [_PTR] * 3 + ints[:-1] + eps_split + ints[-1:]
+        strides = [_INT64] * 2  # t's head and id strides
+        forward.argtypes = [_PTR] + strides + [_PTR] * 2 + ints[:-1] + eps_split + ints[-1:]
         forward.restype = None
         backward = getattr(lib, f"lev_backward_{dtype}")
         backward.argtypes = [_PTR] * 5 + ints
@@ -160,14 +161,16 @@ class CpuBackend:
     name = "cpu"
 
     def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
-        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
+        """t [h, N, d] (any strides), coeff [h, d, kappa, r] -> M [N, h, r]."""
         lib = load_library()
         h, d, kappa, r = coeff.shape
         n = t.shape[1]
+        if t.stride(2) != 1:
+            t = t.contiguous()
         modes = torch.empty(n, h, r, dtype=t.dtype)
         eps_mant, eps_exp = math.frexp(opts.product_eps)
         getattr(lib, f"lev_forward_{_suffix(t.dtype)}")(
-            _ptr(t), _ptr(coeff), _ptr(modes), h, n, d, kappa, r,
+            _ptr(t), t.stride(0), t.stride(1), _ptr(coeff), _ptr(modes), h, n, d, kappa, r,
             int(opts.normalize_basis), float(opts.product_eps), eps_mant, eps_exp,
             torch.get_num_threads(),
         )  # fmt: skip
@@ -179,10 +182,11 @@ class CpuBackend:
         h, d, kappa, r = coeff.shape
         n = t.shape[1]
         t_hdn = t.transpose(1, 2).contiguous()  # one contiguous row per task
+        grad_hnr = grad.transpose(0, 1).contiguous()  # each head's rows in one block
         grad_coeff = torch.empty_like(coeff)
         grad_t_hdn = torch.empty_like(t_hdn)
         getattr(lib, f"lev_backward_{_suffix(t.dtype)}")(
-            _ptr(t_hdn), _ptr(coeff), _ptr(grad), _ptr(grad_coeff), _ptr(grad_t_hdn),
+            _ptr(t_hdn), _ptr(coeff), _ptr(grad_hnr), _ptr(grad_coeff), _ptr(grad_t_hdn),
             h, n, d, kappa, r, int(opts.normalize_basis), float(opts.product_eps),
             torch.get_num_threads(),
         )  # fmt: skip

@@ -15,7 +15,9 @@ values, signed separable product) and their gradient:
     backward(t, coeff, grad [N, h, r], opts) -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])
 
 with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x). All
-tensors are contiguous and in the compute dtype. Backends: "torch" (`lev.fused`, chunked torch
+tensors are in the compute dtype and contiguous, except t: the [h, N, d] transposed view of
+the contiguous [N, h, d] tensor that steps 3a-3b produce with one GEMM (each (head, id) row of
+d values is contiguous); dL/dt may be any [h, N, d] view. Backends: "torch" (`lev.fused`, chunked torch
 ops, any device), "cpu" (`lev.cpu_fused`, a C++ kernel compiled on first use) and "triton"
 (`lev.triton_kernel`, CUDA, or CPU under TRITON_INTERPRET=1). "reference" is the readable
 `lev.math.lev_modes` under plain autograd (every intermediate saved). "auto" takes triton for
@@ -123,14 +125,19 @@ class LEVBackend(Protocol):
 
 
 def _seed_to_t(z: torch.Tensor, params, opts: LEVKernelOptions) -> torch.Tensor:
-    """Steps 3a-3b: z [N, d_in] -> t [h, N, d] (contiguous), `lev.math.seed_to_t` in three
-    fused ops and their fused backwards instead of about ten elementwise passes:
-    sigmoid((LN(u) * g + b) / tau) = sigmoid(LN(u) * (g / tau) + b / tau)."""
+    """Steps 3a-3b: z [N, d_in] -> t [N, h, d] (contiguous; backends get its [h, N, d] view).
+
+    `lev.math.seed_to_t` in four ops and their fused backwards instead of about ten
+    elementwise passes: the h projections are one [N, d_in] x [d_in, h*d] GEMM (a broadcast
+    batched matmul copies z h times and, in backward, sums h products for dL/dz), and
+    sigmoid((LN(u) * g + b) / tau) = sigmoid(LN(u) * (g / tau) + b / tau).
+    """
     seed_proj, norm_weight, norm_bias = params
-    u = torch.matmul(z, seed_proj.transpose(1, 2))  # [h, N, d]
-    normed = F.layer_norm(u, u.shape[-1:], eps=opts.norm_eps)
-    gain = (norm_weight / opts.temperature).unsqueeze(1)
-    shift = (norm_bias / opts.temperature).unsqueeze(1)
+    h, d, d_in = seed_proj.shape
+    u = torch.matmul(z, seed_proj.reshape(h * d, d_in).t()).view(-1, h, d)
+    normed = F.layer_norm(u, (d,), eps=opts.norm_eps)
+    gain = norm_weight / opts.temperature
+    shift = norm_bias / opts.temperature
     return torch.sigmoid(torch.addcmul(shift, normed, gain))
 
 
@@ -143,7 +150,7 @@ class LEVModes(torch.autograd.Function):
         with torch.autocast(device_type=z.device.type, enabled=False), torch.no_grad():
             cdt = lev_math.compute_dtype(z.dtype)
             params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
-            t = _seed_to_t(z.to(cdt), params, opts)
+            t = _seed_to_t(z.to(cdt), params, opts).transpose(0, 1)  # [h, N, d] view
             coeff = (1 + spline_delta.to(cdt)).contiguous()
             modes = backend.forward(t, coeff, opts)
         ctx.backend, ctx.opts = backend, opts
@@ -165,16 +172,18 @@ class LEVModes(torch.autograd.Function):
             ]
             zc = z.detach().to(cdt).requires_grad_(need_z)
             with torch.enable_grad():
-                t = _seed_to_t(zc, params, opts)
+                t_nhd = _seed_to_t(zc, params, opts)
             coeff = (1 + spline_delta.detach().to(cdt)).contiguous()
             scaled = (grad_modes.to(cdt) * modes).contiguous()  # dL/dM * M, [N, h, r]
             with torch.no_grad():
-                grad_t, grad_coeff = ctx.backend.backward(t.detach(), coeff, scaled, opts)
+                grad_t, grad_coeff = ctx.backend.backward(
+                    t_nhd.detach().transpose(0, 1), coeff, scaled, opts
+                )
             inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
             # Backends may hand dL/dt back as a transposed view; the elementwise backwards of
-            # 3a-3b run several times faster on a contiguous one than the copy costs.
-            grad_t = grad_t.contiguous()
-            grads = list(torch.autograd.grad(t, inputs, grad_t)) if inputs else []
+            # 3a-3b run several times faster on t's own [N, h, d] layout than the copy costs.
+            grad_t = grad_t.transpose(0, 1).contiguous()
+            grads = list(torch.autograd.grad(t_nhd, inputs, grad_t)) if inputs else []
         grad_z = grads.pop(0).to(z.dtype) if need_z else None
         grad_params = [
             grads.pop(0).to(p.dtype) if need else None

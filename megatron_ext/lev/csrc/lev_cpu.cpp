@@ -1,4 +1,6 @@
-// LEV modes on CPU: t [h, n, d] -> M [n, h, r], and its backward (lev/cpu_fused.py).
+// LEV modes on CPU: t [h, n, d] -> M [n, h, r], and its backward (lev/cpu_fused.py). Forward
+// reads t through its head and id strides (rows of d contiguous: lev/kernels.py hands the
+// [h, n, d] view of an [n, h, d] tensor).
 //
 // The CPU twin of lev/triton_kernel.py: per (head, id) the d spline values of each rank
 // component are evaluated from the three non-zero quadratic B-spline basis values of their
@@ -135,9 +137,10 @@ inline void renormalise(T* __restrict a, int32_t* __restrict e, int64_t r) {
 // and x = +eps at phi == 0 splits into eps's own (rounded) mantissa and exponent: the general
 // path's subnormal scaling and phi == 0 selection are then no-ops, skipped.
 template <typename T, bool kEpsNormal>
-void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict modes, int64_t h,
-             int64_t n, int64_t d, int64_t kappa, int64_t r, bool normalize, double eps,
-             double eps_mant, int32_t eps_exp, int threads) {
+void forward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
+             const T* __restrict coeff, T* __restrict modes, int64_t h, int64_t n, int64_t d,
+             int64_t kappa, int64_t r, bool normalize, double eps, double eps_mant,
+             int32_t eps_exp, int threads) {
   const T eps_t = static_cast<T>(eps);
   const T eps_m = static_cast<T>(eps_mant);
 #pragma omp parallel num_threads(threads)
@@ -154,7 +157,7 @@ void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict mod
         a[rho] = T(1);
         ex[rho] = 0;
       }
-      basis.eval(t + (l * n + i) * d, d, kappa, normalize);
+      basis.eval(t + l * t_stride_h + i * t_stride_n, d, kappa, normalize);
       for (int64_t c = 0; c < d; ++c) {
         const T* table = coeff + (l * d + c) * kappa * r;
         const T* __restrict c0 = table + basis.k0[c] * r;
@@ -184,16 +187,16 @@ void forward(const T* __restrict t, const T* __restrict coeff, T* __restrict mod
 }
 
 template <typename T>
-void forward(const T* t, const T* coeff, T* modes, int64_t h, int64_t n, int64_t d,
-             int64_t kappa, int64_t r, bool normalize, double eps, double eps_mant,
-             int32_t eps_exp, int threads) {
+void forward(const T* t, int64_t t_stride_h, int64_t t_stride_n, const T* coeff, T* modes,
+             int64_t h, int64_t n, int64_t d, int64_t kappa, int64_t r, bool normalize,
+             double eps, double eps_mant, int32_t eps_exp, int threads) {
   const bool eps_normal = eps >= static_cast<double>(std::numeric_limits<T>::min()) &&
                           eps <= static_cast<double>(std::numeric_limits<T>::max());
   if (eps_normal) {
-    forward<T, true>(t, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
+    forward<T, true>(t, t_stride_h, t_stride_n, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
                      threads);
   } else {
-    forward<T, false>(t, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
+    forward<T, false>(t, t_stride_h, t_stride_n, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
                       threads);
   }
 }
@@ -206,7 +209,8 @@ void forward(const T* t, const T* coeff, T* modes, int64_t h, int64_t n, int64_t
 #define LEV_PREFER_256
 #endif
 
-// t_hdn and grad_t_hdn are [h, d, n] (each task reads and writes one contiguous row).
+// t_hdn and grad_t_hdn are [h, d, n] (each task reads and writes one contiguous row); scaled
+// is [h, n, r]: the d tasks of a head stream the same contiguous block of n rows.
 template <typename T>
 LEV_PREFER_256 void backward(const T* __restrict t_hdn, const T* __restrict coeff,
                              const T* __restrict scaled, T* __restrict grad_coeff,
@@ -232,7 +236,7 @@ LEV_PREFER_256 void backward(const T* __restrict t_hdn, const T* __restrict coef
         const T* __restrict c0 = table + k0 * r;
         const T* __restrict c1 = table + k1 * r;
         const T* __restrict c2 = table + k2 * r;
-        const T* __restrict srow = scaled + (i * h + l) * r;
+        const T* __restrict srow = scaled + (l * n + i) * r;
         const T v0 = basis.v0[i], v1 = basis.v1[i], v2 = basis.v2[i];
         T g0 = 0, g1 = 0, g2 = 0;  // dL/dB_j
         if (k0 != k1 && k1 != k2) {
@@ -299,17 +303,19 @@ LEV_PREFER_256 void backward(const T* __restrict t_hdn, const T* __restrict coef
 
 extern "C" {
 
-void lev_forward_f32(const float* t, const float* coeff, float* modes, int64_t h, int64_t n,
+void lev_forward_f32(const float* t, int64_t t_stride_h, int64_t t_stride_n,
+                     const float* coeff, float* modes, int64_t h, int64_t n,
                      int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
                      double eps_mant, int32_t eps_exp, int threads) {
-  forward<float>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
+  forward<float>(t, t_stride_h, t_stride_n, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
                  threads);
 }
 
-void lev_forward_f64(const double* t, const double* coeff, double* modes, int64_t h, int64_t n,
+void lev_forward_f64(const double* t, int64_t t_stride_h, int64_t t_stride_n,
+                     const double* coeff, double* modes, int64_t h, int64_t n,
                      int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
                      double eps_mant, int32_t eps_exp, int threads) {
-  forward<double>(t, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
+  forward<double>(t, t_stride_h, t_stride_n, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
                   threads);
 }
 
