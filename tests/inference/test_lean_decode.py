@@ -18,6 +18,8 @@ import torch
 
 from megatron_ext.testing.distributed import run_distributed
 
+from .test_generation import PROMPTS, VOCAB, _config
+
 pytestmark = pytest.mark.integration
 
 ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
@@ -30,22 +32,13 @@ VARIANTS = {
         rotary_percent=0.5, extra_transformer_config=dict(rotary_interleaved=True)
     ),
 }
-VOCAB = 160
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [42]]
 
 
 def _model(arm: str, dtype=torch.float64, **overrides):
-    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.models import build_model
 
     torch.manual_seed(0)
-    fields = dict(
-        vocab_size=VOCAB, num_layers=2, hidden_size=32, num_attention_heads=4,
-        num_query_groups=2, ffn_hidden_size=64, seq_length=64, params_dtype=dtype,
-        embedding=dict(embedding_type=arm, lev=dict(seed_dim=8, rank=4, num_heads=2,
-                                                    num_knots=5)),
-    )  # fmt: skip
-    fields.update(overrides)
-    model = build_model(ModelConfig(**fields)).eval()
+    model = build_model(_config(arm, dtype, **overrides)).eval()
     with torch.no_grad():
         # Some arms start with zero blocks (flat-mlp's output); noise makes every weight count.
         for param in model.parameters():
