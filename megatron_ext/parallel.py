@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from torch.distributed import distributed_c10d as c10d
 
 from megatron_ext import placement
 from megatron_ext.elastic import round_store, uses_agent_store
@@ -108,8 +110,6 @@ class ProcessGroups:
     def megatron_collection(self):
         """These groups as megatron-core's `ProcessGroupCollection` (GPTModel's `pg_collection`),
         so that megatron's layers communicate over the same groups as this package's code."""
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
         return ProcessGroupCollection(
             tp=self.tp,
             pp=self.pp,
@@ -322,8 +322,6 @@ def _log_placement(groups: ProcessGroups) -> None:
 def _set_timeout(timeout: datetime.timedelta) -> None:
     """Set the timeout of every process group this rank belongs to (as Megatron-LM's
     --distributed-timeout-seconds-after-init does)."""
-    from torch.distributed import distributed_c10d as c10d
-
     for group in list(c10d._world.pg_map):
         if not c10d._rank_not_in_group(group):
             c10d._set_pg_timeout(timeout, group)

@@ -13,6 +13,7 @@ import csv
 import io
 import sys
 
+from megatron_ext.cli import run_tool
 from megatron_ext.lev.arguments import add_lev_arguments, lev_flag_values
 from megatron_ext.models.config import (
     EMBEDDING_TYPES,
@@ -276,8 +277,6 @@ def _layout_from_args(args: argparse.Namespace) -> ParallelLayout:
 
 def main(argv=None) -> int:
     """``tools/count_params.py``: print the parameter (or, with --memory, memory) table."""
-    from megatron_ext.cli import run_tool
-
     return run_tool(_main, argv, log_format=None)
 
 
