@@ -19,8 +19,20 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
+from megatron_ext._paths import display_path
 from megatron_ext.cli import run_tool
-from megatron_ext.conversion.common import DTYPES
+from megatron_ext.conversion.common import DTYPES, ConversionError
+from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
+from megatron_ext.conversion.export_megatron import (
+    ExportMegatronOptions,
+    export_megatron,
+)
+from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
+from megatron_ext.conversion.reshard import ReshardOptions, reshard
+from megatron_ext.data.tokenizers import TokenizerError
 
 
 def _add_load(p: argparse.ArgumentParser) -> None:
@@ -90,12 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> str:
-    import torch
-
     progress = not args.no_progress
     if args.command == "export-hf":
-        from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
-
         return export_hf(
             ExportHFOptions(
                 load=args.load,
@@ -113,8 +121,6 @@ def run(args: argparse.Namespace) -> str:
             )
         )
     if args.command == "import-hf":
-        from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
-
         return import_hf(
             ImportHFOptions(
                 hf_dir=args.hf_dir,
@@ -126,11 +132,6 @@ def run(args: argparse.Namespace) -> str:
             )
         )
     if args.command == "export-megatron":
-        from megatron_ext.conversion.export_megatron import (
-            ExportMegatronOptions,
-            export_megatron,
-        )
-
         return export_megatron(
             ExportMegatronOptions(
                 load=args.load,
@@ -146,8 +147,6 @@ def run(args: argparse.Namespace) -> str:
                 progress=progress,
             )
         )
-    from megatron_ext.conversion.reshard import ReshardOptions, reshard
-
     return reshard(
         ReshardOptions(
             load=args.load,
@@ -164,8 +163,7 @@ def run(args: argparse.Namespace) -> str:
 
 
 def _shutdown() -> None:
-    import torch.distributed as dist
-
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.parallel import destroy_parallel
 
     destroy_parallel()
@@ -174,8 +172,7 @@ def _shutdown() -> None:
 
 
 def _errors() -> tuple:
-    from megatron_ext.conversion.common import ConversionError
-    from megatron_ext.data.tokenizers import TokenizerError
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.training.checkpointing import CheckpointError
 
     return (ConversionError, CheckpointError, TokenizerError)
@@ -183,8 +180,6 @@ def _errors() -> tuple:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_ext._paths import display_path
-
     try:
         path = run(args)
     finally:

@@ -18,7 +18,14 @@ from typing import Optional
 import torch
 
 from megatron_ext._paths import display_path
-from megatron_ext.conversion.common import atomic_output_dir, git_revision
+from megatron_ext.conversion.common import ConversionError, atomic_output_dir, git_revision
+from megatron_ext.conversion.hf import (
+    export_tokenizer,
+    hf_config,
+    to_hf_state_dict,
+    write_safetensors,
+)
+from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
 
 __all__ = ["ExportHFOptions", "export_hf"]
 
@@ -73,18 +80,8 @@ def export_hf(opts: ExportHFOptions) -> str:
     # optional: the [eval] extra
     from transformers import GenerationConfig
 
-    from megatron_ext.conversion.hf import (
-        export_tokenizer,
-        hf_config,
-        to_hf_state_dict,
-        write_safetensors,
-    )
-    from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
-
     if os.path.lexists(opts.output) and not opts.overwrite:
         # Fail before the (possibly long) load; atomic_output_dir checks again.
-        from megatron_ext.conversion.common import ConversionError
-
         raise ConversionError(
             f"output {display_path(opts.output)} already exists; pass --overwrite or pick another"
         )

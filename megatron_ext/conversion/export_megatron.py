@@ -24,9 +24,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
+from megatron_ext.data.tokenizers import padded_vocab_size
+from megatron_ext.models.config import EmbeddingConfig
 
 __all__ = ["ExportMegatronOptions", "export_megatron", "megatron_rank_state_dict", "TP_LAYOUT"]
 
@@ -79,6 +83,7 @@ def megatron_rank_state_dict(
     pp_size: int,
 ) -> dict[str, torch.Tensor]:
     """One (TP, PP) rank's state dict from megatron-named full tensors (stage-local layers)."""
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.models.full_state_dict import tp_shard
 
     per_stage = num_layers // pp_size
@@ -165,12 +170,6 @@ def _resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 def export_megatron(opts: ExportMegatronOptions) -> str:
     """Write the legacy checkpoint; returns its directory."""
-    from tqdm import tqdm
-
-    from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
-    from megatron_ext.data.tokenizers import padded_vocab_size
-    from megatron_ext.models.config import EmbeddingConfig
-
     output = os.path.abspath(opts.output)
     if os.path.lexists(output) and not opts.overwrite:
         raise ConversionError(

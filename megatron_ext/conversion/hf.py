@@ -28,8 +28,14 @@ import re
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from megatron_ext.conversion.common import ConversionError
+from megatron_ext.data.tokenizers import (
+    EXPORT_PROVENANCE_FILE,
+    HuggingFaceTokenizer,
+    SentencePieceTokenizer,
+)
 
 __all__ = [
     "LLAMA_ARCHITECTURE",
@@ -294,7 +300,6 @@ def write_safetensors(
     # optional: the [eval] extra (transformers')
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
-    from tqdm import tqdm
 
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     names = []
@@ -333,12 +338,6 @@ def export_tokenizer(tokenizer, out_dir: str) -> None:
     metaspace; its control pieces (<s>, </s>, ...) are never matched in text, as in
     SentencePiece. A Hugging Face tokenizer is saved as it is.
     """
-    from megatron_ext.data.tokenizers import (
-        EXPORT_PROVENANCE_FILE,
-        HuggingFaceTokenizer,
-        SentencePieceTokenizer,
-    )
-
     if isinstance(tokenizer, HuggingFaceTokenizer):
         tokenizer._tok.save_pretrained(out_dir)
     elif isinstance(tokenizer, SentencePieceTokenizer):

@@ -22,6 +22,8 @@ import torch
 
 from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+from megatron_ext.conversion.hf import from_hf_state_dict, read_hf_checkpoint
+from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
 
 __all__ = ["ImportHFOptions", "import_hf", "TOKENIZER_FILES"]
 
@@ -81,8 +83,7 @@ def _model_flags(config: dict, arm: str, opts: ImportHFOptions) -> list[str]:
 
 def import_hf(opts: ImportHFOptions) -> str:
     """Write the checkpoint directory; returns its path."""
-    from megatron_ext.conversion.hf import from_hf_state_dict, read_hf_checkpoint
-    from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.models import build_model, model_config_from_args
     from megatron_ext.models.full_state_dict import load_full_state_dict

@@ -11,6 +11,7 @@ optimizer state. No process group is needed.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -20,9 +21,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from tqdm import tqdm
 
 from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+from megatron_ext.conversion.source import _check_shard_files
+from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
+from megatron_ext.lev.config import smallest_base
 
 __all__ = ["ReshardOptions", "reshard", "VOCAB_KEYS"]
 
@@ -77,15 +85,8 @@ def _single_process():
 
 def reshard(opts: ReshardOptions) -> str:
     """Write the resharded checkpoint (a new --save directory); returns its path."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from tqdm import tqdm
-
-    from megatron_ext.conversion.source import _check_shard_files
-    from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.inference.loading import find_checkpoint, run_model_config, run_tokenizer
-    from megatron_ext.lev.config import smallest_base
     from megatron_ext.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
 
     output = os.path.abspath(opts.output)
@@ -111,8 +112,6 @@ def reshard(opts: ReshardOptions) -> str:
     if args["embedding_type"] in ("lev", "factored-mlp") and args.get("lev_base") is None:
         # LEV's digit base follows from the padded vocabulary unless given: keep it fixed.
         args["lev_base"] = smallest_base(old_padded, args.get("lev_num_digits", 3))
-    import argparse
-
     new_run = type(run)(run.root, run.iteration, run.path, argparse.Namespace(**args), run.common)
     try:
         config = run_model_config(

@@ -9,13 +9,18 @@ token id, so the table reproduces them exactly (up to the rounding of its dtype)
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from tqdm import tqdm
 
 from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import ConversionError
+from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
+from megatron_ext.lev.table import LEVTable
 
 __all__ = [
     "LoadedCheckpoint",
@@ -57,10 +62,6 @@ class LoadedCheckpoint:
 
 
 def _check_shard_files(path: str) -> None:
-    import os
-
-    from torch.distributed.checkpoint import FileSystemReader
-
     reader = FileSystemReader(path)
     metadata = reader.read_metadata()
     files = sorted({item.relative_path for item in (metadata.storage_data or {}).values()})
@@ -90,7 +91,7 @@ def load_checkpoint_full(
     Raises:
         ConversionError / CheckpointError: every problem, as one line.
     """
-    from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.inference.loading import (
         find_checkpoint,
         init_inference_parallel,
@@ -165,10 +166,8 @@ def materialize_module_table(
     or float64); the other generated arms run on a temporary `compute_dtype` copy of their
     parameters (the module is left as it was); a lookup table is returned as it is.
     """
-    from tqdm import tqdm
-
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.lev.layer import LEVEmbedding
-    from megatron_ext.lev.table import LEVTable
 
     if hasattr(module, "weight") and not list(module.children()):
         return module.weight.detach().clone()

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from typing import Optional, Sequence
 
 import numpy as np
+import tiktoken
 
 from megatron_ext.data.tokenizer_base import Tokenizer, TokenizerError, _file_digest
 
@@ -103,8 +104,6 @@ class GPT2BPETokenizer(Tokenizer):
                 f"{merge_file} creates {missing} token(s) that {vocab_file} lacks; the two files "
                 "do not belong together"
             )
-        import tiktoken
-
         self._enc = tiktoken.Encoding(
             name="gpt2-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={}
         )

@@ -70,6 +70,7 @@ def _mcore():
     megatron.core, seconds of start-up) without the CPU-only Apex/TE warnings."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+        # deferred: keeps torch (slow) out of this module's import
         from megatron.core.datasets import indexed_dataset
     return indexed_dataset
 

@@ -353,6 +353,7 @@ def build_train_valid_test_datasets(
     """
     with warnings.catch_warnings():  # megatron.core on first use (see blend_prefixes)
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+        # deferred: keeps megatron.core (slow) out of this module's import
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder,
         )

@@ -16,6 +16,8 @@ import zlib
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Sequence
 
+import zstandard
+
 __all__ = [
     "DataError",
     "CorruptInputError",
@@ -123,8 +125,6 @@ def expand_inputs(inputs: Sequence[str]) -> list[InputFile]:
 
 
 def _iter_zstd_blocks(handle: BinaryIO, path: str) -> Iterator[bytes]:
-    import zstandard
-
     dctx = zstandard.ZstdDecompressor()
     dobj = dctx.decompressobj()
     in_frame = False

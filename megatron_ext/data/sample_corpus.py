@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
+import zstandard
 
 from megatron_ext._paths import display_path
 
@@ -220,8 +221,6 @@ def generate_documents(
 
 
 def _write_zst(path: str, lines) -> int:
-    import zstandard
-
     tmp = path + ".tmp"
     buffer = io.BytesIO()
     count = 0

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+import sentencepiece
+
 from megatron_ext._paths import display_path
 from megatron_ext.data.readers import DataError, expand_inputs, iter_lines
 
@@ -146,8 +148,6 @@ def train_sentencepiece(config: TokenizerTrainingConfig) -> str:
         DataError: bad settings, no usable input, existing output without ``overwrite``, or a
             SentencePiece training failure (e.g. a vocabulary larger than the sample supports).
     """
-    import sentencepiece
-
     model_path = config.model_prefix + ".model"
     vocab_path = config.model_prefix + ".vocab"
     if not config.overwrite:

@@ -27,6 +27,9 @@ import os
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+import sentencepiece
+import tiktoken
+
 from megatron_ext.data.gpt2_bpe import GPT2BPETokenizer
 from megatron_ext.data.tokenizer_base import Tokenizer, TokenizerError, _file_digest
 
@@ -58,8 +61,6 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __init__(self, model_path: str) -> None:
         super().__init__(model_path)
-        import sentencepiece
-
         if not os.path.isfile(model_path):
             raise TokenizerError(f"SentencePiece model not found: {model_path}")
         self._sp = sentencepiece.SentencePieceProcessor()
@@ -274,8 +275,6 @@ class TikTokenizer(Tokenizer):
 
     def __init__(self, model_path: str, pattern: str = "o200k") -> None:
         super().__init__(model_path)
-        import tiktoken
-
         if not os.path.isfile(model_path):
             raise TokenizerError(f"tiktoken rank file not found: {model_path}")
         ranks = _load_tiktoken_ranks(model_path)

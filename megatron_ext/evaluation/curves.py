@@ -60,6 +60,7 @@ def _curve(points: Sequence[tuple[float, float]], seq_length: int) -> Optional[C
 
 
 def _read_tensorboard(path: str) -> dict[str, list[tuple[float, float]]]:
+    # deferred: keeps tensorboard (slow) out of this module's import
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     if not glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True):
@@ -213,9 +214,11 @@ def sample_efficiency(run: RunCurves, reference: RunCurves) -> SampleEfficiency:
 
 def plot_curves(runs: Sequence[RunCurves], path: str, smoothing: float = 0.0) -> str:
     """Train (smoothed, solid) and validation (markers, dashed) loss of every run vs tokens."""
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))

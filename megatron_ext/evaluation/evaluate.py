@@ -27,6 +27,21 @@ from typing import Optional, Sequence
 from megatron_ext._paths import display_path
 from megatron_ext.cli import run_tool
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
+from megatron_ext.data.readers import DataError
+from megatron_ext.data.tokenizers import TokenizerError
+from megatron_ext.evaluation.curves import plot_curves, read_run_curves, sample_efficiency
+from megatron_ext.evaluation.frequency import (
+    DEFAULT_EDGES,
+    FrequencyBins,
+    training_counts,
+    write_frequency_report,
+)
+from megatron_ext.evaluation.outputs import (
+    EvaluationError,
+    format_markdown_table,
+    write_json,
+    write_text,
+)
 
 logger = logging.getLogger("evaluate")
 
@@ -164,6 +179,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def _rank0() -> bool:
+    # deferred: keeps torch (slow) out of this module's import
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
@@ -171,7 +187,7 @@ def _rank0() -> bool:
 
 def _init(args):
     """This rank's `ProcessGroups` at the requested layout (initialised here if needed)."""
-    from megatron_ext.evaluation.outputs import EvaluationError
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.inference.loading import init_inference_parallel
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -187,6 +203,7 @@ def _init(args):
 
 
 def _load(args, load_dir: str, pg):
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.evaluation.scoring import load_for_evaluation
 
     loaded = load_for_evaluation(
@@ -206,6 +223,7 @@ def _load(args, load_dir: str, pg):
 
 def _batches(args, loaded):
     """(batches, target-token count, description) of the chosen evaluation set."""
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.data.loading import check_vocab_sizes, dataset_vocab_size
     from megatron_ext.evaluation.perplexity import (
         dataset_documents,
@@ -238,7 +256,7 @@ def _batches(args, loaded):
 
 
 def cmd_perplexity(args) -> int:
-    from megatron_ext.evaluation.outputs import format_markdown_table, write_json, write_text
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.evaluation.perplexity import LossTotals
     from megatron_ext.evaluation.scoring import score_batches
 
@@ -250,8 +268,6 @@ def cmd_perplexity(args) -> int:
         loaded.scorer, batches, [totals], total_targets=total, show_progress=not args.no_progress
     )
     if totals.tokens == 0:
-        from megatron_ext.evaluation.outputs import EvaluationError
-
         raise EvaluationError(f"{source}: no tokens were scored (empty evaluation set)")
     result = dict(
         checkpoint=loaded.run.path,
@@ -285,14 +301,8 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_frequency(args) -> int:
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.data.loading import blend_prefixes
-    from megatron_ext.evaluation.frequency import (
-        DEFAULT_EDGES,
-        FrequencyBins,
-        training_counts,
-        write_frequency_report,
-    )
-    from megatron_ext.evaluation.outputs import EvaluationError
     from megatron_ext.evaluation.scoring import score_batches
 
     names = args.names or [os.path.basename(os.path.normpath(p)) for p in args.load]
@@ -340,7 +350,7 @@ def cmd_frequency(args) -> int:
 
 
 def cmd_wikitext(args) -> int:
-    from megatron_ext.evaluation.outputs import write_json
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.evaluation.perplexity import LossTotals
     from megatron_ext.evaluation.scoring import score_batches
     from megatron_ext.evaluation.wikitext import (
@@ -389,13 +399,11 @@ def cmd_lm_eval(args) -> int:
         from lm_eval.tasks import TaskManager
         from lm_eval.utils import make_table
     except ImportError:
-        from megatron_ext.evaluation.outputs import EvaluationError
-
         raise EvaluationError(
             "lm-eval is not installed: pip install -e '.[eval]' (pins lm-eval)"
         ) from None
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.evaluation.lm_eval_adapter import LeviathanLM
-    from megatron_ext.evaluation.outputs import EvaluationError, write_json, write_text
 
     if args.log_samples and not args.output_dir:
         raise EvaluationError("--log-samples writes samples_<task>.jsonl: give --output-dir")
@@ -443,14 +451,6 @@ def cmd_lm_eval(args) -> int:
 
 
 def cmd_curves(args) -> int:
-    from megatron_ext.evaluation.curves import plot_curves, read_run_curves, sample_efficiency
-    from megatron_ext.evaluation.outputs import (
-        EvaluationError,
-        format_markdown_table,
-        write_json,
-        write_text,
-    )
-
     runs = []
     for spec in args.run:
         name, sep, path = spec.partition("=")
@@ -502,9 +502,7 @@ COMMANDS = {
 
 
 def _errors() -> tuple:
-    from megatron_ext.data.readers import DataError
-    from megatron_ext.data.tokenizers import TokenizerError
-    from megatron_ext.evaluation.outputs import EvaluationError
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.training.checkpointing import CheckpointError
 
     return (EvaluationError, DataError, TokenizerError, CheckpointError)

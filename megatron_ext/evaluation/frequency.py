@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron_ext.data.fingerprint import check_dataset_tokenizers
+from megatron_ext.data.indexed import counts_path
 from megatron_ext.evaluation.outputs import (
     EvaluationError,
     format_markdown_table,
@@ -71,9 +73,6 @@ def training_counts(
         EvaluationError: a counts file is missing or has another vocabulary size;
             `TokenizerMismatchError`: a dataset was made with another tokenizer.
     """
-    from megatron_ext.data.fingerprint import check_dataset_tokenizers
-    from megatron_ext.data.indexed import counts_path
-
     total: Optional[np.ndarray] = None
     for prefix in prefixes:
         path = counts_path(prefix)
@@ -258,9 +257,11 @@ def write_frequency_report(
 
 
 def _plot(results: dict[str, FrequencyStats], baseline: Optional[str], path: str) -> str:
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as plt
 
     names = list(results)

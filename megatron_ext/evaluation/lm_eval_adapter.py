@@ -26,6 +26,7 @@ from lm_eval.models.utils import Collator
 from tqdm.auto import tqdm
 
 from megatron_ext.evaluation.scoring import LoadedModel, load_for_evaluation
+from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class LeviathanLM(TemplateLM):
         if loaded is None:
             if load is None:
                 raise ValueError("LeviathanLM needs model_args load=<checkpoint directory>")
+            # deferred: keeps megatron.core (slow) out of this module's import
             from megatron_ext.inference.loading import init_inference_parallel
 
             pg = init_inference_parallel(
@@ -167,7 +169,6 @@ class LeviathanLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuation of each context, cut at the first of its `until` strings."""
-        from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
 
         def order(request):
             ids = self.tok_encode(request[0])

@@ -133,6 +133,7 @@ def format_markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) 
 
 def save_figure(fig, path: str, dpi: int = 120) -> str:
     """Save a matplotlib figure as PNG atomically and close it."""
+    # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as plt
 
     try:

@@ -10,6 +10,7 @@ count from 0 in every sequence, as in training.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -19,6 +20,9 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from megatron_ext.data.indexed import get_bin_path, get_idx_path, load_dataset, num_tokens
+from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
+from megatron_ext.data.readers import iter_lines
 from megatron_ext.evaluation.outputs import EvaluationError, read_text_file
 from megatron_ext.evaluation.scoring import Batch
 
@@ -105,8 +109,6 @@ def pack_stream(
 
 def dataset_documents(prefix: str) -> tuple[Iterator[np.ndarray], int]:
     """The documents of the indexed dataset `prefix` and its total token count."""
-    from megatron_ext.data.indexed import get_bin_path, get_idx_path, load_dataset, num_tokens
-
     for path in (get_idx_path(prefix), get_bin_path(prefix)):
         if not os.path.isfile(path):
             raise EvaluationError(
@@ -122,8 +124,6 @@ def dataset_documents(prefix: str) -> tuple[Iterator[np.ndarray], int]:
 
 def _read_texts(path: str, json_key: str, encoding: str) -> Iterator[str]:
     if path.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")):
-        from megatron_ext.data.readers import iter_lines
-
         for number, line in iter_lines(path):
             if not line.strip():
                 continue
@@ -166,10 +166,6 @@ def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = 
     Returns:
         (batches, number of target tokens); raises EvaluationError if the run had no such set.
     """
-    import argparse
-
-    from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
-
     args = run.args
     eval_iters = int(getattr(args, "eval_iters", 0) or 0)
     gbs = int(args.global_batch_size)

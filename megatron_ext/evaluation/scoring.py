@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups
@@ -207,6 +208,7 @@ def load_for_evaluation(
 ) -> LoadedModel:
     """Load a checkpoint (any arm, saved at any layout) at the TP x PP layout of `pg` (from
     `megatron_ext.inference.loading.init_inference_parallel`), LEV with its eval table."""
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.inference.loading import (
         find_checkpoint,
         load_model,
@@ -232,6 +234,7 @@ def _pinned_lev_tables(model: torch.nn.Module) -> Iterator[None]:
     """Check each LEV eval table once for the whole pass instead of at every batch (the exact
     comparison of the parameters with the table's snapshot): the weights do not change while
     batches are scored."""
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.lev.layer import LEVEmbedding
 
     with contextlib.ExitStack() as stack:
@@ -257,8 +260,6 @@ def score_batches(
     Returns:
         {"targets": scored tokens, "seconds": wall time, "tokens_per_second": throughput}.
     """
-    from tqdm.auto import tqdm
-
     consumers = list(consumers)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     bar = tqdm(

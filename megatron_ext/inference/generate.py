@@ -20,9 +20,11 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from megatron_ext.cli import run_tool
+from megatron_ext.data.tokenizers import TokenizerError
 
 logger = logging.getLogger("generate")
 
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.conversion.common import ConversionError
 
     if args.prompt:
@@ -91,8 +94,10 @@ def completion_text(tokenizer, prompt_ids: list[int], new: list[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    # deferred: keeps torch (slow) out of this module's import
     import torch.distributed as dist
 
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.conversion.common import ConversionError
     from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
     from megatron_ext.inference.loading import (
@@ -122,8 +127,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     run_ = find_checkpoint(args.load, args.iteration)
     tokenizer = run_tokenizer(run_, args.tokenizer_model)
     if not args.no_stop_at_eod:
-        from dataclasses import replace
-
         sampling = replace(sampling, stop_token_ids=(tokenizer.eod,))
     tp = args.tensor_model_parallel_size
     try:
@@ -184,8 +187,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def _errors() -> tuple:
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.conversion.common import ConversionError
-    from megatron_ext.data.tokenizers import TokenizerError
     from megatron_ext.training.checkpointing import CheckpointError
 
     return (ConversionError, CheckpointError, TokenizerError)
@@ -197,6 +200,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if args.output:
+        # deferred: keeps torch (slow) out of this module's import
         from megatron_ext.conversion.common import atomic_write_text
 
         atomic_write_text(args.output, "".join(json.dumps(r) + "\n" for r in records))

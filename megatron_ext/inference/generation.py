@@ -114,6 +114,7 @@ def sample(
 def lev_eval_tables(model: torch.nn.Module) -> Iterator[None]:
     """Let every LEV embedding of `model` answer eval forwards from its materialised table,
     built (or checked) once on entry: the weights must not change inside the block."""
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.lev.layer import LEVEmbedding
 
     changed = []
@@ -232,6 +233,7 @@ def generate(
     if not cfg.greedy:
         seed = cfg.seed if cfg.seed is not None else int(torch.randint(2**62, ()).item())
         generator = torch.Generator(device=device).manual_seed(seed)
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.tensor_parallel import model_tp_size_rank
 
     tp_size, _ = model_tp_size_rank(inner, tp_group)
@@ -239,6 +241,7 @@ def generate(
 
     context = None
     if cfg.use_cache and step == "megatron":
+        # deferred: keeps megatron.core (slow) out of this module's import
         from megatron.core.inference.contexts import StaticInferenceContext
 
         context = StaticInferenceContext(batch, total)

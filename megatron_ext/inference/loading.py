@@ -26,12 +26,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ext._paths import display_path
+from megatron_ext.data.tokenizers import build_tokenizer
+from megatron_ext.models import build_model, model_config_from_args
+from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
 from megatron_ext.training.checkpointing import (
     TRACKER_FILENAME,
     CheckpointError,
     checkpoint_dir,
+    load_checkpoint,
     read_latest_iteration,
 )
 
@@ -72,8 +77,6 @@ class SavedRun:
     def padded_vocab_size(self) -> int:
         """The vocabulary the saved model embeds and scores (padding included), read from the
         checkpoint's own tensor shapes, so it is right whatever layout wrote it."""
-        from torch.distributed.checkpoint import FileSystemReader
-
         metadata = FileSystemReader(self.path).read_metadata().state_dict_metadata
         for key in ("model.output_layer.weight", "model.embedding.word_embeddings.weight"):
             if key in metadata:
@@ -135,8 +138,6 @@ def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
     """The tokenizer the run trained with (`tokenizer_model` overrides the saved path, e.g.
     when the run was launched from another directory), checked against the fingerprint the
     checkpoint recorded (checkpoints written before fingerprints are not checked)."""
-    from megatron_ext.data.tokenizers import build_tokenizer
-
     args = run.args
     if args.tokenizer_type is None:
         raise CheckpointError(f"{run.path}: the run recorded no --tokenizer-type")
@@ -180,8 +181,6 @@ def run_model_config(
     transformer_impl: Optional[str] = None,
 ):
     """The run's `ModelConfig` at the layout this process runs (fp32 master weights)."""
-    from megatron_ext.models import model_config_from_args
-
     args = argparse.Namespace(**vars(run.args))
     args.tensor_model_parallel_size = tensor_model_parallel_size
     args.pipeline_model_parallel_size = pipeline_model_parallel_size
@@ -207,8 +206,6 @@ def init_inference_parallel(
     one-rank world on a free loopback port (so two tools can run side by side). Calling it
     again is harmless: groups already at this layout are kept, others are rebuilt.
     """
-    from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
-
     current = ProcessGroups.current()
     if current is not None:
         if (current.tp_size, current.pp_size) == (
@@ -228,9 +225,6 @@ def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Mod
         model_config: `run_model_config(run, ...)` at `pg`'s layout.
         pg: the groups (`init_inference_parallel`) the model is built over and loaded with.
     """
-    from megatron_ext.models import build_model
-    from megatron_ext.training.checkpointing import load_checkpoint
-
     layout = (model_config.tensor_model_parallel_size, model_config.pipeline_model_parallel_size)
     if layout != (pg.tp_size, pg.pp_size):
         raise ValueError(

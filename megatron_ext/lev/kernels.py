@@ -56,6 +56,7 @@ from typing import Protocol, Union
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.lev import cpu_fused, fused
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
 
@@ -202,8 +203,6 @@ def triton_importable() -> bool:
 @functools.lru_cache(maxsize=None)
 def cpu_kernel_available() -> bool:
     """Whether the CPU kernel is usable; logs the reason once when it is not."""
-    from megatron_ext.lev import cpu_fused
-
     error = cpu_fused.cpu_kernel_error()
     if error is not None:
         logger.warning("LEV runs the torch backend on CPU (slower): %s", error)
@@ -218,13 +217,9 @@ def select_backend(kernel: str, z: torch.Tensor) -> LEVBackend:
             change).
         ValueError: an unknown kernel name.
     """
-    from megatron_ext.lev import fused
-
     if kernel == "torch":
         return fused.TORCH_BACKEND
     if kernel == "cpu" or (kernel == "auto" and z.device.type == "cpu"):
-        from megatron_ext.lev import cpu_fused
-
         if kernel == "auto":
             return cpu_fused.CPU_BACKEND if cpu_kernel_available() else fused.TORCH_BACKEND
         if z.device.type != "cpu":
@@ -242,6 +237,7 @@ def select_backend(kernel: str, z: torch.Tensor) -> LEVBackend:
             return fused.TORCH_BACKEND
     elif kernel != "triton":
         raise ValueError(f"unknown LEV kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    # optional: this module imports Triton (slow) where it is installed
     from megatron_ext.lev import triton_kernel
 
     triton_kernel.check_triton_usable(z.device, cdt)

@@ -12,6 +12,7 @@ Engine spec is megatron-core's own TE spec (fused norm+linear, TE attention, FP8
 from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -83,11 +84,6 @@ def get_transformer_engine_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
             "(pip install 'megatron-ext-leviathan[gpu]' in the NGC container); use "
             "--transformer-impl local on CPU"
         )
-    # Transformer Engine (optional): megatron-core's TE spec module imports it.
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
 
 

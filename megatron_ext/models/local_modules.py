@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "CachedSelfAttention",
@@ -105,8 +106,6 @@ class SDPACoreAttention(MegatronModule):
     ) -> Tensor:
         """SDPA (causal or masked, GQA) over q, k, v [s, b, n, hn] -> context [s, b, n*hn]."""
         if self.recompute and self.training and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
             return checkpoint(
                 self._attend,
                 query,
@@ -240,8 +239,6 @@ class PortableTransformerBlock(TransformerBlock):
         use_inner_quantization_context: bool,
         padding_mask: Optional[Tensor] = None,
     ):
-        from torch.utils.checkpoint import checkpoint
-
         def run(start: int, end: int):
             def forward(hidden_states, context):
                 for layer in self.layers[start:end]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megatron_ext.cli import run_tool
 from megatron_ext.evaluation.report import write_comparison_report
 from megatron_ext.quickstart.stages import (
     Stage,
@@ -427,7 +428,9 @@ def _export(s: Settings, tmp: Path) -> str:
         )
     )
     say(f"  loading the export with transformers and continuing {s.prompt!r} greedily")
+    # deferred: keeps torch (slow) out of this module's import
     import torch
+
     # optional: the [eval] extra
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -487,8 +490,6 @@ def parse_args(argv=None) -> tuple[Settings, bool]:
 
 def main(argv=None) -> int:
     """Run (or resume) the quick start; 0 when every stage is done, 1 when one failed."""
-    from megatron_ext.cli import run_tool
-
     return run_tool(_main, argv, log_format=None)
 
 

@@ -129,6 +129,7 @@ def run_launched(
     """Run ``entry`` on ``nproc`` ranks under torchrun (megatron_ext.testing.launch), output to
     ``log`` with the lines matching ``show`` echoed, as :func:`run_command` does for a plain
     command. Ctrl-C interrupts the ranks (torchrun forwards it), then re-raises."""
+    # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.testing.launch import launch
 
     job = launch(

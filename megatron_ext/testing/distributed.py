@@ -26,14 +26,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_ext.parallel import find_free_port
+from megatron_ext.parallel import destroy_parallel, find_free_port, initialize_parallel
 
 __all__ = ["ParallelLayout", "call_in_file", "find_free_port", "run_distributed"]
 
@@ -57,9 +60,6 @@ def _worker(
     queue: "mp.SimpleQueue",
     threads: int,
 ) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(threads)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -68,8 +68,6 @@ def _worker(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
     )
-    from megatron_ext.parallel import destroy_parallel, initialize_parallel
-
     try:
         initialize_parallel(
             tensor_model_parallel_size=layout.tp,
@@ -123,8 +121,6 @@ def run_distributed(
         proc.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(failures) < world_size:

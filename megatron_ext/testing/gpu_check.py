@@ -34,10 +34,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.cli import run_tool
+from megatron_ext.lev import LEVConfig, LEVEmbedding
+from megatron_ext.lev.kernels import lev_modes
 from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
 from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
+from megatron_ext.models.te_check import compare_te_and_local_logits
 from megatron_ext.testing.launch import PACKAGE_ROOT, launch
 from megatron_ext.training.metrics import peak_tflops
 
@@ -121,10 +125,6 @@ def environment() -> dict:
 
 def check_triton(device: str) -> dict:
     """Triton kernel vs the torch fused path: outputs and all six LEV parameter gradients."""
-    from megatron.core.transformer import TransformerConfig
-
-    from megatron_ext.lev import LEVConfig, LEVEmbedding
-    from megatron_ext.lev.kernels import lev_modes
 
     def fused_lev_modes(*args):
         return lev_modes(*args, kernel="torch")
@@ -212,8 +212,6 @@ def _best_time(fn, inputs, lev_config, reps: int = 5) -> float:
 
 def check_te_vs_local() -> dict:
     """Same weights in the TE spec and the local spec: BF16 logits agree."""
-    from megatron_ext.models.te_check import compare_te_and_local_logits
-
     return compare_te_and_local_logits()
 
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.conversion.hf import hf_config, to_hf_state_dict
+from megatron_ext.conversion.source import materialize_input_table
+
 
 def hf_export(model, model_config, tied: bool):
     """`LlamaForCausalLM` (eval, float32) with `model`'s weights as tools/convert_checkpoint.py
     export-hf writes them (padded vocab kept, so logits line up id for id)."""
     # optional: the [test] extra
     from transformers import LlamaForCausalLM
-
-    from megatron_ext.conversion.hf import hf_config, to_hf_state_dict
-    from megatron_ext.conversion.source import materialize_input_table
 
     full = {
         k: v.detach().float()

@@ -14,6 +14,8 @@ import json
 import os
 from typing import Iterator
 
+from megatron_ext.data.readers import iter_lines
+
 __all__ = ["TINY_TASKS", "write_tiny_tasks"]
 
 TINY_TASKS = ("tiny_lambada", "tiny_piqa", "tiny_wikitext", "tiny_gen")
@@ -100,8 +102,6 @@ metadata:
 
 
 def _sentences(jsonl: str) -> Iterator[str]:
-    from megatron_ext.data.readers import iter_lines
-
     for _, line in iter_lines(jsonl):
         for sentence in json.loads(line)["text"].replace("\n", " ").split(". "):
             words = sentence.strip().rstrip(".").split()

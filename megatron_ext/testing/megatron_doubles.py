@@ -28,6 +28,16 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import (
+    OptimizerConfig,
+    _get_param_groups,
+    get_standard_config_overrides,
+)
+from megatron.core.transformer.module import Float16Module
+
+from megatron_ext.training.megatron_engine import MegatronParts
+from megatron_ext.training.unique_params import counted_once
 
 __all__ = ["CallLog", "RecordingDDP", "RecordingOptimizer", "recording_parts"]
 
@@ -121,8 +131,6 @@ class RecordingOptimizer:
     """A ChainedOptimizer of one FP32Optimizer-like optimizer (see the module doc)."""
 
     def __init__(self, log: CallLog, config, model_chunks, config_overrides, pg_collection):
-        from megatron.core.optimizer import _get_param_groups
-
         self.log, self.config = log, config
         self.mp_group, self.tp_rank = pg_collection.mp, pg_collection.tp.rank()
         groups = _get_param_groups(model_chunks, config, config_overrides)
@@ -162,8 +170,6 @@ class RecordingOptimizer:
 
     def step(self) -> tuple[bool, Optional[float], Optional[int]]:
         """Main gradients -> gradients, global-norm clipping, AdamW; megatron's return value."""
-        from megatron_ext.training.unique_params import counted_once
-
         for param in self.params:
             param.grad = param.main_grad.clone()
         local = sum(
@@ -250,11 +256,6 @@ def recording_finalize_model_grads(log: CallLog):
 
 def recording_parts(log: CallLog):
     """A `MegatronParts` with the CUDA-only pieces replaced by the recording doubles."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
-    from megatron.core.transformer.module import Float16Module
-
-    from megatron_ext.training.megatron_engine import MegatronParts
 
     def ddp(**kwargs):
         return RecordingDDP(log, **kwargs)

@@ -28,6 +28,7 @@ import argparse
 import math
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -156,6 +157,7 @@ class PlainGPT(torch.nn.Module):
 
 def token_streams(prefix: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, valid) token streams of a Megatron indexed dataset, split by documents."""
+    # deferred: keeps megatron.core (slow) out of this module's import
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     data = IndexedDataset(prefix)
@@ -165,8 +167,6 @@ def token_streams(prefix: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     n_valid = int(round(n * shares[1] / sum(shares)))
 
     def stream(lo, hi):
-        import numpy as np
-
         return torch.from_numpy(np.concatenate([data[i] for i in range(lo, hi)]).astype("int64"))
 
     return stream(0, n_train), stream(n_train, n_train + n_valid)

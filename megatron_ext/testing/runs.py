@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megatron_ext.data.preprocess import PreprocessConfig, preprocess
+from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
+from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
 from megatron_ext.testing.launch import PACKAGE_ROOT
 from megatron_ext.testing.launch import launch as start
 
@@ -78,10 +81,6 @@ def prepare_sample_data(root: Path, vocab_size: int = 512, size_mb: float = 0.4)
     """Data flags for a generated corpus, the quick-start path (make_sample_corpus ->
     train_tokenizer -> preprocess_data, called in this process through the package functions
     those tools wrap); 0.4 MB is about 150k tokens."""
-    from megatron_ext.data.preprocess import PreprocessConfig, preprocess
-    from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
-    from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
-
     root = Path(root)
     write_sample_corpus(root / "raw", spec=SampleCorpusSpec(size_mb=size_mb))
     train = str(root / "raw" / "train")

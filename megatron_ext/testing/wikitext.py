@@ -12,6 +12,8 @@ import json
 import re
 from typing import Sequence
 
+from megatron_ext.data.readers import iter_lines
+
 __all__ = ["to_wikitext_line", "write_wikitext"]
 
 
@@ -40,8 +42,6 @@ def write_wikitext(path: str, articles: Sequence[tuple[str, Sequence[str]]]) -> 
 
 def wikitext_from_jsonl(jsonl: str, path: str, articles: int = 8) -> str:
     """A wikitext file of the first `articles` documents of a (compressed) jsonl corpus."""
-    from megatron_ext.data.readers import iter_lines
-
     out = []
     for _, line in iter_lines(jsonl):
         text = json.loads(line)["text"]

@@ -53,6 +53,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from megatron.core import tensor_parallel
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from megatron_ext._paths import display_path
 from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
@@ -139,8 +143,6 @@ _MESHES: dict[tuple, Any] = {}
 
 
 def _tp_mesh(device: torch.device, group: dist.ProcessGroup):
-    from torch.distributed.device_mesh import DeviceMesh
-
     key = (id(group), device.type)
     if key not in _MESHES:
         _MESHES[key] = DeviceMesh.from_group(group, device_type=device.type)
@@ -165,8 +167,6 @@ def _layout_view(
     tp_size = dist.get_world_size(tp_group)
     if tp_size == 1:
         return local
-    from torch.distributed.tensor import DTensor, Shard
-
     global_shape = list(local.shape)
     global_shape[shard_dim] *= tp_size
     contiguous = torch.empty(global_shape, device="meta").stride()
@@ -202,8 +202,6 @@ def _named_params(
 
 
 def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
     state = {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
@@ -216,8 +214,6 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -458,8 +454,6 @@ class PendingSave:
 
 
 def _read_metadata(path: str):
-    from torch.distributed.checkpoint import FileSystemReader
-
     return FileSystemReader(path).read_metadata()
 
 

@@ -43,7 +43,9 @@ from megatron_ext.training.checkpointing import TrainState, read_latest_iteratio
 from megatron_ext.training.config import TrainingConfig
 from megatron_ext.training.data import build_data_loader
 from megatron_ext.training.engine import Engine, NonFiniteError, Phase, StepResult
+from megatron_ext.training.engine_portable import PortableEngine
 from megatron_ext.training.initialization import initialize_like_single_stage
+from megatron_ext.training.megatron_engine import MegatronEngine
 from megatron_ext.training.megatron_features import RunExtras, memory_stats
 from megatron_ext.training.metrics import flops_per_iteration, peak_tflops, run_info
 from megatron_ext.training.metrics_logger import MetricsLogger, Timers
@@ -308,11 +310,7 @@ class Trainer:
 def build_engine(cfg: TrainingConfig, model, forward_step, pg, phase, timers) -> Engine:
     """The engine --ddp-impl names: the portable one, or megatron-core's (CUDA)."""
     if cfg.engine.ddp_impl == "megatron":
-        from megatron_ext.training.megatron_engine import MegatronEngine
-
         return MegatronEngine(cfg, model, forward_step, pg, phase, timers)
-    from megatron_ext.training.engine_portable import PortableEngine
-
     return PortableEngine(cfg, model, forward_step, pg, phase, timers)
 
 

@@ -41,6 +41,18 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import (
+    OptimizerConfig,
+    get_megatron_optimizer,
+    get_standard_config_overrides,
+)
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.config import TrainingConfig
@@ -90,19 +102,6 @@ class MegatronParts:
     @classmethod
     def megatron_core(cls) -> "MegatronParts":
         """megatron-core's own pieces (CUDA)."""
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import (
-            OptimizerConfig,
-            get_megatron_optimizer,
-            get_standard_config_overrides,
-        )
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.transformer.module import Float16Module
-
         return cls(
             ddp=DistributedDataParallel,
             ddp_config=DistributedDataParallelConfig,

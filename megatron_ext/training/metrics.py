@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
 from megatron_ext.models.memory import flops_per_token
 
@@ -160,8 +161,6 @@ class Reporter:
         self.wandb = None
         """A wandb run (--wandb-project), set by the loop on rank 0."""
         if self.enabled and self.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.writer = SummaryWriter(log_dir=self.tensorboard_dir, max_queue=self.queue_size)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
@@ -196,9 +195,11 @@ class Reporter:
 
     def _plot(self, directory: str) -> Optional[str]:
         try:
+            # deferred: matplotlib is slow to import and only the plots need it
             import matplotlib
 
             matplotlib.use("Agg")
+            # deferred: matplotlib is slow to import and only the plots need it
             import matplotlib.pyplot as plt
         except ImportError:  # pragma: no cover
             return None

@@ -8,6 +8,7 @@ function-local import that closes a circle only hides it). Imports under
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -118,7 +119,7 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 def test_the_graph_sees_function_level_and_relative_imports():
     graph = import_graph()
-    # A function-local import (training.loop imports megatron_engine inside build_engine()).
+    # A module-level import inside the package.
     assert "megatron_ext.training.megatron_engine" in graph["megatron_ext.training.loop"]
     # Module-level imports across subpackages.
     assert "megatron_ext.training.config" in graph["megatron_ext.training.arguments"]
@@ -143,56 +144,8 @@ OPTIONAL_PACKAGES = {
     "transformer_engine", "triton", "lm_eval", "transformers", "wandb", "safetensors",
     "huggingface_hub", "tokenizers", "accelerate",
 }  # fmt: skip
-
-# Function-local imports of anything else (megatron_ext's own modules, megatron-core, torch,
-# required packages) still to move to module level, per file. The counts may only shrink:
-# the test fails on a new one, and asks to lower a count when some were moved.
-LOCAL_IMPORTS_TO_MOVE: dict[str, int] = {
-    "megatron_ext/cli.py": 2,
-    "megatron_ext/conversion/convert_checkpoint.py": 11,
-    "megatron_ext/conversion/export_hf.py": 3,
-    "megatron_ext/conversion/export_megatron.py": 5,
-    "megatron_ext/conversion/hf.py": 2,
-    "megatron_ext/conversion/import_hf.py": 7,
-    "megatron_ext/conversion/reshard.py": 10,
-    "megatron_ext/conversion/source.py": 8,
-    "megatron_ext/data/gpt2_bpe.py": 1,
-    "megatron_ext/data/indexed.py": 1,
-    "megatron_ext/data/loading.py": 5,
-    "megatron_ext/data/readers.py": 1,
-    "megatron_ext/data/sample_corpus.py": 1,
-    "megatron_ext/data/tokenizer_training.py": 1,
-    "megatron_ext/data/tokenizers.py": 2,
-    "megatron_ext/evaluation/curves.py": 3,
-    "megatron_ext/evaluation/evaluate.py": 27,
-    "megatron_ext/evaluation/frequency.py": 4,
-    "megatron_ext/evaluation/lm_eval_adapter.py": 2,
-    "megatron_ext/evaluation/outputs.py": 1,
-    "megatron_ext/evaluation/perplexity.py": 4,
-    "megatron_ext/evaluation/scoring.py": 3,
-    "megatron_ext/inference/generate.py": 10,
-    "megatron_ext/inference/generation.py": 3,
-    "megatron_ext/inference/loading.py": 6,
-    "megatron_ext/lev/kernels.py": 4,
-    "megatron_ext/models/config.py": 1,
-    "megatron_ext/models/layer_specs.py": 2,
-    "megatron_ext/models/local_modules.py": 2,
-    "megatron_ext/models/te_mapping.py": 1,
-    "megatron_ext/quickstart/pipeline.py": 2,
-    "megatron_ext/quickstart/stages.py": 1,
-    "megatron_ext/testing/distributed.py": 4,
-    "megatron_ext/testing/gpu_check.py": 4,
-    "megatron_ext/testing/hf_peer.py": 2,
-    "megatron_ext/testing/lm_eval_tasks.py": 1,
-    "megatron_ext/testing/megatron_doubles.py": 6,
-    "megatron_ext/testing/plain_gpt.py": 2,
-    "megatron_ext/testing/runs.py": 3,
-    "megatron_ext/testing/wikitext.py": 1,
-    "megatron_ext/training/checkpointing.py": 5,
-    "megatron_ext/training/loop.py": 2,
-    "megatron_ext/training/megatron_engine.py": 4,
-    "megatron_ext/training/metrics.py": 3,
-}
+# megatron-core modules that import Transformer Engine.
+OPTIONAL_MEGATRON_MODULES = ("megatron.core.extensions.transformer_engine",)
 
 
 def function_local_imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
@@ -201,8 +154,16 @@ def function_local_imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
     line above its block of imports."""
     source = path.read_text()
     lines = source.splitlines()
+    tree = ast.parse(source, str(path))
+    # The rows of every import statement (a multi-line one spans several).
+    import_rows = {
+        row
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for row in range(node.lineno - 1, node.end_lineno)
+    }
     found = []
-    for fn in ast.walk(ast.parse(source, str(path))):
+    for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         for node in ast.walk(fn):
@@ -218,37 +179,173 @@ def function_local_imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
             while not commented and row > 0:
                 row -= 1
                 text = lines[row].strip()
-                commented = text.startswith("#") or ("#" in text and "import" in text)
-                if not (commented or text.startswith(("import ", "from "))):
+                commented = text.startswith("#") or ("#" in text and row in import_rows)
+                if not (commented or row in import_rows):
                     break
             found.append((node.lineno, package, commented))
     return sorted(set(found))
 
 
-def test_function_local_imports_are_optional_dependencies_with_a_reason():
-    """A function-local import hides a circle or a slow import; only an optional dependency
-    (with a comment) or one still listed in LOCAL_IMPORTS_TO_MOVE may be one."""
-    counts: dict[str, int] = {}
-    uncommented = []
+# What a deferred import may keep out of a module's import: packages that take seconds.
+HEAVY = {"torch", "megatron", "matplotlib", "tensorboard"}
+
+
+@functools.lru_cache(maxsize=1)
+def module_level_closure() -> dict[str, set[str]]:
+    """module -> every package and megatron_ext module importing it loads (module-level
+    imports only, followed through megatron_ext; importing `a.b.c` runs `a` and `a.b` too).
+    `megatron` counts as `torch` as well (megatron.core imports it)."""
+    mods = _modules()
+    direct: dict[str, set[str]] = {}
+    for module, path in mods.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = set()
+        for node in _module_level(ast.parse(path.read_text(), str(path))):
+            for target in _targets(node, package, mods):
+                found.add(target if target.startswith("megatron_ext") else target.split(".")[0])
+        direct[module] = found
+    closure: dict[str, set[str]] = {}
+
+    def close(module: str) -> set[str]:
+        if module not in closure:
+            closure[module] = set()
+            seen = set(direct.get(module, ()))
+            parts = module.split(".")
+            seen.update(".".join(parts[:i]) for i in range(1, len(parts)))
+            for target in list(seen):
+                if target in mods and target != module:
+                    seen |= close(target)
+            if "megatron" in seen:
+                seen.add("torch")
+            closure[module] = seen
+        return closure[module]
+
+    for module in mods:
+        close(module)
+    return closure
+
+
+def _module_level(tree: ast.AST):
+    """The Import/ImportFrom nodes that run when the module is imported."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            yield from (n for child in node.orelse for n in _module_level_of(child))
+            continue
+        yield from _module_level_of(node)
+
+
+def _module_level_of(node: ast.AST):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    else:
+        yield from _module_level(node)
+
+
+def _targets(node, package: str, mods) -> list[str]:
+    """The dotted names an import node loads (a megatron_ext module where one is named)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")
+        parts = parts[: len(parts) - node.level + 1]
+        base = ".".join(parts + ([base] if base else []))
+    lazy = _lazy_exports(base, mods)
+    names = [
+        f"{base}.{a.name}" if f"{base}.{a.name}" in mods else lazy.get(a.name, base)
+        for a in node.names
+    ]
+    if base.startswith("megatron_ext"):
+        owner = base
+        while owner and owner not in mods:
+            owner = owner.rpartition(".")[0]
+        names = [n if n in mods else owner for n in names]
+    return names
+
+
+def _lazy_exports(package: str, mods) -> dict[str, str]:
+    """name -> module of a package's lazy exports (its `_LAZY` table, megatron_ext/_lazy.py):
+    importing such a name runs that module."""
+    path = mods.get(package)
+    if path is None or path.name != "__init__.py":
+        return {}
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def test_function_local_imports_are_optional_or_keep_their_module_light():
+    """A function-local import hides a circle or a slow import. Only two kinds may stay, each
+    with a comment saying why: an optional dependency, and a deferred import that keeps a slow
+    package (HEAVY) out of its module's import (tools' --help, the data tools without torch)."""
+    mods = _modules()
+    by_path = {path: module for module, path in mods.items()}
+    closure = module_level_closure()
+    uncommented, needless = [], []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = str(path.relative_to(REPO))
-        for line, package, commented in function_local_imports(path):
-            if package in OPTIONAL_PACKAGES:
-                if not commented:
-                    uncommented.append(f"{rel}:{line}")
-            else:
-                counts[rel] = counts.get(rel, 0) + 1
+        module = by_path[path]
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), str(path))
+        nodes = {
+            node.lineno: node
+            for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        }
+        for line, top, commented in function_local_imports(path):
+            if not commented:
+                uncommented.append(f"{rel}:{line}")
+            if top in OPTIONAL_PACKAGES:
+                continue
+            slow = HEAVY | OPTIONAL_PACKAGES
+            loads = set()
+            for target in _targets(nodes[line], package, mods):
+                if target in closure:
+                    loads |= closure[target] & slow
+                elif target.startswith(OPTIONAL_MEGATRON_MODULES):
+                    loads.add("transformer_engine")
+                elif target.split(".")[0] in slow:
+                    loads |= {target.split(".")[0]} | ({"torch"} if top == "megatron" else set())
+            if not loads - closure[module]:
+                needless.append(f"{rel}:{line}")
+    assert not needless, (
+        "function-local imports that keep nothing slow out of their module's import: move them "
+        "to module level (only optional packages and deferred "
+        + "/".join(sorted(HEAVY))
+        + " imports stay inside functions): "
+        + ", ".join(needless)
+    )
     assert not uncommented, (
-        "optional-dependency imports inside functions need a comment saying why: "
-        + ", ".join(uncommented)
+        "imports inside functions need a comment saying why (optional dependency, or what the "
+        "deferral keeps out of the module's import): " + ", ".join(uncommented)
     )
-    grown = {f: n for f, n in counts.items() if n > LOCAL_IMPORTS_TO_MOVE.get(f, 0)}
-    assert not grown, (
-        f"new function-local imports (import at module level; only {sorted(OPTIONAL_PACKAGES)} "
-        f"may be imported inside a function): {grown}"
+
+
+def test_the_light_modules_stay_light():
+    """What the deferred imports buy, checked statically: the tools' entry modules do not load
+    megatron.core at import (their --help is fast), the data tools not even torch."""
+    closure = module_level_closure()
+    for module in (
+        "megatron_ext.evaluation.evaluate", "megatron_ext.inference.generate",
+        "megatron_ext.conversion.convert_checkpoint", "megatron_ext.quickstart",
+        "megatron_ext.cli",
+    ):  # fmt: skip
+        assert "megatron" not in closure[module], module
+    for module in ("megatron_ext.data.preprocess_data", "megatron_ext.data.train_tokenizer"):
+        assert not closure[module] & HEAVY, (module, closure[module] & HEAVY)
+    # The closure sees through packages, relative imports and lazy exports.
+    assert _lazy_exports("megatron_ext.models", _modules())["build_model"] == (
+        "megatron_ext.models.builder"
     )
-    shrunk = {f: counts.get(f, 0) for f, n in LOCAL_IMPORTS_TO_MOVE.items() if counts.get(f, 0) < n}
-    assert not shrunk, f"fewer function-local imports now: lower LOCAL_IMPORTS_TO_MOVE to {shrunk}"
+    assert "torch" in closure["megatron_ext.training.loop"]
+    assert "megatron" in closure["megatron_ext.parallel"]
 
 
 def test_function_local_import_check_sees_what_it_must(tmp_path):
