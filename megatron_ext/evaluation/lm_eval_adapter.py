@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from megatron_ext.evaluation.scoring import LoadedModel, load_for_evaluation
 from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
+from megatron_ext.inference.loading import init_inference_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,6 @@ class LeviathanLM(TemplateLM):
         if loaded is None:
             if load is None:
                 raise ValueError("LeviathanLM needs model_args load=<checkpoint directory>")
-            # deferred: keeps megatron.core (slow) out of this module's import
-            from megatron_ext.inference.loading import init_inference_parallel
-
             pg = init_inference_parallel(
                 int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
             )

@@ -32,8 +32,11 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_ext.inference.lean_decode import LeanDecoder, lean_decode_unsupported
+from megatron_ext.lev.layer import LEVEmbedding
+from megatron_ext.tensor_parallel import model_tp_size_rank
 
 __all__ = [
     "DECODE_STEPS",
@@ -114,9 +117,6 @@ def sample(
 def lev_eval_tables(model: torch.nn.Module) -> Iterator[None]:
     """Let every LEV embedding of `model` answer eval forwards from its materialised table,
     built (or checked) once on entry: the weights must not change inside the block."""
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.lev.layer import LEVEmbedding
-
     changed = []
     with contextlib.ExitStack() as stack:
         for module in model.modules():
@@ -233,17 +233,11 @@ def generate(
     if not cfg.greedy:
         seed = cfg.seed if cfg.seed is not None else int(torch.randint(2**62, ()).item())
         generator = torch.Generator(device=device).manual_seed(seed)
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.tensor_parallel import model_tp_size_rank
-
     tp_size, _ = model_tp_size_rank(inner, tp_group)
     stops = torch.tensor(cfg.stop_token_ids or [-1], device=device)
 
     context = None
     if cfg.use_cache and step == "megatron":
-        # deferred: keeps megatron.core (slow) out of this module's import
-        from megatron.core.inference.contexts import StaticInferenceContext
-
         context = StaticInferenceContext(batch, total)
     # Row r's new tokens are tokens[r, lengths[r]:end[r]]; a stop token moves its end.
     end = torch.clamp(lengths + cfg.max_new_tokens, max=total)

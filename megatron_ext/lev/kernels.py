@@ -15,10 +15,10 @@ values, signed separable product) and their gradient:
     backward(t, coeff, grad [N, h, r], opts) -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])
 
 with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x). All
-tensors are in the compute dtype and contiguous, except t: the [h, N, d] transposed view of
-the contiguous [N, h, d] tensor that steps 3a-3b produce with one GEMM (each (head, id) row of
-d values is contiguous); dL/dt may be any [h, N, d] view. Backends: "torch" (`lev.fused`, chunked torch
-ops, any device), "cpu" (`lev.cpu_fused`, a C++ kernel compiled on first use) and "triton"
+tensors are in the compute dtype and contiguous, except t: the [h, N, d] transposed view of the
+contiguous [N, h, d] tensor that steps 3a-3b produce with one GEMM (each (head, id) row of d
+values is contiguous); dL/dt may be any [h, N, d] view. Backends: "torch" (`lev.fused`, chunked
+torch ops, any device), "cpu" (`lev.cpu_fused`, a C++ kernel compiled on first use) and "triton"
 (`lev.triton_kernel`, CUDA, or CPU under TRITON_INTERPRET=1). "reference" is the readable
 `lev.math.lev_modes` under plain autograd (every intermediate saved). "auto" takes triton for
 float32 CUDA tensors when the triton package imports, cpu for CPU tensors when its kernel builds

@@ -17,7 +17,8 @@ from megatron_ext.training.checkpointing import (
     save_checkpoint,
 )
 from megatron_ext.training.config import TrainingConfig
-from megatron_ext.training.loop import CollectiveTimeoutError, NonFiniteError, pretrain
+from megatron_ext.training.loop import NonFiniteError
+from megatron_ext.training.run import CollectiveTimeoutError, pretrain
 
 __all__ = [
     "ArgumentError",

@@ -1,6 +1,6 @@
 """The one "count each parameter once over the model-parallel group" predicate, used by the
 grad norm (optimizer.clip_grad_norm), params norm and zeros in grads (megatron_features) and
-the parameter count (loop.setup)."""
+the parameter count (run.setup)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,290 @@
+"""One training run end to end: `pretrain(cfg, model_provider=..., forward_step=...,
+datasets_provider=...)`, Megatron-LM's entry contract.
+
+`pretrain` initialises the process groups (`parallel.initialize_parallel` returns them as one
+`ProcessGroups`, passed to everything that communicates) and runs three steps: `setup` (seeds,
+model chunks, engine, metrics logger, checkpoint load; here), `loop.train` (datasets, the
+iterations, final evaluation) and `loop.close` (logs, profiler, process groups), which runs
+whatever happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_ext.elastic import restart_round
+from megatron_ext.parallel import (
+    ProcessGroups,
+    group_description,
+    initialize_parallel,
+    is_collective_timeout,
+    set_random_seed,
+)
+from megatron_ext.training.checkpoint_manager import CheckpointManager, check_save_directory
+from megatron_ext.training.checkpointing import read_latest_iteration
+from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.engine import Engine, Phase
+from megatron_ext.training.engine_portable import PortableEngine
+from megatron_ext.training.initialization import initialize_like_single_stage
+from megatron_ext.training.loop import DatasetsProvider, Trainer, close, train
+from megatron_ext.training.megatron_engine import MegatronEngine
+from megatron_ext.training.megatron_features import RunExtras
+from megatron_ext.training.metrics import flops_per_iteration, peak_tflops, run_info
+from megatron_ext.training.metrics_logger import MetricsLogger, Timers
+from megatron_ext.training.schedules import ForwardStep
+from megatron_ext.training.unique_params import unique_numel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["pretrain", "setup", "build_engine", "CollectiveTimeoutError"]
+
+ModelProvider = Callable[[bool, bool], torch.nn.Module]
+EngineBuilder = Callable[..., Engine]
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited past --distributed-timeout-minutes (a peer stopped, hung or died)."""
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds): --exit-duration-in-mins counts from there,
+    imports and process-group start-up included (time.time() now where /proc is missing)."""
+    try:
+        with open("/proc/self/stat") as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as handle:
+            boot = next(int(line.split()[1]) for line in handle if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def build_engine(cfg: TrainingConfig, model, forward_step, pg, phase, timers) -> Engine:
+    """The engine --ddp-impl names: the portable one, or megatron-core's (CUDA)."""
+    if cfg.engine.ddp_impl == "megatron":
+        return MegatronEngine(cfg, model, forward_step, pg, phase, timers)
+    return PortableEngine(cfg, model, forward_step, pg, phase, timers)
+
+
+def _build_chunks(
+    cfg: TrainingConfig, pg: ProcessGroups, model_provider: ModelProvider
+) -> list[torch.nn.Module]:
+    """This pipeline rank's model: one module, or with --num-layers-per-virtual-pipeline-stage
+    its V model chunks in order (chunk c holds virtual stage c x PP + pp_rank; the embedding on
+    the first rank's chunk 0, the head on the last rank's chunk V-1).
+
+    Megatron-LM's contract: the provider builds its stage on the groups it is given, and a
+    chunk when given `vp_stage` (here also `vp_size`, the chunks per rank).
+    """
+    collection = pg.megatron_collection()
+    p = cfg.parallel
+    if p.num_layers_per_virtual_pipeline_stage is None:
+        return [
+            model_provider(
+                pre_process=pg.is_first_stage,
+                post_process=pg.is_last_stage,
+                pg_collection=collection,
+            )
+        ]
+    vp_size = p.virtual_pipeline_model_parallel_size
+    if vp_size is None:
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage: derive the chunks per rank first "
+            "(ParallelConfig.with_num_layers(num_layers))"
+        )
+    return [
+        model_provider(
+            pre_process=pg.is_first_stage and c == 0,
+            post_process=pg.is_last_stage and c == vp_size - 1,
+            pg_collection=collection,
+            vp_stage=c,
+            vp_size=vp_size,
+        )
+        for c in range(vp_size)
+    ]
+
+
+def setup(
+    cfg: TrainingConfig,
+    pg: ProcessGroups,
+    *,
+    model_provider: ModelProvider,
+    forward_step: ForwardStep,
+    full_model_provider: Optional[Callable[[], torch.nn.Module]] = None,
+    engine_builder: Optional[EngineBuilder] = None,
+) -> Trainer:
+    """Seed, build this stage's model, its engine and the rest of the run, and load --load.
+
+    `engine_builder` (default: the engine --ddp-impl names) is
+    `(cfg, model, forward_step, pg, phase, timers) -> Engine`; tests pass one that builds the
+    megatron-core engine on CPU doubles (`megatron_ext.testing.megatron_doubles`).
+
+    Returns:
+        the trainer (its `state` at the loaded iteration), ready for `train`.
+    """
+    p, ck = cfg.parallel, cfg.ckpt
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    set_random_seed(cfg.seed, pg.pp_rank)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        info = run_info()
+        logger.info("run: %s", ", ".join(f"{k}={v}" for k, v in info.items()))
+        logger.info(
+            "layout: world %d = TP %d x CP %d x PP %d x DP %d; backend %s",
+            dist.get_world_size(),
+            p.tensor_model_parallel_size,
+            p.context_parallel_size,
+            p.pipeline_model_parallel_size,
+            pg.dp_size,
+            dist.get_backend(),
+        )
+        if p.virtual_pipeline_model_parallel_size:
+            logger.info(
+                "interleaved 1F1B: model chunks per pipeline rank: %d (%d layers each)",
+                p.virtual_pipeline_model_parallel_size,
+                p.num_layers_per_virtual_pipeline_stage,
+            )
+        for key, value in sorted(ck.args_json.items()):
+            logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
+    chunks = _build_chunks(cfg, pg, model_provider)
+    resuming = bool(ck.load) and (
+        ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
+    )
+    if p.pipeline_model_parallel_size > 1 and full_model_provider and not resuming:
+        for chunk in chunks:
+            initialize_like_single_stage(chunk, full_model_provider, cfg.seed)
+    if torch.cuda.is_available():
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+    model = chunks[0] if len(chunks) == 1 else chunks
+    num_params = unique_numel(torch.nn.ModuleList(chunks), pg)
+    phase, timers = Phase(), Timers(cfg.log.timing_log_level > 0)
+    engine = (engine_builder or build_engine)(cfg, model, forward_step, pg, phase, timers)
+    extras = RunExtras(cfg, pg)
+    model_config = getattr(chunks[0], "model_config", None)  # a LeviathanModel's ModelConfig
+    flops = (
+        flops_per_iteration(model_config, cfg.batch.global_batch_size)
+        if model_config is not None
+        else None
+    )
+    metrics = MetricsLogger(
+        cfg,
+        is_rank0=rank0,
+        flops_per_batch=flops,
+        peak=peak_tflops(cfg.log.peak_tflops),
+        world_size=dist.get_world_size(),
+        wandb=extras.wandb,
+    )
+    trainer = Trainer(
+        cfg,
+        engine,
+        pg,
+        phase=phase,
+        timers=timers,
+        metrics=metrics,
+        checkpoints=CheckpointManager(cfg, engine, pg, phase),
+        extras=extras,
+        flops_per_batch=flops,
+    )
+    if rank0:
+        logger.info("model parameters: %d (%.1fM)", num_params, num_params / 1e6)
+        metrics.text("config", "\n".join(f"    {k}: {v}" for k, v in sorted(ck.args_json.items())))
+    trainer.load()
+    if ck.save:
+        check_save_directory(ck.save, num_params, with_optimizer=not ck.no_save_optim)
+    return trainer
+
+
+def pretrain(
+    cfg: TrainingConfig,
+    *,
+    model_provider: ModelProvider,
+    forward_step: ForwardStep,
+    datasets_provider: DatasetsProvider,
+    full_model_provider: Optional[Callable[[], torch.nn.Module]] = None,
+    engine_builder: Optional[EngineBuilder] = None,
+) -> str:
+    """Initialise the process groups, then `setup`, `train` and `close`.
+
+    Args:
+        cfg: the run's settings (`arguments.training_config_from_args` fills them from flags).
+        model_provider: `(pre_process, post_process) -> module` of this pipeline stage.
+        forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
+        datasets_provider: `[train, valid, test] sample counts -> (train, valid, test)`.
+        full_model_provider: builds the whole model as a single pipeline stage; under pipeline
+            parallelism a fresh run copies its initial weights from it, so that PP>1 starts
+            from the same weights as PP=1 (see `initialization.py`).
+        engine_builder: builds the training engine (see `setup`; default: --ddp-impl's).
+
+    Returns:
+        why training stopped: "finished", "signal", "exit-duration", "exit-interval" or
+        "skip-train".
+
+    Raises:
+        NonFiniteError: a NaN/inf loss or grad norm stopped the run (nothing was saved).
+    """
+    job_start = process_start_time()
+    p = cfg.parallel
+    pg = initialize_parallel(
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.context_parallel_size,
+        backend=p.distributed_backend,
+        timeout_minutes=p.distributed_timeout_minutes,
+    )
+    trainer = None
+    try:
+        cfg = cfg.resolve(dist.get_world_size())  # the data-parallel size of this world
+        trainer = setup(
+            cfg,
+            pg,
+            model_provider=model_provider,
+            forward_step=forward_step,
+            full_model_provider=full_model_provider,
+            engine_builder=engine_builder,
+        )
+        trainer.start_time = job_start
+        _log_restart(trainer)
+        return train(trainer, datasets_provider)
+    except RuntimeError as error:
+        if trainer is None or not is_collective_timeout(error):
+            raise
+        what, group = trainer.phase.what, trainer.phase.group
+        ck = trainer.cfg.ckpt
+        latest = read_latest_iteration(ck.save) if ck.save else None
+        raise CollectiveTimeoutError(
+            f"rank {dist.get_rank()}: {what} over {group_description(group)} did not complete "
+            f"within --distributed-timeout-minutes {p.distributed_timeout_minutes:g} "
+            f"({60 * p.distributed_timeout_minutes:g} s) after iteration "
+            f"{trainer.state.iteration}: a rank of that group stopped, hung or died; "
+            + (
+                f"the last complete checkpoint is iteration {latest} in --save {ck.save}"
+                if latest is not None
+                else "no checkpoint was saved"
+            )
+        ) from None
+    finally:
+        close(trainer)
+
+
+def _log_restart(trainer: Trainer) -> None:
+    """Under torchrun --max-restarts, say which restart this is and where it resumed."""
+    restarts = restart_round()
+    if restarts and trainer.is_rank0:
+        logger.warning(
+            "torchrun restarted the ranks (restart %d of --max-restarts %s) after a rank failed: "
+            "%s",
+            restarts,
+            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+            f"resuming from iteration {trainer.state.iteration} (--load {trainer.cfg.ckpt.load})"
+            if trainer.state.iteration
+            else "no checkpoint to resume from: starting again from iteration 0",
+        )
