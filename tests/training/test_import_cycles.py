@@ -35,20 +35,23 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(tree: ast.AST):
-    """Every Import/ImportFrom node of `tree`, except those under `if TYPE_CHECKING:`."""
+def _imports(tree: ast.AST, module_level: bool = False):
+    """Every Import/ImportFrom node of `tree`, except those under `if TYPE_CHECKING:`; with
+    `module_level`, only those that run when the module is imported (none inside functions)."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            yield from (n for child in node.orelse for n in _imports_of(child))
+        if module_level and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
-        yield from _imports_of(node)
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            yield from (n for child in node.orelse for n in _imports_of(child, module_level))
+            continue
+        yield from _imports_of(node, module_level)
 
 
-def _imports_of(node: ast.AST):
+def _imports_of(node: ast.AST, module_level: bool):
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         yield node
     else:
-        yield from _imports(node)
+        yield from _imports(node, module_level)
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -200,7 +203,7 @@ def module_level_closure() -> dict[str, set[str]]:
     for module, path in mods.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         found = set()
-        for node in _module_level(ast.parse(path.read_text(), str(path))):
+        for node in _imports(ast.parse(path.read_text(), str(path)), module_level=True):
             for target in _targets(node, package, mods):
                 found.add(target if target.startswith("megatron_ext") else target.split(".")[0])
         direct[module] = found
@@ -223,24 +226,6 @@ def module_level_closure() -> dict[str, set[str]]:
     for module in mods:
         close(module)
     return closure
-
-
-def _module_level(tree: ast.AST):
-    """The Import/ImportFrom nodes that run when the module is imported."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            continue
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            yield from (n for child in node.orelse for n in _module_level_of(child))
-            continue
-        yield from _module_level_of(node)
-
-
-def _module_level_of(node: ast.AST):
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        yield node
-    else:
-        yield from _module_level(node)
 
 
 def _targets(node, package: str, mods) -> list[str]:
