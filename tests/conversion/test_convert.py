@@ -317,7 +317,8 @@ def _bad_inputs(trained: dict, out: str) -> dict:
     bad["not_llama"] = _run_tool(convert, ["import-hf", "--hf-dir", f"{out}/gpt2", "--output",
                                            f"{out}/x6"])  # fmt: skip
     # Ctrl-C in the middle of writing the shards leaves neither the output nor a temporary.
-    import megatron_ext.conversion.hf as hf_module
+    # patched where export-hf looks it up (export_hf imports it from conversion.hf)
+    import megatron_ext.conversion.export_hf as hf_module
 
     real = hf_module.write_safetensors
 
