@@ -35,6 +35,7 @@ from megatron_ext.models.local_modules import (
     CachedSelfAttention,
     SDPACoreAttention,
     SequenceParallelNorm,
+    _RopeTables,
     _rotate,
 )
 
@@ -131,9 +132,9 @@ class LeanDecoder:
         dtype, device = weight.dtype, weight.device
         freqs = model.rotary_pos_emb(max_sequence_length)  # [max_s, 1, 1, d]
         mscale = _yarn_get_concentration_factor_from_config(config)
-        # megatron's `_apply_rotary_pos_emb_bshd` arithmetic, laid out [1, max_s, 1, d].
-        self.cos = (torch.cos(freqs) * mscale).to(dtype).view(1, max_sequence_length, 1, -1)
-        self.sin = (torch.sin(freqs) * mscale).to(dtype).view(1, max_sequence_length, 1, -1)
+        cos, sin = _RopeTables.get(freqs, dtype, mscale)  # the tables the local spec uses
+        self.cos = cos.view(1, max_sequence_length, 1, -1)  # [1, max_s, 1, d]
+        self.sin = sin.view(1, max_sequence_length, 1, -1)
         cache_shape = (batch, self.groups, max_sequence_length, self.head_dim)
         self.caches = [
             (
