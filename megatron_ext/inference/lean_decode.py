@@ -99,12 +99,6 @@ def lean_decode_unsupported(model: torch.nn.Module) -> Optional[str]:
     return None
 
 
-def _norm(norm: SequenceParallelNorm, x: Tensor) -> Tensor:
-    if norm.normalization == "RMSNorm":
-        return F.rms_norm(x, (x.size(-1),), norm.weight, norm.eps)
-    return F.layer_norm(x, (x.size(-1),), norm.weight, norm.bias, norm.eps)
-
-
 class LeanDecoder:
     """Cached next-token logits for `batch` rows of up to `max_sequence_length` positions.
 
@@ -208,11 +202,11 @@ class LeanDecoder:
         hidden = model.embedding(input_ids=tokens, position_ids=None).transpose(0, 1)
         for layer, (k_cache, v_cache) in zip(model.decoder.layers, self.caches):
             hidden = hidden + self._attention(
-                layer, _norm(layer.input_layernorm, hidden), k_cache, v_cache
+                layer, layer.input_layernorm(hidden), k_cache, v_cache
             )
-            hidden = hidden + self._mlp(layer.mlp, _norm(layer.pre_mlp_layernorm, hidden))
+            hidden = hidden + self._mlp(layer.mlp, layer.pre_mlp_layernorm(hidden))
         self.offset += s
-        last = _norm(model.decoder.final_layernorm, hidden[:, -1:])  # [b, 1, h]
+        last = model.decoder.final_layernorm(hidden[:, -1:])  # [b, 1, h]
         logits, _ = self._output(last, weight=self.output_weight)
         logits = logits[:, 0]
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
