@@ -11,8 +11,12 @@ layer, keys stored already rotated):
     logits = decoder(tokens[:, :5])   # prefill: [b, 5] -> next-token logits [b, V]
     logits = decoder(tokens[:, 5:6])  # one decoding step
 
-The embedding and output layer are the model's own modules (so every embedding arm, LEV from its
-eval table, tied or untied heads). `lean_decode_unsupported` names what a model has that the lean
+The embedding is the model's own module (so every embedding arm, LEV from its eval table); the
+output layer's weight is the one its forward uses (tied or untied head). On CPU the decoder holds
+each weight it multiplies transposed ([in, out], contiguous; about one more copy of the
+transformer and output weights while it lives): MKL repacks an [out, in] weight on every small
+matmul, which cost a decode step more than the multiply itself (py-spy, batch 8: 35% of the step
+in `sgemm_scopy`), while an [in, out] weight is streamed as it lies. `lean_decode_unsupported` names what a model has that the lean
 step does not cover (tensor parallelism, biases, MoE, MLA, qk-norm, ...); callers then run
 megatron's path and say so.
 """
@@ -139,21 +143,43 @@ class LeanDecoder:
         ]
         self.max_sequence_length = max_sequence_length
         self.offset = 0
-        output_layer = model.output_layer
-        self.output_weight = (
+        output_weight = (
             model.shared_embedding_or_output_weight()
             if model.share_embeddings_and_output_weights
-            else None
+            else model.output_layer.weight
         )
-        self._output = output_layer
+        self._transposed = device.type == "cpu"
+        # Per layer: the weights of linear_qkv, linear_proj, linear_fc1, linear_fc2.
+        self.weights = [
+            tuple(
+                self._prepare(w)
+                for w in (
+                    layer.self_attention.linear_qkv.weight,
+                    layer.self_attention.linear_proj.weight,
+                    layer.mlp.linear_fc1.weight,
+                    layer.mlp.linear_fc2.weight,
+                )
+            )
+            for layer in model.decoder.layers
+        ]
+        self.output_weight = self._prepare(output_weight)
 
-    def _attention(self, layer, x: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    def _prepare(self, weight: Tensor) -> Tensor:
+        """A linear layer's weight [out, in] as `_linear` takes it ([in, out] on CPU)."""
+        return weight.detach().t().contiguous() if self._transposed else weight.detach()
+
+    def _linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """x [..., in] @ the `_prepare`d weight -> [..., out] (no bias: refused at init)."""
+        return torch.matmul(x, weight) if self._transposed else F.linear(x, weight)
+
+    def _attention(
+        self, x: Tensor, qkv_weight: Tensor, proj_weight: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
         """x [b, s, h] (normed) -> attention output [b, s, h] before the residual."""
-        attention = layer.self_attention
         b, s, _ = x.shape
         start, end = self.offset, self.offset + s
         per_group = self.heads // self.groups
-        mixed = F.linear(x, attention.linear_qkv.weight)  # [b, s, ng * (np/ng + 2) * hn]
+        mixed = self._linear(x, qkv_weight)  # [b, s, ng * (np/ng + 2) * hn]
         mixed = mixed.view(b, s, self.groups, (per_group + 2) * self.head_dim)
         query, key, value = torch.split(
             mixed, [per_group * self.head_dim, self.head_dim, self.head_dim], dim=3
@@ -180,16 +206,16 @@ class LeanDecoder:
             enable_gqa=self.heads != self.groups,
         )  # [b, np, s, hn]
         context = context.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-        return F.linear(context, attention.linear_proj.weight)
+        return self._linear(context, proj_weight)
 
-    def _mlp(self, mlp: MLP, x: Tensor) -> Tensor:
-        hidden = F.linear(x, mlp.linear_fc1.weight)
+    def _mlp(self, x: Tensor, fc1_weight: Tensor, fc2_weight: Tensor) -> Tensor:
+        hidden = self._linear(x, fc1_weight)
         if self.gated:
             gate, linear = torch.chunk(hidden, 2, dim=-1)
             hidden = self.activation(gate) * linear
         else:
             hidden = self.activation(hidden)
-        return F.linear(hidden, mlp.linear_fc2.weight)
+        return self._linear(hidden, fc2_weight)
 
     def __call__(self, tokens: Tensor) -> Tensor:
         """tokens [b, s] after the ones already fed -> next-token logits [b, V]."""
@@ -200,13 +226,14 @@ class LeanDecoder:
             )
         model = self.model
         hidden = model.embedding(input_ids=tokens, position_ids=None).transpose(0, 1)
-        for layer, (k_cache, v_cache) in zip(model.decoder.layers, self.caches):
+        for layer, (qkv, proj, fc1, fc2), (k_cache, v_cache) in zip(
+            model.decoder.layers, self.weights, self.caches
+        ):
             hidden = hidden + self._attention(
-                layer, layer.input_layernorm(hidden), k_cache, v_cache
+                layer.input_layernorm(hidden), qkv, proj, k_cache, v_cache
             )
-            hidden = hidden + self._mlp(layer.mlp, layer.pre_mlp_layernorm(hidden))
+            hidden = hidden + self._mlp(layer.pre_mlp_layernorm(hidden), fc1, fc2)
         self.offset += s
-        last = model.decoder.final_layernorm(hidden[:, -1:])  # [b, 1, h]
-        logits, _ = self._output(last, weight=self.output_weight)
-        logits = logits[:, 0]
+        last = model.decoder.final_layernorm(hidden[:, -1])  # [b, h]
+        logits = self._linear(last, self.output_weight)  # [b, V]
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
