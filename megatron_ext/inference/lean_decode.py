@@ -16,9 +16,10 @@ output layer's weight is the one its forward uses (tied or untied head). On CPU 
 each weight it multiplies transposed ([in, out], contiguous; about one more copy of the
 transformer and output weights while it lives): MKL repacks an [out, in] weight on every small
 matmul, which cost a decode step more than the multiply itself (py-spy, batch 8: 35% of the step
-in `sgemm_scopy`), while an [in, out] weight is streamed as it lies. `lean_decode_unsupported` names what a model has that the lean
-step does not cover (tensor parallelism, biases, MoE, MLA, qk-norm, ...); callers then run
-megatron's path and say so.
+in `sgemm_scopy`), while an [in, out] weight is streamed as it lies.
+
+`lean_decode_unsupported` names what a model has that the lean step does not cover (tensor
+parallelism, biases, MoE, MLA, qk-norm, ...); callers then run megatron's path and say so.
 """
 
 from __future__ import annotations
