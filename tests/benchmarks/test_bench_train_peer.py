@@ -21,7 +21,7 @@ def test_pretrain_and_a_plain_transformers_loop_train_identically():
     done = subprocess.run(
         [sys.executable, "benchmarks/bench_train_peer.py", "--layers", "2", "--hidden", "64",
          "--heads", "4", "--seq", "32", "--micro-batch", "2", "--vocab", "512",
-         "--iters", "4", "--warmup", "1", "--pairs", "1"],
+         "--iters", "4", "--warmup", "1", "--pairs", "1", "--clock", "cpu_seconds"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -35,3 +35,6 @@ def test_pretrain_and_a_plain_transformers_loop_train_identically():
     assert last_ours == pytest.approx(last_theirs, rel=1e-3)
     assert last_ours != first_ours  # the optimizer stepped in both loops
     assert "(losses agree: True)" in done.stdout
+    assert "clock cpu_seconds" in done.stdout  # timed from our jsonl's cpu_seconds field
+    rates = re.search(r"pair 1: ours +(\d+) tokens/s, transformers +(\d+) tokens/s", done.stdout)
+    assert rates and min(map(int, rates.groups())) > 0, done.stdout
