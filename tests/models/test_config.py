@@ -1,4 +1,5 @@
-"""Impossible layouts and settings fail at construction with the flag to change."""
+"""Impossible layouts and settings fail at construction (or, for what needs the layout too,
+in `check_layout`) with the flag to change."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from megatron_ext.lev import LEVConfig
 from megatron_ext.models import (
     EmbeddingConfig,
     ModelConfig,
+    ModelParallelism,
+    ModelPrecision,
     add_model_arguments,
+    check_layout,
     model_config_from_args,
 )
 from megatron_ext.models.layer_specs import get_layer_spec, transformer_engine_available
@@ -40,7 +44,7 @@ BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4,
             dict(sequence_parallel=True, tensor_model_parallel_size=2, seq_length=33),
             "--seq-length 33 is not divisible by --tensor-model-parallel-size 2",
         ),
-        (dict(fp8="hybrid"), "--fp8-format needs --transformer-impl transformer_engine"),
+        (dict(fp8_format="hybrid"), "--fp8-format needs --transformer-impl transformer_engine"),
         (dict(context_parallel_size=2), "--context-parallel-size > 1 needs --transformer-impl"),
         (dict(bf16=True, fp16=True), "--bf16 and --fp16 are exclusive"),
         (dict(transformer_impl="apex"), "--transformer-impl must be"),
@@ -56,8 +60,40 @@ BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4,
     ],
 )
 def test_impossible_settings_are_clear_errors(overrides, message):
+    parts = {ModelParallelism: {}, ModelPrecision: {}, ModelConfig: dict(BASE)}
+    for name, value in overrides.items():
+        owner = next(
+            (c for c in (ModelParallelism, ModelPrecision) if name in _field_names(c)), ModelConfig
+        )
+        parts[owner][name] = value
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        ModelConfig(**{**BASE, **overrides})
+        model = ModelConfig(**parts[ModelConfig])
+        check_layout(model, ModelParallelism(**parts[ModelParallelism]), ModelPrecision(
+            **parts[ModelPrecision]))
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def test_model_config_describes_the_model_only():
+    """The layout and precision are build_model's arguments, not ModelConfig fields; the run's
+    ParallelConfig and PrecisionConfig own their flags."""
+    from megatron_ext.training.config import ParallelConfig, PrecisionConfig
+
+    moved = _field_names(ModelParallelism) | {"params_dtype", "bf16", "fp16", "fp8", "fp8_format"}
+    assert not moved & _field_names(ModelConfig)
+    assert _field_names(ModelParallelism) <= _field_names(ParallelConfig)
+    assert {"bf16", "fp16", "fp8_format"} <= _field_names(PrecisionConfig)
+    # A ParallelConfig is a layout build_model takes as it is.
+    run = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert ModelParallelism.of(run) == ModelParallelism(
+        tensor_model_parallel_size=2, sequence_parallel=True
+    )
+    with pytest.raises(ValueError, match="--num-attention-heads 6 is not divisible by "
+                       "--tensor-model-parallel-size 4"):
+        check_layout(ModelConfig(**{**BASE, "num_attention_heads": 6, "hidden_size": 96}),
+                     ParallelConfig(tensor_model_parallel_size=4))
 
 
 def test_world_size_must_split_into_tp_times_pp():
