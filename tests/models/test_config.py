@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
 from megatron_ext.lev import LEVConfig
 from megatron_ext.models import (
@@ -197,3 +198,46 @@ def test_replace_carries_new_sizes_over_to_lev_and_keeps_its_base():
     # albert only matches LEV's count: its LEV base follows the vocabulary.
     albert = ModelConfig(**{**BASE, "embedding": dict(embedding_type="albert")})
     assert albert.replace(vocab_size=300).embedding.lev.base == 7
+
+
+# The model, layout and precision keys of an args.json written before ModelConfig lost its
+# layout and precision fields (main at 0cacffe: --tensor-model-parallel-size 2
+# --sequence-parallel --bf16 --embedding-type lev ..., world size 2). args.json keeps the flags'
+# names, so the same keys feed the parallel/precision side now.
+OLD_ARGS_JSON = """{
+  "bf16": true, "fp16": false, "fp8_format": null, "tensor_model_parallel_size": 2,
+  "pipeline_model_parallel_size": 1, "context_parallel_size": 1, "sequence_parallel": true,
+  "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+  "embedding_type": "lev", "lev_num_heads": 2, "lev_rank": 8, "lev_seed_dim": 16,
+  "transformer_impl": "local", "vocab_size": 100, "tokenizer_type": "NullTokenizer",
+  "ffn_hidden_size": null, "num_query_groups": null, "make_vocab_size_divisible_by": 128,
+  "data_parallel_size": 1, "lr": 0.001, "train_iters": 10, "micro_batch_size": 1
+}"""
+
+
+def test_an_args_json_written_before_the_split_still_builds_its_model(tmp_path):
+    import json
+
+    from megatron_ext.models import compose_transformer_config
+    from megatron_ext.training.arguments import parse_args
+
+    saved = argparse.Namespace(**json.loads(OLD_ARGS_JSON))
+    model = model_config_from_args(saved, 128)
+    assert (model.num_layers, model.hidden_size, model.seq_length) == (2, 64, 32)
+    assert model.embedding.lev.num_heads == 2 and model.embedding.lev.rank == 8
+    parallel = ModelParallelism.of(saved)
+    assert parallel == ModelParallelism(tensor_model_parallel_size=2, sequence_parallel=True)
+    tc = compose_transformer_config(model, parallel, ModelPrecision(bf16=saved.bf16))
+    assert (tc.tensor_model_parallel_size, tc.sequence_parallel) == (2, True)
+    assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.pipeline_dtype == torch.bfloat16
+    # --use-checkpoint-args restores the model flags from the same file.
+    (tmp_path / "iter_0000010").mkdir()
+    (tmp_path / "iter_0000010" / "args.json").write_text(OLD_ARGS_JSON)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10\n")
+    args = parse_args(
+        ["--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "10", "--mock-data",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--load", str(tmp_path),
+         "--use-checkpoint-args", "--tensor-model-parallel-size", "2"],
+        world_size=2,
+    )  # fmt: skip
+    assert model_config_from_args(args, 128) == model
