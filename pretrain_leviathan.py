@@ -43,8 +43,9 @@ def model_provider(
 ):
     """This pipeline stage of the model (input embedding on the first, head on the last), built
     at the run's layout `parallel` (a `ParallelConfig` or `ModelParallelism`) and `precision`
-    (the engine's `ModelPrecision`), its layers communicating over `pg_collection` (megatron-core's `ProcessGroupCollection`; None:
-    megatron's global groups, as for the single-stage twin built before PP training); with
+    (the engine's `ModelPrecision`), its layers communicating over `pg_collection`
+    (megatron-core's `ProcessGroupCollection`; None: megatron's global groups, as for the
+    single-stage twin built before PP training); with
     `vp_stage` of `vp_size` model chunks per rank, that chunk of the stage's layers."""
     from megatron_ext.models import build_model
     from megatron_ext.parallel import ProcessGroups

@@ -95,7 +95,9 @@ def bench_vs_transformers(args, pg) -> None:
     )
     lev = dataclasses.replace(config.embedding.lev, eval_table=True)  # as load_for_evaluation
     config = config.replace(embedding=dataclasses.replace(config.embedding, lev=lev))
-    model = build_model(config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg).eval()
+    model = build_model(
+        config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg
+    ).eval()
     hf = hf_export(model, config, tied=config.embedding.tied)
     scorer = ModelScorer(model, config.hidden_size, args.vocab_size, pg)
     rng = np.random.default_rng(0)

@@ -57,7 +57,9 @@ def _lev_model(args, pg):
         seq_length=args.prompt_tokens + args.new_tokens,
         embedding=dict(embedding_type="lev"),
     )
-    return config, build_model(config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg).eval()
+    return config, build_model(
+        config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg
+    ).eval()
 
 
 def bench_kv_cache(args, pg) -> None:

@@ -69,8 +69,11 @@ def test_impossible_settings_are_clear_errors(overrides, message):
         parts[owner][name] = value
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         model = ModelConfig(**parts[ModelConfig])
-        check_layout(model, ModelParallelism(**parts[ModelParallelism]), ModelPrecision(
-            **parts[ModelPrecision]))
+        check_layout(
+            model,
+            ModelParallelism(**parts[ModelParallelism]),
+            ModelPrecision(**parts[ModelPrecision]),
+        )
 
 
 def _field_names(cls) -> set[str]:
@@ -91,10 +94,14 @@ def test_model_config_describes_the_model_only():
     assert ModelParallelism.of(run) == ModelParallelism(
         tensor_model_parallel_size=2, sequence_parallel=True
     )
-    with pytest.raises(ValueError, match="--num-attention-heads 6 is not divisible by "
-                       "--tensor-model-parallel-size 4"):
-        check_layout(ModelConfig(**{**BASE, "num_attention_heads": 6, "hidden_size": 96}),
-                     ParallelConfig(tensor_model_parallel_size=4))
+    with pytest.raises(
+        ValueError,
+        match="--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4",
+    ):
+        check_layout(
+            ModelConfig(**{**BASE, "num_attention_heads": 6, "hidden_size": 96}),
+            ParallelConfig(tensor_model_parallel_size=4),
+        )
 
 
 def test_world_size_must_split_into_tp_times_pp():
