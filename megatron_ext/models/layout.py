@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.models.config import TRANSFORMER_IMPLS, ModelConfig, check_half_precision
+from megatron_ext.models.config import ModelConfig, check_half_precision
 
 __all__ = [
     "FP8_FORMATS",
@@ -147,7 +147,6 @@ def check_layout(
             "--fp8-format needs --transformer-impl transformer_engine on a CUDA GPU; "
             "FP8 is not available on CPU"
         )
-    assert impl in TRANSFORMER_IMPLS  # ModelConfig checked it
 
 
 def compose_transformer_config(
