@@ -85,10 +85,10 @@ def test_activation_figure_under_tensor_and_sequence_parallelism():
 def _count_flops(arm) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megatron_ext.models import build_model
+    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
 
     torch.manual_seed(0)
-    model = build_model(_config(arm))
+    model = build_model(_config(arm), parallel=ModelParallelism(), precision=ModelPrecision())
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
     with FlopCounterMode(display=False) as counter:
