@@ -33,15 +33,19 @@ logger = logging.getLogger("pretrain_leviathan")
 
 def model_provider(
     model_config,
+    parallel,
+    precision,
     pre_process: bool = True,
     post_process: bool = True,
     pg_collection=None,
     vp_stage=None,
     vp_size=None,
 ):
-    """This pipeline stage of the model (input embedding on the first, head on the last), its
-    layers communicating over `pg_collection` (megatron-core's `ProcessGroupCollection`; None:
-    megatron's global groups, as for the single-stage twin built before PP training); with
+    """This pipeline stage of the model (input embedding on the first, head on the last), built
+    at the run's layout `parallel` (a `ParallelConfig` or `ModelParallelism`) and `precision`
+    (the engine's `ModelPrecision`), its layers communicating over `pg_collection`
+    (megatron-core's `ProcessGroupCollection`; None: megatron's global groups, as for the
+    single-stage twin built before PP training); with
     `vp_stage` of `vp_size` model chunks per rank, that chunk of the stage's layers."""
     from megatron_ext.models import build_model
     from megatron_ext.parallel import ProcessGroups
@@ -49,6 +53,8 @@ def model_provider(
     pg = None if pg_collection is None else ProcessGroups.from_collection(pg_collection)
     return build_model(
         model_config,
+        parallel=parallel,
+        precision=precision,
         pre_process=pre_process,
         post_process=post_process,
         pg=pg,
@@ -146,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_ext.data.loading import DataConfig
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
-    from megatron_ext.models import model_config_from_args
+    from megatron_ext.models import ModelParallelism, check_layout, model_config_from_args
     from megatron_ext.training import (
         CollectiveTimeoutError,
         NonFiniteError,
@@ -154,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pretrain,
     )
     from megatron_ext.training.checkpointing import CheckpointError
-    from megatron_ext.training.gpu_arguments import engine_model_config
+    from megatron_ext.training.gpu_arguments import engine_model_precision
 
     try:
         # Parsed once: the namespace is what args.json records, the frozen TrainingConfig is
@@ -188,7 +194,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         vocab = padded_vocab_size(
             tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )
-        model_config = engine_model_config(model_config_from_args(args, vocab), training_config)
+        model_config = model_config_from_args(args, vocab)
+        parallel = ModelParallelism.of(training_config.parallel)
+        precision = engine_model_precision(training_config)
+        check_layout(model_config, parallel, precision)
         data_config = DataConfig.from_args(args)
     except (ValueError, DataError, TokenizerError) as error:
         _error(str(error))
@@ -196,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         reason = pretrain(
             training_config,
-            model_provider=functools.partial(model_provider, model_config),
+            model_provider=functools.partial(model_provider, model_config, parallel, precision),
             forward_step=functools.partial(
                 forward_step,
                 use_attention_mask=args.reset_attention_mask,
@@ -204,7 +213,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ),
             datasets_provider=functools.partial(datasets_provider, data_config, tokenizer),
             full_model_provider=functools.partial(
-                model_provider, model_config.replace(pipeline_model_parallel_size=1)
+                model_provider,
+                model_config,
+                dataclasses.replace(parallel, pipeline_model_parallel_size=1),
+                precision,
             ),
         )
     except NonFiniteError as error:

@@ -34,7 +34,12 @@ CLOCKS = {"wall": time.perf_counter, "cpu_seconds": time.process_time}
 
 def _model(arm: str, args, pg):
     from megatron_ext.data.tokenizers import padded_vocab_size
-    from megatron_ext.models import build_model, model_config_from_args
+    from megatron_ext.models import (
+        ModelParallelism,
+        ModelPrecision,
+        build_model,
+        model_config_from_args,
+    )
     from megatron_ext.training import parse_args
 
     flags = parse_args([
@@ -46,8 +51,8 @@ def _model(arm: str, args, pg):
     ], world_size=1)  # fmt: skip
     flags.transformer_impl = "local" if not torch.cuda.is_available() else flags.transformer_impl
     vocab = padded_vocab_size(args.vocab_size)
-    config = model_config_from_args(flags, vocab).replace(bf16=False, fp16=False)
-    model = build_model(config, pg=pg)
+    config = model_config_from_args(flags, vocab)
+    model = build_model(config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg)
     if torch.cuda.is_available():
         model = model.cuda()
     return model, config
@@ -76,7 +81,7 @@ def bench_vs_transformers(args, pg) -> None:
 
     from megatron_ext.evaluation.perplexity import LossTotals, pack_stream
     from megatron_ext.evaluation.scoring import ModelScorer, score_batches
-    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
     from megatron_ext.testing.hf_peer import hf_export
 
     torch.manual_seed(0)
@@ -90,7 +95,9 @@ def bench_vs_transformers(args, pg) -> None:
     )
     lev = dataclasses.replace(config.embedding.lev, eval_table=True)  # as load_for_evaluation
     config = config.replace(embedding=dataclasses.replace(config.embedding, lev=lev))
-    model = build_model(config, pg=pg).eval()
+    model = build_model(
+        config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg
+    ).eval()
     hf = hf_export(model, config, tied=config.embedding.tied)
     scorer = ModelScorer(model, config.hidden_size, args.vocab_size, pg)
     rng = np.random.default_rng(0)

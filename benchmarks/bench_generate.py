@@ -46,7 +46,7 @@ def _timed(fn):
 
 def _lev_model(args, pg):
     """(config, model) of the benchmarked LEV model, seeded, in eval mode."""
-    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
 
     torch.manual_seed(0)
     config = ModelConfig(
@@ -57,7 +57,9 @@ def _lev_model(args, pg):
         seq_length=args.prompt_tokens + args.new_tokens,
         embedding=dict(embedding_type="lev"),
     )
-    return config, build_model(config, pg=pg).eval()
+    return config, build_model(
+        config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg
+    ).eval()
 
 
 def bench_kv_cache(args, pg) -> None:

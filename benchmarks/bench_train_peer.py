@@ -76,7 +76,12 @@ def _build_peer(args):
     from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
     from megatron_ext.data.tokenizers import build_tokenizer, padded_vocab_size
     from megatron_ext.inference.loading import init_inference_parallel
-    from megatron_ext.models import build_model, model_config_from_args
+    from megatron_ext.models import (
+        ModelParallelism,
+        ModelPrecision,
+        build_model,
+        model_config_from_args,
+    )
     from megatron_ext.parallel import set_random_seed
     from megatron_ext.testing.hf_peer import hf_export
     from megatron_ext.training import parse_args
@@ -84,10 +89,10 @@ def _build_peer(args):
     flags = parse_args(_flags(args))
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=args.vocab - 1)
     vocab = padded_vocab_size(tokenizer.vocab_size, flags.make_vocab_size_divisible_by, 1)
-    config = model_config_from_args(flags, vocab).replace(bf16=False, fp16=False)
+    config = model_config_from_args(flags, vocab)
     pg = init_inference_parallel(1, 1)
     set_random_seed(args.seed, 0)  # as the entry point seeds before building the model
-    ours = build_model(config, pg=pg)
+    ours = build_model(config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg)
     hf = hf_export(ours, config, tied=True).train()
     del ours
     decay = [p for n, p in hf.named_parameters() if p.ndim > 1]

@@ -85,7 +85,12 @@ def import_hf(opts: ImportHFOptions) -> str:
     """Write the checkpoint directory; returns its path."""
     # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.inference.loading import init_inference_parallel
-    from megatron_ext.models import build_model, model_config_from_args
+    from megatron_ext.models import (
+        ModelParallelism,
+        ModelPrecision,
+        build_model,
+        model_config_from_args,
+    )
     from megatron_ext.models.full_state_dict import load_full_state_dict
     from megatron_ext.training.arguments import args_to_json, build_parser
     from megatron_ext.training.checkpointing import TrainState, save_checkpoint
@@ -149,7 +154,9 @@ def import_hf(opts: ImportHFOptions) -> str:
     pg = init_inference_parallel(1, 1)
     # Initialised (then overwritten): megatron tags the TP layout of a weight while it
     # initialises it, and the checkpoint layout depends on those tags.
-    model = build_model(model_config, pg=pg)
+    model = build_model(
+        model_config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg
+    )
     try:
         load_full_state_dict(model, full, pg.tp)
     except (KeyError, ValueError) as error:

@@ -30,7 +30,13 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ext._paths import display_path
 from megatron_ext.data.tokenizers import build_tokenizer
-from megatron_ext.models import build_model, model_config_from_args
+from megatron_ext.models import (
+    ModelParallelism,
+    ModelPrecision,
+    build_model,
+    check_layout,
+    model_config_from_args,
+)
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
 from megatron_ext.training.checkpointing import (
     TRACKER_FILENAME,
@@ -180,21 +186,25 @@ def run_model_config(
     sequence_parallel: bool = False,
     transformer_impl: Optional[str] = None,
 ):
-    """The run's `ModelConfig` at the layout this process runs (fp32 master weights)."""
+    """The run's `ModelConfig` (dropout off), checked against the layout this process runs
+    (`models.layout.check_layout`; the model is built at it by `load_model`, in float32)."""
     args = argparse.Namespace(**vars(run.args))
-    args.tensor_model_parallel_size = tensor_model_parallel_size
-    args.pipeline_model_parallel_size = pipeline_model_parallel_size
-    args.context_parallel_size = 1
-    args.sequence_parallel = sequence_parallel
     args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
     if transformer_impl is not None:
         args.transformer_impl = transformer_impl
     elif not torch.cuda.is_available():
         args.transformer_impl = "local"
     config = model_config_from_args(args, run.padded_vocab_size())
-    return config.replace(
-        bf16=False, fp16=False, fp8=None, hidden_dropout=0.0, attention_dropout=0.0
+    config = config.replace(hidden_dropout=0.0, attention_dropout=0.0)
+    check_layout(
+        config,
+        ModelParallelism(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            sequence_parallel=sequence_parallel,
+        ),
     )
+    return config
 
 
 def init_inference_parallel(
@@ -222,17 +232,20 @@ def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Mod
 
     Args:
         run: the checkpoint (`find_checkpoint`).
-        model_config: `run_model_config(run, ...)` at `pg`'s layout.
-        pg: the groups (`init_inference_parallel`) the model is built over and loaded with.
+        model_config: `run_model_config(run, ...)`.
+        pg: the groups (`init_inference_parallel`) the model is built over, at their TP x PP
+            layout, and loaded with.
     """
-    layout = (model_config.tensor_model_parallel_size, model_config.pipeline_model_parallel_size)
-    if layout != (pg.tp_size, pg.pp_size):
-        raise ValueError(
-            f"the model config is for TP x PP = {layout[0]} x {layout[1]} but the process groups "
-            f"are {pg.tp_size} x {pg.pp_size}; build both for the same layout"
-        )
+    parallel = ModelParallelism(
+        tensor_model_parallel_size=pg.tp_size, pipeline_model_parallel_size=pg.pp_size
+    )
     model = build_model(
-        model_config, pre_process=pg.is_first_stage, post_process=pg.is_last_stage, pg=pg
+        model_config,
+        parallel=parallel,
+        precision=ModelPrecision(),  # float32 master weights
+        pre_process=pg.is_first_stage,
+        post_process=pg.is_last_stage,
+        pg=pg,
     )
     load_checkpoint(
         run.root,

@@ -7,6 +7,12 @@ from megatron_ext.models.config import (
     EmbeddingConfig,
     ModelConfig,
 )
+from megatron_ext.models.layout import (
+    ModelParallelism,
+    ModelPrecision,
+    check_layout,
+    compose_transformer_config,
+)
 from megatron_ext.models.param_count import ParameterCount, count_parameters
 
 # Their modules import megatron-core: loaded on first use (see megatron_ext/_lazy.py).
@@ -25,9 +31,13 @@ __all__ = [
     "EmbeddingConfig",
     "LeviathanModel",
     "ModelConfig",
+    "ModelParallelism",
+    "ModelPrecision",
     "ParameterCount",
     "add_model_arguments",
     "build_model",
+    "check_layout",
+    "compose_transformer_config",
     "count_parameters",
     "model_config_from_args",
 ]

@@ -48,9 +48,11 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     `vocab_size` is the padded vocabulary.
 
     Every field is read from its flag's destination (`config_flags.flag_dest`): the model's and
-    the embedding's flags, the layout and precision of `ParallelConfig` / `PrecisionConfig` by
-    the same names, the `--lev-*` flags as the `LEVConfig` at `embedding.lev` (built at the
-    model's V and D). A name missing from `args` keeps the field's default.
+    the embedding's flags, the `--lev-*` flags as the `LEVConfig` at `embedding.lev` (built at
+    the model's V and D). A name missing from `args` keeps the field's default. The layout and
+    precision (`--tensor-model-parallel-size`, `--bf16`, ...; args.json has them under the same
+    names, before and after they left `ModelConfig`) are not the model's: `build_model` takes
+    them (`models.layout`).
     """
     embedding = EmbeddingConfig(**config_flag_values(EmbeddingConfig, args))
     _check_sizes(args)
@@ -59,6 +61,6 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
     values = {
         f.name: getattr(args, flag_dest(f))
         for f in dataclasses.fields(ModelConfig)
-        if f.name not in ("vocab_size", "embedding", "params_dtype") and hasattr(args, flag_dest(f))
+        if f.name not in ("vocab_size", "embedding") and hasattr(args, flag_dest(f))
     }
     return ModelConfig(vocab_size=vocab_size, embedding=embedding, **values)

@@ -7,17 +7,21 @@
     factored-mlp  LEV digit codebooks -> LayerNorm -> MLP   + untied head
     lev           LEV generator                             + untied head
 
+`build_model(model_cfg, parallel=..., precision=...)` applies the layout after the model is
+described (torchtitan's `parallelize_llama(model, parallel_dims, ...)`): megatron's
+`TransformerConfig` is composed from the three (`models.layout.compose_transformer_config`).
 Under pipeline parallelism the input module lives on the first stage, the head on the last.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.embeddings import DigitSeedEmbedding, LookupSeedEmbedding
+from megatron_ext.models.layout import ModelPrecision, compose_transformer_config
 from megatron_ext.models.leviathan_model import LeviathanModel
 from megatron_ext.models.param_count import resolve_embedding_sizes
 
@@ -47,14 +51,21 @@ def input_embedding_builder(cfg: ModelConfig):
 def build_model(
     cfg: ModelConfig,
     *,
+    parallel: Any = None,
+    precision: Optional[ModelPrecision] = None,
     pre_process: bool = True,
     post_process: bool = True,
     pg: Optional["ProcessGroups"] = None,
     vp_stage: Optional[int] = None,
     vp_size: Optional[int] = None,
 ) -> LeviathanModel:
-    """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`.
+    """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`, built at
+    `parallel` and `precision`.
 
+    `parallel`: a `models.layout.ModelParallelism` or the run's `ParallelConfig` (its TP, PP,
+    CP sizes and sequence parallelism); None: one rank. `precision`: a `ModelPrecision`, the
+    parameters' dtype (None: float32). A layout the model cannot take raises ValueError naming
+    the flag (`models.layout.check_layout`).
     `pg`: the process groups the model communicates over (`LeviathanModel`); None keeps
     megatron's default for its own layers (its `parallel_state` groups).
     `vp_stage`/`vp_size`: build model chunk `vp_stage` of `vp_size` on this pipeline rank.
@@ -62,6 +73,7 @@ def build_model(
     cfg = resolve_embedding_sizes(cfg)
     return LeviathanModel(
         cfg,
+        compose_transformer_config(cfg, parallel, precision),
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=cfg.embedding.tied,

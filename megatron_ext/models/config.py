@@ -1,6 +1,6 @@
 """`ModelConfig` and `EmbeddingConfig`: the LLaMA-style backbone and its input embedding (with
-the frozen `LEVConfig` at the model's V and D), plus the parallel layout and precision the model
-is built for; `ModelConfig.transformer_config()` composes megatron's `TransformerConfig`.
+the frozen `LEVConfig` at the model's V and D). They describe the model only: the parallel
+layout and precision it is built at, and megatron's `TransformerConfig`, are `models.layout`'s.
 
 Both declare their flags on their fields and validate themselves; the story is in
 docs/architecture.md "One flag, end to end".
@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from megatron_ext.config_flags import flag
 from megatron_ext.lev.config import LEVConfig
@@ -66,8 +65,8 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
 
 
 def check_half_precision(bf16: bool, fp16: bool) -> None:
-    """Refuse --bf16 with --fp16 (the model's parameter dtype, and the training autocast in
-    `training.config.PrecisionConfig`, take one of them)."""
+    """Refuse --bf16 with --fp16 (the model's parameter dtype, `models.layout.ModelPrecision`,
+    and the training autocast in `training.config.PrecisionConfig` take one of them)."""
     if bf16 and fp16:
         raise ValueError("--bf16 and --fp16 are exclusive; pick one")
 
@@ -210,17 +209,6 @@ class ModelConfig:
     in code stays on the local path unless asked (so it runs on CPU tensors anywhere)."""
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
-    # The layout and precision of the run (ParallelConfig's / PrecisionConfig's flags).
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-
-    params_dtype: torch.dtype = torch.float32
-    bf16: bool = False
-    fp16: bool = False
-    fp8: Optional[str] = field(default=None, metadata={"dest": "fp8_format"})
-    """FP8 recipe format ('hybrid' or 'e4m3'), Transformer Engine only (--fp8-format)."""
     use_cpu_initialization: bool = flag(
         True,
         "--use-cpu-initialization",
@@ -289,8 +277,8 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError with the flag to change for every impossible setting; build the
         LEVConfig at the model's V and D (`EmbeddingConfig.at_model_size`), which checks the
-        LEV hyper-parameters, and check its heads against the tensor-parallel size here, the
-        one place that knows the layout."""
+        LEV hyper-parameters. What needs the layout too (TP/PP divisibility, sequence and
+        context parallelism, FP8) is `models.layout.check_layout`'s."""
         positive = {
             "--vocab-size": self.vocab_size,
             "--num-layers": self.num_layers,
@@ -306,7 +294,6 @@ class ModelConfig:
         object.__setattr__(
             self, "embedding", self.embedding.at_model_size(self.vocab_size, self.hidden_size)
         )
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"--kv-channels must be >= 1, got {self.head_dim}")
         if not 0.0 < self.rotary_percent <= 1.0:
@@ -326,57 +313,11 @@ class ModelConfig:
                 f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                 f"--num-query-groups {self.num_query_groups}"
             )
-        if self.num_attention_heads % tp:
-            raise ValueError(
-                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
-                f"--tensor-model-parallel-size {tp}; change one of them"
-            )
-        if self.num_query_groups % tp:
-            raise ValueError(
-                f"--num-query-groups {self.num_query_groups} is not divisible by "
-                f"--tensor-model-parallel-size {tp}; change one of them"
-            )
-        if self.ffn_hidden_size % tp:
-            raise ValueError(
-                f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
-                f"--tensor-model-parallel-size {tp}"
-            )
-        if self.num_layers % pp:
-            raise ValueError(
-                f"--num-layers {self.num_layers} is not divisible by "
-                f"--pipeline-model-parallel-size {pp}; change one of them"
-            )
-        if self.sequence_parallel and tp == 1:
-            raise ValueError(
-                "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the "
-                "sequence across tensor-parallel ranks); drop the flag or raise TP"
-            )
-        if self.sequence_parallel and self.seq_length % tp:
-            raise ValueError(
-                f"--seq-length {self.seq_length} is not divisible by --tensor-model-parallel-size "
-                f"{tp}, which --sequence-parallel needs; change the sequence length"
-            )
-        if self.embedding.embedding_type == "lev":
-            self.embedding.lev.heads_per_rank(tp)  # LEV splits its heads over TP
-        check_half_precision(self.bf16, self.fp16)
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(
                 "--transformer-impl must be local or transformer_engine, got "
                 f"{self.transformer_impl!r}"
             )
-        if self.context_parallel_size > 1 and self.transformer_impl != "transformer_engine":
-            raise ValueError(
-                "--context-parallel-size > 1 needs --transformer-impl transformer_engine "
-                "(megatron-core's context-parallel attention is Transformer Engine's)"
-            )
-        if self.fp8 is not None:
-            if self.fp8 not in ("hybrid", "e4m3"):
-                raise ValueError(f"--fp8-format must be hybrid or e4m3, got {self.fp8!r}")
-            if self.transformer_impl != "transformer_engine":
-                raise ValueError(
-                    "--fp8-format needs --transformer-impl transformer_engine on a CUDA GPU; "
-                    "FP8 is not available on CPU"
-                )
 
     @property
     def kv_channels(self) -> int:
@@ -403,56 +344,3 @@ class ModelConfig:
             )
             changes["embedding"] = dataclasses.replace(self.embedding, lev=lev)
         return dataclasses.replace(self, **changes)
-
-    def transformer_config(self):
-        """The megatron-core TransformerConfig of this model."""
-        # megatron.core on first use: `megatron_ext.models` keeps the configs importable without
-        # it (its megatron-core modules are lazy exports, megatron_ext/_lazy.py).
-        from megatron.core.transformer import TransformerConfig
-
-        params_dtype = self.params_dtype
-        if self.bf16:
-            params_dtype = torch.bfloat16
-        elif self.fp16:
-            params_dtype = torch.float16
-        kwargs = dict(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            ffn_hidden_size=self.ffn_hidden_size,
-            kv_channels=self.kv_channels,
-            normalization="RMSNorm",
-            layernorm_epsilon=self.norm_epsilon,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            add_qkv_bias=False,
-            qk_layernorm=self.qk_layernorm,
-            hidden_dropout=self.hidden_dropout,
-            attention_dropout=self.attention_dropout,
-            init_method_std=self.init_method_std,
-            tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-            context_parallel_size=self.context_parallel_size,
-            sequence_parallel=self.sequence_parallel,
-            params_dtype=params_dtype,
-            bf16=self.bf16,
-            fp16=self.fp16,
-            pipeline_dtype=params_dtype,
-            fp8=self.fp8,
-            use_cpu_initialization=self.use_cpu_initialization,
-            perform_initialization=self.perform_initialization,
-            recompute_granularity=self.recompute_granularity,
-            recompute_method=self.recompute_method,
-            recompute_num_layers=self.recompute_num_layers,
-            # Fusions that need apex or CUDA kernels stay off; TE fuses on its own.
-            bias_activation_fusion=False,
-            masked_softmax_fusion=False,
-            bias_dropout_fusion=False,
-            apply_rope_fusion=False,
-            gradient_accumulation_fusion=False,
-            persist_layer_norm=False,
-        )
-        kwargs.update(self.extra_transformer_config)
-        return TransformerConfig(**kwargs)

@@ -29,6 +29,8 @@ from megatron_ext.tensor_parallel import (
 )
 
 if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
     from megatron_ext.parallel import ProcessGroups
 
 __all__ = ["LeviathanModel", "InputEmbeddingBuilder"]
@@ -42,7 +44,9 @@ class LeviathanModel(GPTModel):
     """A LLaMA-style GPT whose input embedding is chosen by `input_embedding_builder`.
 
     Args:
-        model_config: the backbone, parallel layout and precision.
+        model_config: the backbone and its input embedding.
+        config: megatron's TransformerConfig of `model_config` at the run's layout and
+            precision (`models.layout.compose_transformer_config`; `build_model` composes it).
         pre_process: this pipeline stage holds the input embedding.
         post_process: this pipeline stage holds the final norm and the output head.
         share_embeddings_and_output_weights: tie the input table with the output head
@@ -62,6 +66,7 @@ class LeviathanModel(GPTModel):
     def __init__(
         self,
         model_config: ModelConfig,
+        config: "TransformerConfig",
         *,
         pre_process: bool = True,
         post_process: bool = True,
@@ -79,7 +84,6 @@ class LeviathanModel(GPTModel):
                 "embedding has none (use --embedding-type tied only with the lookup table)"
             )
         self.model_config = model_config
-        config = model_config.transformer_config()
         if vp_size is not None:
             # Set after construction: megatron sizes and offsets each chunk's layers from it.
             config.virtual_pipeline_model_parallel_size = vp_size

@@ -21,6 +21,7 @@ from megatron_ext.models.config import (
     EmbeddingConfig,
     ModelConfig,
 )
+from megatron_ext.models.layout import ModelParallelism, check_layout
 from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
 from megatron_ext.models.param_count import count_parameters, resolve_embedding_sizes
 
@@ -166,10 +167,15 @@ def memory_rows(
                     vocab_size=vocab,
                     seq_length=seq_length,
                     embedding=EmbeddingConfig(embedding_type=arm, lev=dict(lev or {})),
-                    tensor_model_parallel_size=layout.tensor_parallel,
-                    pipeline_model_parallel_size=layout.pipeline_parallel,
-                    sequence_parallel=layout.sequence_parallel,
                     **shape,
+                )
+                check_layout(
+                    cfg,
+                    ModelParallelism(
+                        tensor_model_parallel_size=layout.tensor_parallel,
+                        pipeline_model_parallel_size=layout.pipeline_parallel,
+                        sequence_parallel=layout.sequence_parallel,
+                    ),
                 )
                 mem = estimate_memory(cfg, layout)
                 rows.append(

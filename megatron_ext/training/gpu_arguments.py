@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_ext.config_flags import ArgumentError
+from megatron_ext.models.layout import ModelPrecision
 
 if TYPE_CHECKING:
     from megatron_ext.training.config import TrainingConfig
@@ -23,8 +24,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "validate_gpu_args",
     "fp8_recipe_kwargs",
-    "megatron_engine_model_config",
-    "engine_model_config",
+    "megatron_engine_model_precision",
+    "engine_model_precision",
 ]
 
 
@@ -66,29 +67,29 @@ def validate_gpu_args(args: argparse.Namespace, cuda: bool | None = None) -> arg
     return args
 
 
-def megatron_engine_model_config(model_config, precision: Any):
-    """The ModelConfig for --ddp-impl megatron: BF16 parameters (megatron's mixed precision
-    keeps float32 master weights in the optimizer) and the FP8 recipe in TransformerConfig.
-    `precision`: a `PrecisionConfig` (or a namespace with its fields)."""
-    extra = dict(model_config.extra_transformer_config)
-    if getattr(precision, "fp8_format", None):
-        extra.update(
+def megatron_engine_model_precision(precision: Any) -> ModelPrecision:
+    """The model precision for --ddp-impl megatron: BF16 parameters with --bf16 (megatron's
+    mixed precision keeps float32 master weights in the optimizer) and the FP8 recipe in
+    TransformerConfig. `precision`: a `PrecisionConfig` (or a namespace with its fields)."""
+    fp8 = getattr(precision, "fp8_format", None)
+    recipe = {}
+    if fp8:
+        recipe = dict(
             fp8_margin=precision.fp8_margin,
             fp8_amax_history_len=precision.fp8_amax_history_len,
             fp8_amax_compute_algo=precision.fp8_amax_compute_algo,
         )
-    return model_config.replace(
-        bf16=bool(precision.bf16), fp16=False, extra_transformer_config=extra
-    )
+    return ModelPrecision(bf16=bool(precision.bf16), fp16=False, fp8_format=fp8, **recipe)
 
 
-def engine_model_config(model_config, cfg: "TrainingConfig"):
-    """The ModelConfig the run's engine builds (the one place the engine shapes the model's
-    precision): float32 parameters for the portable engine, which runs --bf16/--fp16 as
-    autocast (`training.precision`); megatron's for --ddp-impl megatron."""
+def engine_model_precision(cfg: "TrainingConfig") -> ModelPrecision:
+    """The precision the run's engine builds the model at (the one place the engine shapes
+    it): float32 parameters for the portable engine, which runs --bf16/--fp16 as autocast
+    (`training.precision`); megatron's for --ddp-impl megatron. --fp8-format reaches the
+    model's TransformerConfig either way."""
     if cfg.engine.ddp_impl == "megatron":
-        return megatron_engine_model_config(model_config, cfg.precision)
-    return model_config.replace(bf16=False, fp16=False)
+        return megatron_engine_model_precision(cfg.precision)
+    return ModelPrecision(fp8_format=cfg.precision.fp8_format)
 
 
 def fp8_recipe_kwargs(args: Any) -> dict[str, Any]:

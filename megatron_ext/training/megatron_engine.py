@@ -5,9 +5,9 @@ model under autocast, with this project's gradient all-reduce, ZeRO-1 and pipeli
 This engine is a peer implementation of the same interface built from megatron-core's pieces,
 as Megatron-LM's `pretrain` uses them:
 
-- parameters in BF16 with --bf16 (the model is built with `bf16=True`; `Float16Module` wraps
-  it), float32 main gradients in megatron's `DistributedDataParallel` buffers, bucketed, with
-  `--overlap-grad-reduce` and `--ddp-bucket-size`;
+- parameters in BF16 with --bf16 (the model is built at `ModelPrecision(bf16=True)`;
+  `Float16Module` wraps it), float32 main gradients in megatron's `DistributedDataParallel`
+  buffers, bucketed, with `--overlap-grad-reduce` and `--ddp-bucket-size`;
 - megatron's optimizer (`get_megatron_optimizer` with megatron's standard parameter groups:
   no weight decay on biases and 1-D parameters, `--decoupled-lr` on the input embedding and
   output layer): float32 master weights, Adam, gradient clipping, and with

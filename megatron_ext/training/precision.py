@@ -5,8 +5,8 @@ DECISION: parameters, gradients and optimizer states stay float32 on CPU and GPU
 reductions and norms in float32), and --fp8-format adds Transformer Engine's `fp8_autocast`
 (DelayedScaling, HYBRID = E4M3 forward / E5M2 backward) around the forward on CUDA. This keeps
 one code path for CPU and GPU, needs no separate master copy (the fp32 weights are the master),
-and reduces gradients in fp32 across data-parallel ranks. The model is therefore built with
-`bf16=False, fp16=False` (fp32 params); `ModelConfig.replace` does that in the entry script.
+and reduces gradients in fp32 across data-parallel ranks. The model is therefore built at a
+float32 `models.layout.ModelPrecision` (`gpu_arguments.engine_model_precision` picks it).
 
 Where the low precision starts, the same for every embedding arm: the input module runs in fp32
 (a lookup table is not autocast; LEV and the ALBERT / MLP seed networks disable autocast), so

@@ -22,13 +22,13 @@ VOCAB = 160
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [42]]
 
 
-def _config(arm: str, dtype=torch.float64, **overrides):
+def _config(arm: str, **overrides):
     """The tiny 2-layer model of these tests and test_lean_decode's, `overrides` on top."""
     from megatron_ext.models import ModelConfig
 
     fields = dict(
         vocab_size=VOCAB, num_layers=2, hidden_size=32, num_attention_heads=4,
-        num_query_groups=2, ffn_hidden_size=64, seq_length=64, params_dtype=dtype,
+        num_query_groups=2, ffn_hidden_size=64, seq_length=64,
         embedding=dict(embedding_type=arm, lev=dict(seed_dim=8, rank=4, num_heads=2,
                                                     num_knots=5)),
     )  # fmt: skip
@@ -37,10 +37,12 @@ def _config(arm: str, dtype=torch.float64, **overrides):
 
 
 def _model(arm: str, dtype=torch.float64):
-    from megatron_ext.models import build_model
+    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
 
     torch.manual_seed(0)
-    model = build_model(_config(arm, dtype)).eval()
+    model = build_model(
+        _config(arm), parallel=ModelParallelism(), precision=ModelPrecision(params_dtype=dtype)
+    ).eval()
     # A random model is nearly uniform; larger output weights give decisive, varied tokens.
     if model.output_layer.weight is not None:
         with torch.no_grad():

@@ -19,17 +19,22 @@ def _checks() -> dict:
     from megatron_ext.evaluation.scoring import ModelScorer, score_batches
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.lev.layer import LEVEmbedding
-    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
 
     pg = init_inference_parallel(1, 1)
     torch.manual_seed(0)
     config = ModelConfig(
         vocab_size=160, num_layers=2, hidden_size=32, num_attention_heads=4,
-        ffn_hidden_size=64, seq_length=16, params_dtype=torch.float64,
+        ffn_hidden_size=64, seq_length=16,
         embedding=dict(embedding_type="lev", lev=dict(seed_dim=8, rank=4, num_heads=2,
                                                       num_knots=5, eval_table=True)),
     )  # fmt: skip
-    model = build_model(config, pg=pg).eval()
+    model = build_model(
+        config,
+        parallel=ModelParallelism(),
+        precision=ModelPrecision(params_dtype=torch.float64),
+        pg=pg,
+    ).eval()
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 160, size=n) for n in (20, 7, 33, 12, 25)]
     batches = list(pack_stream(documents, 16, 2))

@@ -1,4 +1,5 @@
-"""Impossible layouts and settings fail at construction with the flag to change."""
+"""Impossible layouts and settings fail at construction (or, for what needs the layout too,
+in `check_layout`) with the flag to change."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
 from megatron_ext.lev import LEVConfig
 from megatron_ext.models import (
     EmbeddingConfig,
     ModelConfig,
+    ModelParallelism,
+    ModelPrecision,
     add_model_arguments,
+    check_layout,
     model_config_from_args,
 )
 from megatron_ext.models.layer_specs import get_layer_spec, transformer_engine_available
@@ -40,7 +45,7 @@ BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4,
             dict(sequence_parallel=True, tensor_model_parallel_size=2, seq_length=33),
             "--seq-length 33 is not divisible by --tensor-model-parallel-size 2",
         ),
-        (dict(fp8="hybrid"), "--fp8-format needs --transformer-impl transformer_engine"),
+        (dict(fp8_format="hybrid"), "--fp8-format needs --transformer-impl transformer_engine"),
         (dict(context_parallel_size=2), "--context-parallel-size > 1 needs --transformer-impl"),
         (dict(bf16=True, fp16=True), "--bf16 and --fp16 are exclusive"),
         (dict(transformer_impl="apex"), "--transformer-impl must be"),
@@ -56,8 +61,47 @@ BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4,
     ],
 )
 def test_impossible_settings_are_clear_errors(overrides, message):
+    parts = {ModelParallelism: {}, ModelPrecision: {}, ModelConfig: dict(BASE)}
+    for name, value in overrides.items():
+        owner = next(
+            (c for c in (ModelParallelism, ModelPrecision) if name in _field_names(c)), ModelConfig
+        )
+        parts[owner][name] = value
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        ModelConfig(**{**BASE, **overrides})
+        model = ModelConfig(**parts[ModelConfig])
+        check_layout(
+            model,
+            ModelParallelism(**parts[ModelParallelism]),
+            ModelPrecision(**parts[ModelPrecision]),
+        )
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def test_model_config_describes_the_model_only():
+    """The layout and precision are build_model's arguments, not ModelConfig fields; the run's
+    ParallelConfig and PrecisionConfig own their flags."""
+    from megatron_ext.training.config import ParallelConfig, PrecisionConfig
+
+    moved = _field_names(ModelParallelism) | {"params_dtype", "bf16", "fp16", "fp8", "fp8_format"}
+    assert not moved & _field_names(ModelConfig)
+    assert _field_names(ModelParallelism) <= _field_names(ParallelConfig)
+    assert {"bf16", "fp16", "fp8_format"} <= _field_names(PrecisionConfig)
+    # A ParallelConfig is a layout build_model takes as it is.
+    run = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert ModelParallelism.of(run) == ModelParallelism(
+        tensor_model_parallel_size=2, sequence_parallel=True
+    )
+    with pytest.raises(
+        ValueError,
+        match="--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4",
+    ):
+        check_layout(
+            ModelConfig(**{**BASE, "num_attention_heads": 6, "hidden_size": 96}),
+            ParallelConfig(tensor_model_parallel_size=4),
+        )
 
 
 def test_world_size_must_split_into_tp_times_pp():
@@ -161,3 +205,46 @@ def test_replace_carries_new_sizes_over_to_lev_and_keeps_its_base():
     # albert only matches LEV's count: its LEV base follows the vocabulary.
     albert = ModelConfig(**{**BASE, "embedding": dict(embedding_type="albert")})
     assert albert.replace(vocab_size=300).embedding.lev.base == 7
+
+
+# The model, layout and precision keys of an args.json written before ModelConfig lost its
+# layout and precision fields (main at 0cacffe: --tensor-model-parallel-size 2
+# --sequence-parallel --bf16 --embedding-type lev ..., world size 2). args.json keeps the flags'
+# names, so the same keys feed the parallel/precision side now.
+OLD_ARGS_JSON = """{
+  "bf16": true, "fp16": false, "fp8_format": null, "tensor_model_parallel_size": 2,
+  "pipeline_model_parallel_size": 1, "context_parallel_size": 1, "sequence_parallel": true,
+  "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+  "embedding_type": "lev", "lev_num_heads": 2, "lev_rank": 8, "lev_seed_dim": 16,
+  "transformer_impl": "local", "vocab_size": 100, "tokenizer_type": "NullTokenizer",
+  "ffn_hidden_size": null, "num_query_groups": null, "make_vocab_size_divisible_by": 128,
+  "data_parallel_size": 1, "lr": 0.001, "train_iters": 10, "micro_batch_size": 1
+}"""
+
+
+def test_an_args_json_written_before_the_split_still_builds_its_model(tmp_path):
+    import json
+
+    from megatron_ext.models import compose_transformer_config
+    from megatron_ext.training.arguments import parse_args
+
+    saved = argparse.Namespace(**json.loads(OLD_ARGS_JSON))
+    model = model_config_from_args(saved, 128)
+    assert (model.num_layers, model.hidden_size, model.seq_length) == (2, 64, 32)
+    assert model.embedding.lev.num_heads == 2 and model.embedding.lev.rank == 8
+    parallel = ModelParallelism.of(saved)
+    assert parallel == ModelParallelism(tensor_model_parallel_size=2, sequence_parallel=True)
+    tc = compose_transformer_config(model, parallel, ModelPrecision(bf16=saved.bf16))
+    assert (tc.tensor_model_parallel_size, tc.sequence_parallel) == (2, True)
+    assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.pipeline_dtype == torch.bfloat16
+    # --use-checkpoint-args restores the model flags from the same file.
+    (tmp_path / "iter_0000010").mkdir()
+    (tmp_path / "iter_0000010" / "args.json").write_text(OLD_ARGS_JSON)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10\n")
+    args = parse_args(
+        ["--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "10", "--mock-data",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--load", str(tmp_path),
+         "--use-checkpoint-args", "--tensor-model-parallel-size", "2"],
+        world_size=2,
+    )  # fmt: skip
+    assert model_config_from_args(args, 128) == model

@@ -19,27 +19,26 @@ LEV = dict(seed_dim=16, rank=8, num_heads=2, num_knots=6)
 VOCAB, SEQ, BATCH = 300, 16, 3
 
 
-def _config(arm: str, tp: int = 1, sp: bool = False) -> ModelConfig:
+def _config(arm: str) -> ModelConfig:
     return ModelConfig(
         vocab_size=VOCAB,
         seq_length=SEQ,
         ffn_hidden_size=48,
         embedding=dict(embedding_type=arm, lev=dict(LEV)),
-        tensor_model_parallel_size=tp,
-        sequence_parallel=sp,
         **SHAPE,
     )
 
 
 def _measure(arms, autocast_bf16: bool, tp: int, sp: bool) -> dict:
     """Bytes saved for backward by one forward + loss of each arm (this rank)."""
-    from megatron_ext.models import build_model
+    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
     from megatron_ext.testing.memory import saved_tensor_bytes
 
     sizes = {}
     for arm in arms:
         torch.manual_seed(0)
-        model = build_model(_config(arm, tp, sp))
+        parallel = ModelParallelism(tensor_model_parallel_size=tp, sequence_parallel=sp)
+        model = build_model(_config(arm), parallel=parallel, precision=ModelPrecision())
         # Distinct ids: LEV's dedup then evaluates exactly T ids (unique_fraction = 1).
         ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[: BATCH * SEQ]
         ids = ids.view(BATCH, SEQ).clone()  # its own storage, not a view of all V ids
@@ -79,17 +78,17 @@ def test_activation_figure_under_tensor_and_sequence_parallelism():
     for i, (_, _, tp, sp) in enumerate(cases):
         layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=sp, micro_batch_size=BATCH)
         for arm in arms:
-            estimate = estimate_memory(_config(arm, tp=tp, sp=sp), layout).activations
+            estimate = estimate_memory(_config(arm), layout).activations
             assert [estimate] * 2 == [m[i][arm] for m in measured], (arm, sp, estimate, measured)
 
 
 def _count_flops(arm) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megatron_ext.models import build_model
+    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
 
     torch.manual_seed(0)
-    model = build_model(_config(arm))
+    model = build_model(_config(arm), parallel=ModelParallelism(), precision=ModelPrecision())
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
     with FlopCounterMode(display=False) as counter:

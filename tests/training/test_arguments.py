@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,38 +102,58 @@ def test_required_flags():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
 def test_precision_errors_come_from_the_configs():
-    """Each precision check lives in one place: FP8 needing Transformer Engine in ModelConfig,
-    --fp8-format needing --bf16 in PrecisionConfig, --bf16 with --fp16 in one function that
-    both configs call (the flags fill both)."""
-    from megatron_ext.models import ModelConfig, model_config_from_args
+    """Each precision check lives in one place: FP8 needing Transformer Engine in
+    `models.layout.check_layout` (it needs the model's --transformer-impl), --fp8-format
+    needing --bf16 in PrecisionConfig, --bf16 with --fp16 in one function that both the run's
+    PrecisionConfig and the model's ModelPrecision call."""
+    from megatron_ext.models import ModelPrecision, check_layout, model_config_from_args
 
+    args = _parse("--fp8-format", "hybrid", "--bf16")
     with pytest.raises(ValueError, match="FP8 is not available on CPU"):
-        model_config_from_args(_parse("--fp8-format", "hybrid", "--bf16"), 128)
+        check_layout(
+            model_config_from_args(args, 128), None, ModelPrecision(fp8_format=args.fp8_format)
+        )
     with pytest.raises(ArgumentError, match="--bf16 and --fp16 are exclusive"):
         _parse("--bf16", "--fp16")
     with pytest.raises(ValueError, match="--bf16 and --fp16 are exclusive"):
-        ModelConfig(vocab_size=128, bf16=True, fp16=True)
+        ModelPrecision(bf16=True, fp16=True)
     with pytest.raises(ArgumentError, match="--fp8-format needs --bf16"):
         _parse("--fp8-format", "hybrid")
 
 
-def test_entry_point_prints_one_error_line():
+@pytest.mark.parametrize(
+    "extra, world_size, error",
+    [
+        (
+            ["--global-batch-size", "3"],
+            1,
+            "--global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel "
+            "size 1 = 2; change one of them",
+        ),
+        # A layout the model cannot take (`models.layout.check_layout`, before any rank starts).
+        (
+            ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "48",
+             "--num-attention-heads", "3", "--global-batch-size", "2"],
+            2,
+            "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2; "
+            "change one of them",
+        ),
+    ],
+)  # fmt: skip
+def test_entry_point_prints_one_error_line(extra, world_size, error):
     """The CLI turns a bad setting into `error: ...` and exit code 2, no traceback."""
     repo = Path(__file__).resolve().parents[2]
-    argv = [*BASE, "--global-batch-size", "3"]
     proc = subprocess.run(
-        [sys.executable, str(repo / "pretrain_leviathan.py"), *argv],
+        [sys.executable, str(repo / "pretrain_leviathan.py"), *BASE, *extra],
         capture_output=True,
         text=True,
         cwd=repo,
+        env={**os.environ, "WORLD_SIZE": str(world_size)},
         timeout=120,
     )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [
-        "error: --global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel "
-        "size 1 = 2; change one of them"
-    ]
+    assert errors == [f"error: {error}"]
     assert "Traceback" not in proc.stderr
 
 

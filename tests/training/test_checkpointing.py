@@ -20,7 +20,7 @@ class _Killed(BaseException):
 
 
 def _tiny_model(arm: str = "untied"):
-    from megatron_ext.models import ModelConfig, build_model
+    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
 
     cfg = ModelConfig(
         vocab_size=128,
@@ -29,11 +29,14 @@ def _tiny_model(arm: str = "untied"):
         num_attention_heads=4,
         ffn_hidden_size=64,
         seq_length=16,
-        tensor_model_parallel_size=2,
         embedding=dict(embedding_type=arm, lev=dict(seed_dim=8, rank=4, num_heads=2, num_knots=4)),
     )
     torch.manual_seed(0)
-    return build_model(cfg)
+    return build_model(
+        cfg,
+        parallel=ModelParallelism(tensor_model_parallel_size=2),
+        precision=ModelPrecision(),
+    )
 
 
 def _killed_and_nonfinite_saves(root: str) -> bool:

@@ -39,7 +39,7 @@ def _without_arm(argv: list[str], arm: str) -> list[str]:
 
 @pytest.mark.parametrize("size", ["200m", "400m", "1.2b"])
 def test_recipes_share_hyper_parameters_and_validate(size):
-    from megatron_ext.models import model_config_from_args
+    from megatron_ext.models import ModelParallelism, check_layout, model_config_from_args
 
     argvs = {arm: _recipe_argv(size, arm) for arm in ARMS}
     reference = _without_arm(argvs["lev"], "lev")
@@ -48,6 +48,7 @@ def test_recipes_share_hyper_parameters_and_validate(size):
         args = parse_args(argv, world_size=8)
         assert args.seq_length == 512 and args.global_batch_size == 512
         model = model_config_from_args(args, vocab_size=200064)  # o200k padded
+        check_layout(model, ModelParallelism.of(args))  # the recipe's TP/PP fit the model
         assert model.embedding.embedding_type == arm
     tokens = args.train_iters * 512 * 512
     assert {"200m": 4.0e9, "400m": 8.0e9, "1.2b": 24.1e9}[size] == pytest.approx(tokens, rel=1e-3)

@@ -3,6 +3,7 @@ script (it parses, and its CPU-runnable parts pass in --cpu-dry-run on a tiny mo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -142,25 +143,24 @@ def test_portable_engine_notes_and_ignores_megatron_ddp_flags(caplog):
 
 def test_megatron_engine_refuses_what_it_does_not_do_yet():
     # --save/--load and --fp16 are TrainingConfig's checks (tests/training/test_config.py).
-    from megatron_ext.training.gpu_arguments import megatron_engine_model_config
+    from megatron_ext.training.gpu_arguments import megatron_engine_model_precision
 
     validate_gpu_args(_args("--ddp-impl", "megatron"), cuda=True)
     args = _args("--ddp-impl", "megatron", "--bf16", "--fp8-format", "hybrid", "--fp8-param-gather")
     with pytest.raises(ArgumentError, match="--fp8-param-gather is not supported by --ddp-impl"):
         validate_gpu_args(args, cuda=True)
-    # BF16 parameters and the FP8 recipe go into the model config (TransformerConfig fields).
-    from megatron_ext.models import ModelConfig
-
+    # BF16 parameters and the FP8 recipe go into the model precision (TransformerConfig fields).
     args = _args("--ddp-impl", "megatron", "--bf16", "--fp8-format", "hybrid",
                  "--fp8-amax-history-len", "16")  # fmt: skip
-    cfg = megatron_engine_model_config(ModelConfig(vocab_size=64), args)
-    assert cfg.bf16 and cfg.extra_transformer_config["fp8_amax_history_len"] == 16
+    precision = megatron_engine_model_precision(args)
+    assert precision.bf16 and precision.fp8_format == "hybrid"
+    assert precision.fp8_amax_history_len == 16 and precision.dtype == torch.bfloat16
 
 
 def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
     """Portable engine: float32 parameters whatever --bf16/--fp16 say (autocast runs them);
     megatron's engine: BF16 parameters and the FP8 recipe in the TransformerConfig fields."""
-    from megatron_ext.models import ModelConfig
+    from megatron_ext.models import ModelConfig, ModelPrecision, compose_transformer_config
     from megatron_ext.training.config import (
         BatchConfig,
         EngineConfig,
@@ -168,16 +168,22 @@ def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
         PrecisionConfig,
         TrainingConfig,
     )
-    from megatron_ext.training.gpu_arguments import engine_model_config
+    from megatron_ext.training.gpu_arguments import engine_model_precision
 
-    model = ModelConfig(vocab_size=64, bf16=True)
     batch, optim = BatchConfig(seq_length=8), OptimizerConfig(lr=1e-3)
     portable = TrainingConfig(batch=batch, optim=optim, precision=PrecisionConfig(bf16=True))
-    assert not engine_model_config(model, portable).bf16
+    assert engine_model_precision(portable) == ModelPrecision()
+    tc = compose_transformer_config(ModelConfig(vocab_size=64), None, ModelPrecision())
+    assert tc.params_dtype == torch.float32 and not tc.bf16
     precision = PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_amax_history_len=16)
     megatron = TrainingConfig(
         batch=batch, optim=optim, precision=precision, engine=EngineConfig(ddp_impl="megatron")
     )
-    cfg = engine_model_config(ModelConfig(vocab_size=64), megatron)
-    assert cfg.bf16 and not cfg.fp16
-    assert cfg.extra_transformer_config["fp8_amax_history_len"] == 16
+    model_precision = engine_model_precision(megatron)
+    assert model_precision.bf16 and not model_precision.fp16
+    assert model_precision.fp8_amax_history_len == 16
+    # The recipe reaches the TransformerConfig (without FP8, which needs Transformer Engine).
+    tc = compose_transformer_config(
+        ModelConfig(vocab_size=64), None, dataclasses.replace(model_precision, fp8_format=None)
+    )
+    assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.fp8_amax_history_len == 16

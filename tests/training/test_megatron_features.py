@@ -135,14 +135,14 @@ def _check_bf16_reduce():
 
 
 def _check_decoupled_lr_and_norms():
-    from megatron_ext.models import build_model
+    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.arguments import OptimizerConfig
     from megatron_ext.training.megatron_features import num_zeros_in_grad, params_norm
     from megatron_ext.training.optimizer import build_optimizer, build_scheduler
 
     torch.manual_seed(0)
-    model = build_model(_tiny())
+    model = build_model(_tiny(), parallel=ModelParallelism(), precision=ModelPrecision())
     cfg = OptimizerConfig(
         lr=1.5e-4, min_lr=1e-5, lr_decay_style="cosine", lr_warmup_steps=40, lr_decay_steps=400,
         start_weight_decay=0.1, end_weight_decay=0.1, wd_incr_steps=400,
@@ -182,11 +182,11 @@ def _check_decoupled_lr_and_norms():
 
 
 def _check_recompute_on_cpu():
-    from megatron_ext.models import build_model
+    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
     from megatron_ext.models.local_modules import SDPACoreAttention
 
     torch.manual_seed(1)
-    reference = build_model(_tiny())
+    reference = build_model(_tiny(), parallel=ModelParallelism(), precision=ModelPrecision())
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
     expected = _loss_and_grads(reference, tokens)
     variants = [
@@ -195,7 +195,9 @@ def _check_recompute_on_cpu():
         dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
     ]
     for variant in variants:
-        model = build_model(_tiny(**variant))
+        model = build_model(
+            _tiny(**variant), parallel=ModelParallelism(), precision=ModelPrecision()
+        )
         model.load_state_dict(reference.state_dict())
         calls = {"attention": 0}
         for module in model.modules():
@@ -219,9 +221,13 @@ def _check_recompute_on_cpu():
 
 
 def _check_kv_channels_and_rotary_percent():
-    from megatron_ext.models import build_model
+    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
 
-    model = build_model(_tiny(head_dim=16, rotary_percent=0.5))
+    model = build_model(
+        _tiny(head_dim=16, rotary_percent=0.5),
+        parallel=ModelParallelism(),
+        precision=ModelPrecision(),
+    )
     qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
     assert qkv.shape == ((4 + 2 * 4) * 16, 32)  # heads + K and V of 4 groups, 16 channels each
     assert model.rotary_pos_emb(16).shape[-1] == 8  # half of the 16 channels rotate
@@ -233,7 +239,7 @@ def _check_kv_channels_and_rotary_percent():
 def _check_async_save(root: str):
     import torch.distributed as dist
 
-    from megatron_ext.models import build_model
+    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.checkpointing import (
         TrainState,
@@ -244,7 +250,7 @@ def _check_async_save(root: str):
 
     pg = ProcessGroups.from_megatron()
     torch.manual_seed(5)
-    model = build_model(_tiny())
+    model = build_model(_tiny(), parallel=ModelParallelism(), precision=ModelPrecision())
     at_save = [p.detach().clone() for p in model.parameters()]
     pending = save_checkpoint(root, TrainState(iteration=5), model, pg=pg, async_save=True)
     with torch.no_grad():  # training goes on while the staged copy is written
@@ -255,7 +261,7 @@ def _check_async_save(root: str):
     dist.barrier()
     assert pending.wait().endswith("iter_0000005")
     assert read_latest_iteration(root) == 5
-    restored = build_model(_tiny())
+    restored = build_model(_tiny(), parallel=ModelParallelism(), precision=ModelPrecision())
     assert load_checkpoint(root, restored, pg=pg, load_rng=False).iteration == 5
     for expected, q in zip(at_save, restored.parameters()):
         assert torch.equal(expected, q)  # the values at save time, not the later ones
