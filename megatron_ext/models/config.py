@@ -408,6 +408,8 @@ class ModelConfig:
         """The megatron-core TransformerConfig of this model."""
         # megatron.core on first use: `megatron_ext.models` keeps the configs importable without
         # it (its megatron-core modules are lazy exports, megatron_ext/_lazy.py).
+        import megatron_ext.megatron_import  # noqa: F401
+
         from megatron.core.transformer import TransformerConfig
 
         params_dtype = self.params_dtype

@@ -27,6 +27,8 @@ import logging
 import math
 from typing import Iterable, Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
