@@ -187,8 +187,14 @@ def test_the_check_sees_an_ungated_megatron_import(tmp_path):
         "def g():\n"
         "    import megatron_ext.megatron_import  # gate\n"
         "    import megatron.core.datasets\n"
+        "def h():\n"
+        "    from megatron_ext.parallel import ProcessGroups  # imports the gate\n"
+        "    from megatron.core import tensor_parallel\n"
+        "def k():\n"
+        "    from megatron_ext.models import ModelConfig  # does not\n"
+        "    from megatron.core import tensor_parallel\n"
     )
-    assert megatron_before_gate(tmp_path / "tool.py", tmp_path) == [2, 4]
+    assert megatron_before_gate(tmp_path / "tool.py", tmp_path) == [2, 4, 13]
 
 
 def test_every_megatron_import_comes_after_the_gate():
