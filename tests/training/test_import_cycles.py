@@ -191,8 +191,11 @@ def function_local_imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
     return sorted(set(found))
 
 
-# What a deferred import may keep out of a module's import: packages that take seconds.
+# What a deferred import may keep out of a module's import: packages that take seconds, and
+# slow torch submodules torch's own import leaves out (torch.distributed.optim TorchScript-
+# compiles its functional optimizers when imported).
 HEAVY = {"torch", "megatron", "matplotlib", "tensorboard"}
+HEAVY_SUBMODULES = ("torch.distributed.optim",)
 
 
 @functools.lru_cache(maxsize=1)
@@ -298,6 +301,8 @@ def test_function_local_imports_are_optional_or_keep_their_module_light():
                     loads |= closure[target] & slow
                 elif target.startswith(OPTIONAL_MEGATRON_MODULES):
                     loads.add("transformer_engine")
+                elif target.startswith(HEAVY_SUBMODULES):
+                    loads.add(target)
                 elif target.split(".")[0] in slow:
                     loads |= {target.split(".")[0]} | ({"torch"} if top == "megatron" else set())
             if not loads - closure[module]:
