@@ -66,6 +66,8 @@ def model_provider(
 def _on_this_cp_rank(batch: dict) -> dict:
     """Megatron's load-balanced context-parallel split: the sequence is cut into 2*cp chunks
     and CP rank r keeps chunks r and 2*cp-1-r (causal attention work is then even)."""
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core import parallel_state
 
     cp = parallel_state.get_context_parallel_world_size()
@@ -102,6 +104,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: b
     context parallelism each rank holds part of the sequence: the token count is summed across
     CP and the loss multiplied by the CP size, since gradients are averaged over DP x CP.
     """
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core import parallel_state
 
     losses = output_tensor.float().view(-1)

@@ -132,6 +132,8 @@ def bench_vs_transformers(args, pg) -> None:
 
 
 def bench_table(args) -> None:
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.transformer import TransformerConfig
     from safetensors.torch import save_file
 

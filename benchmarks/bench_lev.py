@@ -131,6 +131,8 @@ def main() -> None:
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
 
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.tensor_parallel import VocabParallelEmbedding
     from megatron.core.transformer import TransformerConfig
 

@@ -27,6 +27,8 @@ def describe(table: torch.Tensor, pairs: torch.Tensor) -> str:
 
 
 def main() -> None:
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.transformer import TransformerConfig
 
     from megatron_ext.lev import LEVConfig, LEVEmbedding

@@ -23,6 +23,8 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -59,6 +59,7 @@ def test_only_parallel_py_reads_megatron_process_group_globals():
 
 def test_the_scan_sees_every_spelling():
     source = """
+import megatron_ext.megatron_import  # noqa: F401
 from megatron.core import parallel_state
 from megatron.core import parallel_state as ps
 from megatron.core.parallel_state import get_tensor_model_parallel_group as tp_group

@@ -71,6 +71,8 @@ def _mcore():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
         # deferred: keeps torch (slow) out of this module's import
+        import megatron_ext.megatron_import  # noqa: F401
+
         from megatron.core.datasets import indexed_dataset
     return indexed_dataset
 

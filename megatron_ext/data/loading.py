@@ -222,6 +222,8 @@ def blend_prefixes(blend: Optional[Sequence[str]]) -> list[str]:
     """Dataset prefixes of a Megatron-LM blend (``[weight] prefix ...``), weights dropped."""
     # megatron-core's dataset modules import all of megatron.core (seconds, and Apex / TE
     # warnings): DataConfig and its flags stay importable without them.
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.datasets.utils import get_blend_from_list
 
     parsed = get_blend_from_list(list(blend)) if blend else None
@@ -238,6 +240,8 @@ def _check_datasets(
     config: DataConfig, tokenizer: Tokenizer, num_samples: Sequence[Optional[int]]
 ) -> None:
     # megatron.core on first use (see blend_prefixes)
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -354,6 +358,8 @@ def build_train_valid_test_datasets(
     with warnings.catch_warnings():  # megatron.core on first use (see blend_prefixes)
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
         # deferred: keeps megatron.core (slow) out of this module's import
+        import megatron_ext.megatron_import  # noqa: F401
+
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder,
         )

@@ -30,6 +30,8 @@ import logging
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.distributed as dist
 from megatron.core.inference.contexts import StaticInferenceContext

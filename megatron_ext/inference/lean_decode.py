@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (

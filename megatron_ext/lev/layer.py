@@ -35,6 +35,8 @@ import logging
 import math
 from typing import Iterator, Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import (

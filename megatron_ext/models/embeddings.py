@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig

@@ -11,6 +11,8 @@ Engine spec is megatron-core's own TE spec (fused norm+linear, TE attention, FP8
 
 from __future__ import annotations
 
+import megatron_ext.megatron_import  # noqa: F401
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.transformer.attention import SelfAttentionSubmodules

@@ -156,6 +156,8 @@ def compose_transformer_config(
     (checked by `check_layout` first); `model_cfg.extra_transformer_config` is applied last."""
     # megatron.core on first use: `megatron_ext.models` keeps the configs importable without
     # it (its megatron-core modules are lazy exports, megatron_ext/_lazy.py).
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.transformer import TransformerConfig
 
     parallel = ModelParallelism.of(parallel)

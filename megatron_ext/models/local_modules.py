@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _rotate_half

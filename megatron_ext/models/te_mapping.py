@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 def te_to_local_prefixes() -> dict[str, str]:
     """{TE name prefix: local name prefix} inside a decoder layer, from megatron-core."""
     # deferred: keeps megatron.core (slow) out of this module's import
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     keys_map = get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map

@@ -33,6 +33,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 from megatron.core.transformer import TransformerConfig
 

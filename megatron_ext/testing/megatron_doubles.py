@@ -26,6 +26,8 @@ import contextlib
 import math
 from typing import Any, Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallelConfig

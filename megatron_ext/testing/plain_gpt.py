@@ -158,6 +158,8 @@ class PlainGPT(torch.nn.Module):
 def token_streams(prefix: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, valid) token streams of a Megatron indexed dataset, split by documents."""
     # deferred: keeps megatron.core (slow) out of this module's import
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     data = IndexedDataset(prefix)

@@ -49,6 +49,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import numpy as np
 import torch
 import torch.distributed as dist

@@ -39,6 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import (

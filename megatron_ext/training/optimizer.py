@@ -27,11 +27,12 @@ import logging
 import math
 from typing import Iterable, Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from megatron_ext.lev.config import LEV_PARAMETER_GROUPS
 from megatron_ext.lev.layer import LEVEmbedding
@@ -143,6 +144,10 @@ class Optimizer:
             # ZeroRedundancyOptimizer drops empty groups at construction; keep only filled ones
             # (the no-decay group always has the norm weights).
             groups = [g for g in groups if g["params"]]
+            # deferred: torch.distributed.optim TorchScript-compiles its functional optimizers
+            # when imported (~0.3 CPU-s of every training process that never uses it)
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
             self.inner = ZeroRedundancyOptimizer(
                 groups,
                 optimizer_class=torch.optim.AdamW,

@@ -14,6 +14,8 @@ def _plain():
 
 
 def test_plain_lev_matches_the_package_float64():
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.transformer import TransformerConfig
 
     from megatron_ext.lev import LEVConfig, LEVEmbedding

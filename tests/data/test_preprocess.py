@@ -82,6 +82,8 @@ def test_bytes_identical_across_workers(corpus_dir, sp_model, tmp_path):
 
 def test_index_matches_megatron_builder(corpus_dir, sp_model, tmp_path):
     """Our .idx is byte-identical to Megatron-Core's IndexedDatasetBuilder output."""
+    import megatron_ext.megatron_import  # noqa: F401
+
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -103,6 +105,8 @@ def test_index_matches_megatron_builder(corpus_dir, sp_model, tmp_path):
 def test_index_writer_matches_megatron_index_writer(tmp_path, dtype):
     """indexed._write_index (no megatron.core import) == Megatron-Core's _IndexWriter, byte for
     byte, for both token dtypes, including an empty dataset and one-document datasets."""
+    import megatron_ext.megatron_import  # noqa: F401
+
     from megatron.core.datasets.indexed_dataset import _IndexWriter
 
     rng = np.random.default_rng(0)

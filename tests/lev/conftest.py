@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import pytest
 import torch
 from megatron.core.transformer import TransformerConfig

@@ -1,6 +1,8 @@
 """CachedSelfAttention's rotary embedding (cos/sin tables reused, fewer passes) must give
 megatron's own `apply_rotary_pos_emb` results bit for bit."""
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd

@@ -154,7 +154,7 @@ OPTIONAL_MEGATRON_MODULES = ("megatron.core.extensions.transformer_engine",)
 def function_local_imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
     """(line, top-level package, commented) of every import inside a function of `path`; a
     relative import is megatron_ext's. `commented`: a comment on the import's line or on the
-    line above its block of imports."""
+    line above its block of imports (blank lines between its isort sections included)."""
     source = path.read_text()
     lines = source.splitlines()
     tree = ast.parse(source, str(path))
@@ -183,14 +183,19 @@ def function_local_imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
                 row -= 1
                 text = lines[row].strip()
                 commented = text.startswith("#") or ("#" in text and row in import_rows)
-                if not (commented or row in import_rows):
+                # A blank line between import sections (isort's) stays inside the block.
+                between = not text and row - 1 in import_rows
+                if not (commented or row in import_rows or between):
                     break
             found.append((node.lineno, package, commented))
     return sorted(set(found))
 
 
-# What a deferred import may keep out of a module's import: packages that take seconds.
+# What a deferred import may keep out of a module's import: packages that take seconds, and
+# slow torch submodules torch's own import leaves out (torch.distributed.optim TorchScript-
+# compiles its functional optimizers when imported).
 HEAVY = {"torch", "megatron", "matplotlib", "tensorboard"}
+HEAVY_SUBMODULES = ("torch.distributed.optim",)
 
 
 @functools.lru_cache(maxsize=1)
@@ -296,6 +301,8 @@ def test_function_local_imports_are_optional_or_keep_their_module_light():
                     loads |= closure[target] & slow
                 elif target.startswith(OPTIONAL_MEGATRON_MODULES):
                     loads.add("transformer_engine")
+                elif target.startswith(HEAVY_SUBMODULES):
+                    loads.add(target)
                 elif target.split(".")[0] in slow:
                     loads |= {target.split(".")[0]} | ({"torch"} if top == "megatron" else set())
             if not loads - closure[module]:

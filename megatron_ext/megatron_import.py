@@ -1,0 +1,63 @@
+"""The one place megatron-core is first imported from, with its import-time `torch.compile`
+decorations deferred to their first call.
+
+megatron-core's `jit.py` sets `jit_fuser = torch.compile` when imported, and its fusion modules
+(`megatron.core.fusions.*`, `activations`, `transformer.utils`), which `import megatron.core`
+loads, decorate functions with `@jit_fuser`. Each decoration imports `torch._dynamo` and
+`torch._inductor.compile_fx`: about 1.5 s of every process's start-up (2.5-3 CPU-seconds
+measured), although a CPU run calls none of those functions. `torch.compile` compiles on the
+first call anyway, so importing megatron-core while `torch.compile` is `lazy_compile` defers only
+the dynamo/inductor import, never what runs. `torch.compile` is restored right after; megatron's
+`jit_fuser` stays `lazy_compile`, so its later decorations (made inside functions) are deferred
+the same way.
+
+Every module of this project that imports megatron-core imports this module first (directly or
+through a module that does); `tests/test_megatron_import.py` checks it. `megatron.core.jit`
+cannot be switched off instead: importing it imports the whole `megatron.core` package first.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable
+
+import torch
+
+_torch_compile = torch.compile
+
+
+def lazy_compile(model: Callable | None = None, **options: Any) -> Callable:
+    """`torch.compile` that calls the real `torch.compile(model, **options)` on the first call of
+    the decorated function instead of when decorating. Like `torch.compile`, it decorates with or
+    without keyword options (`@lazy_compile`, `@lazy_compile(dynamic=True)`); anything that is not
+    a plain function (an `nn.Module`) is compiled at once."""
+    if model is None:
+        return functools.partial(lazy_compile, **options)
+    if not inspect.isfunction(model):
+        return _torch_compile(model, **options)
+    compiled: Callable | None = None
+    lock = threading.Lock()
+
+    @functools.wraps(model)
+    def deferred(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        # Inside a region torch.compile is tracing, dynamo inlines a compiled function's original
+        # code; do the same rather than trace the compile call.
+        if torch.compiler.is_compiling():
+            return model(*args, **kwargs)
+        if compiled is None:
+            with lock:
+                if compiled is None:
+                    compiled = _torch_compile(model, **options)
+        return compiled(*args, **kwargs)
+
+    return deferred
+
+
+torch.compile = lazy_compile
+try:
+    import megatron.core  # noqa: E402, F401
+finally:
+    torch.compile = _torch_compile

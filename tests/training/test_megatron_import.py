@@ -1,0 +1,205 @@
+"""megatron_ext/megatron_import.py: megatron-core is first imported there, with its import-time
+`torch.compile` decorations deferred to their first call."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import megatron_ext.megatron_import as megatron_import
+
+import pytest
+import torch
+from megatron.core import jit
+
+from tests.training import test_import_cycles as cycles
+
+REPO = cycles.REPO
+GATE = "megatron_ext.megatron_import"
+
+
+class _Recorder:
+    """Stands in for the real torch.compile: records each call, returns a marked wrapper."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, model, **options):
+        self.calls.append((model, options))
+
+        @functools.wraps(model)
+        def compiled(*args, **kwargs):
+            return ("compiled", model(*args, **kwargs))
+
+        return compiled
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(megatron_import, "_torch_compile", rec)
+    return rec
+
+
+def _scale(x, factor=2):
+    """Doubles."""
+    return x * factor
+
+
+def test_lazy_compile_defers_then_compiles_once_with_the_same_options(recorder):
+    plain = megatron_import.lazy_compile(_scale)
+    with_options = megatron_import.lazy_compile(dynamic=True, fullgraph=True)(_scale)
+    assert recorder.calls == []  # decorating compiles nothing
+    assert (
+        plain.__name__ == "_scale" and plain.__doc__ == "Doubles." and plain.__wrapped__ is _scale
+    )
+
+    assert plain(3) == ("compiled", 6)
+    assert plain(4, factor=3) == ("compiled", 12)
+    assert recorder.calls == [(_scale, {})]  # once, on the first call
+
+    assert with_options(5) == ("compiled", 10)
+    with_options(6)
+    assert recorder.calls == [(_scale, {}), (_scale, {"dynamic": True, "fullgraph": True})]
+
+
+def test_lazy_compile_works_as_a_method_decorator_and_compiles_modules_at_once(recorder):
+    class Norm:
+        @megatron_import.lazy_compile
+        def forward(self, x):
+            return x + 1
+
+    assert Norm().forward(1) == ("compiled", 2)
+    assert len(recorder.calls) == 1
+
+    module = torch.nn.Linear(2, 2)
+    megatron_import.lazy_compile(module, mode="reduce-overhead")
+    assert recorder.calls[1] == (module, {"mode": "reduce-overhead"})
+
+
+def test_lazy_compile_runs_the_function_itself_inside_a_compiled_region(recorder, monkeypatch):
+    fn = megatron_import.lazy_compile(_scale)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fn(3) == 6  # what dynamo does with a compiled function it meets while tracing
+    assert recorder.calls == []
+
+
+def test_torch_compile_is_restored_and_megatron_jit_fuser_is_the_lazy_one():
+    assert torch.compile is megatron_import._torch_compile
+    assert jit.jit_fuser is megatron_import.lazy_compile
+    # A megatron fusion decorated at import is the deferred wrapper around megatron's own code.
+    from megatron.core.fusions import fused_bias_gelu
+
+    assert (
+        fused_bias_gelu.bias_gelu.__wrapped__.__module__ == "megatron.core.fusions.fused_bias_gelu"
+    )
+
+
+@pytest.mark.integration
+def test_the_model_and_training_code_import_neither_dynamo_nor_inductor():
+    code = textwrap.dedent(
+        """
+        import sys
+        from megatron_ext.models import LeviathanModel, build_model
+        import megatron_ext.training.run
+        import megatron.core.models.gpt
+        loaded = [m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))]
+        assert "torch._inductor.compile_fx" not in sys.modules, loaded
+        assert "torch._dynamo.eval_frame" not in sys.modules, loaded
+        """
+    )
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+# Where the project's code lives: every import of megatron there must come after the gate.
+CHECKED = ("megatron_ext", "tools", "benchmarks", "tests", "pretrain_leviathan.py")
+
+
+def _files():
+    for name in CHECKED:
+        path = REPO / name
+        yield from sorted(path.rglob("*.py")) if path.is_dir() else [path]
+
+
+def _gates(node, package: str, mods, closure) -> bool:
+    """Whether running `node` (an import) imports the gate: names it, or a megatron_ext module
+    whose module-level imports do."""
+    for target in cycles._targets(node, package, mods):
+        if target == GATE or GATE in closure.get(target, ()):
+            return True
+    return False
+
+
+def _is_megatron(node) -> bool:
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    return not getattr(node, "level", 0) and any(
+        n == "megatron" or n.startswith("megatron.") for n in names
+    )
+
+
+def megatron_before_gate(path: pathlib.Path, root: pathlib.Path = REPO) -> list[int]:
+    """Lines of `path` that import megatron before the gate has surely been imported: neither
+    earlier at module level nor earlier in the same function."""
+    mods = cycles._modules()
+    closure = cycles.module_level_closure()
+    rel = path.relative_to(root).with_suffix("")
+    module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    if module == GATE:
+        return []
+    tree = ast.parse(path.read_text(), str(path))
+    # node -> its innermost enclosing function (ast.walk is breadth-first: inner ones come later).
+    scope_of = {}
+    for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        for node in ast.walk(fn):
+            if node is not fn:
+                scope_of[node] = fn
+    gated_scopes: set = set()
+    bad = []
+    for node in cycles._imports(tree):  # in source order
+        scope = scope_of.get(node)
+        if _gates(node, package, mods, closure):
+            gated_scopes.add(scope)
+        elif _is_megatron(node):
+            enclosing, fn = {None}, scope
+            while fn is not None:
+                enclosing.add(fn)
+                fn = scope_of.get(fn)
+            if not gated_scopes & enclosing:
+                bad.append(node.lineno)
+    return bad
+
+
+def test_the_check_sees_an_ungated_megatron_import(tmp_path):
+    (tmp_path / "tool.py").write_text(
+        "import os\n"
+        "from megatron.core import parallel_state\n"
+        "def f():\n"
+        "    import megatron.core.datasets\n"
+        "def g():\n"
+        "    import megatron_ext.megatron_import  # gate\n"
+        "    import megatron.core.datasets\n"
+        "def h():\n"
+        "    from megatron_ext.parallel import ProcessGroups  # imports the gate\n"
+        "    from megatron.core import tensor_parallel\n"
+        "def k():\n"
+        "    from megatron_ext.models import ModelConfig  # does not\n"
+        "    from megatron.core import tensor_parallel\n"
+    )
+    assert megatron_before_gate(tmp_path / "tool.py", tmp_path) == [2, 4, 13]
+
+
+def test_every_megatron_import_comes_after_the_gate():
+    bad = [f"{p.relative_to(REPO)}:{line}" for p in _files() for line in megatron_before_gate(p)]
+    assert not bad, (
+        "megatron imported before megatron_ext.megatron_import (import it first, see its "
+        "docstring): " + ", ".join(bad)
+    )
