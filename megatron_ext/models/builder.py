@@ -51,8 +51,8 @@ def input_embedding_builder(cfg: ModelConfig):
 def build_model(
     cfg: ModelConfig,
     *,
-    parallel: Any = None,
-    precision: Optional[ModelPrecision] = None,
+    parallel: Any,
+    precision: Optional[ModelPrecision],
     pre_process: bool = True,
     post_process: bool = True,
     pg: Optional["ProcessGroups"] = None,
@@ -62,9 +62,10 @@ def build_model(
     """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`, built at
     `parallel` and `precision`.
 
-    `parallel`: a `models.layout.ModelParallelism` or the run's `ParallelConfig` (its TP, PP,
-    CP sizes and sequence parallelism); None: one rank. `precision`: a `ModelPrecision`, the
-    parameters' dtype (None: float32). A layout the model cannot take raises ValueError naming
+    `parallel` (required, as `precision`: the caller says which layout it builds): a
+    `models.layout.ModelParallelism` or the run's `ParallelConfig` (its TP, PP, CP sizes and
+    sequence parallelism); None: one rank. `precision`: a `ModelPrecision`, the parameters'
+    dtype (None: float32). A layout the model cannot take raises ValueError naming
     the flag (`models.layout.check_layout`).
     `pg`: the process groups the model communicates over (`LeviathanModel`); None keeps
     megatron's default for its own layers (its `parallel_state` groups).
