@@ -4,15 +4,19 @@ decorations deferred to their first call.
 megatron-core's `jit.py` sets `jit_fuser = torch.compile` when imported, and its fusion modules
 (`megatron.core.fusions.*`, `activations`, `transformer.utils`), which `import megatron.core`
 loads, decorate functions with `@jit_fuser`. Each decoration imports `torch._dynamo` and
-`torch._inductor.compile_fx`: about 1.5 s of every process's start-up (2.5-3 CPU-seconds
-measured), although a CPU run calls none of those functions. `torch.compile` compiles on the
-first call anyway, so importing megatron-core while `torch.compile` is `lazy_compile` defers only
-the dynamo/inductor import, never what runs. `torch.compile` is restored right after; megatron's
-`jit_fuser` stays `lazy_compile`, so its later decorations (made inside functions) are deferred
-the same way.
+`torch._inductor.compile_fx`: about 2 CPU-seconds of every process's start-up
+(`benchmarks/bench_startup.py`), although a CPU run calls none of those functions.
+`torch.compile` compiles on the first call anyway, so importing megatron-core while
+`torch.compile` is `lazy_compile` defers only the dynamo/inductor import, never what runs.
+`torch.compile` is restored right after; megatron's `jit_fuser` stays `lazy_compile`, so its later
+decorations (made inside functions) are deferred the same way.
+
+Only megatron-core's own functions are deferred: `import megatron.core` also imports Transformer
+Engine (and apex) where they are installed, and their import-time decorations are compiled as
+`torch.compile` would, at once.
 
 Every module of this project that imports megatron-core imports this module first (directly or
-through a module that does); `tests/test_megatron_import.py` checks it. `megatron.core.jit`
+through a module that does); `tests/training/test_megatron_import.py` checks it. `megatron.core.jit`
 cannot be switched off instead: importing it imports the whole `megatron.core` package first.
 """
 
@@ -26,16 +30,18 @@ from typing import Any, Callable
 import torch
 
 _torch_compile = torch.compile
+_DEFERRED_PACKAGE = "megatron."
 
 
 def lazy_compile(model: Callable | None = None, **options: Any) -> Callable:
     """`torch.compile` that calls the real `torch.compile(model, **options)` on the first call of
     the decorated function instead of when decorating. Like `torch.compile`, it decorates with or
     without keyword options (`@lazy_compile`, `@lazy_compile(dynamic=True)`); anything that is not
-    a plain function (an `nn.Module`) is compiled at once."""
+    a plain function of megatron-core (an `nn.Module`, a Transformer Engine or apex function
+    decorated while `megatron.core` imports them) is compiled at once, as by `torch.compile`."""
     if model is None:
         return functools.partial(lazy_compile, **options)
-    if not inspect.isfunction(model):
+    if not inspect.isfunction(model) or not model.__module__.startswith(_DEFERRED_PACKAGE):
         return _torch_compile(model, **options)
     compiled: Callable | None = None
     lock = threading.Lock()

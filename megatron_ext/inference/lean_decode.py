@@ -13,10 +13,11 @@ layer, keys stored already rotated):
 
 The embedding is the model's own module (so every embedding arm, LEV from its eval table); the
 output layer's weight is the one its forward uses (tied or untied head). On CPU the decoder holds
-each weight it multiplies transposed ([in, out], contiguous; about one more copy of the
-transformer and output weights while it lives): MKL repacks an [out, in] weight on every small
-matmul, which cost a decode step more than the multiply itself (py-spy, batch 8: 35% of the step
-in `sgemm_scopy`), while an [in, out] weight is streamed as it lies.
+each weight it multiplies transposed ([in, out], contiguous: about one more copy of the
+transformer and output weights, made by each decoder, i.e. per `generate` call): MKL repacks an
+[out, in] weight on every small matmul, which cost a decode step more than the multiply itself
+(py-spy, batch 8: 35% of the step in `sgemm_scopy`), while an [in, out] weight is streamed as it
+lies.
 
 `lean_decode_unsupported` names what a model has that the lean step does not cover (tensor
 parallelism, biases, MoE, MLA, qk-norm, ...); callers then run megatron's path and say so.
@@ -112,10 +113,19 @@ class LeanDecoder:
     Each call feeds the tokens [b, s] after those already fed (s >= 1; the first call starts at
     position 0) and returns the logits [b, V] (float32 or wider) for the token after them. The
     model must not change between calls; run it under `torch.no_grad()` (and, for LEV, under
-    `lev_eval_tables`).
+    `lev_eval_tables`). `transposed_weights`: multiply [in, out] copies of the weights (None: on
+    CPU) or the model's [out, in] weights through `F.linear`; the copies are made by each
+    decoder, i.e. once per `generate` call.
     """
 
-    def __init__(self, model: torch.nn.Module, batch: int, max_sequence_length: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: int,
+        max_sequence_length: int,
+        *,
+        transposed_weights: Optional[bool] = None,
+    ):
         reason = lean_decode_unsupported(model)
         if reason is not None:
             raise ValueError(f"the lean decode step does not cover {reason}")
@@ -151,7 +161,9 @@ class LeanDecoder:
             if model.share_embeddings_and_output_weights
             else model.output_layer.weight
         )
-        self._transposed = device.type == "cpu"
+        self._transposed = (
+            device.type == "cpu" if transposed_weights is None else transposed_weights
+        )
         # Per layer: the weights of linear_qkv, linear_proj, linear_fc1, linear_fc2.
         self.weights = [
             tuple(

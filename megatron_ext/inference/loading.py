@@ -183,11 +183,11 @@ def run_model_config(
     *,
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
-    sequence_parallel: bool = False,
     transformer_impl: Optional[str] = None,
 ):
-    """The run's `ModelConfig` (dropout off), checked against the layout this process runs
-    (`models.layout.check_layout`; the model is built at it by `load_model`, in float32)."""
+    """The run's `ModelConfig` (dropout off), checked against the TP x PP layout this process
+    runs (`models.layout.check_layout`). `load_model` builds it at its process groups' TP x PP,
+    in float32, without sequence parallelism (the tools score and generate at inference shapes)."""
     args = argparse.Namespace(**vars(run.args))
     args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
     if transformer_impl is not None:
@@ -201,7 +201,6 @@ def run_model_config(
         ModelParallelism(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
-            sequence_parallel=sequence_parallel,
         ),
     )
     return config

@@ -67,17 +67,19 @@ def _logit_gaps(model) -> tuple[float, float, float]:
     with torch.no_grad(), lev_eval_tables(model):
         full = model(tokens, None, None, runtime_gather_output=True)  # [b, s, V]
         context = StaticInferenceContext(3, 14)
-        lean = LeanDecoder(model, 3, 14)
+        # Both weight layouts: [in, out] copies (CPU's default) and the model's own (GPU's).
+        lean = [LeanDecoder(model, 3, 14, transposed_weights=t) for t in (True, False)]
         to_full = to_megatron = scale = 0.0
         for start, end in chunks:
-            ours = lean(tokens[:, start:end])
-            to_full = max(to_full, (ours - full[:, end - 1]).abs().max().item())
-            scale = max(scale, full[:, end - 1].abs().max().item())
             # megatron takes a chunk after the prefill one token at a time.
             steps = [(start, end)] if start == 0 else [(p, p + 1) for p in range(start, end)]
             for first, last in steps:
                 theirs = next_token_logits(model, tokens[:, first:last], context)
-            to_megatron = max(to_megatron, (ours - theirs).abs().max().item())
+            scale = max(scale, full[:, end - 1].abs().max().item())
+            for decoder in lean:
+                ours = decoder(tokens[:, start:end])
+                to_full = max(to_full, (ours - full[:, end - 1]).abs().max().item())
+                to_megatron = max(to_megatron, (ours - theirs).abs().max().item())
     return to_full, to_megatron, scale
 
 
@@ -106,6 +108,19 @@ def _checks() -> dict:
             (generate(model, PROMPTS, cfg, step="lean"), generate(model, PROMPTS, cfg))
             for cfg in (greedy, sampled, stop)
         ]
+
+    # A model changed between two `generate` calls: the lean step uses the new weights.
+    model = _model("lev", torch.float32)
+    before = generate(model, PROMPTS, greedy, step="lean")
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            layer.mlp.linear_fc2.weight.mul_(-3.0)
+        model.output_layer.weight.add_(torch.randn_like(model.output_layer.weight))
+    res["changed"] = (
+        before,
+        generate(model, PROMPTS, greedy, step="lean"),
+        generate(model, PROMPTS, greedy),
+    )
 
     model = _model("tied")
     refused = {}
@@ -155,6 +170,11 @@ def test_lean_generate_gives_megatron_tokens(results, arm):
     for row_free, row_stopped in zip(free, stopped):
         cut = row_free.index(stop) if stop in row_free else len(row_free)
         assert row_stopped == row_free[:cut]
+
+
+def test_lean_generate_uses_weights_changed_since_the_last_call(results):
+    before, lean, megatron = results["changed"]
+    assert lean == megatron and lean != before
 
 
 def test_what_the_lean_step_does_not_cover_is_named_and_refused(results):

@@ -50,6 +50,16 @@ def _scale(x, factor=2):
     return x * factor
 
 
+_scale.__module__ = "megatron.core.fusions.example"  # deferred: as if megatron-core defined it
+
+
+def _other_package(x):
+    return x + 1
+
+
+_other_package.__module__ = "transformer_engine.pytorch.jit"
+
+
 def test_lazy_compile_defers_then_compiles_once_with_the_same_options(recorder):
     plain = megatron_import.lazy_compile(_scale)
     with_options = megatron_import.lazy_compile(dynamic=True, fullgraph=True)(_scale)
@@ -69,9 +79,11 @@ def test_lazy_compile_defers_then_compiles_once_with_the_same_options(recorder):
 
 def test_lazy_compile_works_as_a_method_decorator_and_compiles_modules_at_once(recorder):
     class Norm:
-        @megatron_import.lazy_compile
         def forward(self, x):
             return x + 1
+
+        forward.__module__ = "megatron.core.transformer.example"
+        forward = megatron_import.lazy_compile(forward)
 
     assert Norm().forward(1) == ("compiled", 2)
     assert len(recorder.calls) == 1
@@ -79,6 +91,15 @@ def test_lazy_compile_works_as_a_method_decorator_and_compiles_modules_at_once(r
     module = torch.nn.Linear(2, 2)
     megatron_import.lazy_compile(module, mode="reduce-overhead")
     assert recorder.calls[1] == (module, {"mode": "reduce-overhead"})
+
+
+def test_lazy_compile_compiles_other_packages_functions_at_once(recorder):
+    """Transformer Engine and apex, imported by `import megatron.core` where installed, keep
+    torch.compile's own behaviour: only megatron-core's decorations are deferred."""
+    compiled = megatron_import.lazy_compile(dynamic=False)(_other_package)
+    assert recorder.calls == [(_other_package, {"dynamic": False})]
+    assert compiled(1) == ("compiled", 2)
+    assert len(recorder.calls) == 1
 
 
 def test_lazy_compile_runs_the_function_itself_inside_a_compiled_region(recorder, monkeypatch):
