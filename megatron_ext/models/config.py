@@ -64,6 +64,10 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
     return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
 
 
+FP8_FORMATS = ("e4m3", "hybrid")
+"""The --fp8-format recipes (Transformer Engine's): the flag's choices, `ModelPrecision`'s check."""
+
+
 def check_half_precision(bf16: bool, fp16: bool) -> None:
     """Refuse --bf16 with --fp16 (the model's parameter dtype, `models.layout.ModelPrecision`,
     and the training autocast in `training.config.PrecisionConfig` take one of them)."""

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.models.config import ModelConfig, check_half_precision
+from megatron_ext.models.config import FP8_FORMATS, ModelConfig, check_half_precision
 
 __all__ = [
     "FP8_FORMATS",
@@ -28,8 +28,6 @@ __all__ = [
     "check_layout",
     "compose_transformer_config",
 ]
-
-FP8_FORMATS = ("hybrid", "e4m3")
 
 
 @dataclass(frozen=True)

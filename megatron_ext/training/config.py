@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_ext.config_flags import flag
-from megatron_ext.models.config import check_half_precision
+from megatron_ext.models.config import FP8_FORMATS, check_half_precision
 from megatron_ext.parallel import validate_parallel_layout
 from megatron_ext.training.megatron_features import BatchSizeRampup
 
@@ -306,7 +306,7 @@ class PrecisionConfig:
         None,
         "--fp8-format",
         "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
-        choices=("e4m3", "hybrid"),
+        choices=FP8_FORMATS,
     )
     fp8_margin: int = flag(0, "--fp8-margin", "FP8 scaling margin (DelayedScaling)")
     fp8_amax_history_len: int = flag(
