@@ -1,5 +1,5 @@
 """Conversion tools against independent implementations, on checkpoints trained by
-`pretrain_leviathan.py` (see conftest.py):
+`pretrain_leviathan.py` (the session's `trained` checkpoints, tests/conftest.py):
 
 - export-hf: transformers' LlamaForCausalLM on the export gives our logits (every arm);
   greedy `tools/generate.py` equals transformers' `generate`; the exported tokenizer encodes a
@@ -11,7 +11,8 @@
 - reshard: TP=2 -> TP=1 gives the TP=2 logits; optimizer state kept or dropped.
 - bad input: one line each, nothing written.
 
-One single-rank worker and one TP=2 pair of ranks run all the checks that need a process group.
+One single-rank worker and one TP=2 pair of ranks run all the checks that need a process group
+(the single rank also generates at TP=1 for the TP=2 comparison).
 """
 
 from __future__ import annotations
@@ -252,8 +253,8 @@ def _single_checks(trained: dict, out: str) -> dict:
     reshard(ReshardOptions(load=ckpt["lev"], output=f"{out}/lev_tp1_optim", progress=False))
     # numpy, not torch: tensors cross the result queue through shared memory that dies with us.
     res["reshard_logits"] = _our_logits(f"{out}/lev_tp1", _ids(512)).numpy()
-    res["reshard_files"] = sorted(os.listdir(f"{out}/lev_tp1/iter_0000002"))
-    res["reshard_args_tp"] = json.load(open(f"{out}/lev_tp1/iter_0000002/args.json"))[
+    res["reshard_files"] = sorted(os.listdir(f"{out}/lev_tp1/iter_0000006"))
+    res["reshard_args_tp"] = json.load(open(f"{out}/lev_tp1/iter_0000006/args.json"))[
         "tensor_model_parallel_size"
     ]
 
@@ -264,10 +265,11 @@ def _single_checks(trained: dict, out: str) -> dict:
         return sorted(k for k in meta if k.startswith("optim."))
 
     res["optim_keys"] = (
-        optim_keys(f"{ckpt['lev']}/iter_0000002"),
-        optim_keys(f"{out}/lev_tp1_optim/iter_0000002"),
-        optim_keys(f"{out}/lev_tp1/iter_0000002"),
+        optim_keys(f"{ckpt['lev']}/iter_0000006"),
+        optim_keys(f"{out}/lev_tp1_optim/iter_0000006"),
+        optim_keys(f"{out}/lev_tp1/iter_0000006"),
     )
+    res["tp1"] = _tp1_generation(trained)
     res["bad"] = _bad_inputs(trained, out)
     return res
 
@@ -283,7 +285,7 @@ def _bad_inputs(trained: dict, out: str) -> dict:
                                            "--embedding-type", "tied"])  # fmt: skip
     unknown = f"{out}/unknown_arm"
     shutil.copytree(lev, unknown)
-    args_path = f"{unknown}/iter_0000002/args.json"
+    args_path = f"{unknown}/iter_0000006/args.json"
     args = json.load(open(args_path))
     args["embedding_type"] = "spline"
     json.dump(args, open(args_path, "w"))
@@ -292,7 +294,7 @@ def _bad_inputs(trained: dict, out: str) -> dict:
     )
     missing = f"{out}/missing_shard"
     shutil.copytree(lev, missing)
-    os.remove(f"{missing}/iter_0000002/__1_0.distcp")
+    os.remove(f"{missing}/iter_0000006/__1_0.distcp")
     bad["missing_shard"] = _run_tool(
         convert, ["export-hf", "--load", missing, "--output", f"{out}/x3"]
     )
@@ -383,9 +385,8 @@ def _tp1_generation(trained: dict) -> dict:
 def results(trained, tmp_path_factory) -> dict:
     out = str(tmp_path_factory.mktemp("converted"))
     single = run_distributed(_single_checks, 1, args=(trained, out), timeout=900)[0]
-    tp1 = run_distributed(_tp1_generation, 1, args=(trained,))[0]
     pair = run_distributed(_pair_checks, 2, tp=2, args=(trained, out), timeout=600)
-    return {"single": single, "tp1": tp1, "pair": pair}
+    return {"single": single, "tp1": single["tp1"], "pair": pair}
 
 
 # --------------------------------------------------------------------------- assertions
@@ -415,7 +416,7 @@ def test_export_hf_layout_and_provenance(results):
     record = config["leviathan"]
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["num_key_value_heads"] == 2 and config["tie_word_embeddings"] is False
-    assert record["embedding_type"] == "lev" and record["iteration"] == 2
+    assert record["embedding_type"] == "lev" and record["iteration"] == 6
     assert record["lev"]["num_heads"] == 2 and record["lev"]["rank"] == 4
     assert record["saved_layout"]["tp"] == 2 and len(record["git_revision"]) >= 40
     assert config["vocab_size"] == record["exported_vocab_size"] == 512

@@ -1,4 +1,5 @@
-"""End to end: tools/evaluate.py on a TIED run and a LEV run saved at TP=2 (see conftest)."""
+"""End to end: tools/evaluate.py on a TIED run and a LEV run saved at TP=2 (the session's
+`trained` checkpoints, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def _assert_png(path: str) -> None:
 
 @pytest.mark.parametrize("arm", ["tied", "lev"])
 def test_validation_loss_equals_the_training_loops(eval_runs, tool, tmp_path, arm):
-    """The loop validated the final weights at iteration 6 (LEV at TP=2); the tool evaluates the
-    same batches at TP=1."""
+    """The loop validated the final weights at iteration 6 (both arms at TP=2); the tool
+    evaluates the same batches at TP=1."""
     out = tmp_path / arm
     assert tool("perplexity", "--load", eval_runs.ckpt(arm), "--split", "valid",
                 "--output-dir", out, "--no-progress") == 0  # fmt: skip
