@@ -32,8 +32,8 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "slow: a unit test of over half a minute of CPU (a gradcheck in Triton's interpreter); "
-        "run by the full suite, excluded by `scripts/test.sh --fast`",
+        "slow: a unit test of over half a minute of CPU; run by the full suite, excluded by "
+        "`scripts/test.sh --fast`",
     )
 
 
