@@ -120,21 +120,16 @@ def test_harness_hf_model_on_the_export_equals_our_adapter(eval_runs, tool, tmp_
     """`lm_eval --model hf --model_args pretrained=EXPORT` with no extra argument scores rolling
     (empty-context) and context requests exactly as `tools/evaluate.py lm-eval` on the
     checkpoint: the export declares the EOD id the model was trained with as its BOS."""
-    import subprocess
-    import sys
-
     import lm_eval
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
-    from megatron_ext.testing.runs import REPO
+    from megatron_ext.conversion import convert_checkpoint
 
     hf = tmp_path / "hf"
-    subprocess.run(
-        [sys.executable, "tools/convert_checkpoint.py", "export-hf", "--load",
-         eval_runs.ckpt("lev"), "--output", str(hf)],
-        check=True, cwd=REPO, capture_output=True,
-    )  # fmt: skip
+    # tools/convert_checkpoint.py's main, in this process (it needs no process group)
+    argv = ["export-hf", "--load", eval_runs.ckpt("lev"), "--output", str(hf), "--no-progress"]
+    assert convert_checkpoint.main(argv) == 0
     tokenizer = AutoTokenizer.from_pretrained(hf)
     assert tokenizer.bos_token_id == tokenizer.eos_token_id
     assert tokenizer("Bea no,").input_ids[0] != tokenizer.bos_token_id  # never added to text
