@@ -103,7 +103,7 @@ def pytest_runtest_call(item):
 def sample_data(tmp_path_factory) -> list[str]:
     """Data + tokenizer flags of one generated corpus for the whole session (about 150k tokens,
     SentencePiece vocab 512; megatron_ext.testing.runs.prepare_sample_data), shared by the
-    training and conversion runs (built once, also across xdist workers)."""
+    training runs and the `trained` checkpoints (built once, also across xdist workers)."""
     from megatron_ext.testing.once import build_once, session_dir
     from megatron_ext.testing.runs import prepare_sample_data
 
