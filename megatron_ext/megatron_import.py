@@ -15,6 +15,19 @@ Only megatron-core's own functions are deferred: `import megatron.core` also imp
 Engine (and apex) where they are installed, and their import-time decorations are compiled as
 `torch.compile` would, at once.
 
+megatron-core's inference context (`megatron.core.inference.contexts.dynamic_context`, which `import
+megatron.core` loads), its inference engine and its timers run `try: import wandb` at import time:
+about 0.6 CPU-seconds of every process's start-up where wandb is installed (bench_startup), for a
+module only `--wandb-project` runs use. Where wandb is installed and not imported yet, this module
+first puts the real `wandb` module into `sys.modules` unexecuted (`import_deferred`): `import wandb`
+binds it and megatron-core's `HAVE_WANDB` is True as before, and wandb's own `__init__` runs on the
+first read of any attribute it defines (`wandb.init`, `wandb.run`, ...) or the first import of a
+submodule, so megatron-core's wandb logging and ours are unchanged. (`importlib.util.LazyLoader`
+cannot be used: it executes the module on any attribute read, and `inspect.getmodule`, which torch
+calls while megatron-core registers its custom ops, reads `__file__` of every module in
+`sys.modules`.) Where wandb is not installed nothing is put there and megatron-core sees the
+ImportError as before.
+
 Every module of this project that imports megatron-core imports this module first (directly or
 through a module that does); `tests/training/test_megatron_import.py` checks it. `megatron.core.jit`
 cannot be switched off instead: importing it imports the whole `megatron.core` package first.
@@ -23,8 +36,11 @@ cannot be switched off instead: importing it imports the whole `megatron.core` p
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
+import sys
 import threading
+import types
 from typing import Any, Callable
 
 import torch
@@ -62,6 +78,45 @@ def lazy_compile(model: Callable | None = None, **options: Any) -> Callable:
     return deferred
 
 
+class _DeferredModule(types.ModuleType):
+    """A module created from its spec but not executed yet: the attributes the import system sets
+    (`__name__`, `__spec__`, `__file__`, `__loader__`, ...) read as they are; reading any other
+    attribute, `__path__` included (so that importing a submodule runs the package first, as a
+    plain import does), executes the module once and reads it from the executed module."""
+
+    def __getattr__(self, attr: str) -> Any:
+        with _deferred_lock:
+            if type(self) is _DeferredModule:
+                spec = self.__spec__
+                self.__class__ = types.ModuleType
+                if spec.submodule_search_locations is not None:
+                    self.__path__ = spec.submodule_search_locations
+                try:
+                    spec.loader.exec_module(self)
+                except BaseException:
+                    sys.modules.pop(spec.name, None)
+                    raise
+        return getattr(self, attr)
+
+
+_deferred_lock = threading.RLock()
+
+
+def import_deferred(name: str) -> None:
+    """Put the top-level module `name` into `sys.modules` unexecuted (`_DeferredModule`), where it
+    is installed and not imported yet; else do nothing."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__.pop("__path__", None)
+    module.__class__ = _DeferredModule
+    sys.modules[name] = module
+
+
+import_deferred("wandb")
 torch.compile = lazy_compile
 try:
     import megatron.core  # noqa: E402, F401

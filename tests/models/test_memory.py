@@ -61,9 +61,24 @@ def _measure_cases(cases) -> list:
     return [_measure(*case) for case in cases]
 
 
-def test_activation_figure_equals_the_measured_local_path():
-    cases = [(ARMS, False, 1, False), (ARMS, True, 1, False)]
-    measured = run_distributed(call_in_file, 1, args=(__file__, "_measure_cases", cases))[0]
+ONE_RANK_CASES = [(ARMS, False, 1, False), (ARMS, True, 1, False)]
+FLOP_ARMS = ("untied", "albert")
+
+
+def _one_rank_figures(cases, arms) -> dict:
+    return dict(measured=_measure_cases(cases), flops=_count_flops_many(arms))
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """What one spawned rank measured: `_measure_cases(ONE_RANK_CASES)` and
+    `_count_flops_many(FLOP_ARMS)` (one process for both tests that need a single rank)."""
+    args = (__file__, "_one_rank_figures", ONE_RANK_CASES, FLOP_ARMS)
+    return run_distributed(call_in_file, 1, args=args)[0]
+
+
+def test_activation_figure_equals_the_measured_local_path(one_rank):
+    cases, measured = ONE_RANK_CASES, one_rank["measured"]
     for (arms, bf16, _, _), sizes in zip(cases, measured):
         layout = ParallelLayout(micro_batch_size=BATCH, bf16=bf16)
         for arm in arms:
@@ -96,11 +111,10 @@ def _count_flops(arm) -> int:
     return counter.get_total_flops()
 
 
-def test_flops_per_token_equals_torch_flop_counter():
+def test_flops_per_token_equals_torch_flop_counter(one_rank):
     # torch counts the matmuls, forward and backward, but not the CPU SDPA kernel: the
     # attention term (2 * 2 * s * D per layer forward, x3 with backward) is added here.
-    arms = ("untied", "albert")
-    counted = run_distributed(call_in_file, 1, args=(__file__, "_count_flops_many", arms))[0]
+    arms, counted = FLOP_ARMS, one_rank["flops"]
     attention = 3 * SHAPE["num_layers"] * 4 * SEQ * SHAPE["hidden_size"]
     for arm in arms:
         assert flops_per_token(_config(arm)) * BATCH * SEQ == counted[arm] + attention * BATCH * SEQ

@@ -1,14 +1,19 @@
 """torchrun entry of test_megatron_engine.py: `pretrain` from a config built in code, with
 the portable engine or the megatron-core engine on the recording CPU doubles.
 
-    python -m torch.distributed.run --nproc-per-node 2 _engine_entry.py ENGINE OUT [LOAD]
+    python -m torch.distributed.run --nproc-per-node 2 _engine_entry.py OUT RUN [RUN ...]
 
-ENGINE is portable or megatron; OUT receives log.jsonl, ckpt/ and (megatron) calls<rank>.json;
-LOAD is a checkpoint root to resume from (iteration 2).
+Each RUN is NAME=ENGINE or NAME=ENGINE@FROM, run in turn in the same processes (so that one
+launch's start-up serves several runs; `pretrain` sets up and tears down the process groups of
+each): ENGINE is portable or megatron; OUT/NAME receives log.jsonl, ckpt/, each rank's log
+lines (log<rank>.txt) and (megatron) calls<rank>.json; FROM names an earlier RUN whose
+checkpoint (OUT/FROM/ckpt) it resumes from (iteration 2).
 """
 
 import json
+import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -92,8 +97,24 @@ def main(engine: str, out: Path, load: str | None) -> None:
     assert reason == "finished", reason
 
 
-if __name__ == "__main__":
-    import logging
+def run(out: Path, spec: str) -> None:
+    """One RUN (see the module docstring), its log lines also written to OUT/NAME/log<rank>.txt."""
+    match = re.fullmatch(r"(\w+)=(portable|megatron)(?:@(\w+))?", spec)
+    if match is None:
+        raise SystemExit(f"bad RUN {spec!r}: expected NAME=ENGINE or NAME=ENGINE@FROM")
+    name, engine, source = match.groups()
+    (out / name).mkdir(exist_ok=True)
+    handler = logging.FileHandler(out / name / f"log{os.environ['RANK']}.txt")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        main(engine, out / name, str(out / source / "ckpt") if source else None)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
 
+
+if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    for spec in sys.argv[2:]:
+        run(Path(sys.argv[1]), spec)

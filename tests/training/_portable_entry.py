@@ -1,19 +1,22 @@
 """torchrun entry of test_portable_engine.py: a few portable-engine steps of a 4-layer
 tiny GPT, on one rank or over P pipeline ranks with V model chunks each (interleaved 1F1B).
 
-    python -m torch.distributed.run --nproc-per-node P _portable_entry.py OUT V [GLOBAL_BATCH]
-    python -m torch.distributed.run --nproc-per-node 2 _portable_entry.py OUT 1 4 NAN_RANK
+    python -m torch.distributed.run --nproc-per-node P _portable_entry.py OUT CASE [CASE ...]
 
-GLOBAL_BATCH (default 4) micro-batches of one sample each make one iteration. With NAN_RANK
-the ranks are data-parallel instead (PP=1, torch DDP), rank NAN_RANK's loss of the second
-iteration is NaN, and each rank writes the engine's error to OUT/error<rank>.txt.
+Each CASE runs in turn in the same processes (megatron's groups built and torn down per case,
+so that one launch's start-up serves several runs) and writes into OUT/CASE/:
 
-Every stage starts from the single-stage model's weights (`initialize_like_single_stage`);
-rank 0 writes OUT/losses.json: the training losses, grad norms and one evaluation loss.
+- `v<V>_gb<GLOBAL_BATCH>`: P pipeline ranks with V model chunks each; GLOBAL_BATCH
+  micro-batches of one sample each make one iteration. Every stage starts from the
+  single-stage model's weights (`initialize_like_single_stage`); rank 0 writes losses.json:
+  the training losses, grad norms and one evaluation loss.
+- `nan<R>`: the ranks are data-parallel instead (PP=1, torch DDP, GLOBAL_BATCH 4), rank R's loss
+  of the second iteration is NaN, and each rank writes the engine's error to error<rank>.txt.
 """
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -99,11 +102,17 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
     destroy_parallel()
 
 
+def run_case(out: Path, case: str) -> None:
+    """Run CASE (see the module docstring) into out/CASE."""
+    (out / case).mkdir(parents=True, exist_ok=True)
+    if match := re.fullmatch(r"v(\d+)_gb(\d+)", case):
+        main(out / case, int(match[1]), int(match[2]), None)
+    elif match := re.fullmatch(r"nan(\d+)", case):
+        main(out / case, 1, 4, int(match[1]))
+    else:
+        raise SystemExit(f"unknown case {case!r}: expected v<V>_gb<GLOBAL_BATCH> or nan<RANK>")
+
+
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    main(
-        Path(argv[0]),
-        int(argv[1]),
-        int(argv[2]) if len(argv) > 2 else 4,
-        int(argv[3]) if len(argv) > 3 else None,
-    )
+    for name in sys.argv[2:]:
+        run_case(Path(sys.argv[1]), name)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 
 import megatron_ext.megatron_import as megatron_import
 
@@ -120,6 +122,42 @@ def test_torch_compile_is_restored_and_megatron_jit_fuser_is_the_lazy_one():
     )
 
 
+def test_import_deferred_runs_the_module_on_first_use_only(tmp_path, monkeypatch):
+    package = tmp_path / "deferred_pkg"
+    package.mkdir()
+    init = "import os\nos.environ['DEFERRED_RUNS'] += 'x'\nVALUE = 3\n"
+    (package / "__init__.py").write_text(init)
+    (package / "sub.py").write_text("from deferred_pkg import VALUE\nDOUBLE = 2 * VALUE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("DEFERRED_RUNS", "")
+    for name in ("deferred_pkg", "deferred_pkg.sub"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    megatron_import.import_deferred("deferred_pkg")
+    import deferred_pkg
+
+    assert deferred_pkg is sys.modules["deferred_pkg"]
+    assert deferred_pkg.__file__ == str(package / "__init__.py")  # what inspect.getmodule reads
+    assert os.environ["DEFERRED_RUNS"] == ""
+    assert deferred_pkg.VALUE == 3 and os.environ["DEFERRED_RUNS"] == "x"
+    assert type(deferred_pkg) is types.ModuleType and deferred_pkg.VALUE == 3
+    assert os.environ["DEFERRED_RUNS"] == "x"
+    # A submodule imported first runs its package first, as a plain import does.
+    del sys.modules["deferred_pkg"]
+    megatron_import.import_deferred("deferred_pkg")
+    from deferred_pkg import sub
+
+    assert sub.DOUBLE == 6 and os.environ["DEFERRED_RUNS"] == "xx"
+    monkeypatch.delitem(sys.modules, "deferred_pkg")
+    monkeypatch.delitem(sys.modules, "deferred_pkg.sub")
+
+
+def test_import_deferred_leaves_a_missing_or_imported_module_alone():
+    megatron_import.import_deferred("no_such_module_anywhere")
+    assert "no_such_module_anywhere" not in sys.modules
+    megatron_import.import_deferred("ast")
+    assert sys.modules["ast"] is ast
+
+
 @pytest.mark.integration
 def test_the_model_and_training_code_import_neither_dynamo_nor_inductor():
     code = textwrap.dedent(
@@ -131,6 +169,13 @@ def test_the_model_and_training_code_import_neither_dynamo_nor_inductor():
         loaded = [m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))]
         assert "torch._inductor.compile_fx" not in sys.modules, loaded
         assert "torch._dynamo.eval_frame" not in sys.modules, loaded
+        # wandb, where installed, is bound by megatron-core but executed on its first use only.
+        import importlib.util
+        if importlib.util.find_spec("wandb") is not None:
+            from megatron.core.inference.contexts import dynamic_context
+            assert dynamic_context.HAVE_WANDB
+            assert "wandb.sdk" not in sys.modules
+            assert callable(dynamic_context.wandb.init) and "wandb.sdk" in sys.modules
         """
     )
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}

@@ -6,7 +6,8 @@ A 4-layer tiny GPT trains 4 iterations from the single-stage model's weights: on
 holds layers 1 and 3, rank 1 layers 2 and 4; the activations go round the ring twice). All
 three must report the same losses, grad norms and evaluation loss. With 4 micro-batches the
 schedule runs warm-up, steady 1F1B and cool-down; with 2 (= the pipeline size) it is all
-warm-up.
+warm-up. Two launches serve every check here (the entry runs several cases per launch): one
+rank runs the single-stage references, two ranks the pipelines and the data-parallel NaN run.
 """
 
 from __future__ import annotations
@@ -29,20 +30,36 @@ ENTRY = Path(__file__).with_name("_portable_entry.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(out: Path, nproc: int, *args: object) -> None:
+def _launch(out: Path, nproc: int, *cases: str) -> None:
     out.mkdir(parents=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(find_free_port()), str(ENTRY), str(out), *map(str, args),
+        "--master-port", str(find_free_port()), str(ENTRY), str(out), *cases,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
-def _run(out: Path, nproc: int, chunks: int, global_batch: int) -> dict:
-    _launch(out, nproc, chunks, global_batch)
-    return json.loads((out / "losses.json").read_text())
+NAN_RANK = 1
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Each case's output folder: "pp1_gb<B>" (one rank), "pp2_vp2_gb<B>" (2 ranks x 2 chunks),
+    "pp2_gb4" (2 ranks x 1 chunk), "dp2_nan" (2 data-parallel ranks, NaN on NAN_RANK)."""
+    out = tmp_path_factory.mktemp("portable")
+    _launch(out / "one", 1, "v1_gb4", "v1_gb2")
+    _launch(out / "two", 2, "v2_gb4", "v1_gb4", "v2_gb2", f"nan{NAN_RANK}")
+    return {
+        "pp1_gb4": out / "one" / "v1_gb4", "pp1_gb2": out / "one" / "v1_gb2",
+        "pp2_vp2_gb4": out / "two" / "v2_gb4", "pp2_gb4": out / "two" / "v1_gb4",
+        "pp2_vp2_gb2": out / "two" / "v2_gb2", "dp2_nan": out / "two" / f"nan{NAN_RANK}",
+    }  # fmt: skip
+
+
+def _losses(run: Path) -> dict:
+    return json.loads((run / "losses.json").read_text())
 
 
 def _assert_same(actual: dict, expected: dict, rel: float = 1e-6) -> None:
@@ -65,27 +82,25 @@ def test_interleaved_schedule_needs_micro_batches_in_groups_of_the_pipeline_size
 
 @pytest.mark.integration
 @pytest.mark.parametrize("global_batch", [4, 2], ids=["steady-1f1b", "all-warmup"])
-def test_interleaved_pipeline_matches_one_rank(tmp_path, global_batch):
-    single = _run(tmp_path / "pp1", 1, 1, global_batch)
-    interleaved = _run(tmp_path / "pp2_vp2", 2, 2, global_batch)
+def test_interleaved_pipeline_matches_one_rank(runs, global_batch):
+    single = _losses(runs[f"pp1_gb{global_batch}"])
+    interleaved = _losses(runs[f"pp2_vp2_gb{global_batch}"])
     assert interleaved["layers"] == [[[1], [3]], [[2], [4]]]  # rank -> chunk -> layer numbers
     assert len(set(single["losses"])) > 1  # the weights moved
     _assert_same(interleaved, single)
     if global_batch == 4:
-        plain = _run(tmp_path / "pp2", 2, 1, global_batch)
+        plain = _losses(runs["pp2_gb4"])
         assert plain["layers"] == [[[1, 2]], [[3, 4]]]
         _assert_same(plain, single)
         assert interleaved["losses"] == plain["losses"]  # same sums in the same order
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("nan_rank", [1])
-def test_nonfinite_loss_under_ddp_names_its_rank(tmp_path, nan_rank):
+def test_nonfinite_loss_under_ddp_names_its_rank(runs):
     """DP=2 on torch DDP: rank 1's second-iteration loss is NaN, rank 0's is finite. Both
     ranks stop at iteration 2 and name rank 1 alone: for the loss, and for the gradients (its
     DDP hook saw its own buckets non-finite before the average spread the NaN to rank 0)."""
-    out = tmp_path / "dp2"
-    _launch(out, 2, 1, 4, nan_rank)
+    out, nan_rank = runs["dp2_nan"], NAN_RANK
     for rank in (0, 1):
         assert (out / f"ddp{rank}.txt").read_text() == "DistributedDataParallel"
         error = (out / f"error{rank}.txt").read_text()
