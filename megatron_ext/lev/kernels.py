@@ -125,7 +125,9 @@ class LEVBackend(Protocol):
         ...
 
 
-def _project(z: torch.Tensor, seed_proj: torch.Tensor, digits) -> torch.Tensor:
+def _project(
+    z: torch.Tensor, seed_proj: torch.Tensor, digits: Optional[torch.Tensor]
+) -> torch.Tensor:
     """Step 3a for all h heads: u [N, h*d] = z @ W^T, with W = seed_proj as [h*d, d_in].
 
     With `digits` [N, k], z is the codebooks [k, b, d_c] instead of the seeds, and each seed is
@@ -149,7 +151,9 @@ def _project(z: torch.Tensor, seed_proj: torch.Tensor, digits) -> torch.Tensor:
     return F.embedding_bag(digits + offsets, digit_proj.reshape(k * b, h * d), mode="sum")
 
 
-def _seed_to_t(z: torch.Tensor, params, opts: LEVKernelOptions, digits=None) -> torch.Tensor:
+def _seed_to_t(
+    z: torch.Tensor, params, opts: LEVKernelOptions, digits: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Steps 3a-3b: z [N, d_in] (or codebooks with `digits`, see `_project`) -> t [N, h, d]
     (contiguous; backends get its [h, N, d] view).
 
