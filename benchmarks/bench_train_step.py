@@ -17,9 +17,21 @@ than --max-ranks are skipped. On CPU the defaults take a few minutes; on GPUs pa
 --only keeps the configurations whose label starts with one of the given words; --rounds
 repeats the whole list (interleaved, so that load changes on a shared machine hit every
 configuration alike) and takes the median over all rounds; --data-flags replaces the mock data
-(real text has far fewer distinct ids per micro-batch, which LEV's dedup exploits); --threads
-sets OMP_NUM_THREADS of every run (default 1: with more threads than free cores, --clock
-cpu_seconds would also count their spin-waiting). With the tied single-rank configuration
+with the runs' data and tokenizer flags (the same for every arm). The mock data (Megatron-Core's
+MockGPTDataset) is documents that count 1, 2, 3, ... up to a random length below 4096, so most
+ids of a micro-batch are distinct, and LEV, which runs once per distinct id, does nearly one
+evaluation per token: at 4 x 512 tokens a median of 1617 distinct ids per micro-batch, against
+562 for English text (the KJV corpus of docs/lev-training.md, 8k SentencePiece vocabulary). The
+benchmark prints the distinct ids per micro-batch of the data its runs train on. A real-text run
+of the width-256 shape (data made by the project's tools, docs/lev-training.md section 2):
+
+    python benchmarks/bench_train_step.py --only tied "lev, 1" --hidden-size 256 \
+        --seq-length 512 --micro-batch-size 4 --global-batch-size 8 --threads 2 --rounds 3 \
+        --data-flags "--data-path data/kjv8k_text_document --split 95,5,0 \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/kjv8k.model"
+
+--threads sets OMP_NUM_THREADS of every run (default 1: with more threads than free cores,
+--clock cpu_seconds would also count their spin-waiting). With the tied single-rank configuration
 measured, the LEV / TIED and UNTIED / TIED tokens/s ratios are printed, with their value in each
 round (the spread between rounds is the noise of the measurement).
     python benchmarks/bench_train_step.py --hidden-size 1024 --num-layers 8 --seq-length 512 \\
@@ -36,6 +48,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import torch
+
+from megatron_ext.data.loading import (
+    DataConfig,
+    add_data_arguments,
+    build_train_valid_test_datasets,
+)
+from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.testing.distributed import find_free_port
 from megatron_ext.testing.launch import launch
 
@@ -84,6 +104,26 @@ def _run_once(ranks: int, flags: list[str], args, workdir: str) -> list[float]:
         return [json.loads(line)[args.clock] for line in handle if line.strip()]
 
 
+def distinct_ids(args: argparse.Namespace) -> list[int]:
+    """Distinct token ids in each micro-batch that one rank trains on (LEV computes its
+    embedding once per distinct id of a micro-batch), from the runs' own data flags."""
+    data_args = add_data_arguments(argparse.ArgumentParser()).parse_args(
+        shlex.split(args.data_flags)
+    )
+    data_args.seq_length = args.seq_length
+    config = DataConfig.from_args(data_args)
+    tokenizer = build_tokenizer(
+        config.tokenizer_type, config.tokenizer_model, vocab_size=config.vocab_size
+    )
+    samples = args.iters * args.global_batch_size
+    train, _, _ = build_train_valid_test_datasets(config, tokenizer, [samples, 0, 0])
+    mbs = args.micro_batch_size
+    return [
+        len(torch.unique(torch.stack([train[i]["tokens"] for i in range(start, start + mbs)])))
+        for start in range(0, samples - mbs + 1, mbs)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=4)
@@ -127,6 +167,12 @@ def main() -> None:
         f"model {args.num_layers} x {args.hidden_size}, seq {args.seq_length}, global batch "
         f"{args.global_batch_size} ({tokens} tokens); median of iterations "
         f"{args.warmup + 1}-{args.iters} x {args.rounds} round(s), clock: {args.clock}"
+    )
+    counts = distinct_ids(args)
+    print(
+        f"distinct ids per micro-batch of {args.micro_batch_size} x {args.seq_length} tokens: "
+        f"median {statistics.median(counts):.0f}, {min(counts)}-{max(counts)} "
+        f"({len(counts)} micro-batches)"
     )
     print(f"{'configuration':28s} {'s/iter':>9s} {'tokens/s':>10s} {'time vs baseline':>17s}")
     times: dict[str, list[float]] = {}

@@ -51,7 +51,7 @@ import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -125,8 +125,37 @@ class LEVBackend(Protocol):
         ...
 
 
-def _seed_to_t(z: torch.Tensor, params, opts: LEVKernelOptions) -> torch.Tensor:
-    """Steps 3a-3b: z [N, d_in] -> t [N, h, d] (contiguous; backends get its [h, N, d] view).
+def _project(
+    z: torch.Tensor, seed_proj: torch.Tensor, digits: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Step 3a for all h heads: u [N, h*d] = z @ W^T, with W = seed_proj as [h*d, d_in].
+
+    With `digits` [N, k], z is the codebooks [k, b, d_c] instead of the seeds, and each seed is
+    the sum (d_c = d_in) or the concatenation (k*d_c = d_in) of the k codebook rows its digits
+    name. u is linear in those rows, so it is the sum of k rows of P_m = C_m @ W_m^T ([b, h*d];
+    W_m = W for "sum", the m-th column block of W for "concat"): one small [k*b, d_c] GEMM and
+    k*h*d additions per id instead of d_in*h*d multiply-adds (`lev.table` does the same), and in
+    backward a scatter of dL/du into P's k*b rows instead of two [N, d_in, h*d] GEMMs. Worth it
+    when N > k*b (LEVEmbedding decides).
+    """
+    h, d, d_in = seed_proj.shape
+    weight = seed_proj.reshape(h * d, d_in)
+    if digits is None:
+        return torch.matmul(z, weight.t())
+    k, b, d_c = z.shape
+    if d_c == d_in:  # "sum" (and k == 1)
+        digit_proj = torch.matmul(z, weight.t())  # [k, b, h*d]
+    else:  # "concat": digit m meets the m-th block of d_c columns
+        digit_proj = torch.bmm(z, weight.view(h * d, k, d_c).permute(1, 2, 0))
+    offsets = torch.arange(k, device=digits.device, dtype=digits.dtype) * b
+    return F.embedding_bag(digits + offsets, digit_proj.reshape(k * b, h * d), mode="sum")
+
+
+def _seed_to_t(
+    z: torch.Tensor, params, opts: LEVKernelOptions, digits: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Steps 3a-3b: z [N, d_in] (or codebooks with `digits`, see `_project`) -> t [N, h, d]
+    (contiguous; backends get its [h, N, d] view).
 
     `lev.math.seed_to_t` in four ops and their fused backwards instead of about ten
     elementwise passes: the h projections are one [N, d_in] x [d_in, h*d] GEMM (a broadcast
@@ -134,8 +163,8 @@ def _seed_to_t(z: torch.Tensor, params, opts: LEVKernelOptions) -> torch.Tensor:
     sigmoid((LN(u) * g + b) / tau) = sigmoid(LN(u) * (g / tau) + b / tau).
     """
     seed_proj, norm_weight, norm_bias = params
-    h, d, d_in = seed_proj.shape
-    u = torch.matmul(z, seed_proj.reshape(h * d, d_in).t()).view(-1, h, d)
+    h, d, _ = seed_proj.shape
+    u = _project(z, seed_proj, digits).view(-1, h, d)
     normed = F.layer_norm(u, (d,), eps=opts.norm_eps)
     gain = norm_weight / opts.temperature
     shift = norm_bias / opts.temperature
@@ -143,25 +172,28 @@ def _seed_to_t(z: torch.Tensor, params, opts: LEVKernelOptions) -> torch.Tensor:
 
 
 class LEVModes(torch.autograd.Function):
-    """z [N, d_in] -> M [N, h, r] through `backend`; saves z, the parameters and M."""
+    """z [N, d_in] -> M [N, h, r] through `backend`; saves z, the parameters and M (and with
+    `digits`, z being the codebooks, the digits)."""
 
     @staticmethod
-    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts):
+    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts, digits):
         """Shapes as `lev_modes`; `backend` a LEVBackend, `opts` LEVKernelOptions."""
         with torch.autocast(device_type=z.device.type, enabled=False), torch.no_grad():
             cdt = lev_math.compute_dtype(z.dtype)
             params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
-            t = _seed_to_t(z.to(cdt), params, opts).transpose(0, 1)  # [h, N, d] view
+            t = _seed_to_t(z.to(cdt), params, opts, digits).transpose(0, 1)  # [h, N, d] view
             coeff = (1 + spline_delta.to(cdt)).contiguous()
             modes = backend.forward(t, coeff, opts)
-        ctx.backend, ctx.opts = backend, opts
-        ctx.save_for_backward(z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
+        ctx.backend, ctx.opts, ctx.has_digits = backend, opts, digits is not None
+        saved = (z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
+        ctx.save_for_backward(*saved, *([digits] if digits is not None else []))
         return modes
 
     @staticmethod
     def backward(ctx, grad_modes):
         """grad_modes [N, h, r] -> gradients of z and the four parameters (None: not needed)."""
-        z, seed_proj, norm_weight, norm_bias, spline_delta, modes = ctx.saved_tensors
+        z, seed_proj, norm_weight, norm_bias, spline_delta, modes, *digits = ctx.saved_tensors
+        digits = digits[0] if ctx.has_digits else None
         opts: LEVKernelOptions = ctx.opts
         need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
         originals = (seed_proj, norm_weight, norm_bias)
@@ -173,7 +205,7 @@ class LEVModes(torch.autograd.Function):
             ]
             zc = z.detach().to(cdt).requires_grad_(need_z)
             with torch.enable_grad():
-                t_nhd = _seed_to_t(zc, params, opts)
+                t_nhd = _seed_to_t(zc, params, opts, digits)
             coeff = (1 + spline_delta.detach().to(cdt)).contiguous()
             scaled = (grad_modes.to(cdt) * modes).contiguous()  # dL/dM * M, [N, h, r]
             with torch.no_grad():
@@ -191,7 +223,7 @@ class LEVModes(torch.autograd.Function):
             for p, need in zip(originals, (need_w, need_g, need_b))
         ]
         grad_delta = grad_coeff.to(spline_delta.dtype) if need_delta else None
-        return (grad_z, *grad_params, grad_delta, None, None)
+        return (grad_z, *grad_params, grad_delta, None, None, None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,22 +284,35 @@ def lev_modes(
     spline_delta: torch.Tensor,
     opts: Union[LEVKernelOptions, LEVConfig],
     kernel: str = "auto",
+    digits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """LEV steps 3a-3e (`lev.math.lev_modes`) through `--lev-kernel kernel`.
 
     Args:
-        z: [N, d_in] seeds; seed_proj [h, d, d_in]; norm_weight, norm_bias [h, d];
+        z: [N, d_in] seeds, or with `digits` the codebooks [k, b, d_c] that form them (steps
+            2-3a by digit, `_project`); seed_proj [h, d, d_in]; norm_weight, norm_bias [h, d];
             spline_delta [h, d, kappa, r] (h = heads on this rank).
         opts: the kernel options (a `LEVConfig` is converted by `LEVKernelOptions.of`).
         kernel: one of KERNELS.
+        digits: [N, k] int64 digits in [0, b) (`lev.math.to_digits`): seed i is the sum of the
+            codebook rows C_m[digits[i, m]] (d_c = d_in) or their concatenation (k*d_c = d_in).
     Returns:
         M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state; every
-        kernel but "reference" saves only z, the parameters and M for backward.
+        kernel but "reference" saves only z, the parameters, M (and the digits) for backward.
     """
     opts = LEVKernelOptions.of(opts)
+    d_in = seed_proj.shape[2]
+    if digits is not None and (z.dim() != 3 or d_in not in (z.shape[2], z.shape[0] * z.shape[2])):
+        raise ValueError(
+            f"lev_modes: with digits, z must be the codebooks [k, b, d_c] with d_c or k*d_c "
+            f"= seed_proj.shape[2] = {d_in}; got z {tuple(z.shape)}"
+        )
     if kernel == "reference":
         with torch.autocast(device_type=z.device.type, enabled=False):
             cdt = lev_math.compute_dtype(z.dtype)
+            if digits is not None:
+                combine = "sum" if z.shape[2] == d_in else "concat"
+                z = lev_math.seed(z, digits, combine)
             return lev_math.lev_modes(
                 z.to(cdt),
                 *(p.to(cdt) for p in (seed_proj, norm_weight, norm_bias, spline_delta)),
@@ -278,4 +323,4 @@ def lev_modes(
                 product_eps=opts.product_eps,
             )
     backend = select_backend(kernel, z)
-    return LEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts)
+    return LEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts, digits)

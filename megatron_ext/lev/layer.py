@@ -10,8 +10,9 @@ Tensor parallelism: the h heads are split across the TP ranks (each rank owns h/
 its slices of seed_proj, seed_norm_*, spline_delta, out_proj along dim 0, tagged with megatron's
 TP attributes); the codebooks are replicated and untagged. Every rank computes the seed z from
 the same ids, its heads' partial embedding, and the partial embeddings are summed across ranks.
-The seed passes through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce
-backward), so every rank's codebook gradient is the full sum over all heads, as at TP=1.
+The seed (or, projected by digit, the codebooks) passes through
+`copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward), so every rank's
+codebook gradient is the full sum over all heads, as at TP=1.
 
 Speed and memory:
 - dedup: LEV runs once per distinct id of the micro-batch (torch.unique), then the [U, D]
@@ -19,8 +20,9 @@ Speed and memory:
   [U, D] distinct embeddings (U <= N, so never more traffic than VocabParallelEmbedding).
 - kernels: `lev.kernels.lev_modes` (`--lev-kernel`: one autograd Function over the torch, C++
   and Triton backends) recomputes the spline tensors in backward; saved activations are the
-  seeds [U, d_in], the modes [U, h*r] and the integer ids (`--lev-kernel reference`: the plain
-  autograd of `lev.math`, every intermediate saved).
+  seeds [U, d_in] (the digits [U, k] when U > k*b: then the k*b codebook rows are projected
+  once and each id sums k of them), the modes [U, h*r] and the integer ids (`--lev-kernel
+  reference`: the plain autograd of `lev.math`, every intermediate saved).
 - eval table: with `LEVConfig.eval_table`, eval-mode forwards that need no parameter gradient
   look ids up in a materialised [V, D] table of this rank's partial embeddings (same
   communication as training), computed by `lev.table` (batched no-grad math), rebuilt whenever
@@ -307,12 +309,16 @@ class LEVEmbedding(torch.nn.Module):
         cdt = lev_math.compute_dtype(self.codebooks.dtype)
         with torch.autocast(device_type=ids.device.type, enabled=False):
             digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
-            z = lev_math.seed(self.codebooks.to(cdt), digits, lc.codebook_combine)  # [U, d_in]
+            codebooks = self.codebooks.to(cdt)
+            # More ids than codebook rows: project the k*b rows once and sum k of them per id
+            # (`lev.kernels._project`), instead of projecting U seeds.
+            by_digit = ids.shape[0] > lc.num_digits * lc.base
+            z = codebooks if by_digit else lev_math.seed(codebooks, digits, lc.codebook_combine)
             if self.tp_size > 1:
                 # Every head on every rank consumes z: sum its gradient over the TP group.
                 z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
             params = (self.seed_proj, self.seed_norm_weight, self.seed_norm_bias, self.spline_delta)
-            modes = lev_modes(z, *params, lc, kernel=lc.kernel)
+            modes = lev_modes(z, *params, lc, kernel=lc.kernel, digits=digits if by_digit else None)
             return lev_math.lev_embed(modes, self.out_proj)  # [U, D]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -485,3 +485,53 @@ def test_autocast_keeps_float32(kernel):
     assert out.dtype == torch.float32 and torch.equal(out, exact)
     out.sum().backward()
     assert all(x.grad is not None and x.grad.dtype == torch.float32 for x in inputs)
+
+
+# More distinct ids (20) than codebook rows (k*b = 12, or 16 for k2_kappa3): LEVEmbedding
+# projects by digit (`lev.kernels._project` with digits).
+MANY_IDS = [[0, 3, 7, 9, 11, 14, 17, 20, 23, 26], [29, 31, 34, 37, 40, 42, 44, 46, 48, 49]]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", ["sum", "concat", "k2_kappa3"])
+def test_by_digit_matches_reference_float64(lev, name, kernel):
+    _device(kernel)
+    cfg = dataclasses.replace(lev.tiny_config(**CONFIGS[name]), kernel=kernel)
+    assert len({i for row in MANY_IDS for i in row}) > cfg.num_digits * cfg.base
+    module = lev.make_lev(cfg, dtype=torch.float64, spread=1.5)
+    weight = torch.randn(2, 10, cfg.hidden_size, dtype=torch.float64)
+    ref_out, ref_grads = _reference_and_grads(module, MANY_IDS, weight)
+    out, grads = _module_and_grads(module, MANY_IDS, weight)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-10, atol=1e-10, msg=n)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("combine", ["sum", "concat"])
+def test_kernel_by_digit_equals_the_definition_in_float64(kernel, combine):
+    # lev_modes(codebooks, ..., digits=) equals the definition on the seeds the digits form.
+    device = _device(kernel)
+    k, b, d_c = 3, 4, 5
+    z, *params = _inputs(torch.float64, d_in=d_c * (k if combine == "concat" else 1),
+                         device=device)  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    codebooks = torch.randn(k, b, d_c, generator=gen, dtype=torch.float64).to(device)
+    codebooks.requires_grad_()
+    digits = torch.randint(0, b, (z.shape[0], k), generator=gen).to(device)
+    inputs = [codebooks, *params]
+    opts = _opts(chunk_size=8)
+    weight = torch.randn(z.shape[0], 3, 5, dtype=torch.float64)
+
+    def definition():
+        return _definition([lev_math.seed(codebooks, digits, combine), *params], opts)
+
+    ref, ref_grads = _with_grads(definition, inputs, weight)
+    out, grads = _with_grads(
+        lambda: lev_modes(*inputs, opts, kernel=kernel, digits=digits), inputs, weight
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
+    for name, g, g_ref in zip(["codebooks", *_GRAD_NAMES[1:]], grads, ref_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-11, atol=1e-13, msg=name)
+    with pytest.raises(ValueError, match="codebooks"):
+        lev_modes(codebooks[:, :, :2], *params, opts, kernel=kernel, digits=digits)
