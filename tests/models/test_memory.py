@@ -29,8 +29,9 @@ def _config(arm: str) -> ModelConfig:
     )
 
 
-def _measure(arms, autocast_bf16: bool, tp: int, sp: bool) -> dict:
-    """Bytes saved for backward by one forward + loss of each arm (this rank)."""
+def _measure(arms, autocast_bf16: bool, tp: int, sp: bool, batch: int = BATCH) -> dict:
+    """Bytes saved for backward by one forward + loss of each arm (this rank), micro-batch
+    `batch` x SEQ."""
     from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
     from megatron_ext.testing.memory import saved_tensor_bytes
 
@@ -40,9 +41,9 @@ def _measure(arms, autocast_bf16: bool, tp: int, sp: bool) -> dict:
         parallel = ModelParallelism(tensor_model_parallel_size=tp, sequence_parallel=sp)
         model = build_model(_config(arm), parallel=parallel, precision=ModelPrecision())
         # Distinct ids: LEV's dedup then evaluates exactly T ids (unique_fraction = 1).
-        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[: BATCH * SEQ]
-        ids = ids.view(BATCH, SEQ).clone()  # its own storage, not a view of all V ids
-        pos = torch.arange(SEQ).expand(BATCH, SEQ)
+        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[: batch * SEQ]
+        ids = ids.view(batch, SEQ).clone()  # its own storage, not a view of all V ids
+        pos = torch.arange(SEQ).expand(batch, SEQ)
         ctx = (
             torch.autocast("cpu", dtype=torch.bfloat16)
             if autocast_bf16
@@ -61,7 +62,9 @@ def _measure_cases(cases) -> list:
     return [_measure(*case) for case in cases]
 
 
-ONE_RANK_CASES = [(ARMS, False, 1, False), (ARMS, True, 1, False)]
+# LEV projects its seeds by digit when a micro-batch has more distinct ids (BATCH * SEQ = 48)
+# than codebook rows (k * b = 3 * 7 = 21); the last case (16 ids) takes the per-id path.
+ONE_RANK_CASES = [(ARMS, False, 1, False), (ARMS, True, 1, False), (("lev",), False, 1, False, 1)]
 FLOP_ARMS = ("untied", "albert")
 
 
@@ -79,8 +82,8 @@ def one_rank():
 
 def test_activation_figure_equals_the_measured_local_path(one_rank):
     cases, measured = ONE_RANK_CASES, one_rank["measured"]
-    for (arms, bf16, _, _), sizes in zip(cases, measured):
-        layout = ParallelLayout(micro_batch_size=BATCH, bf16=bf16)
+    for (arms, bf16, _, _, *batch), sizes in zip(cases, measured):
+        layout = ParallelLayout(micro_batch_size=(batch or [BATCH])[0], bf16=bf16)
         for arm in arms:
             estimate = estimate_memory(_config(arm), layout).activations
             assert estimate == sizes[arm], (arm, bf16, estimate, sizes[arm])
