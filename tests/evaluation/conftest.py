@@ -5,6 +5,7 @@ corpus's val split; and `tool`, which runs tools/evaluate.py's main in this proc
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,25 @@ def _held_out(root: Path, corpus: Path) -> str:
     return str(root / "val_text_document")
 
 
+@contextlib.contextmanager
+def _restored_environment():
+    """Restore os.environ on exit: a tool run in this process sets up a one-rank world, which
+    writes RANK, WORLD_SIZE and MASTER_PORT there; left behind, they would make every process
+    this worker starts later join that (gone) world's port instead of drawing its own."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def restored_environment():
+    """The context manager `_restored_environment`, for tests that run a tool's main here."""
+    return _restored_environment
+
+
 @pytest.fixture(scope="session")
 def tool():
     """`tool(*argv) -> (exit code, stdout, stderr)`: tools/evaluate.py in this process (a
@@ -77,12 +97,7 @@ def tool():
     from megatron_ext.evaluation import evaluate as module
 
     def run(*argv: str) -> int:
-        saved = dict(os.environ)
-        try:
-            code = module.main([str(a) for a in argv])
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        return code
+        with _restored_environment():
+            return module.main([str(a) for a in argv])
 
     return run

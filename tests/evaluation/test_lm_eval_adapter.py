@@ -116,7 +116,9 @@ def test_adapter_matches_direct_log_probabilities(eval_runs):
         os.environ.update(saved)
 
 
-def test_harness_hf_model_on_the_export_equals_our_adapter(eval_runs, tool, tmp_path, offline):
+def test_harness_hf_model_on_the_export_equals_our_adapter(
+    eval_runs, tool, tmp_path, offline, restored_environment
+):
     """`lm_eval --model hf --model_args pretrained=EXPORT` with no extra argument scores rolling
     (empty-context) and context requests exactly as `tools/evaluate.py lm-eval` on the
     checkpoint: the export declares the EOD id the model was trained with as its BOS."""
@@ -127,9 +129,10 @@ def test_harness_hf_model_on_the_export_equals_our_adapter(eval_runs, tool, tmp_
     from megatron_ext.conversion import convert_checkpoint
 
     hf = tmp_path / "hf"
-    # tools/convert_checkpoint.py's main, in this process (it needs no process group)
+    # tools/convert_checkpoint.py's main, in this process (its one-rank world is torn down)
     argv = ["export-hf", "--load", eval_runs.ckpt("lev"), "--output", str(hf), "--no-progress"]
-    assert convert_checkpoint.main(argv) == 0
+    with restored_environment():
+        assert convert_checkpoint.main(argv) == 0
     tokenizer = AutoTokenizer.from_pretrained(hf)
     assert tokenizer.bos_token_id == tokenizer.eos_token_id
     assert tokenizer("Bea no,").input_ids[0] != tokenizer.bos_token_id  # never added to text
