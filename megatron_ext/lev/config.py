@@ -266,6 +266,11 @@ class LEVConfig:
         """k*b*d_seed: the digit codebooks (replicated on every TP rank; factored-mlp's too)."""
         return self.num_digits * self.base * self.seed_dim
 
+    def projects_by_digit(self, num_ids: float) -> bool:
+        """Whether `LEVEmbedding` projects the seeds of `num_ids` distinct ids by digit
+        (`lev.kernels._project`): when they outnumber the k*b codebook rows."""
+        return num_ids > self.num_digits * self.base
+
     def heads_per_rank(self, tp_size: int) -> int:
         """h / tp: the heads each rank of a tensor-parallel group of `tp_size` owns.
 

@@ -312,7 +312,7 @@ class LEVEmbedding(torch.nn.Module):
             codebooks = self.codebooks.to(cdt)
             # More ids than codebook rows: project the k*b rows once and sum k of them per id
             # (`lev.kernels._project`), instead of projecting U seeds.
-            by_digit = ids.shape[0] > lc.num_digits * lc.base
+            by_digit = lc.projects_by_digit(ids.shape[0])
             z = codebooks if by_digit else lev_math.seed(codebooks, digits, lc.codebook_combine)
             if self.tp_size > 1:
                 # Every head on every rank consumes z: sum its gradient over the TP group.

@@ -156,8 +156,7 @@ def _input_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
         u = max(1.0, min(t * layout.unique_fraction, cfg.vocab_size))
         # The seeds [U, d_in] are saved unless LEV projects by digit (U > k*b), which saves the
         # codebooks themselves (parameters) instead.
-        by_digit = u > lev.num_digits * lev.base
-        seed = 0 if by_digit else 4 * lev.seed_in_dim
+        seed = 0 if lev.projects_by_digit(u) else 4 * lev.seed_in_dim
         total += u * (8 * lev.num_digits + seed + 4 * lev.num_heads * lev.rank / tp)
     elif emb.embedding_type in ("tied", "untied") and tp > 1:
         total += t  # the vocab-parallel lookup's out-of-shard mask [T] (bool)
