@@ -293,8 +293,9 @@ def initialize_parallel(
     """Initialise torch.distributed (from torchrun's env vars) and megatron's parallel groups;
     return this rank's groups (seeded with `set_random_seed(1234, ...)`).
 
-    Without torchrun's variables (a plain `python pretrain_leviathan.py`) the process is a
-    one-rank world on a free loopback port, so several such runs can share a machine.
+    Without torchrun's variables (a plain `python pretrain_leviathan.py`, or a tool's `main`
+    called in a notebook) the process is a one-rank world over an in-memory store: no port, and
+    `os.environ` is left as it was, so processes it starts later do not inherit a rank.
     `timeout_minutes` (fractions allowed) bounds every collective of every group once the
     groups exist: a rank that waits longer for a stopped or hung peer raises
     (`is_collective_timeout`) instead of hanging. Start-up (rendezvous, creating the groups)
@@ -305,17 +306,19 @@ def initialize_parallel(
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend nccl needs CUDA; use gloo on CPU")
     if not dist.is_initialized():
+        store = None
         if "WORLD_SIZE" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-            os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-        rank = int(os.environ["RANK"])
-        world_size = int(os.environ["WORLD_SIZE"])
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+            # A one-rank world needs no rendezvous: an in-memory store, and nothing written to
+            # os.environ, which every process this one starts would inherit as its identity.
+            store, rank, world_size = dist.HashStore(), 0, 1
+        else:
+            rank = int(os.environ["RANK"])
+            world_size = int(os.environ["WORLD_SIZE"])
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        store = None
-        if uses_agent_store():
+        if store is None and uses_agent_store():
             # torchrun's store outlives a restart round: start in a key space of this round.
             store, token = round_store(rank, world_size, startup)
             logger.debug("torchrun round %s", token)

@@ -5,7 +5,8 @@
   `initialize_parallel` seeds like Megatron-LM (offset by the pipeline rank);
 - `ProcessGroups.current()` finds the same groups, `megatron_collection()` hands exactly
   them to megatron-core; without initialised groups `current()` is None;
-- a process started without torchrun is a one-rank world on a free port.
+- a process started without torchrun is a one-rank world that needs no port and leaves
+  os.environ as it was.
 """
 
 from __future__ import annotations
@@ -91,20 +92,35 @@ def test_process_groups_match_megatron():
 
 _ONE_RANK = textwrap.dedent(
     """
-    import os, sys, time
-    from megatron_ext.parallel import ProcessGroups, initialize_parallel
+    import os, subprocess, sys
+    import torch, torch.distributed as dist
+    from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
+    IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    before = dict(os.environ)
     assert ProcessGroups.current() is None
-    initialize_parallel()
-    import torch.distributed as dist
-    print(dist.get_world_size(), os.environ["MASTER_PORT"], flush=True)
-    sys.stdin.readline()  # hold the group (and its port) until the test says go
+    for _ in range(2):  # a tool's main called twice in one notebook
+        groups = initialize_parallel()
+        total = torch.ones(3)
+        dist.all_reduce(total, group=groups.tp)
+        assert total.tolist() == [1.0, 1.0, 1.0]
+        assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(k for k in %r if k in os.environ))"
+             % (IDENTITY,)], capture_output=True, text=True, check=True)
+        print(dist.get_world_size(), child.stdout.strip(), flush=True)
+        destroy_parallel()
+        dist.destroy_process_group()
+    sys.stdin.readline()  # both processes have run before either exits
     """
 )
 
 
-def test_plain_processes_get_their_own_port():
-    """Two `python pretrain_leviathan.py` runs side by side must not fight over port 29500."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+def test_plain_processes_are_one_rank_worlds_that_leave_the_environment_alone():
+    """Two `python pretrain_leviathan.py` runs side by side (no torchrun) each set up a one-rank
+    world, twice in a row, without a port to fight over and without writing a torchrun
+    identity into os.environ that processes they start would inherit."""
+    identity = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in identity}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen(
@@ -117,8 +133,7 @@ def test_plain_processes_get_their_own_port():
         )
         for _ in range(2)
     ]
-    lines = [p.stdout.readline().split() for p in procs]  # both hold their groups now
+    lines = [[p.stdout.readline().strip() for _ in range(2)] for p in procs]
     outs = [p.communicate("\n", timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
-    assert [line[0] for line in lines] == ["1", "1"]
-    assert lines[0][1] != lines[1][1] and "29500" not in (lines[0][1], lines[1][1])
+    assert lines == [["1 []", "1 []"]] * 2

@@ -212,7 +212,7 @@ def init_inference_parallel(
     """Initialise torch.distributed and megatron's groups for a tool; return this rank's groups.
 
     Under torchrun the launcher's environment is used; a plain `python tools/x.py` becomes a
-    one-rank world on a free loopback port (so two tools can run side by side). Calling it
+    one-rank world over an in-memory store (no port: two tools can run side by side). Calling it
     again is harmless: groups already at this layout are kept, others are rebuilt.
     """
     current = ProcessGroups.current()

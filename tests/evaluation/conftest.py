@@ -71,33 +71,39 @@ def _held_out(root: Path, corpus: Path) -> str:
     return str(root / "val_text_document")
 
 
+TORCHRUN_IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_identity() -> dict[str, str]:
+    """The torchrun variables of os.environ (libraries imported on first use set others)."""
+    return {k: os.environ[k] for k in TORCHRUN_IDENTITY if k in os.environ}
+
+
 @contextlib.contextmanager
-def _restored_environment():
-    """Restore os.environ on exit: a tool run in this process sets up a one-rank world, which
-    writes RANK, WORLD_SIZE and MASTER_PORT there; left behind, they would make every process
-    this worker starts later join that (gone) world's port instead of drawing its own."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+def _environment_unchanged():
+    """Assert that the block leaves the torchrun variables of os.environ as it found them: a
+    tool run in this process sets up (and tears down) a one-rank world without writing RANK,
+    WORLD_SIZE or MASTER_PORT there, which every process this worker starts later would
+    inherit (and then join a world that is gone)."""
+    saved = torchrun_identity()
+    yield
+    assert torchrun_identity() == saved
 
 
 @pytest.fixture(scope="session")
-def restored_environment():
-    """The context manager `_restored_environment`, for tests that run a tool's main here."""
-    return _restored_environment
+def environment_unchanged():
+    """The context manager `_environment_unchanged`, for tests that run a tool's main here."""
+    return _environment_unchanged
 
 
 @pytest.fixture(scope="session")
 def tool():
     """`tool(*argv) -> (exit code, stdout, stderr)`: tools/evaluate.py in this process (a
-    one-rank world set up and torn down by the call; the environment is restored)."""
+    one-rank world set up and torn down by the call; asserted to leave os.environ alone)."""
     from megatron_ext.evaluation import evaluate as module
 
     def run(*argv: str) -> int:
-        with _restored_environment():
+        with _environment_unchanged():
             return module.main([str(a) for a in argv])
 
     return run

@@ -4,7 +4,6 @@ and its numbers against sums of token log-probabilities computed directly from t
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -61,63 +60,63 @@ def _reference_log_prob(model, context: list[int], continuation: list[int], voca
     return -float(loss.double().sum()), greedy
 
 
-def test_adapter_matches_direct_log_probabilities(eval_runs):
+def test_adapter_matches_direct_log_probabilities(eval_runs, environment_unchanged):
     import torch.distributed as dist
     from lm_eval.api.instance import Instance
 
     from megatron_ext.evaluation.lm_eval_adapter import LeviathanLM
     from megatron_ext.parallel import destroy_parallel
 
-    saved = dict(os.environ)
-    lm = LeviathanLM(load=eval_runs.ckpt("lev"), batch_size=2)  # a one-rank world at TP=1
-    try:
-        model, vocab = lm.scorer.model, lm.tok.vocab_size
-        assert lm.max_length == 32
-        short = ("Ti tingölplun cionlundmélgain ti y go", " wö be zit")
-        long_context = " ".join(["méckgrang hickple daimla bour pean"] * 12)  # > 32 tokens
-        pairs = [short, (long_context, " no méckgrang"), ("Bea no,", " méckgrang")]
-        requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
-        answers = lm.loglikelihood(requests, disable_tqdm=True)
-        for (context, continuation), (log_prob, greedy) in zip(pairs, answers):
-            ctx_ids, cont_ids = lm._encode_pair(context, continuation)
-            whole = (ctx_ids + cont_ids)[-33:]  # left truncation to the 32-token window
-            if len(ctx_ids) + len(cont_ids) > 33:
-                assert len(ctx_ids) > 32  # the long case really is truncated
-            ref, ref_greedy = _reference_log_prob(model, whole[: -len(cont_ids)], cont_ids, vocab)
-            assert log_prob == pytest.approx(ref, rel=1e-5, abs=1e-5)
-            assert greedy == ref_greedy
+    with environment_unchanged():  # the one-rank world writes no torchrun identity
+        lm = LeviathanLM(load=eval_runs.ckpt("lev"), batch_size=2)  # a one-rank world at TP=1
+        try:
+            model, vocab = lm.scorer.model, lm.tok.vocab_size
+            assert lm.max_length == 32
+            short = ("Ti tingölplun cionlundmélgain ti y go", " wö be zit")
+            long_context = " ".join(["méckgrang hickple daimla bour pean"] * 12)  # > 32 tokens
+            pairs = [short, (long_context, " no méckgrang"), ("Bea no,", " méckgrang")]
+            requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+            answers = lm.loglikelihood(requests, disable_tqdm=True)
+            for (context, continuation), (log_prob, greedy) in zip(pairs, answers):
+                ctx_ids, cont_ids = lm._encode_pair(context, continuation)
+                whole = (ctx_ids + cont_ids)[-33:]  # left truncation to the 32-token window
+                if len(ctx_ids) + len(cont_ids) > 33:
+                    assert len(ctx_ids) > 32  # the long case really is truncated
+                ref, ref_greedy = _reference_log_prob(
+                    model, whole[: -len(cont_ids)], cont_ids, vocab
+                )
+                assert log_prob == pytest.approx(ref, rel=1e-5, abs=1e-5)
+                assert greedy == ref_greedy
 
-        text = "Bea no, méckgrang hickple daimla bour."
-        (rolling,) = lm.loglikelihood_rolling(
-            [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True
-        )
-        ids = lm.tok_encode(text)
-        assert len(ids) < 32
-        ref, _ = _reference_log_prob(model, [lm.eot_token_id], ids, vocab)
-        assert rolling == pytest.approx(ref, rel=1e-5, abs=1e-5)
+            text = "Bea no, méckgrang hickple daimla bour."
+            (rolling,) = lm.loglikelihood_rolling(
+                [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True
+            )
+            ids = lm.tok_encode(text)
+            assert len(ids) < 32
+            ref, _ = _reference_log_prob(model, [lm.eot_token_id], ids, vocab)
+            assert rolling == pytest.approx(ref, rel=1e-5, abs=1e-5)
 
-        prompt = "Ti tingölplun cionlundmélgain ti y"
-        (generated,) = lm.generate_until(
-            [Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 3}), 0)],
-            disable_tqdm=True,
-        )
-        ids = lm.tok_encode(prompt)
-        with torch.no_grad():
-            for _ in range(3):  # greedy decoding by full recomputation, no cache
-                x = torch.tensor([ids])
-                logits = model(x, torch.arange(len(ids)).unsqueeze(0), None)[0, -1, :vocab]
-                ids.append(int(logits.argmax()))
-        assert generated == lm.tok_decode(ids[-3:])
-    finally:
-        destroy_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
+            prompt = "Ti tingölplun cionlundmélgain ti y"
+            (generated,) = lm.generate_until(
+                [Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 3}), 0)],
+                disable_tqdm=True,
+            )
+            ids = lm.tok_encode(prompt)
+            with torch.no_grad():
+                for _ in range(3):  # greedy decoding by full recomputation, no cache
+                    x = torch.tensor([ids])
+                    logits = model(x, torch.arange(len(ids)).unsqueeze(0), None)[0, -1, :vocab]
+                    ids.append(int(logits.argmax()))
+            assert generated == lm.tok_decode(ids[-3:])
+        finally:
+            destroy_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def test_harness_hf_model_on_the_export_equals_our_adapter(
-    eval_runs, tool, tmp_path, offline, restored_environment
+    eval_runs, tool, tmp_path, offline, environment_unchanged
 ):
     """`lm_eval --model hf --model_args pretrained=EXPORT` with no extra argument scores rolling
     (empty-context) and context requests exactly as `tools/evaluate.py lm-eval` on the
@@ -131,7 +130,7 @@ def test_harness_hf_model_on_the_export_equals_our_adapter(
     hf = tmp_path / "hf"
     # tools/convert_checkpoint.py's main, in this process (its one-rank world is torn down)
     argv = ["export-hf", "--load", eval_runs.ckpt("lev"), "--output", str(hf), "--no-progress"]
-    with restored_environment():
+    with environment_unchanged():
         assert convert_checkpoint.main(argv) == 0
     tokenizer = AutoTokenizer.from_pretrained(hf)
     assert tokenizer.bos_token_id == tokenizer.eos_token_id
