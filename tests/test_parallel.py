@@ -1,7 +1,9 @@
 """megatron_ext.parallel.
 
 - `ProcessGroups` (the groups passed to the loop, optimizer, schedule and checkpointing) agrees
-  with megatron's `parallel_state` on a TP=2 x PP=2 layout of 4 gloo ranks, and
+  with megatron's `parallel_state` on a TP=2 x PP=2 layout of 4 gloo ranks (which
+  `run_distributed` sets up: this is also its four-rank test), a collective on its TP group
+  reaches exactly that group, and
   `initialize_parallel` seeds like Megatron-LM (offset by the pipeline rank);
 - `ProcessGroups.current()` finds the same groups, `megatron_collection()` hands exactly
   them to megatron-core; without initialised groups `current()` is None;
@@ -59,10 +61,10 @@ def _check_groups() -> dict:
         assert getattr(collection, name) is getattr(pg, name), name
     # ... and what a training model_provider gets back from its pg_collection.
     assert ProcessGroups.from_collection(collection) == pg
-    # A collective on the passed group reaches exactly that group's ranks.
-    ones = torch.ones(1)
-    dist.all_reduce(ones, group=pg.tp)
-    assert ones.item() == 2.0
+    # A collective on the passed group reaches exactly that group's ranks: TP pairs (0, 1) and
+    # (2, 3) sum rank + 1 to 3 and 7.
+    tp_sum = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(tp_sum, group=pg.tp)
     set_random_seed(7, pg.pp_rank)
     draw = torch.rand(1).item()
     torch.manual_seed(7 + 100 * pg.pp_rank)
@@ -71,6 +73,7 @@ def _check_groups() -> dict:
         rank=dist.get_rank(),
         coords=pg.coords(),
         layout=pg.layout(),
+        tp_sum=tp_sum.item(),
         embd=None if pg.embd is None else dist.get_process_group_ranks(pg.embd),
     )
 
@@ -85,6 +88,8 @@ def test_process_groups_match_megatron():
         (0, 1),
         (1, 1),
     ]
+    assert [r["coords"]["dp"] for r in results] == [0, 0, 0, 0]
+    assert [r["tp_sum"] for r in results] == [3.0, 3.0, 7.0, 7.0]
     # Every rank is on the first or the last stage, so each holds a tied-embedding copy; the
     # embedding group pairs the same TP rank of the two stages.
     assert [r["embd"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
