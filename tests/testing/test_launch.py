@@ -137,10 +137,12 @@ def test_timeout_kills_everything_it_started(tmp_path):
     out = tmp_path / "out.jsonl"
     env = {"LAUNCH_TEST_OUT": str(out)}
     start = time.monotonic()
-    with launch(_entry(tmp_path), 2, [], env=env, cwd=tmp_path, timeout=20) as job:
+    # 12 s: the job (torchrun, which imports torch, and four small Python processes) is up well
+    # before, and the wait below runs out of it doing nothing.
+    with launch(_entry(tmp_path), 2, [], env=env, cwd=tmp_path, timeout=12) as job:
         job.wait_for_lines(out, 4)  # two ranks, two workers
         pids = [job.pid, *job.ranks().values(), *(w for ws in job.workers().values() for w in ws)]
-        with pytest.raises(TimeoutError, match="killed after 20 s"):
+        with pytest.raises(TimeoutError, match="killed after 12 s"):
             job.wait()
     assert time.monotonic() - start < 60
     assert len(pids) == 5 and not any(_alive(pid) for pid in pids)
