@@ -11,6 +11,7 @@ Without a GPU, Triton kernels run in Triton's CPU interpreter, which must be cho
 triton is first imported (megatron-core imports it): the LEV Triton tests rely on it.
 """
 
+import collections
 import contextlib
 import multiprocessing.process
 import os
@@ -169,3 +170,39 @@ def _train_arms(root: Path, data: list[str]) -> dict:
         "tensorboard": {arm: str(root / arm / "tb") for arm in TRAINED_ARMS},
         "jsonl": {arm: str(root / arm / "metrics.jsonl") for arm in TRAINED_ARMS},
     }
+
+
+# The order in which `--dist loadfile` hands modules to the xdist workers (pyproject.toml turns
+# off xdist's own order, most tests first, which left the long few-test integration modules to
+# the end, one worker running them while the other had nothing left): the longest modules
+# first, the one building the session's `trained` checkpoints before those that wait for them,
+# then the other integration modules, then the unit modules (most tests first), which fill in
+# at the end.
+RUN_FIRST = (
+    "tests/conversion/test_convert.py",  # builds `trained` (about a minute)
+    "tests/scripts/test_quickstart.py",  # about 80 s, shares no session fixture
+    "tests/training/test_end_to_end.py",
+    "tests/training/test_cluster.py",
+    "tests/training/test_megatron_recipes.py",
+    "tests/training/test_cluster_nodes.py",
+    "tests/training/test_signals.py",
+)
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    counts = collections.Counter(_module(item) for item in items)
+
+    def rank(indexed) -> tuple:
+        index, item = indexed
+        module = _module(item)
+        if module in RUN_FIRST:
+            return (0, RUN_FIRST.index(module), index)
+        if item.get_closest_marker("integration") is not None:
+            return (1, 0, index)
+        return (2, -counts[module], index)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
