@@ -250,10 +250,10 @@ class TorchBackend:
 
     name = "torch"
 
-    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts: "LEVKernelOptions"):
-        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
-        h, d, kappa, r = coeff.shape
-        coeff3 = coeff.view(h * d, kappa, r)
+    def forward(self, t: torch.Tensor, delta: torch.Tensor, opts: "LEVKernelOptions"):
+        """t [h, N, d], delta [h, d, kappa, r] -> M [N, h, r]."""
+        h, d, kappa, r = delta.shape
+        coeff3 = (1 + delta).view(h * d, kappa, r)
         n_total = t.shape[1]
         chunk = _chunk(opts, h, d, r, n_total)
         ws = _Workspace(h, d, chunk, kappa, r, t.dtype, t.device, backward=False)
@@ -274,16 +274,16 @@ class TorchBackend:
             modes[start : start + n] = product.transpose(0, 1)
         return modes
 
-    def backward(self, t, coeff, grad, opts: "LEVKernelOptions"):
-        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
-        h, d, kappa, r = coeff.shape
-        coeff3 = coeff.view(h * d, kappa, r)
+    def backward(self, t, delta, grad, opts: "LEVKernelOptions"):
+        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dDelta [h, d, kappa, r])."""
+        h, d, kappa, r = delta.shape
+        coeff3 = (1 + delta).view(h * d, kappa, r)
         coeff3_t = coeff3.transpose(1, 2)  # [h*d, r, kappa]
         scaled = grad.transpose(0, 1).unsqueeze(1)  # [h, 1, N, r]
         n_total = t.shape[1]
         chunk = _chunk(opts, h, d, r, n_total)
         grad_t = torch.empty_like(t)
-        grad_coeff3 = torch.zeros_like(coeff3)
+        grad_coeff3 = torch.zeros_like(coeff3)  # dL/d(1 + Delta) = dL/dDelta
         ws = _Workspace(h, d, chunk, kappa, r, t.dtype, t.device, backward=True)
         for start in range(0, n_total, chunk):
             n = min(chunk, n_total - start)

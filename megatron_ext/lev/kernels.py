@@ -1,28 +1,34 @@
 """LEV's fused modes: one autograd Function over pluggable backends (`--lev-kernel`).
 
     z [N, d_in] --(torch: seed projection, LayerNorm, sigmoid)--> t [h, N, d]
-    t, coeff = 1 + Delta [h, d, kappa, r] --(backend.forward)--> M [N, h, r]
+    t, Delta [h, d, kappa, r] --(backend.forward)--> M [N, h, r]
 
 `LEVModes` owns everything the backends share, the way Megatron-Core's fused kernels are pure
 forward/backward functions under one thin autograd wrapper: autocast off, the compute dtype
-(float32; float64 for float64 inputs), steps 3a-3b (`lev.math.seed_to_t`, torch ops), the
-coefficients 1 + Delta, saving only the seeds z and the modes M for backward, recomputing t
-there, taking dL/dt back through 3a-3b by a local autograd graph, and casting the gradients back
-to their parameters' dtypes. A backend implements steps 3c-3e (quadratic B-spline basis, spline
-values, signed separable product) and their gradient:
+(float32; float64 for float64 inputs), steps 3a-3b (`lev.math.seed_to_t`, torch ops), saving
+only the seeds z and the modes M for backward, recomputing t there, taking dL/dt back through
+3a-3b by a local autograd graph, and casting the gradients back to their parameters' dtypes. A
+backend implements steps 3c-3e (quadratic B-spline basis, spline values with the coefficients
+1 + Delta, signed separable product) and their gradient:
 
-    forward(t [h, N, d], coeff [h, d, kappa, r], opts) -> M [N, h, r]
-    backward(t, coeff, grad [N, h, r], opts) -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])
+    forward(t [h, N, d], delta [h, d, kappa, r], opts) -> M [N, h, r]
+    backward(t, delta, grad [N, h, r], opts) -> (dL/dt [h, N, d], dL/dDelta [h, d, kappa, r])
 
-with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x). All
-tensors are in the compute dtype and contiguous, except t: the [h, N, d] transposed view of the
-contiguous [N, h, d] tensor that steps 3a-3b produce with one GEMM (each (head, id) row of d
-values is contiguous); dL/dt may be any [h, N, d] view. Backends: "torch" (`lev.fused`, chunked
-torch ops, any device), "cpu" (`lev.cpu_fused`, a C++ kernel compiled on first use) and "triton"
-(`lev.triton_kernel`, CUDA, or CPU under TRITON_INTERPRET=1). "reference" is the readable
-`lev.math.lev_modes` under plain autograd (every intermediate saved). "auto" takes triton for
-float32 CUDA tensors when the triton package imports, cpu for CPU tensors when its kernel builds
-(else it logs why, once, and takes torch), else torch. Every choice computes the same function
+with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x). A
+backend reads Delta and adds the 1 itself (the C++ kernel per head or per task into a small
+buffer, Triton on load, torch in one op), so no [h, d, kappa, r] tensor of coefficients is
+made here; dL/dDelta is dL/d(1 + Delta). All tensors are in the compute dtype; delta is
+contiguous, t is the [h, N, d] transposed view of the contiguous [N, h, d] tensor that steps
+3a-3b produce with one GEMM (each (head, id) row of d values contiguous), and grad is the
+[N, h, r] view of a contiguous [h, N, r] tensor (each head's rows one block). dL/dt may be any
+[h, N, d] view; the C++ and Triton backends write it as the [h, N, d] view of an [N, h, d]
+tensor, the layout 3a-3b's backward reads, so that no transposed copy of t or dL/dt is made.
+Backends: "torch" (`lev.fused`, chunked torch ops, any device), "cpu" (`lev.cpu_fused`, a C++
+kernel compiled on first use) and "triton" (`lev.triton_kernel`, CUDA, or CPU under
+TRITON_INTERPRET=1). "reference" is the readable `lev.math.lev_modes` under plain autograd
+(every intermediate saved). "auto" takes triton for float32 CUDA tensors when the triton
+package imports, cpu for CPU tensors when its kernel builds (else it logs why, once, and takes
+torch), else torch. Every choice computes the same function
 and saves the same tensors, so a run may switch kernels on resume.
 
 The signed product. docs/lev.md step 3e defines M = sign * exp(sum_d log(|phi| + eps)) with
@@ -114,14 +120,14 @@ class LEVBackend(Protocol):
 
     name: str
 
-    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts: LEVKernelOptions) -> torch.Tensor:
-        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
+    def forward(self, t: torch.Tensor, delta: torch.Tensor, opts: LEVKernelOptions) -> torch.Tensor:
+        """t [h, N, d], delta [h, d, kappa, r] -> M [N, h, r] (coefficients 1 + delta)."""
         ...
 
     def backward(
-        self, t: torch.Tensor, coeff: torch.Tensor, grad: torch.Tensor, opts: LEVKernelOptions
+        self, t: torch.Tensor, delta: torch.Tensor, grad: torch.Tensor, opts: LEVKernelOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
+        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dDelta [h, d, kappa, r])."""
         ...
 
 
@@ -182,8 +188,7 @@ class LEVModes(torch.autograd.Function):
             cdt = lev_math.compute_dtype(z.dtype)
             params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
             t = _seed_to_t(z.to(cdt), params, opts, digits).transpose(0, 1)  # [h, N, d] view
-            coeff = (1 + spline_delta.to(cdt)).contiguous()
-            modes = backend.forward(t, coeff, opts)
+            modes = backend.forward(t, spline_delta.to(cdt).contiguous(), opts)
         ctx.backend, ctx.opts, ctx.has_digits = backend, opts, digits is not None
         saved = (z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
         ctx.save_for_backward(*saved, *([digits] if digits is not None else []))
@@ -206,15 +211,17 @@ class LEVModes(torch.autograd.Function):
             zc = z.detach().to(cdt).requires_grad_(need_z)
             with torch.enable_grad():
                 t_nhd = _seed_to_t(zc, params, opts, digits)
-            coeff = (1 + spline_delta.detach().to(cdt)).contiguous()
-            scaled = (grad_modes.to(cdt) * modes).contiguous()  # dL/dM * M, [N, h, r]
+            delta = spline_delta.detach().to(cdt).contiguous()
+            # dL/dM * M laid out [h, N, r] (each head's rows one block), passed as [N, h, r].
+            scaled = modes.new_empty(modes.shape[1], modes.shape[0], modes.shape[2])
+            torch.mul(grad_modes.to(cdt).transpose(0, 1), modes.transpose(0, 1), out=scaled)
             with torch.no_grad():
-                grad_t, grad_coeff = ctx.backend.backward(
-                    t_nhd.detach().transpose(0, 1), coeff, scaled, opts
+                grad_t, grad_delta = ctx.backend.backward(
+                    t_nhd.detach().transpose(0, 1), delta, scaled.transpose(0, 1), opts
                 )
             inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
-            # Backends may hand dL/dt back as a transposed view; the elementwise backwards of
-            # 3a-3b run several times faster on t's own [N, h, d] layout than the copy costs.
+            # The elementwise backwards of 3a-3b run several times faster on t's own [N, h, d]
+            # layout than a copy costs (a no-op for backends that write dL/dt in it).
             grad_t = grad_t.transpose(0, 1).contiguous()
             grads = list(torch.autograd.grad(t_nhd, inputs, grad_t)) if inputs else []
         grad_z = grads.pop(0).to(z.dtype) if need_z else None
@@ -222,7 +229,7 @@ class LEVModes(torch.autograd.Function):
             grads.pop(0).to(p.dtype) if need else None
             for p, need in zip(originals, (need_w, need_g, need_b))
         ]
-        grad_delta = grad_coeff.to(spline_delta.dtype) if need_delta else None
+        grad_delta = grad_delta.to(spline_delta.dtype) if need_delta else None
         return (grad_z, *grad_params, grad_delta, None, None, None)
 
 
