@@ -181,10 +181,11 @@ class CpuBackend:
         return modes
 
     def backward(self, t, delta, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
-        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dDelta [h, d, kappa, r]).
+        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]), with
+        t = sigmoid(y): dL/dy = dL/dt * t * (1 - t) (`lev.kernels.LEVBackend`).
 
         t and grad are read through their strides (rows contiguous, copied only if not);
-        dL/dt is the [h, N, d] view of an [N, h, d] tensor (t's layout in `lev.kernels`).
+        dL/dy is the [h, N, d] view of an [N, h, d] tensor (y's layout in `lev.kernels`).
         """
         lib = load_library()
         h, d, kappa, r = delta.shape

@@ -6,23 +6,26 @@
 `LEVModes` owns everything the backends share, the way Megatron-Core's fused kernels are pure
 forward/backward functions under one thin autograd wrapper: autocast off, the compute dtype
 (float32; float64 for float64 inputs), steps 3a-3b (`lev.math.seed_to_t`, torch ops), saving
-only the seeds z and the modes M for backward, recomputing t there, taking dL/dt back through
-3a-3b by a local autograd graph, and casting the gradients back to their parameters' dtypes. A
+only the seeds z and the modes M for backward, recomputing t there, taking the backend's dL/dy
+(y the sigmoid's input) back through 3a-3b by a local autograd graph, and casting the gradients
+back to their parameters' dtypes. A
 backend implements steps 3c-3e (quadratic B-spline basis, spline values with the coefficients
 1 + Delta, signed separable product) and their gradient:
 
     forward(t [h, N, d], delta [h, d, kappa, r], opts) -> M [N, h, r]
-    backward(t, delta, grad [N, h, r], opts) -> (dL/dt [h, N, d], dL/dDelta [h, d, kappa, r])
+    backward(t, delta, grad [N, h, r], opts) -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r])
 
-with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x). A
+with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x) and y
+the sigmoid's input (t = sigmoid(y), step 3b): a backend returns dL/dy = dL/dt * t * (1 - t),
+the sigmoid's backward folded into the pass that writes dL/dt, and autograd takes it from y. A
 backend reads Delta and adds the 1 itself (the C++ kernel per head or per task into a small
 buffer, Triton on load, torch in one op), so no [h, d, kappa, r] tensor of coefficients is
 made here; dL/dDelta is dL/d(1 + Delta). All tensors are in the compute dtype; delta is
 contiguous, t is the [h, N, d] transposed view of the contiguous [N, h, d] tensor that steps
 3a-3b produce with one GEMM (each (head, id) row of d values contiguous), and grad is the
-[N, h, r] view of a contiguous [h, N, r] tensor (each head's rows one block). dL/dt may be any
+[N, h, r] view of a contiguous [h, N, r] tensor (each head's rows one block). dL/dy may be any
 [h, N, d] view; the C++ and Triton backends write it as the [h, N, d] view of an [N, h, d]
-tensor, the layout 3a-3b's backward reads, so that no transposed copy of t or dL/dt is made.
+tensor, the layout 3a-3b's backward reads, so that no transposed copy of t or dL/dy is made.
 Backends: "torch" (`lev.fused`, chunked torch ops, any device), "cpu" (`lev.cpu_fused`, a C++
 kernel compiled on first use) and "triton" (`lev.triton_kernel`, CUDA, or CPU under
 TRITON_INTERPRET=1). "reference" is the readable `lev.math.lev_modes` under plain autograd
@@ -127,7 +130,8 @@ class LEVBackend(Protocol):
     def backward(
         self, t: torch.Tensor, delta: torch.Tensor, grad: torch.Tensor, opts: LEVKernelOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dDelta [h, d, kappa, r])."""
+        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]), with
+        t = sigmoid(y): dL/dy = dL/dt * t * (1 - t)."""
         ...
 
 
@@ -157,16 +161,17 @@ def _project(
     return F.embedding_bag(digits + offsets, digit_proj.reshape(k * b, h * d), mode="sum")
 
 
-def _seed_to_t(
+def _seed_to_logits(
     z: torch.Tensor, params, opts: LEVKernelOptions, digits: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Steps 3a-3b: z [N, d_in] (or codebooks with `digits`, see `_project`) -> t [N, h, d]
-    (contiguous; backends get its [h, N, d] view).
+    """Steps 3a-3b up to the sigmoid: z [N, d_in] (or codebooks with `digits`, see `_project`)
+    -> y [N, h, d] (contiguous), t = sigmoid(y) (backends get t's [h, N, d] view).
 
-    `lev.math.seed_to_t` in four ops and their fused backwards instead of about ten
+    `lev.math.seed_to_t` in three ops and their fused backwards instead of about ten
     elementwise passes: the h projections are one [N, d_in] x [d_in, h*d] GEMM (a broadcast
     batched matmul copies z h times and, in backward, sums h products for dL/dz), and
-    sigmoid((LN(u) * g + b) / tau) = sigmoid(LN(u) * (g / tau) + b / tau).
+    (LN(u) * g + b) / tau = LN(u) * (g / tau) + b / tau. The sigmoid's backward is the
+    backends' (dL/dy = dL/dt * t * (1 - t) where they write dL/dt), so autograd starts at y.
     """
     seed_proj, norm_weight, norm_bias = params
     h, d, _ = seed_proj.shape
@@ -174,7 +179,7 @@ def _seed_to_t(
     normed = F.layer_norm(u, (d,), eps=opts.norm_eps)
     gain = norm_weight / opts.temperature
     shift = norm_bias / opts.temperature
-    return torch.sigmoid(torch.addcmul(shift, normed, gain))
+    return torch.addcmul(shift, normed, gain)
 
 
 class LEVModes(torch.autograd.Function):
@@ -187,7 +192,7 @@ class LEVModes(torch.autograd.Function):
         with torch.autocast(device_type=z.device.type, enabled=False), torch.no_grad():
             cdt = lev_math.compute_dtype(z.dtype)
             params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
-            t = _seed_to_t(z.to(cdt), params, opts, digits).transpose(0, 1)  # [h, N, d] view
+            t = _seed_to_logits(z.to(cdt), params, opts, digits).sigmoid_().transpose(0, 1)
             modes = backend.forward(t, spline_delta.to(cdt).contiguous(), opts)
         ctx.backend, ctx.opts, ctx.has_digits = backend, opts, digits is not None
         saved = (z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
@@ -210,20 +215,21 @@ class LEVModes(torch.autograd.Function):
             ]
             zc = z.detach().to(cdt).requires_grad_(need_z)
             with torch.enable_grad():
-                t_nhd = _seed_to_t(zc, params, opts, digits)
+                logits = _seed_to_logits(zc, params, opts, digits)  # [N, h, d]
             delta = spline_delta.detach().to(cdt).contiguous()
             # dL/dM * M laid out [h, N, r] (each head's rows one block), passed as [N, h, r].
             scaled = modes.new_empty(modes.shape[1], modes.shape[0], modes.shape[2])
             torch.mul(grad_modes.to(cdt).transpose(0, 1), modes.transpose(0, 1), out=scaled)
             with torch.no_grad():
-                grad_t, grad_delta = ctx.backend.backward(
-                    t_nhd.detach().transpose(0, 1), delta, scaled.transpose(0, 1), opts
+                t = torch.sigmoid(logits.detach()).transpose(0, 1)  # [h, N, d] view
+                grad_logits, grad_delta = ctx.backend.backward(
+                    t, delta, scaled.transpose(0, 1), opts
                 )
             inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
-            # The elementwise backwards of 3a-3b run several times faster on t's own [N, h, d]
-            # layout than a copy costs (a no-op for backends that write dL/dt in it).
-            grad_t = grad_t.transpose(0, 1).contiguous()
-            grads = list(torch.autograd.grad(t_nhd, inputs, grad_t)) if inputs else []
+            # The elementwise backwards of 3a-3b run several times faster on y's own [N, h, d]
+            # layout than a copy costs (a no-op for backends that write dL/dy in it).
+            grad_logits = grad_logits.transpose(0, 1).contiguous()
+            grads = list(torch.autograd.grad(logits, inputs, grad_logits)) if inputs else []
         grad_z = grads.pop(0).to(z.dtype) if need_z else None
         grad_params = [
             grads.pop(0).to(p.dtype) if need else None

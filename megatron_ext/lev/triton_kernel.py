@@ -22,9 +22,10 @@ atomics), with G = dL/dM * M [N, h, r] and x = phi + copysign(eps, phi):
     dL/dphi = G / x                                                          [n, r]
     dL/dDelta[l, c] += B_dense^T @ dL/dphi        (tl.dot, IEEE float32)     [kappa, r]
     dL/dB_j = sum_r dL/dphi * (1 + Delta[l, c, i_j, :])  ->  dL/dt[l, n, c]  [n]
+    dL/dy[l, n, c] = dL/dt * t * (1 - t)          (through the sigmoid t = sigmoid(y))
 
-and dL/dt goes back through the sigmoid, LayerNorm and seed projection by torch autograd on a
-recomputed t (as `lev.fused` does). Saved for backward: z [N, d_in] and M [N, h, r] only.
+and dL/dy goes back through LayerNorm and the seed projection by torch autograd on a
+recomputed y (`lev.kernels`). Saved for backward: z [N, d_in] and M [N, h, r] only.
 
 The kernels are compiled by Triton on CUDA tensors; with TRITON_INTERPRET=1 set before this
 module is imported they run on CPU tensors in Triton's interpreter (how the tests check them).
@@ -264,7 +265,9 @@ if TRITON_AVAILABLE:
                 # B_j = w_j / T: dB_j/ds = (w'_j - B_j T') / T.
                 grad_s = (grad_s - (d0 + d1 + d2) * (g0 * b0 + g1 * b1 + g2 * b2)) / total
             grad_t_off = head * stride_dth + offs_n * stride_dtn + c * stride_dtd
-            tl.store(grad_t_ptr + grad_t_off, grad_s * (KNOTS - 1), mask=mask_n)
+            # Through the sigmoid t = sigmoid(y): dL/dy = dL/dt * t * (1 - t).
+            grad_y = grad_s * (KNOTS - 1) * (t * (1.0 - t))
+            tl.store(grad_t_ptr + grad_t_off, grad_y, mask=mask_n)
             dense = tl.where(i0[:, None] == knots[None, :], b0[:, None], 0.0)
             dense += tl.where(i1[:, None] == knots[None, :], b1[:, None], 0.0)
             dense += tl.where(i2[:, None] == knots[None, :], b2[:, None], 0.0)
@@ -331,7 +334,8 @@ class TritonBackend:
         return _launch_forward(t, delta, opts)
 
     def backward(self, t, delta, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
-        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dDelta [h, d, kappa, r])."""
+        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]) with
+        t = sigmoid(y) (`lev.kernels.LEVBackend`)."""
         return _launch_backward(t, delta, grad, opts)
 
 

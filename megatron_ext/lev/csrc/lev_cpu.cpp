@@ -17,7 +17,8 @@
 // partial product can overflow or underflow.
 //
 // Backward, with s = dL/dM * M (computed by the caller): dL/dphi = s / x, dL/dDelta[l, c, j] =
-// sum_i B_j(t[l, i, c]) dL/dphi, and dL/dt through the basis values (and their normalisation).
+// sum_i B_j(t[l, i, c]) dL/dphi, dL/dt through the basis values (and their normalisation), and
+// through the sigmoid t = sigmoid(y) of step 3b: the kernel returns dL/dy = dL/dt * t * (1 - t).
 // It runs one (head, coordinate) per task so that each task owns its rows of dL/dDelta.
 
 #include <algorithm>
@@ -354,6 +355,7 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
         g2s[i] = g2;
       }
       T* __restrict gt = g_block.data() + cj * n;
+      const T* __restrict tb = t_block.data() + cj * n;
       const T* __restrict g0p = g0s.data();
       const T* __restrict g1p = g1s.data();
       const T* __restrict g2p = g2s.data();
@@ -367,7 +369,8 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
           const T gv = g0p[i] * a0 + g1p[i] * a1 + g2p[i] * a2;
           grad_s = (grad_s - (s0 + s1 + s2) * gv) / basis.total[i];
         }
-        gt[i] = grad_s * ds_dt;
+        const T tv = tb[i];
+        gt[i] = grad_s * ds_dt * (tv * (T(1) - tv));  // dL/dy, t = sigmoid(y)
       }
     }
     flush();
