@@ -100,6 +100,9 @@ class LEVKernelOptions:
     """eps in sign * exp(sum log(|phi| + eps)) (any positive float; see "The signed product")."""
     chunk_size: int = 0
     """Ids per chunk of the torch backend (0: about 2M spline values per chunk)."""
+    codebook_combine: str = "sum"
+    """How k codebook rows form a seed when `lev_modes` gets codebooks and digits: "sum"
+    (d_c = d_in) or "concat" (k*d_c = d_in); `LEVConfig.codebook_combine`."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0 or not self.norm_eps > 0 or not self.product_eps > 0:
@@ -109,6 +112,11 @@ class LEVKernelOptions:
             )
         if self.chunk_size < 0:
             raise ValueError(f"LEVKernelOptions: chunk_size must be >= 0, got {self.chunk_size}")
+        if self.codebook_combine not in ("sum", "concat"):
+            raise ValueError(
+                "LEVKernelOptions: codebook_combine must be 'sum' or 'concat', got "
+                f"{self.codebook_combine!r}"
+            )
 
     @classmethod
     def of(cls, config: Union["LEVKernelOptions", LEVConfig]) -> "LEVKernelOptions":
@@ -136,24 +144,24 @@ class LEVBackend(Protocol):
 
 
 def _project(
-    z: torch.Tensor, seed_proj: torch.Tensor, digits: Optional[torch.Tensor]
+    z: torch.Tensor, seed_proj: torch.Tensor, digits: Optional[torch.Tensor], combine: str
 ) -> torch.Tensor:
     """Step 3a for all h heads: u [N, h*d] = z @ W^T, with W = seed_proj as [h*d, d_in].
 
     With `digits` [N, k], z is the codebooks [k, b, d_c] instead of the seeds, and each seed is
-    the sum (d_c = d_in) or the concatenation (k*d_c = d_in) of the k codebook rows its digits
-    name. u is linear in those rows, so it is the sum of k rows of P_m = C_m @ W_m^T ([b, h*d];
-    W_m = W for "sum", the m-th column block of W for "concat"): one small [k*b, d_c] GEMM and
-    k*h*d additions per id instead of d_in*h*d multiply-adds (`lev.table` does the same), and in
-    backward a scatter of dL/du into P's k*b rows instead of two [N, d_in, h*d] GEMMs. Worth it
-    when N > k*b (LEVEmbedding decides).
+    the sum (`combine` "sum", d_c = d_in) or the concatenation ("concat", k*d_c = d_in) of the
+    k codebook rows its digits name. u is linear in those rows, so it is the sum of k rows of
+    P_m = C_m @ W_m^T ([b, h*d]; W_m = W for "sum", the m-th column block of W for "concat"):
+    one small [k*b, d_c] GEMM and k*h*d additions per id instead of d_in*h*d multiply-adds
+    (`lev.table` does the same), and in backward a scatter of dL/du into P's k*b rows instead
+    of two [N, d_in, h*d] GEMMs. Worth it when N > k*b (LEVEmbedding decides).
     """
     h, d, d_in = seed_proj.shape
     weight = seed_proj.reshape(h * d, d_in)
     if digits is None:
         return torch.matmul(z, weight.t())
     k, b, d_c = z.shape
-    if d_c == d_in:  # "sum" (and k == 1)
+    if combine == "sum":
         digit_proj = torch.matmul(z, weight.t())  # [k, b, h*d]
     else:  # "concat": digit m meets the m-th block of d_c columns
         digit_proj = torch.bmm(z, weight.view(h * d, k, d_c).permute(1, 2, 0))
@@ -175,7 +183,7 @@ def _seed_to_logits(
     """
     seed_proj, norm_weight, norm_bias = params
     h, d, _ = seed_proj.shape
-    u = _project(z, seed_proj, digits).view(-1, h, d)
+    u = _project(z, seed_proj, digits, opts.codebook_combine).view(-1, h, d)
     normed = F.layer_norm(u, (d,), eps=opts.norm_eps)
     gain = norm_weight / opts.temperature
     shift = norm_bias / opts.temperature
@@ -308,24 +316,29 @@ def lev_modes(
         opts: the kernel options (a `LEVConfig` is converted by `LEVKernelOptions.of`).
         kernel: one of KERNELS.
         digits: [N, k] int64 digits in [0, b) (`lev.math.to_digits`): seed i is the sum of the
-            codebook rows C_m[digits[i, m]] (d_c = d_in) or their concatenation (k*d_c = d_in).
+            codebook rows C_m[digits[i, m]] (d_c = d_in) or their concatenation (k*d_c = d_in),
+            as `opts.codebook_combine` says.
     Returns:
         M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state; every
         kernel but "reference" saves only z, the parameters, M (and the digits) for backward.
     """
     opts = LEVKernelOptions.of(opts)
     d_in = seed_proj.shape[2]
-    if digits is not None and (z.dim() != 3 or d_in not in (z.shape[2], z.shape[0] * z.shape[2])):
-        raise ValueError(
-            f"lev_modes: with digits, z must be the codebooks [k, b, d_c] with d_c or k*d_c "
-            f"= seed_proj.shape[2] = {d_in}; got z {tuple(z.shape)}"
-        )
+    if digits is not None:
+        concat = opts.codebook_combine == "concat"
+        width = z.shape[0] * z.shape[2] if concat and z.dim() == 3 else z.shape[-1]
+        if z.dim() != 3 or width != d_in:
+            rule = "k*d_c" if concat else "d_c"
+            raise ValueError(
+                f"lev_modes: with digits, z must be the codebooks [k, b, d_c] with {rule} = "
+                f"seed_proj.shape[2] = {d_in} (codebook_combine={opts.codebook_combine!r}); got "
+                f"z {tuple(z.shape)}"
+            )
     if kernel == "reference":
         with torch.autocast(device_type=z.device.type, enabled=False):
             cdt = lev_math.compute_dtype(z.dtype)
             if digits is not None:
-                combine = "sum" if z.shape[2] == d_in else "concat"
-                z = lev_math.seed(z, digits, combine)
+                z = lev_math.seed(z, digits, opts.codebook_combine)
             return lev_math.lev_modes(
                 z.to(cdt),
                 *(p.to(cdt) for p in (seed_proj, norm_weight, norm_bias, spline_delta)),
