@@ -124,15 +124,19 @@ def load_library() -> ctypes.CDLL:
         logger.info("building the CPU LEV kernel %s", target)
         _build(compiler, target)
     lib = ctypes.CDLL(str(target))
-    ints = [_INT64] * 5 + [ctypes.c_int, ctypes.c_double, ctypes.c_int]
-    eps_split = [ctypes.c_double, ctypes.c_int32]
+    sizes = [_INT64] * 5  # h, n, d, kappa, r
+    strides = [_INT64] * 2  # (head, id) strides of a [h, n, .] operand
+    eps = [ctypes.c_int, ctypes.c_double]  # normalize, eps
+    threads = [ctypes.c_int]
     for dtype in ("f32", "f64"):
         forward = getattr(lib, f"lev_forward_{dtype}")
-        strides = [_INT64] * 2  # t's head and id strides
-        forward.argtypes = [_PTR] + strides + [_PTR] * 2 + ints[:-1] + eps_split + ints[-1:]
+        eps_split = [ctypes.c_double, ctypes.c_int32]
+        forward.argtypes = [_PTR, *strides, _PTR, _PTR, *sizes, *eps, *eps_split, *threads]
         forward.restype = None
         backward = getattr(lib, f"lev_backward_{dtype}")
-        backward.argtypes = [_PTR] * 5 + ints
+        backward.argtypes = [
+            _PTR, *strides, _PTR, _PTR, *strides, _PTR, _PTR, *strides, *sizes, *eps, *threads
+        ]  # fmt: skip
         backward.restype = None
     return lib
 
@@ -160,37 +164,45 @@ class CpuBackend:
 
     name = "cpu"
 
-    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
-        """t [h, N, d] (any strides), coeff [h, d, kappa, r] -> M [N, h, r]."""
+    def forward(self, t: torch.Tensor, delta: torch.Tensor, opts) -> torch.Tensor:
+        """t [h, N, d] (any head and id strides), delta [h, d, kappa, r] -> M [N, h, r]."""
         lib = load_library()
-        h, d, kappa, r = coeff.shape
+        h, d, kappa, r = delta.shape
         n = t.shape[1]
         if t.stride(2) != 1:
             t = t.contiguous()
         modes = torch.empty(n, h, r, dtype=t.dtype)
         eps_mant, eps_exp = math.frexp(opts.product_eps)
         getattr(lib, f"lev_forward_{_suffix(t.dtype)}")(
-            _ptr(t), t.stride(0), t.stride(1), _ptr(coeff), _ptr(modes), h, n, d, kappa, r,
+            _ptr(t), t.stride(0), t.stride(1), _ptr(delta), _ptr(modes), h, n, d, kappa, r,
             int(opts.normalize_basis), float(opts.product_eps), eps_mant, eps_exp,
             torch.get_num_threads(),
         )  # fmt: skip
         return modes
 
-    def backward(self, t, coeff, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
-        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
+    def backward(self, t, delta, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]), with
+        t = sigmoid(y): dL/dy = dL/dt * t * (1 - t) (`lev.kernels.LEVBackend`).
+
+        t and grad are read through their strides (rows contiguous, copied only if not);
+        dL/dy is the [h, N, d] view of an [N, h, d] tensor (y's layout in `lev.kernels`).
+        """
         lib = load_library()
-        h, d, kappa, r = coeff.shape
+        h, d, kappa, r = delta.shape
         n = t.shape[1]
-        t_hdn = t.transpose(1, 2).contiguous()  # one contiguous row per task
-        grad_hnr = grad.transpose(0, 1).contiguous()  # each head's rows in one block
-        grad_coeff = torch.empty_like(coeff)
-        grad_t_hdn = torch.empty_like(t_hdn)
+        if t.stride(2) != 1:
+            t = t.contiguous()
+        if grad.stride(2) != 1:
+            grad = grad.contiguous()
+        grad_delta = torch.empty_like(delta)
+        grad_t = torch.empty(n, h, d, dtype=t.dtype).transpose(0, 1)
         getattr(lib, f"lev_backward_{_suffix(t.dtype)}")(
-            _ptr(t_hdn), _ptr(coeff), _ptr(grad_hnr), _ptr(grad_coeff), _ptr(grad_t_hdn),
+            _ptr(t), t.stride(0), t.stride(1), _ptr(delta), _ptr(grad), grad.stride(1),
+            grad.stride(0), _ptr(grad_delta), _ptr(grad_t), grad_t.stride(0), grad_t.stride(1),
             h, n, d, kappa, r, int(opts.normalize_basis), float(opts.product_eps),
             torch.get_num_threads(),
         )  # fmt: skip
-        return grad_t_hdn.transpose(1, 2), grad_coeff
+        return grad_t, grad_delta
 
 
 CPU_BACKEND = CpuBackend()

@@ -32,8 +32,9 @@ Backward, per chunk, with G_M = dL/dM * M and the same x:
     dL/dDelta[l, d]       = B[l, d]^T @ dL/dphi[l, d]      (batched matmul)
     dL/dB[l, d]           = dL/dphi[l, d] @ (1 + Delta[l, d])^T
 
-dL/dB goes through the three basis values analytically to dL/dt, and from t through the
-(cheap) sigmoid, LayerNorm and seed projection by a local autograd graph rebuilt for the chunk.
+dL/dB goes through the three basis values analytically to dL/dt and through the sigmoid to
+dL/dy = dL/dt * t * (1 - t) (t = sigmoid(y)); `lev.kernels` takes it through LayerNorm and the
+seed projection by a local autograd graph.
 At phi == 0 exactly (an exact cancellation, never seen in practice) the gradient uses
 x = +eps, the one-sided derivative, where autograd through |phi| would give 0.
 
@@ -250,10 +251,10 @@ class TorchBackend:
 
     name = "torch"
 
-    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts: "LEVKernelOptions"):
-        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
-        h, d, kappa, r = coeff.shape
-        coeff3 = coeff.view(h * d, kappa, r)
+    def forward(self, t: torch.Tensor, delta: torch.Tensor, opts: "LEVKernelOptions"):
+        """t [h, N, d], delta [h, d, kappa, r] -> M [N, h, r]."""
+        h, d, kappa, r = delta.shape
+        coeff3 = (1 + delta).view(h * d, kappa, r)
         n_total = t.shape[1]
         chunk = _chunk(opts, h, d, r, n_total)
         ws = _Workspace(h, d, chunk, kappa, r, t.dtype, t.device, backward=False)
@@ -274,16 +275,17 @@ class TorchBackend:
             modes[start : start + n] = product.transpose(0, 1)
         return modes
 
-    def backward(self, t, coeff, grad, opts: "LEVKernelOptions"):
-        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
-        h, d, kappa, r = coeff.shape
-        coeff3 = coeff.view(h * d, kappa, r)
+    def backward(self, t, delta, grad, opts: "LEVKernelOptions"):
+        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]) with
+        t = sigmoid(y) (`lev.kernels.LEVBackend`)."""
+        h, d, kappa, r = delta.shape
+        coeff3 = (1 + delta).view(h * d, kappa, r)
         coeff3_t = coeff3.transpose(1, 2)  # [h*d, r, kappa]
         scaled = grad.transpose(0, 1).unsqueeze(1)  # [h, 1, N, r]
         n_total = t.shape[1]
         chunk = _chunk(opts, h, d, r, n_total)
         grad_t = torch.empty_like(t)
-        grad_coeff3 = torch.zeros_like(coeff3)
+        grad_coeff3 = torch.zeros_like(coeff3)  # dL/d(1 + Delta) = dL/dDelta
         ws = _Workspace(h, d, chunk, kappa, r, t.dtype, t.device, backward=True)
         for start in range(0, n_total, chunk):
             n = min(chunk, n_total - start)
@@ -300,7 +302,9 @@ class TorchBackend:
             grad_coeff3.baddbmm_(basis3.transpose(1, 2), grad_phi3)
             grad_basis = _prefix(ws.grad_basis, h, d, n, kappa)
             torch.bmm(grad_phi3, coeff3_t, out=grad_basis.view(h * d, n, kappa))
-            grad_t[:, start : start + n] = _basis_backward(grad_basis, parts, kappa).transpose(1, 2)
+            grad_t_chunk = _basis_backward(grad_basis, parts, kappa)  # [h, d, n]
+            # Through the sigmoid t = sigmoid(y): dL/dy = dL/dt * t * (1 - t).
+            grad_t[:, start : start + n] = grad_t_chunk.mul_(tt * (1 - tt)).transpose(1, 2)
         return grad_t, grad_coeff3.view(h, d, kappa, r)
 
 

@@ -1,28 +1,37 @@
 """LEV's fused modes: one autograd Function over pluggable backends (`--lev-kernel`).
 
     z [N, d_in] --(torch: seed projection, LayerNorm, sigmoid)--> t [h, N, d]
-    t, coeff = 1 + Delta [h, d, kappa, r] --(backend.forward)--> M [N, h, r]
+    t, Delta [h, d, kappa, r] --(backend.forward)--> M [N, h, r]
 
 `LEVModes` owns everything the backends share, the way Megatron-Core's fused kernels are pure
 forward/backward functions under one thin autograd wrapper: autocast off, the compute dtype
-(float32; float64 for float64 inputs), steps 3a-3b (`lev.math.seed_to_t`, torch ops), the
-coefficients 1 + Delta, saving only the seeds z and the modes M for backward, recomputing t
-there, taking dL/dt back through 3a-3b by a local autograd graph, and casting the gradients back
-to their parameters' dtypes. A backend implements steps 3c-3e (quadratic B-spline basis, spline
-values, signed separable product) and their gradient:
+(float32; float64 for float64 inputs), steps 3a-3b (`lev.math.seed_to_t`, torch ops), saving
+only the seeds z and the modes M for backward, recomputing t there, taking the backend's dL/dy
+(y the sigmoid's input) back through 3a-3b by a local autograd graph, and casting the gradients
+back to their parameters' dtypes. A
+backend implements steps 3c-3e (quadratic B-spline basis, spline values with the coefficients
+1 + Delta, signed separable product) and their gradient:
 
-    forward(t [h, N, d], coeff [h, d, kappa, r], opts) -> M [N, h, r]
-    backward(t, coeff, grad [N, h, r], opts) -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])
+    forward(t [h, N, d], delta [h, d, kappa, r], opts) -> M [N, h, r]
+    backward(t, delta, grad [N, h, r], opts) -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r])
 
-with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x). All
-tensors are in the compute dtype and contiguous, except t: the [h, N, d] transposed view of the
-contiguous [N, h, d] tensor that steps 3a-3b produce with one GEMM (each (head, id) row of d
-values is contiguous); dL/dt may be any [h, N, d] view. Backends: "torch" (`lev.fused`, chunked
-torch ops, any device), "cpu" (`lev.cpu_fused`, a C++ kernel compiled on first use) and "triton"
-(`lev.triton_kernel`, CUDA, or CPU under TRITON_INTERPRET=1). "reference" is the readable
-`lev.math.lev_modes` under plain autograd (every intermediate saved). "auto" takes triton for
-float32 CUDA tensors when the triton package imports, cpu for CPU tensors when its kernel builds
-(else it logs why, once, and takes torch), else torch. Every choice computes the same function
+with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x) and y
+the sigmoid's input (t = sigmoid(y), step 3b): a backend returns dL/dy = dL/dt * t * (1 - t),
+the sigmoid's backward folded into the pass that writes dL/dt, and autograd takes it from y. A
+backend reads Delta and adds the 1 itself (the C++ kernel per head or per task into a small
+buffer, Triton on load, torch in one op), so no [h, d, kappa, r] tensor of coefficients is
+made here; dL/dDelta is dL/d(1 + Delta). All tensors are in the compute dtype; delta is
+contiguous, t is the [h, N, d] transposed view of the contiguous [N, h, d] tensor that steps
+3a-3b produce with one GEMM (each (head, id) row of d values contiguous), and grad is the
+[N, h, r] view of a contiguous [h, N, r] tensor (each head's rows one block). dL/dy may be any
+[h, N, d] view; the C++ and Triton backends write it as the [h, N, d] view of an [N, h, d]
+tensor, the layout 3a-3b's backward reads, so that no transposed copy of t or dL/dy is made.
+Backends: "torch" (`lev.fused`, chunked torch ops, any device), "cpu" (`lev.cpu_fused`, a C++
+kernel compiled on first use) and "triton" (`lev.triton_kernel`, CUDA, or CPU under
+TRITON_INTERPRET=1). "reference" is the readable `lev.math.lev_modes` under plain autograd
+(every intermediate saved). "auto" takes triton for float32 CUDA tensors when the triton
+package imports, cpu for CPU tensors when its kernel builds (else it logs why, once, and takes
+torch), else torch. Every choice computes the same function
 and saves the same tensors, so a run may switch kernels on resume.
 
 The signed product. docs/lev.md step 3e defines M = sign * exp(sum_d log(|phi| + eps)) with
@@ -91,6 +100,9 @@ class LEVKernelOptions:
     """eps in sign * exp(sum log(|phi| + eps)) (any positive float; see "The signed product")."""
     chunk_size: int = 0
     """Ids per chunk of the torch backend (0: about 2M spline values per chunk)."""
+    codebook_combine: str = "sum"
+    """How k codebook rows form a seed when `lev_modes` gets codebooks and digits: "sum"
+    (d_c = d_in) or "concat" (k*d_c = d_in); `LEVConfig.codebook_combine`."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0 or not self.norm_eps > 0 or not self.product_eps > 0:
@@ -100,6 +112,11 @@ class LEVKernelOptions:
             )
         if self.chunk_size < 0:
             raise ValueError(f"LEVKernelOptions: chunk_size must be >= 0, got {self.chunk_size}")
+        if self.codebook_combine not in ("sum", "concat"):
+            raise ValueError(
+                "LEVKernelOptions: codebook_combine must be 'sum' or 'concat', got "
+                f"{self.codebook_combine!r}"
+            )
 
     @classmethod
     def of(cls, config: Union["LEVKernelOptions", LEVConfig]) -> "LEVKernelOptions":
@@ -114,36 +131,37 @@ class LEVBackend(Protocol):
 
     name: str
 
-    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts: LEVKernelOptions) -> torch.Tensor:
-        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
+    def forward(self, t: torch.Tensor, delta: torch.Tensor, opts: LEVKernelOptions) -> torch.Tensor:
+        """t [h, N, d], delta [h, d, kappa, r] -> M [N, h, r] (coefficients 1 + delta)."""
         ...
 
     def backward(
-        self, t: torch.Tensor, coeff: torch.Tensor, grad: torch.Tensor, opts: LEVKernelOptions
+        self, t: torch.Tensor, delta: torch.Tensor, grad: torch.Tensor, opts: LEVKernelOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
+        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]), with
+        t = sigmoid(y): dL/dy = dL/dt * t * (1 - t)."""
         ...
 
 
 def _project(
-    z: torch.Tensor, seed_proj: torch.Tensor, digits: Optional[torch.Tensor]
+    z: torch.Tensor, seed_proj: torch.Tensor, digits: Optional[torch.Tensor], combine: str
 ) -> torch.Tensor:
     """Step 3a for all h heads: u [N, h*d] = z @ W^T, with W = seed_proj as [h*d, d_in].
 
     With `digits` [N, k], z is the codebooks [k, b, d_c] instead of the seeds, and each seed is
-    the sum (d_c = d_in) or the concatenation (k*d_c = d_in) of the k codebook rows its digits
-    name. u is linear in those rows, so it is the sum of k rows of P_m = C_m @ W_m^T ([b, h*d];
-    W_m = W for "sum", the m-th column block of W for "concat"): one small [k*b, d_c] GEMM and
-    k*h*d additions per id instead of d_in*h*d multiply-adds (`lev.table` does the same), and in
-    backward a scatter of dL/du into P's k*b rows instead of two [N, d_in, h*d] GEMMs. Worth it
-    when N > k*b (LEVEmbedding decides).
+    the sum (`combine` "sum", d_c = d_in) or the concatenation ("concat", k*d_c = d_in) of the
+    k codebook rows its digits name. u is linear in those rows, so it is the sum of k rows of
+    P_m = C_m @ W_m^T ([b, h*d]; W_m = W for "sum", the m-th column block of W for "concat"):
+    one small [k*b, d_c] GEMM and k*h*d additions per id instead of d_in*h*d multiply-adds
+    (`lev.table` does the same), and in backward a scatter of dL/du into P's k*b rows instead
+    of two [N, d_in, h*d] GEMMs. Worth it when N > k*b (LEVEmbedding decides).
     """
     h, d, d_in = seed_proj.shape
     weight = seed_proj.reshape(h * d, d_in)
     if digits is None:
         return torch.matmul(z, weight.t())
     k, b, d_c = z.shape
-    if d_c == d_in:  # "sum" (and k == 1)
+    if combine == "sum":
         digit_proj = torch.matmul(z, weight.t())  # [k, b, h*d]
     else:  # "concat": digit m meets the m-th block of d_c columns
         digit_proj = torch.bmm(z, weight.view(h * d, k, d_c).permute(1, 2, 0))
@@ -151,24 +169,25 @@ def _project(
     return F.embedding_bag(digits + offsets, digit_proj.reshape(k * b, h * d), mode="sum")
 
 
-def _seed_to_t(
+def _seed_to_logits(
     z: torch.Tensor, params, opts: LEVKernelOptions, digits: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Steps 3a-3b: z [N, d_in] (or codebooks with `digits`, see `_project`) -> t [N, h, d]
-    (contiguous; backends get its [h, N, d] view).
+    """Steps 3a-3b up to the sigmoid: z [N, d_in] (or codebooks with `digits`, see `_project`)
+    -> y [N, h, d] (contiguous), t = sigmoid(y) (backends get t's [h, N, d] view).
 
-    `lev.math.seed_to_t` in four ops and their fused backwards instead of about ten
+    `lev.math.seed_to_t` in three ops and their fused backwards instead of about ten
     elementwise passes: the h projections are one [N, d_in] x [d_in, h*d] GEMM (a broadcast
     batched matmul copies z h times and, in backward, sums h products for dL/dz), and
-    sigmoid((LN(u) * g + b) / tau) = sigmoid(LN(u) * (g / tau) + b / tau).
+    (LN(u) * g + b) / tau = LN(u) * (g / tau) + b / tau. The sigmoid's backward is the
+    backends' (dL/dy = dL/dt * t * (1 - t) where they write dL/dt), so autograd starts at y.
     """
     seed_proj, norm_weight, norm_bias = params
     h, d, _ = seed_proj.shape
-    u = _project(z, seed_proj, digits).view(-1, h, d)
+    u = _project(z, seed_proj, digits, opts.codebook_combine).view(-1, h, d)
     normed = F.layer_norm(u, (d,), eps=opts.norm_eps)
     gain = norm_weight / opts.temperature
     shift = norm_bias / opts.temperature
-    return torch.sigmoid(torch.addcmul(shift, normed, gain))
+    return torch.addcmul(shift, normed, gain)
 
 
 class LEVModes(torch.autograd.Function):
@@ -181,9 +200,8 @@ class LEVModes(torch.autograd.Function):
         with torch.autocast(device_type=z.device.type, enabled=False), torch.no_grad():
             cdt = lev_math.compute_dtype(z.dtype)
             params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
-            t = _seed_to_t(z.to(cdt), params, opts, digits).transpose(0, 1)  # [h, N, d] view
-            coeff = (1 + spline_delta.to(cdt)).contiguous()
-            modes = backend.forward(t, coeff, opts)
+            t = _seed_to_logits(z.to(cdt), params, opts, digits).sigmoid_().transpose(0, 1)
+            modes = backend.forward(t, spline_delta.to(cdt).contiguous(), opts)
         ctx.backend, ctx.opts, ctx.has_digits = backend, opts, digits is not None
         saved = (z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
         ctx.save_for_backward(*saved, *([digits] if digits is not None else []))
@@ -205,24 +223,27 @@ class LEVModes(torch.autograd.Function):
             ]
             zc = z.detach().to(cdt).requires_grad_(need_z)
             with torch.enable_grad():
-                t_nhd = _seed_to_t(zc, params, opts, digits)
-            coeff = (1 + spline_delta.detach().to(cdt)).contiguous()
-            scaled = (grad_modes.to(cdt) * modes).contiguous()  # dL/dM * M, [N, h, r]
+                logits = _seed_to_logits(zc, params, opts, digits)  # [N, h, d]
+            delta = spline_delta.detach().to(cdt).contiguous()
+            # dL/dM * M laid out [h, N, r] (each head's rows one block), passed as [N, h, r].
+            scaled = modes.new_empty(modes.shape[1], modes.shape[0], modes.shape[2])
+            torch.mul(grad_modes.to(cdt).transpose(0, 1), modes.transpose(0, 1), out=scaled)
             with torch.no_grad():
-                grad_t, grad_coeff = ctx.backend.backward(
-                    t_nhd.detach().transpose(0, 1), coeff, scaled, opts
+                t = torch.sigmoid(logits.detach()).transpose(0, 1)  # [h, N, d] view
+                grad_logits, grad_delta = ctx.backend.backward(
+                    t, delta, scaled.transpose(0, 1), opts
                 )
             inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
-            # Backends may hand dL/dt back as a transposed view; the elementwise backwards of
-            # 3a-3b run several times faster on t's own [N, h, d] layout than the copy costs.
-            grad_t = grad_t.transpose(0, 1).contiguous()
-            grads = list(torch.autograd.grad(t_nhd, inputs, grad_t)) if inputs else []
+            # The elementwise backwards of 3a-3b run several times faster on y's own [N, h, d]
+            # layout than a copy costs (a no-op for backends that write dL/dy in it).
+            grad_logits = grad_logits.transpose(0, 1).contiguous()
+            grads = list(torch.autograd.grad(logits, inputs, grad_logits)) if inputs else []
         grad_z = grads.pop(0).to(z.dtype) if need_z else None
         grad_params = [
             grads.pop(0).to(p.dtype) if need else None
             for p, need in zip(originals, (need_w, need_g, need_b))
         ]
-        grad_delta = grad_coeff.to(spline_delta.dtype) if need_delta else None
+        grad_delta = grad_delta.to(spline_delta.dtype) if need_delta else None
         return (grad_z, *grad_params, grad_delta, None, None, None)
 
 
@@ -295,24 +316,29 @@ def lev_modes(
         opts: the kernel options (a `LEVConfig` is converted by `LEVKernelOptions.of`).
         kernel: one of KERNELS.
         digits: [N, k] int64 digits in [0, b) (`lev.math.to_digits`): seed i is the sum of the
-            codebook rows C_m[digits[i, m]] (d_c = d_in) or their concatenation (k*d_c = d_in).
+            codebook rows C_m[digits[i, m]] (d_c = d_in) or their concatenation (k*d_c = d_in),
+            as `opts.codebook_combine` says.
     Returns:
         M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state; every
         kernel but "reference" saves only z, the parameters, M (and the digits) for backward.
     """
     opts = LEVKernelOptions.of(opts)
     d_in = seed_proj.shape[2]
-    if digits is not None and (z.dim() != 3 or d_in not in (z.shape[2], z.shape[0] * z.shape[2])):
-        raise ValueError(
-            f"lev_modes: with digits, z must be the codebooks [k, b, d_c] with d_c or k*d_c "
-            f"= seed_proj.shape[2] = {d_in}; got z {tuple(z.shape)}"
-        )
+    if digits is not None:
+        concat = opts.codebook_combine == "concat"
+        width = z.shape[0] * z.shape[2] if concat and z.dim() == 3 else z.shape[-1]
+        if z.dim() != 3 or width != d_in:
+            rule = "k*d_c" if concat else "d_c"
+            raise ValueError(
+                f"lev_modes: with digits, z must be the codebooks [k, b, d_c] with {rule} = "
+                f"seed_proj.shape[2] = {d_in} (codebook_combine={opts.codebook_combine!r}); got "
+                f"z {tuple(z.shape)}"
+            )
     if kernel == "reference":
         with torch.autocast(device_type=z.device.type, enabled=False):
             cdt = lev_math.compute_dtype(z.dtype)
             if digits is not None:
-                combine = "sum" if z.shape[2] == d_in else "concat"
-                z = lev_math.seed(z, digits, combine)
+                z = lev_math.seed(z, digits, opts.codebook_combine)
             return lev_math.lev_modes(
                 z.to(cdt),
                 *(p.to(cdt) for p in (seed_proj, norm_weight, norm_bias, spline_delta)),

@@ -86,7 +86,7 @@ class LEVTable:
             self.gain = p["seed_norm_weight"].reshape(h, d, 1).contiguous()
             self.bias = p["seed_norm_bias"].reshape(h, d, 1).contiguous()
             kappa, r = p["spline_delta"].shape[2:]
-            self.coeff = (1 + p["spline_delta"]).contiguous()  # [h, d, kappa, r]
+            self.delta = p["spline_delta"].contiguous()  # [h, d, kappa, r]
             self.out_proj = p["out_proj"].reshape(h * r, -1).contiguous()
         self.num_heads, self.seed_dim, self.num_knots, self.rank = h, d, kappa, r
         self.hidden_size = self.out_proj.shape[1]
@@ -94,7 +94,7 @@ class LEVTable:
         self.chunk_size = chunk_size or table_chunk_size(h, d, r)
         # The training kernels' forward; "reference" (plain autograd) has none: torch ops.
         kernel = "torch" if lc.kernel == "reference" else lc.kernel
-        self.backend = select_backend(kernel, self.coeff.new_empty(0))
+        self.backend = select_backend(kernel, self.delta.new_empty(0))
         self.opts = LEVKernelOptions.of(lc)
 
     def _t(self, ids: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ class LEVTable:
         """Steps 1-3e: ids [n] (int64, in [0, V), not checked) -> M [n, h, r]."""
         with torch.autocast(device_type=self.device.type, enabled=False):
             t = self._t(ids).transpose(1, 2).contiguous()  # [h, n, d]
-            return self.backend.forward(t, self.coeff, self.opts)
+            return self.backend.forward(t, self.delta, self.opts)
 
     @torch.no_grad()
     def rows(self, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

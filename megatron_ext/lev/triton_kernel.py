@@ -8,7 +8,7 @@ forward, one program per (head l, block of n ids), one pass over the d seed coor
 
     for c in 0..d-1:                             t[l, n, c]                 [n]
         three non-zero basis values B and knot indices i (quadratic B-spline, renormalised)
-        phi = sum_j B_j * (1 + Delta[l, c, i_j, :])   (three row gathers)    [n, r]
+        phi = sum_j B_j * (1 + Delta[l, c, i_j, :])   (three row gathers, +1 on load) [n, r]
         m, e = frexp(phi -/+ eps);  acc *= m;  expo += e   (renormalise acc every 64)
     M[n, l, :] = acc * 2^expo
 
@@ -22,9 +22,10 @@ atomics), with G = dL/dM * M [N, h, r] and x = phi + copysign(eps, phi):
     dL/dphi = G / x                                                          [n, r]
     dL/dDelta[l, c] += B_dense^T @ dL/dphi        (tl.dot, IEEE float32)     [kappa, r]
     dL/dB_j = sum_r dL/dphi * (1 + Delta[l, c, i_j, :])  ->  dL/dt[l, n, c]  [n]
+    dL/dy[l, n, c] = dL/dt * t * (1 - t)          (through the sigmoid t = sigmoid(y))
 
-and dL/dt goes back through the sigmoid, LayerNorm and seed projection by torch autograd on a
-recomputed t (as `lev.fused` does). Saved for backward: z [N, d_in] and M [N, h, r] only.
+and dL/dy goes back through LayerNorm and the seed projection by torch autograd on a
+recomputed y (`lev.kernels`). Saved for backward: z [N, d_in] and M [N, h, r] only.
 
 The kernels are compiled by Triton on CUDA tensors; with TRITON_INTERPRET=1 set before this
 module is imported they run on CPU tensors in Triton's interpreter (how the tests check them).
@@ -159,7 +160,7 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _lev_modes_fwd_kernel(
         t_ptr,
-        coeff_ptr,
+        delta_ptr,
         m_ptr,
         N,
         D,
@@ -192,10 +193,13 @@ if TRITON_AVAILABLE:
         for c in range(0, D):
             t = tl.load(t_row + c * stride_td, mask=mask_n, other=0.5)
             b0, b1, b2, _d0, _d1, _d2, i0, i1, i2, _total = _basis(t, KNOTS, NORMALIZE)
-            coeff_row = coeff_ptr + (head * D + c) * KNOTS * R + offs_r[None, :]
-            phi = b0[:, None] * tl.load(coeff_row + i0[:, None] * R, mask=mask, other=0.0)
-            phi += b1[:, None] * tl.load(coeff_row + i1[:, None] * R, mask=mask, other=0.0)
-            phi += b2[:, None] * tl.load(coeff_row + i2[:, None] * R, mask=mask, other=0.0)
+            delta_row = delta_ptr + (head * D + c) * KNOTS * R + offs_r[None, :]
+            c0 = 1.0 + tl.load(delta_row + i0[:, None] * R, mask=mask, other=0.0)
+            c1 = 1.0 + tl.load(delta_row + i1[:, None] * R, mask=mask, other=0.0)
+            c2 = 1.0 + tl.load(delta_row + i2[:, None] * R, mask=mask, other=0.0)
+            phi = b0[:, None] * c0
+            phi += b1[:, None] * c1
+            phi += b2[:, None] * c2
             m, e = _split(tl.where(phi < 0, phi - eps, phi + eps), IS_F64)
             acc *= tl.where(phi == 0, eps_mant, m)
             expo += tl.where(phi == 0, eps_exp, e)
@@ -209,10 +213,10 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _lev_modes_bwd_kernel(
         t_ptr,
-        coeff_ptr,
+        delta_ptr,
         g_ptr,
         grad_t_ptr,
-        grad_coeff_ptr,
+        grad_delta_ptr,
         N,
         D,
         R,
@@ -221,6 +225,9 @@ if TRITON_AVAILABLE:
         stride_td,
         stride_gn,
         stride_gh,
+        stride_dth,
+        stride_dtn,
+        stride_dtd,
         eps_ptr,
         KNOTS: tl.constexpr,
         KNOTS_PAD: tl.constexpr,
@@ -233,8 +240,8 @@ if TRITON_AVAILABLE:
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
         knots = tl.arange(0, KNOTS_PAD)
-        coeff_row = coeff_ptr + (head * D + c) * KNOTS * R + offs_r[None, :]
-        acc = tl.zeros([KNOTS_PAD, BLOCK_R], dtype=grad_coeff_ptr.dtype.element_ty)
+        delta_row = delta_ptr + (head * D + c) * KNOTS * R + offs_r[None, :]
+        acc = tl.zeros([KNOTS_PAD, BLOCK_R], dtype=grad_delta_ptr.dtype.element_ty)
         eps = tl.load(eps_ptr)
         for start in range(0, N, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -243,9 +250,9 @@ if TRITON_AVAILABLE:
             t_off = head * stride_th + offs_n * stride_tn + c * stride_td
             t = tl.load(t_ptr + t_off, mask=mask_n, other=0.5)
             b0, b1, b2, d0, d1, d2, i0, i1, i2, total = _basis(t, KNOTS, NORMALIZE)
-            c0 = tl.load(coeff_row + i0[:, None] * R, mask=mask, other=0.0)
-            c1 = tl.load(coeff_row + i1[:, None] * R, mask=mask, other=0.0)
-            c2 = tl.load(coeff_row + i2[:, None] * R, mask=mask, other=0.0)
+            c0 = 1.0 + tl.load(delta_row + i0[:, None] * R, mask=mask, other=0.0)
+            c1 = 1.0 + tl.load(delta_row + i1[:, None] * R, mask=mask, other=0.0)
+            c2 = 1.0 + tl.load(delta_row + i2[:, None] * R, mask=mask, other=0.0)
             phi = b0[:, None] * c0 + b1[:, None] * c1 + b2[:, None] * c2
             x = tl.where(phi < 0, phi - eps, phi + eps)
             g_off = offs_n[:, None] * stride_gn + head * stride_gh + offs_r[None, :]
@@ -257,12 +264,15 @@ if TRITON_AVAILABLE:
             if NORMALIZE:
                 # B_j = w_j / T: dB_j/ds = (w'_j - B_j T') / T.
                 grad_s = (grad_s - (d0 + d1 + d2) * (g0 * b0 + g1 * b1 + g2 * b2)) / total
-            tl.store(grad_t_ptr + t_off, grad_s * (KNOTS - 1), mask=mask_n)
+            grad_t_off = head * stride_dth + offs_n * stride_dtn + c * stride_dtd
+            # Through the sigmoid t = sigmoid(y): dL/dy = dL/dt * t * (1 - t).
+            grad_y = grad_s * (KNOTS - 1) * (t * (1.0 - t))
+            tl.store(grad_t_ptr + grad_t_off, grad_y, mask=mask_n)
             dense = tl.where(i0[:, None] == knots[None, :], b0[:, None], 0.0)
             dense += tl.where(i1[:, None] == knots[None, :], b1[:, None], 0.0)
             dense += tl.where(i2[:, None] == knots[None, :], b2[:, None], 0.0)
             acc += tl.dot(tl.trans(dense), grad_phi, input_precision="ieee")
-        out = grad_coeff_ptr + (head * D + c) * KNOTS * R + knots[:, None] * R + offs_r[None, :]
+        out = grad_delta_ptr + (head * D + c) * KNOTS * R + knots[:, None] * R + offs_r[None, :]
         tl.store(out, acc, mask=(knots < KNOTS)[:, None] & mask_r[None, :])
 
 
@@ -275,9 +285,9 @@ _FWD_BLOCK_N = 32
 _BWD_BLOCK_N = 32
 
 
-def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
+def _launch_forward(t: torch.Tensor, delta: torch.Tensor, opts) -> torch.Tensor:
     h, n, d = t.shape
-    r = coeff.shape[-1]
+    r = delta.shape[-1]
     modes = torch.empty(n, h, r, dtype=t.dtype, device=t.device)
     if n == 0:
         return modes
@@ -285,8 +295,8 @@ def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
     eps_mant, eps_exp = math.frexp(opts.product_eps)
     eps = torch.tensor([opts.product_eps, eps_mant], dtype=t.dtype, device=t.device)
     _lev_modes_fwd_kernel[grid](
-        t, coeff, modes, n, d, r, *t.stride(), modes.stride(0), modes.stride(1), eps, eps_exp,
-        KNOTS=coeff.shape[2], NORMALIZE=opts.normalize_basis,
+        t, delta, modes, n, d, r, *t.stride(), modes.stride(0), modes.stride(1), eps, eps_exp,
+        KNOTS=delta.shape[2], NORMALIZE=opts.normalize_basis,
         IS_F64=t.dtype == torch.float64, GROUP=PRODUCT_GROUP,
         BLOCK_N=_FWD_BLOCK_N, BLOCK_R=_pad(r),
     )  # fmt: skip
@@ -294,26 +304,23 @@ def _launch_forward(t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
 
 
 def _launch_backward(
-    t: torch.Tensor, coeff: torch.Tensor, scaled: torch.Tensor, opts
+    t: torch.Tensor, delta: torch.Tensor, scaled: torch.Tensor, opts
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h, n, d = t.shape
-    r = coeff.shape[-1]
-    # Each program walks the ids of one coordinate: lay t out as [h, d, N] so its loads are
-    # contiguous; dL/dt is written in the same layout and handed back as a [h, N, d] view.
-    t_hdn = t.transpose(1, 2).contiguous()
-    grad_hdn = torch.zeros_like(t_hdn)
-    grad_coeff = torch.zeros_like(coeff)
+    r = delta.shape[-1]
+    # t and dL/dt through their strides (dL/dt: the [h, N, d] view of an [N, h, d] tensor).
+    grad_t = torch.empty(n, h, d, dtype=t.dtype, device=t.device).transpose(0, 1)
+    grad_delta = torch.zeros_like(delta)
     if n == 0:
-        return grad_hdn.transpose(1, 2), grad_coeff
-    strides = (t_hdn.stride(0), t_hdn.stride(2), t_hdn.stride(1))  # (head, id, coordinate)
+        return grad_t, grad_delta
     _lev_modes_bwd_kernel[(h, d)](
-        t_hdn, coeff, scaled, grad_hdn, grad_coeff, n, d, r, *strides,
-        scaled.stride(0), scaled.stride(1),
+        t, delta, scaled, grad_t, grad_delta, n, d, r, *t.stride(),
+        scaled.stride(0), scaled.stride(1), *grad_t.stride(),
         torch.tensor([opts.product_eps], dtype=t.dtype, device=t.device),
-        KNOTS=coeff.shape[2], KNOTS_PAD=_pad(coeff.shape[2]), NORMALIZE=opts.normalize_basis,
+        KNOTS=delta.shape[2], KNOTS_PAD=_pad(delta.shape[2]), NORMALIZE=opts.normalize_basis,
         BLOCK_N=_BWD_BLOCK_N, BLOCK_R=_pad(r),
     )  # fmt: skip
-    return grad_hdn.transpose(1, 2), grad_coeff
+    return grad_t, grad_delta
 
 
 class TritonBackend:
@@ -321,14 +328,15 @@ class TritonBackend:
 
     name = "triton"
 
-    def forward(self, t: torch.Tensor, coeff: torch.Tensor, opts) -> torch.Tensor:
-        """t [h, N, d], coeff [h, d, kappa, r] -> M [N, h, r]."""
+    def forward(self, t: torch.Tensor, delta: torch.Tensor, opts) -> torch.Tensor:
+        """t [h, N, d] (any strides), delta [h, d, kappa, r] -> M [N, h, r]."""
         check_triton_usable(t.device, t.dtype)
-        return _launch_forward(t, coeff, opts)
+        return _launch_forward(t, delta, opts)
 
-    def backward(self, t, coeff, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
-        """grad = dL/dM * M [N, h, r] -> (dL/dt [h, N, d], dL/dcoeff [h, d, kappa, r])."""
-        return _launch_backward(t, coeff, grad, opts)
+    def backward(self, t, delta, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]) with
+        t = sigmoid(y) (`lev.kernels.LEVBackend`)."""
+        return _launch_backward(t, delta, grad, opts)
 
 
 TRITON_BACKEND = TritonBackend()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.kernels import LEVKernelOptions, lev_modes
 from megatron_ext.testing.memory import saved_tensor_bytes
 
@@ -197,10 +198,13 @@ def test_bf16_autocast_keeps_float32_product(lev, kernel):
 _TEMPERATURE = 0.3
 
 
-def _opts(normalize: bool = True, eps: float = 1e-9, chunk_size: int = 0) -> LEVKernelOptions:
+def _opts(
+    normalize: bool = True, eps: float = 1e-9, chunk_size: int = 0, combine: str = "sum"
+) -> LEVKernelOptions:
     return LEVKernelOptions(
-        temperature=_TEMPERATURE, normalize_basis=normalize, product_eps=eps, chunk_size=chunk_size
-    )
+        temperature=_TEMPERATURE, normalize_basis=normalize, product_eps=eps,
+        chunk_size=chunk_size, codebook_combine=combine,
+    )  # fmt: skip
 
 
 def _inputs(dtype, n=37, d_in=5, h=3, d=9, kappa=6, r=5, seed=0, delta_std=0.8, device="cpu"):
@@ -520,7 +524,7 @@ def test_kernel_by_digit_equals_the_definition_in_float64(kernel, combine):
     codebooks.requires_grad_()
     digits = torch.randint(0, b, (z.shape[0], k), generator=gen).to(device)
     inputs = [codebooks, *params]
-    opts = _opts(chunk_size=8)
+    opts = _opts(chunk_size=8, combine=combine)
     weight = torch.randn(z.shape[0], 3, 5, dtype=torch.float64)
 
     def definition():
@@ -535,3 +539,16 @@ def test_kernel_by_digit_equals_the_definition_in_float64(kernel, combine):
         torch.testing.assert_close(g, g_ref, rtol=1e-11, atol=1e-13, msg=name)
     with pytest.raises(ValueError, match="codebooks"):
         lev_modes(codebooks[:, :, :2], *params, opts, kernel=kernel, digits=digits)
+    # The combine comes from the options, not from the shapes: the other one is refused.
+    other = _opts(chunk_size=8, combine="sum" if combine == "concat" else "concat")
+    with pytest.raises(ValueError, match=f"codebook_combine='{other.codebook_combine}'"):
+        lev_modes(*inputs, other, kernel=kernel, digits=digits)
+
+
+def test_kernel_options_carry_the_codebook_combine():
+    # LEVEmbedding passes its LEVConfig: the options take its combine, and check it themselves.
+    config = LEVConfig(vocab_size=100, hidden_size=8, codebook_combine="concat")
+    assert LEVKernelOptions.of(config).codebook_combine == "concat"
+    assert LEVKernelOptions().codebook_combine == "sum"
+    with pytest.raises(ValueError, match="codebook_combine must be 'sum' or 'concat'"):
+        LEVKernelOptions(codebook_combine="mean")

@@ -1,12 +1,15 @@
-// LEV modes on CPU: t [h, n, d] -> M [n, h, r], and its backward (lev/cpu_fused.py). Forward
-// reads t through its head and id strides (rows of d contiguous: lev/kernels.py hands the
-// [h, n, d] view of an [n, h, d] tensor).
+// LEV modes on CPU: t [h, n, d], Delta [h, d, kappa, r] -> M [n, h, r], and its backward
+// (lev/cpu_fused.py). Both directions read t, and backward writes dL/dt, through their head and
+// id strides (rows of d contiguous: lev/kernels.py hands the [h, n, d] view of an [n, h, d]
+// tensor), and both add the 1 of the coefficients 1 + Delta themselves (into a per-thread
+// buffer: one head's table in forward, one (head, coordinate) table in backward), so the caller
+// makes no transposed copy of t or dL/dt and no coefficient tensor.
 //
 // The CPU twin of lev/triton_kernel.py: per (head, id) the d spline values of each rank
 // component are evaluated from the three non-zero quadratic B-spline basis values of their
 // coordinate and multiplied into the mode at once, so no [h, d, n, kappa] basis or
 // [h, d, n, r] spline tensor ever exists. Plain C++ (no torch headers: compiles in about a
-// second), called through ctypes with raw pointers to contiguous tensors.
+// second), called through ctypes with raw pointers and strides.
 //
 // The product is docs/lev.md step 3e, M = sign * exp(sum_d log(|phi| + eps)), evaluated as the
 // product of the signed factors x = phi -/+ eps split into mantissas and exponents (see
@@ -14,7 +17,8 @@
 // partial product can overflow or underflow.
 //
 // Backward, with s = dL/dM * M (computed by the caller): dL/dphi = s / x, dL/dDelta[l, c, j] =
-// sum_i B_j(t[l, i, c]) dL/dphi, and dL/dt through the basis values (and their normalisation).
+// sum_i B_j(t[l, i, c]) dL/dphi, dL/dt through the basis values (and their normalisation), and
+// through the sigmoid t = sigmoid(y) of step 3b: the kernel returns dL/dy = dL/dt * t * (1 - t).
 // It runs one (head, coordinate) per task so that each task owns its rows of dL/dDelta.
 
 #include <algorithm>
@@ -22,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
 
 namespace {
@@ -133,24 +138,60 @@ inline void renormalise(T* __restrict a, int32_t* __restrict e, int64_t r) {
   }
 }
 
+// A std::vector on 64-byte (cache line) boundaries: the coefficient rows are read with full
+// vector loads, and a row split across two cache lines costs a second load.
+template <typename T>
+struct CacheAligned {
+  using value_type = T;
+  CacheAligned() = default;
+  template <typename U>
+  CacheAligned(const CacheAligned<U>&) {}
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheAligned<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, CacheAligned<T>>;
+
+// coeff = 1 + delta, rounded as torch's `1 + Delta` (the coefficients of docs/lev.md step 3d).
+template <typename T>
+inline void add_one(const T* __restrict delta, T* __restrict coeff, int64_t m) {
+#pragma omp simd
+  for (int64_t k = 0; k < m; ++k) coeff[k] = T(1) + delta[k];
+}
+
 // kEpsNormal: eps is a normal number of T, so every factor |x| >= eps is normal (or inf/NaN),
 // and x = +eps at phi == 0 splits into eps's own (rounded) mantissa and exponent: the general
 // path's subnormal scaling and phi == 0 selection are then no-ops, skipped.
 template <typename T, bool kEpsNormal>
 void forward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
-             const T* __restrict coeff, T* __restrict modes, int64_t h, int64_t n, int64_t d,
+             const T* __restrict delta, T* __restrict modes, int64_t h, int64_t n, int64_t d,
              int64_t kappa, int64_t r, bool normalize, double eps, double eps_mant,
              int32_t eps_exp, int threads) {
   const T eps_t = static_cast<T>(eps);
   const T eps_m = static_cast<T>(eps_mant);
+  const int64_t head_size = d * kappa * r;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<T> acc(r);
     std::vector<int32_t> expo(r);
     BasisRun<T> basis(d);
+    // 1 + Delta of one head, rebuilt when a thread's (contiguous, static) run of tasks enters
+    // the next head: at most h + threads - 1 builds per call.
+    AlignedVector<T> coeff(head_size);
+    int64_t coeff_head = -1;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < h * n; ++task) {
       const int64_t l = task / n, i = task % n;
+      if (l != coeff_head) {
+        add_one(delta + l * head_size, coeff.data(), head_size);
+        coeff_head = l;
+      }
       T* __restrict a = acc.data();
       int32_t* __restrict ex = expo.data();
       for (int64_t rho = 0; rho < r; ++rho) {
@@ -159,7 +200,7 @@ void forward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
       }
       basis.eval(t + l * t_stride_h + i * t_stride_n, d, kappa, normalize);
       for (int64_t c = 0; c < d; ++c) {
-        const T* table = coeff + (l * d + c) * kappa * r;
+        const T* table = coeff.data() + c * kappa * r;
         const T* __restrict c0 = table + basis.k0[c] * r;
         const T* __restrict c1 = table + basis.k1[c] * r;
         const T* __restrict c2 = table + basis.k2[c] * r;
@@ -187,17 +228,17 @@ void forward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
 }
 
 template <typename T>
-void forward(const T* t, int64_t t_stride_h, int64_t t_stride_n, const T* coeff, T* modes,
+void forward(const T* t, int64_t t_stride_h, int64_t t_stride_n, const T* delta, T* modes,
              int64_t h, int64_t n, int64_t d, int64_t kappa, int64_t r, bool normalize,
              double eps, double eps_mant, int32_t eps_exp, int threads) {
   const bool eps_normal = eps >= static_cast<double>(std::numeric_limits<T>::min()) &&
                           eps <= static_cast<double>(std::numeric_limits<T>::max());
   if (eps_normal) {
-    forward<T, true>(t, t_stride_h, t_stride_n, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
-                     threads);
+    forward<T, true>(t, t_stride_h, t_stride_n, delta, modes, h, n, d, kappa, r, normalize,
+                     eps, eps_mant, eps_exp, threads);
   } else {
-    forward<T, false>(t, t_stride_h, t_stride_n, coeff, modes, h, n, d, kappa, r, normalize, eps, eps_mant, eps_exp,
-                      threads);
+    forward<T, false>(t, t_stride_h, t_stride_n, delta, modes, h, n, d, kappa, r, normalize,
+                      eps, eps_mant, eps_exp, threads);
   }
 }
 
@@ -209,34 +250,68 @@ void forward(const T* t, int64_t t_stride_h, int64_t t_stride_n, const T* coeff,
 #define LEV_PREFER_256
 #endif
 
-// t_hdn and grad_t_hdn are [h, d, n] (each task reads and writes one contiguous row); scaled
-// is [h, n, r]: the d tasks of a head stream the same contiguous block of n rows.
+// t [h, n, d] and grad_t [h, n, d] are read and written through their head and id strides
+// (coordinates contiguous; lev/kernels.py hands views of [n, h, d] tensors). Task (l, c) needs
+// the n values t[l, :, c] as one run: a thread gathers them for a block of kBlock coordinates
+// (one cache line per id) at once, and scatters dL/dt the same way when it leaves the block.
+// Gathering one value per line instead (a stride of h*d values: at h*d = 1024 floats every
+// such line maps to the same cache set) took this backward from 70 to 88 ms at 2000 ids, one
+// thread; contiguous [h, d, n] rows made by torch transpose copies cost 95 ms in all. scaled
+// is [h, n, r] through its strides too (rows of r contiguous); with an [h, n, r] layout the d
+// tasks of a head stream one contiguous block.
 template <typename T>
-LEV_PREFER_256 void backward(const T* __restrict t_hdn, const T* __restrict coeff,
-                             const T* __restrict scaled, T* __restrict grad_coeff,
-                             T* __restrict grad_t_hdn, int64_t h, int64_t n, int64_t d,
-                             int64_t kappa, int64_t r, bool normalize, double eps,
-                             int threads) {
+LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
+                             const T* __restrict delta, const T* __restrict scaled,
+                             int64_t s_stride_h, int64_t s_stride_n, T* __restrict grad_delta,
+                             T* __restrict grad_t, int64_t g_stride_h, int64_t g_stride_n,
+                             int64_t h, int64_t n, int64_t d, int64_t kappa, int64_t r,
+                             bool normalize, double eps, int threads) {
   const T eps_t = static_cast<T>(eps);
   const T ds_dt = static_cast<T>(kappa - 1);
+  constexpr int64_t kBlock = 64 / sizeof(T);
+  const int64_t blocks_per_head = (d + kBlock - 1) / kBlock;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<T> gphi(r), g0s(n), g1s(n), g2s(n);
+    AlignedVector<T> coeff(kappa * r);
     BasisRun<T> basis(n);
+    // t and dL/dt of kBlock coordinates of one head for all n ids, [kBlock, n]: gathered and
+    // scattered a cache line (kBlock coordinates of one id) at a time, not one value per line.
+    std::vector<T> t_block(kBlock * n), g_block(kBlock * n);
+    int64_t block = -1, done_lo = 0, done_hi = 0;  // loaded block; coordinates computed in it
+    auto flush = [&]() {
+      if (block < 0 || done_hi <= done_lo) return;
+      const int64_t l = block / blocks_per_head, c0 = (block % blocks_per_head) * kBlock;
+      T* out = grad_t + l * g_stride_h + c0;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = done_lo; j < done_hi; ++j) out[i * g_stride_n + j] = g_block[j * n + i];
+    };
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < h * d; ++task) {
-      const int64_t l = task / d;
-      const T* table = coeff + task * kappa * r;
-      T* gtable = grad_coeff + task * kappa * r;
+      const int64_t l = task / d, c = task % d;
+      const int64_t this_block = l * blocks_per_head + c / kBlock, cj = c % kBlock;
+      if (this_block != block) {
+        flush();
+        block = this_block;
+        const int64_t c0 = c - cj, width = std::min(kBlock, d - c0);
+        const T* in = t + l * t_stride_h + c0;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t q = 0; q < width; ++q) t_block[q * n + i] = in[i * t_stride_n + q];
+        done_lo = cj;
+      }
+      done_hi = cj + 1;
+      add_one(delta + task * kappa * r, coeff.data(), kappa * r);
+      const T* table = coeff.data();
+      T* gtable = grad_delta + task * kappa * r;  // dL/d(1 + Delta) = dL/dDelta
       for (int64_t k = 0; k < kappa * r; ++k) gtable[k] = 0;
-      basis.eval(t_hdn + task * n, n, kappa, normalize);
+      basis.eval(t_block.data() + cj * n, n, kappa, normalize);
       T* __restrict gp = gphi.data();
       for (int64_t i = 0; i < n; ++i) {
         const int32_t k0 = basis.k0[i], k1 = basis.k1[i], k2 = basis.k2[i];
         const T* __restrict c0 = table + k0 * r;
         const T* __restrict c1 = table + k1 * r;
         const T* __restrict c2 = table + k2 * r;
-        const T* __restrict srow = scaled + (l * n + i) * r;
+        const T* __restrict srow = scaled + l * s_stride_h + i * s_stride_n;
         const T v0 = basis.v0[i], v1 = basis.v1[i], v2 = basis.v2[i];
         T g0 = 0, g1 = 0, g2 = 0;  // dL/dB_j
         if (k0 != k1 && k1 != k2) {
@@ -279,7 +354,8 @@ LEV_PREFER_256 void backward(const T* __restrict t_hdn, const T* __restrict coef
         g1s[i] = g1;
         g2s[i] = g2;
       }
-      T* __restrict gt = grad_t_hdn + task * n;
+      T* __restrict gt = g_block.data() + cj * n;
+      const T* __restrict tb = t_block.data() + cj * n;
       const T* __restrict g0p = g0s.data();
       const T* __restrict g1p = g1s.data();
       const T* __restrict g2p = g2s.data();
@@ -293,9 +369,11 @@ LEV_PREFER_256 void backward(const T* __restrict t_hdn, const T* __restrict coef
           const T gv = g0p[i] * a0 + g1p[i] * a1 + g2p[i] * a2;
           grad_s = (grad_s - (s0 + s1 + s2) * gv) / basis.total[i];
         }
-        gt[i] = grad_s * ds_dt;
+        const T tv = tb[i];
+        gt[i] = grad_s * ds_dt * (tv * (T(1) - tv));  // dL/dy, t = sigmoid(y)
       }
     }
+    flush();
   }
 }
 
@@ -304,32 +382,38 @@ LEV_PREFER_256 void backward(const T* __restrict t_hdn, const T* __restrict coef
 extern "C" {
 
 void lev_forward_f32(const float* t, int64_t t_stride_h, int64_t t_stride_n,
-                     const float* coeff, float* modes, int64_t h, int64_t n,
-                     int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
-                     double eps_mant, int32_t eps_exp, int threads) {
-  forward<float>(t, t_stride_h, t_stride_n, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
-                 threads);
+                     const float* delta, float* modes, int64_t h, int64_t n, int64_t d,
+                     int64_t kappa, int64_t r, int normalize, double eps, double eps_mant,
+                     int32_t eps_exp, int threads) {
+  forward<float>(t, t_stride_h, t_stride_n, delta, modes, h, n, d, kappa, r, normalize != 0,
+                 eps, eps_mant, eps_exp, threads);
 }
 
 void lev_forward_f64(const double* t, int64_t t_stride_h, int64_t t_stride_n,
-                     const double* coeff, double* modes, int64_t h, int64_t n,
-                     int64_t d, int64_t kappa, int64_t r, int normalize, double eps,
-                     double eps_mant, int32_t eps_exp, int threads) {
-  forward<double>(t, t_stride_h, t_stride_n, coeff, modes, h, n, d, kappa, r, normalize != 0, eps, eps_mant, eps_exp,
+                     const double* delta, double* modes, int64_t h, int64_t n, int64_t d,
+                     int64_t kappa, int64_t r, int normalize, double eps, double eps_mant,
+                     int32_t eps_exp, int threads) {
+  forward<double>(t, t_stride_h, t_stride_n, delta, modes, h, n, d, kappa, r, normalize != 0,
+                  eps, eps_mant, eps_exp, threads);
+}
+
+void lev_backward_f32(const float* t, int64_t t_stride_h, int64_t t_stride_n,
+                      const float* delta, const float* scaled, int64_t s_stride_h,
+                      int64_t s_stride_n, float* grad_delta, float* grad_t,
+                      int64_t g_stride_h, int64_t g_stride_n, int64_t h, int64_t n, int64_t d,
+                      int64_t kappa, int64_t r, int normalize, double eps, int threads) {
+  backward<float>(t, t_stride_h, t_stride_n, delta, scaled, s_stride_h, s_stride_n, grad_delta,
+                  grad_t, g_stride_h, g_stride_n, h, n, d, kappa, r, normalize != 0, eps,
                   threads);
 }
 
-void lev_backward_f32(const float* t_hdn, const float* coeff, const float* scaled,
-                      float* grad_coeff, float* grad_t_hdn, int64_t h, int64_t n, int64_t d,
+void lev_backward_f64(const double* t, int64_t t_stride_h, int64_t t_stride_n,
+                      const double* delta, const double* scaled, int64_t s_stride_h,
+                      int64_t s_stride_n, double* grad_delta, double* grad_t,
+                      int64_t g_stride_h, int64_t g_stride_n, int64_t h, int64_t n, int64_t d,
                       int64_t kappa, int64_t r, int normalize, double eps, int threads) {
-  backward<float>(t_hdn, coeff, scaled, grad_coeff, grad_t_hdn, h, n, d, kappa, r,
-                  normalize != 0, eps, threads);
-}
-
-void lev_backward_f64(const double* t_hdn, const double* coeff, const double* scaled,
-                      double* grad_coeff, double* grad_t_hdn, int64_t h, int64_t n, int64_t d,
-                      int64_t kappa, int64_t r, int normalize, double eps, int threads) {
-  backward<double>(t_hdn, coeff, scaled, grad_coeff, grad_t_hdn, h, n, d, kappa, r,
+  backward<double>(t, t_stride_h, t_stride_n, delta, scaled, s_stride_h, s_stride_n,
+                   grad_delta, grad_t, g_stride_h, g_stride_n, h, n, d, kappa, r,
                    normalize != 0, eps, threads);
 }
 
