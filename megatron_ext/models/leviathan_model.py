@@ -28,6 +28,7 @@ from megatron_ext.tensor_parallel import (
     PortableColumnParallelLinear,
     PortableVocabParallelEmbedding,
     adopt,
+    vocab_parallel_cross_entropy,
 )
 
 if TYPE_CHECKING:
@@ -155,6 +156,17 @@ class LeviathanModel(GPTModel):
                 f"the checkpoint holds a model with --embedding-type {saved}, but this model "
                 f"is --embedding-type {self.embedding_type}; load it into a {saved} model"
             )
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor):
+        """Per-token loss [b, s] of logits [s, b, V/tp]: megatron's unfused vocab-parallel
+        cross entropy with fewer passes over the logits (`vocab_parallel_cross_entropy`);
+        --cross-entropy-loss-fusion keeps megatron's fused one."""
+        if self.config.cross_entropy_loss_fusion:
+            return super().compute_language_model_loss(labels, logits)
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp
+        )
+        return loss.transpose(0, 1).contiguous()
 
     def setup_embeddings_and_output_layer(self) -> None:
         """Megatron's tied-embedding set-up without its `weight.data.cuda()` (fails on CPU)."""
