@@ -140,6 +140,11 @@ class Optimizer:
         kwargs = dict(
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=0.0
         )
+        if self.params and all(p.device.type == "cpu" for p in self.params):
+            # torch's fused CPU kernel: one vectorised pass per parameter instead of the default
+            # for-loop's ~10 ops (4 vs 18 ms a step for 5.5M parameters at one thread); the
+            # same update, rounded in another order (within an ulp of the for-loop's).
+            kwargs["fused"] = True
         self.distributed = zero_group is not None
         if self.distributed:
             # ZeroRedundancyOptimizer drops empty groups at construction; keep only filled ones
