@@ -18,7 +18,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transfor
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -36,7 +36,6 @@ from megatron_ext.models.local_modules import (
     CachedSelfAttention,
     SDPACoreAttention,
     SequenceParallelNorm,
-    SwiGLUMLP,
 )
 from megatron_ext.tensor_parallel import PortableColumnParallelLinear, PortableRowParallelLinear
 
@@ -69,7 +68,7 @@ def get_local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=SequenceParallelNorm,
             mlp=ModuleSpec(
-                module=SwiGLUMLP,
+                module=MLP,
                 submodules=MLPSubmodules(
                     linear_fc1=PortableColumnParallelLinear, linear_fc2=PortableRowParallelLinear
                 ),

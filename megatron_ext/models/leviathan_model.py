@@ -15,6 +15,7 @@ import megatron_ext.megatron_import  # noqa: F401
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.models.config import ModelConfig
@@ -23,6 +24,7 @@ from megatron_ext.models.local_modules import (
     PortableRotaryEmbedding,
     PortableTransformerBlock,
     SDPACoreAttention,
+    SwiGLUMLP,
 )
 from megatron_ext.tensor_parallel import (
     PortableColumnParallelLinear,
@@ -124,6 +126,12 @@ class LeviathanModel(GPTModel):
                 if isinstance(attention.core_attention, SDPACoreAttention):
                     attention.checkpoint_core_attention = False
                     attention.core_attention.recompute = True
+        if model_config.transformer_impl == "local":
+            # Swapped after construction: megatron's TransformerLayer hands the layer's TP
+            # group only to an MLP spec whose module is exactly MLP.
+            for layer in self.decoder.layers:
+                if type(layer.mlp) is MLP:
+                    layer.mlp = adopt(SwiGLUMLP, layer.mlp)
         # GPTModel builds these two with megatron's classes, whose sequence-parallel
         # communication allocates on CUDA; their portable twins share the same parameters.
         if pre_process:

@@ -15,9 +15,10 @@ They are chosen by the local layer spec (core attention, norms) or by `Leviathan
 - `PortableTransformerBlock` (adopted by `LeviathanModel` on hosts without CUDA when
   `--recompute-granularity full`) recomputes layers with `torch.utils.checkpoint`: megatron's
   `tensor_parallel.checkpoint` saves the CUDA RNG state, which a CPU-only torch cannot read.
-- `SwiGLUMLP` is megatron's `MLP` whose SwiGLU (`silu(gate) * up`, no bias) skips two passes
-  megatron's unfused path makes over the [s, b, ffn] activations: `up + glu_linear_offset`
-  (0.0) in the forward, and the `cat` of the two halves' gradients in the backward.
+- `SwiGLUMLP` (adopted by `LeviathanModel` for the local layers' MLPs) is megatron's `MLP`
+  whose SwiGLU (`silu(gate) * up`, no bias) skips two passes megatron's unfused path makes over
+  the [s, b, ffn] activations: `up + glu_linear_offset` (0.0) in the forward, and the `cat` of
+  the two halves' gradients in the backward.
 - `CachedSelfAttention` replaces `SelfAttention`, whose KV cache for megatron's
   `StaticInferenceContext` is allocated on `torch.cuda.current_device()`; the twin allocates it
   on the device of its own weights, so generation with a KV cache also runs on CPU.
