@@ -1,4 +1,5 @@
-"""The one sequence-split check that LEV, the digit-seed arm and the portable reduce-scatter use."""
+"""The one sequence-split check that LEV, the digit-seed arm and the portable reduce-scatter use,
+and the vocab-parallel cross entropy of the model's loss."""
 
 import pytest
 
@@ -13,3 +14,72 @@ def test_sequence_split_names_the_flag_to_change():
         check_sequence_split(33, 2)
     with pytest.raises(ValueError, match="change --seq-length"):
         check_sequence_split(5, 4)
+
+
+def _cross_entropies(shard_of_rank: bool) -> list[bool]:
+    """Ours against megatron's vocab-parallel cross entropy on this rank's shard of the same
+    logits: loss, logits gradient, and the forward without autograd, each bit for bit."""
+    import megatron_ext.megatron_import  # noqa: F401
+
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as mcore_tp
+
+    from megatron_ext.tensor_parallel import vocab_parallel_cross_entropy
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    torch.manual_seed(0)
+    logits = torch.randn(16, 3, 40) * 4  # [s, b, V]
+    target = torch.randint(0, 40, (16, 3))
+    if shard_of_rank:
+        logits = logits.chunk(group.size(), dim=-1)[group.rank()].contiguous()
+    grad = torch.randn(16, 3)
+    theirs, ours = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    want = mcore_tp.vocab_parallel_cross_entropy(theirs * 1.0, target)
+    got = vocab_parallel_cross_entropy(ours * 1.0, target, group)
+    want.backward(grad)
+    got.backward(grad)
+    with torch.inference_mode():
+        evaluated = vocab_parallel_cross_entropy(logits.clone(), target, group)
+    return [
+        torch.equal(got, want),
+        torch.equal(ours.grad, theirs.grad),
+        torch.equal(evaluated, want.detach()),
+    ]
+
+
+def test_cross_entropy_without_a_group_is_torchs():
+    """One shard (group None): torch's cross entropy to float rounding, and the forward
+    without autograd (which skips the softmax) gives the same losses bit for bit."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_ext.tensor_parallel import vocab_parallel_cross_entropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(16, 3, 40) * 4
+    target = torch.randint(0, 40, (16, 3))
+    ours, peer = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(ours * 1.0, target, None)
+    want = F.cross_entropy(peer.flatten(0, 1), target.flatten(), reduction="none").view(16, 3)
+    torch.testing.assert_close(loss, want)
+    loss.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(ours.grad, peer.grad)
+    with torch.no_grad():
+        assert torch.equal(vocab_parallel_cross_entropy(logits.clone(), target, None), loss)
+
+
+@pytest.mark.integration
+def test_cross_entropy_is_megatrons_bit_for_bit():
+    from megatron_ext.testing.distributed import run_distributed
+
+    assert run_distributed(_cross_entropies, 1, args=(False,)) == [[True, True, True]]
+
+
+@pytest.mark.integration
+def test_cross_entropy_is_megatrons_bit_for_bit_over_two_vocab_shards():
+    from megatron_ext.testing.distributed import run_distributed
+
+    reports = run_distributed(_cross_entropies, 2, tp=2, args=(True,))
+    assert reports == [[True, True, True]] * 2

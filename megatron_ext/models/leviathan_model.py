@@ -15,6 +15,7 @@ import megatron_ext.megatron_import  # noqa: F401
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.models.config import ModelConfig
@@ -23,11 +24,13 @@ from megatron_ext.models.local_modules import (
     PortableRotaryEmbedding,
     PortableTransformerBlock,
     SDPACoreAttention,
+    SwiGLUMLP,
 )
 from megatron_ext.tensor_parallel import (
     PortableColumnParallelLinear,
     PortableVocabParallelEmbedding,
     adopt,
+    vocab_parallel_cross_entropy,
 )
 
 if TYPE_CHECKING:
@@ -123,6 +126,12 @@ class LeviathanModel(GPTModel):
                 if isinstance(attention.core_attention, SDPACoreAttention):
                     attention.checkpoint_core_attention = False
                     attention.core_attention.recompute = True
+        if model_config.transformer_impl == "local":
+            # Swapped after construction: megatron's TransformerLayer hands the layer's TP
+            # group only to an MLP spec whose module is exactly MLP.
+            for layer in self.decoder.layers:
+                if type(layer.mlp) is MLP:
+                    layer.mlp = adopt(SwiGLUMLP, layer.mlp)
         # GPTModel builds these two with megatron's classes, whose sequence-parallel
         # communication allocates on CUDA; their portable twins share the same parameters.
         if pre_process:
@@ -155,6 +164,17 @@ class LeviathanModel(GPTModel):
                 f"the checkpoint holds a model with --embedding-type {saved}, but this model "
                 f"is --embedding-type {self.embedding_type}; load it into a {saved} model"
             )
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor):
+        """Per-token loss [b, s] of logits [s, b, V/tp]: megatron's unfused vocab-parallel
+        cross entropy with fewer passes over the logits (`vocab_parallel_cross_entropy`);
+        --cross-entropy-loss-fusion keeps megatron's fused one."""
+        if self.config.cross_entropy_loss_fusion:
+            return super().compute_language_model_loss(labels, logits)
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp
+        )
+        return loss.transpose(0, 1).contiguous()
 
     def setup_embeddings_and_output_layer(self) -> None:
         """Megatron's tied-embedding set-up without its `weight.data.cuda()` (fails on CPU)."""

@@ -15,6 +15,10 @@ They are chosen by the local layer spec (core attention, norms) or by `Leviathan
 - `PortableTransformerBlock` (adopted by `LeviathanModel` on hosts without CUDA when
   `--recompute-granularity full`) recomputes layers with `torch.utils.checkpoint`: megatron's
   `tensor_parallel.checkpoint` saves the CUDA RNG state, which a CPU-only torch cannot read.
+- `SwiGLUMLP` (adopted by `LeviathanModel` for the local layers' MLPs) is megatron's `MLP`
+  whose SwiGLU (`silu(gate) * up`, no bias) skips two passes megatron's unfused path makes over
+  the [s, b, ffn] activations: `up + glu_linear_offset` (0.0) in the forward, and the `cat` of
+  the two halves' gradients in the backward.
 - `CachedSelfAttention` replaces `SelfAttention`, whose KV cache for megatron's
   `StaticInferenceContext` is allocated on `torch.cuda.current_device()`; the twin allocates it
   on the device of its own weights, so generation with a KV cache also runs on CPU.
@@ -36,6 +40,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -47,6 +52,7 @@ __all__ = [
     "CachedSelfAttention",
     "SDPACoreAttention",
     "SequenceParallelNorm",
+    "SwiGLUMLP",
     "PortableRotaryEmbedding",
     "PortableTransformerBlock",
 ]
@@ -204,6 +210,59 @@ class SequenceParallelNorm(torch.nn.Module):
         if self.normalization == "RMSNorm":
             return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
         return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of x [..., 2f] = [gate | up] -> [..., f]; the backward writes both
+    halves of the gradient into one [..., 2f] tensor (autograd's would `cat` them), each with
+    the operations autograd runs on `F.silu(gate) * up`, so the values are the same bits."""
+
+    @staticmethod
+    def forward(ctx, x):
+        gate, up = torch.chunk(x, 2, dim=-1)
+        activated = F.silu(gate)
+        ctx.save_for_backward(x, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, activated = ctx.saved_tensors
+        gate, up = torch.chunk(x, 2, dim=-1)
+        grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        grad_gate, grad_up = torch.chunk(grad_x, 2, dim=-1)
+        torch.mul(grad, activated, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_x
+
+
+class SwiGLUMLP(MLP):
+    """megatron's MLP; its plain SwiGLU (gated silu, no bias, no clamp, no offset, unfused)
+    runs through `_SwiGLU`, everything else through megatron's own forward.
+    Input [s, b, h] -> (output [s, b, h], bias None)."""
+
+    def _plain_swiglu(self) -> bool:
+        c = self.config
+        return (
+            c.gated_linear_unit
+            and self.activation_func is F.silu
+            and not c.use_te_activation_func
+            and not c.bias_activation_fusion
+            and c.activation_func_clamp_value is None
+            and not c.glu_linear_offset
+            and not c.add_bias_linear
+        )
+
+    def forward(self, hidden_states: Tensor, per_token_scale=None, **kwargs):
+        """fc1 -> SwiGLU -> fc2 ([s, b, h] -> [s, b, h])."""
+        if per_token_scale is not None or not self._plain_swiglu():
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        intermediate, _ = self.linear_fc1(hidden_states)  # no bias: add_bias_linear is off
+        if torch.is_grad_enabled() and intermediate.requires_grad:
+            intermediate = _SwiGLU.apply(intermediate)
+        else:
+            gate, up = torch.chunk(intermediate, 2, dim=-1)
+            intermediate = F.silu(gate) * up
+        return self.linear_fc2(intermediate)
 
 
 class PortableRotaryEmbedding(RotaryEmbedding):

@@ -15,7 +15,7 @@ compute dtype (2 under --bf16 autocast, 4 in float32), kv = key/value width, F =
     linear input copies:      qkv and fc1 inputs [T, D]                      A * 2TD
     attention:                q, k (rotated), the qkv output, SDPA output; log-sum-exp
                               [b, heads, s] in float32
-    SwiGLU MLP:               fc1 output [T, 2F], its two halves' products, fc2 input [T, F]
+    SwiGLU MLP:               fc1 output [T, 2F], silu(gate) [T, F], fc2 input [T, F]
     autocast weight copies:   the layer's matmul weights in A bytes (only under autocast: the
                               float32 parameters themselves are not activations)
 
@@ -139,7 +139,7 @@ def _layer_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
     linear_inputs = a * 2 * t * d  # saved after the sequence-parallel all-gather: full size
     attention = a * (t * heads * hd + t * kv + t * (heads * hd + 2 * kv))
     attention += 4 * b * heads * s + a * t * heads * hd
-    mlp = a * 5 * t * f
+    mlp = a * 4 * t * f  # models.local_modules.SwiGLUMLP: [T, 2F] + 2 x [T, F]
     weights = a * _layer_matmul_params(cfg) / tp if layout.autocast_weight_copies else 0
     return stream + linear_inputs + attention + mlp + weights
 

@@ -49,6 +49,7 @@ __all__ = [
     "build_scheduler",
     "param_groups",
     "allreduce_data_parallel_grads",
+    "all_finite",
     "clip_grad_norm",
     "LossScaler",
 ]
@@ -139,6 +140,11 @@ class Optimizer:
         kwargs = dict(
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=0.0
         )
+        if self.params and all(p.device.type == "cpu" for p in self.params):
+            # torch's fused CPU kernel: one vectorised pass per parameter instead of the default
+            # for-loop's ~10 ops (4 vs 18 ms a step for 5.5M parameters at one thread); the
+            # same update, rounded in another order (within an ulp of the for-loop's).
+            kwargs["fused"] = True
         self.distributed = zero_group is not None
         if self.distributed:
             # ZeroRedundancyOptimizer drops empty groups at construction; keep only filled ones
@@ -245,6 +251,7 @@ def allreduce_data_parallel_grads(
     group: dist.ProcessGroup,
     scale: float = 1.0,
     reduce_dtype: Optional[torch.dtype] = None,
+    check_alone: bool = True,
 ) -> bool:
     """Average gradients over `group`, the data-parallel (x context-parallel) group
     (`ProcessGroups.dp_cp`), times `scale` (e.g. 1/loss-scale).
@@ -254,6 +261,10 @@ def allreduce_data_parallel_grads(
 
     `reduce_dtype` (--grad-reduce-in-bf16: torch.bfloat16) is the dtype on the wire; the
     gradients are scaled in float32, reduced in that dtype and copied back to float32.
+
+    `check_alone` False skips the finiteness check when `group` has one rank: nothing is
+    exchanged, so the gradients stay this rank's own and the caller can check them later,
+    e.g. only when the grad norm is not finite (`all_finite`); True is returned unchecked.
 
     Returns:
         whether this rank's own gradients were all finite before the reduction (used to name
@@ -266,7 +277,7 @@ def allreduce_data_parallel_grads(
     grads = [p.grad for p in params]
     factor = scale / size
     if size == 1:  # nothing to exchange: check and scale in place
-        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        finite = all_finite(grads) if check_alone else True
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
         return finite
@@ -293,6 +304,11 @@ def allreduce_data_parallel_grads(
     for item in pending:
         finish(*item)
     return finite
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite (one host sync per tensor)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pg: ProcessGroups) -> float:

@@ -255,6 +255,8 @@ def test_nonfinite_loss_stops_and_is_never_saved(launcher, base_args, runs):
     assert run.returncode == 1, run.output[-3000:]
     error = [line for line in run.output.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "iteration 2" in error[0] and "rank(s) [0]" in error[0], error
+    # one rank, no data parallelism: its gradients are checked once the norm is not finite
+    assert "non-finite gradients on rank(s) [0]" in error[0], error
     assert (d / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert not (d / "ckpt" / "iter_0000002").exists()
 
