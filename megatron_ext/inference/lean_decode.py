@@ -4,8 +4,8 @@ Per generated token, megatron-core's TransformerLayer machinery (module dispatch
 inference context's bookkeeping, [s, b] layout shuffles, bias-dropout-add closures) costs more
 Python than the token's matmuls on a small model. `LeanDecoder` runs exactly the computation of
 the local spec (`SequenceParallelNorm`, `CachedSelfAttention` with `SDPACoreAttention`, megatron's
-`MLP`) on the model's own weights, batch-first, with its own KV cache ([b, ng, max_s, hn] per
-layer, keys stored already rotated):
+`MLP` or its `SwiGLUMLP`) on the model's own weights, batch-first, with its own KV cache
+([b, ng, max_s, hn] per layer, keys stored already rotated):
 
     decoder = LeanDecoder(model, batch=2, max_sequence_length=64)   # raises if not covered
     logits = decoder(tokens[:, :5])   # prefill: [b, 5] -> next-token logits [b, V]
@@ -43,6 +43,7 @@ from megatron_ext.models.local_modules import (
     CachedSelfAttention,
     SDPACoreAttention,
     SequenceParallelNorm,
+    SwiGLUMLP,
     _RopeTables,
     _rotate,
 )
@@ -99,7 +100,7 @@ def lean_decode_unsupported(model: torch.nn.Module) -> Optional[str]:
             and isinstance(attention.q_layernorm, IdentityOp)
             and isinstance(attention.k_layernorm, IdentityOp)
             and isinstance(layer.cross_attention, IdentityOp)
-            and type(layer.mlp) is MLP
+            and type(layer.mlp) in (MLP, SwiGLUMLP)  # the same function of the same weights
         ):
             return "a layer outside the local spec (Transformer Engine, MoE, custom modules)"
     if not isinstance(model.decoder.final_layernorm, SequenceParallelNorm):
