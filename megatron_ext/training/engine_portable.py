@@ -208,16 +208,15 @@ class PortableEngine(Engine):
                 self.pg.dp_cp,
                 scale=grad_scale,
                 reduce_dtype=torch.bfloat16 if self.cfg.precision.grad_reduce_in_bf16 else None,
-                check_alone=False,
             )
         self.timers.mark("grads-all-reduce")
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
-        if ddp is None and self.pg.dp_cp_size == 1 and not math.isfinite(grad_norm):
-            # Checked only now (a finite norm over the model-parallel world means finite
-            # gradients everywhere): without data parallelism they are still this rank's own.
-            grads_ok = all_finite(p.grad for p in self.optimizer.params)
+        if grads_ok is None:
+            # No data parallelism: the gradients are still this rank's own. A finite norm over
+            # the model-parallel world means finite gradients everywhere; only otherwise look.
+            grads_ok = math.isfinite(grad_norm) or all_finite(p.grad for p in self.optimizer.params)
         self.timers.mark("grad-norm-and-clip")
-        loss_ok = all(bool(torch.isfinite(v).all()) for v in totals.values())
+        loss_ok = all_finite(totals.values())
         self.phase.set("all-reduce of the iteration's loss and exit flags (world group)")
         stats = world_stats(
             totals,

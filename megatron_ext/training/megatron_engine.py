@@ -68,7 +68,7 @@ from megatron_ext.training.engine import (
 )
 from megatron_ext.training.megatron_features import is_decoupled_param
 from megatron_ext.training.metrics_logger import Timers
-from megatron_ext.training.optimizer import build_scheduler
+from megatron_ext.training.optimizer import all_finite, build_scheduler
 from megatron_ext.training.schedules import ForwardStep
 from megatron_ext.training.unique_params import counted_once
 
@@ -298,7 +298,7 @@ class MegatronEngine(Engine):
             data_iterator, global_batch // (b.micro_batch_size * p.data_parallel_size), False
         )
         self.timers.mark("forward-backward")
-        loss_ok = all(bool(torch.isfinite(v).all()) for v in totals.values())
+        loss_ok = all_finite(totals.values())
         self.phase.set("all-reduce of the iteration's loss and exit flags (world group)")
         stats = world_stats(totals, self._counts_loss(), [not loss_ok, *flags], self.device)
         loss = stats[0] / stats[1] if stats[1] > 0 and stats[2] == 0 else float("nan")

@@ -251,8 +251,7 @@ def allreduce_data_parallel_grads(
     group: dist.ProcessGroup,
     scale: float = 1.0,
     reduce_dtype: Optional[torch.dtype] = None,
-    check_alone: bool = True,
-) -> bool:
+) -> Optional[bool]:
     """Average gradients over `group`, the data-parallel (x context-parallel) group
     (`ProcessGroups.dp_cp`), times `scale` (e.g. 1/loss-scale).
 
@@ -262,13 +261,11 @@ def allreduce_data_parallel_grads(
     `reduce_dtype` (--grad-reduce-in-bf16: torch.bfloat16) is the dtype on the wire; the
     gradients are scaled in float32, reduced in that dtype and copied back to float32.
 
-    `check_alone` False skips the finiteness check when `group` has one rank: nothing is
-    exchanged, so the gradients stay this rank's own and the caller can check them later,
-    e.g. only when the grad norm is not finite (`all_finite`); True is returned unchecked.
-
     Returns:
         whether this rank's own gradients were all finite before the reduction (used to name
-        the rank that produced a NaN/inf).
+        the rank that produced a NaN/inf); None when `group` has one rank: nothing is exchanged,
+        the gradients stay this rank's own, and the caller checks them when it needs to (e.g.
+        only when the grad norm is not finite, `all_finite`).
     """
     size = dist.get_world_size(group)
     for param in params:
@@ -276,11 +273,10 @@ def allreduce_data_parallel_grads(
             param.grad = torch.zeros_like(param)
     grads = [p.grad for p in params]
     factor = scale / size
-    if size == 1:  # nothing to exchange: check and scale in place
-        finite = all_finite(grads) if check_alone else True
+    if size == 1:  # nothing to exchange: scale in place
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
-        return finite
+        return None
     finite = True
     pending: list = []
 
