@@ -95,12 +95,15 @@ def test_process_groups_match_megatron():
     assert [r["embd"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 
+TORCHRUN_IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# argv[1:]: TORCHRUN_IDENTITY.
 _ONE_RANK = textwrap.dedent(
     """
     import os, subprocess, sys
     import torch, torch.distributed as dist
     from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
-    IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    IDENTITY = tuple(sys.argv[1:])
     before = dict(os.environ)
     assert ProcessGroups.current() is None
     for _ in range(2):  # a tool's main called twice in one notebook
@@ -124,12 +127,11 @@ def test_plain_processes_are_one_rank_worlds_that_leave_the_environment_alone():
     """Two `python pretrain_leviathan.py` runs side by side (no torchrun) each set up a one-rank
     world, twice in a row, without a port to fight over and without writing a torchrun
     identity into os.environ that processes they start would inherit."""
-    identity = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in identity}
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_IDENTITY}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _ONE_RANK],
+            [sys.executable, "-c", _ONE_RANK, *TORCHRUN_IDENTITY],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
