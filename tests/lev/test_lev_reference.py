@@ -552,3 +552,71 @@ def test_kernel_options_carry_the_codebook_combine():
     assert LEVKernelOptions().codebook_combine == "sum"
     with pytest.raises(ValueError, match="codebook_combine must be 'sum' or 'concat'"):
         LEVKernelOptions(codebook_combine="mean")
+
+
+# The C++ kernel takes its vector paths when r is a multiple of its vector width (8 floats, 4
+# doubles) and the scalar ones otherwise; rank components are independent, so the first 5
+# components of an r = 16 run (vector paths) are those of an r = 5 run (scalar paths) of the same
+# inputs. Coefficients up to 1e15 or 1e30 and eps from 1e-30 to 1 take the forward's group size
+# (`safe_group`, float32) through 42, 4, 2 and 0 (the per-factor path).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "eps, scale", [(1e-9, 1.0), (1e-30, 1.0), (1.0, 1.0), (1.0, 1e-3), (1e-9, 1e15), (1.0, 1e30)]
+)
+def test_cpu_kernel_vector_paths_equal_its_scalar_paths(dtype, eps, scale):
+    from megatron_ext.lev import cpu_fused
+
+    _device("cpu")
+    backend = cpu_fused.CPU_BACKEND
+    gen = torch.Generator().manual_seed(3)
+    h, n, d, kappa, r = 3, 41, 70, 6, 16
+    t = torch.rand(n, h, d, generator=gen, dtype=torch.float64).to(dtype).transpose(0, 1)
+    delta = torch.randn(h, d, kappa, r, generator=gen, dtype=torch.float64) * 0.5
+    delta[:, :2] *= scale  # the coefficients' range sets the group size
+    delta = delta.to(dtype)
+    delta[0, 5:9] = -1  # exact zeros: phi == 0, the factor is eps
+    grad = torch.randn(h, n, r, generator=gen, dtype=torch.float64).to(dtype).transpose(0, 1)
+    opts = _opts(eps=eps)
+    narrow = delta[..., :5].contiguous()
+    modes = backend.forward(t, delta, opts)
+    exactly = dict(rtol=0, atol=0, equal_nan=True)  # bit for bit (inf where the product is)
+    torch.testing.assert_close(modes[..., :5], backend.forward(t, narrow, opts), **exactly)
+    scaled = grad * modes
+    grad_y, grad_delta = backend.backward(t, delta, scaled, opts)
+    narrow_y, narrow_delta = backend.backward(t, narrow, scaled[..., :5], opts)
+    torch.testing.assert_close(grad_delta[..., :5], narrow_delta, **exactly)
+    # dL/dy sums over the r components, in vector lanes on the vector path (another order of
+    # the same float sums): with the last 11 components' gradient 0 it is the r = 5 run's.
+    padded = torch.cat([scaled[..., :5], torch.zeros(n, h, r - 5, dtype=dtype)], -1)
+    grad_y5, _ = backend.backward(t, delta, padded, opts)
+    finite = narrow_y.isfinite()
+    assert torch.equal(grad_y5.isfinite(), finite)
+    if finite.any():  # (a float32 product of two 1e30 factors overflows: no finite dL/dy)
+        rtol = 1e-4 if dtype == torch.float32 else 1e-10
+        scale_y = float(narrow_y[finite].abs().max())
+        torch.testing.assert_close(
+            grad_y5[finite], narrow_y[finite], rtol=rtol, atol=rtol * scale_y
+        )
+
+
+def test_cpu_kernel_vector_path_keeps_nan_and_inf():
+    # A NaN or inf coefficient turns the forward's fast path off for its head (group size 0);
+    # a NaN coordinate gives NaN modes on the fast path, as on the per-factor one.
+    from megatron_ext.lev import cpu_fused
+
+    _device("cpu")
+    backend = cpu_fused.CPU_BACKEND
+    gen = torch.Generator().manual_seed(4)
+    h, n, d, kappa, r = 3, 9, 12, 5, 8
+    t = torch.rand(n, h, d, generator=gen).transpose(0, 1).contiguous()
+    t[1, 2, 4] = float("nan")
+    delta = torch.randn(h, d, kappa, r, generator=gen) * 0.1
+    delta[0, 3, :, 2] = float("nan")
+    delta[2, 1, :, 6] = float("inf")
+    modes = backend.forward(t, delta, _opts())
+    narrow = backend.forward(t, delta[..., :5].contiguous(), _opts())
+    assert torch.equal(modes[..., :5].isnan(), narrow.isnan())
+    assert torch.equal(torch.nan_to_num(modes[..., :5]), torch.nan_to_num(narrow))
+    assert modes[:, 0, 2].isnan().all() and modes[2, 1].isnan().all()
+    assert modes[:, 2, 6].isinf().any() or modes[:, 2, 6].isnan().any()
+    assert torch.isfinite(modes[:, 1][torch.arange(n) != 2]).all()

@@ -165,6 +165,163 @@ inline void add_one(const T* __restrict delta, T* __restrict coeff, int64_t m) {
   for (int64_t k = 0; k < m; ++k) coeff[k] = T(1) + delta[k];
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#define LEV_PREFER_256 __attribute__((target("prefer-vector-width=256")))
+#else
+#define LEV_PREFER_256
+#endif
+
+// 32-byte vectors (GCC/Clang vector extensions: AVX registers on x86, pairs of NEON registers
+// on ARM), for loops whose lanes must stay in registers across iterations.
+template <typename T>
+struct VecOf;
+template <>
+struct VecOf<float> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<double> {
+  typedef double type __attribute__((vector_size(32)));
+};
+template <typename T>
+using Vec = typename VecOf<T>::type;
+
+template <typename T>
+LEV_PREFER_256 inline Vec<T> load(const T* p) {
+  Vec<T> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename T>
+LEV_PREFER_256 inline void store(T* p, Vec<T> v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// The sum of a vector's lanes as a balanced tree (depth log2 of the lanes, not a serial chain).
+template <typename T>
+LEV_PREFER_256 inline T lane_sum(Vec<T> v) {
+  constexpr int n = sizeof(Vec<T>) / sizeof(T);
+  T part[n];
+  std::memcpy(part, &v, sizeof(v));
+  for (int width = n / 2; width > 0; width /= 2)
+    for (int q = 0; q < width; ++q) part[q] += part[q + width];
+  return part[0];
+}
+
+// The integer vector of a Vec<T>'s bits (int32 lanes for float, int64 for double).
+template <typename T>
+struct IntVecOf;
+template <>
+struct IntVecOf<float> {
+  typedef int32_t type __attribute__((vector_size(32)));
+};
+template <>
+struct IntVecOf<double> {
+  typedef int64_t type __attribute__((vector_size(32)));
+};
+template <typename T>
+using IntVec = typename IntVecOf<T>::type;
+
+// `split<T, true>` on every lane: x = m * 2^e with 1/2 <= |m| < 1 for normal x; inf and NaN
+// give m = x, e = 0 (no lane may be subnormal or 0).
+template <typename T>
+LEV_PREFER_256 inline Vec<T> split_normal(Vec<T> x, IntVec<T>& e) {
+  using F = FloatBits<T>;
+  using I = IntVec<T>;
+  using S = typename F::U;
+  I bits;
+  std::memcpy(&bits, &x, sizeof(x));
+  const I ex = (bits >> F::kMant) & F::kExpMax;
+  const I finite = ex != F::kExpMax;  // every lane all ones or all zeros
+  e = (ex - (F::kBias - 1)) & finite;
+  const auto mask = static_cast<S>(F::kExpMax) << F::kMant;
+  const I mantissa = (bits & static_cast<S>(~mask)) | (static_cast<S>(F::kBias - 1) << F::kMant);
+  bits = (mantissa & finite) | (bits & ~finite);
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// The forward's fast path. A factor's split only keeps partial products in range; where the
+// factors of a head are known to lie in eps <= |x| <= bound, `group` of them can be multiplied
+// into a running mantissa (in [1/2, 1]) directly, and the mantissa split once per group, with no
+// partial product leaving T's normal range. A float product's rounding does not depend on a
+// power-of-two scale while it stays normal, so this gives the per-factor path's result bit for
+// bit. `safe_group` is that count (0: bound not finite, or fewer than 2 fit).
+template <typename T>
+int64_t safe_group(T eps, T max_coeff) {
+  // |phi| <= max |1 + Delta| (basis values are >= 0 and sum to at most 1); doubled for the
+  // rounding of phi and of phi +/- eps.
+  const double bound = 2.0 * static_cast<double>(max_coeff) + static_cast<double>(eps);
+  if (!(bound <= static_cast<double>(std::numeric_limits<T>::max()))) return 0;
+  const double lo = std::ceil(-std::log2(static_cast<double>(eps)));  // |x| >= 2^-lo
+  const double hi = std::ceil(std::log2(bound));                       // |x| <= 2^hi
+  // 2^-1 * 2^(-lo*G) must stay normal (>= 2^(min_exponent - 1)); 2^(hi*G) below 2^(max - 1).
+  double group = kGroup;
+  if (lo > 0) group = std::min(group, std::floor(-std::numeric_limits<T>::min_exponent / lo));
+  if (hi > 0)
+    group = std::min(group, std::floor((std::numeric_limits<T>::max_exponent - 2) / hi));
+  return group >= 2 ? static_cast<int64_t>(group) : 0;
+}
+
+// max |coeff| over m values, or inf when one is NaN (then `safe_group` is 0).
+template <typename T>
+T max_abs(const T* __restrict coeff, int64_t m) {
+  T top = 0;
+  bool nan = false;
+#pragma omp simd reduction(max : top) reduction(|| : nan)
+  for (int64_t k = 0; k < m; ++k) {
+    top = std::max(top, std::abs(coeff[k]));
+    nan = nan || coeff[k] != coeff[k];
+  }
+  return nan ? std::numeric_limits<T>::infinity() : top;
+}
+
+// One (head, id) of the forward by the fast path: two vectors of rank components at a time, their
+// running mantissas and exponents in registers across the d coordinates. table is the head's
+// [d, kappa, r] coefficients; r a multiple of the vector width.
+template <typename T>
+LEV_PREFER_256 void modes_grouped(const T* __restrict table, const BasisRun<T>& basis, int64_t d,
+                                  int64_t kappa, int64_t r, T eps, int64_t group,
+                                  T* __restrict out) {
+  constexpr int64_t kLanes = sizeof(Vec<T>) / sizeof(T);
+  T mantissas[2 * kLanes];
+  typename IntVecOf<T>::type exponents[2];
+  for (int64_t rho = 0; rho < r; rho += 2 * kLanes) {
+    const bool two = rho + kLanes < r;
+    Vec<T> a0 = Vec<T>{} + T(1), a1 = a0;
+    IntVec<T> e0 = {}, e1 = {}, e;
+    int64_t since_split = 0;
+    for (int64_t c = 0; c < d; ++c) {
+      const T* row = table + c * kappa * r + rho;
+      const T* __restrict c0 = row + basis.k0[c] * r;
+      const T* __restrict c1 = row + basis.k1[c] * r;
+      const T* __restrict c2 = row + basis.k2[c] * r;
+      const T v0 = basis.v0[c], v1 = basis.v1[c], v2 = basis.v2[c];
+      Vec<T> phi = v0 * load<T>(c0) + v1 * load<T>(c1) + v2 * load<T>(c2);
+      a0 *= phi < T(0) ? phi - eps : phi + eps;
+      if (two) {
+        phi = v0 * load<T>(c0 + kLanes) + v1 * load<T>(c1 + kLanes) + v2 * load<T>(c2 + kLanes);
+        a1 *= phi < T(0) ? phi - eps : phi + eps;
+      }
+      if (++since_split == group) {
+        a0 = split_normal<T>(a0, e);
+        e0 += e;
+        a1 = split_normal<T>(a1, e);
+        e1 += e;
+        since_split = 0;
+      }
+    }
+    std::memcpy(mantissas, &a0, sizeof(a0));
+    std::memcpy(mantissas + kLanes, &a1, sizeof(a1));
+    exponents[0] = e0;
+    exponents[1] = e1;
+    const int64_t width = two ? 2 * kLanes : kLanes;
+    for (int64_t q = 0; q < width; ++q)
+      out[rho + q] = std::ldexp(mantissas[q], static_cast<int>(exponents[q / kLanes][q % kLanes]));
+  }
+}
+
 // kEpsNormal: eps is a normal number of T, so every factor |x| >= eps is normal (or inf/NaN),
 // and x = +eps at phi == 0 splits into eps's own (rounded) mantissa and exponent: the general
 // path's subnormal scaling and phi == 0 selection are then no-ops, skipped.
@@ -176,6 +333,7 @@ void forward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
   const T eps_t = static_cast<T>(eps);
   const T eps_m = static_cast<T>(eps_mant);
   const int64_t head_size = d * kappa * r;
+  const bool vectors = kEpsNormal && r % static_cast<int64_t>(sizeof(Vec<T>) / sizeof(T)) == 0;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<T> acc(r);
@@ -185,12 +343,20 @@ void forward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
     // the next head: at most h + threads - 1 builds per call.
     AlignedVector<T> coeff(head_size);
     int64_t coeff_head = -1;
+    // The fast path's group size for the current head (0: the per-factor path).
+    int64_t group = 0;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < h * n; ++task) {
       const int64_t l = task / n, i = task % n;
       if (l != coeff_head) {
         add_one(delta + l * head_size, coeff.data(), head_size);
         coeff_head = l;
+        if (vectors) group = safe_group<T>(eps_t, max_abs(coeff.data(), head_size));
+      }
+      if (group > 0) {
+        basis.eval(t + l * t_stride_h + i * t_stride_n, d, kappa, normalize);
+        modes_grouped(coeff.data(), basis, d, kappa, r, eps_t, group, modes + (i * h + l) * r);
+        continue;
       }
       T* __restrict a = acc.data();
       int32_t* __restrict ex = expo.data();
@@ -244,11 +410,6 @@ void forward(const T* t, int64_t t_stride_h, int64_t t_stride_n, const T* delta,
 
 // 256-bit vectors in backward: with r = 64 the three per-id reductions over short rows of
 // 512-bit ones cost more than they save (measured about 25% slower on an AVX-512 CPU).
-#if defined(__GNUC__) && !defined(__clang__)
-#define LEV_PREFER_256 __attribute__((target("prefer-vector-width=256")))
-#else
-#define LEV_PREFER_256
-#endif
 
 // t [h, n, d] and grad_t [h, n, d] are read and written through their head and id strides
 // (coordinates contiguous; lev/kernels.py hands views of [n, h, d] tensors). Task (l, c) needs
@@ -269,10 +430,13 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
   const T eps_t = static_cast<T>(eps);
   const T ds_dt = static_cast<T>(kappa - 1);
   constexpr int64_t kBlock = 64 / sizeof(T);
+  constexpr int64_t kLanes = sizeof(Vec<T>) / sizeof(T);
   const int64_t blocks_per_head = (d + kBlock - 1) / kBlock;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<T> gphi(r), g0s(n), g1s(n), g2s(n);
+    AlignedVector<T> lanes(3 * kLanes * n);
+    std::vector<char> lanes_done(n, 0);
     AlignedVector<T> coeff(kappa * r);
     BasisRun<T> basis(n);
     // t and dL/dt of kBlock coordinates of one head for all n ids, [kBlock, n]: gathered and
@@ -314,23 +478,29 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
         const T* __restrict srow = scaled + l * s_stride_h + i * s_stride_n;
         const T v0 = basis.v0[i], v1 = basis.v1[i], v2 = basis.v2[i];
         T g0 = 0, g1 = 0, g2 = 0;  // dL/dB_j
-        if (k0 != k1 && k1 != k2) {
-          // Three distinct rows of dL/dDelta: updated in the same pass (dL/dphi stays in
-          // registers).
+        if (k0 != k1 && k1 != k2 && r % kLanes == 0) {
+          // Three distinct rows of dL/dDelta, updated in the same pass (dL/dphi stays in
+          // registers); dL/dB_j accumulated in vector lanes and summed once per id.
           T* __restrict r0 = gtable + k0 * r;
           T* __restrict r1 = gtable + k1 * r;
           T* __restrict r2 = gtable + k2 * r;
-#pragma omp simd reduction(+ : g0, g1, g2)
-          for (int64_t rho = 0; rho < r; ++rho) {
-            const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
-            const T g = srow[rho] / (phi < T(0) ? phi - eps_t : phi + eps_t);
-            g0 += g * c0[rho];
-            g1 += g * c1[rho];
-            g2 += g * c2[rho];
-            r0[rho] += v0 * g;
-            r1[rho] += v1 * g;
-            r2[rho] += v2 * g;
+          Vec<T> a0 = {}, a1 = {}, a2 = {};
+          for (int64_t rho = 0; rho < r; rho += kLanes) {
+            const Vec<T> x0 = load<T>(c0 + rho), x1 = load<T>(c1 + rho), x2 = load<T>(c2 + rho);
+            const Vec<T> phi = v0 * x0 + v1 * x1 + v2 * x2;
+            const Vec<T> g = load<T>(srow + rho) / (phi < T(0) ? phi - eps_t : phi + eps_t);
+            a0 += g * x0;
+            a1 += g * x1;
+            a2 += g * x2;
+            store<T>(r0 + rho, load<T>(r0 + rho) + v0 * g);
+            store<T>(r1 + rho, load<T>(r1 + rho) + v1 * g);
+            store<T>(r2 + rho, load<T>(r2 + rho) + v2 * g);
           }
+          store<T>(lanes.data() + 3 * kLanes * i, a0);
+          store<T>(lanes.data() + 3 * kLanes * i + kLanes, a1);
+          store<T>(lanes.data() + 3 * kLanes * i + 2 * kLanes, a2);
+          lanes_done[i] = 1;
+          continue;
         } else {
 #pragma omp simd reduction(+ : g0, g1, g2)
           for (int64_t rho = 0; rho < r; ++rho) {
@@ -353,6 +523,14 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
         g0s[i] = g0;
         g1s[i] = g1;
         g2s[i] = g2;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        if (!lanes_done[i]) continue;
+        lanes_done[i] = 0;
+        const T* q = lanes.data() + 3 * kLanes * i;
+        g0s[i] = lane_sum<T>(load<T>(q));
+        g1s[i] = lane_sum<T>(load<T>(q + kLanes));
+        g2s[i] = lane_sum<T>(load<T>(q + 2 * kLanes));
       }
       T* __restrict gt = g_block.data() + cj * n;
       const T* __restrict tb = t_block.data() + cj * n;
