@@ -141,6 +141,16 @@ class LEVConfig:
     dedup: bool = _flag(True, "--lev-dedup", "evaluate LEV once per distinct id of the micro-batch")
     """Evaluate LEV once per distinct id of the micro-batch, then gather."""
 
+    dedup_global_batch: bool = _flag(
+        True,
+        "--lev-dedup-global-batch",
+        "with --lev-dedup, evaluate LEV once per distinct id of the global batch: a micro-batch "
+        "computes only ids no earlier micro-batch had, and LEV's backward runs once, after the "
+        "last micro-batch (the portable engine)",
+    )
+    """With `dedup`, under the portable engine: one LEV forward per distinct id of the whole
+    global batch and one LEV backward per iteration (`LEVEmbedding.begin_global_batch`)."""
+
     eval_table: bool = _flag(
         False, "--lev-eval-table", "in eval mode use a materialised V x D table"
     )

@@ -18,6 +18,12 @@ Speed and memory:
 - dedup: LEV runs once per distinct id of the micro-batch (torch.unique), then the [U, D]
   result is gathered to the N tokens. Without sequence parallelism the all-reduce happens on the
   [U, D] distinct embeddings (U <= N, so never more traffic than VocabParallelEmbedding).
+- global-batch dedup (`begin_global_batch` / `end_global_batch`, which the portable engine calls
+  around each iteration's micro-batches with `LEVConfig.dedup_global_batch`): a micro-batch
+  evaluates LEV only for ids that no earlier micro-batch of the global batch had; the rows are
+  leaves that collect every micro-batch's gradient, and LEV's backward runs once, for all of
+  them, in `end_global_batch`. Per iteration LEV then costs one forward and one backward per
+  distinct id of the global batch (at most V) instead of per distinct id of each micro-batch.
 - kernels: `lev.kernels.lev_modes` (`--lev-kernel`: one autograd Function over the torch, C++
   and Triton backends) recomputes the spline tensors in backward; saved activations are the
   seeds [U, d_in] (the digits [U, k] when U > k*b: then the k*b codebook rows are projected
@@ -200,6 +206,7 @@ class LEVEmbedding(torch.nn.Module):
         self._table: Optional[torch.Tensor] = None
         self._table_key: Optional[tuple] = None
         self._table_snapshot: Optional[list[torch.Tensor]] = None
+        self._global_batch: Optional[_GlobalBatchRows] = None
 
     # ------------------------------------------------------------------ parameters
 
@@ -351,7 +358,12 @@ class LEVEmbedding(torch.nn.Module):
             else:
                 unique_ids = input_ids.reshape(-1)
                 index = torch.arange(b * s, device=input_ids.device).view(b, s)
-            rows = self.partial_embeddings(unique_ids).to(out_dtype)  # [U, D]
+            if self._global_batch is not None and torch.is_grad_enabled():
+                # The global batch's rows so far ([U_seen, D]) and where these ids are in them.
+                rows, positions = self._global_batch.rows(self, unique_ids, out_dtype)
+                index = positions[index]
+            else:
+                rows = self.partial_embeddings(unique_ids).to(out_dtype)  # [U, D]
 
         if self.reduce_scatter_embeddings:
             # Gather straight into Megatron's [s, b, D] layout (no separate transpose copy).
@@ -370,6 +382,33 @@ class LEVEmbedding(torch.nn.Module):
             return F.embedding(index, rows)
         output = F.embedding(index, rows)
         return reduce_from_tensor_model_parallel_region(output, group=self.tp_group)
+
+    # ------------------------------------------------------------------ global-batch dedup
+
+    def begin_global_batch(self) -> None:
+        """Start evaluating LEV once per distinct id of the global batch (see the module doc):
+        until `end_global_batch`, forwards with autograd enabled compute only new ids' rows.
+        A no-op unless `dedups_global_batch`."""
+        if self.dedups_global_batch:
+            self._global_batch = _GlobalBatchRows()
+
+    @property
+    def dedups_global_batch(self) -> bool:
+        """Whether `begin_global_batch` takes effect (`LEVConfig.dedup` and
+        `LEVConfig.dedup_global_batch`)."""
+        return self.lev_config.dedup and self.lev_config.dedup_global_batch
+
+    def end_global_batch(self) -> None:
+        """Run LEV's backward for every row of the global batch with the gradient all its
+        micro-batches' backwards left in them (collective over the TP group, like the
+        per-micro-batch backward), and return to per-micro-batch evaluation."""
+        pending, self._global_batch = self._global_batch, None
+        if pending is not None:
+            pending.backward()
+
+    def abort_global_batch(self) -> None:
+        """Drop the global batch's rows and their graph without a backward (a failed step)."""
+        self._global_batch = None
 
     # ------------------------------------------------------------------ eval table
 
@@ -464,3 +503,48 @@ class LEVEmbedding(torch.nn.Module):
             f"heads={self.num_local_heads}/{lc.num_heads} (tp {self.tp_rank}/{self.tp_size}), "
             f"combine={lc.codebook_combine}, kernel={lc.kernel}, dedup={lc.dedup}"
         )
+
+
+class _GlobalBatchRows:
+    """The LEV rows one global batch has computed so far (`LEVEmbedding.begin_global_batch`).
+
+    Each forward that meets new ids computes their rows ([U_new, D], with LEV's autograd graph)
+    and keeps them with a leaf copy; micro-batches read the concatenated leaves, so their
+    backwards accumulate into the leaves' gradients, and `backward` then runs LEV's backward
+    once per part with those gradients.
+    """
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows with graph, leaf)
+        self.position: Optional[torch.Tensor] = None  # [V]: id -> row in the leaves, or -1
+        self.table: Optional[torch.Tensor] = None  # the leaves concatenated
+        self.count = 0
+
+    def rows(
+        self, module: LEVEmbedding, unique_ids: torch.Tensor, out_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The leaves' rows [U_seen, D] (computing those of ids not seen before) and the
+        position of each of `unique_ids` [U] (sorted, distinct) in them."""
+        if self.position is None:
+            vocab = module.lev_config.vocab_size
+            self.position = torch.full((vocab,), -1, dtype=torch.long, device=unique_ids.device)
+        positions = self.position[unique_ids]
+        new = unique_ids[positions < 0]
+        if new.numel() > 0:
+            computed = module.partial_embeddings(new).to(out_dtype)
+            self.parts.append((computed, computed.detach().requires_grad_()))
+            self.position[new] = torch.arange(
+                self.count, self.count + new.numel(), device=new.device
+            )
+            self.count += new.numel()
+            positions = self.position[unique_ids]
+            leaves = [leaf for _, leaf in self.parts]
+            self.table = leaves[0] if len(leaves) == 1 else torch.cat(leaves)
+        return self.table, positions
+
+    def backward(self) -> None:
+        """LEV's backward for every part whose leaf received a gradient."""
+        parts = [(rows, leaf.grad) for rows, leaf in self.parts if leaf.grad is not None]
+        self.parts, self.table, self.position = [], None, None
+        if parts:
+            torch.autograd.backward([rows for rows, _ in parts], [grad for _, grad in parts])

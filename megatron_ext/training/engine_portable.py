@@ -6,6 +6,9 @@ autocast. One step: forward/backward over the micro-batches (`schedules.forward_
 gradient reductions (sequence-parallel norms, tied embeddings) -> global grad-norm clipping
 -> one world all-reduce of [loss sum, token count, non-finite flags, the caller's flags] ->
 optimizer step (or a stop / skip on a non-finite loss or grad norm) -> scheduler step.
+LEV input layers (`--lev-dedup-global-batch`) evaluate each distinct id of the global batch
+once: the step brackets the micro-batches with `LEVEmbedding.begin_global_batch` and
+`end_global_batch`, which runs LEV's backward after the last micro-batch's.
 
 Data-parallel gradients: with one pipeline stage, torch's `DistributedDataParallel` over
 `pg.dp_cp` (bucketed all-reduce overlapped with the last micro-batch's backward; earlier
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.config import TrainingConfig
 from megatron_ext.training.engine import (
@@ -143,9 +147,23 @@ class PortableEngine(Engine):
         self.shape = PipelineShape((seq, b.micro_batch_size, hidden), pipeline_dtype(prec), device)
         self.consecutive_nonfinite = 0
         self._hook = _AverageHook(pg.dp_cp, torch.bfloat16 if prec.grad_reduce_in_bf16 else None)
+        self.lev = [
+            m
+            for chunk in self.chunks
+            for m in chunk.modules()
+            if isinstance(m, LEVEmbedding) and m.dedups_global_batch
+        ]
+        """LEV modules evaluated once per distinct id of the global batch: their backward runs
+        after the last micro-batch (`LEVEmbedding.begin_global_batch`)."""
         self.ddp: Optional[DistributedDataParallel] = None
         """torch DDP over `pg.dp_cp` (one pipeline stage and DP x CP > 1), else None."""
         if pg.pp_size == 1 and pg.dp_cp_size > 1:
+            # Those LEV parameters get their gradients after DDP's backward: DDP leaves them out
+            # (its reducer would wait for them) and `step` averages them itself.
+            lev_params = {id(p) for m in self.lev for p in m.parameters()}
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, [name for name, p in model.named_parameters() if id(p) in lev_params]
+            )
             self.ddp = DistributedDataParallel(
                 model,
                 process_group=pg.dp_cp,
@@ -175,18 +193,26 @@ class PortableEngine(Engine):
             self.pg.mp if ddp is None else self.pg.dp_cp,
         )
         self._hook.finite = True
-        totals = forward_backward(
-            forward_step=self.forward_step,
-            data_iterator=data_iterator,
-            model=self.chunks if ddp is None else ddp,
-            num_microbatches=global_batch // (b.micro_batch_size * p.data_parallel_size),
-            shape=self.shape,
-            pg=self.pg,
-            loss_scale=scale,
-            autocast=self.autocast,
-            per_token_loss=per_token_loss,
-            no_sync=None if ddp is None else ddp.no_sync,
-        )
+        for module in self.lev:
+            module.begin_global_batch()
+        try:
+            totals = forward_backward(
+                forward_step=self.forward_step,
+                data_iterator=data_iterator,
+                model=self.chunks if ddp is None else ddp,
+                num_microbatches=global_batch // (b.micro_batch_size * p.data_parallel_size),
+                shape=self.shape,
+                pg=self.pg,
+                loss_scale=scale,
+                autocast=self.autocast,
+                per_token_loss=per_token_loss,
+                no_sync=None if ddp is None else ddp.no_sync,
+            )
+            for module in self.lev:
+                module.end_global_batch()
+        finally:
+            for module in self.lev:
+                module.abort_global_batch()
         self.timers.mark("forward-backward")
         if p.sequence_parallel:
             allreduce_sequence_parallel_grads(self.chunks, self.pg.tp)
@@ -196,6 +222,13 @@ class PortableEngine(Engine):
             grad_scale *= self._per_token_grad_scale(totals)
         if ddp is not None:  # averaged over DP x CP during backward
             grads_ok = self._hook.finite
+            if self.lev:  # the parameters DDP leaves out (see __init__)
+                lev_ok = allreduce_data_parallel_grads(
+                    [p for m in self.lev for p in m.parameters()],
+                    self.pg.dp_cp,
+                    reduce_dtype=self._hook.reduce_dtype,
+                )
+                grads_ok = grads_ok and lev_ok is not False
             for param in self.optimizer.params:
                 if param.grad is None:  # every rank steps the same set
                     param.grad = torch.zeros_like(param)

@@ -116,6 +116,79 @@ def test_dedup_equals_no_dedup(lev):
         torch.testing.assert_close(ga, gb, **EXACT)
 
 
+def test_global_batch_dedup_equals_per_micro_batch(lev, monkeypatch):
+    # begin/end_global_batch (the portable engine's iteration): three micro-batches evaluate
+    # LEV once per distinct id of all three and run one backward; the outputs are the same
+    # numbers and the gradients the same sums as per-micro-batch evaluation.
+    cfg = lev.tiny_config(vocab_size=300, hidden_size=16, seed_dim=8, rank=4, num_heads=2)
+    module = lev.make_lev(cfg, dtype=F64, spread=0.3)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 60, (2, 20), generator=gen) for _ in range(3)]
+    weights = [torch.randn(2, 20, 16, generator=gen, dtype=F64) for _ in batches]
+    evaluated = []  # the ids of each LEV evaluation
+    partial = module.partial_embeddings
+
+    def counting(ids):
+        evaluated.append(ids)
+        return partial(ids)
+
+    monkeypatch.setattr(module, "partial_embeddings", counting)
+
+    def iteration(global_batch: bool):
+        module.zero_grad()
+        evaluated.clear()
+        if global_batch:
+            module.begin_global_batch()
+        outputs = []
+        for ids, weight in zip(batches, weights):
+            out = module(ids)
+            (out * weight).sum().backward()
+            outputs.append(out.detach())
+        if global_batch:
+            assert all(p.grad is None for p in module.parameters())  # LEV's backward waits
+            module.end_global_batch()
+        return outputs, [p.grad.clone() for p in module.parameters()], list(evaluated)
+
+    outs, grads, per_micro_batch = iteration(False)
+    outs_g, grads_g, per_global_batch = iteration(True)
+    assert sum(len(ids) for ids in per_micro_batch) == sum(len(b.unique()) for b in batches)
+    seen = torch.cat(per_global_batch)
+    assert (
+        len(seen)
+        == len(seen.unique())
+        == len(torch.cat(batches).unique())
+        < len(torch.cat(per_micro_batch))
+    )
+    for a, b in zip(outs, outs_g):
+        torch.testing.assert_close(a, b, **EXACT)
+    for ga, gb in zip(grads, grads_g):
+        torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-14)
+    # Back to per-micro-batch evaluation after end_global_batch, and after an abort.
+    module.begin_global_batch()
+    module(batches[0])
+    module.abort_global_batch()
+    evaluated.clear()
+    module(batches[0]).sum().backward()
+    assert len(evaluated) == 1 and module._global_batch is None
+
+
+def test_global_batch_dedup_is_off_without_dedup_or_grad(lev):
+    cfg = lev.tiny_config(vocab_size=300, hidden_size=16, seed_dim=8, rank=4, num_heads=2)
+    for flags in (dict(dedup=False), dict(dedup_global_batch=False)):
+        module = lev.make_lev(dataclasses.replace(cfg, **flags), dtype=F64)
+        assert not module.dedups_global_batch
+        module.begin_global_batch()
+        assert module._global_batch is None
+    module = lev.make_lev(cfg, dtype=F64)
+    module.begin_global_batch()
+    ids = torch.randint(0, 60, (2, 20))
+    with torch.no_grad():  # evaluation inside a training step: computed directly, not kept
+        out = module(ids)
+    assert module._global_batch.count == 0
+    torch.testing.assert_close(out, module(ids).detach(), **EXACT)
+    module.end_global_batch()
+
+
 def test_reduce_scatter_layout_on_one_rank(lev):
     cfg = lev.tiny_config()
     plain = lev.make_lev(cfg, dtype=F64)

@@ -126,6 +126,29 @@ def _check_tp2(seed: int):
             _close(getattr(tp, name).grad, expected, f"{variant} TP=2 grad of {name}")
             _close(getattr(sp, name).grad, expected, f"{variant} TP=2+SP grad of {name}")
 
+        if cfg.dedup:
+            # Global-batch dedup (the portable engine's iteration) over two micro-batches under
+            # TP and SP: LEV's one backward gives the TP=1 per-micro-batch gradients.
+            ids2 = torch.randint(10, 40, (BATCH, SEQ), generator=gen)
+            for module in (ref, tp, sp):
+                module.zero_grad()
+                if module is not ref:
+                    module.begin_global_batch()
+                for micro_batch in (ids, ids2):
+                    out = module(micro_batch)
+                    if module is sp:
+                        (out * weight.transpose(0, 1)[chunk]).sum().backward()
+                    else:
+                        (out * weight).sum().backward()
+                if module is not ref:
+                    module.end_global_batch()
+            for name in LEV_PARAMETER_NAMES:
+                full_grad = getattr(ref, name).grad
+                expected = full_grad if name == "codebooks" else full_grad[local]
+                for module, what in ((tp, "TP=2"), (sp, "TP=2+SP")):
+                    got = getattr(module, name).grad
+                    _close(got, expected, f"{variant} {what} global-batch grad of {name}")
+
         # Eval table under TP: this rank's partial table, reduced like the training path.
         for module in (tp, sp):
             module.lev_config = dataclasses.replace(cfg, eval_table=True)
