@@ -19,10 +19,12 @@ repeats the whole list (interleaved, so that load changes on a shared machine hi
 configuration alike) and takes the median over all rounds; --data-flags replaces the mock data
 with the runs' data and tokenizer flags (the same for every arm). The mock data (Megatron-Core's
 MockGPTDataset) is documents that count 1, 2, 3, ... up to a random length below 4096, so most
-ids of a micro-batch are distinct, and LEV, which runs once per distinct id, does nearly one
-evaluation per token: at 4 x 512 tokens a median of 1617 distinct ids per micro-batch, against
-562 for English text (the KJV corpus of docs/lev-training.md, 8k SentencePiece vocabulary). The
-benchmark prints the distinct ids per micro-batch of the data its runs train on. A real-text run
+ids of a micro-batch are distinct, and LEV, which runs once per distinct id of the global batch
+(`--lev-dedup-global-batch`; of each micro-batch without it), does nearly one evaluation per
+token: at 4 x 512 tokens a median of 1617 distinct ids per micro-batch, against 562 for English
+text (the KJV corpus of docs/lev-training.md, 8k SentencePiece vocabulary). The benchmark prints
+the distinct ids per micro-batch and per global batch of the data its runs train on. A real-text
+run
 of the width-256 shape (data made by the project's tools, docs/lev-training.md section 2):
 
     python benchmarks/bench_train_step.py --only tied "lev, 1" --hidden-size 256 \
@@ -104,9 +106,10 @@ def _run_once(ranks: int, flags: list[str], args, workdir: str) -> list[float]:
         return [json.loads(line)[args.clock] for line in handle if line.strip()]
 
 
-def distinct_ids(args: argparse.Namespace) -> list[int]:
-    """Distinct token ids in each micro-batch that one rank trains on (LEV computes its
-    embedding once per distinct id of a micro-batch), from the runs' own data flags."""
+def distinct_ids(args: argparse.Namespace, per: int) -> list[int]:
+    """Distinct token ids in each group of `per` consecutive samples that one rank trains on
+    (a micro-batch, or the global batch: LEV computes its embedding once per distinct id of the
+    global batch, `--lev-dedup-global-batch`), from the runs' own data flags."""
     data_args = add_data_arguments(argparse.ArgumentParser()).parse_args(
         shlex.split(args.data_flags)
     )
@@ -117,10 +120,9 @@ def distinct_ids(args: argparse.Namespace) -> list[int]:
     )
     samples = args.iters * args.global_batch_size
     train, _, _ = build_train_valid_test_datasets(config, tokenizer, [samples, 0, 0])
-    mbs = args.micro_batch_size
     return [
-        len(torch.unique(torch.stack([train[i]["tokens"] for i in range(start, start + mbs)])))
-        for start in range(0, samples - mbs + 1, mbs)
+        len(torch.unique(torch.stack([train[i]["tokens"] for i in range(start, start + per)])))
+        for start in range(0, samples - per + 1, per)
     ]
 
 
@@ -168,12 +170,13 @@ def main() -> None:
         f"{args.global_batch_size} ({tokens} tokens); median of iterations "
         f"{args.warmup + 1}-{args.iters} x {args.rounds} round(s), clock: {args.clock}"
     )
-    counts = distinct_ids(args)
-    print(
-        f"distinct ids per micro-batch of {args.micro_batch_size} x {args.seq_length} tokens: "
-        f"median {statistics.median(counts):.0f}, {min(counts)}-{max(counts)} "
-        f"({len(counts)} micro-batches)"
-    )
+    for what, per in (("micro", args.micro_batch_size), ("global", args.global_batch_size)):
+        counts = distinct_ids(args, per)
+        print(
+            f"distinct ids per {what}-batch of {per} x {args.seq_length} tokens: median "
+            f"{statistics.median(counts):.0f}, {min(counts)}-{max(counts)} ({len(counts)} "
+            f"{what}-batches)"
+        )
     print(f"{'configuration':28s} {'s/iter':>9s} {'tokens/s':>10s} {'time vs baseline':>17s}")
     times: dict[str, list[float]] = {}
     per_round: dict[str, list[float]] = {}  # the median of each round, to show the spread

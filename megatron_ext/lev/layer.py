@@ -517,14 +517,14 @@ class _GlobalBatchRows:
     def __init__(self) -> None:
         self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows with graph, leaf)
         self.position: Optional[torch.Tensor] = None  # [V]: id -> row in the leaves, or -1
-        self.table: Optional[torch.Tensor] = None  # the leaves concatenated
         self.count = 0
 
     def rows(
         self, module: LEVEmbedding, unique_ids: torch.Tensor, out_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The leaves' rows [U_seen, D] (computing those of ids not seen before) and the
-        position of each of `unique_ids` [U] (sorted, distinct) in them."""
+        """A new tensor of the leaves' rows [U_seen, D] (computing those of ids not seen
+        before; new because the TP reduction sums its input in place) and the position of each
+        of `unique_ids` [U] (sorted, distinct) in it."""
         if self.position is None:
             vocab = module.lev_config.vocab_size
             self.position = torch.full((vocab,), -1, dtype=torch.long, device=unique_ids.device)
@@ -538,13 +538,11 @@ class _GlobalBatchRows:
             )
             self.count += new.numel()
             positions = self.position[unique_ids]
-            leaves = [leaf for _, leaf in self.parts]
-            self.table = leaves[0] if len(leaves) == 1 else torch.cat(leaves)
-        return self.table, positions
+        return torch.cat([leaf for _, leaf in self.parts]), positions
 
     def backward(self) -> None:
         """LEV's backward for every part whose leaf received a gradient."""
         parts = [(rows, leaf.grad) for rows, leaf in self.parts if leaf.grad is not None]
-        self.parts, self.table, self.position = [], None, None
+        self.parts, self.position = [], None
         if parts:
             torch.autograd.backward([rows for rows, _ in parts], [grad for _, grad in parts])

@@ -129,19 +129,26 @@ def _check_tp2(seed: int):
         if cfg.dedup:
             # Global-batch dedup (the portable engine's iteration) over two micro-batches under
             # TP and SP: LEV's one backward gives the TP=1 per-micro-batch gradients.
-            ids2 = torch.randint(10, 40, (BATCH, SEQ), generator=gen)
+            # The second micro-batch repeats some ids and brings new ones, the third none.
+            micro_batches = (ids, torch.randint(10, 40, (BATCH, SEQ), generator=gen), ids)
+            outputs = {}
             for module in (ref, tp, sp):
                 module.zero_grad()
                 if module is not ref:
                     module.begin_global_batch()
-                for micro_batch in (ids, ids2):
+                for micro_batch in micro_batches:
                     out = module(micro_batch)
                     if module is sp:
                         (out * weight.transpose(0, 1)[chunk]).sum().backward()
+                        out = out.transpose(0, 1)
                     else:
                         (out * weight).sum().backward()
+                    outputs.setdefault(module, []).append(out.detach())
                 if module is not ref:
                     module.end_global_batch()
+            for k, expected in enumerate(outputs[ref]):
+                _close(outputs[tp][k], expected, f"{variant} TP=2 global-batch output {k}")
+                _close(outputs[sp][k], expected[:, chunk], f"{variant} SP global-batch output {k}")
             for name in LEV_PARAMETER_NAMES:
                 full_grad = getattr(ref, name).grad
                 expected = full_grad if name == "codebooks" else full_grad[local]
