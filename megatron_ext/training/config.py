@@ -692,8 +692,9 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """Memory housekeeping around the steps: manual garbage collection (Python) and emptying
-    the CUDA caching allocator (`megatron_features.RunExtras` applies both)."""
+    """Memory housekeeping around the steps: manual garbage collection (Python), keeping freed
+    host memory (glibc's malloc) and emptying the CUDA caching allocator
+    (`megatron_features.RunExtras` applies them)."""
 
     manual_gc: bool = flag(False, "--manual-gc", "disable automatic gc; collect at fixed points")
     manual_gc_interval: int = flag(0, "--manual-gc-interval", "collect every N iterations")
@@ -702,6 +703,13 @@ class MemoryConfig:
         "--no-manual-gc-eval",
         "no gc around evaluation",
         aliases=("--disable-manual-gc-eval",),
+        action="store_false",
+    )
+    retain_host_memory: bool = flag(
+        True,
+        "--no-retain-host-memory",
+        "return freed host memory to the OS between iterations (glibc's defaults) instead of "
+        "keeping it for the next iteration (`training.host_memory`)",
         action="store_false",
     )
     empty_unused_memory_level: int = flag(

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
+from megatron_ext.training.host_memory import retain_freed_host_memory
 from megatron_ext.training.unique_params import counted_params
 
 if TYPE_CHECKING:
@@ -154,6 +155,10 @@ class RunExtras:
         if self.memory.manual_gc:
             gc.disable()
             gc.collect()
+        if self.memory.retain_host_memory:
+            why_not = retain_freed_host_memory()
+            if why_not is not None and self.is_rank0:
+                logger.info("freed host memory is returned to the OS: %s", why_not)
         if self.log.wandb_project and self.is_rank0:
             self.wandb = _init_wandb(run, self.save_dir or self.log_dir)
 

@@ -1,0 +1,54 @@
+"""Keep freed host memory in the process between training iterations (glibc's malloc).
+
+glibc returns freed memory to the operating system eagerly: blocks above its mmap threshold
+(128 KiB at start, raised only when such a block is freed) are unmapped on free, and the top of
+the heap is trimmed once more than the trim threshold (twice the mmap threshold) is free. A
+CPU training step frees and re-allocates the same activations every iteration, in sizes that
+vary with the data (LEV's distinct ids): each iteration then faults fresh zeroed pages in
+again, kernel time that measured 3-5% of a step at width 256 (docs/lev-training.md 4.10).
+`retain_freed_host_memory` sets the mmap threshold to glibc's largest (32 MiB) and the trim
+threshold to 1 GiB, as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` would, so that the
+next iteration reuses the pages. The resident size stays at the step's peak instead of
+falling between steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Optional
+
+__all__ = ["retain_freed_host_memory"]
+
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_THRESHOLD = 1 << 30
+
+
+def retain_freed_host_memory() -> Optional[str]:
+    """Set glibc's mmap and trim thresholds (see the module doc) for this process and the
+    processes it forks.
+
+    Returns:
+        None when set, else why not (one line): not Linux/glibc, or the user chose the
+        allocator's settings (a MALLOC_* or GLIBC_TUNABLES variable, or an LD_PRELOADed
+        allocator), which are left alone.
+    """
+    if not sys.platform.startswith("linux"):
+        return f"not on Linux ({sys.platform})"
+    chosen = [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]
+    if os.environ.get("LD_PRELOAD"):
+        chosen.append("LD_PRELOAD")
+    if chosen:
+        return f"the allocator settings of {', '.join(sorted(chosen))} are left as they are"
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return "the C library has no mallopt (not glibc)"
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    if not (
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    ):
+        return "mallopt refused the thresholds"
+    return None
