@@ -192,10 +192,11 @@ class LeviathanModel(GPTModel):
         return super()._postprocess(hidden_states, input_ids, position_ids, labels, **kwargs)
 
     def _chunked_eval_loss(self, hidden_states: torch.Tensor, kwargs: dict) -> bool:
+        if not self.post_process:  # a pipeline stage before the last has no output layer
+            return False
         layer = self.output_layer
         return (
-            self.post_process
-            and not torch.is_grad_enabled()
+            not torch.is_grad_enabled()
             and not hidden_states.is_cuda
             and not kwargs.get("mtp_in_postprocess")
             and self.config.mtp_num_layers is None
