@@ -37,6 +37,7 @@ __all__ = [
     "adopt",
     "check_sequence_split",
     "vocab_parallel_cross_entropy",
+    "chunked_head_cross_entropy",
     "model_tp_size_rank",
 ]
 
@@ -186,6 +187,32 @@ def vocab_parallel_cross_entropy(
     `tensor_parallel.vocab_parallel_cross_entropy` with fewer passes over the logits (see
     `_VocabParallelCrossEntropy`)."""
     return _VocabParallelCrossEntropy.apply(logits, target, group)
+
+
+def chunked_head_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, rows: int = 256
+) -> torch.Tensor:
+    """Per-token cross entropy [s, b] of the output head `hidden @ weight.T` (hidden
+    [s, b, h], weight [V, h], target ids [s, b]) without autograd and without the [s, b, V]
+    logits: the head runs `rows` rows at a time and each chunk's log-sum-exp is taken while
+    the chunk is still in cache. The same steps per row as `vocab_parallel_cross_entropy` on
+    one rank (amax, subtract, exp, sum, log), so the losses agree to float32 rounding.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError("chunked_head_cross_entropy is forward-only; run it under no_grad")
+    s, b, h = hidden.shape
+    flat = hidden.reshape(s * b, h)
+    flat_target = target.reshape(s * b)
+    loss = torch.empty(s * b, dtype=torch.float32, device=hidden.device)
+    for start in range(0, s * b, rows):
+        end = min(start + rows, s * b)
+        logits = F.linear(flat[start:end], weight).float()
+        logits_max = logits.amax(dim=-1, keepdim=True)
+        logits.sub_(logits_max)
+        predicted = logits.gather(-1, flat_target[start:end].unsqueeze(-1)).squeeze(-1)
+        sum_exp = logits.exp_().sum(dim=-1)
+        torch.sub(torch.log(sum_exp), predicted, out=loss[start:end])
+    return loss.view(s, b)
 
 
 def adopt(cls: type, module: torch.nn.Module) -> torch.nn.Module:

@@ -30,6 +30,7 @@ from megatron_ext.tensor_parallel import (
     PortableColumnParallelLinear,
     PortableVocabParallelEmbedding,
     adopt,
+    chunked_head_cross_entropy,
     vocab_parallel_cross_entropy,
 )
 
@@ -175,6 +176,36 @@ class LeviathanModel(GPTModel):
             logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp
         )
         return loss.transpose(0, 1).contiguous()
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, **kwargs):
+        """megatron's head and loss; scoring (labels, no autograd, one rank, CPU) takes the
+        head and loss in row chunks instead (`chunked_head_cross_entropy`): the same per-token
+        losses [b, s] without the float32 [s, b, V] logits and their memory-bound passes."""
+        if labels is not None and self._chunked_eval_loss(hidden_states, kwargs):
+            weight = (
+                self.shared_embedding_or_output_weight()
+                if self.share_embeddings_and_output_weights
+                else self.output_layer.weight
+            )
+            loss = chunked_head_cross_entropy(hidden_states, weight, labels.transpose(0, 1))
+            return loss.transpose(0, 1).contiguous()
+        return super()._postprocess(hidden_states, input_ids, position_ids, labels, **kwargs)
+
+    def _chunked_eval_loss(self, hidden_states: torch.Tensor, kwargs: dict) -> bool:
+        if not self.post_process:  # a pipeline stage before the last has no output layer
+            return False
+        layer = self.output_layer
+        return (
+            not torch.is_grad_enabled()
+            and not hidden_states.is_cuda
+            and not kwargs.get("mtp_in_postprocess")
+            and self.config.mtp_num_layers is None
+            and kwargs.get("inference_context") is None
+            and not self.config.cross_entropy_loss_fusion
+            and not layer.sequence_parallel
+            and layer.bias is None
+            and self.pg_collection.tp.size() == 1
+        )
 
     def setup_embeddings_and_output_layer(self) -> None:
         """Megatron's tied-embedding set-up without its `weight.data.cuda()` (fails on CPU)."""
