@@ -172,19 +172,23 @@ inline void add_one(const T* __restrict delta, T* __restrict coeff, int64_t m) {
 #endif
 
 // 32-byte vectors (GCC/Clang vector extensions: AVX registers on x86, pairs of NEON registers
-// on ARM), for loops whose lanes must stay in registers across iterations.
+// on ARM), for loops whose lanes must stay in registers across iterations: Vec<T> of T, and
+// IntVec<T> of T's bits (int32 lanes for float, int64 for double).
+template <typename T, typename I>
+struct VectorTypes {
+  typedef T type __attribute__((vector_size(32)));
+  typedef I bits __attribute__((vector_size(32)));
+};
 template <typename T>
 struct VecOf;
 template <>
-struct VecOf<float> {
-  typedef float type __attribute__((vector_size(32)));
-};
+struct VecOf<float> : VectorTypes<float, int32_t> {};
 template <>
-struct VecOf<double> {
-  typedef double type __attribute__((vector_size(32)));
-};
+struct VecOf<double> : VectorTypes<double, int64_t> {};
 template <typename T>
 using Vec = typename VecOf<T>::type;
+template <typename T>
+using IntVec = typename VecOf<T>::bits;
 
 template <typename T>
 LEV_PREFER_256 inline Vec<T> load(const T* p) {
@@ -208,20 +212,6 @@ LEV_PREFER_256 inline T lane_sum(Vec<T> v) {
     for (int q = 0; q < width; ++q) part[q] += part[q + width];
   return part[0];
 }
-
-// The integer vector of a Vec<T>'s bits (int32 lanes for float, int64 for double).
-template <typename T>
-struct IntVecOf;
-template <>
-struct IntVecOf<float> {
-  typedef int32_t type __attribute__((vector_size(32)));
-};
-template <>
-struct IntVecOf<double> {
-  typedef int64_t type __attribute__((vector_size(32)));
-};
-template <typename T>
-using IntVec = typename IntVecOf<T>::type;
 
 // `split<T, true>` on every lane: x = m * 2^e with 1/2 <= |m| < 1 for normal x; inf and NaN
 // give m = x, e = 0 (no lane may be subnormal or 0).
@@ -286,7 +276,7 @@ LEV_PREFER_256 void modes_grouped(const T* __restrict table, const BasisRun<T>& 
                                   T* __restrict out) {
   constexpr int64_t kLanes = sizeof(Vec<T>) / sizeof(T);
   T mantissas[2 * kLanes];
-  typename IntVecOf<T>::type exponents[2];
+  IntVec<T> exponents[2];
   for (int64_t rho = 0; rho < r; rho += 2 * kLanes) {
     const bool two = rho + kLanes < r;
     Vec<T> a0 = Vec<T>{} + T(1), a1 = a0;
