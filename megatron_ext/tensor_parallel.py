@@ -194,9 +194,8 @@ def chunked_head_cross_entropy(
 ) -> torch.Tensor:
     """Per-token cross entropy [s, b] of the output head `hidden @ weight.T` (hidden
     [s, b, h], weight [V, h], target ids [s, b]) without autograd and without the [s, b, V]
-    logits: the head runs `rows` rows at a time and each chunk's log-sum-exp is taken while
-    the chunk is still in cache. The same steps per row as `vocab_parallel_cross_entropy` on
-    one rank (amax, subtract, exp, sum, log), so the losses agree to float32 rounding.
+    logits: the head runs `rows` rows at a time and `vocab_parallel_cross_entropy` (one rank)
+    takes each chunk's loss while the chunk is still in cache, so the losses are its own.
     """
     if torch.is_grad_enabled():
         raise RuntimeError("chunked_head_cross_entropy is forward-only; run it under no_grad")
@@ -206,12 +205,8 @@ def chunked_head_cross_entropy(
     loss = torch.empty(s * b, dtype=torch.float32, device=hidden.device)
     for start in range(0, s * b, rows):
         end = min(start + rows, s * b)
-        logits = F.linear(flat[start:end], weight).float()
-        logits_max = logits.amax(dim=-1, keepdim=True)
-        logits.sub_(logits_max)
-        predicted = logits.gather(-1, flat_target[start:end].unsqueeze(-1)).squeeze(-1)
-        sum_exp = logits.exp_().sum(dim=-1)
-        torch.sub(torch.log(sum_exp), predicted, out=loss[start:end])
+        logits = F.linear(flat[start:end], weight)
+        loss[start:end] = vocab_parallel_cross_entropy(logits, flat_target[start:end], None)
     return loss.view(s, b)
 
 

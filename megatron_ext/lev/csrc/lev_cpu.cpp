@@ -165,6 +165,9 @@ inline void add_one(const T* __restrict delta, T* __restrict coeff, int64_t m) {
   for (int64_t k = 0; k < m; ++k) coeff[k] = T(1) + delta[k];
 }
 
+// 256-bit vectors where the compiler vectorises: with r = 64 the backward's three per-id
+// reductions over short rows of 512-bit ones cost more than they save (measured about 25% slower
+// on an AVX-512 CPU), and the forward's 512-bit inner loop was no faster.
 #if defined(__GNUC__) && !defined(__clang__)
 #define LEV_PREFER_256 __attribute__((target("prefer-vector-width=256")))
 #else
@@ -343,8 +346,8 @@ void forward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
         coeff_head = l;
         if (vectors) group = safe_group<T>(eps_t, max_abs(coeff.data(), head_size));
       }
+      basis.eval(t + l * t_stride_h + i * t_stride_n, d, kappa, normalize);
       if (group > 0) {
-        basis.eval(t + l * t_stride_h + i * t_stride_n, d, kappa, normalize);
         modes_grouped(coeff.data(), basis, d, kappa, r, eps_t, group, modes + (i * h + l) * r);
         continue;
       }
@@ -354,7 +357,6 @@ void forward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
         a[rho] = T(1);
         ex[rho] = 0;
       }
-      basis.eval(t + l * t_stride_h + i * t_stride_n, d, kappa, normalize);
       for (int64_t c = 0; c < d; ++c) {
         const T* table = coeff.data() + c * kappa * r;
         const T* __restrict c0 = table + basis.k0[c] * r;
@@ -397,9 +399,6 @@ void forward(const T* t, int64_t t_stride_h, int64_t t_stride_n, const T* delta,
                       eps, eps_mant, eps_exp, threads);
   }
 }
-
-// 256-bit vectors in backward: with r = 64 the three per-id reductions over short rows of
-// 512-bit ones cost more than they save (measured about 25% slower on an AVX-512 CPU).
 
 // t [h, n, d] and grad_t [h, n, d] are read and written through their head and id strides
 // (coordinates contiguous; lev/kernels.py hands views of [n, h, d] tensors). Task (l, c) needs
@@ -491,24 +490,23 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
           store<T>(lanes.data() + 3 * kLanes * i + 2 * kLanes, a2);
           lanes_done[i] = 1;
           continue;
-        } else {
+        }
 #pragma omp simd reduction(+ : g0, g1, g2)
-          for (int64_t rho = 0; rho < r; ++rho) {
-            const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
-            const T g = srow[rho] / (phi < T(0) ? phi - eps_t : phi + eps_t);
-            gp[rho] = g;
-            g0 += g * c0[rho];
-            g1 += g * c1[rho];
-            g2 += g * c2[rho];
-          }
-          // A dropped knot shares its (clamped) row with a kept one: one row per loop.
-          const int32_t ks[3] = {k0, k1, k2};
-          const T vs[3] = {v0, v1, v2};
-          for (int j = 0; j < 3; ++j) {
-            T* __restrict row = gtable + ks[j] * r;
+        for (int64_t rho = 0; rho < r; ++rho) {
+          const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
+          const T g = srow[rho] / (phi < T(0) ? phi - eps_t : phi + eps_t);
+          gp[rho] = g;
+          g0 += g * c0[rho];
+          g1 += g * c1[rho];
+          g2 += g * c2[rho];
+        }
+        // One row per loop: a dropped knot shares its (clamped) row with a kept one.
+        const int32_t ks[3] = {k0, k1, k2};
+        const T vs[3] = {v0, v1, v2};
+        for (int j = 0; j < 3; ++j) {
+          T* __restrict row = gtable + ks[j] * r;
 #pragma omp simd
-            for (int64_t rho = 0; rho < r; ++rho) row[rho] += vs[j] * gp[rho];
-          }
+          for (int64_t rho = 0; rho < r; ++rho) row[rho] += vs[j] * gp[rho];
         }
         g0s[i] = g0;
         g1s[i] = g1;
