@@ -555,21 +555,24 @@ def test_kernel_options_carry_the_codebook_combine():
 
 
 # The C++ kernel takes its vector paths when r is a multiple of its vector width (8 floats, 4
-# doubles) and the scalar ones otherwise; rank components are independent, so the first 5
-# components of an r = 16 run (vector paths) are those of an r = 5 run (scalar paths) of the same
-# inputs. Coefficients up to 1e15 or 1e30 and eps from 1e-30 to 1 take the forward's group size
-# (`safe_group`, float32) through 42, 4, 2 and 0 (the per-factor path).
+# doubles; the forward's product 16 floats and 8 doubles where the CPU has AVX-512, else those of
+# the backward) and the scalar ones otherwise; rank components are independent, so the first 5
+# components of an r = 16 or r = 24 run (vector paths; 24 floats take the forward's 8-lane path
+# on AVX-512) are those of an r = 5 run (scalar paths) of the same inputs. Coefficients up to
+# 1e15 or 1e30 and eps from 1e-30 to 1 take the forward's group size (`safe_group`, float32)
+# through 42, 4, 2 and 0 (the per-factor path).
+@pytest.mark.parametrize("r", [16, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     "eps, scale", [(1e-9, 1.0), (1e-30, 1.0), (1.0, 1.0), (1.0, 1e-3), (1e-9, 1e15), (1.0, 1e30)]
 )
-def test_cpu_kernel_vector_paths_equal_its_scalar_paths(dtype, eps, scale):
+def test_cpu_kernel_vector_paths_equal_its_scalar_paths(dtype, eps, scale, r):
     from megatron_ext.lev import cpu_fused
 
     _device("cpu")
     backend = cpu_fused.CPU_BACKEND
     gen = torch.Generator().manual_seed(3)
-    h, n, d, kappa, r = 3, 41, 70, 6, 16
+    h, n, d, kappa = 3, 41, 70, 6
     t = torch.rand(n, h, d, generator=gen, dtype=torch.float64).to(dtype).transpose(0, 1)
     delta = torch.randn(h, d, kappa, r, generator=gen, dtype=torch.float64) * 0.5
     delta[:, :2] *= scale  # the coefficients' range sets the group size
