@@ -451,6 +451,7 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
   const T eps_t = static_cast<T>(eps);
   const T ds_dt = static_cast<T>(kappa - 1);
   constexpr int64_t kBlock = 64 / sizeof(T);
+  constexpr int64_t kAhead = 16;  // ids ahead that the strided gather and scatter prefetch
   constexpr int64_t kLanes = sizeof(Vec<T>) / sizeof(T);
   const int64_t blocks_per_head = (d + kBlock - 1) / kBlock;
 #pragma omp parallel num_threads(threads)
@@ -468,8 +469,10 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
       if (block < 0 || done_hi <= done_lo) return;
       const int64_t l = block / blocks_per_head, c0 = (block % blocks_per_head) * kBlock;
       T* out = grad_t + l * g_stride_h + c0;
-      for (int64_t i = 0; i < n; ++i)
+      for (int64_t i = 0; i < n; ++i) {
+        if (i + kAhead < n) __builtin_prefetch(out + (i + kAhead) * g_stride_n + done_lo, 1);
         for (int64_t j = done_lo; j < done_hi; ++j) out[i * g_stride_n + j] = g_block[j * n + i];
+      }
     };
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < h * d; ++task) {
@@ -480,8 +483,10 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
         block = this_block;
         const int64_t c0 = c - cj, width = std::min(kBlock, d - c0);
         const T* in = t + l * t_stride_h + c0;
-        for (int64_t i = 0; i < n; ++i)
+        for (int64_t i = 0; i < n; ++i) {
+          if (i + kAhead < n) __builtin_prefetch(in + (i + kAhead) * t_stride_n);
           for (int64_t q = 0; q < width; ++q) t_block[q * n + i] = in[i * t_stride_n + q];
+        }
         done_lo = cj;
       }
       done_hi = cj + 1;
