@@ -73,9 +73,11 @@ def _build(compiler: str, source: Path, target: Path, what: str, hint: str) -> N
             [compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True
         )
         if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+            first = next((ln for ln in lines if "error" in ln), lines[-1]).strip()
             raise CpuKernelUnavailable(
-                f"building the {what} with {compiler} failed: "
-                f"{proc.stderr.strip()[-500:]}; fix the compiler or {hint}"
+                f"building the {what} with {compiler} failed: {first[-300:]}; fix the compiler "
+                f"or {hint}"
             )
         os.replace(tmp, target)
     finally:

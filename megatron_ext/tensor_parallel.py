@@ -196,7 +196,7 @@ def vocab_parallel_cross_entropy(
 
 
 def chunked_head_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, rows: int = 512
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, rows: int = 256
 ) -> torch.Tensor:
     """Per-token cross entropy [s, b] of the output head `hidden @ weight.T` (hidden
     [s, b, h], weight [V, h], target ids [s, b]) without autograd and without the [s, b, V]
