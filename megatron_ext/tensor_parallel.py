@@ -12,6 +12,8 @@ Layouts: "sequence parallel" tensors are [s/tp, b, h]; "tensor parallel" ones [s
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Optional
 
 import megatron_ext.megatron_import  # noqa: F401
@@ -26,6 +28,10 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.utils import VocabUtility
+
+from megatron_ext import cross_entropy_cpu
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "gather_from_sequence_parallel_region",
@@ -194,20 +200,50 @@ def chunked_head_cross_entropy(
 ) -> torch.Tensor:
     """Per-token cross entropy [s, b] of the output head `hidden @ weight.T` (hidden
     [s, b, h], weight [V, h], target ids [s, b]) without autograd and without the [s, b, V]
-    logits: the head runs `rows` rows at a time and `vocab_parallel_cross_entropy` (one rank)
-    takes each chunk's loss while the chunk is still in cache, so the losses are its own.
+    logits: the head runs `rows` rows at a time and each chunk's loss is taken while the chunk
+    is still in cache, by the compiled one-pass-per-row kernel (`megatron_ext.cross_entropy_cpu`)
+    for float32 CPU logits, else by `vocab_parallel_cross_entropy` (one rank; the reason the
+    kernel is not used is logged once).
+
+    Raises:
+        IndexError: a target id outside [0, V).
     """
     if torch.is_grad_enabled():
         raise RuntimeError("chunked_head_cross_entropy is forward-only; run it under no_grad")
     s, b, h = hidden.shape
     flat = hidden.reshape(s * b, h)
     flat_target = target.reshape(s * b)
+    vocab = weight.size(0)
+    if flat_target.numel() and (int(flat_target.min()) < 0 or int(flat_target.max()) >= vocab):
+        bad = flat_target[(flat_target < 0) | (flat_target >= vocab)][0]
+        raise IndexError(f"target id {int(bad)} is out of range for a vocabulary of {vocab}")
     loss = torch.empty(s * b, dtype=torch.float32, device=hidden.device)
+    kernel = _chunk_kernel_error(hidden.device.type, torch.result_type(hidden, weight)) is None
     for start in range(0, s * b, rows):
         end = min(start + rows, s * b)
         logits = F.linear(flat[start:end], weight)
-        loss[start:end] = vocab_parallel_cross_entropy(logits, flat_target[start:end], None)
+        if kernel:
+            cross_entropy_cpu.cross_entropy(logits, flat_target[start:end], out=loss[start:end])
+        else:
+            loss[start:end] = vocab_parallel_cross_entropy(logits, flat_target[start:end], None)
     return loss.view(s, b)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_kernel_error(device: str, dtype: torch.dtype) -> Optional[str]:
+    """None when `chunked_head_cross_entropy` can use the compiled kernel for logits of this
+    device and dtype, else the reason, logged once per (device, dtype) and process."""
+    if device != "cpu" or dtype != torch.float32:
+        reason = f"it takes float32 CPU logits, not {dtype} on {device}"
+    else:
+        reason = cross_entropy_cpu.kernel_error()
+    if reason is not None:
+        logger.warning(
+            "the scoring loss uses vocab_parallel_cross_entropy per chunk instead of the "
+            "compiled CPU cross-entropy kernel: %s",
+            reason,
+        )
+    return reason
 
 
 def adopt(cls: type, module: torch.nn.Module) -> torch.nn.Module:

@@ -12,9 +12,9 @@ tensors as `lev.fused` (the seeds z [N, d_in] and the modes M [N, h, r]); steps 
 projection, LayerNorm, sigmoid) stay torch ops, recomputed in backward. The product is the
 mantissa-exponent product every backend shares (`lev.kernels`, "The signed product").
 
-The C++ source is compiled on first use with the system C++ compiler ($CXX, else c++ or g++)
-into a shared library cached under $MEGATRON_EXT_CACHE (default ~/.cache/megatron_ext), keyed
-by the source, the flags, the compiler and the CPU; later processes load it in milliseconds.
+The C++ source is compiled on first use (`megatron_ext.cpu_kernels`: the system C++ compiler,
+cached under $MEGATRON_EXT_CACHE, keyed by the source, the flags, the compiler and the CPU);
+later processes load it in milliseconds.
 `cpu_kernel_error()` says why it cannot be used (no compiler, a failed build), and
 `--lev-kernel auto` then logs that reason once and runs `lev.fused`.
 """
@@ -23,18 +23,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from megatron_ext.cpu_kernels import CpuKernelUnavailable, build_library
 
 logger = logging.getLogger(__name__)
 
@@ -47,64 +43,8 @@ __all__ = [
 ]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "lev_cpu.cpp"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 _INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-
-
-class CpuKernelUnavailable(RuntimeError):
-    """The C++ LEV kernel cannot be built or loaded here (the message says why)."""
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("MEGATRON_EXT_CACHE")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "megatron_ext"
-
-
-def _compiler() -> str:
-    """$CXX when set (and only it), else the first of c++, g++, clang++ on the PATH."""
-    chosen = os.environ.get("CXX")
-    for name in [chosen] if chosen else ["c++", "g++", "clang++"]:
-        if shutil.which(name):
-            return shutil.which(name)
-    where = f"$CXX={chosen}" if chosen else "c++, g++, clang++"
-    raise CpuKernelUnavailable(
-        f"no C++ compiler found ({where}) to build the CPU LEV kernel; install one (e.g. "
-        "apt-get install g++), set $CXX, or pass --lev-kernel torch"
-    )
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            lines = [ln for ln in handle if ln.startswith(("model name", "flags", "Features"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile to a temporary name in the cache, then rename (safe with concurrent ranks)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [compiler, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            raise CpuKernelUnavailable(
-                f"building the CPU LEV kernel with {compiler} failed: "
-                f"{proc.stderr.strip()[-500:]}; fix the compiler or pass --lev-kernel torch"
-            )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,16 +54,7 @@ def load_library() -> ctypes.CDLL:
     Raises:
         CpuKernelUnavailable: no compiler, or the build failed.
     """
-    compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\n".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"lev_cpu_{key}.so"
-    if not target.exists():
-        logger.info("building the CPU LEV kernel %s", target)
-        _build(compiler, target)
-    lib = ctypes.CDLL(str(target))
+    lib = build_library(_SOURCE, "CPU LEV kernel", "pass --lev-kernel torch")
     sizes = [_INT64] * 5  # h, n, d, kappa, r
     strides = [_INT64] * 2  # (head, id) strides of a [h, n, .] operand
     eps = [ctypes.c_int, ctypes.c_double]  # normalize, eps
