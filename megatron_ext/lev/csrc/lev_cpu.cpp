@@ -243,22 +243,24 @@ inline Vec<T, kBytes> split_normal(Vec<T, kBytes> x, IntVec<T, kBytes>& e) {
   return x;
 }
 
-// out[q] = std::ldexp(m[q], e[q]) for every lane (m normal, inf or NaN): the result's exponent
-// is written into m's bits where it is a normal number (exact, so the same value); the lanes
-// that would be subnormal, overflow or are not finite go through std::ldexp itself.
+// out[q] = std::ldexp(m[q], e[q]) for every lane: the result's exponent is written into m's bits
+// where m and the result are normal numbers (exact, so the same value); the other lanes (m 0,
+// subnormal, inf or NaN; a result that would be subnormal or overflow) go through std::ldexp.
 template <typename T, int kBytes>
 inline void store_ldexp(T* __restrict out, Vec<T, kBytes> m, IntVec<T, kBytes> e) {
   using F = FloatBits<T>;
   using I = IntVec<T, kBytes>;
   using S = typename F::U;
   constexpr int kLanes = sizeof(Vec<T, kBytes>) / sizeof(T);
+  I bits;
+  std::memcpy(&bits, &m, sizeof(bits));
+  const I field = (bits >> F::kMant) & F::kExpMax;
+  const I usable = (field != 0) & (field != F::kExpMax);  // m normal
   I own;
   const Vec<T, kBytes> mant = split_normal<T, kBytes>(m, own);
-  I bits;
   std::memcpy(&bits, &mant, sizeof(bits));
   const I biased = e + own + (F::kBias - 1);  // the result's exponent field
-  const I finite = ((bits >> F::kMant) & F::kExpMax) != F::kExpMax;
-  const I normal = finite & (biased >= 1) & (biased <= F::kExpMax - 1);
+  const I normal = usable & (biased >= 1) & (biased <= F::kExpMax - 1);
   const auto mask = static_cast<S>(F::kExpMax) << F::kMant;
   bits = (bits & static_cast<S>(~mask)) | (biased << F::kMant);
   std::memcpy(out, &bits, sizeof(bits));
