@@ -152,6 +152,33 @@ def test_unavailable_kernel_falls_back_with_one_logged_reason(monkeypatch, tmp_p
         tp._chunk_kernel_error.cache_clear()
 
 
+def test_autocast_bf16_logits_take_the_torch_loss_with_one_logged_reason(caplog):
+    # Under bf16 autocast (a --bf16 run's evaluation) float32 hidden states and weights give
+    # bf16 logits: the chunks use vocab_parallel_cross_entropy, and the reason is logged once.
+    tp._chunk_kernel_error.cache_clear()
+    try:
+        torch.manual_seed(0)
+        hidden, weight = torch.randn(8, 2, 16), torch.randn(30, 16)
+        target = torch.randint(0, 30, (8, 2))
+        with caplog.at_level(logging.WARNING, logger=tp.__name__), torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got = tp.chunked_head_cross_entropy(hidden, weight, target, rows=5)
+                tp.chunked_head_cross_entropy(hidden, weight, target, rows=5)
+                logits = torch.nn.functional.linear(hidden, weight)
+            assert logits.dtype == torch.bfloat16
+            want = tp.vocab_parallel_cross_entropy(logits, target, None)
+        reasons = [r.getMessage() for r in caplog.records if "torch.bfloat16" in r.getMessage()]
+        assert len(reasons) == 1 and "vocab_parallel_cross_entropy" in reasons[0]
+        torch.testing.assert_close(got, want.float())
+        # Without autocast the same inputs take the kernel: float32 losses of float32 logits.
+        with torch.no_grad():
+            plain = tp.chunked_head_cross_entropy(hidden, weight, target, rows=5)
+        want64 = _float64_losses(torch.nn.functional.linear(hidden, weight), target)
+        torch.testing.assert_close(plain, want64.float())
+    finally:
+        tp._chunk_kernel_error.cache_clear()
+
+
 def test_build_error_names_the_kernel_and_the_hint(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(cpu_kernels.CpuKernelUnavailable, match="the demo kernel.*do this"):
