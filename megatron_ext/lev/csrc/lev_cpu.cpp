@@ -165,20 +165,12 @@ inline void add_one(const T* __restrict delta, T* __restrict coeff, int64_t m) {
   for (int64_t k = 0; k < m; ++k) coeff[k] = T(1) + delta[k];
 }
 
-// 256-bit vectors where the compiler vectorises: with r = 64 the backward's three per-id
-// reductions over short rows of 512-bit ones cost more than they save (measured about 25% slower
-// on an AVX-512 CPU).
-#if defined(__GNUC__) && !defined(__clang__)
-#define LEV_PREFER_256 __attribute__((target("prefer-vector-width=256")))
-#else
-#define LEV_PREFER_256
-#endif
-
 // Vectors of kBytes bytes (GCC/Clang vector extensions), for loops whose lanes must stay in
 // registers across iterations: Vec<T, kBytes> of T, and IntVec<T, kBytes> of T's bits (int32
-// lanes for float, int64 for double). The backward uses 32 bytes (AVX registers on x86, pairs of
-// NEON registers on ARM); the forward's product loop the widest the target has, kWideBytes (64
-// with AVX-512: 13.8 against 16.7 ms for 893 ids of r = 64, one thread).
+// lanes for float, int64 for double). 32 bytes are AVX registers on x86, pairs of NEON
+// registers on ARM; the forward's product loop and the backward's bucket loop use the widest
+// the target has, kWideBytes (64 with AVX-512: forward 13.8 against 16.7 ms for 893 ids of
+// r = 64, backward 62.5 against 69.4 ms for 2365 ids, one thread).
 #if defined(__AVX512F__)
 constexpr int kWideBytes = 64;
 #else
@@ -214,14 +206,23 @@ inline void store(T* p, Vec<T, kBytes> v) {
 }
 
 // The sum of a vector's lanes as a balanced tree (depth log2 of the lanes, not a serial chain).
-template <typename T>
-inline T lane_sum(Vec<T> v) {
-  constexpr int n = sizeof(Vec<T>) / sizeof(T);
-  T part[n];
-  std::memcpy(part, &v, sizeof(v));
-  for (int width = n / 2; width > 0; width /= 2)
-    for (int q = 0; q < width; ++q) part[q] += part[q + width];
-  return part[0];
+// A vector wider than 32 bytes first adds its halves as vectors (the tree's first level):
+// summing 16 float lanes through memory cost the backward 25 of its 87 ms at 2365 ids.
+template <typename T, int kBytes = 32>
+inline T lane_sum(Vec<T, kBytes> v) {
+  if constexpr (kBytes > 32) {
+    Vec<T, kBytes / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    return lane_sum<T, kBytes / 2>(lo + hi);
+  } else {
+    constexpr int n = sizeof(Vec<T, kBytes>) / sizeof(T);
+    T part[n];
+    std::memcpy(part, &v, sizeof(v));
+    for (int width = n / 2; width > 0; width /= 2)
+      for (int q = 0; q < width; ++q) part[q] += part[q + width];
+    return part[0];
+  }
 }
 
 // `split<T, true>` on every lane: x = m * 2^e with 1/2 <= |m| < 1 for normal x; inf and NaN
@@ -434,6 +435,127 @@ void forward(const T* t, int64_t t_stride_h, int64_t t_stride_n, const T* delta,
   }
 }
 
+// The three coefficient rows that a bucket of ids reads (knots k0, k1, k2) and the rows of
+// dL/dDelta that it adds into.
+template <typename T>
+struct BucketRows {
+  const T* c0;
+  const T* c1;
+  const T* c2;
+  T* g0;
+  T* g1;
+  T* g2;
+};
+
+// One bucket of the backward (ids order[q0:q1], basis values sv*[q]), kNV vectors of kBytes of
+// rank components at a time: the three coefficient rows and the three sums into dL/dDelta stay
+// in registers across the bucket's ids. Each id's dL/dB_j is kept in vector lanes (lanes[q],
+// 3 vectors, summed by the caller), added to chunk by chunk in rank order, as one pass over r
+// would add them.
+template <typename T, int kNV, int kBytes>
+void bucket_vector(const BucketRows<T>& rows, const int32_t* __restrict order,
+                   const T* __restrict sv0, const T* __restrict sv1, const T* __restrict sv2,
+                   int64_t q0, int64_t q1, const T* __restrict scaled, int64_t s_stride_n,
+                   T eps, int64_t r, T* __restrict lanes) {
+  using V = Vec<T, kBytes>;
+  constexpr int64_t kLanes = sizeof(V) / sizeof(T);
+  for (int64_t rho = 0; rho < r; rho += kNV * kLanes) {
+    V x0[kNV], x1[kNV], x2[kNV], s0[kNV], s1[kNV], s2[kNV];
+#pragma GCC unroll 4
+    for (int v = 0; v < kNV; ++v) {
+      x0[v] = load<T, kBytes>(rows.c0 + rho + v * kLanes);
+      x1[v] = load<T, kBytes>(rows.c1 + rho + v * kLanes);
+      x2[v] = load<T, kBytes>(rows.c2 + rho + v * kLanes);
+      s0[v] = s1[v] = s2[v] = V{};
+    }
+    for (int64_t q = q0; q < q1; ++q) {
+      const T* __restrict srow = scaled + order[q] * s_stride_n + rho;
+      T* __restrict a = lanes + 3 * kLanes * q;
+      const T v0 = sv0[q], v1 = sv1[q], v2 = sv2[q];
+      V a0 = {}, a1 = {}, a2 = {};  // dL/dB_j
+      if (rho > 0) {
+        a0 = load<T, kBytes>(a);
+        a1 = load<T, kBytes>(a + kLanes);
+        a2 = load<T, kBytes>(a + 2 * kLanes);
+      }
+#pragma GCC unroll 4
+      for (int v = 0; v < kNV; ++v) {
+        const V phi = v0 * x0[v] + v1 * x1[v] + v2 * x2[v];
+        const V g = load<T, kBytes>(srow + v * kLanes) / (phi < T(0) ? phi - eps : phi + eps);
+        a0 += g * x0[v];
+        a1 += g * x1[v];
+        a2 += g * x2[v];
+        s0[v] += v0 * g;
+        s1[v] += v1 * g;
+        s2[v] += v2 * g;
+      }
+      store<T, kBytes>(a, a0);
+      store<T, kBytes>(a + kLanes, a1);
+      store<T, kBytes>(a + 2 * kLanes, a2);
+    }
+    // One row after the other: a dropped knot's row is the middle one.
+#pragma GCC unroll 4
+    for (int v = 0; v < kNV; ++v) {
+      const int64_t at = rho + v * kLanes;
+      store<T, kBytes>(rows.g0 + at, load<T, kBytes>(rows.g0 + at) + s0[v]);
+      store<T, kBytes>(rows.g1 + at, load<T, kBytes>(rows.g1 + at) + s1[v]);
+      store<T, kBytes>(rows.g2 + at, load<T, kBytes>(rows.g2 + at) + s2[v]);
+    }
+  }
+}
+
+// One bucket when r is not a multiple of 32 bytes: the same sums into dL/dDelta in the same
+// order per rank component (so the same values bit for bit), dL/dB_j summed per id into g*s.
+template <typename T>
+void bucket_scalar(const BucketRows<T>& rows, const int32_t* __restrict order,
+                   const T* __restrict sv0, const T* __restrict sv1, const T* __restrict sv2,
+                   int64_t q0, int64_t q1, const T* __restrict scaled, int64_t s_stride_n, T eps,
+                   int64_t r, T* __restrict sums, T* __restrict g0s, T* __restrict g1s,
+                   T* __restrict g2s) {
+  const T* __restrict c0 = rows.c0;
+  const T* __restrict c1 = rows.c1;
+  const T* __restrict c2 = rows.c2;
+  T* __restrict s0 = sums;
+  T* __restrict s1 = sums + r;
+  T* __restrict s2 = sums + 2 * r;
+  for (int64_t k = 0; k < 3 * r; ++k) sums[k] = 0;
+  for (int64_t q = q0; q < q1; ++q) {
+    const T* __restrict srow = scaled + order[q] * s_stride_n;
+    const T v0 = sv0[q], v1 = sv1[q], v2 = sv2[q];
+    T g0 = 0, g1 = 0, g2 = 0;
+#pragma omp simd reduction(+ : g0, g1, g2)
+    for (int64_t rho = 0; rho < r; ++rho) {
+      const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
+      const T g = srow[rho] / (phi < T(0) ? phi - eps : phi + eps);
+      g0 += g * c0[rho];
+      g1 += g * c1[rho];
+      g2 += g * c2[rho];
+      s0[rho] += v0 * g;
+      s1[rho] += v1 * g;
+      s2[rho] += v2 * g;
+    }
+    g0s[order[q]] = g0;
+    g1s[order[q]] = g1;
+    g2s[order[q]] = g2;
+  }
+  for (int64_t rho = 0; rho < r; ++rho) rows.g0[rho] += s0[rho];
+  for (int64_t rho = 0; rho < r; ++rho) rows.g1[rho] += s1[rho];
+  for (int64_t rho = 0; rho < r; ++rho) rows.g2[rho] += s2[rho];
+}
+
+// The sums of each id's dL/dB_j lanes (lanes[q], ids order[q]) into g*s.
+template <typename T, int kBytes>
+void sum_lanes(const T* __restrict lanes, const int32_t* __restrict order, int64_t n,
+               T* __restrict g0s, T* __restrict g1s, T* __restrict g2s) {
+  constexpr int64_t kLanes = sizeof(Vec<T, kBytes>) / sizeof(T);
+  for (int64_t q = 0; q < n; ++q) {
+    const T* a = lanes + 3 * kLanes * q;
+    g0s[order[q]] = lane_sum<T, kBytes>(load<T, kBytes>(a));
+    g1s[order[q]] = lane_sum<T, kBytes>(load<T, kBytes>(a + kLanes));
+    g2s[order[q]] = lane_sum<T, kBytes>(load<T, kBytes>(a + 2 * kLanes));
+  }
+}
+
 // t [h, n, d] and grad_t [h, n, d] are read and written through their head and id strides
 // (coordinates contiguous; lev/kernels.py hands views of [n, h, d] tensors). Task (l, c) needs
 // the n values t[l, :, c] as one run: a thread gathers them for a block of kBlock coordinates
@@ -443,24 +565,31 @@ void forward(const T* t, int64_t t_stride_h, int64_t t_stride_n, const T* delta,
 // thread; contiguous [h, d, n] rows made by torch transpose copies cost 95 ms in all. scaled
 // is [h, n, r] through its strides too (rows of r contiguous); with an [h, n, r] layout the d
 // tasks of a head stream one contiguous block.
+//
+// Within a task the ids are taken bucket by bucket of their nearest knot (a counting sort):
+// every id of a bucket reads the same three coefficient rows and adds into the same three rows
+// of dL/dDelta, so those stay in registers across the bucket (2365 ids, one thread: 72 ->
+// 62.5 ms with the 512-bit bucket loop; 69 ms with 256-bit vectors).
 template <typename T>
-LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
-                             const T* __restrict delta, const T* __restrict scaled,
-                             int64_t s_stride_h, int64_t s_stride_n, T* __restrict grad_delta,
-                             T* __restrict grad_t, int64_t g_stride_h, int64_t g_stride_n,
-                             int64_t h, int64_t n, int64_t d, int64_t kappa, int64_t r,
-                             bool normalize, double eps, int threads) {
+void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
+              const T* __restrict delta, const T* __restrict scaled, int64_t s_stride_h,
+              int64_t s_stride_n, T* __restrict grad_delta, T* __restrict grad_t,
+              int64_t g_stride_h, int64_t g_stride_n, int64_t h, int64_t n, int64_t d,
+              int64_t kappa, int64_t r, bool normalize, double eps, int threads) {
   const T eps_t = static_cast<T>(eps);
   const T ds_dt = static_cast<T>(kappa - 1);
   constexpr int64_t kBlock = 64 / sizeof(T);
   constexpr int64_t kAhead = 16;  // ids ahead that the strided gather and scatter prefetch
-  constexpr int64_t kLanes = sizeof(Vec<T>) / sizeof(T);
   const int64_t blocks_per_head = (d + kBlock - 1) / kBlock;
+  // The bucket loop's vectors: the widest that divides r, two at a time where they fit.
+  constexpr int64_t kWide = kWideBytes / sizeof(T), kNarrow = 32 / sizeof(T);
+  const int64_t lanes_per_id = r % kWide == 0 ? kWide : r % kNarrow == 0 ? kNarrow : 0;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<T> gphi(r), g0s(n), g1s(n), g2s(n);
-    AlignedVector<T> lanes(3 * kLanes * n);
-    std::vector<char> lanes_done(n, 0);
+    std::vector<T> g0s(n), g1s(n), g2s(n), sv0(n), sv1(n), sv2(n), sums(3 * r);
+    std::vector<int32_t> order(n);
+    std::vector<int64_t> start(kappa + 1), cursor(kappa);
+    AlignedVector<T> lanes(3 * std::max<int64_t>(lanes_per_id, 1) * n);
     AlignedVector<T> coeff(kappa * r);
     BasisRun<T> basis(n);
     // t and dL/dt of kBlock coordinates of one head for all n ids, [kBlock, n]: gathered and
@@ -497,68 +626,45 @@ LEV_PREFER_256 void backward(const T* __restrict t, int64_t t_stride_h, int64_t 
       T* gtable = grad_delta + task * kappa * r;  // dL/d(1 + Delta) = dL/dDelta
       for (int64_t k = 0; k < kappa * r; ++k) gtable[k] = 0;
       basis.eval(t_block.data() + cj * n, n, kappa, normalize);
-      T* __restrict gp = gphi.data();
+      std::fill(start.begin(), start.end(), 0);
+      for (int64_t i = 0; i < n; ++i) ++start[basis.k1[i] + 1];
+      for (int64_t k = 0; k < kappa; ++k) start[k + 1] += start[k];
+      std::copy(start.begin(), start.end() - 1, cursor.begin());
       for (int64_t i = 0; i < n; ++i) {
-        const int32_t k0 = basis.k0[i], k1 = basis.k1[i], k2 = basis.k2[i];
-        const T* __restrict c0 = table + k0 * r;
-        const T* __restrict c1 = table + k1 * r;
-        const T* __restrict c2 = table + k2 * r;
-        const T* __restrict srow = scaled + l * s_stride_h + i * s_stride_n;
-        const T v0 = basis.v0[i], v1 = basis.v1[i], v2 = basis.v2[i];
-        T g0 = 0, g1 = 0, g2 = 0;  // dL/dB_j
-        if (k0 != k1 && k1 != k2 && r % kLanes == 0) {
-          // Three distinct rows of dL/dDelta, updated in the same pass (dL/dphi stays in
-          // registers); dL/dB_j accumulated in vector lanes and summed once per id.
-          T* __restrict r0 = gtable + k0 * r;
-          T* __restrict r1 = gtable + k1 * r;
-          T* __restrict r2 = gtable + k2 * r;
-          Vec<T> a0 = {}, a1 = {}, a2 = {};
-          for (int64_t rho = 0; rho < r; rho += kLanes) {
-            const Vec<T> x0 = load<T>(c0 + rho), x1 = load<T>(c1 + rho), x2 = load<T>(c2 + rho);
-            const Vec<T> phi = v0 * x0 + v1 * x1 + v2 * x2;
-            const Vec<T> g = load<T>(srow + rho) / (phi < T(0) ? phi - eps_t : phi + eps_t);
-            a0 += g * x0;
-            a1 += g * x1;
-            a2 += g * x2;
-            store<T>(r0 + rho, load<T>(r0 + rho) + v0 * g);
-            store<T>(r1 + rho, load<T>(r1 + rho) + v1 * g);
-            store<T>(r2 + rho, load<T>(r2 + rho) + v2 * g);
-          }
-          store<T>(lanes.data() + 3 * kLanes * i, a0);
-          store<T>(lanes.data() + 3 * kLanes * i + kLanes, a1);
-          store<T>(lanes.data() + 3 * kLanes * i + 2 * kLanes, a2);
-          lanes_done[i] = 1;
-          continue;
-        }
-#pragma omp simd reduction(+ : g0, g1, g2)
-        for (int64_t rho = 0; rho < r; ++rho) {
-          const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
-          const T g = srow[rho] / (phi < T(0) ? phi - eps_t : phi + eps_t);
-          gp[rho] = g;
-          g0 += g * c0[rho];
-          g1 += g * c1[rho];
-          g2 += g * c2[rho];
-        }
-        // One row per loop: a dropped knot shares its (clamped) row with a kept one.
-        const int32_t ks[3] = {k0, k1, k2};
-        const T vs[3] = {v0, v1, v2};
-        for (int j = 0; j < 3; ++j) {
-          T* __restrict row = gtable + ks[j] * r;
-#pragma omp simd
-          for (int64_t rho = 0; rho < r; ++rho) row[rho] += vs[j] * gp[rho];
-        }
-        g0s[i] = g0;
-        g1s[i] = g1;
-        g2s[i] = g2;
+        const int64_t q = cursor[basis.k1[i]]++;
+        order[q] = static_cast<int32_t>(i);
+        sv0[q] = basis.v0[i];
+        sv1[q] = basis.v1[i];
+        sv2[q] = basis.v2[i];
       }
-      for (int64_t i = 0; i < n; ++i) {
-        if (!lanes_done[i]) continue;
-        lanes_done[i] = 0;
-        const T* q = lanes.data() + 3 * kLanes * i;
-        g0s[i] = lane_sum<T>(load<T>(q));
-        g1s[i] = lane_sum<T>(load<T>(q + kLanes));
-        g2s[i] = lane_sum<T>(load<T>(q + 2 * kLanes));
+      const T* shead = scaled + l * s_stride_h;
+      for (int64_t b = 0; b < kappa; ++b) {
+        const int64_t q0 = start[b], q1 = start[b + 1];
+        if (q0 == q1) continue;
+        // Every id of bucket b has the knots b - 1, b, b + 1, clamped (a dropped knot shares
+        // its row with b and has value 0).
+        const int64_t k0 = basis.k0[order[q0]], k2 = basis.k2[order[q0]];
+        const BucketRows<T> rows{table + k0 * r,  table + b * r,  table + k2 * r,
+                                 gtable + k0 * r, gtable + b * r, gtable + k2 * r};
+#define LEV_BUCKET_ARGS                                                                       \
+  rows, order.data(), sv0.data(), sv1.data(), sv2.data(), q0, q1, shead, s_stride_n, eps_t, r, \
+      lanes.data()
+        if (lanes_per_id == kWide && r % (2 * kWide) == 0)
+          bucket_vector<T, 2, kWideBytes>(LEV_BUCKET_ARGS);
+        else if (lanes_per_id == kWide)
+          bucket_vector<T, 1, kWideBytes>(LEV_BUCKET_ARGS);
+        else if (lanes_per_id == kNarrow)
+          bucket_vector<T, 1, 32>(LEV_BUCKET_ARGS);
+        else
+          bucket_scalar<T>(rows, order.data(), sv0.data(), sv1.data(), sv2.data(), q0, q1,
+                           shead, s_stride_n, eps_t, r, sums.data(), g0s.data(), g1s.data(),
+                           g2s.data());
       }
+      if (lanes_per_id == kWide)
+        sum_lanes<T, kWideBytes>(lanes.data(), order.data(), n, g0s.data(), g1s.data(),
+                                 g2s.data());
+      else if (lanes_per_id == kNarrow)
+        sum_lanes<T, 32>(lanes.data(), order.data(), n, g0s.data(), g1s.data(), g2s.data());
       T* __restrict gt = g_block.data() + cj * n;
       const T* __restrict tb = t_block.data() + cj * n;
       const T* __restrict g0p = g0s.data();
