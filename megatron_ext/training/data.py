@@ -12,11 +12,23 @@ their rank. PyTorch's workers die of it and the rank then fails with "DataLoader
 killed by signal" before it can act on --exit-signal-handler. Our workers ignore both signals
 (the rank decides when to stop; its workers exit with it), and they are forked with the signals
 blocked so that one arriving during start-up cannot kill them before they ignore it.
+
+Exit with live workers: an exception that escapes the rank keeps its frames, and with them the
+DataLoader iterator, alive until the interpreter exits. PyTorch then leaves the workers to
+multiprocessing's exit hook, which stops daemonic children with SIGTERM and joins them; ours
+ignore SIGTERM, so the rank would wait for them forever (a crashed rank that never exits,
+holding its job until the time limit). An exit hook of this module, which runs before
+multiprocessing's, kills the workers of every iterator still alive at exit (SIGKILL: they only
+read samples, and the rank is going away).
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util  # noqa: F401  (registers its exit hook before ours)
+import os
 import signal
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -35,16 +47,36 @@ def ignore_termination_signals(worker_id: int = 0) -> None:
     _signals.unblock()
 
 
+# The iterators with worker processes that are still alive (see the module docstring).
+_iterators_with_workers: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _kill_workers_at_exit() -> None:
+    """atexit: kill and reap the workers of the iterators still alive at interpreter exit."""
+    for iterator in list(_iterators_with_workers):
+        for worker in getattr(iterator, "_workers", ()):
+            if worker.is_alive():
+                os.kill(worker.pid, signal.SIGKILL)
+                worker.join()
+
+
+# Registered after multiprocessing's exit hook, so it runs before it (atexit runs last in first).
+atexit.register(_kill_workers_at_exit)
+
+
 class _SignalSafeDataLoader(DataLoader):
     """A DataLoader whose workers are started with SIGTERM/SIGINT blocked (they inherit the
     mask; `ignore_termination_signals` then ignores and unblocks them). The rank's own mask is
-    restored at once, so a pending signal reaches its handler right after the fork."""
+    restored at once, so a pending signal reaches its handler right after the fork. Workers
+    still running when the interpreter exits are killed (see the module docstring)."""
 
     def __iter__(self):
         if self.num_workers == 0:
             return super().__iter__()
         with _signals.blocked():
-            return super().__iter__()
+            iterator = super().__iter__()
+        _iterators_with_workers.add(iterator)
+        return iterator
 
 
 class PretrainingSampler:
