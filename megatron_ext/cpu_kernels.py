@@ -19,10 +19,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CpuKernelUnavailable", "build_library", "cache_dir"]
+__all__ = ["CpuKernelUnavailable", "build_library", "cache_dir", "load_error"]
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 
@@ -104,3 +105,13 @@ def build_library(source: Path, what: str, hint: str) -> ctypes.CDLL:
         logger.info("building the %s %s", what, target)
         _build(compiler, source, target, what, hint)
     return ctypes.CDLL(str(target))
+
+
+def load_error(load: Callable[[], ctypes.CDLL]) -> Optional[str]:
+    """None when `load()` (a kernel's `load_library`) succeeds, else the one-line reason it
+    cannot be used here (no compiler, a failed build, a library that does not load)."""
+    try:
+        load()
+    except (CpuKernelUnavailable, OSError) as err:
+        return str(err)
+    return None

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.cpu_kernels import CpuKernelUnavailable, build_library
+from megatron_ext.cpu_kernels import build_library, load_error
 
 __all__ = ["cross_entropy", "exp", "kernel_error", "load_library"]
 
@@ -45,11 +45,7 @@ def load_library() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def kernel_error() -> Optional[str]:
     """None when the kernel is usable here, else the one-line reason."""
-    try:
-        load_library()
-    except (CpuKernelUnavailable, OSError) as err:
-        return str(err)
-    return None
+    return load_error(load_library)
 
 
 def cross_entropy(

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.cpu_kernels import CpuKernelUnavailable, build_library
+from megatron_ext.cpu_kernels import CpuKernelUnavailable, build_library, load_error
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +75,7 @@ def load_library() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def cpu_kernel_error() -> Optional[str]:
     """None when the CPU kernel is usable here, else the one-line reason."""
-    try:
-        load_library()
-    except (CpuKernelUnavailable, OSError) as err:
-        return str(err)
-    return None
+    return load_error(load_library)
 
 
 def _suffix(dtype: torch.dtype) -> str:

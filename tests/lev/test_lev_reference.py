@@ -556,12 +556,12 @@ def test_kernel_options_carry_the_codebook_combine():
 
 # The C++ kernel takes its vector paths when r is a multiple of 32 bytes (8 floats, 4 doubles),
 # in the widest vectors that divide r (64 bytes where the CPU has AVX-512: the forward's product
-# and the backward's bucket loop, two vectors at a time where r holds two), and the scalar ones
-# otherwise; rank components are independent, so the first 5 components of an r = 16, 24 or 32
-# run (vector paths: on AVX-512 one 16-float vector, 8-float vectors, two 16-float vectors) are
-# those of an r = 5 run (scalar paths) of the same inputs. Coefficients up to 1e15 or 1e30 and
-# eps from 1e-30 to 1 take the forward's group size (`safe_group`, float32) through 42, 4, 2 and
-# 0 (the per-factor path).
+# and the backward's bucket loop, two vectors at a time where r holds two), and otherwise one
+# rank component at a time (the forward's scalar loop, the backward's one-lane vectors); rank
+# components are independent, so the first 5 components of an r = 16, 24 or 32 run (on AVX-512
+# one 16-float vector, 8-float vectors, two 16-float vectors) are those of an r = 5 run of the
+# same inputs. Coefficients up to 1e15 or 1e30 and eps from 1e-30 to 1 take the forward's group
+# size (`safe_group`, float32) through 42, 4, 2 and 0 (the per-factor path).
 @pytest.mark.parametrize("r", [16, 24, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(

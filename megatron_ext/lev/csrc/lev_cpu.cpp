@@ -504,45 +504,6 @@ void bucket_vector(const BucketRows<T>& rows, const int32_t* __restrict order,
   }
 }
 
-// One bucket when r is not a multiple of 32 bytes: the same sums into dL/dDelta in the same
-// order per rank component (so the same values bit for bit), dL/dB_j summed per id into g*s.
-template <typename T>
-void bucket_scalar(const BucketRows<T>& rows, const int32_t* __restrict order,
-                   const T* __restrict sv0, const T* __restrict sv1, const T* __restrict sv2,
-                   int64_t q0, int64_t q1, const T* __restrict scaled, int64_t s_stride_n, T eps,
-                   int64_t r, T* __restrict sums, T* __restrict g0s, T* __restrict g1s,
-                   T* __restrict g2s) {
-  const T* __restrict c0 = rows.c0;
-  const T* __restrict c1 = rows.c1;
-  const T* __restrict c2 = rows.c2;
-  T* __restrict s0 = sums;
-  T* __restrict s1 = sums + r;
-  T* __restrict s2 = sums + 2 * r;
-  for (int64_t k = 0; k < 3 * r; ++k) sums[k] = 0;
-  for (int64_t q = q0; q < q1; ++q) {
-    const T* __restrict srow = scaled + order[q] * s_stride_n;
-    const T v0 = sv0[q], v1 = sv1[q], v2 = sv2[q];
-    T g0 = 0, g1 = 0, g2 = 0;
-#pragma omp simd reduction(+ : g0, g1, g2)
-    for (int64_t rho = 0; rho < r; ++rho) {
-      const T phi = v0 * c0[rho] + v1 * c1[rho] + v2 * c2[rho];
-      const T g = srow[rho] / (phi < T(0) ? phi - eps : phi + eps);
-      g0 += g * c0[rho];
-      g1 += g * c1[rho];
-      g2 += g * c2[rho];
-      s0[rho] += v0 * g;
-      s1[rho] += v1 * g;
-      s2[rho] += v2 * g;
-    }
-    g0s[order[q]] = g0;
-    g1s[order[q]] = g1;
-    g2s[order[q]] = g2;
-  }
-  for (int64_t rho = 0; rho < r; ++rho) rows.g0[rho] += s0[rho];
-  for (int64_t rho = 0; rho < r; ++rho) rows.g1[rho] += s1[rho];
-  for (int64_t rho = 0; rho < r; ++rho) rows.g2[rho] += s2[rho];
-}
-
 // The sums of each id's dL/dB_j lanes (lanes[q], ids order[q]) into g*s.
 template <typename T, int kBytes>
 void sum_lanes(const T* __restrict lanes, const int32_t* __restrict order, int64_t n,
@@ -581,15 +542,16 @@ void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
   constexpr int64_t kBlock = 64 / sizeof(T);
   constexpr int64_t kAhead = 16;  // ids ahead that the strided gather and scatter prefetch
   const int64_t blocks_per_head = (d + kBlock - 1) / kBlock;
-  // The bucket loop's vectors: the widest that divides r, two at a time where they fit.
+  // The bucket loop's vectors: the widest that divides r (two at a time where they fit), else
+  // one-lane vectors: one rank component at a time, the same operations lane by lane.
   constexpr int64_t kWide = kWideBytes / sizeof(T), kNarrow = 32 / sizeof(T);
-  const int64_t lanes_per_id = r % kWide == 0 ? kWide : r % kNarrow == 0 ? kNarrow : 0;
+  const int64_t lanes_per_id = r % kWide == 0 ? kWide : r % kNarrow == 0 ? kNarrow : 1;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<T> g0s(n), g1s(n), g2s(n), sv0(n), sv1(n), sv2(n), sums(3 * r);
+    std::vector<T> g0s(n), g1s(n), g2s(n), sv0(n), sv1(n), sv2(n);
     std::vector<int32_t> order(n);
     std::vector<int64_t> start(kappa + 1), cursor(kappa);
-    AlignedVector<T> lanes(3 * std::max<int64_t>(lanes_per_id, 1) * n);
+    AlignedVector<T> lanes(3 * lanes_per_id * n);
     AlignedVector<T> coeff(kappa * r);
     BasisRun<T> basis(n);
     // t and dL/dt of kBlock coordinates of one head for all n ids, [kBlock, n]: gathered and
@@ -656,15 +618,17 @@ void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
         else if (lanes_per_id == kNarrow)
           bucket_vector<T, 1, 32>(LEV_BUCKET_ARGS);
         else
-          bucket_scalar<T>(rows, order.data(), sv0.data(), sv1.data(), sv2.data(), q0, q1,
-                           shead, s_stride_n, eps_t, r, sums.data(), g0s.data(), g1s.data(),
-                           g2s.data());
+          bucket_vector<T, 1, sizeof(T)>(LEV_BUCKET_ARGS);  // one rank component at a time
+#undef LEV_BUCKET_ARGS
       }
       if (lanes_per_id == kWide)
         sum_lanes<T, kWideBytes>(lanes.data(), order.data(), n, g0s.data(), g1s.data(),
                                  g2s.data());
       else if (lanes_per_id == kNarrow)
         sum_lanes<T, 32>(lanes.data(), order.data(), n, g0s.data(), g1s.data(), g2s.data());
+      else
+        sum_lanes<T, sizeof(T)>(lanes.data(), order.data(), n, g0s.data(), g1s.data(),
+                                g2s.data());
       T* __restrict gt = g_block.data() + cj * n;
       const T* __restrict tb = t_block.data() + cj * n;
       const T* __restrict g0p = g0s.data();
