@@ -504,11 +504,27 @@ void bucket_vector(const BucketRows<T>& rows, const int32_t* __restrict order,
   }
 }
 
-// The sums of each id's dL/dB_j lanes (lanes[q], ids order[q]) into g*s.
-template <typename T, int kBytes>
-void sum_lanes(const T* __restrict lanes, const int32_t* __restrict order, int64_t n,
-               T* __restrict g0s, T* __restrict g1s, T* __restrict g2s) {
+// The buckets of one (head, coordinate) task: the ids order[start[b]:start[b + 1]] of each knot
+// b through `bucket_vector`, then each id's dL/dB_j lanes summed into g*s (by id). table and
+// gtable are the task's [kappa, r] coefficients and dL/dDelta; scaled the head's [n, r] rows.
+template <typename T, int kNV, int kBytes>
+void task_buckets(const T* table, T* gtable, const BasisRun<T>& basis,
+                  const int64_t* __restrict start, const int32_t* __restrict order,
+                  const T* sv0, const T* sv1, const T* sv2, int64_t n, int64_t kappa,
+                  const T* scaled, int64_t s_stride_n, T eps, int64_t r, T* lanes,
+                  T* __restrict g0s, T* __restrict g1s, T* __restrict g2s) {
   constexpr int64_t kLanes = sizeof(Vec<T, kBytes>) / sizeof(T);
+  for (int64_t b = 0; b < kappa; ++b) {
+    const int64_t q0 = start[b], q1 = start[b + 1];
+    if (q0 == q1) continue;
+    // Every id of bucket b has the knots b - 1, b, b + 1, clamped (a dropped knot shares its
+    // row with b and has value 0).
+    const int64_t k0 = basis.k0[order[q0]], k2 = basis.k2[order[q0]];
+    const BucketRows<T> rows{table + k0 * r,  table + b * r,  table + k2 * r,
+                             gtable + k0 * r, gtable + b * r, gtable + k2 * r};
+    bucket_vector<T, kNV, kBytes>(rows, order, sv0, sv1, sv2, q0, q1, scaled, s_stride_n, eps, r,
+                                  lanes);
+  }
   for (int64_t q = 0; q < n; ++q) {
     const T* a = lanes + 3 * kLanes * q;
     g0s[order[q]] = lane_sum<T, kBytes>(load<T, kBytes>(a));
@@ -546,6 +562,10 @@ void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
   // one-lane vectors: one rank component at a time, the same operations lane by lane.
   constexpr int64_t kWide = kWideBytes / sizeof(T), kNarrow = 32 / sizeof(T);
   const int64_t lanes_per_id = r % kWide == 0 ? kWide : r % kNarrow == 0 ? kNarrow : 1;
+  const auto buckets = r % (2 * kWide) == 0    ? task_buckets<T, 2, kWideBytes>
+                       : lanes_per_id == kWide ? task_buckets<T, 1, kWideBytes>
+                       : lanes_per_id == kNarrow ? task_buckets<T, 1, 32>
+                                                 : task_buckets<T, 1, sizeof(T)>;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<T> g0s(n), g1s(n), g2s(n), sv0(n), sv1(n), sv2(n);
@@ -599,36 +619,9 @@ void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
         sv1[q] = basis.v1[i];
         sv2[q] = basis.v2[i];
       }
-      const T* shead = scaled + l * s_stride_h;
-      for (int64_t b = 0; b < kappa; ++b) {
-        const int64_t q0 = start[b], q1 = start[b + 1];
-        if (q0 == q1) continue;
-        // Every id of bucket b has the knots b - 1, b, b + 1, clamped (a dropped knot shares
-        // its row with b and has value 0).
-        const int64_t k0 = basis.k0[order[q0]], k2 = basis.k2[order[q0]];
-        const BucketRows<T> rows{table + k0 * r,  table + b * r,  table + k2 * r,
-                                 gtable + k0 * r, gtable + b * r, gtable + k2 * r};
-#define LEV_BUCKET_ARGS                                                                       \
-  rows, order.data(), sv0.data(), sv1.data(), sv2.data(), q0, q1, shead, s_stride_n, eps_t, r, \
-      lanes.data()
-        if (lanes_per_id == kWide && r % (2 * kWide) == 0)
-          bucket_vector<T, 2, kWideBytes>(LEV_BUCKET_ARGS);
-        else if (lanes_per_id == kWide)
-          bucket_vector<T, 1, kWideBytes>(LEV_BUCKET_ARGS);
-        else if (lanes_per_id == kNarrow)
-          bucket_vector<T, 1, 32>(LEV_BUCKET_ARGS);
-        else
-          bucket_vector<T, 1, sizeof(T)>(LEV_BUCKET_ARGS);  // one rank component at a time
-#undef LEV_BUCKET_ARGS
-      }
-      if (lanes_per_id == kWide)
-        sum_lanes<T, kWideBytes>(lanes.data(), order.data(), n, g0s.data(), g1s.data(),
-                                 g2s.data());
-      else if (lanes_per_id == kNarrow)
-        sum_lanes<T, 32>(lanes.data(), order.data(), n, g0s.data(), g1s.data(), g2s.data());
-      else
-        sum_lanes<T, sizeof(T)>(lanes.data(), order.data(), n, g0s.data(), g1s.data(),
-                                g2s.data());
+      buckets(table, gtable, basis, start.data(), order.data(), sv0.data(), sv1.data(),
+              sv2.data(), n, kappa, scaled + l * s_stride_h, s_stride_n, eps_t, r, lanes.data(),
+              g0s.data(), g1s.data(), g2s.data());
       T* __restrict gt = g_block.data() + cj * n;
       const T* __restrict tb = t_block.data() + cj * n;
       const T* __restrict g0p = g0s.data();
