@@ -36,8 +36,16 @@ of the width-256 shape (data made by the project's tools, docs/lev-training.md s
 --clock cpu_seconds would also count their spin-waiting). With the tied single-rank configuration
 measured, the LEV / TIED and UNTIED / TIED tokens/s ratios are printed, with their value in each
 round (the spread between rounds is the noise of the measurement).
+
     python benchmarks/bench_train_step.py --hidden-size 1024 --num-layers 8 --seq-length 512 \\
         --max-ranks 8 --extra "--bf16"
+
+Every run logs --timing-log-level 2's timers, and for each LEV configuration the benchmark also
+prints LEV's own wall time per iteration (its forwards and its global-batch backward) and its
+share of the iteration. That share is measured inside the same iterations, so the noise between
+processes (on a 2-core VM, rounds of the same run differ by up to 10-15%) does not touch it:
+1 - share is the LEV / TIED ratio to expect when the rest of LEV's iteration costs what TIED's
+does (TIED's embedding lookup is not subtracted).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import tempfile
@@ -74,7 +83,9 @@ CONFIGS = [
 ]  # fmt: skip
 
 
-def _run(ranks: int, flags: list[str], args: argparse.Namespace, workdir: str) -> list[float]:
+def _run(
+    ranks: int, flags: list[str], args: argparse.Namespace, workdir: str
+) -> tuple[list[float], list[float]]:
     # A free port can be taken by another program before the run binds it: retry on a new one.
     for attempt in range(3):
         try:
@@ -85,7 +96,9 @@ def _run(ranks: int, flags: list[str], args: argparse.Namespace, workdir: str) -
     raise AssertionError("unreachable")
 
 
-def _run_once(ranks: int, flags: list[str], args, workdir: str) -> list[float]:
+def _run_once(ranks: int, flags: list[str], args, workdir: str) -> tuple[list[float], list[float]]:
+    """(time per iteration by --clock, LEV's own wall time per iteration in seconds: its
+    forwards and its global-batch backward, from --timing-log-level 2's lines; 0 without LEV)."""
     jsonl = os.path.join(workdir, f"m{find_free_port()}.jsonl")
     common = [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
@@ -93,7 +106,7 @@ def _run_once(ranks: int, flags: list[str], args, workdir: str) -> list[float]:
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
         "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters),
         "--lr", "1e-4", *shlex.split(args.data_flags), "--num-workers", "0", "--eval-iters", "0",
-        "--log-interval", str(args.iters), "--no-loss-curve", "--log-jsonl", jsonl,
+        "--log-interval", "1", "--timing-log-level", "2", "--no-loss-curve", "--log-jsonl", jsonl,
     ]  # fmt: skip
     env = {"OMP_NUM_THREADS": str(args.threads) if args.threads else None}
     log = os.path.join(workdir, f"m{find_free_port()}.log")
@@ -103,7 +116,20 @@ def _run_once(ranks: int, flags: list[str], args, workdir: str) -> list[float]:
     if returncode != 0:
         raise RuntimeError(f"{' '.join(flags)} failed:\n{job.output()[-6000:]}")
     with open(jsonl) as handle:
-        return [json.loads(line)[args.clock] for line in handle if line.strip()]
+        times = [json.loads(line)[args.clock] for line in handle if line.strip()]
+    return times, lev_seconds(Path(log).read_text())
+
+
+def lev_seconds(log: str) -> list[float]:
+    """LEV's own seconds in each iteration of a run's output (--log-interval 1,
+    --timing-log-level 2): its "lev-forward" and "lev-backward" spans (0 for a run without
+    LEV), one value per timers line."""
+    seconds = []
+    for line in log.splitlines():
+        if re.search(r"(?<!elapsed )time per iteration \(ms\): ", line):  # the timers' line
+            spans = re.findall(r"(?:lev-forward|lev-backward): ([0-9.]+)", line)
+            seconds.append(sum(float(v) for v in spans) / 1000)
+    return seconds
 
 
 def distinct_ids(args: argparse.Namespace, per: int) -> list[int]:
@@ -179,13 +205,16 @@ def main() -> None:
         )
     print(f"{'configuration':28s} {'s/iter':>9s} {'tokens/s':>10s} {'time vs baseline':>17s}")
     times: dict[str, list[float]] = {}
+    lev_own: dict[str, list[float]] = {}  # LEV's own seconds in each measured iteration
     per_round: dict[str, list[float]] = {}  # the median of each round, to show the spread
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(args.rounds):
             for label, ranks, flags in configs:
                 if ranks <= args.max_ranks:
-                    measured = _run(ranks, flags, args, workdir)[args.warmup :]
+                    measured, lev = _run(ranks, flags, args, workdir)
+                    measured = measured[args.warmup :]
                     times.setdefault(label, []).extend(measured)
+                    lev_own.setdefault(label, []).extend(lev[args.warmup :])
                     per_round.setdefault(label, []).append(statistics.median(measured))
     baseline = None
     for label, ranks, _ in configs:
@@ -206,6 +235,15 @@ def main() -> None:
             )
             print(
                 f"{arm.upper()} / TIED tokens/s (1 rank): {ratio:.3f}{target}; per round: {rounds}"
+            )
+    for label, own in lev_own.items():
+        if label.startswith("lev") and own and args.clock == "seconds":
+            # Measured inside the same iterations, so free of the noise between runs.
+            share = statistics.median(o / t for o, t in zip(own, times[label]))
+            print(
+                f"{label}: LEV's own wall time (its forwards and global-batch backward, "
+                f"--timing-log-level 2) median {1000 * statistics.median(own):.1f} ms per "
+                f"iteration, {100 * share:.1f}% of it (1 - share = {1 - share:.3f})"
             )
 
 

@@ -638,7 +638,13 @@ class LoggingConfig:
     log_throughput: bool = flag(False, "--log-throughput", "TFLOP/s per GPU in the line")
     log_validation_ppl_to_tensorboard: bool = flag(False, "--log-validation-ppl-to-tensorboard")
     log_timers_to_tensorboard: bool = flag(False, "--log-timers-to-tensorboard")
-    timing_log_level: int = flag(0, "--timing-log-level", choices=(0, 1, 2))
+    timing_log_level: int = flag(
+        0,
+        "--timing-log-level",
+        "1: a line of the time per part of the iteration; 2: also LEV's forwards and "
+        "global-batch backward (parts of forward-backward)",
+        choices=(0, 1, 2),
+    )
     peak_tflops: Optional[float] = flag(None, "--peak-tflops", "per-GPU peak for MFU")
     """Per-GPU peak TFLOP/s for MFU (default: looked up from the GPU name)."""
     log_jsonl: Optional[str] = flag(

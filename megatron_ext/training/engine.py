@@ -31,6 +31,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ext.lev.layer import LEVEmbedding
+
 __all__ = [
     "Engine",
     "StepResult",
@@ -38,6 +40,7 @@ __all__ = [
     "Phase",
     "NonFiniteError",
     "world_stats",
+    "time_lev_forwards",
 ]
 
 
@@ -103,6 +106,26 @@ def world_stats(
         stats = stats.cuda()
     dist.all_reduce(stats)
     return stats.cpu().tolist()
+
+
+def time_lev_forwards(chunks: Sequence[torch.nn.Module], timers) -> None:
+    """--timing-log-level 2: time every training-mode forward of the LEV modules in `chunks` as
+    the `Timers` span "lev-forward" (a part of forward-backward), through forward hooks."""
+    started: list[Optional[float]] = []
+
+    def before(module, args):
+        started.append(timers.now() if module.training else None)
+
+    def after(module, args, output):
+        start = started.pop()
+        if start is not None:
+            timers.add("lev-forward", timers.now() - start)
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, LEVEmbedding):
+                module.register_forward_pre_hook(before)
+                module.register_forward_hook(after)
 
 
 class Engine(abc.ABC):

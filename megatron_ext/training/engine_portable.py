@@ -40,6 +40,7 @@ from megatron_ext.training.engine import (
     NonFiniteError,
     Phase,
     StepResult,
+    time_lev_forwards,
     world_stats,
 )
 from megatron_ext.training.finalize_grads import (
@@ -155,6 +156,8 @@ class PortableEngine(Engine):
         ]
         """LEV modules evaluated once per distinct id of the global batch: their backward runs
         after the last micro-batch (`LEVEmbedding.begin_global_batch`)."""
+        if timers.detailed:
+            time_lev_forwards(self.chunks, timers)
         self.ddp: Optional[DistributedDataParallel] = None
         """torch DDP over `pg.dp_cp` (one pipeline stage and DP x CP > 1), else None."""
         if pg.pp_size == 1 and pg.dp_cp_size > 1:
@@ -208,8 +211,9 @@ class PortableEngine(Engine):
                 per_token_loss=per_token_loss,
                 no_sync=None if ddp is None else ddp.no_sync,
             )
-            for module in self.lev:
-                module.end_global_batch()
+            with self.timers.span("lev-backward"):
+                for module in self.lev:
+                    module.end_global_batch()
         finally:
             for module in self.lev:
                 module.abort_global_batch()

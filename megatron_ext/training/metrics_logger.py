@@ -8,12 +8,13 @@ all ranks keep for --timing-log-level). It reads nothing from the engine: the lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -27,29 +28,62 @@ __all__ = ["MetricsLogger", "Timers", "truncate_jsonl"]
 
 
 class Timers:
-    """--timing-log-level >= 1: wall time per named part of the iteration (summed until the
-    next log line)."""
+    """--timing-log-level: wall time per named part of the iteration, summed until the next log
+    line. Level 1 times the iteration's consecutive parts (`mark`); level 2 also the spans
+    inside them (`span`, e.g. LEV's forward and backward inside forward-backward)."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, detailed: bool = False) -> None:
         self.enabled = enabled
+        self.detailed = enabled and detailed
+        """Whether `span` times (--timing-log-level 2)."""
         self.totals: dict[str, float] = {}
+        self.spans: dict[str, float] = {}
         self._last = time.perf_counter()
+
+    @classmethod
+    def at_level(cls, level: int) -> "Timers":
+        """The timers of --timing-log-level `level` (0: off)."""
+        return cls(level > 0, detailed=level > 1)
 
     def mark(self, name: Optional[str] = None) -> None:
         """Add the time since the previous mark to `name` (None: only restart the clock)."""
         if not self.enabled:
             return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        now = time.perf_counter()
+        now = self.now()
         if name is not None:
             self.totals[name] = self.totals.get(name, 0.0) + now - self._last
         self._last = now
 
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """At level 2, add the wall time of the block to `name` (a part of the enclosing
+        mark's time, not a mark: the clock of `mark` is left alone)."""
+        if not self.detailed:
+            yield
+            return
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(name, self.now() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        """At level 2, add `seconds` (measured with `now`) to the span `name`."""
+        if self.detailed:
+            self.spans[name] = self.spans.get(name, 0.0) + seconds
+
     def take(self) -> dict[str, float]:
-        """The totals since the previous call, cleared."""
-        out, self.totals = self.totals, {}
+        """The totals since the previous call (the marks' in order, then the spans'), cleared."""
+        out = {**self.totals, **self.spans}
+        self.totals, self.spans = {}, {}
         return out
+
+    @staticmethod
+    def now() -> float:
+        """perf_counter after the device's queued work (what the timers measure with)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
 
 def truncate_jsonl(path: str, iteration: int) -> None:

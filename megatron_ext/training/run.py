@@ -166,7 +166,7 @@ def setup(
         chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
     model = chunks[0] if len(chunks) == 1 else chunks
     num_params = unique_numel(torch.nn.ModuleList(chunks), pg)
-    phase, timers = Phase(), Timers(cfg.log.timing_log_level > 0)
+    phase, timers = Phase(), Timers.at_level(cfg.log.timing_log_level)
     engine = (engine_builder or build_engine)(cfg, model, forward_step, pg, phase, timers)
     extras = RunExtras(cfg, pg)
     model_config = getattr(chunks[0], "model_config", None)  # a LeviathanModel's ModelConfig

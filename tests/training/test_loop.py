@@ -96,3 +96,46 @@ def test_close_runs_when_setup_fails(tmp_path, single_rank):
             datasets_provider=lambda counts: (None, None, None),
         )
     assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+
+
+def _megatron_engine_with_doubles(cfg, model, forward_step, pg, phase, timers):
+    """megatron-core's engine over the recording doubles (runs on CPU; LEV per micro-batch)."""
+    from megatron_ext.testing.megatron_doubles import CallLog, recording_parts
+    from megatron_ext.training.megatron_engine import MegatronEngine
+
+    return MegatronEngine(
+        cfg, model, forward_step, pg, phase, timers, parts=recording_parts(CallLog())
+    )
+
+
+@pytest.mark.parametrize("engine", ["portable", "megatron"])
+def test_timing_log_level_2_times_lev_inside_forward_backward(
+    tmp_path, single_rank, caplog, engine
+):
+    import dataclasses
+
+    from megatron_ext.training import pretrain
+
+    cfg = _config(tmp_path)
+    cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, timing_log_level=2))
+    with caplog.at_level("INFO", logger="megatron_ext.training.metrics_logger"):
+        pretrain(
+            cfg,
+            model_provider=model_provider,
+            forward_step=forward_step,
+            datasets_provider=lambda counts: tuple(RandomSamples(n) for n in counts),
+            engine_builder=_megatron_engine_with_doubles if engine == "megatron" else None,
+        )
+    messages = [r.getMessage().strip() for r in caplog.records]
+    lines = [m for m in messages if m.startswith("time per iteration (ms): ")]
+    assert len(lines) == 3  # --log-interval 1, 3 iterations
+    # The portable engine runs LEV's backward once per global batch (timed); megatron's engine
+    # runs it inside each micro-batch's backward.
+    spans = ["lev-forward", "lev-backward"] if engine == "portable" else ["lev-forward"]
+    for line in lines:
+        parts = dict(p.split(": ") for p in line.split("(ms): ", 1)[1].split(" | "))
+        # The marks in the iteration's order, then the spans inside forward-backward.
+        assert list(parts)[0] == "forward-backward"
+        assert list(parts)[-len(spans) :] == spans
+        ms = {k: float(v) for k, v in parts.items()}
+        assert 0 < sum(ms[k] for k in spans) < ms["forward-backward"]

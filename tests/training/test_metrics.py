@@ -69,3 +69,24 @@ def test_log_line_has_megatron_fields():
         "grad norm: 0.900",
     ):
         assert text in line
+
+
+def test_timers_levels():
+    import time
+
+    from megatron_ext.training.metrics_logger import Timers
+
+    off, level1, level2 = Timers.at_level(0), Timers.at_level(1), Timers.at_level(2)
+    for timers in (off, level1, level2):
+        timers.mark()
+        with timers.span("inner"):
+            time.sleep(0.01)
+        timers.mark("outer")
+        timers.add("added", 0.5)
+    assert off.take() == {}
+    assert list(level1.take()) == ["outer"]  # level 1: marks only
+    totals = level2.take()
+    assert list(totals) == ["outer", "inner", "added"]  # marks first, then spans
+    assert 0.01 <= totals["inner"] <= totals["outer"]  # a span does not restart the mark clock
+    assert totals["added"] == 0.5
+    assert level2.take() == {}  # cleared
