@@ -211,9 +211,10 @@ class PortableEngine(Engine):
                 per_token_loss=per_token_loss,
                 no_sync=None if ddp is None else ddp.no_sync,
             )
-            with self.timers.span("lev-backward"):
-                for module in self.lev:
-                    module.end_global_batch()
+            if self.lev:  # a model without LEV logs no lev-backward span
+                with self.timers.span("lev-backward"):
+                    for module in self.lev:
+                        module.end_global_batch()
         finally:
             for module in self.lev:
                 module.abort_global_batch()

@@ -108,9 +108,11 @@ def _megatron_engine_with_doubles(cfg, model, forward_step, pg, phase, timers):
     )
 
 
-@pytest.mark.parametrize("engine", ["portable", "megatron"])
+@pytest.mark.parametrize(
+    "engine, embedding", [("portable", "lev"), ("megatron", "lev"), ("portable", "tied")]
+)
 def test_timing_log_level_2_times_lev_inside_forward_backward(
-    tmp_path, single_rank, caplog, engine
+    tmp_path, single_rank, caplog, engine, embedding
 ):
     import dataclasses
 
@@ -121,7 +123,7 @@ def test_timing_log_level_2_times_lev_inside_forward_backward(
     with caplog.at_level("INFO", logger="megatron_ext.training.metrics_logger"):
         pretrain(
             cfg,
-            model_provider=model_provider,
+            model_provider=functools.partial(_tiny_provider, embedding_type=embedding),
             forward_step=forward_step,
             datasets_provider=lambda counts: tuple(RandomSamples(n) for n in counts),
             engine_builder=_megatron_engine_with_doubles if engine == "megatron" else None,
@@ -130,12 +132,19 @@ def test_timing_log_level_2_times_lev_inside_forward_backward(
     lines = [m for m in messages if m.startswith("time per iteration (ms): ")]
     assert len(lines) == 3  # --log-interval 1, 3 iterations
     # The portable engine runs LEV's backward once per global batch (timed); megatron's engine
-    # runs it inside each micro-batch's backward.
-    spans = ["lev-forward", "lev-backward"] if engine == "portable" else ["lev-forward"]
+    # runs it inside each micro-batch's backward; a model without LEV has no LEV spans.
+    spans = {"lev": ["lev-forward", "lev-backward"], "tied": []}[embedding]
+    if engine == "megatron":
+        spans = ["lev-forward"]
+    marks = ["forward-backward", "grads-all-reduce", "grad-norm-and-clip", "optimizer"]
     for line in lines:
         parts = dict(p.split(": ") for p in line.split("(ms): ", 1)[1].split(" | "))
-        # The marks in the iteration's order, then the spans inside forward-backward.
         assert list(parts)[0] == "forward-backward"
-        assert list(parts)[-len(spans) :] == spans
+        # The marks in the iteration's order, then the spans inside forward-backward.
+        assert [k for k in parts if k.startswith("lev-")] == spans
+        assert list(parts)[len(parts) - len(spans) :] == spans
         ms = {k: float(v) for k, v in parts.items()}
-        assert 0 < sum(ms[k] for k in spans) < ms["forward-backward"]
+        assert sum(ms[k] for k in spans) < ms["forward-backward"]
+        assert all(ms[k] > 0 for k in spans)
+        if engine == "portable":
+            assert list(parts)[: len(marks)] == marks
