@@ -25,6 +25,7 @@ read samples, and the rank is going away).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing.util  # noqa: F401  (registers its exit hook before ours)
 import os
 import signal
@@ -56,7 +57,9 @@ def _kill_workers_at_exit() -> None:
     for iterator in list(_iterators_with_workers):
         for worker in getattr(iterator, "_workers", ()):
             if worker.is_alive():
-                os.kill(worker.pid, signal.SIGKILL)
+                # It may exit between the check and the kill; the join reaps it either way.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGKILL)
                 worker.join()
 
 
