@@ -10,6 +10,16 @@ again, kernel time that measured 3-5% of a step at width 256 (docs/lev-training.
 threshold to 1 GiB, as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` would, so that the
 next iteration reuses the pages. The resident size stays at the step's peak instead of
 falling between steps.
+
+Blocks above 32 MiB are still mapped and unmapped per allocation at that threshold: on a CPU
+run these are the step's largest activations (the [s, b, V] logits and their gradient, 64 MiB
+each at seq 512, micro-batch 4, V = 8k), about 16k fresh pages per iteration. With
+`large_blocks=True` (what training on CPU asks for) the mmap count is also set to 0
+(`MALLOC_MMAP_MAX_=0`), so that every block comes from the heap and is kept too. glibc still
+maps a block that the heap cannot hold (a thread's arena is at most 64 MiB; the main heap when
+it cannot grow), so no allocation fails because of it; memory freed at the heap's top above
+the trim threshold is still returned. GPU runs keep large host blocks mapped: there they are
+one-off buffers (checkpoint loads), which in the heap could leave holes that stay resident.
 """
 
 from __future__ import annotations
@@ -23,13 +33,18 @@ __all__ = ["retain_freed_host_memory"]
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD = 1 << 30
 
 
-def retain_freed_host_memory() -> Optional[str]:
+def retain_freed_host_memory(large_blocks: bool = False) -> Optional[str]:
     """Set glibc's mmap and trim thresholds (see the module doc) for this process and the
     processes it forks.
+
+    Args:
+        large_blocks: also serve blocks above the largest mmap threshold from the heap (mmap
+            count 0), for runs whose activations are host memory (training on CPU).
 
     Returns:
         None when set, else why not (one line): not Linux/glibc, or the user chose the
@@ -51,4 +66,6 @@ def retain_freed_host_memory() -> Optional[str]:
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     ):
         return "mallopt refused the thresholds"
+    if large_blocks and not mallopt(_M_MMAP_MAX, 0):
+        return "mallopt refused the mmap count"
     return None

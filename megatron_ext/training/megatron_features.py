@@ -156,7 +156,8 @@ class RunExtras:
             gc.disable()
             gc.collect()
         if self.memory.retain_host_memory:
-            why_not = retain_freed_host_memory()
+            # On CPU the step's activations are host memory: keep the largest blocks too.
+            why_not = retain_freed_host_memory(large_blocks=not torch.cuda.is_available())
             if why_not is not None and self.is_rank0:
                 logger.info("freed host memory is returned to the OS: %s", why_not)
         if self.log.wandb_project and self.is_rank0:

@@ -8,32 +8,47 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from megatron_ext.training import megatron_features
 from megatron_ext.training.config import MemoryConfig
 
 _SCRIPT = """
-import json, resource, sys, torch
+import json, resource, sys, threading, torch
 from megatron_ext.training.host_memory import retain_freed_host_memory
-why_not = retain_freed_host_memory() if sys.argv[1] == "retain" else "not asked"
+mode, sizes = sys.argv[1], [int(m) for m in sys.argv[2].split(",")]
+if mode == "default":
+    why_not = "not asked"
+else:
+    why_not = retain_freed_host_memory(large_blocks=mode == "large")
 faults = []
 for _ in range(3):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for mib in (3, 9, 5, 17, 2, 11, 7, 30, 4):
+    for mib in sizes:
         kept = [torch.ones(mib << 18) for _ in range(4)]
         del kept
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"why_not": why_not, "faults": faults}))
+# A block larger than a thread's arena (64 MiB) is still allocated (glibc maps it).
+in_thread = []
+worker = threading.Thread(target=lambda: in_thread.append(float(torch.ones(100 << 18).sum())))
+worker.start()
+worker.join()
+print(json.dumps({"why_not": why_not, "faults": faults, "in_thread": in_thread}))
 """
 
 
-def _run(mode: str, **env: str) -> dict:
+_SMALL = "3,9,5,17,2,11,7,30,4"  # MiB, all below glibc's largest mmap threshold (32 MiB)
+_LARGE = "40,64,48,33,56"  # MiB, all above it: the size of a CPU step's [s, b, V] logits
+
+
+def _run(mode: str, sizes: str = _SMALL, **env: str) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     clean.pop("GLIBC_TUNABLES", None)
     clean.pop("LD_PRELOAD", None)
     done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, mode], env={**clean, **env}, capture_output=True,
+        [sys.executable, "-c", _SCRIPT, mode, sizes], env={**clean, **env}, capture_output=True,
         text=True, timeout=120, check=True,
     )  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -51,6 +66,17 @@ def test_retained_memory_is_reused_without_page_faults():
 
 @pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_large_blocks_are_kept_on_request():
+    # 4 x 241 MiB per round: about 62k pages if all were fresh.
+    thresholds, large = _run("retain", _LARGE), _run("large", _LARGE)
+    assert large["why_not"] is None
+    assert min(thresholds["faults"][1:]) > 10_000, thresholds
+    assert max(large["faults"][1:]) < 1_000, large
+    assert large["in_thread"] == [float(100 << 18)], large
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_the_users_allocator_settings_are_left_alone():
     chosen = _run("retain", MALLOC_ARENA_MAX="2")
     assert chosen["why_not"] == "the allocator settings of MALLOC_ARENA_MAX are left as they are"
@@ -61,3 +87,27 @@ def test_flag():
     assert MemoryConfig().retain_host_memory is True
     field = MemoryConfig.__dataclass_fields__["retain_host_memory"]
     assert field.metadata["flag"] == "--no-retain-host-memory"
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_run_keeps_large_blocks_on_cpu_only(monkeypatch, cuda):
+    asked = []
+    monkeypatch.setattr(
+        megatron_features, "retain_freed_host_memory", lambda **kw: asked.append(kw)
+    )
+    monkeypatch.setattr(megatron_features.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(megatron_features.dist, "get_rank", lambda: 0)
+    run = SimpleNamespace(
+        log=SimpleNamespace(tensorboard_dir=None, wandb_project=None),
+        memory=MemoryConfig(),
+        batch=SimpleNamespace(global_batch_size=8, rampup=lambda dp: None),
+        parallel=SimpleNamespace(data_parallel_size=1),
+        ckpt=SimpleNamespace(save=None),
+    )
+    megatron_features.RunExtras(run, pg=None)
+    assert asked == [{"large_blocks": not cuda}]
+    asked.clear()
+    megatron_features.RunExtras(
+        SimpleNamespace(**{**vars(run), "memory": MemoryConfig(retain_host_memory=False)}), None
+    )
+    assert asked == []
