@@ -110,7 +110,10 @@ def world_stats(
 
 def time_lev_forwards(chunks: Sequence[torch.nn.Module], timers) -> None:
     """--timing-log-level 2: time every training-mode forward of the LEV modules in `chunks` as
-    the `Timers` span "lev-forward" (a part of forward-backward), through forward hooks."""
+    the `Timers` span "lev-forward" (a part of forward-backward), through forward hooks.
+    Registers nothing below level 2 (`timers.detailed` false)."""
+    if not timers.detailed:
+        return
     started: list[Optional[float]] = []
 
     def before(module, args):

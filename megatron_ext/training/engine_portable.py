@@ -156,8 +156,7 @@ class PortableEngine(Engine):
         ]
         """LEV modules evaluated once per distinct id of the global batch: their backward runs
         after the last micro-batch (`LEVEmbedding.begin_global_batch`)."""
-        if timers.detailed:
-            time_lev_forwards(self.chunks, timers)
+        time_lev_forwards(self.chunks, timers)
         self.ddp: Optional[DistributedDataParallel] = None
         """torch DDP over `pg.dp_cp` (one pipeline stage and DP x CP > 1), else None."""
         if pg.pp_size == 1 and pg.dp_cp_size > 1:
