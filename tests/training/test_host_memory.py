@@ -24,7 +24,7 @@ if mode == "default":
 else:
     why_not = retain_freed_host_memory(large_blocks=mode == "large")
 faults = []
-for _ in range(3):
+for _ in range(4):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for mib in sizes:
         kept = [torch.ones(mib << 18) for _ in range(4)]
@@ -71,7 +71,10 @@ def test_large_blocks_are_kept_on_request():
     thresholds, large = _run("retain", _LARGE), _run("large", _LARGE)
     assert large["why_not"] is None
     assert min(thresholds["faults"][1:]) > 10_000, thresholds
-    assert max(large["faults"][1:]) < 1_000, large
+    # The heap can still grow once in the second round (some processes fault 8192 pages there,
+    # the first round that many fewer), never after: every later round reuses its pages.
+    assert sum(large["faults"][1:]) < 10_000, large
+    assert max(large["faults"][2:]) < 1_000, large
     assert large["in_thread"] == [float(100 << 18)], large
 
 
