@@ -32,6 +32,20 @@ of the width-256 shape (data made by the project's tools, docs/lev-training.md s
         --data-flags "--data-path data/kjv8k_text_document --split 95,5,0 \
         --tokenizer-type SentencePieceTokenizer --tokenizer-model data/kjv8k.model"
 
+--slices K runs a round's configurations at once and lets them take turns, K iterations at a
+time, each paused (SIGSTOP to all its processes, `Job.pause`) while another runs, in the order
+A B, B A, A B, ... The iteration that a pause interrupted is not measured (nor the warmup), so
+every turn gives K - 1 measured iterations of each configuration (K where it runs two turns in
+a row) seconds apart, and the machine's slow changes of speed (on a 2-core VM a process can
+switch between two speeds 10% apart for tens of seconds) hit both sides of a ratio alike; the
+ratios are then printed per turn. All of a round's runs are held in memory at once. The
+LEV / TIED target at width 256 is measured this way (docs/lev-training.md section 4.15):
+
+    python benchmarks/bench_train_step.py --only tied "lev, 1" --hidden-size 256 \
+        --seq-length 512 --micro-batch-size 4 --global-batch-size 8 --threads 2 --iters 54 \
+        --warmup 6 --slices 4 --data-flags "--data-path data/kjv8k_text_document \
+        --split 95,5,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model data/kjv8k.model"
+
 --threads sets OMP_NUM_THREADS of every run (default 1: with more threads than free cores,
 --clock cpu_seconds would also count their spin-waiting). With the tied single-rank configuration
 measured, the LEV / TIED and UNTIED / TIED tokens/s ratios are printed, with their value in each
@@ -57,7 +71,9 @@ import re
 import shlex
 import statistics
 import tempfile
+import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -68,7 +84,7 @@ from megatron_ext.data.loading import (
 )
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.testing.distributed import find_free_port
-from megatron_ext.testing.launch import launch
+from megatron_ext.testing.launch import Job, count_records, launch
 
 # (label, ranks, flags) in the order reported; the first is the baseline.
 CONFIGS = [
@@ -89,16 +105,18 @@ def _run(
     # A free port can be taken by another program before the run binds it: retry on a new one.
     for attempt in range(3):
         try:
-            return _run_once(ranks, flags, args, workdir)
+            job, jsonl, log = _start(ranks, flags, args, workdir)
+            with job:
+                returncode = job.wait()
+            return _results(job, returncode, jsonl, log, flags, args)
         except RuntimeError as err:
             if "EADDRINUSE" not in str(err) or attempt == 2:
                 raise
     raise AssertionError("unreachable")
 
 
-def _run_once(ranks: int, flags: list[str], args, workdir: str) -> tuple[list[float], list[float]]:
-    """(time per iteration by --clock, LEV's own wall time per iteration in seconds: its
-    forwards and its global-batch backward, from --timing-log-level 2's lines; 0 without LEV)."""
+def _start(ranks: int, flags: list[str], args, workdir: str) -> tuple[Job, str, str]:
+    """Launch one configuration's run: (the job, its --log-jsonl file, its output log)."""
     jsonl = os.path.join(workdir, f"m{find_free_port()}.jsonl")
     common = [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
@@ -111,13 +129,107 @@ def _run_once(ranks: int, flags: list[str], args, workdir: str) -> tuple[list[fl
     env = {"OMP_NUM_THREADS": str(args.threads) if args.threads else None}
     log = os.path.join(workdir, f"m{find_free_port()}.log")
     argv = [*common, *flags, *shlex.split(args.extra)]
-    with launch("pretrain_leviathan", ranks, argv, env=env, log=Path(log), timeout=None) as job:
-        returncode = job.wait()
+    job = launch("pretrain_leviathan", ranks, argv, env=env, log=Path(log), timeout=None)
+    return job, jsonl, log
+
+
+def _results(
+    job: Job, returncode: int, jsonl: str, log: str, flags: list[str], args
+) -> tuple[list[float], list[float]]:
+    """(time per iteration by --clock, LEV's own wall time per iteration in seconds: its
+    forwards and its global-batch backward, from --timing-log-level 2's lines; 0 without LEV)."""
     if returncode != 0:
         raise RuntimeError(f"{' '.join(flags)} failed:\n{job.output()[-6000:]}")
     with open(jsonl) as handle:
         times = [json.loads(line)[args.clock] for line in handle if line.strip()]
     return times, lev_seconds(Path(log).read_text())
+
+
+def _await_records(job: Job, jsonl: str, count: int, flags: list[str]) -> None:
+    """Wait (polling every 20 ms) until the run has logged `count` iterations."""
+    while count_records(Path(jsonl)) < count:
+        if job.returncode is not None:
+            raise RuntimeError(
+                f"{' '.join(flags)} exited after {count_records(Path(jsonl))} of {count} "
+                f"iterations:\n{job.output()[-6000:]}"
+            )
+        time.sleep(0.02)
+
+
+def _run_in_turns(
+    configs: list[tuple[str, int, list[str]]], args: argparse.Namespace, workdir: str
+) -> dict[str, tuple[list[float], list[float], list[Optional[int]]]]:
+    """Run `configs` at once, taking turns --slices iterations at a time (see the module doc).
+
+    Returns {label: (time per iteration, LEV's own seconds per iteration, the turn in which
+    each iteration ran: None for the iterations before the first turn, when every run starts
+    at once, and for each one that a pause interrupted, which are not measured)}. Which
+    iteration a pause interrupted is read after the run is stopped (`Job.pause` returns then):
+    the one after those it had logged.
+    """
+    flags_of = {label: flags for label, _, flags in configs}
+    ranks_of = {label: ranks for label, ranks, _ in configs}
+    jobs: dict[str, tuple[Job, str, str]] = {}
+    turns: dict[str, list[Optional[int]]] = {}  # one entry per iteration logged or interrupted
+
+    def log_until_now(label: str, turn: Optional[int]) -> None:
+        logged = count_records(Path(jobs[label][1]))
+        turns[label].extend([turn] * (logged - len(turns[label])))
+
+    def pause(label: str, turn: Optional[int]) -> None:
+        jobs[label][0].pause()
+        log_until_now(label, turn)  # iterations finished before the stop ran in this turn
+        if len(turns[label]) < args.iters:
+            turns[label].append(None)  # the iteration the pause interrupted
+
+    try:
+        for label, ranks, flags in configs:
+            jobs[label] = _start(ranks, flags, args, workdir)
+            turns[label] = []
+        starting, retries = set(jobs), 2
+        while starting:  # each run is stopped once it has logged an iteration
+            for label in sorted(starting):
+                job, jsonl, _ = jobs[label]
+                if count_records(Path(jsonl)) >= 1:
+                    pause(label, None)
+                    starting.discard(label)
+                elif job.returncode is not None:
+                    if "EADDRINUSE" in job.output() and retries > 0:
+                        # Its free port was taken before it bound it: start it on a new one.
+                        retries -= 1
+                        job.__exit__(None, None, None)
+                        jobs[label] = _start(ranks_of[label], flags_of[label], args, workdir)
+                        continue
+                    _await_records(job, jsonl, 1, flags_of[label])  # raises with its output
+            time.sleep(0.02)
+        labels, running, turn = list(jobs), None, 0
+        while any(len(turns[label]) < args.iters for label in labels):
+            # Forwards, then backwards (A B, B A, ...): no configuration always runs first.
+            for label in labels if turn % 2 == 0 else labels[::-1]:
+                if len(turns[label]) >= args.iters:
+                    continue
+                job, jsonl, _ = jobs[label]
+                if running == label:  # its second turn in a row: nothing interrupted
+                    until = len(turns[label]) + args.slices
+                else:
+                    if running is not None:
+                        pause(running, turn)
+                    job.resume()
+                    running = label
+                    until = len(turns[label]) + args.slices - 1  # the interrupted one counts
+                _await_records(job, jsonl, min(args.iters, until), flags_of[label])
+                log_until_now(label, turn)
+            turn += 1
+        results = {}
+        for label, (job, jsonl, log) in jobs.items():
+            job.resume()
+            returncode = job.wait()
+            times, lev = _results(job, returncode, jsonl, log, flags_of[label], args)
+            results[label] = (times, lev, turns[label][: len(times)])
+        return results
+    finally:
+        for job, _, _ in jobs.values():
+            job.__exit__(None, None, None)  # kills what still runs, closes its log
 
 
 def lev_seconds(log: str) -> list[float]:
@@ -152,7 +264,8 @@ def distinct_ids(args: argparse.Namespace, per: int) -> list[int]:
     ]
 
 
-def main() -> None:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The benchmark's flags, checked, with the mock data's flags filled in when none given."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -167,6 +280,13 @@ def main() -> None:
     parser.add_argument("--extra", default="", help="more pretrain_leviathan.py flags")
     parser.add_argument("--only", nargs="+", default=None, help="label prefixes to run")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions")
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=0,
+        help="run a round's configurations at once, taking turns this many iterations at a "
+        "time (the others paused); 0: one run after the other",
+    )
     parser.add_argument(
         "--clock",
         choices=("seconds", "cpu_seconds"),
@@ -183,11 +303,21 @@ def main() -> None:
         help="OMP_NUM_THREADS of every rank (0: inherit); with more threads than free cores, "
         "cpu_seconds also counts the threads' spin-waiting",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.slices == 1 or args.slices < 0:
+        parser.error(
+            f"--slices {args.slices}: give 0 (runs one after the other) or at least 2 (the "
+            "first iteration of each turn is interrupted by the pause and not measured)"
+        )
     if args.data_flags is None:
         args.data_flags = (
             f"--mock-data --tokenizer-type NullTokenizer --vocab-size {args.vocab_size}"
         )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     configs = [c for c in CONFIGS if not args.only or c[0].startswith(tuple(args.only))]
 
     tokens = args.global_batch_size * args.seq_length
@@ -195,6 +325,7 @@ def main() -> None:
         f"model {args.num_layers} x {args.hidden_size}, seq {args.seq_length}, global batch "
         f"{args.global_batch_size} ({tokens} tokens); median of iterations "
         f"{args.warmup + 1}-{args.iters} x {args.rounds} round(s), clock: {args.clock}"
+        + (f", in turns of {args.slices} iterations" if args.slices else "")
     )
     for what, per in (("micro", args.micro_batch_size), ("global", args.global_batch_size)):
         counts = distinct_ids(args, per)
@@ -206,16 +337,26 @@ def main() -> None:
     print(f"{'configuration':28s} {'s/iter':>9s} {'tokens/s':>10s} {'time vs baseline':>17s}")
     times: dict[str, list[float]] = {}
     lev_own: dict[str, list[float]] = {}  # LEV's own seconds in each measured iteration
-    per_round: dict[str, list[float]] = {}  # the median of each round, to show the spread
+    # Measured iterations by round (by round and turn with --slices), to show the spread.
+    groups: dict[str, dict[tuple[int, ...], list[float]]] = {}
+    runnable = [c for c in configs if c[1] <= args.max_ranks]
     with tempfile.TemporaryDirectory() as workdir:
-        for _ in range(args.rounds):
-            for label, ranks, flags in configs:
-                if ranks <= args.max_ranks:
-                    measured, lev = _run(ranks, flags, args, workdir)
-                    measured = measured[args.warmup :]
-                    times.setdefault(label, []).extend(measured)
-                    lev_own.setdefault(label, []).extend(lev[args.warmup :])
-                    per_round.setdefault(label, []).append(statistics.median(measured))
+        for round_ in range(args.rounds):
+            if args.slices:
+                measured = _run_in_turns(runnable, args, workdir)
+            else:
+                measured = {}
+                for label, ranks, flags in runnable:
+                    run_times, run_lev = _run(ranks, flags, args, workdir)
+                    measured[label] = (run_times, run_lev, [0] * len(run_times))
+            for label, (run_times, run_lev, turns) in measured.items():
+                for i in range(args.warmup, len(run_times)):
+                    if turns[i] is None:  # a pause interrupted it
+                        continue
+                    times.setdefault(label, []).append(run_times[i])
+                    lev_own.setdefault(label, []).append(run_lev[i] if i < len(run_lev) else 0.0)
+                    key = (round_, turns[i])
+                    groups.setdefault(label, {}).setdefault(key, []).append(run_times[i])
     baseline = None
     for label, ranks, _ in configs:
         if label not in times:
@@ -229,12 +370,16 @@ def main() -> None:
             ratio = statistics.median(times["tied, 1 rank"]) / statistics.median(
                 times[f"{arm}, 1 rank"]
             )
-            rounds = ", ".join(
-                f"{t / a:.3f}"
-                for t, a in zip(per_round["tied, 1 rank"], per_round[f"{arm}, 1 rank"])
-            )
+            tied, other = groups["tied, 1 rank"], groups[f"{arm}, 1 rank"]
+            spread = [
+                statistics.median(tied[key]) / statistics.median(other[key])
+                for key in sorted(tied.keys() & other.keys())
+            ]
+            unit = "turn" if args.slices else "round"
             print(
-                f"{arm.upper()} / TIED tokens/s (1 rank): {ratio:.3f}{target}; per round: {rounds}"
+                f"{arm.upper()} / TIED tokens/s (1 rank): {ratio:.3f}{target}; per {unit}: "
+                f"{', '.join(f'{r:.3f}' for r in spread)} (min {min(spread):.3f}, median "
+                f"{statistics.median(spread):.3f})"
             )
     for label, own in lev_own.items():
         if label.startswith("lev") and own and args.clock == "seconds":

@@ -6,6 +6,7 @@ Used by the tests, tools/gpu_check.py, the quick start and the benchmarks::
 
     with launch("pretrain_leviathan", 2, args, log=workdir / "output.log") as job:
         job.wait_for_lines(jsonl, 2)            # iteration 2 logged
+        job.pause(); job.resume()               # SIGSTOP / SIGCONT every process of the job
         job.send_signal(signal.SIGTERM)         # to the targets given at launch
         returncode = job.wait()
     output = job.output()
@@ -47,6 +48,7 @@ __all__ = [
     "job_environment",
     "child_pids",
     "descendant_pids",
+    "process_state",
 ]
 
 SignalTargets = Literal["ranks", "agent", "job"]
@@ -75,6 +77,14 @@ def descendant_pids(pid: int) -> list[int]:
     """Every process below ``pid``, children before grandchildren."""
     children = child_pids(pid)
     return children + [d for c in children for d in descendant_pids(c)]
+
+
+def process_state(pid: int) -> Optional[str]:
+    """The state letter of /proc/<pid>/stat (R, S, T, Z, ...), or None for no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _start_time(pid: int) -> Optional[int]:
@@ -235,6 +245,27 @@ class Job:
             except ProcessLookupError:
                 pass
         return sent
+
+    def pause(self, timeout: float = 10.0) -> list[int]:
+        """Stop every process of the job (SIGSTOP to the DataLoader workers, the ranks and
+        torchrun, each in its own session) until `resume`, and return once all of them are
+        stopped (what they wrote before is complete); returns the pids stopped. A benchmark
+        uses this to let several jobs take turns on the same cores.
+
+        Raises:
+            TimeoutError: a process still runs ``timeout`` seconds after the signal.
+        """
+        sent = self.send_signal(signal.SIGSTOP, "job")
+        deadline = time.monotonic() + timeout
+        while running := [pid for pid in sent if process_state(pid) not in ("T", "t", "Z", None)]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"processes {running} still run {timeout:g} s after SIGSTOP")
+            time.sleep(0.001)
+        return sent
+
+    def resume(self) -> list[int]:
+        """Continue what `pause` stopped (SIGCONT to the same targets); returns the pids."""
+        return self.send_signal(signal.SIGCONT, "job")
 
     def _check_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:

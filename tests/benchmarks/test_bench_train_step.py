@@ -1,9 +1,17 @@
 """benchmarks/bench_train_step.py reads LEV's own time per iteration from the timers lines that
-the training loop writes (tests/training/test_loop.py checks their format)."""
+the training loop writes (tests/training/test_loop.py checks their format), and with --slices
+measures only the iterations that no pause interrupted."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_train_step
 from benchmarks.bench_train_step import lev_seconds
+from megatron_ext.testing.launch import launch
 
 
 def test_lev_seconds_reads_the_timers_lines_only():
@@ -24,3 +32,62 @@ def test_lev_seconds_reads_the_timers_lines_only():
     assert len(seconds) == 2  # one per timers line; the iteration lines are not counted
     assert abs(seconds[0] - 0.0377) < 1e-12
     assert seconds[1] == 0.0  # a run without LEV spans (TIED)
+
+
+# A stand-in for pretrain_leviathan.py: --train-iters iterations of 20 ms, each logged to
+# --log-jsonl as the training loop does, with its wall-clock start and end added.
+FAKE_RUN = """
+import json, sys, time
+argv = sys.argv[1:]
+jsonl, iters = argv[argv.index("--log-jsonl") + 1], int(argv[argv.index("--train-iters") + 1])
+for i in range(1, iters + 1):
+    start = time.time()
+    time.sleep(0.02)
+    end = time.time()
+    with open(jsonl, "a") as f:
+        f.write(json.dumps({"iteration": i, "seconds": end - start, "start": start, "end": end}))
+        f.write("\\n")
+"""
+
+
+@pytest.mark.integration
+def test_turns_measure_no_iteration_that_a_pause_interrupted(tmp_path, monkeypatch):
+    """--slices: the runs take turns (SIGSTOP / SIGCONT), and the iterations measured are
+    exactly those that no pause interrupted: none of them spans another run's iteration, and
+    every iteration left out after the first turn does."""
+    script = tmp_path / "fake_run.py"
+    script.write_text(FAKE_RUN)
+
+    def start(ranks, flags, args, workdir):
+        jsonl, log = str(tmp_path / f"{flags[0]}.jsonl"), str(tmp_path / f"{flags[0]}.log")
+        argv = ["--log-jsonl", jsonl, "--train-iters", str(args.iters)]
+        return launch(script, ranks, argv, log=Path(log), timeout=120), jsonl, log
+
+    monkeypatch.setattr(bench_train_step, "_start", start)
+    args = bench_train_step.parse_args(["--iters", "16", "--slices", "3"])
+    configs = [("a", 1, ["a"]), ("b", 1, ["b"]), ("c", 1, ["c"])]
+    results = bench_train_step._run_in_turns(configs, args, str(tmp_path))
+    records = {
+        label: [json.loads(line) for line in (tmp_path / f"{label}.jsonl").read_text().splitlines()]
+        for label, _, _ in configs
+    }
+    for label, (times, lev, turns) in results.items():
+        assert len(times) == len(turns) == 16 and lev == []
+        assert times == [r["seconds"] for r in records[label]]
+        others = [r["end"] for other in records if other != label for r in records[other]]
+        first = turns.index(0)  # the first iteration measured
+        assert all(t is None for t in turns[:first]) and first >= 2
+        measured = [turn for turn in turns if turn is not None]
+        assert measured == sorted(measured) and len(measured) >= 16 // 3
+        for record, turn in zip(records[label], turns):
+            ends_inside = [e for e in others if record["start"] < e < record["end"]]
+            if turn is not None:
+                assert not ends_inside, (label, record, turn)  # ran alone, never paused
+            elif record["iteration"] > first:
+                assert ends_inside, (label, record)  # paused while another run logged
+
+
+def test_slices_of_one_iteration_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench_train_step.parse_args(["--slices", "1"])
+    assert "--slices 1: give 0" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from megatron_ext.testing.launch import (
     count_records,
     job_environment,
     launch,
+    process_state,
 )
 
 pytestmark = pytest.mark.integration
@@ -61,11 +62,7 @@ def _lines(path: Path) -> list[dict]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return process_state(pid) not in (None, "Z")
 
 
 @pytest.mark.parametrize("targets", ["ranks", "agent", "job"])
@@ -97,6 +94,29 @@ def test_sigterm_reaches_the_targets_a_cluster_would_signal(tmp_path, targets):
         assert sorted(who for who, _ in got).count("worker") == 2
     for pid in [*ranks.values(), *(p for w in workers.values() for p in w)]:
         assert not _alive(pid), pid
+
+
+def test_pause_stops_every_process_of_the_job_until_resume(tmp_path):
+    """pause / resume (benchmarks/bench_train_step.py --slices): every rank, every DataLoader
+    worker and torchrun are stopped (state T), then run on; the job still ends normally."""
+    out = tmp_path / "out.jsonl"
+    env = {"LAUNCH_TEST_OUT": str(out)}
+    with launch(_entry(tmp_path), 2, [], env=env, cwd=tmp_path, timeout=120) as job:
+        job.wait_for_lines(out, 4)
+        workers = [p for pids in job.workers().values() for p in pids]
+        everyone = [*workers, *job.ranks().values(), job.pid]
+        assert len(everyone) == 5
+        assert sorted(job.pause()) == sorted(everyone)
+        assert [process_state(p) for p in everyone] == ["T"] * 5  # pause waits for it
+        assert sorted(job.resume()) == sorted(everyone)
+        deadline = time.monotonic() + 10  # SIGCONT is delivered asynchronously
+        while any(process_state(p) == "T" for p in everyone) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(process_state(p) in "RS" for p in everyone), [process_state(p) for p in everyone]
+        job.send_signal(signal.SIGTERM, "job")
+        job.wait()
+    got = sorted(r["who"] for r in _lines(out) if r.get("got") == "SIGTERM")
+    assert got.count("rank") == 2 and got.count("worker") == 2  # their handlers still ran
 
 
 def test_ranks_and_agent_are_found_below_a_wrapper_script(tmp_path):
