@@ -142,7 +142,13 @@ def _results(
         raise RuntimeError(f"{' '.join(flags)} failed:\n{job.output()[-6000:]}")
     with open(jsonl) as handle:
         times = [json.loads(line)[args.clock] for line in handle if line.strip()]
-    return times, lev_seconds(Path(log).read_text())
+    lev = lev_seconds(Path(log).read_text())
+    if len(lev) != len(times):
+        raise RuntimeError(
+            f"{' '.join(flags)}: {len(times)} iterations logged to --log-jsonl but {len(lev)} "
+            "timers lines in the output (one per iteration expected)"
+        )
+    return times, lev
 
 
 def _await_records(job: Job, jsonl: str, count: int, flags: list[str]) -> None:
@@ -354,7 +360,7 @@ def main() -> None:
                     if turns[i] is None:  # a pause interrupted it
                         continue
                     times.setdefault(label, []).append(run_times[i])
-                    lev_own.setdefault(label, []).append(run_lev[i] if i < len(run_lev) else 0.0)
+                    lev_own.setdefault(label, []).append(run_lev[i])
                     key = (round_, turns[i])
                     groups.setdefault(label, {}).setdefault(key, []).append(run_times[i])
     baseline = None

@@ -35,7 +35,8 @@ def test_lev_seconds_reads_the_timers_lines_only():
 
 
 # A stand-in for pretrain_leviathan.py: --train-iters iterations of 20 ms, each logged to
-# --log-jsonl as the training loop does, with its wall-clock start and end added.
+# --log-jsonl as the training loop does, with its wall-clock start and end added, and with a
+# timers line in the output (a run without LEV at --timing-log-level 2).
 FAKE_RUN = """
 import json, sys, time
 argv = sys.argv[1:]
@@ -47,6 +48,7 @@ for i in range(1, iters + 1):
     with open(jsonl, "a") as f:
         f.write(json.dumps({"iteration": i, "seconds": end - start, "start": start, "end": end}))
         f.write("\\n")
+    print(f"    time per iteration (ms): forward-backward: {1000 * (end - start):.1f}", flush=True)
 """
 
 
@@ -72,7 +74,7 @@ def test_turns_measure_no_iteration_that_a_pause_interrupted(tmp_path, monkeypat
         for label, _, _ in configs
     }
     for label, (times, lev, turns) in results.items():
-        assert len(times) == len(turns) == 16 and lev == []
+        assert len(times) == len(turns) == 16 and lev == [0.0] * 16
         assert times == [r["seconds"] for r in records[label]]
         others = [r["end"] for other in records if other != label for r in records[other]]
         first = turns.index(0)  # the first iteration measured
@@ -91,3 +93,22 @@ def test_slices_of_one_iteration_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench_train_step.parse_args(["--slices", "1"])
     assert "--slices 1: give 0" in capsys.readouterr().err
+
+
+def test_a_run_whose_timers_lines_do_not_match_its_iterations_is_refused(tmp_path):
+    """LEV's own time is paired with each iteration's time by position: a run whose output has
+    fewer timers lines than --log-jsonl records is an error, not a silent 0."""
+    jsonl, log = tmp_path / "m.jsonl", tmp_path / "m.log"
+    jsonl.write_text('{"seconds": 1.0}\n{"seconds": 1.1}\n')
+    log.write_text("    time per iteration (ms): forward-backward: 990.0 | lev-forward: 10.0\n")
+    args = bench_train_step.parse_args([])
+
+    class Finished:  # what _results reads of a Job that exited 0
+        def output(self):
+            return log.read_text()
+
+    with pytest.raises(RuntimeError, match="2 iterations logged to --log-jsonl but 1 timers"):
+        bench_train_step._results(Finished(), 0, str(jsonl), str(log), ["--x"], args)
+    log.write_text(log.read_text() * 2)
+    times, lev = bench_train_step._results(Finished(), 0, str(jsonl), str(log), ["--x"], args)
+    assert times == [1.0, 1.1] and lev == [0.01, 0.01]
