@@ -169,39 +169,74 @@ def _project(
     return F.embedding_bag(digits + offsets, digit_proj.reshape(k * b, h * d), mode="sum")
 
 
-def _seed_to_logits(
-    z: torch.Tensor, params, opts: LEVKernelOptions, digits: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """Steps 3a-3b up to the sigmoid: z [N, d_in] (or codebooks with `digits`, see `_project`)
-    -> y [N, h, d] (contiguous), t = sigmoid(y) (backends get t's [h, N, d] view).
+class SeedNorm(Protocol):
+    """Step 3b up to the sigmoid, y = LayerNorm(u) * gain + shift per (id, head) row of d
+    values (gain, shift = the LayerNorm's weight and bias over the temperature), and its
+    backward. u, y and dL/dy are contiguous [N, h, d]; gain and shift [h, d]. A backend may
+    carry its own as `seed_norm` (the C++ one: one pass per row); else `TORCH_SEED_NORM`."""
 
-    `lev.math.seed_to_t` in three ops and their fused backwards instead of about ten
-    elementwise passes: the h projections are one [N, d_in] x [d_in, h*d] GEMM (a broadcast
-    batched matmul copies z h times and, in backward, sums h products for dL/dz), and
-    (LN(u) * g + b) / tau = LN(u) * (g / tau) + b / tau. The sigmoid's backward is the
-    backends' (dL/dy = dL/dt * t * (1 - t) where they write dL/dt), so autograd starts at y.
-    """
-    seed_proj, norm_weight, norm_bias = params
-    h, d, _ = seed_proj.shape
-    u = _project(z, seed_proj, digits, opts.codebook_combine).view(-1, h, d)
-    normed = F.layer_norm(u, (d,), eps=opts.norm_eps)
-    gain = norm_weight / opts.temperature
-    shift = norm_bias / opts.temperature
-    return torch.addcmul(shift, normed, gain)
+    def forward(
+        self, u: torch.Tensor, gain: torch.Tensor, shift: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """-> y [N, h, d]."""
+        ...
+
+    def backward(
+        self, u: torch.Tensor, gain: torch.Tensor, grad_y: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (dL/du [N, h, d], dL/dgain [h, d], dL/dshift [h, d])."""
+        ...
+
+
+class TorchSeedNorm:
+    """`SeedNorm` in torch ops: layer_norm and addcmul, their autograd for the backward."""
+
+    def forward(self, u, gain, shift, eps):
+        """(LN(u) * g + b) / tau = LN(u) * (g / tau) + b / tau: one addcmul after layer_norm."""
+        return torch.addcmul(shift, F.layer_norm(u, (u.shape[-1],), eps=eps), gain)
+
+    def backward(self, u, gain, grad_y, eps):
+        """The local autograd graph of `forward`."""
+        inputs = [x.detach().requires_grad_() for x in (u, gain, torch.zeros_like(gain))]
+        with torch.enable_grad():
+            y = self.forward(*inputs, eps)
+        return tuple(torch.autograd.grad(y, inputs, grad_y))
+
+
+TORCH_SEED_NORM = TorchSeedNorm()
+
+
+def _seed_norm(backend: LEVBackend) -> SeedNorm:
+    return getattr(backend, "seed_norm", None) or TORCH_SEED_NORM
 
 
 class LEVModes(torch.autograd.Function):
     """z [N, d_in] -> M [N, h, r] through `backend`; saves z, the parameters and M (and with
-    `digits`, z being the codebooks, the digits)."""
+    `digits`, z being the codebooks, the digits).
+
+    Steps 3a-3b: the h projections are one [N, d_in] x [d_in, h*d] GEMM (`_project`; a
+    broadcast batched matmul copies z h times and, in backward, sums h products for dL/dz),
+    then the backend's `SeedNorm` gives y, and t = sigmoid(y) (backends get t's [h, N, d]
+    view). The sigmoid's backward is the backends' (dL/dy = dL/dt * t * (1 - t) where they write
+    dL/dt), the SeedNorm's backward takes dL/dy to dL/du, and autograd takes dL/du through the
+    projection.
+    """
 
     @staticmethod
-    def forward(ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts, digits):
-        """Shapes as `lev_modes`; `backend` a LEVBackend, `opts` LEVKernelOptions."""
-        with torch.autocast(device_type=z.device.type, enabled=False), torch.no_grad():
-            cdt = lev_math.compute_dtype(z.dtype)
-            params = [p.to(cdt) for p in (seed_proj, norm_weight, norm_bias)]
-            t = _seed_to_logits(z.to(cdt), params, opts, digits).sigmoid_().transpose(0, 1)
-            modes = backend.forward(t, spline_delta.to(cdt).contiguous(), opts)
+    def forward(
+        ctx, z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts, digits, modes
+    ):
+        """Shapes as `lev_modes`; `backend` a LEVBackend, `opts` LEVKernelOptions; `modes` M
+        computed earlier for these inputs, or None."""
+        if modes is None:
+            with torch.autocast(device_type=z.device.type, enabled=False), torch.no_grad():
+                cdt = lev_math.compute_dtype(z.dtype)
+                h, d, _ = seed_proj.shape
+                u = _project(z.to(cdt), seed_proj.to(cdt), digits, opts.codebook_combine)
+                gain, shift = (p.to(cdt) / opts.temperature for p in (norm_weight, norm_bias))
+                y = _seed_norm(backend).forward(u.view(-1, h, d), gain, shift, opts.norm_eps)
+                t = y.sigmoid_().transpose(0, 1)
+                modes = backend.forward(t, spline_delta.to(cdt).contiguous(), opts)
         ctx.backend, ctx.opts, ctx.has_digits = backend, opts, digits is not None
         saved = (z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
         ctx.save_for_backward(*saved, *([digits] if digits is not None else []))
@@ -213,38 +248,39 @@ class LEVModes(torch.autograd.Function):
         z, seed_proj, norm_weight, norm_bias, spline_delta, modes, *digits = ctx.saved_tensors
         digits = digits[0] if ctx.has_digits else None
         opts: LEVKernelOptions = ctx.opts
+        norm = _seed_norm(ctx.backend)
         need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
-        originals = (seed_proj, norm_weight, norm_bias)
+        h, d, _ = seed_proj.shape
         with torch.autocast(device_type=z.device.type, enabled=False):
             cdt = modes.dtype
-            params = [
-                p.detach().to(cdt).requires_grad_(need)
-                for p, need in zip(originals, (need_w, need_g, need_b))
-            ]
+            weight = seed_proj.detach().to(cdt).requires_grad_(need_w)
             zc = z.detach().to(cdt).requires_grad_(need_z)
             with torch.enable_grad():
-                logits = _seed_to_logits(zc, params, opts, digits)  # [N, h, d]
+                u = _project(zc, weight, digits, opts.codebook_combine).view(-1, h, d)
+            gain, shift = (p.detach().to(cdt) / opts.temperature for p in (norm_weight, norm_bias))
             delta = spline_delta.detach().to(cdt).contiguous()
             # dL/dM * M laid out [h, N, r] (each head's rows one block), passed as [N, h, r].
             scaled = modes.new_empty(modes.shape[1], modes.shape[0], modes.shape[2])
             torch.mul(grad_modes.to(cdt).transpose(0, 1), modes.transpose(0, 1), out=scaled)
             with torch.no_grad():
-                t = torch.sigmoid(logits.detach()).transpose(0, 1)  # [h, N, d] view
-                grad_logits, grad_delta = ctx.backend.backward(
-                    t, delta, scaled.transpose(0, 1), opts
+                t = norm.forward(u.detach(), gain, shift, opts.norm_eps).sigmoid_()
+                grad_y, grad_delta = ctx.backend.backward(
+                    t.transpose(0, 1), delta, scaled.transpose(0, 1), opts
                 )
-            inputs = ([zc] if need_z else []) + [p for p in params if p.requires_grad]
-            # The elementwise backwards of 3a-3b run several times faster on y's own [N, h, d]
-            # layout than a copy costs (a no-op for backends that write dL/dy in it).
-            grad_logits = grad_logits.transpose(0, 1).contiguous()
-            grads = list(torch.autograd.grad(logits, inputs, grad_logits)) if inputs else []
+                # SeedNorm reads dL/dy in y's own [N, h, d] layout (a no-op for backends that
+                # write it so).
+                grad_y = grad_y.transpose(0, 1).contiguous()
+                grad_u, grad_gain, grad_shift = norm.backward(
+                    u.detach(), gain, grad_y, opts.norm_eps
+                )
+            inputs = [x for x in (zc, weight) if x.requires_grad]
+            grads = list(torch.autograd.grad(u, inputs, grad_u)) if inputs else []
         grad_z = grads.pop(0).to(z.dtype) if need_z else None
-        grad_params = [
-            grads.pop(0).to(p.dtype) if need else None
-            for p, need in zip(originals, (need_w, need_g, need_b))
-        ]
+        grad_w = grads.pop(0).to(seed_proj.dtype) if need_w else None
+        grad_g = (grad_gain / opts.temperature).to(norm_weight.dtype) if need_g else None
+        grad_b = (grad_shift / opts.temperature).to(norm_bias.dtype) if need_b else None
         grad_delta = grad_delta.to(spline_delta.dtype) if need_delta else None
-        return (grad_z, *grad_params, grad_delta, None, None, None)
+        return (grad_z, grad_w, grad_g, grad_b, grad_delta, None, None, None, None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,6 +342,7 @@ def lev_modes(
     opts: Union[LEVKernelOptions, LEVConfig],
     kernel: str = "auto",
     digits: Optional[torch.Tensor] = None,
+    modes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """LEV steps 3a-3e (`lev.math.lev_modes`) through `--lev-kernel kernel`.
 
@@ -318,6 +355,10 @@ def lev_modes(
         digits: [N, k] int64 digits in [0, b) (`lev.math.to_digits`): seed i is the sum of the
             codebook rows C_m[digits[i, m]] (d_c = d_in) or their concatenation (k*d_c = d_in),
             as `opts.codebook_combine` says.
+        modes: M [N, h, r] that this function computed earlier for the same inputs (under
+            no_grad; float32, or float64 for float64 inputs): not computed again, only recorded
+            for backward, so that one backward can serve the rows of several forwards
+            (`LEVEmbedding`'s global batch). The "reference" kernel computes M again.
     Returns:
         M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state; every
         kernel but "reference" saves only z, the parameters, M (and the digits) for backward.
@@ -349,4 +390,6 @@ def lev_modes(
                 product_eps=opts.product_eps,
             )
     backend = select_backend(kernel, z)
-    return LEVModes.apply(z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts, digits)
+    return LEVModes.apply(
+        z, seed_proj, norm_weight, norm_bias, spline_delta, backend, opts, digits, modes
+    )

@@ -312,21 +312,43 @@ class LEVEmbedding(torch.nn.Module):
             [U, D] in the compute dtype (float32; float64 for float64 parameters). Summed over
             the TP ranks it is the full LEV embedding.
         """
+        with torch.autocast(device_type=ids.device.type, enabled=False):
+            return lev_math.lev_embed(self._modes(ids), self.out_proj)  # [U, D]
+
+    def _modes(self, ids: torch.Tensor, modes: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's modes M [U, h_local, r] of `ids` [U] (steps 2-3e), autocast off; with
+        `modes` (computed by this method before, under no_grad), only their autograd graph."""
         lc = self.lev_config
         cdt = lev_math.compute_dtype(self.codebooks.dtype)
+        digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
+        codebooks = self.codebooks.to(cdt)
+        # More ids than codebook rows: project the k*b rows once and sum k of them per id
+        # (`lev.kernels._project`), instead of projecting U seeds.
+        by_digit = lc.projects_by_digit(ids.shape[0])
+        z = codebooks if by_digit else lev_math.seed(codebooks, digits, lc.codebook_combine)
+        if self.tp_size > 1:
+            # Every head on every rank consumes z: sum its gradient over the TP group.
+            z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
+        params = (self.seed_proj, self.seed_norm_weight, self.seed_norm_bias, self.spline_delta)
+        digits = digits if by_digit else None
+        return lev_modes(z, *params, lc, kernel=lc.kernel, digits=digits, modes=modes)
+
+    def _backward_rows(self, ids: torch.Tensor, modes: torch.Tensor, grad: torch.Tensor) -> None:
+        """LEV's backward for the rows `partial_embeddings(ids)` computed from `modes` [U, h, r]
+        (`_modes` under no_grad), given their gradient `grad` [U, D]: accumulates into the
+        parameters' .grad (and all-reduces the codebooks' share over the TP group)."""
         with torch.autocast(device_type=ids.device.type, enabled=False):
-            digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
-            codebooks = self.codebooks.to(cdt)
-            # More ids than codebook rows: project the k*b rows once and sum k of them per id
-            # (`lev.kernels._project`), instead of projecting U seeds.
-            by_digit = lc.projects_by_digit(ids.shape[0])
-            z = codebooks if by_digit else lev_math.seed(codebooks, digits, lc.codebook_combine)
-            if self.tp_size > 1:
-                # Every head on every rank consumes z: sum its gradient over the TP group.
-                z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
-            params = (self.seed_proj, self.seed_norm_weight, self.seed_norm_bias, self.spline_delta)
-            modes = lev_modes(z, *params, lc, kernel=lc.kernel, digits=digits if by_digit else None)
-            return lev_math.lev_embed(modes, self.out_proj)  # [U, D]
+            n, h, r = modes.shape
+            grad = grad.to(modes.dtype)
+            weight = self.out_proj.to(modes.dtype).reshape(h * r, -1)
+            # Step 4's backward by hand (its forward, rows = M @ W_out, is not run again).
+            grad_modes = torch.matmul(grad, weight.t()).view(n, h, r)
+            grad_out_proj = torch.matmul(modes.reshape(n, h * r).t(), grad)
+            graph = self._modes(ids, modes)
+            torch.autograd.backward(
+                [graph, self.out_proj],
+                [grad_modes, grad_out_proj.view_as(self.out_proj).to(self.out_proj.dtype)],
+            )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embed token ids.
@@ -404,7 +426,7 @@ class LEVEmbedding(torch.nn.Module):
         per-micro-batch backward), and return to per-micro-batch evaluation."""
         pending, self._global_batch = self._global_batch, None
         if pending is not None:
-            pending.backward()
+            pending.backward(self)
 
     def abort_global_batch(self) -> None:
         """Drop the global batch's rows and their graph without a backward (a failed step)."""
@@ -508,14 +530,17 @@ class LEVEmbedding(torch.nn.Module):
 class _GlobalBatchRows:
     """The LEV rows one global batch has computed so far (`LEVEmbedding.begin_global_batch`).
 
-    Each forward that meets new ids computes their rows ([U_new, D], with LEV's autograd graph)
-    and keeps them with a leaf copy; micro-batches read the concatenated leaves, so their
-    backwards accumulate into the leaves' gradients, and `backward` then runs LEV's backward
-    once per part with those gradients.
+    Each forward that meets new ids computes their modes and rows without autograd ([U_new, h,
+    r] and [U_new, D]) and keeps the rows as a leaf; micro-batches read the concatenated
+    leaves, so their backwards accumulate into the leaves' gradients, and `backward` then runs
+    LEV's backward once for all rows of the global batch (one kernel call, one recompute of t,
+    one TP all-reduce, instead of one per forward).
     """
 
     def __init__(self) -> None:
-        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows with graph, leaf)
+        self.ids: list[torch.Tensor] = []  # [U_new] per forward that met new ids
+        self.modes: list[torch.Tensor] = []  # [U_new, h, r]
+        self.leaves: list[torch.Tensor] = []  # [U_new, D], requires grad
         self.position: Optional[torch.Tensor] = None  # [V]: id -> row in the leaves, or -1
         self.count = 0
 
@@ -531,18 +556,27 @@ class _GlobalBatchRows:
         positions = self.position[unique_ids]
         new = unique_ids[positions < 0]
         if new.numel() > 0:
-            computed = module.partial_embeddings(new).to(out_dtype)
-            self.parts.append((computed, computed.detach().requires_grad_()))
+            with torch.no_grad(), torch.autocast(device_type=new.device.type, enabled=False):
+                modes = module._modes(new)
+                computed = lev_math.lev_embed(modes, module.out_proj).to(out_dtype)
+            self.ids.append(new)
+            self.modes.append(modes)
+            self.leaves.append(computed.requires_grad_())
             self.position[new] = torch.arange(
                 self.count, self.count + new.numel(), device=new.device
             )
             self.count += new.numel()
             positions = self.position[unique_ids]
-        return torch.cat([leaf for _, leaf in self.parts]), positions
+        return torch.cat(self.leaves), positions
 
-    def backward(self) -> None:
-        """LEV's backward for every part whose leaf received a gradient."""
-        parts = [(rows, leaf.grad) for rows, leaf in self.parts if leaf.grad is not None]
-        self.parts, self.position = [], None
-        if parts:
-            torch.autograd.backward([rows for rows, _ in parts], [grad for _, grad in parts])
+    def backward(self, module: LEVEmbedding) -> None:
+        """LEV's backward for all rows, once, if any leaf received a gradient (a leaf that got
+        none, e.g. of a micro-batch whose loss was all masked, contributes zeros)."""
+        leaves, ids, modes = self.leaves, self.ids, self.modes
+        self.leaves, self.ids, self.modes, self.position = [], [], [], None
+        if all(leaf.grad is None for leaf in leaves):
+            return
+        grad = torch.cat(
+            [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+        )
+        module._backward_rows(torch.cat(ids), torch.cat(modes), grad)

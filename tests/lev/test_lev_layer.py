@@ -118,25 +118,28 @@ def test_dedup_equals_no_dedup(lev):
 
 def test_global_batch_dedup_equals_per_micro_batch(lev, monkeypatch):
     # begin/end_global_batch (the portable engine's iteration): three micro-batches evaluate
-    # LEV once per distinct id of all three and run one backward; the outputs are the same
-    # numbers and the gradients the same sums as per-micro-batch evaluation.
+    # LEV once per distinct id of all three and run one backward, for all of those ids at
+    # once; the outputs are the same numbers and the gradients the same sums as per-micro-batch
+    # evaluation.
     cfg = lev.tiny_config(vocab_size=300, hidden_size=16, seed_dim=8, rank=4, num_heads=2)
     module = lev.make_lev(cfg, dtype=F64, spread=0.3)
     gen = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 60, (2, 20), generator=gen) for _ in range(3)]
     weights = [torch.randn(2, 20, 16, generator=gen, dtype=F64) for _ in batches]
     evaluated = []  # the ids of each LEV evaluation
-    partial = module.partial_embeddings
+    deferred = []  # the ids of each graph built from modes computed before (the backward)
+    modes_of = module._modes
 
-    def counting(ids):
-        evaluated.append(ids)
-        return partial(ids)
+    def counting(ids, modes=None):
+        (evaluated if modes is None else deferred).append(ids)
+        return modes_of(ids, modes)
 
-    monkeypatch.setattr(module, "partial_embeddings", counting)
+    monkeypatch.setattr(module, "_modes", counting)
 
     def iteration(global_batch: bool):
         module.zero_grad()
         evaluated.clear()
+        deferred.clear()
         if global_batch:
             module.begin_global_batch()
         outputs = []
@@ -150,7 +153,9 @@ def test_global_batch_dedup_equals_per_micro_batch(lev, monkeypatch):
         return outputs, [p.grad.clone() for p in module.parameters()], list(evaluated)
 
     outs, grads, per_micro_batch = iteration(False)
+    assert deferred == []
     outs_g, grads_g, per_global_batch = iteration(True)
+    assert len(deferred) == 1 and torch.equal(deferred[0], torch.cat(per_global_batch))
     assert sum(len(ids) for ids in per_micro_batch) == sum(len(b.unique()) for b in batches)
     seen = torch.cat(per_global_batch)
     assert (
@@ -170,6 +175,24 @@ def test_global_batch_dedup_equals_per_micro_batch(lev, monkeypatch):
     evaluated.clear()
     module(batches[0]).sum().backward()
     assert len(evaluated) == 1 and module._global_batch is None
+
+
+def test_global_batch_rows_that_get_no_gradient_add_nothing(lev):
+    # A micro-batch whose output takes no part in the loss leaves its new rows without a
+    # gradient: the one backward counts them as zeros.
+    cfg = lev.tiny_config(vocab_size=300, hidden_size=16, seed_dim=8, rank=4, num_heads=2)
+    module = lev.make_lev(cfg, dtype=F64, spread=0.3)
+    first, second = torch.arange(0, 40).view(2, 20), torch.arange(30, 70).view(2, 20)
+    weight = torch.randn(2, 20, 16, dtype=F64)
+    (module(first) * weight).sum().backward()
+    expected = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    module.begin_global_batch()
+    (module(first) * weight).sum().backward()
+    module(second)  # ids 40-69 are new rows; nothing flows back into them
+    module.end_global_batch()
+    for name, p, g in zip(LEV_PARAMETER_NAMES, module.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14, msg=name)
 
 
 def test_global_batch_dedup_is_off_without_dedup_or_grad(lev):

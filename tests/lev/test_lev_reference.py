@@ -427,6 +427,25 @@ def test_product_underflow_and_overflow_of_the_result(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_modes_computed_before_give_the_same_output_and_gradients(kernel):
+    # lev_modes(..., modes=M), as the global batch's single backward uses it for the rows of
+    # several forwards: M computed earlier under no_grad is returned as it is (the "reference"
+    # kernel computes it again), and the gradients are those of the call that computes M.
+    device = _device(kernel)
+    inputs = _inputs(torch.float64, device=device)
+    weight = torch.randn(37, 3, 5, dtype=torch.float64)
+    out, grads = _with_grads(lambda: lev_modes(*inputs, _opts(), kernel=kernel), inputs, weight)
+    with torch.no_grad():
+        modes = lev_modes(*inputs, _opts(), kernel=kernel)
+    again, grads_again = _with_grads(
+        lambda: lev_modes(*inputs, _opts(), kernel=kernel, modes=modes), inputs, weight
+    )
+    assert torch.equal(again, out)
+    for name, a, b in zip(_GRAD_NAMES, grads, grads_again):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_nan_seed_gives_nan_modes(kernel):
     device = _device(kernel)
     inputs = [x.detach() for x in _inputs(torch.float32, device=device)]

@@ -645,6 +645,103 @@ void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
   }
 }
 
+// Step 3b without the sigmoid (lev/kernels.py `SeedNorm`): y = LayerNorm(u) * gain + shift for
+// each (id, head) row of d values, u and y [n, h, d] contiguous, gain and shift [h, d] (the
+// LayerNorm's weight and bias over the temperature). One pass over u per row instead of torch's
+// separate LayerNorm and affine passes. The row statistics are two-pass (mean, then the mean
+// square of the centred values, as torch's layer_norm), rstd = 1 / sqrt(var + eps).
+template <typename T>
+inline void row_stats(const T* __restrict x, int64_t d, T eps, T& mean, T& rstd) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < d; ++c) sum += x[c];
+  mean = sum / static_cast<T>(d);
+  T square = 0;
+#pragma omp simd reduction(+ : square)
+  for (int64_t c = 0; c < d; ++c) square += (x[c] - mean) * (x[c] - mean);
+  rstd = T(1) / std::sqrt(square / static_cast<T>(d) + eps);
+}
+
+template <typename T>
+void seed_logits(const T* __restrict u, const T* __restrict gain, const T* __restrict shift,
+                 T* __restrict y, int64_t n, int64_t h, int64_t d, double eps, int threads) {
+  const T eps_t = static_cast<T>(eps);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t row = 0; row < n * h; ++row) {
+    const T* __restrict x = u + row * d;
+    const T* __restrict g = gain + (row % h) * d;
+    const T* __restrict b = shift + (row % h) * d;
+    T* __restrict out = y + row * d;
+    T mean, rstd;
+    row_stats(x, d, eps_t, mean, rstd);
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) out[c] = (x[c] - mean) * rstd * g[c] + b[c];
+  }
+}
+
+// The backward of `seed_logits` given dL/dy [n, h, d]: dL/du [n, h, d] row by row (LayerNorm's
+// backward, dL/du = rstd * (dn - mean(dn) - normed * mean(dn * normed)) with dn = dL/dy * gain),
+// then dL/dgain = sum over ids of dL/dy * normed and dL/dshift = sum of dL/dy [h, d], each
+// column summed by one thread in id order (the same bits for any thread count).
+template <typename T>
+void seed_logits_backward(const T* __restrict u, const T* __restrict gain,
+                          const T* __restrict grad_y, T* __restrict grad_u,
+                          T* __restrict grad_gain, T* __restrict grad_shift, int64_t n, int64_t h,
+                          int64_t d, double eps, int threads) {
+  const T eps_t = static_cast<T>(eps);
+  std::vector<T> means(n * h), rstds(n * h);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<T> normed(d);
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < n * h; ++row) {
+      const T* __restrict x = u + row * d;
+      const T* __restrict gy = grad_y + row * d;
+      const T* __restrict g = gain + (row % h) * d;
+      T* __restrict out = grad_u + row * d;
+      T mean, rstd;
+      row_stats(x, d, eps_t, mean, rstd);
+      means[row] = mean;
+      rstds[row] = rstd;
+      T sum_dn = 0, sum_dn_normed = 0;
+#pragma omp simd reduction(+ : sum_dn, sum_dn_normed)
+      for (int64_t c = 0; c < d; ++c) {
+        normed[c] = (x[c] - mean) * rstd;
+        const T dn = gy[c] * g[c];
+        sum_dn += dn;
+        sum_dn_normed += dn * normed[c];
+      }
+      const T a = sum_dn / static_cast<T>(d), b = sum_dn_normed / static_cast<T>(d);
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) out[c] = rstd * (gy[c] * g[c] - a - normed[c] * b);
+    }
+    // Columns in blocks of one cache line: a task reads one line of u and dL/dy per id.
+    constexpr int64_t kBlock = 64 / sizeof(T);
+    const int64_t blocks = (d + kBlock - 1) / kBlock;
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < h * blocks; ++task) {
+      const int64_t l = task / blocks, c0 = (task % blocks) * kBlock;
+      const int64_t width = std::min(kBlock, d - c0);
+      T sum_g[kBlock] = {}, sum_b[kBlock] = {};
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = i * h + l;
+        const T* __restrict x = u + row * d + c0;
+        const T* __restrict gy = grad_y + row * d + c0;
+        const T mean = means[row], rstd = rstds[row];
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) {
+          sum_g[c] += gy[c] * ((x[c] - mean) * rstd);
+          sum_b[c] += gy[c];
+        }
+      }
+      for (int64_t c = 0; c < width; ++c) {
+        grad_gain[l * d + c0 + c] = sum_g[c];
+        grad_shift[l * d + c0 + c] = sum_b[c];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -683,6 +780,30 @@ void lev_backward_f64(const double* t, int64_t t_stride_h, int64_t t_stride_n,
   backward<double>(t, t_stride_h, t_stride_n, delta, scaled, s_stride_h, s_stride_n,
                    grad_delta, grad_t, g_stride_h, g_stride_n, h, n, d, kappa, r,
                    normalize != 0, eps, threads);
+}
+
+void lev_seed_logits_f32(const float* u, const float* gain, const float* shift, float* y,
+                         int64_t n, int64_t h, int64_t d, double eps, int threads) {
+  seed_logits<float>(u, gain, shift, y, n, h, d, eps, threads);
+}
+
+void lev_seed_logits_f64(const double* u, const double* gain, const double* shift, double* y,
+                         int64_t n, int64_t h, int64_t d, double eps, int threads) {
+  seed_logits<double>(u, gain, shift, y, n, h, d, eps, threads);
+}
+
+void lev_seed_logits_backward_f32(const float* u, const float* gain, const float* grad_y,
+                                  float* grad_u, float* grad_gain, float* grad_shift, int64_t n,
+                                  int64_t h, int64_t d, double eps, int threads) {
+  seed_logits_backward<float>(u, gain, grad_y, grad_u, grad_gain, grad_shift, n, h, d, eps,
+                              threads);
+}
+
+void lev_seed_logits_backward_f64(const double* u, const double* gain, const double* grad_y,
+                                  double* grad_u, double* grad_gain, double* grad_shift,
+                                  int64_t n, int64_t h, int64_t d, double eps, int threads) {
+  seed_logits_backward<double>(u, gain, grad_y, grad_u, grad_gain, grad_shift, n, h, d, eps,
+                               threads);
 }
 
 }  // extern "C"
