@@ -8,8 +8,9 @@ and multiplies it into the mode at once; backward recomputes them per (head, coo
 accumulates dL/dDelta and dL/dt in the same pass. Nothing of size h*d*r per id is stored.
 
 The function is the same as `lev.math.lev_modes` (docs/lev.md steps 3a-3e) and saves the same
-tensors as `lev.fused` (the seeds z [N, d_in] and the modes M [N, h, r]); steps 3a-3b (seed
-projection, LayerNorm, sigmoid) stay torch ops, recomputed in backward. The product is the
+tensors as `lev.fused` (the seeds z [N, d_in] and the modes M [N, h, r]); of steps 3a-3b, the
+seed projection and the sigmoid stay torch ops and the LayerNorm with its affine is C++ too
+(`CpuSeedNorm`), all recomputed in backward. The product is the
 mantissa-exponent product every backend shares (`lev.kernels`, "The signed product").
 
 The C++ source is compiled on first use (`megatron_ext.cpu_kernels`: the system C++ compiler,

@@ -1,31 +1,35 @@
 """LEV's fused modes: one autograd Function over pluggable backends (`--lev-kernel`).
 
-    z [N, d_in] --(torch: seed projection, LayerNorm, sigmoid)--> t [h, N, d]
+    z [N, d_in] --(torch: seed projection)--> u [N, h, d]
+    u --(SeedNorm: LayerNorm, gain, shift)--> y,  t = sigmoid(y) [h, N, d]
     t, Delta [h, d, kappa, r] --(backend.forward)--> M [N, h, r]
 
 `LEVModes` owns everything the backends share, the way Megatron-Core's fused kernels are pure
 forward/backward functions under one thin autograd wrapper: autocast off, the compute dtype
-(float32; float64 for float64 inputs), steps 3a-3b (`lev.math.seed_to_t`, torch ops), saving
-only the seeds z and the modes M for backward, recomputing t there, taking the backend's dL/dy
-(y the sigmoid's input) back through 3a-3b by a local autograd graph, and casting the gradients
-back to their parameters' dtypes. A
-backend implements steps 3c-3e (quadratic B-spline basis, spline values with the coefficients
-1 + Delta, signed separable product) and their gradient:
+(float32; float64 for float64 inputs), steps 3a-3b (`lev.math.seed_to_t`: the projection in
+torch, the LayerNorm and affine by the backend's `SeedNorm`, torch's by default), saving only
+the seeds z and the modes M for backward (or taking M computed earlier, `lev_modes(...,
+modes=M)`), recomputing t there, taking the backend's dL/dy (y the sigmoid's input) back
+through 3b by the SeedNorm's backward and through 3a by a local autograd graph, and casting
+the gradients back to their parameters' dtypes. A backend implements steps 3c-3e (quadratic
+B-spline basis, spline values with the coefficients 1 + Delta, signed separable product) and
+their gradient:
 
     forward(t [h, N, d], delta [h, d, kappa, r], opts) -> M [N, h, r]
     backward(t, delta, grad [N, h, r], opts) -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r])
 
 with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x) and y
 the sigmoid's input (t = sigmoid(y), step 3b): a backend returns dL/dy = dL/dt * t * (1 - t),
-the sigmoid's backward folded into the pass that writes dL/dt, and autograd takes it from y. A
-backend reads Delta and adds the 1 itself (the C++ kernel per head or per task into a small
-buffer, Triton on load, torch in one op), so no [h, d, kappa, r] tensor of coefficients is
-made here; dL/dDelta is dL/d(1 + Delta). All tensors are in the compute dtype; delta is
-contiguous, t is the [h, N, d] transposed view of the contiguous [N, h, d] tensor that steps
-3a-3b produce with one GEMM (each (head, id) row of d values contiguous), and grad is the
-[N, h, r] view of a contiguous [h, N, r] tensor (each head's rows one block). dL/dy may be any
-[h, N, d] view; the C++ and Triton backends write it as the [h, N, d] view of an [N, h, d]
-tensor, the layout 3a-3b's backward reads, so that no transposed copy of t or dL/dy is made.
+the sigmoid's backward folded into the pass that writes dL/dt, and the SeedNorm's backward
+takes it from y. A backend reads Delta and adds the 1 itself (the C++ kernel per head or per
+task into a small buffer, Triton on load, torch in one op), so no [h, d, kappa, r] tensor of
+coefficients is made here; dL/dDelta is dL/d(1 + Delta). All tensors are in the compute dtype;
+delta is contiguous, t is the [h, N, d] transposed view of the contiguous [N, h, d] tensor that
+steps 3a-3b produce (one GEMM, then the SeedNorm; each (head, id) row of d values contiguous),
+and grad is the [N, h, r] view of a contiguous [h, N, r] tensor (each head's rows one block).
+dL/dy may be any [h, N, d] view; the C++ and Triton backends write it as the [h, N, d] view of
+an [N, h, d] tensor, the layout 3a-3b's backward reads, so that no transposed copy of t or
+dL/dy is made.
 Backends: "torch" (`lev.fused`, chunked torch ops, any device), "cpu" (`lev.cpu_fused`, a C++
 kernel compiled on first use) and "triton" (`lev.triton_kernel`, CUDA, or CPU under
 TRITON_INTERPRET=1). "reference" is the readable `lev.math.lev_modes` under plain autograd
