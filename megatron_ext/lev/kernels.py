@@ -214,6 +214,26 @@ def _seed_norm(backend: LEVBackend) -> SeedNorm:
     return getattr(backend, "seed_norm", None) or TORCH_SEED_NORM
 
 
+def _seed_to_t(
+    z: torch.Tensor,
+    seed_proj: torch.Tensor,
+    norm_params: tuple[torch.Tensor, torch.Tensor],
+    norm: SeedNorm,
+    opts: LEVKernelOptions,
+    digits: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 3a-3b: z (or the codebooks, with `digits`) and the parameters in the compute dtype
+    -> (u [N, h, d], with the projection's autograd graph where grad is enabled; gain [h, d];
+    t = sigmoid(y) [N, h, d], no graph). gain and shift are the LayerNorm's weight and bias
+    over the temperature."""
+    h, d, _ = seed_proj.shape
+    u = _project(z, seed_proj, digits, opts.codebook_combine).view(-1, h, d)
+    gain, shift = (p.detach() / opts.temperature for p in norm_params)
+    with torch.no_grad():
+        t = norm.forward(u.detach(), gain, shift, opts.norm_eps).sigmoid_()
+    return u, gain, t
+
+
 class LEVModes(torch.autograd.Function):
     """z [N, d_in] -> M [N, h, r] through `backend`; saves z, the parameters and M (and with
     `digits`, z being the codebooks, the digits).
@@ -235,12 +255,11 @@ class LEVModes(torch.autograd.Function):
         if modes is None:
             with torch.autocast(device_type=z.device.type, enabled=False), torch.no_grad():
                 cdt = lev_math.compute_dtype(z.dtype)
-                h, d, _ = seed_proj.shape
-                u = _project(z.to(cdt), seed_proj.to(cdt), digits, opts.codebook_combine)
-                gain, shift = (p.to(cdt) / opts.temperature for p in (norm_weight, norm_bias))
-                y = _seed_norm(backend).forward(u.view(-1, h, d), gain, shift, opts.norm_eps)
-                t = y.sigmoid_().transpose(0, 1)
-                modes = backend.forward(t, spline_delta.to(cdt).contiguous(), opts)
+                norm_params = (norm_weight.to(cdt), norm_bias.to(cdt))
+                _, _, t = _seed_to_t(
+                    z.to(cdt), seed_proj.to(cdt), norm_params, _seed_norm(backend), opts, digits
+                )
+                modes = backend.forward(t.transpose(0, 1), spline_delta.to(cdt).contiguous(), opts)
         ctx.backend, ctx.opts, ctx.has_digits = backend, opts, digits is not None
         saved = (z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
         ctx.save_for_backward(*saved, *([digits] if digits is not None else []))
@@ -254,20 +273,18 @@ class LEVModes(torch.autograd.Function):
         opts: LEVKernelOptions = ctx.opts
         norm = _seed_norm(ctx.backend)
         need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
-        h, d, _ = seed_proj.shape
         with torch.autocast(device_type=z.device.type, enabled=False):
             cdt = modes.dtype
             weight = seed_proj.detach().to(cdt).requires_grad_(need_w)
             zc = z.detach().to(cdt).requires_grad_(need_z)
+            norm_params = (norm_weight.to(cdt), norm_bias.to(cdt))
             with torch.enable_grad():
-                u = _project(zc, weight, digits, opts.codebook_combine).view(-1, h, d)
-            gain, shift = (p.detach().to(cdt) / opts.temperature for p in (norm_weight, norm_bias))
+                u, gain, t = _seed_to_t(zc, weight, norm_params, norm, opts, digits)
             delta = spline_delta.detach().to(cdt).contiguous()
             # dL/dM * M laid out [h, N, r] (each head's rows one block), passed as [N, h, r].
             scaled = modes.new_empty(modes.shape[1], modes.shape[0], modes.shape[2])
             torch.mul(grad_modes.to(cdt).transpose(0, 1), modes.transpose(0, 1), out=scaled)
             with torch.no_grad():
-                t = norm.forward(u.detach(), gain, shift, opts.norm_eps).sigmoid_()
                 grad_y, grad_delta = ctx.backend.backward(
                     t.transpose(0, 1), delta, scaled.transpose(0, 1), opts
                 )
