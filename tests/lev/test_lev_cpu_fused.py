@@ -1,5 +1,6 @@
-"""The compiled CPU LEV kernel (lev.cpu_fused): its selection by --lev-kernel, its build cache
-and its step 3b (`CpuSeedNorm`) against torch's. Its numerics through `lev_modes` (values,
+"""The compiled CPU LEV kernel (lev.cpu_fused): its selection by --lev-kernel, its build cache,
+its step 3b (`CpuSeedNorm`) against torch's, and its backward near every knot (edge and
+interior buckets) against the float64 reference. Its numerics through `lev_modes` (values,
 gradients, gradcheck, overflow, threads, saved tensors, autocast) are checked with every other
 kernel in tests/lev/test_lev_reference.py.
 """
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from megatron_ext.lev import cpu_fused
-from megatron_ext.lev.kernels import TORCH_SEED_NORM, select_backend
+from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.kernels import TORCH_SEED_NORM, LEVKernelOptions, select_backend
 
 if cpu_fused.cpu_kernel_error() is not None:  # pragma: no cover - needs a machine without g++
     pytest.skip(f"CPU kernel unavailable: {cpu_fused.cpu_kernel_error()}", allow_module_level=True)
@@ -79,3 +81,43 @@ def test_seed_norm_equals_torchs(dtype, h, d):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, three))
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("kappa", [3, 6, 16])
+def test_backward_near_every_knot_equals_the_float64_reference(kappa, normalize):
+    # The backward takes the ids of each knot's bucket together: the two edge knots (a dropped
+    # neighbour; the values renormalised) one way, the interior ones through the quadratics in f
+    # (csrc/lev_cpu.cpp `bucket_interior`). Values of t near every knot, on both sides, at the
+    # half-way points between knots and at 0 and 1, against lev.math's dense basis under
+    # float64 autograd.
+    gen = torch.Generator().manual_seed(kappa)
+    h, d, r, eps = 2, 7, 16, 1e-9
+    offsets = torch.tensor([-0.5, -0.49, -0.2, 0.0, 0.1, 0.3, 0.4999])
+    places = (torch.arange(kappa).unsqueeze(1) + offsets).flatten() / (kappa - 1)
+    places = torch.cat([places.clamp(0, 1), torch.tensor([0.0, 1.0])]).double()
+    n = places.numel()
+    t = places[torch.randperm(n * h * d, generator=gen) % n].view(n, h, d)
+    delta = torch.randn(h, d, kappa, r, generator=gen, dtype=torch.float64) * 0.3
+    grad_modes = torch.randn(n, h, r, generator=gen, dtype=torch.float64)
+    opts = LEVKernelOptions(product_eps=eps, normalize_basis=normalize)
+
+    t_ref, delta_ref = t.clone().requires_grad_(), delta.clone().requires_grad_()
+    basis = lev_math.bspline_basis(t_ref.transpose(0, 1), kappa, normalize)
+    phi = lev_math.spline_values(basis, delta_ref)
+    modes_ref = lev_math.separable_product(phi, eps).transpose(0, 1)
+    grad_t, grad_delta_ref = torch.autograd.grad(modes_ref, [t_ref, delta_ref], grad_modes)
+
+    backend = cpu_fused.CPU_BACKEND
+    modes = backend.forward(t.transpose(0, 1), delta, opts)
+    torch.testing.assert_close(modes, modes_ref.detach(), rtol=1e-12, atol=0)
+    scaled = (grad_modes * modes).transpose(0, 1).contiguous().transpose(0, 1)
+    grad_y, grad_delta = backend.backward(t.transpose(0, 1), delta, scaled, opts)
+    grad_y_ref = grad_t * t * (1 - t)
+    for name, ours, ref in (
+        ("y", grad_y.transpose(0, 1), grad_y_ref),
+        ("Delta", grad_delta, grad_delta_ref),
+    ):
+        torch.testing.assert_close(
+            ours, ref, rtol=1e-10, atol=1e-12 * float(ref.abs().max()), msg=name
+        )
