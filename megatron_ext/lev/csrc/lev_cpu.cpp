@@ -94,6 +94,14 @@ struct BasisRun {
   }
 };
 
+// The basis values, slopes and sums of a run of ids (the backward's edge buckets, in bucket
+// order), in per-thread buffers reused by every task.
+template <typename T>
+struct BasisScratch {
+  std::vector<T> v0, v1, v2, d0, d1, d2, total;
+  explicit BasisScratch(int64_t m) : v0(m), v1(m), v2(m), d0(m), d1(m), d2(m), total(m) {}
+};
+
 // The separable product (lev/kernels.py "The signed product", the same in every backend):
 // every factor x = phi -/+ eps is split as m * 2^e with 1/2 <= |m| < 1; the mantissas are
 // multiplied in the compute dtype, renormalised every kGroup factors, and the integer
@@ -587,13 +595,12 @@ void bucket_interior(const BucketRows<T>& rows, const int32_t* __restrict order,
 // knots, where a knot is dropped) `bucket_vector`, and dL/ds of each id into grad_s (by id).
 // table and gtable are the task's [kappa, r] coefficients and dL/dDelta; scaled the head's [n, r]
 // rows; the ids order[start[b]:start[b + 1]] are those nearest knot b, sf[q] the f = s - b of
-// the q-th; sv0-sv2 scratch for an edge bucket's basis values.
+// the q-th; `edge` holds an edge bucket's basis (by q).
 template <typename T, int kNV, int kBytes>
 void task_buckets(const T* table, T* gtable, const int64_t* __restrict start,
                   const int32_t* __restrict order, const T* __restrict sf, int64_t kappa,
                   const T* scaled, int64_t s_stride_n, T eps, int64_t r, bool normalize,
-                  T* lanes, T* __restrict sv0, T* __restrict sv1, T* __restrict sv2,
-                  T* __restrict grad_s) {
+                  T* lanes, BasisScratch<T>& edge, T* __restrict grad_s) {
   constexpr int64_t kLanes = sizeof(Vec<T, kBytes>) / sizeof(T);
   for (int64_t b = 0; b < kappa; ++b) {
     const int64_t q0 = start[b], q1 = start[b + 1];
@@ -613,22 +620,22 @@ void task_buckets(const T* table, T* gtable, const int64_t* __restrict start,
       }
       continue;
     }
-    T d0, d1, d2, total;
     for (int64_t q = q0; q < q1; ++q)
-      basis_values(sf[q], keep0, keep2, normalize, sv0[q], sv1[q], sv2[q], d0, d1, d2, total);
-    bucket_vector<T, kNV, kBytes>(rows, order, sv0, sv1, sv2, q0, q1, scaled, s_stride_n, eps, r,
-                                  lanes);
+      basis_values(sf[q], keep0, keep2, normalize, edge.v0[q], edge.v1[q], edge.v2[q],
+                   edge.d0[q], edge.d1[q], edge.d2[q], edge.total[q]);
+    bucket_vector<T, kNV, kBytes>(rows, order, edge.v0.data(), edge.v1.data(), edge.v2.data(),
+                                  q0, q1, scaled, s_stride_n, eps, r, lanes);
     for (int64_t q = q0; q < q1; ++q) {
       const T* a = lanes + 3 * kLanes * q;
       const T g0 = lane_sum<T, kBytes>(load<T, kBytes>(a));
       const T g1 = lane_sum<T, kBytes>(load<T, kBytes>(a + kLanes));
       const T g2 = lane_sum<T, kBytes>(load<T, kBytes>(a + 2 * kLanes));
-      basis_values(sf[q], keep0, keep2, normalize, sv0[q], sv1[q], sv2[q], d0, d1, d2, total);
+      const T d0 = edge.d0[q], d1 = edge.d1[q], d2 = edge.d2[q];
       T gs = g0 * d0 + g1 * d1 + g2 * d2;
       if (normalize) {
         // B_j = w_j / W:  dB_j/ds = (w'_j - B_j W') / W.
-        const T gv = g0 * sv0[q] + g1 * sv1[q] + g2 * sv2[q];
-        gs = (gs - (d0 + d1 + d2) * gv) / total;
+        const T gv = g0 * edge.v0[q] + g1 * edge.v1[q] + g2 * edge.v2[q];
+        gs = (gs - (d0 + d1 + d2) * gv) / edge.total[q];
       }
       grad_s[order[q]] = gs;
     }
@@ -671,7 +678,8 @@ void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
                                                  : task_buckets<T, 1, sizeof(T)>;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<T> grad_s(n), sv0(n), sv1(n), sv2(n), sf(n), f_of(n);
+    std::vector<T> grad_s(n), sf(n), f_of(n);
+    BasisScratch<T> edge(n);
     std::vector<int32_t> order(n), knot(n);
     std::vector<int64_t> start(kappa + 1), cursor(kappa);
     AlignedVector<T> lanes(3 * lanes_per_id * n);
@@ -726,8 +734,8 @@ void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
         sf[q] = fo[i];
       }
       buckets(table, gtable, start.data(), order.data(), sf.data(), kappa,
-              scaled + l * s_stride_h, s_stride_n, eps_t, r, normalize, lanes.data(), sv0.data(),
-              sv1.data(), sv2.data(), grad_s.data());
+              scaled + l * s_stride_h, s_stride_n, eps_t, r, normalize, lanes.data(), edge,
+              grad_s.data());
       T* __restrict gt = g_block.data() + cj * n;
       const T* __restrict gs = grad_s.data();
 #pragma omp simd
