@@ -28,6 +28,7 @@ __all__ = [
     "read_run_curves",
     "sample_efficiency",
     "smooth",
+    "loss_difference",
     "plot_curves",
 ]
 
@@ -212,8 +213,17 @@ def sample_efficiency(run: RunCurves, reference: RunCurves) -> SampleEfficiency:
     )
 
 
-def plot_curves(runs: Sequence[RunCurves], path: str, smoothing: float = 0.0) -> str:
-    """Train (smoothed, solid) and validation (markers, dashed) loss of every run vs tokens."""
+def loss_difference(run: Curve, reference: Curve) -> Optional[Curve]:
+    """`run`'s loss minus `reference`'s at `run`'s token counts inside the reference's range
+    (the reference linearly interpolated between its points); None where they do not overlap."""
+    inside = (run.tokens >= reference.tokens[0]) & (run.tokens <= reference.tokens[-1])
+    if not inside.any():
+        return None
+    tokens = run.tokens[inside]
+    return Curve(tokens, run.loss[inside] - np.interp(tokens, reference.tokens, reference.loss))
+
+
+def _pyplot():
     # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib
 
@@ -221,6 +231,34 @@ def plot_curves(runs: Sequence[RunCurves], path: str, smoothing: float = 0.0) ->
     # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_curves(
+    runs: Sequence[RunCurves],
+    path: str,
+    smoothing: float = 0.0,
+    reference: Optional[str] = None,
+) -> list[str]:
+    """The loss-curve pictures; the paths written.
+
+    Up to two runs, or without a `reference`: train (smoothed, solid) and validation (markers,
+    dashed) loss of every run against tokens, in `path`. With a `reference` and more than two
+    runs the arms differ by far less than the loss falls during training, so `path` shows each
+    run's loss minus the reference's instead (validation on the left, smoothed train on the
+    right) and the absolute curves go to `<path stem>_absolute.png`.
+    """
+    if reference is None or len(runs) <= 2:
+        return [_plot_absolute(runs, path, smoothing)]
+    absolute = os.path.splitext(path)[0] + "_absolute.png"
+    return [
+        _plot_differences(runs, path, smoothing, reference),
+        _plot_absolute(runs, absolute, smoothing),
+    ]
+
+
+def _plot_absolute(runs: Sequence[RunCurves], path: str, smoothing: float) -> str:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
@@ -249,4 +287,40 @@ def plot_curves(runs: Sequence[RunCurves], path: str, smoothing: float = 0.0) ->
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def _plot_differences(
+    runs: Sequence[RunCurves], path: str, smoothing: float, reference: str
+) -> str:
+    """Validation and smoothed train loss of every run minus `reference`'s, against tokens."""
+    plt = _pyplot()
+    base = next(r for r in runs if r.name == reference)
+    fig, (valid_ax, train_ax) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    base_train = None
+    if base.train is not None:
+        base_train = Curve(base.train.tokens, smooth(base.train.loss, smoothing))
+    for i, run in enumerate(runs):
+        if run is base:
+            continue
+        color = colors[i % len(colors)]  # each arm keeps its colour of the absolute picture
+        if run.validation is not None and base.validation is not None:
+            delta = loss_difference(run.validation, base.validation)
+            if delta is not None:
+                valid_ax.plot(delta.tokens, delta.loss, color=color, marker="o", markersize=3,
+                              label=run.name)  # fmt: skip
+        if run.train is not None and base_train is not None:
+            smoothed = Curve(run.train.tokens, smooth(run.train.loss, smoothing))
+            delta = loss_difference(smoothed, base_train)
+            if delta is not None:
+                train_ax.plot(delta.tokens, delta.loss, color=color, linewidth=1.2, label=run.name)
+    trained = f", smoothed {smoothing:g}" if smoothing else ""
+    for ax, what in ((valid_ax, "validation loss"), (train_ax, f"train loss{trained}")):
+        ax.axhline(0.0, color="black", linewidth=0.8, label=reference)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(f"loss minus {reference}'s (nats)")
+        ax.set_title(f"{what.capitalize()}: each arm minus {reference} (below 0: better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     return save_figure(fig, path)

@@ -169,7 +169,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--reference",
         default=None,
-        help="sample efficiency: tokens each run needs to reach this run's final validation loss",
+        help="sample efficiency: tokens each run needs to reach this run's final validation "
+        "loss; with more than two runs, curves.png shows each run's loss minus this run's "
+        "(the absolute curves go to curves_absolute.png)",
     )
     p.add_argument("--output-dir", required=True)
     return parser.parse_args(argv)
@@ -467,8 +469,10 @@ def cmd_curves(args) -> int:
         reference = by_name[args.reference]
         # Computed before anything is written: a reference without validation losses fails here.
         rows = [sample_efficiency(r, reference) for r in runs if r is not reference]
-    png = plot_curves(runs, os.path.join(args.output_dir, "curves.png"), args.smoothing)
-    print(f"wrote {png}")
+    for png in plot_curves(
+        runs, os.path.join(args.output_dir, "curves.png"), args.smoothing, args.reference
+    ):
+        print(f"wrote {png}")
     if args.reference is None:
         return 0
     for row in rows:

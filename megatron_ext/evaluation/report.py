@@ -106,6 +106,15 @@ def write_comparison_report(
         "",
         "## Loss curves",
         "",
+    ]
+    if len(arms) > 2:
+        md += [
+            f"Each arm's loss minus {base.upper()}'s against tokens (validation left, smoothed "
+            "train right; below zero is better). The absolute curves: "
+            "[curves_absolute.png](curves_absolute.png).",
+            "",
+        ]
+    md += [
         "![loss curves](curves.png)",
         "",
         "Sample efficiency (tokens to reach the final validation loss of "
@@ -152,7 +161,9 @@ def write_comparison_report(
         f"- checkpoints: {', '.join(f'`train_{a}/ckpt`' for a in arms)} "
         "(TensorBoard in `train_<arm>/tb`, full logs in `train_<arm>/train.log`)",
         "- `evaluate/frequency/frequency.{md,csv,json,png}`",
-        "- `report/curves.png`, `report/frequency.png`, `report/sample_efficiency.md`",
+        "- `report/curves.png`"
+        + (", `report/curves_absolute.png`" if len(arms) > 2 else "")
+        + ", `report/frequency.png`, `report/sample_efficiency.md`",
         "",
     ]
     summary = {

@@ -58,6 +58,7 @@ def test_report_table_against_the_inputs(tmp_path):
     ]
     assert summary["valid_loss_all_tokens"] == losses and summary["decomposition"] is None
     assert "## Ablation decomposition" not in md
+    assert "curves_absolute" not in md  # two arms: one picture of the absolute curves
     assert "- lev reaches tied's final loss" in md and "edges 1e-05, 0.001" in md
 
 
@@ -72,4 +73,5 @@ def test_report_with_the_four_ablation_arms_decomposes(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| total (LEV vs ALBERT) | ALBERT | LEVIATHAN | +4.00% |" in md
     assert "- (no other run)" in md and "vs ALBERT" in md
+    assert "Each arm's loss minus ALBERT's" in md and "(curves_absolute.png)" in md
     assert [p[3] for p in summary["decomposition"]] == pytest.approx([2.0, 1.0, 1.0])

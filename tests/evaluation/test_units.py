@@ -8,7 +8,14 @@ import os
 import numpy as np
 import pytest
 
-from megatron_ext.evaluation.curves import Curve, RunCurves, sample_efficiency, smooth
+from megatron_ext.evaluation.curves import (
+    Curve,
+    RunCurves,
+    loss_difference,
+    plot_curves,
+    sample_efficiency,
+    smooth,
+)
 from megatron_ext.evaluation.frequency import (
     FrequencyBins,
     bin_labels,
@@ -189,6 +196,31 @@ def test_sample_efficiency_when_never_reached_or_reached_at_once():
     )
     at_once = sample_efficiency(fast, slow)
     assert at_once.tokens == 100 and at_once.at_first_point and at_once.ratio == 2.0
+
+
+def test_loss_difference_interpolates_the_reference_inside_its_range():
+    reference = Curve(np.array([100.0, 300.0]), np.array([5.0, 3.0]))
+    run = Curve(np.array([50.0, 100.0, 200.0, 300.0, 400.0]), np.array([9, 4.9, 3.9, 2.95, 1]))
+    delta = loss_difference(run, reference)
+    assert delta.tokens.tolist() == [100.0, 200.0, 300.0]  # 50 and 400 lie outside
+    assert delta.loss.tolist() == pytest.approx([-0.1, -0.1, -0.05])
+    assert loss_difference(Curve(np.array([500.0]), np.array([1.0])), reference) is None
+
+
+def test_more_than_two_arms_are_drawn_against_the_reference(tmp_path):
+    import matplotlib.image
+
+    runs = [
+        _run(name, [100, 200, 300], [5.0 + d, 4.0 + d, 3.0 + d])
+        for name, d in (("tied", 0.0), ("lev", -0.05), ("albert", 0.03))
+    ]
+    written = plot_curves(runs, str(tmp_path / "curves.png"), 0.5, reference="tied")
+    assert written == [str(tmp_path / "curves.png"), str(tmp_path / "curves_absolute.png")]
+    assert (
+        matplotlib.image.imread(written[0]).shape[1] > matplotlib.image.imread(written[1]).shape[1]
+    )  # two panels side by side
+    two = plot_curves(runs[:2], str(tmp_path / "two.png"), reference="tied")
+    assert two == [str(tmp_path / "two.png")] and not (tmp_path / "two_absolute.png").exists()
 
 
 def test_smoothing_is_the_debiased_ema():
