@@ -78,10 +78,16 @@ def check_sequence_split(length: int, tp_size: int) -> None:
         )
 
 
+# torch 2.13 renamed the tensor collectives and warns on every call of the old names; NGC's
+# torch may predate the new ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_gather_first(x: torch.Tensor, group) -> torch.Tensor:
     size = dist.get_world_size(group)
     out = torch.empty((x.size(0) * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -89,7 +95,7 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     size = dist.get_world_size(group)
     check_sequence_split(x.size(0), size)
     out = torch.empty((x.size(0) // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

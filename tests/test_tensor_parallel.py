@@ -83,3 +83,35 @@ def test_cross_entropy_is_megatrons_bit_for_bit_over_two_vocab_shards():
 
     reports = run_distributed(_cross_entropies, 2, tp=2, args=(True,))
     assert reports == [[True, True, True]] * 2
+
+
+def _sequence_parallel_round_trip() -> list:
+    """Gather [s/tp, b, h] shards and reduce-scatter a full [s, b, h] back, with every warning
+    an error (torch 2.13 warns on each call of its old collective names)."""
+    import warnings
+
+    import megatron_ext.megatron_import  # noqa: F401
+
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_ext.tensor_parallel import (
+        gather_from_sequence_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank, size = group.rank(), group.size()
+    full = torch.arange(8 * 2 * 3, dtype=torch.float32).view(8, 2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gathered = gather_from_sequence_parallel_region(full.chunk(size)[rank].clone(), group)
+        scattered = reduce_scatter_to_sequence_parallel_region(full.clone(), group)
+    return [torch.equal(gathered, full), torch.equal(scattered, size * full.chunk(size)[rank])]
+
+
+@pytest.mark.integration
+def test_sequence_parallel_collectives_gather_and_reduce_scatter_without_warnings():
+    from megatron_ext.testing.distributed import run_distributed
+
+    assert run_distributed(_sequence_parallel_round_trip, 2, tp=2) == [[True, True]] * 2

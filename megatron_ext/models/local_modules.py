@@ -208,6 +208,11 @@ class SequenceParallelNorm(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """RMSNorm (or LayerNorm) over the last dim of x [s(/tp), b, h]."""
         if self.normalization == "RMSNorm":
+            if x.dtype != self.weight.dtype:
+                # --bf16/--fp16 on CPU: torch's unfused path for mixed dtypes computes in float32
+                # and casts back, as this does (same bits, forward and backward), but warns on
+                # every call.
+                return F.rms_norm(x.float(), (x.size(-1),), self.weight, self.eps).to(x.dtype)
             return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
         return F.layer_norm(x, (x.size(-1),), self.weight, self.bias, self.eps)
 
