@@ -255,7 +255,7 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
         logging.getLogger().setLevel(level)
     written = args_to_json(args)
     # Flags added since that checkpoint appear with their defaults: off, except the two that are
-    # on unless turned off (an old run resumed gets them, docs/lev-training.md 4.10); every old
+    # on unless turned off (an old run resumed gets them, benchmarks/RESULTS.md 4.10); every old
     # key agrees.
     on_by_default = {"lev_dedup_global_batch": True, "retain_host_memory": True}
     added = set(written) - set(old)
