@@ -11,10 +11,9 @@
 #   CORPUS=train.jsonl VALID=valid.jsonl bash examples/reproduce_small.sh   # your corpus
 #   ITERS=10 OUT=runs/repro_short bash examples/reproduce_small.sh          # a shortened run
 #
-# Time on a 2-core CPU (ITERS=600 x 16 x 128 = 1.2M tokens per arm on an 8 MB sample corpus),
-# estimated from step times measured by the quick start on the shared 2-core machine (TIED
-# 0.60 s, LEV 0.67 s per iteration; the MLP arms are assumed alike) and ~50 s of start-up per
-# arm, plus ~5 minutes of data preparation, evaluation and report: 6 x ~7.5 min + 5 = ~50 min.
+# Time: 48 minutes end to end on a shared 2-core CPU machine (2026-12-06, other jobs running
+# beside it): about 7.5 minutes per arm (ITERS=600 x 16 x 128 = 1.2M tokens on an 8 MB sample
+# corpus), then evaluation and the report; docs/quickstart.md shows that run's report.
 # Like the quick start, finished stages are reused by a rerun (FRESH=1 starts over).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
