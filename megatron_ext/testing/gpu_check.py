@@ -42,7 +42,7 @@ from megatron_ext.cli import run_tool
 from megatron_ext.lev import LEVConfig, LEVEmbedding
 from megatron_ext.lev.kernels import lev_modes
 from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
-from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
+from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
 from megatron_ext.models.te_check import compare_te_and_local_logits
 from megatron_ext.testing.launch import PACKAGE_ROOT, launch
 from megatron_ext.training.metrics import peak_tflops
@@ -326,7 +326,7 @@ def _start_micro_batch(cfg: ModelConfig, memory_gib: Optional[float], dry: bool)
         return 2
     best = 1
     for mbs in (1, 2, 4, 8, 16, 32):
-        layout = ParallelLayout(micro_batch_size=mbs, bf16=True)
+        layout = TrainingPlan(micro_batch_size=mbs)  # BF16 (the plan's default)
         if estimate_memory(cfg, layout).total <= 0.9 * memory_gib * 2**30:
             best = mbs
     return best

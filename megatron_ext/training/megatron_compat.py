@@ -484,21 +484,11 @@ def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.A
     return parser
 
 
-# Flags a config field declares (so the parser knows them) that every configuration still
-# refuses when validating: the table must not call them implemented.
-PARSED_BUT_REFUSED = {
-    "--fp8-param-gather": "parsed, then refused by both engines (FP8 parameter all-gather is "
-    "not wired yet); drop it",
-}
-
-
 def flag_status(parser: argparse.ArgumentParser, flag: str) -> tuple[str, str]:
     """(status, note) of a flag as the parser handles it; ("unknown", "") when it does not."""
     action = parser._option_string_actions.get(flag)
     if action is None:
         return "unknown", ""
-    if flag in PARSED_BUT_REFUSED:
-        return REFUSED, PARSED_BUT_REFUSED[flag]
     rule = getattr(action, "megatron_rule", None)
     if rule is None:
         return IMPLEMENTED, " ".join((action.help or "").split())
@@ -524,12 +514,13 @@ def _value_allowed(rule: Rule, value) -> bool:
 
 
 def apply_megatron_compat(
-    args: argparse.Namespace, cuda: Optional[bool] = None, error=ValueError
+    args: argparse.Namespace, cuda: Optional[bool] = None, fp8: bool = False
 ) -> argparse.Namespace:
-    """Refuse, note or accept the compatibility flags given; set effective design values.
+    """Refuse, note or accept the compatibility flags given (`fp8`: the run has --fp8-format);
+    set effective design values.
 
     Raises:
-        `error` (the caller's ArgumentError) naming the first refused flag and why.
+        ValueError: naming the first refused flag and why.
     """
     if cuda is None:
         cuda = torch.cuda.is_available()
@@ -541,21 +532,21 @@ def apply_megatron_compat(
         if rule is None:
             continue
         shown = flag if value is True else f"{flag} {value}"
-        if flag.startswith("--fp8-") and getattr(args, "fp8_format", None) is None:
-            raise error(f"{flag} needs --fp8-format (FP8 through Transformer Engine on CUDA)")
+        if flag.startswith("--fp8-") and not fp8:
+            raise ValueError(f"{flag} needs --fp8-format (FP8 through Transformer Engine on CUDA)")
         if rule.status == CUDA:
             if cuda:
                 logger.info(
                     "%s: a CUDA-path flag, not applied by this build yet (%s)", flag, rule.note
                 )
             elif rule.cpu_refused:
-                raise error(f"{shown}: {rule.note}; drop it on CPU")
+                raise ValueError(f"{shown}: {rule.note}; drop it on CPU")
             else:
                 logger.info("%s: ignored on CPU (%s)", flag, rule.note)
         elif rule.status == NOTED:
             logger.info("%s: ignored (%s)", flag, rule.note)
         elif not _value_allowed(rule, value) or (rule.status == REFUSED and rule.allowed is None):
-            raise error(f"{shown}: {rule.note}")
+            raise ValueError(f"{shown}: {rule.note}")
     for _, flag, kind in MEGATRON_FLAGS:
         rule = rule_for(flag)
         if rule is None or kind != "switch" or flag in given:

@@ -14,31 +14,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 RECORD = Path(__file__).parent / "data" / "parsers.json"
-
-
-class _Captured(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-
-
-def _capture(main: Callable[[list[str]], Any]) -> argparse.ArgumentParser:
-    """The parser `main(argv)` builds (its first parse_args call is intercepted)."""
-    original = argparse.ArgumentParser.parse_args
-
-    def intercept(self, *args, **kwargs):
-        raise _Captured(self)
-
-    argparse.ArgumentParser.parse_args = intercept
-    try:
-        main([])
-    except _Captured as captured:
-        return captured.parser
-    finally:
-        argparse.ArgumentParser.parse_args = original
-    raise AssertionError(f"{main} built no parser")
 
 
 def _json(value: Any) -> Any:
@@ -96,10 +74,10 @@ def parsers() -> dict[str, dict[str, dict]]:
 
     return {
         "pretrain_leviathan": dump(build_parser()),
-        "evaluate": dump(_capture(evaluate.get_args)),
+        "evaluate": dump(evaluate.build_parser()),
         "generate": dump(generate.build_parser()),
         "convert_checkpoint": dump(convert_checkpoint.build_parser()),
-        "count_params": dump(_capture(param_table._main)),
+        "count_params": dump(param_table.build_parser()),
     }
 
 

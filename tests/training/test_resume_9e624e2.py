@@ -48,15 +48,20 @@ def test_a_checkpoint_of_main_9e624e2_resumes_bit_for_bit(tmp_path, launcher):
     assert written == expected
 
 
-def test_use_checkpoint_args_reads_the_model_flags_of_main_9e624e2(tmp_path):
-    from megatron_ext.training.arguments import parse_args
+def test_use_checkpoint_args_reads_the_model_flags_of_main_9e624e2():
+    """--use-checkpoint-args restores the model flags into the RunConfig, and the whole
+    args.json reads back into the run it recorded."""
+    from megatron_ext.training.arguments import parse_config, run_config_from_args_json
 
     argv = ["--micro-batch-size", "2", "--train-iters", "6", "--lr", "1e-3", "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--seq-length", "16",
             "--load", str(DATA / "ckpt_9e624e2"), "--use-checkpoint-args"]  # fmt: skip
-    args = parse_args(argv, world_size=1)
+    run = parse_config(argv, world_size=1)
     saved = json.loads((DATA / "ckpt_9e624e2" / "iter_0000003" / "args.json").read_text())
+    written = run.args_json()
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                  "lev_seed_dim", "lev_rank", "lev_num_heads", "lev_num_knots"):  # fmt: skip
-        assert getattr(args, name) == saved[name], name
-    assert (args.num_layers, args.hidden_size, args.lev_num_knots) == (2, 16, 5)
+        assert written[name] == saved[name], name
+    model = run.model
+    assert (model.num_layers, model.hidden_size, model.embedding.lev.num_knots) == (2, 16, 5)
+    assert run_config_from_args_json(saved).args_json() == saved
