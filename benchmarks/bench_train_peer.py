@@ -50,7 +50,7 @@ def _flags(args) -> list[str]:
         "--weight-decay", str(args.weight_decay), "--clip-grad", "1.0",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab - 1),
         "--seed", str(args.seed), "--eval-iters", "0", "--num-workers", "0",
-        "--log-interval", str(args.iters),
+        "--log-interval", str(args.iters), "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
     ]  # fmt: skip
 
 

@@ -122,6 +122,7 @@ def _start(ranks: int, flags: list[str], args, workdir: str) -> tuple[Job, str, 
         "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters),
         "--lr", "1e-4", *shlex.split(args.data_flags), "--num-workers", "0", "--eval-iters", "0",
         "--log-interval", "1", "--timing-log-level", "2", "--no-loss-curve", "--log-jsonl", jsonl,
+        "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
     ]  # fmt: skip
     env = {"OMP_NUM_THREADS": str(args.threads) if args.threads else None}
     log = os.path.join(workdir, f"m{find_free_port()}.log")

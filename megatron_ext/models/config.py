@@ -167,7 +167,8 @@ class ModelConfig:
         None, "--num-attention-heads", shapes_model=True, minimum=1
     )
     num_query_groups: Optional[int] = flag(None, "--num-query-groups", shapes_model=True, minimum=1)
-    """Grouped-query attention: number of key/value heads (None: one per query head)."""
+    """Grouped-query attention: number of key/value heads (None: one per query head; with
+    `group_query_attention`, Megatron-LM's default 1)."""
     ffn_hidden_size: Optional[int] = flag(None, "--ffn-hidden-size", shapes_model=True, minimum=1)
     """SwiGLU inner width (None: the preset's, else LLaMA's 8/3 x hidden rounded up to a
     multiple of 256)."""
@@ -184,8 +185,11 @@ class ModelConfig:
     """Channels per attention head (--kv-channels); None: hidden_size / num_attention_heads."""
     norm_epsilon: float = flag(1e-5, "--norm-epsilon", shapes_model=True)
     init_method_std: float = flag(0.02, "--init-method-std")
-    hidden_dropout: float = flag(0.0, "--hidden-dropout")
-    attention_dropout: float = flag(0.0, "--attention-dropout")
+    hidden_dropout: float = flag(0.0, "--hidden-dropout", command_line_default=0.1)
+    """Dropout after attention and MLP: Megatron-LM's 0.1 on the command line; 0.0 for a model
+    built in code (deterministic forwards, which the numerics tests compare)."""
+    attention_dropout: float = flag(0.0, "--attention-dropout", command_line_default=0.1)
+    """Dropout of the attention probabilities (the command line's default as --hidden-dropout)."""
     qk_layernorm: bool = flag(False, "--qk-layernorm", shapes_model=True)
     transformer_impl: str = flag(
         "local",
@@ -257,7 +261,8 @@ class ModelConfig:
                 sizes.get("ffn_hidden_size") or llama_ffn_hidden_size(self.hidden_size)
             ),
             seq_length=lambda: 128,
-            num_query_groups=lambda: self.num_attention_heads,
+            # Megatron-LM's default with --group-query-attention is one key/value group.
+            num_query_groups=lambda: 1 if self.group_query_attention else self.num_attention_heads,
             recompute_granularity=lambda: "selective" if self.recompute_activations else None,
         )
         derived = set(self.derived)

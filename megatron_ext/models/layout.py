@@ -204,14 +204,17 @@ class PrecisionConfig:
         0, "--fp8-margin", "FP8 scaling margin (DelayedScaling)", needs="fp8_format"
     )
     fp8_amax_history_len: int = flag(
-        1024,
+        1,
         "--fp8-amax-history-len",
         "amax history length of FP8 delayed scaling",
         minimum=1,
         needs="fp8_format",
     )
     fp8_amax_compute_algo: str = flag(
-        "max", "--fp8-amax-compute-algo", "amax from the history", choices=("most_recent", "max")
+        "most_recent",
+        "--fp8-amax-compute-algo",
+        "amax from the history",
+        choices=("most_recent", "max"),
     )
     fp8_param_gather: bool = flag(
         False,

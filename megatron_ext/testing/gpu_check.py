@@ -221,7 +221,8 @@ def _pretrain(flags: list[str], jsonl: str, ranks: int = 1, timeout: float = 300
     """Run pretrain_leviathan; returns rc, the per-step records and the output tail."""
     common = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--num-workers", "0",
               "--eval-iters", "0", "--no-loss-curve", "--log-jsonl", jsonl, "--lr", "3e-4",
-              "--lr-warmup-iters", "2", "--seed", "1234"]  # fmt: skip
+              "--lr-warmup-iters", "2", "--seed", "1234", "--hidden-dropout", "0.0",
+              "--attention-dropout", "0.0"]  # fmt: skip
     _log("run: pretrain_leviathan " + " ".join(shlex.quote(c) for c in flags))
     log = Path(jsonl).with_suffix(".log")
     # The ranks keep the caller's thread settings (OMP_NUM_THREADS is not forced to 1).

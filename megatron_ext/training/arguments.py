@@ -249,14 +249,21 @@ def _compat_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return {**{d: getattr(args, d) for d in dests if hasattr(args, d)}, "lev_fused": None}
 
 
+_FP8_RECIPE = ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
+
+
 def run_config_from_args_json(saved: dict[str, Any]) -> RunConfig:
     """The `RunConfig` a checkpoint's args.json records (`RunConfig.args_json`), at the layout
     and with the derived values it saved; a flag missing from an older args.json keeps its
-    default.
+    default. Without --fp8-format the FP8 recipe had no effect and is read at its defaults (an
+    args.json written before issue 47 records 1024 and max, Megatron-LM's 1 and most_recent
+    since).
 
     Raises:
         ValueError: a value no config accepts (the file was not written by this package).
     """
+    if saved.get("fp8_format") is None:  # before issue 47: FP8's recipe defaults of then
+        saved = {k: v for k, v in saved.items() if k not in _FP8_RECIPE}
     args = argparse.Namespace(**saved)
     compat = _compat_flags(args, build_parser())
     return dataclasses.replace(_run_config(args, None), compat_flags=compat)

@@ -261,7 +261,8 @@ class ExitConfig:
 class EvalConfig:
     """Validation during training (and the test set at the end)."""
 
-    eval_interval: int = flag(1000, "--eval-interval", minimum=1)
+    eval_interval: Optional[int] = flag(None, "--eval-interval", minimum=1)
+    """Iterations between validations (Megatron-LM's default None: only after training)."""
     eval_iters: int = flag(100, "--eval-iters", minimum=0)
     """Global batches per evaluation (0: no evaluation)."""
 

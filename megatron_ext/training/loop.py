@@ -234,7 +234,8 @@ class Trainer:
                     timers=self.timers.take(),
                 )
             ev = self.cfg.eval
-            if ev.eval_iters and valid_ds is not None and it % ev.eval_interval == 0:
+            periodic = ev.eval_interval and it % ev.eval_interval == 0  # None: after training
+            if ev.eval_iters and valid_ds is not None and periodic:
                 self.log_evaluation(self.evaluate(valid_ds), "validation")
             ck = self.cfg.ckpt
             self.checkpoints.poll()
@@ -296,7 +297,7 @@ def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
     reason = trainer.train(train_ds, valid_ds)
     trainer.checkpoints.wait()  # the latest marker moves once the last write completed
     if reason == "finished" and ev.eval_iters:
-        if trainer.state.iteration % ev.eval_interval:  # not just evaluated
+        if not ev.eval_interval or trainer.state.iteration % ev.eval_interval:  # not just done
             trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
         trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
     return reason

@@ -151,6 +151,16 @@ def test_presets_fill_and_flags_override():
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (16, 1024, 16)
 
 
+def test_group_query_attention_defaults_to_megatron_lms_one_group():
+    """Megatron-LM: --group-query-attention without --num-query-groups is one key/value group;
+    without the switch, one group per head."""
+    gqa = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    assert _model(*gqa, "--group-query-attention").num_query_groups == 1
+    assert _model(*gqa).num_query_groups == 4
+    assert _model(*gqa, "--group-query-attention", "--num-query-groups", "2").num_query_groups == 2
+    assert ModelConfig(vocab_size=64, group_query_attention=True).num_query_groups == 1
+
+
 def test_flag_conflicts_are_clear_errors():
     from megatron_ext.training.arguments import ArgumentError
 
@@ -284,4 +294,6 @@ def test_an_args_json_written_before_the_split_still_builds_its_model(tmp_path):
          "--use-checkpoint-args", "--tensor-model-parallel-size", "2"],
         world_size=2,
     )  # fmt: skip
-    assert run.model.replace(vocab_size=128) == model
+    # The command line's dropout is Megatron-LM's 0.1 (not a model-shaping flag: not restored).
+    restored = run.model.replace(vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+    assert restored == model

@@ -2,8 +2,8 @@
 wrote for a set of command lines (the layout and optimizer flags, a preset, runs given in
 samples, a batch ramp, Megatron-LM's rewrites, every model-shaping flag, the interleaved
 schedule, the feature flags, GPT-3 175B's launch script); `RunConfig.args_json` writes the same
-(but for the deprecated --no-lev-fused, which is recorded as mapped), and reads back into the
-same RunConfig."""
+but for the defaults issue 47 took from Megatron-LM (and the deprecated --no-lev-fused, which
+is recorded as mapped), and reads back into the same RunConfig."""
 
 from __future__ import annotations
 
@@ -17,6 +17,19 @@ from megatron_ext.training.arguments import build_parser, parse_config, run_conf
 
 PARSER = build_parser()
 CASES = json.loads((Path(__file__).parent / "data" / "args_json_9e624e2.json").read_text())
+# Megatron-LM's defaults since issue 47, where the command line leaves them.
+MEGATRON_DEFAULTS = dict(
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    eval_interval=None,
+    fp8_amax_history_len=1,
+    fp8_amax_compute_algo="most_recent",
+)
+GIVEN = {
+    "hidden_dropout": "--hidden-dropout",
+    "attention_dropout": "--attention-dropout",
+    "eval_interval": "--eval-interval",
+}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -29,6 +42,9 @@ def test_args_json_is_what_main_9e624e2_wrote(name):
         logging.getLogger().setLevel(level)
     written = run.args_json()
     recorded = dict(case["args_json"])
+    for key, value in MEGATRON_DEFAULTS.items():
+        if key not in GIVEN or GIVEN[key] not in case["argv"]:
+            recorded[key] = value
     if "--no-lev-fused" in case["argv"]:  # mapped while parsing: recorded as the kernel
         recorded.update(lev_fused=None, lev_kernel="reference")
     # Every recorded key stays; a flag added since appears at its default (none yet).

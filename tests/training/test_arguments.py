@@ -63,6 +63,11 @@ def test_defaults_follow_megatron():
     assert run.batch.global_batch_size == 4  # micro-batch x DP
     assert run.optim.lr_decay_style == "linear" and run.optim.clip_grad == 1.0
     assert run.data.make_vocab_size_divisible_by == 128 and run.log.log_interval == 100
+    assert run.model.hidden_dropout == run.model.attention_dropout == 0.1
+    assert run.eval.eval_interval is None
+    assert (run.precision.fp8_amax_history_len, run.precision.fp8_amax_compute_algo) == (
+        1, "most_recent"
+    )  # fmt: skip
 
 
 def test_train_samples_derive_iterations():
@@ -249,6 +254,8 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     if importlib.util.find_spec("wandb") is None:  # --wandb-project needs the package
         argv = argv[: argv.index("--wandb-project")]
         keep = lambda key: not key.startswith("wandb_")  # noqa: E731
+    # Megatron-LM's defaults since (issue 47), given as the old run had them.
+    argv = [*argv, "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "1000"]
     level = logging.getLogger().level
     try:
         args = parse_config(argv, world_size=1)
@@ -257,14 +264,16 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     written = args.args_json()
     # Flags added since that checkpoint appear with their defaults: off, except the two that are
     # on unless turned off (an old run resumed gets them, docs/lev-training.md 4.10); every old
-    # key agrees.
+    # key agrees but FP8's recipe defaults, Megatron-LM's since issue 47 (no --fp8-format here).
     on_by_default = {"lev_dedup_global_batch": True, "retain_host_memory": True}
     added = set(written) - set(old)
     assert all(written[k] is on_by_default.get(k) for k in added), {k: written[k] for k in added}
-    assert {k: v for k, v in written.items() if keep(k) and k not in added} == {
-        k: v for k, v in old.items() if keep(k)
+    fp8 = {"fp8_amax_history_len": (1024, 1), "fp8_amax_compute_algo": ("max", "most_recent")}
+    assert {k: (old[k], written[k]) for k in fp8} == fp8
+    assert {k: v for k, v in written.items() if keep(k) and k not in added and k not in fp8} == {
+        k: v for k, v in old.items() if keep(k) and k not in fp8
     }
-    new = dataclasses.replace(args, compat_flags=cfg.compat_flags)
+    new = dataclasses.replace(args, precision=cfg.precision, compat_flags=cfg.compat_flags)
     if keep("wandb_project"):
         assert new == cfg
 

@@ -50,6 +50,9 @@ def test_recipes_share_hyper_parameters_and_validate(size):
         model = run.model.replace(vocab_size=200064)  # o200k padded
         check_layout(model, run.parallel)  # the recipe's TP/PP fit the model at its vocabulary
         assert model.embedding.embedding_type == arm
+        # The paper's recipes set their choices where Megatron-LM's defaults differ.
+        assert (model.hidden_dropout, model.attention_dropout) == (0.0, 0.0)
+        assert run.eval.eval_interval is not None
     tokens = run.batch.train_iters * 512 * 512
     assert {"200m": 4.0e9, "400m": 8.0e9, "1.2b": 24.1e9}[size] == pytest.approx(tokens, rel=1e-3)
 

@@ -44,8 +44,9 @@ def test_every_gpu_flag_is_declared_by_its_config_field():
         (field,) = [f for f in flag_fields(cls) if f.metadata["flag"] == flag]
         action = parser._option_string_actions[flag]
         assert action.default == field.default, flag  # the command line's default is the field's
-    # The FP8 recipe's defaults are written once (the fields').
-    assert parser.get_default("fp8_amax_history_len") == 1024
+    # Megatron-LM's FP8 recipe defaults, written once (the fields'), as TransformerConfig's.
+    assert (parser.get_default("fp8_amax_history_len"), parser.get_default("fp8_margin")) == (1, 0)
+    assert parser.get_default("fp8_amax_compute_algo") == "most_recent"
     run = _run(
         "--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16",
         "--fp8-amax-compute-algo", "max", "--fp8-margin", "1",
@@ -203,7 +204,9 @@ def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
     te = ModelConfig(vocab_size=64, transformer_impl="transformer_engine")
     tc = compose_transformer_config(te, None, model_precision)
     assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.fp8 == "hybrid"
-    assert (tc.fp8_amax_history_len, tc.fp8_amax_compute_algo, tc.fp8_param) == (16, "max", False)
+    assert (tc.fp8_amax_history_len, tc.fp8_amax_compute_algo, tc.fp8_param) == (
+        16, "most_recent", False
+    )  # fmt: skip
     gather = dataclasses.replace(model_precision, fp8_param_gather=True)
     assert compose_transformer_config(te, None, gather).fp8_param
     with pytest.raises(ValueError, match="FP8 is not available on CPU"):

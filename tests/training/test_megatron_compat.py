@@ -158,6 +158,50 @@ def test_rampup_sets_train_iters_from_train_samples():
     assert run.batch.train_iters == 7
 
 
+def test_defaults_are_megatron_lms_or_listed_with_their_reason(parser):
+    """Issue 47: a launch script written for Megatron-LM that relies on a default trains what
+    it trained there. Every option the parser shares with Megatron-LM core_v0.16.1's own parser
+    (its dests and defaults recorded from the tag by tests/training/megatron_lm_defaults.py)
+    defaults as there, or is in DEFAULT_DIFFERENCES with Megatron-LM's default and why;
+    docs/megatron-compat.md lists those."""
+    import argparse
+    import json
+
+    from megatron_ext.models.config import transformer_engine_available
+    from megatron_ext.training.megatron_compat import DEFAULT_DIFFERENCES
+
+    table = json.loads((Path(__file__).parent / "data" / "megatron_lm_defaults.json").read_text())
+    assert table["tag"] == "core_v0.16.1"
+    theirs = table["options"]
+    shared = [option for option in parser._option_string_actions if option in theirs]
+    assert len(shared) > 450
+    differ = {}
+    for option in shared:
+        action = parser._option_string_actions[option]
+        if action.default is argparse.SUPPRESS:
+            continue  # a compatibility flag that stores nothing unless given (nothing reads it)
+        ours = list(action.default) if isinstance(action.default, tuple) else action.default
+        if ours != theirs[option]["default"]:
+            differ[option] = theirs[option]["default"]
+    listed = {flag: default for flag, (default, _) in DEFAULT_DIFFERENCES.items()}
+    if transformer_engine_available():  # then --transformer-impl defaults as in Megatron-LM
+        listed.pop("--transformer-impl")
+    assert differ == listed
+    # The training defaults issue 47 took from Megatron-LM.
+    for option, default in (
+        ("--hidden-dropout", 0.1), ("--attention-dropout", 0.1), ("--fp8-amax-history-len", 1),
+        ("--fp8-amax-compute-algo", "most_recent"), ("--eval-interval", None),
+    ):  # fmt: skip
+        assert (
+            parser._option_string_actions[option].default == default == (theirs[option]["default"])
+        ), option
+    doc = (REPO / "docs" / "megatron-compat.md").read_text()
+    for flag in DEFAULT_DIFFERENCES:
+        assert any(
+            row.startswith(f"| `{flag}` |") for row in doc.split("## Defaults")[1].splitlines()
+        )
+
+
 def test_fp8_param_gather_is_implemented_where_it_can_work(parser):
     """Before issue 47 the table called --fp8-param-gather refused (both engines refused it);
     now the row says where it works (tests/training/test_gpu_path.py checks that it does)."""

@@ -3,7 +3,8 @@ resumes bit for bit: `data/ckpt_9e624e2/` is iteration 3 of a one-rank CPU run o
 `data/ckpt_9e624e2_run.json`'s command line, which recorded iterations 1-6 and the args.json
 it wrote at iteration 6. Continued from iteration 3, the run logs the same losses, grad norms
 and learning rates, the same validation and test losses, and writes the same args.json (but
-for the paths of --load/--save/--log-jsonl); --use-checkpoint-args reads its args.json."""
+for the paths of --load/--save/--log-jsonl and the FP8 recipe's defaults, Megatron-LM's since
+issue 47); --use-checkpoint-args reads its args.json."""
 
 from __future__ import annotations
 
@@ -45,12 +46,15 @@ def test_a_checkpoint_of_main_9e624e2_resumes_bit_for_bit(tmp_path, launcher):
     written = json.loads((ckpt / "iter_0000006" / "args.json").read_text())
     expected = dict(RUN["args_json_at_6"])
     expected.update(load=str(ckpt), save=str(ckpt), log_jsonl=str(tmp_path / "run/metrics.jsonl"))
+    # Megatron-LM's FP8 recipe defaults since issue 47 (no --fp8-format here: no effect).
+    expected.update(fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent")
     assert written == expected
 
 
 def test_use_checkpoint_args_reads_the_model_flags_of_main_9e624e2():
     """--use-checkpoint-args restores the model flags into the RunConfig, and the whole
-    args.json reads back into the run it recorded."""
+    args.json reads back into the run it recorded (Megatron-LM's FP8 recipe defaults since
+    issue 47 aside: without --fp8-format they had no effect)."""
     from megatron_ext.training.arguments import parse_config, run_config_from_args_json
 
     argv = ["--micro-batch-size", "2", "--train-iters", "6", "--lr", "1e-3", "--mock-data",
@@ -64,4 +68,6 @@ def test_use_checkpoint_args_reads_the_model_flags_of_main_9e624e2():
         assert written[name] == saved[name], name
     model = run.model
     assert (model.num_layers, model.hidden_size, model.embedding.lev.num_knots) == (2, 16, 5)
-    assert run_config_from_args_json(saved).args_json() == saved
+    recorded = run_config_from_args_json(saved)
+    fp8 = {"fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent"}
+    assert recorded.args_json() == {**saved, **fp8}
