@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ProcessGroups",
     "default_backend",
-    "validate_parallel_layout",
     "initialize_parallel",
     "destroy_parallel",
     "find_free_port",
