@@ -172,9 +172,11 @@ def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = 
     gbs = int(args.global_batch_size)
     if eval_iters == 0:
         raise EvaluationError(f"{run.path}: the run used --eval-iters 0 and has no {split} set")
-    data_config = dataclasses.replace(
-        run_config_from_args_json(vars(args)).data, num_dataset_builder_threads=1
-    )
+    try:
+        recorded = run_config_from_args_json(vars(args))  # the run's data flags
+    except ValueError as error:  # args.json of no training run (an import-hf checkpoint)
+        raise EvaluationError(f"{run.path}: no training run to validate ({error})") from None
+    data_config = dataclasses.replace(recorded.data, num_dataset_builder_threads=1)
     num_samples = [int(args.train_iters) * gbs, eval_iters * gbs, eval_iters * gbs]
     datasets = build_train_valid_test_datasets(data_config, tokenizer, num_samples)
     dataset = datasets[1 if split == "valid" else 2]

@@ -26,6 +26,7 @@ import torch
 
 from megatron_ext.config_flags import ArgumentError, add_flags, flag_dest, flag_fields, flag_values
 from megatron_ext.data.loading import DataConfig
+from megatron_ext.data.readers import DataError
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
@@ -370,7 +371,7 @@ def parse_config(
     try:
         run = _run_config(args, world_size)
         apply_megatron_compat(args, cuda, fp8=run.precision.fp8_format is not None)
-    except ValueError as error:
+    except (ValueError, DataError) as error:  # DataConfig's: --data-path and the like
         raise ArgumentError(str(error)) from None
     check_machine(run, cuda)
     if run.log.logging_level is not None:

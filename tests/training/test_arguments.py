@@ -224,7 +224,7 @@ OLD_LAYOUT_ARGV = [
 
 def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     """args.json is flat (one key per flag or derived field), so a checkpoint's args.json from
-    before FeatureConfig was split rebuilds the same TrainingConfig, each moved field at its
+    before FeatureConfig was split rebuilds the same RunConfig, each moved field at its
     owner, and --use-checkpoint-args reads it."""
     import dataclasses
     import importlib.util
@@ -283,3 +283,12 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("100\n")
     restored = _parse("--load", str(tmp_path), "--use-checkpoint-args").model
     assert (restored.num_layers, restored.hidden_size, restored.num_attention_heads) == (3, 96, 6)
+
+
+def test_the_data_flags_are_checked_while_parsing():
+    """DataConfig is a part of the RunConfig: its refusals are the command line's one line."""
+    argv = [a for a in BASE if a != "--mock-data"]
+    with pytest.raises(ArgumentError, match="no training data: pass --data-path"):
+        parse_config(argv, 1)
+    with pytest.raises(ArgumentError, match="choose one of --data-path"):
+        parse_config([*BASE, "--data-path", "x"], 1)

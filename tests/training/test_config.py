@@ -1,4 +1,4 @@
-"""TrainingConfig built in code: each dataclass checks itself with the command line's one-line
+"""RunConfig built in code: each dataclass checks itself with the command line's one-line
 message, and derives what Megatron-LM derives; the flags reach args.json unchanged."""
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _run(**parts) -> RunConfig:
             lambda: OptimizerConfig(lr=1e-3, min_lr=1e-3, decoupled_lr=1e-4),
             "need 0 <= --decoupled-min-lr (0.001) <= --decoupled-lr (0.0001)",
         ),
-        # Checks across two configs: TrainingConfig's.
+        # Checks across two configs: RunConfig's.
         (
             lambda: _run(batch=BatchConfig(seq_length=8, micro_batch_size=2, global_batch_size=3)),
             "--global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel size 1",
