@@ -42,10 +42,9 @@ def model_provider(
     vp_size=None,
 ):
     """This pipeline stage of the model (input embedding on the first, head on the last), built
-    at the run's layout `parallel` (a `ParallelConfig` or `ModelParallelism`) and `precision`
-    (the engine's `ModelPrecision`), its layers communicating over `pg_collection`
-    (megatron-core's `ProcessGroupCollection`; None: megatron's global groups, as for the
-    single-stage twin built before PP training); with
+    at the run's layout `parallel` (a `ParallelConfig`) and `precision` (a `PrecisionConfig`),
+    its layers communicating over `pg_collection` (megatron-core's `ProcessGroupCollection`;
+    None: megatron's global groups, as for the single-stage twin built before PP training); with
     `vp_stage` of `vp_size` model chunks per rank, that chunk of the stage's layers."""
     from megatron_ext.models import build_model
     from megatron_ext.parallel import ProcessGroups
@@ -153,10 +152,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # The package (and megatron-core, which warns about Apex / Transformer Engine when it is
     # imported) is imported only now, after the warning filter of setup_logging; the providers
     # above import it lazily for the same reason.
-    from megatron_ext.data.loading import DataConfig
     from megatron_ext.data.readers import DataError
-    from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
-    from megatron_ext.models import ModelParallelism, check_layout, model_config_from_args
+    from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
     from megatron_ext.training import (
         CollectiveTimeoutError,
         NonFiniteError,
@@ -164,63 +161,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pretrain,
     )
     from megatron_ext.training.checkpointing import CheckpointError
-    from megatron_ext.training.gpu_arguments import engine_model_precision
 
     try:
-        # Parsed once: the namespace is what args.json records, the frozen TrainingConfig is
-        # all that `pretrain` receives.
-        args, training_config = parse_config(argv)
-        if args.tokenizer_type is None:
+        # Parsed once into the frozen RunConfig: all that `pretrain` and the providers receive.
+        run = parse_config(argv)
+        data = run.data
+        if data.tokenizer_type is None:
             raise ValueError(
                 "--tokenizer-type is required (e.g. SentencePieceTokenizer with "
                 "--tokenizer-model, or NullTokenizer with --vocab-size)"
             )
         tokenizer = build_tokenizer(
-            args.tokenizer_type,
-            args.tokenizer_model,
-            vocab_size=args.vocab_size,
-            tiktoken_pattern=args.tiktoken_pattern,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
+            data.tokenizer_type,
+            data.tokenizer_model,
+            vocab_size=data.vocab_size,
+            tiktoken_pattern=data.tiktoken_pattern,
+            vocab_file=data.vocab_file,
+            merge_file=data.merge_file,
         )
-        # args.json records which tokenizer made the run (data/fingerprint.py compares it)
-        args.tokenizer_fingerprint = tokenizer.fingerprint
-        training_config = dataclasses.replace(
-            training_config,
-            ckpt=dataclasses.replace(
-                training_config.ckpt,
-                args_json={
-                    **training_config.ckpt.args_json,
-                    "tokenizer_fingerprint": tokenizer.fingerprint,
-                },
-            ),
-        )
-        vocab = padded_vocab_size(
-            tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-        )
-        model_config = model_config_from_args(args, vocab)
-        parallel = ModelParallelism.of(training_config.parallel)
-        precision = engine_model_precision(training_config)
-        check_layout(model_config, parallel, precision)
-        data_config = DataConfig.from_args(args)
+        run = run.with_tokenizer(tokenizer)  # the model's padded vocabulary; its fingerprint
     except (ValueError, DataError, TokenizerError) as error:
         _error(str(error))
         return 2
+    stage = functools.partial(model_provider, run.model, run.parallel, run.precision)
+    # The whole model as one stage (PP > 1 copies its initial weights: `initialization.py`).
+    one_stage = dataclasses.replace(
+        run.parallel,
+        pipeline_model_parallel_size=1,
+        num_layers_per_virtual_pipeline_stage=None,
+        virtual_pipeline_model_parallel_size=None,
+    )
     try:
         reason = pretrain(
-            training_config,
-            model_provider=functools.partial(model_provider, model_config, parallel, precision),
+            run,
+            model_provider=stage,
             forward_step=functools.partial(
                 forward_step,
-                use_attention_mask=args.reset_attention_mask,
-                per_token_loss=training_config.engine.calculate_per_token_loss,
+                use_attention_mask=data.reset_attention_mask,
+                per_token_loss=run.engine.calculate_per_token_loss,
             ),
-            datasets_provider=functools.partial(datasets_provider, data_config, tokenizer),
+            datasets_provider=functools.partial(datasets_provider, run.data, tokenizer),
             full_model_provider=functools.partial(
-                model_provider,
-                model_config,
-                dataclasses.replace(parallel, pipeline_model_parallel_size=1),
-                precision,
+                model_provider, run.model, one_stage, run.precision
             ),
         )
     except NonFiniteError as error:

@@ -34,25 +34,18 @@ CLOCKS = {"wall": time.perf_counter, "cpu_seconds": time.process_time}
 
 def _model(arm: str, args, pg):
     from megatron_ext.data.tokenizers import padded_vocab_size
-    from megatron_ext.models import (
-        ModelParallelism,
-        ModelPrecision,
-        build_model,
-        model_config_from_args,
-    )
-    from megatron_ext.training import parse_args
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.training import parse_config
 
-    flags = parse_args([
+    run = parse_config([
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", str(args.num_attention_heads),
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
         "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", str(args.vocab_size), "--embedding-type", arm, "--lev-eval-table",
     ], world_size=1)  # fmt: skip
-    flags.transformer_impl = "local" if not torch.cuda.is_available() else flags.transformer_impl
-    vocab = padded_vocab_size(args.vocab_size)
-    config = model_config_from_args(flags, vocab)
-    model = build_model(config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg)
+    config = run.model.replace(vocab_size=padded_vocab_size(args.vocab_size))
+    model = build_model(config, parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg)
     if torch.cuda.is_available():
         model = model.cuda()
     return model, config
@@ -81,7 +74,7 @@ def bench_vs_transformers(args, pg) -> None:
 
     from megatron_ext.evaluation.perplexity import LossTotals, pack_stream
     from megatron_ext.evaluation.scoring import ModelScorer, score_batches
-    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.testing.hf_peer import hf_export
 
     torch.manual_seed(0)
@@ -96,7 +89,7 @@ def bench_vs_transformers(args, pg) -> None:
     lev = dataclasses.replace(config.embedding.lev, eval_table=True)  # as load_for_evaluation
     config = config.replace(embedding=dataclasses.replace(config.embedding, lev=lev))
     model = build_model(
-        config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg
+        config, parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg
     ).eval()
     hf = hf_export(model, config, tied=config.embedding.tied)
     scorer = ModelScorer(model, config.hidden_size, args.vocab_size, pg)

@@ -46,7 +46,7 @@ def _timed(fn):
 
 def _lev_model(args, pg):
     """(config, model) of the benchmarked LEV model, seeded, in eval mode."""
-    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
 
     torch.manual_seed(0)
     config = ModelConfig(
@@ -58,7 +58,7 @@ def _lev_model(args, pg):
         embedding=dict(embedding_type="lev"),
     )
     return config, build_model(
-        config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg
+        config, parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg
     ).eval()
 
 

@@ -50,7 +50,7 @@ def _flags(args) -> list[str]:
         "--weight-decay", str(args.weight_decay), "--clip-grad", "1.0",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab - 1),
         "--seed", str(args.seed), "--eval-iters", "0", "--num-workers", "0",
-        "--log-interval", str(args.iters),
+        "--log-interval", str(args.iters), "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
     ]  # fmt: skip
 
 
@@ -74,25 +74,19 @@ def run_ours(args, workdir: str) -> tuple[list[float], list[float]]:
 def _build_peer(args):
     """transformers' Llama with our initial weights, its optimizer, and the training samples."""
     from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
-    from megatron_ext.data.tokenizers import build_tokenizer, padded_vocab_size
+    from megatron_ext.data.tokenizers import build_tokenizer
     from megatron_ext.inference.loading import init_inference_parallel
-    from megatron_ext.models import (
-        ModelParallelism,
-        ModelPrecision,
-        build_model,
-        model_config_from_args,
-    )
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.parallel import set_random_seed
     from megatron_ext.testing.hf_peer import hf_export
-    from megatron_ext.training import parse_args
+    from megatron_ext.training import parse_config
 
-    flags = parse_args(_flags(args))
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=args.vocab - 1)
-    vocab = padded_vocab_size(tokenizer.vocab_size, flags.make_vocab_size_divisible_by, 1)
-    config = model_config_from_args(flags, vocab)
+    run = parse_config(_flags(args)).with_tokenizer(tokenizer)
+    config = run.model
     pg = init_inference_parallel(1, 1)
     set_random_seed(args.seed, 0)  # as the entry point seeds before building the model
-    ours = build_model(config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg)
+    ours = build_model(config, parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg)
     hf = hf_export(ours, config, tied=True).train()
     del ours
     decay = [p for n, p in hf.named_parameters() if p.ndim > 1]
@@ -100,7 +94,7 @@ def _build_peer(args):
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(flags.adam_beta1, flags.adam_beta2), eps=flags.adam_eps,
+        lr=args.lr, betas=(run.optim.adam_beta1, run.optim.adam_beta2), eps=run.optim.adam_eps,
     )  # fmt: skip
     data = DataConfig(mock_data=True, seq_length=args.seq, seed=args.seed)
     train, _, _ = build_train_valid_test_datasets(

@@ -77,11 +77,8 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.data.loading import (
-    DataConfig,
-    add_data_arguments,
-    build_train_valid_test_datasets,
-)
+from megatron_ext.config_flags import add_flags, flag_values
+from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.testing.distributed import find_free_port
 from megatron_ext.testing.launch import Job, count_records, launch
@@ -125,6 +122,7 @@ def _start(ranks: int, flags: list[str], args, workdir: str) -> tuple[Job, str, 
         "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.iters),
         "--lr", "1e-4", *shlex.split(args.data_flags), "--num-workers", "0", "--eval-iters", "0",
         "--log-interval", "1", "--timing-log-level", "2", "--no-loss-curve", "--log-jsonl", jsonl,
+        "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
     ]  # fmt: skip
     env = {"OMP_NUM_THREADS": str(args.threads) if args.threads else None}
     log = os.path.join(workdir, f"m{find_free_port()}.log")
@@ -254,11 +252,10 @@ def distinct_ids(args: argparse.Namespace, per: int) -> list[int]:
     """Distinct token ids in each group of `per` consecutive samples that one rank trains on
     (a micro-batch, or the global batch: LEV computes its embedding once per distinct id of the
     global batch, `--lev-dedup-global-batch`), from the runs' own data flags."""
-    data_args = add_data_arguments(argparse.ArgumentParser()).parse_args(
-        shlex.split(args.data_flags)
-    )
-    data_args.seq_length = args.seq_length
-    config = DataConfig.from_args(data_args)
+    parser = argparse.ArgumentParser()
+    add_flags(parser, DataConfig)
+    flags = flag_values(DataConfig, parser.parse_args(shlex.split(args.data_flags)))
+    config = DataConfig(seq_length=args.seq_length, **flags)
     tokenizer = build_tokenizer(
         config.tokenizer_type, config.tokenizer_model, vocab_size=config.vocab_size
     )

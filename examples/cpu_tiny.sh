@@ -17,7 +17,7 @@ ARGS=(
     --embedding-type lev --lev-num-heads 4 --lev-seed-dim 32 --lev-rank 8
     --micro-batch-size 4 --global-batch-size 16 --train-iters 40
     --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 5
-    --weight-decay 0.1 --clip-grad 1.0 --seed 1234
+    --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0.0 --attention-dropout 0.0 --seed 1234
     --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --num-workers 0
     --log-interval 5 --eval-interval 20 --eval-iters 2
     --save "$OUT/ckpt" --save-interval 20 --tensorboard-dir "$OUT/tensorboard"

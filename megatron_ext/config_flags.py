@@ -1,11 +1,14 @@
-"""Command-line flags declared on config dataclass fields, and the parser generated from them.
+"""The one flag mechanism: command-line flags declared on config dataclass fields.
 
-A config field that has a flag says so in its metadata: `flag(default, "--name", "help", ...)`
-(the mechanism `LEVConfig` introduced; `lev/arguments.py` keeps its own copy for the `--lev-*`
-group). `add_config_arguments(parser, cls, title)` turns every such field of `cls` into one
-argparse argument whose default *is* the field's default and whose type comes from the
-annotation; `config_flag_values(cls, args)` reads the parsed values back by field name. So a
-new flag is one field: no argparse code, no mapping table.
+A config field that has a flag says so in its metadata: `flag(default, "--name", "help", ...)`.
+`add_flags(group, cls)` turns every such field of `cls` (or the ones named) into one argparse
+argument whose default *is* the field's default (or its `command_line_default`) and whose type
+comes from the annotation; `flag_values(cls, namespace)` reads the parsed values back by field
+name; `check_flag_values(config)` refuses values under a field's `minimum`, outside its
+`choices`, or given without the field it `needs`, with the command line's one-line message.
+So a new flag is one field: no argparse code, no mapping table. The namespace attribute (and
+args.json key) of a flag is Megatron-LM's: the flag's name (`--lr-decay-style` ->
+lr_decay_style; a `--no-x` switch that turns a field off -> x), unless the field gives `dest`.
 
 `ArgumentError` is the one error type of the command line: an impossible or contradictory
 combination of flags, its message one line naming the flag to change.
@@ -16,17 +19,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any
+from typing import Any, Optional
 
 __all__ = [
     "ArgumentError",
-    "flag",
-    "flag_fields",
-    "flag_dest",
-    "field_default",
+    "add_flags",
+    "check_flag_values",
     "command_line_default",
-    "add_config_arguments",
-    "config_flag_values",
+    "field_default",
+    "flag",
+    "flag_dest",
+    "flag_fields",
+    "flag_values",
 ]
 
 
@@ -42,26 +46,35 @@ def flag(
     aliases: tuple[str, ...] = (),
     shapes_model: bool = False,
     command_line_default: Any = dataclasses.MISSING,
+    minimum: Any = None,
+    needs: Optional[str] = None,
     **argparse_options,
 ) -> Any:
     """A dataclass field whose command-line flag is `name` (e.g. "--lr-decay-style").
 
     `aliases` are other spellings of the same flag (Megatron-LM accepts several for a few).
     `argparse_options` go to `add_argument` as they are (choices, metavar, dest, action, nargs);
-    the default is the field's, so the command line and a library user agree. A list default
-    becomes a default factory (each config gets its own copy).
+    the default is the field's, so the command line and a library user agree. A list or tuple
+    default becomes a default factory (each config gets its own copy).
 
     `shapes_model`: the value shapes the model's parameters, so `--use-checkpoint-args` takes
     it from the checkpoint's args.json. `command_line_default`: the flag's default (or a
     callable giving it) where it must differ from the library's: Megatron-LM's default, e.g.
     None for a flag that is required or derived on the command line, or `--transformer-impl`
     transformer_engine where this machine can run it. The field's docstring says why.
+    `minimum`: the least value `check_flag_values` accepts (None, a value not set, passes);
+    `needs`: the field (of the same config) that must be set when this one is given (differs
+    from its default).
     """
     metadata = {"flag": name, "aliases": tuple(aliases), "help": help, **argparse_options}
     if shapes_model:
         metadata["shapes_model"] = True
     if command_line_default is not dataclasses.MISSING:
         metadata["command_line_default"] = command_line_default
+    if minimum is not None:
+        metadata["minimum"] = minimum
+    if needs is not None:
+        metadata["needs"] = needs
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -80,8 +93,17 @@ def flag_fields(cls: type) -> list[dataclasses.Field]:
 
 
 def flag_dest(field: dataclasses.Field) -> str:
-    """The namespace attribute of a field's flag: its `dest`, else the field name."""
-    return field.metadata.get("dest", field.name)
+    """The namespace attribute (args.json key) of a field: its flag's `dest`, else the flag's
+    name (`--no-x` for a field that is on by default: x); a field without a flag: its name."""
+    meta = field.metadata
+    if "flag" not in meta:
+        return field.name
+    if "dest" in meta:
+        return meta["dest"]
+    name = meta["flag"][2:]
+    if meta.get("action") == "store_false" and name.startswith("no-"):
+        name = name[3:]
+    return name.replace("-", "_")
 
 
 def command_line_default(field: dataclasses.Field) -> Any:
@@ -92,14 +114,14 @@ def command_line_default(field: dataclasses.Field) -> Any:
     return field_default(field)
 
 
-_NOT_ARGPARSE = ("flag", "aliases", "shapes_model", "command_line_default")
+_NOT_ARGPARSE = ("flag", "aliases", "shapes_model", "command_line_default", "minimum", "needs")
 
 
 def _argparse_options(field: dataclasses.Field, annotation: Any) -> dict[str, Any]:
     """add_argument keywords of one field, from its annotation and metadata."""
     meta = {k: v for k, v in field.metadata.items() if k not in _NOT_ARGPARSE}
-    options: dict[str, Any] = dict(dest=flag_dest(field), default=command_line_default(field))
-    options.update(meta)
+    default = command_line_default(field)
+    options: dict[str, Any] = {**meta, "dest": flag_dest(field), "default": default}
     if not options.get("help"):
         options.pop("help", None)
     if "action" in options:  # an explicit action (store_true, BooleanOptionalAction, ...)
@@ -114,26 +136,56 @@ def _argparse_options(field: dataclasses.Field, annotation: Any) -> dict[str, An
         options.setdefault("nargs", "*")
         (item, *_) = typing.get_args(annotation) or (str,)
         options.setdefault("type", item)
+        if isinstance(default, tuple):
+            options["default"] = list(default)
     elif "type" not in options:
         options["type"] = annotation
     return options
 
 
-def add_config_arguments(
-    parser: argparse.ArgumentParser, cls: type, title: str, description: str | None = None
-) -> argparse._ArgumentGroup:
-    """Add one argparse group with the flag of every flagged field of `cls`; return the group."""
+def add_flags(group, cls: type, *names: str, **overrides) -> None:
+    """Add the flags of `cls`'s fields `names` (default: every flagged field) to `group` (a
+    parser or an argument group). `overrides` replace add_argument keywords of each flag added:
+    a tool whose purpose differs gives its own default, and its help says why."""
     hints = typing.get_type_hints(cls)
-    group = parser.add_argument_group(title, description)
-    for field in flag_fields(cls):
-        names = (field.metadata["flag"], *field.metadata.get("aliases", ()))
-        group.add_argument(*names, **_argparse_options(field, hints[field.name]))
-    return group
+    chosen = [f for f in flag_fields(cls) if not names or f.name in names]
+    missing = set(names) - {f.name for f in chosen}
+    if missing:
+        raise ValueError(f"{cls.__name__} has no flagged field {sorted(missing)}")
+    for field in chosen:
+        options = {**_argparse_options(field, hints[field.name]), **overrides}
+        group.add_argument(field.metadata["flag"], *field.metadata["aliases"], **options)
 
 
-def config_flag_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
-    """Field name -> parsed value for every flagged field of `cls` present in `args` (a flag
-    missing from `args` is left out: the args.json of a checkpoint written before it existed)."""
+def flag_values(cls: type, namespace: argparse.Namespace) -> dict[str, Any]:
+    """Field name -> parsed value for every flagged field of `cls` present in `namespace` (a
+    flag missing there is left out: the args.json of a checkpoint written before it existed)."""
     return {
-        f.name: getattr(args, flag_dest(f)) for f in flag_fields(cls) if hasattr(args, flag_dest(f))
+        f.name: getattr(namespace, flag_dest(f))
+        for f in flag_fields(cls)
+        if hasattr(namespace, flag_dest(f))
     }
+
+
+def _one_of(choices) -> str:
+    if len(choices) == 2:
+        return " or ".join(map(str, choices))
+    return "one of " + ", ".join(map(str, choices))
+
+
+def check_flag_values(config: Any) -> None:
+    """Refuse a flagged field of `config` given without the field it `needs`, below its
+    `minimum` or outside its `choices` (a list value, and None, are not checked here), with the
+    command line's one-line message."""
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    for f in flag_fields(type(config)):
+        value, meta = getattr(config, f.name), f.metadata
+        needs = meta.get("needs")
+        if needs and value != field_default(f) and not getattr(config, needs):
+            raise ValueError(f"{meta['flag']} needs {fields[needs].metadata['flag']}")
+        if value is None or isinstance(value, (list, tuple)):
+            continue
+        if "minimum" in meta and value < meta["minimum"]:
+            raise ValueError(f"{meta['flag']} must be >= {meta['minimum']}, got {value}")
+        if "choices" in meta and value not in meta["choices"]:
+            raise ValueError(f"{meta['flag']} must be {_one_of(meta['choices'])}, got {value!r}")

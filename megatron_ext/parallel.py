@@ -2,9 +2,9 @@
 
 megatron.core.parallel_state creates the groups (megatron-core's layers read them from there);
 this module picks the backend (gloo on CPU, nccl on CUDA), validates the layout with messages
-that say which flag to change, and seeds the random generators the way Megatron-LM does (the
-CUDA RNG tracker on GPU; on CPU a tracker whose `fork()` is a no-op, since megatron's tracker
-only knows CUDA generator states).
+that say which flag to change (`models.layout.validate_parallel_layout`), and seeds the random
+generators the way Megatron-LM does (the CUDA RNG tracker on GPU; on CPU a tracker whose
+`fork()` is a no-op, since megatron's tracker only knows CUDA generator states).
 
 `initialize_parallel` returns the groups as one `ProcessGroups` object; the training loop,
 optimizer, schedule, gradient reductions, checkpointing, the model builder, evaluation,
@@ -34,13 +34,13 @@ from torch.distributed import distributed_c10d as c10d
 
 from megatron_ext import placement
 from megatron_ext.elastic import round_store, uses_agent_store
+from megatron_ext.models.layout import validate_parallel_layout
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ProcessGroups",
     "default_backend",
-    "validate_parallel_layout",
     "initialize_parallel",
     "destroy_parallel",
     "find_free_port",
@@ -254,33 +254,6 @@ class ProcessGroups:
 def default_backend() -> str:
     """nccl when CUDA is usable, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def validate_parallel_layout(
-    world_size: int,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    context_parallel_size: int = 1,
-) -> int:
-    """Check that the ranks split into TP x CP x PP x DP; return the data-parallel size."""
-    for name, value in (
-        ("--tensor-model-parallel-size", tensor_model_parallel_size),
-        ("--pipeline-model-parallel-size", pipeline_model_parallel_size),
-        ("--context-parallel-size", context_parallel_size),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    model_parallel = (
-        tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
-    )
-    if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
-            f"size {tensor_model_parallel_size}x{pipeline_model_parallel_size}x"
-            f"{context_parallel_size}={model_parallel}; change --nproc-per-node or the parallel "
-            "sizes"
-        )
-    return world_size // model_parallel
 
 
 def initialize_parallel(

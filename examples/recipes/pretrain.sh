@@ -66,7 +66,7 @@ exec $LAUNCH pretrain_leviathan.py \
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-samples "$SAMPLES" \
     --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-fraction 0.01 \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 \
-    --init-method-std 0.02 --seed "${SEED:-1234}" \
+    --init-method-std 0.02 --hidden-dropout 0.0 --attention-dropout 0.0 --seed "${SEED:-1234}" \
     --data-path "$DATA" --split 969,30,1 "${TOK[@]}" --num-workers 4 \
     --log-interval 10 --log-throughput --eval-interval 1000 --eval-iters 20 \
     --tensorboard-dir "$RUNS_DIR/$NAME/tensorboard" \

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_ext._paths import display_path
 from megatron_ext.cli import run_tool
+from megatron_ext.config_flags import add_flags
 from megatron_ext.conversion.common import DTYPES, ConversionError
 from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
 from megatron_ext.conversion.export_megatron import (
@@ -32,7 +33,9 @@ from megatron_ext.conversion.export_megatron import (
 )
 from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
 from megatron_ext.conversion.reshard import ReshardOptions, reshard
+from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.tokenizers import TokenizerError
+from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 
 
 def _add_load(p: argparse.ArgumentParser) -> None:
@@ -79,9 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-hf", help="Hugging Face Llama -> TIED/UNTIED training checkpoint")
     p.add_argument("--hf-dir", required=True, help="a LlamaForCausalLM directory")
     _add_output(p)
-    p.add_argument("--embedding-type", choices=("tied", "untied"), default=None)
-    p.add_argument("--seq-length", type=int, default=None)
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    add_flags(
+        p,
+        EmbeddingConfig,
+        "embedding_type",
+        choices=("tied", "untied"),
+        default=None,
+        help="tied or untied (default: tied when config.json ties the embeddings)",
+    )
+    add_flags(
+        p,
+        ModelConfig,
+        "seq_length",
+        help="the run's --seq-length (default: config.json's max_position_embeddings, at most "
+        "4096)",
+    )
+    add_flags(p, DataConfig, "make_vocab_size_divisible_by")
 
     p = sub.add_parser("export-megatron", help="any arm -> Megatron-LM legacy checkpoint")
     _add_load(p)

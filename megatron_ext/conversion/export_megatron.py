@@ -31,7 +31,7 @@ from megatron_ext.conversion.common import ConversionError, atomic_output_dir
 from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
 from megatron_ext.data.tokenizers import padded_vocab_size
 from megatron_ext.models.config import EmbeddingConfig
-from megatron_ext.models.layout import ModelParallelism, check_layout
+from megatron_ext.models.layout import ParallelConfig, check_layout
 
 __all__ = ["ExportMegatronOptions", "export_megatron", "megatron_rank_state_dict", "TP_LAYOUT"]
 
@@ -187,7 +187,7 @@ def export_megatron(opts: ExportMegatronOptions) -> str:
     try:  # the layout must suit the backbone (heads, groups, layers divisible)
         check_layout(
             cfg.replace(embedding=EmbeddingConfig("untied")),
-            ModelParallelism(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+            ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
         )
     except ValueError as error:
         raise ConversionError(str(error)) from None

@@ -85,14 +85,9 @@ def import_hf(opts: ImportHFOptions) -> str:
     """Write the checkpoint directory; returns its path."""
     # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.inference.loading import init_inference_parallel
-    from megatron_ext.models import (
-        ModelParallelism,
-        ModelPrecision,
-        build_model,
-        model_config_from_args,
-    )
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.models.full_state_dict import load_full_state_dict
-    from megatron_ext.training.arguments import args_to_json, build_parser
+    from megatron_ext.training.arguments import args_json_of_flags, model_config_from_args_json
     from megatron_ext.training.checkpointing import TrainState, save_checkpoint
 
     output = os.path.abspath(opts.output)
@@ -141,9 +136,8 @@ def import_hf(opts: ImportHFOptions) -> str:
     flags = _model_flags(config, arm, opts) + [
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir,
     ]  # fmt: skip
-    args = build_parser().parse_args(flags)
-    args.tokenizer_fingerprint = tokenizer.fingerprint
-    model_config = model_config_from_args(args, padded)
+    args_json = {**args_json_of_flags(flags), "tokenizer_fingerprint": tokenizer.fingerprint}
+    model_config = model_config_from_args_json(args_json).replace(vocab_size=padded)
     full = from_hf_state_dict(
         tensors,
         num_attention_heads=model_config.num_attention_heads,
@@ -154,9 +148,7 @@ def import_hf(opts: ImportHFOptions) -> str:
     pg = init_inference_parallel(1, 1)
     # Initialised (then overwritten): megatron tags the TP layout of a weight while it
     # initialises it, and the checkpoint layout depends on those tags.
-    model = build_model(
-        model_config, parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg
-    )
+    model = build_model(model_config, parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg)
     try:
         load_full_state_dict(model, full, pg.tp)
     except (KeyError, ValueError) as error:
@@ -170,7 +162,7 @@ def import_hf(opts: ImportHFOptions) -> str:
             TrainState(),
             model,
             pg=pg,
-            args_json=args_to_json(args),
+            args_json=args_json,
             save_rng=False,
         )
     logger.info(

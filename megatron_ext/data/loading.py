@@ -1,5 +1,5 @@
 """Training data: `DataConfig` (which declares Megatron-LM's data and tokenizer flags on its
-fields) and GPT datasets built by Megatron-Core's BlendedMegatronDatasetBuilder.
+fields, `config_flags`) and GPT datasets built by Megatron-Core's BlendedMegatronDatasetBuilder.
 
 Flag forms (as Megatron-LM): ``--data-path PREFIX`` | ``--data-path W1 P1 W2 P2 ...`` |
 ``--data-path P1 P2 ...`` (weights from dataset sizes) with ``--split 969,30,1``; or
@@ -16,7 +16,6 @@ torch.distributed gets a private one-rank gloo group (in-memory store, no port) 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -28,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
-from megatron_ext.config_flags import add_config_arguments, config_flag_values, flag
+from megatron_ext.config_flags import flag
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
 from megatron_ext.data.indexed import counts_path, get_bin_path, get_idx_path, token_dtype
 from megatron_ext.data.readers import DataError
@@ -39,7 +38,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DataConfig",
     "VocabSizeMismatchError",
-    "add_data_arguments",
     "blend_prefixes",
     "build_train_valid_test_datasets",
     "check_vocab_sizes",
@@ -74,7 +72,7 @@ class DataConfig:
     seq_length: int = field(kw_only=True)
     """Tokens per sample (--seq-length, `ModelConfig`'s flag: the run's one value is passed in)."""
     seed: int = 1234
-    """The run's --seed (`TrainingConfig`'s flag)."""
+    """The run's --seed (`RunConfig`'s flag)."""
     tokenizer_type: Optional[str] = flag(
         None, "--tokenizer-type", shapes_model=True, choices=sorted(TOKENIZER_TYPES)
     )
@@ -116,6 +114,9 @@ class DataConfig:
     num_dataset_builder_threads: int = flag(
         1, "--num-dataset-builder-threads", "threads building the dataset indices"
     )
+    tokenizer_fingerprint: Optional[str] = None
+    """The fingerprint of the tokenizer the run trains with, once it is built (args.json
+    records it; `data.fingerprint` compares it with the datasets')."""
 
     def __post_init__(self) -> None:
         per_split = any([self.train_data_path, self.valid_data_path, self.test_data_path])
@@ -140,15 +141,9 @@ class DataConfig:
             ("--test-data-path", self.test_data_path),
         ):
             _check_blend(name, blend)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "DataConfig":
-        """Fill from parsed arguments (or a checkpoint's args.json as a namespace) by each
-        field's flag destination, plus the run's --seq-length and --seed; a name missing from
-        `args` keeps its default."""
-        values = config_flag_values(cls, args)
-        values.update({k: getattr(args, k) for k in ("seq_length", "seed") if hasattr(args, k)})
-        return cls(**values)
+        if self.tokenizer_type is None and self.vocab_file and self.merge_file:
+            logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
+            object.__setattr__(self, "tokenizer_type", "GPT2BPETokenizer")  # Megatron-LM's
 
 
 def _is_weight(value: str) -> bool:
@@ -173,13 +168,6 @@ def _check_blend(flag: str, blend: Optional[Sequence[str]]) -> None:
             "(e.g. 0.7 data/a_text_document 0.3 data/b_text_document); give every prefix a "
             "weight, or give none"
         )
-
-
-def add_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add `DataConfig`'s flags (Megatron-LM's data and tokenizer flags; ``--seq-length`` and
-    ``--seed`` belong to the model and training configs); return parser."""
-    add_config_arguments(parser, DataConfig, "data and tokenizer")
-    return parser
 
 
 def dataset_vocab_size(prefix: str) -> Optional[int]:

@@ -11,7 +11,9 @@
 
 Checkpoints of any arm saved at any TP/PP layout load at the layout asked for here
 (--tensor-model-parallel-size/--pipeline-model-parallel-size; launch TP x PP ranks with
-torchrun, or plain python for TP=PP=1). docs/evaluation.md has a worked example of each.
+torchrun, or plain python for TP=PP=1). The options shared with training are the training
+configs' own flags; the model and its sequence length come from the checkpoint's args.json.
+docs/evaluation.md has a worked example of each.
 Exit codes: 0 done, 2 bad input (one line on stderr).
 """
 
@@ -26,6 +28,7 @@ from typing import Optional, Sequence
 
 from megatron_ext._paths import display_path
 from megatron_ext.cli import run_tool
+from megatron_ext.config_flags import add_flags
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
 from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import TokenizerError
@@ -47,6 +50,10 @@ logger = logging.getLogger("evaluate")
 
 
 def _add_model_args(p: argparse.ArgumentParser, multiple: bool = False) -> None:
+    # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.models.layout import ParallelConfig
+    from megatron_ext.training.config import BatchConfig
+
     g = p.add_argument_group("checkpoint and layout")
     if multiple:
         g.add_argument(
@@ -64,11 +71,11 @@ def _add_model_args(p: argparse.ArgumentParser, multiple: bool = False) -> None:
         default=None,
         help="the tokenizer file, if not where the run recorded it",
     )
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument(
-        "--micro-batch-size",
-        type=int,
+    add_flags(g, ParallelConfig, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+    add_flags(
+        g,
+        BatchConfig,
+        "micro_batch_size",
         default=16,
         help="sequences per forward (evaluation has no activations to keep)",
     )
@@ -98,7 +105,10 @@ def _add_encoding_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.models.config import ModelConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -164,7 +174,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         metavar="NAME=PATH",
         help="a run's TensorBoard directory or --log-jsonl file",
     )
-    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    add_flags(p, ModelConfig, "seq_length", required=True, help="tokens per sample")
     p.add_argument("--smoothing", type=float, default=0.0, help="EMA weight for train losses")
     p.add_argument(
         "--reference",
@@ -174,7 +184,11 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "(the absolute curves go to curves_absolute.png)",
     )
     p.add_argument("--output-dir", required=True)
-    return parser.parse_args(argv)
+    return parser
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -10,7 +10,7 @@ count from 0 in every sequence, as in training.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import os
@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from megatron_ext.data.indexed import get_bin_path, get_idx_path, load_dataset, num_tokens
-from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
+from megatron_ext.data.loading import build_train_valid_test_datasets
 from megatron_ext.data.readers import iter_lines
 from megatron_ext.evaluation.outputs import EvaluationError, read_text_file
 from megatron_ext.evaluation.scoring import Batch
+from megatron_ext.training.arguments import run_config_from_args_json
 
 __all__ = [
     "LossTotals",
@@ -171,9 +172,11 @@ def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = 
     gbs = int(args.global_batch_size)
     if eval_iters == 0:
         raise EvaluationError(f"{run.path}: the run used --eval-iters 0 and has no {split} set")
-    values = dict(vars(args))
-    values["num_dataset_builder_threads"] = 1
-    data_config = DataConfig.from_args(argparse.Namespace(**values))
+    try:
+        recorded = run_config_from_args_json(vars(args))  # the run's data flags
+    except ValueError as error:  # args.json of no training run (an import-hf checkpoint)
+        raise EvaluationError(f"{run.path}: no training run to validate ({error})") from None
+    data_config = dataclasses.replace(recorded.data, num_dataset_builder_threads=1)
     num_samples = [int(args.train_iters) * gbs, eval_iters * gbs, eval_iters * gbs]
     datasets = build_train_valid_test_datasets(data_config, tokenizer, num_samples)
     dataset = datasets[1 if split == "valid" else 2]

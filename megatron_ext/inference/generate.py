@@ -24,12 +24,16 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from megatron_ext.cli import run_tool
+from megatron_ext.config_flags import add_flags
 from megatron_ext.data.tokenizers import TokenizerError
 
 logger = logging.getLogger("generate")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.models.layout import ParallelConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
     p.add_argument("--iteration", type=int, default=None)
@@ -53,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "megatron: the model's forward; auto: lean where it covers the model (logged)",
     )
     p.add_argument("--output", default=None, help="write jsonl here instead of printing")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    add_flags(p, ParallelConfig, "tensor_model_parallel_size")
     return p
 
 

@@ -30,14 +30,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ext._paths import display_path
 from megatron_ext.data.tokenizers import build_tokenizer
-from megatron_ext.models import (
-    ModelParallelism,
-    ModelPrecision,
-    build_model,
-    check_layout,
-    model_config_from_args,
-)
+from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model, check_layout
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
+from megatron_ext.training.arguments import model_config_from_args_json
 from megatron_ext.training.checkpointing import (
     TRACKER_FILENAME,
     CheckpointError,
@@ -185,20 +180,26 @@ def run_model_config(
     pipeline_model_parallel_size: int = 1,
     transformer_impl: Optional[str] = None,
 ):
-    """The run's `ModelConfig` (dropout off), checked against the TP x PP layout this process
-    runs (`models.layout.check_layout`). `load_model` builds it at its process groups' TP x PP,
-    in float32, without sequence parallelism (the tools score and generate at inference shapes)."""
-    args = argparse.Namespace(**vars(run.args))
-    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
-    if transformer_impl is not None:
-        args.transformer_impl = transformer_impl
-    elif not torch.cuda.is_available():
-        args.transformer_impl = "local"
-    config = model_config_from_args(args, run.padded_vocab_size())
-    config = config.replace(hidden_dropout=0.0, attention_dropout=0.0)
+    """The run's `ModelConfig` (from its args.json; dropout and recomputation off), checked
+    against the TP x PP layout this process runs (`models.layout.check_layout`). `load_model`
+    builds it at its process groups' TP x PP, in float32, without sequence parallelism (the
+    tools score and generate at inference shapes)."""
+    config = model_config_from_args_json(vars(run.args))
+    if transformer_impl is None and not torch.cuda.is_available():
+        transformer_impl = "local"
+    config = config.replace(
+        vocab_size=run.padded_vocab_size(),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        recompute_activations=False,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        transformer_impl=transformer_impl or config.transformer_impl,
+    )
     check_layout(
         config,
-        ModelParallelism(
+        ParallelConfig(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
         ),
@@ -235,13 +236,13 @@ def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Mod
         pg: the groups (`init_inference_parallel`) the model is built over, at their TP x PP
             layout, and loaded with.
     """
-    parallel = ModelParallelism(
+    parallel = ParallelConfig(
         tensor_model_parallel_size=pg.tp_size, pipeline_model_parallel_size=pg.pp_size
     )
     model = build_model(
         model_config,
         parallel=parallel,
-        precision=ModelPrecision(),  # float32 master weights
+        precision=PrecisionConfig(),  # float32 master weights
         pre_process=pg.is_first_stage,
         post_process=pg.is_last_stage,
         pg=pg,

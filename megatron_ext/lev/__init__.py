@@ -3,14 +3,13 @@
     from megatron_ext.lev import LEVConfig, LEVEmbedding
 
 `LEVConfig` holds the hyper-parameters (docs/lev.md section 2) and declares their `--lev-*`
-flags, which `lev.arguments` generates and parses;
+flags (`config_flags`, as every config does);
 `LEVEmbedding` is the tensor-parallel module that replaces megatron's VocabParallelEmbedding;
 `lev.math` is the readable forward pass; `lev.kernels` the memory-lean autograd Function
 over its backends (`LEVKernelOptions`, `lev_modes`).
 """
 
 from megatron_ext._lazy import lazy_exports
-from megatron_ext.lev.arguments import add_lev_arguments, lev_config_from_args
 from megatron_ext.lev.config import LEVConfig, smallest_base
 from megatron_ext.lev.kernels import LEVKernelOptions, lev_modes
 
@@ -29,8 +28,6 @@ __all__ = [
     "LEVKernelOptions",
     "LEV_PARAMETER_NAMES",
     "LEV_TP_PARTITION_DIMS",
-    "add_lev_arguments",
-    "lev_config_from_args",
     "lev_modes",
     "smallest_base",
 ]

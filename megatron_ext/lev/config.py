@@ -1,12 +1,10 @@
-"""LEV hyper-parameters: a dataclass that validates itself, and its command-line flags.
+"""LEV hyper-parameters: `LEVConfig`, a dataclass that validates itself, with its `--lev-*` flags.
 
-Every hyper-parameter of docs/lev.md section 2 is a field of `LEVConfig`, and each field's
-metadata names its `--lev-*` flag and help. The command line only fills the config
-(`lev.arguments`: `add_lev_arguments` generates the flags from the fields,
-`lev_config_from_args` builds the config from the parsed values), the way Megatron fills a
-`TransformerConfig` from args. Invalid combinations fail in `__post_init__` with a message that
-names the flag to change; the one check that needs the parallel layout (whole heads per
-tensor-parallel rank) is `heads_per_rank`.
+Every hyper-parameter of docs/lev.md section 2 is a field of `LEVConfig` that declares its
+flag (`config_flags.flag`, the mechanism of every config): the command line only fills the
+config, the way Megatron fills a `TransformerConfig` from args. Invalid combinations fail in
+`__post_init__` with a message that names the flag to change; the one check that needs the
+parallel layout (whole heads per tensor-parallel rank) is `heads_per_rank`.
 
 Shapes of the parameters this config implies (TP size 1, docs/design.md "Fixed contracts")::
 
@@ -25,17 +23,14 @@ projection is unchanged.
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-__all__ = [
-    "LEV_PARAMETER_GROUPS",
-    "SPEC_WEIGHT_DECAY_GROUPS",
-    "LEVConfig",
-    "smallest_base",
-]
+from megatron_ext.config_flags import flag
+
+__all__ = ["LEV_PARAMETER_GROUPS", "SPEC_WEIGHT_DECAY_GROUPS", "LEVConfig", "smallest_base"]
 
 _COMBINE_MODES = ("sum", "concat")
 _KERNELS = ("auto", "reference", "torch", "triton", "cpu")
@@ -65,13 +60,6 @@ def smallest_base(vocab_size: int, num_digits: int) -> int:
     return base
 
 
-def _flag(default: Any, flag: str, help: str, **argparse_options: Any) -> Any:
-    """A LEVConfig field with its command-line flag; `lev.arguments` turns it into argparse."""
-    return dataclasses.field(
-        default=default, metadata={"flag": flag, "help": help, **argparse_options}
-    )
-
-
 @dataclass(frozen=True)
 class LEVConfig:
     """Hyper-parameters of one LEV input generator (docs/lev.md section 2).
@@ -79,41 +67,41 @@ class LEVConfig:
     The symbols of docs/lev.md are given first. Fields after `normalize_basis` are numerical or
     implementation choices that docs/lev.md fixes (eps values, initialisation) or leaves to us
     (dedup, kernel, eval table); they have flags too so every run is reproducible from its
-    command line. Every field but V and D carries its `--lev-*` flag and help in its metadata
-    (`lev.arguments.add_lev_arguments` builds the parser from them). Frozen: the object the
+    command line. Every field but V and D declares its `--lev-*` flag. Frozen: the object the
     flags produce is the one `LEVEmbedding` and the kernels read (through `LEVKernelOptions.of`).
     """
 
-    vocab_size: int
-    """V: number of token ids; ids must lie in [0, V)."""
+    vocab_size: Optional[int] = None
+    """V: number of token ids; ids must lie in [0, V). None (with `hidden_size`): the flags
+    before the model's size is known; `models.config.EmbeddingConfig.at_model_size` sets both."""
 
-    hidden_size: int
+    hidden_size: Optional[int] = None
     """D: model width, the size of each generated embedding."""
 
-    num_digits: int = _flag(3, "--lev-num-digits", "k: base-b digits per token id")
+    num_digits: int = flag(3, "--lev-num-digits", "k: base-b digits per token id")
     """k: number of base-b digits of an id (and of codebooks)."""
 
-    base: Optional[int] = _flag(
+    base: Optional[int] = flag(
         None, "--lev-base", "b: digit base (default: smallest b with b^k >= V)"
     )
     """b: digit base. None picks the smallest b with b**k >= V (stored resolved)."""
 
-    seed_dim: int = _flag(128, "--lev-seed-dim", "d_seed: codebook row / seed width")
+    seed_dim: int = flag(128, "--lev-seed-dim", "d_seed: codebook row / seed width")
     """d_seed: width of each codebook row and of every head's seed."""
 
-    num_knots: int = _flag(16, "--lev-num-knots", "kappa: B-spline knots (>= 3)")
+    num_knots: int = flag(16, "--lev-num-knots", "kappa: B-spline knots (>= 3)")
     """kappa: uniform knots g_j = j/(kappa-1) of the quadratic B-spline basis (>= 3)."""
 
-    rank: int = _flag(64, "--lev-rank", "r: separable modes per head")
+    rank: int = flag(64, "--lev-rank", "r: separable modes per head")
     """r: number of separable modes per head."""
 
-    num_heads: int = _flag(8, "--lev-num-heads", "h: heads (divisible by the TP size)")
+    num_heads: int = flag(8, "--lev-num-heads", "h: heads (divisible by the TP size)")
     """h: number of heads; split across tensor-parallel ranks."""
 
-    temperature: float = _flag(2.0, "--lev-temperature", "tau in sigmoid(LayerNorm(u) / tau)")
+    temperature: float = flag(2.0, "--lev-temperature", "tau in sigmoid(LayerNorm(u) / tau)")
     """tau: t = sigmoid(LayerNorm(u) / tau)."""
 
-    codebook_combine: str = _flag(
+    codebook_combine: str = flag(
         "sum",
         "--lev-codebook-combine",
         "how the k codebook rows form the seed (concat: width k*d_seed)",
@@ -121,27 +109,27 @@ class LEVConfig:
     )
     """How the k codebook rows form the seed: "sum" (width d_seed) or "concat" (k*d_seed)."""
 
-    normalize_basis: bool = _flag(
+    normalize_basis: bool = flag(
         True, "--lev-normalize-basis", "renormalise the B-spline basis to sum 1"
     )
     """Renormalise the B-spline basis so it sums to 1 at every t (boundary knots lose mass)."""
 
-    norm_eps: float = _flag(1e-5, "--lev-norm-eps", "LayerNorm epsilon")
+    norm_eps: float = flag(1e-5, "--lev-norm-eps", "LayerNorm epsilon")
     """LayerNorm epsilon of the per-head seed normalisation."""
 
-    product_eps: float = _flag(1e-9, "--lev-product-eps", "eps in exp(sum log(|phi| + eps))")
+    product_eps: float = flag(1e-9, "--lev-product-eps", "eps in exp(sum log(|phi| + eps))")
     """epsilon in sign * exp(sum log(|phi| + eps)) of the separable product."""
 
-    init_std: float = _flag(0.02, "--lev-init-std", "init std of codebooks and seed_proj")
+    init_std: float = flag(0.02, "--lev-init-std", "init std of codebooks and seed_proj")
     """Std of codebooks and seed_proj at init; out_proj uses init_std / sqrt(h)."""
 
-    spline_init_std: float = _flag(0.1, "--lev-spline-init-std", "init std of spline_delta")
+    spline_init_std: float = flag(0.1, "--lev-spline-init-std", "init std of spline_delta")
     """Std of spline_delta at init (coefficients 1 + delta start near 1)."""
 
-    dedup: bool = _flag(True, "--lev-dedup", "evaluate LEV once per distinct id of the micro-batch")
+    dedup: bool = flag(True, "--lev-dedup", "evaluate LEV once per distinct id of the micro-batch")
     """Evaluate LEV once per distinct id of the micro-batch, then gather."""
 
-    dedup_global_batch: bool = _flag(
+    dedup_global_batch: bool = flag(
         True,
         "--lev-dedup-global-batch",
         "with --lev-dedup, evaluate LEV once per distinct id of the global batch: a micro-batch "
@@ -151,16 +139,19 @@ class LEVConfig:
     """With `dedup`, under the portable engine: one LEV forward per distinct id of the whole
     global batch and one LEV backward per iteration (`LEVEmbedding.begin_global_batch`)."""
 
-    eval_table: bool = _flag(
-        False, "--lev-eval-table", "in eval mode use a materialised V x D table"
+    eval_table: bool = flag(
+        False,
+        "--lev-eval-table",
+        "in eval mode use a materialised V x D table",
+        action=argparse.BooleanOptionalAction,
     )
     """In eval mode, look ids up in a materialised [V, D] table, rebuilt when parameters change."""
 
-    chunk_size: int = _flag(0, "--lev-chunk-size", "ids per chunk of the torch kernel (0: auto)")
+    chunk_size: int = flag(0, "--lev-chunk-size", "ids per chunk of the torch kernel (0: auto)")
     """Ids per chunk of the torch kernel (`lev.fused`); 0 picks one from the sizes (about 2M
     spline values per chunk)."""
 
-    kernel: str = _flag(
+    kernel: str = flag(
         "auto",
         "--lev-kernel",
         "LEV implementation: the readable math under plain autograd (reference), torch ops, "
@@ -173,7 +164,7 @@ class LEVConfig:
     when triton imports, cpu for CPU tensors when a C++ compiler builds it, else torch. All but
     reference save only the seeds and the modes for backward."""
 
-    init_output_std: Optional[float] = _flag(
+    init_output_std: Optional[float] = flag(
         None,
         "--lev-init-output-std",
         "rescale out_proj at init so the [V, D] embedding table has this std (default: the "
@@ -182,7 +173,7 @@ class LEVConfig:
     """If set, out_proj is rescaled at init so that the std of all entries of the [V, D]
     embedding table is this value (the other arms start at 0.02). None: the spec's init."""
 
-    weight_decay_groups: tuple[str, ...] = _flag(
+    weight_decay_groups: tuple[str, ...] = flag(
         SPEC_WEIGHT_DECAY_GROUPS,
         "--lev-weight-decay-groups",
         f"LEV parameter groups that get weight decay, any of {' '.join(LEV_PARAMETER_GROUPS)}"
@@ -192,24 +183,38 @@ class LEVConfig:
     )
     """LEV parameter groups (keys of LEV_PARAMETER_GROUPS) that get weight decay."""
 
-    lr_mult: float = _flag(1.0, "--lev-lr-mult", "learning-rate multiplier of the LEV parameters")
+    lr_mult: float = flag(1.0, "--lev-lr-mult", "learning-rate multiplier of the LEV parameters")
     """Learning-rate multiplier of every LEV parameter (peak and minimum lr of the schedule)."""
 
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
             raise ValueError(f"LEVConfig: {message}")
 
-        if self.vocab_size < 1:
+        sized = self.vocab_size is not None
+        if sized and self.vocab_size < 1:
             fail(f"vocab_size must be >= 1, got {self.vocab_size} (check --vocab-size/tokenizer)")
-        if self.hidden_size < 1:
+        if self.hidden_size is not None and self.hidden_size < 1:
             fail(f"hidden_size D must be >= 1, got {self.hidden_size}; change --hidden-size")
-        if self.num_digits < 1:
-            fail(f"num_digits must be >= 1, got {self.num_digits}; change --lev-num-digits")
+        for name, ok, rule in (
+            ("num_digits", self.num_digits >= 1, ">= 1"),
+            ("seed_dim", self.seed_dim >= 1, ">= 1"),
+            ("rank", self.rank >= 1, ">= 1"),
+            ("num_heads", self.num_heads >= 1, ">= 1"),
+            ("temperature", self.temperature > 0, "> 0"),
+            ("norm_eps", self.norm_eps > 0, "> 0"),
+            ("product_eps", self.product_eps > 0, "> 0"),
+            ("chunk_size", self.chunk_size >= 0, ">= 0"),
+            ("lr_mult", self.lr_mult > 0, "> 0"),
+        ):
+            if not ok:
+                flag_ = self.__dataclass_fields__[name].metadata["flag"]
+                fail(f"{name} must be {rule}, got {getattr(self, name)}; change {flag_}")
         if self.base is None:
-            object.__setattr__(self, "base", smallest_base(self.vocab_size, self.num_digits))
+            if sized:
+                object.__setattr__(self, "base", smallest_base(self.vocab_size, self.num_digits))
         elif self.base < 2:
             fail(f"base must be >= 2, got {self.base}; change --lev-base (or omit it)")
-        elif self.base**self.num_digits < self.vocab_size:
+        elif sized and self.base**self.num_digits < self.vocab_size:
             need_b = smallest_base(self.vocab_size, self.num_digits)
             need_k = 1
             while self.base**need_k < self.vocab_size:
@@ -220,32 +225,18 @@ class LEVConfig:
                 f"vocab size {self.vocab_size}; raise --lev-base to >= {need_b}, or "
                 f"--lev-num-digits to >= {need_k}, or omit --lev-base"
             )
-        if self.seed_dim < 1:
-            fail(f"seed_dim must be >= 1, got {self.seed_dim}; change --lev-seed-dim")
         if self.num_knots < 3:
             fail(
                 f"num_knots (kappa) must be >= 3 for a quadratic B-spline basis, got "
                 f"{self.num_knots}; change --lev-num-knots"
             )
-        if self.rank < 1:
-            fail(f"rank must be >= 1, got {self.rank}; change --lev-rank")
-        if self.num_heads < 1:
-            fail(f"num_heads must be >= 1, got {self.num_heads}; change --lev-num-heads")
-        if not self.temperature > 0:
-            fail(f"temperature must be > 0, got {self.temperature}; change --lev-temperature")
         if self.codebook_combine not in _COMBINE_MODES:
             fail(
                 f"codebook_combine must be one of {_COMBINE_MODES}, got "
                 f"{self.codebook_combine!r}; change --lev-codebook-combine"
             )
-        if not self.norm_eps > 0:
-            fail(f"norm_eps must be > 0, got {self.norm_eps}; change --lev-norm-eps")
-        if not self.product_eps > 0:
-            fail(f"product_eps must be > 0, got {self.product_eps}; change --lev-product-eps")
         if self.init_std < 0 or self.spline_init_std < 0:
             fail("init stds must be >= 0; change --lev-init-std / --lev-spline-init-std")
-        if self.chunk_size < 0:
-            fail(f"chunk_size must be >= 0, got {self.chunk_size}; change --lev-chunk-size")
         if self.kernel not in _KERNELS:
             fail(f"kernel must be one of {_KERNELS}, got {self.kernel!r}; change --lev-kernel")
         if self.init_output_std is not None and not self.init_output_std > 0:
@@ -260,8 +251,6 @@ class LEVConfig:
                 f"unknown weight-decay group(s) {unknown}; --lev-weight-decay-groups takes "
                 f"any of {' '.join(LEV_PARAMETER_GROUPS)}"
             )
-        if not self.lr_mult > 0:
-            fail(f"lr_mult must be > 0, got {self.lr_mult}; change --lev-lr-mult")
 
     # ----------------------------------------------------------------------------- derived
 

@@ -8,8 +8,8 @@ from megatron_ext.models.config import (
     ModelConfig,
 )
 from megatron_ext.models.layout import (
-    ModelParallelism,
-    ModelPrecision,
+    ParallelConfig,
+    PrecisionConfig,
     check_layout,
     compose_transformer_config,
 )
@@ -19,8 +19,6 @@ from megatron_ext.models.param_count import ParameterCount, count_parameters
 _LAZY = {
     "LeviathanModel": "megatron_ext.models.leviathan_model",
     "build_model": "megatron_ext.models.builder",
-    "add_model_arguments": "megatron_ext.models.arguments",
-    "model_config_from_args": "megatron_ext.models.arguments",
 }
 
 __getattr__ = lazy_exports(__name__, _LAZY)
@@ -31,13 +29,11 @@ __all__ = [
     "EmbeddingConfig",
     "LeviathanModel",
     "ModelConfig",
-    "ModelParallelism",
-    "ModelPrecision",
+    "ParallelConfig",
     "ParameterCount",
-    "add_model_arguments",
+    "PrecisionConfig",
     "build_model",
     "check_layout",
     "compose_transformer_config",
     "count_parameters",
-    "model_config_from_args",
 ]

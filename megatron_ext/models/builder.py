@@ -16,12 +16,12 @@ Under pipeline parallelism the input module lives on the first stage, the head o
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.embeddings import DigitSeedEmbedding, LookupSeedEmbedding
-from megatron_ext.models.layout import ModelPrecision, compose_transformer_config
+from megatron_ext.models.layout import ParallelConfig, PrecisionConfig, compose_transformer_config
 from megatron_ext.models.leviathan_model import LeviathanModel
 from megatron_ext.models.param_count import resolve_embedding_sizes
 
@@ -51,8 +51,8 @@ def input_embedding_builder(cfg: ModelConfig):
 def build_model(
     cfg: ModelConfig,
     *,
-    parallel: Any,
-    precision: Optional[ModelPrecision],
+    parallel: Optional[ParallelConfig],
+    precision: Optional[PrecisionConfig],
     pre_process: bool = True,
     post_process: bool = True,
     pg: Optional["ProcessGroups"] = None,
@@ -62,11 +62,11 @@ def build_model(
     """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`, built at
     `parallel` and `precision`.
 
-    `parallel` (required, as `precision`: the caller says which layout it builds): a
-    `models.layout.ModelParallelism` or the run's `ParallelConfig` (its TP, PP, CP sizes and
-    sequence parallelism); None: one rank. `precision`: a `ModelPrecision`, the parameters'
-    dtype (None: float32). A layout the model cannot take raises ValueError naming
-    the flag (`models.layout.check_layout`).
+    `parallel` (required, as `precision`: the caller says which layout it builds): the run's
+    `ParallelConfig` (its TP, PP, CP sizes and sequence parallelism); None: one rank.
+    `precision`: the run's `PrecisionConfig` (its `params_dtype`, FP8 recipe); None: float32.
+    A layout the model cannot take raises ValueError naming the flag
+    (`models.layout.check_layout`).
     `pg`: the process groups the model communicates over (`LeviathanModel`); None keeps
     megatron's default for its own layers (its `parallel_state` groups).
     `vp_stage`/`vp_size`: build model chunk `vp_stage` of `vp_size` on this pipeline rank.

@@ -3,7 +3,8 @@ the frozen `LEVConfig` at the model's V and D). They describe the model only: th
 layout and precision it is built at, and megatron's `TransformerConfig`, are `models.layout`'s.
 
 Both declare their flags on their fields and validate themselves; the story is in
-docs/architecture.md "One flag, end to end".
+docs/architecture.md "One flag, end to end". On the command line the vocabulary is the
+tokenizer's (padded), known after parsing: until then `vocab_size` is None.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron_ext.config_flags import flag
+from megatron_ext.config_flags import check_flag_values, flag
 from megatron_ext.lev.config import LEVConfig
 
 __all__ = [
@@ -24,7 +25,6 @@ __all__ = [
     "TRANSFORMER_IMPLS",
     "EmbeddingConfig",
     "ModelConfig",
-    "check_half_precision",
     "llama_ffn_hidden_size",
     "transformer_engine_available",
 ]
@@ -64,17 +64,6 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
     return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
 
 
-FP8_FORMATS = ("e4m3", "hybrid")
-"""The --fp8-format recipes (Transformer Engine's): the flag's choices, `ModelPrecision`'s check."""
-
-
-def check_half_precision(bf16: bool, fp16: bool) -> None:
-    """Refuse --bf16 with --fp16 (the model's parameter dtype, `models.layout.ModelPrecision`,
-    and the training autocast in `training.config.PrecisionConfig` take one of them)."""
-    if bf16 and fp16:
-        raise ValueError("--bf16 and --fp16 are exclusive; pick one")
-
-
 @dataclass(frozen=True)
 class EmbeddingConfig:
     """Which input embedding the model uses, and the sizes of the non-LEV arms.
@@ -91,14 +80,19 @@ class EmbeddingConfig:
     """The LEV hyper-parameters of the arms that use them: the LEV generator, factored-mlp's
     digit codebooks, and the parameter count the albert / flat-mlp / factored-mlp widths match.
     Inside a `ModelConfig` a `LEVConfig` at the model's V and D for those arms and None for
-    tied / untied (see `at_model_size`); given as None (the defaults) or as a dict of LEVConfig
-    fields (vocab_size/hidden_size may be left out), it is built there."""
+    tied / untied (see `at_model_size`); given as None (the defaults), as an unsized LEVConfig
+    or as a dict of LEVConfig fields (vocab_size/hidden_size may be left out), it is built
+    there."""
     albert_dim: Optional[int] = flag(
-        None, "--albert-dim", "ALBERT's m (default: match LEV)", shapes_model=True
+        None, "--albert-dim", "ALBERT's m (default: match LEV)", shapes_model=True, minimum=1
     )
     """ALBERT's factorisation width m (V x m table, m x D projection)."""
     flat_mlp_seed_dim: Optional[int] = flag(
-        None, "--flat-mlp-seed-dim", "FLAT-MLP table width (default: match)", shapes_model=True
+        None,
+        "--flat-mlp-seed-dim",
+        "FLAT-MLP table width (default: match)",
+        shapes_model=True,
+        minimum=1,
     )
     """FLAT-MLP's lookup width d (V x d table)."""
     mlp_hidden: Optional[int] = flag(
@@ -106,7 +100,7 @@ class EmbeddingConfig:
         "--embedding-mlp-hidden",
         "hidden width of the FLAT-MLP / FACTORED-MLP networks (default: match LEV)",
         shapes_model=True,
-        dest="embedding_mlp_hidden",
+        minimum=1,
     )
     """Hidden width of the FLAT-MLP / FACTORED-MLP networks."""
     untie_embeddings_and_output_weights: bool = flag(
@@ -119,18 +113,7 @@ class EmbeddingConfig:
     """Megatron-LM's switch; only checked against the tied arm (the others are untied)."""
 
     def __post_init__(self) -> None:
-        if self.embedding_type not in EMBEDDING_TYPES:
-            raise ValueError(
-                f"--embedding-type must be one of {', '.join(EMBEDDING_TYPES)}, "
-                f"got {self.embedding_type!r}"
-            )
-        for name, value in (
-            ("--albert-dim", self.albert_dim),
-            ("--flat-mlp-seed-dim", self.flat_mlp_seed_dim),
-            ("--embedding-mlp-hidden", self.mlp_hidden),
-        ):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_flag_values(self)
         if self.tied and self.untie_embeddings_and_output_weights:
             raise ValueError(
                 "--untie-embeddings-and-output-weights contradicts --embedding-type tied; drop one"
@@ -146,9 +129,9 @@ class EmbeddingConfig:
         """Whether the arm is built or sized from LEV's hyper-parameters (all but tied/untied)."""
         return self.embedding_type in _LEV_SIZED_TYPES
 
-    def at_model_size(self, vocab_size: int, hidden_size: int) -> "EmbeddingConfig":
-        """This config with `lev` a `LEVConfig` of vocabulary `vocab_size` and width
-        `hidden_size` if the arm uses LEV, else None (self when it is so already).
+    def at_model_size(self, vocab_size: Optional[int], hidden_size: int) -> "EmbeddingConfig":
+        """This config with `lev` a `LEVConfig` of vocabulary `vocab_size` (None: not known
+        yet) and width `hidden_size` if the arm uses LEV, else None (self when it is so already).
 
         Raises:
             ValueError: a LEV hyper-parameter is impossible (naming its flag), or `lev` was
@@ -159,6 +142,8 @@ class EmbeddingConfig:
             lev = None
         elif not isinstance(lev, LEVConfig):
             lev = LEVConfig(**{"vocab_size": vocab_size, "hidden_size": hidden_size, **(lev or {})})
+        elif lev.vocab_size is None:
+            lev = dataclasses.replace(lev, vocab_size=vocab_size, hidden_size=hidden_size)
         if lev is not None and (lev.vocab_size, lev.hidden_size) != (vocab_size, hidden_size):
             raise ValueError(
                 f"the LEVConfig is for V={lev.vocab_size}, D={lev.hidden_size} but the model has "
@@ -172,33 +157,39 @@ class EmbeddingConfig:
 class ModelConfig:
     """A decoder-only LLaMA-style model: RMSNorm, SwiGLU, rotary positions, no biases."""
 
-    vocab_size: int
-    """Size of the (padded) vocabulary the model embeds and scores."""
-    num_layers: Optional[int] = flag(None, "--num-layers", shapes_model=True)
+    vocab_size: Optional[int] = None
+    """Size of the (padded) vocabulary the model embeds and scores; None until the tokenizer is
+    known (the command line's config: `training.config.RunConfig.with_tokenizer` sets it)."""
+    num_layers: Optional[int] = flag(None, "--num-layers", shapes_model=True, minimum=1)
     """None: the --model-size preset's, else 2 (the debug flavour, as hidden 64 and 4 heads)."""
-    hidden_size: Optional[int] = flag(None, "--hidden-size", shapes_model=True)
-    num_attention_heads: Optional[int] = flag(None, "--num-attention-heads", shapes_model=True)
-    num_query_groups: Optional[int] = flag(None, "--num-query-groups", shapes_model=True)
-    """Grouped-query attention: number of key/value heads (None: one per query head)."""
-    ffn_hidden_size: Optional[int] = flag(None, "--ffn-hidden-size", shapes_model=True)
+    hidden_size: Optional[int] = flag(None, "--hidden-size", shapes_model=True, minimum=1)
+    num_attention_heads: Optional[int] = flag(
+        None, "--num-attention-heads", shapes_model=True, minimum=1
+    )
+    num_query_groups: Optional[int] = flag(None, "--num-query-groups", shapes_model=True, minimum=1)
+    """Grouped-query attention: number of key/value heads (None: one per query head; with
+    `group_query_attention`, Megatron-LM's default 1)."""
+    ffn_hidden_size: Optional[int] = flag(None, "--ffn-hidden-size", shapes_model=True, minimum=1)
     """SwiGLU inner width (None: the preset's, else LLaMA's 8/3 x hidden rounded up to a
     multiple of 256)."""
-    seq_length: Optional[int] = flag(None, "--seq-length", shapes_model=True)
+    seq_length: Optional[int] = flag(None, "--seq-length", shapes_model=True, minimum=1)
     """Tokens per sequence (the run's one value, which `BatchConfig` and `DataConfig` also
     receive). Rotary positions need no table, so None (a model built alone) means 128."""
     rotary_base: int = flag(10000, "--rotary-base", shapes_model=True)
     rotary_percent: float = flag(
         1.0, "--rotary-percent", "fraction of head channels rotated", shapes_model=True
     )
-    """Fraction of each head's channels that rotary positions rotate (--rotary-percent)."""
     head_dim: Optional[int] = flag(
-        None, "--kv-channels", "channels per attention head", shapes_model=True, dest="kv_channels"
+        None, "--kv-channels", "channels per attention head", shapes_model=True, minimum=1
     )
     """Channels per attention head (--kv-channels); None: hidden_size / num_attention_heads."""
     norm_epsilon: float = flag(1e-5, "--norm-epsilon", shapes_model=True)
     init_method_std: float = flag(0.02, "--init-method-std")
-    hidden_dropout: float = flag(0.0, "--hidden-dropout")
-    attention_dropout: float = flag(0.0, "--attention-dropout")
+    hidden_dropout: float = flag(0.0, "--hidden-dropout", command_line_default=0.1)
+    """Dropout after attention and MLP: Megatron-LM's 0.1 on the command line; 0.0 for a model
+    built in code (deterministic forwards, which the numerics tests compare)."""
+    attention_dropout: float = flag(0.0, "--attention-dropout", command_line_default=0.1)
+    """Dropout of the attention probabilities (the command line's default as --hidden-dropout)."""
     qk_layernorm: bool = flag(False, "--qk-layernorm", shapes_model=True)
     transformer_impl: str = flag(
         "local",
@@ -236,10 +227,7 @@ class ModelConfig:
     )
     """A `MODEL_SIZE_PRESETS` name: fills the sizes left None."""
     group_query_attention: bool = flag(
-        False,
-        "--group-query-attention",
-        "use --num-query-groups KV heads",
-        shapes_model=True,
+        False, "--group-query-attention", "use --num-query-groups KV heads", shapes_model=True
     )
     """Megatron-LM's switch for --num-query-groups (the command line needs both)."""
     max_position_embeddings: Optional[int] = flag(
@@ -256,26 +244,33 @@ class ModelConfig:
     )
     """Megatron-LM's short form of recompute_granularity 'selective'."""
 
+    derived: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    """The flag fields left None that this config filled (a preset's or the debug model's sizes,
+    LLaMA's FFN width, the key/value groups, 128 tokens, selective recomputation): args.json
+    records them as given (None), and `check_as_given` reads which sizes were given."""
+
     def __post_init__(self) -> None:
         if isinstance(self.embedding, dict):
             object.__setattr__(self, "embedding", EmbeddingConfig(**self.embedding))
-        if self.model_size is not None and self.model_size not in MODEL_SIZE_PRESETS:
-            raise ValueError(
-                f"--model-size must be one of {', '.join(sorted(MODEL_SIZE_PRESETS))}, "
-                f"got {self.model_size!r}"
-            )
-        preset = MODEL_SIZE_PRESETS.get(self.model_size, {}) if self.model_size else {}
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, preset.get(name, _DEBUG_MODEL.get(name)))
-        if self.seq_length is None:
-            object.__setattr__(self, "seq_length", 128)
-        if self.recompute_activations and self.recompute_granularity is None:
-            object.__setattr__(self, "recompute_granularity", "selective")  # Megatron-LM's
-        if self.num_query_groups is None:
-            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
-        if self.ffn_hidden_size is None:
-            object.__setattr__(self, "ffn_hidden_size", llama_ffn_hidden_size(self.hidden_size))
+        sizes = {**_DEBUG_MODEL, **MODEL_SIZE_PRESETS.get(self.model_size or "", {})}
+        fills = dict(
+            num_layers=lambda: sizes["num_layers"],
+            hidden_size=lambda: sizes["hidden_size"],
+            num_attention_heads=lambda: sizes["num_attention_heads"],
+            ffn_hidden_size=lambda: (
+                sizes.get("ffn_hidden_size") or llama_ffn_hidden_size(self.hidden_size)
+            ),
+            seq_length=lambda: 128,
+            # Megatron-LM's default with --group-query-attention is one key/value group.
+            num_query_groups=lambda: 1 if self.group_query_attention else self.num_attention_heads,
+            recompute_granularity=lambda: "selective" if self.recompute_activations else None,
+        )
+        derived = set(self.derived)
+        for name, fill in fills.items():
+            if getattr(self, name) is None and fill() is not None:
+                object.__setattr__(self, name, fill())
+                derived.add(name)
+        object.__setattr__(self, "derived", tuple(sorted(derived)))
         self.validate()
 
     def validate(self) -> None:
@@ -283,23 +278,12 @@ class ModelConfig:
         LEVConfig at the model's V and D (`EmbeddingConfig.at_model_size`), which checks the
         LEV hyper-parameters. What needs the layout too (TP/PP divisibility, sequence and
         context parallelism, FP8) is `models.layout.check_layout`'s."""
-        positive = {
-            "--vocab-size": self.vocab_size,
-            "--num-layers": self.num_layers,
-            "--hidden-size": self.hidden_size,
-            "--num-attention-heads": self.num_attention_heads,
-            "--num-query-groups": self.num_query_groups,
-            "--ffn-hidden-size": self.ffn_hidden_size,
-            "--seq-length": self.seq_length,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_flag_values(self)
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"--vocab-size must be >= 1, got {self.vocab_size}")
         object.__setattr__(
             self, "embedding", self.embedding.at_model_size(self.vocab_size, self.hidden_size)
         )
-        if self.head_dim is not None and self.head_dim < 1:
-            raise ValueError(f"--kv-channels must be >= 1, got {self.head_dim}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if int(self.kv_channels * self.rotary_percent) % 2:
@@ -317,11 +301,19 @@ class ModelConfig:
                 f"--num-attention-heads {self.num_attention_heads} is not divisible by "
                 f"--num-query-groups {self.num_query_groups}"
             )
-        if self.transformer_impl not in TRANSFORMER_IMPLS:
-            raise ValueError(
-                "--transformer-impl must be local or transformer_engine, got "
-                f"{self.transformer_impl!r}"
-            )
+
+    def check_as_given(self) -> None:
+        """Megatron-LM's rules for the sizes as the command line gives them (a model built in
+        code has the rest filled): all of --num-layers, --hidden-size and --num-attention-heads,
+        a --model-size preset, or none (the debug model); --num-query-groups only with
+        --group-query-attention (Megatron-LM ignores it without the switch)."""
+        sizes = ("num_layers", "hidden_size", "num_attention_heads")
+        given = [name for name in sizes if name not in self.derived]
+        if not self.model_size and given and len(given) < len(sizes):
+            flags = ", ".join("--" + k.replace("_", "-") for k in sizes if k not in given)
+            raise ValueError(f"set {flags} or pick a --model-size preset")
+        if "num_query_groups" not in self.derived and not self.group_query_attention:
+            raise ValueError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
 
     @property
     def kv_channels(self) -> int:

@@ -1,127 +1,279 @@
-"""What a model is built *at*, apart from what it *is*: the parallel layout (`ModelParallelism`)
-and the parameter precision (`ModelPrecision`), the cross-checks that need them with the
-model's shapes (`check_layout`), and megatron's `TransformerConfig` composed from the three
-(`compose_transformer_config`).
+"""What a model is built and trained *at*, apart from what it *is*: the run's parallel layout
+(`ParallelConfig`) and precision (`PrecisionConfig`), with their flags, the one type of each
+that the model builder, the memory planner, the engines and the test harness take; the checks
+that need them together with the model's shapes (`check_layout`), and megatron's
+`TransformerConfig` composed from the three (`compose_transformer_config`).
 
 `ModelConfig` describes the model only; `build_model(model_cfg, parallel=..., precision=...)`
 applies the layout afterwards, as torchtitan's `parallelize_llama(model, parallel_dims, ...)`.
-The run's `training.config.ParallelConfig` has the same four layout fields (and the flags), so
-it can be passed as `parallel` directly; the model's precision is the engine's choice
-(`training.gpu_arguments.engine_model_precision`), not the run's autocast.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.models.config import FP8_FORMATS, ModelConfig, check_half_precision
+from megatron_ext.config_flags import check_flag_values, flag
+from megatron_ext.models.config import ModelConfig
 
 __all__ = [
     "FP8_FORMATS",
-    "ModelParallelism",
-    "ModelPrecision",
+    "ParallelConfig",
+    "PrecisionConfig",
     "check_layout",
     "compose_transformer_config",
+    "validate_parallel_layout",
 ]
 
+FP8_FORMATS = ("e4m3", "hybrid")
+"""The --fp8-format recipes (Transformer Engine's)."""
+
+
+def validate_parallel_layout(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+) -> int:
+    """Check that the ranks split into TP x CP x PP x DP; return the data-parallel size."""
+    for name, value in (
+        ("--tensor-model-parallel-size", tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", pipeline_model_parallel_size),
+        ("--context-parallel-size", context_parallel_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    model_parallel = (
+        tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    )
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
+            f"size {tensor_model_parallel_size}x{pipeline_model_parallel_size}x"
+            f"{context_parallel_size}={model_parallel}; change --nproc-per-node or the parallel "
+            "sizes"
+        )
+    return world_size // model_parallel
+
 
 @dataclass(frozen=True)
-class ModelParallelism:
-    """How the model's weights and activations are split: the model side of
-    `training.config.ParallelConfig` (same field names, whose flags they are)."""
+class ParallelConfig:
+    """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
+    tensor_model_parallel_size: int = flag(1, "--tensor-model-parallel-size", minimum=1)
+    pipeline_model_parallel_size: int = flag(1, "--pipeline-model-parallel-size", minimum=1)
+    context_parallel_size: int = flag(1, "--context-parallel-size", minimum=1)
+    sequence_parallel: bool = flag(False, "--sequence-parallel")
+    """Split norm/dropout activations over the sequence across TP ranks (Megatron-LM's SP)."""
+    use_distributed_optimizer: bool = flag(
+        False,
+        "--use-distributed-optimizer",
+        "shard optimizer states across data-parallel ranks (ZeRO-1)",
+    )
+    distributed_backend: Optional[str] = flag(
+        None,
+        "--distributed-backend",
+        "default: nccl on CUDA, gloo on CPU",
+        choices=("nccl", "gloo"),
+    )
+    distributed_timeout_minutes: float = flag(
+        10,
+        "--distributed-timeout-minutes",
+        "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)",
+    )
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
+        None,
+        "--num-layers-per-virtual-pipeline-stage",
+        "layers per model chunk: each pipeline rank runs num-layers / (PP x N) chunks with "
+        "the interleaved 1F1B schedule (portable engine)",
+        minimum=1,
+    )
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
+        None,
+        "--num-virtual-stages-per-pipeline-rank",
+        "model chunks per pipeline rank (Megatron-LM's other spelling of the interleaved "
+        "schedule: sets --num-layers-per-virtual-pipeline-stage to num-layers / (PP x N))",
+        minimum=1,
+    )
+    data_parallel_size: int = 1
+    """Derived: world size / (TP x CP x PP), set by `resolve`."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Derived: model chunks per pipeline rank, num-layers / (PP x
+    num_layers_per_virtual_pipeline_stage), set by `with_num_layers` (None: one chunk)."""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type != "bool" and value < 1:
-                raise ValueError(f"--{f.name.replace('_', '-')} must be >= 1, got {value}")
+        check_flag_values(self)
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data-parallel size must be >= 1, got {self.data_parallel_size}")
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(
+                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
+            )
+        if self.num_layers_per_virtual_pipeline_stage and self.num_virtual_stages_per_pipeline_rank:
+            raise ValueError(
+                "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-"
+                "rank cannot be set at the same time (both set the model chunks per pipeline "
+                "rank); keep one of them"
+            )
+        for name, value in (
+            ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
+            ("--num-virtual-stages-per-pipeline-rank", self.num_virtual_stages_per_pipeline_rank),
+        ):
+            if value and self.pipeline_model_parallel_size < 2:
+                raise ValueError(
+                    f"{name} needs --pipeline-model-parallel-size > 1 (the interleaved schedule "
+                    "splits each pipeline rank's layers into chunks); drop the flag or raise PP"
+                )
 
-    @classmethod
-    def of(cls, parallel: Any) -> "ModelParallelism":
-        """The model layout of `parallel`: a ModelParallelism, or any object with its fields
-        (a `ParallelConfig`, an args.json namespace); None is one rank."""
-        if parallel is None or isinstance(parallel, cls):
-            return parallel or cls()
-        return cls(**{f.name: getattr(parallel, f.name) for f in dataclasses.fields(cls)})
+    def with_num_layers(self, num_layers: int) -> "ParallelConfig":
+        """This layout for a `num_layers` model: the model chunks per pipeline rank derived
+        from --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank
+        (self if nothing changes; one stage per rank is no interleaving, as in Megatron-LM).
 
-
-@dataclass(frozen=True)
-class ModelPrecision:
-    """The dtype the parameters are built in and megatron's mixed-precision switches.
-
-    The portable engine builds float32 parameters whatever --bf16/--fp16 say (it runs them as
-    autocast, `training.precision`); --ddp-impl megatron builds BF16 parameters. `fp8_margin`,
-    `fp8_amax_history_len`, `fp8_amax_compute_algo`: the FP8 recipe megatron's engine passes
-    to Transformer Engine (None: TransformerConfig's defaults).
-    """
-
-    params_dtype: torch.dtype = torch.float32
-    bf16: bool = False
-    fp16: bool = False
-    fp8_format: Optional[str] = None
-    """FP8 recipe format ('hybrid' or 'e4m3'), Transformer Engine only (--fp8-format)."""
-    fp8_margin: Optional[int] = None
-    fp8_amax_history_len: Optional[int] = None
-    fp8_amax_compute_algo: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        check_half_precision(self.bf16, self.fp16)
-        if self.fp8_format is not None and self.fp8_format not in FP8_FORMATS:
-            raise ValueError(f"--fp8-format must be hybrid or e4m3, got {self.fp8_format!r}")
+        Raises:
+            ValueError: `num_layers` is not divisible by PP x the chunks' layers.
+        """
+        pp, stages = self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank
+        per_stage = self.num_layers_per_virtual_pipeline_stage
+        if stages is not None:
+            if num_layers % (pp * stages):
+                raise ValueError(
+                    f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-"
+                    f"size {pp} x --num-virtual-stages-per-pipeline-rank {stages} = "
+                    f"{pp * stages}; change one of them"
+                )
+            per_stage = None if stages == 1 else num_layers // (pp * stages)
+        elif per_stage is not None and num_layers % (pp * per_stage):
+            raise ValueError(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+                f"{pp} x --num-layers-per-virtual-pipeline-stage {per_stage} = {pp * per_stage}; "
+                "change one of them"
+            )
+        derived = dataclasses.replace(
+            self,
+            num_layers_per_virtual_pipeline_stage=per_stage,
+            num_virtual_stages_per_pipeline_rank=None,
+            virtual_pipeline_model_parallel_size=per_stage and num_layers // (pp * per_stage),
+        )
+        return self if derived == self else derived
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The parameters' dtype: bfloat16 with bf16, float16 with fp16, else params_dtype."""
-        if self.bf16:
-            return torch.bfloat16
-        if self.fp16:
-            return torch.float16
-        return self.params_dtype
+    def _model_parallel_sizes(self) -> tuple[int, int, int]:
+        return (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
+
+    @property
+    def world_size(self) -> int:
+        """TP x CP x PP x DP ranks."""
+        tp, pp, cp = self._model_parallel_sizes
+        return tp * pp * cp * self.data_parallel_size
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        """This layout on `world_size` ranks: the data-parallel size derived (self if it is).
+
+        Raises:
+            ValueError: the ranks do not split into TP x CP x PP x DP.
+        """
+        dp = validate_parallel_layout(world_size, *self._model_parallel_sizes)
+        if dp == self.data_parallel_size:
+            return self
+        return dataclasses.replace(self, data_parallel_size=dp)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """The run's precision: the parameters' dtype, the portable engine's autocast, the FP8
+    recipe (Transformer Engine) and FP16 loss scaling (see `training/precision.py`)."""
+
+    bf16: bool = flag(False, "--bf16", "BF16 autocast (fp32 master weights)")
+    fp16: bool = flag(False, "--fp16", "FP16 autocast with dynamic loss scaling")
+    fp8_format: Optional[str] = flag(
+        None,
+        "--fp8-format",
+        "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
+        choices=FP8_FORMATS,
+    )
+    fp8_margin: int = flag(
+        0, "--fp8-margin", "FP8 scaling margin (DelayedScaling)", needs="fp8_format"
+    )
+    fp8_amax_history_len: int = flag(
+        1,
+        "--fp8-amax-history-len",
+        "amax history length of FP8 delayed scaling",
+        minimum=1,
+        needs="fp8_format",
+    )
+    fp8_amax_compute_algo: str = flag(
+        "most_recent",
+        "--fp8-amax-compute-algo",
+        "amax from the history",
+        choices=("most_recent", "max"),
+    )
+    fp8_param_gather: bool = flag(
+        False,
+        "--fp8-param-gather",
+        "keep FP8 weights and all-gather them in FP8 (megatron-core's distributed optimizer: "
+        "--ddp-impl megatron --use-distributed-optimizer with --fp8-format)",
+    )
+    loss_scale: Optional[float] = flag(None, "--loss-scale", "static FP16 loss scale")
+    """Static FP16 loss scale (None: dynamic)."""
+    initial_loss_scale: float = flag(2.0**32, "--initial-loss-scale")
+    min_loss_scale: float = flag(1.0, "--min-loss-scale")
+    loss_scale_window: int = flag(1000, "--loss-scale-window")
+    hysteresis: int = flag(2, "--hysteresis")
+    grad_reduce_in_bf16: bool = flag(
+        False, "--grad-reduce-in-bf16", "all-reduce data-parallel gradients in bfloat16"
+    )
+    params_dtype: torch.dtype = torch.float32
+    """The dtype the model's parameters are built in: float32 under the portable engine, which
+    runs --bf16/--fp16 as autocast over them; bfloat16 with --bf16 under --ddp-impl megatron
+    (`training.config.RunConfig` derives it); float64 or bfloat16 for models built in code."""
+
+    def __post_init__(self) -> None:
+        check_flag_values(self)
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are exclusive; pick one")
+        if self.fp8_format is not None and not (self.bf16 or self.fp16):
+            raise ValueError("--fp8-format needs --bf16 (FP8 hybrid runs other ops in BF16)")
+
+    def fp8_recipe(self) -> dict:
+        """The DelayedScaling keywords of the FP8 recipe (margin, amax history and algorithm)."""
+        return dict(
+            margin=self.fp8_margin,
+            amax_history_len=self.fp8_amax_history_len,
+            amax_compute_algo=self.fp8_amax_compute_algo,
+        )
 
 
 def check_layout(
-    model_cfg: ModelConfig, parallel: Any = None, precision: Optional[ModelPrecision] = None
+    model_cfg: ModelConfig,
+    parallel: Optional[ParallelConfig] = None,
+    precision: Optional[PrecisionConfig] = None,
 ) -> None:
     """Raise ValueError, naming the flag to change, where the model cannot be built at this
-    layout and precision: sizes the tensor- or pipeline-parallel size must divide, sequence
-    and context parallelism's needs, LEV's heads per TP rank, FP8's Transformer Engine.
-
-    `parallel`: a `ModelParallelism` or a `ParallelConfig` (None: one rank); `precision`:
-    None is float32.
-    """
-    parallel = ModelParallelism.of(parallel)
-    precision = precision or ModelPrecision()
+    layout and precision (None: one rank, float32): sizes the tensor- or pipeline-parallel size
+    must divide, sequence and context parallelism's needs, LEV's heads per TP rank, FP8's
+    Transformer Engine."""
+    parallel, precision = parallel or ParallelConfig(), precision or PrecisionConfig()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if model_cfg.num_attention_heads % tp:
-        raise ValueError(
-            f"--num-attention-heads {model_cfg.num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {tp}; change one of them"
-        )
-    if model_cfg.num_query_groups % tp:
-        raise ValueError(
-            f"--num-query-groups {model_cfg.num_query_groups} is not divisible by "
-            f"--tensor-model-parallel-size {tp}; change one of them"
-        )
-    if model_cfg.ffn_hidden_size % tp:
-        raise ValueError(
-            f"--ffn-hidden-size {model_cfg.ffn_hidden_size} is not divisible by "
-            f"--tensor-model-parallel-size {tp}"
-        )
-    if model_cfg.num_layers % pp:
-        raise ValueError(
-            f"--num-layers {model_cfg.num_layers} is not divisible by "
-            f"--pipeline-model-parallel-size {pp}; change one of them"
-        )
+    change = "; change one of them"
+    for name, value, size, kind, fix in (
+        ("--num-attention-heads", model_cfg.num_attention_heads, tp, "tensor", change),
+        ("--num-query-groups", model_cfg.num_query_groups, tp, "tensor", change),
+        ("--ffn-hidden-size", model_cfg.ffn_hidden_size, tp, "tensor", ""),
+        ("--num-layers", model_cfg.num_layers, pp, "pipeline", change),
+    ):
+        if value % size:
+            raise ValueError(
+                f"{name} {value} is not divisible by --{kind}-model-parallel-size {size}{fix}"
+            )
     if parallel.sequence_parallel and tp == 1:
         raise ValueError(
             "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the "
@@ -148,7 +300,9 @@ def check_layout(
 
 
 def compose_transformer_config(
-    model_cfg: ModelConfig, parallel: Any = None, precision: Optional[ModelPrecision] = None
+    model_cfg: ModelConfig,
+    parallel: Optional[ParallelConfig] = None,
+    precision: Optional[PrecisionConfig] = None,
 ):
     """megatron-core's `TransformerConfig` of `model_cfg` built at `parallel` and `precision`
     (checked by `check_layout` first); `model_cfg.extra_transformer_config` is applied last."""
@@ -158,15 +312,13 @@ def compose_transformer_config(
 
     from megatron.core.transformer import TransformerConfig
 
-    parallel = ModelParallelism.of(parallel)
-    precision = precision or ModelPrecision()
+    parallel, precision = parallel or ParallelConfig(), precision or PrecisionConfig()
     check_layout(model_cfg, parallel, precision)
-    dtype = precision.dtype
-    fp8_recipe = {
-        name: getattr(precision, name)
-        for name in ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
-        if getattr(precision, name) is not None
-    }
+    dtype = precision.params_dtype
+    fp8 = {}
+    if precision.fp8_format is not None:
+        fp8 = {f"fp8_{k}": v for k, v in precision.fp8_recipe().items()}
+        fp8.update(fp8=precision.fp8_format, fp8_param=precision.fp8_param_gather)
     kwargs = dict(
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
@@ -189,10 +341,9 @@ def compose_transformer_config(
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
-        bf16=precision.bf16,
-        fp16=precision.fp16,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
-        fp8=precision.fp8_format,
         use_cpu_initialization=model_cfg.use_cpu_initialization,
         perform_initialization=model_cfg.perform_initialization,
         recompute_granularity=model_cfg.recompute_granularity,
@@ -205,7 +356,7 @@ def compose_transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        **fp8_recipe,
+        **fp8,
     )
     kwargs.update(model_cfg.extra_transformer_config)
     return TransformerConfig(**kwargs)

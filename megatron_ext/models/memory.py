@@ -1,7 +1,9 @@
 """Per-GPU memory and FLOPs of a training run, on paper (nothing is allocated).
 
 `estimate_memory(cfg, layout)` splits one GPU's memory into weights, gradients, optimizer states
-and activations (with and without full recompute) for the most loaded pipeline stage;
+and activations (with and without full recompute) for the most loaded pipeline stage of
+`layout` (a `TrainingPlan`: the run's `ParallelConfig` and `PrecisionConfig`, and its engine
+and micro-batches);
 `flops_per_token` counts the training FLOPs of one token. `tools/count_params.py --memory`
 prints both per arm, scale and layout.
 
@@ -34,38 +36,35 @@ is the local path's; `scripts/gpu_check.sh` measures the GPU one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_ext.models.config import ModelConfig
+from megatron_ext.models.layout import ParallelConfig, PrecisionConfig
 from megatron_ext.models.param_count import count_parameters, resolve_embedding_sizes
 
-__all__ = ["ParallelLayout", "MemoryEstimate", "estimate_memory", "flops_per_token"]
+__all__ = ["TrainingPlan", "MemoryEstimate", "estimate_memory", "flops_per_token"]
 
 _ENGINES = ("portable", "megatron")
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
-    """How a run is laid out on GPUs and trained (what memory depends on besides the model)."""
+class TrainingPlan:
+    """How a run is laid out and trained (what memory depends on besides the model): the
+    run's own `ParallelConfig` (TP, PP, DP, sequence parallelism, distributed optimizer) and
+    `PrecisionConfig` (--bf16: the activations' dtype), the engine and the micro-batching."""
 
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    data_parallel: int = 1
-    sequence_parallel: bool = False
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig(bf16=True))
+    """BF16 unless given (a GPU run's precision)."""
     micro_batch_size: int = 1
     num_micro_batches: int = 1
     """Micro-batches per step per DP rank (sets how many are in flight under pipelining)."""
-    bf16: bool = True
-    distributed_optimizer: bool = False
     engine: str = "portable"
     """portable: float32 params/grads + autocast; megatron: bf16 params, fp32 main grads."""
     unique_fraction: float = 1.0
     """Distinct ids per token of a micro-batch (LEV runs once per distinct id; 1 = bound)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
             raise ValueError("--micro-batch-size and the micro-batch count must be >= 1")
         if self.engine not in _ENGINES:
@@ -76,12 +75,12 @@ class ParallelLayout:
     @property
     def autocast_weight_copies(self) -> bool:
         """The portable engine under --bf16 keeps bf16 copies of fp32 weights for backward."""
-        return self.bf16 and self.engine == "portable"
+        return self.precision.bf16 and self.engine == "portable"
 
     @property
     def num_gpus(self) -> int:
         """GPUs of the layout: tensor x pipeline x data parallel."""
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+        return self.parallel.world_size // self.parallel.context_parallel_size
 
 
 @dataclass(frozen=True)
@@ -109,10 +108,10 @@ class MemoryEstimate:
         return self.weights + self.grads + self.optimizer + self.activations_recompute
 
 
-def _state_bytes(layout: ParallelLayout) -> tuple[float, float, float]:
+def _state_bytes(layout: TrainingPlan) -> tuple[float, float, float]:
     """Bytes per parameter of (weights, gradients, optimizer states) on one GPU."""
-    dp = layout.data_parallel if layout.distributed_optimizer else 1
-    if layout.engine == "megatron" and layout.bf16:
+    dp = layout.parallel.data_parallel_size if layout.parallel.use_distributed_optimizer else 1
+    if layout.engine == "megatron" and layout.precision.bf16:
         # bf16 weights, fp32 main-grad buffer, fp32 master copy + Adam m, v (sharded over DP).
         return 2.0, 4.0, 12.0 / dp
     # float32 weights and gradients; Adam m, v (ZeRO-1 shards them over DP).
@@ -125,16 +124,16 @@ def _layer_matmul_params(cfg: ModelConfig) -> int:
     return qkv + cfg.num_attention_heads * hd * d + 3 * d * cfg.ffn_hidden_size
 
 
-def _layer_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
+def _layer_activation_bytes(cfg: ModelConfig, layout: TrainingPlan) -> float:
     """Bytes one decoder layer saves for backward for one micro-batch (see the module doc)."""
-    tp = layout.tensor_parallel
-    sp = tp if layout.sequence_parallel else 1
+    tp = layout.parallel.tensor_model_parallel_size
+    sp = tp if layout.parallel.sequence_parallel else 1
     b, s, d = layout.micro_batch_size, cfg.seq_length, cfg.hidden_size
     t = b * s
     hd = cfg.kv_channels
     heads, kv = cfg.num_attention_heads / tp, cfg.num_query_groups * hd / tp
     f = cfg.ffn_hidden_size / tp
-    a = 2 if layout.bf16 else 4
+    a = 2 if layout.precision.bf16 else 4
     stream = 4 * (2 * t + 4 * t * d) / sp
     linear_inputs = a * 2 * t * d  # saved after the sequence-parallel all-gather: full size
     attention = a * (t * heads * hd + t * kv + t * (heads * hd + 2 * kv))
@@ -144,10 +143,10 @@ def _layer_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
     return stream + linear_inputs + attention + mlp + weights
 
 
-def _input_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
+def _input_activation_bytes(cfg: ModelConfig, layout: TrainingPlan) -> float:
     """Bytes the first stage saves outside the layers: ids, input embedding, embedding output."""
-    tp = layout.tensor_parallel
-    sp = tp if layout.sequence_parallel else 1
+    tp = layout.parallel.tensor_model_parallel_size
+    sp = tp if layout.parallel.sequence_parallel else 1
     t = layout.micro_batch_size * cfg.seq_length
     emb = cfg.embedding
     total = 8 * t + 4 * t * cfg.hidden_size / sp  # ids (or LEV's gather index), output [T, D]
@@ -176,12 +175,12 @@ def _input_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
     return total
 
 
-def _output_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
+def _output_activation_bytes(cfg: ModelConfig, layout: TrainingPlan) -> float:
     """Bytes the last stage saves after the layers: final norm, head input, logits, labels."""
-    tp = layout.tensor_parallel
-    sp = tp if layout.sequence_parallel else 1
+    tp = layout.parallel.tensor_model_parallel_size
+    sp = tp if layout.parallel.sequence_parallel else 1
     t = layout.micro_batch_size * cfg.seq_length
-    a = 2 if layout.bf16 else 4
+    a = 2 if layout.precision.bf16 else 4
     head_weight = a * cfg.vocab_size * cfg.hidden_size / tp if layout.autocast_weight_copies else 0
     norm = 4 * (t + t * cfg.hidden_size) / sp
     loss = 9 * t  # a bool mask and the int64 labels [T]
@@ -189,9 +188,12 @@ def _output_activation_bytes(cfg: ModelConfig, layout: ParallelLayout) -> float:
     return norm + a * t * cfg.hidden_size + head_weight + 4 * t * cfg.vocab_size / tp + loss
 
 
-def _stage_parameters(cfg: ModelConfig, layout: ParallelLayout) -> tuple[int, int]:
+def _stage_parameters(cfg: ModelConfig, layout: TrainingPlan) -> tuple[int, int]:
     """Parameters on one GPU of the first and of the last pipeline stage."""
-    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
+    tp, pp = (
+        layout.parallel.tensor_model_parallel_size,
+        layout.parallel.pipeline_model_parallel_size,
+    )
     count = count_parameters(cfg)
     layers = (count.backbone - cfg.hidden_size) / pp / tp
     emb = cfg.embedding
@@ -209,10 +211,10 @@ def _stage_parameters(cfg: ModelConfig, layout: ParallelLayout) -> tuple[int, in
     return int(layers + input_side), int(layers + head + cfg.hidden_size)
 
 
-def estimate_memory(cfg: ModelConfig, layout: ParallelLayout) -> MemoryEstimate:
+def estimate_memory(cfg: ModelConfig, layout: TrainingPlan) -> MemoryEstimate:
     """Memory of the most loaded GPU of `layout` training `cfg` (see the module docstring)."""
     cfg = resolve_embedding_sizes(cfg, log=False)
-    pp = layout.pipeline_parallel
+    pp = layout.parallel.pipeline_model_parallel_size
     if cfg.num_layers % pp:
         raise ValueError(f"--num-layers {cfg.num_layers} is not divisible by PP size {pp}")
     first, last = _stage_parameters(cfg, layout)
@@ -220,14 +222,16 @@ def estimate_memory(cfg: ModelConfig, layout: ParallelLayout) -> MemoryEstimate:
     layers = cfg.num_layers // pp
     per_layer = _layer_activation_bytes(cfg, layout)
     layer_input = 4 * layout.micro_batch_size * cfg.seq_length * cfg.hidden_size
-    layer_input /= layout.tensor_parallel if layout.sequence_parallel else 1
+    layer_input /= (
+        layout.parallel.tensor_model_parallel_size if layout.parallel.sequence_parallel else 1
+    )
     # 1F1B: stage i holds up to pp - i micro-batches in flight (stage 0 the most).
     in_flight_first = min(pp, layout.num_micro_batches)
     head = _output_activation_bytes(cfg, layout)
     inputs = _input_activation_bytes(cfg, layout)
     # The rotary cos/sin tables, shared by the stage's layers and micro-batches.
     rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
-    rope = (2 if layout.bf16 else 4) * 2 * cfg.seq_length * rotary_dim
+    rope = (2 if layout.precision.bf16 else 4) * 2 * cfg.seq_length * rotary_dim
     if pp == 1:
         act = layers * per_layer + inputs + head + rope
         act_rc = layers * layer_input + per_layer + inputs + head + rope

@@ -14,16 +14,18 @@ import io
 import sys
 
 from megatron_ext.cli import run_tool
-from megatron_ext.lev.arguments import add_lev_arguments, lev_flag_values
+from megatron_ext.config_flags import add_flags, flag_values
+from megatron_ext.lev.config import LEVConfig
 from megatron_ext.models.config import (
     EMBEDDING_TYPES,
     MODEL_SIZE_PRESETS,
     EmbeddingConfig,
     ModelConfig,
 )
-from megatron_ext.models.layout import ModelParallelism, check_layout
-from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
+from megatron_ext.models.layout import ParallelConfig, PrecisionConfig, check_layout
+from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
 from megatron_ext.models.param_count import count_parameters, resolve_embedding_sizes
+from megatron_ext.training.config import BatchConfig, EngineConfig
 
 __all__ = [
     "COLUMNS",
@@ -148,16 +150,17 @@ def memory_rows(
     scales: dict[str, dict[str, int]],
     vocab_sizes,
     arms,
-    layout: ParallelLayout,
+    layout: TrainingPlan,
     seq_length: int,
     lev: dict | None = None,
 ) -> list[dict]:
     """One row per scale x vocabulary x arm: memory of the most loaded GPU, FLOPs per token."""
+    p = layout.parallel
     name = (
-        f"tp{layout.tensor_parallel} pp{layout.pipeline_parallel} dp{layout.data_parallel}"
-        f"{' sp' if layout.sequence_parallel else ''} mbs{layout.micro_batch_size}"
-        f" {'bf16' if layout.bf16 else 'fp32'} {layout.engine}"
-        f"{' distopt' if layout.distributed_optimizer else ''}"
+        f"tp{p.tensor_model_parallel_size} pp{p.pipeline_model_parallel_size}"
+        f" dp{p.data_parallel_size}{' sp' if p.sequence_parallel else ''}"
+        f" mbs{layout.micro_batch_size} {'bf16' if layout.precision.bf16 else 'fp32'}"
+        f" {layout.engine}{' distopt' if p.use_distributed_optimizer else ''}"
     )
     rows = []
     for scale, shape in scales.items():
@@ -169,14 +172,7 @@ def memory_rows(
                     embedding=EmbeddingConfig(embedding_type=arm, lev=dict(lev or {})),
                     **shape,
                 )
-                check_layout(
-                    cfg,
-                    ModelParallelism(
-                        tensor_model_parallel_size=layout.tensor_parallel,
-                        pipeline_model_parallel_size=layout.pipeline_parallel,
-                        sequence_parallel=layout.sequence_parallel,
-                    ),
-                )
+                check_layout(cfg, layout.parallel)
                 mem = estimate_memory(cfg, layout)
                 rows.append(
                     dict(
@@ -236,27 +232,48 @@ def memory_csv(rows: list[dict]) -> str:
     return out.getvalue().rstrip("\n")
 
 
-def _add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags; the model's, LEV's and the layout's are the run's own fields (its
+    plan's defaults where a plan's purpose differs: --seq-length, --bf16)."""
+    parser = argparse.ArgumentParser(
+        description="Parameter table of every arm x scale x vocabulary, from the configuration."
+    )
+    parser.add_argument("--format", choices=("markdown", "csv"), default="markdown")
+    parser.add_argument("--scales", nargs="+", choices=sorted(MODEL_SIZE_PRESETS), default=None)
+    parser.add_argument("--vocab-sizes", nargs="+", type=int, default=list(PAPER_VOCAB_SIZES))
+    parser.add_argument("--arms", nargs="+", choices=EMBEDDING_TYPES, default=list(EMBEDDING_TYPES))
+    add_flags(parser, ModelConfig, *_SHAPE)
+    add_flags(
+        parser.add_argument_group("LEV", "LEV input generator (docs/lev.md section 2)"), LEVConfig
+    )
     group = parser.add_argument_group("memory", "per-GPU memory and FLOPs (--memory)")
     group.add_argument("--memory", action="store_true", help="print memory/FLOPs, not params")
-    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    add_flags(group, ParallelConfig, "tensor_model_parallel_size", "pipeline_model_parallel_size")
     group.add_argument("--data-parallel-size", type=int, default=1)
-    group.add_argument("--sequence-parallel", action="store_true")
-    group.add_argument("--micro-batch-size", type=int, default=1)
+    add_flags(group, ParallelConfig, "sequence_parallel")
+    add_flags(
+        group, BatchConfig, "micro_batch_size", default=1, help="default 1 (training requires it)"
+    )
     group.add_argument(
         "--num-micro-batches", type=int, default=None, help="per step per DP rank (default: PP)"
     )
-    group.add_argument("--seq-length", type=int, default=4096)
-    group.add_argument(
-        "--precision", choices=("bf16", "fp32"), default="bf16", help="activation precision"
+    add_flags(
+        group, ModelConfig, "seq_length", default=4096, help="default 4096 (training requires it)"
     )
-    group.add_argument("--use-distributed-optimizer", action="store_true")
-    group.add_argument(
-        "--engine",
-        choices=("portable", "megatron"),
-        default="portable",
-        help="portable: fp32 weights+grads under autocast; megatron: bf16 weights (--ddp-impl)",
+    add_flags(
+        group,
+        PrecisionConfig,
+        "bf16",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="BF16 activations (default: on, as GPU runs train; --no-bf16: float32)",
+    )
+    add_flags(group, ParallelConfig, "use_distributed_optimizer")
+    add_flags(
+        group,
+        EngineConfig,
+        "ddp_impl",
+        help="portable: fp32 weights+grads under autocast; megatron: bf16 weights",
     )
     group.add_argument(
         "--unique-fraction",
@@ -264,19 +281,22 @@ def _add_memory_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="distinct ids per token in a micro-batch (LEV dedup; 1 = upper bound)",
     )
+    return parser
 
 
-def _layout_from_args(args: argparse.Namespace) -> ParallelLayout:
-    return ParallelLayout(
-        tensor_parallel=args.tensor_model_parallel_size,
-        pipeline_parallel=args.pipeline_model_parallel_size,
-        data_parallel=args.data_parallel_size,
-        sequence_parallel=args.sequence_parallel,
+_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+
+
+def _plan(args: argparse.Namespace) -> TrainingPlan:
+    parallel = ParallelConfig(
+        **flag_values(ParallelConfig, args), data_parallel_size=args.data_parallel_size
+    )
+    return TrainingPlan(
+        parallel=parallel,
+        precision=PrecisionConfig(bf16=args.bf16),
         micro_batch_size=args.micro_batch_size,
-        num_micro_batches=args.num_micro_batches or args.pipeline_model_parallel_size,
-        bf16=args.precision == "bf16",
-        distributed_optimizer=args.use_distributed_optimizer,
-        engine=args.engine,
+        num_micro_batches=args.num_micro_batches or parallel.pipeline_model_parallel_size,
+        engine=args.ddp_impl,
         unique_fraction=args.unique_fraction,
     )
 
@@ -287,33 +307,9 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    parser = argparse.ArgumentParser(
-        description="Parameter table of every arm x scale x vocabulary, from the configuration."
-    )
-    parser.add_argument("--format", choices=("markdown", "csv"), default="markdown")
-    parser.add_argument("--scales", nargs="+", choices=sorted(MODEL_SIZE_PRESETS), default=None)
-    parser.add_argument("--vocab-sizes", nargs="+", type=int, default=list(PAPER_VOCAB_SIZES))
-    parser.add_argument("--arms", nargs="+", choices=EMBEDDING_TYPES, default=list(EMBEDDING_TYPES))
-    parser.add_argument("--num-layers", type=int)
-    parser.add_argument("--hidden-size", type=int)
-    parser.add_argument("--num-attention-heads", type=int)
-    parser.add_argument("--num-query-groups", type=int)
-    parser.add_argument("--ffn-hidden-size", type=int)
-    add_lev_arguments(parser)
-    _add_memory_arguments(parser)
+    parser = build_parser()
     args = parser.parse_args(argv)
-
-    custom = {
-        k: getattr(args, k)
-        for k in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "num_query_groups",
-            "ffn_hidden_size",
-        )
-        if getattr(args, k) is not None
-    }
+    custom = {k: getattr(args, k) for k in _SHAPE if getattr(args, k) is not None}
     if custom and args.scales:
         parser.error("give either --scales or explicit size flags, not both")
     if custom:
@@ -323,11 +319,11 @@ def _main(argv) -> int:
         scales = {"custom": custom}
     else:
         scales = {s: MODEL_SIZE_PRESETS[s] for s in (args.scales or MODEL_SIZE_PRESETS)}
-    lev = lev_flag_values(args)
+    lev = flag_values(LEVConfig, args)
     try:
         if args.memory:
-            layout = _layout_from_args(args)
-            rows = memory_rows(scales, args.vocab_sizes, args.arms, layout, args.seq_length, lev)
+            plan = _plan(args)
+            rows = memory_rows(scales, args.vocab_sizes, args.arms, plan, args.seq_length, lev)
             print(memory_markdown(rows) if args.format == "markdown" else memory_csv(rows))
             return 0
         rows = parameter_rows(scales, args.vocab_sizes, args.arms, lev)

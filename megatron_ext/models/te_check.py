@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
+from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
 from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
 
@@ -36,7 +36,7 @@ def compare_te_and_local_logits(seed: int = 0) -> dict:
             embedding=dict(embedding_type="lev", lev=dict(num_heads=4, rank=32)),
         )
         torch.manual_seed(seed)
-        one_rank = dict(parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg)
+        one_rank = dict(parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg)
         local = build_model(cfg, **one_rank).cuda()
         te = build_model(cfg.replace(transformer_impl="transformer_engine"), **one_rank).cuda()
         names = {n for n, _ in te.named_parameters()}

@@ -292,6 +292,11 @@ def _train_stage(s: Settings, arm: str, tok_flags, train_prefix: Path, valid_pre
             "0.1",
             "--clip-grad",
             "1.0",
+            # The study's choice: no dropout (Megatron-LM's default is 0.1).
+            "--hidden-dropout",
+            "0.0",
+            "--attention-dropout",
+            "0.0",
             "--seed",
             str(s.seed),
             "--train-data-path",

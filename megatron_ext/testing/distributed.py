@@ -28,7 +28,6 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -36,25 +35,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_ext.models.layout import ParallelConfig
 from megatron_ext.parallel import destroy_parallel, find_free_port, initialize_parallel
 
-__all__ = ["ParallelLayout", "call_in_file", "find_free_port", "run_distributed"]
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """The process-group layout a test asks for (data-parallel size is derived)."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
+__all__ = ["call_in_file", "find_free_port", "run_distributed"]
 
 
 def _worker(
     rank: int,
     world_size: int,
     port: int,
-    layout: ParallelLayout,
+    layout: ParallelConfig,
     fn: Callable[..., Any],
     args: Sequence[Any],
     queue: "mp.SimpleQueue",
@@ -70,9 +61,9 @@ def _worker(
     )
     try:
         initialize_parallel(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            context_parallel_size=layout.cp,
+            tensor_model_parallel_size=layout.tensor_model_parallel_size,
+            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+            context_parallel_size=layout.context_parallel_size,
             backend="gloo",
         )
         result = fn(*args)
@@ -98,17 +89,19 @@ def run_distributed(
     timeout: float = 600.0,
     threads_per_rank: int = 1,
 ) -> list[Any]:
-    """Run `fn(*args)` in `world_size` gloo processes and return each rank's result.
+    """Run `fn(*args)` in `world_size` gloo processes, its groups at TP x PP x CP (the run's
+    `ParallelConfig`, DP derived), and return each rank's result.
 
     Raises:
+        ValueError: the ranks do not split into TP x PP x CP.
         RuntimeError: if a rank raised (its traceback is included) or the run timed out.
     """
-    if world_size % (tp * pp * cp) != 0:
-        raise ValueError(f"world_size {world_size} is not divisible by tp*pp*cp={tp * pp * cp}")
+    layout = ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    ).resolve(world_size)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = find_free_port()
-    layout = ParallelLayout(tp=tp, pp=pp, cp=cp)
     procs = [
         ctx.Process(
             target=_worker,

@@ -42,7 +42,7 @@ from megatron_ext.cli import run_tool
 from megatron_ext.lev import LEVConfig, LEVEmbedding
 from megatron_ext.lev.kernels import lev_modes
 from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
-from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
+from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
 from megatron_ext.models.te_check import compare_te_and_local_logits
 from megatron_ext.testing.launch import PACKAGE_ROOT, launch
 from megatron_ext.training.metrics import peak_tflops
@@ -221,7 +221,8 @@ def _pretrain(flags: list[str], jsonl: str, ranks: int = 1, timeout: float = 300
     """Run pretrain_leviathan; returns rc, the per-step records and the output tail."""
     common = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--num-workers", "0",
               "--eval-iters", "0", "--no-loss-curve", "--log-jsonl", jsonl, "--lr", "3e-4",
-              "--lr-warmup-iters", "2", "--seed", "1234"]  # fmt: skip
+              "--lr-warmup-iters", "2", "--seed", "1234", "--hidden-dropout", "0.0",
+              "--attention-dropout", "0.0"]  # fmt: skip
     _log("run: pretrain_leviathan " + " ".join(shlex.quote(c) for c in flags))
     log = Path(jsonl).with_suffix(".log")
     # The ranks keep the caller's thread settings (OMP_NUM_THREADS is not forced to 1).
@@ -326,7 +327,7 @@ def _start_micro_batch(cfg: ModelConfig, memory_gib: Optional[float], dry: bool)
         return 2
     best = 1
     for mbs in (1, 2, 4, 8, 16, 32):
-        layout = ParallelLayout(micro_batch_size=mbs, bf16=True)
+        layout = TrainingPlan(micro_batch_size=mbs)  # BF16 (the plan's default)
         if estimate_memory(cfg, layout).total <= 0.9 * memory_gib * 2**30:
             best = mbs
     return best

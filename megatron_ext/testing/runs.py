@@ -48,13 +48,15 @@ TINY_LEV_MODEL = [
     "--lev-num-heads", "2", "--lev-num-knots", "5",
 ]  # fmt: skip
 # Every run requests the same 30 iterations (same schedule and dataset order) and stops
-# earlier with --exit-interval where a test needs fewer.
+# earlier with --exit-interval where a test needs fewer. No dropout (Megatron-LM's default is
+# 0.1): runs at different layouts compare their losses.
 TINY_TRAIN = [
     "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "30",
     "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "3",
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234",
     "--log-interval", "1", "--eval-interval", "10", "--eval-iters", "2",
-    "--num-workers", "0", "--no-loss-curve",
+    "--num-workers", "0", "--no-loss-curve", "--hidden-dropout", "0.0",
+    "--attention-dropout", "0.0",
 ]  # fmt: skip
 
 

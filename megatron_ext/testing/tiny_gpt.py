@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
+from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.initialization import initialize_like_single_stage
 
@@ -61,8 +61,8 @@ def model_provider(
     )
     return build_model(
         config,
-        parallel=ModelParallelism(),  # the TransformerConfig's layout; the groups are pg's
-        precision=ModelPrecision(),
+        parallel=ParallelConfig(),  # the TransformerConfig's layout; the groups are pg's
+        precision=PrecisionConfig(),
         pre_process=pre_process,
         post_process=post_process,
         pg=ProcessGroups.from_collection(pg_collection),
@@ -81,13 +81,13 @@ def pipeline_chunks(pg, *, num_layers: int, hidden_size: int, chunks_per_rank: i
         seq_length=SEQ,
         embedding=dict(embedding_type="untied"),
     )
-    parallel = ModelParallelism(pipeline_model_parallel_size=pg.pp_size)
+    parallel = ParallelConfig(pipeline_model_parallel_size=pg.pp_size)
     v = chunks_per_rank
     chunks = [
         build_model(
             config,
             parallel=parallel,
-            precision=ModelPrecision(),
+            precision=PrecisionConfig(),
             pre_process=pg.is_first_stage and c == 0,
             post_process=pg.is_last_stage and c == v - 1,
             pg=pg,
@@ -96,7 +96,7 @@ def pipeline_chunks(pg, *, num_layers: int, hidden_size: int, chunks_per_rank: i
         )
         for c in range(v)
     ]
-    one_stage = dict(parallel=ModelParallelism(), precision=ModelPrecision())
+    one_stage = dict(parallel=ParallelConfig(), precision=PrecisionConfig())
     with torch.no_grad():
         for chunk in chunks:
             initialize_like_single_stage(chunk, lambda: build_model(config, **one_stage), seed)

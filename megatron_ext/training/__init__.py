@@ -1,39 +1,40 @@
 """Training: Megatron-LM's flags, the portable loop (gloo/NCCL), optimizer, pipeline schedule,
 distributed checkpoints and logging. The entry point is `pretrain_leviathan.py`."""
 
-from megatron_ext.training.arguments import (
-    ArgumentError,
-    build_parser,
-    parse_args,
-    parse_config,
-    training_config_from_args,
-    validate_args,
-)
-from megatron_ext.training.checkpointing import (
-    CheckpointError,
-    TrainState,
-    load_checkpoint,
-    read_latest_iteration,
-    save_checkpoint,
-)
-from megatron_ext.training.config import TrainingConfig
-from megatron_ext.training.loop import NonFiniteError
-from megatron_ext.training.run import CollectiveTimeoutError, pretrain
+from megatron_ext._lazy import lazy_exports
+from megatron_ext.config_flags import ArgumentError
+from megatron_ext.training.config import RunConfig
+
+# Their modules import megatron-core: loaded on first use (see megatron_ext/_lazy.py), so the
+# run's configs (`training.config`) need only torch.
+_LAZY = {
+    "build_parser": "megatron_ext.training.arguments",
+    "parse_config": "megatron_ext.training.arguments",
+    "run_config_from_args_json": "megatron_ext.training.arguments",
+    "CheckpointError": "megatron_ext.training.checkpointing",
+    "TrainState": "megatron_ext.training.checkpointing",
+    "load_checkpoint": "megatron_ext.training.checkpointing",
+    "read_latest_iteration": "megatron_ext.training.checkpointing",
+    "save_checkpoint": "megatron_ext.training.checkpointing",
+    "NonFiniteError": "megatron_ext.training.loop",
+    "CollectiveTimeoutError": "megatron_ext.training.run",
+    "pretrain": "megatron_ext.training.run",
+}
+
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "ArgumentError",
     "CheckpointError",
     "CollectiveTimeoutError",
     "NonFiniteError",
+    "RunConfig",
     "TrainState",
-    "TrainingConfig",
     "build_parser",
     "load_checkpoint",
-    "parse_args",
     "parse_config",
     "pretrain",
     "read_latest_iteration",
+    "run_config_from_args_json",
     "save_checkpoint",
-    "training_config_from_args",
-    "validate_args",
 ]

@@ -1,15 +1,14 @@
 """The command line of `pretrain_leviathan.py` (Megatron-LM's names and meanings): the parser
-generated from the config tree, and the frozen `TrainingConfig` it fills, built once.
+generated from the config fields, and `parse_config`, which turns argv into one frozen
+`RunConfig`. The namespace does not leave this module.
 
-Every flag is declared on the field of the config that owns it (`config_flags.flag`; the
-training configs, `ModelConfig`/`EmbeddingConfig`, `DataConfig`, `LEVConfig`) or answered by a
-`megatron_compat` rule. `parse_config` parses, optionally restores the model-shaping flags from
-a checkpoint's args.json (`--use-checkpoint-args`: the fields marked `shapes_model`), applies
-Megatron-LM's flag-level rewrites and builds the `TrainingConfig` (derived values from
-`BatchConfig.from_run_length`, `OptimizerConfig.from_schedule`, `ParallelConfig.resolve`). A
-config's one-line ValueError becomes `ArgumentError`. The namespace, derived values written
-back by field name, is what args.json records; `training_config_from_args` rebuilds the same
-config from it (tools reading a checkpoint).
+Every flag is declared on the field of the config that owns it (`config_flags.flag`) or
+answered by a `megatron_compat` rule. `parse_config` parses, restores the model flags from a
+checkpoint's args.json (`--use-checkpoint-args`: the fields marked `shapes_model` and the
+`--lev-*` flags), applies Megatron-LM's flag-level rewrites, builds the `RunConfig` (deriving
+what Megatron-LM derives: `BatchConfig.from_run_length`, `OptimizerConfig.from_schedule`,
+`ParallelConfig.resolve`) and checks what this machine must have. `run_config_from_args_json`
+builds the same config from a checkpoint's args.json (`RunConfig.args_json` writes it).
 """
 
 from __future__ import annotations
@@ -20,20 +19,15 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import fields
-from typing import Optional, Sequence
+import warnings
+from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_ext.config_flags import (
-    ArgumentError,
-    add_config_arguments,
-    config_flag_values,
-    flag_dest,
-    flag_fields,
-)
-from megatron_ext.data.loading import DataConfig, add_data_arguments
-from megatron_ext.models.arguments import add_model_arguments
+from megatron_ext.config_flags import ArgumentError, add_flags, flag_dest, flag_fields, flag_values
+from megatron_ext.data.loading import DataConfig
+from megatron_ext.data.readers import DataError
+from megatron_ext.lev.config import LEVConfig
 from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
 from megatron_ext.training.config import (
@@ -47,10 +41,10 @@ from megatron_ext.training.config import (
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
-    TrainingConfig,
+    RunConfig,
 )
-from megatron_ext.training.gpu_arguments import validate_gpu_args
 from megatron_ext.training.megatron_compat import (
+    _CompatAction,
     add_megatron_compat_arguments,
     apply_megatron_compat,
 )
@@ -60,112 +54,75 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ArgumentError",
     "build_parser",
-    "parse_args",
-    "parse_config",
-    "validate_args",
-    "training_config_from_args",
-    "args_to_json",
+    "check_machine",
     "checkpoint_args_path",
+    "args_json_of_flags",
+    "model_config_from_args_json",
     "model_shaping_dests",
+    "parse_config",
+    "run_config_from_args_json",
 ]
 
-# The configs whose flags (those marked `shapes_model`) --use-checkpoint-args restores.
-_MODEL_SHAPING = (ModelConfig, EmbeddingConfig, DataConfig)
-
-
-def model_shaping_dests() -> list[str]:
-    """The namespace names --use-checkpoint-args restores: every flag that shapes the model's
-    parameters (`flag(..., shapes_model=True)` on the model, embedding and tokenizer fields),
-    and the `--lev-*` flags."""
-    return [
-        flag_dest(f)
-        for cls in _MODEL_SHAPING
-        for f in flag_fields(cls)
-        if f.metadata.get("shapes_model")
-    ]
-
-
-def _fill(cls, args: argparse.Namespace, **values):
-    """Build dataclass `cls` from the namespace attributes of the same names (and `values`)."""
-    taken = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-    return cls(**{**taken, **values})
-
-
-def _configs_from(args: argparse.Namespace, **given) -> TrainingConfig:
-    parts = dict(
-        batch=BatchConfig,
-        parallel=ParallelConfig,
-        precision=PrecisionConfig,
-        exit=ExitConfig,
-        eval=EvalConfig,
-        optim=OptimizerConfig,
-        log=LoggingConfig,
-        memory=MemoryConfig,
-        engine=EngineConfig,
-    )
-    built = {name: given.get(name) or _fill(cls, args) for name, cls in parts.items()}
-    ckpt = _fill(CheckpointConfig, args, args_json=args_to_json(args))
-    return TrainingConfig(**built, ckpt=ckpt, seed=args.seed)
-
-
-def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
-    """The `TrainingConfig` of a namespace that went through `parse_args` (validated, derived),
-    or of a checkpoint's args.json: every field is taken from the flag (or derived value) of
-    the same name; `ckpt.args_json` is the whole command line as args.json records it. The
-    entry point has it from `parse_config` already; this rebuilds the same config.
-    """
-    return _configs_from(args)
-
-
-# --------------------------------------------------------------------------------------------
-# Flag groups
-
-
-def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, ParallelConfig, "distributed")
-
-
-def _add_training_args(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, BatchConfig, "training", "batch sizes and run length")
-    add_config_arguments(parser, TrainingConfig, "run")  # --seed
-    add_config_arguments(parser, PrecisionConfig, "precision")
-    add_config_arguments(parser, ExitConfig, "exit conditions and non-finite steps")
-    add_config_arguments(parser, EngineConfig, "engine", "the portable engine or megatron-core's")
-    add_config_arguments(parser, MemoryConfig, "memory", "manual garbage collection, CUDA cache")
-
-
-def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, OptimizerConfig, "optimizer and learning-rate schedule")
-
-
-def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, CheckpointConfig, "checkpointing")
-
-
-def _add_logging_args(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, LoggingConfig, "logging")
-    add_config_arguments(parser, EvalConfig, "validation")
+# (config, argument group title, description): the parser's groups, in --help order.
+_GROUPS = (
+    (ParallelConfig, "distributed", None),
+    (BatchConfig, "training", "batch sizes and run length"),
+    (RunConfig, "run", None),
+    (PrecisionConfig, "precision", None),
+    (ExitConfig, "exit conditions and non-finite steps", None),
+    (EngineConfig, "engine", "the portable engine or megatron-core's"),
+    (MemoryConfig, "memory", "manual garbage collection, CUDA cache"),
+    (OptimizerConfig, "optimizer and learning-rate schedule", None),
+    (CheckpointConfig, "checkpointing", None),
+    (LoggingConfig, "logging", None),
+    (EvalConfig, "validation", None),
+    (ModelConfig, "model", "LLaMA-style backbone and input embedding"),
+    (EmbeddingConfig, "embedding", "input embedding arm (docs/lev.md section 3)"),
+    (LEVConfig, "LEV", "LEV input generator (docs/lev.md section 2)"),
+    (DataConfig, "data and tokenizer", None),
+)
+# The training parts a run takes field by field (batch, optimizer and layout are derived).
+_PARTS = dict(
+    precision=PrecisionConfig,
+    exit=ExitConfig,
+    eval=EvalConfig,
+    ckpt=CheckpointConfig,
+    log=LoggingConfig,
+    memory=MemoryConfig,
+    engine=EngineConfig,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full parser: distributed, training, optimizer, checkpoint, logging, model, data."""
+    """The full parser: one argument group per config, then Megatron-LM's other flags."""
     parser = argparse.ArgumentParser(
         description="Pretrain Leviathan models and the paper's baselines (Megatron-LM flags)",
         allow_abbrev=False,
     )
-    _add_distributed_args(parser)
-    _add_training_args(parser)
-    _add_optimizer_args(parser)
-    _add_checkpoint_args(parser)
-    _add_logging_args(parser)
-    add_model_arguments(parser)
-    add_data_arguments(parser)
+    for cls, title, description in _GROUPS:
+        group = parser.add_argument_group(title, description)
+        add_flags(group, cls)
+        if cls is LEVConfig:  # its deprecated alias (old args.json hold it too: `_lev_values`)
+            group.add_argument(
+                "--lev-fused",
+                action=argparse.BooleanOptionalAction,
+                help="deprecated: --no-lev-fused is --lev-kernel reference; --lev-fused is the "
+                "default",
+            )
     add_megatron_compat_arguments(parser)  # last: answers every remaining Megatron-LM flag
     return parser
 
 
-# --------------------------------------------------------------------------------------------
-# --use-checkpoint-args
+def model_shaping_dests() -> list[str]:
+    """The namespace names --use-checkpoint-args restores besides the --lev-* flags: every flag
+    that shapes the model's parameters (`flag(..., shapes_model=True)` on the model, embedding
+    and tokenizer fields)."""
+    return [
+        flag_dest(f)
+        for cls in (ModelConfig, EmbeddingConfig, DataConfig)
+        for f in flag_fields(cls)
+        if f.metadata.get("shapes_model")
+    ]
 
 
 def checkpoint_args_path(load_dir: str, iteration: Optional[int] = None) -> Optional[str]:
@@ -178,19 +135,12 @@ def checkpoint_args_path(load_dir: str, iteration: Optional[int] = None) -> Opti
     return path if os.path.isfile(path) else None
 
 
-def _explicit_dests(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> set[str]:
+def _explicit_dests(argv: Optional[Sequence[str]]) -> set[str]:
     """The destinations of the flags given on the command line (not left at their default)."""
-    explicit = argparse.ArgumentParser(add_help=False, allow_abbrev=parser.allow_abbrev)
+    parser = build_parser()
     for action in parser._actions:
-        if action.option_strings and not isinstance(action, argparse._HelpAction):
-            kwargs: dict = dict(dest=action.dest, default=argparse.SUPPRESS)
-            if action.nargs == 0:  # switches
-                kwargs.update(action="store_const", const=True)
-            elif action.nargs is not None:
-                kwargs["nargs"] = action.nargs
-            explicit.add_argument(*action.option_strings, **kwargs)
-    namespace, _ = explicit.parse_known_args(argv)
-    return set(vars(namespace))
+        action.default = argparse.SUPPRESS
+    return {dest for dest in vars(parser.parse_args(argv)) if not dest.startswith("_")}
 
 
 def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None:
@@ -220,60 +170,170 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
     logger.info("model flags taken from %s", path)
 
 
-# --------------------------------------------------------------------------------------------
-# Validation
+_warned_fused = False
 
 
-def _record_config(args: argparse.Namespace, cfg: TrainingConfig) -> None:
-    """Write every field of `cfg`'s parts to the namespace (args.json records them): the values
-    the configs derive (data-parallel size, iterations, schedule lengths in samples, ...) land
-    beside the flags without a hand-kept list of names."""
-    for part in fields(cfg):
-        value = getattr(cfg, part.name)
-        if not dataclasses.is_dataclass(value):
-            continue
-        for f in fields(value):
-            if f.name != "args_json":
-                setattr(args, f.name, getattr(value, f.name))
+def _lev_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The --lev-* values of `args`, the deprecated --lev-fused/--no-lev-fused (`lev_fused`,
+    also in old args.json) mapped onto `kernel`: False is "reference" (with "auto"; refused with
+    another kernel), True the default. Either warns once per process."""
+    global _warned_fused
+    values = flag_values(LEVConfig, args)
+    fused = getattr(args, "lev_fused", None)
+    if fused is not None:
+        if not _warned_fused:
+            _warned_fused = True
+            warnings.warn(
+                "--lev-fused/--no-lev-fused (lev_fused in args.json) is deprecated: use "
+                "--lev-kernel (--no-lev-fused is --lev-kernel reference)",
+                FutureWarning,
+                stacklevel=3,
+            )
+        kernel = values.get("kernel", "auto")
+        if not fused and kernel not in ("auto", "reference"):
+            raise ValueError(
+                f"--no-lev-fused (deprecated: --lev-kernel reference) contradicts "
+                f"--lev-kernel {kernel}; drop --no-lev-fused"
+            )
+        if not fused:
+            values["kernel"] = "reference"
+    return values
 
 
-def _build_training_config(args: argparse.Namespace, world_size: int) -> TrainingConfig:
-    """The `TrainingConfig` of the flags as typed, Megatron-LM's derivations included."""
-    parallel = _fill(ParallelConfig, args).resolve(world_size)
-    batch = BatchConfig.from_run_length(
-        parallel.data_parallel_size,
-        seq_length=args.seq_length,
-        **config_flag_values(BatchConfig, args),
-    )
-    optim = OptimizerConfig.from_schedule(
-        global_batch_size=batch.global_batch_size,
-        train_iters=args.train_iters,
-        train_samples=args.train_samples,
-        **config_flag_values(OptimizerConfig, args),
-    )
-    return _configs_from(args, batch=batch, parallel=parallel, optim=optim)
+def _values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """Every field of `cls` that `args` holds: flags by their dest, derived values by name."""
+    fields = [f for f in dataclasses.fields(cls) if f.name != "params_dtype"]
+    return {f.name: getattr(args, flag_dest(f)) for f in fields if hasattr(args, flag_dest(f))}
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Apply the flag-level conveniences, build the configs (which check themselves) and write
-    what they derive back to the namespace for args.json (in place).
+def _model(args: argparse.Namespace) -> tuple[ModelConfig, LEVConfig]:
+    """The model of parsed flags (its vocabulary None: the tokenizer's) and the LEV flags."""
+    lev = LEVConfig(**_lev_values(args))
+    embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, args), lev=lev)
+    return ModelConfig(embedding=embedding, **flag_values(ModelConfig, args)), lev
+
+
+def _run_config(args: argparse.Namespace, world_size: Optional[int]) -> RunConfig:
+    """The `RunConfig` of parsed flags (`world_size` ranks: Megatron-LM's derivations), or of a
+    checkpoint's args.json (`world_size` None: the derived values as it recorded them)."""
+    seq_length, seed = getattr(args, "seq_length", None), getattr(args, "seed", 1234)
+    if world_size is None:
+        parallel = ParallelConfig(**_values(ParallelConfig, args))
+        batch = BatchConfig(**_values(BatchConfig, args))
+        optim = OptimizerConfig(**_values(OptimizerConfig, args))
+    else:
+        parallel = ParallelConfig(**flag_values(ParallelConfig, args)).resolve(world_size)
+        batch = BatchConfig.from_run_length(
+            parallel.data_parallel_size, seq_length=seq_length, **flag_values(BatchConfig, args)
+        )
+        optim = OptimizerConfig.from_schedule(
+            global_batch_size=batch.global_batch_size,
+            train_iters=args.train_iters,
+            train_samples=args.train_samples,
+            **flag_values(OptimizerConfig, args),
+        )
+    model, lev = _model(args)
+    if world_size is not None:
+        model.check_as_given()
+    fingerprint = getattr(args, "tokenizer_fingerprint", None)  # args.json's
+    data = DataConfig(
+        seq_length=seq_length, seed=seed, tokenizer_fingerprint=fingerprint,
+        **flag_values(DataConfig, args),
+    )  # fmt: skip
+    parts = {name: cls(**_values(cls, args)) for name, cls in _PARTS.items()}
+    return RunConfig(batch, optim, parallel, seed=seed, model=model, lev=lev, data=data, **parts)
+
+
+def _compat_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The values of the flags no config owns (args.json records them; --lev-fused mapped)."""
+    dests = {a.dest for a in parser._actions if isinstance(a, _CompatAction)}
+    return {**{d: getattr(args, d) for d in dests if hasattr(args, d)}, "lev_fused": None}
+
+
+_FP8_RECIPE = ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
+
+
+def run_config_from_args_json(saved: dict[str, Any]) -> RunConfig:
+    """The `RunConfig` a checkpoint's args.json records (`RunConfig.args_json`), at the layout
+    and with the derived values it saved; a flag missing from an older args.json keeps its
+    default. Without --fp8-format the FP8 recipe had no effect and is read at its defaults (an
+    args.json written before issue 47 records 1024 and max, Megatron-LM's 1 and most_recent
+    since).
 
     Raises:
-        ArgumentError: the one-line message of the config that refused a value.
+        ValueError: a value no config accepts (the file was not written by this package).
     """
-    _validate(args, world_size)
-    return args
+    if saved.get("fp8_format") is None:  # before issue 47: FP8's recipe defaults of then
+        saved = {k: v for k, v in saved.items() if k not in _FP8_RECIPE}
+    args = argparse.Namespace(**saved)
+    compat = _compat_flags(args, build_parser())
+    return dataclasses.replace(_run_config(args, None), compat_flags=compat)
 
 
-def _validate(args: argparse.Namespace, world_size: int) -> TrainingConfig:
-    """`validate_args`, returning the `TrainingConfig` it built (args.json: the final flags)."""
-    cuda = torch.cuda.is_available()
-    # What this machine must have (the configs check values, not the machine).
-    if args.distributed_backend == "nccl" and not cuda:
+def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:
+    """The model a checkpoint's args.json records (any checkpoint: also one that no run wrote,
+    `args_json_of_flags`), its vocabulary None (the checkpoint's tensors have it).
+
+    Raises:
+        ValueError: a model no config accepts, naming the flag.
+    """
+    return _model(argparse.Namespace(**saved))[0]
+
+
+def args_json_of_flags(argv: Sequence[str]) -> dict[str, Any]:
+    """The args.json of flags that describe a model, not a run (tools/convert_checkpoint.py
+    import-hf records its model and tokenizer flags so): parsed, every other flag at its
+    default, not validated as a run."""
+    args = build_parser().parse_args(list(argv))
+    values = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(values.items())}
+
+
+def check_machine(run: RunConfig, cuda: bool) -> None:
+    """Refuse what this machine cannot run (the configs check values, not the machine), and
+    note the flags it ignores.
+
+    Raises:
+        ArgumentError: the one line naming the flag.
+    """
+    if run.parallel.distributed_backend == "nccl" and not cuda:
         raise ArgumentError("--distributed-backend nccl needs CUDA; drop it (gloo is used on CPU)")
-    if args.transformer_impl == "transformer_engine" and not cuda:
+    if run.model.transformer_impl == "transformer_engine" and not cuda:
         raise ArgumentError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
-    # Megatron-LM's flag-level rewrites, so that its launch scripts run.
+    megatron = run.engine.ddp_impl == "megatron"
+    if megatron and not cuda:
+        raise ArgumentError(
+            "--ddp-impl megatron needs CUDA (megatron-core's DDP keeps its buffers on the GPU); "
+            "use --ddp-impl portable on CPU"
+        )
+    if run.log.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError(
+            "--wandb-project needs the optional package wandb: pip install "
+            "'megatron-ext-leviathan[wandb]' (or drop the flag)"
+        )
+    engine = run.engine
+    for flag, value in (
+        ("--overlap-grad-reduce", engine.overlap_grad_reduce),
+        ("--overlap-param-gather", engine.overlap_param_gather),
+        ("--ddp-bucket-size", engine.ddp_bucket_size),
+    ):
+        # Megatron-LM launch scripts pass these routinely: the portable engine notes and
+        # ignores them (it all-reduces bucketed gradients after backward).
+        if value not in (None, False) and not megatron:
+            where = "on CPU" if not cuda else "by --ddp-impl portable"
+            logger.info(
+                "%s: ignored %s (it tunes megatron-core's DDP; use --ddp-impl megatron on CUDA)",
+                flag,
+                where,
+            )
+    if run.exit.exit_signal_handler and not run.ckpt.save:
+        logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")
+    if run.memory.empty_unused_memory_level and not cuda:
+        logger.info("--empty-unused-memory-level: no CUDA caching allocator on CPU, no effect")
+
+
+def _rewrite(args: argparse.Namespace) -> None:
+    """Megatron-LM's flag-level rewrites, so that its launch scripts run."""
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         logger.warning("--sequence-parallel is off: --tensor-model-parallel-size is 1")
         args.sequence_parallel = False
@@ -284,37 +344,18 @@ def _validate(args: argparse.Namespace, world_size: int) -> TrainingConfig:
             "writes a checkpoint Megatron-LM loads"
         )
         args.ckpt_format = "torch_dcp"
-    try:
-        cfg = _build_training_config(args, world_size)
-        cfg = dataclasses.replace(cfg, parallel=cfg.parallel.with_num_layers(args.num_layers))
-    except ValueError as error:
-        raise ArgumentError(str(error)) from None
-    _record_config(args, cfg)
-    if args.exit_signal_handler and not args.save:
-        logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")
-    validate_gpu_args(args, cuda)
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ArgumentError(
-            "--wandb-project needs the optional package wandb: pip install "
-            "'megatron-ext-leviathan[wandb]' (or drop the flag)"
-        )
-    if args.empty_unused_memory_level and not cuda:
-        logger.info("--empty-unused-memory-level: no CUDA caching allocator on CPU, no effect")
-    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
-        args.tokenizer_type = "GPT2BPETokenizer"
-        logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
-    if args.logging_level is not None:
-        logging.getLogger().setLevel(args.logging_level)
-    ckpt = dataclasses.replace(cfg.ckpt, args_json=args_to_json(args))
-    return dataclasses.replace(cfg, ckpt=ckpt)
 
 
 def parse_config(
-    argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
-) -> tuple[argparse.Namespace, TrainingConfig]:
+    argv: Optional[Sequence[str]] = None,
+    world_size: Optional[int] = None,
+    *,
+    cuda: Optional[bool] = None,
+) -> RunConfig:
     """Parse and validate `argv` (default sys.argv) for `world_size` ranks (default torchrun's
-    WORLD_SIZE, else 1): the namespace (what args.json records) and the frozen `TrainingConfig`
-    built from it once, its derived values included.
+    WORLD_SIZE, else 1) on a machine with CUDA or without (default: this one's): the frozen
+    `RunConfig`, its derived values included and its model's vocabulary None until
+    `RunConfig.with_tokenizer`. --logging-level sets the root logger's level.
 
     Raises:
         ArgumentError: a refused flag or combination (one line naming the flag).
@@ -322,31 +363,17 @@ def parse_config(
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.use_checkpoint_args:
-        _apply_checkpoint_args(args, _explicit_dests(parser, argv))
+        _apply_checkpoint_args(args, _explicit_dests(argv))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args.world_size = world_size
-    apply_megatron_compat(args, error=ArgumentError)
-    return args, _validate(args, world_size)
-
-
-def parse_args(
-    argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
-) -> argparse.Namespace:
-    """`parse_config`'s namespace alone (tools and tests that read flags)."""
-    return parse_config(argv, world_size)[0]
-
-
-def args_to_json(args: argparse.Namespace) -> dict:
-    """The namespace as JSON-safe values (stored beside each checkpoint as args.json)."""
-    out = {}
-    for key, value in sorted(vars(args).items()):
-        if isinstance(value, (str, int, float, bool, type(None))):
-            out[key] = value
-        elif isinstance(value, (list, tuple)):
-            out[key] = list(value)
-        elif dataclasses.is_dataclass(value):
-            out[key] = dataclasses.asdict(value)
-        else:
-            out[key] = str(value)
-    return out
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    _rewrite(args)
+    try:
+        run = _run_config(args, world_size)
+        apply_megatron_compat(args, cuda, fp8=run.precision.fp8_format is not None)
+    except (ValueError, DataError) as error:  # DataConfig's: --data-path and the like
+        raise ArgumentError(str(error)) from None
+    check_machine(run, cuda)
+    if run.log.logging_level is not None:
+        logging.getLogger().setLevel(run.log.logging_level)
+    return dataclasses.replace(run, compat_flags=_compat_flags(args, parser))

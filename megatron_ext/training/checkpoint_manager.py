@@ -20,7 +20,7 @@ from megatron_ext.training.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import Engine, Phase
 
 __all__ = ["CheckpointManager", "check_save_directory"]
@@ -41,9 +41,7 @@ def check_save_directory(root: str, num_params: int, with_optimizer: bool) -> No
 class CheckpointManager:
     """Saves and loads `engine.checkpoint_parts()` with the run's `TrainState`."""
 
-    def __init__(
-        self, cfg: TrainingConfig, engine: Engine, pg: ProcessGroups, phase: Phase
-    ) -> None:
+    def __init__(self, cfg: RunConfig, engine: Engine, pg: ProcessGroups, phase: Phase) -> None:
         self.cfg, self.engine, self.pg, self.phase = cfg, engine, pg, phase
         self.pending: Optional[PendingSave] = None
         """--async-save: the checkpoint being written in the background."""
@@ -71,7 +69,7 @@ class CheckpointManager:
                 parts.scheduler,
                 parts.loss_scaler,
                 pg=self.pg,
-                args_json=ck.args_json,
+                args_json=self.cfg.args_json(),
                 save_rng=not ck.no_save_rng,
                 keep_last=ck.ckpt_keep_last,
                 async_save=self.cfg.ckpt.async_save,

@@ -1,35 +1,44 @@
-"""`TrainingConfig` and its parts: every setting of a training run, one frozen dataclass per
-concern (layout, batch and run length, precision, exit, evaluation, optimizer, checkpoint,
-logging, memory, engine).
+"""The run's configuration: `RunConfig`, one frozen dataclass whose parts are the training
+settings (batch and run length, optimizer, exit, evaluation, checkpoint, logging, memory,
+engine), the parallel layout and precision (`models.layout`), the model with its LEV
+hyper-parameters (`models.config`, `lev.config`) and the data (`data.loading`).
 
-Each part declares its flags on its fields and checks itself in `__post_init__`;
-`TrainingConfig` checks what spans two parts and `resolve(world_size)` derives the
-data-parallel size. How the command line fills them: docs/architecture.md "One flag, end to end".
+Each part declares its flags on its fields and checks itself in `__post_init__`; `RunConfig`
+checks what spans two parts and derives what one part gives another; `resolve(world_size)`
+derives the data-parallel size. `training.arguments.parse_config` builds it from the command
+line, and `RunConfig.args_json()` is what args.json records: docs/architecture.md "One flag,
+end to end".
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
-from megatron_ext.config_flags import flag
-from megatron_ext.models.config import FP8_FORMATS, check_half_precision
-from megatron_ext.parallel import validate_parallel_layout
-from megatron_ext.training.megatron_features import BatchSizeRampup
+import torch
+
+from megatron_ext.config_flags import check_flag_values, flag, flag_dest, flag_fields
+from megatron_ext.data.loading import DataConfig
+from megatron_ext.data.tokenizers import padded_vocab_size
+from megatron_ext.lev.config import LEVConfig
+from megatron_ext.models.config import ModelConfig
+from megatron_ext.models.layout import ParallelConfig, PrecisionConfig, check_layout
 
 __all__ = [
-    "ParallelConfig",
     "BatchConfig",
-    "PrecisionConfig",
-    "ExitConfig",
-    "EvalConfig",
-    "OptimizerConfig",
+    "BatchSizeRampup",
     "CheckpointConfig",
+    "EngineConfig",
+    "EvalConfig",
+    "ExitConfig",
     "LoggingConfig",
     "MemoryConfig",
-    "EngineConfig",
-    "TrainingConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "RunConfig",
+    "is_decoupled_param",
 ]
 
 
@@ -45,144 +54,55 @@ def _at_least(flag: str, value, minimum: int = 1) -> None:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
+class BatchSizeRampup:
+    """Megatron-LM's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from
+    START by INCREMENT in equal steps of consumed samples, reaching the full global batch size
+    after SAMPLES samples. A function of consumed samples only, so a resumed run continues it."""
 
-    tensor_model_parallel_size: int = flag(1, "--tensor-model-parallel-size")
-    pipeline_model_parallel_size: int = flag(1, "--pipeline-model-parallel-size")
-    context_parallel_size: int = flag(1, "--context-parallel-size")
-    sequence_parallel: bool = flag(False, "--sequence-parallel")
-    """Split norm/dropout activations over the sequence across TP ranks (Megatron-LM's SP)."""
-    use_distributed_optimizer: bool = flag(
-        False,
-        "--use-distributed-optimizer",
-        "shard optimizer states across data-parallel ranks (ZeRO-1)",
-    )
-    distributed_backend: Optional[str] = flag(
-        None,
-        "--distributed-backend",
-        "default: nccl on CUDA, gloo on CPU",
-        choices=("nccl", "gloo"),
-    )
-    distributed_timeout_minutes: float = flag(
-        10,
-        "--distributed-timeout-minutes",
-        "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)",
-    )
-    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
-        None,
-        "--num-layers-per-virtual-pipeline-stage",
-        "layers per model chunk: each pipeline rank runs num-layers / (PP x N) chunks with "
-        "the interleaved 1F1B schedule (portable engine)",
-    )
-    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
-        None,
-        "--num-virtual-stages-per-pipeline-rank",
-        "model chunks per pipeline rank (Megatron-LM's other spelling of the interleaved "
-        "schedule: sets --num-layers-per-virtual-pipeline-stage to num-layers / (PP x N))",
-    )
-    data_parallel_size: int = 1
-    """Derived: world size / (TP x CP x PP), set by `resolve`."""
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    """Derived: model chunks per pipeline rank, num-layers / (PP x
-    num_layers_per_virtual_pipeline_stage), set by `with_num_layers` (None: one chunk)."""
+    start: int
+    increment: int
+    ramp_samples: int
+    global_batch_size: int
+    micro_times_dp: int
 
     def __post_init__(self) -> None:
-        _at_least("data-parallel size", self.data_parallel_size)
-        validate_parallel_layout(self.world_size, *self._model_parallel_sizes)
-        if not self.distributed_timeout_minutes > 0:
+        if self.start < 1 or self.increment < 1 or self.ramp_samples < 0:
             raise ValueError(
-                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
+                "--rampup-batch-size needs START >= 1, INCREMENT >= 1 and SAMPLES >= 0, got "
+                f"{self.start} {self.increment} {self.ramp_samples}"
             )
-        if self.distributed_backend not in (None, "nccl", "gloo"):
+        diff = self.global_batch_size - self.start
+        if diff < 0 or diff % self.increment:
             raise ValueError(
-                f"--distributed-backend must be nccl or gloo, got {self.distributed_backend!r}"
+                f"--rampup-batch-size: --global-batch-size {self.global_batch_size} minus START "
+                f"{self.start} must be a non-negative multiple of INCREMENT {self.increment}"
             )
-        _at_least(
-            "--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage
-        )
-        _at_least(
-            "--num-virtual-stages-per-pipeline-rank", self.num_virtual_stages_per_pipeline_rank
-        )
-        if self.num_layers_per_virtual_pipeline_stage and self.num_virtual_stages_per_pipeline_rank:
-            raise ValueError(
-                "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-"
-                "rank cannot be set at the same time (both set the model chunks per pipeline "
-                "rank); keep one of them"
-            )
-        for name, value in (
-            ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
-            ("--num-virtual-stages-per-pipeline-rank", self.num_virtual_stages_per_pipeline_rank),
-        ):
-            if value and self.pipeline_model_parallel_size < 2:
+        for name, value in (("START", self.start), ("INCREMENT", self.increment)):
+            if value % self.micro_times_dp:
                 raise ValueError(
-                    f"{name} needs --pipeline-model-parallel-size > 1 (the interleaved schedule "
-                    "splits each pipeline rank's layers into chunks); drop the flag or raise PP"
+                    f"--rampup-batch-size {name} {value} is not divisible by --micro-batch-size "
+                    f"x data-parallel size = {self.micro_times_dp}; every ramp batch must split "
+                    "into whole micro-batches"
                 )
 
-    def with_num_layers(self, num_layers: int) -> "ParallelConfig":
-        """This layout for a `num_layers` model: the model chunks per pipeline rank derived
-        from --num-layers-per-virtual-pipeline-stage (self if nothing changes).
+    def global_batch(self, consumed_samples: int) -> int:
+        """The global batch size of the iteration that starts after `consumed_samples`."""
+        steps = (self.global_batch_size - self.start) // self.increment
+        if steps == 0 or consumed_samples >= self.ramp_samples:
+            return self.global_batch_size
+        per_step = self.ramp_samples / steps
+        size = self.start + int(consumed_samples / per_step) * self.increment
+        return min(size, self.global_batch_size)
 
-        Raises:
-            ValueError: `num_layers` is not divisible by PP x layers per virtual stage.
-        """
-        per_stage = self.num_layers_per_virtual_pipeline_stage
-        pp = self.pipeline_model_parallel_size
-        stages = self.num_virtual_stages_per_pipeline_rank
-        if stages is not None:
-            if num_layers % (pp * stages):
-                raise ValueError(
-                    f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-"
-                    f"size {pp} x --num-virtual-stages-per-pipeline-rank {stages} = "
-                    f"{pp * stages}; change one of them"
-                )
-            if stages == 1:  # Megatron-LM: one virtual stage is no interleaving
-                return dataclasses.replace(self, num_virtual_stages_per_pipeline_rank=None)
-            per_stage = num_layers // (pp * stages)
-            return dataclasses.replace(
-                self,
-                num_layers_per_virtual_pipeline_stage=per_stage,
-                num_virtual_stages_per_pipeline_rank=None,
-                virtual_pipeline_model_parallel_size=stages,
-            )
-        if per_stage is None:
-            return self
-        if num_layers % (pp * per_stage):
-            raise ValueError(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-                f"{pp} x --num-layers-per-virtual-pipeline-stage {per_stage} = {pp * per_stage}; "
-                "change one of them"
-            )
-        vp_size = num_layers // (pp * per_stage)
-        if vp_size == self.virtual_pipeline_model_parallel_size:
-            return self
-        return dataclasses.replace(self, virtual_pipeline_model_parallel_size=vp_size)
-
-    @property
-    def _model_parallel_sizes(self) -> tuple[int, int, int]:
-        return (
-            self.tensor_model_parallel_size,
-            self.pipeline_model_parallel_size,
-            self.context_parallel_size,
-        )
-
-    @property
-    def world_size(self) -> int:
-        """TP x CP x PP x DP ranks."""
-        tp, pp, cp = self._model_parallel_sizes
-        return tp * pp * cp * self.data_parallel_size
-
-    def resolve(self, world_size: int) -> "ParallelConfig":
-        """This layout on `world_size` ranks: the data-parallel size derived (self if it is).
-
-        Raises:
-            ValueError: the ranks do not split into TP x CP x PP x DP.
-        """
-        dp = validate_parallel_layout(world_size, *self._model_parallel_sizes)
-        if dp == self.data_parallel_size:
-            return self
-        return dataclasses.replace(self, data_parallel_size=dp)
+    def iterations_for(self, train_samples: int) -> int:
+        """Iterations that consume `train_samples` samples (Megatron's update_train_iters)."""
+        consumed, iterations = 0, 0
+        while consumed <= self.ramp_samples and consumed <= train_samples:
+            consumed += self.global_batch(consumed)
+            iterations += 1
+        if consumed < train_samples:
+            iterations += (train_samples - consumed) // self.global_batch_size
+        return iterations
 
 
 @dataclass(frozen=True)
@@ -193,16 +113,19 @@ class BatchConfig:
 
     seq_length: int
     """Tokens per sample (--seq-length, `ModelConfig`'s flag: the length the model is built for)."""
-    micro_batch_size: Optional[int] = flag(1, "--micro-batch-size", command_line_default=None)
+    micro_batch_size: Optional[int] = flag(
+        1, "--micro-batch-size", command_line_default=None, minimum=1
+    )
     """Required on the command line (as in Megatron-LM)."""
     global_batch_size: Optional[int] = flag(
         1,
         "--global-batch-size",
         "default: micro-batch size x data-parallel size (no accumulation)",
         command_line_default=None,
+        minimum=1,
     )
     """At the end of --rampup-batch-size, if any. Command line: derived when not given."""
-    train_iters: Optional[int] = flag(0, "--train-iters", command_line_default=None)
+    train_iters: Optional[int] = flag(0, "--train-iters", command_line_default=None, minimum=0)
     """Iterations to train (derived from --train-samples when that is given)."""
     train_samples: Optional[int] = flag(None, "--train-samples")
     """The run length in samples, if given so (`train_iters` is derived from it)."""
@@ -225,14 +148,12 @@ class BatchConfig:
     )
 
     def __post_init__(self) -> None:
+        check_flag_values(self)
         _required("--micro-batch-size", self.micro_batch_size)
-        _at_least("--micro-batch-size", self.micro_batch_size)
         _required("--global-batch-size", self.global_batch_size)
-        _at_least("--global-batch-size", self.global_batch_size)
         _required("--seq-length", self.seq_length)
         _at_least("--seq-length", self.seq_length)
         _required("--train-iters", self.train_iters)
-        _at_least("--train-iters", self.train_iters, 0)
 
     def rampup(self, data_parallel_size: int) -> Optional[BatchSizeRampup]:
         """The --rampup-batch-size schedule up to the global batch, in steps that split into
@@ -297,54 +218,13 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
-    """Autocast precision of the portable engine and FP16 loss scaling (see `precision.py`)."""
-
-    bf16: bool = flag(False, "--bf16", "BF16 autocast (fp32 master weights)")
-    fp16: bool = flag(False, "--fp16", "FP16 autocast with dynamic loss scaling")
-    fp8_format: Optional[str] = flag(
-        None,
-        "--fp8-format",
-        "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
-        choices=FP8_FORMATS,
-    )
-    fp8_margin: int = flag(0, "--fp8-margin", "FP8 scaling margin (DelayedScaling)")
-    fp8_amax_history_len: int = flag(
-        1024, "--fp8-amax-history-len", "amax history length of FP8 delayed scaling"
-    )
-    fp8_amax_compute_algo: str = flag(
-        "max", "--fp8-amax-compute-algo", "amax from the history", choices=("most_recent", "max")
-    )
-    loss_scale: Optional[float] = flag(None, "--loss-scale", "static FP16 loss scale")
-    """Static FP16 loss scale (None: dynamic)."""
-    initial_loss_scale: float = flag(2.0**32, "--initial-loss-scale")
-    min_loss_scale: float = flag(1.0, "--min-loss-scale")
-    loss_scale_window: int = flag(1000, "--loss-scale-window")
-    hysteresis: int = flag(2, "--hysteresis")
-    grad_reduce_in_bf16: bool = flag(
-        False, "--grad-reduce-in-bf16", "all-reduce data-parallel gradients in bfloat16"
-    )
-
-    def __post_init__(self) -> None:
-        check_half_precision(self.bf16, self.fp16)
-        if self.fp8_format is None:
-            for flag, value, default in (
-                ("--fp8-margin", self.fp8_margin, 0),
-                ("--fp8-amax-history-len", self.fp8_amax_history_len, 1024),
-            ):
-                if value != default:
-                    raise ValueError(f"{flag} needs --fp8-format")
-        elif not (self.bf16 or self.fp16):
-            raise ValueError("--fp8-format needs --bf16 (FP8 hybrid runs other ops in BF16)")
-        _at_least("--fp8-amax-history-len", self.fp8_amax_history_len)
-
-
-@dataclass(frozen=True)
 class ExitConfig:
     """When the run stops early: exit conditions (each saves first), non-finite steps, and
     --skip-train (evaluate a checkpoint, train nothing)."""
 
-    exit_interval: Optional[int] = flag(None, "--exit-interval", "exit at a multiple of this")
+    exit_interval: Optional[int] = flag(
+        None, "--exit-interval", "exit at a multiple of this", minimum=1
+    )
     exit_duration_in_mins: Optional[float] = flag(None, "--exit-duration-in-mins")
     exit_signal_handler: bool = flag(
         False,
@@ -363,17 +243,16 @@ class ExitConfig:
     )
     """Skip the optimizer step of an iteration whose loss or grad norm is not finite (instead of
     stopping); the run still stops after --max-nonfinite-steps such iterations in a row."""
-    max_nonfinite_steps: int = flag(10, "--max-nonfinite-steps")
+    max_nonfinite_steps: int = flag(10, "--max-nonfinite-steps", minimum=1)
     skip_train: bool = flag(
         False,
         "--skip-train",
         "load --load, run validation and test, exit (implies --no-load-optim)",
     )
-    """Checked against the checkpoint flags by `TrainingConfig` (needs --load)."""
+    """Checked against the checkpoint flags by `RunConfig` (needs --load)."""
 
     def __post_init__(self) -> None:
-        _at_least("--exit-interval", self.exit_interval)
-        _at_least("--max-nonfinite-steps", self.max_nonfinite_steps)
+        check_flag_values(self)
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ValueError("--exit-duration-in-mins must be > 0")
 
@@ -382,13 +261,13 @@ class ExitConfig:
 class EvalConfig:
     """Validation during training (and the test set at the end)."""
 
-    eval_interval: int = flag(1000, "--eval-interval")
-    eval_iters: int = flag(100, "--eval-iters")
+    eval_interval: Optional[int] = flag(None, "--eval-interval", minimum=1)
+    """Iterations between validations (Megatron-LM's default None: only after training)."""
+    eval_iters: int = flag(100, "--eval-iters", minimum=0)
     """Global batches per evaluation (0: no evaluation)."""
 
     def __post_init__(self) -> None:
-        _at_least("--eval-interval", self.eval_interval)
-        _at_least("--eval-iters", self.eval_iters, 0)
+        check_flag_values(self)
 
 
 @dataclass(frozen=True)
@@ -438,7 +317,7 @@ class OptimizerConfig:
         "peak LR of the input embedding (for LEV: the LEV generator) and the output head",
     )
     decoupled_min_lr: Optional[float] = flag(
-        None, "--decoupled-min-lr", "minimum LR of those parameters"
+        None, "--decoupled-min-lr", "minimum LR of those parameters", needs="decoupled_lr"
     )
     """None with --decoupled-lr: --min-lr (as in Megatron-LM)."""
     # The schedule as the flags give it, in iterations or in samples (recorded as typed);
@@ -458,6 +337,7 @@ class OptimizerConfig:
     wd_incr_steps: int = 1
 
     def __post_init__(self) -> None:
+        check_flag_values(self)
         _required("--lr", self.lr)
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}), --lr > 0")
@@ -491,10 +371,7 @@ class OptimizerConfig:
                 "--start-weight-decay != --end-weight-decay needs --weight-decay-incr-style "
                 "linear or cosine"
             )
-        if self.decoupled_lr is None:
-            if self.decoupled_min_lr is not None:
-                raise ValueError("--decoupled-min-lr needs --decoupled-lr")
-        else:
+        if self.decoupled_lr is not None:
             if self.decoupled_min_lr is None:  # Megatron-LM: --min-lr
                 object.__setattr__(self, "decoupled_min_lr", self.min_lr)
             if self.decoupled_lr <= 0 or not 0 <= self.decoupled_min_lr <= self.decoupled_lr:
@@ -569,25 +446,36 @@ class OptimizerConfig:
         )
 
 
+def is_decoupled_param(name: str) -> bool:
+    """Whether --decoupled-lr applies to parameter `name`: Megatron-LM applies it to the input
+    embedding and the output layer; here the input embedding is the whole arm (for LEV: every
+    LEV generator parameter)."""
+    return name.startswith("embedding.") or name.startswith("output_layer.")
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """torch.distributed.checkpoint directories `<save>/iter_0000100/` + the latest marker."""
 
     save: Optional[str] = flag(None, "--save", "directory of iter_XXXXXXX/ checkpoints")
     load: Optional[str] = flag(None, "--load")
-    save_interval: Optional[int] = flag(None, "--save-interval")
+    save_interval: Optional[int] = flag(None, "--save-interval", minimum=1, needs="save")
     ckpt_keep_last: Optional[int] = flag(
-        None, "--ckpt-keep-last", "keep only the newest N checkpoints in --save (default: keep all)"
+        None,
+        "--ckpt-keep-last",
+        "keep only the newest N checkpoints in --save (default: keep all)",
+        minimum=1,
     )
-    """Delete all but the newest N checkpoints after each successful save (None: keep all)."""
-    ckpt_step: Optional[int] = flag(None, "--ckpt-step", "load this iteration")
-    """Load this iteration instead of the latest."""
+    ckpt_step: Optional[int] = flag(None, "--ckpt-step", "load this iteration", needs="load")
     no_save_optim: bool = flag(False, "--no-save-optim")
     no_save_rng: bool = flag(False, "--no-save-rng")
     no_load_optim: bool = flag(False, "--no-load-optim")
     no_load_rng: bool = flag(False, "--no-load-rng")
     finetune: bool = flag(
-        False, "--finetune", "load weights only; reset iteration, optimizer, scheduler and RNG"
+        False,
+        "--finetune",
+        "load weights only; reset iteration, optimizer, scheduler and RNG",
+        needs="load",
     )
     exit_on_missing_checkpoint: bool = flag(False, "--exit-on-missing-checkpoint")
     async_save: bool = flag(
@@ -595,6 +483,7 @@ class CheckpointConfig:
         "--async-save",
         "write checkpoints in the background (torch.distributed.checkpoint async_save); "
         "the latest marker moves only once every rank's write completed",
+        needs="save",
     )
     ckpt_format: str = flag(
         "torch_dcp",
@@ -609,31 +498,19 @@ class CheckpointConfig:
     use_checkpoint_args: bool = flag(
         False, "--use-checkpoint-args", "take the model flags from the checkpoint in --load"
     )
-    """Applied by the entry point while parsing (`arguments.parse_args`); recorded here."""
-    args_json: dict = field(default_factory=dict)
-    """The run's flags, written as args.json beside each checkpoint (--use-checkpoint-args
-    reads the model flags back from it) and logged at start."""
+    """Applied while parsing (`training.arguments.parse_config`); recorded here."""
 
     def __post_init__(self) -> None:
-        _at_least("--save-interval", self.save_interval)
-        _at_least("--ckpt-keep-last", self.ckpt_keep_last)
-        if self.save_interval and not self.save:
-            raise ValueError("--save-interval needs --save")
-        if self.async_save and not self.save:
-            raise ValueError("--async-save needs --save")
-        if self.finetune and not self.load:
-            raise ValueError("--finetune needs --load")
-        if self.ckpt_step is not None and not self.load:
-            raise ValueError("--ckpt-step needs --load")
+        check_flag_values(self)
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     """What the loop logs, where, and how often (Megatron-LM's logging flags)."""
 
-    log_interval: int = flag(100, "--log-interval")
+    log_interval: int = flag(100, "--log-interval", minimum=1)
     tensorboard_dir: Optional[str] = flag(None, "--tensorboard-dir")
-    tensorboard_log_interval: int = flag(1, "--tensorboard-log-interval")
+    tensorboard_log_interval: int = flag(1, "--tensorboard-log-interval", minimum=1)
     tensorboard_queue_size: int = flag(1000, "--tensorboard-queue-size")
     log_throughput: bool = flag(False, "--log-throughput", "TFLOP/s per GPU in the line")
     log_validation_ppl_to_tensorboard: bool = flag(False, "--log-validation-ppl-to-tensorboard")
@@ -686,9 +563,8 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         """Checks of these flags alone; --profile's need of a directory (--tensorboard-dir or
-        --save) is `TrainingConfig`'s."""
-        _at_least("--log-interval", self.log_interval)
-        _at_least("--tensorboard-log-interval", self.tensorboard_log_interval)
+        --save) is `RunConfig`'s."""
+        check_flag_values(self)
         if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
             raise ValueError(
                 f"need 0 <= --profile-step-start ({self.profile_step_start}) < "
@@ -700,10 +576,12 @@ class LoggingConfig:
 class MemoryConfig:
     """Memory housekeeping around the steps: manual garbage collection (Python), keeping freed
     host memory (glibc's malloc) and emptying the CUDA caching allocator
-    (`megatron_features.RunExtras` applies them)."""
+    (`run_extras.RunExtras` applies them)."""
 
     manual_gc: bool = flag(False, "--manual-gc", "disable automatic gc; collect at fixed points")
-    manual_gc_interval: int = flag(0, "--manual-gc-interval", "collect every N iterations")
+    manual_gc_interval: int = flag(
+        0, "--manual-gc-interval", "collect every N iterations", minimum=0
+    )
     manual_gc_eval: bool = flag(
         True,
         "--no-manual-gc-eval",
@@ -726,8 +604,7 @@ class MemoryConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.manual_gc_interval < 0:
-            raise ValueError(f"--manual-gc-interval must be >= 0, got {self.manual_gc_interval}")
+        check_flag_values(self)
 
 
 @dataclass(frozen=True)
@@ -754,14 +631,8 @@ class EngineConfig:
         "overlap the distributed optimizer's parameter all-gather with forward",
     )
     ddp_bucket_size: Optional[int] = flag(
-        None, "--ddp-bucket-size", "parameters per DDP bucket (default: megatron-core's)"
+        None, "--ddp-bucket-size", "parameters per DDP bucket (default: megatron-core's)", minimum=1
     )
-    fp8_param_gather: bool = flag(
-        False,
-        "--fp8-param-gather",
-        "keep FP8 weights and all-gather them in FP8 (megatron engine)",
-    )
-    """Refused for now by both engines (`gpu_arguments.validate_gpu_args` says why)."""
     calculate_per_token_loss: bool = flag(
         False,
         "--calculate-per-token-loss",
@@ -770,14 +641,13 @@ class EngineConfig:
     """How the step normalises its loss and gradients (both engines honour it)."""
 
     def __post_init__(self) -> None:
-        if self.ddp_impl not in ("portable", "megatron"):
-            raise ValueError(f"--ddp-impl must be portable or megatron, got {self.ddp_impl!r}")
-        _at_least("--ddp-bucket-size", self.ddp_bucket_size)
+        check_flag_values(self)
 
 
 @dataclass(frozen=True)
-class TrainingConfig:
-    """Every training setting, one dataclass per concern."""
+class RunConfig:
+    """Every setting of a run, one dataclass per concern: the training parts, the layout and
+    precision, the model (with its LEV hyper-parameters) and the data."""
 
     batch: BatchConfig
     optim: OptimizerConfig
@@ -792,10 +662,26 @@ class TrainingConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     seed: int = flag(1234, "--seed")
     """Seeds Python, NumPy and torch (offset by the pipeline rank, as Megatron-LM does)."""
+    model: Optional[ModelConfig] = None
+    """The model (None: the model provider given to `pretrain` holds it, as in tests). From the
+    command line its vocabulary is None until `with_tokenizer`."""
+    lev: Optional[LEVConfig] = None
+    """The --lev-* flags as given, at no model size: args.json records them for every arm; the
+    LEV-sized arms hold them at the model's V and D as `model.embedding.lev`."""
+    data: Optional[DataConfig] = None
+    compat_flags: dict[str, Any] = field(default_factory=dict)
+    """The flags no config owns, by namespace name: Megatron-LM's compatibility flags (their
+    effective values, `training.megatron_compat`) and the deprecated `lev_fused` (None: mapped
+    onto --lev-kernel while parsing). args.json records them with the rest."""
 
     def __post_init__(self) -> None:
-        """The checks that span two configs, and the values one config derives for another
-        (--skip-train loads no optimizer state)."""
+        """The checks that span two parts, and the values one part derives for another
+        (--skip-train loads no optimizer state; megatron's engine keeps BF16 parameters; the
+        model's depth gives the chunks per pipeline rank)."""
+        if self.engine.ddp_impl == "megatron" and self.precision.bf16:
+            self._derive(precision=dataclasses.replace(self.precision, params_dtype=torch.bfloat16))
+        if self.model is not None:
+            self._derive(parallel=self.parallel.with_num_layers(self.model.num_layers))
         b, p = self.batch, self.parallel
         micro_times_dp = b.micro_batch_size * p.data_parallel_size
         if b.global_batch_size % micro_times_dp:
@@ -815,12 +701,18 @@ class TrainingConfig:
         if self.exit.skip_train:
             if not self.ckpt.load:
                 raise ValueError("--skip-train evaluates a checkpoint: pass --load")
-            if not self.ckpt.no_load_optim:
-                ckpt = dataclasses.replace(self.ckpt, no_load_optim=True)
-                object.__setattr__(self, "ckpt", ckpt)
+            self._derive(ckpt=dataclasses.replace(self.ckpt, no_load_optim=True))
         if self.engine.overlap_param_gather and not p.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
-        if self.engine.ddp_impl == "megatron":
+        megatron = self.engine.ddp_impl == "megatron"
+        if self.precision.fp8_param_gather and not (
+            megatron and p.use_distributed_optimizer and self.precision.fp8_format
+        ):
+            raise ValueError(
+                "--fp8-param-gather needs megatron-core's distributed optimizer with FP8: "
+                "--ddp-impl megatron --use-distributed-optimizer --fp8-format; drop it otherwise"
+            )
+        if megatron:
             ck = self.ckpt
             saves_optim = bool(ck.save) and not ck.no_save_optim
             loads_optim = bool(ck.load) and not ck.no_load_optim
@@ -837,6 +729,12 @@ class TrainingConfig:
             raise ValueError(
                 "--profile writes its trace beside the TensorBoard logs: --tensorboard-dir"
             )
+        if self.model is not None:
+            check_layout(self.model, self.parallel, self.precision)
+
+    def _derive(self, **parts) -> None:
+        for name, part in parts.items():
+            object.__setattr__(self, name, part)
 
     def _check_interleaved(self) -> None:
         """What the interleaved 1F1B schedule (virtual pipeline stages) needs of the run."""
@@ -870,7 +768,7 @@ class TrainingConfig:
                 f"multiple of --pipeline-model-parallel-size {pp}; change the global batch"
             )
 
-    def resolve(self, world_size: int) -> "TrainingConfig":
+    def resolve(self, world_size: int) -> "RunConfig":
         """This config on `world_size` ranks: `parallel.data_parallel_size` derived from the
         layout and the batch checked against it (self if nothing changes).
 
@@ -888,3 +786,47 @@ class TrainingConfig:
         """Micro-batches per data-parallel rank per iteration (gradient accumulation steps)."""
         b = self.batch
         return b.global_batch_size // (b.micro_batch_size * self.parallel.data_parallel_size)
+
+    def with_tokenizer(self, tokenizer) -> "RunConfig":
+        """This run once its tokenizer is built: the model's vocabulary is the tokenizer's
+        padded to --make-vocab-size-divisible-by x TP (Megatron-LM's), and the data records the
+        tokenizer's fingerprint (args.json keeps it; `data.fingerprint` compares it)."""
+        vocab = padded_vocab_size(
+            tokenizer.vocab_size,
+            self.data.make_vocab_size_divisible_by,
+            self.parallel.tensor_model_parallel_size,
+        )
+        data = dataclasses.replace(self.data, tokenizer_fingerprint=tokenizer.fingerprint)
+        return dataclasses.replace(self, model=self.model.replace(vocab_size=vocab), data=data)
+
+    def args_json(self) -> dict[str, Any]:
+        """The run as args.json records it, one key per flag (Megatron-LM's namespace names)
+        and per value the training parts derive (data-parallel size, iterations, schedule
+        lengths in samples, ...); the model and LEV flags as given (a preset's sizes stay
+        None); the flags no config owns; the world size and the tokenizer's fingerprint."""
+        out = dict(self.compat_flags)
+        training = (self.batch, self.optim, self.parallel, self.precision, self.exit, self.eval)
+        for part in (*training, self.ckpt, self.log, self.memory, self.engine):
+            out.update(_recorded(part, derived=True))
+        out.update(seed=self.seed, world_size=self.parallel.world_size)
+        if self.model is not None:
+            given = {name: None for name in self.model.derived}
+            out.update({**_recorded(self.model), **_recorded(self.model.embedding), **given})
+        if self.lev is not None:
+            out.update(_recorded(self.lev))
+        if self.data is not None:
+            out.update(_recorded(self.data))
+            if self.data.tokenizer_fingerprint is not None:
+                out["tokenizer_fingerprint"] = self.data.tokenizer_fingerprint
+        return {key: _json_value(value) for key, value in sorted(out.items())}
+
+
+def _recorded(part, derived: bool = False) -> dict[str, Any]:
+    """A config's flags by namespace name (with `derived`, its other fields too, by their own
+    names: the values it derives; the parameters' dtype is the engine's, not recorded)."""
+    fields = dataclasses.fields(part) if derived else flag_fields(type(part))
+    return {flag_dest(f): getattr(part, f.name) for f in fields if f.name != "params_dtype"}
+
+
+def _json_value(value):
+    return list(value) if isinstance(value, tuple) else value

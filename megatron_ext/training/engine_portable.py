@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import (
     CheckpointParts,
     Engine,
@@ -47,7 +47,6 @@ from megatron_ext.training.finalize_grads import (
     allreduce_sequence_parallel_grads,
     allreduce_tied_embedding_grads,
 )
-from megatron_ext.training.megatron_features import num_zeros_in_grad, params_norm
 from megatron_ext.training.metrics_logger import Timers
 from megatron_ext.training.optimizer import (
     LossScaler,
@@ -58,6 +57,7 @@ from megatron_ext.training.optimizer import (
     clip_grad_norm,
 )
 from megatron_ext.training.precision import autocast_factory, pipeline_dtype
+from megatron_ext.training.run_extras import num_zeros_in_grad, params_norm
 from megatron_ext.training.schedules import ForwardStep, PipelineShape, forward_backward
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class PortableEngine(Engine):
 
     def __init__(
         self,
-        cfg: TrainingConfig,
+        cfg: RunConfig,
         model: torch.nn.Module | Sequence[torch.nn.Module],
         forward_step: ForwardStep,
         pg: ProcessGroups,

@@ -6,7 +6,7 @@ The loop composes four collaborators, each in its own module: the engine (`engin
 `engine_portable.PortableEngine`, or `megatron_engine.MegatronEngine` with --ddp-impl
 megatron) runs one global batch per `step`; the metrics logger (`metrics_logger.py`) writes
 the iteration line, TensorBoard, W&B and --log-jsonl; the checkpoint manager
-(`checkpoint_manager.py`) saves and loads the engine's parts; `megatron_features.RunExtras`
+(`checkpoint_manager.py`) saves and loads the engine's parts; `run_extras.RunExtras`
 runs the feature hooks (batch ramp-up, profiler, manual GC). The loop itself owns the
 iteration counters and the exit conditions (--exit-signal-handler, --exit-duration-in-mins,
 --exit-interval), each of which saves before leaving.
@@ -24,11 +24,11 @@ import torch.distributed as dist
 from megatron_ext.parallel import ProcessGroups, destroy_parallel
 from megatron_ext.training.checkpoint_manager import CheckpointManager
 from megatron_ext.training.checkpointing import TrainState
-from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.config import RunConfig
 from megatron_ext.training.data import build_data_loader
 from megatron_ext.training.engine import Engine, NonFiniteError, Phase, StepResult
-from megatron_ext.training.megatron_features import RunExtras, memory_stats
 from megatron_ext.training.metrics_logger import MetricsLogger, Timers
+from megatron_ext.training.run_extras import RunExtras, memory_stats
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: TrainingConfig,
+        cfg: RunConfig,
         engine: Engine,
         pg: ProcessGroups,
         *,
@@ -234,7 +234,8 @@ class Trainer:
                     timers=self.timers.take(),
                 )
             ev = self.cfg.eval
-            if ev.eval_iters and valid_ds is not None and it % ev.eval_interval == 0:
+            periodic = ev.eval_interval and it % ev.eval_interval == 0  # None: after training
+            if ev.eval_iters and valid_ds is not None and periodic:
                 self.log_evaluation(self.evaluate(valid_ds), "validation")
             ck = self.cfg.ckpt
             self.checkpoints.poll()
@@ -296,7 +297,7 @@ def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
     reason = trainer.train(train_ds, valid_ds)
     trainer.checkpoints.wait()  # the latest marker moves once the last write completed
     if reason == "finished" and ev.eval_iters:
-        if trainer.state.iteration % ev.eval_interval:  # not just evaluated
+        if not ev.eval_interval or trainer.state.iteration % ev.eval_interval:  # not just done
             trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
         trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
     return reason

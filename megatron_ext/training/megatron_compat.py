@@ -31,6 +31,7 @@ __all__ = [
     "NOTED",
     "CUDA",
     "REFUSED",
+    "DEFAULT_DIFFERENCES",
     "Rule",
     "add_megatron_compat_arguments",
     "apply_megatron_compat",
@@ -416,6 +417,83 @@ _PREFIX_RULES: tuple[tuple[str, Rule], ...] = (
 )
 
 
+_SAME_SWITCH = "the same unset switch (Megatron-LM's None is off)"
+_FUSION = (
+    "stored under the flag's own name, no_*: false, where Megatron-LM stores the inverse (its "
+    "fusion switch: true); the same unset flag, noted and ignored"
+)
+_DESIGN_DEFAULT = None  # a DESIGN rule's flag: its effective value; the rule's note says why
+
+# Megatron-LM core_v0.16.1's default of every flag whose default differs here, and why
+# (tests/training/test_megatron_compat.py compares the parser with Megatron-LM's own parser,
+# recorded in tests/training/data/megatron_lm_defaults.json); every other shared flag defaults
+# as in Megatron-LM. docs/megatron-compat.md lists them.
+DEFAULT_DIFFERENCES: dict[str, tuple[object, Optional[str]]] = {
+    "--distributed-backend": (
+        "nccl",
+        "picked per machine: nccl on CUDA (Megatron-LM's), gloo on CPU",
+    ),
+    "--dataloader-type": (None, "Megatron-LM's validate_args sets single when unset"),
+    "--no-save-optim": (None, _SAME_SWITCH),
+    "--no-save-rng": (None, _SAME_SWITCH),
+    "--no-load-optim": (None, _SAME_SWITCH),
+    "--no-load-rng": (None, _SAME_SWITCH),
+    "--ckpt-format": (
+        "torch_dist",
+        "checkpoints are one format, torch.distributed.checkpoint with DTensor shards; torch_dist "
+        "is accepted and means torch_dcp",
+    ),
+    "--num-query-groups": (
+        1,
+        "None is one key/value group per head; with --group-query-attention Megatron-LM's 1 "
+        "applies, so a script trains the model it trained there",
+    ),
+    "--transformer-impl": (
+        "transformer_engine",
+        "transformer_engine where Transformer Engine and a GPU are present (Megatron-LM's), else "
+        "local",
+    ),
+    "--use-cpu-initialization": (
+        None,
+        "weights are initialised on CPU from one seeded stream, so every TP size starts from the "
+        "same model (the numerics checks compare TP with TP=1)",
+    ),
+    "--split": (None, "Megatron-LM's validate_args sets 969, 30, 1 for --data-path when unset"),
+    "--tiktoken-pattern": (
+        None,
+        "this package's TikTokenizer patterns are o200k and cl100k (Megatron-LM's v1 and v2 have "
+        "no default)",
+    ),
+    "--no-masked-softmax-fusion": (True, _FUSION),
+    "--no-bias-swiglu-fusion": (True, _FUSION),
+    "--no-bias-dropout-fusion": (True, _FUSION),
+    "--no-rope-fusion": (True, _FUSION),
+    "--no-gradient-accumulation-fusion": (True, _FUSION),
+    **{
+        flag: (False, _DESIGN_DEFAULT)
+        for flag in (
+            "--use-rotary-position-embeddings",
+            "--swiglu",
+            "--apply-layernorm-1p",
+            "--use-mcore-models",
+            "--use-pytorch-profiler",
+            "--auto-detect-ckpt-format",
+            "--ckpt-fully-parallel-load",
+            "--dist-ckpt-optim-fully-reshardable",
+            "--distrib-optim-fully-reshardable-mem-efficient",
+            "--use-dist-ckpt",
+            "--ckpt-fully-parallel-save",
+            "--attention-softmax-in-fp32",
+            "--accumulate-allreduce-grads-in-fp32",
+            "--legacy-tokenizer",
+            "--tokenizer-hf-use-fast",
+        )
+    },  # fmt: skip
+    "--position-embedding-type": ("learned_absolute", _DESIGN_DEFAULT),
+    "--normalization": ("LayerNorm", _DESIGN_DEFAULT),
+}
+
+
 def rule_for(flag: str) -> Optional[Rule]:
     """The rule of a flag that is not implemented here (None: no rule)."""
     if flag in _RULES:
@@ -484,21 +562,11 @@ def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.A
     return parser
 
 
-# Flags a config field declares (so the parser knows them) that every configuration still
-# refuses when validating: the table must not call them implemented.
-PARSED_BUT_REFUSED = {
-    "--fp8-param-gather": "parsed, then refused by both engines (FP8 parameter all-gather is "
-    "not wired yet); drop it",
-}
-
-
 def flag_status(parser: argparse.ArgumentParser, flag: str) -> tuple[str, str]:
     """(status, note) of a flag as the parser handles it; ("unknown", "") when it does not."""
     action = parser._option_string_actions.get(flag)
     if action is None:
         return "unknown", ""
-    if flag in PARSED_BUT_REFUSED:
-        return REFUSED, PARSED_BUT_REFUSED[flag]
     rule = getattr(action, "megatron_rule", None)
     if rule is None:
         return IMPLEMENTED, " ".join((action.help or "").split())
@@ -524,12 +592,13 @@ def _value_allowed(rule: Rule, value) -> bool:
 
 
 def apply_megatron_compat(
-    args: argparse.Namespace, cuda: Optional[bool] = None, error=ValueError
+    args: argparse.Namespace, cuda: Optional[bool] = None, fp8: bool = False
 ) -> argparse.Namespace:
-    """Refuse, note or accept the compatibility flags given; set effective design values.
+    """Refuse, note or accept the compatibility flags given (`fp8`: the run has --fp8-format);
+    set effective design values.
 
     Raises:
-        `error` (the caller's ArgumentError) naming the first refused flag and why.
+        ValueError: naming the first refused flag and why.
     """
     if cuda is None:
         cuda = torch.cuda.is_available()
@@ -541,21 +610,21 @@ def apply_megatron_compat(
         if rule is None:
             continue
         shown = flag if value is True else f"{flag} {value}"
-        if flag.startswith("--fp8-") and getattr(args, "fp8_format", None) is None:
-            raise error(f"{flag} needs --fp8-format (FP8 through Transformer Engine on CUDA)")
+        if flag.startswith("--fp8-") and not fp8:
+            raise ValueError(f"{flag} needs --fp8-format (FP8 through Transformer Engine on CUDA)")
         if rule.status == CUDA:
             if cuda:
                 logger.info(
                     "%s: a CUDA-path flag, not applied by this build yet (%s)", flag, rule.note
                 )
             elif rule.cpu_refused:
-                raise error(f"{shown}: {rule.note}; drop it on CPU")
+                raise ValueError(f"{shown}: {rule.note}; drop it on CPU")
             else:
                 logger.info("%s: ignored on CPU (%s)", flag, rule.note)
         elif rule.status == NOTED:
             logger.info("%s: ignored (%s)", flag, rule.note)
         elif not _value_allowed(rule, value) or (rule.status == REFUSED and rule.allowed is None):
-            raise error(f"{shown}: {rule.note}")
+            raise ValueError(f"{shown}: {rule.note}")
     for _, flag, kind in MEGATRON_FLAGS:
         rule = rule_for(flag)
         if rule is None or kind != "switch" or flag in given:
@@ -606,4 +675,24 @@ def compat_table(parser: argparse.ArgumentParser) -> str:
         "| flag | Megatron-LM group | status | note |",
         "|---|---|---|---|",
     ]
-    return "\n".join(head + rows) + "\n"
+    defaults = [
+        "",
+        "## Defaults that differ from Megatron-LM's",
+        "",
+        "Every flag the parser shares with Megatron-LM defaults as there (a launch script that "
+        "relies on a default trains what it trained there: `--hidden-dropout` and "
+        "`--attention-dropout` 0.1, `--fp8-amax-history-len` 1, `--fp8-amax-compute-algo` "
+        "most_recent, `--eval-interval` unset), but these "
+        f"{len(DEFAULT_DIFFERENCES)}: the fixed design, or the same value spelled otherwise.",
+        "",
+        "| flag | default here | Megatron-LM's | why |",
+        "|---|---|---|---|",
+    ]
+    for flag, (theirs, why) in DEFAULT_DIFFERENCES.items():
+        action = parser._option_string_actions[flag]
+        why = why or "the fixed design: " + action.megatron_rule.note
+        here = f"`{action.default}`"
+        if flag == "--transformer-impl":  # per machine
+            here = "`local` (`transformer_engine` with TE and a GPU)"
+        defaults.append(f"| `{flag}` | {here} | `{theirs}` | {why} |")
+    return "\n".join(head + rows + defaults) + "\n"

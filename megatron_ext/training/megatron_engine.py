@@ -5,7 +5,7 @@ model under autocast, with this project's gradient all-reduce, ZeRO-1 and pipeli
 This engine is a peer implementation of the same interface built from megatron-core's pieces,
 as Megatron-LM's `pretrain` uses them:
 
-- parameters in BF16 with --bf16 (the model is built at `ModelPrecision(bf16=True)`;
+- parameters in BF16 with --bf16 (the model is built at `PrecisionConfig.params_dtype` bfloat16;
   `Float16Module` wraps it), float32 main gradients in megatron's `DistributedDataParallel`
   buffers, bucketed, with `--overlap-grad-reduce` and `--ddp-bucket-size`;
 - megatron's optimizer (`get_megatron_optimizer` with megatron's standard parameter groups:
@@ -22,7 +22,7 @@ weights are saved as `model.<name>` and Adam's moments as `optim.<name>.*`, so a
 either engine loads into the other and at another layout. megatron's distributed optimizer
 keeps its state in flat per-bucket shards that do not map onto the project's per-parameter
 layout: with --use-distributed-optimizer, saving or loading optimizer state is refused (one
-line, `TrainingConfig`); the weights still save and load.
+line, `RunConfig`); the weights still save and load.
 
 megatron-core's DDP, optimizers and schedules need CUDA. Every piece the engine calls is taken
 from a `MegatronParts`; `MegatronParts.megatron_core()` is the real one, and
@@ -57,7 +57,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.config import RunConfig, is_decoupled_param
 from megatron_ext.training.engine import (
     CheckpointParts,
     Engine,
@@ -67,7 +67,6 @@ from megatron_ext.training.engine import (
     time_lev_forwards,
     world_stats,
 )
-from megatron_ext.training.megatron_features import is_decoupled_param
 from megatron_ext.training.metrics_logger import Timers
 from megatron_ext.training.optimizer import all_finite, build_scheduler
 from megatron_ext.training.schedules import ForwardStep
@@ -192,7 +191,7 @@ class MegatronEngine(Engine):
 
     def __init__(
         self,
-        cfg: TrainingConfig,
+        cfg: RunConfig,
         model: torch.nn.Module,
         forward_step: ForwardStep,
         pg: ProcessGroups,
@@ -218,6 +217,7 @@ class MegatronEngine(Engine):
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
             bucket_size=cfg.engine.ddp_bucket_size,
             check_for_nan_in_grad=cfg.exit.check_for_nan_in_loss_and_grad,
+            fp8_param_gather=cfg.precision.fp8_param_gather,
         )
         self.ddp = parts.ddp(
             config=config, ddp_config=ddp_config, module=module, pg_collection=collection

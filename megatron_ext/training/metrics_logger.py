@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import StepResult
 from megatron_ext.training.metrics import Reporter, format_train_line
 
@@ -129,7 +129,7 @@ class MetricsLogger:
 
     def __init__(
         self,
-        cfg: TrainingConfig,
+        cfg: RunConfig,
         *,
         is_rank0: bool,
         flops_per_batch: Optional[float],

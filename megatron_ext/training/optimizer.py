@@ -37,8 +37,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron_ext.lev.config import LEV_PARAMETER_GROUPS
 from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.config import OptimizerConfig
-from megatron_ext.training.megatron_features import is_decoupled_param
+from megatron_ext.training.config import OptimizerConfig, is_decoupled_param
 from megatron_ext.training.unique_params import counted_params
 
 logger = logging.getLogger(__name__)

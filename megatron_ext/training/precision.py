@@ -6,7 +6,7 @@ reductions and norms in float32), and --fp8-format adds Transformer Engine's `fp
 (DelayedScaling, HYBRID = E4M3 forward / E5M2 backward) around the forward on CUDA. This keeps
 one code path for CPU and GPU, needs no separate master copy (the fp32 weights are the master),
 and reduces gradients in fp32 across data-parallel ranks. The model is therefore built at a
-float32 `models.layout.ModelPrecision` (`gpu_arguments.engine_model_precision` picks it).
+float32 (`PrecisionConfig.params_dtype`; `training.config.RunConfig` keeps it so).
 
 Where the low precision starts, the same for every embedding arm: the input module runs in fp32
 (a lookup table is not autocast; LEV and the ALBERT / MLP seed networks disable autocast), so
@@ -26,8 +26,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from megatron_ext.training.config import PrecisionConfig
-from megatron_ext.training.gpu_arguments import fp8_recipe_kwargs
+from megatron_ext.models.layout import PrecisionConfig
 
 __all__ = ["autocast_factory", "pipeline_dtype"]
 
@@ -53,7 +52,7 @@ def autocast_factory(cfg: PrecisionConfig) -> Callable[[], ContextManager]:
         return contextlib.nullcontext
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16
-    fp8 = _fp8_context(cfg.fp8_format, fp8_recipe_kwargs(cfg)) if cfg.fp8_format else None
+    fp8 = _fp8_context(cfg.fp8_format, cfg.fp8_recipe()) if cfg.fp8_format else None
 
     @contextlib.contextmanager
     def context():

@@ -30,15 +30,15 @@ from megatron_ext.parallel import (
 )
 from megatron_ext.training.checkpoint_manager import CheckpointManager, check_save_directory
 from megatron_ext.training.checkpointing import read_latest_iteration
-from megatron_ext.training.config import TrainingConfig
+from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import Engine, Phase
 from megatron_ext.training.engine_portable import PortableEngine
 from megatron_ext.training.initialization import initialize_like_single_stage
 from megatron_ext.training.loop import DatasetsProvider, Trainer, close, train
 from megatron_ext.training.megatron_engine import MegatronEngine
-from megatron_ext.training.megatron_features import RunExtras
 from megatron_ext.training.metrics import flops_per_iteration, peak_tflops, run_info
 from megatron_ext.training.metrics_logger import MetricsLogger, Timers
+from megatron_ext.training.run_extras import RunExtras
 from megatron_ext.training.schedules import ForwardStep
 from megatron_ext.training.unique_params import unique_numel
 
@@ -67,7 +67,7 @@ def process_start_time() -> float:
         return time.time()
 
 
-def build_engine(cfg: TrainingConfig, model, forward_step, pg, phase, timers) -> Engine:
+def build_engine(cfg: RunConfig, model, forward_step, pg, phase, timers) -> Engine:
     """The engine --ddp-impl names: the portable one, or megatron-core's (CUDA)."""
     if cfg.engine.ddp_impl == "megatron":
         return MegatronEngine(cfg, model, forward_step, pg, phase, timers)
@@ -75,7 +75,7 @@ def build_engine(cfg: TrainingConfig, model, forward_step, pg, phase, timers) ->
 
 
 def _build_chunks(
-    cfg: TrainingConfig, pg: ProcessGroups, model_provider: ModelProvider
+    cfg: RunConfig, pg: ProcessGroups, model_provider: ModelProvider
 ) -> list[torch.nn.Module]:
     """This pipeline rank's model: one module, or with --num-layers-per-virtual-pipeline-stage
     its V model chunks in order (chunk c holds virtual stage c x PP + pp_rank; the embedding on
@@ -113,7 +113,7 @@ def _build_chunks(
 
 
 def setup(
-    cfg: TrainingConfig,
+    cfg: RunConfig,
     pg: ProcessGroups,
     *,
     model_provider: ModelProvider,
@@ -153,7 +153,7 @@ def setup(
                 p.virtual_pipeline_model_parallel_size,
                 p.num_layers_per_virtual_pipeline_stage,
             )
-        for key, value in sorted(ck.args_json.items()):
+        for key, value in cfg.args_json().items():
             logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
     chunks = _build_chunks(cfg, pg, model_provider)
     resuming = bool(ck.load) and (
@@ -196,7 +196,7 @@ def setup(
     )
     if rank0:
         logger.info("model parameters: %d (%.1fM)", num_params, num_params / 1e6)
-        metrics.text("config", "\n".join(f"    {k}: {v}" for k, v in sorted(ck.args_json.items())))
+        metrics.text("config", "\n".join(f"    {k}: {v}" for k, v in cfg.args_json().items()))
     trainer.load()
     if ck.save:
         check_save_directory(ck.save, num_params, with_optimizer=not ck.no_save_optim)
@@ -204,7 +204,7 @@ def setup(
 
 
 def pretrain(
-    cfg: TrainingConfig,
+    cfg: RunConfig,
     *,
     model_provider: ModelProvider,
     forward_step: ForwardStep,
@@ -215,7 +215,7 @@ def pretrain(
     """Initialise the process groups, then `setup`, `train` and `close`.
 
     Args:
-        cfg: the run's settings (`arguments.training_config_from_args` fills them from flags).
+        cfg: the run's settings (`arguments.parse_config` builds them from the flags).
         model_provider: `(pre_process, post_process) -> module` of this pipeline stage.
         forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
         datasets_provider: `[train, valid, test] sample counts -> (train, valid, test)`.

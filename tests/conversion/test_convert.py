@@ -83,7 +83,7 @@ def _megatron_gpt_logits(model_dir: str, ckpt: str, ids: torch.Tensor) -> torch.
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_ext.inference.loading import find_checkpoint, run_model_config
-    from megatron_ext.models import ModelParallelism, compose_transformer_config
+    from megatron_ext.models import ParallelConfig, compose_transformer_config
     from megatron_ext.models.local_modules import PortableRotaryEmbedding, SDPACoreAttention
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -96,7 +96,7 @@ def _megatron_gpt_logits(model_dir: str, ckpt: str, ids: torch.Tensor) -> torch.
     config = run_model_config(find_checkpoint(ckpt), tensor_model_parallel_size=tp)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    tconfig = compose_transformer_config(config, ModelParallelism(tensor_model_parallel_size=tp))
+    tconfig = compose_transformer_config(config, ParallelConfig(tensor_model_parallel_size=tp))
     model = GPTModel(
         tconfig,
         spec,

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_ext.config_flags import add_flags, flag_values
 from megatron_ext.data import preprocess as pp
 from megatron_ext.data.loading import (
     DataConfig,
     VocabSizeMismatchError,
-    add_data_arguments,
     build_train_valid_test_datasets,
     check_vocab_sizes,
 )
@@ -47,7 +47,8 @@ def datasets(corpus_dir, sp_model, tmp_path_factory):
 
 
 def test_flags_and_blend(datasets, sp_model, tmp_path):
-    parser = add_data_arguments(argparse.ArgumentParser())
+    parser = argparse.ArgumentParser()
+    add_flags(parser, DataConfig)  # Megatron-LM's data flags, from DataConfig's fields
     args = parser.parse_args(
         [
             "--data-path",
@@ -66,8 +67,7 @@ def test_flags_and_blend(datasets, sp_model, tmp_path):
             "--eod-mask-loss",
         ]
     )
-    args.seq_length, args.seed = 64, 5
-    config = DataConfig.from_args(args)
+    config = DataConfig(seq_length=64, seed=5, **flag_values(DataConfig, args))
     assert config.eod_mask_loss and config.seq_length == 64
     tok = build_tokenizer(config.tokenizer_type, config.tokenizer_model)
     train, valid, test = build_train_valid_test_datasets(config, tok, [40, 8, 0])

@@ -37,11 +37,11 @@ def _config(arm: str, **overrides):
 
 
 def _model(arm: str, dtype=torch.float64):
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
 
     torch.manual_seed(0)
     model = build_model(
-        _config(arm), parallel=ModelParallelism(), precision=ModelPrecision(params_dtype=dtype)
+        _config(arm), parallel=ParallelConfig(), precision=PrecisionConfig(params_dtype=dtype)
     ).eval()
     # A random model is nearly uniform; larger output weights give decisive, varied tokens.
     if model.output_layer.weight is not None:

@@ -35,13 +35,13 @@ VARIANTS = {
 
 
 def _model(arm: str, dtype=torch.float64, **overrides):
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
 
     torch.manual_seed(0)
     model = build_model(
         _config(arm, **overrides),
-        parallel=ModelParallelism(),
-        precision=ModelPrecision(params_dtype=dtype),
+        parallel=ParallelConfig(),
+        precision=PrecisionConfig(params_dtype=dtype),
     ).eval()
     with torch.no_grad():
         # Some arms start with zero blocks (flat-mlp's output); noise makes every weight count.

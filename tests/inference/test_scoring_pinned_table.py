@@ -19,7 +19,7 @@ def _checks() -> dict:
     from megatron_ext.evaluation.scoring import ModelScorer, score_batches
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.lev.layer import LEVEmbedding
-    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
 
     pg = init_inference_parallel(1, 1)
     torch.manual_seed(0)
@@ -31,8 +31,8 @@ def _checks() -> dict:
     )  # fmt: skip
     model = build_model(
         config,
-        parallel=ModelParallelism(),
-        precision=ModelPrecision(params_dtype=torch.float64),
+        parallel=ParallelConfig(),
+        precision=PrecisionConfig(params_dtype=torch.float64),
         pg=pg,
     ).eval()
     rng = np.random.default_rng(0)

@@ -43,7 +43,7 @@ def _split_counts(model) -> dict:
 
 
 def _arm_checks():
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
 
     gen = torch.Generator().manual_seed(0)
     # A learnable pattern: each sequence counts up from a random start.
@@ -55,7 +55,7 @@ def _arm_checks():
     for arm in ARMS:
         torch.manual_seed(0)
         cfg = _config(arm)
-        model = build_model(cfg, parallel=ModelParallelism(), precision=ModelPrecision())
+        model = build_model(cfg, parallel=ParallelConfig(), precision=PrecisionConfig())
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(15):
@@ -70,7 +70,7 @@ def _arm_checks():
         state = model.state_dict()
         torch.manual_seed(123)
         fresh = build_model(
-            _config(arm), parallel=ModelParallelism(), precision=ModelPrecision()
+            _config(arm), parallel=ParallelConfig(), precision=PrecisionConfig()
         ).eval()
         fresh.load_state_dict(state)
         with torch.no_grad():
@@ -78,7 +78,7 @@ def _arm_checks():
         other = "lev" if arm != "lev" else "untied"
         try:
             build_model(
-                _config(other), parallel=ModelParallelism(), precision=ModelPrecision()
+                _config(other), parallel=ParallelConfig(), precision=PrecisionConfig()
             ).load_state_dict(state)
             mismatch = None
         except (ValueError, RuntimeError) as err:

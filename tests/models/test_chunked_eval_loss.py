@@ -42,7 +42,7 @@ def _one_rank_eval_losses() -> dict:
     """Per arm: whether the scoring forward took the chunks (and the autograd one did not),
     and the largest difference of its losses from the logits path and from float64."""
     import megatron_ext.models.leviathan_model as leviathan_model
-    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
 
     calls = []
 
@@ -60,7 +60,7 @@ def _one_rank_eval_losses() -> dict:
         config = ModelConfig(
             vocab_size=VOCAB, seq_length=SEQ, embedding=dict(embedding_type=arm), **SHAPE
         )
-        model = build_model(config, parallel=ModelParallelism(), precision=ModelPrecision())
+        model = build_model(config, parallel=ParallelConfig(), precision=PrecisionConfig())
         model.eval()
         calls.clear()
         with torch.no_grad():
@@ -92,7 +92,7 @@ def test_eval_forward_takes_the_chunks_with_the_same_losses():
 def _two_shard_eval_losses() -> list[bool]:
     import megatron_ext.megatron_import  # noqa: F401
 
-    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -102,7 +102,7 @@ def _two_shard_eval_losses() -> list[bool]:
         vocab_size=VOCAB, seq_length=SEQ, embedding=dict(embedding_type="untied"), **SHAPE
     )
     model = build_model(
-        config, parallel=ModelParallelism(tensor_model_parallel_size=2), precision=ModelPrecision(),
+        config, parallel=ParallelConfig(tensor_model_parallel_size=2), precision=PrecisionConfig(),
         pg=pg,
     ).eval()  # fmt: skip
     tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))

@@ -9,18 +9,18 @@ import dataclasses
 import pytest
 import torch
 
+from megatron_ext.config_flags import add_flags
 from megatron_ext.lev import LEVConfig
 from megatron_ext.models import (
     EmbeddingConfig,
     ModelConfig,
-    ModelParallelism,
-    ModelPrecision,
-    add_model_arguments,
+    ParallelConfig,
+    PrecisionConfig,
     check_layout,
-    model_config_from_args,
 )
 from megatron_ext.models.layer_specs import get_layer_spec, transformer_engine_available
-from megatron_ext.parallel import validate_parallel_layout
+from megatron_ext.models.layout import validate_parallel_layout
+from megatron_ext.training.arguments import model_config_from_args_json
 
 BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32)
 
@@ -45,7 +45,10 @@ BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4,
             dict(sequence_parallel=True, tensor_model_parallel_size=2, seq_length=33),
             "--seq-length 33 is not divisible by --tensor-model-parallel-size 2",
         ),
-        (dict(fp8_format="hybrid"), "--fp8-format needs --transformer-impl transformer_engine"),
+        (
+            dict(fp8_format="hybrid", bf16=True),
+            "--fp8-format needs --transformer-impl transformer_engine",
+        ),
         (dict(context_parallel_size=2), "--context-parallel-size > 1 needs --transformer-impl"),
         (dict(bf16=True, fp16=True), "--bf16 and --fp16 are exclusive"),
         (dict(transformer_impl="apex"), "--transformer-impl must be"),
@@ -61,18 +64,18 @@ BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4,
     ],
 )
 def test_impossible_settings_are_clear_errors(overrides, message):
-    parts = {ModelParallelism: {}, ModelPrecision: {}, ModelConfig: dict(BASE)}
+    parts = {ParallelConfig: {}, PrecisionConfig: {}, ModelConfig: dict(BASE)}
     for name, value in overrides.items():
         owner = next(
-            (c for c in (ModelParallelism, ModelPrecision) if name in _field_names(c)), ModelConfig
+            (c for c in (ParallelConfig, PrecisionConfig) if name in _field_names(c)), ModelConfig
         )
         parts[owner][name] = value
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         model = ModelConfig(**parts[ModelConfig])
         check_layout(
             model,
-            ModelParallelism(**parts[ModelParallelism]),
-            ModelPrecision(**parts[ModelPrecision]),
+            ParallelConfig(**parts[ParallelConfig]),
+            PrecisionConfig(**parts[PrecisionConfig]),
         )
 
 
@@ -82,18 +85,21 @@ def _field_names(cls) -> set[str]:
 
 def test_model_config_describes_the_model_only():
     """The layout and precision are build_model's arguments, not ModelConfig fields; the run's
-    ParallelConfig and PrecisionConfig own their flags."""
-    from megatron_ext.training.config import ParallelConfig, PrecisionConfig
+    ParallelConfig and PrecisionConfig own their flags, one type each: the run, the model
+    builder, the memory planner, the engines and the test harness take them."""
+    from megatron_ext.models import memory
+    from megatron_ext.testing import distributed
+    from megatron_ext.training import config
 
-    moved = _field_names(ModelParallelism) | {"params_dtype", "bf16", "fp16", "fp8", "fp8_format"}
+    moved = _field_names(ParallelConfig) | {"params_dtype", "bf16", "fp16", "fp8", "fp8_format"}
     assert not moved & _field_names(ModelConfig)
-    assert _field_names(ModelParallelism) <= _field_names(ParallelConfig)
-    assert {"bf16", "fp16", "fp8_format"} <= _field_names(PrecisionConfig)
-    # A ParallelConfig is a layout build_model takes as it is.
-    run = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
-    assert ModelParallelism.of(run) == ModelParallelism(
-        tensor_model_parallel_size=2, sequence_parallel=True
-    )
+    assert {"bf16", "fp16", "fp8_format", "params_dtype"} <= _field_names(PrecisionConfig)
+    assert config.ParallelConfig is ParallelConfig and config.PrecisionConfig is PrecisionConfig
+    plan = {f.name: f.type for f in memory.TrainingPlan.__dataclass_fields__.values()}
+    assert (plan["parallel"], plan["precision"]) == ("ParallelConfig", "PrecisionConfig")
+    assert distributed.ParallelConfig is ParallelConfig
+    for gone in ("ModelParallelism", "ModelPrecision", "ParallelLayout"):
+        assert not hasattr(memory, gone) and not hasattr(distributed, gone)
     with pytest.raises(
         ValueError,
         match="--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4",
@@ -116,30 +122,60 @@ def test_transformer_engine_where_it_cannot_run_is_a_clear_error():
         get_layer_spec("transformer_engine")
 
 
+RUN = ["--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--seq-length", "32",
+       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]  # fmt: skip
+
+
+def _model(*argv, vocab_size: int = 128) -> ModelConfig:
+    """The model of `argv` as the command line builds it, at `vocab_size`."""
+    from megatron_ext.training.arguments import parse_config
+
+    return parse_config([*RUN, *argv], world_size=1).model.replace(vocab_size=vocab_size)
+
+
 def _parse(*argv):
-    return add_model_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+    """The model and LEV flags alone (generated from the fields, as every parser's)."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ModelConfig)
+    add_flags(parser, EmbeddingConfig)
+    from megatron_ext.lev import LEVConfig
+
+    add_flags(parser, LEVConfig)
+    return parser.parse_args(list(argv))
 
 
 def test_presets_fill_and_flags_override():
-    cfg = model_config_from_args(_parse("--model-size", "1.2b", "--num-layers", "4"), 200064)
+    cfg = _model("--model-size", "1.2b", "--num-layers", "4", vocab_size=200064)
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (4, 2048, 5632)
-    cfg = model_config_from_args(_parse("--model-size", "400m"), 200064)
+    cfg = _model("--model-size", "400m", vocab_size=200064)
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (16, 1024, 16)
 
 
+def test_group_query_attention_defaults_to_megatron_lms_one_group():
+    """Megatron-LM: --group-query-attention without --num-query-groups is one key/value group;
+    without the switch, one group per head."""
+    gqa = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    assert _model(*gqa, "--group-query-attention").num_query_groups == 1
+    assert _model(*gqa).num_query_groups == 4
+    assert _model(*gqa, "--group-query-attention", "--num-query-groups", "2").num_query_groups == 2
+    assert ModelConfig(vocab_size=64, group_query_attention=True).num_query_groups == 1
+
+
 def test_flag_conflicts_are_clear_errors():
-    with pytest.raises(ValueError, match="contradicts --embedding-type tied"):
-        model_config_from_args(
-            _parse("--embedding-type", "tied", "--untie-embeddings-and-output-weights"), 128
-        )
-    with pytest.raises(ValueError, match="--num-query-groups needs --group-query-attention"):
-        model_config_from_args(_parse("--num-query-groups", "2"), 128)
-    with pytest.raises(ValueError, match="set --hidden-size, --num-attention-heads"):
-        model_config_from_args(_parse("--num-layers", "2"), 128)
+    from megatron_ext.training.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError, match="contradicts --embedding-type tied"):
+        _model("--embedding-type", "tied", "--untie-embeddings-and-output-weights")
+    with pytest.raises(ArgumentError, match="--num-query-groups needs --group-query-attention"):
+        _model("--num-query-groups", "2")
+    with pytest.raises(ArgumentError, match="set --hidden-size, --num-attention-heads"):
+        _model("--num-layers", "2")
+    # A model built in code fills what it is not given (the debug model's sizes).
+    assert ModelConfig(vocab_size=64, num_layers=3).num_attention_heads == 4
 
 
 def test_megatron_launch_script_flags_are_accepted():
-    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training.arguments import parse_config
 
     argv = (
         "--use-mcore-models --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
@@ -150,7 +186,7 @@ def test_megatron_launch_script_flags_are_accepted():
         "--micro-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 100"
     ).split()
-    cfg = model_config_from_args(parse_args(argv, world_size=1), 128)
+    cfg = parse_config(argv, world_size=1).model
     assert (cfg.num_layers, cfg.hidden_size, cfg.embedding.embedding_type) == (2, 64, "lev")
 
 
@@ -160,26 +196,33 @@ def test_megatron_launch_script_flags_are_accepted():
 )
 def test_megatron_flags_asking_for_another_design_are_refused(flag, value):
     """Megatron-LM compatibility rules (`training.megatron_compat`) answer these flags."""
-    from megatron_ext.training.arguments import ArgumentError, parse_args
+    from megatron_ext.training.arguments import ArgumentError, parse_config
 
     argv = [flag, value, "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
+    argv += ["--seq-length", "32"]
     with pytest.raises(ArgumentError, match=f"{flag} {value}: the Leviathan backbone"):
-        parse_args([*argv, "--mock-data", "--tokenizer-type", "NullTokenizer"], world_size=1)
+        parse_config([*argv, "--mock-data", "--tokenizer-type", "NullTokenizer"], world_size=1)
 
 
 def test_lev_flags_become_the_frozen_config_the_model_holds():
-    cfg = model_config_from_args(_parse("--lev-num-knots", "5", "--lev-rank", "4"), 128)
+    from megatron_ext.training.arguments import ArgumentError, parse_config
+
+    cfg = _model("--lev-num-knots", "5", "--lev-rank", "4")
     lev = cfg.embedding.lev
     assert isinstance(lev, LEVConfig)
     assert (lev.vocab_size, lev.hidden_size, lev.num_knots, lev.rank) == (128, 64, 5, 4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         lev.num_knots = 6
+    # Before the tokenizer is known: the flags at no size (the base left to the vocabulary).
+    run = parse_config([*RUN, "--lev-num-knots", "5"], world_size=1)
+    assert (run.lev.vocab_size, run.lev.base, run.lev.num_knots) == (None, None, 5)
+    assert run.model.embedding.lev == dataclasses.replace(run.lev, hidden_size=64)
     # The arms sized from LEV's count hold it too; tied / untied hold none.
-    albert = model_config_from_args(_parse("--embedding-type", "albert", "--lev-rank", "4"), 128)
+    albert = _model("--embedding-type", "albert", "--lev-rank", "4")
     assert albert.embedding.lev.rank == 4
-    assert model_config_from_args(_parse("--embedding-type", "tied"), 128).embedding.lev is None
-    with pytest.raises(ValueError, match="--lev-num-knots"):
-        model_config_from_args(_parse("--lev-num-knots", "2"), 128)
+    assert _model("--embedding-type", "tied").embedding.lev is None
+    with pytest.raises(ArgumentError, match="--lev-num-knots"):
+        _model("--lev-num-knots", "2")
 
 
 def test_lev_given_as_dict_or_config_is_the_same_model():
@@ -226,25 +269,31 @@ def test_an_args_json_written_before_the_split_still_builds_its_model(tmp_path):
     import json
 
     from megatron_ext.models import compose_transformer_config
-    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training.arguments import parse_config
 
-    saved = argparse.Namespace(**json.loads(OLD_ARGS_JSON))
-    model = model_config_from_args(saved, 128)
+    saved = json.loads(OLD_ARGS_JSON)
+    model = model_config_from_args_json(saved).replace(vocab_size=128)
     assert (model.num_layers, model.hidden_size, model.seq_length) == (2, 64, 32)
     assert model.embedding.lev.num_heads == 2 and model.embedding.lev.rank == 8
-    parallel = ModelParallelism.of(saved)
-    assert parallel == ModelParallelism(tensor_model_parallel_size=2, sequence_parallel=True)
-    tc = compose_transformer_config(model, parallel, ModelPrecision(bf16=saved.bf16))
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=saved["tensor_model_parallel_size"],
+        sequence_parallel=saved["sequence_parallel"],
+    )
+    # BF16 parameters (megatron's engine) from the saved --bf16.
+    precision = PrecisionConfig(bf16=saved["bf16"], params_dtype=torch.bfloat16)
+    tc = compose_transformer_config(model, parallel, precision)
     assert (tc.tensor_model_parallel_size, tc.sequence_parallel) == (2, True)
     assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.pipeline_dtype == torch.bfloat16
     # --use-checkpoint-args restores the model flags from the same file.
     (tmp_path / "iter_0000010").mkdir()
     (tmp_path / "iter_0000010" / "args.json").write_text(OLD_ARGS_JSON)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("10\n")
-    args = parse_args(
+    run = parse_config(
         ["--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "10", "--mock-data",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--load", str(tmp_path),
          "--use-checkpoint-args", "--tensor-model-parallel-size", "2"],
         world_size=2,
     )  # fmt: skip
-    assert model_config_from_args(args, 128) == model
+    # The command line's dropout is Megatron-LM's 0.1 (not a model-shaping flag: not restored).
+    restored = run.model.replace(vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+    assert restored == model

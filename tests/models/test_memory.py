@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig, param_table
-from megatron_ext.models.memory import ParallelLayout, estimate_memory, flops_per_token
+from megatron_ext.models.layout import ParallelConfig, PrecisionConfig
+from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
 from megatron_ext.testing.distributed import call_in_file, run_distributed
 
 pytestmark = pytest.mark.integration
@@ -32,14 +33,14 @@ def _config(arm: str) -> ModelConfig:
 def _measure(arms, autocast_bf16: bool, tp: int, sp: bool, batch: int = BATCH) -> dict:
     """Bytes saved for backward by one forward + loss of each arm (this rank), micro-batch
     `batch` x SEQ."""
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.testing.memory import saved_tensor_bytes
 
     sizes = {}
     for arm in arms:
         torch.manual_seed(0)
-        parallel = ModelParallelism(tensor_model_parallel_size=tp, sequence_parallel=sp)
-        model = build_model(_config(arm), parallel=parallel, precision=ModelPrecision())
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp)
+        model = build_model(_config(arm), parallel=parallel, precision=PrecisionConfig())
         # Distinct ids: LEV's dedup then evaluates exactly T ids (unique_fraction = 1).
         ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[: batch * SEQ]
         ids = ids.view(batch, SEQ).clone()  # its own storage, not a view of all V ids
@@ -83,7 +84,8 @@ def one_rank():
 def test_activation_figure_equals_the_measured_local_path(one_rank):
     cases, measured = ONE_RANK_CASES, one_rank["measured"]
     for (arms, bf16, _, _, *batch), sizes in zip(cases, measured):
-        layout = ParallelLayout(micro_batch_size=(batch or [BATCH])[0], bf16=bf16)
+        precision = PrecisionConfig(bf16=bf16)
+        layout = TrainingPlan(precision=precision, micro_batch_size=(batch or [BATCH])[0])
         for arm in arms:
             estimate = estimate_memory(_config(arm), layout).activations
             assert estimate == sizes[arm], (arm, bf16, estimate, sizes[arm])
@@ -94,7 +96,8 @@ def test_activation_figure_under_tensor_and_sequence_parallelism():
     cases = [(arms, True, 2, False), (arms, True, 2, True)]
     measured = run_distributed(call_in_file, 2, tp=2, args=(__file__, "_measure_cases", cases))
     for i, (_, _, tp, sp) in enumerate(cases):
-        layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=sp, micro_batch_size=BATCH)
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp)
+        layout = TrainingPlan(parallel=parallel, micro_batch_size=BATCH)
         for arm in arms:
             estimate = estimate_memory(_config(arm), layout).activations
             assert [estimate] * 2 == [m[i][arm] for m in measured], (arm, sp, estimate, measured)
@@ -103,10 +106,10 @@ def test_activation_figure_under_tensor_and_sequence_parallelism():
 def _count_flops(arm) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
 
     torch.manual_seed(0)
-    model = build_model(_config(arm), parallel=ModelParallelism(), precision=ModelPrecision())
+    model = build_model(_config(arm), parallel=ParallelConfig(), precision=PrecisionConfig())
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
     with FlopCounterMode(display=False) as counter:
@@ -132,16 +135,17 @@ def test_optimizer_state_bytes_and_a_1_2b_run_on_8_gpus():
         vocab_size=200064, seq_length=4096, embedding=dict(embedding_type="lev"),
         **MODEL_SIZE_PRESETS["1.2b"],
     )  # fmt: skip
-    portable = estimate_memory(cfg, ParallelLayout(data_parallel=8))
+    dp8 = ParallelConfig(data_parallel_size=8)
+    portable = estimate_memory(cfg, TrainingPlan(parallel=dp8))
     assert portable.weights == portable.grads == 4 * portable.parameters
     assert portable.optimizer == 8 * portable.parameters
-    megatron = estimate_memory(
-        cfg, ParallelLayout(data_parallel=8, engine="megatron", distributed_optimizer=True)
-    )
+    distopt = ParallelConfig(data_parallel_size=8, use_distributed_optimizer=True)
+    megatron = estimate_memory(cfg, TrainingPlan(parallel=distopt, engine="megatron"))
     assert (megatron.weights, megatron.grads) == (2 * megatron.parameters, 4 * megatron.parameters)
     assert megatron.optimizer == int(12 / 8 * megatron.parameters)
     # TP=2 halves most weights; recompute keeps layer inputs only (the [T, V] logits remain).
-    tp2 = estimate_memory(cfg, ParallelLayout(tensor_parallel=2, data_parallel=4))
+    tp2_dp4 = ParallelConfig(tensor_model_parallel_size=2, data_parallel_size=4)
+    tp2 = estimate_memory(cfg, TrainingPlan(parallel=tp2_dp4))
     assert tp2.parameters < 0.55 * portable.parameters
     assert portable.activations_recompute < portable.activations / 2
     assert 1.2e9 < portable.parameters < 1.3e9
@@ -163,6 +167,11 @@ def test_count_params_memory_cli(capsys):
         param_table.main(["--memory", "--scales", "1.2b", "--tensor-model-parallel-size", "3"]) == 2
     )
     assert "not divisible by --tensor-model-parallel-size 3" in capsys.readouterr().err
+    # The run's own spellings (issue 47): --no-bf16 and --ddp-impl, not --precision / --engine.
+    fp32 = ["--memory", "--scales", "1.2b", "--vocab-sizes", "200064", "--arms", "tied"]
+    assert param_table.main([*fp32, "--no-bf16", "--ddp-impl", "megatron", "--format", "csv"]) == 0
+    (row,) = capsys.readouterr().out.strip().splitlines()[1:]
+    assert " fp32 megatron" in row
 
 
 def test_flops_per_token_agrees_with_the_training_log_formula():

@@ -81,7 +81,7 @@ def _bf16_dtypes(model, inputs, position_ids) -> dict:
 
 
 def _references(path):
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict
     from megatron_ext.parallel import ProcessGroups
 
@@ -91,7 +91,7 @@ def _references(path):
     for arm in ARMS:
         torch.manual_seed(1)
         model = build_model(
-            _model_config(arm), parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg
+            _model_config(arm), parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg
         )
         logits = model(inputs, position_ids, None).detach()
         loss = model(inputs, position_ids, None, labels=labels)
@@ -114,7 +114,7 @@ def _max_diffs(got: dict, want: dict) -> dict:
 
 def _tensor_parallel_checks(path):
     """TP=2 without and with sequence parallelism, each arm against its single-rank reference."""
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -129,10 +129,10 @@ def _tensor_parallel_checks(path):
         for sequence_parallel in (False, True):
             model = build_model(
                 _model_config(arm),
-                parallel=ModelParallelism(
+                parallel=ParallelConfig(
                     tensor_model_parallel_size=2, sequence_parallel=sequence_parallel
                 ),
-                precision=ModelPrecision(),
+                precision=PrecisionConfig(),
                 pg=pg,
             )
             load_full_state_dict(model, ref["weights"], pg.tp)
@@ -175,7 +175,7 @@ def _pipeline_checks(path):
     """Two stages (input + layers 0-1 | layers 2-3 + head) driven by hand with send/recv."""
     import torch.distributed as dist
 
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.finalize_grads import allreduce_tied_embedding_grads
@@ -190,8 +190,8 @@ def _pipeline_checks(path):
         ref = refs[arm]
         model = build_model(
             _model_config(arm),
-            parallel=ModelParallelism(pipeline_model_parallel_size=2),
-            precision=ModelPrecision(),
+            parallel=ParallelConfig(pipeline_model_parallel_size=2),
+            precision=PrecisionConfig(),
             pre_process=first,
             post_process=not first,
             pg=pg,

@@ -75,13 +75,13 @@ class _TENamedLayer(torch.nn.Module):
 
 
 def _round_trip() -> dict:
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
     from megatron_ext.parallel import ProcessGroups
 
     pg = ProcessGroups.from_megatron()
     torch.manual_seed(0)
-    local = build_model(_config(), parallel=ModelParallelism(), precision=ModelPrecision(), pg=pg)
+    local = build_model(_config(), parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg)
     full = gather_full_state_dict(local, pg.tp)
     shapes = {k: v.shape for k, v in full.items()}
     te_like = torch.nn.Module()
@@ -115,9 +115,9 @@ def test_te_model_names_map_onto_the_local_model():  # pragma: no cover - GPU on
 
 
 def _both_names() -> dict:
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
 
-    one_rank = dict(parallel=ModelParallelism(), precision=ModelPrecision())
+    one_rank = dict(parallel=ParallelConfig(), precision=PrecisionConfig())
     return {
         impl: {
             canonical_param_name(n)

@@ -29,10 +29,10 @@ def main(engine: str, out: Path, load: str | None) -> None:
         EvalConfig,
         LoggingConfig,
         OptimizerConfig,
-        TrainingConfig,
+        RunConfig,
     )
 
-    cfg = TrainingConfig(
+    cfg = RunConfig(
         batch=BatchConfig(
             seq_length=SEQ,
             micro_batch_size=2,

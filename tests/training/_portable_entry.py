@@ -35,7 +35,7 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
         BatchConfig,
         OptimizerConfig,
         ParallelConfig,
-        TrainingConfig,
+        RunConfig,
     )
     from megatron_ext.training.engine import NonFiniteError, Phase
     from megatron_ext.training.engine_portable import PortableEngine
@@ -48,7 +48,7 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
         pg, num_layers=LAYERS, hidden_size=32, chunks_per_rank=chunks_per_rank, seed=SEED
     )
     layers = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
-    cfg = TrainingConfig(
+    cfg = RunConfig(
         batch=BatchConfig(
             seq_length=SEQ,
             micro_batch_size=MICRO_BATCH,

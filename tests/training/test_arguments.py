@@ -13,8 +13,8 @@ import torch
 
 from megatron_ext.training.arguments import (
     ArgumentError,
-    parse_args,
-    training_config_from_args,
+    parse_config,
+    run_config_from_args_json,
 )
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ BASE = [
 
 
 def _parse(*extra: str, world_size: int = 1):
-    return parse_args([*BASE, *extra], world_size=world_size)
+    return parse_config([*BASE, *extra], world_size=world_size)
 
 
 def _without(flag: str) -> list[str]:
@@ -43,7 +43,8 @@ def test_megatron_flags_fill_the_configs():
         "--clip-grad", "0.5", "--bf16", "--save", "ckpt", "--save-interval", "10",
         world_size=8,
     )  # fmt: skip
-    cfg = training_config_from_args(args)
+    cfg = run_config_from_args_json(args.args_json())  # what a checkpoint's args.json rebuilds
+    assert cfg == args
     assert cfg.parallel.data_parallel_size == 2 and cfg.parallel.sequence_parallel
     assert cfg.parallel.use_distributed_optimizer
     assert cfg.num_microbatches == 4  # 16 / (2 x DP 2)
@@ -53,22 +54,27 @@ def test_megatron_flags_fill_the_configs():
     assert cfg.optim.lr_decay_steps == 1600 and cfg.optim.lr_warmup_steps == 160
     assert cfg.ckpt.save == "ckpt" and cfg.ckpt.save_interval == 10
     # args.json keeps every flag and derived value, as before the configs existed.
-    assert cfg.ckpt.args_json["lr_decay_steps"] == 1600
-    assert cfg.ckpt.args_json["seq_length"] == 32 and cfg.ckpt.args_json["bf16"] is True
+    assert cfg.args_json()["lr_decay_steps"] == 1600
+    assert cfg.args_json()["seq_length"] == 32 and cfg.args_json()["bf16"] is True
 
 
 def test_defaults_follow_megatron():
-    args = _parse(world_size=2)
-    assert args.global_batch_size == 4  # micro-batch x DP
-    assert args.lr_decay_style == "linear" and args.clip_grad == 1.0
-    assert args.make_vocab_size_divisible_by == 128 and args.log_interval == 100
+    run = _parse(world_size=2)
+    assert run.batch.global_batch_size == 4  # micro-batch x DP
+    assert run.optim.lr_decay_style == "linear" and run.optim.clip_grad == 1.0
+    assert run.data.make_vocab_size_divisible_by == 128 and run.log.log_interval == 100
+    assert run.model.hidden_dropout == run.model.attention_dropout == 0.1
+    assert run.eval.eval_interval is None
+    assert (run.precision.fp8_amax_history_len, run.precision.fp8_amax_compute_algo) == (
+        1, "most_recent"
+    )  # fmt: skip
 
 
 def test_train_samples_derive_iterations():
-    args = parse_args(
+    run = parse_config(
         [*_without("--train-iters"), "--train-samples", "1000", "--global-batch-size", "8"], 1
     )
-    assert args.train_iters == 125 and args.lr_decay_steps == 1000
+    assert run.batch.train_iters == 125 and run.optim.lr_decay_steps == 1000
 
 
 @pytest.mark.parametrize(
@@ -93,30 +99,30 @@ def test_bad_flags_fail_with_one_line(argv, world, message):
 
 def test_required_flags():
     with pytest.raises(ArgumentError, match="--micro-batch-size is required"):
-        parse_args(_without("--micro-batch-size"), 1)
+        parse_config(_without("--micro-batch-size"), 1)
     with pytest.raises(ArgumentError, match="--lr is required"):
-        parse_args(_without("--lr"), 1)
+        parse_config(_without("--lr"), 1)
     with pytest.raises(ArgumentError, match="--seq-length is required"):
-        parse_args(_without("--seq-length"), 1)
+        parse_config(_without("--seq-length"), 1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
 def test_precision_errors_come_from_the_configs():
     """Each precision check lives in one place: FP8 needing Transformer Engine in
-    `models.layout.check_layout` (it needs the model's --transformer-impl), --fp8-format
-    needing --bf16 in PrecisionConfig, --bf16 with --fp16 in one function that both the run's
-    PrecisionConfig and the model's ModelPrecision call."""
-    from megatron_ext.models import ModelPrecision, check_layout, model_config_from_args
+    `models.layout.check_layout` (it needs the model's --transformer-impl, and the run checks
+    it while parsing), --fp8-format needing --bf16 and --bf16 with --fp16 in PrecisionConfig,
+    the one precision type of the run and the model."""
+    from megatron_ext.models import ModelConfig, PrecisionConfig, check_layout
 
-    args = _parse("--fp8-format", "hybrid", "--bf16")
+    with pytest.raises(ArgumentError, match="FP8 is not available on CPU"):
+        _parse("--fp8-format", "hybrid", "--bf16")
     with pytest.raises(ValueError, match="FP8 is not available on CPU"):
-        check_layout(
-            model_config_from_args(args, 128), None, ModelPrecision(fp8_format=args.fp8_format)
-        )
+        precision = PrecisionConfig(bf16=True, fp8_format="hybrid")
+        check_layout(ModelConfig(vocab_size=128), None, precision)
     with pytest.raises(ArgumentError, match="--bf16 and --fp16 are exclusive"):
         _parse("--bf16", "--fp16")
     with pytest.raises(ValueError, match="--bf16 and --fp16 are exclusive"):
-        ModelPrecision(bf16=True, fp16=True)
+        PrecisionConfig(bf16=True, fp16=True)
     with pytest.raises(ArgumentError, match="--fp8-format needs --bf16"):
         _parse("--fp8-format", "hybrid")
 
@@ -160,16 +166,22 @@ def test_entry_point_prints_one_error_line(extra, world_size, error):
 def test_use_checkpoint_args_takes_the_model_flags(tmp_path, caplog):
     ckpt = tmp_path / "iter_0000040"
     ckpt.mkdir()
-    saved = {"num_layers": 6, "hidden_size": 96, "embedding_type": "albert", "lev_rank": 7}
+    saved = {
+        "num_layers": 6, "hidden_size": 96, "num_attention_heads": 6, "embedding_type": "albert",
+        "lev_rank": 7,
+    }  # fmt: skip
     (ckpt / "args.json").write_text(json.dumps({**saved, "lr": 123.0}))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("40\n")
     with caplog.at_level("WARNING"):
-        args = _parse("--load", str(tmp_path), "--use-checkpoint-args", "--num-layers", "2")
+        run = _parse("--load", str(tmp_path), "--use-checkpoint-args", "--num-layers", "2")
     # Megatron-LM: a flag given on the command line wins, with a warning; the rest is restored.
-    assert (args.num_layers, args.hidden_size, args.embedding_type) == (2, 96, "albert")
+    model = run.model
+    assert (model.num_layers, model.hidden_size) == (2, 96)
+    assert model.embedding.embedding_type == "albert"
     assert "--num-layers 2 from the command line overrides the checkpoint's 6" in caplog.text
     assert "hidden-size" not in caplog.text
-    assert args.lev_rank == 7 and args.lr == 1e-3  # training flags stay the command line's
+    assert run.lev.rank == 7 and model.embedding.lev.rank == 7
+    assert run.optim.lr == 1e-3  # training flags stay the command line's
     with pytest.raises(ArgumentError, match="needs --load"):
         _parse("--use-checkpoint-args")
 
@@ -177,14 +189,11 @@ def test_use_checkpoint_args_takes_the_model_flags(tmp_path, caplog):
 def test_lev_training_controls_reach_args_json_and_back(tmp_path):
     """--lev-init-output-std / --lev-weight-decay-groups / --lev-lr-mult are stored in a
     checkpoint's args.json (the config dump prints the same dict) and restored from it."""
-    from megatron_ext.models import model_config_from_args
-    from megatron_ext.training.arguments import args_to_json
-
     args = _parse(
         "--lev-init-output-std", "0.02", "--lev-weight-decay-groups", "out_proj", "seed_norm",
         "--lev-lr-mult", "0.5",
     )  # fmt: skip
-    saved = args_to_json(args)
+    saved = args.args_json()
     assert saved["lev_init_output_std"] == 0.02 and saved["lev_lr_mult"] == 0.5
     assert saved["lev_weight_decay_groups"] == ["out_proj", "seed_norm"]
     ckpt = tmp_path / "iter_0000010"
@@ -192,7 +201,7 @@ def test_lev_training_controls_reach_args_json_and_back(tmp_path):
     (ckpt / "args.json").write_text(json.dumps(saved))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("10\n")
     restored = _parse("--load", str(tmp_path), "--use-checkpoint-args")
-    lev = model_config_from_args(restored, 128).embedding.lev
+    lev = restored.model.embedding.lev
     assert (lev.init_output_std, lev.lr_mult) == (0.02, 0.5)
     assert lev.weight_decay_groups == ("out_proj", "seed_norm")
 
@@ -215,19 +224,16 @@ OLD_LAYOUT_ARGV = [
 
 def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     """args.json is flat (one key per flag or derived field), so a checkpoint's args.json from
-    before FeatureConfig was split rebuilds the same TrainingConfig, each moved field at its
+    before FeatureConfig was split rebuilds the same RunConfig, each moved field at its
     owner, and --use-checkpoint-args reads it."""
-    import argparse
     import dataclasses
     import importlib.util
     import logging
 
-    from megatron_ext.training.arguments import args_to_json
-
     old = json.loads(
         (Path(__file__).parent / "data" / "args_before_feature_split.json").read_text()
     )
-    cfg = training_config_from_args(argparse.Namespace(**old))
+    cfg = run_config_from_args_json(old)
     assert cfg.ckpt.async_save and cfg.exit.skip_train and cfg.ckpt.no_load_optim
     assert (cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr) == (5e-3, 1e-5)
     assert cfg.engine.calculate_per_token_loss and cfg.precision.grad_reduce_in_bf16
@@ -248,22 +254,26 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     if importlib.util.find_spec("wandb") is None:  # --wandb-project needs the package
         argv = argv[: argv.index("--wandb-project")]
         keep = lambda key: not key.startswith("wandb_")  # noqa: E731
+    # Megatron-LM's defaults since (issue 47), given as the old run had them.
+    argv = [*argv, "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "1000"]
     level = logging.getLogger().level
     try:
-        args = parse_args(argv, world_size=1)
+        args = parse_config(argv, world_size=1)
     finally:  # --logging-level sets the root logger's level
         logging.getLogger().setLevel(level)
-    written = args_to_json(args)
+    written = args.args_json()
     # Flags added since that checkpoint appear with their defaults: off, except the two that are
     # on unless turned off (an old run resumed gets them, benchmarks/RESULTS.md 4.10); every old
-    # key agrees.
+    # key agrees but FP8's recipe defaults, Megatron-LM's since issue 47 (no --fp8-format here).
     on_by_default = {"lev_dedup_global_batch": True, "retain_host_memory": True}
     added = set(written) - set(old)
     assert all(written[k] is on_by_default.get(k) for k in added), {k: written[k] for k in added}
-    assert {k: v for k, v in written.items() if keep(k) and k not in added} == {
-        k: v for k, v in old.items() if keep(k)
+    fp8 = {"fp8_amax_history_len": (1024, 1), "fp8_amax_compute_algo": ("max", "most_recent")}
+    assert {k: (old[k], written[k]) for k in fp8} == fp8
+    assert {k: v for k, v in written.items() if keep(k) and k not in added and k not in fp8} == {
+        k: v for k, v in old.items() if keep(k) and k not in fp8
     }
-    new = dataclasses.replace(training_config_from_args(args), ckpt=cfg.ckpt)
+    new = dataclasses.replace(args, precision=cfg.precision, compat_flags=cfg.compat_flags)
     if keep("wandb_project"):
         assert new == cfg
 
@@ -271,5 +281,14 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     (tmp_path / "iter_0000100").mkdir()
     (tmp_path / "iter_0000100" / "args.json").write_text(json.dumps(old))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("100\n")
-    restored = _parse("--load", str(tmp_path), "--use-checkpoint-args")
+    restored = _parse("--load", str(tmp_path), "--use-checkpoint-args").model
     assert (restored.num_layers, restored.hidden_size, restored.num_attention_heads) == (3, 96, 6)
+
+
+def test_the_data_flags_are_checked_while_parsing():
+    """DataConfig is a part of the RunConfig: its refusals are the command line's one line."""
+    argv = [a for a in BASE if a != "--mock-data"]
+    with pytest.raises(ArgumentError, match="no training data: pass --data-path"):
+        parse_config(argv, 1)
+    with pytest.raises(ArgumentError, match="choose one of --data-path"):
+        parse_config([*BASE, "--data-path", "x"], 1)

@@ -20,7 +20,7 @@ class _Killed(BaseException):
 
 
 def _tiny_model(arm: str = "untied"):
-    from megatron_ext.models import ModelConfig, ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
 
     cfg = ModelConfig(
         vocab_size=128,
@@ -34,8 +34,8 @@ def _tiny_model(arm: str = "untied"):
     torch.manual_seed(0)
     return build_model(
         cfg,
-        parallel=ModelParallelism(tensor_model_parallel_size=2),
-        precision=ModelPrecision(),
+        parallel=ParallelConfig(tensor_model_parallel_size=2),
+        precision=PrecisionConfig(),
     )
 
 

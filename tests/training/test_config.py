@@ -1,4 +1,4 @@
-"""TrainingConfig built in code: each dataclass checks itself with the command line's one-line
+"""RunConfig built in code: each dataclass checks itself with the command line's one-line
 message, and derives what Megatron-LM derives; the flags reach args.json unchanged."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from megatron_ext.training.arguments import ArgumentError, args_to_json, parse_args
+from megatron_ext.training.arguments import ArgumentError, parse_config, run_config_from_args_json
 from megatron_ext.training.config import (
     BatchConfig,
     CheckpointConfig,
@@ -19,17 +19,17 @@ from megatron_ext.training.config import (
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
-    TrainingConfig,
+    RunConfig,
 )
 
 
-def _run(**parts) -> TrainingConfig:
+def _run(**parts) -> RunConfig:
     """A valid one-rank run with `parts` replaced."""
     parts.setdefault(
         "batch", BatchConfig(seq_length=32, micro_batch_size=2, global_batch_size=4, train_iters=3)
     )
     parts.setdefault("optim", OptimizerConfig(lr=1e-4))
-    return TrainingConfig(**parts)
+    return RunConfig(**parts)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def _run(**parts) -> TrainingConfig:
             lambda: OptimizerConfig(lr=1e-3, min_lr=1e-3, decoupled_lr=1e-4),
             "need 0 <= --decoupled-min-lr (0.001) <= --decoupled-lr (0.0001)",
         ),
-        # Checks across two configs: TrainingConfig's.
+        # Checks across two configs: RunConfig's.
         (
             lambda: _run(batch=BatchConfig(seq_length=8, micro_batch_size=2, global_batch_size=3)),
             "--global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel size 1",
@@ -208,7 +208,7 @@ def test_the_command_line_prints_the_configs_messages():
         (["--async-save"], "--async-save needs --save"),
     ):
         with pytest.raises(ArgumentError) as info:
-            parse_args([*base, *extra], world_size=1)
+            parse_config([*base, *extra], world_size=1)
         assert str(info.value).startswith(message)
 
 
@@ -334,13 +334,11 @@ ARGS_JSON_CASES = [
 
 @pytest.mark.parametrize("argv, world, derived", ARGS_JSON_CASES)
 def test_args_json_keeps_the_derived_values(argv, world, derived):
-    from megatron_ext.training.arguments import training_config_from_args
-
-    args = parse_args(argv, world_size=world)
-    saved = args_to_json(args)
+    run = parse_config(argv, world_size=world)
+    saved = run.args_json()
     assert {k: saved[k] for k in derived} == derived
-    cfg = training_config_from_args(args)
-    assert cfg.ckpt.args_json == saved  # the config is built from what args.json records
+    cfg = run_config_from_args_json(saved)
+    assert cfg == run and cfg.args_json() == saved  # args.json rebuilds the same config
     assert cfg.optim.lr_decay_steps == saved["lr_decay_steps"]
     assert cfg.batch.train_iters == saved["train_iters"]
     assert cfg.parallel.data_parallel_size == saved["data_parallel_size"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.training.arguments import parse_args
+from megatron_ext.training.arguments import parse_config
 
 pytestmark = pytest.mark.integration
 
@@ -39,18 +39,21 @@ def _without_arm(argv: list[str], arm: str) -> list[str]:
 
 @pytest.mark.parametrize("size", ["200m", "400m", "1.2b"])
 def test_recipes_share_hyper_parameters_and_validate(size):
-    from megatron_ext.models import ModelParallelism, check_layout, model_config_from_args
+    from megatron_ext.models import check_layout
 
     argvs = {arm: _recipe_argv(size, arm) for arm in ARMS}
     reference = _without_arm(argvs["lev"], "lev")
     for arm, argv in argvs.items():
         assert _without_arm(argv, arm) == reference, f"{arm} differs from lev beyond the arm"
-        args = parse_args(argv, world_size=8)
-        assert args.seq_length == 512 and args.global_batch_size == 512
-        model = model_config_from_args(args, vocab_size=200064)  # o200k padded
-        check_layout(model, ModelParallelism.of(args))  # the recipe's TP/PP fit the model
+        run = parse_config(argv, world_size=8)
+        assert run.batch.seq_length == 512 and run.batch.global_batch_size == 512
+        model = run.model.replace(vocab_size=200064)  # o200k padded
+        check_layout(model, run.parallel)  # the recipe's TP/PP fit the model at its vocabulary
         assert model.embedding.embedding_type == arm
-    tokens = args.train_iters * 512 * 512
+        # The paper's recipes set their choices where Megatron-LM's defaults differ.
+        assert (model.hidden_dropout, model.attention_dropout) == (0.0, 0.0)
+        assert run.eval.eval_interval is not None
+    tokens = run.batch.train_iters * 512 * 512
     assert {"200m": 4.0e9, "400m": 8.0e9, "1.2b": 24.1e9}[size] == pytest.approx(tokens, rel=1e-3)
 
 
@@ -58,7 +61,7 @@ def test_vocabulary_ablation_recipes():
     for vocab in ("50k", "100k", "200k"):
         argv = _recipe_argv("400m", "lev", vocab)
         assert f"pile_sp{vocab}.model" in " ".join(argv)
-        parse_args(argv, world_size=8)
+        parse_config(argv, world_size=8)
 
 
 def test_slurm_launcher_is_valid_bash():

@@ -1,5 +1,6 @@
-"""Every flag of `pretrain_leviathan.py` is declared once: on the config field that owns it, as
-a Megatron-LM compatibility rule, or (until its config owns it) in the short list below."""
+"""Every flag of `pretrain_leviathan.py` is declared once, by one mechanism
+(`config_flags.flag`): on the config field that owns it (LEV's included), as a Megatron-LM
+compatibility rule, or (until its config owns it) in the short list below."""
 
 from __future__ import annotations
 
@@ -11,22 +12,22 @@ import pytest
 
 from megatron_ext.config_flags import command_line_default, flag_dest, flag_fields
 from megatron_ext.data.loading import DataConfig
-from megatron_ext.lev.arguments import lev_flag_fields
+from megatron_ext.lev.config import LEVConfig
 from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 from megatron_ext.training import config as C
-from megatron_ext.training.arguments import args_to_json, build_parser, parse_args
+from megatron_ext.training.arguments import build_parser, parse_config
 from megatron_ext.training.megatron_compat import _CompatAction
 
 TREE = (
-    C.TrainingConfig, C.ParallelConfig, C.BatchConfig, C.PrecisionConfig, C.ExitConfig,
+    C.RunConfig, C.ParallelConfig, C.BatchConfig, C.PrecisionConfig, C.ExitConfig,
     C.EvalConfig, C.OptimizerConfig, C.CheckpointConfig, C.LoggingConfig, C.MemoryConfig,
-    C.EngineConfig, ModelConfig, EmbeddingConfig, DataConfig,
+    C.EngineConfig, ModelConfig, EmbeddingConfig, LEVConfig, DataConfig,
 )  # fmt: skip
 
 # Flags still declared by hand (argparse code), until the config that owns them declares them.
 # This list may only shrink: test_no_flag_is_declared_outside_the_tree fails on a new entry.
 HAND_DECLARED = {
-    # deprecated alias mapped onto --lev-kernel by lev.arguments.lev_flag_values (old args.json)
+    # deprecated alias mapped onto --lev-kernel by training.arguments._lev_values (old args.json)
     "--lev-fused",
 }  # fmt: skip
 
@@ -45,8 +46,6 @@ def _declared() -> dict[str, dataclasses.Field]:
             for name in (f.metadata["flag"], *f.metadata["aliases"]):
                 assert name not in out, f"{name} declared twice"
                 out[name] = f
-    for f in lev_flag_fields():
-        out[f.metadata["flag"]] = f
     return out
 
 
@@ -72,18 +71,36 @@ def test_the_command_line_default_is_the_fields_default():
     differs = set()
     for name, f in _declared().items():
         action = parser._option_string_actions[name]
-        if f in lev_flag_fields():
-            continue  # lev/arguments.py's own copy of the mechanism
         assert action.dest == flag_dest(f), name
-        assert action.default == command_line_default(f), name
+        default = command_line_default(f)
+        assert action.default == (list(default) if isinstance(default, tuple) else default), name
         if "command_line_default" in f.metadata:
             differs.add(name)
-    # Required or derived on the command line (None), Megatron-LM's 2 workers, and TE where
-    # it can run: each field's docstring says so.
+    # Required or derived on the command line (None), Megatron-LM's 2 workers and 0.1 dropout
+    # (a model built in code: 0.0, deterministic), and TE where it can run: each field's
+    # docstring says so.
     assert differs == {
         "--micro-batch-size", "--global-batch-size", "--train-iters", "--num-workers",
-        "--transformer-impl",
+        "--transformer-impl", "--hidden-dropout", "--attention-dropout",
     }  # fmt: skip
+
+
+def test_one_mechanism_for_every_field_backed_flag():
+    """The LEV flags are generated as every other: booleans on by default get --no-x (off:
+    Megatron-LM's store_true, or --lev-eval-table's own --no-lev-eval-table), tuples take any
+    number of values, dests are the flag names (lev_<field>), helps and choices the fields'."""
+    parser = build_parser()
+    flags = parser._option_string_actions
+    for f in flag_fields(LEVConfig):
+        action = flags[f.metadata["flag"]]
+        assert action.dest == "lev_" + f.name and action.help == f.metadata["help"]
+        if f.type == "bool":
+            assert flags["--no-" + f.metadata["flag"][2:]] is action
+    assert flags["--lev-weight-decay-groups"].nargs == "*"
+    assert flags["--lev-kernel"].choices == ("auto", "reference", "torch", "triton", "cpu")
+    assert flags["--lev-base"].type is int and flags["--lev-init-output-std"].type is float
+    assert isinstance(flags["--sequence-parallel"], argparse._StoreTrueAction)
+    assert isinstance(flags["--no-loss-curve"], argparse._StoreFalseAction)
 
 
 def test_lr_decay_style_default_is_megatron_lms_command_line_default():
@@ -95,20 +112,17 @@ def test_lr_decay_style_default_is_megatron_lms_command_line_default():
 
 
 def test_every_declared_field_reaches_args_json_and_the_config():
-    """A flag set to a non-default value shows in args.json and in the built TrainingConfig."""
-    from megatron_ext.training.arguments import training_config_from_args
-
+    """A flag set to a non-default value shows in args.json and in the built RunConfig."""
     argv = [
         *BASE, "--exit-interval", "5", "--eval-iters", "3", "--clip-grad", "0.5",
         "--lr-decay-style", "cosine", "--log-interval", "7", "--ddp-bucket-size", "1000",
         "--manual-gc-interval", "4", "--profile-ranks", "0", "1", "--seed", "99",
-        "--no-manual-gc-eval", "--fp8-amax-compute-algo", "most_recent",
+        "--no-manual-gc-eval", "--fp8-amax-compute-algo", "max",
     ]  # fmt: skip
-    args = parse_args(argv, world_size=1)
-    saved = args_to_json(args)
-    cfg = training_config_from_args(args)
+    cfg = parse_config(argv, world_size=1)
+    saved = cfg.args_json()
     parts = {
-        C.TrainingConfig: cfg, C.ParallelConfig: cfg.parallel, C.PrecisionConfig: cfg.precision,
+        C.RunConfig: cfg, C.ParallelConfig: cfg.parallel, C.PrecisionConfig: cfg.precision,
         C.ExitConfig: cfg.exit, C.EvalConfig: cfg.eval, C.OptimizerConfig: cfg.optim,
         C.CheckpointConfig: cfg.ckpt, C.LoggingConfig: cfg.log, C.EngineConfig: cfg.engine,
         C.MemoryConfig: cfg.memory,
@@ -117,16 +131,20 @@ def test_every_declared_field_reaches_args_json_and_the_config():
         for f in flag_fields(cls):
             value = getattr(part, f.name)
             assert saved[flag_dest(f)] == (list(value) if isinstance(value, list) else value), f
-        # Derived fields too (no hand-kept list of them): every field but args.json itself.
+        # Derived fields too (no hand-kept list of them): every field but the parts themselves
+        # and the parameters' dtype (the engine's); the flags no config owns by their names.
         for f in dataclasses.fields(cls):
-            if f.name != "args_json" and not dataclasses.is_dataclass(getattr(part, f.name)):
-                assert saved[f.name] == getattr(part, f.name), f.name
+            value = getattr(part, f.name)
+            if f.name == "compat_flags":
+                assert all(saved[k] == v for k, v in value.items())
+            elif f.name != "params_dtype" and not dataclasses.is_dataclass(value):
+                assert saved[f.name] == value, f.name
     assert (saved["data_parallel_size"], saved["lr_decay_steps"]) == (1, 20)
     assert (cfg.exit.exit_interval, cfg.eval.eval_iters, cfg.optim.clip_grad) == (5, 3, 0.5)
     assert (cfg.optim.lr_decay_style, cfg.log.log_interval, cfg.seed) == ("cosine", 7, 99)
     assert (cfg.engine.ddp_bucket_size, cfg.log.profile_ranks) == (1000, [0, 1])
     assert cfg.memory.manual_gc_eval is False
-    assert cfg.precision.fp8_amax_compute_algo == "most_recent"
+    assert cfg.precision.fp8_amax_compute_algo == "max"
 
 
 # A non-default value for every flag that shapes the model (one valid model together). The test
@@ -161,7 +179,6 @@ def test_every_model_flag_reaches_args_json_and_round_trips_through_use_checkpoi
     """Every field marked shapes_model (model, embedding, tokenizer) and every --lev-* flag is
     written to args.json and restored by --use-checkpoint-args (names read from the fields,
     no list), giving the same ModelConfig and the same tokenizer settings."""
-    from megatron_ext.models import model_config_from_args
     from megatron_ext.training.arguments import model_shaping_dests
 
     parser = build_parser()
@@ -174,9 +191,9 @@ def test_every_model_flag_reaches_args_json_and_round_trips_through_use_checkpoi
     argv = [*RUN]
     for name, values in SHAPING_VALUES.items():
         argv += [name, *values]
-    original = parse_args(argv, world_size=1)
-    saved = args_to_json(original)
-    lev = [parser._option_string_actions[f.metadata["flag"]].dest for f in lev_flag_fields()]
+    original = parse_config(argv, world_size=1)
+    saved = original.args_json()
+    lev = [flag_dest(f) for f in flag_fields(LEVConfig)]
     dests = [flag_dest(f) for f in shaping] + lev
     assert set(model_shaping_dests()) == {flag_dest(f) for f in shaping}
     for dest in dests:
@@ -188,13 +205,16 @@ def test_every_model_flag_reaches_args_json_and_round_trips_through_use_checkpoi
     _write_checkpoint_args(tmp_path, saved)
     # The command line restates none of them (its own NullTokenizer size is overridden too,
     # with a warning): all come from args.json.
-    restored = parse_args(
+    restored = parse_config(
         [*RUN[:-4], "--load", str(tmp_path), "--use-checkpoint-args"], world_size=1
     )
+    written = restored.args_json()
     for dest in dests:
-        assert getattr(restored, dest) == saved[dest], dest
-    assert model_config_from_args(restored, 256) == model_config_from_args(original, 256)
-    cfg = model_config_from_args(restored, 256)
+        assert written[dest] == saved[dest], dest
+    assert (restored.model, restored.lev, restored.data) == (
+        original.model, original.lev, original.data
+    )  # fmt: skip
+    cfg = restored.model
     assert (cfg.num_layers, cfg.hidden_size, cfg.kv_channels, cfg.seq_length) == (3, 96, 16, 48)
     assert (cfg.model_size, cfg.num_query_groups, cfg.embedding.embedding_type) == (
         "200m",
@@ -202,15 +222,13 @@ def test_every_model_flag_reaches_args_json_and_round_trips_through_use_checkpoi
         "albert",
     )
     assert (cfg.embedding.mlp_hidden, cfg.embedding.lev.rank) == (10, 4)
-    data = DataConfig.from_args(restored)
+    data = restored.data
     assert (data.vocab_size, data.make_vocab_size_divisible_by) == (200, 64)
 
 
 def test_every_model_and_data_flag_reaches_args_json_and_its_config():
     """A model or data flag set to a non-default value shows in args.json under its dest and in
-    the config built from the namespace (renamed fields included: --kv-channels is head_dim)."""
-    from megatron_ext.models import model_config_from_args
-
+    the config parsed (renamed fields included: --kv-channels is head_dim)."""
     argv = [*RUN]
     for name, values in SHAPING_VALUES.items():
         argv += [name, *values]
@@ -223,16 +241,16 @@ def test_every_model_and_data_flag_reaches_args_json_and_its_config():
         "--no-mmap-bin-files", "--num-dataset-builder-threads", "3", "--vocab-file", "v.json",
         "--merge-file", "m.txt",
     ]  # fmt: skip
-    args = parse_args(argv, world_size=1)
-    saved = args_to_json(args)
-    model = model_config_from_args(args, 256)
-    data = DataConfig.from_args(args)
-    for cls, part in ((ModelConfig, model), (EmbeddingConfig, model.embedding), (DataConfig, data)):
+    run = parse_config(argv, world_size=1)
+    saved = run.args_json()
+    model, data = run.model, run.data
+    parts = ((ModelConfig, model), (EmbeddingConfig, model.embedding), (DataConfig, data))
+    for cls, part in (*parts, (LEVConfig, run.lev)):
         for f in flag_fields(cls):
-            assert saved[flag_dest(f)] == getattr(args, flag_dest(f)), f.name
-            flag_value = getattr(args, flag_dest(f))
-            if flag_value is not None and not (cls is DataConfig and f.name == "seed"):
-                assert getattr(part, f.name) == flag_value, f.name
+            flag_value = saved[flag_dest(f)]
+            if flag_value is not None:
+                value = getattr(part, f.name)
+                assert (list(value) if isinstance(value, tuple) else value) == flag_value, f.name
     assert model.recompute_granularity == "selective"  # Megatron-LM's --recompute-activations
     assert (model.head_dim, model.embedding.mlp_hidden) == (16, 10)
     assert (data.create_attention_mask, data.mmap_bin_files) == (False, False)
@@ -249,16 +267,16 @@ def test_every_model_and_data_flag_reaches_args_json_and_its_config():
     ],
 )  # fmt: skip
 def test_the_entry_point_builds_the_config_once_and_args_json_rebuilds_the_same(extra):
-    """`parse_config` returns the frozen TrainingConfig it built while validating (derived
-    values included); rebuilding it from the namespace (a checkpoint's args.json, for tools)
-    gives the same config, and its args_json is the final namespace."""
-    from megatron_ext.training.arguments import parse_config, training_config_from_args
+    """`parse_config` returns the frozen RunConfig it built while validating (derived values
+    included); rebuilding it from its args.json (a checkpoint's, for tools) gives the same
+    config, which writes the same args.json."""
+    from megatron_ext.training.arguments import run_config_from_args_json
 
     argv = [*RUN, "--seq-length", "32", *extra]
     if "--train-samples" in extra:
         argv.remove("--train-iters"), argv.remove("10")
-    args, cfg = parse_config(argv, world_size=4)
-    assert cfg == training_config_from_args(args)
-    assert cfg.ckpt.args_json == args_to_json(args)
+    cfg = parse_config(argv, world_size=4)
+    assert run_config_from_args_json(cfg.args_json()) == cfg
+    assert run_config_from_args_json(cfg.args_json()).args_json() == cfg.args_json()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.batch.train_iters = 1

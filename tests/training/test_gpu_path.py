@@ -14,18 +14,22 @@ import pytest
 import torch
 
 from megatron_ext.config_flags import flag_fields
-from megatron_ext.training.arguments import ArgumentError, build_parser
+from megatron_ext.training.arguments import ArgumentError, build_parser, check_machine, parse_config
 from megatron_ext.training.config import EngineConfig, PrecisionConfig
-from megatron_ext.training.gpu_arguments import validate_gpu_args
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
+RUN = [
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--seq-length", "16",
+]  # fmt: skip
 
 
-def _args(*flags):
-    return build_parser().parse_args([*BASE, *flags])
+def _run(*flags, cuda: bool = False):
+    """The run of BASE + RUN + `flags`, as parsed on a machine with CUDA or without."""
+    return parse_config([*BASE, *RUN, *flags], world_size=1, cuda=cuda)
 
 
 def test_every_gpu_flag_is_declared_by_its_config_field():
@@ -33,50 +37,80 @@ def test_every_gpu_flag_is_declared_by_its_config_field():
     owners = {
         "--ddp-impl": EngineConfig, "--overlap-grad-reduce": EngineConfig,
         "--overlap-param-gather": EngineConfig, "--ddp-bucket-size": EngineConfig,
-        "--fp8-param-gather": EngineConfig, "--fp8-margin": PrecisionConfig,
+        "--fp8-param-gather": PrecisionConfig, "--fp8-margin": PrecisionConfig,
         "--fp8-amax-history-len": PrecisionConfig, "--fp8-amax-compute-algo": PrecisionConfig,
     }  # fmt: skip
     for flag, cls in owners.items():
         (field,) = [f for f in flag_fields(cls) if f.metadata["flag"] == flag]
         action = parser._option_string_actions[flag]
         assert action.default == field.default, flag  # the command line's default is the field's
-    args = _args(
-        "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "most_recent",
-        "--fp8-margin", "1",
+    # Megatron-LM's FP8 recipe defaults, written once (the fields'), as TransformerConfig's.
+    assert (parser.get_default("fp8_amax_history_len"), parser.get_default("fp8_margin")) == (1, 0)
+    assert parser.get_default("fp8_amax_compute_algo") == "most_recent"
+    run = _run(
+        "--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16",
+        "--fp8-amax-compute-algo", "max", "--fp8-margin", "1",
+        "--transformer-impl", "transformer_engine", cuda=True,
     )  # fmt: skip
-    assert (args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.fp8_margin) == (
-        16, "most_recent", 1
-    )  # fmt: skip
-    assert args.ddp_impl == "portable"
+    p = run.precision
+    assert (p.fp8_amax_history_len, p.fp8_amax_compute_algo, p.fp8_margin) == (16, "max", 1)
+    assert p.fp8_recipe() == dict(margin=1, amax_history_len=16, amax_compute_algo="max")
+    assert run.engine.ddp_impl == "portable" and p.params_dtype == torch.float32
+
+
+# What megatron-core's distributed optimizer needs to gather FP8 parameters (on CUDA).
+FP8_GATHER = ["--ddp-impl", "megatron", "--use-distributed-optimizer", "--bf16",
+              "--fp8-format", "hybrid", "--transformer-impl", "transformer_engine"]  # fmt: skip
+FP8_GATHER_REFUSED = (
+    "--fp8-param-gather needs megatron-core's distributed optimizer with FP8: --ddp-impl "
+    "megatron --use-distributed-optimizer --fp8-format; drop it otherwise"
+)
 
 
 @pytest.mark.parametrize(
     "flags, cuda, message",
     [
         (["--ddp-impl", "megatron"], False, "--ddp-impl megatron needs CUDA"),
-        (["--fp8-param-gather", "--fp8-format", "hybrid"], True, "needs --ddp-impl megatron"),
-        (
-            ["--ddp-impl", "megatron", "--fp8-param-gather"],
-            True,
-            "--fp8-param-gather needs --fp8-format",
-        ),
+        (["--fp8-param-gather", "--fp8-format", "hybrid", "--bf16"], True, FP8_GATHER_REFUSED),
+        (["--ddp-impl", "megatron", "--fp8-param-gather"], True, FP8_GATHER_REFUSED),
+        (["--fp8-param-gather", *FP8_GATHER[:2], *FP8_GATHER[3:]], True, FP8_GATHER_REFUSED),
+        (["--fp8-param-gather"], False, FP8_GATHER_REFUSED),
+        (["--fp8-param-gather", *FP8_GATHER], False, "--transformer-impl transformer_engine needs"),
+        (["--fp8-param-gather", *FP8_GATHER[:-2]], False, "--fp8-format needs --transformer-impl"),
     ],
 )
 def test_gpu_flags_are_refused_where_they_cannot_work(flags, cuda, message):
-    with pytest.raises(ArgumentError, match=message.replace("+", r"\+")):
-        validate_gpu_args(_args(*flags), cuda=cuda)
+    """One line each; --fp8-param-gather everywhere but megatron-core's distributed optimizer
+    with FP8 by the same one line (before issue 47 both engines refused it, with two messages
+    that contradicted each other)."""
+    with pytest.raises(ArgumentError) as error:
+        _run(*flags, cuda=cuda)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_fp8_param_gather_is_accepted_where_it_can_work():
+    """Megatron-LM's LLaMA-3 FP8 recipe gathers FP8 parameters through megatron-core's
+    distributed optimizer: accepted there (CUDA), reaching megatron's DDP config and the
+    model's TransformerConfig (fp8_param: Transformer Engine keeps the weights in FP8)."""
+    run = _run("--fp8-param-gather", *FP8_GATHER, cuda=True)
+    assert run.precision.fp8_param_gather and run.precision.params_dtype == torch.bfloat16
+    assert run.args_json()["fp8_param_gather"] is True
+    row = next(r for r in _compat_rows() if r.startswith("| `--fp8-param-gather` |"))
+    assert "| implemented |" in row and "--use-distributed-optimizer" in row
+
+
+def _compat_rows() -> list[str]:
+    from megatron_ext.training.megatron_compat import compat_table
+
+    return compat_table(build_parser()).splitlines()
 
 
 def test_ddp_impl_megatron_refused_by_the_entry_parser_on_cpu():
-    from megatron_ext.training import parse_args
-
     if torch.cuda.is_available():
         pytest.skip("checks the CPU refusal")
-    argv = [*BASE, "--ddp-impl", "megatron", "--mock-data", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "128", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
-            "--seq-length", "16"]  # fmt: skip
+    argv = [*BASE, "--ddp-impl", "megatron", *RUN]
     with pytest.raises(ArgumentError) as error:
-        parse_args(argv, world_size=1)
+        parse_config(argv, world_size=1)
     assert str(error.value) == (
         "--ddp-impl megatron needs CUDA (megatron-core's DDP keeps its buffers on the "
         "GPU); use --ddp-impl portable on CPU"
@@ -133,57 +167,47 @@ def test_container_files():
 def test_portable_engine_notes_and_ignores_megatron_ddp_flags(caplog):
     import logging
 
+    run = _run("--overlap-grad-reduce", "--ddp-bucket-size", "8")
     for cuda, where in ((False, "on CPU"), (True, "by --ddp-impl portable")):
         caplog.clear()
         with caplog.at_level(logging.INFO):
-            validate_gpu_args(_args("--overlap-grad-reduce", "--ddp-bucket-size", "8"), cuda=cuda)
+            check_machine(run, cuda=cuda)
         assert f"--overlap-grad-reduce: ignored {where}" in caplog.text
         assert f"--ddp-bucket-size: ignored {where}" in caplog.text
 
 
-def test_megatron_engine_refuses_what_it_does_not_do_yet():
-    # --save/--load and --fp16 are TrainingConfig's checks (tests/training/test_config.py).
-    from megatron_ext.training.gpu_arguments import megatron_engine_model_precision
-
-    validate_gpu_args(_args("--ddp-impl", "megatron"), cuda=True)
-    args = _args("--ddp-impl", "megatron", "--bf16", "--fp8-format", "hybrid", "--fp8-param-gather")
-    with pytest.raises(ArgumentError, match="--fp8-param-gather is not supported by --ddp-impl"):
-        validate_gpu_args(args, cuda=True)
-    # BF16 parameters and the FP8 recipe go into the model precision (TransformerConfig fields).
-    args = _args("--ddp-impl", "megatron", "--bf16", "--fp8-format", "hybrid",
-                 "--fp8-amax-history-len", "16")  # fmt: skip
-    precision = megatron_engine_model_precision(args)
-    assert precision.bf16 and precision.fp8_format == "hybrid"
-    assert precision.fp8_amax_history_len == 16 and precision.dtype == torch.bfloat16
-
-
 def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
     """Portable engine: float32 parameters whatever --bf16/--fp16 say (autocast runs them);
-    megatron's engine: BF16 parameters and the FP8 recipe in the TransformerConfig fields."""
-    from megatron_ext.models import ModelConfig, ModelPrecision, compose_transformer_config
+    megatron's engine: BF16 parameters (`RunConfig` derives `PrecisionConfig.params_dtype`),
+    and the FP8 recipe in the TransformerConfig fields, whichever engine."""
+    from megatron_ext.models import ModelConfig, PrecisionConfig, compose_transformer_config
     from megatron_ext.training.config import (
         BatchConfig,
         EngineConfig,
         OptimizerConfig,
-        PrecisionConfig,
-        TrainingConfig,
+        RunConfig,
     )
-    from megatron_ext.training.gpu_arguments import engine_model_precision
 
     batch, optim = BatchConfig(seq_length=8), OptimizerConfig(lr=1e-3)
-    portable = TrainingConfig(batch=batch, optim=optim, precision=PrecisionConfig(bf16=True))
-    assert engine_model_precision(portable) == ModelPrecision()
-    tc = compose_transformer_config(ModelConfig(vocab_size=64), None, ModelPrecision())
+    portable = RunConfig(batch=batch, optim=optim, precision=PrecisionConfig(bf16=True))
+    assert portable.precision.params_dtype == torch.float32
+    tc = compose_transformer_config(ModelConfig(vocab_size=64), None, portable.precision)
     assert tc.params_dtype == torch.float32 and not tc.bf16
     precision = PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_amax_history_len=16)
-    megatron = TrainingConfig(
+    megatron = RunConfig(
         batch=batch, optim=optim, precision=precision, engine=EngineConfig(ddp_impl="megatron")
     )
-    model_precision = engine_model_precision(megatron)
-    assert model_precision.bf16 and not model_precision.fp16
+    model_precision = megatron.precision
+    assert model_precision.bf16 and model_precision.params_dtype == torch.bfloat16
     assert model_precision.fp8_amax_history_len == 16
-    # The recipe reaches the TransformerConfig (without FP8, which needs Transformer Engine).
-    tc = compose_transformer_config(
-        ModelConfig(vocab_size=64), None, dataclasses.replace(model_precision, fp8_format=None)
-    )
-    assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.fp8_amax_history_len == 16
+    # The recipe reaches the TransformerConfig (TE builds the FP8 layers; on CPU the config).
+    te = ModelConfig(vocab_size=64, transformer_impl="transformer_engine")
+    tc = compose_transformer_config(te, None, model_precision)
+    assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.fp8 == "hybrid"
+    assert (tc.fp8_amax_history_len, tc.fp8_amax_compute_algo, tc.fp8_param) == (
+        16, "most_recent", False
+    )  # fmt: skip
+    gather = dataclasses.replace(model_precision, fp8_param_gather=True)
+    assert compose_transformer_config(te, None, gather).fp8_param
+    with pytest.raises(ValueError, match="FP8 is not available on CPU"):
+        compose_transformer_config(ModelConfig(vocab_size=64), None, model_precision)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_ext.training import megatron_features
+from megatron_ext.training import run_extras
 from megatron_ext.training.config import MemoryConfig
 
 _SCRIPT = """
@@ -95,11 +95,9 @@ def test_flag():
 @pytest.mark.parametrize("cuda", [False, True])
 def test_the_run_keeps_large_blocks_on_cpu_only(monkeypatch, cuda):
     asked = []
-    monkeypatch.setattr(
-        megatron_features, "retain_freed_host_memory", lambda **kw: asked.append(kw)
-    )
-    monkeypatch.setattr(megatron_features.torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(megatron_features.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(run_extras, "retain_freed_host_memory", lambda **kw: asked.append(kw))
+    monkeypatch.setattr(run_extras.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(run_extras.dist, "get_rank", lambda: 0)
     run = SimpleNamespace(
         log=SimpleNamespace(tensorboard_dir=None, wandb_project=None),
         memory=MemoryConfig(),
@@ -107,10 +105,10 @@ def test_the_run_keeps_large_blocks_on_cpu_only(monkeypatch, cuda):
         parallel=SimpleNamespace(data_parallel_size=1),
         ckpt=SimpleNamespace(save=None),
     )
-    megatron_features.RunExtras(run, pg=None)
+    run_extras.RunExtras(run, pg=None)
     assert asked == [{"large_blocks": not cuda}]
     asked.clear()
-    megatron_features.RunExtras(
+    run_extras.RunExtras(
         SimpleNamespace(**{**vars(run), "memory": MemoryConfig(retain_host_memory=False)}), None
     )
     assert asked == []

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from megatron_ext.training.arguments import ArgumentError, parse_args
+from megatron_ext.training.arguments import ArgumentError, parse_config
 
 RTOL = 1e-5
 INTERLEAVED = [
@@ -61,11 +61,19 @@ BASE = [
 
 
 def test_the_flag_derives_the_chunks_per_rank():
-    args = parse_args([*BASE, *INTERLEAVED], world_size=2)
-    assert args.num_layers_per_virtual_pipeline_stage == 1
-    assert args.virtual_pipeline_model_parallel_size == 2  # 4 layers / (PP 2 x 1)
-    args = parse_args([*BASE, "--pipeline-model-parallel-size", "2"], world_size=2)
-    assert args.virtual_pipeline_model_parallel_size is None
+    layout = parse_config([*BASE, *INTERLEAVED], world_size=2).parallel
+    assert layout.num_layers_per_virtual_pipeline_stage == 1
+    assert layout.virtual_pipeline_model_parallel_size == 2  # 4 layers / (PP 2 x 1)
+    layout = parse_config([*BASE, "--pipeline-model-parallel-size", "2"], world_size=2).parallel
+    assert layout.virtual_pipeline_model_parallel_size is None
+
+
+def test_the_chunks_follow_the_models_depth_from_a_preset():
+    """The layers per chunk come from the model's depth, a --model-size preset's included
+    (before issue 47 the flag's None reached the division)."""
+    argv = [*BASE[:-6], "--model-size", "400m", *STAGES]  # 16 layers
+    layout = parse_config(argv, world_size=2).parallel
+    assert layout.num_layers_per_virtual_pipeline_stage == 4  # 16 / (PP 2 x 2)
 
 
 @pytest.mark.parametrize(
@@ -87,7 +95,7 @@ def test_the_flag_derives_the_chunks_per_rank():
 )
 def test_bad_virtual_pipeline_flags_are_refused_in_one_line(extra, world_size, message):
     with pytest.raises(ArgumentError) as info:
-        parse_args([*BASE, *extra], world_size=world_size)
+        parse_config([*BASE, *extra], world_size=world_size)
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert "-virtual-" in str(info.value) or "PP" in str(info.value)
 
@@ -95,12 +103,13 @@ def test_bad_virtual_pipeline_flags_are_refused_in_one_line(extra, world_size, m
 def test_the_chunks_per_rank_spelling_maps_onto_the_same_config():
     """Megatron-LM's --num-virtual-stages-per-pipeline-rank N is num-layers / (PP x N) layers
     per chunk; N = 1 is no interleaving (as there)."""
-    by_stages = parse_args([*BASE, *STAGES], world_size=2)
-    by_layers = parse_args([*BASE, *INTERLEAVED], world_size=2)
-    for args in (by_stages, by_layers):
-        assert args.num_layers_per_virtual_pipeline_stage == 1
-        assert args.virtual_pipeline_model_parallel_size == 2
-    one = parse_args([*BASE, *STAGES[:3], "1"], world_size=2)
+    by_stages = parse_config([*BASE, *STAGES], world_size=2).parallel
+    by_layers = parse_config([*BASE, *INTERLEAVED], world_size=2).parallel
+    assert by_stages == by_layers
+    for layout in (by_stages, by_layers):
+        assert layout.num_layers_per_virtual_pipeline_stage == 1
+        assert layout.virtual_pipeline_model_parallel_size == 2
+    one = parse_config([*BASE, *STAGES[:3], "1"], world_size=2).parallel
     assert one.num_layers_per_virtual_pipeline_stage is None
     assert one.virtual_pipeline_model_parallel_size is None
 
@@ -108,6 +117,6 @@ def test_the_chunks_per_rank_spelling_maps_onto_the_same_config():
 def test_interleaved_runs_accept_checkpoints_and_a_batch_ramp():
     args = [*BASE, *INTERLEAVED, "--save", "ckpt", "--load", "ckpt"]
     ramp = ["--rampup-batch-size", "2", "2", "8", "--global-batch-size", "8"]
-    parsed = parse_args([*args, *ramp], world_size=2)
-    assert parsed.save == "ckpt" and parsed.load == "ckpt"
-    assert list(parsed.rampup_batch_size) == [2, 2, 8]
+    parsed = parse_config([*args, *ramp], world_size=2)
+    assert parsed.ckpt.save == "ckpt" and parsed.ckpt.load == "ckpt"
+    assert list(parsed.batch.rampup_batch_size) == [2, 2, 8]

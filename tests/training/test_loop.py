@@ -1,4 +1,4 @@
-"""`pretrain(cfg)` driven by a `TrainingConfig` built in code, without any flags: `setup`,
+"""`pretrain(cfg)` driven by a `RunConfig` built in code, without any flags: `setup`,
 `train` and `close` in one single-rank gloo process (the flag path is covered end to end by
 test_end_to_end.py); `close` tears the process groups down even when setup fails."""
 
@@ -34,18 +34,16 @@ def _config(tmp_path):
         EvalConfig,
         LoggingConfig,
         OptimizerConfig,
-        TrainingConfig,
+        RunConfig,
     )
 
-    return TrainingConfig(
+    return RunConfig(
         batch=BatchConfig(seq_length=SEQ, micro_batch_size=2, global_batch_size=4, train_iters=3),
         optim=OptimizerConfig(
             lr=1e-3, lr_decay_steps=12, start_weight_decay=0.01, end_weight_decay=0.01
         ),
         eval=EvalConfig(eval_interval=2, eval_iters=1),
-        ckpt=CheckpointConfig(
-            save=str(tmp_path / "ckpt"), save_interval=3, args_json={"note": "from code"}
-        ),
+        ckpt=CheckpointConfig(save=str(tmp_path / "ckpt"), save_interval=3),
         log=LoggingConfig(log_interval=1, log_jsonl=str(tmp_path / "log.jsonl"), loss_curve=False),
     )
 
@@ -74,7 +72,9 @@ def test_pretrain_from_a_config_built_in_code(tmp_path, single_rank):
     root = cfg.ckpt.save
     assert read_latest_iteration(root) == 3
     with open(f"{checkpoint_dir(root, 3)}/args.json") as handle:
-        assert json.load(handle) == {"note": "from code"}
+        saved = json.load(handle)  # the run as built in code (RunConfig.args_json), no model
+    assert saved == cfg.args_json() and saved["eval_interval"] == 2 and saved["world_size"] == 1
+    assert "num_layers" not in saved  # the model provider holds the model
     # close() ran: no process group is left behind.
     assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
 

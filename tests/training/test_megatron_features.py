@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from megatron_ext.testing.distributed import run_distributed
-from megatron_ext.training.megatron_features import BatchSizeRampup, memory_stats
+from megatron_ext.training.config import BatchSizeRampup
 from megatron_ext.training.metrics import format_train_line
+from megatron_ext.training.run_extras import memory_stats
 
 pytestmark = pytest.mark.integration
 
@@ -135,14 +136,14 @@ def _check_bf16_reduce():
 
 
 def _check_decoupled_lr_and_norms():
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training.arguments import OptimizerConfig
-    from megatron_ext.training.megatron_features import num_zeros_in_grad, params_norm
+    from megatron_ext.training.config import OptimizerConfig
     from megatron_ext.training.optimizer import build_optimizer, build_scheduler
+    from megatron_ext.training.run_extras import num_zeros_in_grad, params_norm
 
     torch.manual_seed(0)
-    model = build_model(_tiny(), parallel=ModelParallelism(), precision=ModelPrecision())
+    model = build_model(_tiny(), parallel=ParallelConfig(), precision=PrecisionConfig())
     cfg = OptimizerConfig(
         lr=1.5e-4, min_lr=1e-5, lr_decay_style="cosine", lr_warmup_steps=40, lr_decay_steps=400,
         start_weight_decay=0.1, end_weight_decay=0.1, wd_incr_steps=400,
@@ -182,11 +183,11 @@ def _check_decoupled_lr_and_norms():
 
 
 def _check_recompute_on_cpu():
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.models.local_modules import SDPACoreAttention
 
     torch.manual_seed(1)
-    reference = build_model(_tiny(), parallel=ModelParallelism(), precision=ModelPrecision())
+    reference = build_model(_tiny(), parallel=ParallelConfig(), precision=PrecisionConfig())
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
     expected = _loss_and_grads(reference, tokens)
     variants = [
@@ -196,7 +197,7 @@ def _check_recompute_on_cpu():
     ]
     for variant in variants:
         model = build_model(
-            _tiny(**variant), parallel=ModelParallelism(), precision=ModelPrecision()
+            _tiny(**variant), parallel=ParallelConfig(), precision=PrecisionConfig()
         )
         model.load_state_dict(reference.state_dict())
         calls = {"attention": 0}
@@ -221,12 +222,12 @@ def _check_recompute_on_cpu():
 
 
 def _check_kv_channels_and_rotary_percent():
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
 
     model = build_model(
         _tiny(head_dim=16, rotary_percent=0.5),
-        parallel=ModelParallelism(),
-        precision=ModelPrecision(),
+        parallel=ParallelConfig(),
+        precision=PrecisionConfig(),
     )
     qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
     assert qkv.shape == ((4 + 2 * 4) * 16, 32)  # heads + K and V of 4 groups, 16 channels each
@@ -239,7 +240,7 @@ def _check_kv_channels_and_rotary_percent():
 def _check_async_save(root: str):
     import torch.distributed as dist
 
-    from megatron_ext.models import ModelParallelism, ModelPrecision, build_model
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.checkpointing import (
         TrainState,
@@ -250,7 +251,7 @@ def _check_async_save(root: str):
 
     pg = ProcessGroups.from_megatron()
     torch.manual_seed(5)
-    model = build_model(_tiny(), parallel=ModelParallelism(), precision=ModelPrecision())
+    model = build_model(_tiny(), parallel=ParallelConfig(), precision=PrecisionConfig())
     at_save = [p.detach().clone() for p in model.parameters()]
     pending = save_checkpoint(root, TrainState(iteration=5), model, pg=pg, async_save=True)
     with torch.no_grad():  # training goes on while the staged copy is written
@@ -261,7 +262,7 @@ def _check_async_save(root: str):
     dist.barrier()
     assert pending.wait().endswith("iter_0000005")
     assert read_latest_iteration(root) == 5
-    restored = build_model(_tiny(), parallel=ModelParallelism(), precision=ModelPrecision())
+    restored = build_model(_tiny(), parallel=ParallelConfig(), precision=PrecisionConfig())
     assert load_checkpoint(root, restored, pg=pg, load_rng=False).iteration == 5
     for expected, q in zip(at_save, restored.parameters()):
         assert torch.equal(expected, q)  # the values at save time, not the later ones

@@ -31,6 +31,7 @@ TINY = [
     "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
     "--eval-iters", "0", "--no-loss-curve", "--log-interval", "1",
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
 ]  # fmt: skip
 
 

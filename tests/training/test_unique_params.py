@@ -1,5 +1,5 @@
 """The one "count each parameter once over the model-parallel group" predicate, used by the
-grad norm (optimizer.clip_grad_norm), params norm and zeros in grads (megatron_features) and
+grad norm (optimizer.clip_grad_norm), params norm and zeros in grads (run_extras) and
 the parameter count (run.setup)."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Megatron-LM training features on top of the loop: the batch-size ramp-up schedule
-(`BatchSizeRampup`), which parameters take --decoupled-lr, and `RunExtras`, what the loop calls
-around each iteration (manual garbage collection, empty-cache levels, the torch profiler
-window, parameter-norm / zero-gradient / memory statistics, Weights & Biases).
+"""What the training loop runs around each iteration for Megatron-LM's feature flags:
+`RunExtras` (the batch-size ramp-up's global batch, manual garbage collection, empty-cache
+levels, the torch profiler window, Weights & Biases) and the statistics it logs (parameter norm,
+zero gradients, memory in use).
 
 Their flags are fields of the configs that own them (`training/config.py`: `BatchConfig`,
-`OptimizerConfig`, `LoggingConfig`, `MemoryConfig`).
+`LoggingConfig`, `MemoryConfig`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import resource
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -26,74 +25,11 @@ from megatron_ext.training.unique_params import counted_params
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training.config import LoggingConfig, TrainingConfig
+    from megatron_ext.training.config import LoggingConfig, RunConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BatchSizeRampup",
-    "is_decoupled_param",
-    "RunExtras",
-    "memory_stats",
-]
-
-
-@dataclass(frozen=True)
-class BatchSizeRampup:
-    """Megatron-LM's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from
-    START by INCREMENT in equal steps of consumed samples, reaching the full global batch size
-    after SAMPLES samples. A function of consumed samples only, so a resumed run continues it."""
-
-    start: int
-    increment: int
-    ramp_samples: int
-    global_batch_size: int
-    micro_times_dp: int
-
-    def __post_init__(self) -> None:
-        if self.start < 1 or self.increment < 1 or self.ramp_samples < 0:
-            raise ValueError(
-                "--rampup-batch-size needs START >= 1, INCREMENT >= 1 and SAMPLES >= 0, got "
-                f"{self.start} {self.increment} {self.ramp_samples}"
-            )
-        diff = self.global_batch_size - self.start
-        if diff < 0 or diff % self.increment:
-            raise ValueError(
-                f"--rampup-batch-size: --global-batch-size {self.global_batch_size} minus START "
-                f"{self.start} must be a non-negative multiple of INCREMENT {self.increment}"
-            )
-        for name, value in (("START", self.start), ("INCREMENT", self.increment)):
-            if value % self.micro_times_dp:
-                raise ValueError(
-                    f"--rampup-batch-size {name} {value} is not divisible by --micro-batch-size "
-                    f"x data-parallel size = {self.micro_times_dp}; every ramp batch must split "
-                    "into whole micro-batches"
-                )
-
-    def global_batch(self, consumed_samples: int) -> int:
-        """The global batch size of the iteration that starts after `consumed_samples`."""
-        steps = (self.global_batch_size - self.start) // self.increment
-        if steps == 0 or consumed_samples >= self.ramp_samples:
-            return self.global_batch_size
-        per_step = self.ramp_samples / steps
-        size = self.start + int(consumed_samples / per_step) * self.increment
-        return min(size, self.global_batch_size)
-
-    def iterations_for(self, train_samples: int) -> int:
-        """Iterations that consume `train_samples` samples (Megatron's update_train_iters)."""
-        consumed, iterations = 0, 0
-        while consumed <= self.ramp_samples and consumed <= train_samples:
-            consumed += self.global_batch(consumed)
-            iterations += 1
-        if consumed < train_samples:
-            iterations += (train_samples - consumed) // self.global_batch_size
-        return iterations
-
-
-def is_decoupled_param(name: str) -> bool:
-    """Megatron-LM applies --decoupled-lr to the input embedding and the output layer; here the
-    input embedding is the whole arm (for LEV: every LEV generator parameter)."""
-    return name.startswith("embedding.") or name.startswith("output_layer.")
+__all__ = ["RunExtras", "memory_stats", "num_zeros_in_grad", "params_norm"]
 
 
 def memory_stats() -> dict[str, float]:
@@ -141,7 +77,7 @@ def num_zeros_in_grad(params, pg: ProcessGroups) -> int:
 class RunExtras:
     """Per-iteration hooks of the feature flags; every rank calls them at the same points."""
 
-    def __init__(self, run: TrainingConfig, pg: ProcessGroups) -> None:
+    def __init__(self, run: RunConfig, pg: ProcessGroups) -> None:
         self.log, self.memory, self.pg = run.log, run.memory, pg
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
@@ -241,7 +177,7 @@ class RunExtras:
             self.wandb = None
 
 
-def _init_wandb(run: TrainingConfig, run_dir: Optional[str]):
+def _init_wandb(run: RunConfig, run_dir: Optional[str]):
     import wandb  # optional dependency (the [wandb] extra), imported only with --wandb-project
 
     cfg: LoggingConfig = run.log
@@ -256,5 +192,5 @@ def _init_wandb(run: TrainingConfig, run_dir: Optional[str]):
         entity=cfg.wandb_entity,
         dir=save_dir,
         mode=mode,
-        config={k: v for k, v in run.ckpt.args_json.items() if not k.startswith("wandb")},
+        config={k: v for k, v in run.args_json().items() if not k.startswith("wandb")},
     )
