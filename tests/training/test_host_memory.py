@@ -110,6 +110,10 @@ def test_the_run_keeps_large_blocks_on_cpu_only(monkeypatch, cuda):
     megatron_features.RunExtras(run, pg=None)
     assert asked == [{"large_blocks": not cuda}]
     asked.clear()
+    # A rank with the 1.2B shape's parameters maps its largest blocks on CPU too.
+    megatron_features.RunExtras(run, None, param_bytes=megatron_features.LARGE_BLOCKS_PARAM_LIMIT)
+    assert asked == [{"large_blocks": False}]
+    asked.clear()
     megatron_features.RunExtras(
         SimpleNamespace(**{**vars(run), "memory": MemoryConfig(retain_host_memory=False)}), None
     )
