@@ -20,10 +20,11 @@ and says what to do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -226,6 +227,36 @@ def init_inference_parallel(
     return initialize_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
 
 
+@contextlib.contextmanager
+def _no_random_cpu_init() -> Iterator[None]:
+    """Build megatron's tensor-parallel layers without drawing their CPU initialisation.
+
+    `_initialize_affine_weight_cpu` draws the full weight (a vocabulary-parallel layer: the
+    whole [V, D]) and concatenates the rank's part into another copy before keeping it: at
+    V = 200k, D = 2048 that is 3 GB of transient memory, more than the TP=1 model that an
+    export loads (benchmarks/RESULTS.md). A model about to be loaded needs only that function's
+    other effect, the tensor-parallel attributes (partition dim and stride) that the checkpoint
+    layout reads; `perform_initialization=False` would skip those too. Every parameter is then
+    set by the load (`load_checkpoint(strict_missing=True)`).
+    """
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    def attributes_only(weight, output_size, input_size, per_partition_size, partition_dim,
+                        init_method, stride=1, return_master_weight=False, *,
+                        skip_set_tensor_parallel_attributes=False, **_):  # fmt: skip
+        if not skip_set_tensor_parallel_attributes:
+            set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+        return None
+
+    drawn = layers._initialize_affine_weight_cpu
+    layers._initialize_affine_weight_cpu = attributes_only
+    try:
+        yield
+    finally:
+        layers._initialize_affine_weight_cpu = drawn
+
+
 def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Module:
     """This rank's stage of the run's model with the checkpoint's weights, in eval mode.
 
@@ -238,14 +269,15 @@ def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Mod
     parallel = ModelParallelism(
         tensor_model_parallel_size=pg.tp_size, pipeline_model_parallel_size=pg.pp_size
     )
-    model = build_model(
-        model_config,
-        parallel=parallel,
-        precision=ModelPrecision(),  # float32 master weights
-        pre_process=pg.is_first_stage,
-        post_process=pg.is_last_stage,
-        pg=pg,
-    )
+    with _no_random_cpu_init():
+        model = build_model(
+            model_config,
+            parallel=parallel,
+            precision=ModelPrecision(),  # float32 master weights
+            pre_process=pg.is_first_stage,
+            post_process=pg.is_last_stage,
+            pg=pg,
+        )
     load_checkpoint(
         run.root,
         model,
