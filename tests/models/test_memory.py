@@ -192,7 +192,7 @@ def test_save_and_export_plans_of_the_1_2b_shape():
     )  # fmt: skip
     layout = ParallelLayout(tensor_parallel=2, sequence_parallel=True)
     mem = estimate_memory(cfg, layout)
-    assert estimate_save_memory(cfg, layout) == mem.weights + mem.grads + mem.optimizer
+    assert estimate_save_memory(cfg, layout) == mem.total  # the step's, kept by the allocator
     weights = 4 * count_parameters(cfg).total
     table, qkv = 4 * 200019 * 2048, 4 * 2048 * 128 * (16 + 2 * 16)
     # float32: the table and the split QKV outweigh the reader's copy of the [V, D] head.
@@ -202,3 +202,7 @@ def test_save_and_export_plans_of_the_1_2b_shape():
     rest = count_parameters(cfg).total - count_parameters(cfg).input_embedding
     bf16 = estimate_export_memory(cfg, exported_vocab=200019, dtype_bytes=2)
     assert bf16 == weights + table // 2 + 8 * qkv + 2 * rest
+    # TIED in float32: the exported table is the embedding weight itself, no copy.
+    tied = cfg.replace(embedding=dict(embedding_type="tied"))
+    tied_weights = 4 * count_parameters(tied).total
+    assert estimate_export_memory(tied, exported_vocab=200019) == tied_weights + 4 * 200192 * 2048
