@@ -26,7 +26,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
+from megatron.core.tensor_parallel import layers as tensor_parallel_layers
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ext._paths import display_path
@@ -239,22 +242,22 @@ def _no_random_cpu_init() -> Iterator[None]:
     layout reads; `perform_initialization=False` would skip those too. Every parameter is then
     set by the load (`load_checkpoint(strict_missing=True)`).
     """
-    from megatron.core.tensor_parallel import layers
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     def attributes_only(weight, output_size, input_size, per_partition_size, partition_dim,
                         init_method, stride=1, return_master_weight=False, *,
                         skip_set_tensor_parallel_attributes=False, **_):  # fmt: skip
         if not skip_set_tensor_parallel_attributes:
-            set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+            tensor_parallel_layers.set_tensor_model_parallel_attributes(
+                weight, True, partition_dim, stride
+            )
         return None
 
-    drawn = layers._initialize_affine_weight_cpu
-    layers._initialize_affine_weight_cpu = attributes_only
+    drawn = tensor_parallel_layers._initialize_affine_weight_cpu
+    tensor_parallel_layers._initialize_affine_weight_cpu = attributes_only
     try:
         yield
     finally:
-        layers._initialize_affine_weight_cpu = drawn
+        tensor_parallel_layers._initialize_affine_weight_cpu = drawn
 
 
 def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Module:
