@@ -258,7 +258,28 @@ def adopt(cls: type, module: torch.nn.Module) -> torch.nn.Module:
         raise TypeError(f"{cls.__name__} can only adopt a {cls.__mro__[1].__name__}")
     twin = cls.__new__(cls)
     twin.__dict__.update(module.__dict__)
+    if isinstance(twin, _MarksLayoutWithoutInit):
+        twin.mark_layout_without_init()
     return twin
+
+
+class _MarksLayoutWithoutInit:
+    """megatron's tensor-parallel layers set their weight's layout attributes (partition dim
+    and stride, which grad-norm counting and the checkpoint layout read) only while drawing its
+    initial values; a model built to be loaded (`perform_initialization=False`: no draw) still
+    needs them. `partition_dim` and `stride` are the layer's."""
+
+    partition_dim = 0
+    stride = 1
+
+    def mark_layout_without_init(self) -> None:
+        """Set the weight's layout attributes where megatron skipped its initialisation (it
+        sets them whenever it draws)."""
+        weight = getattr(self, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            mcore_tp.set_tensor_model_parallel_attributes(
+                weight, True, self.partition_dim, self.stride
+            )
 
 
 def _forward_only_single_rank(layer) -> bool:
@@ -274,8 +295,13 @@ def _forward_only_single_rank(layer) -> bool:
     return single
 
 
-class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear):
+class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear, _MarksLayoutWithoutInit):
     """megatron's ColumnParallelLinear; on CPU its matmul and communication avoid CUDA."""
+
+    def __init__(self, *args, stride: int = 1, **kwargs) -> None:
+        super().__init__(*args, stride=stride, **kwargs)
+        self.stride = stride  # SwiGLU's fc1 (2): its shards interleave gate and up
+        self.mark_layout_without_init()
 
     def _forward_impl(
         self,
@@ -327,8 +353,14 @@ class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear):
         return output, output_bias
 
 
-class PortableRowParallelLinear(mcore_tp.RowParallelLinear):
+class PortableRowParallelLinear(mcore_tp.RowParallelLinear, _MarksLayoutWithoutInit):
     """megatron's RowParallelLinear; on CPU the sequence-parallel reduce-scatter avoids CUDA."""
+
+    partition_dim = 1
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.mark_layout_without_init()
 
     def forward(self, input_):
         """On CUDA megatron's forward; on CPU matmul + portable all-reduce/reduce-scatter."""
@@ -348,9 +380,13 @@ class PortableRowParallelLinear(mcore_tp.RowParallelLinear):
         return (output + self.bias if self.bias is not None else output), None
 
 
-class PortableVocabParallelEmbedding(mcore_tp.VocabParallelEmbedding):
+class PortableVocabParallelEmbedding(mcore_tp.VocabParallelEmbedding, _MarksLayoutWithoutInit):
     """megatron's VocabParallelEmbedding; on CPU the sequence-parallel reduce-scatter avoids
     CUDA. Out-of-range ids are an error here rather than a silent zero row."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.mark_layout_without_init()
 
     def forward(self, input_):
         """Look ids up after a range check; on CPU under SP a portable reduce-scatter."""

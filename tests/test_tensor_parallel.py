@@ -115,3 +115,42 @@ def test_sequence_parallel_collectives_gather_and_reduce_scatter_without_warning
     from megatron_ext.testing.distributed import run_distributed
 
     assert run_distributed(_sequence_parallel_round_trip, 2, tp=2) == [[True, True]] * 2
+
+
+def _layout_attributes(perform_initialization: bool) -> dict:
+    """Every parameter's tensor-parallel attributes of each arm's model, built with or without
+    drawing its initial values (a model about to be loaded, `inference.loading.load_model`)."""
+    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+
+    out = {}
+    for arm in ("tied", "untied", "lev"):
+        cfg = ModelConfig(
+            vocab_size=64, seq_length=8, num_layers=2, hidden_size=32, num_attention_heads=4,
+            ffn_hidden_size=48, embedding=dict(embedding_type=arm, lev=dict(seed_dim=8, rank=4,
+            num_heads=2, num_knots=4)), perform_initialization=perform_initialization,
+        )  # fmt: skip
+        model = build_model(
+            cfg, parallel=ParallelConfig(tensor_model_parallel_size=2), precision=PrecisionConfig()
+        )
+        for name, p in model.named_parameters():
+            out[f"{arm}.{name}"] = tuple(
+                getattr(p, a, None)
+                for a in ("tensor_model_parallel", "partition_dim", "partition_stride")
+            )
+    return out
+
+
+@pytest.mark.integration
+def test_a_model_built_to_be_loaded_keeps_its_tensor_parallel_layout():
+    """megatron sets a weight's layout attributes only while drawing it; the portable layers
+    set them when the draw is skipped, so the checkpoint layout (and grad-norm counting) sees
+    the same model: SwiGLU's fc1 with stride 2, the row-parallel projections on dim 1."""
+    from megatron_ext.testing.distributed import run_distributed
+
+    drawn, skipped = (run_distributed(_layout_attributes, 2, tp=2, args=(f,)) for f in (1, 0))
+    assert skipped == drawn
+    layout = drawn[0]
+    assert layout["lev.decoder.layers.0.mlp.linear_fc1.weight"] == (True, 0, 2)
+    assert layout["lev.decoder.layers.0.self_attention.linear_proj.weight"] == (True, 1, 1)
+    assert layout["tied.embedding.word_embeddings.weight"] == (True, 0, 1)
+    assert layout["untied.output_layer.weight"] == (True, 0, 1)

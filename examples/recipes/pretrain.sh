@@ -36,9 +36,16 @@ GBS=512
 case "$SIZE" in
     200m) SAMPLES=7812500;  LR=6e-4; DEF_TP=1; DEF_MBS=16 ;;  #  4.0B tokens, 15,258 steps
     400m) SAMPLES=15625000; LR=3e-4; DEF_TP=1; DEF_MBS=16 ;;  #  8.0B tokens, 30,517 steps
-    1.2b) SAMPLES=47070312; LR=2e-4; DEF_TP=2; DEF_MBS=8 ;;   # 24.1B tokens, 91,934 steps
+    1.2b) SAMPLES=47070312; LR=2e-4; DEF_TP=1; DEF_MBS=16 ;;  # 24.1B tokens, 91,934 steps
     *) echo "unknown SIZE $SIZE (200m, 400m, 1.2b)" >&2; exit 2 ;;
 esac
+# Layouts for 80 GB GPUs from the memory planner (python tools/count_params.py --memory
+# --scales 1.2b --vocab-sizes 200064 --data-parallel-size 8 --use-distributed-optimizer
+# --seq-length 512 --micro-batch-size 16): the 1.2B model needs no tensor parallelism (32.4 GiB
+# per GPU at TP=1, micro-batch 16, of which 6.1 GiB are the [8192, V] float32 logits; the
+# loss's gradient of the same size comes on top in backward); micro-batch 32 would plan 52 GiB
+# plus a 12 GiB gradient, too close to 80 GB. benchmarks/RESULTS.md has the planner against
+# the measured memory of this model on CPU.
 MIN_LR=$(python3 -c "print($LR / 10)")
 TP="${TP:-$DEF_TP}"
 PP="${PP:-1}"

@@ -94,8 +94,9 @@ def export_hf(opts: ExportHFOptions) -> str:
     cfg = loaded.model_config
     tied = cfg.embedding.tied
     vocab_rows = cfg.vocab_size if opts.keep_padded_vocab else loaded.tokenizer.vocab_size
+    # Computed in compute_dtype, kept in the stored dtype: one [V, D] table.
     table = materialize_input_table(
-        loaded.model, compute_dtype=opts.compute_dtype, progress=opts.progress
+        loaded.model, compute_dtype=opts.compute_dtype, dtype=opts.dtype, progress=opts.progress
     )
     state = to_hf_state_dict(
         loaded.full,

@@ -196,7 +196,7 @@ def export_megatron(opts: ExportMegatronOptions) -> str:
     divisible = getattr(loaded.run.args, "make_vocab_size_divisible_by", 128)
     padded = padded_vocab_size(loaded.tokenizer.vocab_size, divisible, tp)
     table = materialize_input_table(
-        loaded.model, compute_dtype=opts.compute_dtype, progress=opts.progress
+        loaded.model, compute_dtype=opts.compute_dtype, dtype=opts.dtype, progress=opts.progress
     )
     full = {k: v for k, v in loaded.full.items() if not k.startswith("embedding.")}
     full["embedding.word_embeddings.weight"] = table

@@ -129,6 +129,7 @@ def load_checkpoint_full(
     except ValueError as error:
         raise ConversionError(f"{display_path(run.path)}/args.json: {error}") from None
     pg = init_inference_parallel(1, 1)
+    logger.info("loading %s at TP=1", display_path(run.path))
     model = load_model(run, config, pg)
     full = gather_full_state_dict(model, pg.tp)
     logger.info(
@@ -145,11 +146,16 @@ def materialize_input_table(
     model: torch.nn.Module,
     *,
     compute_dtype: torch.dtype = torch.float64,
+    dtype: Optional[torch.dtype] = None,
     progress: bool = True,
 ) -> torch.Tensor:
-    """The [V, D] input table of a TP=1 model: row i is the embedding of id i."""
+    """The [V, D] input table of a TP=1 model: row i is the embedding of id i, computed in
+    `compute_dtype` and stored in `dtype` (default: `compute_dtype`)."""
     return materialize_module_table(
-        model.embedding.word_embeddings, compute_dtype=compute_dtype, progress=progress
+        model.embedding.word_embeddings,
+        compute_dtype=compute_dtype,
+        dtype=dtype,
+        progress=progress,
     )
 
 
@@ -158,26 +164,34 @@ def materialize_module_table(
     module: torch.nn.Module,
     *,
     compute_dtype: torch.dtype = torch.float64,
+    dtype: Optional[torch.dtype] = None,
     progress: bool = True,
 ) -> torch.Tensor:
-    """Run a TP=1 input module on every id: [V, D] in `compute_dtype`.
+    """Run a TP=1 input module on every id: [V, D] computed in `compute_dtype`, stored in
+    `dtype` (default: `compute_dtype`).
 
     LEV is computed by `lev.table.LEVTable` (batched no-grad math in `compute_dtype`, float32
-    or float64); the other generated arms run on a temporary `compute_dtype` copy of their
-    parameters (the module is left as it was); a lookup table is returned as it is.
+    or float64) one chunk at a time into a table of `dtype`, so that the table exists once, in
+    the dtype the caller keeps (an export at V = 200k, D = 2048 would otherwise hold a
+    3 GiB float64 table beside its 1.5 GiB float32 cast). The other generated arms run on a
+    temporary `compute_dtype` copy of their parameters (the module is left as it was). A lookup
+    table is returned as it is (detached, sharing the weight's storage: read it, do not modify
+    it), or as a copy in `dtype` when one is given and differs.
     """
     # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.lev.layer import LEVEmbedding
 
     if hasattr(module, "weight") and not list(module.children()):
-        return module.weight.detach().clone()
+        return module.weight.detach().to(dtype or module.weight.dtype)
     vocab = module.vocab_size if hasattr(module, "vocab_size") else module.num_embeddings
+    dtype = dtype or compute_dtype
     if isinstance(module, LEVEmbedding):
         builder = LEVTable(module.lev_config, dict(module.named_parameters()), dtype=compute_dtype)
+        out = torch.empty(vocab, builder.hidden_size, dtype=dtype, device=builder.device)
         with tqdm(
             total=vocab, desc="materialising input table", unit="id", disable=not progress
         ) as bar:
-            return builder.table(progress=bar.update).cpu()
+            return builder.table(out=out, progress=bar.update).cpu()
     device = next(module.parameters()).device
     saved = {name: p.data for name, p in module.named_parameters()}
     for p in module.parameters():
@@ -189,7 +203,7 @@ def materialize_module_table(
         bar = tqdm(total=vocab, desc="materialising input table", unit="id", disable=not progress)
         for start in range(0, vocab, _TABLE_CHUNK):
             ids = torch.arange(start, min(start + _TABLE_CHUNK, vocab), device=device)
-            rows.append(module(ids[None, :])[0].to(compute_dtype))
+            rows.append(module(ids[None, :])[0].to(dtype))
             rows[-1] = rows[-1].cpu()
             bar.update(ids.numel())
         bar.close()

@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -239,8 +241,12 @@ def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Mod
     parallel = ParallelConfig(
         tensor_model_parallel_size=pg.tp_size, pipeline_model_parallel_size=pg.pp_size
     )
+    # Built without drawing initial values (megatron's CPU init draws a full [V, D] master per
+    # vocabulary-parallel weight and copies its shard: 3 GB at V = 200k, D = 2048, more than a
+    # TP=1 export's model, benchmarks/RESULTS.md); the load sets every parameter
+    # (strict_missing below). The layers still mark their tensor-parallel layout.
     model = build_model(
-        model_config,
+        model_config.replace(perform_initialization=False),
         parallel=parallel,
         precision=PrecisionConfig(),  # float32 master weights
         pre_process=pg.is_first_stage,

@@ -94,7 +94,9 @@ def gather_full_state_dict(
     model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], grads: bool = False
 ) -> dict[str, torch.Tensor]:
     """This pipeline stage's parameters (or their `.grad` with grads=True), unsharded across
-    TP, under global names, on CPU. Every rank of the TP group gets the same dict.
+    TP, under global names, on CPU. Every rank of the TP group gets the same dict. A tensor
+    that needed no gather (TP=1, or a replicated parameter) on CPU shares its storage with the
+    parameter: read it, do not modify it in place.
 
     Args:
         model: this rank's model (stage).
@@ -114,7 +116,10 @@ def gather_full_state_dict(
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
             dist.all_gather(shards, tensor.contiguous(), group=tp_group)
             tensor = tp_unshard(shards, *layout)
-        full[global_param_name(model, name)] = tensor.cpu().clone()
+        # Gathered shards are new tensors already; an unsharded CPU parameter is returned as
+        # it is (detached), not copied: callers read the dict (exports, comparisons), and a
+        # second copy of every weight would double an export's memory at 1.2B.
+        full[global_param_name(model, name)] = tensor.cpu()
     return full
 
 

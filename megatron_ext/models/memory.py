@@ -32,17 +32,37 @@ the U distinct ids.
 
 Transformer Engine (the GPU spec) saves a different set (fused kernels, FP8 copies): the figure
 is the local path's; `scripts/gpu_check.sh` measures the GPU one.
+
+Two more stages are planned: `estimate_save_memory` (a checkpoint save after a step: the step's
+figure, since the writer adds nothing of the model's size and the allocator keeps the freed
+activations) and
+`estimate_export_memory` (``export-hf``: the TP=1 model, then either the checkpoint reader's copy
+of the largest stored tensor or the materialised [V, D] table plus the split QKV weights).
+
+Every figure counts tensors. A process also holds its runtime (Python, torch, megatron-core,
+gloo or CUDA: about 0.5 GiB of host memory on CPU), which depends on the machine and is not
+planned: `benchmarks/scale_1p2b.py` measures it in the same run and adds it, and against that
+sum the paper's 1.2B shape on CPU (TP=2, 8 of 16 layers, LEV and TIED) measured 0.94-1.05 of
+the plan for the training step, the save and the export (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.layout import ParallelConfig, PrecisionConfig
 from megatron_ext.models.param_count import count_parameters, resolve_embedding_sizes
 
-__all__ = ["TrainingPlan", "MemoryEstimate", "estimate_memory", "flops_per_token"]
+__all__ = [
+    "TrainingPlan",
+    "MemoryEstimate",
+    "estimate_export_memory",
+    "estimate_memory",
+    "estimate_save_memory",
+    "flops_per_token",
+]
 
 _ENGINES = ("portable", "megatron")
 
@@ -255,6 +275,48 @@ def estimate_memory(cfg: ModelConfig, layout: TrainingPlan) -> MemoryEstimate:
         activations=int(act),
         activations_recompute=int(act_rc),
     )
+
+
+def estimate_save_memory(cfg: ModelConfig, layout: TrainingPlan) -> int:
+    """Bytes of the most loaded GPU while it saves a checkpoint after a step: the step's own
+    figure (`estimate_memory(...).total`). The save adds nothing of the model's size (the
+    writer, torch.distributed.checkpoint, streams each tensor from its storage; the finiteness
+    check reads extremes), and the step's freed activations stay with the allocator that holds
+    them for the next step (CUDA's caching allocator; on CPU glibc's heap, which
+    `training.host_memory` keeps below its trim threshold). Measured on CPU at the 1.2B width:
+    the save's resident size equals the step's end, above weights, gradients and optimizer
+    states by the activations' share (benchmarks/RESULTS.md)."""
+    return estimate_memory(cfg, layout).total
+
+
+def estimate_export_memory(
+    cfg: ModelConfig, exported_vocab: Optional[int] = None, dtype_bytes: int = 4
+) -> int:
+    """Bytes of ``tools/convert_checkpoint.py export-hf`` (conversion/export_hf.py) from a TP=1
+    checkpoint: the model loaded at TP=1 in float32 (built without its random initialisation,
+    inference/loading.py), plus the larger of
+
+    - the load: torch.distributed.checkpoint's reader deserialises each stored tensor into a
+      buffer of its own before copying it into the parameter (the largest: the [V, D] output
+      layer or embedding, float32);
+    - the conversion: the materialised input table [V', D] in the stored dtype (`dtype_bytes`;
+      V' = `exported_vocab`, the tokenizer's ids, default the padded V; none for a TIED or
+      UNTIED table stored in float32, which is the weight itself), every layer's query,
+      key and value weights split out of its fused QKV weight (copies, conversion/hf.py), and
+      for a stored dtype other than float32 the cast of the other parameters.
+    """
+    cfg = resolve_embedding_sizes(cfg, log=False)
+    count = count_parameters(cfg)
+    vocab = exported_vocab or cfg.vocab_size
+    weights = 4 * count.total
+    largest = 4 * max(cfg.vocab_size * cfg.hidden_size, 2 * cfg.ffn_hidden_size * cfg.hidden_size)
+    # A lookup table kept in float32 is the weight itself; a generated arm's is a new tensor.
+    lookup = cfg.embedding.embedding_type in ("tied", "untied") and dtype_bytes == 4
+    table = 0 if lookup else dtype_bytes * vocab * cfg.hidden_size
+    heads = cfg.num_attention_heads + 2 * cfg.num_query_groups
+    qkv = 4 * cfg.hidden_size * cfg.kv_channels * heads
+    cast = 0 if dtype_bytes == 4 else dtype_bytes * (count.total - count.input_embedding)
+    return int(weights + max(largest, table + cfg.num_layers * qkv + cast))
 
 
 def flops_per_token(cfg: ModelConfig, recompute: bool = False, unique_fraction: float = 1.0):

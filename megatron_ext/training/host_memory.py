@@ -20,6 +20,14 @@ maps a block that the heap cannot hold (a thread's arena is at most 64 MiB; the 
 it cannot grow), so no allocation fails because of it; memory freed at the heap's top above
 the trim threshold is still returned. GPU runs keep large host blocks mapped: there they are
 one-off buffers (checkpoint loads), which in the heap could leave holes that stay resident.
+
+So do CPU runs whose rank holds `LARGE_BLOCKS_PARAM_LIMIT` bytes of parameters or more: there
+the blocks above 32 MiB are the weights' gradients (freed by every zero_grad and allocated
+again by the next backward), the Adam states and the [s, V] logits, in sizes that differ from
+one another, so the heap that serves them all keeps holes that no later block fits. At the
+paper's 1.2B width (TP=2, one layer, micro-batch 1) that measured 5.40 GiB resident per rank
+against 4.40 GiB with those blocks mapped (benchmarks/scale_1p2b.py, benchmarks/RESULTS.md),
+while faulting them in again costs a step of several seconds about 1%.
 """
 
 from __future__ import annotations
@@ -29,13 +37,16 @@ import os
 import sys
 from typing import Optional
 
-__all__ = ["retain_freed_host_memory"]
+__all__ = ["LARGE_BLOCKS_PARAM_LIMIT", "retain_freed_host_memory"]
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD = 1 << 30
+LARGE_BLOCKS_PARAM_LIMIT = 256 << 20
+"""Parameter bytes of a rank from which a CPU run maps its largest blocks (see the module doc):
+64M float32 parameters, above every quick-start and benchmark width, below the 1.2B shape."""
 
 
 def retain_freed_host_memory(large_blocks: bool = False) -> Optional[str]:

@@ -168,7 +168,8 @@ def setup(
     num_params = unique_numel(torch.nn.ModuleList(chunks), pg)
     phase, timers = Phase(), Timers.at_level(cfg.log.timing_log_level)
     engine = (engine_builder or build_engine)(cfg, model, forward_step, pg, phase, timers)
-    extras = RunExtras(cfg, pg)
+    param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+    extras = RunExtras(cfg, pg, param_bytes)
     model_config = getattr(chunks[0], "model_config", None)  # a LeviathanModel's ModelConfig
     flops = (
         flops_per_iteration(model_config, cfg.batch.global_batch_size)

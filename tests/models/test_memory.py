@@ -9,7 +9,13 @@ import torch
 
 from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig, param_table
 from megatron_ext.models.layout import ParallelConfig, PrecisionConfig
-from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
+from megatron_ext.models.memory import (
+    TrainingPlan,
+    estimate_export_memory,
+    estimate_memory,
+    estimate_save_memory,
+    flops_per_token,
+)
 from megatron_ext.testing.distributed import call_in_file, run_distributed
 
 pytestmark = pytest.mark.integration
@@ -183,3 +189,31 @@ def test_flops_per_token_agrees_with_the_training_log_formula():
     assert flops_per_iteration(tied, 1) == flops_per_token(tied) * cfg.seq_length
     assert flops_per_iteration(cfg, 1) == flops_per_token(cfg) * cfg.seq_length
     assert flops_per_token(cfg) > flops_per_token(tied)  # LEV's generator adds its own FLOPs
+
+
+def test_save_and_export_plans_of_the_1_2b_shape():
+    # The shape benchmarks/scale_1p2b.py measures: 8 of 16 layers at TP=2, o200k padded for TP=2.
+    from megatron_ext.models import count_parameters
+
+    cfg = ModelConfig(
+        vocab_size=200192, seq_length=512, embedding=dict(embedding_type="lev"),
+        **{**MODEL_SIZE_PRESETS["1.2b"], "num_layers": 8},
+    )  # fmt: skip
+    layout = TrainingPlan(
+        parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    )
+    mem = estimate_memory(cfg, layout)
+    assert estimate_save_memory(cfg, layout) == mem.total  # the step's, kept by the allocator
+    weights = 4 * count_parameters(cfg).total
+    table, qkv = 4 * 200019 * 2048, 4 * 2048 * 128 * (16 + 2 * 16)
+    # float32: the table and the split QKV outweigh the reader's copy of the [V, D] head.
+    assert estimate_export_memory(cfg, exported_vocab=200019) == weights + table + 8 * qkv
+    assert table + 8 * qkv > 4 * 200192 * 2048
+    # bfloat16: half the table, plus the bf16 cast of every other parameter.
+    rest = count_parameters(cfg).total - count_parameters(cfg).input_embedding
+    bf16 = estimate_export_memory(cfg, exported_vocab=200019, dtype_bytes=2)
+    assert bf16 == weights + table // 2 + 8 * qkv + 2 * rest
+    # TIED in float32: the exported table is the embedding weight itself, no copy.
+    tied = cfg.replace(embedding=dict(embedding_type="tied"))
+    tied_weights = 4 * count_parameters(tied).total
+    assert estimate_export_memory(tied, exported_vocab=200019) == tied_weights + 4 * 200192 * 2048

@@ -108,6 +108,10 @@ def test_the_run_keeps_large_blocks_on_cpu_only(monkeypatch, cuda):
     run_extras.RunExtras(run, pg=None)
     assert asked == [{"large_blocks": not cuda}]
     asked.clear()
+    # A rank with the 1.2B shape's parameters maps its largest blocks on CPU too.
+    run_extras.RunExtras(run, None, param_bytes=run_extras.LARGE_BLOCKS_PARAM_LIMIT)
+    assert asked == [{"large_blocks": False}]
+    asked.clear()
     run_extras.RunExtras(
         SimpleNamespace(**{**vars(run), "memory": MemoryConfig(retain_host_memory=False)}), None
     )
