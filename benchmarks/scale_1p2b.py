@@ -426,9 +426,9 @@ def logits_check(hf_dir: str, ckpt: str, data_prefix: str, window: int) -> dict:
 def planned(args: argparse.Namespace, arm: str, vocab: int) -> tuple[dict[str, int], int]:
     """(bytes per rank that `megatron_ext.models.memory` plans for the measured stages, tensors
     only: the caller adds the measured runtime; the model's parameters by `count_parameters`)."""
-    from megatron_ext.models import ModelConfig, count_parameters
+    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, count_parameters
     from megatron_ext.models.memory import (
-        ParallelLayout,
+        TrainingPlan,
         estimate_export_memory,
         estimate_memory,
         estimate_save_memory,
@@ -439,10 +439,13 @@ def planned(args: argparse.Namespace, arm: str, vocab: int) -> tuple[dict[str, i
         hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, embedding=dict(embedding_type=arm),
     )  # fmt: skip
-    layout = ParallelLayout(
-        tensor_parallel=2, sequence_parallel=True, micro_batch_size=1, bf16=True,
-        distributed_optimizer=True,
-    )  # fmt: skip
+    layout = TrainingPlan(
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True
+        ),
+        precision=PrecisionConfig(bf16=True),
+        micro_batch_size=1,
+    )
     plan = dict(
         train=estimate_memory(cfg, layout).total,
         save=estimate_save_memory(cfg, layout),
