@@ -35,6 +35,7 @@ from megatron_ext.data.tokenizers import (
     EXPORT_PROVENANCE_FILE,
     HuggingFaceTokenizer,
     SentencePieceTokenizer,
+    TikTokenizer,
 )
 
 __all__ = [
@@ -336,12 +337,16 @@ def export_tokenizer(tokenizer, out_dir: str) -> None:
     A SentencePiece BPE model becomes a `tokenizers` BPE with the same vocabulary, merges
     (ordered by piece score, as SentencePiece merges), byte fallback and the dummy-prefix
     metaspace; its control pieces (<s>, </s>, ...) are never matched in text, as in
-    SentencePiece. A Hugging Face tokenizer is saved as it is.
+    SentencePiece. A tiktoken rank file (o200k, cl100k, ...) becomes a byte-level BPE with
+    the same split pattern, ids and special tokens (`_export_tiktoken`). A Hugging Face
+    tokenizer is saved as it is.
     """
     if isinstance(tokenizer, HuggingFaceTokenizer):
         tokenizer._tok.save_pretrained(out_dir)
     elif isinstance(tokenizer, SentencePieceTokenizer):
         _export_sentencepiece(tokenizer, out_dir)
+    elif isinstance(tokenizer, TikTokenizer):
+        _export_tiktoken(tokenizer, out_dir)
     else:
         raise ConversionError(
             f"cannot export a {type(tokenizer).__name__} as a Hugging Face tokenizer; pass "
@@ -358,6 +363,73 @@ def export_tokenizer(tokenizer, out_dir: str) -> None:
     with open(os.path.join(out_dir, EXPORT_PROVENANCE_FILE), "w") as handle:
         json.dump(provenance, handle, indent=1, sort_keys=True)
         handle.write("\n")
+
+
+# Text the exported tokenizer must encode exactly as the source: words, digits, whitespace runs,
+# punctuation, accents, CJK, emoji, and special-token text (ordinary text in documents).
+_TOKENIZER_PROBE = (
+    "The history of the river, a café and 東京 in 2026: 1234567 items!\n\n  Indented\tline "
+    "don't WE'LL see émoji 🎉🎉 — <|endoftext|> naïve   spaces\r\nend."
+)
+
+
+def _export_tiktoken(tokenizer: TikTokenizer, out_dir: str) -> None:
+    """A tiktoken encoding as a `tokenizers` byte-level BPE: its rank file's tokens at their
+    ranks (the merges derived from the ranks, as transformers' TikTokenConverter does), its
+    split pattern, and its special tokens at their ids, never matched in text (the source
+    encodes documents with `encode_ordinary`). Checked on a probe text before it is kept."""
+    # optional: the [eval] extra (transformers')
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    encoding = tokenizer._enc
+    vocab, merges = TikTokenConverter(
+        vocab_file=tokenizer.model_path
+    ).extract_vocab_merges_from_model(tokenizer.model_path)
+    specials = {t: encoding.encode_single_token(t) for t in encoding.special_tokens_set}
+    backend = Tokenizer(BPE({**vocab, **specials}, merges, fuse_unk=False))
+    backend.model.ignore_merges = True  # tiktoken takes a whole piece found in its ranks
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(tokenizer.split_pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    eod = encoding.decode_single_token_bytes(tokenizer.eod).decode()
+    pad = tokenizer.pad
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=eod,  # as for SentencePiece: the end-of-document token, a scoring prefix
+        eos_token=eod,
+        pad_token=None if pad is None else encoding.decode_single_token_bytes(pad).decode(),
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
+    got = fast(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    if got != tokenizer.tokenize(_TOKENIZER_PROBE):
+        raise ConversionError(
+            f"{tokenizer.model_path}: the Hugging Face byte-level BPE does not encode like this "
+            "tiktoken encoding (its split pattern?); pass --no-tokenizer"
+        )
+    fast.save_pretrained(out_dir)
+    _generic_tokenizer_class(out_dir)
+
+
+def _generic_tokenizer_class(out_dir: str) -> None:
+    """The generic class name every transformers release (and vLLM, lm-eval) knows, with no
+    BOS or EOS added to encoded text."""
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path) as handle:
+        config = json.load(handle)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["add_bos_token"] = False
+    config["add_eos_token"] = False
+    with open(config_path, "w") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
 
 
 def _export_sentencepiece(tokenizer, out_dir: str) -> None:
@@ -420,12 +492,4 @@ def _export_sentencepiece(tokenizer, out_dir: str) -> None:
         clean_up_tokenization_spaces=False,
     )
     fast.save_pretrained(out_dir)
-    config_path = os.path.join(out_dir, "tokenizer_config.json")
-    with open(config_path) as handle:
-        config = json.load(handle)
-    # The generic class name every transformers release (and vLLM, lm-eval) knows.
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config["add_bos_token"] = False
-    config["add_eos_token"] = False
-    with open(config_path, "w") as handle:
-        json.dump(config, handle, indent=2, sort_keys=True)
+    _generic_tokenizer_class(out_dir)

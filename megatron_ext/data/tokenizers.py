@@ -310,6 +310,11 @@ class TikTokenizer(Tokenizer):
         """The id of `<|pad|>` for non-published rank files, else None."""
         return self._pad
 
+    @property
+    def split_pattern(self) -> str:
+        """The regular expression that splits text into pieces before BPE."""
+        return TIKTOKEN_PATTERNS.get(self._pattern, self._pattern)
+
     def tokenize(self, text: str) -> list[int]:
         """BPE ids of `text`, special-token text encoded as ordinary text."""
         # Special-token text inside documents is ordinary text, never a control id.
