@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-from megatron_ext import cross_entropy_cpu
+from megatron_ext import cpu_accel
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,8 @@ def chunked_head_cross_entropy(
     """Per-token cross entropy [s, b] of the output head `hidden @ weight.T` (hidden
     [s, b, h], weight [V, h], target ids [s, b]) without autograd and without the [s, b, V]
     logits: the head runs `rows` rows at a time and each chunk's loss is taken while the chunk
-    is still in cache, by the compiled one-pass-per-row kernel (`megatron_ext.cross_entropy_cpu`)
+    is still in cache, by the compiled one-pass-per-row kernel of the CPU accelerations
+    (`cpu_accel.cross_entropy`)
     for float32 CPU logits, else by `vocab_parallel_cross_entropy` (one rank; the reason the
     kernel is not used is logged once).
 
@@ -228,7 +229,8 @@ def chunked_head_cross_entropy(
         end = min(start + rows, s * b)
         logits = F.linear(flat[start:end], weight)  # its dtype follows autocast, if enabled
         if _chunk_kernel_error(logits.device.type, logits.dtype) is None:
-            cross_entropy_cpu.cross_entropy(logits, flat_target[start:end], out=loss[start:end])
+            kernel = cpu_accel.cross_entropy_kernel()
+            kernel.cross_entropy(logits, flat_target[start:end], out=loss[start:end])
         else:
             loss[start:end] = vocab_parallel_cross_entropy(logits, flat_target[start:end], None)
     return loss.view(s, b)
@@ -238,12 +240,17 @@ def chunked_head_cross_entropy(
 def _chunk_kernel_error(device: str, dtype: torch.dtype) -> Optional[str]:
     """None when `chunked_head_cross_entropy` can use the compiled kernel for logits of this
     device and dtype, else the reason, logged once per (device, dtype) and process."""
+    kernel = cpu_accel.cross_entropy_kernel()
     if device != "cpu" or dtype != torch.float32:
         reason = f"it takes float32 CPU logits, not {dtype} on {device}"
+    elif kernel is None:
+        reason = cpu_accel.OFF
     else:
-        reason = cross_entropy_cpu.kernel_error()
+        reason = kernel.kernel_error()
     if reason is not None:
-        logger.warning(
+        # Turned off on purpose: worth a note; a kernel that does not build: a warning.
+        logger.log(
+            logging.INFO if kernel is None else logging.WARNING,
             "the scoring loss uses vocab_parallel_cross_entropy per chunk instead of the "
             "compiled CPU cross-entropy kernel: %s",
             reason,

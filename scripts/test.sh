@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up the environment if needed, then run the tests (CPU only).
 #   bash scripts/test.sh                 the whole suite, both tiers, on 2 pytest-xdist workers
-#                                        (TEST_WORKERS=N to change; 0 runs serially)
+#                                        (TEST_WORKERS=N to change; 0 runs serially), then the
+#                                        unit tier with the CPU accelerations off
+#                                        (MEGATRON_EXT_CPU_ACCEL=0)
 #   bash scripts/test.sh --fast          the unit tier only: no launched process, no training, no
 #                                        test marked slow; on TEST_WORKERS workers too
 #   bash scripts/test.sh tests/lev -k gradcheck    anything else goes to pytest as it is
@@ -24,6 +26,10 @@ if [ "${1:-}" = "--fast" ]; then
         "${@:-tests}"
 fi
 if [ $# -eq 0 ]; then
-    exec "$PY" -m pytest -q -n "$WORKERS" tests
+    "$PY" -m pytest -q -n "$WORKERS" tests
+    # The unit tier again with the CPU accelerations off (megatron_ext/cpu_accel): the core's
+    # portable paths on their own.
+    MEGATRON_EXT_CPU_ACCEL=0 exec "$PY" -m pytest -q -n "$WORKERS" --dist load \
+        -m "not integration and not slow" tests
 fi
 exec "$PY" -m pytest -q "$@"

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megatron_ext.inference.lean_decode import LeanDecoder, lean_decode_unsupported
+from megatron_ext import cpu_accel
 from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.tensor_parallel import model_tp_size_rank
 
@@ -157,7 +157,10 @@ def decode_step_for(model: torch.nn.Module, use_cache: bool = True) -> tuple[str
     token), else "megatron" and what stands in the way, for the caller's log line."""
     if not use_cache:
         return "megatron", "no KV cache requested"
-    reason = lean_decode_unsupported(_unwrap(model))
+    lean = cpu_accel.decode_step()
+    if lean is None:
+        return "megatron", cpu_accel.OFF
+    reason = lean.lean_decode_unsupported(_unwrap(model))
     if reason is not None:
         return "megatron", f"the lean step does not cover {reason}"
     return "lean", "local spec at TP=1: plain torch ops on the model's weights"
@@ -194,14 +197,19 @@ def generate(
             make-vocab-size-divisible-by) are never produced.
         step: "megatron" runs each step through the model's forward with megatron's
             `StaticInferenceContext` (or without a cache when `cfg.use_cache` is False);
-            "lean" runs `LeanDecoder` (same logits, plain torch ops, TP=1 local spec with the
-            cache only; `decode_step_for` picks one and says why). A model the lean step does
-            not cover is refused, never silently run the other way.
+            "lean" runs the CPU accelerations' `LeanDecoder` (same logits, plain torch ops,
+            TP=1 local spec with the cache only; `decode_step_for` picks one and says why). A
+            model the lean step does not cover is refused, never silently run the other way.
     """
     if step not in DECODE_STEPS:
         raise ValueError(f"step must be one of {DECODE_STEPS}, got {step!r}")
     if step == "lean" and not cfg.use_cache:
         raise ValueError("the lean decode step always uses its KV cache (use_cache=True)")
+    lean_decode = cpu_accel.decode_step()
+    if step == "lean" and lean_decode is None:
+        raise ValueError(
+            f"the lean decode step is one of the CPU accelerations, and {cpu_accel.OFF}"
+        )
     inner = _unwrap(model)
     if not (getattr(inner, "pre_process", True) and getattr(inner, "post_process", True)):
         raise ValueError(
@@ -247,7 +255,7 @@ def generate(
     fed = 0
     try:
         with lev_eval_tables(model):
-            lean = LeanDecoder(inner, batch, total) if step == "lean" else None
+            lean = lean_decode.LeanDecoder(inner, batch, total) if step == "lean" else None
             for position in range(shortest, total):
                 if lean is not None:
                     logits = lean(tokens[:, fed:position])

@@ -160,8 +160,9 @@ class LEVConfig:
     )
     """Implementation of steps 3a-3e (`lev.kernels`): "reference" (`lev.math` under plain
     autograd, every intermediate saved), "torch" (`lev.fused`), "triton" (`lev.triton_kernel`),
-    "cpu" (`lev.cpu_fused`, a compiled C++ kernel), or "auto": triton for float32 CUDA tensors
-    when triton imports, cpu for CPU tensors when a C++ compiler builds it, else torch. All but
+    "cpu" (`cpu_accel.lev_kernel`, a compiled C++ kernel, one of the CPU accelerations), or
+    "auto": triton for float32 CUDA tensors when triton imports, cpu for CPU tensors when the
+    accelerations are on and a C++ compiler builds it, else torch. All but
     reference save only the seeds and the modes for backward."""
 
     init_output_std: Optional[float] = flag(

@@ -30,12 +30,13 @@ and grad is the [N, h, r] view of a contiguous [h, N, r] tensor (each head's row
 dL/dy may be any [h, N, d] view; the C++ and Triton backends write it as the [h, N, d] view of
 an [N, h, d] tensor, the layout 3a-3b's backward reads, so that no transposed copy of t or
 dL/dy is made.
-Backends: "torch" (`lev.fused`, chunked torch ops, any device), "cpu" (`lev.cpu_fused`, a C++
-kernel compiled on first use) and "triton" (`lev.triton_kernel`, CUDA, or CPU under
-TRITON_INTERPRET=1). "reference" is the readable `lev.math.lev_modes` under plain autograd
-(every intermediate saved). "auto" takes triton for float32 CUDA tensors when the triton
-package imports, cpu for CPU tensors when its kernel builds (else it logs why, once, and takes
-torch), else torch. Every choice computes the same function
+Backends: "torch" (`lev.fused`, chunked torch ops, any device), "cpu" (the CPU accelerations'
+C++ kernel, `cpu_accel.lev_kernel`, compiled on first use) and "triton" (`lev.triton_kernel`,
+CUDA, or CPU under TRITON_INTERPRET=1). "reference" is the readable `lev.math.lev_modes`
+under plain autograd (every intermediate saved). "auto" takes triton for float32 CUDA tensors
+when the triton package imports, cpu for CPU tensors when the accelerations are on and its
+kernel builds (else it logs why, once, and takes torch), else torch. Every choice computes the
+same function
 and saves the same tensors, so a run may switch kernels on resume.
 
 The signed product. docs/lev.md step 3e defines M = sign * exp(sum_d log(|phi| + eps)) with
@@ -69,7 +70,8 @@ from typing import Optional, Protocol, Union
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.lev import cpu_fused, fused
+from megatron_ext import cpu_accel
+from megatron_ext.lev import fused
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
 
@@ -79,6 +81,7 @@ __all__ = [
     "LEVKernelOptions",
     "LEVModes",
     "cpu_kernel_available",
+    "cpu_kernel_error",
     "lev_modes",
     "select_backend",
     "triton_importable",
@@ -310,12 +313,21 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def cpu_kernel_error() -> Optional[str]:
+    """Why the C++ CPU kernel cannot run here (the accelerations are off, or it does not
+    build), or None."""
+    kernel = cpu_accel.lev_backend()
+    return cpu_accel.OFF if kernel is None else kernel.cpu_kernel_error()
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_kernel_available() -> bool:
     """Whether the CPU kernel is usable; logs the reason once when it is not."""
-    error = cpu_fused.cpu_kernel_error()
+    error = cpu_kernel_error()
     if error is not None:
-        logger.warning("LEV runs the torch backend on CPU (slower): %s", error)
+        # Turned off on purpose: worth a note; a kernel that does not build: a warning.
+        level = logging.INFO if error == cpu_accel.OFF else logging.WARNING
+        logger.log(level, "LEV runs the torch backend on CPU (slower): %s", error)
     return error is None
 
 
@@ -331,16 +343,24 @@ def select_backend(kernel: str, z: torch.Tensor) -> LEVBackend:
         return fused.TORCH_BACKEND
     if kernel == "cpu" or (kernel == "auto" and z.device.type == "cpu"):
         if kernel == "auto":
-            return cpu_fused.CPU_BACKEND if cpu_kernel_available() else fused.TORCH_BACKEND
+            if not cpu_kernel_available():
+                return fused.TORCH_BACKEND
+            return cpu_accel.lev_backend().CPU_BACKEND
         if z.device.type != "cpu":
             raise RuntimeError(
                 f"--lev-kernel cpu runs on CPU tensors, but LEV's input is on {z.device}; "
                 "use --lev-kernel auto"
             )
-        error = cpu_fused.cpu_kernel_error()
+        kernel_module = cpu_accel.lev_backend()
+        if kernel_module is None:
+            raise RuntimeError(
+                f"--lev-kernel cpu is one of the CPU accelerations, and {cpu_accel.OFF}; use "
+                "--lev-kernel auto or torch"
+            )
+        error = kernel_module.cpu_kernel_error()
         if error is not None:
             raise RuntimeError(error)
-        return cpu_fused.CPU_BACKEND
+        return kernel_module.CPU_BACKEND
     cdt = lev_math.compute_dtype(z.dtype)
     if kernel == "auto":
         if not (z.is_cuda and cdt == torch.float32 and triton_importable()):

@@ -283,7 +283,7 @@ def estimate_save_memory(cfg: ModelConfig, layout: TrainingPlan) -> int:
     writer, torch.distributed.checkpoint, streams each tensor from its storage; the finiteness
     check reads extremes), and the step's freed activations stay with the allocator that holds
     them for the next step (CUDA's caching allocator; on CPU glibc's heap, which
-    `training.host_memory` keeps below its trim threshold). Measured on CPU at the 1.2B width:
+    `cpu_accel.host_memory` keeps below its trim threshold). Measured on CPU at the 1.2B width:
     the save's resident size equals the step's end, above weights, gradients and optimizer
     states by the activations' share (benchmarks/RESULTS.md)."""
     return estimate_memory(cfg, layout).total

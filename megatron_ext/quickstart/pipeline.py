@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megatron_ext import cpu_accel
 from megatron_ext.cli import run_tool
 from megatron_ext.evaluation.report import write_comparison_report
 from megatron_ext.quickstart.stages import (
@@ -468,7 +469,15 @@ def parse_args(argv=None) -> tuple[Settings, bool]:
     p.add_argument("--no-export", action="store_true", help="skip the Hugging Face export")
     p.add_argument("--title", default="Quick start: TIED vs LEVIATHAN")
     p.add_argument("--fresh", action="store_true", help="delete OUT and start over")
+    p.add_argument(
+        "--no-cpu-accel",
+        action="store_true",
+        help="run every stage without the CPU accelerations (compiled C++ kernels, host-memory "
+        "tuning): the portable paths, same results, slower; as MEGATRON_EXT_CPU_ACCEL=0",
+    )
     a = p.parse_args(argv)
+    if a.no_cpu_accel:
+        cpu_accel.disable()  # the stages' processes inherit it
     if a.iters < 1:
         p.error("--iters must be at least 1")
     if bool(a.corpus) != bool(a.valid_corpus):

@@ -593,7 +593,7 @@ class MemoryConfig:
         True,
         "--no-retain-host-memory",
         "return freed host memory to the OS between iterations (glibc's defaults) instead of "
-        "keeping it for the next iteration (`training.host_memory`)",
+        "keeping it for the next iteration (`cpu_accel.host_memory`)",
         action="store_false",
     )
     empty_unused_memory_level: int = flag(
@@ -639,6 +639,14 @@ class EngineConfig:
         "normalise the loss by the global batch's token count (not per micro-batch)",
     )
     """How the step normalises its loss and gradients (both engines honour it)."""
+    cpu_accel: bool = flag(
+        True,
+        "--no-cpu-accel",
+        "run without the CPU accelerations (compiled C++ kernels, host-memory tuning; "
+        "`megatron_ext.cpu_accel`): the portable paths, same results; as "
+        "MEGATRON_EXT_CPU_ACCEL=0",
+        action="store_false",
+    )
 
     def __post_init__(self) -> None:
         check_flag_values(self)

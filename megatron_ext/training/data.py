@@ -53,14 +53,27 @@ _iterators_with_workers: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _kill_workers_at_exit() -> None:
-    """atexit: kill and reap the workers of the iterators still alive at interpreter exit."""
-    for iterator in list(_iterators_with_workers):
-        for worker in getattr(iterator, "_workers", ()):
-            if worker.is_alive():
-                # It may exit between the check and the kill; the join reaps it either way.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(worker.pid, signal.SIGKILL)
-                worker.join()
+    """atexit: kill and reap the workers of the iterators still alive at interpreter exit.
+
+    PyTorch's SIGCHLD handler raises "DataLoader worker ... killed by signal" when a worker
+    dies; raised inside this hook it would stop the hook before the other workers are killed,
+    and multiprocessing's hook would then wait for them forever. So the handler is reset first,
+    every worker is killed, then all are joined."""
+    workers = [
+        worker
+        for iterator in list(_iterators_with_workers)
+        for worker in getattr(iterator, "_workers", ())
+    ]
+    if not workers:
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for worker in workers:
+        if worker.is_alive():
+            # It may exit between the check and the kill; the join reaps it either way.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGKILL)
+    for worker in workers:
+        worker.join()
 
 
 # Registered after multiprocessing's exit hook, so it runs before it (atexit runs last in first).

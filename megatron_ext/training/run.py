@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext import cpu_accel
 from megatron_ext.elastic import restart_round
 from megatron_ext.parallel import (
     ProcessGroups,
@@ -131,6 +132,8 @@ def setup(
         the trainer (its `state` at the loaded iteration), ready for `train`.
     """
     p, ck = cfg.parallel, cfg.ckpt
+    if not cfg.engine.cpu_accel:
+        cpu_accel.disable()  # before any kernel is chosen; DataLoader workers inherit it
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     set_random_seed(cfg.seed, pg.pp_rank)
@@ -138,6 +141,8 @@ def setup(
     if rank0:
         info = run_info()
         logger.info("run: %s", ", ".join(f"{k}={v}" for k, v in info.items()))
+        if not cpu_accel.enabled():
+            logger.info("%s: portable paths only", cpu_accel.OFF)
         logger.info(
             "layout: world %d = TP %d x CP %d x PP %d x DP %d; backend %s",
             dist.get_world_size(),

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
-from megatron_ext.training.host_memory import LARGE_BLOCKS_PARAM_LIMIT, retain_freed_host_memory
+from megatron_ext import cpu_accel
 from megatron_ext.training.unique_params import counted_params
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class RunExtras:
 
     def __init__(self, run: RunConfig, pg: ProcessGroups, param_bytes: int = 0) -> None:
         """`param_bytes`: this rank's parameter bytes (whether a CPU run keeps its largest
-        freed blocks, `training.host_memory`)."""
+        freed blocks, `cpu_accel.host_memory`)."""
         self.log, self.memory, self.pg = run.log, run.memory, pg
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
@@ -93,12 +93,13 @@ class RunExtras:
         if self.memory.manual_gc:
             gc.disable()
             gc.collect()
-        if self.memory.retain_host_memory:
+        host_memory = cpu_accel.host_memory_tuning()
+        if self.memory.retain_host_memory and host_memory is not None:
             # On CPU the step's activations are host memory: keep the largest blocks too, unless
             # they are a large model's gradients and optimizer states (`host_memory`).
-            why_not = retain_freed_host_memory(
+            why_not = host_memory.retain_freed_host_memory(
                 large_blocks=not torch.cuda.is_available()
-                and param_bytes < LARGE_BLOCKS_PARAM_LIMIT
+                and param_bytes < host_memory.LARGE_BLOCKS_PARAM_LIMIT
             )
             if why_not is not None and self.is_rank0:
                 logger.info("freed host memory is returned to the OS: %s", why_not)

@@ -30,10 +30,10 @@ FUSED = ["torch", "cpu", "triton"]
 def _device(kernel: str) -> torch.device:
     """Where `kernel`'s tensors go; skips the test when the kernel cannot run here."""
     if kernel == "cpu":
-        from megatron_ext.lev import cpu_fused
+        from megatron_ext.lev.kernels import cpu_kernel_error
 
-        if cpu_fused.cpu_kernel_error() is not None:  # pragma: no cover - needs no g++
-            pytest.skip(f"CPU kernel unavailable: {cpu_fused.cpu_kernel_error()}")
+        if cpu_kernel_error() is not None:  # no g++, or the CPU accelerations are off
+            pytest.skip(f"CPU kernel unavailable: {cpu_kernel_error()}")
     if kernel == "triton":
         pytest.importorskip("triton", reason="triton is not installed (pip install '.[gpu]')")
         from megatron_ext.lev import triton_kernel
@@ -587,10 +587,10 @@ def test_kernel_options_carry_the_codebook_combine():
     "eps, scale", [(1e-9, 1.0), (1e-30, 1.0), (1.0, 1.0), (1.0, 1e-3), (1e-9, 1e15), (1.0, 1e30)]
 )
 def test_cpu_kernel_vector_paths_equal_its_scalar_paths(dtype, eps, scale, r):
-    from megatron_ext.lev import cpu_fused
+    from megatron_ext.cpu_accel import lev_kernel
 
     _device("cpu")
-    backend = cpu_fused.CPU_BACKEND
+    backend = lev_kernel.CPU_BACKEND
     gen = torch.Generator().manual_seed(3)
     h, n, d, kappa = 3, 41, 70, 6
     t = torch.rand(n, h, d, generator=gen, dtype=torch.float64).to(dtype).transpose(0, 1)
@@ -625,10 +625,10 @@ def test_cpu_kernel_vector_paths_equal_its_scalar_paths(dtype, eps, scale, r):
 def test_cpu_kernel_vector_path_keeps_nan_and_inf():
     # A NaN or inf coefficient turns the forward's fast path off for its head (group size 0);
     # a NaN coordinate gives NaN modes on the fast path, as on the per-factor one.
-    from megatron_ext.lev import cpu_fused
+    from megatron_ext.cpu_accel import lev_kernel
 
     _device("cpu")
-    backend = cpu_fused.CPU_BACKEND
+    backend = lev_kernel.CPU_BACKEND
     gen = torch.Generator().manual_seed(4)
     h, n, d, kappa, r = 3, 9, 12, 5, 8
     t = torch.rand(n, h, d, generator=gen).transpose(0, 1).contiguous()

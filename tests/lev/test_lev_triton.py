@@ -68,11 +68,12 @@ def test_embedding_output_and_all_six_gradients_match_the_torch_kernel(kernel, l
 def test_auto_never_picks_triton_on_cpu_and_triton_refuses_cpu_outside_the_interpreter(
     kernel, monkeypatch
 ):
-    from megatron_ext.lev import cpu_fused
+    from megatron_ext.lev.kernels import cpu_kernel_error
 
     z = torch.zeros(2, 3)
-    # On CPU tensors auto means the C++ kernel (lev.cpu_fused), or torch where it cannot build.
-    cpu_choice = "cpu" if cpu_fused.cpu_kernel_error() is None else "torch"
+    # On CPU tensors auto means the C++ kernel (cpu_accel.lev_kernel), or torch where it cannot
+    # build or the CPU accelerations are off.
+    cpu_choice = "cpu" if cpu_kernel_error() is None else "torch"
     assert select_backend("auto", z).name == cpu_choice
     assert select_backend("torch", z).name == "torch"
     assert select_backend("triton", z).name == "triton"  # the interpreter runs CPU tensors

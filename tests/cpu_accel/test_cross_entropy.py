@@ -1,5 +1,5 @@
-"""The compiled CPU cross-entropy kernel (megatron_ext.cross_entropy_cpu) and its shared build
-module (megatron_ext.cpu_kernels): losses against a float64 log-sum-exp, the exp's accuracy in
+"""The compiled CPU cross-entropy kernel (megatron_ext.cpu_accel.cross_entropy) and its shared build
+module (megatron_ext.cpu_accel.build): losses against a float64 log-sum-exp, the exp's accuracy in
 ulp against float64, thread-count independence, bad targets, and the logged fallback of
 `chunked_head_cross_entropy` when the kernel is unavailable."""
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext import cpu_kernels, cross_entropy_cpu
 from megatron_ext import tensor_parallel as tp
+from megatron_ext.cpu_accel import build, cross_entropy
 
-if cross_entropy_cpu.kernel_error() is not None:  # pragma: no cover - needs no g++
-    pytest.skip(f"kernel unavailable: {cross_entropy_cpu.kernel_error()}", allow_module_level=True)
+if cross_entropy.kernel_error() is not None:  # pragma: no cover - needs no g++
+    pytest.skip(f"kernel unavailable: {cross_entropy.kernel_error()}", allow_module_level=True)
 
 INF, NAN = float("inf"), float("nan")
 
@@ -50,7 +50,7 @@ def _rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("vocab", [1, 7, 16, 100, 1023, 32000])
 def test_losses_match_float64_log_sum_exp(vocab):
     logits, target = _rows(vocab)
-    got = cross_entropy_cpu.cross_entropy(logits, target)
+    got = cross_entropy.cross_entropy(logits, target)
     want = _float64_losses(logits, target)
     assert got.dtype == torch.float32 and got.shape == target.shape
     torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6, equal_nan=vocab == 1)
@@ -67,7 +67,7 @@ def test_non_finite_rows_follow_torch():
         ]
     )
     target = torch.tensor([0, 0, 0, 1, 2])
-    got = cross_entropy_cpu.cross_entropy(logits, target)
+    got = cross_entropy.cross_entropy(logits, target)
     want = torch.nn.functional.cross_entropy(logits, target, reduction="none")
     torch.testing.assert_close(got, want, equal_nan=True)
     assert torch.isnan(got[:3]).all() and got[3] == INF and torch.isfinite(got[4])
@@ -76,7 +76,7 @@ def test_non_finite_rows_follow_torch():
 def test_exp_is_within_one_ulp_of_float64_over_minus_104_to_0():
     x = torch.linspace(-104, 0, 1_000_001, dtype=torch.float32)
     x = torch.cat([x, -torch.logspace(-30, 0, 1001, dtype=torch.float32)])
-    got = cross_entropy_cpu.exp(x).double()
+    got = cross_entropy.exp(x).double()
     exact = torch.exp(x.double())
     ulp = torch.from_numpy(np.spacing(exact.float().abs().numpy())).double()
     normal = exact >= torch.finfo(torch.float32).tiny
@@ -85,7 +85,7 @@ def test_exp_is_within_one_ulp_of_float64_over_minus_104_to_0():
     # subnormal results: within one subnormal spacing (2^-149) of the exact value
     assert ((got - exact).abs()[~normal] <= 2.0**-149).all()
     special = torch.tensor([-INF, NAN, INF, -103.0, -104.0, 0.0, -0.0])
-    out = cross_entropy_cpu.exp(special)
+    out = cross_entropy.exp(special)
     assert out[0] == 0 and torch.isnan(out[1]) and out[2] == INF
     assert (
         out[3] == 2.0**-149 and out[4] == 0
@@ -99,9 +99,9 @@ def test_threads_give_bit_identical_losses():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cross_entropy_cpu.cross_entropy(logits, target)
+        one = cross_entropy.cross_entropy(logits, target)
         torch.set_num_threads(2)
-        two = cross_entropy_cpu.cross_entropy(logits, target)
+        two = cross_entropy.cross_entropy(logits, target)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
@@ -113,7 +113,7 @@ def test_strided_rows_and_out():
     logits = wide[:, 5:45]  # row stride 50, 40 columns
     target = torch.randint(0, 40, (6,), generator=g)
     out = torch.empty(6)
-    got = cross_entropy_cpu.cross_entropy(logits, target, out=out)
+    got = cross_entropy.cross_entropy(logits, target, out=out)
     assert got is out
     torch.testing.assert_close(got.double(), _float64_losses(logits, target), rtol=2e-6, atol=0)
 
@@ -122,7 +122,7 @@ def test_strided_rows_and_out():
 def test_out_of_range_targets_are_one_clear_error(bad):
     target = torch.tensor([0, bad])
     with pytest.raises(IndexError, match=f"target id {bad} is out of range .* 40"):
-        cross_entropy_cpu.cross_entropy(torch.randn(2, 40), target)
+        cross_entropy.cross_entropy(torch.randn(2, 40), target)
     with torch.no_grad(), pytest.raises(IndexError, match=f"target id {bad} is out of range"):
         tp.chunked_head_cross_entropy(torch.randn(2, 1, 4), torch.randn(40, 4), target.view(2, 1))
 
@@ -130,11 +130,11 @@ def test_out_of_range_targets_are_one_clear_error(bad):
 def test_unavailable_kernel_falls_back_with_one_logged_reason(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("MEGATRON_EXT_CACHE", str(tmp_path / "cache"))
-    for cached in (cross_entropy_cpu.load_library, cross_entropy_cpu.kernel_error):
+    for cached in (cross_entropy.load_library, cross_entropy.kernel_error):
         cached.cache_clear()
     tp._chunk_kernel_error.cache_clear()
     try:
-        error = cross_entropy_cpu.kernel_error()
+        error = cross_entropy.kernel_error()
         assert error is not None and "no-such-compiler" in error and "$CXX" in error
         torch.manual_seed(0)
         hidden, weight = torch.randn(8, 2, 16), torch.randn(30, 16)
@@ -147,7 +147,7 @@ def test_unavailable_kernel_falls_back_with_one_logged_reason(monkeypatch, tmp_p
         logits = torch.nn.functional.linear(hidden, weight)
         torch.testing.assert_close(first, tp.vocab_parallel_cross_entropy(logits, target, None))
     finally:
-        for cached in (cross_entropy_cpu.load_library, cross_entropy_cpu.kernel_error):
+        for cached in (cross_entropy.load_library, cross_entropy.kernel_error):
             cached.cache_clear()
         tp._chunk_kernel_error.cache_clear()
 
@@ -181,14 +181,12 @@ def test_autocast_bf16_logits_take_the_torch_loss_with_one_logged_reason(caplog)
 
 def test_build_error_names_the_kernel_and_the_hint(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(cpu_kernels.CpuKernelUnavailable, match="the demo kernel.*do this"):
-        cpu_kernels.build_library(tmp_path / "x.cpp", "demo kernel", "do this")
+    with pytest.raises(build.CpuKernelUnavailable, match="the demo kernel.*do this"):
+        build.build_library(tmp_path / "x.cpp", "demo kernel", "do this")
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
     monkeypatch.delenv("CXX")
     monkeypatch.setenv("MEGATRON_EXT_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(
-        cpu_kernels.CpuKernelUnavailable, match="building the demo kernel .*do this"
-    ):
-        cpu_kernels.build_library(bad, "demo kernel", "do this")
+    with pytest.raises(build.CpuKernelUnavailable, match="building the demo kernel .*do this"):
+        build.build_library(bad, "demo kernel", "do this")
     assert not list((tmp_path / "cache").iterdir())  # no temporary left behind

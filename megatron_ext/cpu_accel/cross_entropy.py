@@ -3,7 +3,7 @@
 polynomial exp (under 1 ulp), then log(sum) - (x[target] - max), accumulated in float64.
 
 `chunked_head_cross_entropy` (megatron_ext.tensor_parallel) uses it on each chunk of the
-scoring head's logits. The kernel is compiled on first use (`megatron_ext.cpu_kernels`);
+scoring head's logits. The kernel is compiled on first use (`megatron_ext.cpu_accel.build`);
 `kernel_error()` says why it cannot be used here (no compiler, a failed build).
 """
 
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.cpu_kernels import build_library, load_error
+from megatron_ext.cpu_accel.build import build_library, load_error
 
 __all__ = ["cross_entropy", "exp", "kernel_error", "load_library"]
 

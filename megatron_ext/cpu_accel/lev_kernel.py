@@ -13,7 +13,7 @@ seed projection and the sigmoid stay torch ops and the LayerNorm with its affine
 (`CpuSeedNorm`), all recomputed in backward. The product is the
 mantissa-exponent product every backend shares (`lev.kernels`, "The signed product").
 
-The C++ source is compiled on first use (`megatron_ext.cpu_kernels`: the system C++ compiler,
+The C++ source is compiled on first use (`megatron_ext.cpu_accel.build`: the system C++ compiler,
 cached under $MEGATRON_EXT_CACHE, keyed by the source, the flags, the compiler and the CPU);
 later processes load it in milliseconds.
 `cpu_kernel_error()` says why it cannot be used (no compiler, a failed build), and
@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.cpu_kernels import CpuKernelUnavailable, build_library, load_error
+from megatron_ext.cpu_accel.build import CpuKernelUnavailable, build_library, load_error
 
 logger = logging.getLogger(__name__)
 

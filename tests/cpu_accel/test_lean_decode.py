@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from megatron_ext.testing.distributed import run_distributed
-
-from .test_generation import PROMPTS, VOCAB, _config
+from tests.inference.test_generation import PROMPTS, VOCAB, _config
 
 pytestmark = pytest.mark.integration
 
@@ -59,8 +58,8 @@ def _logit_gaps(model) -> tuple[float, float, float]:
     after the prefill it does not give the full forward's logits, the lean step does."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
+    from megatron_ext.cpu_accel.lean_decode import LeanDecoder
     from megatron_ext.inference.generation import lev_eval_tables, next_token_logits
-    from megatron_ext.inference.lean_decode import LeanDecoder
 
     tokens = torch.randint(0, VOCAB, (3, 14), generator=torch.Generator().manual_seed(1))
     chunks = [(0, 5), (5, 6), (6, 7), (7, 11), (11, 12), (12, 14)]
@@ -84,8 +83,8 @@ def _logit_gaps(model) -> tuple[float, float, float]:
 
 
 def _checks() -> dict:
+    from megatron_ext.cpu_accel.lean_decode import lean_decode_unsupported
     from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
-    from megatron_ext.inference.lean_decode import lean_decode_unsupported
 
     res: dict = {"gap": {}, "tokens": {}, "step": {}, "free": {}}
     for arm in ARMS:

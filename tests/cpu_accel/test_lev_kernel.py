@@ -1,5 +1,5 @@
-"""The compiled CPU LEV kernel (lev.cpu_fused): its selection by --lev-kernel, its build cache,
-its step 3b (`CpuSeedNorm`) against torch's, and its backward near every knot (edge and
+"""The compiled CPU LEV kernel (`cpu_accel.lev_kernel`): its selection by --lev-kernel, its
+build cache, its step 3b (`CpuSeedNorm`) against torch's, and its backward near every knot (edge and
 interior buckets) against the float64 reference. Its numerics through `lev_modes` (values,
 gradients, gradcheck, overflow, threads, saved tensors, autocast) are checked with every other
 kernel in tests/lev/test_lev_reference.py.
@@ -10,45 +10,45 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.lev import cpu_fused
+from megatron_ext.cpu_accel import lev_kernel
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.kernels import TORCH_SEED_NORM, LEVKernelOptions, select_backend
 
-if cpu_fused.cpu_kernel_error() is not None:  # pragma: no cover - needs a machine without g++
-    pytest.skip(f"CPU kernel unavailable: {cpu_fused.cpu_kernel_error()}", allow_module_level=True)
+if lev_kernel.cpu_kernel_error() is not None:  # pragma: no cover - needs a machine without g++
+    pytest.skip(f"CPU kernel unavailable: {lev_kernel.cpu_kernel_error()}", allow_module_level=True)
 
 
 def test_selection():
     z = torch.zeros(2, 3)
-    assert select_backend("cpu", z) is cpu_fused.CPU_BACKEND
-    assert select_backend("auto", z) is cpu_fused.CPU_BACKEND
+    assert select_backend("cpu", z) is lev_kernel.CPU_BACKEND
+    assert select_backend("auto", z) is lev_kernel.CPU_BACKEND
     assert select_backend("torch", z).name == "torch"
 
 
 def test_missing_compiler_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("MEGATRON_EXT_CACHE", str(tmp_path / "cache"))
-    cpu_fused.load_library.cache_clear()
-    cpu_fused.cpu_kernel_error.cache_clear()
+    lev_kernel.load_library.cache_clear()
+    lev_kernel.cpu_kernel_error.cache_clear()
     try:
-        error = cpu_fused.cpu_kernel_error()
+        error = lev_kernel.cpu_kernel_error()
         assert error is not None and "--lev-kernel torch" in error and "$CXX" in error
         with pytest.raises(RuntimeError, match="no-such-compiler"):
             select_backend("cpu", torch.zeros(2, 3))
     finally:
-        cpu_fused.load_library.cache_clear()
-        cpu_fused.cpu_kernel_error.cache_clear()
+        lev_kernel.load_library.cache_clear()
+        lev_kernel.cpu_kernel_error.cache_clear()
 
 
 def test_builds_into_a_fresh_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("MEGATRON_EXT_CACHE", str(tmp_path))
-    cpu_fused.load_library.cache_clear()
+    lev_kernel.load_library.cache_clear()
     try:
-        cpu_fused.load_library()
+        lev_kernel.load_library()
         built = list(tmp_path.iterdir())
         assert len(built) == 1 and built[0].suffix == ".so"  # no temporary left behind
     finally:
-        cpu_fused.load_library.cache_clear()
+        lev_kernel.load_library.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -61,7 +61,7 @@ def test_seed_norm_equals_torchs(dtype, h, d):
         torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
         for shape in ((h, d), (h, d), (50, h, d))
     )
-    ours = cpu_fused.CPU_BACKEND.seed_norm
+    ours = lev_kernel.CPU_BACKEND.seed_norm
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
     y, y_ref = ours.forward(u, gain, shift, 1e-5), TORCH_SEED_NORM.forward(u, gain, shift, 1e-5)
     assert torch.isnan(y[7, 0]).all() and not torch.isnan(y[7, 1:]).any()
@@ -108,7 +108,7 @@ def test_backward_near_every_knot_equals_the_float64_reference(kappa, normalize)
     modes_ref = lev_math.separable_product(phi, eps).transpose(0, 1)
     grad_t, grad_delta_ref = torch.autograd.grad(modes_ref, [t_ref, delta_ref], grad_modes)
 
-    backend = cpu_fused.CPU_BACKEND
+    backend = lev_kernel.CPU_BACKEND
     modes = backend.forward(t.transpose(0, 1), delta, opts)
     torch.testing.assert_close(modes, modes_ref.detach(), rtol=1e-12, atol=0)
     scaled = (grad_modes * modes).transpose(0, 1).contiguous().transpose(0, 1)

@@ -1,0 +1,82 @@
+"""CPU accelerations: compiled kernels and tuning that make CPU runs faster, in one room.
+
+Nothing here changes what is computed: each piece has a portable path in the core that gives
+the same function (tested against it), and the core runs that path when the piece is off or
+cannot be built. The core never imports the modules below; it asks this module for them at its
+own extension points (each accessor returns its module, or None while the switch is off):
+
+- `lev_backend()` -> `lev_kernel` (+ `csrc/lev_cpu.cpp`): the C++ LEV kernel of
+  `--lev-kernel auto/cpu` on CPU tensors; asked for by `lev.kernels.select_backend`.
+- `cross_entropy_kernel()` -> `cross_entropy` (+ `csrc/cross_entropy_cpu.cpp`): the one-pass
+  C++ cross entropy of the scoring head; asked for by
+  `tensor_parallel.chunked_head_cross_entropy`.
+- `decode_step()` -> `lean_decode`: the decode step in plain torch ops (`--step auto/lean`);
+  asked for by `inference.generation`.
+- `host_memory_tuning()` -> `host_memory`: glibc settings that keep freed host pages; asked for
+  by `training.run_extras`.
+
+`build` compiles the C++ sources on first use and caches them on disk.
+
+One switch turns them all off: ``MEGATRON_EXT_CPU_ACCEL=0`` in the environment (every process
+a command starts inherits it), or ``--no-cpu-accel`` on `pretrain_leviathan.py` and
+`tools/quickstart.py`, which set it. The modules are imported by name on first use (this
+module imports none of them), so the core's import graph never depends on them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Optional
+
+__all__ = [
+    "ENV",
+    "OFF",
+    "cross_entropy_kernel",
+    "decode_step",
+    "disable",
+    "enabled",
+    "host_memory_tuning",
+    "lev_backend",
+]
+
+ENV = "MEGATRON_EXT_CPU_ACCEL"
+OFF = f"the CPU accelerations are off ({ENV}=0 or --no-cpu-accel)"
+"""Why a piece is not used while the switch is off (for log lines and errors)."""
+
+
+def enabled() -> bool:
+    """Whether the accelerations may be used: unless ``MEGATRON_EXT_CPU_ACCEL`` is 0 (or off,
+    false, no)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def disable() -> None:
+    """Turn the accelerations off for this process and every process it starts."""
+    os.environ[ENV] = "0"
+
+
+def _piece(name: str) -> Optional[ModuleType]:
+    return importlib.import_module(f"{__name__}.{name}") if enabled() else None
+
+
+def lev_backend() -> Optional[ModuleType]:
+    """The C++ LEV backend's module (`CPU_BACKEND`, `cpu_kernel_error()`), None when off."""
+    return _piece("lev_kernel")
+
+
+def cross_entropy_kernel() -> Optional[ModuleType]:
+    """The C++ cross entropy's module (`cross_entropy()`, `kernel_error()`), None when off."""
+    return _piece("cross_entropy")
+
+
+def decode_step() -> Optional[ModuleType]:
+    """The lean decode step's module (`LeanDecoder`, `lean_decode_unsupported()`), None when
+    off."""
+    return _piece("lean_decode")
+
+
+def host_memory_tuning() -> Optional[ModuleType]:
+    """The host-memory tuning's module (`retain_freed_host_memory()`), None when off."""
+    return _piece("host_memory")
