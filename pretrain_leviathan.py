@@ -153,6 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # The package (and megatron-core, which warns about Apex / Transformer Engine when it is
     # imported) is imported only now, after the warning filter of setup_logging; the providers
     # above import it lazily for the same reason.
+    from megatron_ext.checkpoint.format import CheckpointError
     from megatron_ext.data.loading import DataConfig
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
@@ -163,7 +164,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parse_config,
         pretrain,
     )
-    from megatron_ext.training.checkpointing import CheckpointError
     from megatron_ext.training.gpu_arguments import engine_model_precision
 
     try:

@@ -173,7 +173,7 @@ def _shutdown() -> None:
 
 def _errors() -> tuple:
     # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.training.checkpointing import CheckpointError
+    from megatron_ext.checkpoint.format import CheckpointError
 
     return (ConversionError, CheckpointError, TokenizerError)
 

@@ -1,7 +1,7 @@
 """reshard: rewrite a checkpoint offline for another TP/PP layout, or as one consolidated file.
 
 Our checkpoints are layout-free (full tensors under single-stage names, see
-`megatron_ext.training.checkpointing`), so any layout can already load any checkpoint; what a
+`megatron_ext.checkpoint.format`), so any layout can already load any checkpoint; what a
 layout change needs offline is the rest: the vocabulary padding (make-vocab-size-divisible-by x
 TP) of the embedding, head and their optimizer moments, the layout recorded in common.json and
 args.json (for --use-checkpoint-args), and the dropped per-rank RNG files. The tensors are
@@ -86,8 +86,8 @@ def _single_process():
 def reshard(opts: ReshardOptions) -> str:
     """Write the resharded checkpoint (a new --save directory); returns its path."""
     # deferred: keeps megatron.core (slow) out of this module's import
+    from megatron_ext.checkpoint.format import TRACKER_FILENAME, checkpoint_dir
     from megatron_ext.inference.loading import find_checkpoint, run_model_config, run_tokenizer
-    from megatron_ext.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
 
     output = os.path.abspath(opts.output)
     if os.path.lexists(output) and not opts.overwrite:

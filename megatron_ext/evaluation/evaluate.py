@@ -503,7 +503,7 @@ COMMANDS = {
 
 def _errors() -> tuple:
     # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.training.checkpointing import CheckpointError
+    from megatron_ext.checkpoint.format import CheckpointError
 
     return (EvaluationError, DataError, TokenizerError, CheckpointError)
 

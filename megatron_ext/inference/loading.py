@@ -29,6 +29,13 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ext._paths import display_path
+from megatron_ext.checkpoint.format import (
+    TRACKER_FILENAME,
+    CheckpointError,
+    checkpoint_dir,
+    load_checkpoint,
+    read_latest_iteration,
+)
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.models import (
     ModelParallelism,
@@ -38,13 +45,6 @@ from megatron_ext.models import (
     model_config_from_args,
 )
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
-from megatron_ext.training.checkpointing import (
-    TRACKER_FILENAME,
-    CheckpointError,
-    checkpoint_dir,
-    load_checkpoint,
-    read_latest_iteration,
-)
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups

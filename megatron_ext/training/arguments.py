@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_ext.checkpoint.format import checkpoint_dir, read_latest_iteration
 from megatron_ext.config_flags import (
     ArgumentError,
     add_config_arguments,
@@ -35,7 +36,6 @@ from megatron_ext.config_flags import (
 from megatron_ext.data.loading import DataConfig, add_data_arguments
 from megatron_ext.models.arguments import add_model_arguments
 from megatron_ext.models.config import EmbeddingConfig, ModelConfig
-from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
 from megatron_ext.training.config import (
     BatchConfig,
     CheckpointConfig,

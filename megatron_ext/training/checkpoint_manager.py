@@ -2,7 +2,8 @@
 bookkeeping the exit conditions need (the slowest save, the last saved iteration).
 
 It saves and loads whatever the engine's `checkpoint_parts()` names, in the project's format
-(`checkpointing.save_checkpoint` / `load_checkpoint`), so both engines write the same layout.
+(`megatron_ext.checkpoint.format.save_checkpoint` / `load_checkpoint`), so both engines write the
+same layout.
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import os
 import time
 from typing import Optional
 
-from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.checkpoint_io import check_save_directory as check
-from megatron_ext.training.checkpointing import (
+from megatron_ext.checkpoint.format import (
     CheckpointError,
     PendingSave,
     TrainState,
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_ext.checkpoint.io_errors import check_save_directory as check
+from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.config import TrainingConfig
 from megatron_ext.training.engine import Engine, Phase
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext.checkpoint.format import read_latest_iteration
 from megatron_ext.elastic import restart_round
 from megatron_ext.parallel import (
     ProcessGroups,
@@ -29,7 +30,6 @@ from megatron_ext.parallel import (
     set_random_seed,
 )
 from megatron_ext.training.checkpoint_manager import CheckpointManager, check_save_directory
-from megatron_ext.training.checkpointing import read_latest_iteration
 from megatron_ext.training.config import TrainingConfig
 from megatron_ext.training.engine import Engine, Phase
 from megatron_ext.training.engine_portable import PortableEngine

@@ -28,7 +28,7 @@ Atomicity: DCP writes into `iter_XXXXXXX.tmp/`; after every rank finished, rank 
 at any point leaves the previous checkpoint as latest; stale `.tmp` directories are removed by
 the next save. A state with a non-finite parameter is never saved.
 
-I/O failures (`checkpoint_io.py`): a save that fails on any rank (no space, permission, ...)
+I/O failures (`io_errors.py`): a save that fails on any rank (no space, permission, ...)
 raises `CheckpointError` on every rank saying why, after removing its `.tmp`; the previous
 checkpoint stays the latest. A checkpoint that cannot be read (a truncated or missing shard,
 a corrupt file) raises `CheckpointError` naming the file and the iteration and suggesting
@@ -61,15 +61,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_ext._paths import display_path
-from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
-from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.checkpoint_io import (
+from megatron_ext.checkpoint.io_errors import (
     CHECKPOINT_IO_ERRORS,
     agree_on_failure,
     describe_io_error,
     older_checkpoints_hint,
     verify_shard_files,
 )
+from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
+from megatron_ext.parallel import ProcessGroups
 
 logger = logging.getLogger(__name__)
 

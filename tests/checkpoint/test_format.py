@@ -42,8 +42,8 @@ def _tiny_model(arm: str = "untied"):
 def _killed_and_nonfinite_saves(root: str) -> bool:
     import torch.distributed.checkpoint as dcp
 
+    from megatron_ext.checkpoint import format as ck
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training import checkpointing as ck
 
     pg = ProcessGroups.from_megatron()
     model = _tiny_model()

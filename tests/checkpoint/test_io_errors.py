@@ -1,4 +1,4 @@
-"""Checkpoint I/O failures (megatron_ext/training/checkpoint_io.py) on 2 gloo ranks (TP=2):
+"""Checkpoint I/O failures (megatron_ext/checkpoint/io_errors.py) on 2 gloo ranks (TP=2):
 
 - a disk that fills up during a save on one rank: every rank raises one CheckpointSaveError
   saying "no space left on device", the `.tmp` is removed, the previous checkpoint stays the
@@ -23,7 +23,7 @@ from megatron_ext.testing.distributed import run_distributed
 from megatron_ext.testing.launch import launch
 from megatron_ext.testing.runs import ENTRY_MODULE
 
-from .test_checkpointing import _tiny_model
+from .test_format import _tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -80,9 +80,9 @@ def _failing_writes(failing_rank: int, error: str):
 
 
 def _save_and_load_failures(root: str) -> dict:
+    from megatron_ext.checkpoint import format as ck
+    from megatron_ext.checkpoint.io_errors import check_save_directory
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training import checkpointing as ck
-    from megatron_ext.training.checkpoint_io import check_save_directory
 
     pg = ProcessGroups.from_megatron()
     model = _tiny_model()
