@@ -12,7 +12,7 @@
 Like Megatron-LM's pretrain_gpt.py this file only supplies the model provider, the forward
 step and the datasets provider; `megatron_ext.training.pretrain` runs the loop.
 Exit codes: 0 trained (or left cleanly on --exit-* / SIGTERM), 1 non-finite loss or grad norm,
-2 bad flags or data.
+2 bad flags or data, a damaged or unsafe --load checkpoint, or a --save another run holds.
 """
 
 from __future__ import annotations

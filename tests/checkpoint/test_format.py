@@ -53,7 +53,7 @@ def _killed_and_nonfinite_saves(root: str) -> bool:
         for param in model.parameters():
             param.add_(1.0)
 
-    def dying_save(state, checkpoint_id):
+    def dying_save(state, checkpoint_id, storage_writer=None):
         dcp.save(dict(list(state.items())[:3]), checkpoint_id=checkpoint_id)  # some shards
         raise _Killed()
 

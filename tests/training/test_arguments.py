@@ -254,10 +254,14 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     finally:  # --logging-level sets the root logger's level
         logging.getLogger().setLevel(level)
     written = args_to_json(args)
-    # Flags added since that checkpoint appear with their defaults: off, except the two that are
-    # on unless turned off (an old run resumed gets them, docs/lev-training.md 4.10); every old
-    # key agrees.
-    on_by_default = {"lev_dedup_global_batch": True, "retain_host_memory": True}
+    # Flags added since that checkpoint appear with their defaults: off, except those that are
+    # on unless turned off (an old run resumed gets them, docs/lev-training.md 4.10; checkpoint
+    # digests are checked unless --no-verify-checkpoint); every old key agrees.
+    on_by_default = {
+        "lev_dedup_global_batch": True,
+        "retain_host_memory": True,
+        "verify_checkpoint": True,
+    }
     added = set(written) - set(old)
     assert all(written[k] is on_by_default.get(k) for k in added), {k: written[k] for k in added}
     assert {k: v for k, v in written.items() if keep(k) and k not in added} == {
