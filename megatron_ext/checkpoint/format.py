@@ -663,8 +663,6 @@ def load_checkpoint(
             f"{older_checkpoints_hint(root, iteration)}"
         )
     verified = verify_or_raise(root, iteration) if verify else None
-    if not verify and _rank0():
-        logger.info("--no-verify-checkpoint: loading %s without checking its digests", path)
     with _unreadable_as_checkpoint_error(root, path, iteration):
         with open(common_path) as handle:
             common = json.load(handle)
@@ -786,9 +784,12 @@ def _load_rng(path: str, common: dict, pg: ProcessGroups) -> None:
     _set_rng_state(load_rng_file(file))
 
 
-def verify_or_raise(root: str, iteration: int, progress: bool = False) -> Verification:
+def verify_or_raise(
+    root: str, iteration: int, progress: bool = False, announce: bool = True
+) -> Verification:
     """Check checkpoint `iteration` of `root` against its digests (collective: each rank hashes
-    its share of the files) and return the outcome; without digests, warn once.
+    its share of the files) and return the outcome; without digests, warn once. `announce`:
+    log a line when every file matches (a run's load; the tools show a progress bar instead).
 
     Raises:
         CheckpointDigestError (every rank): a file is damaged, missing or of another size; the
@@ -816,7 +817,7 @@ def verify_or_raise(root: str, iteration: int, progress: bool = False) -> Verifi
             f"{display_path(os.path.join(path, first.name))} {first.what}{more} (a bad copy or "
             f"a failing disk?); {_newest_verified(root, iteration)}"
         )
-    if _rank0():
+    if announce and _rank0():
         logger.info(
             "verified checkpoint %s: %d files, %.1f MiB match their digests (%.1f s)",
             display_path(path),

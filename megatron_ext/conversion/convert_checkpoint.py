@@ -219,7 +219,7 @@ def verify(args: argparse.Namespace) -> int:
     if not os.path.isdir(path):
         raise ConversionError(f"checkpoint {display_path(path)} does not exist")
     try:
-        verified = verify_or_raise(root, iteration, progress=not args.no_progress)
+        verified = verify_or_raise(root, iteration, progress=not args.no_progress, announce=False)
     except CheckpointDigestError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1

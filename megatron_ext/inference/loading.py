@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -49,6 +50,8 @@ from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_pa
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SavedRun",
@@ -118,7 +121,9 @@ def find_checkpoint(
             "pick another iteration"
         )
     if verify:
-        verify_or_raise(root, iteration, progress=progress)
+        verify_or_raise(root, iteration, progress=progress, announce=False)
+    else:
+        logger.info("--no-verify-checkpoint: reading %s without checking its digests", path)
     try:
         with open(os.path.join(path, "common.json")) as handle:
             common = json.load(handle)

@@ -9,9 +9,12 @@ same layout.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Optional
+
+import torch.distributed as dist
 
 from megatron_ext.checkpoint.format import (
     CheckpointError,
@@ -27,6 +30,8 @@ from megatron_ext.training.config import TrainingConfig
 from megatron_ext.training.engine import Engine, Phase
 
 __all__ = ["CheckpointManager", "check_save_directory"]
+
+logger = logging.getLogger(__name__)
 
 
 def check_save_directory(root: str, num_params: int, with_optimizer: bool) -> None:
@@ -111,6 +116,8 @@ class CheckpointManager:
         if not ck.load:
             return None
         started = time.time()
+        if not ck.verify_checkpoint and dist.get_rank() == 0:
+            logger.info("--no-verify-checkpoint: loading without checking the digests")
         parts = self.engine.checkpoint_parts()
         with self.engine.checkpoint_view():
             state = load_checkpoint(

@@ -10,7 +10,8 @@
   files rewritten as the code before this change wrote them) loads, RNG states included;
 - through `pretrain_leviathan.py`, saved on 2 ranks: 64 bytes altered in the middle of
   `__1_0.distcp` (a bad copy) stop the resume with one `error:` line and exit 2 before any
-  iteration; the old-format checkpoint resumes on 2 ranks with exactly one warning;
+  iteration (with --no-verify-checkpoint it loads, as before digests); the old-format
+  checkpoint resumes on 2 ranks with exactly one warning;
 - `tools/convert_checkpoint.py verify`: exit 0 on a good checkpoint, 1 naming the damaged file,
   2 on a missing directory; export-hf refuses the damaged checkpoint (exit 2, the file named).
 """
@@ -232,6 +233,14 @@ def test_damaged_shard_stops_the_resume_and_the_tools(saved_run, tmp_path):
     ), errors[0]
     assert "iteration 2 verifies: load it with --ckpt-step 2" in errors[0], errors[0]
     assert " iteration        5/" not in stdout  # nothing trained
+    # --no-verify-checkpoint: the user's choice, said once; the damage is not noticed then.
+    returncode, stdout, stderr = _resume(
+        work, args, "--tensor-model-parallel-size", "1", "--no-verify-checkpoint",
+        "--exit-interval", "5", nproc=1, name="unverified",
+    )  # fmt: skip
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "--no-verify-checkpoint: loading without checking the digests" in stdout
+    assert "loaded checkpoint ckpt/iter_0000004 (iteration 4" in stdout
 
     bad = _convert("verify", "--load", "ckpt", cwd=work)
     assert bad.returncode == 1, bad.stdout + bad.stderr
