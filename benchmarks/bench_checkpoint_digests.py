@@ -6,7 +6,8 @@ the o200k vocabulary (padded to 200,064) at TP=2: every decoder weight, the outp
 LEV's parameters at their per-rank shapes (about 0.62B float32 parameters), with the two Adam
 moments of each (about 7.4 GB in all), as the run's own save writes them (DCP shards, the RNG
 file, common.json, args.json, then the rename and the latest marker; every file fsynced).
-Digests hash each shard while DCP writes it (in a second thread) and the small files after.
+Digests hash each shard while DCP writes it (a second thread reads the file behind the writer)
+and the small files after.
 
 Prints the seconds of each save (the variants alternate, each save starts after `sync`), the
 median of each variant and the ratio digests / baseline (the limit the issue sets: at most

@@ -13,9 +13,9 @@ A manifest is JSON: ``{"format": 1, "algorithm": "xxh3_128", "rank": r, "world_s
 such). The latest marker (`latest_checkpointed_iteration.txt`) is outside the checkpoint and
 has none.
 
-Shard files are hashed as torch.distributed.checkpoint writes them (`DigestingWriter`: each
-write of the stream is hashed in a second thread while the write goes to the file, so the
-hashing overlaps the write), the small files right after they are written.
+Shard files are hashed as torch.distributed.checkpoint writes them (`DigestingWriter`: a second
+thread reads each file behind the writer, from the page cache, and hashes it, so the writer
+never waits for the hash), the small files right after they are written.
 
 `verify_checkpoint` is collective: every rank reads the manifests, the files are split between
 the ranks by size, each rank hashes its share, and every rank learns every problem.
@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -54,7 +53,6 @@ ALGORITHM = "xxh3_128"
 DIGESTS_DIR = "digests"
 MANIFEST_FORMAT = 1
 _CHUNK = 16 << 20  # bytes hashed per read when checking a file
-_OVERLAP_MIN = 1 << 20  # writes at least this large are hashed beside the write
 PROGRESS_MIN_BYTES = 256 << 20
 
 
@@ -90,33 +88,83 @@ def file_digest(path: str, progress: Optional[Callable[[int], object]] = None) -
     return FileDigest(size, hasher.hexdigest())
 
 
-class _HashingStream:
-    """A write stream that hashes what goes through it (the rest is the wrapped stream's).
-    A large write is hashed by `pool`'s thread while this one writes it (both release the
-    GIL), and returns once both are done, so the hash sees the writes in order."""
+class _TailHasher:
+    """Hashes a file while another thread writes it, reading behind the writer from the page
+    cache (the writes are sequential: torch's zip writer refuses any other order, so a byte in
+    the file never changes once there). The writer never waits for the hash; `finish` waits
+    for the last bytes once the file is closed."""
 
-    def __init__(self, stream, pool: ThreadPoolExecutor) -> None:
-        self._stream, self._pool = stream, pool
+    def __init__(self, path) -> None:
+        self._path = path
         self._hasher = _hasher()
+        self._hashed = 0
+        self._final: Optional[int] = None
+        self._stop = False
+        self._wake = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="digest", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        buffer = bytearray(_CHUNK)
+        view = memoryview(buffer)
+        try:
+            with open(self._path, "rb", buffering=0) as handle:
+                while not self._stop:
+                    final = self._final  # read before the size: then the size is final too
+                    size = os.fstat(handle.fileno()).st_size
+                    while self._hashed < size:
+                        n = handle.readinto(view[: min(_CHUNK, size - self._hashed)])
+                        if not n:
+                            break
+                        self._hasher.update(view[:n])
+                        self._hashed += n
+                    if final is not None and self._hashed >= final:
+                        return
+                    self._wake.wait(0.01)
+                    self._wake.clear()
+        except BaseException as error:  # reported by finish
+            self._error = error
+
+    def wrote(self) -> None:
+        """The writer added bytes to the file."""
+        self._wake.set()
+
+    def finish(self, size: int) -> FileDigest:
+        """The digest of the closed file of `size` bytes (waits for the hash to reach it)."""
+        self._final = size
+        self._wake.set()
+        self._thread.join()
+        if self._error is not None or self._hashed != size:
+            raise OSError(
+                f"could not hash {self._path} while writing it ({self._hashed} of {size} bytes"
+                f"{f': {self._error}' if self._error else ''})"
+            )
+        return FileDigest(size, self._hasher.hexdigest())
+
+    def abandon(self) -> None:
+        """The write failed: stop hashing."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+
+
+class _CountingStream:
+    """A write stream that counts what goes through it and wakes the `_TailHasher` (the rest
+    is the wrapped stream's)."""
+
+    def __init__(self, stream, tail: _TailHasher) -> None:
+        self._stream, self._tail = stream, tail
         self.size = 0
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if len(view) >= _OVERLAP_MIN:
-            hashed = self._pool.submit(self._hasher.update, view)
-            written = self._stream.write(view)
-            hashed.result()
-        else:
-            self._hasher.update(view)
-            written = self._stream.write(view)
-        if written is not None and written != len(view):
-            raise OSError(f"short write: {written} of {len(view)} bytes")
-        self.size += len(view)
-        return len(view)
-
-    def digest(self) -> FileDigest:
-        """What was written so far."""
-        return FileDigest(self.size, self._hasher.hexdigest())
+        written = self._stream.write(data)
+        size = memoryview(data).nbytes
+        if written is not None and written != size:
+            raise OSError(f"short write: {written} of {size} bytes")
+        self.size += size
+        self._tail.wrote()
+        return size
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
@@ -132,17 +180,22 @@ class _DigestingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode) -> Iterator:
-        """The stream of `path`; in write mode one that hashes what is written."""
+        """The stream of `path`; in write mode, the file is hashed as it is written."""
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with ThreadPoolExecutor(1, thread_name_prefix="digest") as pool:
-            with super().create_stream(path, mode) as stream:
-                hashing = _HashingStream(stream, pool)
-                yield hashing
+        with super().create_stream(path, mode) as stream:
+            tail = _TailHasher(path)
+            counting = _CountingStream(stream, tail)
+            try:
+                yield counting
+            except BaseException:
+                tail.abandon()
+                raise
+        digest = tail.finish(counting.size)  # the stream is closed: every byte is in the file
         with self._lock:
-            self.digests[os.path.basename(os.fspath(path))] = hashing.digest()
+            self.digests[os.path.basename(os.fspath(path))] = digest
 
 
 class DigestingWriter(FileSystemWriter):

@@ -57,11 +57,8 @@ METADATA_GLOBALS = frozenset(
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),  # a layout (torch.strided) by its name
-        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
-        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id, a Path of the saving platform
         ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
     }
 )
 """(module, name) of every global a DCP `.metadata` pickle may name, besides torch's dtypes
