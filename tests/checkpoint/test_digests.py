@@ -233,6 +233,7 @@ def test_damaged_shard_stops_the_resume_and_the_tools(saved_run, tmp_path):
     ), errors[0]
     assert "iteration 2 verifies: load it with --ckpt-step 2" in errors[0], errors[0]
     assert " iteration        5/" not in stdout  # nothing trained
+    assert not (work / "resume_ckpt" / "save.lock").exists()  # released on the error too
     # --no-verify-checkpoint: the user's choice, said once; the damage is not noticed then.
     returncode, stdout, stderr = _resume(
         work, args, "--tensor-model-parallel-size", "1", "--no-verify-checkpoint",
