@@ -1,19 +1,24 @@
 """What checkpoint digests add to a save: one rank's share of the 1.2B model (TP=2), saved by
-the project's `save_checkpoint` with and without digests, interleaved, in the same process.
+the project's `save_checkpoint` in three variants, interleaved, in the same process:
+
+  before    the save before digests: no digests, torch's per-record zip CRC32 computed
+            (`save_checkpoint(..., digests=False)`)
+  digests   the save now: every file hashed (a second thread reads each shard behind DCP's
+            writer, the small files after), the zip CRC32 no longer computed (torch.load never
+            checks it; the digests replace it)
+  no_crc    neither: isolates what the hashing itself costs (digests / no_crc)
 
 The state is one tensor-parallel rank's share of `--model-size 1.2b --embedding-type lev` with
 the o200k vocabulary (padded to 200,064) at TP=2: every decoder weight, the output head and
 LEV's parameters at their per-rank shapes (about 0.62B float32 parameters), with the two Adam
-moments of each (about 7.4 GB in all), as the run's own save writes them (DCP shards, the RNG
-file, common.json, args.json, then the rename and the latest marker; every file fsynced).
-Digests hash each shard while DCP writes it (a second thread reads the file behind the writer)
-and the small files after.
+moments of each (6.9 GiB in all), as the run's own save writes them (DCP shards, the RNG file,
+common.json, args.json, then the rename and the latest marker; every file fsynced).
 
-Prints the seconds of each save (the variants alternate, each save starts after `sync`), the
-median of each variant and the ratio digests / baseline (the limit the issue sets: at most
-1.05), and the CPU seconds the hashing adds. Also times checking the checkpoint on load
-(`verify_checkpoint`). Needs about 8 GB of memory and 2 x 7.5 GB of free disk; run from the
-repository root (about 4 minutes on 2 cores):
+Prints the seconds of each save (the order of the variants rotates, each save starts after
+`sync`), the median of each variant, the ratios digests / before (what a run's save costs now
+against before; the issue's limit is 1.05) and digests / no_crc, and the CPU seconds. Also
+times checking the checkpoint on load (`verify_checkpoint`). Needs about 8 GB of memory and
+7.5 GB of free disk; run from the repository root (about 5 minutes on 2 cores):
 
     python benchmarks/bench_checkpoint_digests.py --dir /path/on/the/checkpoint/disk
 
@@ -103,7 +108,7 @@ class _Adam:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5, help="saves of each variant")
+    parser.add_argument("--reps", type=int, default=6, help="saves of each variant")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the state")
     parser.add_argument("--dir", default=None, help="where to save (default: a temporary dir)")
     args = parser.parse_args()
@@ -124,34 +129,24 @@ def main() -> None:
         flush=True,
     )
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_digests_"))
+    variants = ("before", "digests", "no_crc")
     tiny = _Model({"warm_up": (8,)})  # one-off costs of a first save, untimed
-    for variant in ("baseline", "digests"):
-        save_checkpoint(
-            str(root / "warm_up"), TrainState(), tiny, pg=pg, digests=variant == "digests"
-        )
+    for variant in variants:
+        _save(root / "warm_up", variant, tiny, None, pg, 0)
     shutil.rmtree(root / "warm_up")
-    wall: dict[str, list[float]] = {"baseline": [], "digests": []}
-    cpu: dict[str, list[float]] = {"baseline": [], "digests": []}
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     verify_seconds = []
     try:
         for rep in range(args.reps):
-            # Alternate which variant goes first (ABBA...), so that a drift of the disk's speed
-            # during the run does not favour one of them.
-            order = ("baseline", "digests") if rep % 2 == 0 else ("digests", "baseline")
-            for variant in order:
+            # The order rotates, so that a drift of the disk's speed during the run does not
+            # favour one variant.
+            for variant in variants[rep % 3 :] + variants[: rep % 3]:
                 save = root / variant
                 shutil.rmtree(save, ignore_errors=True)
                 os.sync()  # start from a clean page cache: no other write-back in the timing
                 begin, begin_cpu = time.perf_counter(), time.process_time()
-                save_checkpoint(
-                    str(save),
-                    TrainState(iteration=rep + 1),
-                    model,
-                    optimizer,
-                    pg=pg,
-                    args_json={"model_size": "1.2b"},
-                    digests=variant == "digests",
-                )
+                _save(save, variant, model, optimizer, pg, rep + 1)
                 wall[variant].append(time.perf_counter() - begin)
                 cpu[variant].append(time.process_time() - begin_cpu)
                 print(
@@ -168,20 +163,37 @@ def main() -> None:
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    base, digests = (statistics.median(wall[v]) for v in ("baseline", "digests"))
-    pairs = statistics.median(d / b for b, d in zip(wall["baseline"], wall["digests"]))
-    base_cpu, digests_cpu = (statistics.median(cpu[v]) for v in ("baseline", "digests"))
+    med = {v: statistics.median(wall[v]) for v in variants}
+    med_cpu = {v: statistics.median(cpu[v]) for v in variants}
     print(
-        f"median save over {args.reps} pairs: baseline {base:.2f} s, with digests {digests:.2f} s"
-        f"; ratio digests / baseline = {digests / base:.3f} ({digests - base:+.2f} s); median "
-        f"of the pairs' ratios {pairs:.3f}"
+        f"median save over {args.reps} reps: "
+        + ", ".join(f"{v} {med[v]:.2f} s (CPU {med_cpu[v]:.2f} s)" for v in variants)
     )
-    print(
-        f"CPU seconds of the saving process: baseline {base_cpu:.2f}, with digests "
-        f"{digests_cpu:.2f} ({digests_cpu - base_cpu:+.2f}: the hashing, beside the writes)"
-    )
+    for a, b in (("digests", "before"), ("digests", "no_crc")):
+        pairs = statistics.median(x / y for x, y in zip(wall[a], wall[b]))
+        print(
+            f"ratio {a} / {b} = {med[a] / med[b]:.3f} ({med[a] - med[b]:+.2f} s; median of the "
+            f"reps' ratios {pairs:.3f}; CPU {med_cpu[a] - med_cpu[b]:+.2f} s)"
+        )
     check = statistics.median(verify_seconds)
     print(f"verifying on load (one process, every file): {check:.2f} s = {gib / check:.2f} GiB/s")
+
+
+def _save(path: Path, variant: str, model, optimizer, pg, iteration: int) -> None:
+    computed = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(variant == "before")  # (digests: the writer's own)
+    try:
+        save_checkpoint(
+            str(path),
+            TrainState(iteration=iteration),
+            model,
+            optimizer,
+            pg=pg,
+            args_json={"model_size": "1.2b"},
+            digests=variant == "digests",
+        )
+    finally:
+        torch.serialization.set_crc32_options(computed)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
@@ -200,11 +201,24 @@ class _DigestingFileSystem(FileSystem):
 
 class DigestingWriter(FileSystemWriter):
     """torch.distributed.checkpoint's FileSystemWriter (same settings as `dcp.save`'s default)
-    that records the digest of each shard file this rank writes (`shard_digests`)."""
+    that records the digest of each shard file this rank writes (`shard_digests`).
+
+    The shards are written without torch's per-record zip CRC32: torch.load never checks it
+    (an altered byte loads silently), and computing it was most of a save's CPU time; the file
+    digests replace it and are checked on every load."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.fs = _DigestingFileSystem()
+
+    def write_data(self, plan, planner):
+        """This rank's shard files (written before this returns; see the class docstring)."""
+        computed = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            return super().write_data(plan, planner)
+        finally:
+            torch.serialization.set_crc32_options(computed)
 
     def shard_digests(self) -> dict[str, FileDigest]:
         """{file name: digest} of the shard files this rank wrote (not DCP's `.metadata`, which
