@@ -25,7 +25,7 @@ COPY megatron_ext ./megatron_ext
 # metadata pins the CPU development torch) and on megatron-core; the pure-Python dependencies
 # are installed by name.
 RUN pip install --no-cache-dir --no-deps "megatron-core==0.16.1" \
- && pip install --no-cache-dir sentencepiece tensorboard zstandard tqdm matplotlib tiktoken \
+ && pip install --no-cache-dir sentencepiece tensorboard zstandard tqdm matplotlib tiktoken xxhash \
  && pip install --no-cache-dir --no-deps -e . \
  && python -c "import torch, megatron.core, megatron_ext.lev; print('torch', torch.__version__)"
 # (Transformer Engine is not imported here: `docker build` has no GPU, and TE loads the driver.)

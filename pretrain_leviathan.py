@@ -12,7 +12,7 @@
 Like Megatron-LM's pretrain_gpt.py this file only supplies the model provider, the forward
 step and the datasets provider; `megatron_ext.training.pretrain` runs the loop.
 Exit codes: 0 trained (or left cleanly on --exit-* / SIGTERM), 1 non-finite loss or grad norm,
-2 bad flags or data.
+2 bad flags or data, a damaged or unsafe --load checkpoint, or a --save another run holds.
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # The package (and megatron-core, which warns about Apex / Transformer Engine when it is
     # imported) is imported only now, after the warning filter of setup_logging; the providers
     # above import it lazily for the same reason.
+    from megatron_ext.checkpoint.format import CheckpointError
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
     from megatron_ext.training import (
@@ -160,7 +161,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parse_config,
         pretrain,
     )
-    from megatron_ext.training.checkpointing import CheckpointError
 
     try:
         # Parsed once into the frozen RunConfig: all that `pretrain` and the providers receive.

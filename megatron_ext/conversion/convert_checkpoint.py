@@ -1,4 +1,5 @@
-"""Convert checkpoints: Hugging Face export/import, Megatron-LM export, offline resharding.
+"""Convert checkpoints: Hugging Face export/import, Megatron-LM export, offline resharding;
+check a checkpoint's digests; break a --save lock.
 
     python tools/convert_checkpoint.py export-hf --load ckpt/lev --output hf/lev --dtype bfloat16
     python tools/convert_checkpoint.py import-hf --hf-dir hf/llama --output ckpt/llama-import
@@ -6,16 +7,22 @@
         --target-tensor-parallel-size 2
     python tools/convert_checkpoint.py reshard --load ckpt/lev --output ckpt/lev-tp1 \\
         --target-tensor-parallel-size 1 --no-optimizer
+    python tools/convert_checkpoint.py verify --load ckpt/lev
+    python tools/convert_checkpoint.py unlock --save ckpt/lev
 
-Like Megatron-LM's tools/checkpoint/convert.py, every subcommand is a loader side (a training
-checkpoint at any TP/PP/DP layout, or a Hugging Face directory) and a saver side. Outputs are
-written to a temporary directory and renamed into place when complete (Ctrl-C leaves nothing);
-bad input ends with one line on stderr and exit code 2. See docs/convert.md.
+Like Megatron-LM's tools/checkpoint/convert.py, every converting subcommand is a loader side (a
+training checkpoint at any TP/PP/DP layout, or a Hugging Face directory) and a saver side; the
+loader checks the checkpoint's files against their digests first (--no-verify-checkpoint skips
+it) and runs no code from them. Outputs are written to a temporary directory and renamed into
+place when complete (Ctrl-C leaves nothing); bad input ends with one line on stderr and exit
+code 2. `verify` checks a checkpoint (a copy between clusters) without building a model: exit 0
+when every file matches its digest, 1 when one does not, 2 on bad input. See docs/convert.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -23,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext._paths import display_path
+from megatron_ext.checkpoint.lock import break_lock
 from megatron_ext.cli import run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.conversion.common import DTYPES, ConversionError
@@ -41,9 +49,19 @@ from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 def _add_load(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    _add_verify(p)
     p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
     p.add_argument(
         "--embedding-type", default=None, help="refuse the checkpoint unless it holds this arm"
+    )
+
+
+def _add_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-verify-checkpoint",
+        dest="verify",
+        action="store_false",
+        help="read the checkpoint without first checking its files against their digests",
     )
 
 
@@ -109,11 +127,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP layout")
     p.add_argument("--load", required=True)
     p.add_argument("--iteration", type=int, default=None)
+    _add_verify(p)
     p.add_argument("--tokenizer-model", default=None)
     _add_output(p)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--no-optimizer", action="store_true", help="drop the optimizer state")
+
+    p = sub.add_parser(
+        "verify",
+        help="check every file of a checkpoint against the digests recorded when it was saved "
+        "(no model is built): exit 0 all match, 1 a file does not, 2 bad input",
+    )
+    p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
+    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser(
+        "unlock",
+        help="remove the lock of a --save directory left by a run that is gone (a training run "
+        "refuses a --save another run holds)",
+    )
+    p.add_argument("--save", required=True, help="the run's --save directory")
+    p.add_argument(
+        "--force", action="store_true", help="even when the holder still runs on this host"
+    )
     return parser
 
 
@@ -134,6 +172,7 @@ def run(args: argparse.Namespace) -> str:
                 embedding_type=args.embedding_type,
                 overwrite=args.overwrite,
                 progress=progress,
+                verify=args.verify,
             )
         )
     if args.command == "import-hf":
@@ -161,6 +200,7 @@ def run(args: argparse.Namespace) -> str:
                 embedding_type=args.embedding_type,
                 overwrite=args.overwrite,
                 progress=progress,
+                verify=args.verify,
             )
         )
     return reshard(
@@ -174,8 +214,54 @@ def run(args: argparse.Namespace) -> str:
             tokenizer_model=args.tokenizer_model,
             overwrite=args.overwrite,
             progress=progress,
+            verify=args.verify,
         )
     )
+
+
+def verify(args: argparse.Namespace) -> int:
+    """`verify`: 0 when every file of the checkpoint matches its digest, 1 when one does not
+    (an `error:` line naming the file and the newest older checkpoint that verifies)."""
+    # deferred: keeps megatron.core (slow) out of this module's import
+    from megatron_ext.checkpoint.format import (
+        CheckpointDigestError,
+        checkpoint_dir,
+        locate_checkpoint,
+        verify_or_raise,
+    )
+
+    root, iteration = locate_checkpoint(args.load, args.iteration)
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise ConversionError(f"checkpoint {display_path(path)} does not exist")
+    try:
+        verified = verify_or_raise(root, iteration, progress=not args.no_progress, announce=False)
+    except CheckpointDigestError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
+    if not verified.has_digests:
+        raise ConversionError(
+            f"{display_path(path)} records no digests (saved before digests were recorded, or "
+            "by another tool): there is nothing to verify it against"
+        )
+    print(
+        f"verify: {display_path(path)}: {verified.files} files ({verified.bytes / 2**20:.1f} MiB) "
+        "match their digests",
+        flush=True,
+    )
+    return 0
+
+
+def unlock(args: argparse.Namespace) -> int:
+    """`unlock`: remove the lock of a --save directory (see checkpoint/lock.py)."""
+    if not os.path.isdir(args.save):
+        raise ConversionError(f"--save {display_path(args.save)} does not exist")
+    holder = break_lock(args.save, force=args.force)
+    if holder is None:
+        print(f"unlock: {display_path(args.save)} holds no lock", flush=True)
+    else:
+        print(f"unlock: removed the lock of {display_path(args.save)} (held by {holder})")
+    return 0
 
 
 def _shutdown() -> None:
@@ -189,13 +275,15 @@ def _shutdown() -> None:
 
 def _errors() -> tuple:
     # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.training.checkpointing import CheckpointError
+    from megatron_ext.checkpoint.format import CheckpointError
 
     return (ConversionError, CheckpointError, TokenizerError)
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("verify", "unlock"):
+        return (verify if args.command == "verify" else unlock)(args)
     try:
         path = run(args)
     finally:

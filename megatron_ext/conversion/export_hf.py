@@ -50,6 +50,8 @@ class ExportHFOptions:
     embedding_type: Optional[str] = None
     overwrite: bool = False
     progress: bool = True
+    verify: bool = True
+    """Check the source against its digests first (--no-verify-checkpoint turns it off)."""
 
 
 def provenance(loaded, vocab_rows: int, opts: ExportHFOptions) -> dict:
@@ -90,6 +92,8 @@ def export_hf(opts: ExportHFOptions) -> str:
         iteration=opts.iteration,
         tokenizer_model=opts.tokenizer_model,
         embedding_type=opts.embedding_type,
+        verify=opts.verify,
+        progress=opts.progress,
     )
     cfg = loaded.model_config
     tied = cfg.embedding.tied

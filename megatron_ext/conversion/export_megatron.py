@@ -64,6 +64,8 @@ class ExportMegatronOptions:
     embedding_type: Optional[str] = None
     overwrite: bool = False
     progress: bool = True
+    verify: bool = True
+    """Check the source against its digests first (--no-verify-checkpoint turns it off)."""
 
 
 def _layout_of(name: str) -> Optional[tuple[int, int]]:
@@ -182,6 +184,8 @@ def export_megatron(opts: ExportMegatronOptions) -> str:
         iteration=opts.iteration,
         tokenizer_model=opts.tokenizer_model,
         embedding_type=opts.embedding_type,
+        verify=opts.verify,
+        progress=opts.progress,
     )
     cfg = loaded.model_config
     try:  # the layout must suit the backbone (heads, groups, layers divisible)

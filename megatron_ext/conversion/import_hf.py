@@ -84,11 +84,11 @@ def _model_flags(config: dict, arm: str, opts: ImportHFOptions) -> list[str]:
 def import_hf(opts: ImportHFOptions) -> str:
     """Write the checkpoint directory; returns its path."""
     # deferred: keeps megatron.core (slow) out of this module's import
+    from megatron_ext.checkpoint.format import TrainState, save_checkpoint
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.models.full_state_dict import load_full_state_dict
     from megatron_ext.training.arguments import args_json_of_flags, model_config_from_args_json
-    from megatron_ext.training.checkpointing import TrainState, save_checkpoint
 
     output = os.path.abspath(opts.output)
     if os.path.lexists(output) and not opts.overwrite:

@@ -1,7 +1,7 @@
 """reshard: rewrite a checkpoint offline for another TP/PP layout, or as one consolidated file.
 
 Our checkpoints are layout-free (full tensors under single-stage names, see
-`megatron_ext.training.checkpointing`), so any layout can already load any checkpoint; what a
+`megatron_ext.checkpoint.format`), so any layout can already load any checkpoint; what a
 layout change needs offline is the rest: the vocabulary padding (make-vocab-size-divisible-by x
 TP) of the embedding, head and their optimizer moments, the layout recorded in common.json and
 args.json (for --use-checkpoint-args), and the dropped per-rank RNG files. The tensors are
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import warnings
@@ -22,11 +21,12 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from megatron_ext._paths import display_path
+from megatron_ext.checkpoint.io_errors import UnsafeCheckpointError
+from megatron_ext.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
 from megatron_ext.conversion.source import _check_shard_files
 from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
@@ -60,6 +60,8 @@ class ReshardOptions:
     tokenizer_model: Optional[str] = None
     overwrite: bool = False
     progress: bool = True
+    verify: bool = True
+    """Check the source against its digests first (--no-verify-checkpoint turns it off)."""
 
 
 def _vocab_param(key: str) -> bool:
@@ -86,8 +88,8 @@ def _single_process():
 def reshard(opts: ReshardOptions) -> str:
     """Write the resharded checkpoint (a new --save directory); returns its path."""
     # deferred: keeps megatron.core (slow) out of this module's import
+    from megatron_ext.checkpoint.format import TRACKER_FILENAME, checkpoint_dir, save_tensors
     from megatron_ext.inference.loading import find_checkpoint, run_model_config, run_tokenizer
-    from megatron_ext.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
 
     output = os.path.abspath(opts.output)
     if os.path.lexists(output) and not opts.overwrite:
@@ -95,7 +97,7 @@ def reshard(opts: ReshardOptions) -> str:
             f"output {display_path(output)} already exists; pass --overwrite or pick another"
         )
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
-    run = find_checkpoint(opts.load, opts.iteration)
+    run = find_checkpoint(opts.load, opts.iteration, verify=opts.verify, progress=opts.progress)
     _check_shard_files(run.path)
     try:
         tokenizer = run_tokenizer(run, opts.tokenizer_model)
@@ -121,7 +123,14 @@ def reshard(opts: ReshardOptions) -> str:
     except ValueError as error:
         raise ConversionError(f"cannot lay the model out at TP={tp}, PP={pp}: {error}") from None
 
-    metadata = FileSystemReader(run.path).read_metadata().state_dict_metadata
+    metadata = read_metadata(os.path.join(run.path, ".metadata")).state_dict_metadata
+    pickled = [k for k, md in metadata.items() if not isinstance(md, TensorStorageMetadata)]
+    if pickled:  # the project writes tensors only; DCP would unpickle these without limits
+        raise UnsafeCheckpointError(
+            f"{display_path(os.path.join(run.path, '.metadata'))} declares {pickled[0]} as "
+            "pickled bytes, which loading would execute; this project writes tensors only: "
+            "refused"
+        )
     keys = [
         k
         for k, md in metadata.items()
@@ -136,7 +145,12 @@ def reshard(opts: ReshardOptions) -> str:
             for k in keys[start : start + _READ_GROUP]
         }
         with _single_process():
-            dcp.load(group, checkpoint_id=run.path, no_dist=True)
+            dcp.load(
+                group,
+                storage_reader=SafeFileSystemReader(run.path),
+                planner=SafeLoadPlanner(run.path),
+                no_dist=True,
+            )
         state.update(group)
         bar.update(len(group))
     bar.close()
@@ -154,11 +168,7 @@ def reshard(opts: ReshardOptions) -> str:
         target = checkpoint_dir(tmp, run.iteration)
         logger.info("writing %d tensors to %s", len(state), display_path(target))
         with _single_process():
-            dcp.save(state, checkpoint_id=target, no_dist=True)
-        with open(os.path.join(target, "common.json"), "w") as handle:
-            json.dump(common, handle, indent=1)
-        with open(os.path.join(target, "args.json"), "w") as handle:
-            json.dump(args, handle, indent=1, sort_keys=True)
+            save_tensors(target, state, common, args)
         with open(os.path.join(tmp, TRACKER_FILENAME), "w") as handle:
             handle.write(f"{run.iteration}\n")
     return output

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from tqdm import tqdm
 
 from megatron_ext._paths import display_path
+from megatron_ext.checkpoint.safe_load import read_metadata
 from megatron_ext.conversion.common import ConversionError
 from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
 from megatron_ext.lev.table import LEVTable
@@ -62,8 +62,7 @@ class LoadedCheckpoint:
 
 
 def _check_shard_files(path: str) -> None:
-    reader = FileSystemReader(path)
-    metadata = reader.read_metadata()
+    metadata = read_metadata(os.path.join(path, ".metadata"))
     files = sorted({item.relative_path for item in (metadata.storage_data or {}).values()})
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:
@@ -81,8 +80,12 @@ def load_checkpoint_full(
     tokenizer_model: Optional[str] = None,
     need_tokenizer: bool = True,
     embedding_type: Optional[str] = None,
+    verify: bool = True,
+    progress: bool = True,
 ) -> LoadedCheckpoint:
-    """Load `load_dir` (a `--save` directory or one iter_XXXXXXX) at TP=1 in this process.
+    """Load `load_dir` (a `--save` directory or one iter_XXXXXXX) at TP=1 in this process,
+    after checking its files against their digests (`verify`, with a progress bar on large
+    checkpoints).
 
     Args:
         embedding_type: when given, the arm the caller expects (a mismatch is an error).
@@ -101,7 +104,7 @@ def load_checkpoint_full(
     )
     from megatron_ext.models.full_state_dict import gather_full_state_dict
 
-    run = find_checkpoint(load_dir, iteration)
+    run = find_checkpoint(load_dir, iteration, verify=verify, progress=progress)
     saved = run.args.embedding_type
     if embedding_type is not None and embedding_type != saved:
         raise ConversionError(

@@ -1,6 +1,7 @@
 """The data tools' settings for the shared entry-point plumbing (megatron_ext.cli): log lines
-with their level, DataError/TokenizerError -> ``error: ...`` and exit 1, Ctrl-C or SIGTERM
-(Slurm preemption) -> exit 130 after the tool removed its temporary files."""
+with their level, DataError/TokenizerError -> ``error: ...`` and exit 2 (bad input, as every
+command of the project), Ctrl-C or SIGTERM (Slurm preemption) -> exit 130 after the tool removed
+its temporary files."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def run_tool(
         main,
         argv,
         errors=(DataError, TokenizerError),
-        error_code=1,
+        error_code=2,
         log_format=None,  # each tool sets logging up after parsing its flags
         interrupted="interrupted: temporary outputs removed, finished outputs kept",
         sigterm_interrupts=True,

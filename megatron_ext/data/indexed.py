@@ -13,6 +13,11 @@ Every file is written under a temporary name (``<final>.tmp``) and renamed only 
 counts and tokenizer record first, then ``.bin``, then ``.idx`` last, so a dataset whose
 ``.idx`` exists is whole.
 ``abort()`` (on errors and Ctrl-C) removes the temporary files.
+
+Reading: ``check_dataset`` checks that a ``.bin``/``.idx`` pair agrees (header, sizes, sequence
+pointers, document indices) before anything reads it, so that a damaged dataset (an
+interrupted copy, another tool's file) is one error naming the file and what is wrong instead
+of a traceback from inside Megatron-Core's reader; every reader here calls it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "TMP_SUFFIX",
+    "check_dataset",
     "token_dtype",
     "counts_path",
     "dataset_files",
@@ -105,6 +111,99 @@ def get_idx_path(prefix: str) -> str:
 # Megatron-Core's .idx layout (indexed_dataset._INDEX_HEADER, DType codes, _IndexWriter.write).
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.uint16: 8}
+
+
+_HEADER_BYTES = len(_INDEX_HEADER) + 8 + 1 + 8 + 8  # magic, version, dtype, counts
+_CODE_NAMES = {code: np.dtype(t).name for t, code in _DTYPE_CODES.items()}
+_CHECK_CHUNK = 1 << 22  # index entries checked at a time (bounds the memory)
+
+
+def check_dataset(prefix: str) -> int:
+    """Check that the dataset ``prefix`` is whole and that its ``.bin`` and ``.idx`` agree:
+    the index header (magic, version, token dtype), its size, each sequence's pointer, the
+    document indices, and the ``.bin`` size the index describes; returns its token count.
+
+    Memory is bounded (the index is read in chunks); the cost is one pass over the ``.idx``.
+
+    Raises:
+        DataError: one line naming the file and what is wrong.
+    """
+    idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise DataError(f"dataset not found: {path} is missing")
+    fix = "copy the dataset again or re-run tools/preprocess_data.py"
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as handle:
+        header = handle.read(_HEADER_BYTES)
+    if len(header) < _HEADER_BYTES:
+        raise DataError(f"{idx_path} is truncated ({idx_size} bytes, less than a header); {fix}")
+    if header[: len(_INDEX_HEADER)] != _INDEX_HEADER:
+        raise DataError(
+            f"{idx_path} is not a Megatron indexed-dataset index (its first bytes are "
+            f"{header[: len(_INDEX_HEADER)]!r}, not {_INDEX_HEADER!r}); {fix}"
+        )
+    version, code, sequences, documents = struct.unpack("<QBQQ", header[len(_INDEX_HEADER) :])
+    if version != 1:
+        raise DataError(f"{idx_path} has index version {version}; this reader knows version 1")
+    if code not in _CODE_NAMES:
+        known = ", ".join(f"{c} {n}" for c, n in sorted(_CODE_NAMES.items()))
+        raise DataError(f"{idx_path} has token dtype code {code}, not one of {known}; {fix}")
+    itemsize = np.dtype(_CODE_NAMES[code]).itemsize
+    expected = _HEADER_BYTES + 12 * sequences + 8 * documents
+    if idx_size not in (expected, expected + sequences):  # (+ modes: a multimodal index)
+        what = "truncated" if idx_size < expected else "longer than its header describes"
+        raise DataError(
+            f"{idx_path} is {what} ({idx_size} bytes; {sequences} sequences and {documents} "
+            f"document indices take {expected}); {fix}"
+        )
+    if documents == 0:
+        raise DataError(f"{idx_path} has no document indices (at least [0] is needed); {fix}")
+    lengths = np.memmap(idx_path, np.int32, "r", _HEADER_BYTES, (sequences,))
+    pointers = np.memmap(idx_path, np.int64, "r", _HEADER_BYTES + 4 * sequences, (sequences,))
+    docs = np.memmap(idx_path, np.int64, "r", _HEADER_BYTES + 12 * sequences, (documents,))
+    tokens = 0
+    for start in range(0, sequences, _CHECK_CHUNK):
+        part = np.asarray(lengths[start : start + _CHECK_CHUNK], dtype=np.int64)
+        if part.size and part.min() < 0:
+            bad = start + int(np.argmin(part))
+            raise DataError(f"{idx_path}: sequence {bad} has a negative length; {fix}")
+        expected_pointers = (tokens + np.cumsum(part) - part) * itemsize
+        wrong = np.flatnonzero(pointers[start : start + _CHECK_CHUNK] != expected_pointers)
+        if wrong.size:
+            bad = start + int(wrong[0])
+            raise DataError(
+                f"{idx_path}: sequence {bad} points at byte {int(pointers[bad])} of the .bin, "
+                f"not {int(expected_pointers[wrong[0]])} where it starts; {fix}"
+            )
+        tokens += int(part.sum())
+    bin_size, bin_expected = os.path.getsize(bin_path), tokens * itemsize
+    if bin_size != bin_expected:
+        what = "shorter" if bin_size < bin_expected else "longer"
+        raise DataError(
+            f"{bin_path} is {what} than its index describes ({bin_size} bytes, "
+            f"{idx_path} describes {tokens} {_CODE_NAMES[code]} tokens = {bin_expected} bytes; an "
+            f"interrupted copy, or the .bin of another dataset); {fix}"
+        )
+    previous = 0
+    for start in range(0, documents, _CHECK_CHUNK):
+        part = np.asarray(docs[start : start + _CHECK_CHUNK])
+        steps = np.diff(part, prepend=previous)
+        outside = np.flatnonzero((part < 0) | (part > sequences) | (steps < 0))
+        if outside.size or (start == 0 and part[0] != 0):
+            bad = start + (int(outside[0]) if outside.size else 0)
+            raise DataError(
+                f"{idx_path}: document index {bad} is {int(docs[bad])}, out of range (document "
+                f"boundaries run from 0 up to the {sequences} sequences); {fix}"
+            )
+        previous = int(part[-1])
+    if previous != sequences:
+        raise DataError(
+            f"{idx_path}: the last document index is {previous}, not the {sequences} sequences "
+            f"(out of range); {fix}"
+        )
+    del lengths, pointers, docs
+    return tokens
 
 
 def _write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
@@ -245,6 +344,8 @@ def merge_datasets(
     for prefix in prefixes:
         if not _mcore().IndexedDataset.exists(prefix):
             raise DataError(f"dataset not found: {prefix}.bin/.idx")
+    for prefix in prefixes:
+        check_dataset(prefix)  # every input is whole before anything is written
     existing = [path for path in dataset_files(output_prefix) if os.path.exists(path)]
     if existing and not overwrite:
         raise DataError(f"output exists: {existing[0]} (pass --overwrite to replace it)")
@@ -330,15 +431,15 @@ def merge_datasets(
 
 
 def load_dataset(prefix: str):
-    """Open a finished dataset with Megatron-Core's reader (for tools and tests)."""
+    """Open a finished dataset with Megatron-Core's reader (for tools and tests), after
+    ``check_dataset``."""
     if not _mcore().IndexedDataset.exists(prefix):
         raise DataError(f"dataset not found: {prefix}.bin/.idx")
+    check_dataset(prefix)
     return _mcore().IndexedDataset(prefix, multimodal=False, mmap=True)
 
 
 def num_tokens(prefix: str) -> int:
-    """Total stored tokens of the dataset ``prefix`` (from its index)."""
-    index = _mcore()._IndexReader(get_idx_path(prefix), multimodal=False)
-    total = int(np.asarray(index.sequence_lengths).sum(dtype=np.int64))
-    del index
-    return total
+    """Total stored tokens of the dataset ``prefix`` (from its index, checked by
+    ``check_dataset``)."""
+    return check_dataset(prefix)

@@ -29,7 +29,13 @@ import torch.distributed as dist
 
 from megatron_ext.config_flags import flag
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
-from megatron_ext.data.indexed import counts_path, get_bin_path, get_idx_path, token_dtype
+from megatron_ext.data.indexed import (
+    check_dataset,
+    counts_path,
+    get_bin_path,
+    get_idx_path,
+    token_dtype,
+)
 from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import TOKENIZER_TYPES, Tokenizer
 
@@ -250,12 +256,16 @@ def _check_datasets(
         for prefix in blend_prefixes(paths):
             checks.append((prefix, (0.0, 1.0) if num_samples[i] else None, names[i]))
     checked: set[str] = set()
+    whole: set[str] = set()
     for prefix, bookends, split_name in checks:
         if not (os.path.isfile(get_idx_path(prefix)) and os.path.isfile(get_bin_path(prefix))):
             raise DataError(
                 f"dataset not found: {prefix}.bin/.idx (a --data-path entry is the prefix "
                 "without .bin/.idx, e.g. data/pile_text_document)"
             )
+        if prefix not in whole:
+            check_dataset(prefix)  # a damaged .bin/.idx is named here, before training
+            whole.add(prefix)
         if bookends is not None:
             # Megatron-Core loops forever building samples from a split without tokens.
             count = _num_sequences(prefix)

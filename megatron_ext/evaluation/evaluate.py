@@ -30,6 +30,7 @@ from megatron_ext._paths import display_path
 from megatron_ext.cli import run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
+from megatron_ext.data.indexed import check_dataset, get_idx_path
 from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import TokenizerError
 from megatron_ext.evaluation.curves import plot_curves, read_run_curves, sample_efficiency
@@ -218,6 +219,14 @@ def _init(args):
     return init_inference_parallel(tp, pp)
 
 
+def _check_datasets_first(args) -> None:
+    """A damaged evaluation or counts dataset is named before any checkpoint is loaded
+    (`data.indexed.check_dataset`; a missing one is reported where it is read)."""
+    for prefix in [getattr(args, "data_path", None), *(getattr(args, "counts_prefix", None) or [])]:
+        if prefix and os.path.isfile(get_idx_path(prefix)):
+            check_dataset(prefix)
+
+
 def _load(args, load_dir: str, pg):
     # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.evaluation.scoring import load_for_evaluation
@@ -277,6 +286,7 @@ def cmd_perplexity(args) -> int:
     from megatron_ext.evaluation.scoring import score_batches
 
     pg = _init(args)
+    _check_datasets_first(args)
     loaded = _load(args, args.load, pg)
     batches, total, source = _batches(args, loaded)
     totals = LossTotals()
@@ -327,6 +337,7 @@ def cmd_frequency(args) -> int:
     if args.baseline is not None and args.baseline not in names:
         raise EvaluationError(f"--baseline {args.baseline} is not one of --names {names}")
     pg = _init(args)
+    _check_datasets_first(args)
     results, counts, prefixes = {}, None, args.counts_prefix
     for name, load_dir in zip(names, args.load):
         loaded = _load(args, load_dir, pg)
@@ -521,7 +532,7 @@ COMMANDS = {
 
 def _errors() -> tuple:
     # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.training.checkpointing import CheckpointError
+    from megatron_ext.checkpoint.format import CheckpointError
 
     return (EvaluationError, DataError, TokenizerError, CheckpointError)
 

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megatron_ext.data.fingerprint import check_dataset_tokenizers
-from megatron_ext.data.indexed import counts_path
+from megatron_ext.data.indexed import check_dataset, counts_path, get_idx_path
 from megatron_ext.evaluation.outputs import (
     EvaluationError,
     format_markdown_table,
@@ -70,7 +70,8 @@ def training_counts(
             with each dataset's; None checks the vocabulary size only.
 
     Raises:
-        EvaluationError: a counts file is missing or has another vocabulary size;
+        EvaluationError: a counts file is missing, unreadable or has another vocabulary size;
+            `DataError`: the dataset beside it is damaged (`data.indexed.check_dataset`);
             `TokenizerMismatchError`: a dataset was made with another tokenizer.
     """
     total: Optional[np.ndarray] = None
@@ -81,7 +82,14 @@ def training_counts(
                 f"token counts {path} not found (tools/preprocess_data.py writes them); "
                 "pass the training data prefixes with --counts-prefix"
             )
-        counts = np.load(path, mmap_mode="r")
+        if os.path.isfile(get_idx_path(prefix)):
+            check_dataset(prefix)  # counts of a damaged dataset are not trusted either
+        try:
+            counts = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise EvaluationError(
+                f"{path} is not a token-counts file ({error}); re-run tools/preprocess_data.py"
+            ) from None
         if counts.ndim != 1 or len(counts) != vocab_size:
             raise EvaluationError(
                 f"{path} counts {counts.shape[0] if counts.ndim else 0} ids but the run's "

@@ -192,8 +192,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def _errors() -> tuple:
     # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.checkpoint.format import CheckpointError
     from megatron_ext.conversion.common import ConversionError
-    from megatron_ext.training.checkpointing import CheckpointError
 
     return (ConversionError, CheckpointError, TokenizerError)
 

@@ -13,14 +13,17 @@ The `ProcessGroups` that `init_inference_parallel` returns are what the model is
 what scoring (`evaluation.scoring.ModelScorer`) and generation (`generate(..., tp_group=pg.tp)`)
 take.
 
-Every problem with the directory is a `CheckpointError` whose one-line message names the path
-and says what to do.
+`find_checkpoint` checks every file of the checkpoint against the digests recorded when it was
+saved (collectively when torch.distributed is initialised), before anything reads it; reading
+runs no code from it (`megatron_ext.checkpoint.safe_load`). Every problem with the directory is
+a `CheckpointError` whose one-line message names the path and says what to do.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -28,23 +31,24 @@ from typing import TYPE_CHECKING, Optional
 import megatron_ext.megatron_import  # noqa: F401
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
-from megatron_ext._paths import display_path
+from megatron_ext.checkpoint.format import (
+    CheckpointError,
+    checkpoint_dir,
+    load_checkpoint,
+    locate_checkpoint,
+    verify_or_raise,
+)
+from megatron_ext.checkpoint.safe_load import read_metadata
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model, check_layout
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
 from megatron_ext.training.arguments import model_config_from_args_json
-from megatron_ext.training.checkpointing import (
-    TRACKER_FILENAME,
-    CheckpointError,
-    checkpoint_dir,
-    load_checkpoint,
-    read_latest_iteration,
-)
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SavedRun",
@@ -54,8 +58,6 @@ __all__ = [
     "run_model_config",
     "run_tokenizer",
 ]
-
-_ITER_PREFIX = "iter_"
 
 
 @dataclass(frozen=True)
@@ -80,42 +82,34 @@ class SavedRun:
     def padded_vocab_size(self) -> int:
         """The vocabulary the saved model embeds and scores (padding included), read from the
         checkpoint's own tensor shapes, so it is right whatever layout wrote it."""
-        metadata = FileSystemReader(self.path).read_metadata().state_dict_metadata
+        metadata = read_metadata(os.path.join(self.path, ".metadata")).state_dict_metadata
         for key in ("model.output_layer.weight", "model.embedding.word_embeddings.weight"):
             if key in metadata:
                 return int(metadata[key].size[0])
         raise CheckpointError(f"{self.path} holds no output layer or word embedding weights")
 
 
-def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> SavedRun:
-    """The complete checkpoint of `load_dir` (a `--save` directory, or one `iter_XXXXXXX`).
+def find_checkpoint(
+    load_dir: str,
+    iteration: Optional[int] = None,
+    *,
+    verify: bool = True,
+    progress: bool = False,
+) -> SavedRun:
+    """The complete checkpoint of `load_dir` (a `--save` directory, or one `iter_XXXXXXX`),
+    checked against its digests (`verify`; collective when torch.distributed is initialised;
+    `progress`: a progress bar on large checkpoints).
 
     Args:
         load_dir: the training run's `--save` directory, or a checkpoint directory in it.
         iteration: which checkpoint (default: the latest).
 
     Raises:
-        CheckpointError: no such directory, no complete checkpoint, or one without args.json.
+        CheckpointError: no such directory, no complete checkpoint, or one without args.json;
+            CheckpointDigestError: a damaged file (naming it and an older checkpoint that
+            verifies).
     """
-    load_dir = os.path.abspath(load_dir)
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"checkpoint directory {display_path(load_dir)} does not exist")
-    name = os.path.basename(load_dir.rstrip(os.sep))
-    if name.startswith(_ITER_PREFIX) and iteration is None:
-        try:
-            iteration = int(name[len(_ITER_PREFIX) :])
-        except ValueError:
-            raise CheckpointError(f"{load_dir} is not a checkpoint directory") from None
-        root = os.path.dirname(load_dir)
-    else:
-        root = load_dir
-        if iteration is None:
-            iteration = read_latest_iteration(root)
-        if iteration is None:
-            raise CheckpointError(
-                f"{root} holds no complete checkpoint ({TRACKER_FILENAME} is missing); "
-                "give a run's --save directory"
-            )
+    root, iteration = locate_checkpoint(load_dir, iteration)
     path = checkpoint_dir(root, iteration)
     missing = [f for f in ("common.json", "args.json", ".metadata") if not _isfile(path, f)]
     if missing:
@@ -123,6 +117,10 @@ def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> SavedRun:
             f"{path} is not a complete checkpoint (missing {', '.join(missing)}); "
             "pick another iteration"
         )
+    if verify:
+        verify_or_raise(root, iteration, progress=progress, announce=False)
+    else:
+        logger.info("--no-verify-checkpoint: reading %s without checking its digests", path)
     try:
         with open(os.path.join(path, "common.json")) as handle:
             common = json.load(handle)
@@ -233,7 +231,7 @@ def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Mod
     """This rank's stage of the run's model with the checkpoint's weights, in eval mode.
 
     Args:
-        run: the checkpoint (`find_checkpoint`).
+        run: the checkpoint (`find_checkpoint`, which verified it).
         model_config: `run_model_config(run, ...)`.
         pg: the groups (`init_inference_parallel`) the model is built over, at their TP x PP
             layout, and loaded with.
@@ -261,6 +259,7 @@ def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Mod
         load_optim=False,
         load_rng=False,
         strict_missing=True,
+        verify=False,  # find_checkpoint did
     )
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())

@@ -28,6 +28,7 @@ __all__ = [
     "ENTRY_MODULE",
     "TINY_LEV_MODEL",
     "TINY_TRAIN",
+    "TINY_MOCK_RUN",
     "Run",
     "launch",
     "prepare_sample_data",
@@ -57,6 +58,16 @@ TINY_TRAIN = [
     "--log-interval", "1", "--eval-interval", "10", "--eval-iters", "2",
     "--num-workers", "0", "--no-loss-curve", "--hidden-dropout", "0.0",
     "--attention-dropout", "0.0",
+]  # fmt: skip
+# The smallest whole run, one rank, no data files (mock data): for checks that need a run and
+# not its numbers (resume errors, --save locks, checkpoint files); add --train-iters.
+TINY_MOCK_RUN = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "64", "--seq-length", "16", "--embedding-type", "untied",
+    "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--eval-iters", "0", "--no-loss-curve", "--log-interval", "1",
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
 ]  # fmt: skip
 
 

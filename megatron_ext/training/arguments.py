@@ -24,12 +24,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_ext.checkpoint.format import checkpoint_dir, read_latest_iteration
 from megatron_ext.config_flags import ArgumentError, add_flags, flag_dest, flag_fields, flag_values
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.models.config import EmbeddingConfig, ModelConfig
-from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
 from megatron_ext.training.config import (
     BatchConfig,
     CheckpointConfig,

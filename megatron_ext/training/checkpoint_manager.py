@@ -1,29 +1,37 @@
-"""The run's checkpoint glue: --save (with --async-save, one write in flight), --load, and the
-bookkeeping the exit conditions need (the slowest save, the last saved iteration).
+"""The run's checkpoint glue: --save (with --async-save, one write in flight; only while this
+run holds --save's lock), --load (verified unless --no-verify-checkpoint), and the bookkeeping
+the exit conditions need (the slowest save, the last saved iteration).
 
 It saves and loads whatever the engine's `checkpoint_parts()` names, in the project's format
-(`checkpointing.save_checkpoint` / `load_checkpoint`), so both engines write the same layout.
+(`megatron_ext.checkpoint.format.save_checkpoint` / `load_checkpoint`), so both engines write the
+same layout.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Optional
 
-from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.checkpoint_io import check_save_directory as check
-from megatron_ext.training.checkpointing import (
+import torch.distributed as dist
+
+from megatron_ext.checkpoint.format import (
     CheckpointError,
     PendingSave,
     TrainState,
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_ext.checkpoint.io_errors import check_save_directory as check
+from megatron_ext.checkpoint.lock import SaveLock
+from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import Engine, Phase
 
 __all__ = ["CheckpointManager", "check_save_directory"]
+
+logger = logging.getLogger(__name__)
 
 
 def check_save_directory(root: str, num_params: int, with_optimizer: bool) -> None:
@@ -39,10 +47,19 @@ def check_save_directory(root: str, num_params: int, with_optimizer: bool) -> No
 
 
 class CheckpointManager:
-    """Saves and loads `engine.checkpoint_parts()` with the run's `TrainState`."""
+    """Saves and loads `engine.checkpoint_parts()` with the run's `TrainState`; `save_lock`
+    (the run's lock of --save, `checkpoint.lock.SaveLock`) is checked before every save."""
 
-    def __init__(self, cfg: RunConfig, engine: Engine, pg: ProcessGroups, phase: Phase) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine: Engine,
+        pg: ProcessGroups,
+        phase: Phase,
+        save_lock: Optional[SaveLock] = None,
+    ) -> None:
         self.cfg, self.engine, self.pg, self.phase = cfg, engine, pg, phase
+        self.save_lock = save_lock
         self.pending: Optional[PendingSave] = None
         """--async-save: the checkpoint being written in the background."""
         self.last_saved: Optional[int] = None
@@ -58,6 +75,8 @@ class CheckpointManager:
             return
         self.wait()  # one background write at a time
         self.phase.set("checkpoint save (world group)")
+        if self.save_lock is not None:
+            self.save_lock.check()  # another run took --save over: stop, do not overwrite
         started = time.time()
         parts = self.engine.checkpoint_parts()
         with self.engine.checkpoint_view():
@@ -97,6 +116,8 @@ class CheckpointManager:
         if not ck.load:
             return None
         started = time.time()
+        if not ck.verify_checkpoint and dist.get_rank() == 0:
+            logger.info("--no-verify-checkpoint: loading without checking the digests")
         parts = self.engine.checkpoint_parts()
         with self.engine.checkpoint_view():
             state = load_checkpoint(
@@ -111,6 +132,7 @@ class CheckpointManager:
                 load_rng=not ck.no_load_rng,
                 finetune=ck.finetune,
                 strict_missing=ck.exit_on_missing_checkpoint or ck.ckpt_step is not None,
+                verify=ck.verify_checkpoint,
             )
         if state is None:
             return None

@@ -478,6 +478,14 @@ class CheckpointConfig:
         needs="load",
     )
     exit_on_missing_checkpoint: bool = flag(False, "--exit-on-missing-checkpoint")
+    verify_checkpoint: bool = flag(
+        True,
+        "--no-verify-checkpoint",
+        "load without first checking every file of the checkpoint against the digests "
+        "recorded when it was saved",
+        action="store_false",
+    )
+    """--load checks each file of the checkpoint against its digest before reading any."""
     async_save: bool = flag(
         False,
         "--async-save",

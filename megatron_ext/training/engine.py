@@ -12,7 +12,7 @@ scaler), and
 - `evaluate(data_iterator, eval_iters)` runs forward-only batches and returns the world loss;
 - `log_stats()` (collective) returns the optional logged extras (params norm, zeros in grads);
 - `checkpoint_parts()` returns the objects the checkpoint manager saves and loads in the
-  project's format (`checkpointing.save_checkpoint`): the model, an optimizer exposing
+  project's format (`checkpoint.format.save_checkpoint`): the model, an optimizer exposing
   `owned_state / owns / set_state`, the scheduler and the loss scaler.
 
 Two implementations: `engine_portable.PortableEngine` (gloo and NCCL) and
@@ -84,7 +84,7 @@ class StepResult:
 
 @dataclass
 class CheckpointParts:
-    """What a checkpoint holds besides the train state (see `checkpointing.save_checkpoint`)."""
+    """What a checkpoint holds besides the train state (see `checkpoint.format.save_checkpoint`)."""
 
     model: torch.nn.Module
     optimizer: Any

@@ -17,7 +17,7 @@ as Megatron-LM's `pretrain` uses them:
   --rampup-batch-size) sets the number of micro-batches;
 - megatron-core's OptimizerParamScheduler, stepped by the iteration's samples.
 
-Checkpoints are the project's format (`checkpointing.save_checkpoint`): the float32 master
+Checkpoints are the project's format (`checkpoint.format.save_checkpoint`): the float32 master
 weights are saved as `model.<name>` and Adam's moments as `optim.<name>.*`, so a checkpoint of
 either engine loads into the other and at another layout. megatron's distributed optimizer
 keeps its state in flat per-bucket shards that do not map onto the project's per-parameter
@@ -117,7 +117,7 @@ class MegatronParts:
 
 
 class _OptimizerState:
-    """megatron's optimizer seen by `checkpointing` (`owns`, `owned_state`, `set_state`,
+    """megatron's optimizer seen by `checkpoint.format` (`owns`, `owned_state`, `set_state`,
     `param_groups`, `get_lr`): Adam's state per model parameter, whether megatron keeps it on
     a float32 main copy (BF16 parameters) or on the parameter itself (float32)."""
 

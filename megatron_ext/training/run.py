@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import cpu_accel
+from megatron_ext.checkpoint.format import read_latest_iteration
+from megatron_ext.checkpoint.lock import SaveLock
 from megatron_ext.elastic import restart_round
 from megatron_ext.parallel import (
     ProcessGroups,
@@ -30,7 +32,6 @@ from megatron_ext.parallel import (
     set_random_seed,
 )
 from megatron_ext.training.checkpoint_manager import CheckpointManager, check_save_directory
-from megatron_ext.training.checkpointing import read_latest_iteration
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import Engine, Phase
 from megatron_ext.training.engine_portable import PortableEngine
@@ -121,12 +122,14 @@ def setup(
     forward_step: ForwardStep,
     full_model_provider: Optional[Callable[[], torch.nn.Module]] = None,
     engine_builder: Optional[EngineBuilder] = None,
+    save_lock: Optional[SaveLock] = None,
 ) -> Trainer:
     """Seed, build this stage's model, its engine and the rest of the run, and load --load.
 
     `engine_builder` (default: the engine --ddp-impl names) is
     `(cfg, model, forward_step, pg, phase, timers) -> Engine`; tests pass one that builds the
     megatron-core engine on CPU doubles (`megatron_ext.testing.megatron_doubles`).
+    `save_lock`: the run's lock of --save (`pretrain` takes it), checked before every save.
 
     Returns:
         the trainer (its `state` at the loaded iteration), ready for `train`.
@@ -196,7 +199,7 @@ def setup(
         phase=phase,
         timers=timers,
         metrics=metrics,
-        checkpoints=CheckpointManager(cfg, engine, pg, phase),
+        checkpoints=CheckpointManager(cfg, engine, pg, phase, save_lock),
         extras=extras,
         flops_per_batch=flops,
     )
@@ -234,8 +237,12 @@ def pretrain(
         why training stopped: "finished", "signal", "exit-duration", "exit-interval" or
         "skip-train".
 
+    --save is this run's alone while it runs: its lock (`checkpoint.lock.SaveLock`) is taken
+    before anything is built and removed when the run ends, whatever ended it.
+
     Raises:
         NonFiniteError: a NaN/inf loss or grad norm stopped the run (nothing was saved).
+        SaveLockError: another run holds --save (a CheckpointError, like a damaged --load).
     """
     job_start = process_start_time()
     p = cfg.parallel
@@ -246,9 +253,10 @@ def pretrain(
         backend=p.distributed_backend,
         timeout_minutes=p.distributed_timeout_minutes,
     )
-    trainer = None
+    trainer = save_lock = None
     try:
         cfg = cfg.resolve(dist.get_world_size())  # the data-parallel size of this world
+        save_lock = SaveLock.acquire(cfg.ckpt.save) if cfg.ckpt.save else None
         trainer = setup(
             cfg,
             pg,
@@ -256,6 +264,7 @@ def pretrain(
             forward_step=forward_step,
             full_model_provider=full_model_provider,
             engine_builder=engine_builder,
+            save_lock=save_lock,
         )
         trainer.start_time = job_start
         _log_restart(trainer)
@@ -278,7 +287,11 @@ def pretrain(
             )
         ) from None
     finally:
-        close(trainer)
+        try:
+            close(trainer)
+        finally:
+            if save_lock is not None:
+                save_lock.release()
 
 
 def _log_restart(trainer: Trainer) -> None:

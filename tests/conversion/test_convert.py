@@ -289,14 +289,20 @@ def _bad_inputs(trained: dict, out: str) -> dict:
     args = json.load(open(args_path))
     args["embedding_type"] = "spline"
     json.dump(args, open(args_path, "w"))
-    bad["unknown_arm"] = _run_tool(
+    bad["edited_args"] = _run_tool(  # the digests notice the edit
         convert, ["export-hf", "--load", unknown, "--output", f"{out}/x2"]
+    )
+    bad["unknown_arm"] = _run_tool(  # past them, the arm is refused
+        convert, ["export-hf", "--load", unknown, "--output", f"{out}/x2", "--no-verify-checkpoint"]
     )
     missing = f"{out}/missing_shard"
     shutil.copytree(lev, missing)
     os.remove(f"{missing}/iter_0000006/__1_0.distcp")
     bad["missing_shard"] = _run_tool(
         convert, ["export-hf", "--load", missing, "--output", f"{out}/x3"]
+    )
+    bad["missing_shard_unverified"] = _run_tool(
+        convert, ["export-hf", "--load", missing, "--output", f"{out}/x3", "--no-verify-checkpoint"]
     )
     incomplete = f"{out}/incomplete"
     shutil.copytree(lev, incomplete)
@@ -453,7 +459,9 @@ def test_reshard_tp2_to_tp1_keeps_logits(results):
     single = results["single"]
     tp2 = results["pair"][0]["logits"]
     assert np.abs(single["reshard_logits"] - tp2).max() <= 1e-4
-    assert single["reshard_files"] == [".metadata", "__0_0.distcp", "args.json", "common.json"]
+    assert single["reshard_files"] == [
+        ".metadata", "__0_0.distcp", "args.json", "common.json", "digests"
+    ]  # fmt: skip
     assert single["reshard_args_tp"] == 1
     original, kept, dropped = single["optim_keys"]
     assert original and kept == original and dropped == []
@@ -470,8 +478,10 @@ def test_generation_at_tp2_equals_tp1(results):
 
 BAD_INPUTS = {
     "wrong_arm": "not tied",
+    "edited_args": "iter_0000006/args.json is truncated (",
     "unknown_arm": "embedding-type",
-    "missing_shard": "missing shard file",
+    "missing_shard": "iter_0000006/__1_0.distcp is missing (a bad copy or a failing disk?)",
+    "missing_shard_unverified": "missing shard file",
     "incomplete": "no complete checkpoint",
     "vocab_mismatch": "not the run's tokenizer",
     "exists": "already exists",

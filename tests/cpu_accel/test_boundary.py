@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
 import torch
 
 import megatron_ext
@@ -49,8 +50,21 @@ def test_no_core_module_imports_an_acceleration_module():
     assert offenders == []
 
 
-def test_switch_off_every_extension_point_takes_the_portable_path(monkeypatch):
+@pytest.fixture
+def switched_off(monkeypatch):
+    """The switch off in this process; the core's once-per-process choices (cached) are made
+    afresh before and after."""
+    caches = (tensor_parallel._chunk_kernel_error, kernels.cpu_kernel_available)
+    for cache in caches:
+        cache.cache_clear()
     monkeypatch.setenv(cpu_accel.ENV, "0")
+    yield
+    monkeypatch.undo()
+    for cache in caches:
+        cache.cache_clear()
+
+
+def test_switch_off_every_extension_point_takes_the_portable_path(switched_off):
     assert not cpu_accel.enabled()
     for accessor in (
         cpu_accel.lev_backend,

@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from megatron_ext.checkpoint.format import CheckpointError
 from megatron_ext.data.fingerprint import (
     TokenizerMismatchError,
     read_sidecar,
@@ -25,7 +26,6 @@ from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.evaluation.frequency import training_counts
 from megatron_ext.inference.loading import SavedRun, run_tokenizer
-from megatron_ext.training.checkpointing import CheckpointError
 
 
 def _sp(path: str):

@@ -201,11 +201,11 @@ def test_cli_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "docs/s" in r.stderr and "MB/s" in r.stderr and "tokens/s" in r.stderr
     assert os.path.exists(f"{out}_text_document.idx")
-    r = _run("preprocess_data.py", *args)  # existing output: one-line error, exit 1
-    assert r.returncode == 1
+    r = _run("preprocess_data.py", *args)  # existing output: one-line error, exit 2
+    assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error: output exists:")
     r = _run("preprocess_data.py", *args[:-4], "--input", str(tmp_path / "missing.jsonl"))
-    assert r.returncode == 1 and "error: input not found" in r.stderr
+    assert r.returncode == 2 and "error: input not found" in r.stderr
     r = _run(
         "merge_datasets.py",
         "--input",

@@ -63,7 +63,7 @@ def test_datasets_of_different_tokenizers_are_not_merged(tmp_path):
     run = _merge("--input", str(tmp_path / "a"), str(tmp_path / "b"), "--output-prefix",
                  str(tmp_path / "out"))  # fmt: skip
     errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
-    assert run.returncode == 1 and len(errors) == 1, run.stderr  # the data tools exit 1
+    assert run.returncode == 2 and len(errors) == 1, run.stderr  # bad input: exit 2
     assert "Traceback" not in run.stderr
     assert errors[0].startswith("error: cannot merge datasets made with different tokenizers")
     assert "b.model (fingerprint bbbbbbbbbbbbbbbb)" in errors[0]

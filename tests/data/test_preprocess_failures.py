@@ -83,7 +83,7 @@ def test_mid_run_error_and_ctrl_c_print_one_line(sp_model, tmp_path):
     run = subprocess.run(
         _tool(sp_model, cut, tmp_path / "a"), cwd=REPO, capture_output=True, text=True
     )
-    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.returncode == 2, run.stderr[-3000:]
     _no_tracebacks(run.stderr)
     errors = [line for line in run.stderr.splitlines() if not line.startswith("[")]
     assert errors == [f"error: {cut}: truncated zstd file (the stream ends inside a frame); "

@@ -262,10 +262,17 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     finally:  # --logging-level sets the root logger's level
         logging.getLogger().setLevel(level)
     written = args.args_json()
-    # Flags added since that checkpoint appear with their defaults: off, except the two that are
-    # on unless turned off (an old run resumed gets them, benchmarks/RESULTS.md 4.10); every old
-    # key agrees but FP8's recipe defaults, Megatron-LM's since issue 47 (no --fp8-format here).
-    on_by_default = {"lev_dedup_global_batch": True, "retain_host_memory": True}
+    # Flags added since that checkpoint appear with their defaults: off, except those that are
+    # on unless turned off (an old run resumed gets them, benchmarks/RESULTS.md 4.10; checkpoint
+    # digests are checked unless --no-verify-checkpoint, the CPU accelerations used unless
+    # --no-cpu-accel); every old key agrees but FP8's recipe
+    # defaults, Megatron-LM's since issue 47 (no --fp8-format here).
+    on_by_default = {
+        "lev_dedup_global_batch": True,
+        "retain_host_memory": True,
+        "verify_checkpoint": True,
+        "cpu_accel": True,
+    }
     added = set(written) - set(old)
     assert all(written[k] is on_by_default.get(k) for k in added), {k: written[k] for k in added}
     fp8 = {"fp8_amax_history_len": (1024, 1), "fp8_amax_compute_algo": ("max", "most_recent")}

@@ -52,8 +52,8 @@ def test_pretrain_from_a_config_built_in_code(tmp_path, single_rank):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_ext.checkpoint.format import checkpoint_dir, read_latest_iteration
     from megatron_ext.training import pretrain
-    from megatron_ext.training.checkpointing import checkpoint_dir, read_latest_iteration
 
     cfg = _config(tmp_path)
     reason = pretrain(

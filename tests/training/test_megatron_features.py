@@ -240,14 +240,14 @@ def _check_kv_channels_and_rotary_percent():
 def _check_async_save(root: str):
     import torch.distributed as dist
 
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
-    from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training.checkpointing import (
+    from megatron_ext.checkpoint.format import (
         TrainState,
         load_checkpoint,
         read_latest_iteration,
         save_checkpoint,
     )
+    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.parallel import ProcessGroups
 
     pg = ProcessGroups.from_megatron()
     torch.manual_seed(5)

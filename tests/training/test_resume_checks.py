@@ -21,18 +21,11 @@ import pytest
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
 from megatron_ext.testing.launch import launch
-from megatron_ext.testing.runs import ENTRY_MODULE
+from megatron_ext.testing.runs import ENTRY_MODULE, TINY_MOCK_RUN
 
 pytestmark = pytest.mark.integration
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--ffn-hidden-size", "64", "--seq-length", "16", "--embedding-type", "untied",
-    "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--eval-iters", "0", "--no-loss-curve", "--log-interval", "1",
-    "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
-]  # fmt: skip
+TINY = TINY_MOCK_RUN
 
 
 def _run(workdir: Path, *args: str) -> subprocess.CompletedProcess:

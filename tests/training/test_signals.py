@@ -84,6 +84,7 @@ def test_sigterm_saves_and_every_rank_exits_zero(delivery, corpus, tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
     assert (ckpt / f"iter_{last:07d}" / "common.json").is_file()
     assert not list(ckpt.glob("*.tmp"))
+    assert not (ckpt / "save.lock").exists()  # the run released --save on its way out
     if delivery == "ranks":
         assert returncode == 0, output[-3000:]
     else:  # torchrun was signalled itself: it says so in its exit status (see the docstring)

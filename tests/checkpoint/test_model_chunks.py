@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from megatron_ext.training import checkpointing as ck
+from megatron_ext.checkpoint import format as ck
 
 
 class _Layer(torch.nn.Module):

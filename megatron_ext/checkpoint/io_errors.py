@@ -1,5 +1,8 @@
-"""Checkpoint I/O failures as one clear line, agreed on by every rank.
+"""Checkpoint errors: the exception classes, and I/O failures as one clear line agreed on by
+every rank.
 
+- `CheckpointError` and its kinds: every problem with a checkpoint is one of them, its message
+  one line naming the file and what to do (the entry points print it as `error: ...`, exit 2).
 - `check_save_directory`: before the first iteration, `--save` is created, written by every
   rank and compared with the expected checkpoint size, so that a read-only or full disk is found
   in seconds rather than at the first save.
@@ -24,13 +27,48 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointDigestError",
+    "CheckpointSaveError",
+    "NonFiniteStateError",
+    "SaveLockError",
+    "UnsafeCheckpointError",
     "CHECKPOINT_IO_ERRORS",
     "agree_on_failure",
     "check_save_directory",
     "describe_io_error",
+    "causes",
     "older_checkpoints_hint",
+    "older_iterations",
     "verify_shard_files",
 ]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, damaged or incompatible with this model."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """Refused to save a model with NaN/inf parameters."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (on some rank); its partial `.tmp` was removed, the latest is unchanged."""
+
+
+class CheckpointDigestError(CheckpointError):
+    """A file of a checkpoint differs from the digest recorded when it was saved (a bad copy,
+    a failing disk), or is missing or of another size."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file holds something that reading would execute (a pickled object other
+    than the checkpoint's own types): refused, nothing of it ran."""
+
+
+class SaveLockError(CheckpointError):
+    """`--save` is held by another run (or its lock cannot be taken or kept)."""
+
 
 # What a failed read or write of a checkpoint can raise (DCP's wrapper is a BaseException).
 CHECKPOINT_IO_ERRORS = (Exception, CheckpointException)
@@ -56,7 +94,7 @@ def _human(num_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _causes(error: BaseException) -> Iterator[BaseException]:
+def causes(error: BaseException) -> Iterator[BaseException]:
     """`error`, its chained causes and, for DCP's CheckpointException, each rank's exception."""
     stack, seen = [error], set()
     while stack:
@@ -87,10 +125,10 @@ def describe_io_error(
 
     A full disk often surfaces without an errno (torch's zip writer turns the failed write into
     "unexpected pos"): then the free space left decides."""
-    causes = list(_causes(error))
-    ranks = sorted({r for c in causes if isinstance(c, CheckpointException) for r in c.failures})
+    found = list(causes(error))
+    ranks = sorted({r for c in found if isinstance(c, CheckpointException) for r in c.failures})
     on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
-    for cause in causes:
+    for cause in found:
         if isinstance(cause, OSError) and cause.errno in _REASONS:
             where = f": {cause.filename}" if cause.filename else ""
             return f"{_REASONS[cause.errno]}{on} ({errno.errorcode[cause.errno]}{where})"
@@ -100,7 +138,7 @@ def describe_io_error(
             f"no space left on device{on} ({_human(free)} free on {directory}, a checkpoint "
             f"needs about {_human(needed_bytes)})"
         )
-    root = causes[-1]
+    root = found[-1]
     first_line = (str(root).strip().splitlines() or [""])[0]
     return f"{type(root).__name__}{on}: {first_line}"
 
@@ -150,16 +188,21 @@ def check_save_directory(root: str, needed_bytes: int) -> Optional[str]:
     return agree_on_failure(problem)
 
 
-def older_checkpoints_hint(root: str, iteration: int) -> str:
-    """'load an older one with --ckpt-step N' (the newest older one), or that there is none."""
+def older_iterations(root: str, iteration: int) -> list[int]:
+    """The iterations of the checkpoints in `root` older than `iteration`, newest first."""
     try:
         names = os.listdir(root)
     except OSError:
         names = []
-    older = sorted(
+    return sorted(
         (int(m.group(1)) for m in map(_ITER_RE.match, names) if m and int(m.group(1)) < iteration),
         reverse=True,
     )
+
+
+def older_checkpoints_hint(root: str, iteration: int) -> str:
+    """'load an older one with --ckpt-step N' (the newest older one), or that there is none."""
+    older = older_iterations(root, iteration)
     if not older:
         return f"there is no older checkpoint in {root}"
     also = f" (also kept: {', '.join(map(str, older[1:]))})" if older[1:] else ""

@@ -1,10 +1,11 @@
-"""Checkpoint I/O failures (megatron_ext/training/checkpoint_io.py) on 2 gloo ranks (TP=2):
+"""Checkpoint I/O failures (megatron_ext/checkpoint/io_errors.py) on 2 gloo ranks (TP=2):
 
 - a disk that fills up during a save on one rank: every rank raises one CheckpointSaveError
   saying "no space left on device", the `.tmp` is removed, the previous checkpoint stays the
   latest and the next save works; the same for a permission error;
 - a truncated shard or `.metadata`: CheckpointError naming the file and the iteration and
-  suggesting `--ckpt-step` of the older checkpoint;
+  suggesting `--ckpt-step` of the older checkpoint (found by the digests; a `.metadata` loaded
+  without verification fails to unpickle, also named);
 - `--save` that cannot be written, or lacks the space for one checkpoint, is refused before the
   first iteration (here through pretrain_leviathan.py: exit 2, one `error:` line).
 """
@@ -23,7 +24,7 @@ from megatron_ext.testing.distributed import run_distributed
 from megatron_ext.testing.launch import launch
 from megatron_ext.testing.runs import ENTRY_MODULE
 
-from .test_checkpointing import _tiny_model
+from .test_format import _tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -80,9 +81,9 @@ def _failing_writes(failing_rank: int, error: str):
 
 
 def _save_and_load_failures(root: str) -> dict:
+    from megatron_ext.checkpoint import format as ck
+    from megatron_ext.checkpoint.io_errors import check_save_directory
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training import checkpointing as ck
-    from megatron_ext.training.checkpoint_io import check_save_directory
 
     pg = ProcessGroups.from_megatron()
     model = _tiny_model()
@@ -122,6 +123,9 @@ def _save_and_load_failures(root: str) -> dict:
     with pytest.raises(ck.CheckpointError) as caught:
         ck.load_checkpoint(root, model, pg=pg)
     errors["metadata"] = str(caught.value)
+    with pytest.raises(ck.CheckpointError) as caught:  # not verified: unpickling it fails
+        ck.load_checkpoint(root, model, pg=pg, verify=False)
+    errors["metadata_unverified"] = str(caught.value)
     assert ck.load_checkpoint(root, model, pg=pg, iteration=1).iteration == 1  # the hint works
 
     # --save checks: a path below a regular file; too little space for one checkpoint.
@@ -147,7 +151,11 @@ def test_save_and_load_failures_are_one_clear_error(tmp_path):
         shard = errors["shard"]
         assert "checkpoint iteration 2 cannot be loaded" in shard, shard
         assert ".distcp is truncated" in shard and "--ckpt-step 1" in shard, shard
-        meta = errors["metadata"]
+        meta = errors["metadata"]  # the digests name it (and the truncated shard)
+        assert "iteration 2" in meta and ".metadata is truncated (10 of" in meta, meta
+        assert "(and 1 more: __1_0.distcp)" in meta and "iteration 1 verifies" in meta, meta
+        assert "--ckpt-step 1" in meta, meta
+        meta = errors["metadata_unverified"]
         assert "iteration 2" in meta and "corrupt or truncated" in meta, meta
         assert "--ckpt-step 1" in meta, meta
 

@@ -42,8 +42,8 @@ def _tiny_model(arm: str = "untied"):
 def _killed_and_nonfinite_saves(root: str) -> bool:
     import torch.distributed.checkpoint as dcp
 
+    from megatron_ext.checkpoint import format as ck
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training import checkpointing as ck
 
     pg = ProcessGroups.from_megatron()
     model = _tiny_model()
@@ -53,7 +53,7 @@ def _killed_and_nonfinite_saves(root: str) -> bool:
         for param in model.parameters():
             param.add_(1.0)
 
-    def dying_save(state, checkpoint_id):
+    def dying_save(state, checkpoint_id, storage_writer=None):
         dcp.save(dict(list(state.items())[:3]), checkpoint_id=checkpoint_id)  # some shards
         raise _Killed()
 

@@ -4,8 +4,10 @@ DTensors, in Megatron-LM's layout::
     <save>/iter_0000100/                      one checkpoint (DCP shards + .metadata)
     <save>/iter_0000100/common.json           iteration, consumed samples, scheduler, layout
     <save>/iter_0000100/args.json             the run's flags (--use-checkpoint-args)
-    <save>/iter_0000100/rng/pp0_tp0_cp0_dp0.pt  each rank's RNG states
+    <save>/iter_0000100/rng/pp0_tp0_cp0_dp0.pt  each rank's RNG states (tensors and numbers)
+    <save>/iter_0000100/digests/rank00000.json  each rank's file digests (`digests.py`)
     <save>/latest_checkpointed_iteration.txt  written last
+    <save>/save.lock                          held by the run writing here (`lock.py`)
 
 Keys are layout-free, so a checkpoint saved at one TP/PP/DP layout loads at another:
 
@@ -28,7 +30,13 @@ Atomicity: DCP writes into `iter_XXXXXXX.tmp/`; after every rank finished, rank 
 at any point leaves the previous checkpoint as latest; stale `.tmp` directories are removed by
 the next save. A state with a non-finite parameter is never saved.
 
-I/O failures (`checkpoint_io.py`): a save that fails on any rank (no space, permission, ...)
+Trust: every file a save writes gets a digest recorded inside the checkpoint, and a load checks
+them all first (the ranks splitting the files), so a damaged file is one `CheckpointDigestError`
+naming the checkpoint, the file and the newest older checkpoint that verifies (checked, never
+loaded by itself); a checkpoint without digests (saved before they were recorded, or by stock
+DCP) loads with one warning. Loading runs no code from the checkpoint (`safe_load.py`).
+
+I/O failures (`io_errors.py`): a save that fails on any rank (no space, permission, ...)
 raises `CheckpointError` on every rank saying why, after removing its `.tmp`; the previous
 checkpoint stays the latest. A checkpoint that cannot be read (a truncated or missing shard,
 a corrupt file) raises `CheckpointError` naming the file and the iteration and suggesting
@@ -46,6 +54,7 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -56,27 +65,56 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import tensor_parallel
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_ext._paths import display_path
-from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
-from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.checkpoint_io import (
+from megatron_ext.checkpoint.digests import (
+    DIGESTS_DIR,
+    DigestingWriter,
+    FileDigest,
+    Verification,
+    file_digest,
+    verify_checkpoint,
+    write_manifest,
+)
+from megatron_ext.checkpoint.io_errors import (
     CHECKPOINT_IO_ERRORS,
+    CheckpointDigestError,
+    CheckpointError,
+    CheckpointSaveError,
+    NonFiniteStateError,
+    UnsafeCheckpointError,
     agree_on_failure,
+    causes,
     describe_io_error,
     older_checkpoints_hint,
+    older_iterations,
     verify_shard_files,
 )
+from megatron_ext.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_rng_file,
+    read_metadata,
+    save_rng_file,
+)
+from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
+from megatron_ext.parallel import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "TrainState",
     "CheckpointError",
+    "CheckpointDigestError",
+    "CheckpointSaveError",
     "NonFiniteStateError",
+    "UnsafeCheckpointError",
+    "verify_or_raise",
+    "save_tensors",
+    "locate_checkpoint",
     "checkpoint_dir",
     "read_latest_iteration",
     "save_checkpoint",
@@ -87,14 +125,6 @@ __all__ = [
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or incompatible with this model."""
-
-
-class NonFiniteStateError(CheckpointError):
-    """Refused to save a model with NaN/inf parameters."""
 
 
 @dataclass
@@ -128,8 +158,39 @@ def read_latest_iteration(root: str) -> Optional[int]:
         raise CheckpointError(f"{path} holds {text!r}, not an iteration number") from None
 
 
+def locate_checkpoint(load_dir: str, iteration: Optional[int] = None) -> tuple[str, int]:
+    """(the --save directory, the iteration) of `load_dir`: a run's --save directory (its latest
+    checkpoint, or `iteration`) or one `iter_XXXXXXX` directory in it.
+
+    Raises:
+        CheckpointError: no such directory, or no checkpoint in it.
+    """
+    load_dir = os.path.abspath(load_dir)
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"checkpoint directory {display_path(load_dir)} does not exist")
+    name = os.path.basename(load_dir.rstrip(os.sep))
+    if name.startswith("iter_") and iteration is None:
+        if _ITER_RE.match(name) is None:
+            raise CheckpointError(f"{display_path(load_dir)} is not a checkpoint directory")
+        return os.path.dirname(load_dir), int(name[len("iter_") :])
+    if iteration is None:
+        iteration = read_latest_iteration(load_dir)
+    if iteration is None:
+        raise CheckpointError(
+            f"{display_path(load_dir)} holds no complete checkpoint ({TRACKER_FILENAME} is "
+            "missing); give a run's --save directory"
+        )
+    return load_dir, iteration
+
+
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def _barrier() -> None:
@@ -287,8 +348,13 @@ def save_checkpoint(
     save_rng: bool = True,
     keep_last: Optional[int] = None,
     async_save: bool = False,
+    digests: bool = True,
 ):
     """Save (collectively, every rank of the layout `pg`) and return the checkpoint directory.
+
+    With `digests` (the default) each rank records the digest of every file it wrote in
+    `digests/rank<r>.json`; False writes the format of before digests (for benchmarks and
+    tests).
 
     With `async_save` (--async-save) the tensors are staged to CPU memory and written by a
     background thread; the returned `PendingSave` finishes the checkpoint (rank files,
@@ -312,6 +378,7 @@ def save_checkpoint(
                 if name.startswith("iter_") and name.endswith(".tmp"):
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             os.makedirs(os.path.join(tmp, "rng"))
+            os.makedirs(os.path.join(tmp, DIGESTS_DIR))
     except OSError as error:
         failure = describe_io_error(error, root)
     _stop_if_failed(failure, root, tmp, state.iteration)  # also the barrier
@@ -344,21 +411,27 @@ def save_checkpoint(
         "has_rng": save_rng,
         "torch_version": torch.__version__,
     }
+    writer = DigestingWriter(tmp) if digests else None
     finish = functools.partial(
-        _finish_save, root, tmp, final, state.iteration, rng, common, args_json, keep_last, needed
+        _finish_save,
+        root,
+        tmp,
+        final,
+        state.iteration,
+        _RankFiles(rng, common, args_json, writer),
+        keep_last,
+        needed,
     )
     if async_save:
-        future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=_async_group())
+        future = dcp.async_save(
+            tensors, checkpoint_id=tmp, storage_writer=writer, process_group=_async_group()
+        )
         return PendingSave(future, finish, state.iteration)
     try:
-        dcp.save(tensors, checkpoint_id=tmp)
+        dcp.save(tensors, checkpoint_id=tmp, storage_writer=writer)
     except CHECKPOINT_IO_ERRORS as error:
         return finish(error=error)
     return finish()
-
-
-class CheckpointSaveError(CheckpointError):
-    """A save failed (on some rank); its partial `.tmp` was removed, the latest is unchanged."""
 
 
 def _stop_if_failed(failure: Optional[str], root: str, tmp: str, iteration: int) -> None:
@@ -381,16 +454,25 @@ def _stop_if_failed(failure: Optional[str], root: str, tmp: str, iteration: int)
     )
 
 
-def _finish_save(
-    root, tmp, final, iteration, rng, common, args_json, keep_last, needed, error=None
-) -> str:
+@dataclass
+class _RankFiles:
+    """What a rank writes besides its shards: its RNG file (`rng` = (path, states)), on rank 0
+    common.json and args.json, and (with `writer`, which hashed the shards) its manifest."""
+
+    rng: Optional[tuple[str, dict]]
+    common: dict
+    args_json: Optional[dict]
+    writer: Optional[DigestingWriter]
+
+
+def _finish_save(root, tmp, final, iteration, files, keep_last, needed, error=None) -> str:
     """After this rank's shards are written (or failed with `error`): RNG files, common.json,
-    args.json, then the rename and the latest marker (collective). Any rank's I/O failure
-    stops every rank with CheckpointSaveError and leaves the previous latest."""
+    args.json, digests, then the rename and the latest marker (collective). Any rank's I/O
+    failure stops every rank with CheckpointSaveError and leaves the previous latest."""
     failure = describe_io_error(error, root, needed) if error is not None else None
     if failure is None:
         try:
-            _write_rank_files(tmp, rng, common, args_json)
+            _write_rank_files(tmp, files)
         except CHECKPOINT_IO_ERRORS as write_error:
             failure = describe_io_error(write_error, root, needed)
     _stop_if_failed(failure, root, tmp, iteration)  # every rank's files are on disk
@@ -411,16 +493,39 @@ def _finish_save(
     return final
 
 
-def _write_rank_files(tmp, rng, common, args_json) -> None:
-    """This rank's RNG file (`rng` = (path, states)) and, on rank 0, common.json and args.json."""
-    if rng is not None:
-        torch.save(rng[1], rng[0])
+def _write_rank_files(tmp: str, files: _RankFiles) -> None:
+    """This rank's RNG file, on rank 0 common.json and args.json, then (with digests) this
+    rank's manifest: its shards as hashed while written, the small files hashed now (from the
+    page cache), and on rank 0 DCP's .metadata."""
+    written = []
+    if files.rng is not None:
+        save_rng_file(files.rng[0], files.rng[1])
+        written.append(files.rng[0])
     if _rank0():
         with open(os.path.join(tmp, "common.json"), "w") as handle:
-            json.dump(common, handle, indent=1)
-        if args_json is not None:
+            json.dump(files.common, handle, indent=1)
+        written.append(os.path.join(tmp, "common.json"))
+        if files.args_json is not None:
             with open(os.path.join(tmp, "args.json"), "w") as handle:
-                json.dump(args_json, handle, indent=1, sort_keys=True)
+                json.dump(files.args_json, handle, indent=1, sort_keys=True)
+            written.append(os.path.join(tmp, "args.json"))
+        written.append(os.path.join(tmp, ".metadata"))
+    if files.writer is None:
+        return
+    digests: dict[str, FileDigest] = dict(files.writer.shard_digests())
+    for path in written:
+        digests[os.path.relpath(path, tmp).replace(os.sep, "/")] = file_digest(path)
+    rank, world_size = _rank_and_world()
+    write_manifest(tmp, rank, world_size, digests)
+
+
+def save_tensors(path: str, tensors: dict, common: dict, args_json: Optional[dict]) -> None:
+    """Write a whole checkpoint directory `path` from one process (offline tools: reshard):
+    the DCP shards of `tensors`, common.json, args.json and the digests, as `save_checkpoint`
+    writes them (no RNG files; the caller renames it into place)."""
+    writer = DigestingWriter(path)
+    dcp.save(tensors, storage_writer=writer, no_dist=True)
+    _write_rank_files(path, _RankFiles(None, common, args_json, writer))
 
 
 _ASYNC_GROUP: dict = {}
@@ -463,7 +568,7 @@ class PendingSave:
 
 
 def _read_metadata(path: str):
-    return FileSystemReader(path).read_metadata()
+    return read_metadata(os.path.join(path, ".metadata"))
 
 
 def _check_same_arm(path: str, model: torch.nn.Module) -> None:
@@ -487,6 +592,11 @@ def _check_shape(metadata, key: str, view: torch.Tensor, path: str) -> None:
         raise CheckpointError(
             f"{path} has no {key}; it was saved from a different model (check --embedding-type "
             "and the model size flags, or use --use-checkpoint-args)"
+        )
+    if isinstance(entry, BytesStorageMetadata):
+        raise UnsafeCheckpointError(
+            f"{display_path(os.path.join(path, '.metadata'))} declares {key} as pickled bytes, "
+            "which loading would execute; this project writes tensors only: refused"
         )
     expected = tuple(view.shape)  # a DTensor's shape is its global shape
     saved = tuple(entry.size)
@@ -527,9 +637,11 @@ def load_checkpoint(
     load_rng: bool = True,
     finetune: bool = False,
     strict_missing: bool = False,
+    verify: bool = True,
 ) -> Optional[TrainState]:
     """Load the latest (or `iteration`) checkpoint of `root` into this rank's shards (of the
-    layout `pg`).
+    layout `pg`), after checking every file against its digest (`verify`; --no-verify-checkpoint
+    turns it off; a checkpoint without digests loads with one warning).
 
     Returns:
         the restored TrainState (zeroed with `finetune`), or None when `root` has no checkpoint
@@ -557,12 +669,13 @@ def load_checkpoint(
             f"{path} is not a complete checkpoint (no common.json); "
             f"{older_checkpoints_hint(root, iteration)}"
         )
+    verified = verify_or_raise(root, iteration) if verify else None
     with _unreadable_as_checkpoint_error(root, path, iteration):
         with open(common_path) as handle:
             common = json.load(handle)
         _check_same_arm(path, model)
         metadata = _read_metadata(path)
-    problem = verify_shard_files(path, metadata)
+    problem = None if verified is not None and verified.ok else verify_shard_files(path, metadata)
     if problem is not None:
         raise CheckpointError(
             f"checkpoint iteration {iteration} cannot be loaded: {problem} (an interrupted "
@@ -595,7 +708,11 @@ def load_checkpoint(
             target[f"optim.{key}.step"] = adam["step"]
             pending.append((param, adam))
     with _unreadable_as_checkpoint_error(root, path, iteration):
-        dcp.load(target, checkpoint_id=path)
+        dcp.load(
+            target,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(path),
+        )
     for param, adam in pending:
         optimizer.set_state(param, adam)
 
@@ -615,8 +732,18 @@ def load_checkpoint(
     if loss_scaler is not None and common.get("loss_scaler"):
         loss_scaler.load_state_dict(common["loss_scaler"])
     if load_rng:
-        with _unreadable_as_checkpoint_error(root, path, iteration):
-            _load_rng(path, common, pg)
+        # Each rank reads its own RNG file: every rank must learn that one of them failed.
+        failure: Optional[CheckpointError] = None
+        try:
+            with _unreadable_as_checkpoint_error(root, path, iteration):
+                _load_rng(path, common, pg)
+        except CheckpointError as error:
+            failure = error
+        problem = agree_on_failure(None if failure is None else str(failure))
+        if failure is not None:
+            raise failure
+        if problem is not None:
+            raise CheckpointError(problem)
     state = TrainState(**common["train_state"])
     logger.info(
         "loaded checkpoint %s (iteration %d, %d consumed samples; saved at %s)",
@@ -637,6 +764,9 @@ def _unreadable_as_checkpoint_error(root: str, path: str, iteration: int):
     except CheckpointError:
         raise
     except CHECKPOINT_IO_ERRORS as error:
+        ours = next((c for c in causes(error) if isinstance(c, CheckpointError)), None)
+        if ours is not None:  # raised inside DCP (e.g. by SafeLoadPlanner), wrapped by it
+            raise ours from None
         reason = describe_io_error(error, path)
         files = [getattr(cause, "filename", None) for cause in (error, error.__cause__) if cause]
         where = next((f for f in files if f), path)
@@ -658,4 +788,71 @@ def _load_rng(path: str, common: dict, pg: ProcessGroups) -> None:
                 pg.layout(),
             )
         return
-    _set_rng_state(torch.load(file, weights_only=False))
+    _set_rng_state(load_rng_file(file))
+
+
+def verify_or_raise(
+    root: str, iteration: int, progress: bool = False, announce: bool = True
+) -> Verification:
+    """Check checkpoint `iteration` of `root` against its digests (collective: each rank hashes
+    its share of the files) and return the outcome; without digests, warn once. `announce`:
+    log a line when every file matches (a run's load; the tools show a progress bar instead).
+
+    Raises:
+        CheckpointDigestError (every rank): a file is damaged, missing or of another size; the
+            message names the checkpoint, the file, and the newest older checkpoint that
+            verifies (checked here, never loaded).
+    """
+    path = checkpoint_dir(root, iteration)
+    started = time.time()
+    verified = verify_checkpoint(path, progress)
+    if not verified.has_digests:
+        if _rank0():
+            logger.warning(
+                "checkpoint iteration %d (%s) has no digests (saved before digests were "
+                "recorded, or by another tool): loading it unverified",
+                iteration,
+                display_path(path),
+            )
+        return verified
+    if verified.problems:
+        first = verified.problems[0]
+        others = verified.problems[1:]
+        more = f" (and {len(others)} more: {', '.join(p.name for p in others)})" if others else ""
+        raise CheckpointDigestError(
+            f"checkpoint iteration {iteration} cannot be loaded: "
+            f"{display_path(os.path.join(path, first.name))} {first.what}{more} (a bad copy or "
+            f"a failing disk?); {_newest_verified(root, iteration)}"
+        )
+    if announce and _rank0():
+        logger.info(
+            "verified checkpoint %s: %d files, %.1f MiB match their digests (%.1f s)",
+            display_path(path),
+            verified.files,
+            verified.bytes / 2**20,
+            time.time() - started,
+        )
+    return verified
+
+
+def _newest_verified(root: str, iteration: int) -> str:
+    """Collective: which older checkpoint of `root` to load instead (the newest that verifies;
+    one without digests is named as unverified)."""
+    older = older_iterations(root, iteration)
+    where = display_path(root)
+    if not older:
+        return f"there is no older checkpoint in {where}; copy iteration {iteration} again"
+    for candidate in older:
+        verified = verify_checkpoint(checkpoint_dir(root, candidate))
+        if verified.ok:
+            return (
+                f"iteration {candidate} verifies: load it with --ckpt-step {candidate}, or copy "
+                f"iteration {iteration} again"
+            )
+        if not verified.has_digests:
+            return (
+                f"iteration {candidate} has no digests to check it with: load it with "
+                f"--ckpt-step {candidate} at your own risk, or copy iteration {iteration} again"
+            )
+    listed = ", ".join(map(str, older))
+    return f"no older checkpoint in {where} verifies ({listed}); copy iteration {iteration} again"

@@ -1,0 +1,244 @@
+"""Reading a checkpoint runs nothing from it: checkpoints travel between teams and clusters,
+and a file of one is data, never code.
+
+- `.metadata` (torch.distributed.checkpoint's pickled `Metadata`) is read by
+  `SafeFileSystemReader`, torch's FileSystemReader with an unpickler that admits only DCP's
+  metadata classes and the torch and standard-library types they hold (`METADATA_GLOBALS`);
+  the shard files it names must be plain file names inside the checkpoint.
+- Tensors: DCP reads each with `torch.load(weights_only=True)`. An entry the metadata declares
+  as pickled bytes would go to `DefaultLoadPlanner.load_bytes`, which unpickles it without
+  restriction; the project writes none, and `SafeLoadPlanner` refuses them.
+- RNG files hold tensors, ints and floats only (`save_rng_file`), read with
+  `torch.load(weights_only=True)`; files in the format before this one (numpy's state as an
+  array) are read with exactly numpy's array types admitted besides.
+- common.json, args.json and the digest manifests are JSON.
+
+A file that holds anything else is an `UnsafeCheckpointError` naming the file and what was
+refused; nothing of it ran.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from megatron_ext._paths import display_path
+from megatron_ext.checkpoint.io_errors import UnsafeCheckpointError
+
+__all__ = [
+    "METADATA_GLOBALS",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "load_rng_file",
+    "read_metadata",
+    "save_rng_file",
+]
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+METADATA_GLOBALS = frozenset(
+    {
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "BytesStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout (torch.strided) by its name
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id, a Path of the saving platform
+        ("pathlib", "WindowsPath"),
+    }
+)
+"""(module, name) of every global a DCP `.metadata` pickle may name, besides torch's dtypes
+(`torch.float32`, ...)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata; any other global is refused before it is looked up."""
+
+    def __init__(self, file, path: str) -> None:
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        """The global `module.name` when it is one of DCP's metadata types (or a dtype)."""
+        if (module, name) in METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{display_path(self._path)} holds a pickled {module}.{name}, which loading would "
+            "call: refused, nothing of it ran (the file is not a torch.distributed.checkpoint "
+            "metadata file as this project or torch writes it; do not use this checkpoint)"
+        )
+
+
+def read_metadata(path: str) -> Metadata:
+    """The `Metadata` in the file `path`, unpickled with only DCP's types admitted, its shard
+    files checked to be plain names inside the checkpoint directory.
+
+    Raises:
+        UnsafeCheckpointError: the file names any other global, or another kind of object.
+        EOFError, pickle.UnpicklingError, ...: a truncated or corrupt file.
+    """
+    with open(path, "rb") as handle:
+        metadata = _MetadataUnpickler(handle, path).load()
+    where = display_path(path)
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(
+            f"{where} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
+            "Metadata: refused"
+        )
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if (
+            not isinstance(info, _StorageInfo)
+            or not isinstance(name, str)
+            or name in ("", ".", "..")
+            or os.path.basename(name) != name
+        ):
+            raise UnsafeCheckpointError(
+                f"{where} names the data file {name!r}, which is not a file of this checkpoint "
+                "directory: refused"
+            )
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's FileSystemReader whose `.metadata` is read by `read_metadata` (no code runs)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata (see the module's `read_metadata`)."""
+        path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
+        metadata = read_metadata(path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that an entry stored as pickled bytes is refused
+    (the default unpickles it with `torch.load(weights_only=False)`; the project stores
+    tensors only)."""
+
+    def __init__(self, checkpoint: str) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+
+    def load_bytes(self, read_item, value) -> None:
+        """Refuse: see the class docstring."""
+        raise UnsafeCheckpointError(
+            f"{display_path(os.path.join(self.checkpoint, '.metadata'))} declares "
+            f"{read_item.dest_index.fqn} as pickled bytes, which loading would execute; this "
+            "project writes tensors only: refused"
+        )
+
+
+# ------------------------------------------------------------------------------ RNG files
+
+RNG_FORMAT = 2
+"""1 (before digests): torch.save of the states as Python returns them (numpy's holds an
+array); 2: tensors, ints and floats only."""
+
+try:
+    from numpy._core.multiarray import _reconstruct  # numpy 2
+except ImportError:  # numpy 1
+    from numpy.core.multiarray import _reconstruct
+
+# What a format-1 file needs besides tensors and containers: numpy's state array (its
+# reconstructor under the names numpy 1 and numpy 2 pickle it with).
+_RNG_FORMAT_1_GLOBALS = [
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),  # numpy.dtypes.UInt32DType: the state array's dtype
+    (_reconstruct, "numpy.core.multiarray._reconstruct"),
+    (_reconstruct, "numpy._core.multiarray._reconstruct"),
+]
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|but got <class '([^']+)'>")
+
+
+def _encode_rng(state: dict) -> dict:
+    out: dict[str, Any] = {"format": RNG_FORMAT}
+    version, internal, gauss = state["random"]
+    out["random"] = {
+        "version": version,
+        "state": torch.tensor(internal, dtype=torch.int64),
+        "gauss": gauss,
+    }
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    out["numpy"] = {
+        "name": name,
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+    for key in ("torch", "cuda", "tracker"):
+        if key in state:
+            out[key] = state[key]
+    return out
+
+
+def _decode_rng(saved: dict) -> dict:
+    if saved.get("format") != RNG_FORMAT:  # format 1: the states as Python returns them
+        return saved
+    r, n = saved["random"], saved["numpy"]
+    state = {
+        "random": (r["version"], tuple(int(v) for v in r["state"].tolist()), r["gauss"]),
+        "numpy": (
+            n["name"],
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        ),
+    }
+    for key in ("torch", "cuda", "tracker"):
+        if key in saved:
+            state[key] = saved[key]
+    return state
+
+
+def save_rng_file(path: str, state: dict) -> None:
+    """Write RNG states (`random`, `numpy`, `torch`, optional `cuda`/`tracker`, as Python,
+    numpy and torch return them) as tensors, ints and floats."""
+    torch.save(_encode_rng(state), path)
+
+
+def load_rng_file(path: str) -> dict:
+    """The RNG states of `path` (either format), as `save_rng_file` took them.
+
+    Raises:
+        UnsafeCheckpointError: the file holds anything but RNG states (a pickled object that
+            loading would call): nothing of it ran.
+    """
+    try:
+        with torch.serialization.safe_globals(_RNG_FORMAT_1_GLOBALS):
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        refused = _REFUSED_GLOBAL.search(str(error))
+        what = f"a pickled {refused.group(1) or refused.group(2)}" if refused else "pickled objects"
+        raise UnsafeCheckpointError(
+            f"{display_path(path)} holds {what}, which loading would call: refused, nothing of "
+            "it ran (it is not an RNG state file this project writes; resume with "
+            "--no-load-rng to skip the RNG files, or from another checkpoint)"
+        ) from None
+    try:
+        return _decode_rng(saved)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise UnsafeCheckpointError(
+            f"{display_path(path)} is not an RNG state file ({type(error).__name__}: {error})"
+        ) from None
