@@ -89,6 +89,8 @@ class _Iteration:
         self.batches: dict[int, tuple[object, int]] = {}  # index -> (micro-batch, reads left)
         self.loss_funcs: dict[int, Callable] = {}
         self.totals: dict[str, torch.Tensor] = {}
+        self.error: Optional[Exception] = None
+        """What a stage's forward raised (torch's stage raises a RuntimeError from it)."""
 
     def batch(self, index: int):
         """Micro-batch `index` of the iteration, for one of this rank's chunks."""
@@ -149,8 +151,12 @@ class ChunkStage(torch.nn.Module):
         iteration, index = self.iteration, int(microbatch)
         if not self.first:
             self.chunk.set_input_tensor(received[0])
-        with iteration.autocast():
-            output, loss_func = self.forward_step(iter((iteration.batch(index),)), self.chunk)
+        try:
+            with iteration.autocast():
+                output, loss_func = self.forward_step(iter((iteration.batch(index),)), self.chunk)
+        except Exception as error:
+            iteration.error = error
+            raise
         if self.last:
             iteration.loss_funcs[index] = loss_func
             return output
@@ -290,6 +296,15 @@ class Pipeline:
                     schedule.eval(target=index, microbatch=index)
             else:
                 schedule.step(target=index, microbatch=index, return_outputs=False)
+        except BaseException as error:
+            # A schedule stopped half-way keeps that iteration's losses: the next run of M
+            # micro-batches builds a fresh one.
+            self._schedules.pop(M, None)
+            if isinstance(error, RuntimeError) and iteration.error is not None:
+                # As the forward step raised it (a DataError, a bad token id), not torch's
+                # wrapper of it.
+                raise iteration.error from None
+            raise
         finally:
             for stage in self.chunk_stages:
                 stage.iteration = None  # no reference to the data iterator outlives the run

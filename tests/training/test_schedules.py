@@ -17,6 +17,7 @@ import torch
 
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import iter_lines
+from megatron_ext.testing.distributed import run_distributed
 from megatron_ext.testing.runs import TINY_LEV_MODEL, TINY_TRAIN
 from megatron_ext.training.schedules import ChunkStage, _Iteration
 
@@ -57,6 +58,52 @@ def test_reports_sum_in_float64():
     iteration.add({"lm loss": torch.tensor([2.5, 2.0])})
     assert iteration.totals["lm loss"].dtype == torch.float64
     assert iteration.totals["lm loss"].tolist() == [3.5, 4.0]
+
+
+def _check_one_stage():
+    """A one-stage pipeline (PP = 1: gradient accumulation) over a linear layer: the gradients
+    of the mean of the micro-batches' losses, the reports summed; an error of the forward step
+    comes out as it was raised, not as torch's stage wraps it."""
+    from megatron_ext.parallel import ProcessGroups
+    from megatron_ext.training.schedules import Pipeline, PipelineShape
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 1)
+    batches = [torch.randn(2, 3) for _ in range(3)]
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        if batch is None:
+            raise ValueError("token id 70000 is outside [0, 512)")
+        output = model(batch).sum()
+        return output, lambda out: (out, {"lm loss": torch.stack([out.detach(), torch.ones(())])})
+
+    shape = PipelineShape((1,), torch.float32, torch.device("cpu"), loss_output=())
+    pipeline = Pipeline([layer], forward_step, ProcessGroups.from_megatron(), shape)
+    totals = pipeline.run(iter(batches), 3, loss_scale=4.0)
+    expected = torch.nn.Linear(3, 1)
+    expected.load_state_dict(layer.state_dict())
+    (4.0 * sum(expected(b).sum() for b in batches) / 3).backward()
+    torch.testing.assert_close(layer.weight.grad, expected.weight.grad, rtol=1e-6, atol=0)
+    sums = [float(expected(b).sum().detach()) for b in batches]
+    torch.testing.assert_close(
+        totals["lm loss"], torch.tensor([sum(sums), 3.0], dtype=torch.float64)
+    )
+    try:
+        pipeline.run(iter([batches[0], None, batches[2]]), 3)
+    except ValueError as error:
+        assert "token id 70000" in str(error)
+    else:
+        raise AssertionError("the forward step's error did not come out")
+    layer.zero_grad()
+    assert pipeline.run(iter(batches), 3)["lm loss"][1] == 3  # a later iteration runs afresh
+    torch.testing.assert_close(layer.weight.grad, expected.weight.grad / 4, rtol=1e-6, atol=0)
+    return True
+
+
+@pytest.mark.integration
+def test_one_stage_accumulates_and_passes_errors_through():
+    assert run_distributed(_check_one_stage, world_size=1) == [True]
 
 
 # Every micro-batch reads its own position ids, attention mask and loss mask (reset at each
