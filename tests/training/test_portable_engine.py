@@ -53,16 +53,17 @@ NAN_RANK = 1
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Each case's output folder: "pp1_gb<B>" (one rank), "pp2_vp2_gb<B>" (2 ranks x 2 chunks),
-    "pp2_gb4" (2 ranks x 1 chunk), "dp2_nan" (2 data-parallel ranks, NaN on NAN_RANK), and with
+    "pp2_gb<B>" (2 ranks x 1 chunk), "dp2_nan" (2 data-parallel ranks, NaN on NAN_RANK), and with
     LEV "lev_pp1_gb4" (one rank), "lev_pp2_vp2_dp2_gb4" (2 ranks x 2 chunks x DP 2)."""
     out = tmp_path_factory.mktemp("portable")
-    _launch(out / "one", 1, "v1_gb4", "v1_gb2", "lev_v1_gb4")
-    _launch(out / "two", 2, "v2_gb4", "v1_gb4", "v2_gb2", f"nan{NAN_RANK}")
+    _launch(out / "one", 1, "v1_gb4", "v1_gb2", "v1_gb1", "lev_v1_gb4")
+    _launch(out / "two", 2, "v2_gb4", "v1_gb4", "v2_gb2", "v1_gb1", f"nan{NAN_RANK}")
     _launch(out / "four", 4, "lev_v2_dp2_gb4")
     return {
         "pp1_gb4": out / "one" / "v1_gb4", "pp1_gb2": out / "one" / "v1_gb2",
         "pp2_vp2_gb4": out / "two" / "v2_gb4", "pp2_gb4": out / "two" / "v1_gb4",
         "pp2_vp2_gb2": out / "two" / "v2_gb2", "dp2_nan": out / "two" / f"nan{NAN_RANK}",
+        "pp1_gb1": out / "one" / "v1_gb1", "pp2_gb1": out / "two" / "v1_gb1",
         "lev_pp1_gb4": out / "one" / "lev_v1_gb4",
         "lev_pp2_vp2_dp2_gb4": out / "four" / "lev_v2_dp2_gb4",
     }  # fmt: skip
@@ -105,6 +106,17 @@ def test_interleaved_pipeline_matches_one_rank(runs, global_batch):
         assert plain["layers"] == [[[1, 2]], [[3, 4]]]
         _assert_same(plain, single)
         assert interleaved["losses"] == plain["losses"]  # same sums in the same order
+
+
+@pytest.mark.integration
+def test_fewer_micro_batches_than_stages_match_one_rank(runs):
+    """One micro-batch on two stages: torch's Schedule1F1B refuses fewer micro-batches than
+    stages (tests/training/test_schedules.py), so the pipeline runs ScheduleGPipe, the same
+    work in the same order."""
+    single, piped = _losses(runs["pp1_gb1"]), _losses(runs["pp2_gb1"])
+    assert piped["layers"] == [[[1, 2]], [[3, 4]]]
+    assert len(set(single["losses"])) > 1
+    _assert_same(piped, single)
 
 
 @pytest.mark.integration

@@ -1,9 +1,11 @@
 """The adapter between Megatron's forward-step contract and torch.distributed.pipelining
-(`training/schedules.py`): what a stage owns and reads, and, from the command line, that the
-stages after the first get their micro-batch's own inputs (position ids and attention masks
-under --reset-position-ids / --reset-attention-mask, the loss mask and labels on the loss stage)
-and the loss stage's reports ([sum, count], --calculate-per-token-loss) and FP16 loss scale
-reach the step: PP=2 and PP=2 x 2 chunks log the single rank's losses and grad norms."""
+(`training/schedules.py`): what a stage owns and reads; a one-stage pipeline (PP = 1) against
+autograd, with the forward step's errors passed through as raised; why fewer micro-batches
+than stages run ScheduleGPipe; and, from the command line, that the stages after the first get
+their micro-batch's own inputs (position ids and attention masks under --reset-position-ids /
+--reset-attention-mask, the loss mask and labels on the loss stage) and that the loss stage's
+reports (--calculate-per-token-loss) and the FP16 loss scale reach the step: PP=2 and PP=2 x 2
+chunks log the single rank's losses, grad norms and validation loss."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -50,6 +53,15 @@ def test_the_iteration_reads_each_micro_batch_once_in_order_for_every_chunk():
     assert iteration.batch(3) == {"index": 3} and reads == [0, 1, 2, 3]
     with pytest.raises(KeyError):
         iteration.batch(0)  # a third reader of micro-batch 0: there are only two chunks
+
+
+def test_torch_1f1b_refuses_fewer_micro_batches_than_stages():
+    """Why `Pipeline` runs ScheduleGPipe when M < P (tests/training/test_portable_engine.py
+    checks that PP=2 with one micro-batch trains like one rank)."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    with pytest.raises(ValueError, match=r"Number of microbatches \(1\) must be greater"):
+        Schedule1F1B(SimpleNamespace(num_stages=2), 1)
 
 
 def test_reports_sum_in_float64():
