@@ -115,7 +115,7 @@ class ChunkStage(torch.nn.Module):
 
     `received` is the previous stage's activation [s, b, h] (nothing on the first stage),
     handed to the chunk through `set_input_tensor`; `microbatch` the micro-batch's index (a
-    one-element tensor). The output of a stage before the last goes out as `shape.dtype`; the
+    one-element tensor). The output of a stage before the last goes out as `dtype`; the
     loss stage's (the forward step's output) goes to `Pipeline`'s `loss_fn`.
 
     The chunk is held, not registered as a submodule: this module's parameters are the
@@ -189,7 +189,7 @@ class Pipeline:
         wrap: Callable[[ChunkStage], torch.nn.Module] = lambda module: module,
     ) -> None:
         self.pg, self.shape, self.autocast = pg, shape, autocast
-        P, V, deferred = pg.pp_size, len(chunks), list(deferred)
+        V, deferred = len(chunks), list(deferred)
         self.chunk_stages = [
             ChunkStage(
                 chunk,
@@ -204,7 +204,6 @@ class Pipeline:
         self.modules = [wrap(stage) for stage in self.chunk_stages]
         """What each stage runs: the `ChunkStage`, or the engine's DDP around it."""
         self._schedules: dict[int, object] = {}
-        self.num_stages = P * V
 
     def _schedule(self, num_microbatches: int):
         """torch's schedule over fresh stages for `num_microbatches` (kept for the next
@@ -214,9 +213,9 @@ class Pipeline:
         if M in self._schedules:
             self._schedules[M] = self._schedules.pop(M)  # the latest used last
             return self._schedules[M]
-        # deferred: torch.distributed.pipelining imports TorchDynamo and TorchInductor (its
-        # schedules import torch._dynamo), about 1.7 CPU-s that importing the training code
-        # does not pay (tests/training/test_megatron_import.py); a training run pays it once
+        # deferred: torch.distributed.pipelining imports TorchDynamo (its schedules import
+        # torch._dynamo), about 0.45 CPU-s more than the training code's own imports, which
+        # stay free of it (tests/training/test_megatron_import.py); a training run pays it once
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
