@@ -46,6 +46,15 @@ LEV / TIED target at width 256 is measured this way (benchmarks/RESULTS.md secti
         --warmup 6 --slices 4 --data-flags "--data-path data/kjv8k_text_document \
         --split 95,5,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model data/kjv8k.model"
 
+--baseline-tree DIR runs every configuration a second time from another checkout (its
+pretrain_leviathan.py and its megatron_ext; label suffix "@baseline"), in the same rounds or
+turns, and prints each configuration's time per iteration over the baseline's. A change is
+measured against the commit before it on the same machine at the same time:
+
+    git worktree add --detach ../before HEAD~1
+    python benchmarks/bench_train_step.py --only "lev, PP=2" --iters 30 --warmup 6 \
+        --slices 4 --baseline-tree ../before
+
 --threads sets OMP_NUM_THREADS of every run (default 1: with more threads than free cores,
 --clock cpu_seconds would also count their spin-waiting). With the tied single-rank configuration
 measured, the LEV / TIED and UNTIED / TIED tokens/s ratios are printed, with their value in each
@@ -93,16 +102,20 @@ CONFIGS = [
     ("lev, TP=2 + SP", 2, ["--embedding-type", "lev", "--tensor-model-parallel-size", "2",
                           "--sequence-parallel"]),
     ("lev, PP=2", 2, ["--embedding-type", "lev", "--pipeline-model-parallel-size", "2"]),
+    ("lev, PP=2 x 2 chunks", 2, ["--embedding-type", "lev", "--pipeline-model-parallel-size", "2",
+                                 "--num-virtual-stages-per-pipeline-rank", "2"]),
 ]  # fmt: skip
+BASELINE = " @baseline"
+"""Suffix of the label of a configuration run from --baseline-tree."""
 
 
 def _run(
-    ranks: int, flags: list[str], args: argparse.Namespace, workdir: str
+    ranks: int, flags: list[str], args: argparse.Namespace, workdir: str, tree: Optional[str]
 ) -> tuple[list[float], list[float]]:
     # A free port can be taken by another program before the run binds it: retry on a new one.
     for attempt in range(3):
         try:
-            job, jsonl, log = _start(ranks, flags, args, workdir)
+            job, jsonl, log = _start(ranks, flags, args, workdir, tree)
             with job:
                 returncode = job.wait()
             return _results(job, returncode, jsonl, log, flags, args)
@@ -112,8 +125,11 @@ def _run(
     raise AssertionError("unreachable")
 
 
-def _start(ranks: int, flags: list[str], args, workdir: str) -> tuple[Job, str, str]:
-    """Launch one configuration's run: (the job, its --log-jsonl file, its output log)."""
+def _start(
+    ranks: int, flags: list[str], args, workdir: str, tree: Optional[str] = None
+) -> tuple[Job, str, str]:
+    """Launch one configuration's run: (the job, its --log-jsonl file, its output log); with
+    `tree`, the pretrain_leviathan.py of that checkout, importing its megatron_ext."""
     jsonl = os.path.join(workdir, f"m{find_free_port()}.jsonl")
     common = [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
@@ -125,9 +141,12 @@ def _start(ranks: int, flags: list[str], args, workdir: str) -> tuple[Job, str, 
         "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
     ]  # fmt: skip
     env = {"OMP_NUM_THREADS": str(args.threads) if args.threads else None}
+    entry: str | Path = "pretrain_leviathan"
+    if tree is not None:  # its own package first on the path, not this checkout's
+        entry, env["PYTHONPATH"] = Path(tree, "pretrain_leviathan.py"), tree
     log = os.path.join(workdir, f"m{find_free_port()}.log")
     argv = [*common, *flags, *shlex.split(args.extra)]
-    job = launch("pretrain_leviathan", ranks, argv, env=env, log=Path(log), timeout=None)
+    job = launch(entry, ranks, argv, env=env, log=Path(log), timeout=None)
     return job, jsonl, log
 
 
@@ -161,7 +180,7 @@ def _await_records(job: Job, jsonl: str, count: int, flags: list[str]) -> None:
 
 
 def _run_in_turns(
-    configs: list[tuple[str, int, list[str]]], args: argparse.Namespace, workdir: str
+    configs: list[tuple[str, int, list[str], Optional[str]]], args: argparse.Namespace, workdir: str
 ) -> dict[str, tuple[list[float], list[float], list[Optional[int]]]]:
     """Run `configs` at once, taking turns --slices iterations at a time (see the module doc).
 
@@ -171,8 +190,9 @@ def _run_in_turns(
     iteration a pause interrupted is read after the run is stopped (`Job.pause` returns then):
     the one after those it had logged.
     """
-    flags_of = {label: flags for label, _, flags in configs}
-    ranks_of = {label: ranks for label, ranks, _ in configs}
+    flags_of = {label: flags for label, _, flags, _ in configs}
+    ranks_of = {label: ranks for label, ranks, _, _ in configs}
+    tree_of = {label: tree for label, _, _, tree in configs}
     jobs: dict[str, tuple[Job, str, str]] = {}
     turns: dict[str, list[Optional[int]]] = {}  # one entry per iteration logged or interrupted
 
@@ -187,8 +207,8 @@ def _run_in_turns(
             turns[label].append(None)  # the iteration the pause interrupted
 
     try:
-        for label, ranks, flags in configs:
-            jobs[label] = _start(ranks, flags, args, workdir)
+        for label, ranks, flags, tree in configs:
+            jobs[label] = _start(ranks, flags, args, workdir, tree)
             turns[label] = []
         starting, retries = set(jobs), 2
         while starting:  # each run is stopped once it has logged an iteration
@@ -202,7 +222,9 @@ def _run_in_turns(
                         # Its free port was taken before it bound it: start it on a new one.
                         retries -= 1
                         job.__exit__(None, None, None)
-                        jobs[label] = _start(ranks_of[label], flags_of[label], args, workdir)
+                        jobs[label] = _start(
+                            ranks_of[label], flags_of[label], args, workdir, tree_of[label]
+                        )
                         continue
                     _await_records(job, jsonl, 1, flags_of[label])  # raises with its output
             time.sleep(0.02)
@@ -300,6 +322,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--data-flags", default=None, help="data/tokenizer flags (default: mock data)"
     )
     parser.add_argument(
+        "--baseline-tree",
+        default=None,
+        help="another checkout (e.g. a git worktree of the commit before a change): every "
+        "configuration also runs from its pretrain_leviathan.py, in the same rounds or turns, "
+        "and the ratios this tree / baseline are printed",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -312,6 +341,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             f"--slices {args.slices}: give 0 (runs one after the other) or at least 2 (the "
             "first iteration of each turn is interrupted by the pause and not measured)"
         )
+    if args.baseline_tree is not None:
+        if not Path(args.baseline_tree, "pretrain_leviathan.py").is_file():
+            parser.error(f"--baseline-tree {args.baseline_tree}: no pretrain_leviathan.py there")
+        args.baseline_tree = str(Path(args.baseline_tree).resolve())
     if args.data_flags is None:
         args.data_flags = (
             f"--mock-data --tokenizer-type NullTokenizer --vocab-size {args.vocab_size}"
@@ -321,7 +354,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    configs = [c for c in CONFIGS if not args.only or c[0].startswith(tuple(args.only))]
+    chosen = [c for c in CONFIGS if not args.only or c[0].startswith(tuple(args.only))]
+    configs = []  # each chosen configuration, then its twin from --baseline-tree
+    for label, ranks, flags in chosen:
+        configs.append((label, ranks, flags, None))
+        if args.baseline_tree:
+            configs.append((label + BASELINE, ranks, flags, args.baseline_tree))
 
     tokens = args.global_batch_size * args.seq_length
     print(
@@ -337,7 +375,8 @@ def main() -> None:
             f"{statistics.median(counts):.0f}, {min(counts)}-{max(counts)} ({len(counts)} "
             f"{what}-batches)"
         )
-    print(f"{'configuration':28s} {'s/iter':>9s} {'tokens/s':>10s} {'time vs baseline':>17s}")
+    width = 28 + (len(BASELINE) if args.baseline_tree else 0)
+    print(f"{'configuration':{width}s} {'s/iter':>9s} {'tokens/s':>10s} {'time vs baseline':>17s}")
     times: dict[str, list[float]] = {}
     lev_own: dict[str, list[float]] = {}  # LEV's own seconds in each measured iteration
     # Measured iterations by round (by round and turn with --slices), to show the spread.
@@ -349,8 +388,8 @@ def main() -> None:
                 measured = _run_in_turns(runnable, args, workdir)
             else:
                 measured = {}
-                for label, ranks, flags in runnable:
-                    run_times, run_lev = _run(ranks, flags, args, workdir)
+                for label, ranks, flags, tree in runnable:
+                    run_times, run_lev = _run(ranks, flags, args, workdir, tree)
                     measured[label] = (run_times, run_lev, [0] * len(run_times))
             for label, (run_times, run_lev, turns) in measured.items():
                 for i in range(args.warmup, len(run_times)):
@@ -361,29 +400,42 @@ def main() -> None:
                     key = (round_, turns[i])
                     groups.setdefault(label, {}).setdefault(key, []).append(run_times[i])
     baseline = None
-    for label, ranks, _ in configs:
+    for label, ranks, _, _ in configs:
         if label not in times:
-            print(f"{label:28s} skipped (needs {ranks} ranks > --max-ranks)")
+            print(f"{label:{width}s} skipped (needs {ranks} ranks > --max-ranks)")
             continue
         seconds = statistics.median(times[label])
         baseline = baseline or seconds
-        print(f"{label:28s} {seconds:9.3f} {tokens / seconds:10.0f} {seconds / baseline:16.2f}x")
-    for arm, target in (("lev", "   (target >= 0.97)"), ("untied", "")):
-        if "tied, 1 rank" in times and f"{arm}, 1 rank" in times:
-            ratio = statistics.median(times["tied, 1 rank"]) / statistics.median(
-                times[f"{arm}, 1 rank"]
+        ratio = seconds / baseline
+        print(f"{label:{width}s} {seconds:9.3f} {tokens / seconds:10.0f} {ratio:16.2f}x")
+    unit = "turn" if args.slices else "round"
+
+    def ratio_line(what: str, numerator: str, denominator: str, target: str = "") -> None:
+        """`what`: the median time of `numerator` over that of `denominator` (a tokens/s
+        ratio of denominator over numerator), overall and per round or turn."""
+        if numerator not in times or denominator not in times:
+            return
+        ratio = statistics.median(times[numerator]) / statistics.median(times[denominator])
+        top, bottom = groups[numerator], groups[denominator]
+        spread = [
+            statistics.median(top[key]) / statistics.median(bottom[key])
+            for key in sorted(top.keys() & bottom.keys())
+        ]
+        print(
+            f"{what}: {ratio:.3f}{target}; per {unit}: {', '.join(f'{r:.3f}' for r in spread)} "
+            f"(min {min(spread):.3f}, median {statistics.median(spread):.3f})"
+        )
+
+    for suffix in ("", BASELINE) if args.baseline_tree else ("",):
+        for arm, target in (("lev", "   (target >= 0.97)"), ("untied", "")):
+            ratio_line(
+                f"{arm.upper()} / TIED tokens/s (1 rank){suffix}",
+                f"tied, 1 rank{suffix}",
+                f"{arm}, 1 rank{suffix}",
+                target,
             )
-            tied, other = groups["tied, 1 rank"], groups[f"{arm}, 1 rank"]
-            spread = [
-                statistics.median(tied[key]) / statistics.median(other[key])
-                for key in sorted(tied.keys() & other.keys())
-            ]
-            unit = "turn" if args.slices else "round"
-            print(
-                f"{arm.upper()} / TIED tokens/s (1 rank): {ratio:.3f}{target}; per {unit}: "
-                f"{', '.join(f'{r:.3f}' for r in spread)} (min {min(spread):.3f}, median "
-                f"{statistics.median(spread):.3f})"
-            )
+    for label, _, _ in chosen if args.baseline_tree else ():
+        ratio_line(f"{label}: time per iteration, this tree / baseline", label, label + BASELINE)
     for label, own in lev_own.items():
         if label.startswith("lev") and own and args.clock == "seconds":
             # Measured inside the same iterations, so free of the noise between runs.

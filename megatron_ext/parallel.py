@@ -351,12 +351,17 @@ def _set_timeout(timeout: datetime.timedelta) -> None:
             c10d._set_pg_timeout(timeout, group)
 
 
-def is_collective_timeout(error: BaseException) -> bool:
-    """Whether `error` is a collective that waited past the process-group timeout (gloo says
-    "Timed out waiting ... for recv", NCCL's watchdog "Watchdog caught collective operation
-    timeout")."""
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text)
+def is_collective_timeout(error: Optional[BaseException]) -> bool:
+    """Whether `error`, or an error it was raised from, is a collective that waited past the
+    process-group timeout (gloo says "Timed out waiting ... for recv", NCCL's watchdog "Watchdog
+    caught collective operation timeout"; torch's pipeline stages raise their own RuntimeError
+    from what their forward or backward raised)."""
+    while error is not None:
+        text = str(error).lower()
+        if isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text):
+            return True
+        error = error.__cause__
+    return False
 
 
 def group_description(group) -> str:

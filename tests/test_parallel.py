@@ -8,7 +8,8 @@
 - `ProcessGroups.current()` finds the same groups, `megatron_collection()` hands exactly
   them to megatron-core; without initialised groups `current()` is None;
 - a process started without torchrun is a one-rank world that needs no port and leaves
-  os.environ as it was.
+  os.environ as it was;
+- a collective timeout is recognised behind the errors raised from it.
 """
 
 from __future__ import annotations
@@ -144,3 +145,22 @@ def test_plain_processes_are_one_rank_worlds_that_leave_the_environment_alone():
     outs = [p.communicate("\n", timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     assert lines == [["1 []", "1 []"]] * 2
+
+
+def test_a_collective_timeout_is_found_behind_the_error_raised_from_it():
+    """torch's pipeline stages raise their own RuntimeError from what their backward raised:
+    a gloo timeout there is still a collective timeout (the loop names the group and the last
+    checkpoint instead of printing a traceback; tests/training/test_cluster.py)."""
+    from megatron_ext.parallel import is_collective_timeout
+
+    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms")
+    try:
+        try:
+            raise gloo
+        except RuntimeError as error:
+            raise RuntimeError("Failed to run stage backward: ...") from error
+    except RuntimeError as wrapped:
+        assert is_collective_timeout(wrapped)
+    assert not is_collective_timeout(RuntimeError("Failed to run stage backward: ..."))
+    assert not is_collective_timeout(ValueError("timed out"))
+    assert not is_collective_timeout(None)

@@ -69,17 +69,25 @@ def model_provider(
     )
 
 
-def pipeline_chunks(pg, *, num_layers: int, hidden_size: int, chunks_per_rank: int, seed: int):
-    """This pipeline rank's `chunks_per_rank` model chunks (virtual stages) of an untied GPT,
-    each holding exactly the weights of the same layers of one single-stage model built from
-    `seed`, so that any pipeline layout trains like one rank."""
+def pipeline_chunks(
+    pg,
+    *,
+    num_layers: int,
+    hidden_size: int,
+    chunks_per_rank: int,
+    seed: int,
+    embedding_type: str = "untied",
+):
+    """This pipeline rank's `chunks_per_rank` model chunks (virtual stages) of a GPT with the
+    `embedding_type` arm, each holding exactly the weights of the same layers of one
+    single-stage model built from `seed`, so that any pipeline layout trains like one rank."""
     config = ModelConfig(
         vocab_size=VOCAB,
         num_layers=num_layers,
         hidden_size=hidden_size,
         num_attention_heads=4,
         seq_length=SEQ,
-        embedding=dict(embedding_type="untied"),
+        embedding=dict(embedding_type=embedding_type),
     )
     parallel = ParallelConfig(pipeline_model_parallel_size=pg.pp_size)
     v = chunks_per_rank

@@ -1,24 +1,22 @@
 """The portable training engine (the default; gloo on CPU, NCCL on GPU).
 
 float32 parameters, gradients and Adam states; --bf16/--fp16 run forward and backward under
-autocast. One step: forward/backward over the micro-batches (`schedules.forward_backward`,
-1F1B under pipeline parallelism) with the data-parallel gradient average -> Megatron's
-gradient reductions (sequence-parallel norms, tied embeddings) -> global grad-norm clipping
--> one world all-reduce of [loss sum, token count, non-finite flags, the caller's flags] ->
-optimizer step (or a stop / skip on a non-finite loss or grad norm) -> scheduler step.
-LEV input layers (`--lev-dedup-global-batch`) evaluate each distinct id of the global batch
-once: the step brackets the micro-batches with `LEVEmbedding.begin_global_batch` and
-`end_global_batch`, which runs LEV's backward after the last micro-batch's.
+autocast. One step, the same under every layout:
 
-Data-parallel gradients: with one pipeline stage, torch's `DistributedDataParallel` over
-`pg.dp_cp` (bucketed all-reduce overlapped with the last micro-batch's backward; earlier
-micro-batches accumulate under `no_sync`). Its communication hook averages each bucket, notes
-whether this rank's own gradients were finite (to name the rank of a NaN) and, with
---grad-reduce-in-bf16, sends BF16. Under pipeline parallelism the 1F1B schedule (interleaved
-1F1B over model chunks, `--num-layers-per-virtual-pipeline-stage`) interleaves the backwards of
-different micro-batches, which DDP's reducer cannot attribute to the forward that prepared it,
-so there the gradients are averaged after the schedule by
-`optimizer.allreduce_data_parallel_grads` (bucketed, asynchronous).
+1. forward/backward over the micro-batches on torch.distributed.pipelining (`schedules.Pipeline`:
+   1F1B, interleaved 1F1B over model chunks), each pipeline stage's module in torch's
+   `DistributedDataParallel` over `pg.dp_cp` when DP x CP > 1 (`data_parallel.wrap`): the
+   micro-batches accumulate under `no_sync`, each stage's last backward averages its
+   gradients, overlapped;
+2. LEV input layers with --lev-dedup-global-batch evaluate each distinct id of the global batch
+   once: the step brackets the micro-batches with `LEVEmbedding.begin_global_batch` and
+   `end_global_batch`, which runs LEV's backward after the schedule; their gradients (which DDP
+   leaves out) are averaged by one call, `GradientAverage.average_params`;
+3. Megatron's model-parallel gradient reductions (sequence-parallel norms over TP, tied
+   embeddings over the embedding group), the 1 / loss-scale (and per-token) gradient scale;
+4. global grad-norm clipping, one world all-reduce of [loss sum, token count, non-finite flags,
+   the caller's flags], then the optimizer step (or a stop / skip on a non-finite loss or grad
+   norm) and the scheduler step.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.parallel import ProcessGroups
+from megatron_ext.training import data_parallel
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import (
     CheckpointParts,
@@ -51,46 +50,17 @@ from megatron_ext.training.metrics_logger import Timers
 from megatron_ext.training.optimizer import (
     LossScaler,
     all_finite,
-    allreduce_data_parallel_grads,
     build_optimizer,
     build_scheduler,
     clip_grad_norm,
 )
 from megatron_ext.training.precision import autocast_factory, pipeline_dtype
 from megatron_ext.training.run_extras import num_zeros_in_grad, params_norm
-from megatron_ext.training.schedules import ForwardStep, PipelineShape, forward_backward
+from megatron_ext.training.schedules import ForwardStep, Pipeline, PipelineShape
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PortableEngine"]
-
-
-class _AverageHook:
-    """State of `_average_hook`: the group, the dtype on the wire, and whether this rank's own
-    gradients were finite in this iteration's buckets."""
-
-    def __init__(self, group: dist.ProcessGroup, reduce_dtype: Optional[torch.dtype]) -> None:
-        self.group, self.reduce_dtype = group, reduce_dtype
-        self.finite = True
-
-
-def _average_hook(state, bucket):  # annotations left off: DDP checks them at run time
-    """DDP communication hook: average one gradient bucket over `state.group` (sent in
-    `state.reduce_dtype` when given), after noting whether it was finite on this rank."""
-    buffer = bucket.buffer()
-    if not bool(torch.isfinite(buffer).all()):
-        state.finite = False
-    buffer.div_(dist.get_world_size(state.group))
-    wire = buffer if state.reduce_dtype is None else buffer.to(state.reduce_dtype)
-    future = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
-
-    def unpack(done):
-        reduced = done.value()[0]
-        if reduced is not buffer:
-            buffer.copy_(reduced)
-        return buffer
-
-    return future.then(unpack)
 
 
 class PortableEngine(Engine):
@@ -143,11 +113,16 @@ class PortableEngine(Engine):
         device = next(model.parameters()).device
         hidden = self.chunks[0].config.hidden_size
         seq = b.seq_length // cfg.parallel.context_parallel_size
+        tokens = seq  # of this context-parallel rank, in the loss stage's [b, s] output
         if cfg.parallel.sequence_parallel:
             seq //= cfg.parallel.tensor_model_parallel_size
-        self.shape = PipelineShape((seq, b.micro_batch_size, hidden), pipeline_dtype(prec), device)
+        self.shape = PipelineShape(
+            (seq, b.micro_batch_size, hidden),
+            pipeline_dtype(prec),
+            device,
+            loss_output=(b.micro_batch_size, tokens),
+        )
         self.consecutive_nonfinite = 0
-        self._hook = _AverageHook(pg.dp_cp, torch.bfloat16 if prec.grad_reduce_in_bf16 else None)
         self.lev = [
             m
             for chunk in self.chunks
@@ -157,22 +132,31 @@ class PortableEngine(Engine):
         """LEV modules evaluated once per distinct id of the global batch: their backward runs
         after the last micro-batch (`LEVEmbedding.begin_global_batch`)."""
         time_lev_forwards(self.chunks, timers)
-        self.ddp: Optional[DistributedDataParallel] = None
-        """torch DDP over `pg.dp_cp` (one pipeline stage and DP x CP > 1), else None."""
-        if pg.pp_size == 1 and pg.dp_cp_size > 1:
-            # Those LEV parameters get their gradients after DDP's backward: DDP leaves them out
-            # (its reducer would wait for them) and `step` averages them itself.
-            lev_params = {id(p) for m in self.lev for p in m.parameters()}
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                model, [name for name, p in model.named_parameters() if id(p) in lev_params]
+        self.average: Optional[data_parallel.GradientAverage] = None
+        """The data-parallel average over `pg.dp_cp` (None when DP x CP is 1)."""
+        if pg.dp_cp_size > 1:
+            self.average = data_parallel.GradientAverage(
+                pg.dp_cp, torch.bfloat16 if prec.grad_reduce_in_bf16 else None
             )
-            self.ddp = DistributedDataParallel(
-                model,
-                process_group=pg.dp_cp,
-                broadcast_buffers=False,
-                init_sync=False,  # every DP rank built the same weights from the same seed
-            )
-            self.ddp.register_comm_hook(self._hook, _average_hook)
+        self.pipeline = Pipeline(
+            self.chunks,
+            forward_step,
+            pg,
+            self.shape,
+            autocast=self.autocast,
+            deferred=self._lev_params(),
+            wrap=(lambda m: m) if self.average is None else self._wrap,
+        )
+        self.ddp: list[DistributedDataParallel] = [
+            m for m in self.pipeline.modules if isinstance(m, DistributedDataParallel)
+        ]
+        """torch DDP around each pipeline stage's module (none when DP x CP is 1)."""
+
+    def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
+        return data_parallel.wrap(module, self.average)
+
+    def _lev_params(self) -> list[torch.nn.Parameter]:
+        return [param for module in self.lev for param in module.parameters()]
 
     def _counts_loss(self) -> bool:
         return self.pg.is_last_stage and self.pg.tp_rank == 0
@@ -181,34 +165,28 @@ class PortableEngine(Engine):
         self, data_iterator: Iterator, global_batch: int, flags: Sequence[bool] = ()
     ) -> StepResult:
         """See `Engine.step`."""
-        b, p = self.cfg.batch, self.cfg.parallel
+        b, p, pg = self.cfg.batch, self.cfg.parallel, self.pg
         per_token_loss = self.cfg.engine.calculate_per_token_loss
         self.timers.mark()
         self.optimizer.zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        ddp = self.ddp
-        self.phase.set(
-            "forward-backward (tensor/pipeline-parallel group)"
-            if ddp is None
-            else "forward-backward with the data-parallel all-reduce (model- and data-parallel "
-            "groups)",
-            self.pg.mp if ddp is None else self.pg.dp_cp,
-        )
-        self._hook.finite = True
+        average = self.average
+        if average is None:
+            self.phase.set("forward-backward (tensor/pipeline-parallel group)", pg.mp)
+        elif dist.get_world_size(pg.mp) == 1:
+            self.phase.set("forward-backward with the data-parallel all-reduce", pg.dp_cp)
+        else:
+            self.phase.set("forward-backward with the data-parallel all-reduce (world group)")
+        if average is not None:
+            average.finite = True
         for module in self.lev:
             module.begin_global_batch()
         try:
-            totals = forward_backward(
-                forward_step=self.forward_step,
-                data_iterator=data_iterator,
-                model=self.chunks if ddp is None else ddp,
-                num_microbatches=global_batch // (b.micro_batch_size * p.data_parallel_size),
-                shape=self.shape,
-                pg=self.pg,
+            totals = self.pipeline.run(
+                data_iterator,
+                global_batch // (b.micro_batch_size * p.data_parallel_size),
                 loss_scale=scale,
-                autocast=self.autocast,
                 per_token_loss=per_token_loss,
-                no_sync=None if ddp is None else ddp.no_sync,
             )
             if self.lev:  # a model without LEV logs no lev-backward span
                 with self.timers.span("lev-backward"):
@@ -218,34 +196,24 @@ class PortableEngine(Engine):
             for module in self.lev:
                 module.abort_global_batch()
         self.timers.mark("forward-backward")
+        if average is not None and self.lev:
+            # The one data-parallel reduction outside DDP: LEV's deferred gradients.
+            self.phase.set("LEV's data-parallel gradient all-reduce", pg.dp_cp)
+            average.average_params(self._lev_params())
         if p.sequence_parallel:
-            allreduce_sequence_parallel_grads(self.chunks, self.pg.tp)
-        allreduce_tied_embedding_grads(self.chunks, self.pg.embd)
+            allreduce_sequence_parallel_grads(self.chunks, pg.tp)
+        allreduce_tied_embedding_grads(self.chunks, pg.embd)
+        for param in self.optimizer.params:
+            if param.grad is None:  # every rank steps the same set
+                param.grad = torch.zeros_like(param)
         grad_scale = 1.0 / scale
         if per_token_loss:
             grad_scale *= self._per_token_grad_scale(totals)
-        if ddp is not None:  # averaged over DP x CP during backward
-            grads_ok = self._hook.finite
-            if self.lev:  # the parameters DDP leaves out (see __init__)
-                lev_ok = allreduce_data_parallel_grads(
-                    [p for m in self.lev for p in m.parameters()],
-                    self.pg.dp_cp,
-                    reduce_dtype=self._hook.reduce_dtype,
-                )
-                grads_ok = grads_ok and lev_ok is not False
-            for param in self.optimizer.params:
-                if param.grad is None:  # every rank steps the same set
-                    param.grad = torch.zeros_like(param)
-            if grad_scale != 1.0:
-                torch._foreach_mul_([p.grad for p in self.optimizer.params], grad_scale)
-        else:
-            self.phase.set("data-parallel gradient all-reduce (data-parallel group)", self.pg.dp_cp)
-            grads_ok = allreduce_data_parallel_grads(
-                self.optimizer.params,
-                self.pg.dp_cp,
-                scale=grad_scale,
-                reduce_dtype=torch.bfloat16 if self.cfg.precision.grad_reduce_in_bf16 else None,
-            )
+        if grad_scale != 1.0:
+            torch._foreach_mul_([param.grad for param in self.optimizer.params], grad_scale)
+        # Whether this rank's own gradients were finite before the average (None without DP:
+        # they are still its own, checked below only when the norm is not finite).
+        grads_ok = None if average is None else average.finite
         self.timers.mark("grads-all-reduce")
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
         if grads_ok is None:
@@ -340,15 +308,8 @@ class PortableEngine(Engine):
         self.model.eval()
         try:
             for _ in range(eval_iters):
-                step = forward_backward(
-                    forward_step=self.forward_step,
-                    data_iterator=data_iterator,
-                    model=self.chunks,
-                    num_microbatches=self.cfg.num_microbatches,
-                    shape=self.shape,
-                    pg=self.pg,
-                    forward_only=True,
-                    autocast=self.autocast,
+                step = self.pipeline.run(
+                    data_iterator, self.cfg.num_microbatches, forward_only=True
                 )
                 for key, value in step.items():
                     totals[key] = totals[key] + value if key in totals else value

@@ -1,5 +1,6 @@
-"""AdamW with Megatron's parameter groups, optional ZeRO-1, data-parallel gradient sync,
-grad-norm clipping that counts tensor-parallel duplicates once, and FP16 loss scaling.
+"""AdamW with Megatron's parameter groups, optional ZeRO-1, grad-norm clipping that counts
+tensor-parallel duplicates once, and FP16 loss scaling (the data-parallel gradient average is
+`data_parallel.py`'s).
 
 Everything here runs on gloo (CPU) and NCCL (GPU) alike:
 
@@ -7,10 +8,6 @@ Everything here runs on gloo (CPU) and NCCL (GPU) alike:
   `--use-distributed-optimizer`, torch's `ZeroRedundancyOptimizer` over the data-parallel group:
   each DP rank keeps Adam states for its share of the parameters, steps them, and broadcasts
   the new values (ZeRO stage 1).
-- `allreduce_data_parallel_grads`: a bucketed all-reduce of the gradients over the data-parallel
-  (x context-parallel) group, averaging them as Megatron does, after all micro-batches; the
-  portable engine uses it under pipeline parallelism (with one stage, torch DDP averages them
-  during backward, see `engine_portable.py`).
 - `clip_grad_norm`: the global L2 norm over all ranks: tensor-parallel shards summed over TP,
   replicated parameters counted once, the last pipeline stage's copy of a tied embedding not at
   all, then summed over pipeline stages.
@@ -32,7 +29,6 @@ import megatron_ext.megatron_import  # noqa: F401
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_ext.lev.config import LEV_PARAMETER_GROUPS
 from megatron_ext.lev.layer import LEVEmbedding
@@ -47,14 +43,10 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "param_groups",
-    "allreduce_data_parallel_grads",
     "all_finite",
     "clip_grad_norm",
     "LossScaler",
 ]
-
-_BUCKET_NUMEL = 40_000_000
-_BUCKETS_IN_FLIGHT = 2
 
 
 def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -231,74 +223,6 @@ def build_scheduler(optimizer: Optimizer, cfg: OptimizerConfig):
         wsd_decay_steps=cfg.lr_wsd_decay_steps,
         lr_wsd_decay_style=cfg.lr_wsd_decay_style,
     )
-
-
-def _buckets(grads: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
-    bucket, numel = [], 0
-    for grad in grads:
-        if bucket and (numel + grad.numel() > _BUCKET_NUMEL or grad.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, numel = [], 0
-        bucket.append(grad)
-        numel += grad.numel()
-    if bucket:
-        yield bucket
-
-
-def allreduce_data_parallel_grads(
-    params: list[torch.Tensor],
-    group: dist.ProcessGroup,
-    scale: float = 1.0,
-    reduce_dtype: Optional[torch.dtype] = None,
-) -> Optional[bool]:
-    """Average gradients over `group`, the data-parallel (x context-parallel) group
-    (`ProcessGroups.dp_cp`), times `scale` (e.g. 1/loss-scale).
-
-    Missing gradients become zeros first, so that every rank reduces (and the optimizer steps)
-    the same set. Buckets are all-reduced asynchronously, a few at a time in flight.
-
-    `reduce_dtype` (--grad-reduce-in-bf16: torch.bfloat16) is the dtype on the wire; the
-    gradients are scaled in float32, reduced in that dtype and copied back to float32.
-
-    Returns:
-        whether this rank's own gradients were all finite before the reduction (used to name
-        the rank that produced a NaN/inf); None when `group` has one rank: nothing is exchanged,
-        the gradients stay this rank's own, and the caller checks them when it needs to (e.g.
-        only when the grad norm is not finite, `all_finite`).
-    """
-    size = dist.get_world_size(group)
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-    grads = [p.grad for p in params]
-    factor = scale / size
-    if size == 1:  # nothing to exchange: scale in place
-        if factor != 1.0:
-            torch._foreach_mul_(grads, factor)
-        return None
-    finite = True
-    pending: list = []
-
-    def finish(work, flat, bucket) -> None:
-        if work is not None:
-            work.wait()
-        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            grad.copy_(synced)
-
-    for bucket in _buckets(grads):
-        flat = _flatten_dense_tensors(bucket)
-        finite = finite and bool(torch.isfinite(flat).all())
-        if factor != 1.0:
-            flat.mul_(factor)
-        if reduce_dtype is not None and flat.dtype != reduce_dtype:
-            flat = flat.to(reduce_dtype)
-        work = dist.all_reduce(flat, group=group, async_op=True) if size > 1 else None
-        pending.append((work, flat, bucket))
-        if len(pending) > _BUCKETS_IN_FLIGHT:  # bounds the extra memory of flat copies
-            finish(*pending.pop(0))
-    for item in pending:
-        finish(*item)
-    return finite
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:

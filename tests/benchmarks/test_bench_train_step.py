@@ -1,6 +1,7 @@
 """benchmarks/bench_train_step.py reads LEV's own time per iteration from the timers lines that
-the training loop writes (tests/training/test_loop.py checks their format), and with --slices
-measures only the iterations that no pause interrupted."""
+the training loop writes (tests/training/test_loop.py checks their format), with --slices
+measures only the iterations that no pause interrupted, and with --baseline-tree runs the other
+checkout's code."""
 
 from __future__ import annotations
 
@@ -60,18 +61,19 @@ def test_turns_measure_no_iteration_that_a_pause_interrupted(tmp_path, monkeypat
     script = tmp_path / "fake_run.py"
     script.write_text(FAKE_RUN)
 
-    def start(ranks, flags, args, workdir):
+    def start(ranks, flags, args, workdir, tree):
+        assert tree is None
         jsonl, log = str(tmp_path / f"{flags[0]}.jsonl"), str(tmp_path / f"{flags[0]}.log")
         argv = ["--log-jsonl", jsonl, "--train-iters", str(args.iters)]
         return launch(script, ranks, argv, log=Path(log), timeout=120), jsonl, log
 
     monkeypatch.setattr(bench_train_step, "_start", start)
     args = bench_train_step.parse_args(["--iters", "16", "--slices", "3"])
-    configs = [("a", 1, ["a"]), ("b", 1, ["b"]), ("c", 1, ["c"])]
+    configs = [("a", 1, ["a"], None), ("b", 1, ["b"], None), ("c", 1, ["c"], None)]
     results = bench_train_step._run_in_turns(configs, args, str(tmp_path))
     records = {
         label: [json.loads(line) for line in (tmp_path / f"{label}.jsonl").read_text().splitlines()]
-        for label, _, _ in configs
+        for label, _, _, _ in configs
     }
     for label, (times, lev, turns) in results.items():
         assert len(times) == len(turns) == 16 and lev == [0.0] * 16
@@ -112,3 +114,22 @@ def test_a_run_whose_timers_lines_do_not_match_its_iterations_is_refused(tmp_pat
     log.write_text(log.read_text() * 2)
     times, lev = bench_train_step._results(Finished(), 0, str(jsonl), str(log), ["--x"], args)
     assert times == [1.0, 1.1] and lev == [0.01, 0.01]
+
+
+@pytest.mark.integration
+def test_a_baseline_tree_runs_its_own_entry_and_package(tmp_path):
+    """--baseline-tree: a configuration's twin runs that checkout's pretrain_leviathan.py, which
+    imports that checkout's megatron_ext, not this one's."""
+    tree = tmp_path / "before"
+    (tree / "megatron_ext").mkdir(parents=True)
+    (tree / "megatron_ext" / "__init__.py").write_text("")
+    record = "import megatron_ext, pathlib\n"  # FAKE_RUN's jsonl: where the package came from
+    record += "pathlib.Path(jsonl + '.package').write_text(megatron_ext.__file__)\n"
+    (tree / "pretrain_leviathan.py").write_text(FAKE_RUN + record)
+    args = bench_train_step.parse_args(["--iters", "2", "--baseline-tree", str(tree)])
+    times, lev = bench_train_step._run(1, ["--x"], args, str(tmp_path), args.baseline_tree)
+    assert len(times) == 2 and lev == [0.0, 0.0]
+    (package,) = tmp_path.glob("*.jsonl.package")
+    assert Path(package.read_text()).resolve() == (tree / "megatron_ext" / "__init__.py").resolve()
+    with pytest.raises(SystemExit):
+        bench_train_step.parse_args(["--baseline-tree", str(tmp_path / "nowhere")])

@@ -66,8 +66,10 @@ def main(engine: str, out: Path, load: str | None) -> None:
         from megatron_ext.training.engine_portable import PortableEngine
 
         built = PortableEngine(cfg, model, forward_step, pg, phase, timers)
-        # Which data-parallel machinery the portable engine chose (torch DDP at PP=1).
-        (out / f"dp{os.environ['RANK']}.txt").write_text(type(built.ddp).__name__)
+        # The data-parallel machinery around the portable engine's stage (torch DDP).
+        (out / f"dp{os.environ['RANK']}.txt").write_text(
+            ",".join(type(m).__name__ for m in built.ddp)
+        )
         return built
 
     if engine == "megatron":

@@ -6,10 +6,13 @@ tiny GPT, on one rank or over P pipeline ranks with V model chunks each (interle
 Each CASE runs in turn in the same processes (megatron's groups built and torn down per case,
 so that one launch's start-up serves several runs) and writes into OUT/CASE/:
 
-- `v<V>_gb<GLOBAL_BATCH>`: P pipeline ranks with V model chunks each; GLOBAL_BATCH
-  micro-batches of one sample each make one iteration. Every stage starts from the
-  single-stage model's weights (`initialize_like_single_stage`); rank 0 writes losses.json:
-  the training losses, grad norms and one evaluation loss.
+- `[lev_]v<V>[_dp<D>]_gb<GLOBAL_BATCH>`: P = world size / D pipeline ranks (D data-parallel
+  replicas, default 1) with V model chunks each; GLOBAL_BATCH micro-batches of one sample each
+  make one iteration (data-parallel rank r takes every D-th from the r-th). `lev_`: the LEV
+  arm (LEV's global-batch backward), else untied. Every stage starts from the single-stage
+  model's weights (`initialize_like_single_stage`); rank 0 writes losses.json: the training
+  losses, grad norms, one evaluation loss, each rank's chunk layers and the stage wrappers
+  (torch DDP or none).
 - `nan<R>`: the ranks are data-parallel instead (PP=1, torch DDP, GLOBAL_BATCH 4), rank R's loss
   of the second iteration is NaN, and each rank writes the engine's error to error<rank>.txt.
 """
@@ -27,7 +30,14 @@ from megatron_ext.testing.tiny_gpt import SEQ, RandomSamples, forward_step, pipe
 LAYERS, MICRO_BATCH, ITERS, SEED = 4, 1, 4, 1234
 
 
-def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | None) -> None:
+def main(
+    out: Path,
+    chunks_per_rank: int,
+    global_batch: int,
+    nan_rank: int | None,
+    dp: int = 1,
+    embedding_type: str = "untied",
+) -> None:
     import torch.distributed as dist
 
     from megatron_ext.parallel import destroy_parallel, initialize_parallel, set_random_seed
@@ -41,11 +51,16 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
     from megatron_ext.training.engine_portable import PortableEngine
     from megatron_ext.training.metrics_logger import Timers
 
-    pp = 1 if nan_rank is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    pp = 1 if nan_rank is not None else int(os.environ.get("WORLD_SIZE", "1")) // dp
     pg = initialize_parallel(pipeline_model_parallel_size=pp, backend="gloo")
     set_random_seed(SEED, pg.pp_rank)
     chunks = pipeline_chunks(
-        pg, num_layers=LAYERS, hidden_size=32, chunks_per_rank=chunks_per_rank, seed=SEED
+        pg,
+        num_layers=LAYERS,
+        hidden_size=32,
+        chunks_per_rank=chunks_per_rank,
+        seed=SEED,
+        embedding_type=embedding_type,
     )
     layers = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
     cfg = RunConfig(
@@ -73,12 +88,13 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
     samples = RandomSamples(global_batch * (ITERS + 1))
 
     def micro_batches(iteration: int):
-        start = iteration * global_batch
-        for i in range(start, start + global_batch, MICRO_BATCH):
+        start = iteration * global_batch + pg.dp_rank * MICRO_BATCH
+        for i in range(start, (iteration + 1) * global_batch, MICRO_BATCH * pg.dp_size):
             yield torch.utils.data.default_collate([samples[j] for j in range(i, i + MICRO_BATCH)])
 
     if nan_rank is not None:
-        (out / f"ddp{dist.get_rank()}.txt").write_text(type(engine.ddp).__name__)
+        wrappers = ",".join(type(m).__name__ for m in engine.ddp)  # one per model chunk
+        (out / f"ddp{dist.get_rank()}.txt").write_text(wrappers)
         try:
             for iteration[0] in range(ITERS):
                 engine.step(micro_batches(iteration[0]), global_batch)
@@ -90,6 +106,8 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
     eval_loss = engine.evaluate(micro_batches(ITERS), 1)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, layers)
+    wrappers = [None] * dist.get_world_size()
+    dist.all_gather_object(wrappers, [type(m).__name__ for m in engine.pipeline.modules])
     if dist.get_rank() == 0:
         record = dict(
             losses=[r.loss for r in results],
@@ -97,6 +115,8 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
             stepped=[r.stepped for r in results],
             eval_loss=eval_loss,
             layers=gathered,
+            wrappers=wrappers,
+            lev_deferred=bool(engine.lev),
         )
         (out / "losses.json").write_text(json.dumps(record))
     destroy_parallel()
@@ -105,12 +125,15 @@ def main(out: Path, chunks_per_rank: int, global_batch: int, nan_rank: int | Non
 def run_case(out: Path, case: str) -> None:
     """Run CASE (see the module docstring) into out/CASE."""
     (out / case).mkdir(parents=True, exist_ok=True)
-    if match := re.fullmatch(r"v(\d+)_gb(\d+)", case):
-        main(out / case, int(match[1]), int(match[2]), None)
+    if match := re.fullmatch(r"(lev_)?v(\d+)(?:_dp(\d+))?_gb(\d+)", case):
+        embedding = "lev" if match[1] else "untied"
+        main(out / case, int(match[2]), int(match[4]), None, int(match[3] or 1), embedding)
     elif match := re.fullmatch(r"nan(\d+)", case):
         main(out / case, 1, 4, int(match[1]))
     else:
-        raise SystemExit(f"unknown case {case!r}: expected v<V>_gb<GLOBAL_BATCH> or nan<RANK>")
+        raise SystemExit(
+            f"unknown case {case!r}: expected [lev_]v<V>[_dp<D>]_gb<GLOBAL_BATCH> or nan<RANK>"
+        )
 
 
 if __name__ == "__main__":

@@ -193,9 +193,10 @@ def function_local_imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
 
 # What a deferred import may keep out of a module's import: packages that take seconds, and
 # slow torch submodules torch's own import leaves out (torch.distributed.optim TorchScript-
-# compiles its functional optimizers when imported).
+# compiles its functional optimizers when imported; torch.distributed.pipelining imports
+# TorchDynamo).
 HEAVY = {"torch", "megatron", "matplotlib", "tensorboard"}
-HEAVY_SUBMODULES = ("torch.distributed.optim",)
+HEAVY_SUBMODULES = ("torch.distributed.optim", "torch.distributed.pipelining")
 
 
 @functools.lru_cache(maxsize=1)
