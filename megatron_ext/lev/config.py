@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_ext.config_flags import flag
+from megatron_ext.config_flags import flag, flag_name
 
 __all__ = ["LEV_PARAMETER_GROUPS", "SPEC_WEIGHT_DECAY_GROUPS", "LEVConfig", "smallest_base"]
 
@@ -78,85 +78,89 @@ class LEVConfig:
     hidden_size: Optional[int] = None
     """D: model width, the size of each generated embedding."""
 
-    num_digits: int = flag(3, "--lev-num-digits", "k: base-b digits per token id")
+    num_digits: int = flag(3, "k: base-b digits per token id", name="--lev-num-digits")
     """k: number of base-b digits of an id (and of codebooks)."""
 
     base: Optional[int] = flag(
-        None, "--lev-base", "b: digit base (default: smallest b with b^k >= V)"
+        None, "b: digit base (default: smallest b with b^k >= V)", name="--lev-base"
     )
     """b: digit base. None picks the smallest b with b**k >= V (stored resolved)."""
 
-    seed_dim: int = flag(128, "--lev-seed-dim", "d_seed: codebook row / seed width")
+    seed_dim: int = flag(128, "d_seed: codebook row / seed width", name="--lev-seed-dim")
     """d_seed: width of each codebook row and of every head's seed."""
 
-    num_knots: int = flag(16, "--lev-num-knots", "kappa: B-spline knots (>= 3)")
+    num_knots: int = flag(16, "kappa: B-spline knots (>= 3)", name="--lev-num-knots")
     """kappa: uniform knots g_j = j/(kappa-1) of the quadratic B-spline basis (>= 3)."""
 
-    rank: int = flag(64, "--lev-rank", "r: separable modes per head")
+    rank: int = flag(64, "r: separable modes per head", name="--lev-rank")
     """r: number of separable modes per head."""
 
-    num_heads: int = flag(8, "--lev-num-heads", "h: heads (divisible by the TP size)")
+    num_heads: int = flag(8, "h: heads (divisible by the TP size)", name="--lev-num-heads")
     """h: number of heads; split across tensor-parallel ranks."""
 
-    temperature: float = flag(2.0, "--lev-temperature", "tau in sigmoid(LayerNorm(u) / tau)")
+    temperature: float = flag(2.0, "tau in sigmoid(LayerNorm(u) / tau)", name="--lev-temperature")
     """tau: t = sigmoid(LayerNorm(u) / tau)."""
 
     codebook_combine: str = flag(
         "sum",
-        "--lev-codebook-combine",
         "how the k codebook rows form the seed (concat: width k*d_seed)",
         choices=_COMBINE_MODES,
+        name="--lev-codebook-combine",
     )
     """How the k codebook rows form the seed: "sum" (width d_seed) or "concat" (k*d_seed)."""
 
     normalize_basis: bool = flag(
-        True, "--lev-normalize-basis", "renormalise the B-spline basis to sum 1"
+        True, "renormalise the B-spline basis to sum 1", name="--lev-normalize-basis"
     )
     """Renormalise the B-spline basis so it sums to 1 at every t (boundary knots lose mass)."""
 
-    norm_eps: float = flag(1e-5, "--lev-norm-eps", "LayerNorm epsilon")
+    norm_eps: float = flag(1e-5, "LayerNorm epsilon", name="--lev-norm-eps")
     """LayerNorm epsilon of the per-head seed normalisation."""
 
-    product_eps: float = flag(1e-9, "--lev-product-eps", "eps in exp(sum log(|phi| + eps))")
+    product_eps: float = flag(1e-9, "eps in exp(sum log(|phi| + eps))", name="--lev-product-eps")
     """epsilon in sign * exp(sum log(|phi| + eps)) of the separable product."""
 
-    init_std: float = flag(0.02, "--lev-init-std", "init std of codebooks and seed_proj")
+    init_std: float = flag(0.02, "init std of codebooks and seed_proj", name="--lev-init-std")
     """Std of codebooks and seed_proj at init; out_proj uses init_std / sqrt(h)."""
 
-    spline_init_std: float = flag(0.1, "--lev-spline-init-std", "init std of spline_delta")
+    spline_init_std: float = flag(0.1, "init std of spline_delta", name="--lev-spline-init-std")
     """Std of spline_delta at init (coefficients 1 + delta start near 1)."""
 
-    dedup: bool = flag(True, "--lev-dedup", "evaluate LEV once per distinct id of the micro-batch")
+    dedup: bool = flag(
+        True, "evaluate LEV once per distinct id of the micro-batch", name="--lev-dedup"
+    )
     """Evaluate LEV once per distinct id of the micro-batch, then gather."""
 
     dedup_global_batch: bool = flag(
         True,
-        "--lev-dedup-global-batch",
         "with --lev-dedup, evaluate LEV once per distinct id of the global batch: a micro-batch "
         "computes only ids no earlier micro-batch had, and LEV's backward runs once, after the "
         "last micro-batch (the portable engine)",
+        name="--lev-dedup-global-batch",
     )
     """With `dedup`, under the portable engine: one LEV forward per distinct id of the whole
     global batch and one LEV backward per iteration (`LEVEmbedding.begin_global_batch`)."""
 
     eval_table: bool = flag(
         False,
-        "--lev-eval-table",
         "in eval mode use a materialised V x D table",
         action=argparse.BooleanOptionalAction,
+        name="--lev-eval-table",
     )
     """In eval mode, look ids up in a materialised [V, D] table, rebuilt when parameters change."""
 
-    chunk_size: int = flag(0, "--lev-chunk-size", "ids per chunk of the torch kernel (0: auto)")
+    chunk_size: int = flag(
+        0, "ids per chunk of the torch kernel (0: auto)", name="--lev-chunk-size"
+    )
     """Ids per chunk of the torch kernel (`lev.fused`); 0 picks one from the sizes (about 2M
     spline values per chunk)."""
 
     kernel: str = flag(
         "auto",
-        "--lev-kernel",
         "LEV implementation: the readable math under plain autograd (reference), torch ops, "
         "Triton kernels, the C++ CPU kernel, or auto (triton on CUDA, cpu on CPU)",
         choices=_KERNELS,
+        name="--lev-kernel",
     )
     """Implementation of steps 3a-3e (`lev.kernels`): "reference" (`lev.math` under plain
     autograd, every intermediate saved), "torch" (`lev.fused`), "triton" (`lev.triton_kernel`),
@@ -167,24 +171,26 @@ class LEVConfig:
 
     init_output_std: Optional[float] = flag(
         None,
-        "--lev-init-output-std",
         "rescale out_proj at init so the [V, D] embedding table has this std (default: the "
         "spec's init, std ~0.2 at small widths; the other arms start at 0.02)",
+        name="--lev-init-output-std",
     )
     """If set, out_proj is rescaled at init so that the std of all entries of the [V, D]
     embedding table is this value (the other arms start at 0.02). None: the spec's init."""
 
     weight_decay_groups: tuple[str, ...] = flag(
         SPEC_WEIGHT_DECAY_GROUPS,
-        "--lev-weight-decay-groups",
         f"LEV parameter groups that get weight decay, any of {' '.join(LEV_PARAMETER_GROUPS)}"
         f" (none: no flag values; default: {' '.join(SPEC_WEIGHT_DECAY_GROUPS)})",
         choices=tuple(LEV_PARAMETER_GROUPS),
         metavar="GROUP",
+        name="--lev-weight-decay-groups",
     )
     """LEV parameter groups (keys of LEV_PARAMETER_GROUPS) that get weight decay."""
 
-    lr_mult: float = flag(1.0, "--lev-lr-mult", "learning-rate multiplier of the LEV parameters")
+    lr_mult: float = flag(
+        1.0, "learning-rate multiplier of the LEV parameters", name="--lev-lr-mult"
+    )
     """Learning-rate multiplier of every LEV parameter (peak and minimum lr of the schedule)."""
 
     def __post_init__(self) -> None:
@@ -208,7 +214,7 @@ class LEVConfig:
             ("lr_mult", self.lr_mult > 0, "> 0"),
         ):
             if not ok:
-                flag_ = self.__dataclass_fields__[name].metadata["flag"]
+                flag_ = flag_name(self.__dataclass_fields__[name])
                 fail(f"{name} must be {rule}, got {getattr(self, name)}; change {flag_}")
         if self.base is None:
             if sized:

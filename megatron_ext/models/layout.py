@@ -64,37 +64,32 @@ def validate_parallel_layout(
 class ParallelConfig:
     """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
 
-    tensor_model_parallel_size: int = flag(1, "--tensor-model-parallel-size", minimum=1)
-    pipeline_model_parallel_size: int = flag(1, "--pipeline-model-parallel-size", minimum=1)
-    context_parallel_size: int = flag(1, "--context-parallel-size", minimum=1)
-    sequence_parallel: bool = flag(False, "--sequence-parallel")
+    tensor_model_parallel_size: int = flag(1, minimum=1)
+    pipeline_model_parallel_size: int = flag(1, minimum=1)
+    context_parallel_size: int = flag(1, minimum=1)
+    sequence_parallel: bool = flag(False)
     """Split norm/dropout activations over the sequence across TP ranks (Megatron-LM's SP)."""
     use_distributed_optimizer: bool = flag(
         False,
-        "--use-distributed-optimizer",
         "shard optimizer states across data-parallel ranks (ZeRO-1)",
     )
     distributed_backend: Optional[str] = flag(
         None,
-        "--distributed-backend",
         "default: nccl on CUDA, gloo on CPU",
         choices=("nccl", "gloo"),
     )
     distributed_timeout_minutes: float = flag(
         10,
-        "--distributed-timeout-minutes",
         "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)",
     )
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None,
-        "--num-layers-per-virtual-pipeline-stage",
         "layers per model chunk: each pipeline rank runs num-layers / (PP x N) chunks with "
         "the interleaved 1F1B schedule (portable engine)",
         minimum=1,
     )
     num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
         None,
-        "--num-virtual-stages-per-pipeline-rank",
         "model chunks per pipeline rank (Megatron-LM's other spelling of the interleaved "
         "schedule: sets --num-layers-per-virtual-pipeline-stage to num-layers / (PP x N))",
         minimum=1,
@@ -192,45 +187,37 @@ class PrecisionConfig:
     """The run's precision: the parameters' dtype, the portable engine's autocast, the FP8
     recipe (Transformer Engine) and FP16 loss scaling (see `training/precision.py`)."""
 
-    bf16: bool = flag(False, "--bf16", "BF16 autocast (fp32 master weights)")
-    fp16: bool = flag(False, "--fp16", "FP16 autocast with dynamic loss scaling")
+    bf16: bool = flag(False, "BF16 autocast (fp32 master weights)")
+    fp16: bool = flag(False, "FP16 autocast with dynamic loss scaling")
     fp8_format: Optional[str] = flag(
         None,
-        "--fp8-format",
         "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
         choices=FP8_FORMATS,
     )
-    fp8_margin: int = flag(
-        0, "--fp8-margin", "FP8 scaling margin (DelayedScaling)", needs="fp8_format"
-    )
+    fp8_margin: int = flag(0, "FP8 scaling margin (DelayedScaling)", needs="fp8_format")
     fp8_amax_history_len: int = flag(
         1,
-        "--fp8-amax-history-len",
         "amax history length of FP8 delayed scaling",
         minimum=1,
         needs="fp8_format",
     )
     fp8_amax_compute_algo: str = flag(
         "most_recent",
-        "--fp8-amax-compute-algo",
         "amax from the history",
         choices=("most_recent", "max"),
     )
     fp8_param_gather: bool = flag(
         False,
-        "--fp8-param-gather",
         "keep FP8 weights and all-gather them in FP8 (megatron-core's distributed optimizer: "
         "--ddp-impl megatron --use-distributed-optimizer with --fp8-format)",
     )
-    loss_scale: Optional[float] = flag(None, "--loss-scale", "static FP16 loss scale")
+    loss_scale: Optional[float] = flag(None, "static FP16 loss scale")
     """Static FP16 loss scale (None: dynamic)."""
-    initial_loss_scale: float = flag(2.0**32, "--initial-loss-scale")
-    min_loss_scale: float = flag(1.0, "--min-loss-scale")
-    loss_scale_window: int = flag(1000, "--loss-scale-window")
-    hysteresis: int = flag(2, "--hysteresis")
-    grad_reduce_in_bf16: bool = flag(
-        False, "--grad-reduce-in-bf16", "all-reduce data-parallel gradients in bfloat16"
-    )
+    initial_loss_scale: float = flag(2.0**32)
+    min_loss_scale: float = flag(1.0)
+    loss_scale_window: int = flag(1000)
+    hysteresis: int = flag(2)
+    grad_reduce_in_bf16: bool = flag(False, "all-reduce data-parallel gradients in bfloat16")
     params_dtype: torch.dtype = torch.float32
     """The dtype the model's parameters are built in: float32 under the portable engine, which
     runs --bf16/--fp16 as autocast over them; bfloat16 with --bf16 under --ddp-impl megatron
