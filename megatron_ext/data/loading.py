@@ -67,9 +67,9 @@ class DataConfig:
         "969,30,1", "train,valid,test proportions of --data-path (default 969,30,1)"
     )
     """Train/valid/test proportions of each ``data_path`` dataset."""
-    train_data_path: Optional[list[str]] = flag(None, nargs="*")
-    valid_data_path: Optional[list[str]] = flag(None, nargs="*")
-    test_data_path: Optional[list[str]] = flag(None, nargs="*")
+    train_data_path: Optional[list[str]] = flag(None, "training prefix(es), no split", nargs="*")
+    valid_data_path: Optional[list[str]] = flag(None, "validation prefix(es)", nargs="*")
+    test_data_path: Optional[list[str]] = flag(None, "test prefix(es)", nargs="*")
     data_cache_path: Optional[str] = flag(None, "directory for cached sample indices")
     """Directory for Megatron-Core's cached sample indices (None: beside the data)."""
     mock_data: bool = flag(False, "synthetic data (Megatron-Core's MockGPTDataset)")
@@ -77,11 +77,15 @@ class DataConfig:
     """Tokens per sample (--seq-length, `ModelConfig`'s flag: the run's one value is passed in)."""
     seed: int = 1234
     """The run's --seed (`RunConfig`'s flag)."""
-    tokenizer_type: Optional[str] = flag(None, shapes_model=True, choices=sorted(TOKENIZER_TYPES))
-    tokenizer_model: Optional[str] = flag(None, shapes_model=True)
+    tokenizer_type: Optional[str] = flag(
+        None, "tokenizer kind (required)", shapes_model=True, choices=sorted(TOKENIZER_TYPES)
+    )
+    tokenizer_model: Optional[str] = flag(
+        None, "SentencePiece .model, .tiktoken file or HF tokenizer directory", shapes_model=True
+    )
     vocab_size: Optional[int] = flag(None, "for NullTokenizer", shapes_model=True)
     """NullTokenizer only (Megatron's --vocab-size)."""
-    tiktoken_pattern: str = flag("o200k")
+    tiktoken_pattern: str = flag("o200k", "TikTokenizer split pattern: o200k, cl100k or a regex")
     vocab_file: Optional[str] = flag(None, "GPT2BPETokenizer vocab.json")
     merge_file: Optional[str] = flag(None, "GPT2BPETokenizer merges.txt")
     make_vocab_size_divisible_by: int = flag(
@@ -98,6 +102,7 @@ class DataConfig:
     eod_mask_loss: bool = flag(False, "mask the loss at end-of-document tokens")
     create_attention_mask: bool = flag(
         True,
+        "build no attention mask per sample (the causal mask is implied)",
         dest="create_attention_mask_in_dataloader",
         action="store_false",
         name="--no-create-attention-mask-in-dataloader",

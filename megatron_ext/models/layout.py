@@ -2,7 +2,8 @@
 (`ParallelConfig`) and precision (`PrecisionConfig`), with their flags, the one type of each
 that the model builder, the memory planner, the engines and the test harness take; the checks
 that need them together with the model's shapes (`check_layout`), and megatron's
-`TransformerConfig` composed from the three (`compose_transformer_config`).
+`TransformerConfig` is composed from the three by the model builder
+(`models.builder.compose_transformer_config`).
 
 `ModelConfig` describes the model only; `build_model(model_cfg, parallel=..., precision=...)`
 applies the layout afterwards, as torchtitan's `parallelize_llama(model, parallel_dims, ...)`.
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron_ext.config_flags import check_flag_values, flag
 from megatron_ext.models.config import ModelConfig
@@ -25,7 +25,6 @@ __all__ = [
     "ParallelConfig",
     "PrecisionConfig",
     "check_layout",
-    "compose_transformer_config",
     "validate_parallel_layout",
 ]
 
@@ -64,11 +63,12 @@ def validate_parallel_layout(
 class ParallelConfig:
     """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
 
-    tensor_model_parallel_size: int = flag(1, minimum=1)
-    pipeline_model_parallel_size: int = flag(1, minimum=1)
-    context_parallel_size: int = flag(1, minimum=1)
-    sequence_parallel: bool = flag(False)
-    """Split norm/dropout activations over the sequence across TP ranks (Megatron-LM's SP)."""
+    tensor_model_parallel_size: int = flag(1, "ranks that split each layer's matrices", minimum=1)
+    pipeline_model_parallel_size: int = flag(1, "ranks that split the layers", minimum=1)
+    context_parallel_size: int = flag(1, "ranks that split the sequence in attention", minimum=1)
+    sequence_parallel: bool = flag(
+        False, "split norm/dropout activations over the sequence across TP ranks"
+    )
     use_distributed_optimizer: bool = flag(
         False,
         "shard optimizer states across data-parallel ranks (ZeRO-1)",
@@ -213,10 +213,10 @@ class PrecisionConfig:
     )
     loss_scale: Optional[float] = flag(None, "static FP16 loss scale")
     """Static FP16 loss scale (None: dynamic)."""
-    initial_loss_scale: float = flag(2.0**32)
-    min_loss_scale: float = flag(1.0)
-    loss_scale_window: int = flag(1000)
-    hysteresis: int = flag(2)
+    initial_loss_scale: float = flag(2.0**32, "first dynamic FP16 loss scale")
+    min_loss_scale: float = flag(1.0, "least dynamic FP16 loss scale")
+    loss_scale_window: int = flag(1000, "finite steps before the loss scale grows")
+    hysteresis: int = flag(2, "overflows tolerated before the loss scale shrinks")
     grad_reduce_in_bf16: bool = flag(False, "all-reduce data-parallel gradients in bfloat16")
     params_dtype: torch.dtype = torch.float32
     """The dtype the model's parameters are built in: float32 under the portable engine, which
@@ -284,66 +284,3 @@ def check_layout(
             "--fp8-format needs --transformer-impl transformer_engine on a CUDA GPU; "
             "FP8 is not available on CPU"
         )
-
-
-def compose_transformer_config(
-    model_cfg: ModelConfig,
-    parallel: Optional[ParallelConfig] = None,
-    precision: Optional[PrecisionConfig] = None,
-):
-    """megatron-core's `TransformerConfig` of `model_cfg` built at `parallel` and `precision`
-    (checked by `check_layout` first); `model_cfg.extra_transformer_config` is applied last."""
-    # megatron.core on first use: `megatron_ext.models` keeps the configs importable without
-    # it (its megatron-core modules are lazy exports, megatron_ext/_lazy.py).
-    import megatron_ext.megatron_import  # noqa: F401
-
-    from megatron.core.transformer import TransformerConfig
-
-    parallel, precision = parallel or ParallelConfig(), precision or PrecisionConfig()
-    check_layout(model_cfg, parallel, precision)
-    dtype = precision.params_dtype
-    fp8 = {}
-    if precision.fp8_format is not None:
-        fp8 = {f"fp8_{k}": v for k, v in precision.fp8_recipe().items()}
-        fp8.update(fp8=precision.fp8_format, fp8_param=precision.fp8_param_gather)
-    kwargs = dict(
-        num_layers=model_cfg.num_layers,
-        hidden_size=model_cfg.hidden_size,
-        num_attention_heads=model_cfg.num_attention_heads,
-        num_query_groups=model_cfg.num_query_groups,
-        ffn_hidden_size=model_cfg.ffn_hidden_size,
-        kv_channels=model_cfg.kv_channels,
-        normalization="RMSNorm",
-        layernorm_epsilon=model_cfg.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=model_cfg.qk_layernorm,
-        hidden_dropout=model_cfg.hidden_dropout,
-        attention_dropout=model_cfg.attention_dropout,
-        init_method_std=model_cfg.init_method_std,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        sequence_parallel=parallel.sequence_parallel,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        pipeline_dtype=dtype,
-        use_cpu_initialization=model_cfg.use_cpu_initialization,
-        perform_initialization=model_cfg.perform_initialization,
-        recompute_granularity=model_cfg.recompute_granularity,
-        recompute_method=model_cfg.recompute_method,
-        recompute_num_layers=model_cfg.recompute_num_layers,
-        # Fusions that need apex or CUDA kernels stay off; TE fuses on its own.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        **fp8,
-    )
-    kwargs.update(model_cfg.extra_transformer_config)
-    return TransformerConfig(**kwargs)

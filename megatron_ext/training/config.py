@@ -113,19 +113,24 @@ class BatchConfig:
     seq_length: int
     """Tokens per sample (--seq-length, `ModelConfig`'s flag: the length the model is built for)."""
     micro_batch_size: Optional[int] = flag(
-        1, "sequences per forward and backward on one rank (required)",
-        command_line_default=None, minimum=1,
-    )  # fmt: skip
+        1,
+        "sequences per forward and backward on one rank (required)",
+        command_line_default=None,
+        minimum=1,
+    )
     global_batch_size: Optional[int] = flag(
         1,
         "sequences per optimizer step, at the end of --rampup-batch-size if any (default: "
         "micro-batch size x data-parallel size, no accumulation)",
-        command_line_default=None, minimum=1,
-    )  # fmt: skip
+        command_line_default=None,
+        minimum=1,
+    )
     train_iters: Optional[int] = flag(
-        0, "iterations to train (or --train-samples)",
-        command_line_default=None, minimum=0,
-    )  # fmt: skip
+        0,
+        "iterations to train (or --train-samples)",
+        command_line_default=None,
+        minimum=0,
+    )
     train_samples: Optional[int] = flag(
         None, "samples to train (or --train-iters, which it derives)"
     )
@@ -236,9 +241,10 @@ class ExitConfig:
         "skip the optimizer step of a non-finite iteration instead of stopping",
     )
     max_nonfinite_steps: int = flag(
-        10, "stop after this many non-finite iterations in a row",
+        10,
+        "stop after this many non-finite iterations in a row",
         minimum=1,
-    )  # fmt: skip
+    )
     skip_train: bool = flag(
         False,
         "load --load, run validation and test, exit (implies --no-load-optim)",
@@ -253,9 +259,10 @@ class EvalConfig:
     """Validation during training (and the test set at the end)."""
 
     eval_interval: Optional[int] = flag(
-        None, "iterations between validations (default: only after training)",
+        None,
+        "iterations between validations (default: only after training)",
         minimum=1,
-    )  # fmt: skip
+    )
     eval_iters: int = flag(100, "global batches per evaluation (0: no evaluation)", minimum=0)
 
     def __post_init__(self) -> None:
