@@ -18,8 +18,11 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.models.config import ModelConfig
@@ -41,12 +44,6 @@ def compose_transformer_config(
 ):
     """megatron-core's `TransformerConfig` of `model_cfg` built at `parallel` and `precision`
     (checked by `check_layout` first); `model_cfg.extra_transformer_config` is applied last."""
-    # megatron.core on first use: `megatron_ext.models` keeps the configs importable without
-    # it (its megatron-core modules are lazy exports, megatron_ext/_lazy.py).
-    import megatron_ext.megatron_import  # noqa: F401
-
-    from megatron.core.transformer import TransformerConfig
-
     parallel, precision = parallel or ParallelConfig(), precision or PrecisionConfig()
     check_layout(model_cfg, parallel, precision)
     dtype = precision.params_dtype

@@ -68,8 +68,12 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     """The parser of every command a user runs: pretrain_leviathan.py and tools/*.py."""
     from megatron_ext import quickstart
     from megatron_ext.conversion import convert_checkpoint
-    from megatron_ext.data import make_sample_corpus, merge_datasets, preprocess_data
-    from megatron_ext.data import train_tokenizer
+    from megatron_ext.data import (
+        make_sample_corpus,
+        merge_datasets,
+        preprocess_data,
+        train_tokenizer,
+    )
     from megatron_ext.evaluation import evaluate
     from megatron_ext.inference import generate
     from megatron_ext.models import param_table
