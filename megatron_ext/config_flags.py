@@ -177,13 +177,13 @@ def add_flags(group, cls: type, *names: str, **overrides) -> None:
         group.add_argument(flag_name(field), *field.metadata["aliases"], **options)
 
 
-def flag_values(cls: type, namespace: argparse.Namespace) -> dict[str, Any]:
-    """Field name -> parsed value for every flagged field of `cls` present in `namespace` (a
-    flag missing there is left out: the args.json of a checkpoint written before it existed)."""
+def flag_values(cls: type, namespace: argparse.Namespace, derived: bool = False) -> dict[str, Any]:
+    """Field name -> parsed value for every flagged field of `cls` present in `namespace` (with
+    `derived`, every field: args.json records the derived values by name); a field missing
+    there is left out (the args.json of a checkpoint written before it existed)."""
+    fields = dataclasses.fields(cls) if derived else flag_fields(cls)
     return {
-        f.name: getattr(namespace, flag_dest(f))
-        for f in flag_fields(cls)
-        if hasattr(namespace, flag_dest(f))
+        f.name: getattr(namespace, flag_dest(f)) for f in fields if hasattr(namespace, flag_dest(f))
     }
 
 

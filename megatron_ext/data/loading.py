@@ -89,15 +89,10 @@ class DataConfig:
     vocab_file: Optional[str] = flag(None, "GPT2BPETokenizer vocab.json")
     merge_file: Optional[str] = flag(None, "GPT2BPETokenizer merges.txt")
     make_vocab_size_divisible_by: int = flag(
-        128,
-        "pad the vocabulary to a multiple of this times the TP size",
-        shapes_model=True,
+        128, "pad the vocabulary to a multiple of this times the TP size", shapes_model=True
     )
     """The model's vocabulary is the tokenizer's padded to this times the TP size."""
-    reset_position_ids: bool = flag(
-        False,
-        "restart position ids after each end-of-document token",
-    )
+    reset_position_ids: bool = flag(False, "restart position ids after each end-of-document token")
     reset_attention_mask: bool = flag(False, "do not attend across end-of-document tokens")
     eod_mask_loss: bool = flag(False, "mask the loss at end-of-document tokens")
     create_attention_mask: bool = flag(

@@ -209,8 +209,7 @@ class ModelConfig:
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
     use_cpu_initialization: bool = flag(
-        True,
-        "initialise weights on CPU from one seeded stream (identical at every TP size)",
+        True, "initialise weights on CPU from one seeded stream (identical at every TP size)"
     )
     perform_initialization: bool = True
     recompute_granularity: Optional[str] = flag(
@@ -239,8 +238,7 @@ class ModelConfig:
         shapes_model=True,
     )
     recompute_activations: bool = flag(
-        False,
-        "selective recomputation (same as --recompute-granularity selective)",
+        False, "selective recomputation (same as --recompute-granularity selective)"
     )
 
     derived: tuple[str, ...] = field(default=(), compare=False, repr=False)

@@ -70,17 +70,13 @@ class ParallelConfig:
         False, "split norm/dropout activations over the sequence across TP ranks"
     )
     use_distributed_optimizer: bool = flag(
-        False,
-        "shard optimizer states across data-parallel ranks (ZeRO-1)",
+        False, "shard optimizer states across data-parallel ranks (ZeRO-1)"
     )
     distributed_backend: Optional[str] = flag(
-        None,
-        "default: nccl on CUDA, gloo on CPU",
-        choices=("nccl", "gloo"),
+        None, "default: nccl on CUDA, gloo on CPU", choices=("nccl", "gloo")
     )
     distributed_timeout_minutes: float = flag(
-        10,
-        "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)",
+        10, "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)"
     )
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None,
@@ -190,21 +186,14 @@ class PrecisionConfig:
     bf16: bool = flag(False, "BF16 autocast (fp32 master weights)")
     fp16: bool = flag(False, "FP16 autocast with dynamic loss scaling")
     fp8_format: Optional[str] = flag(
-        None,
-        "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
-        choices=FP8_FORMATS,
+        None, "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)", choices=FP8_FORMATS
     )
     fp8_margin: int = flag(0, "FP8 scaling margin (DelayedScaling)", needs="fp8_format")
     fp8_amax_history_len: int = flag(
-        1,
-        "amax history length of FP8 delayed scaling",
-        minimum=1,
-        needs="fp8_format",
+        1, "amax history length of FP8 delayed scaling", minimum=1, needs="fp8_format"
     )
     fp8_amax_compute_algo: str = flag(
-        "most_recent",
-        "amax from the history",
-        choices=("most_recent", "max"),
+        "most_recent", "amax from the history", choices=("most_recent", "max")
     )
     fp8_param_gather: bool = flag(
         False,

@@ -126,10 +126,7 @@ class BatchConfig:
         minimum=1,
     )
     train_iters: Optional[int] = flag(
-        0,
-        "iterations to train (or --train-samples)",
-        command_line_default=None,
-        minimum=0,
+        0, "iterations to train (or --train-samples)", command_line_default=None, minimum=0
     )
     train_samples: Optional[int] = flag(
         None, "samples to train (or --train-iters, which it derives)"
@@ -229,25 +226,19 @@ class ExitConfig:
         None, "exit after this many minutes of training", above=0
     )
     exit_signal_handler: bool = flag(
-        False,
-        "on SIGTERM, save a checkpoint and exit cleanly at the end of the iteration",
+        False, "on SIGTERM, save a checkpoint and exit cleanly at the end of the iteration"
     )
     check_for_nan_in_loss_and_grad: bool = flag(
-        True,
-        "stop (or skip, see --skip-nonfinite-steps) on a non-finite loss or grad norm",
+        True, "stop (or skip, see --skip-nonfinite-steps) on a non-finite loss or grad norm"
     )
     skip_nonfinite_steps: bool = flag(
-        False,
-        "skip the optimizer step of a non-finite iteration instead of stopping",
+        False, "skip the optimizer step of a non-finite iteration instead of stopping"
     )
     max_nonfinite_steps: int = flag(
-        10,
-        "stop after this many non-finite iterations in a row",
-        minimum=1,
+        10, "stop after this many non-finite iterations in a row", minimum=1
     )
     skip_train: bool = flag(
-        False,
-        "load --load, run validation and test, exit (implies --no-load-optim)",
+        False, "load --load, run validation and test, exit (implies --no-load-optim)"
     )
 
     def __post_init__(self) -> None:
@@ -259,9 +250,7 @@ class EvalConfig:
     """Validation during training (and the test set at the end)."""
 
     eval_interval: Optional[int] = flag(
-        None,
-        "iterations between validations (default: only after training)",
-        minimum=1,
+        None, "iterations between validations (default: only after training)", minimum=1
     )
     eval_iters: int = flag(100, "global batches per evaluation (0: no evaluation)", minimum=0)
 
@@ -317,13 +306,10 @@ class OptimizerConfig:
         name="--use-checkpoint-opt_param-scheduler",
     )
     decoupled_lr: Optional[float] = flag(
-        None,
-        "peak LR of the input embedding (for LEV: the LEV generator) and the output head",
+        None, "peak LR of the input embedding (for LEV: the LEV generator) and the output head"
     )
     decoupled_min_lr: Optional[float] = flag(
-        None,
-        "minimum LR of those parameters (default: --min-lr)",
-        needs="decoupled_lr",
+        None, "minimum LR of those parameters (default: --min-lr)", needs="decoupled_lr"
     )
     # The schedule as the flags give it, in iterations or in samples (recorded as typed);
     # `from_schedule` turns them into the *_steps below. A config built in code sets those.
@@ -456,9 +442,7 @@ class CheckpointConfig:
         None, "iterations between checkpoints", minimum=1, needs="save"
     )
     ckpt_keep_last: Optional[int] = flag(
-        None,
-        "keep only the newest N checkpoints in --save (default: keep all)",
-        minimum=1,
+        None, "keep only the newest N checkpoints in --save (default: keep all)", minimum=1
     )
     ckpt_step: Optional[int] = flag(None, "load this iteration (default: the latest)", needs="load")
     no_save_optim: bool = flag(False, "save no optimizer state")
@@ -466,9 +450,7 @@ class CheckpointConfig:
     no_load_optim: bool = flag(False, "load no optimizer state")
     no_load_rng: bool = flag(False, "load no RNG state")
     finetune: bool = flag(
-        False,
-        "load weights only; reset iteration, optimizer, scheduler and RNG",
-        needs="load",
+        False, "load weights only; reset iteration, optimizer, scheduler and RNG", needs="load"
     )
     exit_on_missing_checkpoint: bool = flag(False, "exit if --load holds no checkpoint")
     verify_checkpoint: bool = flag(
@@ -519,8 +501,7 @@ class LoggingConfig:
         None, "per-GPU peak for MFU (default: looked up from the GPU name)"
     )
     log_jsonl: Optional[str] = flag(
-        None,
-        "append one JSON line per iteration (full-precision loss, grad norm, lr, time)",
+        None, "append one JSON line per iteration (full-precision loss, grad norm, lr, time)"
     )
     loss_curve: bool = flag(
         True,
@@ -530,8 +511,7 @@ class LoggingConfig:
     log_params_norm: bool = flag(False, "L2 norm of all parameters")
     log_num_zeros_in_grad: bool = flag(False, "count of zero gradient entries")
     log_memory_to_tensorboard: bool = flag(
-        False,
-        "memory in use (CUDA allocator, or this process's RSS on CPU)",
+        False, "memory in use (CUDA allocator, or this process's RSS on CPU)"
     )
     log_world_size_to_tensorboard: bool = flag(False, "the number of ranks")
     log_loss_scale_to_tensorboard: bool = flag(
@@ -571,10 +551,7 @@ class MemoryConfig:
     manual_gc: bool = flag(False, "disable automatic gc; collect at fixed points")
     manual_gc_interval: int = flag(0, "collect every N iterations", minimum=0)
     manual_gc_eval: bool = flag(
-        True,
-        "no gc around evaluation",
-        aliases=("--disable-manual-gc-eval",),
-        action="store_false",
+        True, "no gc around evaluation", aliases=("--disable-manual-gc-eval",), action="store_false"
     )
     retain_host_memory: bool = flag(
         True,
@@ -605,19 +582,16 @@ class EngineConfig:
         choices=("portable", "megatron"),
     )
     overlap_grad_reduce: bool = flag(
-        False,
-        "overlap the DP gradient reduce with backward (megatron DDP)",
+        False, "overlap the DP gradient reduce with backward (megatron DDP)"
     )
     overlap_param_gather: bool = flag(
-        False,
-        "overlap the distributed optimizer's parameter all-gather with forward",
+        False, "overlap the distributed optimizer's parameter all-gather with forward"
     )
     ddp_bucket_size: Optional[int] = flag(
         None, "parameters per DDP bucket (default: megatron-core's)", minimum=1
     )
     calculate_per_token_loss: bool = flag(
-        False,
-        "normalise the loss by the global batch's token count (not per micro-batch)",
+        False, "normalise the loss by the global batch's token count (not per micro-batch)"
     )
     cpu_accel: bool = flag(
         True,
