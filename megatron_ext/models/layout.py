@@ -39,24 +39,8 @@ def validate_parallel_layout(
     context_parallel_size: int = 1,
 ) -> int:
     """Check that the ranks split into TP x CP x PP x DP; return the data-parallel size."""
-    for name, value in (
-        ("--tensor-model-parallel-size", tensor_model_parallel_size),
-        ("--pipeline-model-parallel-size", pipeline_model_parallel_size),
-        ("--context-parallel-size", context_parallel_size),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    model_parallel = (
-        tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
-    )
-    if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
-            f"size {tensor_model_parallel_size}x{pipeline_model_parallel_size}x"
-            f"{context_parallel_size}={model_parallel}; change --nproc-per-node or the parallel "
-            "sizes"
-        )
-    return world_size // model_parallel
+    sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
+    return ParallelConfig(*sizes).resolve(world_size).data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -76,7 +60,9 @@ class ParallelConfig:
         None, "default: nccl on CUDA, gloo on CPU", choices=("nccl", "gloo")
     )
     distributed_timeout_minutes: float = flag(
-        10, "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)"
+        10,
+        "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)",
+        above=0,
     )
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None,
@@ -100,10 +86,6 @@ class ParallelConfig:
         check_flag_values(self)
         if self.data_parallel_size < 1:
             raise ValueError(f"data-parallel size must be >= 1, got {self.data_parallel_size}")
-        if not self.distributed_timeout_minutes > 0:
-            raise ValueError(
-                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
-            )
         if self.num_layers_per_virtual_pipeline_stage and self.num_virtual_stages_per_pipeline_rank:
             raise ValueError(
                 "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-"
@@ -131,19 +113,16 @@ class ParallelConfig:
         pp, stages = self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank
         per_stage = self.num_layers_per_virtual_pipeline_stage
         if stages is not None:
-            if num_layers % (pp * stages):
-                raise ValueError(
-                    f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-"
-                    f"size {pp} x --num-virtual-stages-per-pipeline-rank {stages} = "
-                    f"{pp * stages}; change one of them"
-                )
-            per_stage = None if stages == 1 else num_layers // (pp * stages)
-        elif per_stage is not None and num_layers % (pp * per_stage):
+            name, n = "--num-virtual-stages-per-pipeline-rank", stages
+        else:
+            name, n = "--num-layers-per-virtual-pipeline-stage", per_stage
+        if n is not None and num_layers % (pp * n):
             raise ValueError(
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-                f"{pp} x --num-layers-per-virtual-pipeline-stage {per_stage} = {pp * per_stage}; "
-                "change one of them"
+                f"{pp} x {name} {n} = {pp * n}; change one of them"
             )
+        if stages is not None:
+            per_stage = None if stages == 1 else num_layers // (pp * stages)
         derived = dataclasses.replace(
             self,
             num_layers_per_virtual_pipeline_stage=per_stage,
@@ -153,18 +132,17 @@ class ParallelConfig:
         return self if derived == self else derived
 
     @property
-    def _model_parallel_sizes(self) -> tuple[int, int, int]:
+    def _model_parallel(self) -> int:
         return (
-            self.tensor_model_parallel_size,
-            self.pipeline_model_parallel_size,
-            self.context_parallel_size,
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
         )
 
     @property
     def world_size(self) -> int:
         """TP x CP x PP x DP ranks."""
-        tp, pp, cp = self._model_parallel_sizes
-        return tp * pp * cp * self.data_parallel_size
+        return self._model_parallel * self.data_parallel_size
 
     def resolve(self, world_size: int) -> "ParallelConfig":
         """This layout on `world_size` ranks: the data-parallel size derived (self if it is).
@@ -172,7 +150,18 @@ class ParallelConfig:
         Raises:
             ValueError: the ranks do not split into TP x CP x PP x DP.
         """
-        dp = validate_parallel_layout(world_size, *self._model_parallel_sizes)
+        tp, pp, cp = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
+        if world_size % self._model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
+                f"size {tp}x{pp}x{cp}={self._model_parallel}; change --nproc-per-node or the "
+                "parallel sizes"
+            )
+        dp = world_size // self._model_parallel
         if dp == self.data_parallel_size:
             return self
         return dataclasses.replace(self, data_parallel_size=dp)
