@@ -1,20 +1,15 @@
 """The one flag mechanism: command-line flags declared on config dataclass fields.
 
-A config field that has a flag says so in its metadata: `flag(default, "help", ...)`; the flag
-is the field's name (`micro_batch_size` -> --micro-batch-size; `--no-x` for a store_false switch
-of field x) unless the field gives another `name`.
-`add_flags(group, cls)` turns every such field of `cls` (or the ones named) into one argparse
-argument whose default *is* the field's default (or its `command_line_default`) and whose type
-comes from the annotation (--help adds the default: `cli.HelpFormatter`); `flag_values(cls,
-namespace)` reads the parsed values back by field name; `check_flag_values(config)` refuses
-values below a field's `minimum` (or not above `above`), outside its `choices`, or given without
-the field it `needs`, with the command line's one-line message. So a new flag is one field. The
-namespace attribute (and args.json key) of a flag is Megatron-LM's: the flag's name
-(`--lr-decay-style` -> lr_decay_style; a `--no-x` switch that turns a field off -> x), unless the
-field gives `dest`.
-
-`ArgumentError` is the one error type of the command line: an impossible or contradictory
-combination of flags, its message one line naming the flag to change.
+A field with a flag says so in its metadata, `flag(default, "help", ...)`. The flag is the
+field's name (`micro_batch_size` -> --micro-batch-size; --no-x for a store_false switch of x)
+unless the field gives another `name`; its namespace attribute (and args.json key) is
+Megatron-LM's, the flag's name (--no-x -> x) unless the field gives `dest`. `add_flags(group,
+cls)` turns the fields into argparse arguments whose default *is* the field's (or its
+`command_line_default`) and whose type comes from the annotation; `flag_values(cls, namespace)`
+reads the values back by field name; `check_flag_values(config)` refuses a value below its
+`minimum`, not above `above`, outside its `choices` or given without the field it `needs`. So a
+new flag is one field. `ArgumentError` is the command line's one error type: an impossible or
+contradictory combination of flags, its message one line naming the flag to change.
 """
 
 from __future__ import annotations
@@ -63,14 +58,12 @@ def flag(
     the default is the field's, so the command line and a library user agree. A list or tuple
     default becomes a default factory (each config gets its own copy).
 
-    `shapes_model`: the value shapes the model's parameters, so `--use-checkpoint-args` takes
-    it from the checkpoint's args.json. `command_line_default`: the flag's default (or a
-    callable giving it) where it must differ from the library's: Megatron-LM's default, e.g.
-    None for a flag that is required or derived on the command line, or `--transformer-impl`
-    transformer_engine where this machine can run it. The field's docstring says why.
-    `minimum` / `above`: the least value `check_flag_values` accepts / a bound the value must
-    exceed (None, a value not set, passes); `needs`: the field (of the same config) that must be
-    set when this one is given (differs from its default).
+    `shapes_model`: the value shapes the model's parameters (`--use-checkpoint-args` takes it
+    from the checkpoint). `command_line_default`: the flag's default (or a callable giving it)
+    where it must differ from the library's (Megatron-LM's, e.g. None for a flag required or
+    derived on the command line). `minimum` / `above`: the least value accepted / a bound the
+    value must exceed (None passes); `needs`: the field that must be set when this one differs
+    from its default.
     """
     metadata = {"flag": name, "aliases": tuple(aliases), "help": help, **argparse_options}
     extra = dict(shapes_model=shapes_model or None, minimum=minimum, above=above, needs=needs)
