@@ -48,7 +48,9 @@ from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 
 def _add_load(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
-    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument(
+        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
+    )
     _add_verify(p)
     p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
     p.add_argument(
@@ -137,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP layout")
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
-    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument(
+        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
+    )
     _add_verify(p)
     p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
     _add_output(p)
@@ -150,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(no model is built): exit 0 all match, 1 a file does not, 2 bad input",
     )
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
-    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument(
+        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
