@@ -1,5 +1,6 @@
 """Entry-point plumbing shared by every command (tools/, pretrain_leviathan, the console
-scripts): logging set-up, and expected failures turned into one ``error:`` line and an exit code.
+scripts): logging set-up, --help's layout (`HelpFormatter`), and expected failures turned into
+one ``error:`` line and an exit code.
 
     def main(argv=None) -> int:
         return run_tool(_main, argv, errors=(CheckpointError, TokenizerError))
@@ -9,6 +10,7 @@ Library code raises its own exception classes and never exits; only entry points
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -16,7 +18,7 @@ import sys
 import warnings
 from typing import Callable, Optional, Sequence, TextIO, Union
 
-__all__ = ["LOG_FORMAT", "LevelFormatter", "rank", "setup_logging", "run_tool"]
+__all__ = ["LOG_FORMAT", "HelpFormatter", "LevelFormatter", "rank", "setup_logging", "run_tool"]
 
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 # Import-time chatter of optional back-ends that are absent on CPU machines.
@@ -39,6 +41,24 @@ class LevelFormatter(logging.Formatter):
         if record.levelno < logging.WARNING:
             return line
         return line.replace("] ", f"] {record.levelname}: ", 1)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help of every command: the description as written (its examples keep their lines),
+    and each option's default after its help, unless the help names it already (a switch is
+    off unless given; a required option says so)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help, default = action.help or "", action.default
+        if action.required:
+            return help + " (required)"
+        if isinstance(action, argparse.BooleanOptionalAction) and default is not None:
+            default = action.option_strings[0 if default else 1]
+        elif action.nargs == 0 or default is argparse.SUPPRESS:  # store_true / store_false
+            return help
+        else:
+            default = "none" if default is None else "%(default)s"
+        return help if "default" in help.lower() else f"{help} (default: {default})"
 
 
 def setup_logging(

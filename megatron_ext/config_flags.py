@@ -1,17 +1,15 @@
 """The one flag mechanism: command-line flags declared on config dataclass fields.
 
-A config field that has a flag says so in its metadata: `flag(default, "--name", "help", ...)`.
-`add_flags(group, cls)` turns every such field of `cls` (or the ones named) into one argparse
-argument whose default *is* the field's default (or its `command_line_default`) and whose type
-comes from the annotation; `flag_values(cls, namespace)` reads the parsed values back by field
-name; `check_flag_values(config)` refuses values under a field's `minimum`, outside its
-`choices`, or given without the field it `needs`, with the command line's one-line message.
-So a new flag is one field: no argparse code, no mapping table. The namespace attribute (and
-args.json key) of a flag is Megatron-LM's: the flag's name (`--lr-decay-style` ->
-lr_decay_style; a `--no-x` switch that turns a field off -> x), unless the field gives `dest`.
-
-`ArgumentError` is the one error type of the command line: an impossible or contradictory
-combination of flags, its message one line naming the flag to change.
+A field with a flag says so in its metadata, `flag(default, "help", ...)`. The flag is the
+field's name (`micro_batch_size` -> --micro-batch-size; --no-x for a store_false switch of x)
+unless the field gives another `name`; its namespace attribute (and args.json key) is
+Megatron-LM's, the flag's name (--no-x -> x) unless the field gives `dest`. `add_flags(group,
+cls)` turns the fields into argparse arguments whose default *is* the field's (or its
+`command_line_default`) and whose type comes from the annotation; `flag_values(cls, namespace)`
+reads the values back by field name; `check_flag_values(config)` refuses a value below its
+`minimum`, not above `above`, outside its `choices` or given without the field it `needs`. So a
+new flag is one field. `ArgumentError` is the command line's one error type: an impossible or
+contradictory combination of flags, its message one line naming the flag to change.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ __all__ = [
     "flag",
     "flag_dest",
     "flag_fields",
+    "flag_name",
     "flag_values",
 ]
 
@@ -40,41 +39,37 @@ class ArgumentError(ValueError):
 
 def flag(
     default: Any,
-    name: str,
     help: str = "",
     *,
+    name: Optional[str] = None,
     aliases: tuple[str, ...] = (),
     shapes_model: bool = False,
     command_line_default: Any = dataclasses.MISSING,
     minimum: Any = None,
+    above: Any = None,
     needs: Optional[str] = None,
     **argparse_options,
 ) -> Any:
-    """A dataclass field whose command-line flag is `name` (e.g. "--lr-decay-style").
+    """A dataclass field with a command-line flag: `name` (default: from the field's name, see
+    `flag_name`), the `help` that says what it does (--help adds the default).
 
     `aliases` are other spellings of the same flag (Megatron-LM accepts several for a few).
     `argparse_options` go to `add_argument` as they are (choices, metavar, dest, action, nargs);
     the default is the field's, so the command line and a library user agree. A list or tuple
     default becomes a default factory (each config gets its own copy).
 
-    `shapes_model`: the value shapes the model's parameters, so `--use-checkpoint-args` takes
-    it from the checkpoint's args.json. `command_line_default`: the flag's default (or a
-    callable giving it) where it must differ from the library's: Megatron-LM's default, e.g.
-    None for a flag that is required or derived on the command line, or `--transformer-impl`
-    transformer_engine where this machine can run it. The field's docstring says why.
-    `minimum`: the least value `check_flag_values` accepts (None, a value not set, passes);
-    `needs`: the field (of the same config) that must be set when this one is given (differs
-    from its default).
+    `shapes_model`: the value shapes the model's parameters (`--use-checkpoint-args` takes it
+    from the checkpoint). `command_line_default`: the flag's default (or a callable giving it)
+    where it must differ from the library's (Megatron-LM's, e.g. None for a flag required or
+    derived on the command line). `minimum` / `above`: the least value accepted / a bound the
+    value must exceed (None passes); `needs`: the field that must be set when this one differs
+    from its default.
     """
     metadata = {"flag": name, "aliases": tuple(aliases), "help": help, **argparse_options}
-    if shapes_model:
-        metadata["shapes_model"] = True
+    extra = dict(shapes_model=shapes_model or None, minimum=minimum, above=above, needs=needs)
+    metadata.update({k: v for k, v in extra.items() if v is not None})
     if command_line_default is not dataclasses.MISSING:
         metadata["command_line_default"] = command_line_default
-    if minimum is not None:
-        metadata["minimum"] = minimum
-    if needs is not None:
-        metadata["needs"] = needs
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -92,6 +87,16 @@ def flag_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "flag" in f.metadata]
 
 
+def flag_name(field: dataclasses.Field) -> str:
+    """The flag of a field: its `name`, else `--field-name` (`--no-field-name` for a switch
+    that turns the field off, action store_false)."""
+    name = field.metadata["flag"]
+    if name is None:
+        off = "no-" if field.metadata.get("action") == "store_false" else ""
+        name = f"--{off}{field.name.replace('_', '-')}"
+    return name
+
+
 def flag_dest(field: dataclasses.Field) -> str:
     """The namespace attribute (args.json key) of a field: its flag's `dest`, else the flag's
     name (`--no-x` for a field that is on by default: x); a field without a flag: its name."""
@@ -100,7 +105,7 @@ def flag_dest(field: dataclasses.Field) -> str:
         return field.name
     if "dest" in meta:
         return meta["dest"]
-    name = meta["flag"][2:]
+    name = flag_name(field)[2:]
     if meta.get("action") == "store_false" and name.startswith("no-"):
         name = name[3:]
     return name.replace("-", "_")
@@ -114,7 +119,15 @@ def command_line_default(field: dataclasses.Field) -> Any:
     return field_default(field)
 
 
-_NOT_ARGPARSE = ("flag", "aliases", "shapes_model", "command_line_default", "minimum", "needs")
+_NOT_ARGPARSE = (
+    "flag",
+    "aliases",
+    "shapes_model",
+    "command_line_default",
+    "minimum",
+    "above",
+    "needs",
+)
 
 
 def _argparse_options(field: dataclasses.Field, annotation: Any) -> dict[str, Any]:
@@ -154,16 +167,16 @@ def add_flags(group, cls: type, *names: str, **overrides) -> None:
         raise ValueError(f"{cls.__name__} has no flagged field {sorted(missing)}")
     for field in chosen:
         options = {**_argparse_options(field, hints[field.name]), **overrides}
-        group.add_argument(field.metadata["flag"], *field.metadata["aliases"], **options)
+        group.add_argument(flag_name(field), *field.metadata["aliases"], **options)
 
 
-def flag_values(cls: type, namespace: argparse.Namespace) -> dict[str, Any]:
-    """Field name -> parsed value for every flagged field of `cls` present in `namespace` (a
-    flag missing there is left out: the args.json of a checkpoint written before it existed)."""
+def flag_values(cls: type, namespace: argparse.Namespace, derived: bool = False) -> dict[str, Any]:
+    """Field name -> parsed value for every flagged field of `cls` present in `namespace` (with
+    `derived`, every field: args.json records the derived values by name); a field missing
+    there is left out (the args.json of a checkpoint written before it existed)."""
+    fields = dataclasses.fields(cls) if derived else flag_fields(cls)
     return {
-        f.name: getattr(namespace, flag_dest(f))
-        for f in flag_fields(cls)
-        if hasattr(namespace, flag_dest(f))
+        f.name: getattr(namespace, flag_dest(f)) for f in fields if hasattr(namespace, flag_dest(f))
     }
 
 
@@ -175,17 +188,22 @@ def _one_of(choices) -> str:
 
 def check_flag_values(config: Any) -> None:
     """Refuse a flagged field of `config` given without the field it `needs`, below its
-    `minimum` or outside its `choices` (a list value, and None, are not checked here), with the
-    command line's one-line message."""
+    `minimum`, not above `above` or outside its `choices` (each item of a list value; None is
+    not checked), with the command line's one-line message."""
     fields = {f.name: f for f in dataclasses.fields(config)}
     for f in flag_fields(type(config)):
         value, meta = getattr(config, f.name), f.metadata
-        needs = meta.get("needs")
+        name, needs = flag_name(f), meta.get("needs")
         if needs and value != field_default(f) and not getattr(config, needs):
-            raise ValueError(f"{meta['flag']} needs {fields[needs].metadata['flag']}")
-        if value is None or isinstance(value, (list, tuple)):
+            raise ValueError(f"{name} needs {flag_name(fields[needs])}")
+        if value is None:
+            continue
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if "choices" in meta and item not in meta["choices"]:
+                raise ValueError(f"{name} must be {_one_of(meta['choices'])}, got {item!r}")
+        if isinstance(value, (list, tuple)):
             continue
         if "minimum" in meta and value < meta["minimum"]:
-            raise ValueError(f"{meta['flag']} must be >= {meta['minimum']}, got {value}")
-        if "choices" in meta and value not in meta["choices"]:
-            raise ValueError(f"{meta['flag']} must be {_one_of(meta['choices'])}, got {value!r}")
+            raise ValueError(f"{name} must be >= {meta['minimum']}, got {value}")
+        if "above" in meta and not value > meta["above"]:
+            raise ValueError(f"{name} must be > {meta['above']}, got {value}")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_ext._paths import display_path
 from megatron_ext.checkpoint.lock import break_lock
-from megatron_ext.cli import run_tool
+from megatron_ext.cli import HelpFormatter, run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.conversion.common import DTYPES, ConversionError
 from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
@@ -48,7 +48,9 @@ from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 
 def _add_load(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
-    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument(
+        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
+    )
     _add_verify(p)
     p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
     p.add_argument(
@@ -63,6 +65,16 @@ def _add_verify(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="read the checkpoint without first checking its files against their digests",
     )
+
+
+def _add_target_layout(p: argparse.ArgumentParser, what: str) -> None:
+    for kind in ("tensor", "pipeline"):
+        p.add_argument(
+            f"--target-{kind}-parallel-size",
+            type=int,
+            default=1,
+            help=f"{kind}-parallel size of the {what}",
+        )
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -82,7 +94,9 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export-hf", help="training checkpoint -> Hugging Face LlamaForCausalLM")
@@ -121,17 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load(p)
     _add_output(p)
     _add_dtype(p)
-    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    _add_target_layout(p, "Megatron-LM checkpoint")
 
     p = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP layout")
-    p.add_argument("--load", required=True)
-    p.add_argument("--iteration", type=int, default=None)
+    p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
+    p.add_argument(
+        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
+    )
     _add_verify(p)
-    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
     _add_output(p)
-    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    _add_target_layout(p, "resharded checkpoint")
     p.add_argument("--no-optimizer", action="store_true", help="drop the optimizer state")
 
     p = sub.add_parser(
@@ -140,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(no model is built): exit 0 all match, 1 a file does not, 2 bad input",
     )
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
-    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument(
+        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
@@ -152,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--force", action="store_true", help="even when the holder still runs on this host"
     )
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 

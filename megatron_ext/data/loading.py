@@ -60,66 +60,55 @@ class DataConfig:
     """Where training data comes from and how samples are cut (fields named as the flags)."""
 
     data_path: Optional[list[str]] = flag(
-        None, "--data-path", "dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...", nargs="*"
+        None, "dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...", nargs="*"
     )
     """Megatron-style blend: [prefix] | [w1, p1, w2, p2, ...] | [p1, p2, ...]."""
     split: Optional[str] = flag(
-        "969,30,1", "--split", "train,valid,test proportions of --data-path (default 969,30,1)"
+        "969,30,1", "train,valid,test proportions of --data-path (default 969,30,1)"
     )
     """Train/valid/test proportions of each ``data_path`` dataset."""
-    train_data_path: Optional[list[str]] = flag(None, "--train-data-path", nargs="*")
-    valid_data_path: Optional[list[str]] = flag(None, "--valid-data-path", nargs="*")
-    test_data_path: Optional[list[str]] = flag(None, "--test-data-path", nargs="*")
-    data_cache_path: Optional[str] = flag(
-        None, "--data-cache-path", "directory for cached sample indices"
-    )
+    train_data_path: Optional[list[str]] = flag(None, "training prefix(es), no split", nargs="*")
+    valid_data_path: Optional[list[str]] = flag(None, "validation prefix(es)", nargs="*")
+    test_data_path: Optional[list[str]] = flag(None, "test prefix(es)", nargs="*")
+    data_cache_path: Optional[str] = flag(None, "directory for cached sample indices")
     """Directory for Megatron-Core's cached sample indices (None: beside the data)."""
-    mock_data: bool = flag(False, "--mock-data", "synthetic data (Megatron-Core's MockGPTDataset)")
+    mock_data: bool = flag(False, "synthetic data (Megatron-Core's MockGPTDataset)")
     seq_length: int = field(kw_only=True)
     """Tokens per sample (--seq-length, `ModelConfig`'s flag: the run's one value is passed in)."""
     seed: int = 1234
     """The run's --seed (`RunConfig`'s flag)."""
     tokenizer_type: Optional[str] = flag(
-        None, "--tokenizer-type", shapes_model=True, choices=sorted(TOKENIZER_TYPES)
+        None, "tokenizer kind (required)", shapes_model=True, choices=sorted(TOKENIZER_TYPES)
     )
-    tokenizer_model: Optional[str] = flag(None, "--tokenizer-model", shapes_model=True)
-    vocab_size: Optional[int] = flag(None, "--vocab-size", "for NullTokenizer", shapes_model=True)
+    tokenizer_model: Optional[str] = flag(
+        None, "SentencePiece .model, .tiktoken file or HF tokenizer directory", shapes_model=True
+    )
+    vocab_size: Optional[int] = flag(None, "for NullTokenizer", shapes_model=True)
     """NullTokenizer only (Megatron's --vocab-size)."""
-    tiktoken_pattern: str = flag("o200k", "--tiktoken-pattern")
-    vocab_file: Optional[str] = flag(None, "--vocab-file", "GPT2BPETokenizer vocab.json")
-    merge_file: Optional[str] = flag(None, "--merge-file", "GPT2BPETokenizer merges.txt")
+    tiktoken_pattern: str = flag("o200k", "TikTokenizer split pattern: o200k, cl100k or a regex")
+    vocab_file: Optional[str] = flag(None, "GPT2BPETokenizer vocab.json")
+    merge_file: Optional[str] = flag(None, "GPT2BPETokenizer merges.txt")
     make_vocab_size_divisible_by: int = flag(
-        128,
-        "--make-vocab-size-divisible-by",
-        "pad the vocabulary to a multiple of this times the TP size",
-        shapes_model=True,
+        128, "pad the vocabulary to a multiple of this times the TP size", shapes_model=True
     )
     """The model's vocabulary is the tokenizer's padded to this times the TP size."""
-    reset_position_ids: bool = flag(
-        False,
-        "--reset-position-ids",
-        "restart position ids after each end-of-document token",
-    )
-    reset_attention_mask: bool = flag(
-        False, "--reset-attention-mask", "do not attend across end-of-document tokens"
-    )
-    eod_mask_loss: bool = flag(False, "--eod-mask-loss", "mask the loss at end-of-document tokens")
+    reset_position_ids: bool = flag(False, "restart position ids after each end-of-document token")
+    reset_attention_mask: bool = flag(False, "do not attend across end-of-document tokens")
+    eod_mask_loss: bool = flag(False, "mask the loss at end-of-document tokens")
     create_attention_mask: bool = flag(
         True,
-        "--no-create-attention-mask-in-dataloader",
+        "build no attention mask per sample (the causal mask is implied)",
         dest="create_attention_mask_in_dataloader",
         action="store_false",
+        name="--no-create-attention-mask-in-dataloader",
     )
     mmap_bin_files: bool = flag(
         True,
-        "--no-mmap-bin-files",
         "read .bin token files with file reads instead of mmap",
         dest="mmap_bin_files",
         action="store_false",
     )
-    num_dataset_builder_threads: int = flag(
-        1, "--num-dataset-builder-threads", "threads building the dataset indices"
-    )
+    num_dataset_builder_threads: int = flag(1, "threads building the dataset indices")
     tokenizer_fingerprint: Optional[str] = None
     """The fingerprint of the tokenizer the run trains with, once it is built (args.json
     records it; `data.fingerprint` compares it with the datasets')."""

@@ -13,14 +13,18 @@ import argparse
 import logging
 from typing import Optional, Sequence
 
+from megatron_ext.cli import HelpFormatter
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 
 logger = logging.getLogger("make_sample_corpus")
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this tool."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[1], formatter_class=HelpFormatter
+    )
     parser.add_argument("--output", required=True, help="output directory")
     parser.add_argument(
         "--size-mb",
@@ -28,10 +32,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         default=4.0,
         help="approximate uncompressed size of the train split in MB",
     )
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the generated text")
     parser.add_argument("--num-shards", type=int, default=1, help="train shards")
     parser.add_argument("--vocab-words", type=int, default=20000, help="word types")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging()
     spec = SampleCorpusSpec(
         size_mb=args.size_mb,

@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Optional, Sequence
 
+from megatron_ext.cli import HelpFormatter
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.indexed import merge_datasets
 from megatron_ext.data.readers import DataError
@@ -40,8 +41,11 @@ def _prefixes(inputs: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(prefixes))
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this tool."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[1], formatter_class=HelpFormatter
+    )
     parser.add_argument(
         "--input",
         nargs="+",
@@ -49,13 +53,17 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         help="dataset prefixes, globs, or a directory of datasets",
     )
     parser.add_argument("--output-prefix", required=True, help="prefix of the merged dataset")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument(
         "--allow-missing-counts",
         action="store_true",
         help="merge even when some inputs lack _counts.npy (then none is written)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging()
     prefixes = [p for p in _prefixes(args.input) if p != args.output_prefix]
     logger.info("merging %d datasets into %s", len(prefixes), args.output_prefix)

@@ -17,6 +17,7 @@ import json
 import logging
 from typing import Optional, Sequence
 
+from megatron_ext.cli import HelpFormatter
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.preprocess import PreprocessConfig, config_dict, preprocess
 from megatron_ext.data.tokenizers import TOKENIZER_TYPES
@@ -24,8 +25,10 @@ from megatron_ext.data.tokenizers import TOKENIZER_TYPES
 logger = logging.getLogger("preprocess_data")
 
 
-def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[1], formatter_class=HelpFormatter
+    )
     group = parser.add_argument_group("input data")
     group.add_argument(
         "--input",
@@ -49,7 +52,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--strict", action="store_true", help="abort on the first bad record instead of skipping it"
     )
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZER_TYPES))
+    group.add_argument(
+        "--tokenizer-type", required=True, choices=sorted(TOKENIZER_TYPES), help="tokenizer kind"
+    )
     group.add_argument(
         "--tokenizer-model",
         default=None,
@@ -99,7 +104,11 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument(
         "--log-interval", type=int, default=1000, help="log progress every this many documents"
     )
-    return parser.parse_args(argv)
+    return parser
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

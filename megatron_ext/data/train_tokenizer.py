@@ -17,21 +17,26 @@ import os
 from dataclasses import asdict
 from typing import Optional, Sequence
 
+from megatron_ext.cli import HelpFormatter
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
 
 logger = logging.getLogger("train_tokenizer")
 
 
-def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[1], formatter_class=HelpFormatter
+    )
     parser.add_argument(
         "--input",
         nargs="+",
         required=True,
         help="jsonl files, globs or directories (.jsonl, .jsonl.zst, .json.gz)",
     )
-    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="json keys to read text from"
+    )
     parser.add_argument(
         "--model-prefix",
         required=True,
@@ -43,7 +48,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=50000,
         help="vocabulary size including special and byte ids (paper: 50k/100k/200k)",
     )
-    parser.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    parser.add_argument(
+        "--model-type", choices=["bpe", "unigram"], default="bpe", help="SentencePiece algorithm"
+    )
     parser.add_argument(
         "--input-sentence-size",
         type=int,
@@ -62,18 +69,36 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=4192,
         help="bytes; longer lines are cut into pieces",
     )
-    parser.add_argument("--character-coverage", type=float, default=0.9995)
+    parser.add_argument(
+        "--character-coverage",
+        type=float,
+        default=0.9995,
+        help="fraction of characters the vocabulary covers (the rest: byte fallback or <unk>)",
+    )
     parser.add_argument(
         "--no-byte-fallback",
         dest="byte_fallback",
         action="store_false",
         help="disable byte fallback (unknown characters become <unk>)",
     )
-    parser.add_argument("--no-split-digits", dest="split_digits", action="store_false")
+    parser.add_argument(
+        "--no-split-digits",
+        dest="split_digits",
+        action="store_false",
+        help="let pieces hold several digits (default: one piece per digit)",
+    )
     parser.add_argument("--seed", type=int, default=1234, help="sampling seed")
-    parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--overwrite", action="store_true")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="training threads (default: the CPU count)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing model")
+    return parser
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.num_threads = args.num_threads or os.cpu_count() or 1
+    return args
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

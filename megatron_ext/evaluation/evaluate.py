@@ -27,7 +27,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_ext._paths import display_path
-from megatron_ext.cli import run_tool
+from megatron_ext.cli import HelpFormatter, run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
 from megatron_ext.data.indexed import check_dataset, get_idx_path
@@ -72,7 +72,13 @@ def _add_model_args(p: argparse.ArgumentParser, multiple: bool = False) -> None:
         default=None,
         help="the tokenizer file, if not where the run recorded it",
     )
-    add_flags(g, ParallelConfig, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+    add_flags(
+        g,
+        ParallelConfig,
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        help="the layout to evaluate at (any checkpoint loads at any layout)",
+    )
     add_flags(
         g,
         BatchConfig,
@@ -110,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.models.config import ModelConfig
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("perplexity", help="loss and perplexity of one checkpoint")
@@ -136,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="relative-frequency edges (default 1e-7 1e-6 1e-5 1e-4)",
     )
-    p.add_argument("--output-dir", required=True)
+    p.add_argument("--output-dir", required=True, help="write frequency.json/.md and plots here")
 
     p = sub.add_parser("wikitext", help="Wikitext-103 zero-shot perplexity")
     _add_model_args(p)
@@ -154,11 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated, e.g. hellaswag,arc_easy,arc_challenge,piqa,"
         "winogrande,lambada_openai",
     )
-    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument(
+        "--num-fewshot",
+        type=int,
+        default=None,
+        help="examples in each prompt (default: the task's)",
+    )
     p.add_argument("--limit", type=float, default=None, help="items per task (for a smoke test)")
     p.add_argument("--include-path", default=None, help="a directory of extra task YAMLs")
-    p.add_argument("--max-gen-toks", type=int, default=256)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--max-gen-toks", type=int, default=256, help="most tokens a generation task generates"
+    )
+    p.add_argument("--seed", type=int, default=1234, help="seed of the harness's sampling")
     p.add_argument(
         "--log-samples",
         action="store_true",
@@ -184,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         "loss; with more than two runs, curves.png shows each run's loss minus this run's "
         "(the absolute curves go to curves_absolute.png)",
     )
-    p.add_argument("--output-dir", required=True)
+    p.add_argument("--output-dir", required=True, help="write curves.png and the tables here")
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 

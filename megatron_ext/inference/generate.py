@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from megatron_ext.cli import run_tool
+from megatron_ext.cli import HelpFormatter, run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.data.tokenizers import TokenizerError
 
@@ -34,18 +34,27 @@ def build_parser() -> argparse.ArgumentParser:
     # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.models.layout import ParallelConfig
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
-    p.add_argument("--iteration", type=int, default=None)
+    p.add_argument(
+        "--iteration", type=int, default=None, help="iteration to load (default: latest)"
+    )
     p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts-file", help="one prompt per line (.txt) or jsonl with 'prompt'")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, help="most tokens generated per prompt"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="0: no cut")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: no cut")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed (default: none, a fresh draw each run)",
+    )
     p.add_argument("--no-stop-at-eod", action="store_true", help="ignore the end-of-document id")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch")
     p.add_argument("--no-cache", action="store_true", help="recompute the prefix every step")
@@ -57,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "megatron: the model's forward; auto: lean where it covers the model (logged)",
     )
     p.add_argument("--output", default=None, help="write jsonl here instead of printing")
-    add_flags(p, ParallelConfig, "tensor_model_parallel_size")
+    add_flags(p, ParallelConfig, "tensor_model_parallel_size", help="the layout to generate at")
     return p
 
 

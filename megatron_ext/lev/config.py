@@ -2,7 +2,7 @@
 
 Every hyper-parameter of docs/lev.md section 2 is a field of `LEVConfig` that declares its
 flag (`config_flags.flag`, the mechanism of every config): the command line only fills the
-config, the way Megatron fills a `TransformerConfig` from args. Invalid combinations fail in
+config, the way Megatron fills a `TransformerConfig` from args. Invalid values fail in
 `__post_init__` with a message that names the flag to change; the one check that needs the
 parallel layout (whole heads per tensor-parallel rank) is `heads_per_rank`.
 
@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_ext.config_flags import flag
+from megatron_ext.config_flags import check_flag_values, flag
 
 __all__ = ["LEV_PARAMETER_GROUPS", "SPEC_WEIGHT_DECAY_GROUPS", "LEVConfig", "smallest_base"]
 
@@ -74,184 +74,140 @@ class LEVConfig:
     vocab_size: Optional[int] = None
     """V: number of token ids; ids must lie in [0, V). None (with `hidden_size`): the flags
     before the model's size is known; `models.config.EmbeddingConfig.at_model_size` sets both."""
-
     hidden_size: Optional[int] = None
     """D: model width, the size of each generated embedding."""
-
-    num_digits: int = flag(3, "--lev-num-digits", "k: base-b digits per token id")
-    """k: number of base-b digits of an id (and of codebooks)."""
-
-    base: Optional[int] = flag(
-        None, "--lev-base", "b: digit base (default: smallest b with b^k >= V)"
+    num_digits: int = flag(
+        3, "k: base-b digits per token id (and codebooks)", minimum=1, name="--lev-num-digits"
     )
-    """b: digit base. None picks the smallest b with b**k >= V (stored resolved)."""
-
-    seed_dim: int = flag(128, "--lev-seed-dim", "d_seed: codebook row / seed width")
-    """d_seed: width of each codebook row and of every head's seed."""
-
-    num_knots: int = flag(16, "--lev-num-knots", "kappa: B-spline knots (>= 3)")
-    """kappa: uniform knots g_j = j/(kappa-1) of the quadratic B-spline basis (>= 3)."""
-
-    rank: int = flag(64, "--lev-rank", "r: separable modes per head")
-    """r: number of separable modes per head."""
-
-    num_heads: int = flag(8, "--lev-num-heads", "h: heads (divisible by the TP size)")
-    """h: number of heads; split across tensor-parallel ranks."""
-
-    temperature: float = flag(2.0, "--lev-temperature", "tau in sigmoid(LayerNorm(u) / tau)")
-    """tau: t = sigmoid(LayerNorm(u) / tau)."""
-
+    base: Optional[int] = flag(
+        None, "b: digit base (default: smallest b with b^k >= V)", minimum=2, name="--lev-base"
+    )
+    """None picks the smallest b with b**k >= V (stored resolved)."""
+    seed_dim: int = flag(128, "d_seed: codebook row / seed width", minimum=1, name="--lev-seed-dim")
+    num_knots: int = flag(
+        16,
+        "kappa: knots j/(kappa-1) of the quadratic B-spline basis",
+        minimum=3,
+        name="--lev-num-knots",
+    )
+    rank: int = flag(64, "r: separable modes per head", minimum=1, name="--lev-rank")
+    num_heads: int = flag(
+        8, "h: heads (divisible by the TP size)", minimum=1, name="--lev-num-heads"
+    )
+    temperature: float = flag(
+        2.0, "tau in sigmoid(LayerNorm(u) / tau)", above=0, name="--lev-temperature"
+    )
     codebook_combine: str = flag(
         "sum",
-        "--lev-codebook-combine",
-        "how the k codebook rows form the seed (concat: width k*d_seed)",
+        "how the k codebook rows form the seed: sum (width d_seed) or concat (k*d_seed)",
         choices=_COMBINE_MODES,
+        name="--lev-codebook-combine",
     )
-    """How the k codebook rows form the seed: "sum" (width d_seed) or "concat" (k*d_seed)."""
-
     normalize_basis: bool = flag(
-        True, "--lev-normalize-basis", "renormalise the B-spline basis to sum 1"
+        True,
+        "renormalise the B-spline basis to sum 1 at every t (boundary knots lose mass)",
+        name="--lev-normalize-basis",
     )
-    """Renormalise the B-spline basis so it sums to 1 at every t (boundary knots lose mass)."""
-
-    norm_eps: float = flag(1e-5, "--lev-norm-eps", "LayerNorm epsilon")
-    """LayerNorm epsilon of the per-head seed normalisation."""
-
-    product_eps: float = flag(1e-9, "--lev-product-eps", "eps in exp(sum log(|phi| + eps))")
-    """epsilon in sign * exp(sum log(|phi| + eps)) of the separable product."""
-
-    init_std: float = flag(0.02, "--lev-init-std", "init std of codebooks and seed_proj")
-    """Std of codebooks and seed_proj at init; out_proj uses init_std / sqrt(h)."""
-
-    spline_init_std: float = flag(0.1, "--lev-spline-init-std", "init std of spline_delta")
-    """Std of spline_delta at init (coefficients 1 + delta start near 1)."""
-
-    dedup: bool = flag(True, "--lev-dedup", "evaluate LEV once per distinct id of the micro-batch")
-    """Evaluate LEV once per distinct id of the micro-batch, then gather."""
-
+    norm_eps: float = flag(
+        1e-5, "epsilon of the per-head seed LayerNorm", above=0, name="--lev-norm-eps"
+    )
+    product_eps: float = flag(
+        1e-9, "eps in sign * exp(sum log(|phi| + eps))", above=0, name="--lev-product-eps"
+    )
+    init_std: float = flag(
+        0.02,
+        "init std of codebooks and seed_proj (out_proj: init_std / sqrt(h))",
+        minimum=0,
+        name="--lev-init-std",
+    )
+    spline_init_std: float = flag(
+        0.1,
+        "init std of spline_delta (coefficients 1 + delta)",
+        minimum=0,
+        name="--lev-spline-init-std",
+    )
+    dedup: bool = flag(
+        True, "evaluate LEV once per distinct id of the micro-batch", name="--lev-dedup"
+    )
     dedup_global_batch: bool = flag(
         True,
-        "--lev-dedup-global-batch",
         "with --lev-dedup, evaluate LEV once per distinct id of the global batch: a micro-batch "
         "computes only ids no earlier micro-batch had, and LEV's backward runs once, after the "
-        "last micro-batch (the portable engine)",
+        "last micro-batch (the portable engine; `LEVEmbedding.begin_global_batch`)",
+        name="--lev-dedup-global-batch",
     )
-    """With `dedup`, under the portable engine: one LEV forward per distinct id of the whole
-    global batch and one LEV backward per iteration (`LEVEmbedding.begin_global_batch`)."""
-
     eval_table: bool = flag(
         False,
-        "--lev-eval-table",
-        "in eval mode use a materialised V x D table",
+        "in eval mode look ids up in a materialised [V, D] table (rebuilt when weights change)",
         action=argparse.BooleanOptionalAction,
+        name="--lev-eval-table",
     )
-    """In eval mode, look ids up in a materialised [V, D] table, rebuilt when parameters change."""
-
-    chunk_size: int = flag(0, "--lev-chunk-size", "ids per chunk of the torch kernel (0: auto)")
-    """Ids per chunk of the torch kernel (`lev.fused`); 0 picks one from the sizes (about 2M
-    spline values per chunk)."""
-
+    chunk_size: int = flag(
+        0,
+        "ids per chunk of the torch kernel (0: auto, ~2M spline values per chunk)",
+        minimum=0,
+        name="--lev-chunk-size",
+    )
     kernel: str = flag(
         "auto",
-        "--lev-kernel",
         "LEV implementation: the readable math under plain autograd (reference), torch ops, "
         "Triton kernels, the C++ CPU kernel, or auto (triton on CUDA, cpu on CPU)",
         choices=_KERNELS,
+        name="--lev-kernel",
     )
-    """Implementation of steps 3a-3e (`lev.kernels`): "reference" (`lev.math` under plain
-    autograd, every intermediate saved), "torch" (`lev.fused`), "triton" (`lev.triton_kernel`),
-    "cpu" (`cpu_accel.lev_kernel`, a compiled C++ kernel, one of the CPU accelerations), or
-    "auto": triton for float32 CUDA tensors when triton imports, cpu for CPU tensors when the
-    accelerations are on and a C++ compiler builds it, else torch. All but
-    reference save only the seeds and the modes for backward."""
-
+    """Steps 3a-3e (`lev.kernels`): reference is `lev.math` (every intermediate saved), torch
+    `lev.fused`, triton `lev.triton_kernel`, cpu `cpu_accel.lev_kernel` (a CPU acceleration);
+    auto takes triton for float32 CUDA tensors when it imports, cpu for CPU tensors when the
+    accelerations are on and a C++ compiler builds it, else torch. All but reference save only
+    the seeds and the modes for backward."""
     init_output_std: Optional[float] = flag(
         None,
-        "--lev-init-output-std",
         "rescale out_proj at init so the [V, D] embedding table has this std (default: the "
         "spec's init, std ~0.2 at small widths; the other arms start at 0.02)",
+        above=0,
+        name="--lev-init-output-std",
     )
-    """If set, out_proj is rescaled at init so that the std of all entries of the [V, D]
-    embedding table is this value (the other arms start at 0.02). None: the spec's init."""
-
     weight_decay_groups: tuple[str, ...] = flag(
         SPEC_WEIGHT_DECAY_GROUPS,
-        "--lev-weight-decay-groups",
         f"LEV parameter groups that get weight decay, any of {' '.join(LEV_PARAMETER_GROUPS)}"
         f" (none: no flag values; default: {' '.join(SPEC_WEIGHT_DECAY_GROUPS)})",
         choices=tuple(LEV_PARAMETER_GROUPS),
         metavar="GROUP",
+        name="--lev-weight-decay-groups",
     )
-    """LEV parameter groups (keys of LEV_PARAMETER_GROUPS) that get weight decay."""
-
-    lr_mult: float = flag(1.0, "--lev-lr-mult", "learning-rate multiplier of the LEV parameters")
-    """Learning-rate multiplier of every LEV parameter (peak and minimum lr of the schedule)."""
+    lr_mult: float = flag(
+        1.0, "learning-rate multiplier of the LEV parameters", above=0, name="--lev-lr-mult"
+    )
 
     def __post_init__(self) -> None:
-        def fail(message: str) -> None:
-            raise ValueError(f"LEVConfig: {message}")
-
+        """Each flag's bounds and choices (`check_flag_values`), V and D, and the digit base."""
+        check_flag_values(self)
         sized = self.vocab_size is not None
         if sized and self.vocab_size < 1:
-            fail(f"vocab_size must be >= 1, got {self.vocab_size} (check --vocab-size/tokenizer)")
+            raise ValueError(
+                f"LEVConfig: vocab_size must be >= 1, got {self.vocab_size} (check "
+                "--vocab-size/tokenizer)"
+            )
         if self.hidden_size is not None and self.hidden_size < 1:
-            fail(f"hidden_size D must be >= 1, got {self.hidden_size}; change --hidden-size")
-        for name, ok, rule in (
-            ("num_digits", self.num_digits >= 1, ">= 1"),
-            ("seed_dim", self.seed_dim >= 1, ">= 1"),
-            ("rank", self.rank >= 1, ">= 1"),
-            ("num_heads", self.num_heads >= 1, ">= 1"),
-            ("temperature", self.temperature > 0, "> 0"),
-            ("norm_eps", self.norm_eps > 0, "> 0"),
-            ("product_eps", self.product_eps > 0, "> 0"),
-            ("chunk_size", self.chunk_size >= 0, ">= 0"),
-            ("lr_mult", self.lr_mult > 0, "> 0"),
-        ):
-            if not ok:
-                flag_ = self.__dataclass_fields__[name].metadata["flag"]
-                fail(f"{name} must be {rule}, got {getattr(self, name)}; change {flag_}")
+            raise ValueError(
+                f"LEVConfig: hidden_size D must be >= 1, got {self.hidden_size}; change "
+                "--hidden-size"
+            )
         if self.base is None:
             if sized:
                 object.__setattr__(self, "base", smallest_base(self.vocab_size, self.num_digits))
-        elif self.base < 2:
-            fail(f"base must be >= 2, got {self.base}; change --lev-base (or omit it)")
         elif sized and self.base**self.num_digits < self.vocab_size:
             need_b = smallest_base(self.vocab_size, self.num_digits)
             need_k = 1
             while self.base**need_k < self.vocab_size:
                 need_k += 1
-            fail(
-                f"{self.num_digits} digits in base {self.base} cover only "
+            raise ValueError(
+                f"LEVConfig: {self.num_digits} digits in base {self.base} cover only "
                 f"{self.base}**{self.num_digits}={self.base**self.num_digits} ids, fewer than "
                 f"vocab size {self.vocab_size}; raise --lev-base to >= {need_b}, or "
                 f"--lev-num-digits to >= {need_k}, or omit --lev-base"
             )
-        if self.num_knots < 3:
-            fail(
-                f"num_knots (kappa) must be >= 3 for a quadratic B-spline basis, got "
-                f"{self.num_knots}; change --lev-num-knots"
-            )
-        if self.codebook_combine not in _COMBINE_MODES:
-            fail(
-                f"codebook_combine must be one of {_COMBINE_MODES}, got "
-                f"{self.codebook_combine!r}; change --lev-codebook-combine"
-            )
-        if self.init_std < 0 or self.spline_init_std < 0:
-            fail("init stds must be >= 0; change --lev-init-std / --lev-spline-init-std")
-        if self.kernel not in _KERNELS:
-            fail(f"kernel must be one of {_KERNELS}, got {self.kernel!r}; change --lev-kernel")
-        if self.init_output_std is not None and not self.init_output_std > 0:
-            fail(
-                f"init_output_std must be > 0, got {self.init_output_std}; change "
-                "--lev-init-output-std (or omit it for the spec's init)"
-            )
         object.__setattr__(self, "weight_decay_groups", tuple(self.weight_decay_groups))
-        unknown = [g for g in self.weight_decay_groups if g not in LEV_PARAMETER_GROUPS]
-        if unknown:
-            fail(
-                f"unknown weight-decay group(s) {unknown}; --lev-weight-decay-groups takes "
-                f"any of {' '.join(LEV_PARAMETER_GROUPS)}"
-            )
 
     # ----------------------------------------------------------------------------- derived
 

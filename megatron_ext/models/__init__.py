@@ -11,7 +11,6 @@ from megatron_ext.models.layout import (
     ParallelConfig,
     PrecisionConfig,
     check_layout,
-    compose_transformer_config,
 )
 from megatron_ext.models.param_count import ParameterCount, count_parameters
 
@@ -19,6 +18,7 @@ from megatron_ext.models.param_count import ParameterCount, count_parameters
 _LAZY = {
     "LeviathanModel": "megatron_ext.models.leviathan_model",
     "build_model": "megatron_ext.models.builder",
+    "compose_transformer_config": "megatron_ext.models.builder",
 }
 
 __getattr__ = lazy_exports(__name__, _LAZY)

@@ -9,7 +9,7 @@
 
 `build_model(model_cfg, parallel=..., precision=...)` applies the layout after the model is
 described (torchtitan's `parallelize_llama(model, parallel_dims, ...)`): megatron's
-`TransformerConfig` is composed from the three (`models.layout.compose_transformer_config`).
+`TransformerConfig` is composed from the three (`compose_transformer_config`).
 Under pipeline parallelism the input module lives on the first stage, the head on the last.
 """
 
@@ -18,17 +18,80 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Optional
 
+import megatron_ext.megatron_import  # noqa: F401
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
 from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.embeddings import DigitSeedEmbedding, LookupSeedEmbedding
-from megatron_ext.models.layout import ParallelConfig, PrecisionConfig, compose_transformer_config
+from megatron_ext.models.layout import ParallelConfig, PrecisionConfig, check_layout
 from megatron_ext.models.leviathan_model import LeviathanModel
 from megatron_ext.models.param_count import resolve_embedding_sizes
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups
 
-__all__ = ["build_model", "input_embedding_builder"]
+__all__ = ["build_model", "compose_transformer_config", "input_embedding_builder"]
+
+
+def compose_transformer_config(
+    model_cfg: ModelConfig,
+    parallel: Optional[ParallelConfig] = None,
+    precision: Optional[PrecisionConfig] = None,
+):
+    """megatron-core's `TransformerConfig` of `model_cfg` built at `parallel` and `precision`
+    (checked by `check_layout` first); `model_cfg.extra_transformer_config` is applied last."""
+    parallel, precision = parallel or ParallelConfig(), precision or PrecisionConfig()
+    check_layout(model_cfg, parallel, precision)
+    dtype = precision.params_dtype
+    fp8 = {}
+    if precision.fp8_format is not None:
+        fp8 = {f"fp8_{k}": v for k, v in precision.fp8_recipe().items()}
+        fp8.update(fp8=precision.fp8_format, fp8_param=precision.fp8_param_gather)
+    kwargs = dict(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_query_groups,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        kv_channels=model_cfg.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=model_cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=model_cfg.qk_layernorm,
+        hidden_dropout=model_cfg.hidden_dropout,
+        attention_dropout=model_cfg.attention_dropout,
+        init_method_std=model_cfg.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=model_cfg.use_cpu_initialization,
+        perform_initialization=model_cfg.perform_initialization,
+        recompute_granularity=model_cfg.recompute_granularity,
+        recompute_method=model_cfg.recompute_method,
+        recompute_num_layers=model_cfg.recompute_num_layers,
+        # Fusions that need apex or CUDA kernels stay off; TE fuses on its own.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **fp8,
+    )
+    kwargs.update(model_cfg.extra_transformer_config)
+    return TransformerConfig(**kwargs)
 
 
 def input_embedding_builder(cfg: ModelConfig):

@@ -73,9 +73,8 @@ class EmbeddingConfig:
     """
 
     embedding_type: str = flag(
-        "lev", "--embedding-type", shapes_model=True, choices=EMBEDDING_TYPES
+        "lev", "the input embedding arm", shapes_model=True, choices=EMBEDDING_TYPES
     )
-    """tied | untied | albert | flat-mlp | factored-mlp | lev."""
     lev: Union[LEVConfig, dict[str, Any], None] = None
     """The LEV hyper-parameters of the arms that use them: the LEV generator, factored-mlp's
     digit codebooks, and the parameter count the albert / flat-mlp / factored-mlp widths match.
@@ -84,33 +83,27 @@ class EmbeddingConfig:
     or as a dict of LEVConfig fields (vocab_size/hidden_size may be left out), it is built
     there."""
     albert_dim: Optional[int] = flag(
-        None, "--albert-dim", "ALBERT's m (default: match LEV)", shapes_model=True, minimum=1
-    )
-    """ALBERT's factorisation width m (V x m table, m x D projection)."""
-    flat_mlp_seed_dim: Optional[int] = flag(
         None,
-        "--flat-mlp-seed-dim",
-        "FLAT-MLP table width (default: match)",
+        "ALBERT's m: V x m table, m x D projection (default: match LEV)",
         shapes_model=True,
         minimum=1,
     )
-    """FLAT-MLP's lookup width d (V x d table)."""
+    flat_mlp_seed_dim: Optional[int] = flag(
+        None, "FLAT-MLP's V x d table width d (default: match)", shapes_model=True, minimum=1
+    )
     mlp_hidden: Optional[int] = flag(
         None,
-        "--embedding-mlp-hidden",
         "hidden width of the FLAT-MLP / FACTORED-MLP networks (default: match LEV)",
         shapes_model=True,
         minimum=1,
+        name="--embedding-mlp-hidden",
     )
-    """Hidden width of the FLAT-MLP / FACTORED-MLP networks."""
     untie_embeddings_and_output_weights: bool = flag(
         False,
-        "--untie-embeddings-and-output-weights",
         "Megatron-LM's flag; every arm but 'tied' is untied already, so it only "
         "conflicts with --embedding-type tied",
         shapes_model=True,
     )
-    """Megatron-LM's switch; only checked against the tied arm (the others are untied)."""
 
     def __post_init__(self) -> None:
         check_flag_values(self)
@@ -160,89 +153,93 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     """Size of the (padded) vocabulary the model embeds and scores; None until the tokenizer is
     known (the command line's config: `training.config.RunConfig.with_tokenizer` sets it)."""
-    num_layers: Optional[int] = flag(None, "--num-layers", shapes_model=True, minimum=1)
+    num_layers: Optional[int] = flag(
+        None, "transformer layers (default: the preset's, else 2)", shapes_model=True, minimum=1
+    )
     """None: the --model-size preset's, else 2 (the debug flavour, as hidden 64 and 4 heads)."""
-    hidden_size: Optional[int] = flag(None, "--hidden-size", shapes_model=True, minimum=1)
+    hidden_size: Optional[int] = flag(
+        None, "model width D (default: the preset's, else 64)", shapes_model=True, minimum=1
+    )
     num_attention_heads: Optional[int] = flag(
-        None, "--num-attention-heads", shapes_model=True, minimum=1
+        None, "query heads (default: the preset's, else 4)", shapes_model=True, minimum=1
     )
-    num_query_groups: Optional[int] = flag(None, "--num-query-groups", shapes_model=True, minimum=1)
-    """Grouped-query attention: number of key/value heads (None: one per query head; with
-    `group_query_attention`, Megatron-LM's default 1)."""
-    ffn_hidden_size: Optional[int] = flag(None, "--ffn-hidden-size", shapes_model=True, minimum=1)
-    """SwiGLU inner width (None: the preset's, else LLaMA's 8/3 x hidden rounded up to a
-    multiple of 256)."""
-    seq_length: Optional[int] = flag(None, "--seq-length", shapes_model=True, minimum=1)
-    """Tokens per sequence (the run's one value, which `BatchConfig` and `DataConfig` also
-    receive). Rotary positions need no table, so None (a model built alone) means 128."""
-    rotary_base: int = flag(10000, "--rotary-base", shapes_model=True)
-    rotary_percent: float = flag(
-        1.0, "--rotary-percent", "fraction of head channels rotated", shapes_model=True
+    num_query_groups: Optional[int] = flag(
+        None,
+        "key/value heads of grouped-query attention (default: one per query head; 1 with "
+        "--group-query-attention, as in Megatron-LM)",
+        shapes_model=True,
+        minimum=1,
     )
+    ffn_hidden_size: Optional[int] = flag(
+        None,
+        "SwiGLU inner width (default: the preset's, else LLaMA's 8/3 x hidden rounded up to a "
+        "multiple of 256)",
+        shapes_model=True,
+        minimum=1,
+    )
+    seq_length: Optional[int] = flag(None, "tokens per sample", shapes_model=True, minimum=1)
+    """The run's one value, which `BatchConfig` and `DataConfig` also receive. Rotary positions
+    need no table, so None (a model built alone) means 128."""
+    rotary_base: int = flag(10000, "base of the rotary frequencies", shapes_model=True)
+    rotary_percent: float = flag(1.0, "fraction of head channels rotated", shapes_model=True)
     head_dim: Optional[int] = flag(
-        None, "--kv-channels", "channels per attention head", shapes_model=True, minimum=1
+        None,
+        "channels per attention head (default: hidden size / heads)",
+        shapes_model=True,
+        minimum=1,
+        name="--kv-channels",
     )
-    """Channels per attention head (--kv-channels); None: hidden_size / num_attention_heads."""
-    norm_epsilon: float = flag(1e-5, "--norm-epsilon", shapes_model=True)
-    init_method_std: float = flag(0.02, "--init-method-std")
-    hidden_dropout: float = flag(0.0, "--hidden-dropout", command_line_default=0.1)
-    """Dropout after attention and MLP: Megatron-LM's 0.1 on the command line; 0.0 for a model
-    built in code (deterministic forwards, which the numerics tests compare)."""
-    attention_dropout: float = flag(0.0, "--attention-dropout", command_line_default=0.1)
-    """Dropout of the attention probabilities (the command line's default as --hidden-dropout)."""
-    qk_layernorm: bool = flag(False, "--qk-layernorm", shapes_model=True)
+    norm_epsilon: float = flag(1e-5, "RMSNorm epsilon", shapes_model=True)
+    init_method_std: float = flag(0.02, "std of the normal weight init")
+    hidden_dropout: float = flag(0.0, "dropout after attention and MLP", command_line_default=0.1)
+    """Megatron-LM's 0.1 on the command line; 0.0 for a model built in code (deterministic
+    forwards, which the numerics tests compare)."""
+    attention_dropout: float = flag(
+        0.0, "dropout of the attention probabilities", command_line_default=0.1
+    )
+    qk_layernorm: bool = flag(False, "RMSNorm on queries and keys", shapes_model=True)
     transformer_impl: str = flag(
         "local",
-        "--transformer-impl",
         "transformer_engine (TE on CUDA) or local (megatron-core modules with CPU twins); "
         "default: transformer_engine where TE and a GPU are present, else local",
         command_line_default=default_transformer_impl,
         choices=TRANSFORMER_IMPLS,
     )
-    """'local' (megatron-core modules + CPU twins) or 'transformer_engine'. The command line
-    defaults to Megatron-LM's transformer_engine where TE and a GPU are present; a model built
-    in code stays on the local path unless asked (so it runs on CPU tensors anywhere)."""
+    """A model built in code stays on the local path unless asked (it runs on CPU anywhere)."""
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
     use_cpu_initialization: bool = flag(
-        True,
-        "--use-cpu-initialization",
-        "initialise weights on CPU from one seeded stream (identical at every TP size)",
+        True, "initialise weights on CPU from one seeded stream (identical at every TP size)"
     )
-    """Build weights on CPU from one seeded stream, so that any TP size gets the same model."""
     perform_initialization: bool = True
     recompute_granularity: Optional[str] = flag(
-        None, "--recompute-granularity", choices=RECOMPUTE_GRANULARITIES
+        None,
+        "recompute activations in backward: full layers or selective parts",
+        choices=RECOMPUTE_GRANULARITIES,
     )
-    recompute_method: Optional[str] = flag(None, "--recompute-method", choices=RECOMPUTE_METHODS)
-    recompute_num_layers: Optional[int] = flag(None, "--recompute-num-layers")
+    recompute_method: Optional[str] = flag(
+        None,
+        "full recompute: uniform (chunks of layers) or block (the first N per stage)",
+        choices=RECOMPUTE_METHODS,
+    )
+    recompute_num_layers: Optional[int] = flag(None, "layers per --recompute-method chunk/block")
     extra_transformer_config: dict = field(default_factory=dict)
     """Further TransformerConfig fields, passed through unchanged (Megatron-style overrides)."""
     model_size: Optional[str] = flag(
         None,
-        "--model-size",
         "preset depth/width/heads/FFN for the paper's scales (explicit flags override)",
         shapes_model=True,
         choices=sorted(MODEL_SIZE_PRESETS),
     )
-    """A `MODEL_SIZE_PRESETS` name: fills the sizes left None."""
-    group_query_attention: bool = flag(
-        False, "--group-query-attention", "use --num-query-groups KV heads", shapes_model=True
-    )
-    """Megatron-LM's switch for --num-query-groups (the command line needs both)."""
+    group_query_attention: bool = flag(False, "use --num-query-groups KV heads", shapes_model=True)
     max_position_embeddings: Optional[int] = flag(
         None,
-        "--max-position-embeddings",
         "accepted for Megatron compatibility; rotary positions need no table",
         shapes_model=True,
     )
-    """Recorded only: rotary positions need no table."""
     recompute_activations: bool = flag(
-        False,
-        "--recompute-activations",
-        "selective recomputation (same as --recompute-granularity selective)",
+        False, "selective recomputation (same as --recompute-granularity selective)"
     )
-    """Megatron-LM's short form of recompute_granularity 'selective'."""
 
     derived: tuple[str, ...] = field(default=(), compare=False, repr=False)
     """The flag fields left None that this config filled (a preset's or the debug model's sizes,

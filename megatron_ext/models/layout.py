@@ -2,7 +2,8 @@
 (`ParallelConfig`) and precision (`PrecisionConfig`), with their flags, the one type of each
 that the model builder, the memory planner, the engines and the test harness take; the checks
 that need them together with the model's shapes (`check_layout`), and megatron's
-`TransformerConfig` composed from the three (`compose_transformer_config`).
+`TransformerConfig` is composed from the three by the model builder
+(`models.builder.compose_transformer_config`).
 
 `ModelConfig` describes the model only; `build_model(model_cfg, parallel=..., precision=...)`
 applies the layout afterwards, as torchtitan's `parallelize_llama(model, parallel_dims, ...)`.
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron_ext.config_flags import check_flag_values, flag
 from megatron_ext.models.config import ModelConfig
@@ -25,7 +25,6 @@ __all__ = [
     "ParallelConfig",
     "PrecisionConfig",
     "check_layout",
-    "compose_transformer_config",
     "validate_parallel_layout",
 ]
 
@@ -40,61 +39,39 @@ def validate_parallel_layout(
     context_parallel_size: int = 1,
 ) -> int:
     """Check that the ranks split into TP x CP x PP x DP; return the data-parallel size."""
-    for name, value in (
-        ("--tensor-model-parallel-size", tensor_model_parallel_size),
-        ("--pipeline-model-parallel-size", pipeline_model_parallel_size),
-        ("--context-parallel-size", context_parallel_size),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    model_parallel = (
-        tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
-    )
-    if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
-            f"size {tensor_model_parallel_size}x{pipeline_model_parallel_size}x"
-            f"{context_parallel_size}={model_parallel}; change --nproc-per-node or the parallel "
-            "sizes"
-        )
-    return world_size // model_parallel
+    sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
+    return ParallelConfig(*sizes).resolve(world_size).data_parallel_size
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
 
-    tensor_model_parallel_size: int = flag(1, "--tensor-model-parallel-size", minimum=1)
-    pipeline_model_parallel_size: int = flag(1, "--pipeline-model-parallel-size", minimum=1)
-    context_parallel_size: int = flag(1, "--context-parallel-size", minimum=1)
-    sequence_parallel: bool = flag(False, "--sequence-parallel")
-    """Split norm/dropout activations over the sequence across TP ranks (Megatron-LM's SP)."""
+    tensor_model_parallel_size: int = flag(1, "ranks that split each layer's matrices", minimum=1)
+    pipeline_model_parallel_size: int = flag(1, "ranks that split the layers", minimum=1)
+    context_parallel_size: int = flag(1, "ranks that split the sequence in attention", minimum=1)
+    sequence_parallel: bool = flag(
+        False, "split norm/dropout activations over the sequence across TP ranks"
+    )
     use_distributed_optimizer: bool = flag(
-        False,
-        "--use-distributed-optimizer",
-        "shard optimizer states across data-parallel ranks (ZeRO-1)",
+        False, "shard optimizer states across data-parallel ranks (ZeRO-1)"
     )
     distributed_backend: Optional[str] = flag(
-        None,
-        "--distributed-backend",
-        "default: nccl on CUDA, gloo on CPU",
-        choices=("nccl", "gloo"),
+        None, "default: nccl on CUDA, gloo on CPU", choices=("nccl", "gloo")
     )
     distributed_timeout_minutes: float = flag(
         10,
-        "--distributed-timeout-minutes",
         "how long a collective may wait for the other ranks (fractions allowed: 0.1 = 6 s)",
+        above=0,
     )
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None,
-        "--num-layers-per-virtual-pipeline-stage",
         "layers per model chunk: each pipeline rank runs num-layers / (PP x N) chunks with "
         "the interleaved 1F1B schedule (portable engine)",
         minimum=1,
     )
     num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
         None,
-        "--num-virtual-stages-per-pipeline-rank",
         "model chunks per pipeline rank (Megatron-LM's other spelling of the interleaved "
         "schedule: sets --num-layers-per-virtual-pipeline-stage to num-layers / (PP x N))",
         minimum=1,
@@ -109,10 +86,6 @@ class ParallelConfig:
         check_flag_values(self)
         if self.data_parallel_size < 1:
             raise ValueError(f"data-parallel size must be >= 1, got {self.data_parallel_size}")
-        if not self.distributed_timeout_minutes > 0:
-            raise ValueError(
-                f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}"
-            )
         if self.num_layers_per_virtual_pipeline_stage and self.num_virtual_stages_per_pipeline_rank:
             raise ValueError(
                 "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-"
@@ -140,19 +113,16 @@ class ParallelConfig:
         pp, stages = self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank
         per_stage = self.num_layers_per_virtual_pipeline_stage
         if stages is not None:
-            if num_layers % (pp * stages):
-                raise ValueError(
-                    f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-"
-                    f"size {pp} x --num-virtual-stages-per-pipeline-rank {stages} = "
-                    f"{pp * stages}; change one of them"
-                )
-            per_stage = None if stages == 1 else num_layers // (pp * stages)
-        elif per_stage is not None and num_layers % (pp * per_stage):
+            name, n = "--num-virtual-stages-per-pipeline-rank", stages
+        else:
+            name, n = "--num-layers-per-virtual-pipeline-stage", per_stage
+        if n is not None and num_layers % (pp * n):
             raise ValueError(
                 f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-                f"{pp} x --num-layers-per-virtual-pipeline-stage {per_stage} = {pp * per_stage}; "
-                "change one of them"
+                f"{pp} x {name} {n} = {pp * n}; change one of them"
             )
+        if stages is not None:
+            per_stage = None if stages == 1 else num_layers // (pp * stages)
         derived = dataclasses.replace(
             self,
             num_layers_per_virtual_pipeline_stage=per_stage,
@@ -162,18 +132,17 @@ class ParallelConfig:
         return self if derived == self else derived
 
     @property
-    def _model_parallel_sizes(self) -> tuple[int, int, int]:
+    def _model_parallel(self) -> int:
         return (
-            self.tensor_model_parallel_size,
-            self.pipeline_model_parallel_size,
-            self.context_parallel_size,
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
         )
 
     @property
     def world_size(self) -> int:
         """TP x CP x PP x DP ranks."""
-        tp, pp, cp = self._model_parallel_sizes
-        return tp * pp * cp * self.data_parallel_size
+        return self._model_parallel * self.data_parallel_size
 
     def resolve(self, world_size: int) -> "ParallelConfig":
         """This layout on `world_size` ranks: the data-parallel size derived (self if it is).
@@ -181,7 +150,18 @@ class ParallelConfig:
         Raises:
             ValueError: the ranks do not split into TP x CP x PP x DP.
         """
-        dp = validate_parallel_layout(world_size, *self._model_parallel_sizes)
+        tp, pp, cp = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
+        if world_size % self._model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
+                f"size {tp}x{pp}x{cp}={self._model_parallel}; change --nproc-per-node or the "
+                "parallel sizes"
+            )
+        dp = world_size // self._model_parallel
         if dp == self.data_parallel_size:
             return self
         return dataclasses.replace(self, data_parallel_size=dp)
@@ -192,45 +172,30 @@ class PrecisionConfig:
     """The run's precision: the parameters' dtype, the portable engine's autocast, the FP8
     recipe (Transformer Engine) and FP16 loss scaling (see `training/precision.py`)."""
 
-    bf16: bool = flag(False, "--bf16", "BF16 autocast (fp32 master weights)")
-    fp16: bool = flag(False, "--fp16", "FP16 autocast with dynamic loss scaling")
+    bf16: bool = flag(False, "BF16 autocast (fp32 master weights)")
+    fp16: bool = flag(False, "FP16 autocast with dynamic loss scaling")
     fp8_format: Optional[str] = flag(
-        None,
-        "--fp8-format",
-        "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
-        choices=FP8_FORMATS,
+        None, "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)", choices=FP8_FORMATS
     )
-    fp8_margin: int = flag(
-        0, "--fp8-margin", "FP8 scaling margin (DelayedScaling)", needs="fp8_format"
-    )
+    fp8_margin: int = flag(0, "FP8 scaling margin (DelayedScaling)", needs="fp8_format")
     fp8_amax_history_len: int = flag(
-        1,
-        "--fp8-amax-history-len",
-        "amax history length of FP8 delayed scaling",
-        minimum=1,
-        needs="fp8_format",
+        1, "amax history length of FP8 delayed scaling", minimum=1, needs="fp8_format"
     )
     fp8_amax_compute_algo: str = flag(
-        "most_recent",
-        "--fp8-amax-compute-algo",
-        "amax from the history",
-        choices=("most_recent", "max"),
+        "most_recent", "amax from the history", choices=("most_recent", "max")
     )
     fp8_param_gather: bool = flag(
         False,
-        "--fp8-param-gather",
         "keep FP8 weights and all-gather them in FP8 (megatron-core's distributed optimizer: "
         "--ddp-impl megatron --use-distributed-optimizer with --fp8-format)",
     )
-    loss_scale: Optional[float] = flag(None, "--loss-scale", "static FP16 loss scale")
+    loss_scale: Optional[float] = flag(None, "static FP16 loss scale")
     """Static FP16 loss scale (None: dynamic)."""
-    initial_loss_scale: float = flag(2.0**32, "--initial-loss-scale")
-    min_loss_scale: float = flag(1.0, "--min-loss-scale")
-    loss_scale_window: int = flag(1000, "--loss-scale-window")
-    hysteresis: int = flag(2, "--hysteresis")
-    grad_reduce_in_bf16: bool = flag(
-        False, "--grad-reduce-in-bf16", "all-reduce data-parallel gradients in bfloat16"
-    )
+    initial_loss_scale: float = flag(2.0**32, "first dynamic FP16 loss scale")
+    min_loss_scale: float = flag(1.0, "least dynamic FP16 loss scale")
+    loss_scale_window: int = flag(1000, "finite steps before the loss scale grows")
+    hysteresis: int = flag(2, "overflows tolerated before the loss scale shrinks")
+    grad_reduce_in_bf16: bool = flag(False, "all-reduce data-parallel gradients in bfloat16")
     params_dtype: torch.dtype = torch.float32
     """The dtype the model's parameters are built in: float32 under the portable engine, which
     runs --bf16/--fp16 as autocast over them; bfloat16 with --bf16 under --ddp-impl megatron
@@ -297,66 +262,3 @@ def check_layout(
             "--fp8-format needs --transformer-impl transformer_engine on a CUDA GPU; "
             "FP8 is not available on CPU"
         )
-
-
-def compose_transformer_config(
-    model_cfg: ModelConfig,
-    parallel: Optional[ParallelConfig] = None,
-    precision: Optional[PrecisionConfig] = None,
-):
-    """megatron-core's `TransformerConfig` of `model_cfg` built at `parallel` and `precision`
-    (checked by `check_layout` first); `model_cfg.extra_transformer_config` is applied last."""
-    # megatron.core on first use: `megatron_ext.models` keeps the configs importable without
-    # it (its megatron-core modules are lazy exports, megatron_ext/_lazy.py).
-    import megatron_ext.megatron_import  # noqa: F401
-
-    from megatron.core.transformer import TransformerConfig
-
-    parallel, precision = parallel or ParallelConfig(), precision or PrecisionConfig()
-    check_layout(model_cfg, parallel, precision)
-    dtype = precision.params_dtype
-    fp8 = {}
-    if precision.fp8_format is not None:
-        fp8 = {f"fp8_{k}": v for k, v in precision.fp8_recipe().items()}
-        fp8.update(fp8=precision.fp8_format, fp8_param=precision.fp8_param_gather)
-    kwargs = dict(
-        num_layers=model_cfg.num_layers,
-        hidden_size=model_cfg.hidden_size,
-        num_attention_heads=model_cfg.num_attention_heads,
-        num_query_groups=model_cfg.num_query_groups,
-        ffn_hidden_size=model_cfg.ffn_hidden_size,
-        kv_channels=model_cfg.kv_channels,
-        normalization="RMSNorm",
-        layernorm_epsilon=model_cfg.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=model_cfg.qk_layernorm,
-        hidden_dropout=model_cfg.hidden_dropout,
-        attention_dropout=model_cfg.attention_dropout,
-        init_method_std=model_cfg.init_method_std,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        sequence_parallel=parallel.sequence_parallel,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        pipeline_dtype=dtype,
-        use_cpu_initialization=model_cfg.use_cpu_initialization,
-        perform_initialization=model_cfg.perform_initialization,
-        recompute_granularity=model_cfg.recompute_granularity,
-        recompute_method=model_cfg.recompute_method,
-        recompute_num_layers=model_cfg.recompute_num_layers,
-        # Fusions that need apex or CUDA kernels stay off; TE fuses on its own.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        **fp8,
-    )
-    kwargs.update(model_cfg.extra_transformer_config)
-    return TransformerConfig(**kwargs)

@@ -52,7 +52,7 @@ class LeviathanModel(GPTModel):
     Args:
         model_config: the backbone and its input embedding.
         config: megatron's TransformerConfig of `model_config` at the run's layout and
-            precision (`models.layout.compose_transformer_config`; `build_model` composes it).
+            precision (`models.builder.compose_transformer_config`; `build_model` composes it).
         pre_process: this pipeline stage holds the input embedding.
         post_process: this pipeline stage holds the final norm and the output head.
         share_embeddings_and_output_weights: tie the input table with the output head

@@ -13,7 +13,7 @@ import csv
 import io
 import sys
 
-from megatron_ext.cli import run_tool
+from megatron_ext.cli import HelpFormatter, run_tool
 from megatron_ext.config_flags import add_flags, flag_values
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.models.config import (
@@ -236,20 +236,42 @@ def build_parser() -> argparse.ArgumentParser:
     """The tool's flags; the model's, LEV's and the layout's are the run's own fields (its
     plan's defaults where a plan's purpose differs: --seq-length, --bf16)."""
     parser = argparse.ArgumentParser(
-        description="Parameter table of every arm x scale x vocabulary, from the configuration."
+        usage="%(prog)s [options]",
+        description="Parameter counts of every arm x scale x vocabulary from the configuration\n"
+        "alone (nothing is allocated); with --memory, per-GPU memory and training FLOPs of a\n"
+        "parallel layout instead.",
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--format", choices=("markdown", "csv"), default="markdown")
-    parser.add_argument("--scales", nargs="+", choices=sorted(MODEL_SIZE_PRESETS), default=None)
-    parser.add_argument("--vocab-sizes", nargs="+", type=int, default=list(PAPER_VOCAB_SIZES))
-    parser.add_argument("--arms", nargs="+", choices=EMBEDDING_TYPES, default=list(EMBEDDING_TYPES))
-    add_flags(parser, ModelConfig, *_SHAPE)
-    add_flags(
-        parser.add_argument_group("LEV", "LEV input generator (docs/lev.md section 2)"), LEVConfig
+    parser.add_argument(
+        "--format", choices=("markdown", "csv"), default="markdown", help="table format"
+    )
+    parser.add_argument(
+        "--scales",
+        nargs="+",
+        choices=sorted(MODEL_SIZE_PRESETS),
+        default=None,
+        help="--model-size presets to count (default: all, or the shape the model flags give)",
+    )
+    parser.add_argument(
+        "--vocab-sizes",
+        nargs="+",
+        type=int,
+        default=list(PAPER_VOCAB_SIZES),
+        help="vocabulary sizes to count",
+    )
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=EMBEDDING_TYPES,
+        default=list(EMBEDDING_TYPES),
+        help="input-embedding arms to count",
     )
     group = parser.add_argument_group("memory", "per-GPU memory and FLOPs (--memory)")
     group.add_argument("--memory", action="store_true", help="print memory/FLOPs, not params")
     add_flags(group, ParallelConfig, "tensor_model_parallel_size", "pipeline_model_parallel_size")
-    group.add_argument("--data-parallel-size", type=int, default=1)
+    group.add_argument(
+        "--data-parallel-size", type=int, default=1, help="data-parallel ranks of the plan"
+    )
     add_flags(group, ParallelConfig, "sequence_parallel")
     add_flags(
         group, BatchConfig, "micro_batch_size", default=1, help="default 1 (training requires it)"
@@ -280,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="distinct ids per token in a micro-batch (LEV dedup; 1 = upper bound)",
+    )
+    shape = parser.add_argument_group("model", "a custom shape instead of the --scales presets")
+    add_flags(shape, ModelConfig, *_SHAPE)
+    add_flags(
+        parser.add_argument_group("LEV", "LEV input generator (docs/lev.md section 2)"), LEVConfig
     )
     return parser
 

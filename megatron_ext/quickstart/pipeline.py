@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ext import cpu_accel
-from megatron_ext.cli import run_tool
+from megatron_ext.cli import HelpFormatter, run_tool
 from megatron_ext.evaluation.report import write_comparison_report
 from megatron_ext.quickstart.stages import (
     Stage,
@@ -451,23 +451,25 @@ def _export(s: Settings, tmp: Path) -> str:
     return f"Hugging Face model {short_path(str(s.out / 'export' / 'hf'))}"
 
 
-def parse_args(argv=None) -> tuple[Settings, bool]:
-    """The command line -> (settings, --fresh); bad input exits 2 with one line."""
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser() -> argparse.ArgumentParser:
+    """The quick start's options (its model is tiny on purpose: minutes on a laptop CPU)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/quickstart", help="output directory")
-    p.add_argument("--arms", nargs="+", default=["tied", "lev"], choices=ALL_ARMS)
+    p.add_argument(
+        "--arms", nargs="+", default=["tied", "lev"], choices=ALL_ARMS, help="arms to train"
+    )
     p.add_argument("--iters", type=int, default=150, help="training iterations per arm")
     p.add_argument("--nproc", type=int, default=2, help="CPU processes (= TP size)")
     p.add_argument("--corpus", help="your training jsonl file or directory (default: sample)")
     p.add_argument("--valid-corpus", help="your validation jsonl file (with --corpus)")
     p.add_argument("--corpus-mb", type=float, default=4.0, help="size of the sample corpus")
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--eval-interval", type=int, default=20)
+    p.add_argument(
+        "--hidden-size", type=int, default=128, help="model width (a tiny model, for CPU minutes)"
+    )
+    p.add_argument("--num-layers", type=int, default=4, help="transformer layers (tiny, as above)")
+    p.add_argument("--eval-interval", type=int, default=20, help="iterations between validations")
     p.add_argument("--no-export", action="store_true", help="skip the Hugging Face export")
-    p.add_argument("--title", default="Quick start: TIED vs LEVIATHAN")
+    p.add_argument("--title", default="Quick start: TIED vs LEVIATHAN", help="the report's title")
     p.add_argument("--fresh", action="store_true", help="delete OUT and start over")
     p.add_argument(
         "--no-cpu-accel",
@@ -475,6 +477,12 @@ def parse_args(argv=None) -> tuple[Settings, bool]:
         help="run every stage without the CPU accelerations (compiled C++ kernels, host-memory "
         "tuning): the portable paths, same results, slower; as MEGATRON_EXT_CPU_ACCEL=0",
     )
+    return p
+
+
+def parse_args(argv=None) -> tuple[Settings, bool]:
+    """The command line -> (settings, --fresh); bad input exits 2 with one line."""
+    p = build_parser()
     a = p.parse_args(argv)
     if a.no_cpu_accel:
         cpu_accel.disable()  # the stages' processes inherit it

@@ -1,14 +1,10 @@
 """The command line of `pretrain_leviathan.py` (Megatron-LM's names and meanings): the parser
-generated from the config fields, and `parse_config`, which turns argv into one frozen
-`RunConfig`. The namespace does not leave this module.
-
-Every flag is declared on the field of the config that owns it (`config_flags.flag`) or
-answered by a `megatron_compat` rule. `parse_config` parses, restores the model flags from a
-checkpoint's args.json (`--use-checkpoint-args`: the fields marked `shapes_model` and the
-`--lev-*` flags), applies Megatron-LM's flag-level rewrites, builds the `RunConfig` (deriving
-what Megatron-LM derives: `BatchConfig.from_run_length`, `OptimizerConfig.from_schedule`,
-`ParallelConfig.resolve`) and checks what this machine must have. `run_config_from_args_json`
-builds the same config from a checkpoint's args.json (`RunConfig.args_json` writes it).
+generated from the config fields (`config_flags`) and the `megatron_compat` rules, and
+`parse_config`, which turns argv into one frozen `RunConfig`: it restores the model flags from a
+checkpoint (`--use-checkpoint-args`), applies Megatron-LM's flag-level rewrites, builds the
+configs (deriving what Megatron-LM derives) and checks what this machine must have.
+`run_config_from_args_json` builds the same config from a checkpoint's args.json. The
+namespace does not leave this module.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_ext.checkpoint.format import checkpoint_dir, read_latest_iteration
+from megatron_ext.cli import HelpFormatter
 from megatron_ext.config_flags import ArgumentError, add_flags, flag_dest, flag_fields, flag_values
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
@@ -96,8 +93,10 @@ _PARTS = dict(
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: one argument group per config, then Megatron-LM's other flags."""
     parser = argparse.ArgumentParser(
+        usage="%(prog)s [options]  (Megatron-LM's flags; launch with torchrun)",
         description="Pretrain Leviathan models and the paper's baselines (Megatron-LM flags)",
         allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
     for cls, title, description in _GROUPS:
         group = parser.add_argument_group(title, description)
@@ -200,12 +199,6 @@ def _lev_values(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
-    """Every field of `cls` that `args` holds: flags by their dest, derived values by name."""
-    fields = [f for f in dataclasses.fields(cls) if f.name != "params_dtype"]
-    return {f.name: getattr(args, flag_dest(f)) for f in fields if hasattr(args, flag_dest(f))}
-
-
 def _model(args: argparse.Namespace) -> tuple[ModelConfig, LEVConfig]:
     """The model of parsed flags (its vocabulary None: the tokenizer's) and the LEV flags."""
     lev = LEVConfig(**_lev_values(args))
@@ -218,9 +211,9 @@ def _run_config(args: argparse.Namespace, world_size: Optional[int]) -> RunConfi
     checkpoint's args.json (`world_size` None: the derived values as it recorded them)."""
     seq_length, seed = getattr(args, "seq_length", None), getattr(args, "seed", 1234)
     if world_size is None:
-        parallel = ParallelConfig(**_values(ParallelConfig, args))
-        batch = BatchConfig(**_values(BatchConfig, args))
-        optim = OptimizerConfig(**_values(OptimizerConfig, args))
+        parallel = ParallelConfig(**flag_values(ParallelConfig, args, derived=True))
+        batch = BatchConfig(**flag_values(BatchConfig, args, derived=True))
+        optim = OptimizerConfig(**flag_values(OptimizerConfig, args, derived=True))
     else:
         parallel = ParallelConfig(**flag_values(ParallelConfig, args)).resolve(world_size)
         batch = BatchConfig.from_run_length(
@@ -240,7 +233,7 @@ def _run_config(args: argparse.Namespace, world_size: Optional[int]) -> RunConfi
         seq_length=seq_length, seed=seed, tokenizer_fingerprint=fingerprint,
         **flag_values(DataConfig, args),
     )  # fmt: skip
-    parts = {name: cls(**_values(cls, args)) for name, cls in _PARTS.items()}
+    parts = {name: cls(**flag_values(cls, args, derived=True)) for name, cls in _PARTS.items()}
     return RunConfig(batch, optim, parallel, seed=seed, model=model, lev=lev, data=data, **parts)
 
 

@@ -3,11 +3,11 @@ settings (batch and run length, optimizer, exit, evaluation, checkpoint, logging
 engine), the parallel layout and precision (`models.layout`), the model with its LEV
 hyper-parameters (`models.config`, `lev.config`) and the data (`data.loading`).
 
-Each part declares its flags on its fields and checks itself in `__post_init__`; `RunConfig`
-checks what spans two parts and derives what one part gives another; `resolve(world_size)`
-derives the data-parallel size. `training.arguments.parse_config` builds it from the command
-line, and `RunConfig.args_json()` is what args.json records: docs/architecture.md "One flag,
-end to end".
+Each part declares its flags on its fields (the help says what a flag does; --help adds its
+default) and checks itself in `__post_init__`; `RunConfig` checks what spans two parts and
+derives what one part gives another; `resolve(world_size)` derives the data-parallel size.
+`training.arguments.parse_config` builds it from the command line, and `RunConfig.args_json()`
+is what args.json records: docs/architecture.md "One flag, end to end".
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ __all__ = [
     "ParallelConfig",
     "PrecisionConfig",
     "RunConfig",
-    "is_decoupled_param",
 ]
 
 
@@ -114,35 +113,35 @@ class BatchConfig:
     seq_length: int
     """Tokens per sample (--seq-length, `ModelConfig`'s flag: the length the model is built for)."""
     micro_batch_size: Optional[int] = flag(
-        1, "--micro-batch-size", command_line_default=None, minimum=1
-    )
-    """Required on the command line (as in Megatron-LM)."""
-    global_batch_size: Optional[int] = flag(
         1,
-        "--global-batch-size",
-        "default: micro-batch size x data-parallel size (no accumulation)",
+        "sequences per forward and backward on one rank (required)",
         command_line_default=None,
         minimum=1,
     )
-    """At the end of --rampup-batch-size, if any. Command line: derived when not given."""
-    train_iters: Optional[int] = flag(0, "--train-iters", command_line_default=None, minimum=0)
-    """Iterations to train (derived from --train-samples when that is given)."""
-    train_samples: Optional[int] = flag(None, "--train-samples")
-    """The run length in samples, if given so (`train_iters` is derived from it)."""
+    global_batch_size: Optional[int] = flag(
+        1,
+        "sequences per optimizer step, at the end of --rampup-batch-size if any (default: "
+        "micro-batch size x data-parallel size, no accumulation)",
+        command_line_default=None,
+        minimum=1,
+    )
+    train_iters: Optional[int] = flag(
+        0, "iterations to train (or --train-samples)", command_line_default=None, minimum=0
+    )
+    train_samples: Optional[int] = flag(
+        None, "samples to train (or --train-iters, which it derives)"
+    )
     rampup_batch_size: Optional[list[int]] = flag(
         None,
-        "--rampup-batch-size",
         "grow the global batch from START by INCREMENT over SAMPLES consumed samples",
         nargs=3,
         type=int,
         metavar=("START", "INCREMENT", "SAMPLES"),
     )
-    num_workers: int = flag(0, "--num-workers", "dataloader workers", command_line_default=2)
-    """DataLoader worker processes: Megatron-LM's 2 on the command line; 0 (in-process) for a
-    config built in code."""
+    num_workers: int = flag(0, "dataloader workers", command_line_default=2)
+    """Megatron-LM's 2 on the command line; 0 (in-process) for a config built in code."""
     dataloader_type: str = flag(
         "single",
-        "--dataloader-type",
         "Megatron-LM's sequential pretraining sampler (resumes at the consumed sample)",
         choices=("single",),
     )
@@ -220,51 +219,40 @@ class BatchConfig:
 @dataclass(frozen=True)
 class ExitConfig:
     """When the run stops early: exit conditions (each saves first), non-finite steps, and
-    --skip-train (evaluate a checkpoint, train nothing)."""
+    --skip-train (evaluate a checkpoint, train nothing; `RunConfig` checks it has --load)."""
 
-    exit_interval: Optional[int] = flag(
-        None, "--exit-interval", "exit at a multiple of this", minimum=1
+    exit_interval: Optional[int] = flag(None, "exit at a multiple of this", minimum=1)
+    exit_duration_in_mins: Optional[float] = flag(
+        None, "exit after this many minutes of training", above=0
     )
-    exit_duration_in_mins: Optional[float] = flag(None, "--exit-duration-in-mins")
     exit_signal_handler: bool = flag(
-        False,
-        "--exit-signal-handler",
-        "on SIGTERM, save a checkpoint and exit cleanly at the end of the iteration",
+        False, "on SIGTERM, save a checkpoint and exit cleanly at the end of the iteration"
     )
     check_for_nan_in_loss_and_grad: bool = flag(
-        True,
-        "--check-for-nan-in-loss-and-grad",
-        "stop (or skip, see --skip-nonfinite-steps) on a non-finite loss or grad norm",
+        True, "stop (or skip, see --skip-nonfinite-steps) on a non-finite loss or grad norm"
     )
     skip_nonfinite_steps: bool = flag(
-        False,
-        "--skip-nonfinite-steps",
-        "skip the optimizer step of a non-finite iteration instead of stopping",
+        False, "skip the optimizer step of a non-finite iteration instead of stopping"
     )
-    """Skip the optimizer step of an iteration whose loss or grad norm is not finite (instead of
-    stopping); the run still stops after --max-nonfinite-steps such iterations in a row."""
-    max_nonfinite_steps: int = flag(10, "--max-nonfinite-steps", minimum=1)
+    max_nonfinite_steps: int = flag(
+        10, "stop after this many non-finite iterations in a row", minimum=1
+    )
     skip_train: bool = flag(
-        False,
-        "--skip-train",
-        "load --load, run validation and test, exit (implies --no-load-optim)",
+        False, "load --load, run validation and test, exit (implies --no-load-optim)"
     )
-    """Checked against the checkpoint flags by `RunConfig` (needs --load)."""
 
     def __post_init__(self) -> None:
         check_flag_values(self)
-        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
-            raise ValueError("--exit-duration-in-mins must be > 0")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     """Validation during training (and the test set at the end)."""
 
-    eval_interval: Optional[int] = flag(None, "--eval-interval", minimum=1)
-    """Iterations between validations (Megatron-LM's default None: only after training)."""
-    eval_iters: int = flag(100, "--eval-iters", minimum=0)
-    """Global batches per evaluation (0: no evaluation)."""
+    eval_interval: Optional[int] = flag(
+        None, "iterations between validations (default: only after training)", minimum=1
+    )
+    eval_iters: int = flag(100, "global batches per evaluation (0: no evaluation)", minimum=0)
 
     def __post_init__(self) -> None:
         check_flag_values(self)
@@ -274,61 +262,64 @@ class EvalConfig:
 class OptimizerConfig:
     """AdamW and Megatron's learning-rate / weight-decay schedule (in samples)."""
 
-    optimizer: str = flag("adam", "--optimizer", "AdamW (decoupled WD)", choices=("adam", "adamw"))
-    lr: Optional[float] = flag(None, "--lr")
-    """Required (as on Megatron-LM's command line, which has no default learning rate)."""
-    min_lr: float = flag(0.0, "--min-lr")
+    optimizer: str = flag("adam", "AdamW (decoupled WD)", choices=("adam", "adamw"))
+    lr: Optional[float] = flag(None, "peak learning rate (no default, as in Megatron-LM)")
+    min_lr: float = flag(0.0, "learning rate at the end of the decay")
     lr_decay_style: str = flag(
         "linear",
-        "--lr-decay-style",
+        "learning-rate decay after the warmup",
         choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
     )
-    """Megatron-LM's command-line default (linear), so its launch scripts train the schedule
-    they trained there; a library user gets the same default."""
-    lr_warmup_init: float = flag(0.0, "--lr-warmup-init")
+    lr_warmup_init: float = flag(0.0, "learning rate at the warmup's start")
     lr_wsd_decay_style: str = flag(
         "exponential",
-        "--lr-wsd-decay-style",
+        "the WSD schedule's final decay",
         choices=("exponential", "linear", "cosine", "minus_sqrt"),
     )
-    weight_decay: float = flag(0.01, "--weight-decay")
-    start_weight_decay: Optional[float] = flag(None, "--start-weight-decay")
-    """None: --weight-decay (as is end_weight_decay)."""
-    end_weight_decay: Optional[float] = flag(None, "--end-weight-decay")
-    weight_decay_incr_style: str = flag(
-        "constant", "--weight-decay-incr-style", choices=("constant", "linear", "cosine")
+    weight_decay: float = flag(0.01, "AdamW weight decay", minimum=0)
+    start_weight_decay: Optional[float] = flag(
+        None, "weight decay at the start (default: --weight-decay)"
     )
-    adam_beta1: float = flag(0.9, "--adam-beta1")
-    adam_beta2: float = flag(0.999, "--adam-beta2")
-    adam_eps: float = flag(1e-8, "--adam-eps")
-    clip_grad: float = flag(1.0, "--clip-grad", "0 disables clipping")
+    end_weight_decay: Optional[float] = flag(
+        None, "weight decay at the end (default: --weight-decay)"
+    )
+    weight_decay_incr_style: str = flag(
+        "constant",
+        "how weight decay goes from start to end",
+        choices=("constant", "linear", "cosine"),
+    )
+    adam_beta1: float = flag(0.9, "Adam's first-moment decay, in [0, 1)")
+    adam_beta2: float = flag(0.999, "Adam's second-moment decay, in [0, 1)")
+    adam_eps: float = flag(1e-8, "Adam's denominator epsilon")
+    clip_grad: float = flag(1.0, "0 disables clipping", minimum=0)
     # Megatron-LM spells these two both ways.
     override_opt_param_scheduler: bool = flag(
-        False, "--override-opt_param-scheduler", aliases=("--override-opt-param-scheduler",)
+        False,
+        "take the schedule from the flags, not from the checkpoint loaded",
+        aliases=("--override-opt-param-scheduler",),
+        name="--override-opt_param-scheduler",
     )
     use_checkpoint_opt_param_scheduler: bool = flag(
         False,
-        "--use-checkpoint-opt_param-scheduler",
+        "take the schedule from the checkpoint loaded, not from the flags",
         aliases=("--use-checkpoint-opt-param-scheduler",),
+        name="--use-checkpoint-opt_param-scheduler",
     )
     decoupled_lr: Optional[float] = flag(
-        None,
-        "--decoupled-lr",
-        "peak LR of the input embedding (for LEV: the LEV generator) and the output head",
+        None, "peak LR of the input embedding (for LEV: the LEV generator) and the output head"
     )
     decoupled_min_lr: Optional[float] = flag(
-        None, "--decoupled-min-lr", "minimum LR of those parameters", needs="decoupled_lr"
+        None, "minimum LR of those parameters (default: --min-lr)", needs="decoupled_lr"
     )
-    """None with --decoupled-lr: --min-lr (as in Megatron-LM)."""
     # The schedule as the flags give it, in iterations or in samples (recorded as typed);
     # `from_schedule` turns them into the *_steps below. A config built in code sets those.
-    lr_decay_iters: Optional[int] = flag(None, "--lr-decay-iters")
-    lr_decay_samples: Optional[int] = flag(None, "--lr-decay-samples")
-    lr_warmup_iters: int = flag(0, "--lr-warmup-iters")
-    lr_warmup_samples: int = flag(0, "--lr-warmup-samples")
-    lr_warmup_fraction: Optional[float] = flag(None, "--lr-warmup-fraction")
-    lr_wsd_decay_iters: Optional[int] = flag(None, "--lr-wsd-decay-iters")
-    lr_wsd_decay_samples: Optional[int] = flag(None, "--lr-wsd-decay-samples")
+    lr_decay_iters: Optional[int] = flag(None, "iterations of decay (default: --train-iters)")
+    lr_decay_samples: Optional[int] = flag(None, "samples of decay (default: --train-samples)")
+    lr_warmup_iters: int = flag(0, "iterations of linear warmup")
+    lr_warmup_samples: int = flag(0, "samples of linear warmup")
+    lr_warmup_fraction: Optional[float] = flag(None, "warmup as a fraction of the decay, in [0, 1)")
+    lr_wsd_decay_iters: Optional[int] = flag(None, "iterations of WSD's final decay")
+    lr_wsd_decay_samples: Optional[int] = flag(None, "samples of WSD's final decay")
     # In samples (Megatron-LM steps its scheduler by the global batch size); `from_schedule`
     # derives them from the flags in iterations or samples.
     lr_warmup_steps: int = 0
@@ -343,12 +334,8 @@ class OptimizerConfig:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}), --lr > 0")
         if self.lr_warmup_init > self.lr:
             raise ValueError("--lr-warmup-init must not exceed --lr")
-        if self.clip_grad < 0:
-            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
         if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0):
             raise ValueError("--adam-beta1 and --adam-beta2 must be in [0, 1)")
-        if self.weight_decay < 0:
-            raise ValueError("--weight-decay must be >= 0")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError(
                 "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler conflict"
@@ -360,10 +347,9 @@ class OptimizerConfig:
             )
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_steps is None:
             raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters/-samples")
-        if self.start_weight_decay is None:
-            object.__setattr__(self, "start_weight_decay", self.weight_decay)
-        if self.end_weight_decay is None:
-            object.__setattr__(self, "end_weight_decay", self.weight_decay)
+        for name in ("start_weight_decay", "end_weight_decay"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.weight_decay)
         if self.weight_decay_incr_style == "constant" and (
             self.start_weight_decay != self.end_weight_decay
         ):
@@ -446,66 +432,48 @@ class OptimizerConfig:
         )
 
 
-def is_decoupled_param(name: str) -> bool:
-    """Whether --decoupled-lr applies to parameter `name`: Megatron-LM applies it to the input
-    embedding and the output layer; here the input embedding is the whole arm (for LEV: every
-    LEV generator parameter)."""
-    return name.startswith("embedding.") or name.startswith("output_layer.")
-
-
 @dataclass(frozen=True)
 class CheckpointConfig:
     """torch.distributed.checkpoint directories `<save>/iter_0000100/` + the latest marker."""
 
-    save: Optional[str] = flag(None, "--save", "directory of iter_XXXXXXX/ checkpoints")
-    load: Optional[str] = flag(None, "--load")
-    save_interval: Optional[int] = flag(None, "--save-interval", minimum=1, needs="save")
+    save: Optional[str] = flag(None, "directory of iter_XXXXXXX/ checkpoints")
+    load: Optional[str] = flag(None, "directory of the checkpoints to resume from")
+    save_interval: Optional[int] = flag(
+        None, "iterations between checkpoints", minimum=1, needs="save"
+    )
     ckpt_keep_last: Optional[int] = flag(
-        None,
-        "--ckpt-keep-last",
-        "keep only the newest N checkpoints in --save (default: keep all)",
-        minimum=1,
+        None, "keep only the newest N checkpoints in --save (default: keep all)", minimum=1
     )
-    ckpt_step: Optional[int] = flag(None, "--ckpt-step", "load this iteration", needs="load")
-    no_save_optim: bool = flag(False, "--no-save-optim")
-    no_save_rng: bool = flag(False, "--no-save-rng")
-    no_load_optim: bool = flag(False, "--no-load-optim")
-    no_load_rng: bool = flag(False, "--no-load-rng")
+    ckpt_step: Optional[int] = flag(None, "load this iteration (default: the latest)", needs="load")
+    no_save_optim: bool = flag(False, "save no optimizer state")
+    no_save_rng: bool = flag(False, "save no RNG state")
+    no_load_optim: bool = flag(False, "load no optimizer state")
+    no_load_rng: bool = flag(False, "load no RNG state")
     finetune: bool = flag(
-        False,
-        "--finetune",
-        "load weights only; reset iteration, optimizer, scheduler and RNG",
-        needs="load",
+        False, "load weights only; reset iteration, optimizer, scheduler and RNG", needs="load"
     )
-    exit_on_missing_checkpoint: bool = flag(False, "--exit-on-missing-checkpoint")
+    exit_on_missing_checkpoint: bool = flag(False, "exit if --load holds no checkpoint")
     verify_checkpoint: bool = flag(
         True,
-        "--no-verify-checkpoint",
         "load without first checking every file of the checkpoint against the digests "
         "recorded when it was saved",
         action="store_false",
     )
-    """--load checks each file of the checkpoint against its digest before reading any."""
     async_save: bool = flag(
         False,
-        "--async-save",
         "write checkpoints in the background (torch.distributed.checkpoint async_save); "
         "the latest marker moves only once every rank's write completed",
         needs="save",
     )
     ckpt_format: str = flag(
         "torch_dcp",
-        "--ckpt-format",
         "plain torch.distributed.checkpoint (DCP) with DTensor tensor-parallel shards; "
         "not Megatron's torch_dist format (tools/convert_checkpoint.py export-megatron writes "
         "a checkpoint Megatron-LM loads). torch_dist, which Megatron-LM launch scripts pass, "
         "is accepted with a logged note and means torch_dcp",
         choices=("torch_dcp", "torch_dist"),
     )
-    """The one format written (the entry point turns Megatron-LM's torch_dist into it)."""
-    use_checkpoint_args: bool = flag(
-        False, "--use-checkpoint-args", "take the model flags from the checkpoint in --load"
-    )
+    use_checkpoint_args: bool = flag(False, "take the model flags from the checkpoint in --load")
     """Applied while parsing (`training.arguments.parse_config`); recorded here."""
 
     def __post_init__(self) -> None:
@@ -516,58 +484,52 @@ class CheckpointConfig:
 class LoggingConfig:
     """What the loop logs, where, and how often (Megatron-LM's logging flags)."""
 
-    log_interval: int = flag(100, "--log-interval", minimum=1)
-    tensorboard_dir: Optional[str] = flag(None, "--tensorboard-dir")
-    tensorboard_log_interval: int = flag(1, "--tensorboard-log-interval", minimum=1)
-    tensorboard_queue_size: int = flag(1000, "--tensorboard-queue-size")
-    log_throughput: bool = flag(False, "--log-throughput", "TFLOP/s per GPU in the line")
-    log_validation_ppl_to_tensorboard: bool = flag(False, "--log-validation-ppl-to-tensorboard")
-    log_timers_to_tensorboard: bool = flag(False, "--log-timers-to-tensorboard")
+    log_interval: int = flag(100, "iterations between log lines", minimum=1)
+    tensorboard_dir: Optional[str] = flag(None, "write TensorBoard events")
+    tensorboard_log_interval: int = flag(1, "iterations between TensorBoard points", minimum=1)
+    tensorboard_queue_size: int = flag(1000, "TensorBoard events queued before a flush")
+    log_throughput: bool = flag(False, "TFLOP/s per GPU in the line")
+    log_validation_ppl_to_tensorboard: bool = flag(False, "validation perplexity too")
+    log_timers_to_tensorboard: bool = flag(False, "the --timing-log-level timers too")
     timing_log_level: int = flag(
         0,
-        "--timing-log-level",
         "1: a line of the time per part of the iteration; 2: also LEV's forwards and "
         "global-batch backward (parts of forward-backward)",
         choices=(0, 1, 2),
     )
-    peak_tflops: Optional[float] = flag(None, "--peak-tflops", "per-GPU peak for MFU")
-    """Per-GPU peak TFLOP/s for MFU (default: looked up from the GPU name)."""
+    peak_tflops: Optional[float] = flag(
+        None, "per-GPU peak for MFU (default: looked up from the GPU name)"
+    )
     log_jsonl: Optional[str] = flag(
-        None,
-        "--log-jsonl",
-        "append one JSON line per iteration (full-precision loss, grad norm, lr, time)",
+        None, "append one JSON line per iteration (full-precision loss, grad norm, lr, time)"
     )
-    """Append one JSON record per iteration (full-precision loss, grad norm, lr) to this file."""
-    loss_curve: bool = flag(True, "--no-loss-curve", action="store_false")
-    """Write loss_curve.png beside the TensorBoard events (or the checkpoints) at the end."""
-    log_params_norm: bool = flag(False, "--log-params-norm", "L2 norm of all parameters")
-    log_num_zeros_in_grad: bool = flag(
-        False, "--log-num-zeros-in-grad", "count of zero gradient entries"
+    loss_curve: bool = flag(
+        True,
+        "write no loss_curve.png beside the TensorBoard events (or checkpoints) at the end",
+        action="store_false",
     )
+    log_params_norm: bool = flag(False, "L2 norm of all parameters")
+    log_num_zeros_in_grad: bool = flag(False, "count of zero gradient entries")
     log_memory_to_tensorboard: bool = flag(
-        False,
-        "--log-memory-to-tensorboard",
-        "memory in use (CUDA allocator, or this process's RSS on CPU)",
+        False, "memory in use (CUDA allocator, or this process's RSS on CPU)"
     )
-    log_world_size_to_tensorboard: bool = flag(False, "--log-world-size-to-tensorboard")
+    log_world_size_to_tensorboard: bool = flag(False, "the number of ranks")
     log_loss_scale_to_tensorboard: bool = flag(
         True,
-        "--no-log-loss-scale-to-tensorboard",
+        "no FP16 loss scale in TensorBoard",
         aliases=("--disable-log-loss-scale-to-tensorboard",),
         action="store_false",
     )
-    logging_level: Optional[int] = flag(
-        None, "--logging-level", "Python logging level (e.g. 10, 20)"
-    )
+    logging_level: Optional[int] = flag(None, "Python logging level (e.g. 10, 20)")
     """Applied by the entry point (the root logger's level) before anything runs."""
-    profile: bool = flag(False, "--profile", "torch.profiler trace beside the TensorBoard logs")
-    profile_step_start: int = flag(10, "--profile-step-start")
-    profile_step_end: int = flag(12, "--profile-step-end")
-    profile_ranks: list[int] = flag([0], "--profile-ranks", nargs="+")
-    wandb_project: Optional[str] = flag(None, "--wandb-project", "Weights & Biases project")
-    wandb_exp_name: Optional[str] = flag(None, "--wandb-exp-name", "Weights & Biases run name")
-    wandb_save_dir: Optional[str] = flag(None, "--wandb-save-dir", "local W&B directory")
-    wandb_entity: Optional[str] = flag(None, "--wandb-entity")
+    profile: bool = flag(False, "torch.profiler trace beside the TensorBoard logs")
+    profile_step_start: int = flag(10, "profile from the iteration after it")
+    profile_step_end: int = flag(12, "last profiled iteration")
+    profile_ranks: list[int] = flag([0], "ranks that profile", nargs="+")
+    wandb_project: Optional[str] = flag(None, "Weights & Biases project")
+    wandb_exp_name: Optional[str] = flag(None, "Weights & Biases run name")
+    wandb_save_dir: Optional[str] = flag(None, "local W&B directory")
+    wandb_entity: Optional[str] = flag(None, "Weights & Biases team or user")
 
     def __post_init__(self) -> None:
         """Checks of these flags alone; --profile's need of a directory (--tensorboard-dir or
@@ -586,27 +548,19 @@ class MemoryConfig:
     host memory (glibc's malloc) and emptying the CUDA caching allocator
     (`run_extras.RunExtras` applies them)."""
 
-    manual_gc: bool = flag(False, "--manual-gc", "disable automatic gc; collect at fixed points")
-    manual_gc_interval: int = flag(
-        0, "--manual-gc-interval", "collect every N iterations", minimum=0
-    )
+    manual_gc: bool = flag(False, "disable automatic gc; collect at fixed points")
+    manual_gc_interval: int = flag(0, "collect every N iterations", minimum=0)
     manual_gc_eval: bool = flag(
-        True,
-        "--no-manual-gc-eval",
-        "no gc around evaluation",
-        aliases=("--disable-manual-gc-eval",),
-        action="store_false",
+        True, "no gc around evaluation", aliases=("--disable-manual-gc-eval",), action="store_false"
     )
     retain_host_memory: bool = flag(
         True,
-        "--no-retain-host-memory",
         "return freed host memory to the OS between iterations (glibc's defaults) instead of "
         "keeping it for the next iteration (`cpu_accel.host_memory`)",
         action="store_false",
     )
     empty_unused_memory_level: int = flag(
         0,
-        "--empty-unused-memory-level",
         "torch.cuda.empty_cache() after each training step (2: also around evaluation); CUDA only",
         choices=(0, 1, 2),
     )
@@ -619,37 +573,28 @@ class MemoryConfig:
 class EngineConfig:
     """Which training engine runs the step: the portable one (`engine_portable`, gloo and NCCL)
     or megatron-core's (`--ddp-impl megatron`, CUDA only), its DDP settings and the loss
-    normalisation."""
+    normalisation (both engines honour --calculate-per-token-loss)."""
 
     ddp_impl: str = flag(
         "portable",
-        "--ddp-impl",
-        "training engine: portable (CPU and GPU; the default) or megatron (megatron-core's "
+        "training engine: portable (CPU and GPU) or megatron (megatron-core's "
         "DistributedDataParallel, distributed optimizer and pipeline schedules; CUDA only)",
         choices=("portable", "megatron"),
     )
     overlap_grad_reduce: bool = flag(
-        False,
-        "--overlap-grad-reduce",
-        "overlap the DP gradient reduce with backward (megatron DDP)",
+        False, "overlap the DP gradient reduce with backward (megatron DDP)"
     )
     overlap_param_gather: bool = flag(
-        False,
-        "--overlap-param-gather",
-        "overlap the distributed optimizer's parameter all-gather with forward",
+        False, "overlap the distributed optimizer's parameter all-gather with forward"
     )
     ddp_bucket_size: Optional[int] = flag(
-        None, "--ddp-bucket-size", "parameters per DDP bucket (default: megatron-core's)", minimum=1
+        None, "parameters per DDP bucket (default: megatron-core's)", minimum=1
     )
     calculate_per_token_loss: bool = flag(
-        False,
-        "--calculate-per-token-loss",
-        "normalise the loss by the global batch's token count (not per micro-batch)",
+        False, "normalise the loss by the global batch's token count (not per micro-batch)"
     )
-    """How the step normalises its loss and gradients (both engines honour it)."""
     cpu_accel: bool = flag(
         True,
-        "--no-cpu-accel",
         "run without the CPU accelerations (compiled C++ kernels, host-memory tuning; "
         "`megatron_ext.cpu_accel`): the portable paths, same results; as "
         "MEGATRON_EXT_CPU_ACCEL=0",
@@ -676,8 +621,7 @@ class RunConfig:
     log: LoggingConfig = field(default_factory=LoggingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    seed: int = flag(1234, "--seed")
-    """Seeds Python, NumPy and torch (offset by the pipeline rank, as Megatron-LM does)."""
+    seed: int = flag(1234, "seeds Python, NumPy and torch (offset by the pipeline rank)")
     model: Optional[ModelConfig] = None
     """The model (None: the model provider given to `pretrain` holds it, as in tests). From the
     command line its vocabulary is None until `with_tokenizer`."""

@@ -57,7 +57,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.config import RunConfig, is_decoupled_param
+from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import (
     CheckpointParts,
     Engine,
@@ -68,7 +68,7 @@ from megatron_ext.training.engine import (
     world_stats,
 )
 from megatron_ext.training.metrics_logger import Timers
-from megatron_ext.training.optimizer import all_finite, build_scheduler
+from megatron_ext.training.optimizer import all_finite, build_scheduler, is_decoupled_param
 from megatron_ext.training.schedules import ForwardStep
 from megatron_ext.training.unique_params import counted_once
 

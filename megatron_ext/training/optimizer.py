@@ -33,7 +33,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ext.lev.config import LEV_PARAMETER_GROUPS
 from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.config import OptimizerConfig, is_decoupled_param
+from megatron_ext.training.config import OptimizerConfig
 from megatron_ext.training.unique_params import counted_params
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,15 @@ __all__ = [
     "all_finite",
     "clip_grad_norm",
     "LossScaler",
+    "is_decoupled_param",
 ]
+
+
+def is_decoupled_param(name: str) -> bool:
+    """Whether --decoupled-lr applies to parameter `name`: Megatron-LM applies it to the input
+    embedding and the output layer; here the input embedding is the whole arm (for LEV: every
+    LEV generator parameter)."""
+    return name.startswith("embedding.") or name.startswith("output_layer.")
 
 
 def _no_weight_decay(name: str, param: torch.Tensor) -> bool:

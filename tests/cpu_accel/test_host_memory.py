@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ext import cpu_accel
+from megatron_ext.config_flags import flag_name
 from megatron_ext.cpu_accel import host_memory
 from megatron_ext.training import run_extras
 from megatron_ext.training.config import MemoryConfig
@@ -95,7 +96,7 @@ def test_the_users_allocator_settings_are_left_alone():
 def test_flag():
     assert MemoryConfig().retain_host_memory is True
     field = MemoryConfig.__dataclass_fields__["retain_host_memory"]
-    assert field.metadata["flag"] == "--no-retain-host-memory"
+    assert flag_name(field) == "--no-retain-host-memory"
 
 
 @pytest.mark.parametrize("cuda", [False, True])

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_ext.config_flags import add_flags, flag_values
+from megatron_ext.config_flags import add_flags, flag_name, flag_values
 from megatron_ext.lev import LEVConfig
 
 
@@ -75,7 +75,7 @@ def test_every_field_but_v_and_d_has_its_generated_flag():
         if field.name in ("vocab_size", "hidden_size"):
             assert "flag" not in field.metadata and flag not in flags
             continue
-        assert field.metadata["flag"] == flag and field.metadata["help"]
+        assert flag_name(field) == flag and field.metadata["help"]
         action = flags[flag]
         assert action.dest == f"lev_{field.name}" and action.help == field.metadata["help"]
         default = action.default

@@ -82,5 +82,5 @@ def test_auto_never_picks_triton_on_cpu_and_triton_refuses_cpu_outside_the_inter
     monkeypatch.setattr(kernel.module, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="runs on CUDA tensors.*--lev-kernel torch"):
         select_backend("triton", z)
-    with pytest.raises(ValueError, match="change --lev-kernel"):
+    with pytest.raises(ValueError, match="--lev-kernel must be one of auto, .*, got 'cuda'"):
         LEVConfig(vocab_size=10, hidden_size=4, kernel="cuda")

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from megatron_ext.config_flags import command_line_default, flag_dest, flag_fields
+from megatron_ext.config_flags import command_line_default, flag_dest, flag_fields, flag_name
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.models.config import EmbeddingConfig, ModelConfig
@@ -43,7 +43,7 @@ def _declared() -> dict[str, dataclasses.Field]:
     out = {}
     for cls in TREE:
         for f in flag_fields(cls):
-            for name in (f.metadata["flag"], *f.metadata["aliases"]):
+            for name in (flag_name(f), *f.metadata["aliases"]):
                 assert name not in out, f"{name} declared twice"
                 out[name] = f
     return out
@@ -92,10 +92,10 @@ def test_one_mechanism_for_every_field_backed_flag():
     parser = build_parser()
     flags = parser._option_string_actions
     for f in flag_fields(LEVConfig):
-        action = flags[f.metadata["flag"]]
+        action = flags[flag_name(f)]
         assert action.dest == "lev_" + f.name and action.help == f.metadata["help"]
         if f.type == "bool":
-            assert flags["--no-" + f.metadata["flag"][2:]] is action
+            assert flags["--no-" + flag_name(f)[2:]] is action
     assert flags["--lev-weight-decay-groups"].nargs == "*"
     assert flags["--lev-kernel"].choices == ("auto", "reference", "torch", "triton", "cpu")
     assert flags["--lev-base"].type is int and flags["--lev-init-output-std"].type is float
@@ -186,7 +186,7 @@ def test_every_model_flag_reaches_args_json_and_round_trips_through_use_checkpoi
         f for cls in (ModelConfig, EmbeddingConfig, DataConfig) for f in flag_fields(cls)
         if f.metadata.get("shapes_model")
     ]  # fmt: skip
-    missing = {f.metadata["flag"] for f in shaping} - SHAPING_VALUES.keys()
+    missing = {flag_name(f) for f in shaping} - SHAPING_VALUES.keys()
     assert not missing, f"give these model-shaping flags a value in SHAPING_VALUES: {missing}"
     argv = [*RUN]
     for name, values in SHAPING_VALUES.items():
@@ -199,8 +199,8 @@ def test_every_model_flag_reaches_args_json_and_round_trips_through_use_checkpoi
     for dest in dests:
         assert dest in saved, dest
     for f in shaping:  # every value in the test differs from the flag's default
-        action = parser._option_string_actions[f.metadata["flag"]]
-        assert saved[flag_dest(f)] != action.default, f.metadata["flag"]
+        action = parser._option_string_actions[flag_name(f)]
+        assert saved[flag_dest(f)] != action.default, flag_name(f)
 
     _write_checkpoint_args(tmp_path, saved)
     # The command line restates none of them (its own NullTokenizer size is overridden too,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.config_flags import flag_fields
+from megatron_ext.config_flags import flag_fields, flag_name
 from megatron_ext.training.arguments import ArgumentError, build_parser, check_machine, parse_config
 from megatron_ext.training.config import EngineConfig, PrecisionConfig
 
@@ -41,7 +41,7 @@ def test_every_gpu_flag_is_declared_by_its_config_field():
         "--fp8-amax-history-len": PrecisionConfig, "--fp8-amax-compute-algo": PrecisionConfig,
     }  # fmt: skip
     for flag, cls in owners.items():
-        (field,) = [f for f in flag_fields(cls) if f.metadata["flag"] == flag]
+        (field,) = [f for f in flag_fields(cls) if flag_name(f) == flag]
         action = parser._option_string_actions[flag]
         assert action.default == field.default, flag  # the command line's default is the field's
     # Megatron-LM's FP8 recipe defaults, written once (the fields'), as TransformerConfig's.

@@ -1,7 +1,7 @@
-"""The command lines as recorded: every option of `pretrain_leviathan.py`'s parser and of the
-tools that share training options (evaluate, generate, convert_checkpoint, count_params), with
-its option strings, dest, default, type, choices, nargs, action class, metavar, required flag,
-help and argument group, compared with `data/parsers.json`.
+"""The command lines as recorded: every option of `pretrain_leviathan.py`'s parser and of every
+tool (tools/*.py but gpu_check, sub-commands included), with its option strings, dest, default,
+type, choices, nargs, action class, metavar, required flag, help and argument group, compared
+with `data/parsers.json`; and every option has a help text, its default shown by --help.
 
 The file was written from main 9e624e2's parsers before issue 47 generated them another way;
 every difference since is intended and recorded in the file by the commit that made it
@@ -64,21 +64,87 @@ def dump(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, dict]:
     return out
 
 
-def parsers() -> dict[str, dict[str, dict]]:
-    """Every recorded command's options."""
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The parser of every command a user runs: pretrain_leviathan.py and tools/*.py."""
+    from megatron_ext import quickstart
     from megatron_ext.conversion import convert_checkpoint
+    from megatron_ext.data import (
+        make_sample_corpus,
+        merge_datasets,
+        preprocess_data,
+        train_tokenizer,
+    )
     from megatron_ext.evaluation import evaluate
     from megatron_ext.inference import generate
     from megatron_ext.models import param_table
     from megatron_ext.training.arguments import build_parser
 
     return {
-        "pretrain_leviathan": dump(build_parser()),
-        "evaluate": dump(evaluate.build_parser()),
-        "generate": dump(generate.build_parser()),
-        "convert_checkpoint": dump(convert_checkpoint.build_parser()),
-        "count_params": dump(param_table.build_parser()),
+        "pretrain_leviathan": build_parser(),
+        "evaluate": evaluate.build_parser(),
+        "generate": generate.build_parser(),
+        "convert_checkpoint": convert_checkpoint.build_parser(),
+        "count_params": param_table.build_parser(),
+        "preprocess_data": preprocess_data.build_parser(),
+        "merge_datasets": merge_datasets.build_parser(),
+        "train_tokenizer": train_tokenizer.build_parser(),
+        "make_sample_corpus": make_sample_corpus.build_parser(),
+        "quickstart": quickstart.pipeline.build_parser(),
     }
+
+
+def parsers() -> dict[str, dict[str, dict]]:
+    """Every recorded command's options."""
+    return {name: dump(parser) for name, parser in command_parsers().items()}
+
+
+def _with_subcommands(name: str, parser: argparse.ArgumentParser):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _with_subcommands(f"{name} {sub_name}", sub)
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    """issue 50: --help describes every option of every command (sub-commands included), and
+    the project's formatter adds each option's default where the help does not name it."""
+    from megatron_ext.cli import HelpFormatter
+
+    empty, plain = [], []
+    for command, parser in command_parsers().items():
+        for name, p in _with_subcommands(command, parser):
+            if p.formatter_class is not HelpFormatter:
+                plain.append(name)
+            formatter = p._get_formatter()
+            for action in p._actions:
+                if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                    continue
+                if not (action.help or "").strip():
+                    empty.append(f"{name} {'/'.join(action.option_strings)}")
+                    continue
+                shown = formatter._expand_help(action)
+                takes_value = action.nargs != 0 or isinstance(
+                    action, argparse.BooleanOptionalAction
+                )
+                # Megatron-LM's compatibility flags keep its defaults (docs/megatron-compat.md).
+                if (
+                    action.default is not argparse.SUPPRESS
+                    and takes_value
+                    and not ("default" in shown or "required" in shown)
+                ):
+                    empty.append(f"{name} {'/'.join(action.option_strings)}: no default shown")
+    assert not plain, f"parsers without cli.HelpFormatter: {plain}"
+    assert not empty, "options without a help text:\n" + "\n".join(empty)
+
+
+def test_count_params_help_says_what_it_does_before_the_model_flags():
+    from megatron_ext.models import param_table
+
+    text = param_table.build_parser().format_help()
+    assert text.index("Parameter counts") < text.index("--format") < text.index("--hidden-size")
+    assert text.index("--memory") < text.index("--lev-num-digits")
+    assert len(text.split("Parameter counts")[0].splitlines()) <= 2  # a short usage line
 
 
 def _machine_independent(record: dict) -> dict:
