@@ -42,8 +42,8 @@ from megatron_ext.checkpoint.format import (
 from megatron_ext.checkpoint.safe_load import read_metadata
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model, check_layout
+from megatron_ext.models.config import model_config_from_args_json
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
-from megatron_ext.training.arguments import model_config_from_args_json
 
 if TYPE_CHECKING:
     from megatron_ext.parallel import ProcessGroups

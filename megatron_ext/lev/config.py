@@ -25,12 +25,19 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from megatron_ext.config_flags import check_flag_values, flag
+from megatron_ext.config_flags import check_flag_values, flag, flag_values
 
-__all__ = ["LEV_PARAMETER_GROUPS", "SPEC_WEIGHT_DECAY_GROUPS", "LEVConfig", "smallest_base"]
+__all__ = [
+    "LEV_PARAMETER_GROUPS",
+    "SPEC_WEIGHT_DECAY_GROUPS",
+    "LEVConfig",
+    "lev_flag_values",
+    "smallest_base",
+]
 
 _COMBINE_MODES = ("sum", "concat")
 _KERNELS = ("auto", "reference", "torch", "triton", "cpu")
@@ -269,3 +276,34 @@ class LEVConfig:
             + self.rank * self.hidden_size
         )
         return self.num_codebook_parameters + self.num_heads * per_head
+
+
+_warned_fused = False
+
+
+def lev_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The --lev-* values of parsed flags or of a checkpoint's args.json, the deprecated
+    --lev-fused/--no-lev-fused (`lev_fused`, also in old args.json) mapped onto `kernel`: False is
+    "reference" (with "auto"; refused with another kernel), True the default. Either warns once
+    per process."""
+    global _warned_fused
+    values = flag_values(LEVConfig, args)
+    fused = getattr(args, "lev_fused", None)
+    if fused is not None:
+        if not _warned_fused:
+            _warned_fused = True
+            warnings.warn(
+                "--lev-fused/--no-lev-fused (lev_fused in args.json) is deprecated: use "
+                "--lev-kernel (--no-lev-fused is --lev-kernel reference)",
+                FutureWarning,
+                stacklevel=3,
+            )
+        kernel = values.get("kernel", "auto")
+        if not fused and kernel not in ("auto", "reference"):
+            raise ValueError(
+                f"--no-lev-fused (deprecated: --lev-kernel reference) contradicts "
+                f"--lev-kernel {kernel}; drop --no-lev-fused"
+            )
+        if not fused:
+            values["kernel"] = "reference"
+    return values

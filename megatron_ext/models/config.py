@@ -9,6 +9,7 @@ tokenizer's (padded), known after parsing: until then `vocab_size` is None.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
@@ -16,8 +17,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron_ext.config_flags import check_flag_values, flag
-from megatron_ext.lev.config import LEVConfig
+from megatron_ext.config_flags import check_flag_values, flag, flag_values
+from megatron_ext.lev.config import LEVConfig, lev_flag_values
 
 __all__ = [
     "EMBEDDING_TYPES",
@@ -26,6 +27,8 @@ __all__ = [
     "EmbeddingConfig",
     "ModelConfig",
     "llama_ffn_hidden_size",
+    "model_config_from_args_json",
+    "model_of_flags",
     "transformer_engine_available",
 ]
 
@@ -337,3 +340,21 @@ class ModelConfig:
             )
             changes["embedding"] = dataclasses.replace(self.embedding, lev=lev)
         return dataclasses.replace(self, **changes)
+
+
+def model_of_flags(args: argparse.Namespace) -> tuple[ModelConfig, LEVConfig]:
+    """The model of parsed flags (its vocabulary None: the tokenizer's) and its LEV flags."""
+    lev = LEVConfig(**lev_flag_values(args))
+    embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, args), lev=lev)
+    return ModelConfig(embedding=embedding, **flag_values(ModelConfig, args)), lev
+
+
+def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:
+    """The model a checkpoint's args.json records (any checkpoint: also one that no run wrote,
+    `training.arguments.args_json_of_flags`), its vocabulary None (the checkpoint's tensors
+    have it).
+
+    Raises:
+        ValueError: a model no config accepts, naming the flag.
+    """
+    return model_of_flags(argparse.Namespace(**saved))[0]

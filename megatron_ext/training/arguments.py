@@ -15,7 +15,6 @@ import importlib.util
 import json
 import logging
 import os
-import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -26,7 +25,7 @@ from megatron_ext.config_flags import ArgumentError, add_flags, flag_dest, flag_
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
 from megatron_ext.lev.config import LEVConfig
-from megatron_ext.models.config import EmbeddingConfig, ModelConfig
+from megatron_ext.models.config import EmbeddingConfig, ModelConfig, model_of_flags
 from megatron_ext.training.config import (
     BatchConfig,
     CheckpointConfig,
@@ -54,7 +53,6 @@ __all__ = [
     "check_machine",
     "checkpoint_args_path",
     "args_json_of_flags",
-    "model_config_from_args_json",
     "model_shaping_dests",
     "parse_config",
     "run_config_from_args_json",
@@ -101,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     for cls, title, description in _GROUPS:
         group = parser.add_argument_group(title, description)
         add_flags(group, cls)
-        if cls is LEVConfig:  # its deprecated alias (old args.json hold it too: `_lev_values`)
+        if cls is LEVConfig:  # its deprecated alias (old args.json hold it too: `lev_flag_values`)
             group.add_argument(
                 "--lev-fused",
                 action=argparse.BooleanOptionalAction,
@@ -169,43 +167,6 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
     logger.info("model flags taken from %s", path)
 
 
-_warned_fused = False
-
-
-def _lev_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The --lev-* values of `args`, the deprecated --lev-fused/--no-lev-fused (`lev_fused`,
-    also in old args.json) mapped onto `kernel`: False is "reference" (with "auto"; refused with
-    another kernel), True the default. Either warns once per process."""
-    global _warned_fused
-    values = flag_values(LEVConfig, args)
-    fused = getattr(args, "lev_fused", None)
-    if fused is not None:
-        if not _warned_fused:
-            _warned_fused = True
-            warnings.warn(
-                "--lev-fused/--no-lev-fused (lev_fused in args.json) is deprecated: use "
-                "--lev-kernel (--no-lev-fused is --lev-kernel reference)",
-                FutureWarning,
-                stacklevel=3,
-            )
-        kernel = values.get("kernel", "auto")
-        if not fused and kernel not in ("auto", "reference"):
-            raise ValueError(
-                f"--no-lev-fused (deprecated: --lev-kernel reference) contradicts "
-                f"--lev-kernel {kernel}; drop --no-lev-fused"
-            )
-        if not fused:
-            values["kernel"] = "reference"
-    return values
-
-
-def _model(args: argparse.Namespace) -> tuple[ModelConfig, LEVConfig]:
-    """The model of parsed flags (its vocabulary None: the tokenizer's) and the LEV flags."""
-    lev = LEVConfig(**_lev_values(args))
-    embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, args), lev=lev)
-    return ModelConfig(embedding=embedding, **flag_values(ModelConfig, args)), lev
-
-
 def _run_config(args: argparse.Namespace, world_size: Optional[int]) -> RunConfig:
     """The `RunConfig` of parsed flags (`world_size` ranks: Megatron-LM's derivations), or of a
     checkpoint's args.json (`world_size` None: the derived values as it recorded them)."""
@@ -225,7 +186,7 @@ def _run_config(args: argparse.Namespace, world_size: Optional[int]) -> RunConfi
             train_samples=args.train_samples,
             **flag_values(OptimizerConfig, args),
         )
-    model, lev = _model(args)
+    model, lev = model_of_flags(args)
     if world_size is not None:
         model.check_as_given()
     fingerprint = getattr(args, "tokenizer_fingerprint", None)  # args.json's
@@ -261,16 +222,6 @@ def run_config_from_args_json(saved: dict[str, Any]) -> RunConfig:
     args = argparse.Namespace(**saved)
     compat = _compat_flags(args, build_parser())
     return dataclasses.replace(_run_config(args, None), compat_flags=compat)
-
-
-def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:
-    """The model a checkpoint's args.json records (any checkpoint: also one that no run wrote,
-    `args_json_of_flags`), its vocabulary None (the checkpoint's tensors have it).
-
-    Raises:
-        ValueError: a model no config accepts, naming the flag.
-    """
-    return _model(argparse.Namespace(**saved))[0]
 
 
 def args_json_of_flags(argv: Sequence[str]) -> dict[str, Any]:

@@ -18,9 +18,9 @@ from megatron_ext.models import (
     PrecisionConfig,
     check_layout,
 )
+from megatron_ext.models.config import model_config_from_args_json
 from megatron_ext.models.layer_specs import get_layer_spec, transformer_engine_available
 from megatron_ext.models.layout import validate_parallel_layout
-from megatron_ext.training.arguments import model_config_from_args_json
 
 BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32)
 

@@ -358,3 +358,20 @@ def test_function_local_import_check_sees_what_it_must(tmp_path):
         (2, "megatron_ext", False), (3, "torch", False), (5, "wandb", True),
         (6, "transformers", True), (9, "lm_eval", False),
     ]  # fmt: skip
+
+
+def test_reading_a_checkpoint_does_not_go_through_training():
+    """inference/, conversion/ and checkpoint/ read checkpoints through `megatron_ext.checkpoint`
+    and the model's configs; only import-hf, which writes a new checkpoint's args.json with the
+    training parser, imports from training/."""
+    graph = import_graph()
+    allowed = {("megatron_ext.conversion.import_hf", "megatron_ext.training.arguments")}
+    through_training = sorted(
+        (module, target)
+        for module, targets in graph.items()
+        if module.split(".")[1:2] in (["inference"], ["conversion"], ["checkpoint"])
+        for target in targets
+        if target.startswith("megatron_ext.training")
+    )
+    assert [edge for edge in through_training if edge not in allowed] == []
+    assert set(through_training) == allowed
