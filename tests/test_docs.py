@@ -71,3 +71,65 @@ def test_the_checks_catch_what_they_should(tmp_path):
     assert MACHINE_PATH.search("loaded /work/wt/eval12/runs/x") is not None
     assert MACHINE_PATH.search("$ /root/.venv/bin/python") is not None
     assert MACHINE_PATH.search("runs/quickstart/work/x and ./work/y and ~/work") is None
+
+
+# --- docs/architecture.md's "Where things live" names every module of the package -------------
+
+PACKAGE = REPO / "megatron_ext"
+# until the testing/ move lands: megatron_ext/testing/ is leaving the package (its launch.py and
+# gpu_check.py become megatron_ext/launch.py and megatron_ext/gpu_check.py, the rest moves to
+# tests/support/, benchmarks/ and tools/make_demo_data.py), so the table describes the layout
+# after the move: paths under testing/ are not required, the two new ones are accepted.
+LEAVING = ("testing/",)  # until the testing/ move lands
+ARRIVING = {"launch.py", "gpu_check.py"}  # until the testing/ move lands
+CODE = re.compile(r"`([^`]+)`")
+
+
+def where_things_live(page: Path) -> tuple[set[str], set[str]]:
+    """The module paths (relative to megatron_ext/) of the first column of the page's "Where
+    things live" table, and the `tests/...` paths of its last column."""
+    text = page.read_text()
+    start = text.index("\n## Where things live")
+    end = text.find("\n## ", start + 1)
+    modules, tests = set(), set()
+    for line in text[start : end if end != -1 else len(text)].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 3 or set(cells[0]) <= {"-", " "}:
+            continue
+        modules |= {c for c in CODE.findall(cells[0]) if c.endswith(".py")}
+        tests |= {c for c in CODE.findall(cells[-1]) if c.startswith("tests/")}
+    return modules, tests
+
+
+def package_modules() -> set[str]:
+    return {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+
+
+def test_architecture_names_every_module_and_only_real_ones():
+    named, tests = where_things_live(REPO / "docs" / "architecture.md")
+    actual = package_modules()
+    missing = sorted(m for m in actual - named if not m.startswith(LEAVING))
+    assert not missing, (
+        "docs/architecture.md's 'Where things live' table does not name these modules of "
+        f"megatron_ext/ (add them to a row with their tests): {missing}"
+    )
+    stale = sorted(m for m in named - actual if m not in ARRIVING)
+    assert not stale, (
+        f"docs/architecture.md's 'Where things live' names modules that do not exist: {stale}"
+    )
+    stale_tests = sorted(
+        t for t in tests if not t.startswith("tests/testing/") and not (REPO / t).exists()
+    )  # tests/testing/: until the testing/ move lands
+    assert not stale_tests, f"docs/architecture.md names tests that do not exist: {stale_tests}"
+
+
+def test_the_module_table_check_reads_what_it_must(tmp_path):
+    page = tmp_path / "architecture.md"
+    page.write_text(
+        "# A\n\n## Where things live\n\n| modules | what | tests |\n| --- | --- | --- |\n"
+        "| `lev/math.py`, `lev/layer.py` | LEV (`x.py` here is prose) | `tests/lev/`, "
+        "`tests/x.py` |\n\n## Next\n\n| `models/builder.py` | not this table | |\n"
+    )
+    modules, tests = where_things_live(page)
+    assert modules == {"lev/math.py", "lev/layer.py"} and tests == {"tests/lev/", "tests/x.py"}
+    assert "lev/math.py" in package_modules()

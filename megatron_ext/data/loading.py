@@ -219,6 +219,20 @@ def _num_sequences(prefix: str) -> int:
     return int(np.frombuffer(header[18:26], dtype="<u8")[0]) if len(header) == 26 else 0
 
 
+def _split_in_documents(
+    weights: Sequence[float], count: int, num_samples: Sequence[Optional[int]]
+) -> Optional[str]:
+    """A --split, in documents of a `count`-document dataset, that keeps the valid and test
+    shares of `weights` but gives each split samples are wanted from at least one document;
+    None when `count` is too small for that."""
+    held_out = [
+        max(int(weight * count), 1 if wanted else 0)
+        for weight, wanted in zip(weights[1:], num_samples[1:])
+    ]
+    train = count - sum(held_out)
+    return f"{train},{held_out[0]},{held_out[1]}" if train >= 1 else None
+
+
 def _check_datasets(
     config: DataConfig, tokenizer: Tokenizer, num_samples: Sequence[Optional[int]]
 ) -> None:
@@ -232,8 +246,10 @@ def _check_datasets(
 
     names = ("train", "valid", "test")
     checks: list[tuple[str, Optional[tuple[float, float]], str]] = []
+    weights: Sequence[float] = ()
     if config.data_path:
-        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(config.split))
+        weights = parse_and_normalize_split(config.split)
+        matrix = convert_split_vector_to_split_matrix(weights)
         for prefix in blend_prefixes(config.data_path):
             for i, bookends in enumerate(matrix):
                 if bookends is not None and num_samples[i]:
@@ -261,11 +277,15 @@ def _check_datasets(
             begin = int(round(bookends[0] * count))
             end = int(round(bookends[1] * count))
             if end <= begin:
-                raise DataError(
-                    f"the {split_name} split of {prefix} is empty ({count} documents, "
-                    f"--split {config.split}); use more data, change --split, or request no "
-                    f"{split_name} samples"
+                hint = _split_in_documents(weights, count, num_samples) if weights else None
+                why = (
+                    f"--split {config.split} gives it none of its {count} documents"
+                    if weights
+                    else "it holds no documents"
                 )
+                more = "use more data (tools/merge_datasets.py joins preprocessed shards)"
+                fix = f"pass --split {hint} (documents per split) or {more}" if hint else more
+                raise DataError(f"the {split_name} split of {prefix} is empty: {why}; {fix}")
         if prefix in checked:
             continue
         checked.add(prefix)

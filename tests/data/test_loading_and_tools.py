@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +18,7 @@ from megatron_ext.data import preprocess as pp
 from megatron_ext.data.loading import (
     DataConfig,
     VocabSizeMismatchError,
+    _split_in_documents,
     build_train_valid_test_datasets,
     check_vocab_sizes,
 )
@@ -93,6 +96,29 @@ def test_single_and_per_split_paths(datasets, sp_model):
     mock = DataConfig(mock_data=True, seq_length=16)
     train, _, _ = build_train_valid_test_datasets(mock, tok, [4, 1, 1])
     assert int(train[0]["tokens"].max()) < tok.vocab_size
+
+
+def test_an_empty_split_says_which_split_works(datasets, sp_model):
+    """Megatron-LM's --split 969,30,1 on a small corpus leaves the test split without a
+    document: one line names the split and the documents, and proposes a --split (in documents)
+    that the same command then trains with."""
+    tok = build_tokenizer("SentencePieceTokenizer", sp_model)
+    config = DataConfig(data_path=[datasets["val"]], split="969,30,1", seq_length=16)
+    with pytest.raises(DataError) as raised:
+        build_train_valid_test_datasets(config, tok, [4, 2, 2])
+    message = str(raised.value)
+    count = int(re.search(r"none of its (\d+) documents", message).group(1))
+    assert "\n" not in message and message.startswith(f"the test split of {datasets['val']}")
+    assert "--split 969,30,1" in message and "tools/merge_datasets.py" in message
+    hint = re.search(r"pass --split (\d+),(\d+),(\d+) \(documents per split\)", message)
+    train, valid, test = (int(n) for n in hint.groups())
+    assert train + valid + test == count and min(valid, test) >= 1 and count < 1000
+    fixed = dataclasses.replace(config, split=f"{train},{valid},{test}")
+    built = build_train_valid_test_datasets(fixed, tok, [4, 2, 2])
+    assert all(len(ds) >= n for ds, n in zip(built, [4, 2, 2]))
+    # A corpus too small for three splits says so, without a --split that cannot work.
+    assert _split_in_documents([0.969, 0.03, 0.001], 2, [4, 2, 2]) is None
+    assert _split_in_documents([0.969, 0.03, 0.001], 60, [4, 2, 0]) == "59,1,0"
 
 
 def test_clear_errors(datasets, sp_model, tiktoken_file):
