@@ -257,9 +257,22 @@ def _workspace(tmp: Path) -> Path:
     return work
 
 
+def _checkout_state() -> tuple[list[str], str]:
+    """The checkout's top-level entries and `git status` (what a command could leave there)."""
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return sorted(p.name for p in REPO.iterdir()), status
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    return _workspace(tmp_path_factory.mktemp("docs"))
+    before = _checkout_state()
+    yield _workspace(tmp_path_factory.mktemp("docs"))
+    assert _checkout_state() == before, "a documented command wrote into the checkout"
 
 
 def _environment(block: Block) -> dict:
