@@ -179,6 +179,7 @@ def _train_arms(root: Path, data: list[str]) -> dict:
 # then the other integration modules, then the unit modules (most tests first), which fill in
 # at the end.
 RUN_FIRST = (
+    "tests/test_docs_commands.py",  # every documented command, in order: about 8 minutes
     "tests/conversion/test_convert.py",  # builds `trained` (about a minute)
     "tests/scripts/test_quickstart.py",  # about 80 s, shares no session fixture
     "tests/training/test_end_to_end.py",

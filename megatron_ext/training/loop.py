@@ -303,16 +303,18 @@ def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
     return reason
 
 
-def close(trainer: Optional[Trainer]) -> None:
+def close(trainer: Optional[Trainer], completed: bool = True) -> None:
     """End the run, whatever happened: profiler, signal handler, loss curve and TensorBoard,
-    then the process groups (megatron's and torch.distributed's)."""
+    then the process groups (megatron's and torch.distributed's). `completed`: False when an
+    error ends the run (a launch that fails before its first value writes no TensorBoard file).
+    """
     try:
         if trainer is not None:
             cfg = trainer.cfg
             trainer.extras.close()
             if trainer.signal is not None:
                 trainer.signal.release()
-            trainer.metrics.close(cfg.log.tensorboard_dir or cfg.ckpt.save)
+            trainer.metrics.close(cfg.log.tensorboard_dir or cfg.ckpt.save, completed)
     finally:
         destroy_parallel()
         if dist.is_initialized():

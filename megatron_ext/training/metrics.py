@@ -149,7 +149,11 @@ def format_train_line(values: dict) -> str:
 
 @dataclass
 class Reporter:
-    """Rank 0's TensorBoard writer and the in-memory history for the loss-curve PNG."""
+    """Rank 0's TensorBoard writer and the in-memory history for the loss-curve PNG.
+
+    The event file is created with the first value logged (text entries wait for it), so a
+    launch that fails before its first iteration leaves no empty event file or directory.
+    """
 
     tensorboard_dir: Optional[str] = None
     queue_size: int = 1000
@@ -160,34 +164,51 @@ class Reporter:
         self.writer = None
         self.wandb = None
         """A wandb run (--wandb-project), set by the loop on rank 0."""
-        if self.enabled and self.tensorboard_dir:
+        self._pending_text: list[tuple[str, str]] = []
+
+    def _open(self):
+        """The writer, created (with the text entries logged so far) on first use."""
+        if self.writer is None and self.enabled and self.tensorboard_dir:
             self.writer = SummaryWriter(log_dir=self.tensorboard_dir, max_queue=self.queue_size)
+            for tag, text in self._pending_text:
+                self.writer.add_text(tag, text)
+            self._pending_text = []
+        return self.writer
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """Record a finite scalar in the history and TensorBoard (ignored when disabled)."""
         if not self.enabled or value is None or not math.isfinite(value):
             return
         self.history.setdefault(tag, []).append((step, float(value)))
-        if self.writer is not None:
+        if self._open() is not None:
             self.writer.add_scalar(tag, value, step)
         if self.wandb is not None and " vs " not in tag:  # W&B keys share one step axis
             self.wandb.log({tag: value}, step=step)
 
     def text(self, tag: str, text: str) -> None:
-        """Write a text entry to TensorBoard, if a writer is open."""
+        """A TensorBoard text entry, written with the first value (or at a completed close)."""
         if self.writer is not None:
             self.writer.add_text(tag, text)
+        elif self.enabled and self.tensorboard_dir:
+            self._pending_text.append((tag, text))
 
     def flush(self) -> None:
         """Flush pending TensorBoard events to disk."""
         if self.writer is not None:
             self.writer.flush()
 
-    def close(self, curve_dir: Optional[str] = None) -> Optional[str]:
-        """Close the writer; write loss_curve.png into `curve_dir` (if any) and return it."""
+    def close(self, curve_dir: Optional[str] = None, completed: bool = True) -> Optional[str]:
+        """Close the writer; write loss_curve.png into `curve_dir` (if any) and return it.
+
+        A run that `completed` without logging a value still gets its text entries written;
+        one that failed before its first value writes no event file.
+        """
         path = None
         if self.enabled and curve_dir and self.history.get("lm loss"):
             path = self._plot(curve_dir)
+        if completed and self._pending_text:
+            self._open()
+        self._pending_text = []
         if self.writer is not None:
             self.writer.close()
             self.writer = None

@@ -294,11 +294,12 @@ class MetricsLogger:
         self.reporter.scalar(f"{tag} ppl", ppl, it)
         self.reporter.scalar(f"{tag} vs samples", loss, state.consumed_train_samples)
 
-    def close(self, curve_dir: Optional[str]) -> None:
-        """Close TensorBoard; with --loss-curve write loss_curve.png into `curve_dir`."""
+    def close(self, curve_dir: Optional[str], completed: bool = True) -> None:
+        """Close TensorBoard; with --loss-curve write loss_curve.png into `curve_dir`. A run
+        that did not complete and logged nothing leaves no TensorBoard file."""
         if self.is_rank0 and self.cfg.log.loss_curve:
-            curve = self.reporter.close(curve_dir)
+            curve = self.reporter.close(curve_dir, completed)
             if curve:
                 logger.info("loss curve: %s", curve)
         else:
-            self.reporter.close()
+            self.reporter.close(completed=completed)

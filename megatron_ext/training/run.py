@@ -254,6 +254,8 @@ def pretrain(
         timeout_minutes=p.distributed_timeout_minutes,
     )
     trainer = save_lock = None
+    completed, rank0 = False, dist.get_rank() == 0
+    made_save = _first_missing(cfg.ckpt.save)  # before the lock creates it
     try:
         cfg = cfg.resolve(dist.get_world_size())  # the data-parallel size of this world
         save_lock = SaveLock.acquire(cfg.ckpt.save) if cfg.ckpt.save else None
@@ -268,7 +270,9 @@ def pretrain(
         )
         trainer.start_time = job_start
         _log_restart(trainer)
-        return train(trainer, datasets_provider)
+        stopped = train(trainer, datasets_provider)
+        completed = True
+        return stopped
     except RuntimeError as error:
         if trainer is None or not is_collective_timeout(error):
             raise
@@ -288,10 +292,33 @@ def pretrain(
         ) from None
     finally:
         try:
-            close(trainer)
+            close(trainer, completed)
         finally:
             if save_lock is not None:
                 save_lock.release()
+            if not completed and made_save and rank0:
+                _remove_if_no_files(made_save)
+
+
+def _first_missing(path: Optional[str]) -> Optional[str]:
+    """The outermost directory that creating `path` makes (None: `path` exists already)."""
+    if not path or os.path.exists(path):
+        return None
+    path = os.path.abspath(path)
+    while not os.path.exists(os.path.dirname(path)):
+        path = os.path.dirname(path)
+    return path
+
+
+def _remove_if_no_files(root: str) -> None:
+    """Remove a --save directory this run made, and the directories in it, if they hold no
+    file (a run that failed before its first checkpoint): a failed launch leaves nothing
+    behind. Only empty directories are removed (rmdir), so no file is ever deleted."""
+    for directory, _, _ in sorted(os.walk(root), key=lambda entry: -len(entry[0])):
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty: what it holds stays
+            continue
 
 
 def _log_restart(trainer: Trainer) -> None:
