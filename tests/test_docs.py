@@ -133,3 +133,17 @@ def test_the_module_table_check_reads_what_it_must(tmp_path):
     modules, tests = where_things_live(page)
     assert modules == {"lev/math.py", "lev/layer.py"} and tests == {"tests/lev/", "tests/x.py"}
     assert "lev/math.py" in package_modules()
+
+
+def test_the_reference_pages_stay_within_their_limits():
+    """Issue 50: architecture.md at most 250 lines; README.md and docs/*.md together (without
+    the generated megatron-compat.md; measurements live in benchmarks/RESULTS.md) at most 3,000."""
+
+    def lines(path: Path) -> int:
+        return len(path.read_text().splitlines())
+
+    assert lines(REPO / "docs" / "architecture.md") <= 250
+    pages = [REPO / "README.md"] + [
+        p for p in sorted((REPO / "docs").glob("*.md")) if p.name != "megatron-compat.md"
+    ]
+    assert sum(lines(p) for p in pages) <= 3000
