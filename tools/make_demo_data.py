@@ -320,7 +320,10 @@ def _parser() -> argparse.ArgumentParser:
         "(what `evaluate.py wikitext --file` reads).",
     )
     wiki.add_argument("--input", required=True, metavar="CORPUS", help=corpus)
-    wiki.add_argument("--output", required=True, metavar="FILE", help="the file to write")
+    wiki.add_argument(
+        "--output", required=True, metavar="FILE",
+        help="the file to write (its directory is created if needed)",
+    )  # fmt: skip
     wiki.add_argument(
         "--articles", type=_positive, default=8, metavar="N",
         help="how many documents become articles (default: %(default)s)",
