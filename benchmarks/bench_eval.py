@@ -25,9 +25,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+# The repository root, so that `benchmarks.hf_peer` imports when this file runs as a script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CLOCKS = {"wall": time.perf_counter, "cpu_seconds": time.process_time}
 
@@ -72,10 +77,10 @@ def bench_vs_transformers(args, pg) -> None:
     import numpy as np
     import torch.nn.functional as F
 
+    from benchmarks.hf_peer import hf_export
     from megatron_ext.evaluation.perplexity import LossTotals, pack_stream
     from megatron_ext.evaluation.scoring import ModelScorer, score_batches
     from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
-    from megatron_ext.testing.hf_peer import hf_export
 
     torch.manual_seed(0)
     config = ModelConfig(

@@ -28,10 +28,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+# The repository root, so that `benchmarks.hf_peer` imports when this file runs as a script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CLOCKS = {"wall": time.perf_counter, "cpu_seconds": time.process_time}
 _clock = time.perf_counter
@@ -87,8 +92,8 @@ def bench_kv_cache(args, pg) -> None:
 def bench_vs_transformers(args, pg) -> None:
     import statistics
 
+    from benchmarks.hf_peer import hf_export
     from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
-    from megatron_ext.testing.hf_peer import hf_export
 
     config, model = _lev_model(args, pg)
     step = args.step if args.step != "auto" else decode_step_for(model)[0]

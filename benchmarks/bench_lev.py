@@ -23,10 +23,15 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+# The repository root, so that `tests.support.memory` imports when this file runs as a script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def zipf_ids(vocab: int, n: int, exponent: float, seed: int) -> torch.Tensor:
@@ -95,8 +100,7 @@ class LlamaLayer(torch.nn.Module):
 
 def init_single_process():
     """A one-rank gloo world; returns its `ProcessGroups`."""
-    from megatron_ext.parallel import initialize_parallel
-    from megatron_ext.testing.distributed import find_free_port
+    from megatron_ext.parallel import find_free_port, initialize_parallel
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(find_free_port())
@@ -137,7 +141,7 @@ def main() -> None:
     from megatron.core.transformer import TransformerConfig
 
     from megatron_ext.lev import LEVConfig, LEVEmbedding
-    from megatron_ext.testing.memory import saved_tensor_bytes
+    from tests.support.memory import saved_tensor_bytes
 
     pg = init_single_process()
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
 every arm) to TIED over several seeds, in this stack and in a plain-PyTorch loop.
 
 Each run is the real entry point `pretrain_leviathan.py` on one CPU process (or, for --plain,
-`megatron_ext/testing/plain_gpt.py`, an independent implementation of the same math and backbone),
+`benchmarks/plain_gpt.py`, an independent implementation of the same math and backbone),
 on an indexed dataset made by `tools/preprocess_data.py`. Defaults are the settings of issue 14
 (3 layers, hidden 192, 6 heads, FFN 512, seq 128, global batch 16, 1500 iterations, lr 2e-3
 warmup 100 cosine to 2e-4, weight decay 0.1, clip 1.0, LEV k=3 d_seed=64 kappa=16 r=32 h=4
@@ -85,10 +85,10 @@ def stack_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
 
 
 def plain_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
-    """megatron_ext.testing.plain_gpt for one arm and seed with the study's settings."""
+    """benchmarks.plain_gpt for one arm and seed with the study's settings."""
     from megatron_ext.data.tokenizers import build_tokenizer, padded_vocab_size
 
-    cmd = [sys.executable, "-m", "megatron_ext.testing.plain_gpt", "--embedding", arm]
+    cmd = [sys.executable, "-m", "benchmarks.plain_gpt", "--embedding", arm]
     plain_only = ("eval_samples", "log_interval", "split", "data_path")
     cmd += _setting_flags(_SHARED_SETTINGS + plain_only, args)
     # The stack's padded vocabulary (so LEV's digit base is the same in both).

@@ -30,11 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+# The repository root, so that `benchmarks.hf_peer` imports when this file runs as a script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CLOCKS = {"wall": ("seconds", time.perf_counter), "cpu_seconds": ("cpu_seconds", time.process_time)}
 """--clock: (our --log-jsonl field, the peer loop's clock)."""
@@ -56,7 +60,7 @@ def _flags(args) -> list[str]:
 
 def run_ours(args, workdir: str) -> tuple[list[float], list[float]]:
     """(losses, seconds per iteration) of `pretrain_leviathan.py` on one process."""
-    from megatron_ext.testing.launch import launch
+    from megatron_ext.launch import launch
 
     log = Path(workdir) / "ours.jsonl"
     log.unlink(missing_ok=True)
@@ -73,12 +77,12 @@ def run_ours(args, workdir: str) -> tuple[list[float], list[float]]:
 
 def _build_peer(args):
     """transformers' Llama with our initial weights, its optimizer, and the training samples."""
+    from benchmarks.hf_peer import hf_export
     from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
     from megatron_ext.data.tokenizers import build_tokenizer
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.parallel import set_random_seed
-    from megatron_ext.testing.hf_peer import hf_export
     from megatron_ext.training import parse_config
 
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=args.vocab - 1)

@@ -103,10 +103,10 @@ def pytest_runtest_call(item):
 @pytest.fixture(scope="session")
 def sample_data(tmp_path_factory) -> list[str]:
     """Data + tokenizer flags of one generated corpus for the whole session (about 150k tokens,
-    SentencePiece vocab 512; megatron_ext.testing.runs.prepare_sample_data), shared by the
+    SentencePiece vocab 512; tests.support.runs.prepare_sample_data), shared by the
     training runs and the `trained` checkpoints (built once, also across xdist workers)."""
-    from megatron_ext.testing.once import build_once, session_dir
-    from megatron_ext.testing.runs import prepare_sample_data
+    from tests.support.once import build_once, session_dir
+    from tests.support.runs import prepare_sample_data
 
     flags = build_once(session_dir(tmp_path_factory), "sample_data", prepare_sample_data)
     # Megatron writes its dataset index caches unlocked: one cache directory per worker.
@@ -138,7 +138,7 @@ def trained(tmp_path_factory, sample_data) -> dict:
     only read it. {"data": data flags, "corpus": the corpus directory (raw/, tok.model,
     sample_text_document.*), "tokenizer": tok.model, "ckpt" / "tensorboard" / "jsonl":
     {arm: path}}."""
-    from megatron_ext.testing.once import build_once, session_dir
+    from tests.support.once import build_once, session_dir
 
     def build(root: Path) -> dict:
         return _train_arms(root, sample_data)
@@ -149,7 +149,7 @@ def trained(tmp_path_factory, sample_data) -> dict:
 def _train_arms(root: Path, data: list[str]) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatron_ext.testing.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
+    from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
 
     def one(arm: str) -> None:
         nproc, layout, train = TRAINED_ARMS[arm]

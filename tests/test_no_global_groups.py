@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 
-from megatron_ext.testing.runs import REPO
+from tests.support.runs import REPO
 
 ALLOWED = {"megatron_ext/parallel.py"}
 SCANNED = ("megatron_ext", "tools", "benchmarks")

@@ -22,8 +22,8 @@ import textwrap
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import run_distributed
-from megatron_ext.testing.runs import REPO
+from tests.support.distributed import run_distributed
+from tests.support.runs import REPO
 
 pytestmark = pytest.mark.integration
 

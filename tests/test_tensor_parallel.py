@@ -72,14 +72,14 @@ def test_cross_entropy_without_a_group_is_torchs():
 
 @pytest.mark.integration
 def test_cross_entropy_is_megatrons_bit_for_bit():
-    from megatron_ext.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     assert run_distributed(_cross_entropies, 1, args=(False,)) == [[True, True, True]]
 
 
 @pytest.mark.integration
 def test_cross_entropy_is_megatrons_bit_for_bit_over_two_vocab_shards():
-    from megatron_ext.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     reports = run_distributed(_cross_entropies, 2, tp=2, args=(True,))
     assert reports == [[True, True, True]] * 2
@@ -112,7 +112,7 @@ def _sequence_parallel_round_trip() -> list:
 
 @pytest.mark.integration
 def test_sequence_parallel_collectives_gather_and_reduce_scatter_without_warnings():
-    from megatron_ext.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     assert run_distributed(_sequence_parallel_round_trip, 2, tp=2) == [[True, True]] * 2
 
@@ -145,7 +145,7 @@ def test_a_model_built_to_be_loaded_keeps_its_tensor_parallel_layout():
     """megatron sets a weight's layout attributes only while drawing it; the portable layers
     set them when the draw is skipped, so the checkpoint layout (and grad-norm counting) sees
     the same model: SwiGLU's fc1 with stride 2, the row-parallel projections on dim 1."""
-    from megatron_ext.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     drawn, skipped = (run_distributed(_layout_attributes, 2, tp=2, args=(f,)) for f in (1, 0))
     assert skipped == drawn

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """The GPU check: correctness of the GPU paths, then 1.2B throughput, into one JSON file.
 
-A thin script over `megatron_ext.testing.gpu_check`, which is also run as
-`python -m megatron_ext.testing.gpu_check` or the `leviathan-gpu-check` console script.
+A thin script over `megatron_ext.gpu_check`, which is also run as
+`python -m megatron_ext.gpu_check` or the `leviathan-gpu-check` console script.
 """
 
 import sys
 
-from megatron_ext.testing.gpu_check import main
+from megatron_ext.gpu_check import main
 
 if __name__ == "__main__":
     sys.exit(main())

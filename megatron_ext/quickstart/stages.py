@@ -126,11 +126,11 @@ def run_launched(
     show: Optional[re.Pattern] = None,
     torchrun_args: tuple[str, ...] = ("--standalone",),
 ) -> None:
-    """Run ``entry`` on ``nproc`` ranks under torchrun (megatron_ext.testing.launch), output to
+    """Run ``entry`` on ``nproc`` ranks under torchrun (megatron_ext.launch), output to
     ``log`` with the lines matching ``show`` echoed, as :func:`run_command` does for a plain
     command. Ctrl-C interrupts the ranks (torchrun forwards it), then re-raises."""
     # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.testing.launch import launch
+    from megatron_ext.launch import launch
 
     job = launch(
         entry, nproc, args, python=python, cwd=cwd, log=log, timeout=None, torchrun=True,

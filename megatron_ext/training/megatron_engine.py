@@ -26,7 +26,7 @@ line, `RunConfig`); the weights still save and load.
 
 megatron-core's DDP, optimizers and schedules need CUDA. Every piece the engine calls is taken
 from a `MegatronParts`; `MegatronParts.megatron_core()` is the real one, and
-`megatron_ext.testing.megatron_doubles` supplies CPU test doubles that record the calls, so
+`tests.support.megatron_doubles` supplies CPU test doubles that record the calls, so
 `tests/training/test_megatron_engine.py` drives this engine end to end on CPU.
 `scripts/gpu_check.sh` compares the two engines' losses on a GPU.
 """

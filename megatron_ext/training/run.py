@@ -128,7 +128,7 @@ def setup(
 
     `engine_builder` (default: the engine --ddp-impl names) is
     `(cfg, model, forward_step, pg, phase, timers) -> Engine`; tests pass one that builds the
-    megatron-core engine on CPU doubles (`megatron_ext.testing.megatron_doubles`).
+    megatron-core engine on CPU doubles (`tests.support.megatron_doubles`).
     `save_lock`: the run's lock of --save (`pretrain` takes it), checked before every save.
 
     Returns:

@@ -8,7 +8,7 @@ import torch
 
 
 def _plain():
-    from megatron_ext.testing import plain_gpt
+    from benchmarks import plain_gpt
 
     return plain_gpt
 

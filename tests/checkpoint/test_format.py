@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 pytestmark = pytest.mark.integration
 

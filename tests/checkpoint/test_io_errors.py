@@ -20,9 +20,9 @@ import shutil
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import run_distributed
-from megatron_ext.testing.launch import launch
-from megatron_ext.testing.runs import ENTRY_MODULE
+from megatron_ext.launch import launch
+from tests.support.distributed import run_distributed
+from tests.support.runs import ENTRY_MODULE
 
 from .test_format import _tiny_model
 

@@ -31,8 +31,8 @@ import pytest
 
 from megatron_ext.checkpoint import lock as L
 from megatron_ext.checkpoint.io_errors import SaveLockError
-from megatron_ext.testing.launch import launch
-from megatron_ext.testing.runs import ENTRY_MODULE, REPO, TINY_MOCK_RUN
+from megatron_ext.launch import launch
+from tests.support.runs import ENTRY_MODULE, REPO, TINY_MOCK_RUN
 
 
 def _plant(root: Path, **changes) -> L.LockHolder:

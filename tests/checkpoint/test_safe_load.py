@@ -39,7 +39,7 @@ from megatron_ext.checkpoint.safe_load import (
     read_metadata,
     save_rng_file,
 )
-from megatron_ext.testing.runs import TINY_MOCK_RUN
+from tests.support.runs import TINY_MOCK_RUN
 
 
 class Payload:
@@ -294,7 +294,7 @@ def _payload_in_one_rng_file(root: str, marker: str) -> str:
 
 @pytest.mark.integration
 def test_a_payload_in_one_rank_s_rng_file_stops_every_rank(tmp_path):
-    from megatron_ext.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     marker = tmp_path / "ran"
     rank0, rank1 = run_distributed(

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 pytestmark = pytest.mark.integration
 

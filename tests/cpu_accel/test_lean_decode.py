@@ -16,8 +16,8 @@ import copy
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import run_distributed
 from tests.inference.test_generation import PROMPTS, VOCAB, _config
+from tests.support.distributed import run_distributed
 
 pytestmark = pytest.mark.integration
 

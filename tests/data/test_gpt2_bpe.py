@@ -15,7 +15,7 @@ import pytest
 
 from megatron_ext.data.readers import iter_lines
 from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
-from megatron_ext.testing.gpt2_bpe import write_gpt2_bpe_files
+from tests.support.gpt2_bpe import write_gpt2_bpe_files
 
 pytestmark = pytest.mark.integration
 

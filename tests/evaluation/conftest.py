@@ -14,7 +14,7 @@ import pytest
 
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import iter_lines
-from megatron_ext.testing.once import build_once, session_dir
+from tests.support.once import build_once, session_dir
 
 
 @dataclass
@@ -44,7 +44,7 @@ class EvalRuns:
 def eval_runs(tmp_path_factory, trained) -> EvalRuns:
     """The TIED and LEV runs of the session's `trained` checkpoints and a held-out dataset, built
     once per session, also when the modules using them run on two xdist workers
-    (megatron_ext.testing.once); the tests only read them."""
+    (tests.support.once); the tests only read them."""
     corpus = Path(trained["corpus"])
 
     def held_out(root: Path) -> str:

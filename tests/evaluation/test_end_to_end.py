@@ -50,7 +50,7 @@ def test_validation_loss_equals_the_training_loops(eval_runs, tool, tmp_path, ar
 
 def test_tp2_saved_checkpoint_gives_the_same_loss_at_tp1_and_tp2(eval_runs, tool, tmp_path):
     from megatron_ext.data.readers import iter_lines
-    from megatron_ext.testing.launch import launch
+    from megatron_ext.launch import launch
 
     texts = [json.loads(line)["text"] for _, line in iter_lines(str(eval_runs.val_jsonl))]
     text = tmp_path / "held_out.jsonl"
@@ -107,7 +107,7 @@ def test_whole_dataset_perplexity_and_frequency_report(eval_runs, tool, tmp_path
 def test_wikitext_zero_shot(eval_runs, tool, tmp_path, capsys):
     from megatron_ext.data.tokenizers import build_tokenizer
     from megatron_ext.evaluation.wikitext import detokenize, read_wikitext
-    from megatron_ext.testing.wikitext import wikitext_from_jsonl
+    from tools.make_demo_data import wikitext_from_jsonl
 
     wiki = wikitext_from_jsonl(str(eval_runs.val_jsonl), str(tmp_path / "wiki.test.tokens"), 4)
     assert tool("wikitext", "--load", eval_runs.ckpt("lev"), "--file", wiki, "--context", "32",

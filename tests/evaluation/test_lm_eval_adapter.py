@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from megatron_ext.testing.lm_eval_tasks import TINY_TASKS, write_tiny_tasks
+from tools.make_demo_data import TINY_TASKS, write_tiny_tasks
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_ext.lev import LEV_PARAMETER_NAMES, LEV_TP_PARTITION_DIMS, LEVEmbedding
-from megatron_ext.testing.memory import saved_tensor_bytes
+from tests.support.memory import saved_tensor_bytes
 
 F64 = torch.float64
 EXACT = dict(rtol=1e-12, atol=1e-12)  # float64 comparisons of the same math

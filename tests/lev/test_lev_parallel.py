@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import call_in_file, run_distributed
+from tests.support.distributed import call_in_file, run_distributed
 
 pytestmark = pytest.mark.integration
 

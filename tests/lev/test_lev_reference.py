@@ -21,7 +21,7 @@ import torch
 from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.kernels import LEVKernelOptions, lev_modes
-from megatron_ext.testing.memory import saved_tensor_bytes
+from tests.support.memory import saved_tensor_bytes
 
 KERNELS = ["reference", "torch", "cpu", "triton"]
 FUSED = ["torch", "cpu", "triton"]

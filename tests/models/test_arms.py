@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_ext.models.param_table import parameter_rows
-from megatron_ext.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 pytestmark = pytest.mark.integration
 

@@ -81,7 +81,7 @@ def _one_rank_eval_losses() -> dict:
 
 @pytest.mark.integration
 def test_eval_forward_takes_the_chunks_with_the_same_losses():
-    from megatron_ext.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     report = run_distributed(_one_rank_eval_losses, 1)[0]
     for arm, checks in report.items():
@@ -120,6 +120,6 @@ def _two_shard_eval_losses() -> list[bool]:
 
 @pytest.mark.integration
 def test_two_vocab_shards_keep_the_vocab_parallel_loss():
-    from megatron_ext.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     assert run_distributed(_two_shard_eval_losses, 2, tp=2) == [[False, True]] * 2

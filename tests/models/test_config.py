@@ -88,8 +88,8 @@ def test_model_config_describes_the_model_only():
     ParallelConfig and PrecisionConfig own their flags, one type each: the run, the model
     builder, the memory planner, the engines and the test harness take them."""
     from megatron_ext.models import memory
-    from megatron_ext.testing import distributed
     from megatron_ext.training import config
+    from tests.support import distributed
 
     moved = _field_names(ParallelConfig) | {"params_dtype", "bf16", "fp16", "fp8", "fp8_format"}
     assert not moved & _field_names(ModelConfig)

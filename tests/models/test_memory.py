@@ -16,7 +16,7 @@ from megatron_ext.models.memory import (
     estimate_save_memory,
     flops_per_token,
 )
-from megatron_ext.testing.distributed import call_in_file, run_distributed
+from tests.support.distributed import call_in_file, run_distributed
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def _measure(arms, autocast_bf16: bool, tp: int, sp: bool, batch: int = BATCH) -
     """Bytes saved for backward by one forward + loss of each arm (this rank), micro-batch
     `batch` x SEQ."""
     from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
-    from megatron_ext.testing.memory import saved_tensor_bytes
+    from tests.support.memory import saved_tensor_bytes
 
     sizes = {}
     for arm in arms:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from megatron_ext.models.te_mapping import (
     te_param_name,
     te_to_local_prefixes,
 )
-from megatron_ext.testing.distributed import call_in_file, run_distributed
+from tests.support.distributed import call_in_file, run_distributed
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from megatron_ext.testing.tiny_gpt import SEQ, RandomSamples, forward_step, model_provider
+from tests.support.tiny_gpt import SEQ, RandomSamples, forward_step, model_provider
 
 
 def main(engine: str, out: Path, load: str | None) -> None:
@@ -73,8 +73,8 @@ def main(engine: str, out: Path, load: str | None) -> None:
         return built
 
     if engine == "megatron":
-        from megatron_ext.testing.megatron_doubles import CallLog, recording_parts
         from megatron_ext.training.megatron_engine import MegatronEngine
+        from tests.support.megatron_doubles import CallLog, recording_parts
 
         log = CallLog()
 

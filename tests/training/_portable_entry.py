@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.testing.tiny_gpt import SEQ, RandomSamples, forward_step, pipeline_chunks
+from tests.support.tiny_gpt import SEQ, RandomSamples, forward_step, pipeline_chunks
 
 LAYERS, MICRO_BATCH, ITERS, SEED = 4, 1, 4, 1234
 

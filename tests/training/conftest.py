@@ -1,12 +1,12 @@
 """Shared fixtures of the training tests: a generated corpus preprocessed once per session, and
 a launcher that runs `pretrain_leviathan.py` under torchrun on N gloo ranks
-(`megatron_ext.testing.runs`)."""
+(`tests.support.runs`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_ext.testing.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
+from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,7 @@ def corpus(sample_data) -> list[str]:
 
 @pytest.fixture(scope="session")
 def launcher():
-    """`launch(nproc, args, workdir, ...)` (see megatron_ext.testing.runs)."""
+    """`launch(nproc, args, workdir, ...)` (see tests.support.runs)."""
     return launch
 
 

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.cluster import TORCHRUN
-from megatron_ext.testing.cluster import cluster_job as _job
-from megatron_ext.testing.cluster import records as _records
-from megatron_ext.testing.cluster import torchrun_cmd as _torchrun
-from megatron_ext.testing.distributed import find_free_port
-from megatron_ext.testing.launch import descendant_pids
-from megatron_ext.testing.runs import REPO, TINY_LEV_MODEL, TINY_TRAIN, launch
+from megatron_ext.launch import descendant_pids
+from tests.support.cluster import TORCHRUN
+from tests.support.cluster import cluster_job as _job
+from tests.support.cluster import records as _records
+from tests.support.cluster import torchrun_cmd as _torchrun
+from tests.support.distributed import find_free_port
+from tests.support.runs import REPO, TINY_LEV_MODEL, TINY_TRAIN, launch
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.cluster import cluster_job as _job
-from megatron_ext.testing.cluster import records as _records
-from megatron_ext.testing.cluster import torchrun_cmd as _torchrun
-from megatron_ext.testing.distributed import find_free_port
-from megatron_ext.testing.runs import TINY_LEV_MODEL, TINY_TRAIN
+from tests.support.cluster import cluster_job as _job
+from tests.support.cluster import records as _records
+from tests.support.cluster import torchrun_cmd as _torchrun
+from tests.support.distributed import find_free_port
+from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN
 
 pytestmark = pytest.mark.integration
 

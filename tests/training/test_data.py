@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from megatron_ext.testing.launch import job_environment
+from megatron_ext.launch import job_environment
 from megatron_ext.training.data import PretrainingSampler
 
 

@@ -18,9 +18,10 @@ PACKAGE = REPO / "megatron_ext"
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
-def _modules() -> dict[str, pathlib.Path]:
+def _modules(roots: tuple[pathlib.Path, ...] = (PACKAGE,)) -> dict[str, pathlib.Path]:
+    """Dotted name -> file of every module under ``roots`` (directories of the repository)."""
     mods = {}
-    for path in PACKAGE.rglob("*.py"):
+    for path in (path for root in roots for path in root.rglob("*.py")):
         parts = list(path.relative_to(REPO).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -199,19 +200,21 @@ HEAVY = {"torch", "megatron", "matplotlib", "tensorboard"}
 HEAVY_SUBMODULES = ("torch.distributed.optim", "torch.distributed.pipelining")
 
 
-@functools.lru_cache(maxsize=1)
-def module_level_closure() -> dict[str, set[str]]:
+@functools.lru_cache(maxsize=2)
+def module_level_closure(roots: tuple[pathlib.Path, ...] = (PACKAGE,)) -> dict[str, set[str]]:
     """module -> every package and megatron_ext module importing it loads (module-level
-    imports only, followed through megatron_ext; importing `a.b.c` runs `a` and `a.b` too).
-    `megatron` counts as `torch` as well (megatron.core imports it)."""
-    mods = _modules()
+    imports only, followed through megatron_ext and the other modules under ``roots``;
+    importing `a.b.c` runs `a` and `a.b` too). `megatron` counts as `torch` as well
+    (megatron.core imports it)."""
+    mods = _modules(roots)
     direct: dict[str, set[str]] = {}
     for module, path in mods.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         found = set()
         for node in _imports(ast.parse(path.read_text(), str(path)), module_level=True):
             for target in _targets(node, package, mods):
-                found.add(target if target.startswith("megatron_ext") else target.split(".")[0])
+                ours = target in mods or target.startswith("megatron_ext")
+                found.add(target if ours else target.split(".")[0])
         direct[module] = found
     closure: dict[str, set[str]] = {}
 

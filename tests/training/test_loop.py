@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from megatron_ext.testing.distributed import find_free_port
-from megatron_ext.testing.tiny_gpt import SEQ, VOCAB, RandomSamples, forward_step
-from megatron_ext.testing.tiny_gpt import model_provider as _tiny_provider
+from tests.support.distributed import find_free_port
+from tests.support.tiny_gpt import SEQ, VOCAB, RandomSamples, forward_step
+from tests.support.tiny_gpt import model_provider as _tiny_provider
 
 # The loop's tests train the default arm (LEV).
 model_provider = functools.partial(_tiny_provider, embedding_type="lev")
@@ -100,8 +100,8 @@ def test_close_runs_when_setup_fails(tmp_path, single_rank):
 
 def _megatron_engine_with_doubles(cfg, model, forward_step, pg, phase, timers):
     """megatron-core's engine over the recording doubles (runs on CPU; LEV per micro-batch)."""
-    from megatron_ext.testing.megatron_doubles import CallLog, recording_parts
     from megatron_ext.training.megatron_engine import MegatronEngine
+    from tests.support.megatron_doubles import CallLog, recording_parts
 
     return MegatronEngine(
         cfg, model, forward_step, pg, phase, timers, parts=recording_parts(CallLog())

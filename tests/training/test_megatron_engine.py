@@ -1,7 +1,7 @@
 """The megatron-core engine (`--ddp-impl megatron`) driven end to end on CPU.
 
 megatron-core's DDP, optimizer, schedule and gradient finalisation need CUDA; here they are the
-recording doubles of `megatron_ext.testing.megatron_doubles` (megatron's own configs, parameter
+recording doubles of `tests.support.megatron_doubles` (megatron's own configs, parameter
 grouping and config overrides otherwise), and `pretrain` runs 4 iterations on 2 gloo ranks
 (DP=2) launched by torch.distributed.run, with batch ramp-up, --decoupled-lr, params-norm and
 num-zeros logging, evaluation and checkpoints. The same run with the portable engine (torch
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.distributed import find_free_port
+from tests.support.distributed import find_free_port
 
 pytestmark = pytest.mark.integration
 

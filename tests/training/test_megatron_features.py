@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import run_distributed
 from megatron_ext.training.config import BatchSizeRampup
 from megatron_ext.training.metrics import format_train_line
 from megatron_ext.training.run_extras import memory_stats
+from tests.support.distributed import run_distributed
 
 pytestmark = pytest.mark.integration
 

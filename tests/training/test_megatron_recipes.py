@@ -18,8 +18,8 @@ import sys
 import pytest
 
 from megatron_ext.data.readers import iter_lines
-from megatron_ext.testing.gpt2_bpe import write_gpt2_bpe_files
-from megatron_ext.testing.runs import REPO
+from tests.support.gpt2_bpe import write_gpt2_bpe_files
+from tests.support.runs import REPO
 
 pytestmark = pytest.mark.integration
 

@@ -29,8 +29,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ext.testing.distributed import find_free_port
 from megatron_ext.training.schedules import Pipeline, PipelineShape
+from tests.support.distributed import find_free_port
 
 ENTRY = Path(__file__).with_name("_portable_entry.py")
 ROOT = Path(__file__).resolve().parents[2]

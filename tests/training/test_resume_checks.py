@@ -20,8 +20,8 @@ import pytest
 
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
-from megatron_ext.testing.launch import launch
-from megatron_ext.testing.runs import ENTRY_MODULE, TINY_MOCK_RUN
+from megatron_ext.launch import launch
+from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,7 @@ TINY = TINY_MOCK_RUN
 
 
 def _run(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    """pretrain_leviathan on one rank (megatron_ext.testing.launch); stdout and stderr apart."""
+    """pretrain_leviathan on one rank (megatron_ext.launch); stdout and stderr apart."""
     n = len(list(workdir.glob("run*.out")))
     out, err = workdir / f"run{n}.out", workdir / f"run{n}.err"
     with launch(ENTRY_MODULE, 1, [*TINY, *args], log=out, stderr=err, cwd=workdir) as job:

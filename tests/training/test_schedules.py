@@ -20,9 +20,9 @@ import torch
 
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import iter_lines
-from megatron_ext.testing.distributed import run_distributed
-from megatron_ext.testing.runs import TINY_LEV_MODEL, TINY_TRAIN
 from megatron_ext.training.schedules import ChunkStage, _Iteration
+from tests.support.distributed import run_distributed
+from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN
 
 
 def test_a_stage_owns_the_chunk_parameters_but_the_deferred_ones():

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.launch import launch
-from megatron_ext.testing.runs import TINY_LEV_MODEL as MODEL
-from megatron_ext.testing.runs import TINY_TRAIN as TRAIN
+from megatron_ext.launch import launch
+from tests.support.runs import TINY_LEV_MODEL as MODEL
+from tests.support.runs import TINY_TRAIN as TRAIN
 
 pytestmark = pytest.mark.integration
 # Long enough that the signal, sent once iteration 2 is logged, always lands mid-run: at 30

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Literal, Optional, Sequence, Union
 
 import megatron_ext
-from megatron_ext.testing.distributed import find_free_port
+from megatron_ext.parallel import find_free_port
 
 __all__ = [
     "PACKAGE_ROOT",

@@ -18,7 +18,7 @@ first --eval-samples windows of the validation stream, the same at every evaluat
 Output: Megatron-style lines (`validation loss at iteration N | lm loss value: X`) that
 `bench_lev_quality.py` parses.
 
-    python -m megatron_ext.testing.plain_gpt --data-path data/kjv8k_text_document \\
+    python -m benchmarks.plain_gpt --data-path data/kjv8k_text_document \\
         --vocab-size 8000 --embedding lev --train-iters 300
 """
 

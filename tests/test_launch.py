@@ -1,4 +1,4 @@
-"""megatron_ext.testing.launch with a small entry script: the environment each rank gets,
+"""megatron_ext.launch with a small entry script: the environment each rank gets,
 signals delivered to the ranks / torchrun / the whole job (workers included), and the kill on
 timeout that leaves nothing running."""
 
@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.distributed import find_free_port
-from megatron_ext.testing.launch import (
+from megatron_ext.launch import (
     PACKAGE_ROOT,
     Job,
     child_pids,
@@ -21,6 +20,7 @@ from megatron_ext.testing.launch import (
     launch,
     process_state,
 )
+from tests.support.distributed import find_free_port
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,7 @@ from typing import Optional
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
-from megatron_ext.testing.launch import PACKAGE_ROOT
-from megatron_ext.testing.launch import launch as start
+from megatron_ext.launch import launch as start
 
 __all__ = [
     "REPO",
@@ -37,8 +36,8 @@ __all__ = [
 # The training entry, importable from a checkout and from an installed package (it is installed
 # as a top-level module beside megatron_ext; see pyproject.toml).
 ENTRY_MODULE = "pretrain_leviathan"
-# In a source checkout only: the checkout and the entry's file.
-REPO = PACKAGE_ROOT
+# The checkout these tests belong to, and the entry's file in it.
+REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "pretrain_leviathan.py"
 
 # A tiny LEV model (2 LEV heads so that TP=2 owns one each) on 32-token sequences.
@@ -130,7 +129,7 @@ def launch(
     sigterm_after_iteration: Optional[int] = None,
 ) -> Run:
     """Run pretrain_leviathan on `nproc` ranks (torchrun; plain python for one rank) in
-    `workdir`, with --log-jsonl there, and wait for it (megatron_ext.testing.launch).
+    `workdir`, with --log-jsonl there, and wait for it (megatron_ext.launch).
 
     With `sigterm_after_iteration`, SIGTERM is sent to every rank once that iteration has been
     logged (as Slurm does on preemption).

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 pytestmark = pytest.mark.integration
 

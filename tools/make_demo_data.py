@@ -1,0 +1,368 @@
+#!/usr/bin/env python
+"""Make the small demo data the docs' worked examples use, from any jsonl corpus (no network).
+
+    python tools/make_demo_data.py wikitext --input CORPUS.jsonl.zst --output FILE --articles N
+    python tools/make_demo_data.py lm-eval-tasks --input CORPUS.jsonl.zst --output DIR --items N
+
+``wikitext``: a file in the Wikitext-103 format (what ``evaluate.py wikitext --file`` reads; the
+real ``wiki.test.tokens`` is downloaded by users) made of the corpus's first N documents: a
+blank line, `` = Title = ``, a blank line, then paragraphs, each one line with wikitext's
+tokenisation (punctuation split off by spaces, ``-`` inside words as `` @-@ ``, digit group
+commas and decimal points as `` @,@ `` / `` @.@ ``), sections as `` = = Heading = = ``.
+
+``lm-eval-tasks``: four tiny lm-evaluation-harness tasks in the harness's local-file format (a
+task YAML with ``dataset_path: json`` and ``data_files``; pass DIR to ``evaluate.py lm-eval
+--include-path``), N documents each, each shaped like a paper task:
+
+- ``tiny_lambada``: ``loglikelihood`` of a sentence's last word (acc, perplexity), as
+  lambada_openai;
+- ``tiny_piqa``: ``multiple_choice`` between the true ending and another sentence's (acc,
+  acc_norm);
+- ``tiny_wikitext``: ``loglikelihood_rolling`` of whole paragraphs (word/byte perplexity);
+- ``tiny_gen``: greedy ``generate_until`` a period, scored by exact match with the next word.
+
+The corpus is jsonl (``.jsonl``, ``.jsonl.zst``, ``.jsonl.gz``), one ``{"text": ...}`` object a
+line. Every output file is written under a temporary name and renamed when complete. Bad input
+is one ``error:`` line and exit code 2. The tests import the functions below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Iterator, Optional, Sequence
+
+from megatron_ext.cli import run_tool
+from megatron_ext.data.readers import DataError, iter_lines
+
+__all__ = [
+    "TINY_TASKS",
+    "to_wikitext_line",
+    "write_wikitext",
+    "wikitext_from_jsonl",
+    "write_tiny_tasks",
+    "main",
+]
+
+TINY_TASKS = ("tiny_lambada", "tiny_piqa", "tiny_wikitext", "tiny_gen")
+
+
+# ----------------------------------------------------------------------------- input and output
+
+
+def _texts(jsonl: str) -> Iterator[str]:
+    """The ``text`` of each line of the corpus ``jsonl``.
+
+    Raises:
+        DataError: the file cannot be read, or a line is not a JSON object with a ``text``
+            string (the message names the file and the line).
+    """
+    for number, line in iter_lines(jsonl):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+            reason = str(error).splitlines()[0]
+            raise DataError(f"{jsonl} line {number}: not a UTF-8 JSON line ({reason})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DataError(
+                f'{jsonl} line {number}: expected a JSON object with a "text" string, one '
+                "document a line"
+            )
+        text = record["text"]
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # a lone surrogate, escaped in the JSON
+            raise DataError(
+                f'{jsonl} line {number}: invalid Unicode in "text" (lone surrogate '
+                f"U+{ord(text[error.start]):04X}); fix or drop that line"
+            ) from None
+        yield text
+
+
+def _write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it, renamed when complete."""
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except OSError as error:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise DataError(f"cannot write {path}: {error.strerror}") from None
+
+
+def _make_directory(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise DataError(f"cannot create the directory {path}: {error.strerror}") from None
+
+
+# ----------------------------------------------------------------------------- wikitext
+
+
+def to_wikitext_line(text: str) -> str:
+    """``text`` tokenised the wikitext way (the inverse of the standard detokeniser's rules)."""
+    text = re.sub(r"(?<=\w)-(?=\w)", " @-@ ", text)
+    text = re.sub(r"(?<=\d),(?=\d)", " @,@ ", text)
+    text = re.sub(r"(?<=\d)\.(?=\d)", " @.@ ", text)
+    text = re.sub(r"([.,;:!?()\"])", r" \1 ", text)
+    return " " + " ".join(text.split()) + " "
+
+
+def write_wikitext(path: str, articles: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """Write articles (title, paragraphs) to ``path`` in the wikitext format; returns ``path``."""
+    lines = []
+    for title, paragraphs in articles:
+        lines += [" \n", f" = {title} = \n", " \n"]
+        for i, paragraph in enumerate(paragraphs):
+            if i and i % 2 == 0:
+                lines += [f" = = Section {i // 2} = = \n", " \n"]
+            lines.append(to_wikitext_line(paragraph) + "\n")
+    _make_directory(os.path.dirname(path) or ".")
+    _write_text(path, "".join(lines))
+    return path
+
+
+def wikitext_from_jsonl(jsonl: str, path: str, articles: int = 8) -> str:
+    """A wikitext file at ``path`` of the first ``articles`` documents of the corpus ``jsonl``
+    (documents without text are skipped); the title is the first three words.
+
+    Raises:
+        DataError: unreadable or malformed input, or fewer than ``articles`` documents.
+    """
+    if articles < 1:
+        raise DataError(f"articles must be at least 1, got {articles}")
+    out = []
+    for text in _texts(jsonl):
+        paragraphs = [p for p in text.split("\n") if p.strip()]
+        if not paragraphs:
+            continue
+        title = " ".join(paragraphs[0].split()[:3]).strip(".,;:!?")
+        out.append((title, paragraphs))
+        if len(out) == articles:
+            break
+    if len(out) < articles:
+        raise DataError(
+            f"{jsonl} has {len(out)} documents with text, fewer than the {articles} articles "
+            "asked for; ask for fewer or use a larger corpus"
+        )
+    return write_wikitext(path, out)
+
+
+# ----------------------------------------------------------------------------- lm-eval tasks
+
+_YAML = {
+    "tiny_lambada": """task: tiny_lambada
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""",
+    "tiny_piqa": """task: tiny_piqa
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{goal}}}}"
+doc_to_target: label
+doc_to_choice: "{{{{[sol1, sol2]}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""",
+    "tiny_wikitext": """task: tiny_wikitext
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{{{page}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+""",
+    "tiny_gen": """task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: generate_until
+test_split: test
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["."]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_punctuation: true
+    ignore_case: true
+metadata:
+  version: 1.0
+""",
+}
+
+
+def _sentences(jsonl: str) -> Iterator[str]:
+    """Sentences of at least six words, in corpus order, without their final period."""
+    for text in _texts(jsonl):
+        for sentence in text.replace("\n", " ").split(". "):
+            words = sentence.strip().rstrip(".").split()
+            if len(words) >= 6:
+                yield " ".join(words)
+
+
+def write_tiny_tasks(jsonl: str, directory: str, items: int = 6) -> str:
+    """Write the four tasks (YAML + jsonl data, ``items`` documents each) into ``directory``
+    (created if needed; the YAML files name their data by absolute path); returns
+    ``directory``. Pass it to the harness as ``include_path``.
+
+    Raises:
+        DataError: unreadable or malformed input, or fewer than ``2 * items`` sentences of six
+            or more words in it.
+    """
+    if items < 1:
+        raise DataError(f"items must be at least 1, got {items}")
+    sentences = []
+    for sentence in _sentences(jsonl):
+        sentences.append(sentence)
+        if len(sentences) == 2 * items:
+            break
+    if len(sentences) < 2 * items:
+        raise DataError(
+            f"{jsonl} has {len(sentences)} sentences of six or more words; {items} items per "
+            f"task need {2 * items}: ask for fewer or use a larger corpus"
+        )
+    rows = {
+        "tiny_lambada": [{"text": s} for s in sentences[:items]],
+        "tiny_piqa": [],
+        "tiny_wikitext": [{"page": f"{a}. {b}."} for a, b in zip(sentences[::2], sentences[1::2])],
+        "tiny_gen": [],
+    }
+    for i in range(items):
+        words, other = sentences[i].split(), sentences[items + i].split()
+        half = len(words) // 2
+        rows["tiny_piqa"].append(
+            {"goal": " ".join(words[:half]), "sol1": " ".join(words[half:]),
+             "sol2": " ".join(other[len(other) // 2 :]), "label": 0}
+        )  # fmt: skip
+        rows["tiny_gen"].append({"question": " ".join(words[:-1]), "answer": words[-1]})
+    _make_directory(directory)
+    for task, data in rows.items():
+        data_path = os.path.join(directory, f"{task}.jsonl")
+        _write_text(data_path, "".join(json.dumps(row) + "\n" for row in data))
+        yaml = _YAML[task].format(data=json.dumps(os.path.abspath(data_path)))
+        _write_text(os.path.join(directory, f"{task}.yaml"), yaml)
+    return directory
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="make_demo_data.py",
+        description="Make the small demo data of the docs' examples from a jsonl corpus.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    corpus = 'the jsonl corpus (.jsonl, .jsonl.zst or .jsonl.gz), one {"text": ...} a line'
+
+    wiki = commands.add_parser(
+        "wikitext",
+        help="a Wikitext-103 format file (for `evaluate.py wikitext --file`)",
+        description="Write the corpus's first documents as a file in the Wikitext-103 format "
+        "(what `evaluate.py wikitext --file` reads).",
+    )
+    wiki.add_argument("--input", required=True, metavar="CORPUS", help=corpus)
+    wiki.add_argument(
+        "--output", required=True, metavar="FILE",
+        help="the file to write (its directory is created if needed)",
+    )  # fmt: skip
+    wiki.add_argument(
+        "--articles", type=_positive, default=8, metavar="N",
+        help="how many documents become articles (default: %(default)s)",
+    )  # fmt: skip
+
+    tasks = commands.add_parser(
+        "lm-eval-tasks",
+        help="four tiny lm-evaluation-harness tasks (for `evaluate.py lm-eval --include-path`)",
+        description="Write four tiny lm-evaluation-harness tasks (tiny_lambada, tiny_piqa, "
+        "tiny_wikitext, tiny_gen: task YAML + jsonl data) made of the corpus's sentences.",
+    )
+    tasks.add_argument("--input", required=True, metavar="CORPUS", help=corpus)
+    tasks.add_argument(
+        "--output", required=True, metavar="DIR",
+        help="the directory to write the tasks into (created if needed)",
+    )  # fmt: skip
+    tasks.add_argument(
+        "--items", type=_positive, default=6, metavar="N",
+        help="documents per task; the corpus needs 2N sentences of six or more words "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    return parser
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "wikitext":
+        wikitext_from_jsonl(args.input, args.output, articles=args.articles)
+        print(f"wrote {args.articles} articles to {args.output}")
+    else:
+        write_tiny_tasks(args.input, args.output, items=args.items)
+        print(f"wrote {', '.join(TINY_TASKS)} ({args.items} items each) to {args.output}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse ``argv``, write the demo data, return the exit code (2 for bad input)."""
+    return run_tool(_main, argv, errors=(DataError,), log_format=None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
