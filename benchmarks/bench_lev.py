@@ -100,7 +100,8 @@ class LlamaLayer(torch.nn.Module):
 
 def init_single_process():
     """A one-rank gloo world; returns its `ProcessGroups`."""
-    from megatron_ext.parallel import find_free_port, initialize_parallel
+    from megatron_ext.launch import find_free_port
+    from megatron_ext.parallel import initialize_parallel
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(find_free_port())

@@ -30,7 +30,9 @@ With one rank and no torchrun the rank is its own agent.
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,7 +40,58 @@ from pathlib import Path
 from typing import Callable, Literal, Optional, Sequence, Union
 
 import megatron_ext
-from megatron_ext.parallel import find_free_port
+
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LISTEN_PORTS = (20000, 32768)
+"""Where `find_free_port` draws from when the kernel's ephemeral range cannot be read."""
+
+
+def _listen_port_range() -> tuple[int, int]:
+    """Ports [low, high) that the kernel never hands out as ephemeral (outgoing) ports.
+
+    Linux's ephemeral range is read from /proc (32768-60999 by default); below it, down to
+    10000, are the ports left for listeners. Elsewhere the IANA ephemeral range 49152-65535 is
+    assumed, and 20000-32767 is used.
+    """
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            low, high = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        return _LISTEN_PORTS
+    if low - 10000 >= 2000:
+        return 10000, low
+    if 65536 - (high + 1) >= 2000:
+        return high + 1, 65536
+    return _LISTEN_PORTS
+
+
+_drawn_ports: set[int] = set()
+
+
+def find_free_port() -> int:
+    """Return a TCP port on loopback that was free a moment ago, for a rendezvous to listen on.
+
+    The port is drawn at random outside the kernel's ephemeral range. A port that the kernel
+    assigned (bind to port 0) is an ephemeral one, and between this call and the listener's
+    bind any outgoing connection on the machine (gloo opens many) may take it: concurrent
+    launches then fail with EADDRINUSE. A random draw also keeps concurrent callers (pytest-xdist
+    workers) apart, and one process never gets the same port twice.
+    """
+    low, high = _listen_port_range()
+    rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if port in _drawn_ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _drawn_ports.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port on 127.0.0.1 in {low}-{high - 1} after 200 tries")
+
 
 __all__ = [
     "PACKAGE_ROOT",
@@ -48,6 +101,7 @@ __all__ = [
     "job_environment",
     "child_pids",
     "descendant_pids",
+    "find_free_port",
     "process_state",
 ]
 

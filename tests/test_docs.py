@@ -76,12 +76,6 @@ def test_the_checks_catch_what_they_should(tmp_path):
 # --- docs/architecture.md's "Where things live" names every module of the package -------------
 
 PACKAGE = REPO / "megatron_ext"
-# until the testing/ move lands: megatron_ext/testing/ is leaving the package (its launch.py and
-# gpu_check.py become megatron_ext/launch.py and megatron_ext/gpu_check.py, the rest moves to
-# tests/support/, benchmarks/ and tools/make_demo_data.py), so the table describes the layout
-# after the move: paths under testing/ are not required, the two new ones are accepted.
-LEAVING = ("testing/",)  # until the testing/ move lands
-ARRIVING = {"launch.py", "gpu_check.py"}  # until the testing/ move lands
 CODE = re.compile(r"`([^`]+)`")
 
 
@@ -108,18 +102,16 @@ def package_modules() -> set[str]:
 def test_architecture_names_every_module_and_only_real_ones():
     named, tests = where_things_live(REPO / "docs" / "architecture.md")
     actual = package_modules()
-    missing = sorted(m for m in actual - named if not m.startswith(LEAVING))
+    missing = sorted(actual - named)
     assert not missing, (
         "docs/architecture.md's 'Where things live' table does not name these modules of "
         f"megatron_ext/ (add them to a row with their tests): {missing}"
     )
-    stale = sorted(m for m in named - actual if m not in ARRIVING)
+    stale = sorted(named - actual)
     assert not stale, (
         f"docs/architecture.md's 'Where things live' names modules that do not exist: {stale}"
     )
-    stale_tests = sorted(
-        t for t in tests if not t.startswith("tests/testing/") and not (REPO / t).exists()
-    )  # tests/testing/: until the testing/ move lands
+    stale_tests = sorted(t for t in tests if not (REPO / t).exists())
     assert not stale_tests, f"docs/architecture.md names tests that do not exist: {stale_tests}"
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_ext.elastic import restart_round, round_store
-from megatron_ext.parallel import find_free_port
+from megatron_ext.launch import find_free_port
 
 TIMEOUT = datetime.timedelta(seconds=60)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_ext._paths import display_path
+from megatron_ext.launch import launch
 
 __all__ = [
     "MARKER",
@@ -129,9 +130,6 @@ def run_launched(
     """Run ``entry`` on ``nproc`` ranks under torchrun (megatron_ext.launch), output to
     ``log`` with the lines matching ``show`` echoed, as :func:`run_command` does for a plain
     command. Ctrl-C interrupts the ranks (torchrun forwards it), then re-raises."""
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.launch import launch
-
     job = launch(
         entry, nproc, args, python=python, cwd=cwd, log=log, timeout=None, torchrun=True,
         torchrun_args=torchrun_args,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.checkpoint import lock as L
-from megatron_ext.testing.launch import launch
-from megatron_ext.testing.runs import ENTRY_MODULE, TINY_MOCK_RUN
+from megatron_ext.launch import launch
+from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN
 
 pytestmark = pytest.mark.integration
 

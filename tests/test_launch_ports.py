@@ -1,4 +1,4 @@
-"""`parallel.find_free_port`: rendezvous ports outside the kernel's ephemeral range."""
+"""`launch.find_free_port`: rendezvous ports outside the kernel's ephemeral range."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import socket
 
 import pytest
 
-from megatron_ext import parallel
+from megatron_ext import launch
 
 
 def test_ports_are_outside_the_ephemeral_range_distinct_and_bindable():
-    low, high = parallel._listen_port_range()
+    low, high = launch._listen_port_range()
     try:
-        with open(parallel._EPHEMERAL_RANGE_FILE) as f:
+        with open(launch._EPHEMERAL_RANGE_FILE) as f:
             eph_low, eph_high = (int(v) for v in f.read().split())
         assert high <= eph_low or low > eph_high
     except OSError:
-        assert (low, high) == parallel._LISTEN_PORTS
-    ports = [parallel.find_free_port() for _ in range(50)]
+        assert (low, high) == launch._LISTEN_PORTS
+    ports = [launch.find_free_port() for _ in range(50)]
     assert len(set(ports)) == 50
     for port in ports:
         assert low <= port < high
@@ -31,7 +31,7 @@ def test_a_port_in_use_is_never_returned(monkeypatch):
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
         held.listen()
-        monkeypatch.setattr(parallel, "_listen_port_range", lambda: (taken, taken + 1))
-        parallel._drawn_ports.discard(taken)
+        monkeypatch.setattr(launch, "_listen_port_range", lambda: (taken, taken + 1))
+        launch._drawn_ports.discard(taken)
         with pytest.raises(RuntimeError, match=f"{taken}-{taken} after 200 tries"):
-            parallel.find_free_port()
+            launch.find_free_port()
