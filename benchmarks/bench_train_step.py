@@ -89,8 +89,7 @@ import torch
 from megatron_ext.config_flags import add_flags, flag_values
 from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
 from megatron_ext.data.tokenizers import build_tokenizer
-from megatron_ext.launch import Job, count_records, launch
-from megatron_ext.parallel import find_free_port
+from megatron_ext.launch import Job, count_records, find_free_port, launch
 
 # (label, ranks, flags) in the order reported; the first is the baseline.
 CONFIGS = [
