@@ -225,11 +225,11 @@ def chunked_head_cross_entropy(
         bad = flat_target[(flat_target < 0) | (flat_target >= vocab)][0]
         raise IndexError(f"target id {int(bad)} is out of range for a vocabulary of {vocab}")
     loss = torch.empty(s * b, dtype=torch.float32, device=hidden.device)
+    kernel = cpu_accel.cross_entropy_kernel()
     for start in range(0, s * b, rows):
         end = min(start + rows, s * b)
         logits = F.linear(flat[start:end], weight)  # its dtype follows autocast, if enabled
-        if _chunk_kernel_error(logits.device.type, logits.dtype) is None:
-            kernel = cpu_accel.cross_entropy_kernel()
+        if kernel is not None and _chunk_kernel_error(logits.device.type, logits.dtype) is None:
             kernel.cross_entropy(logits, flat_target[start:end], out=loss[start:end])
         else:
             loss[start:end] = vocab_parallel_cross_entropy(logits, flat_target[start:end], None)
