@@ -1,15 +1,17 @@
 """The one flag mechanism: command-line flags declared on config dataclass fields.
 
 A field with a flag says so in its metadata, `flag(default, "help", ...)`. The flag is the
-field's name (`micro_batch_size` -> --micro-batch-size; --no-x for a store_false switch of x)
-unless the field gives another `name`; its namespace attribute (and args.json key) is
-Megatron-LM's, the flag's name (--no-x -> x) unless the field gives `dest`. `add_flags(group,
-cls)` turns the fields into argparse arguments whose default *is* the field's (or its
-`command_line_default`) and whose type comes from the annotation; `flag_values(cls, namespace)`
-reads the values back by field name; `check_flag_values(config)` refuses a value below its
-`minimum`, not above `above`, outside its `choices` or given without the field it `needs`. So a
-new flag is one field. `ArgumentError` is the command line's one error type: an impossible or
-contradictory combination of flags, its message one line naming the flag to change.
+field's name (`micro_batch_size` -> --micro-batch-size; --no-x for a store_false switch of x;
+`prefix` first: LEV's --lev-*) unless the field gives another `name`; its namespace attribute
+(and args.json key) is Megatron-LM's, the flag's name (--no-x -> x) unless the field gives
+`dest`. `add_flags(group, cls)` turns the fields into argparse arguments whose default *is* the
+field's (or its `command_line_default`) and whose type comes from the annotation;
+`flag_values(cls, namespace)` reads the values back by field name; `check_flag_values(config)`
+refuses None where a field is `required`, a value below its `minimum`, not above `above`,
+outside its `choices` or given without the field it `needs`, and `@flag_dataclass` (a frozen
+dataclass) runs it before the config's own checks. So a new flag is one field.
+`ArgumentError` is the command line's one error type: an impossible or contradictory
+combination of flags, its message one line naming the flag to change.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "command_line_default",
     "field_default",
     "flag",
+    "flag_dataclass",
     "flag_dest",
     "flag_fields",
     "flag_name",
@@ -42,16 +45,18 @@ def flag(
     help: str = "",
     *,
     name: Optional[str] = None,
+    prefix: str = "",
     aliases: tuple[str, ...] = (),
     shapes_model: bool = False,
     command_line_default: Any = dataclasses.MISSING,
+    required: bool = False,
     minimum: Any = None,
     above: Any = None,
     needs: Optional[str] = None,
     **argparse_options,
 ) -> Any:
-    """A dataclass field with a command-line flag: `name` (default: from the field's name, see
-    `flag_name`), the `help` that says what it does (--help adds the default).
+    """A dataclass field with a command-line flag: `name` (default: `prefix` and the field's
+    name, see `flag_name`), the `help` that says what it does (--help adds the default).
 
     `aliases` are other spellings of the same flag (Megatron-LM accepts several for a few).
     `argparse_options` go to `add_argument` as they are (choices, metavar, dest, action, nargs);
@@ -61,12 +66,14 @@ def flag(
     `shapes_model`: the value shapes the model's parameters (`--use-checkpoint-args` takes it
     from the checkpoint). `command_line_default`: the flag's default (or a callable giving it)
     where it must differ from the library's (Megatron-LM's, e.g. None for a flag required or
-    derived on the command line). `minimum` / `above`: the least value accepted / a bound the
-    value must exceed (None passes); `needs`: the field that must be set when this one differs
-    from its default.
+    derived on the command line). `required`: the config refuses None (the command line's
+    default, so that the message names the flag). `minimum` / `above`: the least value accepted
+    / a bound the value must exceed (None passes); `needs`: the field that must be set when this
+    one differs from its default.
     """
-    metadata = {"flag": name, "aliases": tuple(aliases), "help": help, **argparse_options}
-    extra = dict(shapes_model=shapes_model or None, minimum=minimum, above=above, needs=needs)
+    metadata = {"flag": name or prefix, "aliases": tuple(aliases), "help": help, **argparse_options}
+    extra = dict(shapes_model=shapes_model or None, required=required or None, needs=needs)
+    extra.update(minimum=minimum, above=above)
     metadata.update({k: v for k, v in extra.items() if v is not None})
     if command_line_default is not dataclasses.MISSING:
         metadata["command_line_default"] = command_line_default
@@ -88,13 +95,13 @@ def flag_fields(cls: type) -> list[dataclasses.Field]:
 
 
 def flag_name(field: dataclasses.Field) -> str:
-    """The flag of a field: its `name`, else `--field-name` (`--no-field-name` for a switch
-    that turns the field off, action store_false)."""
+    """The flag of a field: its `name`, else `--<prefix>field-name` (`--no-field-name` for a
+    switch that turns the field off, action store_false)."""
     name = field.metadata["flag"]
-    if name is None:
-        off = "no-" if field.metadata.get("action") == "store_false" else ""
-        name = f"--{off}{field.name.replace('_', '-')}"
-    return name
+    if name.startswith("--"):
+        return name
+    off = "no-" if field.metadata.get("action") == "store_false" else ""
+    return f"--{off}{name}{field.name.replace('_', '-')}"
 
 
 def flag_dest(field: dataclasses.Field) -> str:
@@ -119,15 +126,8 @@ def command_line_default(field: dataclasses.Field) -> Any:
     return field_default(field)
 
 
-_NOT_ARGPARSE = (
-    "flag",
-    "aliases",
-    "shapes_model",
-    "command_line_default",
-    "minimum",
-    "above",
-    "needs",
-)
+_NOT_ARGPARSE = ("flag", "aliases", "shapes_model", "command_line_default", "required")
+_NOT_ARGPARSE += ("minimum", "above", "needs")
 
 
 def _argparse_options(field: dataclasses.Field, annotation: Any) -> dict[str, Any]:
@@ -187,15 +187,17 @@ def _one_of(choices) -> str:
 
 
 def check_flag_values(config: Any) -> None:
-    """Refuse a flagged field of `config` given without the field it `needs`, below its
-    `minimum`, not above `above` or outside its `choices` (each item of a list value; None is
-    not checked), with the command line's one-line message."""
+    """Refuse a flagged field of `config` given without the field it `needs`, None where
+    `required`, below its `minimum`, not above `above` or outside its `choices` (each item of a
+    list value), with the command line's one-line message."""
     fields = {f.name: f for f in dataclasses.fields(config)}
     for f in flag_fields(type(config)):
         value, meta = getattr(config, f.name), f.metadata
         name, needs = flag_name(f), meta.get("needs")
         if needs and value != field_default(f) and not getattr(config, needs):
             raise ValueError(f"{name} needs {flag_name(fields[needs])}")
+        if value is None and meta.get("required"):
+            raise ValueError(f"{name} is required")
         if value is None:
             continue
         for item in value if isinstance(value, (list, tuple)) else (value,):
@@ -207,3 +209,17 @@ def check_flag_values(config: Any) -> None:
             raise ValueError(f"{name} must be >= {meta['minimum']}, got {value}")
         if "above" in meta and not value > meta["above"]:
             raise ValueError(f"{name} must be > {meta['above']}, got {value}")
+
+
+def flag_dataclass(cls: type) -> type:
+    """`dataclass(frozen=True)` for a config with flags: its `__post_init__` refuses what the
+    fields declare (`check_flag_values`), then runs the class's own `__post_init__`, if any."""
+    own = cls.__dict__.get("__post_init__")
+
+    def __post_init__(self) -> None:
+        check_flag_values(self)
+        if own is not None:
+            own(self)
+
+    cls.__post_init__ = __post_init__
+    return dataclasses.dataclass(frozen=True)(cls)

@@ -2,7 +2,7 @@
 
 megatron.core.parallel_state creates the groups (megatron-core's layers read them from there);
 this module picks the backend (gloo on CPU, nccl on CUDA), validates the layout with messages
-that say which flag to change (`models.layout.validate_parallel_layout`), and seeds the random
+that say which flag to change (`models.layout.ParallelConfig.resolve`), and seeds the random
 generators the way Megatron-LM does (the CUDA RNG tracker on GPU; on CPU a tracker whose
 `fork()` is a no-op, since megatron's tracker only knows CUDA generator states).
 
@@ -32,7 +32,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from megatron_ext import placement
 from megatron_ext.elastic import round_store, uses_agent_store
-from megatron_ext.models.layout import validate_parallel_layout
+from megatron_ext.models.layout import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -247,12 +247,8 @@ def initialize_parallel(
             world_size=world_size,
             timeout=startup,
         )
-    validate_parallel_layout(
-        dist.get_world_size(),
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-    )
+    sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
+    ParallelConfig(*sizes).resolve(dist.get_world_size())  # refuses a layout that does not split
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,

@@ -35,7 +35,7 @@ import re
 import sys
 from typing import Iterator, Optional, Sequence
 
-from megatron_ext.cli import run_tool
+from megatron_ext.cli import HelpFormatter, run_tool
 from megatron_ext.data.readers import DataError, iter_lines
 
 __all__ = [
@@ -305,16 +305,19 @@ def _positive(text: str) -> int:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the `wikitext` and `lm-eval-tasks` sub-commands."""
     parser = argparse.ArgumentParser(
         prog="make_demo_data.py",
         description="Make the small demo data of the docs' examples from a jsonl corpus.",
+        formatter_class=HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     corpus = 'the jsonl corpus (.jsonl, .jsonl.zst or .jsonl.gz), one {"text": ...} a line'
 
     wiki = commands.add_parser(
         "wikitext",
+        formatter_class=HelpFormatter,
         help="a Wikitext-103 format file (for `evaluate.py wikitext --file`)",
         description="Write the corpus's first documents as a file in the Wikitext-103 format "
         "(what `evaluate.py wikitext --file` reads).",
@@ -326,11 +329,12 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     wiki.add_argument(
         "--articles", type=_positive, default=8, metavar="N",
-        help="how many documents become articles (default: %(default)s)",
+        help="how many documents become articles",
     )  # fmt: skip
 
     tasks = commands.add_parser(
         "lm-eval-tasks",
+        formatter_class=HelpFormatter,
         help="four tiny lm-evaluation-harness tasks (for `evaluate.py lm-eval --include-path`)",
         description="Write four tiny lm-evaluation-harness tasks (tiny_lambada, tiny_piqa, "
         "tiny_wikitext, tiny_gen: task YAML + jsonl data) made of the corpus's sentences.",
@@ -342,14 +346,13 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     tasks.add_argument(
         "--items", type=_positive, default=6, metavar="N",
-        help="documents per task; the corpus needs 2N sentences of six or more words "
-        "(default: %(default)s)",
+        help="documents per task; the corpus needs 2N sentences of six or more words",
     )  # fmt: skip
     return parser
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "wikitext":
         wikitext_from_jsonl(args.input, args.output, articles=args.articles)
         print(f"wrote {args.articles} articles to {args.output}")

@@ -24,12 +24,12 @@ projection is unchanged.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import warnings
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_ext.config_flags import check_flag_values, flag, flag_values
+from megatron_ext.config_flags import flag, flag_dataclass, flag_values
 
 __all__ = [
     "LEV_PARAMETER_GROUPS",
@@ -55,6 +55,10 @@ SPEC_WEIGHT_DECAY_GROUPS = ("codebooks", "seed_proj", "spline_delta", "out_proj"
 """Megatron's rule applied to LEV: every matrix decays, the seed LayerNorm does not."""
 
 
+lev_flag = functools.partial(flag, prefix="lev-")
+"""`config_flags.flag` for LEV's fields: the flag is `--lev-<field-name>`."""
+
+
 def smallest_base(vocab_size: int, num_digits: int) -> int:
     """The smallest base b >= 2 with b**num_digits >= vocab_size (exact integer arithmetic)."""
     if vocab_size < 1 or num_digits < 1:
@@ -67,7 +71,7 @@ def smallest_base(vocab_size: int, num_digits: int) -> int:
     return base
 
 
-@dataclass(frozen=True)
+@flag_dataclass
 class LEVConfig:
     """Hyper-parameters of one LEV input generator (docs/lev.md section 2).
 
@@ -83,112 +87,76 @@ class LEVConfig:
     before the model's size is known; `models.config.EmbeddingConfig.at_model_size` sets both."""
     hidden_size: Optional[int] = None
     """D: model width, the size of each generated embedding."""
-    num_digits: int = flag(
-        3, "k: base-b digits per token id (and codebooks)", minimum=1, name="--lev-num-digits"
+    num_digits: int = lev_flag(3, "k: base-b digits per token id (and codebooks)", minimum=1)
+    base: Optional[int] = lev_flag(
+        None, "b: digit base (default: smallest b with b^k >= V)", minimum=2
     )
-    base: Optional[int] = flag(
-        None, "b: digit base (default: smallest b with b^k >= V)", minimum=2, name="--lev-base"
+    seed_dim: int = lev_flag(128, "d_seed: codebook row / seed width", minimum=1)
+    num_knots: int = lev_flag(
+        16, "kappa: knots j/(kappa-1) of the quadratic B-spline basis", minimum=3
     )
-    """None picks the smallest b with b**k >= V (stored resolved)."""
-    seed_dim: int = flag(128, "d_seed: codebook row / seed width", minimum=1, name="--lev-seed-dim")
-    num_knots: int = flag(
-        16,
-        "kappa: knots j/(kappa-1) of the quadratic B-spline basis",
-        minimum=3,
-        name="--lev-num-knots",
-    )
-    rank: int = flag(64, "r: separable modes per head", minimum=1, name="--lev-rank")
-    num_heads: int = flag(
-        8, "h: heads (divisible by the TP size)", minimum=1, name="--lev-num-heads"
-    )
-    temperature: float = flag(
-        2.0, "tau in sigmoid(LayerNorm(u) / tau)", above=0, name="--lev-temperature"
-    )
-    codebook_combine: str = flag(
+    rank: int = lev_flag(64, "r: separable modes per head", minimum=1)
+    num_heads: int = lev_flag(8, "h: heads (divisible by the TP size)", minimum=1)
+    temperature: float = lev_flag(2.0, "tau in sigmoid(LayerNorm(u) / tau)", above=0)
+    codebook_combine: str = lev_flag(
         "sum",
         "how the k codebook rows form the seed: sum (width d_seed) or concat (k*d_seed)",
         choices=_COMBINE_MODES,
-        name="--lev-codebook-combine",
     )
-    normalize_basis: bool = flag(
-        True,
-        "renormalise the B-spline basis to sum 1 at every t (boundary knots lose mass)",
-        name="--lev-normalize-basis",
+    normalize_basis: bool = lev_flag(
+        True, "renormalise the B-spline basis to sum 1 at every t (boundary knots lose mass)"
     )
-    norm_eps: float = flag(
-        1e-5, "epsilon of the per-head seed LayerNorm", above=0, name="--lev-norm-eps"
+    norm_eps: float = lev_flag(1e-5, "epsilon of the per-head seed LayerNorm", above=0)
+    product_eps: float = lev_flag(1e-9, "eps in sign * exp(sum log(|phi| + eps))", above=0)
+    init_std: float = lev_flag(
+        0.02, "init std of codebooks and seed_proj (out_proj: init_std / sqrt(h))", minimum=0
     )
-    product_eps: float = flag(
-        1e-9, "eps in sign * exp(sum log(|phi| + eps))", above=0, name="--lev-product-eps"
+    spline_init_std: float = lev_flag(
+        0.1, "init std of spline_delta (coefficients 1 + delta)", minimum=0
     )
-    init_std: float = flag(
-        0.02,
-        "init std of codebooks and seed_proj (out_proj: init_std / sqrt(h))",
-        minimum=0,
-        name="--lev-init-std",
-    )
-    spline_init_std: float = flag(
-        0.1,
-        "init std of spline_delta (coefficients 1 + delta)",
-        minimum=0,
-        name="--lev-spline-init-std",
-    )
-    dedup: bool = flag(
-        True, "evaluate LEV once per distinct id of the micro-batch", name="--lev-dedup"
-    )
-    dedup_global_batch: bool = flag(
+    dedup: bool = lev_flag(True, "evaluate LEV once per distinct id of the micro-batch")
+    dedup_global_batch: bool = lev_flag(
         True,
         "with --lev-dedup, evaluate LEV once per distinct id of the global batch: a micro-batch "
         "computes only ids no earlier micro-batch had, and LEV's backward runs once, after the "
-        "last micro-batch (the portable engine; `LEVEmbedding.begin_global_batch`)",
-        name="--lev-dedup-global-batch",
+        "last micro-batch (the portable engine)",
     )
-    eval_table: bool = flag(
+    eval_table: bool = lev_flag(
         False,
         "in eval mode look ids up in a materialised [V, D] table (rebuilt when weights change)",
         action=argparse.BooleanOptionalAction,
-        name="--lev-eval-table",
     )
-    chunk_size: int = flag(
-        0,
-        "ids per chunk of the torch kernel (0: auto, ~2M spline values per chunk)",
-        minimum=0,
-        name="--lev-chunk-size",
+    chunk_size: int = lev_flag(
+        0, "ids per chunk of the torch kernel (0: auto, ~2M spline values per chunk)", minimum=0
     )
-    kernel: str = flag(
+    kernel: str = lev_flag(
         "auto",
         "LEV implementation: the readable math under plain autograd (reference), torch ops, "
         "Triton kernels, the C++ CPU kernel, or auto (triton on CUDA, cpu on CPU)",
         choices=_KERNELS,
-        name="--lev-kernel",
     )
     """Steps 3a-3e (`lev.kernels`): reference is `lev.math` (every intermediate saved), torch
     `lev.fused`, triton `lev.triton_kernel`, cpu `cpu_accel.lev_kernel` (a CPU acceleration);
     auto takes triton for float32 CUDA tensors when it imports, cpu for CPU tensors when the
     accelerations are on and a C++ compiler builds it, else torch. All but reference save only
     the seeds and the modes for backward."""
-    init_output_std: Optional[float] = flag(
+    init_output_std: Optional[float] = lev_flag(
         None,
         "rescale out_proj at init so the [V, D] embedding table has this std (default: the "
         "spec's init, std ~0.2 at small widths; the other arms start at 0.02)",
         above=0,
-        name="--lev-init-output-std",
     )
-    weight_decay_groups: tuple[str, ...] = flag(
+    weight_decay_groups: tuple[str, ...] = lev_flag(
         SPEC_WEIGHT_DECAY_GROUPS,
         f"LEV parameter groups that get weight decay, any of {' '.join(LEV_PARAMETER_GROUPS)}"
         f" (none: no flag values; default: {' '.join(SPEC_WEIGHT_DECAY_GROUPS)})",
         choices=tuple(LEV_PARAMETER_GROUPS),
         metavar="GROUP",
-        name="--lev-weight-decay-groups",
     )
-    lr_mult: float = flag(
-        1.0, "learning-rate multiplier of the LEV parameters", above=0, name="--lev-lr-mult"
-    )
+    lr_mult: float = lev_flag(1.0, "learning-rate multiplier of the LEV parameters", above=0)
 
     def __post_init__(self) -> None:
-        """Each flag's bounds and choices (`check_flag_values`), V and D, and the digit base."""
-        check_flag_values(self)
+        """V and D, and the digit base (when not given: the smallest b with b^k >= V, stored)."""
         sized = self.vocab_size is not None
         if sized and self.vocab_size < 1:
             raise ValueError(
@@ -287,23 +255,20 @@ def lev_flag_values(args: argparse.Namespace) -> dict[str, Any]:
     "reference" (with "auto"; refused with another kernel), True the default. Either warns once
     per process."""
     global _warned_fused
-    values = flag_values(LEVConfig, args)
-    fused = getattr(args, "lev_fused", None)
-    if fused is not None:
-        if not _warned_fused:
-            _warned_fused = True
-            warnings.warn(
-                "--lev-fused/--no-lev-fused (lev_fused in args.json) is deprecated: use "
-                "--lev-kernel (--no-lev-fused is --lev-kernel reference)",
-                FutureWarning,
-                stacklevel=3,
-            )
-        kernel = values.get("kernel", "auto")
-        if not fused and kernel not in ("auto", "reference"):
+    values, fused = flag_values(LEVConfig, args), getattr(args, "lev_fused", None)
+    if fused is not None and not _warned_fused:
+        _warned_fused = True
+        warnings.warn(
+            "--lev-fused/--no-lev-fused (lev_fused in args.json) is deprecated: use "
+            "--lev-kernel (--no-lev-fused is --lev-kernel reference)",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if fused is False:
+        if values.get("kernel", "auto") not in ("auto", "reference"):
             raise ValueError(
                 f"--no-lev-fused (deprecated: --lev-kernel reference) contradicts "
-                f"--lev-kernel {kernel}; drop --no-lev-fused"
+                f"--lev-kernel {values['kernel']}; drop --no-lev-fused"
             )
-        if not fused:
-            values["kernel"] = "reference"
+        values["kernel"] = "reference"
     return values

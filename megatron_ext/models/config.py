@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Optional, Union
 
 import torch
 
-from megatron_ext.config_flags import check_flag_values, flag, flag_values
+from megatron_ext.config_flags import flag, flag_dataclass, flag_values
 from megatron_ext.lev.config import LEVConfig, lev_flag_values
 
 __all__ = [
@@ -67,7 +67,7 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
     return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
 
 
-@dataclass(frozen=True)
+@flag_dataclass
 class EmbeddingConfig:
     """Which input embedding the model uses, and the sizes of the non-LEV arms.
 
@@ -109,7 +109,6 @@ class EmbeddingConfig:
     )
 
     def __post_init__(self) -> None:
-        check_flag_values(self)
         if self.tied and self.untie_embeddings_and_output_weights:
             raise ValueError(
                 "--untie-embeddings-and-output-weights contradicts --embedding-type tied; drop one"
@@ -149,7 +148,7 @@ class EmbeddingConfig:
         return self if lev is self.lev else dataclasses.replace(self, lev=lev)
 
 
-@dataclass(frozen=True)
+@flag_dataclass
 class ModelConfig:
     """A decoder-only LLaMA-style model: RMSNorm, SwiGLU, rotary positions, no biases."""
 
@@ -250,6 +249,11 @@ class ModelConfig:
     records them as given (None), and `check_as_given` reads which sizes were given."""
 
     def __post_init__(self) -> None:
+        """Fill the sizes left None (`derived`), then raise ValueError with the flag to change for
+        every impossible setting; build the LEVConfig at the model's V and D
+        (`EmbeddingConfig.at_model_size`), which checks the LEV hyper-parameters. What needs the
+        layout too (TP/PP divisibility, sequence and context parallelism, FP8) is
+        `models.layout.check_layout`'s."""
         if isinstance(self.embedding, dict):
             object.__setattr__(self, "embedding", EmbeddingConfig(**self.embedding))
         sizes = {**_DEBUG_MODEL, **MODEL_SIZE_PRESETS.get(self.model_size or "", {})}
@@ -271,14 +275,6 @@ class ModelConfig:
                 object.__setattr__(self, name, fill())
                 derived.add(name)
         object.__setattr__(self, "derived", tuple(sorted(derived)))
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError with the flag to change for every impossible setting; build the
-        LEVConfig at the model's V and D (`EmbeddingConfig.at_model_size`), which checks the
-        LEV hyper-parameters. What needs the layout too (TP/PP divisibility, sequence and
-        context parallelism, FP8) is `models.layout.check_layout`'s."""
-        check_flag_values(self)
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"--vocab-size must be >= 1, got {self.vocab_size}")
         object.__setattr__(

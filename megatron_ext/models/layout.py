@@ -12,38 +12,21 @@ applies the layout afterwards, as torchtitan's `parallelize_llama(model, paralle
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from megatron_ext.config_flags import check_flag_values, flag
+from megatron_ext.config_flags import flag, flag_dataclass
 from megatron_ext.models.config import ModelConfig
 
 __all__ = [
-    "FP8_FORMATS",
     "ParallelConfig",
     "PrecisionConfig",
     "check_layout",
-    "validate_parallel_layout",
 ]
 
-FP8_FORMATS = ("e4m3", "hybrid")
-"""The --fp8-format recipes (Transformer Engine's)."""
 
-
-def validate_parallel_layout(
-    world_size: int,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    context_parallel_size: int = 1,
-) -> int:
-    """Check that the ranks split into TP x CP x PP x DP; return the data-parallel size."""
-    sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
-    return ParallelConfig(*sizes).resolve(world_size).data_parallel_size
-
-
-@dataclass(frozen=True)
+@flag_dataclass
 class ParallelConfig:
     """Process layout: TP x CP x PP x DP ranks (DP is derived from the world size)."""
 
@@ -83,7 +66,6 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage), set by `with_num_layers` (None: one chunk)."""
 
     def __post_init__(self) -> None:
-        check_flag_values(self)
         if self.data_parallel_size < 1:
             raise ValueError(f"data-parallel size must be >= 1, got {self.data_parallel_size}")
         if self.num_layers_per_virtual_pipeline_stage and self.num_virtual_stages_per_pipeline_rank:
@@ -150,16 +132,12 @@ class ParallelConfig:
         Raises:
             ValueError: the ranks do not split into TP x CP x PP x DP.
         """
-        tp, pp, cp = (
-            self.tensor_model_parallel_size,
-            self.pipeline_model_parallel_size,
-            self.context_parallel_size,
-        )
         if world_size % self._model_parallel:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
-                f"size {tp}x{pp}x{cp}={self._model_parallel}; change --nproc-per-node or the "
-                "parallel sizes"
+                f"size {self.tensor_model_parallel_size}x{self.pipeline_model_parallel_size}x"
+                f"{self.context_parallel_size}={self._model_parallel}; change --nproc-per-node or "
+                "the parallel sizes"
             )
         dp = world_size // self._model_parallel
         if dp == self.data_parallel_size:
@@ -167,7 +145,7 @@ class ParallelConfig:
         return dataclasses.replace(self, data_parallel_size=dp)
 
 
-@dataclass(frozen=True)
+@flag_dataclass
 class PrecisionConfig:
     """The run's precision: the parameters' dtype, the portable engine's autocast, the FP8
     recipe (Transformer Engine) and FP16 loss scaling (see `training/precision.py`)."""
@@ -175,7 +153,9 @@ class PrecisionConfig:
     bf16: bool = flag(False, "BF16 autocast (fp32 master weights)")
     fp16: bool = flag(False, "FP16 autocast with dynamic loss scaling")
     fp8_format: Optional[str] = flag(
-        None, "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)", choices=FP8_FORMATS
+        None,
+        "FP8 GEMMs through Transformer Engine (CUDA only; with --bf16)",
+        choices=("e4m3", "hybrid"),
     )
     fp8_margin: int = flag(0, "FP8 scaling margin (DelayedScaling)", needs="fp8_format")
     fp8_amax_history_len: int = flag(
@@ -202,7 +182,6 @@ class PrecisionConfig:
     (`training.config.RunConfig` derives it); float64 or bfloat16 for models built in code."""
 
     def __post_init__(self) -> None:
-        check_flag_values(self)
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 are exclusive; pick one")
         if self.fp8_format is not None and not (self.bf16 or self.fp16):

@@ -153,17 +153,16 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
     names = [n for n in model_shaping_dests() if n in saved]
     names += [n for n in saved if n.startswith("lev_") and n not in names]
     for name in names:
-        if name in explicit:
-            if getattr(args, name, None) != saved[name]:
-                logger.warning(
-                    "--use-checkpoint-args: --%s %s from the command line overrides the "
-                    "checkpoint's %s",
-                    name.replace("_", "-"),
-                    getattr(args, name),
-                    saved[name],
-                )
-            continue
-        setattr(args, name, saved[name])
+        if name not in explicit:
+            setattr(args, name, saved[name])
+        elif getattr(args, name, None) != saved[name]:
+            logger.warning(
+                "--use-checkpoint-args: --%s %s from the command line overrides the "
+                "checkpoint's %s",
+                name.replace("_", "-"),
+                getattr(args, name),
+                saved[name],
+            )
     logger.info("model flags taken from %s", path)
 
 
@@ -255,20 +254,14 @@ def check_machine(run: RunConfig, cuda: bool) -> None:
             "--wandb-project needs the optional package wandb: pip install "
             "'megatron-ext-leviathan[wandb]' (or drop the flag)"
         )
-    engine = run.engine
-    for flag, value in (
-        ("--overlap-grad-reduce", engine.overlap_grad_reduce),
-        ("--overlap-param-gather", engine.overlap_param_gather),
-        ("--ddp-bucket-size", engine.ddp_bucket_size),
-    ):
-        # Megatron-LM launch scripts pass these routinely: the portable engine notes and
-        # ignores them (it all-reduces bucketed gradients after backward).
-        if value not in (None, False) and not megatron:
-            where = "on CPU" if not cuda else "by --ddp-impl portable"
+    # Megatron-LM launch scripts pass these routinely: the portable engine notes and ignores
+    # them (it all-reduces bucketed gradients after backward).
+    for name in ("overlap_grad_reduce", "overlap_param_gather", "ddp_bucket_size"):
+        if getattr(run.engine, name) not in (None, False) and not megatron:
             logger.info(
-                "%s: ignored %s (it tunes megatron-core's DDP; use --ddp-impl megatron on CUDA)",
-                flag,
-                where,
+                "--%s: ignored %s (it tunes megatron-core's DDP; use --ddp-impl megatron on CUDA)",
+                name.replace("_", "-"),
+                "by --ddp-impl portable" if cuda else "on CPU",
             )
     if run.exit.exit_signal_handler and not run.ckpt.save:
         logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")

@@ -13,21 +13,21 @@ is what args.json records: docs/architecture.md "One flag, end to end".
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Optional
 
 import torch
 
-from megatron_ext.config_flags import check_flag_values, flag, flag_dest, flag_fields
+from megatron_ext.config_flags import flag, flag_dataclass, flag_dest, flag_fields
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.tokenizers import padded_vocab_size
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.layout import ParallelConfig, PrecisionConfig, check_layout
+from megatron_ext.training.batch_rampup import BatchSizeRampup
 
 __all__ = [
     "BatchConfig",
-    "BatchSizeRampup",
     "CheckpointConfig",
     "EngineConfig",
     "EvalConfig",
@@ -41,70 +41,7 @@ __all__ = [
 ]
 
 
-def _required(flag: str, value) -> None:
-    if value is None:
-        raise ValueError(f"{flag} is required")
-
-
-def _at_least(flag: str, value, minimum: int = 1) -> None:
-    """Refuse `value` below `minimum` (None: not set, allowed)."""
-    if value is not None and value < minimum:
-        raise ValueError(f"{flag} must be >= {minimum}, got {value}")
-
-
-@dataclass(frozen=True)
-class BatchSizeRampup:
-    """Megatron-LM's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from
-    START by INCREMENT in equal steps of consumed samples, reaching the full global batch size
-    after SAMPLES samples. A function of consumed samples only, so a resumed run continues it."""
-
-    start: int
-    increment: int
-    ramp_samples: int
-    global_batch_size: int
-    micro_times_dp: int
-
-    def __post_init__(self) -> None:
-        if self.start < 1 or self.increment < 1 or self.ramp_samples < 0:
-            raise ValueError(
-                "--rampup-batch-size needs START >= 1, INCREMENT >= 1 and SAMPLES >= 0, got "
-                f"{self.start} {self.increment} {self.ramp_samples}"
-            )
-        diff = self.global_batch_size - self.start
-        if diff < 0 or diff % self.increment:
-            raise ValueError(
-                f"--rampup-batch-size: --global-batch-size {self.global_batch_size} minus START "
-                f"{self.start} must be a non-negative multiple of INCREMENT {self.increment}"
-            )
-        for name, value in (("START", self.start), ("INCREMENT", self.increment)):
-            if value % self.micro_times_dp:
-                raise ValueError(
-                    f"--rampup-batch-size {name} {value} is not divisible by --micro-batch-size "
-                    f"x data-parallel size = {self.micro_times_dp}; every ramp batch must split "
-                    "into whole micro-batches"
-                )
-
-    def global_batch(self, consumed_samples: int) -> int:
-        """The global batch size of the iteration that starts after `consumed_samples`."""
-        steps = (self.global_batch_size - self.start) // self.increment
-        if steps == 0 or consumed_samples >= self.ramp_samples:
-            return self.global_batch_size
-        per_step = self.ramp_samples / steps
-        size = self.start + int(consumed_samples / per_step) * self.increment
-        return min(size, self.global_batch_size)
-
-    def iterations_for(self, train_samples: int) -> int:
-        """Iterations that consume `train_samples` samples (Megatron's update_train_iters)."""
-        consumed, iterations = 0, 0
-        while consumed <= self.ramp_samples and consumed <= train_samples:
-            consumed += self.global_batch(consumed)
-            iterations += 1
-        if consumed < train_samples:
-            iterations += (train_samples - consumed) // self.global_batch_size
-        return iterations
-
-
-@dataclass(frozen=True)
+@flag_dataclass
 class BatchConfig:
     """Batch sizes and run length (Megatron-LM's flags). The command line leaves the global
     batch and the run length unset and `from_run_length` derives them; a library user gives
@@ -116,6 +53,7 @@ class BatchConfig:
         1,
         "sequences per forward and backward on one rank (required)",
         command_line_default=None,
+        required=True,
         minimum=1,
     )
     global_batch_size: Optional[int] = flag(
@@ -123,13 +61,18 @@ class BatchConfig:
         "sequences per optimizer step, at the end of --rampup-batch-size if any (default: "
         "micro-batch size x data-parallel size, no accumulation)",
         command_line_default=None,
+        required=True,
         minimum=1,
     )
     train_iters: Optional[int] = flag(
-        0, "iterations to train (or --train-samples)", command_line_default=None, minimum=0
+        0,
+        "iterations to train (or --train-samples)",
+        command_line_default=None,
+        required=True,
+        minimum=0,
     )
     train_samples: Optional[int] = flag(
-        None, "samples to train (or --train-iters, which it derives)"
+        None, "samples to train (or --train-iters, which it derives)", minimum=1
     )
     rampup_batch_size: Optional[list[int]] = flag(
         None,
@@ -147,12 +90,10 @@ class BatchConfig:
     )
 
     def __post_init__(self) -> None:
-        check_flag_values(self)
-        _required("--micro-batch-size", self.micro_batch_size)
-        _required("--global-batch-size", self.global_batch_size)
-        _required("--seq-length", self.seq_length)
-        _at_least("--seq-length", self.seq_length)
-        _required("--train-iters", self.train_iters)
+        if self.seq_length is None:
+            raise ValueError("--seq-length is required")
+        if self.seq_length < 1:
+            raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
 
     def rampup(self, data_parallel_size: int) -> Optional[BatchSizeRampup]:
         """The --rampup-batch-size schedule up to the global batch, in steps that split into
@@ -184,39 +125,34 @@ class BatchConfig:
         `train_samples`, iterations derived from samples (through --rampup-batch-size, if any).
         `flags` are the other fields as given (rampup_batch_size, num_workers, ...).
         """
-        _required("--micro-batch-size", micro_batch_size)
-        _at_least("--micro-batch-size", micro_batch_size)
-        if global_batch_size is None:
-            global_batch_size = micro_batch_size * data_parallel_size
         if (train_iters is None) == (train_samples is None):
             raise ValueError("give exactly one of --train-iters and --train-samples")
-        if train_samples is None:
-            _at_least("--train-iters", train_iters)
-        else:
-            _at_least("--train-samples", train_samples)
-            _at_least("--global-batch-size", global_batch_size)
-            if train_samples < global_batch_size:
-                raise ValueError(
-                    f"--train-samples {train_samples} is less than one global batch "
-                    f"({global_batch_size})"
-                )
-            train_iters = train_samples // global_batch_size
+        if train_iters is not None and train_iters < 1:
+            raise ValueError(f"--train-iters must be >= 1, got {train_iters}")
+        if global_batch_size is None and micro_batch_size is not None:
+            global_batch_size = micro_batch_size * data_parallel_size
         batch = cls(
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
-            train_iters=train_iters,
+            train_iters=train_iters or 0,
             train_samples=train_samples,
             **flags,
-        )
-        if train_samples is not None:
-            rampup = batch.rampup(data_parallel_size)
-            if rampup is not None:
-                batch = dataclasses.replace(batch, train_iters=rampup.iterations_for(train_samples))
-        return batch
+        )  # checks the batch sizes and --train-samples
+        if train_samples is None:
+            return batch
+        if train_samples < global_batch_size:
+            raise ValueError(
+                f"--train-samples {train_samples} is less than one global batch "
+                f"({global_batch_size})"
+            )
+        rampup = batch.rampup(data_parallel_size)
+        if rampup is None:
+            return dataclasses.replace(batch, train_iters=train_samples // global_batch_size)
+        return dataclasses.replace(batch, train_iters=rampup.iterations_for(train_samples))
 
 
-@dataclass(frozen=True)
+@flag_dataclass
 class ExitConfig:
     """When the run stops early: exit conditions (each saves first), non-finite steps, and
     --skip-train (evaluate a checkpoint, train nothing; `RunConfig` checks it has --load)."""
@@ -241,11 +177,8 @@ class ExitConfig:
         False, "load --load, run validation and test, exit (implies --no-load-optim)"
     )
 
-    def __post_init__(self) -> None:
-        check_flag_values(self)
 
-
-@dataclass(frozen=True)
+@flag_dataclass
 class EvalConfig:
     """Validation during training (and the test set at the end)."""
 
@@ -254,16 +187,15 @@ class EvalConfig:
     )
     eval_iters: int = flag(100, "global batches per evaluation (0: no evaluation)", minimum=0)
 
-    def __post_init__(self) -> None:
-        check_flag_values(self)
 
-
-@dataclass(frozen=True)
+@flag_dataclass
 class OptimizerConfig:
     """AdamW and Megatron's learning-rate / weight-decay schedule (in samples)."""
 
     optimizer: str = flag("adam", "AdamW (decoupled WD)", choices=("adam", "adamw"))
-    lr: Optional[float] = flag(None, "peak learning rate (no default, as in Megatron-LM)")
+    lr: Optional[float] = flag(
+        None, "peak learning rate (no default, as in Megatron-LM)", required=True
+    )
     min_lr: float = flag(0.0, "learning rate at the end of the decay")
     lr_decay_style: str = flag(
         "linear",
@@ -328,8 +260,6 @@ class OptimizerConfig:
     wd_incr_steps: int = 1
 
     def __post_init__(self) -> None:
-        check_flag_values(self)
-        _required("--lr", self.lr)
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}), --lr > 0")
         if self.lr_warmup_init > self.lr:
@@ -373,66 +303,47 @@ class OptimizerConfig:
         global_batch_size: int,
         train_iters: Optional[int] = None,
         train_samples: Optional[int] = None,
-        lr_decay_iters: Optional[int] = None,
-        lr_decay_samples: Optional[int] = None,
-        lr_warmup_iters: int = 0,
-        lr_warmup_samples: int = 0,
-        lr_warmup_fraction: Optional[float] = None,
-        lr_wsd_decay_iters: Optional[int] = None,
-        lr_wsd_decay_samples: Optional[int] = None,
         **fields,
     ) -> "OptimizerConfig":
         """Megatron-LM's schedule flags -> the lengths in samples: a run given in iterations
         (`train_iters`) gives its schedule in iterations (x `global_batch_size`), one given in
         samples (`train_samples`) in samples; `lr_warmup_fraction` is a fraction of the decay.
         The decay defaults to the whole run, the weight-decay ramp spans the whole run.
-        `fields` are the other fields of the config."""
-        gbs = global_batch_size
-        if train_samples is None:
-            if lr_decay_samples is not None or lr_warmup_samples:
-                raise ValueError(
-                    "with --train-iters give the schedule in iterations (--lr-decay-iters, "
-                    "--lr-warmup-iters), not samples"
-                )
-            decay = (lr_decay_iters or train_iters) * gbs
-            warmup = lr_warmup_iters * gbs
-            wsd_decay = lr_wsd_decay_iters * gbs if lr_wsd_decay_iters is not None else None
-            iterations = train_iters
-        else:
-            if lr_decay_iters is not None or lr_warmup_iters:
-                raise ValueError(
-                    "with --train-samples give the schedule in samples (--lr-decay-samples, "
-                    "--lr-warmup-samples), not iterations"
-                )
-            decay = lr_decay_samples or train_samples
-            warmup = lr_warmup_samples
-            wsd_decay = lr_wsd_decay_samples
-            iterations = train_samples // gbs
-        if lr_warmup_fraction is not None:
-            if lr_warmup_iters or lr_warmup_samples:
+        `fields` are the other fields of the config, the schedule's flags among them."""
+        # The unit the run is given in, its scale to samples, and the other unit (refused).
+        unit, scale, other, length = "iters", global_batch_size, "samples", train_iters
+        if train_samples is not None:
+            unit, scale, other, length = "samples", 1, "iters", train_samples
+        given = {name: fields.get(f"lr_{name}_{unit}") for name in ("decay", "warmup", "wsd_decay")}
+        if fields.get(f"lr_decay_{other}") is not None or fields.get(f"lr_warmup_{other}"):
+            words = {"iters": "iterations", "samples": "samples"}
+            raise ValueError(
+                f"with --train-{unit} give the schedule in {words[unit]} (--lr-decay-{unit}, "
+                f"--lr-warmup-{unit}), not {words[other]}"
+            )
+        decay = (given["decay"] or length) * scale
+        warmup = (given["warmup"] or 0) * scale
+        fraction = fields.get("lr_warmup_fraction")
+        if fraction is not None:
+            if given["warmup"]:
                 raise ValueError(
                     "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive"
                 )
-            if not 0.0 <= lr_warmup_fraction < 1.0:
+            if not 0.0 <= fraction < 1.0:
                 raise ValueError("--lr-warmup-fraction must be in [0, 1)")
-            warmup = int(lr_warmup_fraction * decay)
+            warmup = int(fraction * decay)
+        wsd_decay = None if given["wsd_decay"] is None else given["wsd_decay"] * scale
+        iterations = length * scale // global_batch_size  # whole global batches
         return cls(
             **fields,
-            lr_decay_iters=lr_decay_iters,
-            lr_decay_samples=lr_decay_samples,
-            lr_warmup_iters=lr_warmup_iters,
-            lr_warmup_samples=lr_warmup_samples,
-            lr_warmup_fraction=lr_warmup_fraction,
-            lr_wsd_decay_iters=lr_wsd_decay_iters,
-            lr_wsd_decay_samples=lr_wsd_decay_samples,
             lr_warmup_steps=warmup,
             lr_decay_steps=decay,
             lr_wsd_decay_steps=wsd_decay,
-            wd_incr_steps=iterations * gbs,
+            wd_incr_steps=iterations * global_batch_size,
         )
 
 
-@dataclass(frozen=True)
+@flag_dataclass
 class CheckpointConfig:
     """torch.distributed.checkpoint directories `<save>/iter_0000100/` + the latest marker."""
 
@@ -476,11 +387,8 @@ class CheckpointConfig:
     use_checkpoint_args: bool = flag(False, "take the model flags from the checkpoint in --load")
     """Applied while parsing (`training.arguments.parse_config`); recorded here."""
 
-    def __post_init__(self) -> None:
-        check_flag_values(self)
 
-
-@dataclass(frozen=True)
+@flag_dataclass
 class LoggingConfig:
     """What the loop logs, where, and how often (Megatron-LM's logging flags)."""
 
@@ -534,7 +442,6 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         """Checks of these flags alone; --profile's need of a directory (--tensorboard-dir or
         --save) is `RunConfig`'s."""
-        check_flag_values(self)
         if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
             raise ValueError(
                 f"need 0 <= --profile-step-start ({self.profile_step_start}) < "
@@ -542,7 +449,7 @@ class LoggingConfig:
             )
 
 
-@dataclass(frozen=True)
+@flag_dataclass
 class MemoryConfig:
     """Memory housekeeping around the steps: manual garbage collection (Python), keeping freed
     host memory (glibc's malloc) and emptying the CUDA caching allocator
@@ -556,7 +463,7 @@ class MemoryConfig:
     retain_host_memory: bool = flag(
         True,
         "return freed host memory to the OS between iterations (glibc's defaults) instead of "
-        "keeping it for the next iteration (`cpu_accel.host_memory`)",
+        "keeping it for the next iteration",
         action="store_false",
     )
     empty_unused_memory_level: int = flag(
@@ -565,11 +472,8 @@ class MemoryConfig:
         choices=(0, 1, 2),
     )
 
-    def __post_init__(self) -> None:
-        check_flag_values(self)
 
-
-@dataclass(frozen=True)
+@flag_dataclass
 class EngineConfig:
     """Which training engine runs the step: the portable one (`engine_portable`, gloo and NCCL)
     or megatron-core's (`--ddp-impl megatron`, CUDA only), its DDP settings and the loss
@@ -595,17 +499,13 @@ class EngineConfig:
     )
     cpu_accel: bool = flag(
         True,
-        "run without the CPU accelerations (compiled C++ kernels, host-memory tuning; "
-        "`megatron_ext.cpu_accel`): the portable paths, same results; as "
-        "MEGATRON_EXT_CPU_ACCEL=0",
+        "run without the CPU accelerations (compiled C++ kernels, host-memory tuning): the "
+        "portable paths, same results; as MEGATRON_EXT_CPU_ACCEL=0",
         action="store_false",
     )
 
-    def __post_init__(self) -> None:
-        check_flag_values(self)
 
-
-@dataclass(frozen=True)
+@flag_dataclass
 class RunConfig:
     """Every setting of a run, one dataclass per concern: the training parts, the layout and
     precision, the model (with its LEV hyper-parameters) and the data."""
@@ -674,9 +574,8 @@ class RunConfig:
             )
         if megatron:
             ck = self.ckpt
-            saves_optim = bool(ck.save) and not ck.no_save_optim
-            loads_optim = bool(ck.load) and not ck.no_load_optim
-            if p.use_distributed_optimizer and (saves_optim or loads_optim):
+            optim_state = (ck.save and not ck.no_save_optim) or (ck.load and not ck.no_load_optim)
+            if p.use_distributed_optimizer and optim_state:
                 raise ValueError(
                     "--ddp-impl megatron with --use-distributed-optimizer cannot save or load "
                     "optimizer state in the checkpoint format (megatron's distributed optimizer "
@@ -737,9 +636,7 @@ class RunConfig:
                 split into micro-batches over the data-parallel ranks.
         """
         parallel = self.parallel.resolve(world_size)
-        if parallel is self.parallel:
-            return self
-        return dataclasses.replace(self, parallel=parallel)
+        return self if parallel is self.parallel else dataclasses.replace(self, parallel=parallel)
 
     @property
     def num_microbatches(self) -> int:
@@ -778,7 +675,7 @@ class RunConfig:
             out.update(_recorded(self.data))
             if self.data.tokenizer_fingerprint is not None:
                 out["tokenizer_fingerprint"] = self.data.tokenizer_fingerprint
-        return {key: _json_value(value) for key, value in sorted(out.items())}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(out.items())}
 
 
 def _recorded(part, derived: bool = False) -> dict[str, Any]:
@@ -786,7 +683,3 @@ def _recorded(part, derived: bool = False) -> dict[str, Any]:
     names: the values it derives; the parameters' dtype is the engine's, not recorded)."""
     fields = dataclasses.fields(part) if derived else flag_fields(type(part))
     return {flag_dest(f): getattr(part, f.name) for f in fields if f.name != "params_dtype"}
-
-
-def _json_value(value):
-    return list(value) if isinstance(value, tuple) else value

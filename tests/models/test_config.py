@@ -20,7 +20,6 @@ from megatron_ext.models import (
 )
 from megatron_ext.models.config import model_config_from_args_json
 from megatron_ext.models.layer_specs import get_layer_spec, transformer_engine_available
-from megatron_ext.models.layout import validate_parallel_layout
 
 BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32)
 
@@ -112,8 +111,8 @@ def test_model_config_describes_the_model_only():
 
 def test_world_size_must_split_into_tp_times_pp():
     with pytest.raises(ValueError, match="world size 6 is not divisible by .* 2x2x1=4"):
-        validate_parallel_layout(6, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    assert validate_parallel_layout(8, 2, 2) == 2
+        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).resolve(6)
+    assert ParallelConfig(2, 2).resolve(8).data_parallel_size == 2
 
 
 @pytest.mark.skipif(transformer_engine_available(), reason="TE is usable here")

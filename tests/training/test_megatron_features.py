@@ -1,7 +1,7 @@
-"""Megatron-LM training features, piece by piece: batch-size ramp-up (against megatron-core's own
-calculator), decoupled learning rates, parameter-norm / zero-gradient logging (against float64
-references), recomputation on CPU, --kv-channels / --rotary-percent, --async-save's atomicity
-(--grad-reduce-in-bf16: tests/training/test_data_parallel.py).
+"""Megatron-LM training features, piece by piece: decoupled learning rates, parameter-norm /
+zero-gradient logging (against float64 references), recomputation on CPU, --kv-channels /
+--rotary-percent, --async-save's atomicity (the batch-size ramp-up:
+tests/training/test_batch_rampup.py; --grad-reduce-in-bf16: tests/training/test_data_parallel.py).
 One set of two spawned gloo ranks runs the checks that need process groups."""
 
 from __future__ import annotations
@@ -11,49 +11,11 @@ import math
 import pytest
 import torch
 
-from megatron_ext.training.config import BatchSizeRampup
 from megatron_ext.training.metrics import format_train_line
 from megatron_ext.training.run_extras import memory_stats
 from tests.support.distributed import run_distributed
 
 pytestmark = pytest.mark.integration
-
-
-def _megatron_rampup(gbs, mbs, dp, start, incr, samples):
-    from megatron.core.num_microbatches_calculator import (
-        RampupBatchsizeNumMicroBatchesCalculator,
-    )
-
-    return RampupBatchsizeNumMicroBatchesCalculator(gbs, mbs, dp, False, 0, start, incr, samples)
-
-
-@pytest.mark.parametrize(
-    "gbs,mbs,dp,start,incr,samples",
-    [
-        (1536, 1, 1, 16, 16, 5_859_375),
-        (64, 2, 2, 8, 4, 1000),
-        (32, 1, 2, 2, 2, 37),
-        (8, 1, 1, 4, 4, 16),
-    ],
-)
-def test_rampup_matches_megatron_core(gbs, mbs, dp, start, incr, samples):
-    ours = BatchSizeRampup(start, incr, samples, gbs, mbs * dp)
-    reference = _megatron_rampup(gbs, mbs, dp, start, incr, samples)
-    consumed = 0
-    for _ in range(400):
-        reference.update(consumed, consistency_check=True)
-        assert ours.global_batch(consumed) == reference.get_current_global_batch_size(), consumed
-        consumed += ours.global_batch(consumed)
-    for probe in (0, 1, samples // 3, samples - 1, samples, samples + 1, 10 * samples + 7):
-        reference.update(probe, consistency_check=False)
-        assert ours.global_batch(probe) == reference.get_current_global_batch_size(), probe
-
-
-def test_rampup_rejects_batches_that_do_not_split():
-    with pytest.raises(ValueError, match="minus START 6 must be a non-negative multiple"):
-        BatchSizeRampup(6, 4, 100, 16, 2)
-    with pytest.raises(ValueError, match="INCREMENT 3 is not divisible"):
-        BatchSizeRampup(4, 3, 100, 16, 2)
 
 
 def test_model_config_kv_channels_and_rotary_percent():

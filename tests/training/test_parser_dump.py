@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     from megatron_ext.inference import generate
     from megatron_ext.models import param_table
     from megatron_ext.training.arguments import build_parser
+    from tools import make_demo_data
 
     return {
         "pretrain_leviathan": build_parser(),
@@ -90,6 +92,7 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
         "train_tokenizer": train_tokenizer.build_parser(),
         "make_sample_corpus": make_sample_corpus.build_parser(),
         "quickstart": quickstart.pipeline.build_parser(),
+        "make_demo_data": make_demo_data.build_parser(),
     }
 
 
@@ -180,5 +183,6 @@ def test_the_parsers_are_as_recorded():
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python tests/training/test_parser_dump.py --write")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tools/
     RECORD.write_text(json.dumps(parsers(), indent=1, sort_keys=True) + "\n")
-    print(f"wrote {RECORD}")
+    print(f"wrote {os.path.relpath(RECORD)}")
