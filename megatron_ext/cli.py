@@ -50,6 +50,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help, default = action.help or "", action.default
+        if type(action).__name__ == "_ChoicesPseudoAction":  # a sub-command in the list
+            return help
         if action.required:
             return help + " (required)"
         if isinstance(action, argparse.BooleanOptionalAction) and default is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import typing
 from typing import Any, Optional
 
@@ -71,9 +72,9 @@ def flag(
     / a bound the value must exceed (None passes); `needs`: the field that must be set when this
     one differs from its default.
     """
-    metadata = {"flag": name or prefix, "aliases": tuple(aliases), "help": help, **argparse_options}
-    extra = dict(shapes_model=shapes_model or None, required=required or None, needs=needs)
-    extra.update(minimum=minimum, above=above)
+    metadata = {"flag": name, "aliases": tuple(aliases), "help": help, **argparse_options}
+    extra = dict(prefix=prefix or None, shapes_model=shapes_model or None, needs=needs)
+    extra.update(required=required or None, minimum=minimum, above=above)
     metadata.update({k: v for k, v in extra.items() if v is not None})
     if command_line_default is not dataclasses.MISSING:
         metadata["command_line_default"] = command_line_default
@@ -97,11 +98,11 @@ def flag_fields(cls: type) -> list[dataclasses.Field]:
 def flag_name(field: dataclasses.Field) -> str:
     """The flag of a field: its `name`, else `--<prefix>field-name` (`--no-field-name` for a
     switch that turns the field off, action store_false)."""
-    name = field.metadata["flag"]
-    if name.startswith("--"):
-        return name
-    off = "no-" if field.metadata.get("action") == "store_false" else ""
-    return f"--{off}{name}{field.name.replace('_', '-')}"
+    meta = field.metadata
+    if meta["flag"] is not None:
+        return meta["flag"]
+    off = "no-" if meta.get("action") == "store_false" else ""
+    return f"--{off}{meta.get('prefix', '')}{field.name.replace('_', '-')}"
 
 
 def flag_dest(field: dataclasses.Field) -> str:
@@ -126,7 +127,7 @@ def command_line_default(field: dataclasses.Field) -> Any:
     return field_default(field)
 
 
-_NOT_ARGPARSE = ("flag", "aliases", "shapes_model", "command_line_default", "required")
+_NOT_ARGPARSE = ("flag", "prefix", "aliases", "shapes_model", "command_line_default", "required")
 _NOT_ARGPARSE += ("minimum", "above", "needs")
 
 
@@ -214,12 +215,12 @@ def check_flag_values(config: Any) -> None:
 def flag_dataclass(cls: type) -> type:
     """`dataclass(frozen=True)` for a config with flags: its `__post_init__` refuses what the
     fields declare (`check_flag_values`), then runs the class's own `__post_init__`, if any."""
-    own = cls.__dict__.get("__post_init__")
+    own = cls.__dict__.get("__post_init__", lambda self: None)
 
+    @functools.wraps(own)
     def __post_init__(self) -> None:
         check_flag_values(self)
-        if own is not None:
-            own(self)
+        own(self)
 
     cls.__post_init__ = __post_init__
     return dataclasses.dataclass(frozen=True)(cls)

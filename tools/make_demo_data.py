@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         "wikitext",
         formatter_class=HelpFormatter,
         help="a Wikitext-103 format file (for `evaluate.py wikitext --file`)",
-        description="Write the corpus's first documents as a file in the Wikitext-103 format "
+        description="Write the corpus's first documents as a file in the Wikitext-103 format\n"
         "(what `evaluate.py wikitext --file` reads).",
     )
     wiki.add_argument("--input", required=True, metavar="CORPUS", help=corpus)
@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         "lm-eval-tasks",
         formatter_class=HelpFormatter,
         help="four tiny lm-evaluation-harness tasks (for `evaluate.py lm-eval --include-path`)",
-        description="Write four tiny lm-evaluation-harness tasks (tiny_lambada, tiny_piqa, "
+        description="Write four tiny lm-evaluation-harness tasks (tiny_lambada, tiny_piqa,\n"
         "tiny_wikitext, tiny_gen: task YAML + jsonl data) made of the corpus's sentences.",
     )
     tasks.add_argument("--input", required=True, metavar="CORPUS", help=corpus)

@@ -21,13 +21,13 @@ import logging
 import os
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch.distributed as dist
 
-from megatron_ext.config_flags import flag
+from megatron_ext.config_flags import flag, flag_dataclass
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
 from megatron_ext.data.indexed import (
     check_dataset,
@@ -55,7 +55,7 @@ class VocabSizeMismatchError(DataError):
     """Tokenizer, dataset and model disagree on the vocabulary."""
 
 
-@dataclass(frozen=True)
+@flag_dataclass
 class DataConfig:
     """Where training data comes from and how samples are cut (fields named as the flags)."""
 

@@ -1,10 +1,11 @@
 """LEV hyper-parameters: `LEVConfig`, a dataclass that validates itself, with its `--lev-*` flags.
 
 Every hyper-parameter of docs/lev.md section 2 is a field of `LEVConfig` that declares its
-flag (`config_flags.flag`, the mechanism of every config): the command line only fills the
-config, the way Megatron fills a `TransformerConfig` from args. Invalid values fail in
-`__post_init__` with a message that names the flag to change; the one check that needs the
-parallel layout (whole heads per tensor-parallel rank) is `heads_per_rank`.
+flag with `lev_flag` (`config_flags.flag`, the mechanism of every config, named
+`--lev-<field>`): the command line only fills the config, the way Megatron fills a
+`TransformerConfig` from args. Invalid values fail when it is built, with a message that names
+the flag to change; the one check that needs the parallel layout (whole heads per
+tensor-parallel rank) is `heads_per_rank`.
 
 Shapes of the parameters this config implies (TP size 1, docs/design.md "Fixed contracts")::
 
@@ -264,7 +265,7 @@ def lev_flag_values(args: argparse.Namespace) -> dict[str, Any]:
             FutureWarning,
             stacklevel=3,
         )
-    if fused is False:
+    if fused is not None and not fused:
         if values.get("kernel", "auto") not in ("auto", "reference"):
             raise ValueError(
                 f"--no-lev-fused (deprecated: --lev-kernel reference) contradicts "

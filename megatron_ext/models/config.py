@@ -249,11 +249,10 @@ class ModelConfig:
     records them as given (None), and `check_as_given` reads which sizes were given."""
 
     def __post_init__(self) -> None:
-        """Fill the sizes left None (`derived`), then raise ValueError with the flag to change for
-        every impossible setting; build the LEVConfig at the model's V and D
-        (`EmbeddingConfig.at_model_size`), which checks the LEV hyper-parameters. What needs the
-        layout too (TP/PP divisibility, sequence and context parallelism, FP8) is
-        `models.layout.check_layout`'s."""
+        """After the fields' declared checks (`flag_dataclass`): fill the sizes left None
+        (`derived`), raise ValueError naming the flag for every impossible setting, build the
+        LEVConfig at the model's V and D (`EmbeddingConfig.at_model_size`, which checks it).
+        What needs the layout too is `models.layout.check_layout`'s."""
         if isinstance(self.embedding, dict):
             object.__setattr__(self, "embedding", EmbeddingConfig(**self.embedding))
         sizes = {**_DEBUG_MODEL, **MODEL_SIZE_PRESETS.get(self.model_size or "", {})}

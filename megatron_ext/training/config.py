@@ -333,7 +333,7 @@ class OptimizerConfig:
                 raise ValueError("--lr-warmup-fraction must be in [0, 1)")
             warmup = int(fraction * decay)
         wsd_decay = None if given["wsd_decay"] is None else given["wsd_decay"] * scale
-        iterations = length * scale // global_batch_size  # whole global batches
+        iterations = train_iters if train_samples is None else train_samples // global_batch_size
         return cls(
             **fields,
             lr_warmup_steps=warmup,
