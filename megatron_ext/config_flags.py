@@ -215,7 +215,7 @@ def check_flag_values(config: Any) -> None:
 def flag_dataclass(cls: type) -> type:
     """`dataclass(frozen=True)` for a config with flags: its `__post_init__` refuses what the
     fields declare (`check_flag_values`), then runs the class's own `__post_init__`, if any."""
-    own = cls.__dict__.get("__post_init__", lambda self: None)
+    own = getattr(cls, "__post_init__", lambda self: None)  # a parent's, if the class has none
 
     @functools.wraps(own)
     def __post_init__(self) -> None:

@@ -280,3 +280,34 @@ def test_the_entry_point_builds_the_config_once_and_args_json_rebuilds_the_same(
     assert run_config_from_args_json(cfg.args_json()).args_json() == cfg.args_json()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.batch.train_iters = 1
+
+
+def test_every_config_of_the_tree_checks_its_declared_values_first():
+    """`flag_dataclass`: the declared checks (required, minimum, above, choices, needs) run
+    before a config's own `__post_init__`, and a subclass keeps its parent's checks."""
+    from megatron_ext.config_flags import flag, flag_dataclass
+
+    @flag_dataclass
+    class Parent:
+        size: int = flag(1, "a size", minimum=1)
+        mode: str = flag("a", "a mode", choices=("a", "b"))
+
+        def __post_init__(self):
+            if self.size == 3:
+                raise ValueError("three is refused by the class itself")
+
+    @flag_dataclass
+    class Child(Parent):
+        pass
+
+    for cls in (Parent, Child):
+        with pytest.raises(ValueError, match="--size must be >= 1, got 0"):
+            cls(size=0)
+        with pytest.raises(ValueError, match="--mode must be a or b, got 'c'"):
+            cls(mode="c")
+        with pytest.raises(ValueError, match="three is refused by the class itself"):
+            cls(size=3)
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen
+    # Every config of the run is one (the decorator's __post_init__ wraps the class's own).
+    undecorated = [c for c in TREE if not hasattr(vars(c)["__post_init__"], "__wrapped__")]
+    assert not undecorated and all(c.__dataclass_params__.frozen for c in TREE)
