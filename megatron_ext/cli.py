@@ -1,6 +1,6 @@
 """Entry-point plumbing shared by every command (tools/, pretrain_leviathan, the console
-scripts): logging set-up, --help's layout (`HelpFormatter`), and expected failures turned into
-one ``error:`` line and an exit code.
+scripts): logging set-up, --help's layout (`ArgumentParser`, `HelpFormatter`), and expected
+failures turned into one ``error:`` line and an exit code.
 
     def main(argv=None) -> int:
         return run_tool(_main, argv, errors=(CheckpointError, TokenizerError))
@@ -18,7 +18,15 @@ import sys
 import warnings
 from typing import Callable, Optional, Sequence, TextIO, Union
 
-__all__ = ["LOG_FORMAT", "HelpFormatter", "LevelFormatter", "rank", "setup_logging", "run_tool"]
+__all__ = [
+    "LOG_FORMAT",
+    "ArgumentParser",
+    "HelpFormatter",
+    "LevelFormatter",
+    "rank",
+    "setup_logging",
+    "run_tool",
+]
 
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 # Import-time chatter of optional back-ends that are absent on CPU machines.
@@ -61,6 +69,15 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         else:
             default = "none" if default is None else "%(default)s"
         return help if "default" in help.lower() else f"{help} (default: {default})"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of every command: --help laid out by `HelpFormatter`, its sub-commands' too
+    (argparse builds a sub-command's parser with its parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def setup_logging(

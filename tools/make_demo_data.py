@@ -35,7 +35,7 @@ import re
 import sys
 from typing import Iterator, Optional, Sequence
 
-from megatron_ext.cli import HelpFormatter, run_tool
+from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.data.readers import DataError, iter_lines
 
 __all__ = [
@@ -307,17 +307,15 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the `wikitext` and `lm-eval-tasks` sub-commands."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="make_demo_data.py",
         description="Make the small demo data of the docs' examples from a jsonl corpus.",
-        formatter_class=HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     corpus = 'the jsonl corpus (.jsonl, .jsonl.zst or .jsonl.gz), one {"text": ...} a line'
 
     wiki = commands.add_parser(
         "wikitext",
-        formatter_class=HelpFormatter,
         help="a Wikitext-103 format file (for `evaluate.py wikitext --file`)",
         description="Write the corpus's first documents as a file in the Wikitext-103 format\n"
         "(what `evaluate.py wikitext --file` reads).",
@@ -334,7 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     tasks = commands.add_parser(
         "lm-eval-tasks",
-        formatter_class=HelpFormatter,
         help="four tiny lm-evaluation-harness tasks (for `evaluate.py lm-eval --include-path`)",
         description="Write four tiny lm-evaluation-harness tasks (tiny_lambada, tiny_piqa,\n"
         "tiny_wikitext, tiny_gen: task YAML + jsonl data) made of the corpus's sentences.",

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_ext._paths import display_path
 from megatron_ext.checkpoint.lock import break_lock
-from megatron_ext.cli import HelpFormatter, run_tool
+from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.conversion.common import DTYPES, ConversionError
 from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
@@ -46,16 +46,21 @@ from megatron_ext.data.tokenizers import TokenizerError
 from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 
 
-def _add_load(p: argparse.ArgumentParser) -> None:
+def _add_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
     p.add_argument(
         "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
     )
+
+
+def _add_load(p: argparse.ArgumentParser, arm_check: bool = True) -> None:
+    _add_checkpoint(p)
     _add_verify(p)
     p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
-    p.add_argument(
-        "--embedding-type", default=None, help="refuse the checkpoint unless it holds this arm"
-    )
+    if arm_check:
+        p.add_argument(
+            "--embedding-type", default=None, help="refuse the checkpoint unless it holds this arm"
+        )
 
 
 def _add_verify(p: argparse.ArgumentParser) -> None:
@@ -94,9 +99,7 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export-hf", help="training checkpoint -> Hugging Face LlamaForCausalLM")
@@ -138,12 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_layout(p, "Megatron-LM checkpoint")
 
     p = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP layout")
-    p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
-    p.add_argument(
-        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
-    )
-    _add_verify(p)
-    p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
+    _add_load(p, arm_check=False)
     _add_output(p)
     _add_target_layout(p, "resharded checkpoint")
     p.add_argument("--no-optimizer", action="store_true", help="drop the optimizer state")
@@ -153,10 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check every file of a checkpoint against the digests recorded when it was saved "
         "(no model is built): exit 0 all match, 1 a file does not, 2 bad input",
     )
-    p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
-    p.add_argument(
-        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
-    )
+    _add_checkpoint(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
@@ -168,8 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--force", action="store_true", help="even when the holder still runs on this host"
     )
-    for command in sub.choices.values():
-        command.formatter_class = HelpFormatter
     return parser
 
 

@@ -13,7 +13,7 @@ import argparse
 import logging
 from typing import Optional, Sequence
 
-from megatron_ext.cli import HelpFormatter
+from megatron_ext.cli import ArgumentParser
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 
@@ -22,9 +22,7 @@ logger = logging.getLogger("make_sample_corpus")
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this tool."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[1], formatter_class=HelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--output", required=True, help="output directory")
     parser.add_argument(
         "--size-mb",

@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Optional, Sequence
 
-from megatron_ext.cli import HelpFormatter
+from megatron_ext.cli import ArgumentParser
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.indexed import merge_datasets
 from megatron_ext.data.readers import DataError
@@ -43,9 +43,7 @@ def _prefixes(inputs: Sequence[str]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this tool."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[1], formatter_class=HelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument(
         "--input",
         nargs="+",

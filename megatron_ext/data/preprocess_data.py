@@ -17,7 +17,7 @@ import json
 import logging
 from typing import Optional, Sequence
 
-from megatron_ext.cli import HelpFormatter
+from megatron_ext.cli import ArgumentParser
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.preprocess import PreprocessConfig, config_dict, preprocess
 from megatron_ext.data.tokenizers import TOKENIZER_TYPES
@@ -26,9 +26,7 @@ logger = logging.getLogger("preprocess_data")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[1], formatter_class=HelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__.split("\n")[1])
     group = parser.add_argument_group("input data")
     group.add_argument(
         "--input",

@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict
 from typing import Optional, Sequence
 
-from megatron_ext.cli import HelpFormatter
+from megatron_ext.cli import ArgumentParser
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
 
@@ -25,9 +25,7 @@ logger = logging.getLogger("train_tokenizer")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[1], formatter_class=HelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument(
         "--input",
         nargs="+",

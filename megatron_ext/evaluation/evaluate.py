@@ -27,7 +27,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_ext._paths import display_path
-from megatron_ext.cli import HelpFormatter, run_tool
+from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
 from megatron_ext.data.indexed import check_dataset, get_idx_path
@@ -116,9 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.models.config import ModelConfig
 
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=HelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("perplexity", help="loss and perplexity of one checkpoint")
@@ -200,8 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(the absolute curves go to curves_absolute.png)",
     )
     p.add_argument("--output-dir", required=True, help="write curves.png and the tables here")
-    for command in sub.choices.values():
-        command.formatter_class = HelpFormatter
     return parser
 
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from megatron_ext.cli import HelpFormatter, run_tool
+from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.data.tokenizers import TokenizerError
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.models.layout import ParallelConfig
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
     p.add_argument(
         "--iteration", type=int, default=None, help="iteration to load (default: latest)"

@@ -13,7 +13,7 @@ import csv
 import io
 import sys
 
-from megatron_ext.cli import HelpFormatter, run_tool
+from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.config_flags import add_flags, flag_values
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.models.config import (
@@ -235,12 +235,11 @@ def memory_csv(rows: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The tool's flags; the model's, LEV's and the layout's are the run's own fields (its
     plan's defaults where a plan's purpose differs: --seq-length, --bf16)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         usage="%(prog)s [options]",
         description="Parameter counts of every arm x scale x vocabulary from the configuration\n"
         "alone (nothing is allocated); with --memory, per-GPU memory and training FLOPs of a\n"
         "parallel layout instead.",
-        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--format", choices=("markdown", "csv"), default="markdown", help="table format"

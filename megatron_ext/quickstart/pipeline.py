@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ext import cpu_accel
-from megatron_ext.cli import HelpFormatter, run_tool
+from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.evaluation.report import write_comparison_report
 from megatron_ext.quickstart.stages import (
     Stage,
@@ -453,7 +453,7 @@ def _export(s: Settings, tmp: Path) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The quick start's options (its model is tiny on purpose: minutes on a laptop CPU)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/quickstart", help="output directory")
     p.add_argument(
         "--arms", nargs="+", default=["tied", "lev"], choices=ALL_ARMS, help="arms to train"

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_ext.checkpoint.format import checkpoint_dir, read_latest_iteration
-from megatron_ext.cli import HelpFormatter
+from megatron_ext.cli import ArgumentParser
 from megatron_ext.config_flags import ArgumentError, add_flags, flag_dest, flag_fields, flag_values
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
@@ -90,11 +90,10 @@ _PARTS = dict(
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: one argument group per config, then Megatron-LM's other flags."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         usage="%(prog)s [options]  (Megatron-LM's flags; launch with torchrun)",
         description="Pretrain Leviathan models and the paper's baselines (Megatron-LM flags)",
         allow_abbrev=False,
-        formatter_class=HelpFormatter,
     )
     for cls, title, description in _GROUPS:
         group = parser.add_argument_group(title, description)
