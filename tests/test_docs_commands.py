@@ -18,6 +18,9 @@ with an HTML comment on the line before it, which GitHub does not render:
   line `(exit status N)`.
 - `expect`: text the output of the block's last command must contain (an error message shown
   on the page, so that a block that fails for another reason does not pass on its exit code).
+  A number with a decimal point in it (`lm loss: 6.258275E+00`) matches the output's number to
+  a relative 1e-5 or one unit of its last digit: the page shows what one machine printed, and
+  another CPU's or BLAS's float32 rounding moves the last digits (6.258276E+00 on an AMD EPYC).
 - `skip`: why the block cannot run here (a GPU, a cluster, a download, the test suite itself);
   or {"command prefix": "why"} to leave out only the commands that start so.
 - `env`: variables to set, e.g. {"F": "--mock-data ..."} where the page defines them in prose.
@@ -72,6 +75,8 @@ PAGE_ORDER = [
     "examples/README.md",
 ]
 MARKER_KEYS = {"sub", "creates", "exit", "expect", "skip", "env"}
+# A number an `expect` text shows, compared to a tolerance (the module's docstring).
+NUMBER = re.compile(r"[-+]?\d+\.\d+(?:[eE][-+]?\d+)?")
 
 
 @dataclass
@@ -245,6 +250,38 @@ def test_the_parser_reads_bash_blocks_and_transcripts(tmp_path, monkeypatch):
     assert indented_commands(page) == ["page.md:25: python indented.py"]
 
 
+def _close(shown: str, printed: str) -> bool:
+    """Whether `printed` is `shown` to a relative 1e-5 or one unit of `shown`'s last digit."""
+    mantissa, _, exponent = shown.lower().partition("e")
+    unit = 10.0 ** (int(exponent or 0) - len(mantissa.split(".")[1]))
+    a, b = float(shown), float(printed)
+    return abs(a - b) <= max(1e-5 * abs(a), unit * (1 + 1e-9))
+
+
+def expected_in(text: str, output: str) -> bool:
+    """Whether `output` holds `text`, its numbers with a decimal point to a tolerance."""
+    shown = NUMBER.findall(text)
+    if not shown:
+        return text in output
+    pieces = NUMBER.split(text)
+    pattern = f"({NUMBER.pattern})".join(re.escape(p) for p in pieces)
+    for found in re.finditer(pattern, output):
+        printed = [found.group(i + 1) for i in range(len(shown))]
+        if all(_close(a, b) for a, b in zip(shown, printed)):
+            return True
+    return False
+
+
+def test_expected_numbers_match_to_a_tolerance():
+    out = "iteration 2 | lm loss: 6.258276E+00 | std 0.0201 | 1,234.1M\n"
+    assert expected_in("lm loss: 6.258275E+00", out)  # another CPU's last digit
+    assert expected_in("std 0.0200 |", out) and expected_in("1,234.1M", out)
+    assert expected_in("iteration 2 |", out) and expected_in("loss: 6.3E+00 |", out)
+    assert not expected_in("lm loss: 6.258375E+00", out)  # 1.6e-5 off
+    assert not expected_in("std 0.0203 |", out) and not expected_in("iteration 3 |", out)
+    assert not expected_in("1,234.3M", out) and not expected_in("lm loss: 6.1E+00", out)
+
+
 def _workspace(tmp: Path) -> Path:
     """A directory laid out like the repository (its top-level entries linked), in which the
     documented commands write data/, runs/ and the like without touching the checkout."""
@@ -316,7 +353,7 @@ def _run_block(block: Block, cwd: Path, variables: list[str]) -> None:
         )
         if ASSIGNMENT.match(command):
             variables.append(command)
-    missing = [p for p in block.options.get("expect", []) if p not in result.stdout]
+    missing = [p for p in block.options.get("expect", []) if not expected_in(p, result.stdout)]
     assert not missing, (
         f"{block.where}: the output lacks {missing}; it ended with:\n{result.stdout[-3000:]}"
     )
