@@ -264,7 +264,7 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
         logging.getLogger().setLevel(level)
     written = args.args_json()
     # Flags added since that checkpoint appear with their defaults: off, except those that are
-    # on unless turned off (an old run resumed gets them, benchmarks/RESULTS.md 4.10; checkpoint
+    # on unless turned off (an old run resumed gets them, benchmarks/RESULTS.md 4.3; checkpoint
     # digests are checked unless --no-verify-checkpoint, the CPU accelerations used unless
     # --no-cpu-accel); every old key agrees but FP8's recipe
     # defaults, Megatron-LM's since issue 47 (no --fp8-format here).
