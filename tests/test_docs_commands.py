@@ -32,7 +32,10 @@ tests below, so a new command cannot go untested by accident.
 
 The runs are the integration tier, one test per page, in reading order (later pages use what
 earlier ones made: docs/convert.md the quick start's checkpoint); the workspace's data/ and
-runs/ are a temporary directory, never the checkout's.
+runs/ are a temporary directory, never the checkout's. Its runs/quickstart starts as a copy of
+the session's quick-start run (README.md's command with the same flags, made once for the tests
+that need it), so README.md's quick start runs as a second run of a user's does: every stage
+found finished.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -48,6 +52,8 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+
+from tests.support.runs import QUICKSTART_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- docs-test: (.*) -->$")
@@ -306,10 +312,24 @@ def _checkout_state() -> tuple[list[str], str]:
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
+def workspace(tmp_path_factory, quickstart_run):
+    """The workspace, its runs/quickstart a copy of the session's quick-start run (the tests
+    share one: tests/conftest.py), which README.md's quick start then finds finished."""
     before = _checkout_state()
-    yield _workspace(tmp_path_factory.mktemp("docs"))
+    work = _workspace(tmp_path_factory.mktemp("docs"))
+    shutil.copytree(quickstart_run["out"], work / "runs" / "quickstart")
+    yield work
     assert _checkout_state() == before, "a documented command wrote into the checkout"
+
+
+def test_readme_runs_the_sessions_quick_start():
+    """The copy of the session's quick start is what README.md's command makes (same flags)."""
+    readme = [b for b, _ in command_blocks(REPO / "README.md")]
+    shown = [c for b in readme for c in _substituted(b) if c.startswith("bash scripts/quickstart")]
+    assert shown and all(
+        c.split("#")[0].split() == ["bash", "scripts/quickstart.sh", *QUICKSTART_FLAGS]
+        for c in shown
+    ), shown
 
 
 def _environment(block: Block) -> dict:
@@ -336,7 +356,7 @@ def _run_block(block: Block, cwd: Path, variables: list[str]) -> None:
         want = [0] * (len(commands) - 1) + [want]
     assert len(want) == len(commands), f"{block.where}: {len(want)} exit statuses"
     for command, expected in zip(commands, want):
-        started = time.monotonic()
+        started, cpu = time.monotonic(), os.times()
         result = subprocess.run(
             ["bash", "-c", "\n".join([*variables, command])],
             cwd=cwd,
@@ -346,7 +366,11 @@ def _run_block(block: Block, cwd: Path, variables: list[str]) -> None:
             text=True,
             timeout=900,
         )
-        print(f"{block.where}: {time.monotonic() - started:5.1f} s  {command[:100]}")
+        done = os.times()
+        cpu = done.children_user + done.children_system - cpu.children_user - cpu.children_system
+        print(
+            f"{block.where}: {time.monotonic() - started:5.1f} s, CPU {cpu:5.1f} s  {command[:90]}"
+        )
         assert result.returncode == expected, (
             f"{block.where}: `{command[:300]}` exited {result.returncode}, the page says "
             f"{expected}; its output ended with:\n{result.stdout[-3000:]}"
