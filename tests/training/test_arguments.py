@@ -231,9 +231,7 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     import importlib.util
     import logging
 
-    old = json.loads(
-        (Path(__file__).parent / "data" / "args_json_format1_oldest.json").read_text()
-    )
+    old = json.loads((Path(__file__).parent / "data" / "args_json_format1_oldest.json").read_text())
     cfg = run_config_from_args_json(old)
     assert cfg.ckpt.async_save and cfg.exit.skip_train and cfg.ckpt.no_load_optim
     assert (cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr) == (5e-3, 1e-5)
