@@ -33,8 +33,8 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "slow: a unit test of over half a minute of CPU; run by the full suite, excluded by "
-        "`scripts/test.sh --fast`",
+        "slow: a unit test of over half a minute of CPU, or of Triton's CPU interpreter; run by "
+        "the full suite, excluded by `scripts/test.sh --fast` and its accelerations-off pass",
     )
 
 
