@@ -197,17 +197,27 @@ def quickstart_run(tmp_path_factory) -> dict:
     return build_once(session_dir(tmp_path_factory), "quickstart", build)
 
 
-# The order in which `--dist loadfile` hands modules to the xdist workers (pyproject.toml turns
-# off xdist's own order, most tests first, which left the long few-test integration modules to
-# the end, one worker running them while the other had nothing left): the longest modules
-# first, the one building the session's `trained` checkpoints before those that wait for them,
-# then the other integration modules, then the unit modules (most tests first), which fill in
-# at the end.
+# The docs test's pages (tests/test_docs_commands.py), each a unit of work of its own: under
+# `--dist loadfile` (pyproject.toml) a module's tests go to one xdist worker, and the docs
+# module's pages, a third of the suite's time, would run one after another on one worker.
+ONE_TEST_PER_UNIT = ("tests/test_docs_commands.py::test_documented_commands_run[",)
+_DOCS = "tests/test_docs_commands.py::test_documented_commands_run[{}]".format
+
+# The order in which the xdist workers are handed units of work (pyproject.toml turns off
+# xdist's own order, most tests first, which left the long few-test integration units to the
+# end, one worker running them while the other had nothing left): the longest first, those
+# that build a session fixture (`trained`, `quickstart_run`) a while before those that wait
+# for it, then the other integration modules, then the unit modules (most tests first), which
+# fill in at the end. A worker is handed its next unit while it runs one (xdist keeps two
+# tests queued), so the first four go out at once: two per worker.
 RUN_FIRST = (
-    "tests/test_docs_commands.py",  # every documented command, in order: about 8 minutes
-    "tests/conversion/test_convert.py",  # builds `trained` (about a minute)
-    "tests/scripts/test_quickstart.py",  # shares `quickstart_run` with the docs test
+    _DOCS("docs/evaluation.md"),  # makes and evaluates its own two runs: the longest unit
+    "tests/conversion/test_convert.py",  # builds `trained`
+    _DOCS("docs/cluster.md"),  # its own corpus and runs
+    "tests/scripts/test_quickstart.py",  # builds `quickstart_run`
+    _DOCS("docs/convert.md"),  # on a copy of `quickstart_run`
     "tests/training/test_end_to_end.py",
+    _DOCS("README.md"),  # on a copy of `quickstart_run`
     "tests/training/test_cluster.py",
     "tests/training/test_megatron_recipes.py",
     "tests/training/test_cluster_nodes.py",
@@ -219,16 +229,40 @@ def _module(item) -> str:
     return item.nodeid.split("::")[0]
 
 
+def _run_first(nodeid: str) -> int:
+    """The index of `nodeid`'s module or test in RUN_FIRST, else len(RUN_FIRST)."""
+    for i, entry in enumerate(RUN_FIRST):
+        if nodeid == entry or nodeid.startswith(entry + "::"):
+            return i
+    return len(RUN_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
     counts = collections.Counter(_module(item) for item in items)
 
     def rank(indexed) -> tuple:
         index, item = indexed
-        module = _module(item)
-        if module in RUN_FIRST:
-            return (0, RUN_FIRST.index(module), index)
+        first = _run_first(item.nodeid)
+        if first < len(RUN_FIRST):
+            return (0, first, index)
         if item.get_closest_marker("integration") is not None:
             return (1, 0, index)
-        return (2, -counts[module], index)
+        return (2, -counts[_module(item)], index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the tests of ONE_TEST_PER_UNIT handed out one by one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(ONE_TEST_PER_UNIT):
+                return nodeid
+            return super()._split_scope(nodeid)
+
+    return Scheduling(config, log)

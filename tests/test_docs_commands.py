@@ -30,12 +30,14 @@ page, as it would in the reader's shell. A command block without a marker, and a
 as an indented code block (which a reader copies as readily but no fence marks), fail the unit
 tests below, so a new command cannot go untested by accident.
 
-The runs are the integration tier, one test per page, in reading order (later pages use what
-earlier ones made: docs/convert.md the quick start's checkpoint); the workspace's data/ and
-runs/ are a temporary directory, never the checkout's. Its runs/quickstart starts as a copy of
-the session's quick-start run (README.md's command with the same flags, made once for the tests
-that need it), so README.md's quick start runs as a second run of a user's does: every stage
-found finished.
+The runs are the integration tier, one test per page, each page's blocks in reading order in a
+workspace of its own, so that pytest-xdist runs pages on different workers (tests/conftest.py
+hands each page out on its own, the longest first); the workspace's data/ and runs/ are a
+temporary directory, never the checkout's. What a page uses from an earlier page is made once
+per session and copied in (FROM_QUICKSTART): runs/quickstart, the session's quick-start run
+(README.md's command with the same flags), for the page that reads the quick start's
+checkpoint and data (docs/convert.md), and for README.md and docs/quickstart.md, whose quick
+start then runs as a second run of a user's does: every stage found finished.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ OPENS = re.compile(r"^(for|while|until|if)\b")
 CLOSES = re.compile(r"^(done|fi)\b")
 # The first word of a line that shows a command, for commands hidden in indented code blocks.
 COMMAND_WORD = re.compile(r"^(\$ )?(python|python3|torchrun|bash|sbatch|srun|docker|pip)\s")
-# Pages in the order a newcomer reads them; later pages use what earlier ones made.
+# Pages in the order a newcomer reads them (the order of the test ids).
 PAGE_ORDER = [
     "README.md",
     "docs/data.md",
@@ -80,6 +82,9 @@ PAGE_ORDER = [
     "docs/architecture.md",
     "examples/README.md",
 ]
+# The pages that start from what README.md's quick start made (runs/quickstart): a copy of the
+# session's quick-start run (tests/conftest.py quickstart_run). Every other page makes its inputs.
+FROM_QUICKSTART = ("README.md", "docs/quickstart.md", "docs/convert.md")
 MARKER_KEYS = {"sub", "creates", "exit", "expect", "skip", "env"}
 # A number an `expect` text shows, compared to a tolerance (the module's docstring).
 NUMBER = re.compile(r"[-+]?\d+\.\d+(?:[eE][-+]?\d+)?")
@@ -311,15 +316,14 @@ def _checkout_state() -> tuple[list[str], str]:
     return sorted(p.name for p in REPO.iterdir()), status
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory, quickstart_run):
-    """The workspace, its runs/quickstart a copy of the session's quick-start run (the tests
-    share one: tests/conftest.py), which README.md's quick start then finds finished."""
-    before = _checkout_state()
-    work = _workspace(tmp_path_factory.mktemp("docs"))
-    shutil.copytree(quickstart_run["out"], work / "runs" / "quickstart")
-    yield work
-    assert _checkout_state() == before, "a documented command wrote into the checkout"
+def _page_workspace(tmp: Path, page: str, request) -> Path:
+    """The workspace of one page; runs/quickstart a copy of the session's quick-start run for
+    the pages that start from it (asked for only there: the other pages do not wait for it)."""
+    work = _workspace(tmp)
+    if page in FROM_QUICKSTART:
+        quickstart = request.getfixturevalue("quickstart_run")["out"]
+        shutil.copytree(quickstart, work / "runs" / "quickstart")
+    return work
 
 
 def test_readme_runs_the_sessions_quick_start():
@@ -387,12 +391,15 @@ def _run_block(block: Block, cwd: Path, variables: list[str]) -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.relative_to(REPO).as_posix())
-def test_documented_commands_run(page, workspace):
+def test_documented_commands_run(page, tmp_path, request):
     blocks = [
         b
         for b, marked in command_blocks(page)
         if marked and not isinstance(b.options.get("skip"), str)
     ]
+    before = _checkout_state()
+    workspace = _page_workspace(tmp_path, page.relative_to(REPO).as_posix(), request)
     variables: list[str] = []
     for block in blocks:
         _run_block(block, workspace, variables)
+    assert _checkout_state() == before, "a documented command wrote into the checkout"
