@@ -208,16 +208,16 @@ _DOCS = "tests/test_docs_commands.py::test_documented_commands_run[{}]".format
 # end, one worker running them while the other had nothing left): the longest first, those
 # that build a session fixture (`trained`, `quickstart_run`) a while before those that wait
 # for it, then the other integration modules, then the unit modules (most tests first), which
-# fill in at the end. A worker is handed its next unit while it runs one (xdist keeps two
-# tests queued), so the first four go out at once: two per worker.
+# fill in at the end. A worker is handed its next unit once two or fewer of its tests are left
+# to run, so a worker running a one-test unit (a page) already holds the next.
 RUN_FIRST = (
-    _DOCS("docs/evaluation.md"),  # makes and evaluates its own two runs: the longest unit
-    "tests/conversion/test_convert.py",  # builds `trained`
-    _DOCS("docs/cluster.md"),  # its own corpus and runs
     "tests/scripts/test_quickstart.py",  # builds `quickstart_run`
+    _DOCS("docs/evaluation.md"),  # makes and evaluates its own two runs: the longest page
+    "tests/conversion/test_convert.py",  # builds `trained`
+    _DOCS("docs/cluster.md"),  # its own corpus and runs, and waits on the wall clock
     _DOCS("docs/convert.md"),  # on a copy of `quickstart_run`
-    "tests/training/test_end_to_end.py",
     _DOCS("README.md"),  # on a copy of `quickstart_run`
+    "tests/training/test_end_to_end.py",
     "tests/training/test_cluster.py",
     "tests/training/test_megatron_recipes.py",
     "tests/training/test_cluster_nodes.py",
