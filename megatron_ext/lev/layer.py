@@ -18,8 +18,9 @@ Speed and memory:
 - dedup: LEV runs once per distinct id of the micro-batch (torch.unique), then the [U, D]
   result is gathered to the N tokens. Without sequence parallelism the all-reduce happens on the
   [U, D] distinct embeddings (U <= N, so never more traffic than VocabParallelEmbedding).
-- global-batch dedup (`begin_global_batch` / `end_global_batch`, which the portable engine calls
-  around each iteration's micro-batches with `LEVConfig.dedup_global_batch`): a micro-batch
+- global-batch dedup (`begin_global_batch` / `end_global_batch`, the engines' `ModuleHooks`,
+  which the portable engine calls around each iteration's micro-batches when
+  `defers_gradients`, with `LEVConfig.dedup_global_batch`): a micro-batch
   evaluates LEV only for ids that no earlier micro-batch of the global batch had; the rows are
   leaves that collect every micro-batch's gradient, and LEV's backward runs once, for all of
   them, in `end_global_batch`. Per iteration LEV then costs one forward and one backward per
@@ -62,7 +63,7 @@ from megatron.core.utils import (
 )
 
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.config import LEVConfig
+from megatron_ext.lev.config import LEV_PARAMETER_GROUPS, LEVConfig
 from megatron_ext.lev.kernels import lev_modes
 from megatron_ext.lev.table import LEVTable
 from megatron_ext.tensor_parallel import check_sequence_split
@@ -135,7 +136,8 @@ def embedding_std(lev_config: LEVConfig, params: dict[str, torch.Tensor]) -> flo
 
 
 class LEVEmbedding(torch.nn.Module):
-    """LEV input generator with VocabParallelEmbedding's interface.
+    """LEV input generator with VocabParallelEmbedding's interface (and the engines'
+    `training.engine.ModuleHooks`: timing spans "lev-*", optimizer settings, global-batch dedup).
 
     Args:
         lev_config: LEV hyper-parameters (vocab size V, width D, heads, ...); frozen, kept as
@@ -407,17 +409,29 @@ class LEVEmbedding(torch.nn.Module):
 
     # ------------------------------------------------------------------ global-batch dedup
 
+    engine_name = "lev"
+
+    def param_settings(self) -> dict[int, tuple[bool, float]]:
+        """id(parameter) -> (weight decay?, lr multiplier): --lev-weight-decay-groups and
+        --lev-lr-mult (the optimizer's `param_groups` reads it)."""
+        lc = self.lev_config
+        return {
+            id(getattr(self, name)): (group in lc.weight_decay_groups, lc.lr_mult)
+            for group, names in LEV_PARAMETER_GROUPS.items()
+            for name in names
+        }
+
     def begin_global_batch(self) -> None:
         """Start evaluating LEV once per distinct id of the global batch (see the module doc):
         until `end_global_batch`, forwards with autograd enabled compute only new ids' rows.
-        A no-op unless `dedups_global_batch`."""
-        if self.dedups_global_batch:
+        A no-op unless `defers_gradients`."""
+        if self.defers_gradients:
             self._global_batch = _GlobalBatchRows()
 
     @property
-    def dedups_global_batch(self) -> bool:
+    def defers_gradients(self) -> bool:
         """Whether `begin_global_batch` takes effect (`LEVConfig.dedup` and
-        `LEVConfig.dedup_global_batch`)."""
+        `LEVConfig.dedup_global_batch`): the gradients arrive in `end_global_batch`."""
         return self.lev_config.dedup and self.lev_config.dedup_global_batch
 
     def end_global_batch(self) -> None:

@@ -8,9 +8,9 @@ autocast. One step, the same under every layout:
    `DistributedDataParallel` over `pg.dp_cp` when DP x CP > 1 (`data_parallel.wrap`): the
    micro-batches accumulate under `no_sync`, each stage's last backward averages its
    gradients, overlapped;
-2. LEV input layers with --lev-dedup-global-batch evaluate each distinct id of the global batch
-   once: the step brackets the micro-batches with `LEVEmbedding.begin_global_batch` and
-   `end_global_batch`, which runs LEV's backward after the schedule; their gradients (which DDP
+2. modules whose gradients arrive after the schedule (`engine.ModuleHooks`: LEV with
+   --lev-dedup-global-batch): the step brackets the micro-batches with their
+   `begin_global_batch` and `end_global_batch` (their backward); their gradients (which DDP
    leaves out) are averaged by one call, `GradientAverage.average_params`;
 3. Megatron's model-parallel gradient reductions (sequence-parallel norms over TP, tied
    embeddings over the embedding group), the 1 / loss-scale (and per-token) gradient scale;
@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training import data_parallel
 from megatron_ext.training.config import RunConfig
@@ -39,7 +38,8 @@ from megatron_ext.training.engine import (
     NonFiniteError,
     Phase,
     StepResult,
-    time_lev_forwards,
+    deferring_modules,
+    time_forwards,
     world_stats,
 )
 from megatron_ext.training.finalize_grads import (
@@ -123,15 +123,9 @@ class PortableEngine(Engine):
             loss_output=(b.micro_batch_size, tokens),
         )
         self.consecutive_nonfinite = 0
-        self.lev = [
-            m
-            for chunk in self.chunks
-            for m in chunk.modules()
-            if isinstance(m, LEVEmbedding) and m.dedups_global_batch
-        ]
-        """LEV modules evaluated once per distinct id of the global batch: their backward runs
-        after the last micro-batch (`LEVEmbedding.begin_global_batch`)."""
-        time_lev_forwards(self.chunks, timers)
+        self.deferred = deferring_modules(self.chunks)
+        """The modules whose backward runs after the last micro-batch (`ModuleHooks`)."""
+        time_forwards(self.chunks, timers)
         self.average: Optional[data_parallel.GradientAverage] = None
         """The data-parallel average over `pg.dp_cp` (None when DP x CP is 1)."""
         if pg.dp_cp_size > 1:
@@ -144,7 +138,7 @@ class PortableEngine(Engine):
             pg,
             self.shape,
             autocast=self.autocast,
-            deferred=self._lev_params(),
+            deferred=self._deferred_params(),
             wrap=(lambda m: m) if self.average is None else self._wrap,
         )
         self.ddp: list[DistributedDataParallel] = [
@@ -155,8 +149,8 @@ class PortableEngine(Engine):
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
         return data_parallel.wrap(module, self.average)
 
-    def _lev_params(self) -> list[torch.nn.Parameter]:
-        return [param for module in self.lev for param in module.parameters()]
+    def _deferred_params(self) -> list[torch.nn.Parameter]:
+        return [param for module in self.deferred for param in module.parameters()]
 
     def _counts_loss(self) -> bool:
         return self.pg.is_last_stage and self.pg.tp_rank == 0
@@ -179,7 +173,7 @@ class PortableEngine(Engine):
             self.phase.set("forward-backward with the data-parallel all-reduce (world group)")
         if average is not None:
             average.finite = True
-        for module in self.lev:
+        for module in self.deferred:
             module.begin_global_batch()
         try:
             totals = self.pipeline.run(
@@ -188,18 +182,17 @@ class PortableEngine(Engine):
                 loss_scale=scale,
                 per_token_loss=per_token_loss,
             )
-            if self.lev:  # a model without LEV logs no lev-backward span
-                with self.timers.span("lev-backward"):
-                    for module in self.lev:
-                        module.end_global_batch()
+            for module in self.deferred:  # a model without them logs no such span
+                with self.timers.span(f"{module.engine_name}-backward"):
+                    module.end_global_batch()
         finally:
-            for module in self.lev:
+            for module in self.deferred:
                 module.abort_global_batch()
         self.timers.mark("forward-backward")
-        if average is not None and self.lev:
-            # The one data-parallel reduction outside DDP: LEV's deferred gradients.
-            self.phase.set("LEV's data-parallel gradient all-reduce", pg.dp_cp)
-            average.average_params(self._lev_params())
+        if average is not None and self.deferred:
+            # The one data-parallel reduction outside DDP: the deferred gradients.
+            self.phase.set("the deferred gradients' data-parallel all-reduce", pg.dp_cp)
+            average.average_params(self._deferred_params())
         if p.sequence_parallel:
             allreduce_sequence_parallel_grads(self.chunks, pg.tp)
         allreduce_tied_embedding_grads(self.chunks, pg.embd)

@@ -64,7 +64,7 @@ from megatron_ext.training.engine import (
     NonFiniteError,
     Phase,
     StepResult,
-    time_lev_forwards,
+    time_forwards,
     world_stats,
 )
 from megatron_ext.training.metrics_logger import Timers
@@ -205,7 +205,7 @@ class MegatronEngine(Engine):
             parts = MegatronParts.megatron_core()
         self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
         self.phase, self.timers, self.parts = phase, timers, parts
-        time_lev_forwards([model], timers)
+        time_forwards([model], timers)
         self.scaler = None  # megatron's optimizer owns loss scaling (BF16/float32: none)
         config = model.config
         module = parts.float16_module(config, model) if config.bf16 else model

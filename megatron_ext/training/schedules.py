@@ -40,8 +40,8 @@ front, so torch runs no shape-inference forward.
 Data parallelism: a stage whose module is a `DistributedDataParallel` runs its forwards under
 `no_sync` and lets DDP reduce in its last backward (torch's `PipelineStage` does both), so the
 engine wraps each `ChunkStage` in DDP (`data_parallel.py`). A `ChunkStage` owns the chunk's
-parameters less the deferred ones (LEV's global-batch parameters, whose gradients arrive after
-the schedule): what DDP around it reduces.
+parameters less the deferred ones (`engine.ModuleHooks`, whose gradients arrive after the
+schedule): what DDP around it reduces.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ class Pipeline:
         pg: the run's process groups (`pg.pp` orders the stages).
         shape: the activations the stages exchange (and the loss stage's output).
         autocast: the forward's precision context.
-        deferred: parameters the chunk stages do not own (LEV's global-batch parameters).
+        deferred: parameters the chunk stages do not own (`engine.ModuleHooks.defers_gradients`).
         wrap: the module each stage runs, made from its `ChunkStage` (the engine's torch DDP;
             by default the `ChunkStage` itself).
     """

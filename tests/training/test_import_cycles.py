@@ -378,3 +378,23 @@ def test_reading_a_checkpoint_does_not_go_through_training():
     )
     assert [edge for edge in through_training if edge not in allowed] == []
     assert set(through_training) == allowed
+
+
+def test_training_imports_nothing_from_lev():
+    """The engines and the optimizer are generic: a module of the model declares what it needs
+    of them through `training.engine.ModuleHooks` (LEVEmbedding does), never by its class. Only
+    the run's configs, which hold the --lev-* flags' LEVConfig, import lev/ (until the
+    configuration has a room of its own); that list may only shrink."""
+    graph = import_graph()
+    into_lev = sorted(
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("megatron_ext.training")
+        for target in targets
+        if target.startswith("megatron_ext.lev")
+    )
+    configs = [
+        ("megatron_ext.training.arguments", "megatron_ext.lev.config"),
+        ("megatron_ext.training.config", "megatron_ext.lev.config"),
+    ]
+    assert [edge for edge in into_lev if edge not in configs] == []
