@@ -37,6 +37,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from tqdm import tqdm
 
+from megatron_ext._paths import atomic_open
+
 __all__ = [
     "ALGORITHM",
     "DIGESTS_DIR",
@@ -249,13 +251,8 @@ def write_manifest(
     }
     body["self"] = _manifest_self_digest(body)
     path = manifest_path(checkpoint, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as handle:
+    with atomic_open(path, fsync=True) as handle:
         json.dump(body, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
     return path
 
 

@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron_ext._paths import display_path
+from megatron_ext._paths import atomic_write, display_path, fsync_dir
 from megatron_ext.checkpoint.digests import (
     DIGESTS_DIR,
     DigestingWriter,
@@ -302,29 +302,6 @@ def _all_finite(model: torch.nn.Module | Sequence[torch.nn.Module]) -> bool:
     return flag.item() == 0.0
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
 def _prune(root: str, keep_last: int, latest: int) -> None:
     iterations = sorted(
         int(m.group(1)) for m in (_ITER_RE.match(n) for n in os.listdir(root)) if m is not None
@@ -482,8 +459,8 @@ def _finish_save(root, tmp, final, iteration, files, keep_last, needed, error=No
             if os.path.isdir(final):
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(root)
-            _write_atomic(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+            fsync_dir(root)
+            atomic_write(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n", fsync=True)
             if keep_last:
                 _prune(root, keep_last, iteration)
     except OSError as rename_error:

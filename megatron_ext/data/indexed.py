@@ -31,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_ext._paths import atomic_path
 from megatron_ext.data.fingerprint import common_record, sidecar_path, write_sidecar
 from megatron_ext.data.readers import DataError
 
@@ -311,8 +312,8 @@ def _place_sidecar(prefix: str, record: Optional[dict]) -> None:
         if os.path.exists(path):
             os.remove(path)  # an overwritten dataset must not keep another tokenizer's record
         return
-    write_sidecar(path + TMP_SUFFIX, record)
-    os.replace(path + TMP_SUFFIX, path)
+    with atomic_path(path) as tmp:
+        write_sidecar(tmp, record)
 
 
 def read_counts(prefix: str) -> np.ndarray:

@@ -45,8 +45,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from megatron_ext import _signals
+from megatron_ext._paths import atomic_open
 from megatron_ext.data.fingerprint import tokenizer_record
-from megatron_ext.data.indexed import TMP_SUFFIX, DatasetWriter, dataset_files, token_dtype
+from megatron_ext.data.indexed import DatasetWriter, dataset_files, token_dtype
 from megatron_ext.data.readers import DataError, InputFile, expand_inputs, iter_line_chunks
 from megatron_ext.data.tokenizers import Tokenizer, TokenizerError, build_tokenizer
 
@@ -529,11 +530,9 @@ class _UnitRunner:
             "split_by": self.config.split_by,
             "dtype": np.dtype(token_dtype(self.vocab_size)).name,
         }
-        tmp = self.unit.summary_path + TMP_SUFFIX
-        with open(tmp, "w") as handle:
+        with atomic_open(self.unit.summary_path) as handle:
             json.dump(summary, handle, indent=2, sort_keys=True)
             handle.write("\n")
-        os.replace(tmp, self.unit.summary_path)
         level = logging.WARNING if summary["bad_records"] else logging.INFO
         logger.log(
             level,
