@@ -159,54 +159,14 @@ class PortableEngine(Engine):
         self, data_iterator: Iterator, global_batch: int, flags: Sequence[bool] = ()
     ) -> StepResult:
         """See `Engine.step`."""
-        b, p, pg = self.cfg.batch, self.cfg.parallel, self.pg
-        per_token_loss = self.cfg.engine.calculate_per_token_loss
         self.timers.mark()
         self.optimizer.zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        average = self.average
-        if average is None:
-            self.phase.set("forward-backward (tensor/pipeline-parallel group)", pg.mp)
-        elif dist.get_world_size(pg.mp) == 1:
-            self.phase.set("forward-backward with the data-parallel all-reduce", pg.dp_cp)
-        else:
-            self.phase.set("forward-backward with the data-parallel all-reduce (world group)")
-        if average is not None:
-            average.finite = True
-        for module in self.deferred:
-            module.begin_global_batch()
-        try:
-            totals = self.pipeline.run(
-                data_iterator,
-                global_batch // (b.micro_batch_size * p.data_parallel_size),
-                loss_scale=scale,
-                per_token_loss=per_token_loss,
-            )
-            for module in self.deferred:  # a model without them logs no such span
-                with self.timers.span(f"{module.engine_name}-backward"):
-                    module.end_global_batch()
-        finally:
-            for module in self.deferred:
-                module.abort_global_batch()
-        self.timers.mark("forward-backward")
-        if average is not None and self.deferred:
-            # The one data-parallel reduction outside DDP: the deferred gradients.
-            self.phase.set("the deferred gradients' data-parallel all-reduce", pg.dp_cp)
-            average.average_params(self._deferred_params())
-        if p.sequence_parallel:
-            allreduce_sequence_parallel_grads(self.chunks, pg.tp)
-        allreduce_tied_embedding_grads(self.chunks, pg.embd)
-        for param in self.optimizer.params:
-            if param.grad is None:  # every rank steps the same set
-                param.grad = torch.zeros_like(param)
-        grad_scale = 1.0 / scale
-        if per_token_loss:
-            grad_scale *= self._per_token_grad_scale(totals)
-        if grad_scale != 1.0:
-            torch._foreach_mul_([param.grad for param in self.optimizer.params], grad_scale)
+        totals = self._forward_backward(data_iterator, global_batch, scale)
+        self._finish_grads(totals, scale)
         # Whether this rank's own gradients were finite before the average (None without DP:
         # they are still its own, checked below only when the norm is not finite).
-        grads_ok = None if average is None else average.finite
+        grads_ok = None if self.average is None else self.average.finite
         self.timers.mark("grads-all-reduce")
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
         if grads_ok is None:
@@ -223,10 +183,10 @@ class PortableEngine(Engine):
             self.shape.device,
         )
         loss = stats[0] / stats[1] if stats[1] > 0 else float("nan")
-        grad_finite = math.isfinite(grad_norm)
-        loss_finite = math.isfinite(loss) and stats[2] == 0
         stepped = skipped = nonfinite = False
         note = ""
+        grad_finite = math.isfinite(grad_norm)
+        loss_finite = math.isfinite(loss) and stats[2] == 0
         if self.scaler is not None and loss_finite and not grad_finite:
             # An FP16 overflow: halve the scale (after hysteresis) and skip the step.
             self.scaler.update(True)
@@ -252,6 +212,55 @@ class PortableEngine(Engine):
             flags=tuple(v > 0 for v in stats[4:]),
             note=note,
         )
+
+    def _forward_backward(self, data_iterator: Iterator, global_batch: int, scale: float) -> dict:
+        """The schedule over the global batch's micro-batches (with the deferred modules'
+        bracket and their gradients' average); returns the loss reports' totals."""
+        b, p, pg, average = self.cfg.batch, self.cfg.parallel, self.pg, self.average
+        if average is None:
+            self.phase.set("forward-backward (tensor/pipeline-parallel group)", pg.mp)
+        elif dist.get_world_size(pg.mp) == 1:
+            self.phase.set("forward-backward with the data-parallel all-reduce", pg.dp_cp)
+        else:
+            self.phase.set("forward-backward with the data-parallel all-reduce (world group)")
+        if average is not None:
+            average.finite = True
+        for module in self.deferred:
+            module.begin_global_batch()
+        try:
+            totals = self.pipeline.run(
+                data_iterator,
+                global_batch // (b.micro_batch_size * p.data_parallel_size),
+                loss_scale=scale,
+                per_token_loss=self.cfg.engine.calculate_per_token_loss,
+            )
+            for module in self.deferred:  # a model without them logs no such span
+                with self.timers.span(f"{module.engine_name}-backward"):
+                    module.end_global_batch()
+        finally:
+            for module in self.deferred:
+                module.abort_global_batch()
+        self.timers.mark("forward-backward")
+        if average is not None and self.deferred:
+            # The one data-parallel reduction outside DDP: the deferred gradients.
+            self.phase.set("the deferred gradients' data-parallel all-reduce", pg.dp_cp)
+            average.average_params(self._deferred_params())
+        return totals
+
+    def _finish_grads(self, totals: dict, scale: float) -> None:
+        """Megatron's model-parallel gradient sums, a zero gradient for every parameter without
+        one (every rank steps the same set), and the 1 / loss-scale (and per-token) scale."""
+        if self.cfg.parallel.sequence_parallel:
+            allreduce_sequence_parallel_grads(self.chunks, self.pg.tp)
+        allreduce_tied_embedding_grads(self.chunks, self.pg.embd)
+        for param in self.optimizer.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grad_scale = 1.0 / scale
+        if self.cfg.engine.calculate_per_token_loss:
+            grad_scale *= self._per_token_grad_scale(totals)
+        if grad_scale != 1.0:
+            torch._foreach_mul_([param.grad for param in self.optimizer.params], grad_scale)
 
     def _per_token_grad_scale(self, totals: dict) -> float:
         """--calculate-per-token-loss: the loss is a sum over tokens; the gradient divides by
