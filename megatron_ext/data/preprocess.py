@@ -233,6 +233,43 @@ def _flatten(ids: list[list[int]], eod: Optional[int]) -> tuple[np.ndarray, np.n
     return tokens, lengths
 
 
+def _record_texts(
+    line: str, json_keys: Sequence[str], split_by: Optional[str]
+) -> tuple[Optional[str], list[str], Optional[str]]:
+    """(why the record is bad, None when it is not; its texts; its split group) of one line."""
+    try:
+        record = json.loads(line)
+    except ValueError as error:
+        return f"invalid JSON ({error.msg})", [], None
+    if not isinstance(record, dict):
+        return f"not a JSON object ({type(record).__name__})", [], None
+    values = []
+    for key in json_keys:
+        if key not in record:
+            return f"missing key {key!r}", [], None
+        value = record[key]
+        if not isinstance(value, str):
+            return f"non-string {key!r} ({type(value).__name__})", [], None
+        surrogate = _SURROGATE.search(value)
+        if surrogate is not None:
+            # Valid JSON ("\ud800"), but no tokenizer can encode it.
+            return (
+                (
+                    f"invalid Unicode in {key!r} (lone surrogate "
+                    f"U+{ord(surrogate.group()):04X} at character {surrogate.start()})"
+                ),
+                [],
+                None,
+            )
+        values.append(value)
+    if split_by is None:
+        return None, values, None
+    try:
+        return None, values, _group_name(str(_lookup(record, split_by)))
+    except KeyError:
+        return f"missing split field {split_by!r}", [], None
+
+
 def encode_chunk(
     tokenizer: Tokenizer,
     chunk: bytes,
@@ -266,39 +303,7 @@ def encode_chunk(
         except UnicodeDecodeError as error:
             result.bad.append((line_number, f"invalid UTF-8 at byte {error.start}"))
             continue
-        try:
-            record = json.loads(line)
-        except ValueError as error:
-            result.bad.append((line_number, f"invalid JSON ({error.msg})"))
-            continue
-        if not isinstance(record, dict):
-            result.bad.append((line_number, f"not a JSON object ({type(record).__name__})"))
-            continue
-        values = []
-        reason = None
-        for key in json_keys:
-            if key not in record:
-                reason = f"missing key {key!r}"
-                break
-            value = record[key]
-            if not isinstance(value, str):
-                reason = f"non-string {key!r} ({type(value).__name__})"
-                break
-            surrogate = _SURROGATE.search(value)
-            if surrogate is not None:
-                # Valid JSON ("\ud800"), but no tokenizer can encode it.
-                reason = (
-                    f"invalid Unicode in {key!r} (lone surrogate "
-                    f"U+{ord(surrogate.group()):04X} at character {surrogate.start()})"
-                )
-                break
-            values.append(value)
-        group = None
-        if reason is None and split_by is not None:
-            try:
-                group = _group_name(str(_lookup(record, split_by)))
-            except KeyError:
-                reason = f"missing split field {split_by!r}"
+        reason, values, group = _record_texts(line, json_keys, split_by)
         if reason is not None:
             result.bad.append((line_number, reason))
             continue
@@ -617,21 +622,8 @@ def preprocess(config: PreprocessConfig) -> list[dict]:
     except Exception as error:
         raise TokenizerError(f"tokenizer {tokenizer!r} cannot encode: {error}") from None
     vocab_size = tokenizer.vocab_size
-    units = plan_units(config)
-    todo = []
-    for unit in units:
-        existing = _existing_outputs(unit, config)
-        if config.skip_existing and os.path.exists(unit.summary_path):
-            logger.info("skip %s: finished (%s exists)", unit.prefix, unit.summary_path)
-            continue
-        if existing and not config.overwrite and not config.skip_existing:
-            raise DataError(
-                f"output exists: {existing[0]} (pass --overwrite to replace it, or "
-                "--skip-existing to resume and keep finished outputs)"
-            )
-        todo.append(unit)
+    todo = _units_to_do(config)
     if not todo:
-        logger.info("nothing to do: all %d outputs are finished", len(units))
         return []
     tokenizer_info = tokenizer_record(tokenizer)
     logger.info(
@@ -652,15 +644,7 @@ def preprocess(config: PreprocessConfig) -> list[dict]:
     concurrent = config.concurrent_shards or max(1, math.ceil(config.workers / 4))
     concurrent = max(1, min(concurrent, len(todo)))
     max_in_flight = max(2, math.ceil(2 * config.workers / concurrent))
-    if config.workers == 1:
-        pool: Any = _SerialPool(tokenizer_kwargs, options)
-    else:
-        # Blocked here, the pool's threads (which re-fork dead workers) keep the signals
-        # blocked too; the main thread gets them back at once.
-        with _signals.blocked():
-            pool = multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
-                config.workers, initializer=_init_worker, initargs=(tokenizer_kwargs, options)
-            )
+    pool = _start_pool(config.workers, tokenizer_kwargs, options)
     progress = _Progress(config.log_interval)
     cancel = threading.Event()
     summaries: list[dict] = []
@@ -696,6 +680,39 @@ def preprocess(config: PreprocessConfig) -> list[dict]:
         pool.join()
     logger.info("%s", progress.line())
     return summaries
+
+
+def _units_to_do(config: PreprocessConfig) -> list:
+    """The planned units to write: finished ones skipped with --skip-existing; an existing
+    output is an error without --overwrite."""
+    units = plan_units(config)
+    todo = []
+    for unit in units:
+        existing = _existing_outputs(unit, config)
+        if config.skip_existing and os.path.exists(unit.summary_path):
+            logger.info("skip %s: finished (%s exists)", unit.prefix, unit.summary_path)
+            continue
+        if existing and not config.overwrite and not config.skip_existing:
+            raise DataError(
+                f"output exists: {existing[0]} (pass --overwrite to replace it, or "
+                "--skip-existing to resume and keep finished outputs)"
+            )
+        todo.append(unit)
+    if not todo:
+        logger.info("nothing to do: all %d outputs are finished", len(units))
+    return todo
+
+
+def _start_pool(workers: int, tokenizer_kwargs: dict, options: dict) -> Any:
+    """The encoding workers: in this process for one worker, else a process pool."""
+    if workers == 1:
+        return _SerialPool(tokenizer_kwargs, options)
+    # Blocked here, the pool's threads (which re-fork dead workers) keep the signals
+    # blocked too; the main thread gets them back at once.
+    with _signals.blocked():
+        return multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
+            workers, initializer=_init_worker, initargs=(tokenizer_kwargs, options)
+        )
 
 
 def config_dict(config: PreprocessConfig) -> dict:
