@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
     # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
+    from megatron_ext.inference.generation import decode_step_for
     from megatron_ext.inference.loading import (
         find_checkpoint,
         init_inference_parallel,
@@ -118,21 +118,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         run_tokenizer,
     )
 
-    try:
-        sampling = SamplingConfig(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            use_cache=not args.no_cache,
-        )
-    except ValueError as error:
-        raise ArgumentError(str(error)) from None
-    if args.batch_size < 1:
-        raise ArgumentError("--batch-size must be >= 1")
-    if args.decode_step == "lean" and args.no_cache:
-        raise ArgumentError("--decode-step lean always uses its KV cache; drop --no-cache")
+    sampling = _sampling_config(args)
     prompts = read_prompts(args)
     run_ = find_checkpoint(args.load, args.iteration)
     tokenizer = run_tokenizer(run_, args.tokenizer_model)
@@ -161,29 +147,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         step, why = args.decode_step, "--decode-step"
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info("decode step: %s (%s)", step, why)
-    records = []
-    start, produced = time.perf_counter(), 0
-    for first in range(0, len(prompts), args.batch_size):
-        batch = prompts[first : first + args.batch_size]
-        ids = [tokenizer.tokenize(p) for p in batch]
-        empty = [p for p, i in zip(batch, ids) if not i]
-        if empty:
-            raise ArgumentError(f"prompt {empty[0]!r} encodes to no token")
-        outputs = generate(
-            model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size, step=step
-        )
-        for prompt, prompt_ids, new in zip(batch, ids, outputs):
-            stopped = "eod" if len(new) < sampling.max_new_tokens else "length"
-            produced += len(new)
-            records.append(
-                {
-                    "prompt": prompt,
-                    "completion": completion_text(tokenizer, prompt_ids, new),
-                    "prompt_ids": prompt_ids,
-                    "completion_ids": new,
-                    "stop_reason": stopped,
-                }
-            )
+    start = time.perf_counter()
+    records = _records(model, tokenizer, prompts, sampling, pg, step, args.batch_size)
+    produced = sum(len(r["completion_ids"]) for r in records)
     elapsed = time.perf_counter() - start
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(
@@ -193,6 +159,57 @@ def run(args: argparse.Namespace) -> list[dict]:
             elapsed,
             produced / max(elapsed, 1e-9),
         )
+    return records
+
+
+def _sampling_config(args: argparse.Namespace):
+    """The `SamplingConfig` of the flags, checked with the batch and decode-step flags."""
+    # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.inference.generation import SamplingConfig
+
+    try:
+        sampling = SamplingConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            use_cache=not args.no_cache,
+        )
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+    if args.batch_size < 1:
+        raise ArgumentError("--batch-size must be >= 1")
+    if args.decode_step == "lean" and args.no_cache:
+        raise ArgumentError("--decode-step lean always uses its KV cache; drop --no-cache")
+    return sampling
+
+
+def _records(model, tokenizer, prompts, sampling, pg, step: str, batch_size: int) -> list[dict]:
+    """One output record per prompt, generated `batch_size` prompts at a time."""
+    # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.inference.generation import generate
+
+    records = []
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first : first + batch_size]
+        ids = [tokenizer.tokenize(p) for p in batch]
+        empty = [p for p, i in zip(batch, ids) if not i]
+        if empty:
+            raise ArgumentError(f"prompt {empty[0]!r} encodes to no token")
+        outputs = generate(
+            model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size, step=step
+        )
+        for prompt, prompt_ids, new in zip(batch, ids, outputs):
+            records.append(
+                {
+                    "prompt": prompt,
+                    "completion": completion_text(tokenizer, prompt_ids, new),
+                    "prompt_ids": prompt_ids,
+                    "completion_ids": new,
+                    "stop_reason": "eod" if len(new) < sampling.max_new_tokens else "length",
+                }
+            )
     return records
 
 

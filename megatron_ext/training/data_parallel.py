@@ -2,7 +2,7 @@
 over each pipeline stage, and one explicit average of the gradients deferred past it.
 
 Every layout averages the same way over `pg.dp_cp` (data x context parallel ranks, when there
-are more than one): the module each pipeline stage runs (`schedules.ChunkStage`, one per model
+are more than one): the module each pipeline stage runs (`pipeline.ChunkStage`, one per model
 chunk) is wrapped in DDP (`wrap`). torch's `PipelineStage` runs a DDP module's forwards under
 `no_sync`, so the micro-batches' gradients accumulate locally, and lets DDP reduce during the
 stage's last backward (bucketed all-reduce overlapped with it). The communication hook

@@ -3,7 +3,7 @@
 float32 parameters, gradients and Adam states; --bf16/--fp16 run forward and backward under
 autocast. One step, the same under every layout:
 
-1. forward/backward over the micro-batches on torch.distributed.pipelining (`schedules.Pipeline`:
+1. forward/backward over the micro-batches on torch.distributed.pipelining (`pipeline.Pipeline`:
    1F1B, interleaved 1F1B over model chunks), each pipeline stage's module in torch's
    `DistributedDataParallel` over `pg.dp_cp` when DP x CP > 1 (`data_parallel.wrap`): the
    micro-batches accumulate under `no_sync`, each stage's last backward averages its
@@ -54,9 +54,9 @@ from megatron_ext.training.optimizer import (
     build_scheduler,
     clip_grad_norm,
 )
+from megatron_ext.training.pipeline import ForwardStep, Pipeline, PipelineShape
 from megatron_ext.training.precision import autocast_factory, pipeline_dtype
 from megatron_ext.training.run_extras import num_zeros_in_grad, params_norm
-from megatron_ext.training.schedules import ForwardStep, Pipeline, PipelineShape
 
 logger = logging.getLogger(__name__)
 

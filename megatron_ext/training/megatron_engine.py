@@ -52,7 +52,7 @@ from megatron_ext.training.engine import (
 )
 from megatron_ext.training.metrics_logger import Timers
 from megatron_ext.training.optimizer import all_finite, build_scheduler, is_decoupled_param
-from megatron_ext.training.schedules import ForwardStep
+from megatron_ext.training.pipeline import ForwardStep
 from megatron_ext.training.unique_params import counted_once
 
 logger = logging.getLogger(__name__)
