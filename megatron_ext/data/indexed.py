@@ -1,23 +1,12 @@
 """Writing Megatron-Core indexed datasets (``.bin``/``.idx``) and their token counts, safely.
 
-The format is Megatron-Core's (``megatron.core.datasets.indexed_dataset``): the ``.idx`` is
-written in its ``_IndexWriter``'s layout with vectorised sequence pointers (the stock writer loops
-in Python and keeps a Python list per sequence, which for a merged Pile is minutes and
-gigabytes; preprocessing writes it without importing megatron.core at all), the ``.bin`` is the
-concatenated token ids in the index dtype. One document is one sequence, as Megatron-LM's
-preprocess_data.py writes without ``--split-sentences``. Beside them, ``<prefix>_counts.npy``
-holds the int64 count of every token id (length = the tokenizer's vocab size), and
-``<prefix>_tokenizer.json`` which tokenizer made it (``data/fingerprint.py``).
-
-Every file is written under a temporary name (``<final>.tmp``) and renamed only when complete:
-counts and tokenizer record first, then ``.bin``, then ``.idx`` last, so a dataset whose
-``.idx`` exists is whole.
-``abort()`` (on errors and Ctrl-C) removes the temporary files.
-
-Reading: ``check_dataset`` checks that a ``.bin``/``.idx`` pair agrees (header, sizes, sequence
-pointers, document indices) before anything reads it, so that a damaged dataset (an
-interrupted copy, another tool's file) is one error naming the file and what is wrong instead
-of a traceback from inside Megatron-Core's reader; every reader here calls it.
+The format is Megatron-Core's: the ``.idx`` in its ``_IndexWriter``'s layout with vectorised
+sequence pointers (without importing megatron.core), the ``.bin`` the concatenated token ids;
+one document is one sequence. Beside them ``<prefix>_counts.npy`` (int64 count of every id) and
+``<prefix>_tokenizer.json`` (``data/fingerprint.py``). Every file is written under a temporary
+name and renamed when complete, counts and tokenizer record first, ``.idx`` last, so a dataset
+whose ``.idx`` exists is whole; ``abort()`` removes the temporary files. ``check_dataset``
+checks that a pair agrees (header, sizes, pointers, document indices) before anything reads it.
 """
 
 from __future__ import annotations

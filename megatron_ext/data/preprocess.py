@@ -1,26 +1,14 @@
 """Tokenise jsonl corpora into Megatron-Core indexed datasets (the engine behind
 ``tools/preprocess_data.py``).
 
-Pipeline (one pool of ``workers`` processes shared by all shards):
+    reader thread per shard -> worker processes (parse, validate, batch-encode a ~1 MiB chunk of
+    whole lines) -> the same thread writes .bin, lengths and counts in submission order
 
-    reader thread per shard          worker processes                 same thread
-    iter_line_chunks (~1 MiB of  ->  parse JSON, validate, batch-  ->  write .bin, lengths,
-    whole lines, zstd/gzip           encode all documents of the       counts; log progress
-    streamed)                        chunk, flatten to numpy
-
-Chunks are cut by byte count only and their results consumed in submission order, so the output
-bytes do not depend on the worker count. At most ``2 * workers`` chunks are in flight per shard,
-so memory is bounded whatever the file size (Pool.imap would read the whole file ahead).
-
-Outputs (Megatron-LM names), with ``P`` the output prefix of a unit of work:
-
-- default: all inputs, in order, into ``P_<key>_document`` with ``P = --output-prefix``;
-- ``shard_output``: one unit per input file, ``P = <output-prefix>_<shard name>`` (or
-  ``<output-prefix><shard name>`` when the prefix ends with ``/``); units run concurrently;
-- ``split_by`` (e.g. ``meta.pile_set_name``): ``P_<set>_<key>_document`` per value.
-
-Each dataset has ``<dataset prefix>_counts.npy``. Each unit ends by writing ``P_summary.json``;
-its presence marks the unit finished, which ``skip_existing`` uses to resume.
+so the output bytes do not depend on the worker count, and at most ``2 * workers`` chunks per
+shard are in flight (bounded memory). Outputs, with ``P`` a unit's prefix: all inputs into
+``P_<key>_document`` by default; one unit per input file with ``shard_output`` (units run
+concurrently); ``P_<set>_<key>_document`` per value of ``split_by``. Each dataset gets
+``_counts.npy``; each unit ends by writing ``P_summary.json``, which ``skip_existing`` resumes by.
 """
 
 from __future__ import annotations

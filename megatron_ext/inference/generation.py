@@ -1,25 +1,15 @@
 """Autoregressive text generation with a KV cache, for any arm at TP=1 or TP>1.
 
-    from megatron_ext.inference.generation import SamplingConfig, generate
-
     new_tokens = generate(model, [[5, 17, 3], [5, 9]], SamplingConfig(max_new_tokens=32),
                           tp_group=pg.tp)  # pg from init_inference_parallel; None: no TP
 
-The cache is megatron-core's own `StaticInferenceContext` (one key/value buffer per layer, held
-by `CachedSelfAttention` of the local spec, or by Transformer Engine's attention on GPUs).
-Prompts of different lengths share one batch the way megatron's static engine does it: the
-shortest prompt is prefilled for every row, then each step feeds one token per row, the row's
-own prompt token while it still has one and the sampled token afterwards. No padding or
-attention mask is involved, so every row computes exactly what it would alone.
-
-Under tensor parallelism every rank of the TP group passes the same prompts; the output layer
-gathers the vocab-parallel logits (`runtime_gather_output`) and the token chosen on TP rank 0 is
-broadcast, so all ranks agree. LEV embeds through its materialised eval table
-(`LEVConfig.eval_table`, built by `lev.table`), checked or built once per call, not through the
-generator per token. A decoding step costs one token's work: `CachedSelfAttention` caches keys
-already rotated, and without stop ids the loop makes no host synchronisation. `step="lean"`
-(TP=1, local spec) computes the same logits with `LeanDecoder`'s plain torch ops and cache
-instead of the model's forward; `decode_step_for` says which step covers a model.
+The cache is megatron-core's `StaticInferenceContext`. Prompts of different lengths share one
+batch as megatron's static engine does it: the shortest prompt is prefilled for every row, then
+each step feeds one token per row (its own prompt token while it has one), with no padding or
+mask, so every row computes what it would alone. Under TP every rank passes the same prompts
+and the token chosen on TP rank 0 is broadcast. LEV embeds through its eval table, checked or
+built once per call. `step="lean"` (TP=1, local spec) computes the same logits with the CPU
+accelerations' `LeanDecoder`; `decode_step_for` says which step covers a model.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
-"""The training engine interface: what the loop needs from whoever runs the step.
+"""The training engine interface: what the loop needs from whoever runs the step, and what a
+module may declare to the engines (`ModuleHooks`).
 
-As narrow as Megatron-LM's `train_step(forward_step_func, data_iterator, model, optimizer,
-opt_param_scheduler, config)`: an engine is built from this stage's model and the run's
-settings (it owns the model chunks it runs, the optimizer, the LR scheduler and the FP16 loss
-scaler), and
-
-- `step(data_iterator, global_batch, flags)` runs one global batch: forward/backward over its
-  micro-batches, the gradient reductions, clipping, the optimizer and scheduler step (or a
-  skip), and returns a `StepResult` (world loss, grad norm, stepped / skipped / non-finite,
-  learning rate, and the caller's flags ORed over the world in the same all-reduce);
-- `evaluate(data_iterator, eval_iters)` runs forward-only batches and returns the world loss;
-- `log_stats()` (collective) returns the optional logged extras (params norm, zeros in grads);
-- `checkpoint_parts()` returns the objects the checkpoint manager saves and loads in the
-  project's format (`checkpoint.format.save_checkpoint`): the model, an optimizer exposing
-  `owned_state / owns / set_state`, the scheduler and the loss scaler.
+As narrow as Megatron-LM's `train_step`: an engine owns this stage's model chunks, the optimizer,
+the LR scheduler and the FP16 loss scaler, and offers `step(data_iterator, global_batch, flags)
+-> StepResult` (one global batch: forward/backward, gradient reductions, clipping, the optimizer
+and scheduler step or a skip, the caller's flags ORed over the world), `evaluate`, `log_stats`
+(collective) and `checkpoint_parts()` (what `checkpoint.format.save_checkpoint` saves and loads).
 
 Two implementations: `engine_portable.PortableEngine` (gloo and NCCL) and
-`megatron_engine.MegatronEngine` (megatron-core's DDP, optimizer and schedules; CUDA).
-The loop (`loop.py`), the metrics logger (`metrics_logger.py`) and the checkpoint manager
-(`checkpoint_manager.py`) are composed around either.
+`megatron_engine.MegatronEngine` (megatron-core's DDP, optimizer and schedules; CUDA). The
+loop, the metrics logger and the checkpoint manager are composed around either.
 """
 
 from __future__ import annotations
