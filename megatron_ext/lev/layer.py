@@ -386,7 +386,7 @@ class LEVEmbedding(torch.nn.Module):
         output = F.embedding(index, rows)
         return reduce_from_tensor_model_parallel_region(output, group=self.tp_group)
 
-    # ------------------------------------------------------------------ global-batch dedup
+    # ------------------------------------------------------- the engines' ModuleHooks
 
     engine_name = "lev"
 
