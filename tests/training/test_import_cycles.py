@@ -398,3 +398,20 @@ def test_training_imports_nothing_from_lev():
         ("megatron_ext.training.config", "megatron_ext.lev.config"),
     ]
     assert [edge for edge in into_lev if edge not in configs] == []
+
+
+def test_inference_imports_nothing_from_conversion():
+    """conversion/ reads checkpoints through inference/ (`inference.loading`); the other way
+    round would close a circle between the two subpackages."""
+    graph = import_graph()
+    edges = [
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("megatron_ext.inference")
+        for target in targets
+        if target.startswith("megatron_ext.conversion")
+    ]
+    assert edges == []
+    assert any(
+        t.startswith("megatron_ext.inference") for t in graph["megatron_ext.conversion.reshard"]
+    )
