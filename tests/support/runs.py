@@ -19,7 +19,7 @@ from typing import Optional
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
-from megatron_ext.launch import launch as start
+from tests.support.jobs import launch as start
 
 __all__ = [
     "REPO",
