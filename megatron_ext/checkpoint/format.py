@@ -4,7 +4,8 @@ DTensors, in Megatron-LM's layout::
     <save>/iter_0000100/                      one checkpoint (DCP shards + .metadata)
     <save>/iter_0000100/common.json           iteration, consumed samples, scheduler, layout
     <save>/iter_0000100/args.json             the run's flags (--use-checkpoint-args)
-    <save>/iter_0000100/rng/pp0_tp0_cp0_dp0.pt  each rank's RNG states (tensors and numbers)
+    <save>/iter_0000100/rng/pp0_tp0_cp0_dp0.pt  each rank's RNG states (tensors and numbers),
+                                              its dropout streams included (`rng.py`)
     <save>/iter_0000100/digests/rank00000.json  each rank's file digests (`digests.py`)
     <save>/latest_checkpointed_iteration.txt  written last
     <save>/save.lock                          held by the run writing here (`lock.py`)
@@ -102,6 +103,7 @@ from megatron_ext.checkpoint.safe_load import (
 )
 from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
 from megatron_ext.parallel import ProcessGroups
+from megatron_ext.rng import cpu_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -273,16 +275,30 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
         state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    elif (tracker := cpu_tracker()) is not None:
+        state["cpu_tracker"] = tracker.get_states()  # dropout's streams on CPU
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict) -> bool:
+    """Restore `state`; False when it has no dropout streams for this device (a checkpoint
+    saved on CPU before they were saved, or on the other kind of device)."""
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
+    if torch.cuda.is_available():
+        if "cuda" not in state:
+            return False
         torch.cuda.set_rng_state(state["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+        return True
+    tracker = cpu_tracker()
+    if tracker is None:
+        return True
+    if "cpu_tracker" not in state:
+        return False
+    tracker.set_states(dict(state["cpu_tracker"]))
+    return True
 
 
 def _all_finite(model: torch.nn.Module | Sequence[torch.nn.Module]) -> bool:
@@ -788,7 +804,12 @@ def _load_rng(path: str, common: dict, pg: ProcessGroups) -> None:
                 pg.layout(),
             )
         return
-    _set_rng_state(load_rng_file(file))
+    if not _set_rng_state(load_rng_file(file)) and _rank0():
+        logger.warning(
+            "%s has no dropout RNG states for this device (saved by an older version, or on "
+            "another kind of device): dropout streams restart from --seed",
+            display_path(path),
+        )
 
 
 def verify_or_raise(

@@ -11,9 +11,9 @@ They are chosen by the local layer spec (core attention, norms) or by `Leviathan
   all-reduces across the TP group, exactly as Megatron does for its fused norms.
 - `PortableRotaryEmbedding` replaces `RotaryEmbedding`, whose `get_emb` moves `inv_freq` to CUDA.
 - Selective recomputation on CPU: `SDPACoreAttention.recompute` checkpoints core attention
-  itself with `torch.utils.checkpoint`.
+  itself with `rng.checkpoint` (`torch.utils.checkpoint`, replaying the CPU dropout streams).
 - `PortableTransformerBlock` (adopted by `LeviathanModel` on hosts without CUDA when
-  `--recompute-granularity full`) recomputes layers with `torch.utils.checkpoint`: megatron's
+  `--recompute-granularity full`) recomputes layers with `rng.checkpoint`: megatron's
   `tensor_parallel.checkpoint` saves the CUDA RNG state, which a CPU-only torch cannot read.
 - `SwiGLUMLP` (adopted by `LeviathanModel` for the local layers' MLPs) is megatron's `MLP`
   whose SwiGLU (`silu(gate) * up`, no bias) skips two passes megatron's unfused path makes over
@@ -26,6 +26,7 @@ They are chosen by the local layer spec (core attention, norms) or by `Leviathan
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -38,6 +39,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
 )
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
@@ -46,7 +48,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+
+from megatron_ext.rng import checkpoint
 
 __all__ = [
     "CachedSelfAttention",
@@ -123,7 +126,6 @@ class SDPACoreAttention(MegatronModule):
                 attn_mask_type,
                 attention_bias,
                 packed_seq_params,
-                use_reentrant=False,
             )
         return self._attend(
             query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
@@ -153,16 +155,22 @@ class SDPACoreAttention(MegatronModule):
             sdpa_mask = ~attention_mask.bool()
         else:
             is_causal = mask_type == AttnMaskType.causal
-        context = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=sdpa_mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=is_causal,
-            scale=self.softmax_scale,
-            enable_gqa=self.num_heads_per_partition != self.num_query_groups_per_partition,
-        )
+        dropout_p = self.dropout_p if self.training else 0.0
+        # As megatron's DotProductAttention: the heads are split over TP ranks, so their dropout
+        # draws from the model-parallel stream (per TP rank), which sequence parallelism has
+        # already forked for the whole block.
+        forked = dropout_p and not self.config.sequence_parallel
+        with get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=sdpa_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+                enable_gqa=self.num_heads_per_partition != self.num_query_groups_per_partition,
+            )
         # [b, np, sq, hn] -> [sq, b, np * hn]
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(context.size(0), context.size(1), self.hidden_size_per_partition)
@@ -291,7 +299,7 @@ class PortableRotaryEmbedding(RotaryEmbedding):
 class PortableTransformerBlock(TransformerBlock):
     """megatron's TransformerBlock whose full recomputation (`recompute_method` uniform: chunks
     of `recompute_num_layers` layers; block: the first `recompute_num_layers` layers) runs
-    through `torch.utils.checkpoint`, which restores the CPU RNG state for the recomputation."""
+    through `rng.checkpoint`, which restores the CPU RNG states for the recomputation."""
 
     def _checkpointed_forward(
         self,
@@ -331,9 +339,7 @@ class PortableTransformerBlock(TransformerBlock):
         for start, end, recompute in chunks:
             forward = run(start, end)
             if recompute:
-                hidden_states, context = checkpoint(
-                    forward, hidden_states, context, use_reentrant=False
-                )
+                hidden_states, context = checkpoint(forward, hidden_states, context)
             else:
                 hidden_states, context = forward(hidden_states, context)
         return hidden_states

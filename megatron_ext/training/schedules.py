@@ -28,11 +28,13 @@ tensors. `ChunkStage` adapts one to the other. `Pipeline.run` passes the micro-b
 and gives them to every stage) and as the loss `target`. With its index, a stage's forward takes
 its micro-batch from the iteration's `_Iteration`, which reads the micro-batches from the data
 iterator in order, once per rank (this rank's other chunks get the same ones), and calls
-`forward_step` on a one-item iterator of it under autocast; the last stage keeps the returned
-`loss_func`, and `loss_fn` calls it, sums the reports in float64 and returns the loss divided by
-the number of micro-batches (not with --calculate-per-token-loss: the loss is then a token sum
-and the engine divides the gradients by the global token count) and multiplied by the FP16 loss
-scale, for torch's schedule to backpropagate (`scale_grads=False`: torch divides nothing).
+`forward_step` on a one-item iterator of it under autocast and on the dropout stream
+(`rng.device_rng`: on CPU a generator state of its own, which checkpoints save); the last stage
+keeps the returned `loss_func`, and `loss_fn` calls it, sums the reports in float64 and returns
+the loss divided by the number of micro-batches (not with --calculate-per-token-loss: the loss
+is then a token sum and the engine divides the gradients by the global token count) and
+multiplied by the FP16 loss scale, for torch's schedule to backpropagate (`scale_grads=False`:
+torch divides nothing).
 Stages exchange [s, b, h] activations ([s/tp, b, h] under sequence parallelism, s/cp under
 context parallelism) in float32 (`precision.pipeline_dtype`), declared to `PipelineStage` up
 front, so torch runs no shape-inference forward.
@@ -53,6 +55,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, Optional, Seque
 import torch
 
 from megatron_ext.parallel import ProcessGroups
+from megatron_ext.rng import device_rng
 
 __all__ = ["ForwardStep", "PipelineShape", "ChunkStage", "Pipeline"]
 
@@ -152,8 +155,9 @@ class ChunkStage(torch.nn.Module):
         if not self.first:
             self.chunk.set_input_tensor(received[0])
         try:
-            with iteration.autocast():
-                output, loss_func = self.forward_step(iter((iteration.batch(index),)), self.chunk)
+            batch = iteration.batch(index)
+            with iteration.autocast(), device_rng():
+                output, loss_func = self.forward_step(iter((batch,)), self.chunk)
         except Exception as error:
             iteration.error = error
             raise
