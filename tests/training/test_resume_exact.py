@@ -1,11 +1,11 @@
 """A resumed run repeats the uninterrupted one bit for bit, with Megatron-LM's default dropout
 (0.1), at every layout: one rank; DP=2 with DataLoader workers and a batch-size ramp-up whose
 resume point is inside the ramp; TP=2 with sequence parallelism; PP=2; PP=2 x 2 model chunks
-(interleaved 1F1B) with DataLoader workers. Each layout runs 6 iterations uninterrupted (saving
-at 3 and 6, validating every 2: an evaluation inside the save interval) and again resumed from
-its own iteration-3 checkpoint; the two runs must log the same losses, grad norms, learning
-rates, consumed samples, validation and test losses, and save the same parameters, Adam moments
-and dropout RNG states at iteration 6.
+(interleaved 1F1B, `--num-virtual-stages-per-pipeline-rank`) with DataLoader workers. Each
+layout runs 6 iterations uninterrupted (saving at 3 and 6, validating every 2: an evaluation
+inside the save interval) and again resumed from its own iteration-3 checkpoint; the two runs
+must log the same losses, grad norms, learning rates, consumed samples, validation and test
+losses, and save the same parameters, Adam moments and dropout RNG states at iteration 6.
 
 On CPU, dropout draws from generator states of its own that the checkpoint saves
 (`megatron_ext.rng`): before them, a resumed run's training DataLoader iterator drew its base
@@ -63,7 +63,7 @@ LAYOUTS = {
                 "--pipeline-model-parallel-size", "2"]),
     "pp2x2-workers": (2, [
         "--num-layers", "4", "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
-        "--num-layers-per-virtual-pipeline-stage", "1", "--num-workers", "2",
+        "--num-virtual-stages-per-pipeline-rank", "2", "--num-workers", "2",
     ]),
 }  # fmt: skip
 
@@ -108,6 +108,7 @@ def _saved_tensors(path) -> dict[str, torch.Tensor]:
 def test_resume_is_bit_identical_with_dropout(launcher, tmp_path, layout):
     nproc, flags = LAYOUTS[layout]
     args = [*MODEL, *TRAIN, *flags]
+    chunked = "--num-virtual-stages-per-pipeline-rank" in flags
     whole_dir, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
     whole = launcher(nproc, [*args, *_outputs(whole_dir)], whole_dir).check()
     load = ["--load", str(whole_dir / "ckpt"), "--ckpt-step", str(RESUMED_FROM)]
@@ -116,6 +117,8 @@ def test_resume_is_bit_identical_with_dropout(launcher, tmp_path, layout):
     assert f"(iteration {RESUMED_FROM}," in resumed.output  # "loaded checkpoint ... (iteration 3,"
     assert "RNG states not restored" not in resumed.output
     assert "no dropout RNG states" not in resumed.output
+    # (The interleaved ranks also exit with their DataLoader workers: they once hung there.)
+    assert ("model chunks per pipeline rank: 2 (1 layers each)" in resumed.output) == chunked
     saved_args = json.loads((whole_dir / "ckpt" / "iter_0000003" / "args.json").read_text())
     assert saved_args["hidden_dropout"] == saved_args["attention_dropout"] == 0.1
 
