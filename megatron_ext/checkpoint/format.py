@@ -295,9 +295,10 @@ def _set_rng_state(state: dict) -> bool:
     tracker = cpu_tracker()
     if tracker is None:
         return True
-    if "cpu_tracker" not in state:
+    saved = state.get("cpu_tracker")
+    if saved is None or set(saved) != set(tracker.get_states()):
         return False
-    tracker.set_states(dict(state["cpu_tracker"]))
+    tracker.set_states(dict(saved))
     return True
 
 
