@@ -39,7 +39,7 @@ every turn gives K - 1 measured iterations of each configuration (K where it run
 a row) seconds apart, and the machine's slow changes of speed (on a 2-core VM a process can
 switch between two speeds 10% apart for tens of seconds) hit both sides of a ratio alike; the
 ratios are then printed per turn. All of a round's runs are held in memory at once. The
-LEV / TIED target at width 256 is measured this way (benchmarks/RESULTS.md section 4.15):
+LEV / TIED target at width 256 is measured this way (benchmarks/RESULTS.md section 4.3):
 
     python benchmarks/bench_train_step.py --only tied "lev, 1" --hidden-size 256 \
         --seq-length 512 --micro-batch-size 4 --global-batch-size 8 --threads 2 --iters 54 \

@@ -29,7 +29,7 @@ calls while megatron-core registers its custom ops, reads `__file__` of every mo
 ImportError as before.
 
 Every module of this project that imports megatron-core imports this module first (directly or
-through a module that does); `tests/training/test_megatron_import.py` checks it. `megatron.core.jit`
+through a module that does); `tests/test_import_layers.py` checks it. `megatron.core.jit`
 cannot be switched off instead: importing it imports the whole `megatron.core` package first.
 """
 

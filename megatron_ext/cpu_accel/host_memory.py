@@ -5,7 +5,7 @@ glibc returns freed memory to the operating system eagerly: blocks above its mma
 the heap is trimmed once more than the trim threshold (twice the mmap threshold) is free. A
 CPU training step frees and re-allocates the same activations every iteration, in sizes that
 vary with the data (LEV's distinct ids): each iteration then faults fresh zeroed pages in
-again, kernel time that measured 3-5% of a step at width 256 (benchmarks/RESULTS.md 4.10).
+again, kernel time that measured 3-5% of a step at width 256 (benchmarks/RESULTS.md 4.3).
 `retain_freed_host_memory` sets the mmap threshold to glibc's largest (32 MiB) and the trim
 threshold to 1 GiB, as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` would, so that the
 next iteration reuses the pages. The resident size stays at the step's peak instead of

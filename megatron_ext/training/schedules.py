@@ -219,7 +219,7 @@ class Pipeline:
             return self._schedules[M]
         # deferred: torch.distributed.pipelining imports TorchDynamo (its schedules import
         # torch._dynamo), about 0.45 CPU-s more than the training code's own imports, which
-        # stay free of it (tests/training/test_megatron_import.py); a training run pays it once
+        # stay free of it (tests/test_megatron_import.py); a training run pays it once
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,

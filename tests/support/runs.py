@@ -58,6 +58,9 @@ TINY_TRAIN = [
     "--num-workers", "0", "--no-loss-curve", "--hidden-dropout", "0.0",
     "--attention-dropout", "0.0",
 ]  # fmt: skip
+# The shortened quick start that README.md shows (4 iterations per arm on a 1 MB sample corpus):
+# tools/quickstart.py's flags of the session's `quickstart_run` (tests/conftest.py).
+QUICKSTART_FLAGS = ("--iters", "4", "--eval-interval", "2", "--corpus-mb", "1")
 # The smallest whole run, one rank, no data files (mock data): for checks that need a run and
 # not its numbers (resume errors, --save locks, checkpoint files); add --train-iters.
 TINY_MOCK_RUN = [
