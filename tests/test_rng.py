@@ -8,6 +8,8 @@ checkpoint's RNG file carries the streams (and an older file without them says s
 
 from __future__ import annotations
 
+import megatron_ext.megatron_import  # noqa: F401
+
 import pytest
 import torch
 import torch.nn.functional as F
