@@ -2,7 +2,8 @@
 DTensors, in Megatron-LM's layout::
 
     <save>/iter_0000100/                      DCP shards + .metadata, common.json, args.json,
-                                              rng/<rank>.pt, digests/rank<N>.json
+                                              rng/<rank>.pt (dropout streams included),
+                                              digests/rank<N>.json
     <save>/latest_checkpointed_iteration.txt  written last
     <save>/save.lock                          held by the run writing here (`lock.py`)
 
@@ -74,6 +75,7 @@ from megatron_ext.checkpoint.safe_load import (
 )
 from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
 from megatron_ext.parallel import ProcessGroups
+from megatron_ext.rng import cpu_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -245,16 +247,31 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
         state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    elif (tracker := cpu_tracker()) is not None:
+        state["cpu_tracker"] = tracker.get_states()  # dropout's streams on CPU
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict) -> bool:
+    """Restore `state`; False when it has no dropout streams for this device (a checkpoint
+    saved on CPU before they were saved, or on the other kind of device)."""
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
+    if torch.cuda.is_available():
+        if "cuda" not in state:
+            return False
         torch.cuda.set_rng_state(state["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+        return True
+    tracker = cpu_tracker()
+    if tracker is None:
+        return True
+    saved = state.get("cpu_tracker")
+    if saved is None or set(saved) != set(tracker.get_states()):
+        return False
+    tracker.set_states(dict(saved))
+    return True
 
 
 def _all_finite(model: torch.nn.Module | Sequence[torch.nn.Module]) -> bool:
@@ -759,7 +776,12 @@ def _load_rng(path: str, common: dict, pg: ProcessGroups) -> None:
                 pg.layout(),
             )
         return
-    _set_rng_state(load_rng_file(file))
+    if not _set_rng_state(load_rng_file(file)) and _rank0():
+        logger.warning(
+            "%s has no dropout RNG states for this device (saved by an older version, or on "
+            "another kind of device): dropout streams restart from --seed",
+            display_path(path),
+        )
 
 
 def verify_or_raise(

@@ -11,8 +11,9 @@ gradient accumulation) or, with V chunks per rank, `ScheduleInterleaved1F1B`.
     loss_func(output_tensor) -> (loss, reports)      reports: name -> detached [sum, count]
 
 Each stage reads its micro-batch (by the index `Pipeline.run` passes) from the iteration's data,
-once per rank; the last stage's `loss_fn` sums the reports and scales the loss (by 1 / M or, with
---calculate-per-token-loss, not; times the FP16 loss scale). Stages exchange float32 [s, b, h]
+once per rank, and runs its forward on the dropout stream (`rng.device_rng`: on CPU a generator
+state of its own, which checkpoints save); the last stage's `loss_fn` sums the reports and
+scales the loss (by 1 / M or, with --calculate-per-token-loss, not; times the FP16 loss scale). Stages exchange float32 [s, b, h]
 activations of declared shapes. A `ChunkStage` owns the chunk's parameters less the deferred
 ones (`engine.ModuleHooks`): what the engine's DDP around it reduces (`data_parallel.py`).
 """
@@ -26,6 +27,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, Optional, Seque
 import torch
 
 from megatron_ext.parallel import ProcessGroups
+from megatron_ext.rng import device_rng
 
 __all__ = ["ForwardStep", "PipelineShape", "ChunkStage", "Pipeline"]
 
@@ -125,8 +127,9 @@ class ChunkStage(torch.nn.Module):
         if not self.first:
             self.chunk.set_input_tensor(received[0])
         try:
-            with iteration.autocast():
-                output, loss_func = self.forward_step(iter((iteration.batch(index),)), self.chunk)
+            batch = iteration.batch(index)
+            with iteration.autocast(), device_rng():
+                output, loss_func = self.forward_step(iter((batch,)), self.chunk)
         except Exception as error:
             iteration.error = error
             raise
