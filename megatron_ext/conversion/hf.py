@@ -253,6 +253,7 @@ def hf_config(
     if lev_config is not None:
         # deferred: imports transformers' Llama modeling (hf_leviathan registers it)
         from megatron_ext.conversion.hf_leviathan import LeviathanConfig
+        from megatron_ext.conversion.hf_leviathan.remote_code import AUTO_MAP
 
         config_class = LeviathanConfig
         extra = {f"lev_{k}": getattr(lev_config, k) for k in LEV_CONFIG_FIELDS}
@@ -281,8 +282,6 @@ def hf_config(
     )
     config.dtype = dtype
     if lev_config is not None:
-        from megatron_ext.conversion.hf_leviathan.remote_code import AUTO_MAP
-
         config.auto_map = dict(AUTO_MAP)
     if provenance is not None:
         config.leviathan = provenance
