@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -177,17 +178,24 @@ def import_hf(opts: ImportHFOptions) -> str:
             f"{opts.hf_dir} holds no tokenizer files (tokenizer.json ...); save the tokenizer "
             "into the model directory (tokenizer.save_pretrained) first"
         )
-    try:
-        tokenizer = build_tokenizer("HuggingFaceTokenizer", opts.hf_dir)
-    except TokenizerError as error:
-        raise ConversionError(str(error)) from None
+    # Read from a copy of the tokenizer files alone, as the run will read them (<out>/tokenizer):
+    # beside a config.json with `auto_map` (a LeviathanForCausalLM) AutoTokenizer would ask
+    # whether to run the model's code.
+    with tempfile.TemporaryDirectory() as alone:
+        for name in files:
+            shutil.copy2(os.path.join(opts.hf_dir, name), os.path.join(alone, name))
+        try:
+            tokenizer = build_tokenizer("HuggingFaceTokenizer", alone)
+        except TokenizerError as error:
+            raise ConversionError(str(error).replace(alone, opts.hf_dir)) from None
+        vocab, fingerprint = tokenizer.vocab_size, tokenizer.fingerprint  # read from its files
     hf_vocab = config["vocab_size"]
-    if tokenizer.vocab_size > hf_vocab:
+    if vocab > hf_vocab:
         raise ConversionError(
-            f"the tokenizer of {opts.hf_dir} has {tokenizer.vocab_size} ids but the model embeds "
+            f"the tokenizer of {opts.hf_dir} has {vocab} ids but the model embeds "
             f"only {hf_vocab}: vocabulary mismatch"
         )
-    padded = padded_vocab_size(tokenizer.vocab_size, opts.make_vocab_size_divisible_by)
+    padded = padded_vocab_size(vocab, opts.make_vocab_size_divisible_by)
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
         if key in tensors and tensors[key].size(0) > padded:
             # Rows beyond the tokenizer's ids are never used; the run re-pads to `padded`.
@@ -198,7 +206,7 @@ def import_hf(opts: ImportHFOptions) -> str:
     flags = _model_flags(config, arm, opts) + [
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir,
     ]  # fmt: skip
-    args_json = {**args_json_of_flags(flags), "tokenizer_fingerprint": tokenizer.fingerprint}
+    args_json = {**args_json_of_flags(flags), "tokenizer_fingerprint": fingerprint}
     try:
         model_config = model_config_from_args_json(args_json).replace(vocab_size=padded)
     except ValueError as error:  # LEV's fields checked at the padded vocabulary
@@ -235,7 +243,7 @@ def import_hf(opts: ImportHFOptions) -> str:
         "imported %s as a --embedding-type %s checkpoint (vocabulary %d, padded %d)",
         opts.hf_dir,
         arm,
-        tokenizer.vocab_size,
+        vocab,
         padded,
     )
     return output
