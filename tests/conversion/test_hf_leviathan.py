@@ -338,3 +338,13 @@ def test_bad_input_is_one_line(results, case):
 
 def test_bad_input_leaves_nothing(results):
     assert results["bad"]["left"] == []
+
+
+def test_importing_the_conversion_tool_does_not_import_transformers():
+    """The subpackage (transformers, seconds) is imported only by the leviathan paths."""
+    code = (
+        "import sys, megatron_ext, megatron_ext.conversion.convert_checkpoint; "
+        "print(sorted(m for m in ('transformers', 'megatron.core') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
