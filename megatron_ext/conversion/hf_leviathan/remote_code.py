@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 
-from megatron_ext.conversion.common import atomic_write_text
+from megatron_ext._paths import atomic_write
 
 __all__ = ["AUTO_MAP", "REMOTE_CODE_FILES", "remote_code_sources", "write_remote_code"]
 
@@ -68,5 +68,5 @@ def write_remote_code(out_dir: str) -> list[str]:
     """Write the modeling files into `out_dir`; returns their names."""
     sources = remote_code_sources()
     for name, text in sources.items():
-        atomic_write_text(os.path.join(out_dir, name), text)
+        atomic_write(os.path.join(out_dir, name), text)
     return sorted(sources)
