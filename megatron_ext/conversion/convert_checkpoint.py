@@ -2,6 +2,8 @@
 check a checkpoint's digests; break a --save lock.
 
     python tools/convert_checkpoint.py export-hf --load ckpt/lev --output hf/lev --dtype bfloat16
+    python tools/convert_checkpoint.py export-hf --load ckpt/lev --output hf/lev-kept \\
+        --hf-format leviathan
     python tools/convert_checkpoint.py import-hf --hf-dir hf/llama --output ckpt/llama-import
     python tools/convert_checkpoint.py export-megatron --load ckpt/lev --output mlm/lev \\
         --target-tensor-parallel-size 2
@@ -39,6 +41,7 @@ from megatron_ext.conversion.export_megatron import (
     ExportMegatronOptions,
     export_megatron,
 )
+from megatron_ext.conversion.hf import HF_FORMATS
 from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
 from megatron_ext.conversion.reshard import ReshardOptions, reshard
 from megatron_ext.data.loading import DataConfig
@@ -102,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("export-hf", help="training checkpoint -> Hugging Face LlamaForCausalLM")
+    p = sub.add_parser(
+        "export-hf", help="training checkpoint -> Hugging Face LlamaForCausalLM or Leviathan"
+    )
     _add_load(p)
     _add_output(p)
     _add_dtype(p)
@@ -113,9 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the make-vocab-size-divisible-by padding rows (default: trim to the tokenizer)",
     )
     p.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer files")
+    p.add_argument(
+        "--hf-format",
+        choices=HF_FORMATS,
+        default="llama",
+        help="llama: LlamaForCausalLM, the input module materialised into a [V, D] table (any "
+        "arm; loads everywhere Llama does); leviathan: LeviathanForCausalLM, LEV kept as LEV "
+        "(LEV checkpoints; trust_remote_code=True without this package)",
+    )
 
-    p = sub.add_parser("import-hf", help="Hugging Face Llama -> TIED/UNTIED training checkpoint")
-    p.add_argument("--hf-dir", required=True, help="a LlamaForCausalLM directory")
+    p = sub.add_parser(
+        "import-hf", help="Hugging Face Llama -> TIED/UNTIED (Leviathan -> LEV) training checkpoint"
+    )
+    p.add_argument(
+        "--hf-dir", required=True, help="a LlamaForCausalLM or LeviathanForCausalLM directory"
+    )
     _add_output(p)
     add_flags(
         p,
@@ -184,6 +201,7 @@ def run(args: argparse.Namespace) -> str:
                 overwrite=args.overwrite,
                 progress=progress,
                 verify=args.verify,
+                hf_format=args.hf_format,
             )
         )
     if args.command == "import-hf":

@@ -11,6 +11,10 @@
     decoder.final_layernorm.weight                     model.norm.weight
     output_layer.weight                                lm_head.weight (absent when tied)
 
+The LEV arm exported as `LeviathanForCausalLM` (`--hf-format leviathan`) keeps LEV's parameters
+under the same names: embedding.word_embeddings.<p> <-> model.embed_tokens.<p> (codebooks,
+seed_proj, seed_norm_weight, seed_norm_bias, spline_delta, out_proj).
+
 Megatron fuses QKV per query group: rows [ng, np/ng + 2, hn] hold each group's np/ng query
 heads, then its key head, then its value head. Llama's grouped-query attention serves query
 heads j*np/ng .. (j+1)*np/ng - 1 with key/value head j, so splitting the groups gives q/k/v in
@@ -39,6 +43,9 @@ from megatron_ext.data.tokenizers import (
 )
 
 __all__ = [
+    "HF_FORMATS",
+    "LEV_CONFIG_FIELDS",
+    "LEVIATHAN_ARCHITECTURE",
     "LLAMA_ARCHITECTURE",
     "hf_config",
     "to_hf_state_dict",
@@ -52,6 +59,27 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+LEVIATHAN_ARCHITECTURE = "LeviathanForCausalLM"
+HF_FORMATS = ("llama", "leviathan")
+LEV_CONFIG_FIELDS = (
+    "num_digits",
+    "base",
+    "seed_dim",
+    "num_knots",
+    "rank",
+    "num_heads",
+    "temperature",
+    "codebook_combine",
+    "normalize_basis",
+    "norm_eps",
+    "product_eps",
+    "init_std",
+    "spline_init_std",
+)
+"""`LEVConfig` fields a `LeviathanConfig` stores, as `lev_<field>` (the model's definition and
+its initialisation; the kernel, dedup and optimizer choices are the training run's)."""
+"""export-hf's --hf-format: LEV materialised into a Llama table, or kept (hf_leviathan)."""
+_LEV_PREFIX = ("embedding.word_embeddings.", "model.embed_tokens.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _SIMPLE = {
@@ -98,7 +126,7 @@ def fuse_qkv(q, k, v, heads: int, groups: int, rotary_interleaved: bool = False)
 
 def to_hf_state_dict(
     full: dict[str, torch.Tensor],
-    input_table: torch.Tensor,
+    input_table: Optional[torch.Tensor],
     *,
     num_attention_heads: int,
     num_query_groups: int,
@@ -109,9 +137,12 @@ def to_hf_state_dict(
     """Our full state dict (input module replaced by `input_table` [Vp, D]) -> Llama names.
 
     `vocab_rows` rows of the input table and head are kept (the tokenizer's size trims the
-    padding; the padded size keeps it).
+    padding; the padded size keeps it). With `input_table` None the LEV module's parameters
+    are kept as they are, under model.embed_tokens. (`LeviathanForCausalLM`).
     """
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": input_table[:vocab_rows]}
+    out: dict[str, torch.Tensor] = {}
+    if input_table is not None:
+        out["model.embed_tokens.weight"] = input_table[:vocab_rows]
     for name, tensor in full.items():
         match = _LAYER.match(name)
         if match:
@@ -137,6 +168,8 @@ def to_hf_state_dict(
         elif name == "output_layer.weight":
             if not tied:
                 out["lm_head.weight"] = tensor[:vocab_rows]
+        elif input_table is None and name.startswith(_LEV_PREFIX[0]):
+            out[_LEV_PREFIX[1] + name[len(_LEV_PREFIX[0]) :]] = tensor
         elif not name.startswith("embedding."):
             raise ConversionError(f"no Hugging Face Llama counterpart for {name}")
     return out
@@ -149,8 +182,10 @@ def from_hf_state_dict(
     num_query_groups: int,
     tied: bool,
     padded_vocab: int,
+    lev: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Llama names -> our full state dict for the TIED (tied=True) or UNTIED arm.
+    """Llama names -> our full state dict for the TIED (tied=True) or UNTIED arm, or with
+    `lev` the LEV arm (`LeviathanForCausalLM`'s names: LEV's parameters as they are).
 
     The vocabulary is padded with zero rows up to `padded_vocab` (never trimmed).
     """
@@ -160,7 +195,11 @@ def from_hf_state_dict(
             raise ConversionError(f"vocabulary {t.size(0)} exceeds the padded size {padded_vocab}")
         return torch.cat([t, t.new_zeros(padded_vocab - t.size(0), *t.shape[1:])])
 
-    out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"])}
+    if lev:
+        n = len(_LEV_PREFIX[1])
+        out = {_LEV_PREFIX[0] + k[n:]: v for k, v in hf.items() if k.startswith(_LEV_PREFIX[1])}
+    else:
+        out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"])}
     layers: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in hf.items():
         match = _HF_LAYER.match(name)
@@ -184,8 +223,10 @@ def from_hf_state_dict(
         )
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not tied:
-        head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
-        out["output_layer.weight"] = pad(head)
+        head = hf.get("lm_head.weight")
+        out["output_layer.weight"] = pad(
+            head if head is not None else hf["model.embed_tokens.weight"]
+        )
     return out
 
 
@@ -197,14 +238,27 @@ def hf_config(
     dtype: torch.dtype,
     tokenizer=None,
     provenance: Optional[dict] = None,
+    lev_config=None,
 ):
-    """The `LlamaConfig` of an exported model; `provenance` is stored as `leviathan`."""
+    """The `LlamaConfig` of an exported model, or with `lev_config` (a `LEVConfig`) the
+    `LeviathanConfig` with its `lev_*` fields and `auto_map`; `provenance` is stored as
+    `leviathan`."""
     # optional: the [eval] extra
     from transformers import LlamaConfig
 
     eod = getattr(tokenizer, "eod", None)
     pad = getattr(tokenizer, "pad", None)
-    config = LlamaConfig(
+    extra: dict = {"architectures": [LLAMA_ARCHITECTURE]}
+    config_class = LlamaConfig
+    if lev_config is not None:
+        # deferred: imports transformers' Llama modeling (hf_leviathan registers it)
+        from megatron_ext.conversion.hf_leviathan import LeviathanConfig
+        from megatron_ext.conversion.hf_leviathan.remote_code import AUTO_MAP
+
+        config_class = LeviathanConfig
+        extra = {f"lev_{k}": getattr(lev_config, k) for k in LEV_CONFIG_FIELDS}
+        extra["architectures"] = [LEVIATHAN_ARCHITECTURE]
+    config = config_class(
         vocab_size=vocab_size,
         hidden_size=model_config.hidden_size,
         intermediate_size=model_config.ffn_hidden_size,
@@ -224,19 +278,23 @@ def hf_config(
         bos_token_id=eod,
         eos_token_id=eod,
         pad_token_id=pad,
-        architectures=[LLAMA_ARCHITECTURE],
+        **extra,
     )
     config.dtype = dtype
+    if lev_config is not None:
+        config.auto_map = dict(AUTO_MAP)
     if provenance is not None:
         config.leviathan = provenance
     return config
 
 
 def check_llama_like(config: dict, path: str) -> None:
-    """Refuse a config.json that our TIED/UNTIED model cannot represent, naming the reason."""
+    """Refuse a config.json that our TIED/UNTIED (or, for a `LeviathanForCausalLM`, LEV) model
+    cannot represent, naming the reason."""
     arch = config.get("architectures") or []
     reasons = []
-    if config.get("model_type") != "llama" and LLAMA_ARCHITECTURE not in arch:
+    known = config.get("model_type") in ("llama", "leviathan")
+    if not known and not {LLAMA_ARCHITECTURE, LEVIATHAN_ARCHITECTURE} & set(arch):
         reasons.append(f"model_type {config.get('model_type')!r} / architectures {arch}")
     if config.get("attention_bias") or config.get("mlp_bias"):
         reasons.append("linear biases")
@@ -253,7 +311,7 @@ def check_llama_like(config: dict, path: str) -> None:
     if reasons:
         raise ConversionError(
             f"{path} is not a Llama-like model this project can import ({'; '.join(reasons)}); "
-            "import-hf takes LlamaForCausalLM checkpoints"
+            "import-hf takes LlamaForCausalLM and LeviathanForCausalLM checkpoints"
         )
 
 

@@ -161,3 +161,43 @@ def test_harness_hf_model_on_the_export_equals_our_adapter(
         ("tiny_lambada", "acc,none"),
     ]:
         assert theirs[task][metric] == pytest.approx(ours[task][metric], rel=1e-4), (task, metric)
+
+
+def test_harness_hf_model_on_the_leviathan_export_equals_the_llama_export(
+    eval_runs, tmp_path, offline, environment_unchanged
+):
+    """`lm_eval --model hf` with trust_remote_code=True on the export that keeps LEV
+    (`--hf-format leviathan`) gives the numbers of the materialised Llama export."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from megatron_ext.conversion import convert_checkpoint
+
+    tasks = write_tiny_tasks(str(eval_runs.val_jsonl), str(tmp_path / "tasks"), items=4)
+    names = ["tiny_wikitext", "tiny_lambada"]
+    results = {}
+    for fmt in ("llama", "leviathan"):
+        out = tmp_path / fmt
+        argv = ["export-hf", "--load", eval_runs.ckpt("lev"), "--output", str(out),
+                "--hf-format", fmt, "--no-progress"]  # fmt: skip
+        with environment_unchanged():
+            assert convert_checkpoint.main(argv) == 0
+        results[fmt] = lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={out},dtype=float32,device=cpu,trust_remote_code=True",
+            tasks=names,
+            task_manager=TaskManager(include_path=tasks),
+            batch_size=4,
+            random_seed=1234,
+            numpy_random_seed=1234,
+            torch_random_seed=1234,
+            fewshot_random_seed=1234,
+        )["results"]
+    for task, metric in [
+        ("tiny_wikitext", "word_perplexity,none"),
+        ("tiny_wikitext", "bits_per_byte,none"),
+        ("tiny_lambada", "perplexity,none"),
+        ("tiny_lambada", "acc,none"),
+    ]:
+        kept, materialised = results["leviathan"][task][metric], results["llama"][task][metric]
+        assert kept == pytest.approx(materialised, rel=1e-5), (task, metric)
