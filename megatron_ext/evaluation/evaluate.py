@@ -66,11 +66,19 @@ def _add_model_args(p: argparse.ArgumentParser, multiple: bool = False) -> None:
         g.add_argument("--names", nargs="+", help="a name per --load (default: directory names)")
     else:
         g.add_argument("--load", required=True, help="the run's --save directory")
-    g.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: latest)")
+    g.add_argument(
+        "--ckpt-step",
+        "--iteration",
+        dest="ckpt_step",
+        type=int,
+        default=None,
+        help="iteration (default: latest)",
+    )
     g.add_argument(
         "--tokenizer-model",
         default=None,
-        help="the tokenizer file, if not where the run recorded it",
+        help="the tokenizer file, if not where the run recorded it (for GPT2BPETokenizer: the "
+        "directory holding its vocab and merge files)",
     )
     add_flags(
         g,
