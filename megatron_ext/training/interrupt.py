@@ -40,6 +40,7 @@ class InterruptWatch:
             raise KeyboardInterrupt
 
     def release(self) -> None:
+        """Put back the SIGINT handler that was there before."""
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
