@@ -149,6 +149,8 @@ class MetricsLogger:
         self._grad_norms: list[float] = []
         self._interval_start = time.time()
         self._interval_iters = 0
+        # skipped / non-finite iterations since the last log line (as Megatron-LM counts them)
+        self._skipped = self._nonfinite = 0
 
     def start(self, iteration: int) -> None:
         """Before the first iteration: drop --log-jsonl records past `iteration`, start the
@@ -177,6 +179,8 @@ class MetricsLogger:
         self._interval_iters += 1
         self._losses.append(result.loss)
         self._grad_norms.append(result.grad_norm)
+        self._skipped += int(result.skipped)
+        self._nonfinite += int(result.nonfinite)
         if it % self.cfg.log.tensorboard_log_interval == 0:
             self._tensorboard(result, state, global_batch, loss_scale)
         if self.cfg.log.log_jsonl and self.is_rank0:
@@ -254,8 +258,8 @@ class MetricsLogger:
             loss=sum(finite) / len(finite) if finite else float("nan"),
             loss_scale=loss_scale,
             grad_norm=self._grad_norms[-1] if self._grad_norms else None,
-            skipped=state.skipped_iterations,
-            nonfinite=state.nonfinite_iterations,
+            skipped=self._skipped,
+            nonfinite=self._nonfinite,
         )
         if self.is_rank0:
             logger.info(format_train_line(values))
@@ -277,6 +281,7 @@ class MetricsLogger:
             self.reporter.flush()
         self._interval_start, self._interval_iters = time.time(), 0
         self._losses, self._grad_norms = [], []
+        self._skipped = self._nonfinite = 0
 
     def evaluation(self, loss: Optional[float], name: str, state) -> None:
         """The boxed validation/test line and its scalars (nothing when `loss` is None)."""

@@ -51,6 +51,12 @@ CASES = {
         [*RUN, "--load", "empty", "--ckpt-step", "3"],
         "error: empty/iter_0000003 is not a complete checkpoint",
     ),
+    # Megatron-LM refuses a sequence longer than the position table too
+    "seq-length-over-max-position-embeddings": (
+        [*RUN, "--max-position-embeddings", "8"],
+        "error: --seq-length 16 is longer than --max-position-embeddings 8 (Megatron-LM "
+        "refuses it too); raise --max-position-embeddings to at least 16",
+    ),
     # a flag value found wrong once the world size is known
     "bad-batch-size": (
         _set(RUN, "--global-batch-size", "3"),
