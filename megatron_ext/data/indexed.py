@@ -47,6 +47,7 @@ __all__ = [
     "merge_datasets",
     "load_dataset",
     "num_tokens",
+    "index_dtype",
     "sampled_max_id",
 ]
 
@@ -446,6 +447,13 @@ def num_tokens(prefix: str) -> int:
     return check_dataset(prefix)
 
 
+def index_dtype(prefix: str) -> np.dtype:
+    """The token dtype the ``.idx`` of ``prefix`` names (after `check_dataset`)."""
+    with open(get_idx_path(prefix), "rb") as handle:
+        header = handle.read(_HEADER_BYTES)
+    return np.dtype(_CODE_NAMES[header[len(_INDEX_HEADER) + 8]])
+
+
 _SAMPLE_BLOCKS = 64
 _SAMPLE_BLOCK_BYTES = 1 << 20
 
@@ -455,9 +463,7 @@ def sampled_max_id(prefix: str) -> int:
     64 MiB, else 64 evenly spaced 1 MiB blocks (first and last included). For datasets without
     counts (made by Megatron-LM): a cheap check that the tokenizer covers their ids. Call after
     `check_dataset` (the header is trusted here)."""
-    with open(get_idx_path(prefix), "rb") as handle:
-        header = handle.read(_HEADER_BYTES)
-    dtype = np.dtype(_CODE_NAMES[header[len(_INDEX_HEADER) + 8]])
+    dtype = index_dtype(prefix)
     if not os.path.getsize(get_bin_path(prefix)):
         return -1
     tokens = np.memmap(get_bin_path(prefix), dtype, "r")

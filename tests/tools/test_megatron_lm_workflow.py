@@ -206,3 +206,44 @@ def test_megatron_lm_data_with_a_smaller_tokenizer_is_one_line_before_training(b
     assert "LEV got token id" not in out and "lm loss" not in out  # before the first iteration
     assert not (tmp_path / "ckpt").exists()
     assert sorted(os.listdir(tmp_path / "data")) == ["mlm.bin", "mlm.idx"]
+
+
+def test_counts_for_megatron_lm_data_make_frequency_evaluation_work(bpe_run, tmp_path):
+    prefix = _megatron_lm_dataset(bpe_run, tmp_path / "data")
+    (tmp_path / "text.txt").write_text("The river runs past the old mill and into the sea.\n")
+    ckpt = str(bpe_run / "ckpt")
+    frequency = ["frequency", "--load", ckpt, "--text", "text.txt", "--counts-prefix", prefix]
+    frequency += ["--output-dir", "freq", "--tokenizer-model", str(bpe_run / "gpt2")]
+    line = _one_error(_tool(tmp_path, "evaluate.py", *frequency))
+    assert f"python tools/count_tokens.py --data-path {prefix}" in line, line
+    assert not (tmp_path / "freq").exists()
+
+    # the wrong tokenizer: one line, nothing written
+    line = _one_error(
+        _tool(
+            tmp_path,
+            "count_tokens.py",
+            "--data-path",
+            prefix,
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "100",
+        )
+    )
+    assert "holds token id" in line and "has only 101 ids" in line, line
+    assert sorted(os.listdir(tmp_path / "data")) == ["mlm.bin", "mlm.idx"]
+
+    flags = [f.replace("gpt2/", str(bpe_run / "gpt2") + "/") for f in BPE]
+    _ok(_tool(tmp_path, "count_tokens.py", "--data-path", prefix, *flags))
+    ours = bpe_run / "data" / "bpe_text_document"
+    assert np.array_equal(np.load(prefix + "_counts.npy"), np.load(f"{ours}_counts.npy"))
+    made = json.loads(Path(f"{ours}_tokenizer.json").read_text())
+    assert json.loads(Path(prefix + "_tokenizer.json").read_text()) == made
+    line = _one_error(_tool(tmp_path, "count_tokens.py", "--data-path", prefix, *flags))
+    assert "--overwrite" in line, line
+    _ok(_tool(tmp_path, "evaluate.py", *frequency))
+    assert (tmp_path / "freq").is_dir()
+    assert sorted(os.listdir(tmp_path / "data")) == [
+        "mlm.bin", "mlm.idx", "mlm_counts.npy", "mlm_tokenizer.json"
+    ]  # fmt: skip
