@@ -109,6 +109,13 @@ def setup_logging(
         logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
+def quiet_import_warnings() -> None:
+    """Drop megatron-core's import-time notes that Apex / Transformer Engine are missing (and
+    its deprecation notes a user cannot act on), as `setup_logging` does, for a command that
+    imports megatron-core before it parses its flags."""
+    warnings.filterwarnings("ignore", message=_QUIET_WARNINGS)
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 

@@ -33,12 +33,16 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
-import megatron_ext.megatron_import  # noqa: F401
+from megatron_ext.cli import quiet_import_warnings
+
+quiet_import_warnings()  # megatron-core's Apex / TE fallback notes (environment() records TE)
+
+import megatron_ext.megatron_import  # noqa: E402, F401
 
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ext.cli import run_tool
+from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.launch import PACKAGE_ROOT, launch
 from megatron_ext.lev import LEVConfig, LEVEmbedding
 from megatron_ext.lev.kernels import lev_modes
@@ -424,14 +428,34 @@ def main(argv=None) -> int:
     return run_tool(_main, argv, log_format=None)
 
 
-def _main(argv) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of the GPU check."""
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="the JSON file to write")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU")
-    parser.add_argument("--time-budget-s", type=float, default=450.0)
-    parser.add_argument("--iters", type=int, default=None, help="throughput iterations")
-    parser.add_argument("--warmup", type=int, default=None, help="iterations left out of timing")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=450.0,
+        help="seconds for all phases: a phase that would not fit is skipped and recorded so",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="throughput iterations (default: 12 on a GPU, 4 with --cpu-dry-run)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="iterations left out of timing (default: 4 on a GPU, 1 with --cpu-dry-run)",
+    )
+    return parser
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
     dry = args.cpu_dry_run
     cuda = torch.cuda.is_available()
     if not dry and not cuda:
