@@ -30,26 +30,28 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
-from megatron_ext.cli import quiet_import_warnings
+from megatron_ext.cli import ArgumentParser, quiet_import_warnings, run_tool
 
-quiet_import_warnings()  # megatron-core's Apex / TE fallback notes (environment() records TE)
+# Without megatron-core's import-time notes that Apex / TE are missing (environment() records
+# whether TE is there): `--help` prints its usage and nothing before it.
+with warnings.catch_warnings():
+    quiet_import_warnings()
+    import megatron_ext.megatron_import  # noqa: F401
 
-import megatron_ext.megatron_import  # noqa: E402, F401
+    import torch
+    from megatron.core.transformer import TransformerConfig
 
-import torch
-from megatron.core.transformer import TransformerConfig
-
-from megatron_ext.cli import ArgumentParser, run_tool
-from megatron_ext.launch import PACKAGE_ROOT, launch
-from megatron_ext.lev import LEVConfig, LEVEmbedding
-from megatron_ext.lev.kernels import lev_modes
-from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
-from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
-from megatron_ext.models.te_check import compare_te_and_local_logits
-from megatron_ext.training.metrics import peak_tflops
+    from megatron_ext.launch import PACKAGE_ROOT, launch
+    from megatron_ext.lev import LEVConfig, LEVEmbedding
+    from megatron_ext.lev.kernels import lev_modes
+    from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
+    from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
+    from megatron_ext.models.te_check import compare_te_and_local_logits
+    from megatron_ext.training.metrics import peak_tflops
 
 # The GPU-side pytest files run from the source checkout holding this package (when there).
 REPO = PACKAGE_ROOT
