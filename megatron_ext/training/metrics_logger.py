@@ -149,6 +149,7 @@ class MetricsLogger:
         self._grad_norms: list[float] = []
         self._interval_start = time.time()
         self._interval_iters = 0
+        self._first_record = 1  # the first iteration this run logs (`start` sets it)
         # skipped / non-finite iterations since the last log line (as Megatron-LM counts them)
         self._skipped = self._nonfinite = 0
 
@@ -157,6 +158,7 @@ class MetricsLogger:
         interval clock."""
         if self.is_rank0 and self.cfg.log.log_jsonl:
             truncate_jsonl(self.cfg.log.log_jsonl, iteration)
+        self._first_record = iteration + 1
         self._interval_start, self._interval_iters = time.time(), 0
 
     def text(self, tag: str, text: str) -> None:
@@ -194,7 +196,10 @@ class MetricsLogger:
                 seconds=seconds,
                 cpu_seconds=cpu_seconds,  # this process's CPU time: robust on a shared machine
             )
-            with open(self.cfg.log.log_jsonl, "a") as handle:
+            path = self.cfg.log.log_jsonl
+            if it == self._first_record:  # its directory is made by the first write
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
 
     def _tensorboard(self, result: StepResult, state, global_batch: int, loss_scale) -> None:
@@ -306,5 +311,10 @@ class MetricsLogger:
             curve = self.reporter.close(curve_dir, completed)
             if curve:
                 logger.info("loss curve: %s", curve)
+            elif curve_dir is None and completed:
+                logger.info(
+                    "loss curve: not written (it goes beside --tensorboard-dir or --log-jsonl, "
+                    "neither given; --no-loss-curve turns this line off)"
+                )
         else:
             self.reporter.close(completed=completed)

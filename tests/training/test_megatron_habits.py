@@ -4,7 +4,8 @@
   trained as the LLaMA-style backbone, and one log line says what was asked and what is trained;
   a LLaMA-style command line gets no such line;
 - "number of skipped iterations" and "number of nan iterations" count since the last log line,
-  as Megatron-LM counts them (not since the run began).
+  as Megatron-LM counts them (not since the run began);
+- loss_curve.png is written beside the run's logs, never into --save.
 
 (--seq-length above --max-position-embeddings is refused as Megatron-LM does:
 tests/training/test_failed_launch.py.)
@@ -55,3 +56,28 @@ def test_gpt3_style_line_and_skipped_iterations_per_log_line(tmp_path):
     )  # fmt: skip
     assert llama.returncode == 0, llama.stdout[-3000:]
     assert BACKBONE_LINE not in llama.stdout
+
+
+def test_loss_curve_beside_the_logs_never_inside_save(tmp_path):
+    """loss_curve.png goes beside the run's logs (--log-jsonl's directory without
+    --tensorboard-dir), never into --save; with neither, one line says it was not written."""
+    curve_on = [a for a in TINY_MOCK_RUN if a != "--no-loss-curve"]
+    base = [*curve_on, "--train-iters", "2", "--save", "ckpt", "--save-interval", "2"]
+    out = tmp_path / "logged.out"
+    with launch(ENTRY_MODULE, 1, [*base, "--log-jsonl", "logs/m.jsonl"], log=out,
+                cwd=tmp_path) as job:  # fmt: skip
+        assert job.wait() == 0, job.output()[-3000:]
+        logged = job.output()
+    assert (tmp_path / "logs" / "loss_curve.png").is_file()
+    assert f"loss curve: {tmp_path / 'logs' / 'loss_curve.png'}" in logged, logged[-2000:]
+    assert not (tmp_path / "ckpt" / "loss_curve.png").exists()
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with launch(ENTRY_MODULE, 1, base, log=tmp_path / "bare.out", cwd=bare) as job:
+        assert job.wait() == 0, job.output()[-3000:]
+        output = job.output()
+    assert "loss curve: not written (it goes beside --tensorboard-dir or --log-jsonl" in output
+    assert sorted(p.name for p in (bare / "ckpt").iterdir()) == [
+        "iter_0000002", "latest_checkpointed_iteration.txt"
+    ]  # fmt: skip
