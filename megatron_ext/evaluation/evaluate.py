@@ -196,7 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="a run's TensorBoard directory or --log-jsonl file",
     )
-    add_flags(p, ModelConfig, "seq_length", required=True, help="tokens per sample")
+    add_flags(
+        p,
+        ModelConfig,
+        "seq_length",
+        help="tokens per sample (default: each run's own, recorded in its TensorBoard "
+        "directory; needed for a --log-jsonl file)",
+    )
     p.add_argument("--smoothing", type=float, default=0.0, help="EMA weight for train losses")
     p.add_argument(
         "--reference",
