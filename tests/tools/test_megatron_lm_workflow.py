@@ -191,7 +191,7 @@ def test_megatron_lm_data_with_a_smaller_tokenizer_is_one_line_before_training(b
     prefix = _megatron_lm_dataset(bpe_run, tmp_path / "data")
     args = [*MODEL, *TRAIN, "--data-path", prefix, "--train-iters", "4"]
     args += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--save", "ckpt"]
-    args += ["--tensorboard-dir", "tb"]
+    args += ["--tensorboard-dir", "tb", "--sequence-parallel"]  # a warning at TP=1
     with launch(ENTRY_MODULE, 2, args, cwd=tmp_path, log=tmp_path / "out.log") as job:
         code = job.wait()
         out = job.output()
@@ -204,6 +204,9 @@ def test_megatron_lm_data_with_a_smaller_tokenizer_is_one_line_before_training(b
     assert errors[0].startswith(f"error: {prefix} holds token id {largest}"), errors[0]
     assert "NullTokenizer) has only 256 ids" in errors[0], errors[0]
     assert "LEV got token id" not in out and "lm loss" not in out  # before the first iteration
+    # rank 0's warnings are not repeated by rank 1 (issue 56 item 8)
+    assert out.count("WARNING: --sequence-parallel is off") == 1, out[-6000:]
+    assert "[rank 1] WARNING" not in out, out[-6000:]
     assert not (tmp_path / "ckpt").exists()
     assert sorted(os.listdir(tmp_path / "data")) == ["mlm.bin", "mlm.idx"]
 
