@@ -157,6 +157,33 @@ def locate_checkpoint(load_dir: str, iteration: Optional[int] = None) -> tuple[s
     return load_dir, iteration
 
 
+# The learning-rate scheduler's saved values and the flags that set them.
+_SCHEDULE_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters",
+    "lr_decay_steps": "--lr-decay-iters",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--start-weight-decay",
+    "end_wd": "--end-weight-decay",
+    "wd_incr_steps": "--train-iters",
+    "wd_incr_style": "--weight-decay-incr-style",
+    "wsd_decay_steps": "--lr-wsd-decay-iters",
+}
+
+
+def _schedule_flags(ours: dict, saved: dict) -> str:
+    """The flags (joined by "and") whose scheduler values differ between `ours` and `saved`."""
+    names = [
+        flag
+        for key, flag in _SCHEDULE_FLAGS.items()
+        if key in ours and key in saved and ours[key] != saved[key]
+    ]
+    if "--train-iters" in names and "--lr-decay-iters" in names:
+        names.remove("--lr-decay-iters")  # its default: a new --train-iters changes both
+    return " and ".join(dict.fromkeys(names))
+
+
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -733,11 +760,12 @@ def _load_schedule(path: str, common: dict, scheduler, loss_scaler) -> None:
         try:
             scheduler.load_state_dict(common["scheduler"])
         except AssertionError as error:  # megatron's "... do not match"
+            flags = _schedule_flags(scheduler.state_dict(), common["scheduler"])
+            what = f"{flags} of this command line differs" if flags else str(error).strip()
             raise CheckpointError(
-                f"the learning-rate schedule of this command line differs from the one saved in "
-                f"{path} ({str(error).strip()}); pass --override-opt_param-scheduler to use the "
-                "command line's (e.g. a new --train-iters), or "
-                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+                f"{what} from the run saved in {path} (its learning-rate schedule); pass the "
+                "run's value, or --override-opt_param-scheduler to use the command line's "
+                "schedule, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
             ) from None
     if loss_scaler is not None and common.get("loss_scaler"):
         loss_scaler.load_state_dict(common["loss_scaler"])

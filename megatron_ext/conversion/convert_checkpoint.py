@@ -52,14 +52,24 @@ from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 def _add_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
     p.add_argument(
-        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
+        "--ckpt-step",
+        "--iteration",
+        dest="ckpt_step",
+        type=int,
+        default=None,
+        help="iteration to read (default: the latest)",
     )
 
 
 def _add_load(p: argparse.ArgumentParser, arm_check: bool = True) -> None:
     _add_checkpoint(p)
     _add_verify(p)
-    p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
+    p.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="the run's tokenizer, if not where it recorded it (for GPT2BPETokenizer: the "
+        "directory holding its vocab and merge files)",
+    )
     if arm_check:
         p.add_argument(
             "--embedding-type", default=None, help="refuse the checkpoint unless it holds this arm"
@@ -190,7 +200,7 @@ def run(args: argparse.Namespace) -> str:
             ExportHFOptions(
                 load=args.load,
                 output=args.output,
-                iteration=args.iteration,
+                iteration=args.ckpt_step,
                 dtype=DTYPES[args.dtype],
                 compute_dtype=getattr(torch, args.compute_dtype),
                 keep_padded_vocab=args.keep_padded_vocab,
@@ -220,7 +230,7 @@ def run(args: argparse.Namespace) -> str:
             ExportMegatronOptions(
                 load=args.load,
                 output=args.output,
-                iteration=args.iteration,
+                iteration=args.ckpt_step,
                 tensor_model_parallel_size=args.target_tensor_parallel_size,
                 pipeline_model_parallel_size=args.target_pipeline_parallel_size,
                 dtype=DTYPES[args.dtype],
@@ -236,7 +246,7 @@ def run(args: argparse.Namespace) -> str:
         ReshardOptions(
             load=args.load,
             output=args.output,
-            iteration=args.iteration,
+            iteration=args.ckpt_step,
             tensor_model_parallel_size=args.target_tensor_parallel_size,
             pipeline_model_parallel_size=args.target_pipeline_parallel_size,
             keep_optimizer=not args.no_optimizer,
@@ -259,7 +269,7 @@ def verify(args: argparse.Namespace) -> int:
         verify_or_raise,
     )
 
-    root, iteration = locate_checkpoint(args.load, args.iteration)
+    root, iteration = locate_checkpoint(args.load, args.ckpt_step)
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise ConversionError(f"checkpoint {display_path(path)} does not exist")

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from megatron_ext.conversion.common import ConversionError
 from megatron_ext.data.tokenizers import (
     EXPORT_PROVENANCE_FILE,
+    GPT2BPETokenizer,
     HuggingFaceTokenizer,
     SentencePieceTokenizer,
     TikTokenizer,
@@ -405,6 +406,8 @@ def export_tokenizer(tokenizer, out_dir: str) -> None:
         _export_sentencepiece(tokenizer, out_dir)
     elif isinstance(tokenizer, TikTokenizer):
         _export_tiktoken(tokenizer, out_dir)
+    elif isinstance(tokenizer, GPT2BPETokenizer):
+        _export_gpt2_bpe(tokenizer, out_dir)
     else:
         raise ConversionError(
             f"cannot export a {type(tokenizer).__name__} as a Hugging Face tokenizer; pass "
@@ -472,6 +475,37 @@ def _export_tiktoken(tokenizer: TikTokenizer, out_dir: str) -> None:
         raise ConversionError(
             f"{tokenizer.model_path}: the Hugging Face byte-level BPE does not encode like this "
             "tiktoken encoding (its split pattern?); pass --no-tokenizer"
+        )
+    fast.save_pretrained(out_dir)
+    _generic_tokenizer_class(out_dir)
+
+
+def _export_gpt2_bpe(tokenizer: GPT2BPETokenizer, out_dir: str) -> None:
+    """GPT-2 vocab.json + merges.txt as a `tokenizers` byte-level BPE with GPT-2's split
+    pattern; <|endoftext|> (EOD) at its id, never matched in text (as Megatron-LM's
+    GPT2BPETokenizer). Checked on a probe text before it is kept."""
+    # optional: the [eval] extra (transformers')
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(BPE.from_file(tokenizer.model_path, tokenizer.merge_file))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    eod = tokenizer.detokenize([tokenizer.eod])
+    backend.add_special_tokens([AddedToken(eod, special=True, normalized=False)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=eod,  # as for SentencePiece: the end-of-document token, a scoring prefix
+        eos_token=eod,
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
+    got = fast(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    if got != tokenizer.tokenize(_TOKENIZER_PROBE):
+        raise ConversionError(
+            f"{tokenizer.model_path}: the Hugging Face byte-level BPE does not encode like these "
+            "GPT-2 files; pass --no-tokenizer"
         )
     fast.save_pretrained(out_dir)
     _generic_tokenizer_class(out_dir)

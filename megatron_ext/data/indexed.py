@@ -37,6 +37,8 @@ __all__ = [
     "merge_datasets",
     "load_dataset",
     "num_tokens",
+    "index_dtype",
+    "sampled_max_id",
 ]
 
 TMP_SUFFIX = ".tmp"
@@ -461,3 +463,33 @@ def num_tokens(prefix: str) -> int:
     """Total stored tokens of the dataset ``prefix`` (from its index, checked by
     ``check_dataset``)."""
     return check_dataset(prefix)
+
+
+def index_dtype(prefix: str) -> np.dtype:
+    """The token dtype the ``.idx`` of ``prefix`` names (after `check_dataset`)."""
+    with open(get_idx_path(prefix), "rb") as handle:
+        header = handle.read(_HEADER_BYTES)
+    return np.dtype(_CODE_NAMES[header[len(_INDEX_HEADER) + 8]])
+
+
+_SAMPLE_BLOCKS = 64
+_SAMPLE_BLOCK_BYTES = 1 << 20
+
+
+def sampled_max_id(prefix: str) -> int:
+    """The largest token id in a sample of the dataset ``prefix``'s ``.bin``: all of it up to
+    64 MiB, else 64 evenly spaced 1 MiB blocks (first and last included). For datasets without
+    counts (made by Megatron-LM): a cheap check that the tokenizer covers their ids. Call after
+    `check_dataset` (the header is trusted here)."""
+    dtype = index_dtype(prefix)
+    if not os.path.getsize(get_bin_path(prefix)):
+        return -1
+    tokens = np.memmap(get_bin_path(prefix), dtype, "r")
+    block = _SAMPLE_BLOCK_BYTES // dtype.itemsize
+    if tokens.size <= _SAMPLE_BLOCKS * block:
+        found = int(tokens.max())
+    else:
+        starts = np.linspace(0, tokens.size - block, _SAMPLE_BLOCKS).astype(np.int64)
+        found = max(int(tokens[s : s + block].max()) for s in starts)
+    del tokens
+    return found

@@ -65,11 +65,19 @@ def _add_model_args(p: argparse.ArgumentParser, multiple: bool = False) -> None:
         g.add_argument("--names", nargs="+", help="a name per --load (default: directory names)")
     else:
         g.add_argument("--load", required=True, help="the run's --save directory")
-    g.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: latest)")
+    g.add_argument(
+        "--ckpt-step",
+        "--iteration",
+        dest="ckpt_step",
+        type=int,
+        default=None,
+        help="iteration (default: latest)",
+    )
     g.add_argument(
         "--tokenizer-model",
         default=None,
-        help="the tokenizer file, if not where the run recorded it",
+        help="the tokenizer file, if not where the run recorded it (for GPT2BPETokenizer: the "
+        "directory holding its vocab and merge files)",
     )
     add_flags(
         g,
@@ -187,7 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="a run's TensorBoard directory or --log-jsonl file",
     )
-    add_flags(p, ModelConfig, "seq_length", required=True, help="tokens per sample")
+    add_flags(
+        p,
+        ModelConfig,
+        "seq_length",
+        help="tokens per sample (default: each run's own, recorded in its TensorBoard "
+        "directory; needed for a --log-jsonl file)",
+    )
     p.add_argument("--smoothing", type=float, default=0.0, help="EMA weight for train losses")
     p.add_argument(
         "--reference",

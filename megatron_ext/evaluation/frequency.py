@@ -78,9 +78,16 @@ def training_counts(
     for prefix in prefixes:
         path = counts_path(prefix)
         if not os.path.isfile(path):
+            made = os.path.isfile(get_idx_path(prefix))
             raise EvaluationError(
-                f"token counts {path} not found (tools/preprocess_data.py writes them); "
-                "pass the training data prefixes with --counts-prefix"
+                f"token counts {path} not found (this project's tools/preprocess_data.py writes "
+                "them, Megatron-LM's does not); "
+                + (
+                    f"write them with: python tools/count_tokens.py --data-path {prefix} "
+                    "<the run's tokenizer flags>"
+                    if made
+                    else "pass the training data prefixes with --counts-prefix"
+                )
             )
         if os.path.isfile(get_idx_path(prefix)):
             check_dataset(prefix)  # counts of a damaged dataset are not trusted either

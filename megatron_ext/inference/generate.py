@@ -38,9 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
     p.add_argument(
-        "--iteration", type=int, default=None, help="iteration to load (default: latest)"
+        "--ckpt-step",
+        "--iteration",
+        dest="ckpt_step",
+        type=int,
+        default=None,
+        help="iteration to load (default: latest)",
     )
-    p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
+    p.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="the run's tokenizer, if not where it recorded it (for GPT2BPETokenizer: the "
+        "directory holding its vocab and merge files)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts-file", help="one prompt per line (.txt) or jsonl with 'prompt'")
@@ -120,7 +130,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     sampling = _sampling_config(args)
     prompts = read_prompts(args)
-    run_ = find_checkpoint(args.load, args.iteration)
+    run_ = find_checkpoint(args.load, args.ckpt_step)
     tokenizer = run_tokenizer(run_, args.tokenizer_model)
     if not args.no_stop_at_eod:
         sampling = replace(sampling, stop_token_ids=(tokenizer.eod,))
