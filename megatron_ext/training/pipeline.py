@@ -13,8 +13,8 @@ gradient accumulation) or, with V chunks per rank, `ScheduleInterleaved1F1B`.
 Each stage reads its micro-batch (by the index `Pipeline.run` passes) from the iteration's data,
 once per rank, and runs its forward on the dropout stream (`rng.device_rng`: on CPU a generator
 state of its own, which checkpoints save); the last stage's `loss_fn` sums the reports and
-scales the loss (by 1 / M or, with --calculate-per-token-loss, not; times the FP16 loss scale). Stages exchange float32 [s, b, h]
-activations of declared shapes. A `ChunkStage` owns the chunk's parameters less the deferred
+scales the loss (by 1 / M or, with --calculate-per-token-loss, not; times the FP16 loss scale).
+Stages exchange float32 [s, b, h] activations of declared shapes. A `ChunkStage` owns the chunk's parameters less the deferred
 ones (`engine.ModuleHooks`): what the engine's DDP around it reduces (`data_parallel.py`).
 """
 
