@@ -14,8 +14,9 @@ Each stage reads its micro-batch (by the index `Pipeline.run` passes) from the i
 once per rank, and runs its forward on the dropout stream (`rng.device_rng`: on CPU a generator
 state of its own, which checkpoints save); the last stage's `loss_fn` sums the reports and
 scales the loss (by 1 / M or, with --calculate-per-token-loss, not; times the FP16 loss scale).
-Stages exchange float32 [s, b, h] activations of declared shapes. A `ChunkStage` owns the chunk's parameters less the deferred
-ones (`engine.ModuleHooks`): what the engine's DDP around it reduces (`data_parallel.py`).
+Stages exchange float32 [s, b, h] activations of declared shapes. A `ChunkStage` owns the
+chunk's parameters less the deferred ones (`engine.ModuleHooks`): what the engine's DDP around
+it reduces (`data_parallel.py`).
 """
 
 from __future__ import annotations
