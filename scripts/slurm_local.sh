@@ -46,7 +46,7 @@ start() {
     mkdir -p "$DIR/state" "$DIR/munge"
     chmod 700 "$DIR/munge"
     local cpus mem
-    cpus="$(nproc)"
+    cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # nproc obeys OMP_NUM_THREADS
     mem=$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 9 / 10))
     # munge: a key of this cluster's own, its own socket (the system's munged is left alone).
     [ -f "$DIR/munge/munge.key" ] || head -c 1024 /dev/urandom >"$DIR/munge/munge.key"
