@@ -18,7 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from megatron_ext._paths import display_path
 from megatron_ext.launch import launch
@@ -175,20 +175,35 @@ def _fingerprint(key: dict) -> str:
     return hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_stages(stages: list[Stage], out: Path) -> None:
+def run_stages(stages: list[Stage], out: Path, only: Optional[Sequence[str]] = None) -> None:
     """Run the stages in order into ``out``, reusing each finished one whose ``key`` did not
     change; once a stage is redone, every later stage is redone too.
+
+    ``only``: run just these stages (a cluster job array splits the study so); every stage
+    before the last of them that is not among them must be finished already (StageError
+    otherwise), the later ones are left alone.
 
     Ctrl-C discards the running stage's temporary directory and exits 130; any other error
     discards it and propagates.
     """
     out.mkdir(parents=True, exist_ok=True)
     redo = False
+    last = max((i for i, st in enumerate(stages) if st.name in (only or ())), default=-1)
     for i, stage in enumerate(stages, 1):
         final, tmp = out / stage.name, out / f".{stage.name}.tmp"
         fp = _fingerprint(stage.key)
         header = f"[{i}/{len(stages)}] {stage.title}"
         marker = final / MARKER
+        if only is not None and stage.name not in only:
+            if i - 1 > last:
+                continue
+            done = json.loads(marker.read_text()) if marker.is_file() else {}
+            if done.get("fingerprint") != fp:
+                raise StageError(
+                    f"stage '{stage.name}' is not finished for these settings in "
+                    f"{short_path(str(final))}: run it first (--stages {stage.name})"
+                )
+            continue
         if not redo and marker.is_file():
             done = json.loads(marker.read_text())
             if done.get("fingerprint") == fp:

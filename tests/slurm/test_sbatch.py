@@ -192,9 +192,7 @@ def _verify(ckpt: Path, iteration: int) -> None:
     assert proc.returncode == 0 and "match their digests" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_scancel_keeps_the_last_checkpoint_and_the_next_job_takes_over(
-    slurm, train_args, tmp_path
-):
+def test_scancel_keeps_the_last_checkpoint_and_the_next_job_takes_over(slurm, train_args, tmp_path):
     long = [*train_args, "--train-iters", "400", "--exit-interval", "400", "--save-interval", "1"]
     job = _requeue_job(slurm, tmp_path, long)
     _wait_records(tmp_path / "m.jsonl", 6, slurm, job)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-
 import socket
 import subprocess
 import sys
@@ -24,7 +23,9 @@ from typing import Iterable, Optional
 from megatron_ext.launch import job_environment
 from tests.support.runs import REPO
 
-__all__ = ["INSTALL", "SLURM_LOCAL", "Cluster", "missing", "pids_with_environ"]
+__all__ = [
+    "ENDED", "INSTALL", "SLURM_LOCAL", "Cluster", "missing", "pids_with_environ", "signal_pending"
+]  # fmt: skip
 
 SLURM_LOCAL = REPO / "scripts" / "slurm_local.sh"
 INSTALL = "apt-get update && apt-get install -y slurm-wlm munge (or bash scripts/install_slurm.sh)"
@@ -241,7 +242,3 @@ def signal_pending(pid: int, sig: int) -> bool:
         if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & bit:
             return True
     return False
-
-
-__all__ += ["signal_pending", "ENDED"]
-
