@@ -7,16 +7,18 @@
 #   bash scripts/slurm_local.sh stop DIR     cancel its jobs, stop the daemons, wait for them
 #
 # Needs Slurm and munge (Debian 12: apt-get install slurm-wlm munge, Slurm 22.05; or
-# `bash scripts/install_slurm.sh`) and root (slurmd starts the jobs' processes). The node is this
-# # nodes are this machine, named by two of its loopback addresses, 127.0.0.1 and 127.0.0.2, each
+# `bash scripts/install_slurm.sh`) and root (slurmd starts the jobs' processes). The two
+# nodes are this machine, named by two of its loopback addresses, 127.0.0.1 and 127.0.0.2, each
 # with all its CPUs: a job's `scontrol show hostnames` then gives addresses torchrun can reach,
 # as host names are on a cluster (Slurm renames a node called `localhost` after the host, so
 # that name cannot serve). Each node has its own slurmd (ports SLURMD_PORT and the next).
 # SLURM_LOCAL_NODES=1 runs one node.
-# Set for short time scales
-# (tests/slurm/): time limits act at their minute (OverTimeLimit=0; slurmctld checks them every
-# 30 s), SIGKILL follows SIGTERM after KillWait=5 s, a requeued job may start again 10 s
-# after it ended (cred_expire). Ports: SLURMCTLD_PORT (6917), SLURMD_PORT (6918).
+# Set for short time scales (tests/slurm/): time limits act at their minute (OverTimeLimit=0);
+# slurmctld checks them every 30 s and sends a --signal warning at the first check that finds
+# the end within the warning time plus 30 s (--time=1 --signal=USR1@10: 20 to 50 s after the
+# start); SIGKILL follows SIGTERM after KillWait=5 s; a requeued job may start again 10 s after
+# it ended (cred_expire); the scheduler looks at pending jobs every 2 s.
+# Ports: SLURMCTLD_PORT (6917), then SLURMD_PORT (6918) and the next for the second node.
 set -euo pipefail
 usage="usage: slurm_local.sh start|stop|status DIR"
 CMD="${1:?$usage}"

@@ -4,7 +4,7 @@ scripts' own arguments and environment:
 
 - pretrain.sbatch on 2 nodes: one torchrun agent per node, the ranks placed as the script
   says, the job COMPLETED with exit 0;
-- pretrain_requeue.sbatch at a 1-minute time limit: Slurm's warning signal (--signal=USR1@30)
+- pretrain_requeue.sbatch at a 1-minute time limit: Slurm's warning signal (--signal=USR1@10)
   reaches the ranks, they save, the job requeues itself (`scontrol requeue`), and the requeued
   job (SLURM_RESTART_COUNT=1) resumes and logs the same losses as an uninterrupted job, bit for
   bit;
@@ -16,9 +16,12 @@ scripts' own arguments and environment:
 - pretrain_container.sbatch: what can be checked without pyxis/enroot (docs/cluster.md lists
   the rest): bash -n, `sbatch --test-only` accepts its options, its srun's container options.
 
-Time limits act at the minute and slurmctld checks them every 30 s: the warning comes 30 to 60 s
-after the start. The training is far shorter, so the test freezes the ranks (SIGSTOP) after
-their first iteration until the warning is pending on them, then lets them go on.
+Time limits act at the minute and slurmctld checks them every 30 s, sending the warning at the
+first check that finds the end within the warning time plus 30 s: with --time=1 --signal=USR1@10,
+20 to 50 s after the start (the ranks run by then; a warning that came before their handler
+would be ignored, as torchrun's SIGUSR1 is), and the kill 30 s or more later. The training is far
+shorter, so the test freezes the ranks (SIGSTOP) after their first iteration until the warning
+is pending on them, then lets them go on.
 """
 
 from __future__ import annotations
@@ -145,12 +148,12 @@ def test_pretrain_sbatch_two_nodes(slurm, sample_data, tmp_path):
 
 
 def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, reference, tmp_path):
-    # --time=1 --signal=USR1@30 in place of the script's 4 hours and 120 s.
-    job = _requeue_job(slurm, tmp_path, train_args, "--time=1", "--signal=USR1@30")
+    # --time=1 --signal=USR1@10 in place of the script's 4 hours and 120 s.
+    job = _requeue_job(slurm, tmp_path, train_args, "--time=1", "--signal=USR1@10")
     _wait_records(tmp_path / "m.jsonl", 1, slurm, job)
     ranks = _freeze(slurm, job)
-    # Slurm sends the warning 30-60 s after the start (its time-limit check runs every 30 s);
-    # it may wake the stopped ranks itself (SIGCONT before the signal).
+    # Slurm sends the warning 20-50 s after the start; it may wake the stopped ranks itself
+    # (SIGCONT before the signal).
     deadline = time.monotonic() + 120
     while not all(signal_pending(p, signal.SIGUSR1) for p in ranks.values()):
         if any(_state(p) not in ("T", "t") for p in ranks.values()):
