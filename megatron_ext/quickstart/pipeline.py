@@ -219,6 +219,7 @@ def build_stages(s: Settings) -> list[Stage]:
                 f"{s.tokens:,} tokens, {s.nproc} CPU processes, TP={s.nproc})",
                 dict(model_key, arm=arm),
                 _train_stage(s, arm, tok_flags, train_prefix, valid_prefix),
+                needs=("corpus", "tokenizer", "data"),
             )
         )
     eval_key = dict(model_key, arms=s.arms, bins=s.bin_edges)

@@ -114,3 +114,14 @@ def test_only_runs_the_named_stages_after_finished_ones(tmp_path):
     with pytest.raises(StageError, match="stage 'b' is not finished"):  # b's key changed
         run_stages(_stages(calls, key=2), tmp_path, only=["c"])
     assert calls == ["a", "b"] and not (tmp_path / "c").exists()
+
+
+def test_only_needs_just_the_stages_a_stage_reads(tmp_path):
+    """Two training stages that read the same data are independent: one runs without the
+    other (`Stage.needs`), as two tasks of a job array."""
+    calls = []
+    stages = _stages(calls)
+    stages[2].needs = ("a",)
+    run_stages(stages, tmp_path, only=["a"])
+    run_stages(stages, tmp_path, only=["c"])
+    assert calls == ["a", "c"] and not (tmp_path / "b").exists()
