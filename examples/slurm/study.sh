@@ -34,7 +34,9 @@ for arm in "${ARMS[@]}"; do
         *) echo "error: --arms $arm: one of tied untied albert flat-mlp factored-mlp lev" >&2; exit 2 ;; esac
 done
 [ ${#ARMS[@]} -gt 0 ] || { echo "error: --arms needs at least one arm" >&2; exit 2; }
-export SIZE ARMS="${ARMS[*]}" ROOT
+LIST=("${ARMS[@]}")
+unset ARMS  # an array is not exported: the jobs get the arms as one string
+export SIZE ARMS="${LIST[*]}" ROOT
 LOG_DIR="${LOG_DIR:-$ROOT/logs}"
 mkdir -p "$LOG_DIR"
 SCRIPT="$ROOT/examples/slurm/study.sbatch"
@@ -47,9 +49,9 @@ if [ "$SIZE" = laptop ]; then
     echo "data job $prep"
 fi
 # shellcheck disable=SC2086  # EXTRA holds sbatch options
-array=$(sbatch --parsable --job-name=study-train --array="0-$((${#ARMS[@]} - 1))" --requeue \
+array=$(sbatch --parsable --job-name=study-train --array="0-$((${#LIST[@]} - 1))" --requeue \
     --signal=USR1@120 "${after[@]}" "--output=$LOG_DIR/study-%A_%a.out" $EXTRA "$SCRIPT" train "${FLAGS[@]}")
-echo "training array $array: $(for i in "${!ARMS[@]}"; do printf '%s_%s=%s ' "$array" "$i" "${ARMS[$i]}"; done)"
+echo "training array $array: $(for i in "${!LIST[@]}"; do printf '%s_%s=%s ' "$array" "$i" "${LIST[$i]}"; done)"
 report=$(sbatch --parsable --job-name=study-report --dependency="afterok:$array" "$OUTPUT" \
     "$SCRIPT" report "${FLAGS[@]}")
 echo "report job $report (after the whole array succeeded)"

@@ -188,6 +188,8 @@ class Cluster:
                 return info
             if info["JobState"] in ENDED and int(info.get("Restarts", 0)) >= restarts:
                 raise AssertionError(f"job {job_id} ended {info['JobState']}, not {states}")
+            if info.get("Reason") == "DependencyNeverSatisfied":
+                raise AssertionError(f"job {job_id} waits for a job that failed: {info}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"job {job_id} not {states} within {timeout} s: {info}")
             time.sleep(0.5)
