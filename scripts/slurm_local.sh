@@ -23,6 +23,7 @@ set -euo pipefail
 usage="usage: slurm_local.sh start|stop|status DIR"
 CMD="${1:?$usage}"
 DIR="${2:?$usage}"
+GIVEN="$DIR"  # as the messages name it
 mkdir -p "$DIR"
 DIR="$(cd "$DIR" && pwd)"
 export SLURM_CONF="$DIR/slurm.conf"
@@ -104,8 +105,8 @@ CONF
     for node in "${nodes[@]}"; do slurmd -N "$node"; done
     for _ in $(seq 100); do
         if [ "$(sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l)" = "${#nodes[@]}" ]; then
-            echo "slurm: cluster in $DIR up: nodes ${nodes[*]} ($cpus CPUs each);" \
-                "export SLURM_CONF=$SLURM_CONF"
+            echo "slurm: cluster in $GIVEN up: nodes ${nodes[*]} ($cpus CPUs each);" \
+                "its configuration: $GIVEN/slurm.conf (export SLURM_CONF)"
             trap - EXIT
             return 0
         fi
@@ -136,7 +137,7 @@ stop() {
         for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
         kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
     done
-    echo "slurm: cluster in $DIR stopped"
+    echo "slurm: cluster in $GIVEN stopped"
 }
 
 case "$CMD" in

@@ -48,7 +48,7 @@ def test_study_array_writes_the_reproduce_small_report(slurm: Cluster, tmp_path)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", logs_text[-5000:]
     assert slurm.job(data)["JobState"] == "COMPLETED"
     for task, arm in enumerate(ARMS):
-        task_info = slurm.job(array + task)  # array tasks have consecutive ids here
+        task_info = slurm.job(f"{array}_{task}")
         assert task_info["ArrayTaskId"] == str(task) and task_info["Requeue"] == "1"
         assert task_info["JobState"] == "COMPLETED", task_info
         assert (out / f"train_{arm}" / "run.json").is_file()
@@ -57,7 +57,8 @@ def test_study_array_writes_the_reproduce_small_report(slurm: Cluster, tmp_path)
     for name in ("report.md", "curves.png", "frequency.png"):
         assert (out / "report" / name).is_file(), name
     study_report = (out / "report" / "report.md").read_text()
-    assert "Ablation decomposition" in study_report or "decomposition" in study_report.lower()
+    for section in ("## Validation perplexity", "## Loss curves", "## Frequency-stratified"):
+        assert section in study_report  # (the decomposition needs all six arms)
 
     # reproduce_small.sh on the same arm outputs: its evaluation and report stages redone.
     again = tmp_path / "again"

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 from megatron_ext.launch import job_environment
 from tests.support.runs import REPO
@@ -166,8 +166,9 @@ class Cluster:
         assert proc.returncode == 0, f"sbatch failed:\n{proc.stderr}"
         return int(proc.stdout.strip().split(";")[0])
 
-    def job(self, job_id: int) -> dict[str, str]:
-        """`scontrol show job -o`'s fields (JobState, ExitCode, RestartCnt, NodeList, ...)."""
+    def job(self, job_id: Union[int, str]) -> dict[str, str]:
+        """`scontrol show job -o`'s fields (JobState, ExitCode, Restarts, NodeList, ...); an
+        array task as "ARRAY_TASK"."""
         out = self.run("scontrol", "show", "job", "-o", str(job_id)).stdout
         fields = {}
         for item in out.split():
