@@ -297,3 +297,22 @@ def _with(env: dict, text: str) -> str:
     for key, value in env.items():
         text = text.replace(f'"${key}"', value).replace(f"${key}", value)
     return text
+
+
+def test_a_stopped_cluster_leaves_nothing_running(slurm, tmp_path):
+    """scripts/slurm_local.sh stop with a job running: the job is cancelled, the daemons stop,
+    and `pgrep` finds none of the cluster's processes (a second, one-node cluster)."""
+    other = Cluster.start(tmp_path / "slurm", nodes=1)
+    try:
+        job = other.sbatch(["--wrap", "sleep 600", f"--output={tmp_path}/sleep-%j.out"])
+        other.wait(job, "RUNNING", timeout=60)
+        assert other.processes(job), "the job's processes"
+        assert sorted(other.daemons()) == ["munged", "slurmctld", "slurmd-127.0.0.1"]
+        running = other.leftovers()
+        assert any("sleep 600" in line for line in running), running
+    finally:
+        other.stop()
+    assert other.leftovers() == []
+    for name, pid in [("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd-127.0.0.1.pid")]:
+        pgrep = subprocess.run(["pgrep", "-F", str(tmp_path / "slurm" / pid)], capture_output=True)
+        assert pgrep.returncode == 1, f"{name} still runs"
