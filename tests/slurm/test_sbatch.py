@@ -106,19 +106,29 @@ def _freeze(slurm: Cluster, job: int, nranks: int = 2) -> dict[int, int]:
     return ranks
 
 
+class _Reference:
+    """An uninterrupted pretrain_requeue.sbatch job (trains ITERS iterations, exits 0, does not
+    requeue), submitted at once; `losses()` waits for it, so that it runs beside the job a test
+    submits meanwhile (one node each)."""
+
+    def __init__(self, slurm: Cluster, d: Path, args: list[str]):
+        self.slurm, self.d, self.job = slurm, d, _requeue_job(slurm, d, args)
+        self._losses = None
+
+    def losses(self) -> dict[int, float]:
+        if self._losses is None:
+            info = self.slurm.wait(self.job, timeout=300)
+            output = _output(self.d, self.job)
+            assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", output[-4000:]
+            assert "requeueing" not in output and info["Restarts"] == "0"
+            self._losses = _losses(self.d)
+            assert sorted(self._losses) == list(range(1, ITERS + 1))
+        return self._losses
+
+
 @pytest.fixture(scope="module")
-def reference(slurm, train_args, tmp_path_factory) -> dict[int, float]:
-    """An uninterrupted pretrain_requeue.sbatch job: trains ITERS iterations, exits 0, does not
-    requeue."""
-    d = tmp_path_factory.mktemp("reference")
-    job = _requeue_job(slurm, d, train_args)
-    info = slurm.wait(job, timeout=300)
-    output = _output(d, job)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", output[-4000:]
-    assert "requeueing" not in output and info["Restarts"] == "0"
-    losses = _losses(d)
-    assert sorted(losses) == list(range(1, ITERS + 1))
-    return losses
+def reference(slurm, train_args, tmp_path_factory) -> _Reference:
+    return _Reference(slurm, tmp_path_factory.mktemp("reference"), train_args)
 
 
 def test_pretrain_sbatch_two_nodes(slurm, sample_data, tmp_path):
@@ -183,10 +193,10 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, refere
     assert f"job {job} start (requeue count 1)" in output
     assert re.search(rf"loaded checkpoint \S+iter_{last:07d} \(iteration {last},", output)
     assert (tmp_path / f"leviathan-{job}.step1.log").is_file()
-    losses = _losses(tmp_path)
+    losses, want = _losses(tmp_path), reference.losses()
     assert sorted(losses) == list(range(1, ITERS + 1))
     for it in range(1, ITERS + 1):  # bit for bit, the resumed iterations included
-        assert losses[it] == reference[it], f"iteration {it}: {losses[it]} != {reference[it]}"
+        assert losses[it] == want[it], f"iteration {it}: {losses[it]} != {want[it]}"
 
 
 def _state(pid: int) -> str:
@@ -254,10 +264,10 @@ def test_a_dead_rank_ends_the_step_and_a_requeue_resumes(slurm, train_args, refe
     output = _output(tmp_path, job)
     assert f"job {job} start (requeue count 1)" in output
     assert re.search(rf"loaded checkpoint \S+iter_{saved:07d} \(iteration {saved},", output)
-    losses = _losses(tmp_path)
+    losses, want = _losses(tmp_path), reference.losses()
     assert sorted(losses) == list(range(1, ITERS + 1))
     for it in range(saved + 1, ITERS + 1):
-        assert losses[it] == reference[it], f"iteration {it}: {losses[it]} != {reference[it]}"
+        assert losses[it] == want[it], f"iteration {it}: {losses[it]} != {want[it]}"
 
 
 def test_container_script_is_accepted_by_sbatch(slurm, tmp_path):

@@ -122,7 +122,7 @@ class Cluster:
             except (OSError, ValueError):
                 pass
         munged = subprocess.run(
-            ["pgrep", "-f", f"--socket={self.directory}/munge/munge.socket"],
+            ["pgrep", "-f", "--", f"--socket={self.directory}/munge/munge.socket"],
             capture_output=True, text=True,
         )  # fmt: skip
         for pid in munged.stdout.split():
