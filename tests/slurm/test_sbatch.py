@@ -45,7 +45,7 @@ from tests.support.slurm import Cluster, signal_pending
 pytestmark = pytest.mark.integration
 
 SLURM_DIR = REPO / "examples" / "slurm"
-ITERS = 16
+ITERS = 40  # long enough (2 to 4 s) for the test to freeze the ranks before the end
 SAVE_INTERVAL = 4
 # A node without GPUs: the scripts' GPU and CPU counts are overridden on sbatch's command line,
 # as a user adapts a script to a partition.
@@ -66,7 +66,7 @@ def _default_dropout(flags: list[str]) -> list[str]:
 def train_args(sample_data) -> list[str]:
     return [
         *TINY_LEV_MODEL, *_default_dropout(TINY_TRAIN), *sample_data, "--eval-iters", "0",
-        "--exit-interval", str(ITERS), "--save-interval", str(SAVE_INTERVAL),
+        "--train-iters", str(ITERS), "--save-interval", str(SAVE_INTERVAL),
     ]  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """A real single-host Slurm for the tests (scripts/slurm_local.sh: munged, slurmctld and two
 slurmd on this machine, configuration in a temporary directory), and what the tests ask of it:
-submit with `sbatch`, read a job with `scontrol show job`, wait for a state, list a job's
-processes (`scontrol listpids`).
+submit with `sbatch`, read a job with `scontrol show job`, wait for a state, find a job's
+processes and ranks (by their environment).
 
     cluster = Cluster.start(tmp / "slurm")      # ... cluster.stop() leaves nothing running
     job = cluster.sbatch(["--nodes", "1", script, *args], env={...})
@@ -66,21 +66,29 @@ def _free_port_run(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports")
 
 
-def pids_with_environ(key: str, value: str) -> list[int]:
-    """The processes whose environment holds key=value (how Slurm's job processes are found:
-    every process of a job has SLURM_CONF and SLURM_JOB_ID in its environment)."""
-    needle = f"{key}={value}".encode()
+def pids_with_environ(*items: str) -> list[int]:
+    """The processes whose environment holds every "KEY=value" of `items` (how a job's
+    processes are found: they all have SLURM_CONF and SLURM_JOB_ID; `scontrol listpids` asks
+    one slurmd of the host, not the one of the job's node)."""
+    needles = {item.encode() for item in items}
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
         except OSError:
             continue
-        if needle in environ:
+        if needles <= environ:
             found.append(int(entry.name))
     return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
 
 
 @dataclass
@@ -130,18 +138,12 @@ class Cluster:
         return {name: pid for name, pid in found.items() if _running(pid)}
 
     def leftovers(self) -> list[str]:
-        """What of this cluster still runs: `pgrep` lines of its daemons and of every process
-        with its SLURM_CONF (jobs, slurmstepd)."""
+        """What of this cluster still runs: "pid command line" of its daemons and of every
+        process with its SLURM_CONF (jobs, slurmstepd), as `pgrep -a` shows them."""
         pids = set(self.daemons().values())
-        pids |= set(pids_with_environ("SLURM_CONF", self.env["SLURM_CONF"]))
+        pids |= set(pids_with_environ(f"SLURM_CONF={self.env['SLURM_CONF']}"))
         pids.discard(os.getpid())
-        lines = []
-        for pid in sorted(pids):
-            out = subprocess.run(["pgrep", "-a", "-F", "/dev/stdin"], input=f"{pid}\n",
-                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
-            if out:
-                lines.append(out)
-        return lines
+        return [f"{pid} {_cmdline(pid)}" for pid in sorted(pids) if _running(pid)]
 
     def stop(self) -> None:
         subprocess.run(
@@ -196,14 +198,9 @@ class Cluster:
             time.sleep(0.5)
 
     def processes(self, job_id: int) -> list[int]:
-        """The job's processes on this host (`scontrol listpids`)."""
-        out = self.run("scontrol", "listpids", str(job_id), check=False).stdout
-        pids = []
-        for line in out.splitlines()[1:]:
-            first = line.split()[0] if line.split() else ""
-            if first.isdigit() and int(first) > 0:
-                pids.append(int(first))
-        return pids
+        """The job's processes (its batch script, srun, torchrun, the ranks...)."""
+        conf = f"SLURM_CONF={self.env['SLURM_CONF']}"
+        return sorted(set(pids_with_environ(conf, f"SLURM_JOB_ID={job_id}")) - {os.getpid()})
 
     def ranks(self, job_id: int) -> dict[int, int]:
         """Training ranks of the job: global rank -> pid (processes of the job that torchrun
