@@ -39,7 +39,7 @@ every turn gives K - 1 measured iterations of each configuration (K where it run
 a row) seconds apart, and the machine's slow changes of speed (on a 2-core VM a process can
 switch between two speeds 10% apart for tens of seconds) hit both sides of a ratio alike; the
 ratios are then printed per turn. All of a round's runs are held in memory at once. The
-LEV / TIED target at width 256 is measured this way (benchmarks/RESULTS.md section 4.15):
+LEV / TIED target at width 256 is measured this way (benchmarks/RESULTS.md section 4.3):
 
     python benchmarks/bench_train_step.py --only tied "lev, 1" --hidden-size 256 \
         --seq-length 512 --micro-batch-size 4 --global-batch-size 8 --threads 2 --iters 54 \
@@ -79,6 +79,7 @@ import os
 import re
 import shlex
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -86,10 +87,14 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.config_flags import add_flags, flag_values
-from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
-from megatron_ext.data.tokenizers import build_tokenizer
-from megatron_ext.launch import Job, count_records, find_free_port, launch
+# The repository root, so that `tests.support.jobs` imports when this file runs as a script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_ext.config_flags import add_flags, flag_values  # noqa: E402
+from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets  # noqa: E402
+from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_ext.launch import find_free_port  # noqa: E402
+from tests.support.jobs import Job, count_records, launch  # noqa: E402
 
 # (label, ranks, flags) in the order reported; the first is the baseline.
 CONFIGS = [

@@ -10,7 +10,7 @@ generators the way Megatron-LM does (the CUDA RNG tracker on GPU; on CPU a track
 optimizer, schedule, gradient reductions, checkpointing, the model builder, evaluation,
 generation and conversion take it (or the one group they need) as an argument instead of
 reading megatron's globals. This module is the one place that reads them
-(`ProcessGroups.from_megatron`, `ProcessGroups.current`); tests/test_no_global_groups.py keeps
+(`ProcessGroups.from_megatron`, `ProcessGroups.current`); tests/test_import_layers.py keeps
 it so.
 """
 

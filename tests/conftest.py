@@ -33,8 +33,8 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "slow: a unit test of over half a minute of CPU; run by the full suite, excluded by "
-        "`scripts/test.sh --fast`",
+        "slow: a unit test of over half a minute of CPU, or of Triton's CPU interpreter; run by "
+        "the full suite, excluded by `scripts/test.sh --fast` and its accelerations-off pass",
     )
 
 
@@ -172,6 +172,31 @@ def _train_arms(root: Path, data: list[str]) -> dict:
     }
 
 
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> dict:
+    """`tools/quickstart.py --out OUT` with tests.support.runs.QUICKSTART_FLAGS, run once per
+    session (also across xdist workers) and only read by its users: {"out": OUT, "stdout": what
+    it printed}. tests/scripts/test_quickstart.py checks it; tests/test_docs_commands.py starts
+    the docs' workspace with a copy of it, so that README.md's `bash scripts/quickstart.sh` with
+    the same flags finds every stage finished, as a second run of a user's does."""
+    from tests.support.once import build_once, session_dir
+    from tests.support.runs import QUICKSTART_FLAGS
+
+    def build(root: Path) -> dict:
+        out = root / "run"
+        repo = Path(__file__).resolve().parents[1]
+        proc = subprocess.run(
+            [sys.executable, str(repo / "tools" / "quickstart.py"), "--out", str(out),
+             *QUICKSTART_FLAGS],
+            cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)), capture_output=True,
+            text=True, timeout=1200,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        return {"out": str(out), "stdout": proc.stdout}
+
+    return build_once(session_dir(tmp_path_factory), "quickstart", build)
+
+
 # The order in which `--dist loadfile` hands modules to the xdist workers (pyproject.toml turns
 # off xdist's own order, most tests first, which left the long few-test integration modules to
 # the end, one worker running them while the other had nothing left): the longest modules
@@ -183,7 +208,7 @@ RUN_FIRST = (
     "tests/conversion/test_convert.py",  # builds `trained` (about a minute)
     "tests/slurm/test_sbatch.py",  # Slurm jobs, mostly waiting on time limits: about 4 min
     "tests/slurm/test_study.py",  # the study as a job array, then its report again: 2-3 min
-    "tests/scripts/test_quickstart.py",  # about 80 s, shares no session fixture
+    "tests/scripts/test_quickstart.py",  # shares `quickstart_run` with the docs test
     "tests/training/test_end_to_end.py",
     "tests/training/test_cluster.py",
     "tests/training/test_megatron_recipes.py",

@@ -18,6 +18,9 @@ with an HTML comment on the line before it, which GitHub does not render:
   line `(exit status N)`.
 - `expect`: text the output of the block's last command must contain (an error message shown
   on the page, so that a block that fails for another reason does not pass on its exit code).
+  A number with a decimal point in it (`lm loss: 6.258275E+00`) matches the output's number to
+  a relative 1e-5 or one unit of its last digit: the page shows what one machine printed, and
+  another CPU's or BLAS's float32 rounding moves the last digits (6.258276E+00 on an AMD EPYC).
 - `skip`: why the block cannot run here (a GPU, a cluster, a download, the test suite itself);
   or {"command prefix": "why"} to leave out only the commands that start so.
 - `env`: variables to set, e.g. {"F": "--mock-data ..."} where the page defines them in prose.
@@ -29,7 +32,10 @@ tests below, so a new command cannot go untested by accident.
 
 The runs are the integration tier, one test per page, in reading order (later pages use what
 earlier ones made: docs/convert.md the quick start's checkpoint); the workspace's data/ and
-runs/ are a temporary directory, never the checkout's.
+runs/ are a temporary directory, never the checkout's. Its runs/quickstart starts as a copy of
+the session's quick-start run (README.md's command with the same flags, made once for the tests
+that need it), so README.md's quick start runs as a second run of a user's does: every stage
+found finished.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -45,6 +52,8 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+
+from tests.support.runs import QUICKSTART_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- docs-test: (.*) -->$")
@@ -72,6 +81,8 @@ PAGE_ORDER = [
     "examples/README.md",
 ]
 MARKER_KEYS = {"sub", "creates", "exit", "expect", "skip", "env"}
+# A number an `expect` text shows, compared to a tolerance (the module's docstring).
+NUMBER = re.compile(r"[-+]?\d+\.\d+(?:[eE][-+]?\d+)?")
 
 
 @dataclass
@@ -245,6 +256,38 @@ def test_the_parser_reads_bash_blocks_and_transcripts(tmp_path, monkeypatch):
     assert indented_commands(page) == ["page.md:25: python indented.py"]
 
 
+def _close(shown: str, printed: str) -> bool:
+    """Whether `printed` is `shown` to a relative 1e-5 or one unit of `shown`'s last digit."""
+    mantissa, _, exponent = shown.lower().partition("e")
+    unit = 10.0 ** (int(exponent or 0) - len(mantissa.split(".")[1]))
+    a, b = float(shown), float(printed)
+    return abs(a - b) <= max(1e-5 * abs(a), unit * (1 + 1e-9))
+
+
+def expected_in(text: str, output: str) -> bool:
+    """Whether `output` holds `text`, its numbers with a decimal point to a tolerance."""
+    shown = NUMBER.findall(text)
+    if not shown:
+        return text in output
+    pieces = NUMBER.split(text)
+    pattern = f"({NUMBER.pattern})".join(re.escape(p) for p in pieces)
+    for found in re.finditer(pattern, output):
+        printed = [found.group(i + 1) for i in range(len(shown))]
+        if all(_close(a, b) for a, b in zip(shown, printed)):
+            return True
+    return False
+
+
+def test_expected_numbers_match_to_a_tolerance():
+    out = "iteration 2 | lm loss: 6.258276E+00 | std 0.0201 | 1,234.1M\n"
+    assert expected_in("lm loss: 6.258275E+00", out)  # another CPU's last digit
+    assert expected_in("std 0.0200 |", out) and expected_in("1,234.1M", out)
+    assert expected_in("iteration 2 |", out) and expected_in("loss: 6.3E+00 |", out)
+    assert not expected_in("lm loss: 6.258375E+00", out)  # 1.6e-5 off
+    assert not expected_in("std 0.0203 |", out) and not expected_in("iteration 3 |", out)
+    assert not expected_in("1,234.3M", out) and not expected_in("lm loss: 6.1E+00", out)
+
+
 def _workspace(tmp: Path) -> Path:
     """A directory laid out like the repository (its top-level entries linked), in which the
     documented commands write data/, runs/ and the like without touching the checkout."""
@@ -269,10 +312,24 @@ def _checkout_state() -> tuple[list[str], str]:
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
+def workspace(tmp_path_factory, quickstart_run):
+    """The workspace, its runs/quickstart a copy of the session's quick-start run (the tests
+    share one: tests/conftest.py), which README.md's quick start then finds finished."""
     before = _checkout_state()
-    yield _workspace(tmp_path_factory.mktemp("docs"))
+    work = _workspace(tmp_path_factory.mktemp("docs"))
+    shutil.copytree(quickstart_run["out"], work / "runs" / "quickstart")
+    yield work
     assert _checkout_state() == before, "a documented command wrote into the checkout"
+
+
+def test_readme_runs_the_sessions_quick_start():
+    """The copy of the session's quick start is what README.md's command makes (same flags)."""
+    readme = [b for b, _ in command_blocks(REPO / "README.md")]
+    shown = [c for b in readme for c in _substituted(b) if c.startswith("bash scripts/quickstart")]
+    assert shown and all(
+        c.split("#")[0].split() == ["bash", "scripts/quickstart.sh", *QUICKSTART_FLAGS]
+        for c in shown
+    ), shown
 
 
 def _environment(block: Block) -> dict:
@@ -299,7 +356,7 @@ def _run_block(block: Block, cwd: Path, variables: list[str]) -> None:
         want = [0] * (len(commands) - 1) + [want]
     assert len(want) == len(commands), f"{block.where}: {len(want)} exit statuses"
     for command, expected in zip(commands, want):
-        started = time.monotonic()
+        started, cpu = time.monotonic(), os.times()
         result = subprocess.run(
             ["bash", "-c", "\n".join([*variables, command])],
             cwd=cwd,
@@ -309,14 +366,18 @@ def _run_block(block: Block, cwd: Path, variables: list[str]) -> None:
             text=True,
             timeout=900,
         )
-        print(f"{block.where}: {time.monotonic() - started:5.1f} s  {command[:100]}")
+        done = os.times()
+        cpu = done.children_user + done.children_system - cpu.children_user - cpu.children_system
+        print(
+            f"{block.where}: {time.monotonic() - started:5.1f} s, CPU {cpu:5.1f} s  {command[:90]}"
+        )
         assert result.returncode == expected, (
             f"{block.where}: `{command[:300]}` exited {result.returncode}, the page says "
             f"{expected}; its output ended with:\n{result.stdout[-3000:]}"
         )
         if ASSIGNMENT.match(command):
             variables.append(command)
-    missing = [p for p in block.options.get("expect", []) if p not in result.stdout]
+    missing = [p for p in block.options.get("expect", []) if not expected_in(p, result.stdout)]
     assert not missing, (
         f"{block.where}: the output lacks {missing}; it ended with:\n{result.stdout[-3000:]}"
     )

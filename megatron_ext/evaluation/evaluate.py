@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from megatron_ext._paths import display_path
+from megatron_ext._paths import atomic_write, display_path
 from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
@@ -44,7 +44,6 @@ from megatron_ext.evaluation.outputs import (
     EvaluationError,
     format_markdown_table,
     write_json,
-    write_text,
 )
 
 logger = logging.getLogger("evaluate")
@@ -335,7 +334,7 @@ def cmd_perplexity(args) -> int:
                     ]
                 ],
             )
-            write_text(os.path.join(args.output_dir, "perplexity.md"), table)
+            atomic_write(os.path.join(args.output_dir, "perplexity.md"), table)
     return 0
 
 
@@ -471,7 +470,7 @@ def cmd_lm_eval(args) -> int:
         table = make_table(results)
         print(table)
         if args.output_dir:
-            write_text(os.path.join(args.output_dir, "lm_eval.md"), table)
+            atomic_write(os.path.join(args.output_dir, "lm_eval.md"), table)
             write_json(
                 os.path.join(args.output_dir, "lm_eval.json"),
                 {
@@ -483,7 +482,7 @@ def cmd_lm_eval(args) -> int:
             )
             for task, samples in (results.get("samples") or {}).items():
                 lines = [json.dumps(sample, default=str) for sample in samples]
-                write_text(
+                atomic_write(
                     os.path.join(args.output_dir, f"samples_{task}.jsonl"),
                     "".join(line + "\n" for line in lines),
                 )
@@ -529,7 +528,7 @@ def cmd_curves(args) -> int:
             for r in rows
         ],
     )
-    write_text(os.path.join(args.output_dir, "sample_efficiency.md"), table)
+    atomic_write(os.path.join(args.output_dir, "sample_efficiency.md"), table)
     write_json(os.path.join(args.output_dir, "sample_efficiency.json"), [r.as_dict() for r in rows])
     return 0
 

@@ -1,27 +1,15 @@
-"""CPU-safe twins of the few megatron-core 0.16.1 leaves that assume CUDA.
+"""CPU-safe twins of the few megatron-core 0.16.1 leaves that assume CUDA, chosen by the local
+layer spec or by `LeviathanModel` (megatron-core itself is never patched):
 
-They are chosen by the local layer spec (core attention, norms) or by `LeviathanModel`
-(rotary embedding); megatron-core itself is never patched.
-
-- `SDPACoreAttention` replaces `DotProductAttention`, whose score buffer comes from megatron's
-  global memory buffer on `torch.cuda.current_device()`.
-- `SequenceParallelNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism. Its
-  parameters are tagged `sequence_parallel=True`: under sequence parallelism every TP rank sees a
-  different slice of the sequence, so their gradients are partial sums that the training step
-  all-reduces across the TP group, exactly as Megatron does for its fused norms.
-- `PortableRotaryEmbedding` replaces `RotaryEmbedding`, whose `get_emb` moves `inv_freq` to CUDA.
-- Selective recomputation on CPU: `SDPACoreAttention.recompute` checkpoints core attention
-  itself with `torch.utils.checkpoint`.
-- `PortableTransformerBlock` (adopted by `LeviathanModel` on hosts without CUDA when
-  `--recompute-granularity full`) recomputes layers with `torch.utils.checkpoint`: megatron's
-  `tensor_parallel.checkpoint` saves the CUDA RNG state, which a CPU-only torch cannot read.
-- `SwiGLUMLP` (adopted by `LeviathanModel` for the local layers' MLPs) is megatron's `MLP`
-  whose SwiGLU (`silu(gate) * up`, no bias) skips two passes megatron's unfused path makes over
-  the [s, b, ffn] activations: `up + glu_linear_offset` (0.0) in the forward, and the `cat` of
-  the two halves' gradients in the backward.
-- `CachedSelfAttention` replaces `SelfAttention`, whose KV cache for megatron's
-  `StaticInferenceContext` is allocated on `torch.cuda.current_device()`; the twin allocates it
-  on the device of its own weights, so generation with a KV cache also runs on CPU.
+- `SDPACoreAttention` for `DotProductAttention` (its score buffer lives on the current CUDA
+  device); its `recompute` is selective recomputation on CPU (`torch.utils.checkpoint`);
+- `SequenceParallelNorm` for `WrappedTorchNorm`, which refuses sequence parallelism (its
+  parameters are tagged `sequence_parallel=True`: their partial gradients are all-reduced over TP);
+- `PortableRotaryEmbedding` for `RotaryEmbedding` (whose `get_emb` moves `inv_freq` to CUDA);
+- `PortableTransformerBlock` for full recompute without CUDA (megatron's checkpoint saves the
+  CUDA RNG state);
+- `SwiGLUMLP`: megatron's `MLP` without two passes its unfused SwiGLU makes over [s, b, ffn];
+- `CachedSelfAttention` for `SelfAttention`, its KV cache on the device of its own weights.
 """
 
 from __future__ import annotations

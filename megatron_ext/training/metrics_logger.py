@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_ext._paths import atomic_open
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import StepResult
 from megatron_ext.training.metrics import Reporter, format_train_line
@@ -102,10 +103,8 @@ def truncate_jsonl(path: str, iteration: int) -> None:
             continue
     if len(keep) == len(lines):
         return
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as handle:
+    with atomic_open(path) as handle:
         handle.writelines(keep)
-    os.replace(tmp, path)
     logger.info(
         "--log-jsonl %s: dropped %d record(s) after iteration %d",
         path,

@@ -40,8 +40,8 @@ from megatron_ext.training.loop import DatasetsProvider, Trainer, close, train
 from megatron_ext.training.megatron_engine import MegatronEngine
 from megatron_ext.training.metrics import flops_per_iteration, peak_tflops, run_info
 from megatron_ext.training.metrics_logger import MetricsLogger, Timers
+from megatron_ext.training.pipeline import ForwardStep
 from megatron_ext.training.run_extras import RunExtras
-from megatron_ext.training.schedules import ForwardStep
 from megatron_ext.training.unique_params import unique_numel
 
 logger = logging.getLogger(__name__)

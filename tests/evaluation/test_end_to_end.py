@@ -50,7 +50,7 @@ def test_validation_loss_equals_the_training_loops(eval_runs, tool, tmp_path, ar
 
 def test_tp2_saved_checkpoint_gives_the_same_loss_at_tp1_and_tp2(eval_runs, tool, tmp_path):
     from megatron_ext.data.readers import iter_lines
-    from megatron_ext.launch import launch
+    from tests.support.jobs import launch
 
     texts = [json.loads(line)["text"] for _, line in iter_lines(str(eval_runs.val_jsonl))]
     text = tmp_path / "held_out.jsonl"

@@ -14,6 +14,7 @@ Its gradients come from autograd through those loops.
 """
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -23,8 +24,14 @@ from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.kernels import LEVKernelOptions, lev_modes
 from tests.support.memory import saved_tensor_bytes
 
-KERNELS = ["reference", "torch", "cpu", "triton"]
-FUSED = ["torch", "cpu", "triton"]
+# Triton's kernels in its CPU interpreter (no GPU: tests/conftest.py) run each launch in Python,
+# seconds a case, and are the same whichever way the CPU accelerations are switched: marked slow,
+# they run in the full suite's main pass, not in `--fast` nor in the accelerations-off pass.
+TRITON = pytest.param(
+    "triton", marks=[pytest.mark.slow] if os.environ.get("TRITON_INTERPRET") == "1" else []
+)
+KERNELS = ["reference", "torch", "cpu", TRITON]
+FUSED = ["torch", "cpu", TRITON]
 
 
 def _device(kernel: str) -> torch.device:
@@ -302,7 +309,7 @@ def _gradcheck_inputs(device) -> list[torch.Tensor]:
 # Triton's interpreter runs a kernel launch per finite difference (over half a minute for
 # gradcheck); its backward is checked by test_full_jacobian_equals_the_definitions instead, which
 # covers the same Jacobian entries against the definition's, at a far tighter tolerance.
-@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "triton"])
+@pytest.mark.parametrize("kernel", ["reference", "torch", "cpu"])
 def test_gradcheck(kernel):
     inputs = _gradcheck_inputs(_device(kernel))
     for normalize in (True, False):

@@ -97,8 +97,6 @@ def test_model_config_describes_the_model_only():
     plan = {f.name: f.type for f in memory.TrainingPlan.__dataclass_fields__.values()}
     assert (plan["parallel"], plan["precision"]) == ("ParallelConfig", "PrecisionConfig")
     assert distributed.ParallelConfig is ParallelConfig
-    for gone in ("ModelParallelism", "ModelPrecision", "ParallelLayout"):
-        assert not hasattr(memory, gone) and not hasattr(distributed, gone)
     with pytest.raises(
         ValueError,
         match="--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4",

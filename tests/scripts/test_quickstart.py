@@ -1,11 +1,13 @@
 """The quick start end to end (shortened), its reuse of finished stages, and reproduce_small.sh.
 
-One shortened run (4 iterations per arm on a 1 MB sample corpus) covers every stage; a second
-run must reuse the finished stages and redo the one whose completion marker is missing.
+One shortened run (4 iterations per arm on a 1 MB sample corpus: the session's `quickstart_run`,
+tests/conftest.py, which the docs test shares) covers every stage; a second run, on a copy of
+it, must reuse the finished stages and redo the one whose completion marker is missing.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.quickstart import ALL_ARMS, MARKER
+from tests.support.runs import QUICKSTART_FLAGS
 
 pytestmark = pytest.mark.integration
 
@@ -23,28 +26,10 @@ STAGES = ("corpus", "tokenizer", "data", "train_tied", "train_lev", "evaluate", 
 
 def _run(out: Path, *extra: str) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "quickstart.py"),
-        "--out",
-        str(out),
-        "--iters",
-        "4",
-        "--eval-interval",
-        "2",
-        "--corpus-mb",
-        "1",
-        *extra,
-    ]
+    cmd = [sys.executable, str(ROOT / "tools" / "quickstart.py"), "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
-
-
-@pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qs") / "run"
-    return out, _run(out)
 
 
 def test_every_promised_file(quickstart_run):
@@ -52,7 +37,7 @@ def test_every_promised_file(quickstart_run):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out, stdout = quickstart_run
+    out, stdout = Path(quickstart_run["out"]), quickstart_run["stdout"]
     for stage in STAGES:
         marker = json.loads((out / stage / MARKER).read_text())
         assert marker["fingerprint"] and marker["summary"]
@@ -91,14 +76,15 @@ def test_every_promised_file(quickstart_run):
     assert "Open:" in stdout and "report/report.md" in stdout.splitlines()[-3]
 
 
-def test_rerun_reuses_finished_stages_and_redoes_unfinished(quickstart_run):
-    out, _ = quickstart_run
+def test_rerun_reuses_finished_stages_and_redoes_unfinished(quickstart_run, tmp_path):
+    out = tmp_path / "run"  # a copy: the session's run is only read
+    shutil.copytree(quickstart_run["out"], out)
     before = {s: (out / s / MARKER).stat().st_mtime_ns for s in STAGES}
     # An export interrupted mid-way: no marker in place, a temporary directory left over.
     (out / "export" / MARKER).unlink()
     (out / ".export.tmp").mkdir()
     (out / ".export.tmp" / "partial.safetensors").write_bytes(b"half")
-    stdout = _run(out)
+    stdout = _run(out, *QUICKSTART_FLAGS)
     assert stdout.count("reusing the finished stage") == len(STAGES) - 1
     for stage in STAGES[:-1]:
         assert (out / stage / MARKER).stat().st_mtime_ns == before[stage]

@@ -57,6 +57,14 @@ def megatron_lm_parser(repo: str) -> argparse.ArgumentParser:
     return arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
 
 
+def render(table: dict[str, dict]) -> str:
+    """{"tag": ..., "options": {option: {"default", "dest"}}} as JSON, one line per option."""
+    lines = [
+        f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(table.items())
+    ]
+    return '{\n "options": {\n' + ",\n".join(lines) + f'\n }},\n "tag": {json.dumps(TAG)}\n}}\n'
+
+
 def main() -> int:
     """Write the table from the Megatron-LM git directory given with --repo."""
     cli = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -69,7 +77,7 @@ def main() -> int:
         for option in action.option_strings
         if option not in ("-h", "--help")
     }
-    OUT.write_text(json.dumps({"tag": TAG, "options": table}, indent=1, sort_keys=True) + "\n")
+    OUT.write_text(render(table))
     print(f"wrote {len(table)} options of Megatron-LM {TAG} to {OUT}")
     return 0
 

@@ -206,8 +206,9 @@ def test_lev_training_controls_reach_args_json_and_back(tmp_path):
     assert lev.weight_decay_groups == ("out_proj", "seed_norm")
 
 
-# The command line of data/args_before_feature_split.json, an args.json written by commit
-# c8cae8e (before FeatureConfig's fields moved to the configs that own them).
+# The command line of data/args_json_format1_oldest.json, the oldest args.json of checkpoint
+# format 1 that must keep loading: written by commit c8cae8e (before FeatureConfig's fields
+# moved to the configs that own them), it lacks the keys of the flags added since.
 OLD_LAYOUT_ARGV = [
     *BASE, "--min-lr", "1e-5", "--num-layers", "3", "--hidden-size", "96",
     "--num-attention-heads", "6", "--save", "ckpt", "--load", "ckpt", "--async-save",
@@ -230,9 +231,7 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
     import importlib.util
     import logging
 
-    old = json.loads(
-        (Path(__file__).parent / "data" / "args_before_feature_split.json").read_text()
-    )
+    old = json.loads((Path(__file__).parent / "data" / "args_json_format1_oldest.json").read_text())
     cfg = run_config_from_args_json(old)
     assert cfg.ckpt.async_save and cfg.exit.skip_train and cfg.ckpt.no_load_optim
     assert (cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr) == (5e-3, 1e-5)
@@ -263,7 +262,7 @@ def test_args_json_written_before_the_feature_split_still_loads(tmp_path):
         logging.getLogger().setLevel(level)
     written = args.args_json()
     # Flags added since that checkpoint appear with their defaults: off, except those that are
-    # on unless turned off (an old run resumed gets them, benchmarks/RESULTS.md 4.10; checkpoint
+    # on unless turned off (an old run resumed gets them, benchmarks/RESULTS.md 4.3; checkpoint
     # digests are checked unless --no-verify-checkpoint, the CPU accelerations used unless
     # --no-cpu-accel); every old key agrees but FP8's recipe
     # defaults, Megatron-LM's since issue 47 (no --fp8-format here).

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.checkpoint import lock as L
-from megatron_ext.launch import launch
+from tests.support.jobs import launch
 from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN
 
 pytestmark = pytest.mark.integration

@@ -1,11 +1,13 @@
 """The command lines as recorded: every option of `pretrain_leviathan.py`'s parser and of every
-tool (tools/*.py but gpu_check, sub-commands included), with its option strings, dest, default,
-type, choices, nargs, action class, metavar, required flag, help and argument group, compared
-with `data/parsers.json`; and every option has a help text, its default shown by --help.
+tool (tools/*.py but gpu_check, sub-commands included), with what a script relies on (its
+option strings, dest, default, type, choices, nargs, const, action class and required flag),
+compared with `data/parsers.json`, one line per option; and every option has a help text, its
+default shown by --help. Help sentences, metavars and argument groups are not recorded: editing
+them needs no new record.
 
-The file was written from main 9e624e2's parsers before issue 47 generated them another way;
-every difference since is intended and recorded in the file by the commit that made it
-(`python tests/training/test_parser_dump.py --write` rewrites it).
+An intended change (an option added, a default changed) is recorded by the commit that makes
+it: `python tests/training/test_parser_dump.py --write` rewrites the file, whose diff then shows
+one line per changed option.
 """
 
 from __future__ import annotations
@@ -30,17 +32,9 @@ def _json(value: Any) -> Any:
     return getattr(value, "__name__", repr(value))
 
 
-def _groups(parser: argparse.ArgumentParser) -> dict[int, str]:
-    out = {}
-    for group in parser._action_groups:
-        for action in group._group_actions:
-            out[id(action)] = group.title
-    return out
-
-
 def dump(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, dict]:
     """Option (or sub-command option) -> its settings; sub-commands recurse as "name --flag"."""
-    groups, out = _groups(parser), {}
+    out = {}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
@@ -57,10 +51,7 @@ def dump(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, dict]:
             nargs=_json(action.nargs),
             action=type(action).__name__,
             const=_json(action.const),
-            metavar=_json(action.metavar),
             required=action.required,
-            help=action.help,
-            group=groups.get(id(action)),
         )
     return out
 
@@ -168,21 +159,40 @@ def test_the_parsers_are_as_recorded():
         old, new = recorded.get(command, {}), now.get(command, {})
         for key in sorted(old.keys() | new.keys()):
             if old.get(key) != new.get(key):
-                fields = sorted(
-                    f
-                    for f in (old.get(key) or {}).keys() | (new.get(key) or {}).keys()
-                    if (old.get(key) or {}).get(f) != (new.get(key) or {}).get(f)
-                )
-                differences.append(f"{command} {key}: {fields}")
+                was, now_ = old.get(key), new.get(key)
+                if was is None or now_ is None:
+                    what = "added" if was is None else "removed"
+                else:
+                    what = ", ".join(
+                        f"{f} {was.get(f)!r} -> {now_.get(f)!r}"
+                        for f in sorted(was.keys() | now_.keys())
+                        if was.get(f) != now_.get(f)
+                    )
+                differences.append(f"{command} {key}: {what}")
     assert not differences, (
-        "the parsers differ from tests/training/data/parsers.json (record an intended change "
-        "with python tests/training/test_parser_dump.py --write):\n" + "\n".join(differences)
+        "the parsers differ from tests/training/data/parsers.json; if the change is intended "
+        "(an option added or removed, a default changed), record it with\n"
+        "    python tests/training/test_parser_dump.py --write\n"
+        "and commit the file with the change:\n" + "\n".join(differences)
     )
+
+
+def render(record: dict[str, dict[str, dict]]) -> str:
+    """The record as JSON, one line per option (a change shows as that option's line)."""
+    lines = ["{"]
+    for i, (command, options) in enumerate(sorted(record.items())):
+        lines.append(f" {json.dumps(command)}: {{")
+        items = sorted(options.items())
+        for j, (key, value) in enumerate(items):
+            comma = "," if j < len(items) - 1 else ""
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value, sort_keys=True)}{comma}")
+        lines.append(" }" + ("," if i < len(record) - 1 else ""))
+    return "\n".join([*lines, "}"]) + "\n"
 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python tests/training/test_parser_dump.py --write")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tools/
-    RECORD.write_text(json.dumps(parsers(), indent=1, sort_keys=True) + "\n")
+    RECORD.write_text(render(parsers()))
     print(f"wrote {os.path.relpath(RECORD)}")

@@ -20,7 +20,7 @@ import pytest
 
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
-from megatron_ext.launch import launch
+from tests.support.jobs import launch
 from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.launch import launch
+from tests.support.jobs import launch
 from tests.support.runs import TINY_LEV_MODEL as MODEL
 from tests.support.runs import TINY_TRAIN as TRAIN
 

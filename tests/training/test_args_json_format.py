@@ -1,9 +1,10 @@
-"""args.json keeps its keys and values: `data/args_json_9e624e2.json` holds what main 9e624e2
-wrote for a set of command lines (the layout and optimizer flags, a preset, runs given in
-samples, a batch ramp, Megatron-LM's rewrites, every model-shaping flag, the interleaved
-schedule, the feature flags, GPT-3 175B's launch script); `RunConfig.args_json` writes the same
-but for the defaults issue 47 took from Megatron-LM (and the deprecated --no-lev-fused, which
-is recorded as mapped), and reads back into the same RunConfig."""
+"""The args.json format (one flat key per flag, Megatron-LM's names) keeps its keys and values:
+`data/args_json_format.json` holds what main 9e624e2 wrote for a set of command lines (the
+layout and optimizer flags, a preset, runs given in samples, a batch ramp, Megatron-LM's
+rewrites, every model-shaping flag, the interleaved schedule, the feature flags, GPT-3 175B's
+launch script); `RunConfig.args_json` writes the same but for the defaults issue 47 took from
+Megatron-LM (and the deprecated --no-lev-fused, which is recorded as mapped), and reads back
+into the same RunConfig. No figure here is computed: the values compare exactly."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from megatron_ext.training.arguments import build_parser, parse_config, run_config_from_args_json
 
 PARSER = build_parser()
-CASES = json.loads((Path(__file__).parent / "data" / "args_json_9e624e2.json").read_text())
+CASES = json.loads((Path(__file__).parent / "data" / "args_json_format.json").read_text())
 # Megatron-LM's defaults since issue 47, where the command line leaves them.
 MEGATRON_DEFAULTS = dict(
     hidden_dropout=0.1,
@@ -33,7 +34,7 @@ GIVEN = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_args_json_is_what_main_9e624e2_wrote(name):
+def test_args_json_keeps_its_keys_and_values(name):
     case = CASES[name]
     level = logging.getLogger().level
     try:

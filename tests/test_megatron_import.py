@@ -1,5 +1,6 @@
 """megatron_ext/megatron_import.py: megatron-core is first imported there, with its import-time
-`torch.compile` decorations deferred to their first call."""
+`torch.compile` decorations deferred to their first call (that every import of megatron in the
+project comes after it: tests/test_import_layers.py)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,7 @@ import pytest
 import torch
 from megatron.core import jit
 
-from tests.training import test_import_cycles as cycles
-
-REPO = cycles.REPO
-GATE = "megatron_ext.megatron_import"
-# Whose module-level imports the check follows: the package, and the tests' support modules
-# (tests.support.distributed imports the gate for the test files that import it).
-ROOTS = (cycles.PACKAGE, REPO / "tests" / "support")
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 class _Recorder:
@@ -186,89 +181,3 @@ def test_the_model_and_training_code_import_neither_dynamo_nor_inductor():
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-
-
-# Where the project's code lives: every import of megatron there must come after the gate.
-CHECKED = ("megatron_ext", "tools", "benchmarks", "tests", "pretrain_leviathan.py")
-
-
-def _files():
-    for name in CHECKED:
-        path = REPO / name
-        yield from sorted(path.rglob("*.py")) if path.is_dir() else [path]
-
-
-def _gates(node, package: str, mods, closure) -> bool:
-    """Whether running `node` (an import) imports the gate: names it, or a megatron_ext module
-    whose module-level imports do."""
-    for target in cycles._targets(node, package, mods):
-        if target == GATE or GATE in closure.get(target, ()):
-            return True
-    return False
-
-
-def _is_megatron(node) -> bool:
-    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-    return not getattr(node, "level", 0) and any(
-        n == "megatron" or n.startswith("megatron.") for n in names
-    )
-
-
-def megatron_before_gate(path: pathlib.Path, root: pathlib.Path = REPO) -> list[int]:
-    """Lines of `path` that import megatron before the gate has surely been imported: neither
-    earlier at module level nor earlier in the same function."""
-    mods = cycles._modules(ROOTS)
-    closure = cycles.module_level_closure(ROOTS)
-    rel = path.relative_to(root).with_suffix("")
-    module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    if module == GATE:
-        return []
-    tree = ast.parse(path.read_text(), str(path))
-    # node -> its innermost enclosing function (ast.walk is breadth-first: inner ones come later).
-    scope_of = {}
-    for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
-        for node in ast.walk(fn):
-            if node is not fn:
-                scope_of[node] = fn
-    gated_scopes: set = set()
-    bad = []
-    for node in cycles._imports(tree):  # in source order
-        scope = scope_of.get(node)
-        if _gates(node, package, mods, closure):
-            gated_scopes.add(scope)
-        elif _is_megatron(node):
-            enclosing, fn = {None}, scope
-            while fn is not None:
-                enclosing.add(fn)
-                fn = scope_of.get(fn)
-            if not gated_scopes & enclosing:
-                bad.append(node.lineno)
-    return bad
-
-
-def test_the_check_sees_an_ungated_megatron_import(tmp_path):
-    (tmp_path / "tool.py").write_text(
-        "import os\n"
-        "from megatron.core import parallel_state\n"
-        "def f():\n"
-        "    import megatron.core.datasets\n"
-        "def g():\n"
-        "    import megatron_ext.megatron_import  # gate\n"
-        "    import megatron.core.datasets\n"
-        "def h():\n"
-        "    from megatron_ext.parallel import ProcessGroups  # imports the gate\n"
-        "    from megatron.core import tensor_parallel\n"
-        "def k():\n"
-        "    from megatron_ext.models import ModelConfig  # does not\n"
-        "    from megatron.core import tensor_parallel\n"
-    )
-    assert megatron_before_gate(tmp_path / "tool.py", tmp_path) == [2, 4, 13]
-
-
-def test_every_megatron_import_comes_after_the_gate():
-    bad = [f"{p.relative_to(REPO)}:{line}" for p in _files() for line in megatron_before_gate(p)]
-    assert not bad, (
-        "megatron imported before megatron_ext.megatron_import (import it first, see its "
-        "docstring): " + ", ".join(bad)
-    )
