@@ -45,8 +45,8 @@ from tests.support.slurm import Cluster, signal_pending
 pytestmark = pytest.mark.integration
 
 SLURM_DIR = REPO / "examples" / "slurm"
-ITERS = 120  # long enough (10 s or more) for the test to freeze the ranks before the end
-SAVE_INTERVAL = 10
+ITERS = 40  # long enough (2 to 4 s) for the test to freeze the ranks before the end
+SAVE_INTERVAL = 4
 # A node without GPUs: the scripts' GPU and CPU counts are overridden on sbatch's command line,
 # as a user adapts a script to a partition.
 NO_GPUS = ["--gpus-per-node=0", "--cpus-per-task=1"]
