@@ -91,12 +91,9 @@ def _losses(d: Path) -> dict[int, float]:
 
 def _wait_records(jsonl: Path, count: int, slurm: Cluster, job: int, timeout: float = 240):
     deadline = time.monotonic() + timeout
-    polls = 0
     while len(records(jsonl)) < count:
-        polls += 1
-        if polls % 20 == 0:  # scontrol takes a while: the records are what must be seen soon
-            info = slurm.job(job)
-            assert info["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), info
+        info = slurm.job(job)
+        assert info["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), info
         assert time.monotonic() < deadline, f"{count} records not written in {timeout} s"
         time.sleep(0.05)
 

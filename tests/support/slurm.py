@@ -198,17 +198,7 @@ class Cluster:
             time.sleep(0.5)
 
     def processes(self, job_id: int) -> list[int]:
-        """The job's processes (its batch script, srun, torchrun, the ranks...) on its first
-        node: `scontrol listpids` asks the slurmd SLURMD_NODENAME names (two run on this host);
-        else every process with the job's SLURM_CONF and SLURM_JOB_ID (slower)."""
-        node = self.run("scontrol", "show", "hostnames", self.job(job_id)["NodeList"])
-        env = {**self.env, "SLURMD_NODENAME": node.stdout.split()[0]}
-        out = subprocess.run(["scontrol", "listpids", str(job_id)], env=env,
-                             capture_output=True, text=True, timeout=60).stdout  # fmt: skip
-        pids = [int(line.split()[0]) for line in out.splitlines()[1:] if line.split()[:1]
-                and line.split()[0].isdigit() and int(line.split()[0]) > 0]  # fmt: skip
-        if pids:
-            return pids
+        """The job's processes (its batch script, srun, torchrun, the ranks...)."""
         conf = f"SLURM_CONF={self.env['SLURM_CONF']}"
         return sorted(set(pids_with_environ(conf, f"SLURM_JOB_ID={job_id}")) - {os.getpid()})
 
