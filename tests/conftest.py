@@ -206,6 +206,8 @@ def quickstart_run(tmp_path_factory) -> dict:
 RUN_FIRST = (
     "tests/test_docs_commands.py",  # every documented command, in order: about 8 minutes
     "tests/conversion/test_convert.py",  # builds `trained` (about a minute)
+    "tests/slurm/test_sbatch.py",  # Slurm jobs, mostly waiting on time limits: about 4 min
+    "tests/slurm/test_study.py",  # the study as a job array, then its report again: 2-3 min
     "tests/scripts/test_quickstart.py",  # shares `quickstart_run` with the docs test
     "tests/training/test_end_to_end.py",
     "tests/training/test_cluster.py",

@@ -175,7 +175,10 @@ def build_stages(s: Settings) -> list[Stage]:
         what = (f"train {arm.upper()} ({s.iters} iterations, {s.tokens:,} tokens, "
                 f"{s.nproc} CPU processes, TP={s.nproc})")  # fmt: skip
         train = _train_stage(s, arm, tok_flags, train_prefix, valid_prefix)
-        stages.append(Stage(f"train_{arm}", what, dict(model_key, arm=arm), train))
+        # A training stage reads the data stages only: one arm runs without the others
+        # (--stages train_ARM, one task of a job array).
+        stages.append(Stage(f"train_{arm}", what, dict(model_key, arm=arm), train,
+                            needs=("corpus", "tokenizer", "data")))  # fmt: skip
     eval_key = dict(model_key, arms=s.arms, bins=s.bin_edges)
     stages.append(Stage("evaluate", "evaluate: validation perplexity by token frequency",
                         eval_key, lambda tmp: _evaluate(s, tmp, valid_prefix)))  # fmt: skip
@@ -361,6 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default="Quick start: TIED vs LEVIATHAN", help="the report's title")
     p.add_argument("--fresh", action="store_true", help="delete OUT and start over")
     p.add_argument(
+        "--stages",
+        nargs="+",
+        metavar="STAGE",
+        help="run only these stages (corpus tokenizer data train_ARM... evaluate report export); "
+        "the earlier ones must be finished: how a cluster job array splits the study "
+        "(examples/slurm/study.sh)",
+    )
+    p.add_argument(
         "--no-cpu-accel",
         action="store_true",
         help="run every stage without the CPU accelerations (compiled C++ kernels, host-memory "
@@ -371,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> tuple[Settings, bool]:
     """The command line -> (settings, --fresh); bad input exits 2 with one line."""
+    s, fresh, _ = _parse(argv)
+    return s, fresh
+
+
+def _parse(argv=None) -> tuple[Settings, bool, Optional[list[str]]]:
+    """(settings, --fresh, --stages) of the command line; bad input exits 2 with one line."""
     p = build_parser()
     a = p.parse_args(argv)
     if a.no_cpu_accel:
@@ -396,7 +413,14 @@ def parse_args(argv=None) -> tuple[Settings, bool]:
         export=not a.no_export,
         title=a.title,
     )
-    return s, a.fresh
+    if a.stages:
+        names = [stage.name for stage in build_stages(s)]
+        unknown = [name for name in a.stages if name not in names]
+        if unknown:
+            p.error(f"--stages {' '.join(unknown)}: no such stage here (stages: {' '.join(names)})")
+        if a.fresh:
+            p.error("--fresh deletes every stage: not with --stages")
+    return s, a.fresh, a.stages
 
 
 def main(argv=None) -> int:
@@ -405,7 +429,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    s, fresh = parse_args(argv)
+    s, fresh, only = _parse(argv)
     if fresh and s.out.exists():
         say(f"--fresh: removing {short_path(str(s.out))}")
         shutil.rmtree(s.out)
@@ -415,11 +439,14 @@ def _main(argv) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     start = time.time()
     try:
-        run_stages(build_stages(s), s.out)
+        run_stages(build_stages(s), s.out, only)
     except StageError as e:
         say(f"\nerror: {e}")
         say("rerun the same command to retry from the failed stage")
         return 1
+    if only:
+        say(f"\nstages {' '.join(only)} done in {time.time() - start:.0f}s")
+        return 0
     report = s.out / "report" / "report.md"
     say(f"\nall stages done in {time.time() - start:.0f}s. Open:")
     say(f"  {short_path(str(report))}   (comparison table, loss curves, frequency bars)")
