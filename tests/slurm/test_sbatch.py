@@ -39,7 +39,7 @@ import pytest
 
 from tests.support.cluster import records
 from tests.support.distributed import find_free_port
-from tests.support.runs import REPO, TINY_LEV_MODEL, TINY_TRAIN
+from tests.support.runs import REPO, TINY_LEV_MODEL, TINY_TRAIN_DEFAULT_DROPOUT
 from tests.support.slurm import Cluster, signal_pending
 
 pytestmark = pytest.mark.integration
@@ -52,20 +52,10 @@ SAVE_INTERVAL = 4
 NO_GPUS = ["--gpus-per-node=0", "--cpus-per-task=1"]
 
 
-def _default_dropout(flags: list[str]) -> list[str]:
-    """`flags` without TINY_TRAIN's dropout 0: Megatron-LM's default dropout (0.1), whose
-    streams a resume restores (issue 55)."""
-    out = list(flags)
-    for name in ("--hidden-dropout", "--attention-dropout"):
-        i = out.index(name)
-        del out[i : i + 2]
-    return out
-
-
 @pytest.fixture(scope="module")
 def train_args(sample_data) -> list[str]:
     return [
-        *TINY_LEV_MODEL, *_default_dropout(TINY_TRAIN), *sample_data, "--eval-iters", "0",
+        *TINY_LEV_MODEL, *TINY_TRAIN_DEFAULT_DROPOUT, *sample_data, "--eval-iters", "0",
         "--train-iters", str(ITERS), "--save-interval", str(SAVE_INTERVAL),
     ]  # fmt: skip
 

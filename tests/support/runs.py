@@ -58,6 +58,9 @@ TINY_TRAIN = [
     "--num-workers", "0", "--no-loss-curve", "--hidden-dropout", "0.0",
     "--attention-dropout", "0.0",
 ]  # fmt: skip
+# TINY_TRAIN at Megatron-LM's default dropout (0.1), for the resume and restart tests: dropout's
+# streams are part of what a resume restores.
+TINY_TRAIN_DEFAULT_DROPOUT = TINY_TRAIN[: TINY_TRAIN.index("--hidden-dropout")]
 # The shortened quick start that README.md shows (4 iterations per arm on a 1 MB sample corpus):
 # tools/quickstart.py's flags of the session's `quickstart_run` (tests/conftest.py).
 QUICKSTART_FLAGS = ("--iters", "4", "--eval-interval", "2", "--corpus-mb", "1")

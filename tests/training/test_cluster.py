@@ -27,7 +27,7 @@ import pytest
 from tests.support.cluster import cluster_job as _job
 from tests.support.cluster import records as _records
 from tests.support.cluster import torchrun_cmd as _torchrun
-from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
+from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, TINY_TRAIN_DEFAULT_DROPOUT, launch
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +39,7 @@ SAVE_INTERVAL = 4
 def train_args(corpus) -> list[str]:
     """Every run asks for the same schedule (so that losses compare) and stops at ITERS."""
     return [
-        *TINY_LEV_MODEL, *TINY_TRAIN, *corpus, "--eval-iters", "0",
+        *TINY_LEV_MODEL, *TINY_TRAIN_DEFAULT_DROPOUT, *corpus, "--eval-iters", "0",
         "--exit-interval", str(ITERS), "--save-interval", str(SAVE_INTERVAL),
     ]  # fmt: skip
 
