@@ -442,7 +442,6 @@ def _export_tiktoken(tokenizer: TikTokenizer, out_dir: str) -> None:
     # optional: the [eval] extra (transformers')
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     encoding = tokenizer._enc
@@ -462,22 +461,10 @@ def _export_tiktoken(tokenizer: TikTokenizer, out_dir: str) -> None:
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     eod = encoding.decode_single_token_bytes(tokenizer.eod).decode()
     pad = tokenizer.pad
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=eod,  # as for SentencePiece: the end-of-document token, a scoring prefix
-        eos_token=eod,
-        pad_token=None if pad is None else encoding.decode_single_token_bytes(pad).decode(),
-        split_special_tokens=True,
-        clean_up_tokenization_spaces=False,
+    pad = None if pad is None else encoding.decode_single_token_bytes(pad).decode()
+    _save_byte_level_bpe(
+        backend, eod, pad, tokenizer, out_dir, "this tiktoken encoding (its split pattern?)"
     )
-    got = fast(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
-    if got != tokenizer.tokenize(_TOKENIZER_PROBE):
-        raise ConversionError(
-            f"{tokenizer.model_path}: the Hugging Face byte-level BPE does not encode like this "
-            "tiktoken encoding (its split pattern?); pass --no-tokenizer"
-        )
-    fast.save_pretrained(out_dir)
-    _generic_tokenizer_class(out_dir)
 
 
 def _export_gpt2_bpe(tokenizer: GPT2BPETokenizer, out_dir: str) -> None:
@@ -487,25 +474,33 @@ def _export_gpt2_bpe(tokenizer: GPT2BPETokenizer, out_dir: str) -> None:
     # optional: the [eval] extra (transformers')
     from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(BPE.from_file(tokenizer.model_path, tokenizer.merge_file))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     eod = tokenizer.detokenize([tokenizer.eod])
     backend.add_special_tokens([AddedToken(eod, special=True, normalized=False)])
+    _save_byte_level_bpe(backend, eod, None, tokenizer, out_dir, "these GPT-2 files")
+
+
+def _save_byte_level_bpe(backend, eod: str, pad, tokenizer, out_dir: str, source: str) -> None:
+    """`backend` as a transformers fast tokenizer in `out_dir`, once it encodes a probe text as
+    `tokenizer` does."""
+    from transformers import PreTrainedTokenizerFast  # optional: the [eval] extra
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=eod,  # as for SentencePiece: the end-of-document token, a scoring prefix
         eos_token=eod,
+        pad_token=pad,
         split_special_tokens=True,
         clean_up_tokenization_spaces=False,
     )
     got = fast(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     if got != tokenizer.tokenize(_TOKENIZER_PROBE):
         raise ConversionError(
-            f"{tokenizer.model_path}: the Hugging Face byte-level BPE does not encode like these "
-            "GPT-2 files; pass --no-tokenizer"
+            f"{tokenizer.model_path}: the Hugging Face byte-level BPE does not encode like "
+            f"{source}; pass --no-tokenizer"
         )
     fast.save_pretrained(out_dir)
     _generic_tokenizer_class(out_dir)

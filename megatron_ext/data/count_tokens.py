@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megatron_ext.cli import ArgumentParser
-from megatron_ext.data.cli import run_tool, setup_logging
+from megatron_ext.data.cli import add_tokenizer_flags, run_tool, setup_logging
 from megatron_ext.data.fingerprint import sidecar_path, tokenizer_record, write_sidecar
 from megatron_ext.data.indexed import (
     TMP_SUFFIX,
@@ -31,7 +31,7 @@ from megatron_ext.data.indexed import (
     index_dtype,
 )
 from megatron_ext.data.readers import DataError
-from megatron_ext.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megatron_ext.data.tokenizers import Tokenizer, build_tokenizer
 
 logger = logging.getLogger("count_tokens")
 
@@ -104,25 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-path", nargs="+", required=True, help="dataset prefixes (without .bin/.idx)"
     )
     group = parser.add_argument_group("tokenizer (optional: the ids' vocabulary and its record)")
-    group.add_argument(
-        "--tokenizer-type", default=None, choices=sorted(TOKENIZER_TYPES), help="tokenizer kind"
-    )
-    group.add_argument(
-        "--tokenizer-model", default=None, help="SentencePiece/tiktoken file or HF directory"
-    )
-    group.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="NullTokenizer's ids; without a tokenizer, the length of the counts "
+    add_tokenizer_flags(
+        group,
+        required=False,
+        vocab_size_help="NullTokenizer's ids; without a tokenizer, the length of the counts "
         "(default: the largest id + 1)",
-    )
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
-    group.add_argument(
-        "--tiktoken-pattern",
-        default="o200k",
-        help="TikTokenizer split pattern: o200k, cl100k or a regex",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing counts")
     return parser
