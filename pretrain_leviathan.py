@@ -12,7 +12,8 @@
 Like Megatron-LM's pretrain_gpt.py this file only supplies the model provider, the forward
 step and the datasets provider; `megatron_ext.training.pretrain` runs the loop.
 Exit codes: 0 trained (or left cleanly on --exit-* / SIGTERM), 1 non-finite loss or grad norm,
-2 bad flags or data, a damaged or unsafe --load checkpoint, or a --save another run holds.
+2 bad flags or data, a damaged or unsafe --load checkpoint, or a --save another run holds,
+130 Ctrl-C (one line says which checkpoint was kept and which iterations were lost).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parse_config,
         pretrain,
     )
+    from megatron_ext.training.interrupt import TrainingInterrupted
 
     try:
         # Parsed once into the frozen RunConfig: all that `pretrain` and the providers receive.
@@ -205,6 +207,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 model_provider, run.model, one_stage, run.precision
             ),
         )
+    except TrainingInterrupted as interrupted:  # Ctrl-C: what was kept, what was lost
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(interrupted), file=sys.stderr, flush=True)
+        return 130
     except NonFiniteError as error:
         _error(str(error))
         return 1

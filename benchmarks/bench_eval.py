@@ -24,17 +24,22 @@ forward of our HF export (`LlamaForCausalLM`, float32, same threads) with
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-# The repository root, so that `benchmarks.hf_peer` imports when this file runs as a script.
+# The repository root, so that `benchmarks.*` imports when this file runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CLOCKS = {"wall": time.perf_counter, "cpu_seconds": time.process_time}
+from benchmarks.harness import (  # noqa: E402
+    add_timing_flags,
+    apply_timing_flags,
+    interleave,
+    median_rate,
+    median_seconds,
+    ratio_line,
+)
 
 
 def _model(arm: str, args, pg):
@@ -56,22 +61,7 @@ def _model(arm: str, args, pg):
     return model, config
 
 
-def _median_seconds(fn, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bench_vs_transformers(args, pg) -> None:
+def bench_vs_transformers(args, pg, clock) -> None:
     import dataclasses
 
     import numpy as np
@@ -124,30 +114,21 @@ def bench_vs_transformers(args, pg) -> None:
         return loss_sum / targets
 
     ours(), theirs()  # warm-up (LEV eval table built here)
-    ratios, rates, rates_peer, losses = [], [], [], []
-    clock = CLOCKS[args.clock]
-    for _ in range(args.pairs):
-        start = clock()
-        a = ours()
-        middle = clock()
-        b = theirs()
-        end = clock()
-        ratios.append((end - middle) / (middle - start))
-        rates.append(targets / (middle - start))
-        rates_peer.append(targets / (end - middle))
-        losses.append((a, b))
+    runs = interleave(args.pairs, ours, theirs, clock)
+    ratios = [t_theirs / t_ours for _, t_ours, _, t_theirs in runs]
+    rates = [targets / t_ours for _, t_ours, _, _ in runs]
+    rates_peer = [targets / t_theirs for _, _, _, t_theirs in runs]
+    losses = [(a, b) for a, _, b, _ in runs]
     same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in losses)
     print(
         f"perplexity, LEV, {len(batches)} micro-batches of {args.peer_micro_batch} x "
         f"{args.seq_length} ({targets} targets), {args.num_layers} layers x D "
         f"{args.hidden_size}, V {args.vocab_size}, {args.pairs} pairs, clock {args.clock}, "
         f"{torch.get_num_threads()} threads:\n"
-        f"    ours (score_batches)      {statistics.median(rates):8.0f} tokens/s (median; "
-        f"{min(rates):.0f}-{max(rates):.0f})\n"
-        f"    transformers forward + CE {statistics.median(rates_peer):8.0f} tokens/s (median; "
-        f"{min(rates_peer):.0f}-{max(rates_peer):.0f})\n"
-        f"    ratio ours/theirs min {min(ratios):.2f} median {statistics.median(ratios):.2f}   "
-        f"(loss {losses[0][0]:.6f} vs {losses[0][1]:.6f}, equal to rel 1e-5: {same})"
+        f"    ours (score_batches)      {median_rate(rates, 8, 0)}\n"
+        f"    transformers forward + CE {median_rate(rates_peer, 8, 0)}\n"
+        + ratio_line(ratios, "   ")
+        + f"(loss {losses[0][0]:.6f} vs {losses[0][1]:.6f}, equal to rel 1e-5: {same})"
     )
 
 
@@ -167,33 +148,23 @@ def main() -> None:
     parser.add_argument("--peer-documents", type=int, default=48)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--skip-arms", action="store_true", help="only the transformers row")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads for both sides (default: torch's own choice); 1 gives "
-        "the steadiest A/B on a shared machine",
-    )
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument(
-        "--clock",
-        choices=sorted(CLOCKS),
-        default="wall",
-        help="what the transformers comparison times: wall seconds, or this process's CPU "
-        "seconds (steadier when other work shares the machine)",
+    add_timing_flags(
+        parser,
+        "what the transformers comparison times: wall seconds, or this process's CPU seconds "
+        "(steadier when other work shares the machine)",
+        "torch intra-op threads for both sides (default: torch's own choice); 1 gives the "
+        "steadiest A/B on a shared machine",
     )
     args = parser.parse_args()
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    clock = apply_timing_flags(parser, args)
 
     from megatron_ext.evaluation.scoring import ModelScorer
     from megatron_ext.inference.loading import init_inference_parallel
 
     pg = init_inference_parallel(1, 1)
     if not args.skip_transformers:
-        bench_vs_transformers(args, pg)
+        bench_vs_transformers(args, pg, clock)
     if args.skip_arms:
         return
     torch.manual_seed(0)
@@ -217,9 +188,10 @@ def main() -> None:
             model.eval()
             scorer.token_losses(inputs[:n], labels[:n], positions[:n])
 
-        train = b * s / _median_seconds(train_forward, args.repeats, args.warmup)
-        same = b * s / _median_seconds(lambda: eval_forward(b), args.repeats, args.warmup)
-        large = big * s / _median_seconds(lambda: eval_forward(big), args.repeats, args.warmup)
+        cuda = torch.cuda.is_available()
+        train = b * s / median_seconds(train_forward, args.repeats, args.warmup, cuda)
+        same = b * s / median_seconds(lambda: eval_forward(b), args.repeats, args.warmup, cuda)
+        large = big * s / median_seconds(lambda: eval_forward(big), args.repeats, args.warmup, cuda)
         print(f"{arm:6} {train:16.0f} {same:12.0f} {same / train:6.2f}x "
               f"{large:22.0f} {large / train:6.2f}x")  # fmt: skip
 

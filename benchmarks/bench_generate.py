@@ -38,15 +38,20 @@ import torch
 # The repository root, so that `benchmarks.hf_peer` imports when this file runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CLOCKS = {"wall": time.perf_counter, "cpu_seconds": time.process_time}
+from benchmarks.harness import (  # noqa: E402
+    add_timing_flags,
+    apply_timing_flags,
+    median_rate,
+    ratio_line,
+    timed,
+)
+
 _clock = time.perf_counter
-"""--clock: wall time, or this process's CPU seconds (all threads; steadier on a loaded host)."""
+"""--clock's function (`harness.CLOCKS`)."""
 
 
 def _timed(fn):
-    start = _clock()
-    out = fn()
-    return out, _clock() - start
+    return timed(fn, _clock)
 
 
 def _lev_model(args, pg):
@@ -90,8 +95,6 @@ def bench_kv_cache(args, pg) -> None:
 
 
 def bench_vs_transformers(args, pg) -> None:
-    import statistics
-
     from benchmarks.hf_peer import hf_export
     from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
 
@@ -127,12 +130,9 @@ def bench_vs_transformers(args, pg) -> None:
         print(
             f"(c) greedy, {n} new tokens, prompt {args.prompt_tokens}, batch {batch}, "
             f"{args.layers} layers x D {args.hidden}, V {args.vocab}, {args.pairs} pairs:\n"
-            f"    {'ours (' + step + ' step)':23s}{statistics.median(rates['ours']):8.1f} tokens/s "
-            f"(median; {min(rates['ours']):.1f}-{max(rates['ours']):.1f})\n"
-            f"    transformers generate  {statistics.median(rates['theirs']):8.1f} tokens/s "
-            f"(median; {min(rates['theirs']):.1f}-{max(rates['theirs']):.1f})\n"
-            f"    ratio ours/theirs min {min(ratios):.2f} median {statistics.median(ratios):.2f}"
-            f"   (same tokens: {same})"
+            f"    {'ours (' + step + ' step)':23s}{median_rate(rates['ours'], 8, 1)}\n"
+            f"    transformers generate  {median_rate(rates['theirs'], 8, 1)}\n"
+            + ratio_line(ratios, f"   (same tokens: {same})")
         )
 
 
@@ -198,22 +198,18 @@ def main() -> None:
         default="auto",
         help="(c)'s decode step (`generate(step=...)`); auto: what tools/generate.py picks",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--skip-table", action="store_true")
     p.add_argument("--skip-kv-cache", action="store_true")
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument(
-        "--clock",
-        choices=sorted(CLOCKS),
-        default="wall",
-        help="what (a) and (c) time: wall seconds, or this process's CPU seconds (steadier "
-        "when other work shares the machine; rates are then tokens per CPU second)",
+    add_timing_flags(
+        p,
+        "what (a) and (c) time: wall seconds, or this process's CPU seconds (steadier when "
+        "other work shares the machine; rates are then tokens per CPU second)",
+        "torch threads (default: torch's)",
     )
     args = p.parse_args()
     global _clock
-    _clock = CLOCKS[args.clock]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _clock = apply_timing_flags(p, args)
 
     from megatron_ext.inference.loading import init_inference_parallel
 

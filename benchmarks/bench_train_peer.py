@@ -32,7 +32,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -40,7 +39,10 @@ import torch
 # The repository root, so that `benchmarks.hf_peer` imports when this file runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CLOCKS = {"wall": ("seconds", time.perf_counter), "cpu_seconds": ("cpu_seconds", time.process_time)}
+from benchmarks.harness import CLOCKS, median_rate, ratio_line  # noqa: E402
+
+RECORD_FIELD = {"wall": "seconds", "cpu_seconds": "cpu_seconds"}
+"""--log-jsonl's field of each --clock."""
 """--clock: (our --log-jsonl field, the peer loop's clock)."""
 
 
@@ -71,7 +73,7 @@ def run_ours(args, workdir: str) -> tuple[list[float], list[float]]:
         if job.wait() != 0:
             raise SystemExit(f"error: pretrain_leviathan failed:\n{job.output()[-3000:]}")
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    field = CLOCKS[args.clock][0]
+    field = RECORD_FIELD[args.clock]
     return [r["loss"] for r in records], [r[field] for r in records]
 
 
@@ -111,7 +113,7 @@ def run_theirs(args) -> tuple[list[float], list[float]]:
     """(losses, seconds per iteration) of the plain transformers loop."""
     torch.set_num_threads(args.threads)
     hf, optimizer, train = _build_peer(args)
-    clock = CLOCKS[args.clock][1]
+    clock = CLOCKS[args.clock]
     losses, seconds = [], []
     for step in range(args.iters):
         samples = [train[step * args.micro_batch + i] for i in range(args.micro_batch)]
@@ -191,12 +193,9 @@ def main() -> None:
                 flush=True,
             )
     print(
-        f"    ours (pretrain_leviathan.py)       {statistics.median(ours_tps):7.0f} tokens/s "
-        f"(median; {min(ours_tps):.0f}-{max(ours_tps):.0f})\n"
-        f"    transformers LlamaForCausalLM loop {statistics.median(theirs_tps):7.0f} tokens/s "
-        f"(median; {min(theirs_tps):.0f}-{max(theirs_tps):.0f})\n"
-        f"    ratio ours/theirs min {min(ratios):.2f} median {statistics.median(ratios):.2f} "
-        f"(target >= 1.05)   (losses agree: {agree})"
+        f"    ours (pretrain_leviathan.py)       {median_rate(ours_tps, 7, 0)}\n"
+        f"    transformers LlamaForCausalLM loop {median_rate(theirs_tps, 7, 0)}\n"
+        + ratio_line(ratios, f" (target >= 1.05)   (losses agree: {agree})")
     )
 
 

@@ -79,6 +79,7 @@ import os
 import re
 import shlex
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -86,10 +87,14 @@ from typing import Optional
 
 import torch
 
-from megatron_ext.config_flags import add_flags, flag_values
-from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
-from megatron_ext.data.tokenizers import build_tokenizer
-from megatron_ext.launch import Job, count_records, find_free_port, launch
+# The repository root, so that `tests.support.jobs` imports when this file runs as a script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_ext.config_flags import add_flags, flag_values  # noqa: E402
+from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets  # noqa: E402
+from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
+from megatron_ext.launch import find_free_port  # noqa: E402
+from tests.support.jobs import Job, count_records, launch  # noqa: E402
 
 # (label, ranks, flags) in the order reported; the first is the baseline.
 CONFIGS = [

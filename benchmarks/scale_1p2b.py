@@ -58,7 +58,8 @@ from typing import Callable, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_ext.launch import Job, find_free_port, job_environment  # noqa: E402
+from megatron_ext.launch import find_free_port, job_environment  # noqa: E402
+from tests.support.jobs import Job  # noqa: E402
 
 # tiktoken's published digest of openaipublic's o200k_base.tiktoken.
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"

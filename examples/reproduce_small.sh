@@ -25,19 +25,15 @@ ARGS=(--out "$OUT" --iters "${ITERS:-600}" --corpus-mb 8 --arms tied untied albe
 if [ -n "${CORPUS:-}" ]; then ARGS+=(--corpus "$CORPUS" --valid-corpus "${VALID:?set VALID=valid.jsonl with CORPUS}"); fi
 if [ -n "${FRESH:-}" ]; then ARGS+=(--fresh); fi
 "$PY" tools/quickstart.py "${ARGS[@]}" "$@"
+# A part of the study (--stages, as examples/slurm/study.sh's jobs run it) ends here.
+[[ " $* " == *" --stages "* ]] && exit 0
 
 echo
 echo "The same study at the paper's scales (examples/README.md: 8 GPUs per run, the Pile with the"
-echo "o200k tokenizer in data/, identical flags for every arm), then the same tables and figures:"
-ARMS="tied untied albert flat-mlp factored-mlp lev"
+echo "o200k tokenizer in data/, identical flags for every arm), then the same tables and figures"
+echo "(on a Slurm cluster: bash examples/slurm/study.sh --size SIZE):"
 for SIZE in 200m 400m 1.2b; do
     echo "  # $SIZE"
-    echo "  for arm in $ARMS; do bash examples/recipes/pretrain.sh $SIZE \$arm; done"
-    LOADS=""; RUNS=""
-    for arm in $ARMS; do
-        LOADS+=" --load runs/$arm-$SIZE-o200k/ckpt"
-        RUNS+=" --run $arm=runs/$arm-$SIZE-o200k/tensorboard"
-    done
-    echo "  torchrun --nproc-per-node 2 tools/evaluate.py frequency$LOADS --names $ARMS --baseline tied --split valid --tensor-model-parallel-size 2 --output-dir eval/$SIZE/frequency"
-    echo "  python tools/evaluate.py curves$RUNS --seq-length 512 --smoothing 0.6 --reference tied --output-dir eval/$SIZE/curves"
+    echo "  for arm in tied untied albert flat-mlp factored-mlp lev; do bash examples/recipes/pretrain.sh $SIZE \$arm; done"
+    bash examples/recipes/evaluate_arms.sh --print "$SIZE"
 done

@@ -88,8 +88,9 @@ def setup_logging(
     rank_prefix: bool = False,
     quiet_megatron: bool = True,
 ) -> None:
-    """INFO (DEBUG with ``verbose``) lines on rank 0, warnings only on the other ranks, to
-    ``stream`` (default stderr); once per process (logging.basicConfig).
+    """INFO (DEBUG with ``verbose``) lines on rank 0, errors only on the other ranks (as
+    Megatron-LM warns on rank 0), to ``stream`` (default stderr); once per process
+    (logging.basicConfig).
 
     ``rank_prefix``: the other ranks' lines start ``[rank N]`` instead of the time, and
     warnings and errors name their level (the training entry point's lines).
@@ -103,10 +104,18 @@ def setup_logging(
         handler.setFormatter(LevelFormatter(prefix_fmt, datefmt="%Y-%m-%d %H:%M:%S"))
     else:
         handler.setFormatter(logging.Formatter(fmt, datefmt="%Y-%m-%d %H:%M:%S"))
-    logging.basicConfig(level=level if rank() == 0 else logging.WARNING, handlers=[handler])
+    # Warnings are the run's (every rank would repeat rank 0's): the other ranks show errors.
+    logging.basicConfig(level=level if rank() == 0 else logging.ERROR, handlers=[handler])
     warnings.filterwarnings("ignore", message=_QUIET_WARNINGS)
     if quiet_megatron:
         logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+def quiet_import_warnings() -> None:
+    """Drop megatron-core's import-time notes that Apex / Transformer Engine are missing (and
+    its deprecation notes a user cannot act on), as `setup_logging` does, for a command that
+    imports megatron-core before it parses its flags."""
+    warnings.filterwarnings("ignore", message=_QUIET_WARNINGS)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -30,22 +30,28 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
-import megatron_ext.megatron_import  # noqa: F401
+from megatron_ext.cli import ArgumentParser, quiet_import_warnings, run_tool
 
-import torch
-from megatron.core.transformer import TransformerConfig
+# Without megatron-core's import-time notes that Apex / TE are missing (environment() records
+# whether TE is there): `--help` prints its usage and nothing before it.
+with warnings.catch_warnings():
+    quiet_import_warnings()
+    import megatron_ext.megatron_import  # noqa: F401
 
-from megatron_ext.cli import run_tool
-from megatron_ext.launch import PACKAGE_ROOT, launch
-from megatron_ext.lev import LEVConfig, LEVEmbedding
-from megatron_ext.lev.kernels import lev_modes
-from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
-from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
-from megatron_ext.models.te_check import compare_te_and_local_logits
-from megatron_ext.training.metrics import peak_tflops
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_ext.launch import PACKAGE_ROOT, launch
+    from megatron_ext.lev import LEVConfig, LEVEmbedding
+    from megatron_ext.lev.kernels import lev_modes
+    from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
+    from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
+    from megatron_ext.models.te_check import compare_te_and_local_logits
+    from megatron_ext.training.metrics import peak_tflops
 
 # The GPU-side pytest files run from the source checkout holding this package (when there).
 REPO = PACKAGE_ROOT
@@ -424,14 +430,34 @@ def main(argv=None) -> int:
     return run_tool(_main, argv, log_format=None)
 
 
-def _main(argv) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of the GPU check."""
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="the JSON file to write")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny model on CPU")
-    parser.add_argument("--time-budget-s", type=float, default=450.0)
-    parser.add_argument("--iters", type=int, default=None, help="throughput iterations")
-    parser.add_argument("--warmup", type=int, default=None, help="iterations left out of timing")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=450.0,
+        help="seconds for all phases: a phase that would not fit is skipped and recorded so",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="throughput iterations (default: 12 on a GPU, 4 with --cpu-dry-run)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="iterations left out of timing (default: 4 on a GPU, 1 with --cpu-dry-run)",
+    )
+    return parser
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
     dry = args.cpu_dry_run
     cuda = torch.cuda.is_available()
     if not dry and not cuda:

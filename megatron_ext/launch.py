@@ -1,14 +1,10 @@
 """The one launcher of training processes: an entry point on N ranks under torchrun (plain
-``python`` for one rank), in its own session, its output captured to a log, signals delivered
-as a cluster delivers them, and nothing left running when it is done.
-
-Used by the tests, tools/gpu_check.py, the quick start and the benchmarks::
+``python`` for one rank), in its own session, its output captured to a log, and nothing left
+running when it is done. Used by tools/gpu_check.py and the quick start (tests and benchmarks
+add signals and process inspection: tests/support/jobs.py)::
 
     with launch("pretrain_leviathan", 2, args, log=workdir / "output.log") as job:
-        job.wait_for_lines(jsonl, 2)            # iteration 2 logged
-        job.pause(); job.resume()               # SIGSTOP / SIGCONT every process of the job
-        job.send_signal(signal.SIGTERM)         # to the targets given at launch
-        returncode = job.wait()
+        returncode = job.wait(on_line=print)
     output = job.output()
 
 ``entry`` is a module name (run as ``python -m entry`` / ``torchrun -m entry``, so it works from
@@ -16,15 +12,6 @@ an installed package: ``pretrain_leviathan`` is installed as a top-level module 
 ``megatron_ext``) or the path of a ``.py`` script. The children import the same
 ``megatron_ext`` as the caller: its parent directory goes first on their PYTHONPATH (a source
 checkout; for an installed package that is site-packages, already on the path).
-
-Signal targets, as the three deliveries a cluster makes:
-
-- ``"ranks"``: the training processes only (``kill`` of the ranks);
-- ``"agent"``: torchrun only (it forwards SIGTERM/SIGINT to every rank's process group);
-- ``"job"``: every process of the job, DataLoader workers first, then the ranks, then the
-  agent (Slurm's ``--signal`` or the time limit).
-
-With one rank and no torchrun the rank is its own agent.
 """
 
 from __future__ import annotations
@@ -37,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import megatron_ext
 
@@ -96,16 +83,12 @@ def find_free_port() -> int:
 __all__ = [
     "PACKAGE_ROOT",
     "Job",
-    "SignalTargets",
     "launch",
     "job_environment",
     "child_pids",
     "descendant_pids",
     "find_free_port",
-    "process_state",
 ]
-
-SignalTargets = Literal["ranks", "agent", "job"]
 
 # The directory holding the `megatron_ext` the caller imported (a checkout or site-packages).
 PACKAGE_ROOT = Path(megatron_ext.__file__).resolve().parents[1]
@@ -133,14 +116,6 @@ def descendant_pids(pid: int) -> list[int]:
     return children + [d for c in children for d in descendant_pids(c)]
 
 
-def process_state(pid: int) -> Optional[str]:
-    """The state letter of /proc/<pid>/stat (R, S, T, Z, ...), or None for no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
 def _start_time(pid: int) -> Optional[int]:
     """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): with
     the pid it names one process, even after the pid is reused."""
@@ -162,28 +137,6 @@ def _same_process_running(pid: int, started: Optional[int]) -> bool:
     return int(stat[19]) == started and stat[0] not in ("Z", "X")
 
 
-def _rank_of(pid: int) -> Optional[int]:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in environ:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
-
-
-def _is_torchrun(pid: int) -> bool:
-    """Whether ``pid`` runs torchrun (``python -m torch.distributed.run`` or the script)."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"torch.distributed.run" in argv[:3] or any(
-        Path(os.fsdecode(a)).name == "torchrun" for a in argv[:2]
-    )
-
-
 class Job:
     """A launched process tree (its own session) writing to ``log_path``.
 
@@ -199,14 +152,12 @@ class Job:
         env: dict,
         cwd: Path,
         torchrun: bool,
-        signal_targets: SignalTargets,
         timeout: Optional[float],
         stderr_path: Optional[Path] = None,
     ):
         self.cmd = cmd
         self.log_path = Path(log_path)
         self.torchrun = torchrun
-        self.signal_targets = signal_targets
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self.seen: dict[int, Optional[int]] = {}  # pid -> start time
@@ -244,82 +195,6 @@ class Job:
         for pid in pids:
             if pid not in self.seen:
                 self.seen[pid] = _start_time(pid)
-
-    def agents(self) -> list[int]:
-        """The torchrun processes of the job: the launched process itself, or those started
-        below it by a wrapper (a batch script, ``srun`` running ``torchrun``)."""
-        if not self.torchrun:
-            return []
-        pids = [self.proc.pid, *descendant_pids(self.proc.pid)]
-        self._remember(pids)
-        return [pid for pid in pids if _is_torchrun(pid)]
-
-    def ranks(self) -> dict[int, int]:
-        """{rank: pid} of the training processes now running: the children of the torchrun
-        agents that carry a RANK (their own DataLoader workers are grandchildren)."""
-        if not self.torchrun:
-            return {} if self.proc.poll() is not None else {0: self.proc.pid}
-        out = {}
-        for agent in self.agents():
-            for pid in child_pids(agent):
-                self._remember([pid])
-                rank = _rank_of(pid)
-                if rank is not None:
-                    out[rank] = pid
-        return dict(sorted(out.items()))
-
-    def workers(self) -> dict[int, list[int]]:
-        """{rank: [pid, ...]} of the processes each rank started (DataLoader workers)."""
-        out = {}
-        for rank, pid in self.ranks().items():
-            out[rank] = descendant_pids(pid)
-            self._remember(out[rank])
-        return out
-
-    def targets(self, which: Optional[SignalTargets] = None) -> list[int]:
-        """The pids a signal to ``which`` (default: the launch's ``signal_targets``) reaches."""
-        which = which or self.signal_targets
-        ranks = list(self.ranks().values())
-        if which == "ranks":
-            return ranks
-        if which == "agent":
-            return (self.agents() if self.torchrun else []) or [self.proc.pid]
-        if which == "job":
-            workers = [w for pids in self.workers().values() for w in pids]
-            return workers + [r for r in ranks if r != self.proc.pid] + [self.proc.pid]
-        raise ValueError(f"signal targets must be 'ranks', 'agent' or 'job', not {which!r}")
-
-    def send_signal(self, sig: int, which: Optional[SignalTargets] = None) -> list[int]:
-        """Send ``sig`` to the targets; returns the pids signalled (gone ones are skipped)."""
-        sent = []
-        for pid in self.targets(which):
-            try:
-                os.kill(pid, sig)
-                sent.append(pid)
-            except ProcessLookupError:
-                pass
-        return sent
-
-    def pause(self, timeout: float = 10.0) -> list[int]:
-        """Stop every process of the job (SIGSTOP to the DataLoader workers, the ranks and
-        torchrun, each in its own session) until `resume`, and return once all of them are
-        stopped (what they wrote before is complete); returns the pids stopped. A benchmark
-        uses this to let several jobs take turns on the same cores.
-
-        Raises:
-            TimeoutError: a process still runs ``timeout`` seconds after the signal.
-        """
-        sent = self.send_signal(signal.SIGSTOP, "job")
-        deadline = time.monotonic() + timeout
-        while running := [pid for pid in sent if process_state(pid) not in ("T", "t", "Z", None)]:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"processes {running} still run {timeout:g} s after SIGSTOP")
-            time.sleep(0.001)
-        return sent
-
-    def resume(self) -> list[int]:
-        """Continue what `pause` stopped (SIGCONT to the same targets); returns the pids."""
-        return self.send_signal(signal.SIGCONT, "job")
 
     def _check_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -361,22 +236,6 @@ class Job:
             on_line(self._partial)
             self._partial = ""
         return self.proc.returncode
-
-    def wait_for_lines(self, path: Path, count: int, *, require: bool = True) -> int:
-        """Wait until the file ``path`` holds ``count`` complete JSON lines (e.g. --log-jsonl
-        records); returns the number seen. If the job exits first: an AssertionError with the
-        end of its output (``require``), or the smaller number."""
-        while (seen := count_records(path)) < count:
-            if self.proc.poll() is not None:
-                assert not require, (
-                    f"exited {self.proc.returncode} after {seen} of {count} records:\n"
-                    f"{self.output()[-4000:]}"
-                )
-                return count_records(path)
-            self._check_deadline()
-            self.processes()
-            time.sleep(0.05)
-        return seen
 
     def stop(self, grace: float = 15.0) -> None:
         """Interrupt the agent (SIGINT, which torchrun forwards to the ranks), give the job
@@ -423,14 +282,6 @@ class Job:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def errors(self) -> str:
-        """The separate stderr file so far (launch(..., stderr=PATH)); "" without one."""
-        if self._err is None:
-            return ""
-        if not self._err.closed:
-            self._err.flush()
-        return self.stderr_path.read_text(errors="replace")
-
     def __enter__(self) -> "Job":
         return self
 
@@ -439,15 +290,6 @@ class Job:
         self._log.close()
         if self._err is not None:
             self._err.close()
-
-
-def count_records(path: Path) -> int:
-    """Complete JSON lines in ``path`` (0 if it does not exist yet)."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return 0
-    return sum(1 for line in text.splitlines() if line.strip().endswith("}"))
 
 
 def _entry_command(entry: Union[str, Path]) -> list[str]:
@@ -483,7 +325,6 @@ def launch(
     args: Sequence[str],
     *,
     env: Optional[dict] = None,
-    signal_targets: SignalTargets = "ranks",
     timeout: Optional[float] = 300,
     log: Optional[Path] = None,
     stderr: Optional[Path] = None,
@@ -491,6 +332,7 @@ def launch(
     torchrun: Optional[bool] = None,
     torchrun_args: Sequence[str] = (),
     python: str = sys.executable,
+    job: Callable[..., Job] = Job,
 ) -> Job:
     """Start ``entry`` on ``nproc`` ranks and return the running :class:`Job`.
 
@@ -500,7 +342,6 @@ def launch(
         args: the entry's arguments.
         env: variables added to the inherited environment (PYTHONUNBUFFERED=1 and
             OMP_NUM_THREADS=1 are set unless given; a None value removes the variable).
-        signal_targets: where :meth:`Job.send_signal` delivers by default (module docstring).
         timeout: seconds from the start after which :meth:`Job.wait` kills the job and raises
             TimeoutError (None: no limit).
         log: the output file (default: ``output.log`` in ``cwd``).
@@ -510,6 +351,7 @@ def launch(
             one plain process gets MASTER_ADDR/MASTER_PORT and no inherited RANK/WORLD_SIZE.
         torchrun_args: extra torchrun flags (e.g. ``--max-restarts 2``).
         python: the interpreter.
+        job: the class of the returned job (tests/support/jobs.py: one that signals it).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -536,13 +378,12 @@ def launch(
         environment["MASTER_PORT"] = port
         cmd = [python, *_entry_command(entry)]
     cmd += [str(a) for a in args]
-    return Job(
+    return job(
         cmd,
         log_path=log_path,
         env=environment,
         cwd=cwd,
         torchrun=torchrun,
-        signal_targets=signal_targets,
         timeout=timeout,
         stderr_path=stderr,
     )

@@ -1,36 +1,19 @@
-"""The one place megatron-core is first imported from, with its import-time `torch.compile`
-decorations deferred to their first call.
+"""The one place megatron-core is first imported from, with its import-time costs deferred.
 
-megatron-core's `jit.py` sets `jit_fuser = torch.compile` when imported, and its fusion modules
-(`megatron.core.fusions.*`, `activations`, `transformer.utils`), which `import megatron.core`
-loads, decorate functions with `@jit_fuser`. Each decoration imports `torch._dynamo` and
-`torch._inductor.compile_fx`: about 2 CPU-seconds of every process's start-up
-(`benchmarks/bench_startup.py`), although a CPU run calls none of those functions.
-`torch.compile` compiles on the first call anyway, so importing megatron-core while
-`torch.compile` is `lazy_compile` defers only the dynamo/inductor import, never what runs.
-`torch.compile` is restored right after; megatron's `jit_fuser` stays `lazy_compile`, so its later
-decorations (made inside functions) are deferred the same way.
+megatron-core's `jit.py` sets `jit_fuser = torch.compile`, and the fusion modules that
+`import megatron.core` loads decorate functions with it, importing torch._dynamo and
+TorchInductor in every process although a CPU run calls none of them. Here megatron-core is
+imported while `torch.compile` is `lazy_compile` (compiles on the first call, as torch.compile
+does anyway), then `torch.compile` is restored; megatron's `jit_fuser` stays lazy.
 
-Only megatron-core's own functions are deferred: `import megatron.core` also imports Transformer
-Engine (and apex) where they are installed, and their import-time decorations are compiled as
-`torch.compile` would, at once.
+megatron-core also runs `try: import wandb` at import: where wandb is installed and not imported
+yet, the real module is put into `sys.modules` unexecuted (`import_deferred`), so `HAVE_WANDB`
+is True as before and wandb's `__init__` runs on the first attribute read or submodule import.
+(`importlib.util.LazyLoader` cannot: `inspect.getmodule` reads every module's `__file__`.)
 
-megatron-core's inference context (`megatron.core.inference.contexts.dynamic_context`, which `import
-megatron.core` loads), its inference engine and its timers run `try: import wandb` at import time:
-about 0.6 CPU-seconds of every process's start-up where wandb is installed (bench_startup), for a
-module only `--wandb-project` runs use. Where wandb is installed and not imported yet, this module
-first puts the real `wandb` module into `sys.modules` unexecuted (`import_deferred`): `import wandb`
-binds it and megatron-core's `HAVE_WANDB` is True as before, and wandb's own `__init__` runs on the
-first read of any attribute it defines (`wandb.init`, `wandb.run`, ...) or the first import of a
-submodule, so megatron-core's wandb logging and ours are unchanged. (`importlib.util.LazyLoader`
-cannot be used: it executes the module on any attribute read, and `inspect.getmodule`, which torch
-calls while megatron-core registers its custom ops, reads `__file__` of every module in
-`sys.modules`.) Where wandb is not installed nothing is put there and megatron-core sees the
-ImportError as before.
-
-Every module of this project that imports megatron-core imports this module first (directly or
-through a module that does); `tests/test_import_layers.py` checks it. `megatron.core.jit`
-cannot be switched off instead: importing it imports the whole `megatron.core` package first.
+Every module of this project that imports megatron-core imports this module first
+(`tests/test_import_layers.py` checks it); the saving is measured by
+`benchmarks/bench_startup.py` (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

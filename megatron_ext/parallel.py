@@ -3,8 +3,8 @@
 megatron.core.parallel_state creates the groups (megatron-core's layers read them from there);
 this module picks the backend (gloo on CPU, nccl on CUDA), validates the layout with messages
 that say which flag to change (`models.layout.ParallelConfig.resolve`), and seeds the random
-generators the way Megatron-LM does (the CUDA RNG tracker on GPU; on CPU a tracker whose
-`fork()` is a no-op, since megatron's tracker only knows CUDA generator states).
+generators the way Megatron-LM does (the CUDA RNG tracker on GPU; on CPU its twin over CPU
+generator states, `rng.CpuRNGStatesTracker`).
 
 `initialize_parallel` returns the groups as one `ProcessGroups` object; the training loop,
 optimizer, schedule, gradient reductions, checkpointing, the model builder, evaluation,
@@ -30,7 +30,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.distributed import distributed_c10d as c10d
 
-from megatron_ext import placement
+from megatron_ext import placement, rng
 from megatron_ext.elastic import round_store, uses_agent_store
 from megatron_ext.models.layout import ParallelConfig
 
@@ -320,16 +320,23 @@ def destroy_parallel() -> None:
 
 def set_random_seed(seed: int, pp_rank: int = 0) -> None:
     """Seed like Megatron-LM's `_set_random_seed`: offset by the pipeline rank (`pp_rank`, from
-    `ProcessGroups.pp_rank`), the same across TP.
+    `ProcessGroups.pp_rank`), the same across TP; then megatron's RNG tracker
+    (`model_parallel_cuda_manual_seed`: its model-parallel state differs per TP rank).
 
     Every tensor-parallel rank draws the same CPU stream, which megatron's
     `use_cpu_initialization` relies on to build the full master weight before splitting it.
+    Without CUDA the tracker is `rng.CpuRNGStatesTracker` with the same seeds, and dropout draws
+    from its streams, not from that CPU stream (see `megatron_ext.rng`).
     """
     seed = seed + 100 * pp_rank
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:
-        # megatron's tracker stores CUDA generator states; on CPU dropout regions that ask it to
-        # fork run on the default generator instead.
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        return
+    tracker = rng.install_cpu_tracker()
+    ranks = {}
+    if not parallel_state.model_parallel_is_initialized():
+        ranks = dict(tp_rank=0, ep_rank=0, etp_rank=0)
+    # Its torch.cuda.manual_seed is queued, never run, without CUDA.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, **ranks)
+    tracker.manual_seed_device(seed)

@@ -241,16 +241,17 @@ def _chunk_kernel_error(device: str, dtype: torch.dtype) -> Optional[str]:
     """None when `chunked_head_cross_entropy` can use the compiled kernel for logits of this
     device and dtype, else the reason, logged once per (device, dtype) and process."""
     kernel = cpu_accel.cross_entropy_kernel()
+    level = logging.WARNING  # a kernel that does not build
     if device != "cpu" or dtype != torch.float32:
-        reason = f"it takes float32 CPU logits, not {dtype} on {device}"
+        # the run's own choice (--bf16 autocast, CUDA): nothing to act on, not shown
+        reason, level = f"it takes float32 CPU logits, not {dtype} on {device}", logging.DEBUG
     elif kernel is None:
-        reason = cpu_accel.OFF
+        reason, level = cpu_accel.OFF, logging.INFO  # turned off on purpose: a note
     else:
         reason = kernel.kernel_error()
     if reason is not None:
-        # Turned off on purpose: worth a note; a kernel that does not build: a warning.
         logger.log(
-            logging.INFO if kernel is None else logging.WARNING,
+            level,
             "the scoring loss uses vocab_parallel_cross_entropy per chunk instead of the "
             "compiled CPU cross-entropy kernel: %s",
             reason,

@@ -14,6 +14,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
+# Slurm and munge for tests/slurm (a real single-host Slurm): installed when missing, as root
+# with apt-get (about 25 s); otherwise those tests skip saying how to install them.
+bash "$ROOT/scripts/install_slurm.sh"
 cd "$ROOT"
 WORKERS="${TEST_WORKERS:-2}"
 if [ "$WORKERS" != "0" ] && [ "${1:-}" = "--fast" -o $# -eq 0 ]; then

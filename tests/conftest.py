@@ -217,6 +217,8 @@ RUN_FIRST = (
     _DOCS("docs/cluster.md"),  # its own corpus and runs, and waits on the wall clock
     _DOCS("docs/convert.md"),  # on a copy of `quickstart_run`
     _DOCS("README.md"),  # on a copy of `quickstart_run`
+    "tests/slurm/test_sbatch.py",  # Slurm jobs, mostly waiting on time limits: about 4 min
+    "tests/slurm/test_study.py",  # the study as a job array, then its report again: 2-3 min
     "tests/training/test_end_to_end.py",
     "tests/training/test_cluster.py",
     "tests/training/test_megatron_recipes.py",

@@ -591,3 +591,40 @@ mps.get_context_parallel_rank()
     # ... and the allowed reader really reads them (the scan is not vacuous).
     parallel = (REPO / "megatron_ext" / "parallel.py").read_text(encoding="utf-8")
     assert len(_global_reads(ast.parse(parallel))) >= 8
+
+
+def test_training_imports_nothing_from_lev():
+    """The engines and the optimizer are generic: a module of the model declares what it needs
+    of them through `training.engine.ModuleHooks` (LEVEmbedding does), never by its class. Only
+    the run's configs, which hold the --lev-* flags' LEVConfig, import lev/ (until the
+    configuration has a room of its own); that list may only shrink."""
+    graph = import_graph()
+    into_lev = sorted(
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("megatron_ext.training")
+        for target in targets
+        if target.startswith("megatron_ext.lev")
+    )
+    configs = [
+        ("megatron_ext.training.arguments", "megatron_ext.lev.config"),
+        ("megatron_ext.training.config", "megatron_ext.lev.config"),
+    ]
+    assert [edge for edge in into_lev if edge not in configs] == []
+
+
+def test_inference_imports_nothing_from_conversion():
+    """conversion/ reads checkpoints through inference/ (`inference.loading`); the other way
+    round would close a circle between the two subpackages."""
+    graph = import_graph()
+    edges = [
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith("megatron_ext.inference")
+        for target in targets
+        if target.startswith("megatron_ext.conversion")
+    ]
+    assert edges == []
+    assert any(
+        t.startswith("megatron_ext.inference") for t in graph["megatron_ext.conversion.reshard"]
+    )

@@ -11,16 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.launch import (
-    PACKAGE_ROOT,
-    Job,
-    child_pids,
-    count_records,
-    job_environment,
-    launch,
-    process_state,
-)
+from megatron_ext.launch import PACKAGE_ROOT, child_pids, job_environment
 from tests.support.distributed import find_free_port
+from tests.support.jobs import Job, count_records, launch, process_state
 
 pytestmark = pytest.mark.integration
 

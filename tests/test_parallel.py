@@ -31,8 +31,10 @@ pytestmark = pytest.mark.integration
 def _check_groups() -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from megatron_ext.parallel import ProcessGroups, set_random_seed
+    from megatron_ext.rng import device_rng
 
     pg = ProcessGroups.from_megatron()
     assert (pg.tp_rank, pg.tp_size) == (
@@ -70,11 +72,17 @@ def _check_groups() -> dict:
     draw = torch.rand(1).item()
     torch.manual_seed(7 + 100 * pg.pp_rank)
     assert draw == torch.rand(1).item()
+    # Dropout's CPU streams: inside a TP region (a fork) and outside it (the device stream).
+    with get_cuda_rng_tracker().fork():
+        model_parallel = torch.rand(2).tolist()
+    with device_rng():
+        device = torch.rand(2).tolist()
     return dict(
         rank=dist.get_rank(),
         coords=pg.coords(),
         layout=pg.layout(),
         tp_sum=tp_sum.item(),
+        dropout=(model_parallel, device),
         embd=None if pg.embd is None else dist.get_process_group_ranks(pg.embd),
     )
 
@@ -91,6 +99,11 @@ def test_process_groups_match_megatron():
     ]
     assert [r["coords"]["dp"] for r in results] == [0, 0, 0, 0]
     assert [r["tp_sum"] for r in results] == [3.0, 3.0, 7.0, 7.0]
+    # As megatron seeds them: dropout inside TP regions differs between the TP ranks of a
+    # stage, outside them it is the same; each stage has its own (the pipeline offset).
+    (mp00, dev00), (mp10, dev10), (mp01, dev01), (mp11, dev11) = [r["dropout"] for r in results]
+    assert mp00 != mp10 and mp01 != mp11 and mp00 != mp01
+    assert dev00 == dev10 and dev01 == dev11 and dev00 != dev01
     # Every rank is on the first or the last stage, so each holds a tied-embedding copy; the
     # embedding group pairs the same TP rank of the two stages.
     assert [r["embd"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]

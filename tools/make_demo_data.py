@@ -35,6 +35,7 @@ import re
 import sys
 from typing import Iterator, Optional, Sequence
 
+from megatron_ext._paths import atomic_write
 from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.data.readers import DataError, iter_lines
 
@@ -86,14 +87,9 @@ def _texts(jsonl: str) -> Iterator[str]:
 
 def _write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it, renamed when complete."""
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
+        atomic_write(path, text)
     except OSError as error:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise DataError(f"cannot write {path}: {error.strerror}") from None
 
 

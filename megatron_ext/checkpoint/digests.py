@@ -1,24 +1,14 @@
 """Checkpoint digests: every file a save writes is hashed and the digest recorded inside the
-checkpoint, so that a load finds a damaged file (a bad copy between clusters, a failing disk)
-before reading anything.
+checkpoint, so that a load finds a damaged file before reading anything.
 
-    <ckpt>/digests/rank00000.json   rank 0: its shard files, its RNG file, .metadata,
-                                    common.json, args.json
-    <ckpt>/digests/rank00001.json   rank 1: its shard files and RNG file
-    ...
+    <ckpt>/digests/rank00000.json   rank 0: shards, RNG file, .metadata, common.json, args.json
+    <ckpt>/digests/rank00001.json   rank 1: its shards and RNG file ...
 
-A manifest is JSON: ``{"format": 1, "algorithm": "xxh3_128", "rank": r, "world_size": n,
-"files": {path in the checkpoint: {"size": bytes, "digest": hex}}, "self": <digest>}``, where
-"self" is the digest of the manifest's own content (so that a damaged manifest is named as
-such). The latest marker (`latest_checkpointed_iteration.txt`) is outside the checkpoint and
-has none.
-
-Shard files are hashed as torch.distributed.checkpoint writes them (`DigestingWriter`: a second
-thread reads each file behind the writer, from the page cache, and hashes it, so the writer
-never waits for the hash), the small files right after they are written.
-
-`verify_checkpoint` is collective: every rank reads the manifests, the files are split between
-the ranks by size, each rank hashes its share, and every rank learns every problem.
+A manifest is ``{"format": 1, "algorithm": "xxh3_128", "rank", "world_size", "files": {path:
+{"size", "digest"}}, "self": <digest of the manifest's own content>}``. Shard files are hashed
+as DCP writes them (`DigestingWriter`: a second thread hashes each file behind the writer, from
+the page cache), the small files right after they are written. `verify_checkpoint` is
+collective: the files are split between the ranks by size and every rank learns every problem.
 """
 
 from __future__ import annotations
@@ -36,6 +26,8 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from tqdm import tqdm
+
+from megatron_ext._paths import atomic_open
 
 __all__ = [
     "ALGORITHM",
@@ -249,13 +241,8 @@ def write_manifest(
     }
     body["self"] = _manifest_self_digest(body)
     path = manifest_path(checkpoint, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as handle:
+    with atomic_open(path, fsync=True) as handle:
         json.dump(body, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
     return path
 
 

@@ -1,46 +1,19 @@
-"""Distributed checkpoints: torch.distributed.checkpoint (DCP) with tensor-parallel shards as
+"""Distributed checkpoints: torch.distributed.checkpoint (DCP), tensor-parallel shards as
 DTensors, in Megatron-LM's layout::
 
-    <save>/iter_0000100/                      one checkpoint (DCP shards + .metadata)
-    <save>/iter_0000100/common.json           iteration, consumed samples, scheduler, layout
-    <save>/iter_0000100/args.json             the run's flags (--use-checkpoint-args)
-    <save>/iter_0000100/rng/pp0_tp0_cp0_dp0.pt  each rank's RNG states (tensors and numbers)
-    <save>/iter_0000100/digests/rank00000.json  each rank's file digests (`digests.py`)
+    <save>/iter_0000100/                      DCP shards + .metadata, common.json, args.json,
+                                              rng/<rank>.pt (dropout streams included),
+                                              digests/rank<N>.json
     <save>/latest_checkpointed_iteration.txt  written last
     <save>/save.lock                          held by the run writing here (`lock.py`)
 
-Keys are layout-free, so a checkpoint saved at one TP/PP/DP layout loads at another:
-
-- `model.<name>` with the single-stage model's parameter names (a pipeline stage's local
-  `decoder.layers.i` is renamed to its global index). A TP-sharded parameter is a DTensor over
-  the TP group with `Shard(partition_dim)`. Megatron's strided shards (SwiGLU fc1, stride 2: rank
-  r holds pieces r and r+tp of the tensor cut into 2*tp) are not a plain shard of the full
-  tensor, so such a parameter is stored through the view [stride, n/stride, ...] with
-  `Shard(partition_dim + 1)`: then every layout's shards tile the same global tensor.
-  Replicated parameters are plain tensors (DCP writes one copy). The last pipeline stage's copy
-  of a tied embedding is not saved; it loads from `model.embedding.word_embeddings.weight`.
-  Model chunks (virtual pipeline stages) are saved under the same names (their layers carry
-  global layer numbers), so an interleaved run resumes without chunks and vice versa.
-- `optim.<name>.exp_avg|exp_avg_sq` (same layout as the parameter) and `optim.<name>.step`,
-  written by whichever data-parallel rank owns the state (all of them without ZeRO; DCP keeps
-  one), read by whichever rank owns it in the new layout: ZeRO states reshard across DP too.
-
-Atomicity: DCP writes into `iter_XXXXXXX.tmp/`; after every rank finished, rank 0 renames it to
-`iter_XXXXXXX/` and only then replaces the latest marker (write-to-temp + os.replace). A crash
-at any point leaves the previous checkpoint as latest; stale `.tmp` directories are removed by
-the next save. A state with a non-finite parameter is never saved.
-
-Trust: every file a save writes gets a digest recorded inside the checkpoint, and a load checks
-them all first (the ranks splitting the files), so a damaged file is one `CheckpointDigestError`
-naming the checkpoint, the file and the newest older checkpoint that verifies (checked, never
-loaded by itself); a checkpoint without digests (saved before they were recorded, or by stock
-DCP) loads with one warning. Loading runs no code from the checkpoint (`safe_load.py`).
-
-I/O failures (`io_errors.py`): a save that fails on any rank (no space, permission, ...)
-raises `CheckpointError` on every rank saying why, after removing its `.tmp`; the previous
-checkpoint stays the latest. A checkpoint that cannot be read (a truncated or missing shard,
-a corrupt file) raises `CheckpointError` naming the file and the iteration and suggesting
-`--ckpt-step` of an older one.
+Keys are layout-free (`model.<name>` with the single-stage names, strided shards through a
+[stride, n/stride, ...] view; `optim.<name>.exp_avg|exp_avg_sq|step`), so a checkpoint saved
+at one TP/PP/DP/VP layout, ZeRO states included, loads at another. A save writes
+`iter_XXXXXXX.tmp/`, renames it when every rank is done, then replaces the latest marker;
+a state with a non-finite parameter is never saved. A load verifies every file's digest
+(`digests.py`), runs no code from the checkpoint (`safe_load.py`), and turns an I/O failure on
+any rank into one `CheckpointError` naming the file and what to do (`io_errors.py`).
 """
 
 from __future__ import annotations
@@ -69,7 +42,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron_ext._paths import display_path
+from megatron_ext._paths import atomic_write, display_path, fsync_dir
 from megatron_ext.checkpoint.digests import (
     DIGESTS_DIR,
     DigestingWriter,
@@ -102,6 +75,7 @@ from megatron_ext.checkpoint.safe_load import (
 )
 from megatron_ext.models.full_state_dict import is_tied_copy, layout_free_name, tp_layout
 from megatron_ext.parallel import ProcessGroups
+from megatron_ext.rng import cpu_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +155,33 @@ def locate_checkpoint(load_dir: str, iteration: Optional[int] = None) -> tuple[s
             "missing); give a run's --save directory"
         )
     return load_dir, iteration
+
+
+# The learning-rate scheduler's saved values and the flags that set them.
+_SCHEDULE_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters",
+    "lr_decay_steps": "--lr-decay-iters",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--start-weight-decay",
+    "end_wd": "--end-weight-decay",
+    "wd_incr_steps": "--train-iters",
+    "wd_incr_style": "--weight-decay-incr-style",
+    "wsd_decay_steps": "--lr-wsd-decay-iters",
+}
+
+
+def _schedule_flags(ours: dict, saved: dict) -> str:
+    """The flags (joined by "and") whose scheduler values differ between `ours` and `saved`."""
+    names = [
+        flag
+        for key, flag in _SCHEDULE_FLAGS.items()
+        if key in ours and key in saved and ours[key] != saved[key]
+    ]
+    if "--train-iters" in names and "--lr-decay-iters" in names:
+        names.remove("--lr-decay-iters")  # its default: a new --train-iters changes both
+    return " and ".join(dict.fromkeys(names))
 
 
 def _rank0() -> bool:
@@ -273,16 +274,31 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
         state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    elif (tracker := cpu_tracker()) is not None:
+        state["cpu_tracker"] = tracker.get_states()  # dropout's streams on CPU
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict) -> bool:
+    """Restore `state`; False when it has no dropout streams for this device (a checkpoint
+    saved on CPU before they were saved, or on the other kind of device)."""
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
+    if torch.cuda.is_available():
+        if "cuda" not in state:
+            return False
         torch.cuda.set_rng_state(state["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+        return True
+    tracker = cpu_tracker()
+    if tracker is None:
+        return True
+    saved = state.get("cpu_tracker")
+    if saved is None or set(saved) != set(tracker.get_states()):
+        return False
+    tracker.set_states(dict(saved))
+    return True
 
 
 def _all_finite(model: torch.nn.Module | Sequence[torch.nn.Module]) -> bool:
@@ -300,29 +316,6 @@ def _all_finite(model: torch.nn.Module | Sequence[torch.nn.Module]) -> bool:
     if dist.is_initialized():
         dist.all_reduce(flag)
     return flag.item() == 0.0
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def _prune(root: str, keep_last: int, latest: int) -> None:
@@ -482,8 +475,8 @@ def _finish_save(root, tmp, final, iteration, files, keep_last, needed, error=No
             if os.path.isdir(final):
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(root)
-            _write_atomic(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+            fsync_dir(root)
+            atomic_write(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n", fsync=True)
             if keep_last:
                 _prune(root, keep_last, iteration)
     except OSError as rename_error:
@@ -650,18 +643,58 @@ def load_checkpoint(
     if iteration is None:
         iteration = read_latest_iteration(root)
     if iteration is None:
-        where = display_path(os.path.abspath(root))
-        what = "does not exist" if not os.path.isdir(root) else f"has no {TRACKER_FILENAME}"
-        if strict_missing:
-            raise CheckpointError(f"--load {where} {what}: no checkpoint to load")
-        if _rank0():
-            logger.warning(
-                "--load %s %s: starting from scratch (--exit-on-missing-checkpoint makes this "
-                "an error)",
-                where,
-                what,
-            )
-        return None
+        return _no_checkpoint(root, strict_missing)
+    path, common, metadata = _open_checkpoint(root, iteration, model, verify)
+    if finetune:
+        load_optim = load_rng = False
+    _load_tensors(root, iteration, common, metadata, model, optimizer if load_optim else None, pg)
+    if finetune:
+        logger.info("loaded weights of %s for fine-tuning (iteration reset to 0)", path)
+        return TrainState()
+    _load_schedule(path, common, scheduler, loss_scaler)
+    if load_rng:
+        # Each rank reads its own RNG file: every rank must learn that one of them failed.
+        failure: Optional[CheckpointError] = None
+        try:
+            with _unreadable_as_checkpoint_error(root, path, iteration):
+                _load_rng(path, common, pg)
+        except CheckpointError as error:
+            failure = error
+        problem = agree_on_failure(None if failure is None else str(failure))
+        if failure is not None:
+            raise failure
+        if problem is not None:
+            raise CheckpointError(problem)
+    state = TrainState(**common["train_state"])
+    logger.info(
+        "loaded checkpoint %s (iteration %d, %d consumed samples; saved at %s)",
+        display_path(path),
+        state.iteration,
+        state.consumed_train_samples,
+        common.get("layout"),
+    )
+    return state
+
+
+def _no_checkpoint(root: str, strict_missing: bool) -> None:
+    """`root` holds no checkpoint: an error with `strict_missing`, else a warning."""
+    where = display_path(os.path.abspath(root))
+    what = "does not exist" if not os.path.isdir(root) else f"has no {TRACKER_FILENAME}"
+    if strict_missing:
+        raise CheckpointError(f"--load {where} {what}: no checkpoint to load")
+    if _rank0():
+        logger.warning(
+            "--load %s %s: starting from scratch (--exit-on-missing-checkpoint makes this "
+            "an error)",
+            where,
+            what,
+        )
+
+
+def _open_checkpoint(root: str, iteration: int, model, verify: bool) -> tuple[str, dict, Any]:
+    """(directory, common.json, DCP metadata) of checkpoint `iteration`, its files checked
+    (digests with `verify`, else that every shard exists and is long enough) and its arm that
+    of `model`."""
     path = checkpoint_dir(root, iteration)
     common_path = os.path.join(path, "common.json")
     if not os.path.isfile(common_path):
@@ -681,16 +714,20 @@ def load_checkpoint(
             f"checkpoint iteration {iteration} cannot be loaded: {problem} (an interrupted "
             f"copy or a full disk?); {older_checkpoints_hint(root, iteration)}"
         )
-    if finetune:
-        load_optim = load_rng = False
+    return path, common, metadata
 
+
+def _load_tensors(root, iteration, common, metadata, model, optimizer, pg) -> None:
+    """Read this rank's shards of the parameters and (given `optimizer`) of the Adam states it
+    owns, each shape checked against the checkpoint's."""
+    path = checkpoint_dir(root, iteration)
     target: dict[str, Any] = {}
     for _, key, param, _tied in _named_params(model):
         view = _layout_view(param.data, param, pg.tp)
         _check_shape(metadata, f"model.{key}", view, path)
         target[f"model.{key}"] = view
     pending = []
-    if optimizer is not None and load_optim:
+    if optimizer is not None:
         if not common.get("has_optimizer", True):
             raise CheckpointError(f"{path} was saved without optimizer state; use --no-load-optim")
         for _, key, param, _tied in _named_params(model):
@@ -716,43 +753,22 @@ def load_checkpoint(
     for param, adam in pending:
         optimizer.set_state(param, adam)
 
-    if finetune:
-        logger.info("loaded weights of %s for fine-tuning (iteration reset to 0)", path)
-        return TrainState()
+
+def _load_schedule(path: str, common: dict, scheduler, loss_scaler) -> None:
+    """The LR scheduler's and the FP16 loss scaler's states, where both sides have them."""
     if scheduler is not None and common.get("scheduler") is not None:
         try:
             scheduler.load_state_dict(common["scheduler"])
         except AssertionError as error:  # megatron's "... do not match"
+            flags = _schedule_flags(scheduler.state_dict(), common["scheduler"])
+            what = f"{flags} of this command line differs" if flags else str(error).strip()
             raise CheckpointError(
-                f"the learning-rate schedule of this command line differs from the one saved in "
-                f"{path} ({str(error).strip()}); pass --override-opt_param-scheduler to use the "
-                "command line's (e.g. a new --train-iters), or "
-                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+                f"{what} from the run saved in {path} (its learning-rate schedule); pass the "
+                "run's value, or --override-opt_param-scheduler to use the command line's "
+                "schedule, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's"
             ) from None
     if loss_scaler is not None and common.get("loss_scaler"):
         loss_scaler.load_state_dict(common["loss_scaler"])
-    if load_rng:
-        # Each rank reads its own RNG file: every rank must learn that one of them failed.
-        failure: Optional[CheckpointError] = None
-        try:
-            with _unreadable_as_checkpoint_error(root, path, iteration):
-                _load_rng(path, common, pg)
-        except CheckpointError as error:
-            failure = error
-        problem = agree_on_failure(None if failure is None else str(failure))
-        if failure is not None:
-            raise failure
-        if problem is not None:
-            raise CheckpointError(problem)
-    state = TrainState(**common["train_state"])
-    logger.info(
-        "loaded checkpoint %s (iteration %d, %d consumed samples; saved at %s)",
-        display_path(path),
-        state.iteration,
-        state.consumed_train_samples,
-        common.get("layout"),
-    )
-    return state
 
 
 @contextlib.contextmanager
@@ -788,7 +804,12 @@ def _load_rng(path: str, common: dict, pg: ProcessGroups) -> None:
                 pg.layout(),
             )
         return
-    _set_rng_state(load_rng_file(file))
+    if not _set_rng_state(load_rng_file(file)) and _rank0():
+        logger.warning(
+            "%s has no dropout RNG states for this device (saved by an older version, or on "
+            "another kind of device): dropout streams restart from --seed",
+            display_path(path),
+        )
 
 
 def verify_or_raise(

@@ -1,23 +1,14 @@
-"""One run per --save: a run holds `<save>/save.lock` while it runs.
+"""One run per --save: a run holds `<save>/save.lock` (host, pid, job id, start, lease) while it
+runs, created atomically by rank 0 (a temporary file hard-linked into place). A lock held by:
 
-The lock is a small JSON file (host, pid, job id, start time, lease) that rank 0 creates
-atomically (written under a temporary name, then hard-linked into place: the link fails if a
-lock exists, also on NFS). A run that finds a lock:
+- a live run: refused at start (`SaveLockError`, one line naming the holder);
+- the same job (Slurm job id, torchrun run or agent: a restart or requeue): taken over;
+- a run that is gone (its process on this host, or its lease not renewed for `LEASE_SECONDS`
+  on another; rank 0 renews it every `RENEW_SECONDS`): taken over with one warning.
 
-- held by a live run: refused at start (`SaveLockError`, one line naming the holder);
-- held by the same job (the same Slurm job id, or the same torchrun run or agent: a
-  `torchrun --max-restarts` restart, a Slurm requeue): taken over, with an info line;
-- held by a run that is gone: taken over with one warning. On the same host the holder's
-  process no longer runs; on another host its lease was not renewed for `LEASE_SECONDS`
-  (rank 0 renews it every `RENEW_SECONDS` from a background thread while the run lives).
-
-The lock is removed when the run ends (training finished, an --exit-* condition, an exit
-signal with --exit-signal-handler, an error). A run killed outright (SIGKILL, OOM, SIGTERM
-without --exit-signal-handler) leaves it behind; the rules above take it over.
-`tools/convert_checkpoint.py unlock --save DIR` breaks a lock by hand.
-
-Rank 0 decides and every rank learns the outcome (a broadcast), so no rank waits for one that
-stopped.
+It is removed when the run ends; a run killed outright leaves it for the rules above, and
+`tools/convert_checkpoint.py unlock --save DIR` breaks it by hand. Rank 0 decides and every rank
+learns the outcome (a broadcast).
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def _encode_rng(state: dict) -> dict:
         "has_gauss": int(has_gauss),
         "cached_gaussian": float(cached),
     }
-    for key in ("torch", "cuda", "tracker"):
+    for key in ("torch", "cuda", "tracker", "cpu_tracker"):
         if key in state:
             out[key] = state[key]
     return out
@@ -206,15 +206,15 @@ def _decode_rng(saved: dict) -> dict:
             n["cached_gaussian"],
         ),
     }
-    for key in ("torch", "cuda", "tracker"):
+    for key in ("torch", "cuda", "tracker", "cpu_tracker"):
         if key in saved:
             state[key] = saved[key]
     return state
 
 
 def save_rng_file(path: str, state: dict) -> None:
-    """Write RNG states (`random`, `numpy`, `torch`, optional `cuda`/`tracker`, as Python,
-    numpy and torch return them) as tensors, ints and floats."""
+    """Write RNG states (`random`, `numpy`, `torch`, optional `cuda`/`tracker` or `cpu_tracker`,
+    as Python, numpy, torch and the RNG trackers return them) as tensors, ints and floats."""
     torch.save(_encode_rng(state), path)
 
 

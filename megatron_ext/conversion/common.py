@@ -21,7 +21,6 @@ __all__ = [
     "ConversionError",
     "DTYPES",
     "atomic_output_dir",
-    "atomic_write_text",
     "git_revision",
     "parse_dtype",
 ]
@@ -90,18 +89,3 @@ def git_revision() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return rev + ("-dirty" if dirty else "")
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write a text file through a temporary name (a reader never sees half of it)."""
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

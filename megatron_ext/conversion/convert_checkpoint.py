@@ -2,6 +2,8 @@
 check a checkpoint's digests; break a --save lock.
 
     python tools/convert_checkpoint.py export-hf --load ckpt/lev --output hf/lev --dtype bfloat16
+    python tools/convert_checkpoint.py export-hf --load ckpt/lev --output hf/lev-kept \\
+        --hf-format leviathan
     python tools/convert_checkpoint.py import-hf --hf-dir hf/llama --output ckpt/llama-import
     python tools/convert_checkpoint.py export-megatron --load ckpt/lev --output mlm/lev \\
         --target-tensor-parallel-size 2
@@ -39,6 +41,7 @@ from megatron_ext.conversion.export_megatron import (
     ExportMegatronOptions,
     export_megatron,
 )
+from megatron_ext.conversion.hf import HF_FORMATS
 from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
 from megatron_ext.conversion.reshard import ReshardOptions, reshard
 from megatron_ext.data.loading import DataConfig
@@ -49,14 +52,24 @@ from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 def _add_checkpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
     p.add_argument(
-        "--iteration", type=int, default=None, help="iteration to read (default: the latest)"
+        "--ckpt-step",
+        "--iteration",
+        dest="ckpt_step",
+        type=int,
+        default=None,
+        help="iteration to read (default: the latest)",
     )
 
 
 def _add_load(p: argparse.ArgumentParser, arm_check: bool = True) -> None:
     _add_checkpoint(p)
     _add_verify(p)
-    p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
+    p.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="the run's tokenizer, if not where it recorded it (for GPT2BPETokenizer: the "
+        "directory holding its vocab and merge files)",
+    )
     if arm_check:
         p.add_argument(
             "--embedding-type", default=None, help="refuse the checkpoint unless it holds this arm"
@@ -102,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("export-hf", help="training checkpoint -> Hugging Face LlamaForCausalLM")
+    p = sub.add_parser(
+        "export-hf", help="training checkpoint -> Hugging Face LlamaForCausalLM or Leviathan"
+    )
     _add_load(p)
     _add_output(p)
     _add_dtype(p)
@@ -113,9 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the make-vocab-size-divisible-by padding rows (default: trim to the tokenizer)",
     )
     p.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer files")
+    p.add_argument(
+        "--hf-format",
+        choices=HF_FORMATS,
+        default="llama",
+        help="llama: LlamaForCausalLM, the input module materialised into a [V, D] table (any "
+        "arm; loads everywhere Llama does); leviathan: LeviathanForCausalLM, LEV kept as LEV "
+        "(LEV checkpoints; trust_remote_code=True without this package)",
+    )
 
-    p = sub.add_parser("import-hf", help="Hugging Face Llama -> TIED/UNTIED training checkpoint")
-    p.add_argument("--hf-dir", required=True, help="a LlamaForCausalLM directory")
+    p = sub.add_parser(
+        "import-hf", help="Hugging Face Llama -> TIED/UNTIED (Leviathan -> LEV) training checkpoint"
+    )
+    p.add_argument(
+        "--hf-dir", required=True, help="a LlamaForCausalLM or LeviathanForCausalLM directory"
+    )
     _add_output(p)
     add_flags(
         p,
@@ -173,7 +200,7 @@ def run(args: argparse.Namespace) -> str:
             ExportHFOptions(
                 load=args.load,
                 output=args.output,
-                iteration=args.iteration,
+                iteration=args.ckpt_step,
                 dtype=DTYPES[args.dtype],
                 compute_dtype=getattr(torch, args.compute_dtype),
                 keep_padded_vocab=args.keep_padded_vocab,
@@ -184,6 +211,7 @@ def run(args: argparse.Namespace) -> str:
                 overwrite=args.overwrite,
                 progress=progress,
                 verify=args.verify,
+                hf_format=args.hf_format,
             )
         )
     if args.command == "import-hf":
@@ -202,7 +230,7 @@ def run(args: argparse.Namespace) -> str:
             ExportMegatronOptions(
                 load=args.load,
                 output=args.output,
-                iteration=args.iteration,
+                iteration=args.ckpt_step,
                 tensor_model_parallel_size=args.target_tensor_parallel_size,
                 pipeline_model_parallel_size=args.target_pipeline_parallel_size,
                 dtype=DTYPES[args.dtype],
@@ -218,7 +246,7 @@ def run(args: argparse.Namespace) -> str:
         ReshardOptions(
             load=args.load,
             output=args.output,
-            iteration=args.iteration,
+            iteration=args.ckpt_step,
             tensor_model_parallel_size=args.target_tensor_parallel_size,
             pipeline_model_parallel_size=args.target_pipeline_parallel_size,
             keep_optimizer=not args.no_optimizer,
@@ -241,7 +269,7 @@ def verify(args: argparse.Namespace) -> int:
         verify_or_raise,
     )
 
-    root, iteration = locate_checkpoint(args.load, args.iteration)
+    root, iteration = locate_checkpoint(args.load, args.ckpt_step)
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise ConversionError(f"checkpoint {display_path(path)} does not exist")

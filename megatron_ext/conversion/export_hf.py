@@ -1,10 +1,15 @@
-"""export-hf: a training checkpoint (any arm, any saved layout) -> a `LlamaForCausalLM` directory.
+"""export-hf: a training checkpoint (any arm, any saved layout) -> a `LlamaForCausalLM` directory
+(`--hf-format llama`, the input module materialised into a [V, D] table), or a LEV checkpoint ->
+a `LeviathanForCausalLM` directory that keeps LEV's parameters (`--hf-format leviathan`).
 
-config.json               LlamaConfig + `leviathan` (arm, LEV hyper-parameters, source
-                          checkpoint, iteration, git revision, vocabulary handling)
+config.json               LlamaConfig (or LeviathanConfig + auto_map) + `leviathan` (arm, LEV
+                          hyper-parameters, source checkpoint, iteration, git revision,
+                          vocabulary handling)
 generation_config.json    eos = the tokenizer's end-of-document id
 model.safetensors         (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
 tokenizer.json, tokenizer_config.json
+configuration_leviathan.py, modeling_leviathan.py, lev_math.py   (leviathan: the model's code,
+                          from this package's source; hf_leviathan/remote_code.py)
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir, git_revision
 from megatron_ext.conversion.hf import (
+    HF_FORMATS,
     export_tokenizer,
     hf_config,
     to_hf_state_dict,
@@ -52,6 +58,15 @@ class ExportHFOptions:
     progress: bool = True
     verify: bool = True
     """Check the source against its digests first (--no-verify-checkpoint turns it off)."""
+    hf_format: str = "llama"
+    """llama: LlamaForCausalLM, the input module materialised; leviathan: LeviathanForCausalLM,
+    LEV's parameters kept (LEV checkpoints only)."""
+
+    def __post_init__(self) -> None:
+        if self.hf_format not in HF_FORMATS:
+            raise ConversionError(
+                f"--hf-format must be one of {', '.join(HF_FORMATS)}, got {self.hf_format!r}"
+            )
 
 
 def provenance(loaded, vocab_rows: int, opts: ExportHFOptions) -> dict:
@@ -66,8 +81,10 @@ def provenance(loaded, vocab_rows: int, opts: ExportHFOptions) -> dict:
         "saved_layout": loaded.run.common.get("layout"),
         "padded_vocab_size": cfg.vocab_size,
         "exported_vocab_size": vocab_rows,
-        "input_table_compute_dtype": str(opts.compute_dtype).replace("torch.", ""),
+        "hf_format": opts.hf_format,
     }
+    if opts.hf_format == "llama":
+        record["input_table_compute_dtype"] = str(opts.compute_dtype).replace("torch.", "")
     if emb.embedding_type in ("lev", "factored-mlp"):
         lev = dataclasses.asdict(cfg.embedding.lev)
         record["lev"] = {k: v for k, v in lev.items()}
@@ -98,10 +115,21 @@ def export_hf(opts: ExportHFOptions) -> str:
     cfg = loaded.model_config
     tied = cfg.embedding.tied
     vocab_rows = cfg.vocab_size if opts.keep_padded_vocab else loaded.tokenizer.vocab_size
-    # Computed in compute_dtype, kept in the stored dtype: one [V, D] table.
-    table = materialize_input_table(
-        loaded.model, compute_dtype=opts.compute_dtype, dtype=opts.dtype, progress=opts.progress
-    )
+    keep_lev = opts.hf_format == "leviathan"
+    if keep_lev and cfg.embedding.embedding_type != "lev":
+        raise ConversionError(
+            f"--hf-format leviathan keeps LEV, but {display_path(loaded.run.path)} holds a "
+            f"--embedding-type {cfg.embedding.embedding_type} model; use --hf-format llama"
+        )
+    table = None
+    if not keep_lev:
+        # Computed in compute_dtype, kept in the stored dtype: one [V, D] table.
+        table = materialize_input_table(
+            loaded.model,
+            compute_dtype=opts.compute_dtype,
+            dtype=opts.dtype,
+            progress=opts.progress,
+        )
     state = to_hf_state_dict(
         loaded.full,
         table,
@@ -119,9 +147,15 @@ def export_hf(opts: ExportHFOptions) -> str:
         dtype=opts.dtype,
         tokenizer=loaded.tokenizer,
         provenance=provenance(loaded, vocab_rows, opts),
+        lev_config=cfg.embedding.lev if keep_lev else None,
     )
     with atomic_output_dir(opts.output, opts.overwrite) as tmp:
         config.save_pretrained(tmp)
+        if keep_lev:
+            # deferred: imports transformers
+            from megatron_ext.conversion.hf_leviathan.remote_code import write_remote_code
+
+            write_remote_code(tmp)
         GenerationConfig(
             eos_token_id=loaded.tokenizer.eod,
             pad_token_id=loaded.tokenizer.pad,

@@ -11,6 +11,10 @@
     decoder.final_layernorm.weight                     model.norm.weight
     output_layer.weight                                lm_head.weight (absent when tied)
 
+The LEV arm exported as `LeviathanForCausalLM` (`--hf-format leviathan`) keeps LEV's parameters
+under the same names: embedding.word_embeddings.<p> <-> model.embed_tokens.<p> (codebooks,
+seed_proj, seed_norm_weight, seed_norm_bias, spline_delta, out_proj).
+
 Megatron fuses QKV per query group: rows [ng, np/ng + 2, hn] hold each group's np/ng query
 heads, then its key head, then its value head. Llama's grouped-query attention serves query
 heads j*np/ng .. (j+1)*np/ng - 1 with key/value head j, so splitting the groups gives q/k/v in
@@ -33,12 +37,16 @@ from tqdm import tqdm
 from megatron_ext.conversion.common import ConversionError
 from megatron_ext.data.tokenizers import (
     EXPORT_PROVENANCE_FILE,
+    GPT2BPETokenizer,
     HuggingFaceTokenizer,
     SentencePieceTokenizer,
     TikTokenizer,
 )
 
 __all__ = [
+    "HF_FORMATS",
+    "LEV_CONFIG_FIELDS",
+    "LEVIATHAN_ARCHITECTURE",
     "LLAMA_ARCHITECTURE",
     "hf_config",
     "to_hf_state_dict",
@@ -52,6 +60,27 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+LEVIATHAN_ARCHITECTURE = "LeviathanForCausalLM"
+HF_FORMATS = ("llama", "leviathan")
+LEV_CONFIG_FIELDS = (
+    "num_digits",
+    "base",
+    "seed_dim",
+    "num_knots",
+    "rank",
+    "num_heads",
+    "temperature",
+    "codebook_combine",
+    "normalize_basis",
+    "norm_eps",
+    "product_eps",
+    "init_std",
+    "spline_init_std",
+)
+"""`LEVConfig` fields a `LeviathanConfig` stores, as `lev_<field>` (the model's definition and
+its initialisation; the kernel, dedup and optimizer choices are the training run's)."""
+"""export-hf's --hf-format: LEV materialised into a Llama table, or kept (hf_leviathan)."""
+_LEV_PREFIX = ("embedding.word_embeddings.", "model.embed_tokens.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _SIMPLE = {
@@ -98,7 +127,7 @@ def fuse_qkv(q, k, v, heads: int, groups: int, rotary_interleaved: bool = False)
 
 def to_hf_state_dict(
     full: dict[str, torch.Tensor],
-    input_table: torch.Tensor,
+    input_table: Optional[torch.Tensor],
     *,
     num_attention_heads: int,
     num_query_groups: int,
@@ -109,9 +138,12 @@ def to_hf_state_dict(
     """Our full state dict (input module replaced by `input_table` [Vp, D]) -> Llama names.
 
     `vocab_rows` rows of the input table and head are kept (the tokenizer's size trims the
-    padding; the padded size keeps it).
+    padding; the padded size keeps it). With `input_table` None the LEV module's parameters
+    are kept as they are, under model.embed_tokens. (`LeviathanForCausalLM`).
     """
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": input_table[:vocab_rows]}
+    out: dict[str, torch.Tensor] = {}
+    if input_table is not None:
+        out["model.embed_tokens.weight"] = input_table[:vocab_rows]
     for name, tensor in full.items():
         match = _LAYER.match(name)
         if match:
@@ -137,6 +169,8 @@ def to_hf_state_dict(
         elif name == "output_layer.weight":
             if not tied:
                 out["lm_head.weight"] = tensor[:vocab_rows]
+        elif input_table is None and name.startswith(_LEV_PREFIX[0]):
+            out[_LEV_PREFIX[1] + name[len(_LEV_PREFIX[0]) :]] = tensor
         elif not name.startswith("embedding."):
             raise ConversionError(f"no Hugging Face Llama counterpart for {name}")
     return out
@@ -149,8 +183,10 @@ def from_hf_state_dict(
     num_query_groups: int,
     tied: bool,
     padded_vocab: int,
+    lev: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Llama names -> our full state dict for the TIED (tied=True) or UNTIED arm.
+    """Llama names -> our full state dict for the TIED (tied=True) or UNTIED arm, or with
+    `lev` the LEV arm (`LeviathanForCausalLM`'s names: LEV's parameters as they are).
 
     The vocabulary is padded with zero rows up to `padded_vocab` (never trimmed).
     """
@@ -160,7 +196,11 @@ def from_hf_state_dict(
             raise ConversionError(f"vocabulary {t.size(0)} exceeds the padded size {padded_vocab}")
         return torch.cat([t, t.new_zeros(padded_vocab - t.size(0), *t.shape[1:])])
 
-    out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"])}
+    if lev:
+        n = len(_LEV_PREFIX[1])
+        out = {_LEV_PREFIX[0] + k[n:]: v for k, v in hf.items() if k.startswith(_LEV_PREFIX[1])}
+    else:
+        out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"])}
     layers: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in hf.items():
         match = _HF_LAYER.match(name)
@@ -184,8 +224,10 @@ def from_hf_state_dict(
         )
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not tied:
-        head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
-        out["output_layer.weight"] = pad(head)
+        head = hf.get("lm_head.weight")
+        out["output_layer.weight"] = pad(
+            head if head is not None else hf["model.embed_tokens.weight"]
+        )
     return out
 
 
@@ -197,14 +239,27 @@ def hf_config(
     dtype: torch.dtype,
     tokenizer=None,
     provenance: Optional[dict] = None,
+    lev_config=None,
 ):
-    """The `LlamaConfig` of an exported model; `provenance` is stored as `leviathan`."""
+    """The `LlamaConfig` of an exported model, or with `lev_config` (a `LEVConfig`) the
+    `LeviathanConfig` with its `lev_*` fields and `auto_map`; `provenance` is stored as
+    `leviathan`."""
     # optional: the [eval] extra
     from transformers import LlamaConfig
 
     eod = getattr(tokenizer, "eod", None)
     pad = getattr(tokenizer, "pad", None)
-    config = LlamaConfig(
+    extra: dict = {"architectures": [LLAMA_ARCHITECTURE]}
+    config_class = LlamaConfig
+    if lev_config is not None:
+        # deferred: imports transformers' Llama modeling (hf_leviathan registers it)
+        from megatron_ext.conversion.hf_leviathan import LeviathanConfig
+        from megatron_ext.conversion.hf_leviathan.remote_code import AUTO_MAP
+
+        config_class = LeviathanConfig
+        extra = {f"lev_{k}": getattr(lev_config, k) for k in LEV_CONFIG_FIELDS}
+        extra["architectures"] = [LEVIATHAN_ARCHITECTURE]
+    config = config_class(
         vocab_size=vocab_size,
         hidden_size=model_config.hidden_size,
         intermediate_size=model_config.ffn_hidden_size,
@@ -224,19 +279,23 @@ def hf_config(
         bos_token_id=eod,
         eos_token_id=eod,
         pad_token_id=pad,
-        architectures=[LLAMA_ARCHITECTURE],
+        **extra,
     )
     config.dtype = dtype
+    if lev_config is not None:
+        config.auto_map = dict(AUTO_MAP)
     if provenance is not None:
         config.leviathan = provenance
     return config
 
 
 def check_llama_like(config: dict, path: str) -> None:
-    """Refuse a config.json that our TIED/UNTIED model cannot represent, naming the reason."""
+    """Refuse a config.json that our TIED/UNTIED (or, for a `LeviathanForCausalLM`, LEV) model
+    cannot represent, naming the reason."""
     arch = config.get("architectures") or []
     reasons = []
-    if config.get("model_type") != "llama" and LLAMA_ARCHITECTURE not in arch:
+    known = config.get("model_type") in ("llama", "leviathan")
+    if not known and not {LLAMA_ARCHITECTURE, LEVIATHAN_ARCHITECTURE} & set(arch):
         reasons.append(f"model_type {config.get('model_type')!r} / architectures {arch}")
     if config.get("attention_bias") or config.get("mlp_bias"):
         reasons.append("linear biases")
@@ -253,7 +312,7 @@ def check_llama_like(config: dict, path: str) -> None:
     if reasons:
         raise ConversionError(
             f"{path} is not a Llama-like model this project can import ({'; '.join(reasons)}); "
-            "import-hf takes LlamaForCausalLM checkpoints"
+            "import-hf takes LlamaForCausalLM and LeviathanForCausalLM checkpoints"
         )
 
 
@@ -347,6 +406,8 @@ def export_tokenizer(tokenizer, out_dir: str) -> None:
         _export_sentencepiece(tokenizer, out_dir)
     elif isinstance(tokenizer, TikTokenizer):
         _export_tiktoken(tokenizer, out_dir)
+    elif isinstance(tokenizer, GPT2BPETokenizer):
+        _export_gpt2_bpe(tokenizer, out_dir)
     else:
         raise ConversionError(
             f"cannot export a {type(tokenizer).__name__} as a Hugging Face tokenizer; pass "
@@ -381,7 +442,6 @@ def _export_tiktoken(tokenizer: TikTokenizer, out_dir: str) -> None:
     # optional: the [eval] extra (transformers')
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     encoding = tokenizer._enc
@@ -401,19 +461,46 @@ def _export_tiktoken(tokenizer: TikTokenizer, out_dir: str) -> None:
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     eod = encoding.decode_single_token_bytes(tokenizer.eod).decode()
     pad = tokenizer.pad
+    pad = None if pad is None else encoding.decode_single_token_bytes(pad).decode()
+    _save_byte_level_bpe(
+        backend, eod, pad, tokenizer, out_dir, "this tiktoken encoding (its split pattern?)"
+    )
+
+
+def _export_gpt2_bpe(tokenizer: GPT2BPETokenizer, out_dir: str) -> None:
+    """GPT-2 vocab.json + merges.txt as a `tokenizers` byte-level BPE with GPT-2's split
+    pattern; <|endoftext|> (EOD) at its id, never matched in text (as Megatron-LM's
+    GPT2BPETokenizer). Checked on a probe text before it is kept."""
+    # optional: the [eval] extra (transformers')
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    backend = Tokenizer(BPE.from_file(tokenizer.model_path, tokenizer.merge_file))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    eod = tokenizer.detokenize([tokenizer.eod])
+    backend.add_special_tokens([AddedToken(eod, special=True, normalized=False)])
+    _save_byte_level_bpe(backend, eod, None, tokenizer, out_dir, "these GPT-2 files")
+
+
+def _save_byte_level_bpe(backend, eod: str, pad, tokenizer, out_dir: str, source: str) -> None:
+    """`backend` as a transformers fast tokenizer in `out_dir`, once it encodes a probe text as
+    `tokenizer` does."""
+    from transformers import PreTrainedTokenizerFast  # optional: the [eval] extra
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=eod,  # as for SentencePiece: the end-of-document token, a scoring prefix
         eos_token=eod,
-        pad_token=None if pad is None else encoding.decode_single_token_bytes(pad).decode(),
+        pad_token=pad,
         split_special_tokens=True,
         clean_up_tokenization_spaces=False,
     )
     got = fast(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     if got != tokenizer.tokenize(_TOKENIZER_PROBE):
         raise ConversionError(
-            f"{tokenizer.model_path}: the Hugging Face byte-level BPE does not encode like this "
-            "tiktoken encoding (its split pattern?); pass --no-tokenizer"
+            f"{tokenizer.model_path}: the Hugging Face byte-level BPE does not encode like "
+            f"{source}; pass --no-tokenizer"
         )
     fast.save_pretrained(out_dir)
     _generic_tokenizer_class(out_dir)

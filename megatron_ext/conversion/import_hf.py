@@ -1,4 +1,5 @@
-"""import-hf: a Hugging Face Llama checkpoint -> a TIED or UNTIED training checkpoint.
+"""import-hf: a Hugging Face Llama checkpoint -> a TIED or UNTIED training checkpoint; a
+`LeviathanForCausalLM` (export-hf --hf-format leviathan) -> a LEV training checkpoint.
 
 The result is an ordinary checkpoint directory (`iter_0000000/`, DCP, `args.json` holding the
 model flags derived from config.json) without optimizer or RNG state, so that
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,7 +24,12 @@ import torch
 
 from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
-from megatron_ext.conversion.hf import from_hf_state_dict, read_hf_checkpoint
+from megatron_ext.conversion.hf import (
+    LEV_CONFIG_FIELDS,
+    LEVIATHAN_ARCHITECTURE,
+    from_hf_state_dict,
+    read_hf_checkpoint,
+)
 from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
 from megatron_ext.models.config import model_config_from_args_json
 
@@ -50,7 +57,8 @@ class ImportHFOptions:
     hf_dir: str
     output: str
     embedding_type: Optional[str] = None
-    """tied or untied (default: tied when config.json ties the embeddings)."""
+    """tied or untied (default: tied when config.json ties the embeddings); lev for (and only
+    for) a LeviathanForCausalLM."""
     seq_length: Optional[int] = None
     """--seq-length recorded for the run (default: max_position_embeddings, at most 4096)."""
     make_vocab_size_divisible_by: int = 128
@@ -79,7 +87,51 @@ def _model_flags(config: dict, arm: str, opts: ImportHFOptions) -> list[str]:
     ]  # fmt: skip
     if groups != heads:
         flags += ["--group-query-attention", "--num-query-groups", str(groups)]
+    if arm == "lev":
+        for field in LEV_CONFIG_FIELDS:
+            value, name = config[f"lev_{field}"], field.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(f"--{'' if value else 'no-'}lev-{name}")
+            else:
+                flags += [f"--lev-{name}", repr(value) if isinstance(value, float) else str(value)]
     return flags
+
+
+def is_leviathan(config: dict) -> bool:
+    """Whether config.json describes a `LeviathanForCausalLM` (LEV kept)."""
+    arch = config.get("architectures") or []
+    return config.get("model_type") == "leviathan" or LEVIATHAN_ARCHITECTURE in arch
+
+
+def _check_lev_fields(config: dict, tensors: dict, path: str) -> None:
+    """config.json's lev_* fields against LEV's weights: one line naming the first mismatch."""
+    missing = [f"lev_{f}" for f in LEV_CONFIG_FIELDS if config.get(f"lev_{f}") is None]
+    if missing:
+        raise ConversionError(
+            f"{path}/config.json describes a LeviathanForCausalLM but lacks {', '.join(missing)}"
+        )
+    k, b, d = (config[f"lev_{f}"] for f in ("num_digits", "base", "seed_dim"))
+    h, kappa, r = (config[f"lev_{f}"] for f in ("num_heads", "num_knots", "rank"))
+    d_in = k * d if config["lev_codebook_combine"] == "concat" else d
+    expected = {
+        "codebooks": (k, b, d),
+        "seed_proj": (h, d, d_in),
+        "seed_norm_weight": (h, d),
+        "seed_norm_bias": (h, d),
+        "spline_delta": (h, d, kappa, r),
+        "out_proj": (h, r, config["hidden_size"]),
+    }
+    for name, shape in expected.items():
+        got = tensors.get(f"model.embed_tokens.{name}")
+        if got is None:
+            raise ConversionError(f"{path} has no LEV weight model.embed_tokens.{name}")
+        if tuple(got.shape) != shape:
+            raise ConversionError(
+                f"{path}: model.embed_tokens.{name} is {list(got.shape)} but config.json's lev_* "
+                f"fields imply {list(shape)}; the config does not describe these weights"
+            )
+    if "lm_head.weight" not in tensors:
+        raise ConversionError(f"{path} has no lm_head.weight (a LEV model's head is its own)")
 
 
 def import_hf(opts: ImportHFOptions) -> str:
@@ -97,9 +149,19 @@ def import_hf(opts: ImportHFOptions) -> str:
             f"output {display_path(output)} already exists; pass --overwrite or pick another"
         )
     config, tensors = read_hf_checkpoint(opts.hf_dir)
-    tied_in_hf = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors
-    arm = opts.embedding_type or ("tied" if tied_in_hf else "untied")
-    if arm not in ("tied", "untied"):
+    lev = is_leviathan(config)
+    if lev:
+        if opts.embedding_type not in (None, "lev"):
+            raise ConversionError(
+                f"{opts.hf_dir} is a LeviathanForCausalLM: it imports as --embedding-type lev, "
+                f"not {opts.embedding_type}; drop --embedding-type"
+            )
+        _check_lev_fields(config, tensors, opts.hf_dir)
+    tied_in_hf = not lev and (
+        bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors
+    )
+    arm = "lev" if lev else opts.embedding_type or ("tied" if tied_in_hf else "untied")
+    if not lev and arm not in ("tied", "untied"):
         raise ConversionError(
             f"import-hf makes a tied or untied model, not --embedding-type {arm}: a Hugging Face "
             "model has a plain input table (fine-tune LEV and the other arms from scratch)"
@@ -116,17 +178,24 @@ def import_hf(opts: ImportHFOptions) -> str:
             f"{opts.hf_dir} holds no tokenizer files (tokenizer.json ...); save the tokenizer "
             "into the model directory (tokenizer.save_pretrained) first"
         )
-    try:
-        tokenizer = build_tokenizer("HuggingFaceTokenizer", opts.hf_dir)
-    except TokenizerError as error:
-        raise ConversionError(str(error)) from None
+    # Read from a copy of the tokenizer files alone, as the run will read them (<out>/tokenizer):
+    # beside a config.json with `auto_map` (a LeviathanForCausalLM) AutoTokenizer would ask
+    # whether to run the model's code.
+    with tempfile.TemporaryDirectory() as alone:
+        for name in files:
+            shutil.copy2(os.path.join(opts.hf_dir, name), os.path.join(alone, name))
+        try:
+            tokenizer = build_tokenizer("HuggingFaceTokenizer", alone)
+        except TokenizerError as error:
+            raise ConversionError(str(error).replace(alone, opts.hf_dir)) from None
+        vocab, fingerprint = tokenizer.vocab_size, tokenizer.fingerprint  # read from its files
     hf_vocab = config["vocab_size"]
-    if tokenizer.vocab_size > hf_vocab:
+    if vocab > hf_vocab:
         raise ConversionError(
-            f"the tokenizer of {opts.hf_dir} has {tokenizer.vocab_size} ids but the model embeds "
+            f"the tokenizer of {opts.hf_dir} has {vocab} ids but the model embeds "
             f"only {hf_vocab}: vocabulary mismatch"
         )
-    padded = padded_vocab_size(tokenizer.vocab_size, opts.make_vocab_size_divisible_by)
+    padded = padded_vocab_size(vocab, opts.make_vocab_size_divisible_by)
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
         if key in tensors and tensors[key].size(0) > padded:
             # Rows beyond the tokenizer's ids are never used; the run re-pads to `padded`.
@@ -137,14 +206,18 @@ def import_hf(opts: ImportHFOptions) -> str:
     flags = _model_flags(config, arm, opts) + [
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir,
     ]  # fmt: skip
-    args_json = {**args_json_of_flags(flags), "tokenizer_fingerprint": tokenizer.fingerprint}
-    model_config = model_config_from_args_json(args_json).replace(vocab_size=padded)
+    args_json = {**args_json_of_flags(flags), "tokenizer_fingerprint": fingerprint}
+    try:
+        model_config = model_config_from_args_json(args_json).replace(vocab_size=padded)
+    except ValueError as error:  # LEV's fields checked at the padded vocabulary
+        raise ConversionError(f"{opts.hf_dir}/config.json: {error}") from None
     full = from_hf_state_dict(
         tensors,
         num_attention_heads=model_config.num_attention_heads,
         num_query_groups=model_config.num_query_groups,
         tied=arm == "tied",
         padded_vocab=padded,
+        lev=lev,
     )
     pg = init_inference_parallel(1, 1)
     # Initialised (then overwritten): megatron tags the TP layout of a weight while it
@@ -170,7 +243,7 @@ def import_hf(opts: ImportHFOptions) -> str:
         "imported %s as a --embedding-type %s checkpoint (vocabulary %d, padded %d)",
         opts.hf_dir,
         arm,
-        tokenizer.vocab_size,
+        vocab,
         padded,
     )
     return output

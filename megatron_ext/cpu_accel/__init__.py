@@ -1,26 +1,18 @@
 """CPU accelerations: compiled kernels and tuning that make CPU runs faster, in one room.
 
-Nothing here changes what is computed: each piece has a portable path in the core that gives
-the same function (tested against it), and the core runs that path when the piece is off or
-cannot be built. The core never imports the modules below; it asks this module for them at its
-own extension points (each accessor returns its module, or None while the switch is off):
+Nothing here changes what is computed: each piece has a portable path in the core that gives the
+same function (tested against it), taken when the piece is off or cannot be built. The core asks
+this module at its own extension points (each accessor returns the module, or None when off):
 
-- `lev_backend()` -> `lev_kernel` (+ `csrc/lev_cpu.cpp`): the C++ LEV kernel of
-  `--lev-kernel auto/cpu` on CPU tensors; asked for by `lev.kernels.select_backend`.
-- `cross_entropy_kernel()` -> `cross_entropy` (+ `csrc/cross_entropy_cpu.cpp`): the one-pass
-  C++ cross entropy of the scoring head; asked for by
-  `tensor_parallel.chunked_head_cross_entropy`.
-- `decode_step()` -> `lean_decode`: the decode step in plain torch ops (`--step auto/lean`);
-  asked for by `inference.generation`.
-- `host_memory_tuning()` -> `host_memory`: glibc settings that keep freed host pages; asked for
-  by `training.run_extras`.
+- `lev_backend()` -> `lev_kernel` (C++ LEV kernel; `lev.kernels.select_backend`);
+- `cross_entropy_kernel()` -> `cross_entropy` (one-pass C++ cross entropy of the scoring head);
+- `decode_step()` -> `lean_decode` (the decode step in plain torch ops; `inference.generation`);
+- `host_memory_tuning()` -> `host_memory` (glibc settings; `training.run_extras`).
 
-`build` compiles the C++ sources on first use and caches them on disk.
-
-One switch turns them all off: ``MEGATRON_EXT_CPU_ACCEL=0`` in the environment (every process
-a command starts inherits it), or ``--no-cpu-accel`` on `pretrain_leviathan.py` and
-`tools/quickstart.py`, which set it. The modules are imported by name on first use (this
-module imports none of them), so the core's import graph never depends on them.
+`build` compiles the C++ sources on first use and caches them. One switch turns all off:
+``MEGATRON_EXT_CPU_ACCEL=0`` (inherited by every process a command starts), or ``--no-cpu-accel``
+of `pretrain_leviathan.py` and `tools/quickstart.py`. The modules are imported by name on first
+use, so the core's import graph never depends on them.
 """
 
 from __future__ import annotations

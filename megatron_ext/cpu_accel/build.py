@@ -17,9 +17,10 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
+
+from megatron_ext._paths import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,7 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str, source: Path, target: Path, what: str, hint: str) -> None:
     """Compile to a temporary name in the cache, then rename (safe with concurrent ranks)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    try:
+    with atomic_path(target) as tmp:
         proc = subprocess.run(
             [compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True
         )
@@ -80,10 +78,6 @@ def _build(compiler: str, source: Path, target: Path, what: str, hint: str) -> N
                 f"building the {what} with {compiler} failed: {first[-300:]}; fix the compiler "
                 f"or {hint}"
             )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def build_library(source: Path, what: str, hint: str) -> ctypes.CDLL:

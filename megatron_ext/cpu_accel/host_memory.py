@@ -1,33 +1,16 @@
 """Keep freed host memory in the process between training iterations (glibc's malloc).
 
-glibc returns freed memory to the operating system eagerly: blocks above its mmap threshold
-(128 KiB at start, raised only when such a block is freed) are unmapped on free, and the top of
-the heap is trimmed once more than the trim threshold (twice the mmap threshold) is free. A
-CPU training step frees and re-allocates the same activations every iteration, in sizes that
-vary with the data (LEV's distinct ids): each iteration then faults fresh zeroed pages in
-again, kernel time that measured 3-5% of a step at width 256 (benchmarks/RESULTS.md 4.3).
+glibc returns freed memory to the OS eagerly (blocks above its mmap threshold are unmapped on
+free, the heap top is trimmed), so a CPU step that re-allocates activations of data-dependent
+sizes (LEV's distinct ids) faults fresh zeroed pages in every iteration.
 `retain_freed_host_memory` sets the mmap threshold to glibc's largest (32 MiB) and the trim
-threshold to 1 GiB, as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` would, so that the
-next iteration reuses the pages. The resident size stays at the step's peak instead of
-falling between steps.
-
-Blocks above 32 MiB are still mapped and unmapped per allocation at that threshold: on a CPU
-run these are the step's largest activations (the [s, b, V] logits and their gradient, 64 MiB
-each at seq 512, micro-batch 4, V = 8k), about 16k fresh pages per iteration. With
-`large_blocks=True` (what training on CPU asks for) the mmap count is also set to 0
-(`MALLOC_MMAP_MAX_=0`), so that every block comes from the heap and is kept too. glibc still
-maps a block that the heap cannot hold (a thread's arena is at most 64 MiB; the main heap when
-it cannot grow), so no allocation fails because of it; memory freed at the heap's top above
-the trim threshold is still returned. GPU runs keep large host blocks mapped: there they are
-one-off buffers (checkpoint loads), which in the heap could leave holes that stay resident.
-
-So do CPU runs whose rank holds `LARGE_BLOCKS_PARAM_LIMIT` bytes of parameters or more: there
-the blocks above 32 MiB are the weights' gradients (freed by every zero_grad and allocated
-again by the next backward), the Adam states and the [s, V] logits, in sizes that differ from
-one another, so the heap that serves them all keeps holes that no later block fits. At the
-paper's 1.2B width (TP=2, one layer, micro-batch 1) that measured 5.40 GiB resident per rank
-against 4.40 GiB with those blocks mapped (benchmarks/scale_1p2b.py, benchmarks/RESULTS.md),
-while faulting them in again costs a step of several seconds about 1%.
+threshold to 1 GiB, as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` would; with
+`large_blocks=True` (CPU training) also `MALLOC_MMAP_MAX_=0`, so that blocks above 32 MiB (the
+logits and their gradient) come from the heap and are kept too. glibc still maps what the heap
+cannot hold, so no allocation fails. GPU runs, and CPU ranks with `LARGE_BLOCKS_PARAM_LIMIT`
+bytes of parameters or more, keep large blocks mapped: there they are one-off buffers or
+weights' gradients and Adam states of differing sizes, whose holes in the heap would stay
+resident. Measurements: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """A lean cached decode step for the local layer spec at TP=1: the same layers, plain torch ops.
 
-Per generated token, megatron-core's TransformerLayer machinery (module dispatch, the static
-inference context's bookkeeping, [s, b] layout shuffles, bias-dropout-add closures) costs more
-Python than the token's matmuls on a small model. `LeanDecoder` runs exactly the computation of
-the local spec (`SequenceParallelNorm`, `CachedSelfAttention` with `SDPACoreAttention`, megatron's
-`MLP` or its `SwiGLUMLP`) on the model's own weights, batch-first, with its own KV cache
-([b, ng, max_s, hn] per layer, keys stored already rotated):
+Per generated token, megatron-core's TransformerLayer machinery costs more Python than a small
+model's matmuls. `LeanDecoder` runs exactly the local spec's computation on the model's own
+weights, batch-first, with its own KV cache ([b, ng, max_s, hn] per layer, keys rotated)::
 
     decoder = LeanDecoder(model, batch=2, max_sequence_length=64)   # raises if not covered
     logits = decoder(tokens[:, :5])   # prefill: [b, 5] -> next-token logits [b, V]
     logits = decoder(tokens[:, 5:6])  # one decoding step
 
-The embedding is the model's own module (so every embedding arm, LEV from its eval table); the
-output layer's weight is the one its forward uses (tied or untied head). On CPU the decoder holds
-each weight it multiplies transposed ([in, out], contiguous: about one more copy of the
-transformer and output weights, made by each decoder, i.e. per `generate` call): MKL repacks an
-[out, in] weight on every small matmul, which cost a decode step more than the multiply itself
-(py-spy, batch 8: 35% of the step in `sgemm_scopy`), while an [in, out] weight is streamed as it
-lies.
-
-`lean_decode_unsupported` names what a model has that the lean step does not cover (tensor
-parallelism, biases, MoE, MLA, qk-norm, ...); callers then run megatron's path and say so.
+The embedding is the model's own module (every arm; LEV from its eval table). On CPU the decoder
+holds each weight transposed ([in, out]: MKL repacks an [out, in] weight on every small matmul),
+one more copy of the weights per decoder. `lean_decode_unsupported` names what a model has that
+the lean step does not cover (TP, biases, MoE, ...); callers then run megatron's path and say so.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Fused LEV modes on CPU: a compiled C++ twin of the Triton kernel (`--lev-kernel cpu`).
 
-`lev.fused.fused_lev_modes` evaluates steps 3c-3e with torch ops over [h, d, n, kappa] and
-[h, d, n, r] tensors: about fifteen elementwise passes and three batched matmuls per chunk,
-which at small widths cost more than the arithmetic. Here one C++ loop (csrc/lev_cpu.cpp) per
-(head, id) evaluates each spline value from the three non-zero basis values of its coordinate
-and multiplies it into the mode at once; backward recomputes them per (head, coordinate) and
-accumulates dL/dDelta and dL/dt in the same pass. Nothing of size h*d*r per id is stored.
-
-The function is the same as `lev.math.lev_modes` (docs/lev.md steps 3a-3e) and saves the same
-tensors as `lev.fused` (the seeds z [N, d_in] and the modes M [N, h, r]); of steps 3a-3b, the
-seed projection and the sigmoid stay torch ops and the LayerNorm with its affine is C++ too
-(`CpuSeedNorm`), all recomputed in backward. The product is the
-mantissa-exponent product every backend shares (`lev.kernels`, "The signed product").
-
-The C++ source is compiled on first use (`megatron_ext.cpu_accel.build`: the system C++ compiler,
-cached under $MEGATRON_EXT_CACHE, keyed by the source, the flags, the compiler and the CPU);
-later processes load it in milliseconds.
-`cpu_kernel_error()` says why it cannot be used (no compiler, a failed build), and
-`--lev-kernel auto` then logs that reason once and runs `lev.fused`.
+One C++ loop (csrc/lev_cpu.cpp) per (head, id) evaluates each spline value from the three
+non-zero basis values of its coordinate and multiplies it into the mode at once; backward
+recomputes them per (head, coordinate) and accumulates dL/dDelta and dL/dt in the same pass,
+so nothing of size h*d*r per id is stored (`lev.fused` makes about fifteen elementwise passes
+instead). Same function and saved tensors as `lev.fused`; the LayerNorm and its affine are C++
+too (`CpuSeedNorm`). Compiled on first use (`cpu_accel.build`, cached under
+$MEGATRON_EXT_CACHE); `cpu_kernel_error()` says why it cannot be used, and `--lev-kernel auto`
+then logs that reason once and runs `lev.fused`.
 """
 
 from __future__ import annotations

@@ -5,15 +5,43 @@ its temporary files."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Callable, Optional, Sequence
 
 from megatron_ext import cli
 from megatron_ext.data.readers import DataError
-from megatron_ext.data.tokenizers import TokenizerError
+from megatron_ext.data.tokenizers import TOKENIZER_TYPES, TokenizerError
 
-__all__ = ["LOG_FORMAT", "setup_logging", "run_tool"]
+__all__ = ["LOG_FORMAT", "add_tokenizer_flags", "setup_logging", "run_tool"]
 
 LOG_FORMAT = "[%(asctime)s] %(levelname)s %(message)s"
+
+
+def add_tokenizer_flags(
+    group: argparse._ArgumentGroup, *, required: bool, vocab_size_help: str
+) -> None:
+    """The tokenizer's flags as Megatron-LM's data tools spell them (--tokenizer-type and the
+    files or sizes each type reads)."""
+    group.add_argument(
+        "--tokenizer-type",
+        required=required,
+        default=None,
+        choices=sorted(TOKENIZER_TYPES),
+        help="tokenizer kind",
+    )
+    group.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="SentencePiece .model, .tiktoken file, or HF tokenizer directory",
+    )
+    group.add_argument("--vocab-size", type=int, default=None, help=vocab_size_help)
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
+    group.add_argument(
+        "--tiktoken-pattern",
+        default="o200k",
+        help="TikTokenizer split pattern: o200k, cl100k or a regex",
+    )
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -1,23 +1,12 @@
 """Writing Megatron-Core indexed datasets (``.bin``/``.idx``) and their token counts, safely.
 
-The format is Megatron-Core's (``megatron.core.datasets.indexed_dataset``): the ``.idx`` is
-written in its ``_IndexWriter``'s layout with vectorised sequence pointers (the stock writer loops
-in Python and keeps a Python list per sequence, which for a merged Pile is minutes and
-gigabytes; preprocessing writes it without importing megatron.core at all), the ``.bin`` is the
-concatenated token ids in the index dtype. One document is one sequence, as Megatron-LM's
-preprocess_data.py writes without ``--split-sentences``. Beside them, ``<prefix>_counts.npy``
-holds the int64 count of every token id (length = the tokenizer's vocab size), and
-``<prefix>_tokenizer.json`` which tokenizer made it (``data/fingerprint.py``).
-
-Every file is written under a temporary name (``<final>.tmp``) and renamed only when complete:
-counts and tokenizer record first, then ``.bin``, then ``.idx`` last, so a dataset whose
-``.idx`` exists is whole.
-``abort()`` (on errors and Ctrl-C) removes the temporary files.
-
-Reading: ``check_dataset`` checks that a ``.bin``/``.idx`` pair agrees (header, sizes, sequence
-pointers, document indices) before anything reads it, so that a damaged dataset (an
-interrupted copy, another tool's file) is one error naming the file and what is wrong instead
-of a traceback from inside Megatron-Core's reader; every reader here calls it.
+The format is Megatron-Core's: the ``.idx`` in its ``_IndexWriter``'s layout with vectorised
+sequence pointers (without importing megatron.core), the ``.bin`` the concatenated token ids;
+one document is one sequence. Beside them ``<prefix>_counts.npy`` (int64 count of every id) and
+``<prefix>_tokenizer.json`` (``data/fingerprint.py``). Every file is written under a temporary
+name and renamed when complete, counts and tokenizer record first, ``.idx`` last, so a dataset
+whose ``.idx`` exists is whole; ``abort()`` removes the temporary files. ``check_dataset``
+checks that a pair agrees (header, sizes, pointers, document indices) before anything reads it.
 """
 
 from __future__ import annotations
@@ -31,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_ext._paths import atomic_path
 from megatron_ext.data.fingerprint import common_record, sidecar_path, write_sidecar
 from megatron_ext.data.readers import DataError
 
@@ -47,6 +37,8 @@ __all__ = [
     "merge_datasets",
     "load_dataset",
     "num_tokens",
+    "index_dtype",
+    "sampled_max_id",
 ]
 
 TMP_SUFFIX = ".tmp"
@@ -133,6 +125,24 @@ def check_dataset(prefix: str) -> int:
         if not os.path.isfile(path):
             raise DataError(f"dataset not found: {path} is missing")
     fix = "copy the dataset again or re-run tools/preprocess_data.py"
+    code, sequences, documents = _index_header(idx_path, fix)
+    itemsize = np.dtype(_CODE_NAMES[code]).itemsize
+    tokens = _check_sequences(idx_path, sequences, itemsize, fix)
+    bin_size, bin_expected = os.path.getsize(bin_path), tokens * itemsize
+    if bin_size != bin_expected:
+        what = "shorter" if bin_size < bin_expected else "longer"
+        raise DataError(
+            f"{bin_path} is {what} than its index describes ({bin_size} bytes, "
+            f"{idx_path} describes {tokens} {_CODE_NAMES[code]} tokens = {bin_expected} bytes; an "
+            f"interrupted copy, or the .bin of another dataset); {fix}"
+        )
+    _check_documents(idx_path, sequences, documents, fix)
+    return tokens
+
+
+def _index_header(idx_path: str, fix: str) -> tuple[int, int, int]:
+    """(dtype code, sequences, document indices) of the index's header, which must describe
+    the index's size."""
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as handle:
         header = handle.read(_HEADER_BYTES)
@@ -149,7 +159,6 @@ def check_dataset(prefix: str) -> int:
     if code not in _CODE_NAMES:
         known = ", ".join(f"{c} {n}" for c, n in sorted(_CODE_NAMES.items()))
         raise DataError(f"{idx_path} has token dtype code {code}, not one of {known}; {fix}")
-    itemsize = np.dtype(_CODE_NAMES[code]).itemsize
     expected = _HEADER_BYTES + 12 * sequences + 8 * documents
     if idx_size not in (expected, expected + sequences):  # (+ modes: a multimodal index)
         what = "truncated" if idx_size < expected else "longer than its header describes"
@@ -159,9 +168,13 @@ def check_dataset(prefix: str) -> int:
         )
     if documents == 0:
         raise DataError(f"{idx_path} has no document indices (at least [0] is needed); {fix}")
+    return code, sequences, documents
+
+
+def _check_sequences(idx_path: str, sequences: int, itemsize: int, fix: str) -> int:
+    """Every sequence's length and pointer (chunk by chunk); returns the token count."""
     lengths = np.memmap(idx_path, np.int32, "r", _HEADER_BYTES, (sequences,))
     pointers = np.memmap(idx_path, np.int64, "r", _HEADER_BYTES + 4 * sequences, (sequences,))
-    docs = np.memmap(idx_path, np.int64, "r", _HEADER_BYTES + 12 * sequences, (documents,))
     tokens = 0
     for start in range(0, sequences, _CHECK_CHUNK):
         part = np.asarray(lengths[start : start + _CHECK_CHUNK], dtype=np.int64)
@@ -177,14 +190,13 @@ def check_dataset(prefix: str) -> int:
                 f"not {int(expected_pointers[wrong[0]])} where it starts; {fix}"
             )
         tokens += int(part.sum())
-    bin_size, bin_expected = os.path.getsize(bin_path), tokens * itemsize
-    if bin_size != bin_expected:
-        what = "shorter" if bin_size < bin_expected else "longer"
-        raise DataError(
-            f"{bin_path} is {what} than its index describes ({bin_size} bytes, "
-            f"{idx_path} describes {tokens} {_CODE_NAMES[code]} tokens = {bin_expected} bytes; an "
-            f"interrupted copy, or the .bin of another dataset); {fix}"
-        )
+    del lengths, pointers
+    return tokens
+
+
+def _check_documents(idx_path: str, sequences: int, documents: int, fix: str) -> None:
+    """The document indices run from 0 up to `sequences`, never decreasing."""
+    docs = np.memmap(idx_path, np.int64, "r", _HEADER_BYTES + 12 * sequences, (documents,))
     previous = 0
     for start in range(0, documents, _CHECK_CHUNK):
         part = np.asarray(docs[start : start + _CHECK_CHUNK])
@@ -202,8 +214,7 @@ def check_dataset(prefix: str) -> int:
             f"{idx_path}: the last document index is {previous}, not the {sequences} sequences "
             f"(out of range); {fix}"
         )
-    del lengths, pointers, docs
-    return tokens
+    del docs
 
 
 def _write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
@@ -311,8 +322,8 @@ def _place_sidecar(prefix: str, record: Optional[dict]) -> None:
         if os.path.exists(path):
             os.remove(path)  # an overwritten dataset must not keep another tokenizer's record
         return
-    write_sidecar(path + TMP_SUFFIX, record)
-    os.replace(path + TMP_SUFFIX, path)
+    with atomic_path(path) as tmp:
+        write_sidecar(tmp, record)
 
 
 def read_counts(prefix: str) -> np.ndarray:
@@ -357,44 +368,13 @@ def merge_datasets(
             f"cannot merge datasets of different token dtypes: {sorted(map(str, dtypes))}"
         )
     dtype = indices[0].dtype
-    counts = None
-    have_counts = [os.path.isfile(counts_path(prefix)) for prefix in prefixes]
-    if all(have_counts):
-        for prefix in prefixes:
-            part = read_counts(prefix)
-            if counts is None:
-                counts = part.astype(np.int64, copy=True)
-            elif len(part) != len(counts):
-                raise DataError(
-                    f"cannot merge datasets with different vocab sizes: {counts_path(prefix)} "
-                    f"has {len(part)} ids, {counts_path(prefixes[0])} has {len(counts)}"
-                )
-            else:
-                counts += part
-    elif require_counts:
-        missing = prefixes[have_counts.index(False)]
-        raise DataError(f"token counts not found: {counts_path(missing)}")
+    counts = _summed_counts(prefixes, require_counts)
     directory = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(directory, exist_ok=True)
     final = dataset_files(output_prefix)
     tmp = [path + TMP_SUFFIX for path in final]
     try:
-        lengths_parts = []
-        docs_parts = []
-        offset = 0
-        with open(tmp[0], "wb") as out:
-            for prefix, index in zip(prefixes, indices):
-                with open(get_bin_path(prefix), "rb") as src:
-                    while True:
-                        block = src.read(1 << 24)
-                        if not block:
-                            break
-                        out.write(block)
-                lengths_parts.append(np.array(index.sequence_lengths, dtype=np.int32))
-                docs_parts.append(np.array(index.document_indices[1:], dtype=np.int64) + offset)
-                offset += len(index.sequence_lengths)
-        lengths = np.concatenate(lengths_parts)
-        document_indices = np.concatenate([np.zeros(1, dtype=np.int64), *docs_parts])
+        lengths, document_indices = _concatenate_bins(prefixes, indices, tmp[0])
         with _fast_index_writer()(tmp[1], dtype) as writer:
             writer.write(lengths, None, document_indices)
         pairs = [(tmp[0], final[0])]
@@ -430,6 +410,46 @@ def merge_datasets(
     return summary
 
 
+def _summed_counts(prefixes: list[str], require_counts: bool) -> Optional[np.ndarray]:
+    """The inputs' token counts summed (None when some input has none and they are not
+    required)."""
+    have_counts = [os.path.isfile(counts_path(prefix)) for prefix in prefixes]
+    if not all(have_counts):
+        if require_counts:
+            missing = prefixes[have_counts.index(False)]
+            raise DataError(f"token counts not found: {counts_path(missing)}")
+        return None
+    counts = None
+    for prefix in prefixes:
+        part = read_counts(prefix)
+        if counts is None:
+            counts = part.astype(np.int64, copy=True)
+        elif len(part) != len(counts):
+            raise DataError(
+                f"cannot merge datasets with different vocab sizes: {counts_path(prefix)} "
+                f"has {len(part)} ids, {counts_path(prefixes[0])} has {len(counts)}"
+            )
+        else:
+            counts += part
+    return counts
+
+
+def _concatenate_bins(prefixes, indices, bin_path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Stream the inputs' .bin data into `bin_path`; returns the merged index's sequence lengths
+    and document indices."""
+    lengths_parts, docs_parts, offset = [], [], 0
+    with open(bin_path, "wb") as out:
+        for prefix, index in zip(prefixes, indices):
+            with open(get_bin_path(prefix), "rb") as src:
+                while block := src.read(1 << 24):
+                    out.write(block)
+            lengths_parts.append(np.array(index.sequence_lengths, dtype=np.int32))
+            docs_parts.append(np.array(index.document_indices[1:], dtype=np.int64) + offset)
+            offset += len(index.sequence_lengths)
+    document_indices = np.concatenate([np.zeros(1, dtype=np.int64), *docs_parts])
+    return np.concatenate(lengths_parts), document_indices
+
+
 def load_dataset(prefix: str):
     """Open a finished dataset with Megatron-Core's reader (for tools and tests), after
     ``check_dataset``."""
@@ -443,3 +463,33 @@ def num_tokens(prefix: str) -> int:
     """Total stored tokens of the dataset ``prefix`` (from its index, checked by
     ``check_dataset``)."""
     return check_dataset(prefix)
+
+
+def index_dtype(prefix: str) -> np.dtype:
+    """The token dtype the ``.idx`` of ``prefix`` names (after `check_dataset`)."""
+    with open(get_idx_path(prefix), "rb") as handle:
+        header = handle.read(_HEADER_BYTES)
+    return np.dtype(_CODE_NAMES[header[len(_INDEX_HEADER) + 8]])
+
+
+_SAMPLE_BLOCKS = 64
+_SAMPLE_BLOCK_BYTES = 1 << 20
+
+
+def sampled_max_id(prefix: str) -> int:
+    """The largest token id in a sample of the dataset ``prefix``'s ``.bin``: all of it up to
+    64 MiB, else 64 evenly spaced 1 MiB blocks (first and last included). For datasets without
+    counts (made by Megatron-LM): a cheap check that the tokenizer covers their ids. Call after
+    `check_dataset` (the header is trusted here)."""
+    dtype = index_dtype(prefix)
+    if not os.path.getsize(get_bin_path(prefix)):
+        return -1
+    tokens = np.memmap(get_bin_path(prefix), dtype, "r")
+    block = _SAMPLE_BLOCK_BYTES // dtype.itemsize
+    if tokens.size <= _SAMPLE_BLOCKS * block:
+        found = int(tokens.max())
+    else:
+        starts = np.linspace(0, tokens.size - block, _SAMPLE_BLOCKS).astype(np.int64)
+        found = max(int(tokens[s : s + block].max()) for s in starts)
+    del tokens
+    return found

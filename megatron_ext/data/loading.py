@@ -34,6 +34,7 @@ from megatron_ext.data.indexed import (
     counts_path,
     get_bin_path,
     get_idx_path,
+    sampled_max_id,
     token_dtype,
 )
 from megatron_ext.data.readers import DataError
@@ -223,10 +224,10 @@ def _split_in_documents(
     weights: Sequence[float], count: int, num_samples: Sequence[Optional[int]]
 ) -> Optional[str]:
     """A --split, in documents of a `count`-document dataset, that keeps the valid and test
-    shares of `weights` but gives each split samples are wanted from at least one document;
-    None when `count` is too small for that."""
+    shares of `weights` but gives each split samples are wanted from at least one document
+    (a split the user set to 0 stays 0); None when `count` is too small for that."""
     held_out = [
-        max(int(weight * count), 1 if wanted else 0)
+        max(int(weight * count), 1 if wanted and weight > 0 else 0)
         for weight, wanted in zip(weights[1:], num_samples[1:])
     ]
     train = count - sum(held_out)
@@ -289,7 +290,10 @@ def _check_datasets(
         if prefix in checked:
             continue
         checked.add(prefix)
-        check_vocab_sizes(tokenizer.vocab_size, dataset_vocab_size(prefix), None, prefix)
+        counted_vocab = dataset_vocab_size(prefix)
+        check_vocab_sizes(tokenizer.vocab_size, counted_vocab, None, prefix)
+        if counted_vocab is None:  # no _counts.npy (made by Megatron-LM): look at its ids
+            _check_ids_in_vocab(prefix, tokenizer)
         with open(get_idx_path(prefix), "rb") as handle:
             header = handle.read(18)
         code = header[17] if len(header) == 18 else None
@@ -305,6 +309,17 @@ def _check_datasets(
         fix="pass the tokenizer the dataset was made with, or re-run tools/preprocess_data.py "
         "with this one",
     )
+
+
+def _check_ids_in_vocab(prefix: str, tokenizer: Tokenizer) -> None:
+    """Refuse a dataset whose ids (a sample of its .bin) the tokenizer does not have."""
+    largest = sampled_max_id(prefix)
+    if largest >= tokenizer.vocab_size:
+        raise VocabSizeMismatchError(
+            f"{prefix} holds token id {largest} but the tokenizer ({tokenizer.type_name}) has "
+            f"only {tokenizer.vocab_size} ids: the dataset was made with another tokenizer; "
+            "pass the tokenizer flags it was preprocessed with"
+        )
 
 
 class _DatasetTokenizer:

@@ -1,26 +1,14 @@
 """Tokenise jsonl corpora into Megatron-Core indexed datasets (the engine behind
 ``tools/preprocess_data.py``).
 
-Pipeline (one pool of ``workers`` processes shared by all shards):
+    reader thread per shard -> worker processes (parse, validate, batch-encode a ~1 MiB chunk of
+    whole lines) -> the same thread writes .bin, lengths and counts in submission order
 
-    reader thread per shard          worker processes                 same thread
-    iter_line_chunks (~1 MiB of  ->  parse JSON, validate, batch-  ->  write .bin, lengths,
-    whole lines, zstd/gzip           encode all documents of the       counts; log progress
-    streamed)                        chunk, flatten to numpy
-
-Chunks are cut by byte count only and their results consumed in submission order, so the output
-bytes do not depend on the worker count. At most ``2 * workers`` chunks are in flight per shard,
-so memory is bounded whatever the file size (Pool.imap would read the whole file ahead).
-
-Outputs (Megatron-LM names), with ``P`` the output prefix of a unit of work:
-
-- default: all inputs, in order, into ``P_<key>_document`` with ``P = --output-prefix``;
-- ``shard_output``: one unit per input file, ``P = <output-prefix>_<shard name>`` (or
-  ``<output-prefix><shard name>`` when the prefix ends with ``/``); units run concurrently;
-- ``split_by`` (e.g. ``meta.pile_set_name``): ``P_<set>_<key>_document`` per value.
-
-Each dataset has ``<dataset prefix>_counts.npy``. Each unit ends by writing ``P_summary.json``;
-its presence marks the unit finished, which ``skip_existing`` uses to resume.
+so the output bytes do not depend on the worker count, and at most ``2 * workers`` chunks per
+shard are in flight (bounded memory). Outputs, with ``P`` a unit's prefix: all inputs into
+``P_<key>_document`` by default; one unit per input file with ``shard_output`` (units run
+concurrently); ``P_<set>_<key>_document`` per value of ``split_by``. Each dataset gets
+``_counts.npy``; each unit ends by writing ``P_summary.json``, which ``skip_existing`` resumes by.
 """
 
 from __future__ import annotations
@@ -45,8 +33,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from megatron_ext import _signals
+from megatron_ext._paths import atomic_open
 from megatron_ext.data.fingerprint import tokenizer_record
-from megatron_ext.data.indexed import TMP_SUFFIX, DatasetWriter, dataset_files, token_dtype
+from megatron_ext.data.indexed import DatasetWriter, dataset_files, token_dtype
 from megatron_ext.data.readers import DataError, InputFile, expand_inputs, iter_line_chunks
 from megatron_ext.data.tokenizers import Tokenizer, TokenizerError, build_tokenizer
 
@@ -232,6 +221,43 @@ def _flatten(ids: list[list[int]], eod: Optional[int]) -> tuple[np.ndarray, np.n
     return tokens, lengths
 
 
+def _record_texts(
+    line: str, json_keys: Sequence[str], split_by: Optional[str]
+) -> tuple[Optional[str], list[str], Optional[str]]:
+    """(why the record is bad, None when it is not; its texts; its split group) of one line."""
+    try:
+        record = json.loads(line)
+    except ValueError as error:
+        return f"invalid JSON ({error.msg})", [], None
+    if not isinstance(record, dict):
+        return f"not a JSON object ({type(record).__name__})", [], None
+    values = []
+    for key in json_keys:
+        if key not in record:
+            return f"missing key {key!r}", [], None
+        value = record[key]
+        if not isinstance(value, str):
+            return f"non-string {key!r} ({type(value).__name__})", [], None
+        surrogate = _SURROGATE.search(value)
+        if surrogate is not None:
+            # Valid JSON ("\ud800"), but no tokenizer can encode it.
+            return (
+                (
+                    f"invalid Unicode in {key!r} (lone surrogate "
+                    f"U+{ord(surrogate.group()):04X} at character {surrogate.start()})"
+                ),
+                [],
+                None,
+            )
+        values.append(value)
+    if split_by is None:
+        return None, values, None
+    try:
+        return None, values, _group_name(str(_lookup(record, split_by)))
+    except KeyError:
+        return f"missing split field {split_by!r}", [], None
+
+
 def encode_chunk(
     tokenizer: Tokenizer,
     chunk: bytes,
@@ -265,39 +291,7 @@ def encode_chunk(
         except UnicodeDecodeError as error:
             result.bad.append((line_number, f"invalid UTF-8 at byte {error.start}"))
             continue
-        try:
-            record = json.loads(line)
-        except ValueError as error:
-            result.bad.append((line_number, f"invalid JSON ({error.msg})"))
-            continue
-        if not isinstance(record, dict):
-            result.bad.append((line_number, f"not a JSON object ({type(record).__name__})"))
-            continue
-        values = []
-        reason = None
-        for key in json_keys:
-            if key not in record:
-                reason = f"missing key {key!r}"
-                break
-            value = record[key]
-            if not isinstance(value, str):
-                reason = f"non-string {key!r} ({type(value).__name__})"
-                break
-            surrogate = _SURROGATE.search(value)
-            if surrogate is not None:
-                # Valid JSON ("\ud800"), but no tokenizer can encode it.
-                reason = (
-                    f"invalid Unicode in {key!r} (lone surrogate "
-                    f"U+{ord(surrogate.group()):04X} at character {surrogate.start()})"
-                )
-                break
-            values.append(value)
-        group = None
-        if reason is None and split_by is not None:
-            try:
-                group = _group_name(str(_lookup(record, split_by)))
-            except KeyError:
-                reason = f"missing split field {split_by!r}"
+        reason, values, group = _record_texts(line, json_keys, split_by)
         if reason is not None:
             result.bad.append((line_number, reason))
             continue
@@ -529,11 +523,9 @@ class _UnitRunner:
             "split_by": self.config.split_by,
             "dtype": np.dtype(token_dtype(self.vocab_size)).name,
         }
-        tmp = self.unit.summary_path + TMP_SUFFIX
-        with open(tmp, "w") as handle:
+        with atomic_open(self.unit.summary_path) as handle:
             json.dump(summary, handle, indent=2, sort_keys=True)
             handle.write("\n")
-        os.replace(tmp, self.unit.summary_path)
         level = logging.WARNING if summary["bad_records"] else logging.INFO
         logger.log(
             level,
@@ -618,21 +610,8 @@ def preprocess(config: PreprocessConfig) -> list[dict]:
     except Exception as error:
         raise TokenizerError(f"tokenizer {tokenizer!r} cannot encode: {error}") from None
     vocab_size = tokenizer.vocab_size
-    units = plan_units(config)
-    todo = []
-    for unit in units:
-        existing = _existing_outputs(unit, config)
-        if config.skip_existing and os.path.exists(unit.summary_path):
-            logger.info("skip %s: finished (%s exists)", unit.prefix, unit.summary_path)
-            continue
-        if existing and not config.overwrite and not config.skip_existing:
-            raise DataError(
-                f"output exists: {existing[0]} (pass --overwrite to replace it, or "
-                "--skip-existing to resume and keep finished outputs)"
-            )
-        todo.append(unit)
+    todo = _units_to_do(config)
     if not todo:
-        logger.info("nothing to do: all %d outputs are finished", len(units))
         return []
     tokenizer_info = tokenizer_record(tokenizer)
     logger.info(
@@ -653,15 +632,7 @@ def preprocess(config: PreprocessConfig) -> list[dict]:
     concurrent = config.concurrent_shards or max(1, math.ceil(config.workers / 4))
     concurrent = max(1, min(concurrent, len(todo)))
     max_in_flight = max(2, math.ceil(2 * config.workers / concurrent))
-    if config.workers == 1:
-        pool: Any = _SerialPool(tokenizer_kwargs, options)
-    else:
-        # Blocked here, the pool's threads (which re-fork dead workers) keep the signals
-        # blocked too; the main thread gets them back at once.
-        with _signals.blocked():
-            pool = multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
-                config.workers, initializer=_init_worker, initargs=(tokenizer_kwargs, options)
-            )
+    pool = _start_pool(config.workers, tokenizer_kwargs, options)
     progress = _Progress(config.log_interval)
     cancel = threading.Event()
     summaries: list[dict] = []
@@ -697,6 +668,39 @@ def preprocess(config: PreprocessConfig) -> list[dict]:
         pool.join()
     logger.info("%s", progress.line())
     return summaries
+
+
+def _units_to_do(config: PreprocessConfig) -> list:
+    """The planned units to write: finished ones skipped with --skip-existing; an existing
+    output is an error without --overwrite."""
+    units = plan_units(config)
+    todo = []
+    for unit in units:
+        existing = _existing_outputs(unit, config)
+        if config.skip_existing and os.path.exists(unit.summary_path):
+            logger.info("skip %s: finished (%s exists)", unit.prefix, unit.summary_path)
+            continue
+        if existing and not config.overwrite and not config.skip_existing:
+            raise DataError(
+                f"output exists: {existing[0]} (pass --overwrite to replace it, or "
+                "--skip-existing to resume and keep finished outputs)"
+            )
+        todo.append(unit)
+    if not todo:
+        logger.info("nothing to do: all %d outputs are finished", len(units))
+    return todo
+
+
+def _start_pool(workers: int, tokenizer_kwargs: dict, options: dict) -> Any:
+    """The encoding workers: in this process for one worker, else a process pool."""
+    if workers == 1:
+        return _SerialPool(tokenizer_kwargs, options)
+    # Blocked here, the pool's threads (which re-fork dead workers) keep the signals
+    # blocked too; the main thread gets them back at once.
+    with _signals.blocked():
+        return multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
+            workers, initializer=_init_worker, initargs=(tokenizer_kwargs, options)
+        )
 
 
 def config_dict(config: PreprocessConfig) -> dict:

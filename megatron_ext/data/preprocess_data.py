@@ -18,9 +18,8 @@ import logging
 from typing import Optional, Sequence
 
 from megatron_ext.cli import ArgumentParser
-from megatron_ext.data.cli import run_tool, setup_logging
+from megatron_ext.data.cli import add_tokenizer_flags, run_tool, setup_logging
 from megatron_ext.data.preprocess import PreprocessConfig, config_dict, preprocess
-from megatron_ext.data.tokenizers import TOKENIZER_TYPES
 
 logger = logging.getLogger("preprocess_data")
 
@@ -50,22 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict", action="store_true", help="abort on the first bad record instead of skipping it"
     )
     group = parser.add_argument_group("tokenizer")
-    group.add_argument(
-        "--tokenizer-type", required=True, choices=sorted(TOKENIZER_TYPES), help="tokenizer kind"
-    )
-    group.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="SentencePiece .model, .tiktoken file, or HF tokenizer directory",
-    )
-    group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
-    group.add_argument(
-        "--tiktoken-pattern",
-        default="o200k",
-        help="TikTokenizer split pattern: o200k, cl100k or a regex",
-    )
+    add_tokenizer_flags(group, required=True, vocab_size_help="for NullTokenizer")
     group.add_argument(
         "--append-eod",
         action="store_true",

@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 import numpy as np
 import zstandard
 
-from megatron_ext._paths import display_path
+from megatron_ext._paths import atomic_write, display_path
 
 logger = logging.getLogger(__name__)
 
@@ -221,16 +221,13 @@ def generate_documents(
 
 
 def _write_zst(path: str, lines) -> int:
-    tmp = path + ".tmp"
     buffer = io.BytesIO()
     count = 0
     for line in lines:
         buffer.write(line)
         count += 1
     data = zstandard.ZstdCompressor(level=3, threads=0).compress(buffer.getvalue())
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, path)
+    atomic_write(path, data)
     return count
 
 

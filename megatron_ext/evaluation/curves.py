@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -64,6 +66,8 @@ def _read_tensorboard(path: str) -> dict[str, list[tuple[float, float]]]:
     # deferred: keeps tensorboard (slow) out of this module's import
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    # its reader logs "Directory watcher advancing from ... to ..." per event file at INFO
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)
     if not glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True):
         raise EvaluationError(
             f"{path} holds no TensorBoard event files (train with --tensorboard-dir {path})"
@@ -82,8 +86,41 @@ def _read_tensorboard(path: str) -> dict[str, list[tuple[float, float]]]:
     return out
 
 
-def read_run_curves(name: str, path: str, seq_length: int) -> RunCurves:
-    """Curves of one run from a TensorBoard directory or a --log-jsonl file."""
+def recorded_seq_length(path: str) -> Optional[int]:
+    """The --seq-length a run's TensorBoard directory records (the run's flags, as its
+    args.json, in the "config" text entry), or None (a jsonl file, a run without the entry)."""
+    if not os.path.isdir(path):
+        return None
+    # deferred: keeps tensorboard (slow) out of this module's import
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)
+    for events in sorted(
+        glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True)
+    ):
+        acc = EventAccumulator(events, size_guidance={"tensors": 0})
+        acc.Reload()
+        if "config/text_summary" not in acc.Tags().get("tensors", []):
+            continue
+        for event in acc.Tensors("config/text_summary"):
+            for text in event.tensor_proto.string_val:
+                found = re.search(r"^\s*seq_length: (\d+)\s*$", text.decode(), re.MULTILINE)
+                if found:
+                    return int(found.group(1))
+    return None
+
+
+def read_run_curves(name: str, path: str, seq_length: Optional[int] = None) -> RunCurves:
+    """Curves of one run from a TensorBoard directory or a --log-jsonl file, in tokens
+    (`seq_length` tokens a sample; default: the run's own, which a TensorBoard directory
+    records)."""
+    if seq_length is None:
+        seq_length = recorded_seq_length(path)
+        if seq_length is None:
+            raise EvaluationError(
+                f"{path} does not record the run's --seq-length (a --log-jsonl file, or "
+                "TensorBoard events without the run's config); pass --seq-length"
+            )
     if seq_length < 1:
         raise EvaluationError(f"--seq-length must be >= 1, got {seq_length}")
     if os.path.isdir(path):

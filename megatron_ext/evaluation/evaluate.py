@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from megatron_ext._paths import display_path
+from megatron_ext._paths import atomic_write, display_path
 from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
@@ -44,7 +44,6 @@ from megatron_ext.evaluation.outputs import (
     EvaluationError,
     format_markdown_table,
     write_json,
-    write_text,
 )
 
 logger = logging.getLogger("evaluate")
@@ -66,11 +65,19 @@ def _add_model_args(p: argparse.ArgumentParser, multiple: bool = False) -> None:
         g.add_argument("--names", nargs="+", help="a name per --load (default: directory names)")
     else:
         g.add_argument("--load", required=True, help="the run's --save directory")
-    g.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: latest)")
+    g.add_argument(
+        "--ckpt-step",
+        "--iteration",
+        dest="ckpt_step",
+        type=int,
+        default=None,
+        help="iteration (default: latest)",
+    )
     g.add_argument(
         "--tokenizer-model",
         default=None,
-        help="the tokenizer file, if not where the run recorded it",
+        help="the tokenizer file, if not where the run recorded it (for GPT2BPETokenizer: the "
+        "directory holding its vocab and merge files)",
     )
     add_flags(
         g,
@@ -188,7 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="a run's TensorBoard directory or --log-jsonl file",
     )
-    add_flags(p, ModelConfig, "seq_length", required=True, help="tokens per sample")
+    add_flags(
+        p,
+        ModelConfig,
+        "seq_length",
+        help="tokens per sample (default: each run's own, recorded in its TensorBoard "
+        "directory; needed for a --log-jsonl file)",
+    )
     p.add_argument("--smoothing", type=float, default=0.0, help="EMA weight for train losses")
     p.add_argument(
         "--reference",
@@ -335,7 +348,7 @@ def cmd_perplexity(args) -> int:
                     ]
                 ],
             )
-            write_text(os.path.join(args.output_dir, "perplexity.md"), table)
+            atomic_write(os.path.join(args.output_dir, "perplexity.md"), table)
     return 0
 
 
@@ -471,7 +484,7 @@ def cmd_lm_eval(args) -> int:
         table = make_table(results)
         print(table)
         if args.output_dir:
-            write_text(os.path.join(args.output_dir, "lm_eval.md"), table)
+            atomic_write(os.path.join(args.output_dir, "lm_eval.md"), table)
             write_json(
                 os.path.join(args.output_dir, "lm_eval.json"),
                 {
@@ -483,7 +496,7 @@ def cmd_lm_eval(args) -> int:
             )
             for task, samples in (results.get("samples") or {}).items():
                 lines = [json.dumps(sample, default=str) for sample in samples]
-                write_text(
+                atomic_write(
                     os.path.join(args.output_dir, f"samples_{task}.jsonl"),
                     "".join(line + "\n" for line in lines),
                 )
@@ -529,7 +542,7 @@ def cmd_curves(args) -> int:
             for r in rows
         ],
     )
-    write_text(os.path.join(args.output_dir, "sample_efficiency.md"), table)
+    atomic_write(os.path.join(args.output_dir, "sample_efficiency.md"), table)
     write_json(os.path.join(args.output_dir, "sample_efficiency.json"), [r.as_dict() for r in rows])
     return 0
 

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron_ext._paths import atomic_write
 from megatron_ext.data.fingerprint import check_dataset_tokenizers
 from megatron_ext.data.indexed import check_dataset, counts_path, get_idx_path
 from megatron_ext.evaluation.outputs import (
@@ -26,7 +27,6 @@ from megatron_ext.evaluation.outputs import (
     save_figure,
     write_csv,
     write_json,
-    write_text,
 )
 
 __all__ = [
@@ -78,9 +78,16 @@ def training_counts(
     for prefix in prefixes:
         path = counts_path(prefix)
         if not os.path.isfile(path):
+            made = os.path.isfile(get_idx_path(prefix))
             raise EvaluationError(
-                f"token counts {path} not found (tools/preprocess_data.py writes them); "
-                "pass the training data prefixes with --counts-prefix"
+                f"token counts {path} not found (this project's tools/preprocess_data.py writes "
+                "them, Megatron-LM's does not); "
+                + (
+                    f"write them with: python tools/count_tokens.py --data-path {prefix} "
+                    "<the run's tokenizer flags>"
+                    if made
+                    else "pass the training data prefixes with --counts-prefix"
+                )
             )
         if os.path.isfile(get_idx_path(prefix)):
             check_dataset(prefix)  # counts of a damaged dataset are not trusted either
@@ -246,7 +253,7 @@ def write_frequency_report(
             cells.append(_fmt(r["ppl_change_vs_baseline"], "+.1%"))
         md_rows.append(cells)
     paths = {}
-    paths["md"] = write_text(
+    paths["md"] = atomic_write(
         os.path.join(output_dir, "frequency.md"), format_markdown_table(header, md_rows)
     )
     keys = ["bin", "run", "tokens", "share", "loss", "perplexity"]

@@ -4,24 +4,21 @@ that an interrupted run never leaves a half-written table or figure behind."""
 from __future__ import annotations
 
 import codecs
-import contextlib
 import csv
 import io
 import json
 import math
-import os
-import tempfile
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
+
+from megatron_ext._paths import atomic_open, atomic_write
 
 __all__ = [
     "EvaluationError",
-    "atomic_open",
     "format_markdown_table",
     "read_text_file",
     "save_figure",
     "write_csv",
     "write_json",
-    "write_text",
 ]
 
 
@@ -62,34 +59,6 @@ def read_text_file(path: str, encoding: str = "utf-8") -> str:
         ) from None
 
 
-@contextlib.contextmanager
-def atomic_open(path: str, mode: str = "w") -> Iterator[Any]:
-    """Open a temporary file beside `path`; it replaces `path` only if the block succeeds."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are as readable as any file
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def write_text(path: str, text: str) -> str:
-    """Write `text` to `path` atomically (UTF-8); returns `path`."""
-    with atomic_open(path) as handle:
-        handle.write(text)
-    return path
-
-
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None  # JSON has no NaN/inf
@@ -102,7 +71,7 @@ def _jsonable(value: Any) -> Any:
 
 def write_json(path: str, data: Any) -> str:
     """Write `data` to `path` atomically as indented JSON (NaN, inf -> null); returns `path`."""
-    return write_text(path, json.dumps(_jsonable(data), indent=2) + "\n")
+    return atomic_write(path, json.dumps(_jsonable(data), indent=2) + "\n")
 
 
 def write_csv(path: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -111,7 +80,7 @@ def write_csv(path: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)
     writer.writerows(rows)
-    return write_text(path, buffer.getvalue())
+    return atomic_write(path, buffer.getvalue())
 
 
 def format_markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

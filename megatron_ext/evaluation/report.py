@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_ext._paths import atomic_write
 from megatron_ext.evaluation.outputs import format_markdown_table
 
 __all__ = ["DECOMPOSITION", "all_token_rows", "decomposition", "write_comparison_report"]
@@ -63,39 +64,46 @@ def write_comparison_report(
     share (backbone, data, budget).
     """
     base = "tied" if "tied" in arms else arms[0]
-    alls = all_token_rows(freq)
+    table, losses = _perplexity_table(arms, runs, all_token_rows(freq), base)
+    parts = decomposition(losses)
+    md = [
+        f"# {title}", "", setup, "",
+        *table,
+        *_curves_section(arms, base, efficiency_lines),
+        *_frequency_section(bin_edges, freq_md),
+        *(_decomposition_section(parts) if parts is not None else []),
+        *_files_section(arms),
+    ]  # fmt: skip
+    summary = {
+        "runs": runs,
+        "valid_loss_all_tokens": losses,
+        "decomposition": parts,
+        "sample_efficiency": list(efficiency_lines),
+    }
+    atomic_write(Path(out_dir) / "summary.json", json.dumps(summary, indent=1))
+    atomic_write(Path(out_dir) / "report.md", "\n".join(md))
+    return summary
+
+
+def _perplexity_table(arms, runs, alls, base) -> tuple[list[str], dict[str, float]]:
+    """The "Validation perplexity" section and each arm's loss over every validation token."""
     rows, losses = [], {}
     base_params = runs[base]["parameters"]
     base_loss = float(alls[base]["loss"])
     for arm in arms:
         r = runs[arm]
-        loss = float(alls[arm]["loss"])
-        losses[arm] = loss
-        rows.append(
-            [
-                arm.upper(),
-                f"{r['parameters']:,}",
-                f"{100.0 * (r['parameters'] - base_params) / base_params:+.1f}%",
-                f"{r['final_valid_loss']:.4f}",
-                f"{loss:.4f}",
-                f"{math.exp(loss):.2f}",
-                f"{100.0 * (math.exp(loss) / math.exp(base_loss) - 1):+.1f}%",
-            ]
-        )
+        loss = losses[arm] = float(alls[arm]["loss"])
+        rows.append([
+            arm.upper(), f"{r['parameters']:,}",
+            f"{100.0 * (r['parameters'] - base_params) / base_params:+.1f}%",
+            f"{r['final_valid_loss']:.4f}", f"{loss:.4f}", f"{math.exp(loss):.2f}",
+            f"{100.0 * (math.exp(loss) / math.exp(base_loss) - 1):+.1f}%",
+        ])  # fmt: skip
     header = [
-        "arm",
-        "parameters",
-        "vs " + base.upper(),
-        "loop's valid loss",
-        "valid loss (all tokens)",
-        "valid perplexity",
-        f"ppl vs {base.upper()}",
-    ]
-    md = [
-        f"# {title}",
-        "",
-        setup,
-        "",
+        "arm", "parameters", "vs " + base.upper(), "loop's valid loss",
+        "valid loss (all tokens)", "valid perplexity", f"ppl vs {base.upper()}",
+    ]  # fmt: skip
+    return [
         "## Validation perplexity",
         "",
         "`loop's valid loss`: the training loop's last validation (its `--eval-iters` "
@@ -104,9 +112,11 @@ def write_comparison_report(
         "",
         format_markdown_table(header, rows),
         "",
-        "## Loss curves",
-        "",
-    ]
+    ], losses
+
+
+def _curves_section(arms, base: str, efficiency_lines) -> list[str]:
+    md = ["## Loss curves", ""]
     if len(arms) > 2:
         md += [
             f"Each arm's loss minus {base.upper()}'s against tokens (validation left, smoothed "
@@ -121,8 +131,11 @@ def write_comparison_report(
         f"{base.upper()}, `tools/evaluate.py curves --reference {base}`):",
         "",
     ]
-    md += [f"- {ln}" for ln in efficiency_lines] or ["- (no other run)"]
-    md += [
+    return md + ([f"- {ln}" for ln in efficiency_lines] or ["- (no other run)"])
+
+
+def _frequency_section(bin_edges, freq_md: str) -> list[str]:
+    return [
         "",
         "## Frequency-stratified perplexity",
         "",
@@ -135,27 +148,31 @@ def write_comparison_report(
         "![frequency-stratified perplexity](frequency.png)",
         "",
     ]
-    parts = decomposition(losses)
-    if parts is not None:
-        total = sum(p[3] for p in parts)
-        md += [
-            "## Ablation decomposition",
-            "",
-            "Each step adds one ingredient of LEV (docs/lev.md section 3): ALBERT (linear "
-            "compression) -> FLAT-MLP (continuous generation from a plain seed) -> "
-            "FACTORED-MLP (compositional digit seed) -> LEVIATHAN (separable spline "
-            "instead of an MLP). A step's share is the reduction of validation loss (all "
-            "tokens) in percent of ALBERT's loss, so the three add up to LEV vs ALBERT. "
-            "Paper: +1.13%, +0.37%, +0.62%.",
-            "",
-            format_markdown_table(
-                ["ingredient", "from", "to", "loss reduction"],
-                [[n, a.upper(), b.upper(), f"{v:+.2f}%"] for n, a, b, v in parts]
-                + [["total (LEV vs ALBERT)", "ALBERT", "LEVIATHAN", f"{total:+.2f}%"]],
-            ),
-            "",
-        ]
-    md += [
+
+
+def _decomposition_section(parts) -> list[str]:
+    total = sum(p[3] for p in parts)
+    return [
+        "## Ablation decomposition",
+        "",
+        "Each step adds one ingredient of LEV (docs/lev.md section 3): ALBERT (linear "
+        "compression) -> FLAT-MLP (continuous generation from a plain seed) -> "
+        "FACTORED-MLP (compositional digit seed) -> LEVIATHAN (separable spline "
+        "instead of an MLP). A step's share is the reduction of validation loss (all "
+        "tokens) in percent of ALBERT's loss, so the three add up to LEV vs ALBERT. "
+        "Paper: +1.13%, +0.37%, +0.62%.",
+        "",
+        format_markdown_table(
+            ["ingredient", "from", "to", "loss reduction"],
+            [[n, a.upper(), b.upper(), f"{v:+.2f}%"] for n, a, b, v in parts]
+            + [["total (LEV vs ALBERT)", "ALBERT", "LEVIATHAN", f"{total:+.2f}%"]],
+        ),
+        "",
+    ]
+
+
+def _files_section(arms) -> list[str]:
+    return [
         "## Files",
         "",
         f"- checkpoints: {', '.join(f'`train_{a}/ckpt`' for a in arms)} "
@@ -166,13 +183,3 @@ def write_comparison_report(
         + ", `report/frequency.png`, `report/sample_efficiency.md`",
         "",
     ]
-    summary = {
-        "runs": runs,
-        "valid_loss_all_tokens": losses,
-        "decomposition": parts,
-        "sample_efficiency": list(efficiency_lines),
-    }
-    out_dir = Path(out_dir)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "report.md").write_text("\n".join(md))
-    return summary

@@ -23,8 +23,9 @@ import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
+from megatron_ext._paths import atomic_write
 from megatron_ext.cli import ArgumentParser, run_tool
-from megatron_ext.config_flags import add_flags
+from megatron_ext.config_flags import ArgumentError, add_flags
 from megatron_ext.data.tokenizers import TokenizerError
 
 logger = logging.getLogger("generate")
@@ -37,9 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
     p.add_argument(
-        "--iteration", type=int, default=None, help="iteration to load (default: latest)"
+        "--ckpt-step",
+        "--iteration",
+        dest="ckpt_step",
+        type=int,
+        default=None,
+        help="iteration to load (default: latest)",
     )
-    p.add_argument("--tokenizer-model", default=None, help="override the run's tokenizer path")
+    p.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="the run's tokenizer, if not where it recorded it (for GPT2BPETokenizer: the "
+        "directory holding its vocab and merge files)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts-file", help="one prompt per line (.txt) or jsonl with 'prompt'")
@@ -71,14 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.conversion.common import ConversionError
-
     if args.prompt:
         return list(args.prompt)
     path = args.prompts_file
     if not os.path.isfile(path):
-        raise ConversionError(f"--prompts-file {path} does not exist")
+        raise ArgumentError(f"--prompts-file {path} does not exist")
     prompts = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
@@ -89,13 +97,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
                 try:
                     prompts.append(json.loads(line)["prompt"])
                 except (ValueError, KeyError, TypeError):
-                    raise ConversionError(
+                    raise ArgumentError(
                         f"{path}:{number} is not a JSON object with a 'prompt' string"
                     ) from None
             else:
                 prompts.append(line)
     if not prompts:
-        raise ConversionError(f"--prompts-file {path} holds no prompt")
+        raise ArgumentError(f"--prompts-file {path} holds no prompt")
     return prompts
 
 
@@ -111,8 +119,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
     # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.conversion.common import ConversionError
-    from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
+    from megatron_ext.inference.generation import decode_step_for
     from megatron_ext.inference.loading import (
         find_checkpoint,
         init_inference_parallel,
@@ -121,23 +128,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         run_tokenizer,
     )
 
-    try:
-        sampling = SamplingConfig(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            use_cache=not args.no_cache,
-        )
-    except ValueError as error:
-        raise ConversionError(str(error)) from None
-    if args.batch_size < 1:
-        raise ConversionError("--batch-size must be >= 1")
-    if args.decode_step == "lean" and args.no_cache:
-        raise ConversionError("--decode-step lean always uses its KV cache; drop --no-cache")
+    sampling = _sampling_config(args)
     prompts = read_prompts(args)
-    run_ = find_checkpoint(args.load, args.iteration)
+    run_ = find_checkpoint(args.load, args.ckpt_step)
     tokenizer = run_tokenizer(run_, args.tokenizer_model)
     if not args.no_stop_at_eod:
         sampling = replace(sampling, stop_token_ids=(tokenizer.eod,))
@@ -145,14 +138,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     try:
         config = run_model_config(run_, tensor_model_parallel_size=tp)
     except ValueError as error:
-        raise ConversionError(str(error)) from None
+        raise ArgumentError(str(error)) from None
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != tp:
-        raise ConversionError(
+        raise ArgumentError(
             f"launch exactly --tensor-model-parallel-size ({tp}) ranks, "
             f"not {os.environ['WORLD_SIZE']}"
         )
     if "WORLD_SIZE" not in os.environ and tp != 1:
-        raise ConversionError(
+        raise ArgumentError(
             f"--tensor-model-parallel-size {tp} needs torchrun --nproc-per-node {tp}"
         )
     pg = init_inference_parallel(tp, 1)
@@ -160,33 +153,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     step, why = decode_step_for(model, sampling.use_cache)
     if args.decode_step != "auto":
         if args.decode_step == "lean" and step != "lean":
-            raise ConversionError(f"--decode-step lean: {why}; use --decode-step megatron")
+            raise ArgumentError(f"--decode-step lean: {why}; use --decode-step megatron")
         step, why = args.decode_step, "--decode-step"
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info("decode step: %s (%s)", step, why)
-    records = []
-    start, produced = time.perf_counter(), 0
-    for first in range(0, len(prompts), args.batch_size):
-        batch = prompts[first : first + args.batch_size]
-        ids = [tokenizer.tokenize(p) for p in batch]
-        empty = [p for p, i in zip(batch, ids) if not i]
-        if empty:
-            raise ConversionError(f"prompt {empty[0]!r} encodes to no token")
-        outputs = generate(
-            model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size, step=step
-        )
-        for prompt, prompt_ids, new in zip(batch, ids, outputs):
-            stopped = "eod" if len(new) < sampling.max_new_tokens else "length"
-            produced += len(new)
-            records.append(
-                {
-                    "prompt": prompt,
-                    "completion": completion_text(tokenizer, prompt_ids, new),
-                    "prompt_ids": prompt_ids,
-                    "completion_ids": new,
-                    "stop_reason": stopped,
-                }
-            )
+    start = time.perf_counter()
+    records = _records(model, tokenizer, prompts, sampling, pg, step, args.batch_size)
+    produced = sum(len(r["completion_ids"]) for r in records)
     elapsed = time.perf_counter() - start
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(
@@ -199,12 +172,62 @@ def run(args: argparse.Namespace) -> list[dict]:
     return records
 
 
+def _sampling_config(args: argparse.Namespace):
+    """The `SamplingConfig` of the flags, checked with the batch and decode-step flags."""
+    # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.inference.generation import SamplingConfig
+
+    try:
+        sampling = SamplingConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            use_cache=not args.no_cache,
+        )
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+    if args.batch_size < 1:
+        raise ArgumentError("--batch-size must be >= 1")
+    if args.decode_step == "lean" and args.no_cache:
+        raise ArgumentError("--decode-step lean always uses its KV cache; drop --no-cache")
+    return sampling
+
+
+def _records(model, tokenizer, prompts, sampling, pg, step: str, batch_size: int) -> list[dict]:
+    """One output record per prompt, generated `batch_size` prompts at a time."""
+    # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.inference.generation import generate
+
+    records = []
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first : first + batch_size]
+        ids = [tokenizer.tokenize(p) for p in batch]
+        empty = [p for p, i in zip(batch, ids) if not i]
+        if empty:
+            raise ArgumentError(f"prompt {empty[0]!r} encodes to no token")
+        outputs = generate(
+            model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size, step=step
+        )
+        for prompt, prompt_ids, new in zip(batch, ids, outputs):
+            records.append(
+                {
+                    "prompt": prompt,
+                    "completion": completion_text(tokenizer, prompt_ids, new),
+                    "prompt_ids": prompt_ids,
+                    "completion_ids": new,
+                    "stop_reason": "eod" if len(new) < sampling.max_new_tokens else "length",
+                }
+            )
+    return records
+
+
 def _errors() -> tuple:
     # deferred: keeps torch (slow) out of this module's import
     from megatron_ext.checkpoint.format import CheckpointError
-    from megatron_ext.conversion.common import ConversionError
 
-    return (ConversionError, CheckpointError, TokenizerError)
+    return (ArgumentError, CheckpointError, TokenizerError)
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
@@ -213,10 +236,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if args.output:
-        # deferred: keeps torch (slow) out of this module's import
-        from megatron_ext.conversion.common import atomic_write_text
-
-        atomic_write_text(args.output, "".join(json.dumps(r) + "\n" for r in records))
+        atomic_write(args.output, "".join(json.dumps(r) + "\n" for r in records))
         logger.info("wrote %d completions to %s", len(records), args.output)
     else:
         for record in records:

@@ -1,25 +1,15 @@
 """Autoregressive text generation with a KV cache, for any arm at TP=1 or TP>1.
 
-    from megatron_ext.inference.generation import SamplingConfig, generate
-
     new_tokens = generate(model, [[5, 17, 3], [5, 9]], SamplingConfig(max_new_tokens=32),
                           tp_group=pg.tp)  # pg from init_inference_parallel; None: no TP
 
-The cache is megatron-core's own `StaticInferenceContext` (one key/value buffer per layer, held
-by `CachedSelfAttention` of the local spec, or by Transformer Engine's attention on GPUs).
-Prompts of different lengths share one batch the way megatron's static engine does it: the
-shortest prompt is prefilled for every row, then each step feeds one token per row, the row's
-own prompt token while it still has one and the sampled token afterwards. No padding or
-attention mask is involved, so every row computes exactly what it would alone.
-
-Under tensor parallelism every rank of the TP group passes the same prompts; the output layer
-gathers the vocab-parallel logits (`runtime_gather_output`) and the token chosen on TP rank 0 is
-broadcast, so all ranks agree. LEV embeds through its materialised eval table
-(`LEVConfig.eval_table`, built by `lev.table`), checked or built once per call, not through the
-generator per token. A decoding step costs one token's work: `CachedSelfAttention` caches keys
-already rotated, and without stop ids the loop makes no host synchronisation. `step="lean"`
-(TP=1, local spec) computes the same logits with `LeanDecoder`'s plain torch ops and cache
-instead of the model's forward; `decode_step_for` says which step covers a model.
+The cache is megatron-core's `StaticInferenceContext`. Prompts of different lengths share one
+batch as megatron's static engine does it: the shortest prompt is prefilled for every row, then
+each step feeds one token per row (its own prompt token while it has one), with no padding or
+mask, so every row computes what it would alone. Under TP every rank passes the same prompts
+and the token chosen on TP rank 0 is broadcast. LEV embeds through its eval table, checked or
+built once per call. `step="lean"` (TP=1, local spec) computes the same logits with the CPU
+accelerations' `LeanDecoder`; `decode_step_for` says which step covers a model.
 """
 
 from __future__ import annotations
@@ -201,44 +191,14 @@ def generate(
             TP=1 local spec with the cache only; `decode_step_for` picks one and says why). A
             model the lean step does not cover is refused, never silently run the other way.
     """
-    if step not in DECODE_STEPS:
-        raise ValueError(f"step must be one of {DECODE_STEPS}, got {step!r}")
-    if step == "lean" and not cfg.use_cache:
-        raise ValueError("the lean decode step always uses its KV cache (use_cache=True)")
-    lean_decode = cpu_accel.decode_step()
-    if step == "lean" and lean_decode is None:
-        raise ValueError(
-            f"the lean decode step is one of the CPU accelerations, and {cpu_accel.OFF}"
-        )
-    inner = _unwrap(model)
-    if not (getattr(inner, "pre_process", True) and getattr(inner, "post_process", True)):
-        raise ValueError(
-            "generation needs the whole model on one pipeline stage; load the checkpoint with "
-            "--pipeline-model-parallel-size 1 (any saved layout loads)"
-        )
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    inner = _check_request(model, prompts, cfg, step)
     if cfg.max_new_tokens == 0:
         return [[] for _ in prompts]
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    batch, shortest = len(prompts), int(lengths.min())
-    total = int(lengths.max()) + cfg.max_new_tokens
-    seq_length = getattr(getattr(inner, "config", None), "seq_length", None) or getattr(
-        inner, "max_sequence_length", None
-    )
-    if seq_length is not None and total > seq_length:
-        logger.warning(
-            "generating up to %d positions, beyond the %d the model was trained on",
-            total,
-            seq_length,
-        )
-    tokens = torch.zeros(batch, total, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        tokens[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
-
+    tokens, lengths = _prompt_tokens(inner, prompts, cfg.max_new_tokens, device)
+    (batch, total), shortest = tokens.shape, int(lengths.min())
     generator = None
     if not cfg.greedy:
         seed = cfg.seed if cfg.seed is not None else int(torch.randint(2**62, ()).item())
@@ -255,7 +215,9 @@ def generate(
     fed = 0
     try:
         with lev_eval_tables(model):
-            lean = lean_decode.LeanDecoder(inner, batch, total) if step == "lean" else None
+            lean = (
+                cpu_accel.decode_step().LeanDecoder(inner, batch, total) if step == "lean" else None
+            )
             for position in range(shortest, total):
                 if lean is not None:
                     logits = lean(tokens[:, fed:position])
@@ -281,3 +243,46 @@ def generate(
     finally:
         model.train(was_training)
     return [tokens[row, len(p) : int(end[row])].tolist() for row, p in enumerate(prompts)]
+
+
+def _check_request(model, prompts, cfg: SamplingConfig, step: str) -> torch.nn.Module:
+    """The unwrapped model, once the step, the model's stages and the prompts can generate."""
+    if step not in DECODE_STEPS:
+        raise ValueError(f"step must be one of {DECODE_STEPS}, got {step!r}")
+    if step == "lean" and not cfg.use_cache:
+        raise ValueError("the lean decode step always uses its KV cache (use_cache=True)")
+    if step == "lean" and cpu_accel.decode_step() is None:
+        raise ValueError(
+            f"the lean decode step is one of the CPU accelerations, and {cpu_accel.OFF}"
+        )
+    inner = _unwrap(model)
+    if not (getattr(inner, "pre_process", True) and getattr(inner, "post_process", True)):
+        raise ValueError(
+            "generation needs the whole model on one pipeline stage; load the checkpoint with "
+            "--pipeline-model-parallel-size 1 (any saved layout loads)"
+        )
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    return inner
+
+
+def _prompt_tokens(
+    inner, prompts, max_new_tokens: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([batch, longest prompt + max_new_tokens] ids, the prompts at their start; the prompt
+    lengths), with a warning when that runs past the model's trained sequence length."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    total = int(lengths.max()) + max_new_tokens
+    seq_length = getattr(getattr(inner, "config", None), "seq_length", None) or getattr(
+        inner, "max_sequence_length", None
+    )
+    if seq_length is not None and total > seq_length:
+        logger.warning(
+            "generating up to %d positions, beyond the %d the model was trained on",
+            total,
+            seq_length,
+        )
+    tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+    return tokens, lengths

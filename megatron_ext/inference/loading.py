@@ -136,24 +136,28 @@ def _isfile(path: str, name: str) -> bool:
 
 
 def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
-    """The tokenizer the run trained with (`tokenizer_model` overrides the saved path, e.g.
-    when the run was launched from another directory), checked against the fingerprint the
-    checkpoint recorded (checkpoints written before fingerprints are not checked)."""
+    """The tokenizer the run trained with, built from what its args.json records (any type
+    training accepts: SentencePiece, Hugging Face, tiktoken, GPT-2 BPE, Null), checked against
+    the fingerprint the checkpoint recorded (checkpoints written before fingerprints are not
+    checked).
+
+    `tokenizer_model` points at the tokenizer when it is no longer where the run recorded it
+    (e.g. the run was launched from another directory): the model file or directory, or for a
+    GPT-2 BPE run the directory holding its vocab and merge files.
+    """
     args = run.args
     if args.tokenizer_type is None:
         raise CheckpointError(f"{run.path}: the run recorded no --tokenizer-type")
-    model_path = tokenizer_model or args.tokenizer_model
-    if tokenizer_model is None and model_path and not os.path.exists(model_path):
-        raise CheckpointError(
-            f"the run's tokenizer {model_path} does not exist (relative to {os.getcwd()}); "
-            "pass --tokenizer-model"
-        )
+    files = _tokenizer_files(args, tokenizer_model)
     tokenizer = build_tokenizer(
         args.tokenizer_type,
-        model_path,
+        files.get("tokenizer_model"),
         vocab_size=getattr(args, "vocab_size", None),
         tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+        vocab_file=files.get("vocab_file"),
+        merge_file=files.get("merge_file"),
     )
+    model_path = " + ".join(v for v in files.values() if v) or args.tokenizer_type
     recorded = getattr(args, "tokenizer_fingerprint", None)
     if recorded is not None and recorded != tokenizer.fingerprint:
         cause = (
@@ -171,6 +175,40 @@ def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
             f"{padded}: it is not the run's tokenizer"
         )
     return tokenizer
+
+
+def _tokenizer_files(args: argparse.Namespace, override: Optional[str]) -> dict:
+    """{flag dest: path} of the run's tokenizer files (`override` replacing where they were
+    recorded), each checked to exist."""
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        recorded = {
+            "vocab_file": getattr(args, "vocab_file", None),
+            "merge_file": getattr(args, "merge_file", None),
+        }
+        if override is not None:
+            if not os.path.isdir(override):
+                raise CheckpointError(
+                    f"--tokenizer-model {override}: a GPT2BPETokenizer run takes the directory "
+                    "holding its vocab and merge files"
+                )
+            recorded = {
+                dest: os.path.join(override, os.path.basename(path or default))
+                for (dest, path), default in zip(recorded.items(), ("vocab.json", "merges.txt"))
+            }
+        hint = "pass --tokenizer-model DIR, the directory now holding them"
+    elif args.tokenizer_type == "NullTokenizer":
+        return {}
+    else:
+        recorded = {"tokenizer_model": override or getattr(args, "tokenizer_model", None)}
+        hint = "pass --tokenizer-model"
+    missing = [path for path in recorded.values() if path and not os.path.exists(path)]
+    if missing:
+        whose = "the given" if override is not None else "the run's"
+        raise CheckpointError(
+            f"{whose} tokenizer {' and '.join(missing)} does not exist (relative to "
+            f"{os.getcwd()}); {hint}"
+        )
+    return recorded
 
 
 def run_model_config(

@@ -1,13 +1,9 @@
 """LEV hyper-parameters: `LEVConfig`, a dataclass that validates itself, with its `--lev-*` flags.
 
-Every hyper-parameter of docs/lev.md section 2 is a field of `LEVConfig` that declares its
-flag with `lev_flag` (`config_flags.flag`, the mechanism of every config, named
-`--lev-<field>`): the command line only fills the config, the way Megatron fills a
-`TransformerConfig` from args. Invalid values fail when it is built, with a message that names
-the flag to change; the one check that needs the parallel layout (whole heads per
-tensor-parallel rank) is `heads_per_rank`.
-
-Shapes of the parameters this config implies (TP size 1, docs/design.md "Fixed contracts")::
+Every hyper-parameter of docs/lev.md section 2 is a field that declares its flag with `lev_flag`
+(`config_flags.flag`, named `--lev-<field>`); invalid values fail when the config is built,
+naming the flag; the one check that needs the layout (whole heads per TP rank) is
+`heads_per_rank`. Parameter shapes at TP size 1 (docs/design.md "Fixed contracts")::
 
     codebooks         [k, b, d_seed]
     seed_proj         [h, d_seed, d_in]      d_in = d_seed (sum) or k*d_seed (concat)
@@ -15,11 +11,6 @@ Shapes of the parameters this config implies (TP size 1, docs/design.md "Fixed c
     seed_norm_bias    [h, d_seed]
     spline_delta      [h, d_seed, kappa, r]
     out_proj          [h, r, D]
-
-With `codebook_combine="concat"` the seed z(i) is the concatenation of the k codebook rows
-(width k*d_seed), so each head's seed projection maps k*d_seed -> d_seed: seed_proj is
-[h, d_seed, k*d_seed] and still applied as `z @ seed_proj[l].T`. Everything after the seed
-projection is unchanged.
 """
 
 from __future__ import annotations

@@ -1,45 +1,18 @@
-"""Fused LEV modes: seed z -> separable modes M with recompute-in-backward.
+"""Fused LEV modes in torch ops (the "torch" backend of `lev.kernels`): seed z -> separable
+modes M, saving only z [N, d_in] and M [N, h, r] and recomputing the rest chunk by chunk in
+backward (`lev.math.lev_modes` keeps every intermediate: h*d*(kappa + r) numbers per id).
 
-`lev.math.lev_modes` keeps every intermediate for autograd: t [h, N, d], the dense basis
-[h, N, d, kappa] and the spline values phi [h, N, d, r] (h*d*(kappa + r) numbers per id, about
-80k at the defaults: far more than the [N, D] embedding it produces). `fused_lev_modes` computes
-the same function but saves only its input z [N, d_in] and its output M [N, h, r], i.e.
-O(N * (d_in + h*r)) memory, and recomputes the rest chunk by chunk in backward.
+Per chunk of n ids, all heads at once (layout [h, d, n, .], one batched matmul per coordinate)::
 
-Forward, per chunk of n ids (all heads at once, layout [h, d, n, .] so that the spline evaluation
-is one batched matmul per (head, coordinate))::
+    B = basis(t)              [h, d, n, kappa]   three non-zeros per row (docs/lev.md step 3c)
+    phi = B @ (1 + Delta)     [h, d, n, r]
+    M = prod_d (phi -/+ eps)  [h, n, r]          `separable_product_from_phi` (step 3e)
 
-    t = sigmoid(LN(z W^T) / tau)                  [h, n, d]        (lev.math.seed_to_t)
-    B = basis(t)                                  [h, d, n, kappa] (3 non-zeros per row)
-    phi = B @ (1 + Delta)                         [h, d, n, r]
-    x = phi -/+ eps                               sign(phi) * (|phi| + eps)
-    M = prod_d x                                  [h, n, r]
+    backward, G_M = dL/dM * M, x = phi -/+ eps:
+    dL/dphi = G_M / x,  dL/dDelta = B^T @ dL/dphi,  dL/dB = dL/dphi @ (1 + Delta)^T -> dL/dy
 
-The last line is docs/lev.md step 3e, sign * exp(sum_d log(|phi| + eps)): the product of the signed
-factors has the sign (-1)^(#negative phi) and the magnitude prod(|phi| + eps). It is evaluated
-as the mantissa-exponent product every backend shares (`lev.kernels`, "The signed product";
-`separable_product_from_phi` here).
-
-The basis is built from the three non-zero values per coordinate (nearest knot c = round(s),
-s = (kappa-1) t, f = s - c: B_{c-1} = (1/2 - f)^2 / 2, B_c = 3/4 - f^2, B_{c+1} = (1/2 + f)^2 / 2,
-knots outside [0, kappa-1] dropped, then renormalised), scattered into a dense [.., kappa] row
-for the matmul. It equals `lev.math.bspline_basis` (the definition, docs/lev.md step 3c) up to
-rounding.
-
-Backward, per chunk, with G_M = dL/dM * M and the same x:
-
-    dL/dphi[l, d, n, rho] = G_M[l, n, rho] * sign(phi) / (|phi| + eps) = G_M / x
-    dL/dDelta[l, d]       = B[l, d]^T @ dL/dphi[l, d]      (batched matmul)
-    dL/dB[l, d]           = dL/dphi[l, d] @ (1 + Delta[l, d])^T
-
-dL/dB goes through the three basis values analytically to dL/dt and through the sigmoid to
-dL/dy = dL/dt * t * (1 - t) (t = sigmoid(y)); `lev.kernels` takes it through LayerNorm and the
-seed projection by a local autograd graph.
-At phi == 0 exactly (an exact cancellation, never seen in practice) the gradient uses
-x = +eps, the one-sided derivative, where autograd through |phi| would give 0.
-
-Large temporaries live in per-call workspaces reused by every chunk: on CPU, allocating fresh
-multi-megabyte tensors per op costs more (page faults) than the arithmetic.
+At phi == 0 the gradient takes x = +eps (one-sided). Large temporaries live in per-call
+workspaces reused by every chunk (on CPU fresh multi-megabyte tensors cost page faults).
 """
 
 from __future__ import annotations

@@ -1,61 +1,21 @@
 """LEV's fused modes: one autograd Function over pluggable backends (`--lev-kernel`).
 
-    z [N, d_in] --(torch: seed projection)--> u [N, h, d]
-    u --(SeedNorm: LayerNorm, gain, shift)--> y,  t = sigmoid(y) [h, N, d]
+    z [N, d_in] --(torch: seed projection)--> u --(SeedNorm)--> y,  t = sigmoid(y) [h, N, d]
     t, Delta [h, d, kappa, r] --(backend.forward)--> M [N, h, r]
 
-`LEVModes` owns everything the backends share, the way Megatron-Core's fused kernels are pure
-forward/backward functions under one thin autograd wrapper: autocast off, the compute dtype
-(float32; float64 for float64 inputs), steps 3a-3b (`lev.math.seed_to_t`: the projection in
-torch, the LayerNorm and affine by the backend's `SeedNorm`, torch's by default), saving only
-the seeds z and the modes M for backward (or taking M computed earlier, `lev_modes(...,
-modes=M)`), recomputing t there, taking the backend's dL/dy (y the sigmoid's input) back
-through 3b by the SeedNorm's backward and through 3a by a local autograd graph, and casting
-the gradients back to their parameters' dtypes. A backend implements steps 3c-3e (quadratic
-B-spline basis, spline values with the coefficients 1 + Delta, signed separable product) and
-their gradient:
+`LEVModes` owns what the backends share (autocast off, the compute dtype, steps 3a-3b, saving
+only z and M and recomputing t in backward, casting gradients back). A backend implements
+steps 3c-3e (B-spline basis, spline values with coefficients 1 + Delta, signed product):
 
     forward(t [h, N, d], delta [h, d, kappa, r], opts) -> M [N, h, r]
-    backward(t, delta, grad [N, h, r], opts) -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r])
+    backward(t, delta, grad = dL/dM * M [N, h, r], opts) -> (dL/dy [h, N, d], dL/dDelta)
 
-with `grad` = dL/dM * M (the factor every dL/dphi of one mode shares: dM/dphi = M / x) and y
-the sigmoid's input (t = sigmoid(y), step 3b): a backend returns dL/dy = dL/dt * t * (1 - t),
-the sigmoid's backward folded into the pass that writes dL/dt, and the SeedNorm's backward
-takes it from y. A backend reads Delta and adds the 1 itself (the C++ kernel per head or per
-task into a small buffer, Triton on load, torch in one op), so no [h, d, kappa, r] tensor of
-coefficients is made here; dL/dDelta is dL/d(1 + Delta). All tensors are in the compute dtype;
-delta is contiguous, t is the [h, N, d] transposed view of the contiguous [N, h, d] tensor that
-steps 3a-3b produce (one GEMM, then the SeedNorm; each (head, id) row of d values contiguous),
-and grad is the [N, h, r] view of a contiguous [h, N, r] tensor (each head's rows one block).
-dL/dy may be any [h, N, d] view; the C++ and Triton backends write it as the [h, N, d] view of
-an [N, h, d] tensor, the layout 3a-3b's backward reads, so that no transposed copy of t or
-dL/dy is made.
-Backends: "torch" (`lev.fused`, chunked torch ops, any device), "cpu" (the CPU accelerations'
-C++ kernel, `cpu_accel.lev_kernel`, compiled on first use) and "triton" (`lev.triton_kernel`,
-CUDA, or CPU under TRITON_INTERPRET=1). "reference" is the readable `lev.math.lev_modes`
-under plain autograd (every intermediate saved). "auto" takes triton for float32 CUDA tensors
-when the triton package imports, cpu for CPU tensors when the accelerations are on and its
-kernel builds (else it logs why, once, and takes torch), else torch. Every choice computes the
-same function
-and saves the same tensors, so a run may switch kernels on resume.
-
-The signed product. docs/lev.md step 3e defines M = sign * exp(sum_d log(|phi| + eps)) with
-sign = (-1)^(number of negative phi): `lev.math.separable_product` computes exactly that, the
-readable definition. Every backend computes the same number as the product of the signed
-factors x = phi - eps (phi < 0) or phi + eps (phi >= 0) in one way, chosen because it is exact
-over the whole range the flags allow (--lev-product-eps any positive float, --lev-seed-dim
-factors, each any finite float) and needs no log or exp:
-
-    m_c, e_c = frexp(x_c)            1/2 <= |m_c| < 1, e_c an integer (bit operations)
-    acc = prod m_c, E = sum e_c      acc renormalised by frexp every 64 factors (into E)
-    M = acc * 2^E                    rounded once: inf or 0 only when M itself is out of range
-
-A factor with phi == 0 is eps itself, split in float64 (so an eps that the compute dtype
-rounds or flushes to 0 still counts exactly). No partial product can overflow or underflow,
-whatever the factors: a running mantissa times 64 more stays above 2^-65. Implementations:
-`lev.fused.separable_product_from_phi` (torch), `split`/`forward` in csrc/lev_cpu.cpp (C++),
-`_split`/`_lev_modes_fwd_kernel` in `lev.triton_kernel`; tests/lev/test_lev_reference.py checks
-all three at the extremes (huge factors, eps from 1e-320 to 1, 600 factors).
+Backends: "torch" (`lev.fused`), "cpu" (`cpu_accel.lev_kernel`, C++), "triton"
+(`lev.triton_kernel`); "reference" is `lev.math.lev_modes` under plain autograd; "auto" picks
+triton on float32 CUDA, cpu on CPU when its kernel builds, else torch. Every choice computes the
+same function and saves the same tensors. The signed product is the product of the factors
+phi -/+ eps by frexp mantissas and summed exponents (renormalised every 64 factors, rounded
+once), exact over every range the flags allow (docs/lev.md step 3e).
 """
 
 from __future__ import annotations

@@ -1,39 +1,19 @@
 """LEVEmbedding: the tensor-parallel LEV module, a drop-in for VocabParallelEmbedding.
 
-It honours `megatron.core.tensor_parallel.VocabParallelEmbedding`'s contract, so a model can put
-it at `GPTModel.embedding.word_embeddings` and keep megatron's LanguageModelEmbedding wrapper:
-
     forward(input_ids [b, s]) -> [b, s, D]     TP-all-reduced   (reduce_scatter_embeddings=False)
                               -> [s/tp, b, D]  reduce-scattered (reduce_scatter_embeddings=True)
 
-Tensor parallelism: the h heads are split across the TP ranks (each rank owns h/tp whole heads:
-its slices of seed_proj, seed_norm_*, spline_delta, out_proj along dim 0, tagged with megatron's
-TP attributes); the codebooks are replicated and untagged. Every rank computes the seed z from
-the same ids, its heads' partial embedding, and the partial embeddings are summed across ranks.
-The seed (or, projected by digit, the codebooks) passes through
-`copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward), so every rank's
-codebook gradient is the full sum over all heads, as at TP=1.
+Tensor parallelism: each rank owns h/tp whole heads (its dim-0 slices of seed_proj, seed_norm_*,
+spline_delta, out_proj, tagged with megatron's TP attributes); the codebooks are replicated,
+their gradient summed over all heads through `copy_to_tensor_model_parallel_region`.
 
-Speed and memory:
-- dedup: LEV runs once per distinct id of the micro-batch (torch.unique), then the [U, D]
-  result is gathered to the N tokens. Without sequence parallelism the all-reduce happens on the
-  [U, D] distinct embeddings (U <= N, so never more traffic than VocabParallelEmbedding).
-- global-batch dedup (`begin_global_batch` / `end_global_batch`, which the portable engine calls
-  around each iteration's micro-batches with `LEVConfig.dedup_global_batch`): a micro-batch
-  evaluates LEV only for ids that no earlier micro-batch of the global batch had; the rows are
-  leaves that collect every micro-batch's gradient, and LEV's backward runs once, for all of
-  them, in `end_global_batch`. Per iteration LEV then costs one forward and one backward per
-  distinct id of the global batch (at most V) instead of per distinct id of each micro-batch.
-- kernels: `lev.kernels.lev_modes` (`--lev-kernel`: one autograd Function over the torch, C++
-  and Triton backends) recomputes the spline tensors in backward; saved activations are the
-  seeds [U, d_in] (the digits [U, k] when U > k*b: then the k*b codebook rows are projected
-  once and each id sums k of them), the modes [U, h*r] and the integer ids (`--lev-kernel
-  reference`: the plain autograd of `lev.math`, every intermediate saved).
-- eval table: with `LEVConfig.eval_table`, eval-mode forwards that need no parameter gradient
-  look ids up in a materialised [V, D] table of this rank's partial embeddings (same
-  communication as training), computed by `lev.table` (batched no-grad math), rebuilt whenever
-  a parameter changes (in-place optimizer steps, load_state_dict, `.data` writes, dtype/device
-  moves); inside `pinned_eval_table` (generation) that check runs once, not per forward.
+Speed and memory: LEV runs once per distinct id of the micro-batch (the all-reduce on the
+[U, D] distinct rows), or, with `LEVConfig.dedup_global_batch`, once per distinct id of the
+global batch (`begin_global_batch` / `end_global_batch`, the engines' `ModuleHooks`: the rows
+collect every micro-batch's gradient and LEV's backward runs once, after the schedule). The
+kernels (`lev.kernels.lev_modes`, --lev-kernel) save only the seeds (or digits), the modes and
+the ids. With `LEVConfig.eval_table`, eval forwards that need no gradient look ids up in a
+[V, D] table (`lev.table`), rebuilt whenever a parameter changes (once per `pinned_eval_table`).
 """
 
 from __future__ import annotations
@@ -62,7 +42,7 @@ from megatron.core.utils import (
 )
 
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.config import LEVConfig
+from megatron_ext.lev.config import LEV_PARAMETER_GROUPS, LEVConfig
 from megatron_ext.lev.kernels import lev_modes
 from megatron_ext.lev.table import LEVTable
 from megatron_ext.tensor_parallel import check_sequence_split
@@ -135,7 +115,8 @@ def embedding_std(lev_config: LEVConfig, params: dict[str, torch.Tensor]) -> flo
 
 
 class LEVEmbedding(torch.nn.Module):
-    """LEV input generator with VocabParallelEmbedding's interface.
+    """LEV input generator with VocabParallelEmbedding's interface (and the engines'
+    `training.engine.ModuleHooks`: timing spans "lev-*", optimizer settings, global-batch dedup).
 
     Args:
         lev_config: LEV hyper-parameters (vocab size V, width D, heads, ...); frozen, kept as
@@ -405,19 +386,31 @@ class LEVEmbedding(torch.nn.Module):
         output = F.embedding(index, rows)
         return reduce_from_tensor_model_parallel_region(output, group=self.tp_group)
 
-    # ------------------------------------------------------------------ global-batch dedup
+    # ------------------------------------------------------- the engines' ModuleHooks
+
+    engine_name = "lev"
+
+    def param_settings(self) -> dict[int, tuple[bool, float]]:
+        """id(parameter) -> (weight decay?, lr multiplier): --lev-weight-decay-groups and
+        --lev-lr-mult (the optimizer's `param_groups` reads it)."""
+        lc = self.lev_config
+        return {
+            id(getattr(self, name)): (group in lc.weight_decay_groups, lc.lr_mult)
+            for group, names in LEV_PARAMETER_GROUPS.items()
+            for name in names
+        }
 
     def begin_global_batch(self) -> None:
         """Start evaluating LEV once per distinct id of the global batch (see the module doc):
         until `end_global_batch`, forwards with autograd enabled compute only new ids' rows.
-        A no-op unless `dedups_global_batch`."""
-        if self.dedups_global_batch:
+        A no-op unless `defers_gradients`."""
+        if self.defers_gradients:
             self._global_batch = _GlobalBatchRows()
 
     @property
-    def dedups_global_batch(self) -> bool:
+    def defers_gradients(self) -> bool:
         """Whether `begin_global_batch` takes effect (`LEVConfig.dedup` and
-        `LEVConfig.dedup_global_batch`)."""
+        `LEVConfig.dedup_global_batch`): the gradients arrive in `end_global_batch`."""
         return self.lev_config.dedup and self.lev_config.dedup_global_batch
 
     def end_global_batch(self) -> None:

@@ -1,27 +1,17 @@
-"""LEV's [V, D] table, materialised through the training kernels' forward (no autograd).
-
-Exports (`tools/convert_checkpoint.py`), the eval table and generation need LEV's embedding of
-every id once, with no gradient. Per chunk of ids:
-
-1. Seed projection by digit. z(i) @ W_l^T is linear in the k codebook rows that form z(i), so
-   P_m = C_m @ W_m^T ([b, h*d], W_m = W for "sum", the m-th column block of W for "concat") is
-   computed once per table and each id sums k rows of it: k*h*d additions instead of
-   d_in*h*d multiply-adds.
-2. LayerNorm and sigmoid per head: t [h, n, d].
-3. Steps 3c-3e by the forward of the backend `--lev-kernel` picks (`lev.kernels`: the C++
-   kernel on CPU, Triton on CUDA, else the chunked torch ops; "reference" takes torch), the
-   same code that trains. Until this module went through the backend it had its own torch copy
-   of the basis and product; the torch backend's forward measured 0.91x its CPU time (2048 ids,
-   the default widths, 1 thread), so nothing was lost.
-4. out_proj: one [n, h*r] @ [h*r, D] matmul, written straight into the output rows.
-
-Shapes (n ids per chunk, h heads on this rank, d = d_seed, kappa knots, rank r, width D)::
+"""LEV's [V, D] table, materialised through the training kernels' forward (no autograd), for
+exports, the eval table and generation. Per chunk of n ids::
 
     ids [n] -> digits [n, k] -> u [n, h*d] -> t [h, n, d] -> M [n, h, r] -> e [n, D]
 
-The result is this rank's partial embedding (summed over TP ranks it is the full one), in
-float32 by default or float64 (`dtype`), checked against an independent float64 reference in
-tests/lev/test_lev_table.py.
+1. the seed projection by digit: P_m = C_m @ W_m^T computed once per table, each id sums k of
+   its rows (k*h*d additions instead of d_in*h*d multiply-adds);
+2. LayerNorm and sigmoid per head;
+3. steps 3c-3e by the forward of the backend `--lev-kernel` picks (`lev.kernels`), the same
+   code that trains;
+4. out_proj, one matmul written straight into the output rows.
+
+The result is this rank's partial embedding (summed over TP ranks it is the full one), float32
+or float64 (`dtype`), checked against an independent float64 reference (tests/lev).
 """
 
 from __future__ import annotations

@@ -1,35 +1,18 @@
-"""Fused LEV modes in Triton: seed z -> separable modes M, forward and backward kernels.
+"""Fused LEV modes in Triton (the "triton" backend of `lev.kernels`): steps 3c-3e of
+`lev.math.lev_modes` in one kernel per direction; steps 3a-3b stay in torch.
 
-The same function as `lev.math.lev_modes` (and `lev.fused.fused_lev_modes`), for CUDA. Steps
-3a-3b (seed projection, LayerNorm, sigmoid: one [N, d_in] x [d_in, h*d] matmul) stay in torch;
-steps 3c-3e run in one kernel per direction:
+forward, one program per (head l, block of n ids), one pass over the d seed coordinates: the
+three basis values and knots of t[l, n, c], phi = sum_j B_j * (1 + Delta[l, c, i_j, :]) in
+registers, and the frexp mantissa-exponent product of phi -/+ eps (`lev.kernels`), so no
+[N, d, r] or [N, d, kappa] tensor is ever in memory.
 
-forward, one program per (head l, block of n ids), one pass over the d seed coordinates::
+backward, one program per (head l, coordinate c) over all ids (deterministic: no atomics),
+with G = dL/dM * M: dL/dphi = G / x, dL/dDelta[l, c] += B^T @ dL/dphi (tl.dot, IEEE float32),
+dL/dt from the three basis values, dL/dy = dL/dt * t * (1 - t).
 
-    for c in 0..d-1:                             t[l, n, c]                 [n]
-        three non-zero basis values B and knot indices i (quadratic B-spline, renormalised)
-        phi = sum_j B_j * (1 + Delta[l, c, i_j, :])   (three row gathers, +1 on load) [n, r]
-        m, e = frexp(phi -/+ eps);  acc *= m;  expo += e   (renormalise acc every 64)
-    M[n, l, :] = acc * 2^expo
-
-which is `lev.math.separable_product` evaluated coordinate by coordinate as the
-mantissa-exponent product every backend shares (`lev.kernels`, "The signed product"), with no
-[N, d, r] or [N, d, kappa] tensor ever in memory (phi lives in registers for one coordinate).
-
-backward, one program per (head l, coordinate c), looping over all ids (deterministic: no
-atomics), with G = dL/dM * M [N, h, r] and x = phi + copysign(eps, phi):
-
-    dL/dphi = G / x                                                          [n, r]
-    dL/dDelta[l, c] += B_dense^T @ dL/dphi        (tl.dot, IEEE float32)     [kappa, r]
-    dL/dB_j = sum_r dL/dphi * (1 + Delta[l, c, i_j, :])  ->  dL/dt[l, n, c]  [n]
-    dL/dy[l, n, c] = dL/dt * t * (1 - t)          (through the sigmoid t = sigmoid(y))
-
-and dL/dy goes back through LayerNorm and the seed projection by torch autograd on a
-recomputed y (`lev.kernels`). Saved for backward: z [N, d_in] and M [N, h, r] only.
-
-The kernels are compiled by Triton on CUDA tensors; with TRITON_INTERPRET=1 set before this
-module is imported they run on CPU tensors in Triton's interpreter (how the tests check them).
-Ids are deduplicated by the caller (`LEVEmbedding.forward`), so N is the number of distinct ids.
+Compiled by Triton for CUDA tensors; with TRITON_INTERPRET=1 set before this module is
+imported they run on CPU tensors in Triton's interpreter (how the tests check them). Ids are
+deduplicated by the caller, so N is the number of distinct ids.
 """
 
 from __future__ import annotations

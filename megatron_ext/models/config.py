@@ -301,7 +301,8 @@ class ModelConfig:
         """Megatron-LM's rules for the sizes as the command line gives them (a model built in
         code has the rest filled): all of --num-layers, --hidden-size and --num-attention-heads,
         a --model-size preset, or none (the debug model); --num-query-groups only with
-        --group-query-attention (Megatron-LM ignores it without the switch)."""
+        --group-query-attention (Megatron-LM ignores it without the switch); --seq-length no
+        longer than --max-position-embeddings when that is given."""
         sizes = ("num_layers", "hidden_size", "num_attention_heads")
         given = [name for name in sizes if name not in self.derived]
         if not self.model_size and given and len(given) < len(sizes):
@@ -309,6 +310,13 @@ class ModelConfig:
             raise ValueError(f"set {flags} or pick a --model-size preset")
         if "num_query_groups" not in self.derived and not self.group_query_attention:
             raise ValueError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
+        table = self.max_position_embeddings
+        if table is not None and self.seq_length > table:
+            raise ValueError(
+                f"--seq-length {self.seq_length} is longer than --max-position-embeddings {table} "
+                f"(Megatron-LM refuses it too); raise --max-position-embeddings to at least "
+                f"{self.seq_length}, or drop it (rotary positions need no table)"
+            )
 
     @property
     def kv_channels(self) -> int:

@@ -233,8 +233,9 @@ def check_layout(
     impl = model_cfg.transformer_impl
     if parallel.context_parallel_size > 1 and impl != "transformer_engine":
         raise ValueError(
-            "--context-parallel-size > 1 needs --transformer-impl transformer_engine "
-            "(megatron-core's context-parallel attention is Transformer Engine's)"
+            f"--context-parallel-size {parallel.context_parallel_size} needs --transformer-impl "
+            "transformer_engine on a CUDA GPU (megatron-core's context-parallel attention is "
+            "Transformer Engine's); without one, pass --context-parallel-size 1"
         )
     if precision.fp8_format is not None and impl != "transformer_engine":
         raise ValueError(

@@ -1,31 +1,21 @@
-"""CPU-safe twins of the few megatron-core 0.16.1 leaves that assume CUDA.
+"""CPU-safe twins of the few megatron-core 0.16.1 leaves that assume CUDA, chosen by the local
+layer spec or by `LeviathanModel` (megatron-core itself is never patched):
 
-They are chosen by the local layer spec (core attention, norms) or by `LeviathanModel`
-(rotary embedding); megatron-core itself is never patched.
-
-- `SDPACoreAttention` replaces `DotProductAttention`, whose score buffer comes from megatron's
-  global memory buffer on `torch.cuda.current_device()`.
-- `SequenceParallelNorm` replaces `WrappedTorchNorm`, which refuses sequence parallelism. Its
-  parameters are tagged `sequence_parallel=True`: under sequence parallelism every TP rank sees a
-  different slice of the sequence, so their gradients are partial sums that the training step
-  all-reduces across the TP group, exactly as Megatron does for its fused norms.
-- `PortableRotaryEmbedding` replaces `RotaryEmbedding`, whose `get_emb` moves `inv_freq` to CUDA.
-- Selective recomputation on CPU: `SDPACoreAttention.recompute` checkpoints core attention
-  itself with `torch.utils.checkpoint`.
-- `PortableTransformerBlock` (adopted by `LeviathanModel` on hosts without CUDA when
-  `--recompute-granularity full`) recomputes layers with `torch.utils.checkpoint`: megatron's
-  `tensor_parallel.checkpoint` saves the CUDA RNG state, which a CPU-only torch cannot read.
-- `SwiGLUMLP` (adopted by `LeviathanModel` for the local layers' MLPs) is megatron's `MLP`
-  whose SwiGLU (`silu(gate) * up`, no bias) skips two passes megatron's unfused path makes over
-  the [s, b, ffn] activations: `up + glu_linear_offset` (0.0) in the forward, and the `cat` of
-  the two halves' gradients in the backward.
-- `CachedSelfAttention` replaces `SelfAttention`, whose KV cache for megatron's
-  `StaticInferenceContext` is allocated on `torch.cuda.current_device()`; the twin allocates it
-  on the device of its own weights, so generation with a KV cache also runs on CPU.
+- `SDPACoreAttention` for `DotProductAttention` (its score buffer lives on the current CUDA
+  device); its `recompute` is selective recomputation on CPU (`rng.checkpoint`, replaying the CPU
+  dropout streams);
+- `SequenceParallelNorm` for `WrappedTorchNorm`, which refuses sequence parallelism (its
+  parameters are tagged `sequence_parallel=True`: their partial gradients are all-reduced over TP);
+- `PortableRotaryEmbedding` for `RotaryEmbedding` (whose `get_emb` moves `inv_freq` to CUDA);
+- `PortableTransformerBlock` for full recompute without CUDA (megatron's checkpoint saves the
+  CUDA RNG state);
+- `SwiGLUMLP`: megatron's `MLP` without two passes its unfused SwiGLU makes over [s, b, ffn];
+- `CachedSelfAttention` for `SelfAttention`, its KV cache on the device of its own weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -38,6 +28,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
 )
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
@@ -46,7 +37,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+
+from megatron_ext.rng import checkpoint
 
 __all__ = [
     "CachedSelfAttention",
@@ -123,7 +115,6 @@ class SDPACoreAttention(MegatronModule):
                 attn_mask_type,
                 attention_bias,
                 packed_seq_params,
-                use_reentrant=False,
             )
         return self._attend(
             query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
@@ -153,16 +144,22 @@ class SDPACoreAttention(MegatronModule):
             sdpa_mask = ~attention_mask.bool()
         else:
             is_causal = mask_type == AttnMaskType.causal
-        context = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=sdpa_mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=is_causal,
-            scale=self.softmax_scale,
-            enable_gqa=self.num_heads_per_partition != self.num_query_groups_per_partition,
-        )
+        dropout_p = self.dropout_p if self.training else 0.0
+        # As megatron's DotProductAttention: the heads are split over TP ranks, so their dropout
+        # draws from the model-parallel stream (per TP rank), which sequence parallelism has
+        # already forked for the whole block.
+        forked = dropout_p and not self.config.sequence_parallel
+        with get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=sdpa_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+                enable_gqa=self.num_heads_per_partition != self.num_query_groups_per_partition,
+            )
         # [b, np, sq, hn] -> [sq, b, np * hn]
         context = context.permute(2, 0, 1, 3).contiguous()
         return context.view(context.size(0), context.size(1), self.hidden_size_per_partition)
@@ -291,7 +288,7 @@ class PortableRotaryEmbedding(RotaryEmbedding):
 class PortableTransformerBlock(TransformerBlock):
     """megatron's TransformerBlock whose full recomputation (`recompute_method` uniform: chunks
     of `recompute_num_layers` layers; block: the first `recompute_num_layers` layers) runs
-    through `torch.utils.checkpoint`, which restores the CPU RNG state for the recomputation."""
+    through `rng.checkpoint`, which restores the CPU RNG states for the recomputation."""
 
     def _checkpointed_forward(
         self,
@@ -331,9 +328,7 @@ class PortableTransformerBlock(TransformerBlock):
         for start, end, recompute in chunks:
             forward = run(start, end)
             if recompute:
-                hidden_states, context = checkpoint(
-                    forward, hidden_states, context, use_reentrant=False
-                )
+                hidden_states, context = checkpoint(forward, hidden_states, context)
             else:
                 hidden_states, context = forward(hidden_states, context)
         return hidden_states

@@ -2,48 +2,15 @@
 
 `estimate_memory(cfg, layout)` splits one GPU's memory into weights, gradients, optimizer states
 and activations (with and without full recompute) for the most loaded pipeline stage of
-`layout` (a `TrainingPlan`: the run's `ParallelConfig` and `PrecisionConfig`, and its engine
-and micro-batches);
-`flops_per_token` counts the training FLOPs of one token. `tools/count_params.py --memory`
-prints both per arm, scale and layout.
+`layout` (a `TrainingPlan`); `estimate_save_memory` and `estimate_export_memory` plan a
+checkpoint save and ``export-hf``; `flops_per_token` counts the training FLOPs of one token.
+`tools/count_params.py --memory` prints them per arm, scale and layout.
 
-Activations follow what the local (portable) path saves for backward, tensor by tensor; the
-figure is checked against a measured CPU run (tests/models/test_memory.py counts the bytes that
-autograd saves). Per decoder layer, with T = b*s tokens of a micro-batch, A the bytes of the
-compute dtype (2 under --bf16 autocast, 4 in float32), kv = key/value width, F = FFN width::
-
-    float32 residual stream:  2 RMSNorm rstd [T] + 2 norm outputs + attention residual + layer
-                              output, [T, D] each                    -> 4 (2T + 4TD)
-    linear input copies:      qkv and fc1 inputs [T, D]                      A * 2TD
-    attention:                q, k (rotated), the qkv output, SDPA output; log-sum-exp
-                              [b, heads, s] in float32
-    SwiGLU MLP:               fc1 output [T, 2F], silu(gate) [T, F], fc2 input [T, F]
-    autocast weight copies:   the layer's matmul weights in A bytes (only under autocast: the
-                              float32 parameters themselves are not activations)
-
-plus, once per stage, the rotary cos and sin tables [s, rotary dim] (computed once and shared by
-every layer and micro-batch: models/local_modules.py), and, outside the layers, the ids and the
-embedding output (first stage), and the final norm, head input copy, head weight copy (autocast)
-and float32 logits [T, V] (last stage). Under tensor parallelism the per-head and per-FFN terms
-split over the TP ranks; the [T, D] stream terms split too only with sequence parallelism
-(except the linear input copies, which are saved after the all-gather). LEV adds its fused
-path's saved tensors: seeds [U, d_in], modes [U, h/tp, r] (float32) and the digits [U, k] of
-the U distinct ids.
-
-Transformer Engine (the GPU spec) saves a different set (fused kernels, FP8 copies): the figure
-is the local path's; `scripts/gpu_check.sh` measures the GPU one.
-
-Two more stages are planned: `estimate_save_memory` (a checkpoint save after a step: the step's
-figure, since the writer adds nothing of the model's size and the allocator keeps the freed
-activations) and
-`estimate_export_memory` (``export-hf``: the TP=1 model, then either the checkpoint reader's copy
-of the largest stored tensor or the materialised [V, D] table plus the split QKV weights).
-
-Every figure counts tensors. A process also holds its runtime (Python, torch, megatron-core,
-gloo or CUDA: about 0.5 GiB of host memory on CPU), which depends on the machine and is not
-planned: `benchmarks/scale_1p2b.py` measures it in the same run and adds it, and against that
-sum the paper's 1.2B shape on CPU (TP=2, 8 of 16 layers, LEV and TIED) measured 0.94-1.05 of
-the plan for the training step, the save and the export (benchmarks/RESULTS.md).
+Activations follow what the local (portable) path saves for backward, tensor by tensor
+(tests/models/test_memory.py counts the bytes autograd saves); Transformer Engine saves a
+different set (`scripts/gpu_check.sh` measures it). Every figure counts tensors: a process's
+runtime (Python, torch, gloo or CUDA) is not planned; `benchmarks/scale_1p2b.py` measures it
+and compares plan and run (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

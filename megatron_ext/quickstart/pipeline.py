@@ -11,6 +11,7 @@ exactly as a user would type them (each command is echoed). ``--fresh`` starts o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -114,214 +115,105 @@ def _launch(s: Settings, script: str, *args: str, log: Path, show: re.Pattern) -
                  show=show)  # fmt: skip
 
 
+def _corpus(s: Settings, tmp: Path) -> str:
+    if s.corpus:
+        return f"using your corpus {s.corpus} (train) and {s.valid_corpus} (valid)"
+    _run(_tool(s, "make_sample_corpus.py", "--output", str(tmp), "--size-mb", str(s.corpus_mb),
+               "--seed", str(s.seed)))  # fmt: skip
+    return f"sample corpus in {short_path(str(s.out / 'corpus'))} (train/, val.jsonl.zst)"
+
+
+def _inputs(s: Settings) -> dict[str, str]:
+    """split -> the corpus it is read from (yours, or the sample corpus)."""
+    return {
+        "train": s.corpus or str(s.out / "corpus" / "train"),
+        "valid": s.valid_corpus or str(s.out / "corpus" / "val.jsonl.zst"),
+    }
+
+
+def _tokenizer(s: Settings, tmp: Path) -> str:
+    _run(_tool(s, "train_tokenizer.py", "--input", _inputs(s)["train"], "--vocab-size",
+               str(s.vocab_size), "--model-prefix", str(tmp / "sp"), "--seed", str(s.seed)),
+         log=tmp / "train_tokenizer.log")  # fmt: skip
+    return f"{s.vocab_size}-piece SentencePiece BPE model {short_path(str(_tok_model(s)))}"
+
+
+def _tok_model(s: Settings) -> Path:
+    return s.out / "tokenizer" / "sp.model"
+
+
+def _data(s: Settings, tmp: Path) -> str:
+    tok = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(_tok_model(s))]
+    for split, src in _inputs(s).items():
+        say(f"  preprocessing the {split} split")
+        _run(_tool(s, "preprocess_data.py", "--input", src, "--output-prefix", str(tmp / split),
+                   *tok, "--append-eod", "--workers", "2"),
+             log=tmp / f"{split}.log", show=re.compile(r"done:|error"))  # fmt: skip
+    train = short_path(str(s.out / "data" / "train"))
+    return f"indexed datasets {train}_text_document / valid_text_document"
+
+
 def build_stages(s: Settings) -> list[Stage]:
     """The pipeline for these settings (see the module docstring)."""
-    out = s.out
-    tok_model = out / "tokenizer" / "sp.model"
-    train_prefix, valid_prefix = out / "data" / "train", out / "data" / "valid"
-    tok_flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tok_model)]
+    train_prefix, valid_prefix = s.out / "data" / "train", s.out / "data" / "valid"
+    tok_flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                 str(_tok_model(s))]  # fmt: skip
     corpus_key = dict(corpus=s.corpus, valid=s.valid_corpus, mb=s.corpus_mb, seed=s.seed)
-
-    def corpus(tmp: Path) -> str:
-        if s.corpus:
-            return f"using your corpus {s.corpus} (train) and {s.valid_corpus} (valid)"
-        _run(
-            _tool(
-                s,
-                "make_sample_corpus.py",
-                "--output",
-                str(tmp),
-                "--size-mb",
-                str(s.corpus_mb),
-                "--seed",
-                str(s.seed),
-            )
-        )
-        return f"sample corpus in {short_path(str(out / 'corpus'))} (train/, val.jsonl.zst)"
-
-    def train_input() -> str:
-        return s.corpus or str(out / "corpus" / "train")
-
-    def valid_input() -> str:
-        return s.valid_corpus or str(out / "corpus" / "val.jsonl.zst")
-
-    def tokenizer(tmp: Path) -> str:
-        _run(
-            _tool(
-                s,
-                "train_tokenizer.py",
-                "--input",
-                train_input(),
-                "--vocab-size",
-                str(s.vocab_size),
-                "--model-prefix",
-                str(tmp / "sp"),
-                "--seed",
-                str(s.seed),
-            ),
-            log=tmp / "train_tokenizer.log",
-        )
-        return f"{s.vocab_size}-piece SentencePiece BPE model {short_path(str(tok_model))}"
-
-    def data(tmp: Path) -> str:
-        tmp_tok = [
-            "--tokenizer-type",
-            "SentencePieceTokenizer",
-            "--tokenizer-model",
-            str(tok_model),
-        ]
-        for split, src in (("train", train_input()), ("valid", valid_input())):
-            say(f"  preprocessing the {split} split")
-            _run(
-                _tool(
-                    s,
-                    "preprocess_data.py",
-                    "--input",
-                    src,
-                    "--output-prefix",
-                    str(tmp / split),
-                    *tmp_tok,
-                    "--append-eod",
-                    "--workers",
-                    "2",
-                ),
-                log=tmp / f"{split}.log",
-                show=re.compile(r"done:|error"),
-            )
-        return (
-            f"indexed datasets {short_path(str(train_prefix))}_text_document / valid_text_document"
-        )
-
     stages = [
-        Stage("corpus", "corpus", corpus_key, corpus),
-        Stage("tokenizer", "tokenizer", dict(corpus_key, vocab=s.vocab_size), tokenizer),
-        Stage("data", "preprocess train/valid", dict(corpus_key, vocab=s.vocab_size), data),
-    ]
+        Stage("corpus", "corpus", corpus_key, functools.partial(_corpus, s)),
+        Stage("tokenizer", "tokenizer", dict(corpus_key, vocab=s.vocab_size),
+              functools.partial(_tokenizer, s)),
+        Stage("data", "preprocess train/valid", dict(corpus_key, vocab=s.vocab_size),
+              functools.partial(_data, s)),
+    ]  # fmt: skip
     model_key = dict(
-        corpus_key,
-        vocab=s.vocab_size,
-        iters=s.iters,
-        nproc=s.nproc,
-        layers=s.num_layers,
-        hidden=s.hidden_size,
-        heads=s.num_heads,
-        seq=s.seq_length,
-        mbs=s.micro_batch,
-        gbs=s.global_batch,
-        lr=s.lr,
-        eval=(s.eval_interval, s.eval_iters),
-    )
+        corpus_key, vocab=s.vocab_size, iters=s.iters, nproc=s.nproc, layers=s.num_layers,
+        hidden=s.hidden_size, heads=s.num_heads, seq=s.seq_length, mbs=s.micro_batch,
+        gbs=s.global_batch, lr=s.lr, eval=(s.eval_interval, s.eval_iters),
+    )  # fmt: skip
     for arm in s.arms:
-        stages.append(
-            Stage(
-                f"train_{arm}",
-                f"train {arm.upper()} ({s.iters} iterations, "
-                f"{s.tokens:,} tokens, {s.nproc} CPU processes, TP={s.nproc})",
-                dict(model_key, arm=arm),
-                _train_stage(s, arm, tok_flags, train_prefix, valid_prefix),
-            )
-        )
+        what = (f"train {arm.upper()} ({s.iters} iterations, {s.tokens:,} tokens, "
+                f"{s.nproc} CPU processes, TP={s.nproc})")  # fmt: skip
+        train = _train_stage(s, arm, tok_flags, train_prefix, valid_prefix)
+        # A training stage reads the data stages only: one arm runs without the others
+        # (--stages train_ARM, one task of a job array).
+        stages.append(Stage(f"train_{arm}", what, dict(model_key, arm=arm), train,
+                            needs=("corpus", "tokenizer", "data")))  # fmt: skip
     eval_key = dict(model_key, arms=s.arms, bins=s.bin_edges)
-    stages.append(
-        Stage(
-            "evaluate",
-            "evaluate: validation perplexity by token frequency",
-            eval_key,
-            lambda tmp: _evaluate(s, tmp, valid_prefix),
-        )
-    )
-    stages.append(
-        Stage(
-            "report",
-            "report: tables, loss curves, frequency bars",
-            eval_key,
-            lambda tmp: _report(s, tmp),
-        )
-    )
+    stages.append(Stage("evaluate", "evaluate: validation perplexity by token frequency",
+                        eval_key, lambda tmp: _evaluate(s, tmp, valid_prefix)))  # fmt: skip
+    stages.append(Stage("report", "report: tables, loss curves, frequency bars", eval_key,
+                        lambda tmp: _report(s, tmp)))  # fmt: skip
     if s.export and "lev" in s.arms:
-        stages.append(
-            Stage(
-                "export",
-                "export LEVIATHAN to Hugging Face + greedy continuation",
-                dict(model_key, prompt=s.prompt),
-                lambda tmp: _export(s, tmp),
-            )
-        )
+        what = "export LEVIATHAN to Hugging Face + greedy continuation"
+        stages.append(Stage("export", what, dict(model_key, prompt=s.prompt),
+                            lambda tmp: _export(s, tmp)))  # fmt: skip
     return stages
 
 
 def _train_stage(s: Settings, arm: str, tok_flags, train_prefix: Path, valid_prefix: Path):
     def train(tmp: Path) -> str:
-        warmup = max(1, s.iters // 10)
         args = (
-            "pretrain_leviathan.py",
-            "--tensor-model-parallel-size",
-            str(s.nproc),
-            "--sequence-parallel",
-            "--embedding-type",
-            arm,
+            "pretrain_leviathan.py", "--tensor-model-parallel-size", str(s.nproc),
+            "--sequence-parallel", "--embedding-type", arm,
             # LEV's sizes for a D=128 model; its training controls are the project defaults.
-            "--lev-num-heads",
-            "4",
-            "--lev-seed-dim",
-            "64",
-            "--lev-rank",
-            "16",
-            "--num-layers",
-            str(s.num_layers),
-            "--hidden-size",
-            str(s.hidden_size),
-            "--num-attention-heads",
-            str(s.num_heads),
-            "--seq-length",
-            str(s.seq_length),
-            "--micro-batch-size",
-            str(s.micro_batch),
-            "--global-batch-size",
-            str(s.global_batch),
-            "--train-iters",
-            str(s.iters),
-            "--lr",
-            str(s.lr),
-            "--min-lr",
-            str(s.lr / 10),
-            "--lr-decay-style",
-            "cosine",
-            "--lr-warmup-iters",
-            str(warmup),
-            "--weight-decay",
-            "0.1",
-            "--clip-grad",
-            "1.0",
+            "--lev-num-heads", "4", "--lev-seed-dim", "64", "--lev-rank", "16",
+            "--num-layers", str(s.num_layers), "--hidden-size", str(s.hidden_size),
+            "--num-attention-heads", str(s.num_heads), "--seq-length", str(s.seq_length),
+            "--micro-batch-size", str(s.micro_batch), "--global-batch-size", str(s.global_batch),
+            "--train-iters", str(s.iters), "--lr", str(s.lr), "--min-lr", str(s.lr / 10),
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", str(max(1, s.iters // 10)),
+            "--weight-decay", "0.1", "--clip-grad", "1.0",
             # The study's choice: no dropout (Megatron-LM's default is 0.1).
-            "--hidden-dropout",
-            "0.0",
-            "--attention-dropout",
-            "0.0",
-            "--seed",
-            str(s.seed),
-            "--train-data-path",
-            f"{train_prefix}_text_document",
-            "--valid-data-path",
-            f"{valid_prefix}_text_document",
-            *tok_flags,
-            "--log-interval",
-            str(max(1, min(10, s.iters // 4))),
-            "--eval-interval",
-            str(min(s.eval_interval, s.iters)),
-            "--eval-iters",
-            str(s.eval_iters),
-            "--num-workers",
-            "0",
-            "--save",
-            str(tmp / "ckpt"),
-            "--save-interval",
-            str(s.iters),
-            "--tensorboard-dir",
-            str(tmp / "tb"),
-            "--log-jsonl",
-            str(tmp / "train.jsonl"),
-        )
+            "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--seed", str(s.seed),
+            "--train-data-path", f"{train_prefix}_text_document",
+            "--valid-data-path", f"{valid_prefix}_text_document", *tok_flags,
+            "--log-interval", str(max(1, min(10, s.iters // 4))),
+            "--eval-interval", str(min(s.eval_interval, s.iters)),
+            "--eval-iters", str(s.eval_iters), "--num-workers", "0",
+            "--save", str(tmp / "ckpt"), "--save-interval", str(s.iters),
+            "--tensorboard-dir", str(tmp / "tb"), "--log-jsonl", str(tmp / "train.jsonl"),
+        )  # fmt: skip
         _launch(s, *args, log=tmp / "train.log", show=_SHOW)
         text = (tmp / "train.log").read_text()
         params = re.findall(r"model parameters: (\d+)", text)
@@ -472,6 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default="Quick start: TIED vs LEVIATHAN", help="the report's title")
     p.add_argument("--fresh", action="store_true", help="delete OUT and start over")
     p.add_argument(
+        "--stages",
+        nargs="+",
+        metavar="STAGE",
+        help="run only these stages (corpus tokenizer data train_ARM... evaluate report export); "
+        "the earlier ones must be finished: how a cluster job array splits the study "
+        "(examples/slurm/study.sh)",
+    )
+    p.add_argument(
         "--no-cpu-accel",
         action="store_true",
         help="run every stage without the CPU accelerations (compiled C++ kernels, host-memory "
@@ -482,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> tuple[Settings, bool]:
     """The command line -> (settings, --fresh); bad input exits 2 with one line."""
+    s, fresh, _ = _parse(argv)
+    return s, fresh
+
+
+def _parse(argv=None) -> tuple[Settings, bool, Optional[list[str]]]:
+    """(settings, --fresh, --stages) of the command line; bad input exits 2 with one line."""
     p = build_parser()
     a = p.parse_args(argv)
     if a.no_cpu_accel:
@@ -507,7 +413,14 @@ def parse_args(argv=None) -> tuple[Settings, bool]:
         export=not a.no_export,
         title=a.title,
     )
-    return s, a.fresh
+    if a.stages:
+        names = [stage.name for stage in build_stages(s)]
+        unknown = [name for name in a.stages if name not in names]
+        if unknown:
+            p.error(f"--stages {' '.join(unknown)}: no such stage here (stages: {' '.join(names)})")
+        if a.fresh:
+            p.error("--fresh deletes every stage: not with --stages")
+    return s, a.fresh, a.stages
 
 
 def main(argv=None) -> int:
@@ -516,7 +429,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    s, fresh = parse_args(argv)
+    s, fresh, only = _parse(argv)
     if fresh and s.out.exists():
         say(f"--fresh: removing {short_path(str(s.out))}")
         shutil.rmtree(s.out)
@@ -526,11 +439,14 @@ def _main(argv) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     start = time.time()
     try:
-        run_stages(build_stages(s), s.out)
+        run_stages(build_stages(s), s.out, only)
     except StageError as e:
         say(f"\nerror: {e}")
         say("rerun the same command to retry from the failed stage")
         return 1
+    if only:
+        say(f"\nstages {' '.join(only)} done in {time.time() - start:.0f}s")
+        return 0
     report = s.out / "report" / "report.md"
     say(f"\nall stages done in {time.time() - start:.0f}s. Open:")
     say(f"  {short_path(str(report))}   (comparison table, loss curves, frequency bars)")

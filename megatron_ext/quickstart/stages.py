@@ -18,7 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from megatron_ext._paths import display_path
 from megatron_ext.launch import launch
@@ -45,12 +45,15 @@ class StageError(RuntimeError):
 @dataclass
 class Stage:
     """One step of a pipeline: ``run(tmp)`` writes everything into ``tmp`` and returns a
-    one-line summary; ``key`` holds the settings that decide its outputs."""
+    one-line summary; ``key`` holds the settings that decide its outputs; ``needs``: the
+    earlier stages it reads (None: all of them), those a part of the pipeline run alone
+    (``run_stages(only=...)``) must find finished."""
 
     name: str
     title: str
     key: dict
     run: Callable[[Path], str]
+    needs: Optional[tuple[str, ...]] = None
 
 
 def say(msg: str = "") -> None:
@@ -175,20 +178,39 @@ def _fingerprint(key: dict) -> str:
     return hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_stages(stages: list[Stage], out: Path) -> None:
+def run_stages(stages: list[Stage], out: Path, only: Optional[Sequence[str]] = None) -> None:
     """Run the stages in order into ``out``, reusing each finished one whose ``key`` did not
     change; once a stage is redone, every later stage is redone too.
+
+    ``only``: run just these stages (a cluster job array splits the study so); the stages they
+    need (``Stage.needs``) that are not among them must be finished already (StageError
+    otherwise); the others are left alone.
 
     Ctrl-C discards the running stage's temporary directory and exits 130; any other error
     discards it and propagates.
     """
     out.mkdir(parents=True, exist_ok=True)
     redo = False
+    names = [stage.name for stage in stages]
+    needed = set()
+    for i, stage in enumerate(stages):
+        if only is not None and stage.name in only:
+            needed.update(names[:i] if stage.needs is None else stage.needs)
     for i, stage in enumerate(stages, 1):
         final, tmp = out / stage.name, out / f".{stage.name}.tmp"
         fp = _fingerprint(stage.key)
         header = f"[{i}/{len(stages)}] {stage.title}"
         marker = final / MARKER
+        if only is not None and stage.name not in only:
+            if stage.name not in needed:
+                continue
+            done = json.loads(marker.read_text()) if marker.is_file() else {}
+            if done.get("fingerprint") != fp:
+                raise StageError(
+                    f"stage '{stage.name}' is not finished for these settings in "
+                    f"{short_path(str(final))}: run it first (--stages {stage.name})"
+                )
+            continue
         if not redo and marker.is_file():
             done = json.loads(marker.read_text())
             if done.get("fingerprint") == fp:

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from typing import Any, Optional, Sequence
 
 import torch
@@ -241,7 +242,10 @@ def check_machine(run: RunConfig, cuda: bool) -> None:
     if run.parallel.distributed_backend == "nccl" and not cuda:
         raise ArgumentError("--distributed-backend nccl needs CUDA; drop it (gloo is used on CPU)")
     if run.model.transformer_impl == "transformer_engine" and not cuda:
-        raise ArgumentError("--transformer-impl transformer_engine needs a CUDA GPU; use local")
+        also = " and --context-parallel-size 1" if run.parallel.context_parallel_size > 1 else ""
+        raise ArgumentError(
+            f"--transformer-impl transformer_engine needs a CUDA GPU; use local{also}"
+        )
     megatron = run.engine.ddp_impl == "megatron"
     if megatron and not cuda:
         raise ArgumentError(
@@ -266,6 +270,33 @@ def check_machine(run: RunConfig, cuda: bool) -> None:
         logger.warning("--exit-signal-handler without --save: SIGTERM exits without a checkpoint")
     if run.memory.empty_unused_memory_level and not cuda:
         logger.info("--empty-unused-memory-level: no CUDA caching allocator on CPU, no effect")
+
+
+def _load_iteration_directory(args: argparse.Namespace) -> None:
+    """`--load ckpt/iter_0000030` (one checkpoint, as the tools take it): load that iteration,
+    as Megatron-LM's `--load ckpt --ckpt-step 30` (its --load takes the run's directory)."""
+    if not args.load:
+        return
+    path = os.path.normpath(args.load)
+    match = re.match(r"^iter_(\d{7,})$", os.path.basename(path))
+    if match is None or not os.path.isdir(path):
+        return
+    iteration, parent = int(match.group(1)), os.path.dirname(path) or "."
+    if args.ckpt_step is not None and args.ckpt_step != iteration:
+        raise ArgumentError(
+            f"--load {args.load} is the checkpoint of iteration {iteration} but --ckpt-step "
+            f"asks for {args.ckpt_step}; pass the run's directory: --load {parent} --ckpt-step "
+            f"{args.ckpt_step}"
+        )
+    logger.info(
+        "--load %s: loading iteration %d of %s (the same as --load %s --ckpt-step %d)",
+        args.load,
+        iteration,
+        parent,
+        parent,
+        iteration,
+    )
+    args.load, args.ckpt_step = parent, iteration
 
 
 def _rewrite(args: argparse.Namespace) -> None:
@@ -298,6 +329,7 @@ def parse_config(
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    _load_iteration_directory(args)
     if args.use_checkpoint_args:
         _apply_checkpoint_args(args, _explicit_dests(argv))
     if world_size is None:

@@ -6,10 +6,10 @@ python -m megatron_ext.training.compat_doc --write docs/megatron-compat.md
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional, Sequence
 
+from megatron_ext._paths import atomic_write
 from megatron_ext.training.arguments import build_parser
 from megatron_ext.training.megatron_compat import compat_table
 
@@ -25,10 +25,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.write is None:
         sys.stdout.write(text)
         return 0
-    tmp = args.write + ".tmp"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, args.write)
+    atomic_write(args.write, text)
     return 0
 
 

@@ -413,7 +413,8 @@ class LoggingConfig:
     )
     loss_curve: bool = flag(
         True,
-        "write no loss_curve.png beside the TensorBoard events (or checkpoints) at the end",
+        "write no loss_curve.png beside the TensorBoard events (or the --log-jsonl file) at "
+        "the end",
         action="store_false",
     )
     log_params_norm: bool = flag(False, "L2 norm of all parameters")

@@ -1,25 +1,12 @@
 """Data loaders of the loop: Megatron-LM's sequential pretraining sampler.
 
-Each iteration consumes the next `global_batch_size` samples of the (already shuffled) GPT
-dataset; micro-batch step j hands samples [j*mbs*dp, (j+1)*mbs*dp) out to the DP ranks in rank
-order. So the global batch is the same set of samples at every DP size and micro-batch split,
-and resuming at `consumed_samples` continues exactly where the run stopped.
-
-Termination signals: a launcher stops a job by signalling whole process groups (torchrun sends
-its death signal to each rank's group, Slurm to every process of the step, a terminal's Ctrl-C
-to the foreground group), so DataLoader worker processes receive SIGTERM/SIGINT together with
-their rank. PyTorch's workers die of it and the rank then fails with "DataLoader worker ...
-killed by signal" before it can act on --exit-signal-handler. Our workers ignore both signals
-(the rank decides when to stop; its workers exit with it), and they are forked with the signals
-blocked so that one arriving during start-up cannot kill them before they ignore it.
-
-Exit with live workers: an exception that escapes the rank keeps its frames, and with them the
-DataLoader iterator, alive until the interpreter exits. PyTorch then leaves the workers to
-multiprocessing's exit hook, which stops daemonic children with SIGTERM and joins them; ours
-ignore SIGTERM, so the rank would wait for them forever (a crashed rank that never exits,
-holding its job until the time limit). An exit hook of this module, which runs before
-multiprocessing's, kills the workers of every iterator still alive at exit (SIGKILL: they only
-read samples, and the rank is going away).
+Each iteration consumes the next `global_batch_size` samples of the (shuffled) GPT dataset;
+micro-batch step j hands samples [j*mbs*dp, (j+1)*mbs*dp) to the DP ranks in rank order, so a
+global batch is the same samples at every DP size and split, and a resume at `consumed_samples`
+continues exactly. DataLoader workers ignore SIGTERM/SIGINT (a launcher signals whole process
+groups; the rank decides when to stop) and are forked with the signals blocked. An exit hook,
+run before multiprocessing's, SIGKILLs the workers of every iterator still alive at exit, so a
+crashed rank does not wait forever for workers that ignore SIGTERM.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
-"""The training engine interface: what the loop needs from whoever runs the step.
+"""The training engine interface: what the loop needs from whoever runs the step, and what a
+module may declare to the engines (`ModuleHooks`).
 
-As narrow as Megatron-LM's `train_step(forward_step_func, data_iterator, model, optimizer,
-opt_param_scheduler, config)`: an engine is built from this stage's model and the run's
-settings (it owns the model chunks it runs, the optimizer, the LR scheduler and the FP16 loss
-scaler), and
-
-- `step(data_iterator, global_batch, flags)` runs one global batch: forward/backward over its
-  micro-batches, the gradient reductions, clipping, the optimizer and scheduler step (or a
-  skip), and returns a `StepResult` (world loss, grad norm, stepped / skipped / non-finite,
-  learning rate, and the caller's flags ORed over the world in the same all-reduce);
-- `evaluate(data_iterator, eval_iters)` runs forward-only batches and returns the world loss;
-- `log_stats()` (collective) returns the optional logged extras (params norm, zeros in grads);
-- `checkpoint_parts()` returns the objects the checkpoint manager saves and loads in the
-  project's format (`checkpoint.format.save_checkpoint`): the model, an optimizer exposing
-  `owned_state / owns / set_state`, the scheduler and the loss scaler.
+As narrow as Megatron-LM's `train_step`: an engine owns this stage's model chunks, the optimizer,
+the LR scheduler and the FP16 loss scaler, and offers `step(data_iterator, global_batch, flags)
+-> StepResult` (one global batch: forward/backward, gradient reductions, clipping, the optimizer
+and scheduler step or a skip, the caller's flags ORed over the world), `evaluate`, `log_stats`
+(collective) and `checkpoint_parts()` (what `checkpoint.format.save_checkpoint` saves and loads).
 
 Two implementations: `engine_portable.PortableEngine` (gloo and NCCL) and
-`megatron_engine.MegatronEngine` (megatron-core's DDP, optimizer and schedules; CUDA).
-The loop (`loop.py`), the metrics logger (`metrics_logger.py`) and the checkpoint manager
-(`checkpoint_manager.py`) are composed around either.
+`megatron_engine.MegatronEngine` (megatron-core's DDP, optimizer and schedules; CUDA). The
+loop, the metrics logger and the checkpoint manager are composed around either.
 """
 
 from __future__ import annotations
@@ -26,12 +17,10 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-
-from megatron_ext.lev.layer import LEVEmbedding
 
 __all__ = [
     "Engine",
@@ -40,7 +29,9 @@ __all__ = [
     "Phase",
     "NonFiniteError",
     "world_stats",
-    "time_lev_forwards",
+    "ModuleHooks",
+    "deferring_modules",
+    "time_forwards",
 ]
 
 
@@ -108,10 +99,42 @@ def world_stats(
     return stats.cpu().tolist()
 
 
-def time_lev_forwards(chunks: Sequence[torch.nn.Module], timers) -> None:
-    """--timing-log-level 2: time every training-mode forward of the LEV modules in `chunks` as
-    the `Timers` span "lev-forward" (a part of forward-backward), through forward hooks.
-    Registers nothing below level 2 (`timers.detailed` false)."""
+class ModuleHooks(Protocol):
+    """What a module of the model may declare to the engines and the optimizer (duck-typed;
+    `LEVEmbedding` declares it all). A module with an `engine_name`: its training-mode forwards
+    are timed as the span "<engine_name>-forward" (--timing-log-level 2), `param_settings` sets
+    its parameters' optimizer groups. One whose `defers_gradients` is true gets its gradients
+    after the pipeline schedule: the portable engine calls `begin_global_batch` before the
+    micro-batches, `end_global_batch` after them (the backward that fills its gradients; span
+    "<engine_name>-backward") or `abort_global_batch` on a failed step, and averages those
+    gradients over data parallelism itself (DDP leaves the parameters out)."""
+
+    engine_name: str
+    defers_gradients: bool
+
+    def param_settings(self) -> dict[int, tuple[bool, float]]:
+        """id(parameter) -> (weight decay?, lr multiplier); a group whose multiplier is not 1
+        is named with the suffix "_<engine_name>"."""
+
+    def begin_global_batch(self) -> None:
+        """Before the first micro-batch."""
+
+    def end_global_batch(self) -> None:
+        """After the schedule: the backward that fills the deferred gradients."""
+
+    def abort_global_batch(self) -> None:
+        """The step failed: drop what `begin_global_batch` started."""
+
+
+def deferring_modules(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules of `chunks` whose gradients arrive after the schedule (`ModuleHooks`)."""
+    return [m for c in chunks for m in c.modules() if getattr(m, "defers_gradients", False)]
+
+
+def time_forwards(chunks: Sequence[torch.nn.Module], timers) -> None:
+    """--timing-log-level 2: time every training-mode forward of the modules of `chunks` with
+    an `engine_name` as the `Timers` span "<engine_name>-forward" (a part of forward-backward),
+    through forward hooks. Registers nothing below level 2 (`timers.detailed` false)."""
     if not timers.detailed:
         return
     started: list[Optional[float]] = []
@@ -122,11 +145,11 @@ def time_lev_forwards(chunks: Sequence[torch.nn.Module], timers) -> None:
     def after(module, args, output):
         start = started.pop()
         if start is not None:
-            timers.add("lev-forward", timers.now() - start)
+            timers.add(f"{module.engine_name}-forward", timers.now() - start)
 
     for chunk in chunks:
         for module in chunk.modules():
-            if isinstance(module, LEVEmbedding):
+            if hasattr(module, "engine_name"):
                 module.register_forward_pre_hook(before)
                 module.register_forward_hook(after)
 

@@ -3,14 +3,14 @@
 float32 parameters, gradients and Adam states; --bf16/--fp16 run forward and backward under
 autocast. One step, the same under every layout:
 
-1. forward/backward over the micro-batches on torch.distributed.pipelining (`schedules.Pipeline`:
+1. forward/backward over the micro-batches on torch.distributed.pipelining (`pipeline.Pipeline`:
    1F1B, interleaved 1F1B over model chunks), each pipeline stage's module in torch's
    `DistributedDataParallel` over `pg.dp_cp` when DP x CP > 1 (`data_parallel.wrap`): the
    micro-batches accumulate under `no_sync`, each stage's last backward averages its
    gradients, overlapped;
-2. LEV input layers with --lev-dedup-global-batch evaluate each distinct id of the global batch
-   once: the step brackets the micro-batches with `LEVEmbedding.begin_global_batch` and
-   `end_global_batch`, which runs LEV's backward after the schedule; their gradients (which DDP
+2. modules whose gradients arrive after the schedule (`engine.ModuleHooks`: LEV with
+   --lev-dedup-global-batch): the step brackets the micro-batches with their
+   `begin_global_batch` and `end_global_batch` (their backward); their gradients (which DDP
    leaves out) are averaged by one call, `GradientAverage.average_params`;
 3. Megatron's model-parallel gradient reductions (sequence-parallel norms over TP, tied
    embeddings over the embedding group), the 1 / loss-scale (and per-token) gradient scale;
@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training import data_parallel
 from megatron_ext.training.config import RunConfig
@@ -39,7 +38,8 @@ from megatron_ext.training.engine import (
     NonFiniteError,
     Phase,
     StepResult,
-    time_lev_forwards,
+    deferring_modules,
+    time_forwards,
     world_stats,
 )
 from megatron_ext.training.finalize_grads import (
@@ -54,9 +54,9 @@ from megatron_ext.training.optimizer import (
     build_scheduler,
     clip_grad_norm,
 )
+from megatron_ext.training.pipeline import ForwardStep, Pipeline, PipelineShape
 from megatron_ext.training.precision import autocast_factory, pipeline_dtype
 from megatron_ext.training.run_extras import num_zeros_in_grad, params_norm
-from megatron_ext.training.schedules import ForwardStep, Pipeline, PipelineShape
 
 logger = logging.getLogger(__name__)
 
@@ -123,15 +123,9 @@ class PortableEngine(Engine):
             loss_output=(b.micro_batch_size, tokens),
         )
         self.consecutive_nonfinite = 0
-        self.lev = [
-            m
-            for chunk in self.chunks
-            for m in chunk.modules()
-            if isinstance(m, LEVEmbedding) and m.dedups_global_batch
-        ]
-        """LEV modules evaluated once per distinct id of the global batch: their backward runs
-        after the last micro-batch (`LEVEmbedding.begin_global_batch`)."""
-        time_lev_forwards(self.chunks, timers)
+        self.deferred = deferring_modules(self.chunks)
+        """The modules whose backward runs after the last micro-batch (`ModuleHooks`)."""
+        time_forwards(self.chunks, timers)
         self.average: Optional[data_parallel.GradientAverage] = None
         """The data-parallel average over `pg.dp_cp` (None when DP x CP is 1)."""
         if pg.dp_cp_size > 1:
@@ -144,7 +138,7 @@ class PortableEngine(Engine):
             pg,
             self.shape,
             autocast=self.autocast,
-            deferred=self._lev_params(),
+            deferred=self._deferred_params(),
             wrap=(lambda m: m) if self.average is None else self._wrap,
         )
         self.ddp: list[DistributedDataParallel] = [
@@ -155,8 +149,8 @@ class PortableEngine(Engine):
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
         return data_parallel.wrap(module, self.average)
 
-    def _lev_params(self) -> list[torch.nn.Parameter]:
-        return [param for module in self.lev for param in module.parameters()]
+    def _deferred_params(self) -> list[torch.nn.Parameter]:
+        return [param for module in self.deferred for param in module.parameters()]
 
     def _counts_loss(self) -> bool:
         return self.pg.is_last_stage and self.pg.tp_rank == 0
@@ -165,55 +159,14 @@ class PortableEngine(Engine):
         self, data_iterator: Iterator, global_batch: int, flags: Sequence[bool] = ()
     ) -> StepResult:
         """See `Engine.step`."""
-        b, p, pg = self.cfg.batch, self.cfg.parallel, self.pg
-        per_token_loss = self.cfg.engine.calculate_per_token_loss
         self.timers.mark()
         self.optimizer.zero_grad()
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        average = self.average
-        if average is None:
-            self.phase.set("forward-backward (tensor/pipeline-parallel group)", pg.mp)
-        elif dist.get_world_size(pg.mp) == 1:
-            self.phase.set("forward-backward with the data-parallel all-reduce", pg.dp_cp)
-        else:
-            self.phase.set("forward-backward with the data-parallel all-reduce (world group)")
-        if average is not None:
-            average.finite = True
-        for module in self.lev:
-            module.begin_global_batch()
-        try:
-            totals = self.pipeline.run(
-                data_iterator,
-                global_batch // (b.micro_batch_size * p.data_parallel_size),
-                loss_scale=scale,
-                per_token_loss=per_token_loss,
-            )
-            if self.lev:  # a model without LEV logs no lev-backward span
-                with self.timers.span("lev-backward"):
-                    for module in self.lev:
-                        module.end_global_batch()
-        finally:
-            for module in self.lev:
-                module.abort_global_batch()
-        self.timers.mark("forward-backward")
-        if average is not None and self.lev:
-            # The one data-parallel reduction outside DDP: LEV's deferred gradients.
-            self.phase.set("LEV's data-parallel gradient all-reduce", pg.dp_cp)
-            average.average_params(self._lev_params())
-        if p.sequence_parallel:
-            allreduce_sequence_parallel_grads(self.chunks, pg.tp)
-        allreduce_tied_embedding_grads(self.chunks, pg.embd)
-        for param in self.optimizer.params:
-            if param.grad is None:  # every rank steps the same set
-                param.grad = torch.zeros_like(param)
-        grad_scale = 1.0 / scale
-        if per_token_loss:
-            grad_scale *= self._per_token_grad_scale(totals)
-        if grad_scale != 1.0:
-            torch._foreach_mul_([param.grad for param in self.optimizer.params], grad_scale)
+        totals = self._forward_backward(data_iterator, global_batch, scale)
+        self._finish_grads(totals, scale)
         # Whether this rank's own gradients were finite before the average (None without DP:
         # they are still its own, checked below only when the norm is not finite).
-        grads_ok = None if average is None else average.finite
+        grads_ok = None if self.average is None else self.average.finite
         self.timers.mark("grads-all-reduce")
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
         if grads_ok is None:
@@ -230,10 +183,10 @@ class PortableEngine(Engine):
             self.shape.device,
         )
         loss = stats[0] / stats[1] if stats[1] > 0 else float("nan")
-        grad_finite = math.isfinite(grad_norm)
-        loss_finite = math.isfinite(loss) and stats[2] == 0
         stepped = skipped = nonfinite = False
         note = ""
+        grad_finite = math.isfinite(grad_norm)
+        loss_finite = math.isfinite(loss) and stats[2] == 0
         if self.scaler is not None and loss_finite and not grad_finite:
             # An FP16 overflow: halve the scale (after hysteresis) and skip the step.
             self.scaler.update(True)
@@ -259,6 +212,55 @@ class PortableEngine(Engine):
             flags=tuple(v > 0 for v in stats[4:]),
             note=note,
         )
+
+    def _forward_backward(self, data_iterator: Iterator, global_batch: int, scale: float) -> dict:
+        """The schedule over the global batch's micro-batches (with the deferred modules'
+        bracket and their gradients' average); returns the loss reports' totals."""
+        b, p, pg, average = self.cfg.batch, self.cfg.parallel, self.pg, self.average
+        if average is None:
+            self.phase.set("forward-backward (tensor/pipeline-parallel group)", pg.mp)
+        elif dist.get_world_size(pg.mp) == 1:
+            self.phase.set("forward-backward with the data-parallel all-reduce", pg.dp_cp)
+        else:
+            self.phase.set("forward-backward with the data-parallel all-reduce (world group)")
+        if average is not None:
+            average.finite = True
+        for module in self.deferred:
+            module.begin_global_batch()
+        try:
+            totals = self.pipeline.run(
+                data_iterator,
+                global_batch // (b.micro_batch_size * p.data_parallel_size),
+                loss_scale=scale,
+                per_token_loss=self.cfg.engine.calculate_per_token_loss,
+            )
+            for module in self.deferred:  # a model without them logs no such span
+                with self.timers.span(f"{module.engine_name}-backward"):
+                    module.end_global_batch()
+        finally:
+            for module in self.deferred:
+                module.abort_global_batch()
+        self.timers.mark("forward-backward")
+        if average is not None and self.deferred:
+            # The one data-parallel reduction outside DDP: the deferred gradients.
+            self.phase.set("the deferred gradients' data-parallel all-reduce", pg.dp_cp)
+            average.average_params(self._deferred_params())
+        return totals
+
+    def _finish_grads(self, totals: dict, scale: float) -> None:
+        """Megatron's model-parallel gradient sums, a zero gradient for every parameter without
+        one (every rank steps the same set), and the 1 / loss-scale (and per-token) scale."""
+        if self.cfg.parallel.sequence_parallel:
+            allreduce_sequence_parallel_grads(self.chunks, self.pg.tp)
+        allreduce_tied_embedding_grads(self.chunks, self.pg.embd)
+        for param in self.optimizer.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grad_scale = 1.0 / scale
+        if self.cfg.engine.calculate_per_token_loss:
+            grad_scale *= self._per_token_grad_scale(totals)
+        if grad_scale != 1.0:
+            torch._foreach_mul_([param.grad for param in self.optimizer.params], grad_scale)
 
     def _per_token_grad_scale(self, totals: dict) -> float:
         """--calculate-per-token-loss: the loss is a sum over tokens; the gradient divides by

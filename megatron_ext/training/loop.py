@@ -15,6 +15,7 @@ iteration counters and the exit conditions (--exit-signal-handler, --exit-durati
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from typing import Callable, Optional, Sequence
@@ -303,6 +304,16 @@ def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
     return reason
 
 
+def _curve_dir(cfg: RunConfig) -> Optional[str]:
+    """Where loss_curve.png goes: beside the run's logs (TensorBoard events, else the --log-jsonl
+    file), never into --save, which holds checkpoints only; None: nowhere to put it."""
+    if cfg.log.tensorboard_dir:
+        return cfg.log.tensorboard_dir
+    if cfg.log.log_jsonl:
+        return os.path.dirname(os.path.abspath(cfg.log.log_jsonl))
+    return None
+
+
 def close(trainer: Optional[Trainer], completed: bool = True) -> None:
     """End the run, whatever happened: profiler, signal handler, loss curve and TensorBoard,
     then the process groups (megatron's and torch.distributed's). `completed`: False when an
@@ -314,7 +325,7 @@ def close(trainer: Optional[Trainer], completed: bool = True) -> None:
             trainer.extras.close()
             if trainer.signal is not None:
                 trainer.signal.release()
-            trainer.metrics.close(cfg.log.tensorboard_dir or cfg.ckpt.save, completed)
+            trainer.metrics.close(_curve_dir(cfg), completed)
     finally:
         destroy_parallel()
         if dist.is_initialized():

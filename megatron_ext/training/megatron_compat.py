@@ -591,6 +591,16 @@ def _value_allowed(rule: Rule, value) -> bool:
     return False
 
 
+# Any of these on the command line asks for the LLaMA-style backbone (Megatron-LM's LLaMA
+# scripts pass them); none of them is a GPT-3-style script.
+_BACKBONE_FLAGS = (
+    "--swiglu",
+    "--normalization",
+    "--position-embedding-type",
+    "--use-rotary-position-embeddings",
+)
+
+
 def apply_megatron_compat(
     args: argparse.Namespace, cuda: Optional[bool] = None, fp8: bool = False
 ) -> argparse.Namespace:
@@ -625,6 +635,13 @@ def apply_megatron_compat(
             logger.info("%s: ignored (%s)", flag, rule.note)
         elif not _value_allowed(rule, value) or (rule.status == REFUSED and rule.allowed is None):
             raise ValueError(f"{shown}: {rule.note}")
+    if not any(flag in given for flag in _BACKBONE_FLAGS):
+        logger.info(
+            "model: no %s given (a GPT-3-style command line, which in Megatron-LM means "
+            "learned absolute positions, LayerNorm and a GeLU MLP): this package trains its "
+            "LLaMA-style backbone, rotary positions, RMSNorm and a SwiGLU MLP",
+            ", ".join(_BACKBONE_FLAGS[:3]),
+        )
     for _, flag, kind in MEGATRON_FLAGS:
         rule = rule_for(flag)
         if rule is None or kind != "switch" or flag in given:

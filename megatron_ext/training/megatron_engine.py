@@ -1,34 +1,17 @@
 """`--ddp-impl megatron`: megatron-core's own training machinery as an `Engine`.
 
-The portable engine (`engine_portable.PortableEngine`) keeps float32 parameters and runs the
-model under autocast, with this project's gradient all-reduce, ZeRO-1 and pipeline schedule.
-This engine is a peer implementation of the same interface built from megatron-core's pieces,
-as Megatron-LM's `pretrain` uses them:
+A peer of the portable engine built from megatron-core's pieces, as Megatron-LM's `pretrain`
+uses them: BF16 parameters under `Float16Module` with float32 main gradients in megatron's
+bucketed `DistributedDataParallel` (--overlap-grad-reduce, --ddp-bucket-size); megatron's
+optimizer (its parameter groups, --decoupled-lr, float32 master weights, clipping, the
+distributed optimizer with --use-distributed-optimizer); `get_forward_backward_func` with
+`finalize_model_grads`; megatron-core's OptimizerParamScheduler.
 
-- parameters in BF16 with --bf16 (the model is built at `PrecisionConfig.params_dtype` bfloat16;
-  `Float16Module` wraps it), float32 main gradients in megatron's `DistributedDataParallel`
-  buffers, bucketed, with `--overlap-grad-reduce` and `--ddp-bucket-size`;
-- megatron's optimizer (`get_megatron_optimizer` with megatron's standard parameter groups:
-  no weight decay on biases and 1-D parameters, `--decoupled-lr` on the input embedding and
-  output layer): float32 master weights, Adam, gradient clipping, and with
-  `--use-distributed-optimizer` the distributed optimizer (`--overlap-param-gather`);
-- megatron's schedules (`get_forward_backward_func`) with `finalize_model_grads` (DP reduce,
-  TP/SP norm and tied-embedding gradients); the global batch of each iteration (smaller during
-  --rampup-batch-size) sets the number of micro-batches;
-- megatron-core's OptimizerParamScheduler, stepped by the iteration's samples.
-
-Checkpoints are the project's format (`checkpoint.format.save_checkpoint`): the float32 master
-weights are saved as `model.<name>` and Adam's moments as `optim.<name>.*`, so a checkpoint of
-either engine loads into the other and at another layout. megatron's distributed optimizer
-keeps its state in flat per-bucket shards that do not map onto the project's per-parameter
-layout: with --use-distributed-optimizer, saving or loading optimizer state is refused (one
-line, `RunConfig`); the weights still save and load.
-
-megatron-core's DDP, optimizers and schedules need CUDA. Every piece the engine calls is taken
-from a `MegatronParts`; `MegatronParts.megatron_core()` is the real one, and
-`tests.support.megatron_doubles` supplies CPU test doubles that record the calls, so
-`tests/training/test_megatron_engine.py` drives this engine end to end on CPU.
-`scripts/gpu_check.sh` compares the two engines' losses on a GPU.
+Checkpoints are the project's format (the float32 master weights as `model.<name>`, Adam's
+moments as `optim.<name>.*`), so either engine's checkpoint loads into the other; with
+--use-distributed-optimizer the optimizer state is refused (its flat bucket shards do not map
+onto the per-parameter layout). megatron-core's pieces need CUDA: they come from a
+`MegatronParts`, which the tests replace with CPU doubles (`tests.support.megatron_doubles`).
 """
 
 from __future__ import annotations
@@ -64,12 +47,12 @@ from megatron_ext.training.engine import (
     NonFiniteError,
     Phase,
     StepResult,
-    time_lev_forwards,
+    time_forwards,
     world_stats,
 )
 from megatron_ext.training.metrics_logger import Timers
 from megatron_ext.training.optimizer import all_finite, build_scheduler, is_decoupled_param
-from megatron_ext.training.schedules import ForwardStep
+from megatron_ext.training.pipeline import ForwardStep
 from megatron_ext.training.unique_params import counted_once
 
 logger = logging.getLogger(__name__)
@@ -205,7 +188,7 @@ class MegatronEngine(Engine):
             parts = MegatronParts.megatron_core()
         self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
         self.phase, self.timers, self.parts = phase, timers, parts
-        time_lev_forwards([model], timers)
+        time_forwards([model], timers)
         self.scaler = None  # megatron's optimizer owns loss scaling (BF16/float32: none)
         config = model.config
         module = parts.float16_module(config, model) if config.bf16 else model

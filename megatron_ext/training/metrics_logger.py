@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_ext._paths import atomic_open
 from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import StepResult
 from megatron_ext.training.metrics import Reporter, format_train_line
@@ -102,10 +103,8 @@ def truncate_jsonl(path: str, iteration: int) -> None:
             continue
     if len(keep) == len(lines):
         return
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as handle:
+    with atomic_open(path) as handle:
         handle.writelines(keep)
-    os.replace(tmp, path)
     logger.info(
         "--log-jsonl %s: dropped %d record(s) after iteration %d",
         path,
@@ -149,12 +148,16 @@ class MetricsLogger:
         self._grad_norms: list[float] = []
         self._interval_start = time.time()
         self._interval_iters = 0
+        self._first_record = 1  # the first iteration this run logs (`start` sets it)
+        # skipped / non-finite iterations since the last log line (as Megatron-LM counts them)
+        self._skipped = self._nonfinite = 0
 
     def start(self, iteration: int) -> None:
         """Before the first iteration: drop --log-jsonl records past `iteration`, start the
         interval clock."""
         if self.is_rank0 and self.cfg.log.log_jsonl:
             truncate_jsonl(self.cfg.log.log_jsonl, iteration)
+        self._first_record = iteration + 1
         self._interval_start, self._interval_iters = time.time(), 0
 
     def text(self, tag: str, text: str) -> None:
@@ -177,6 +180,8 @@ class MetricsLogger:
         self._interval_iters += 1
         self._losses.append(result.loss)
         self._grad_norms.append(result.grad_norm)
+        self._skipped += int(result.skipped)
+        self._nonfinite += int(result.nonfinite)
         if it % self.cfg.log.tensorboard_log_interval == 0:
             self._tensorboard(result, state, global_batch, loss_scale)
         if self.cfg.log.log_jsonl and self.is_rank0:
@@ -190,7 +195,10 @@ class MetricsLogger:
                 seconds=seconds,
                 cpu_seconds=cpu_seconds,  # this process's CPU time: robust on a shared machine
             )
-            with open(self.cfg.log.log_jsonl, "a") as handle:
+            path = self.cfg.log.log_jsonl
+            if it == self._first_record:  # its directory is made by the first write
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
 
     def _tensorboard(self, result: StepResult, state, global_batch: int, loss_scale) -> None:
@@ -254,8 +262,8 @@ class MetricsLogger:
             loss=sum(finite) / len(finite) if finite else float("nan"),
             loss_scale=loss_scale,
             grad_norm=self._grad_norms[-1] if self._grad_norms else None,
-            skipped=state.skipped_iterations,
-            nonfinite=state.nonfinite_iterations,
+            skipped=self._skipped,
+            nonfinite=self._nonfinite,
         )
         if self.is_rank0:
             logger.info(format_train_line(values))
@@ -277,6 +285,7 @@ class MetricsLogger:
             self.reporter.flush()
         self._interval_start, self._interval_iters = time.time(), 0
         self._losses, self._grad_norms = [], []
+        self._skipped = self._nonfinite = 0
 
     def evaluation(self, loss: Optional[float], name: str, state) -> None:
         """The boxed validation/test line and its scalars (nothing when `loss` is None)."""
@@ -301,5 +310,10 @@ class MetricsLogger:
             curve = self.reporter.close(curve_dir, completed)
             if curve:
                 logger.info("loss curve: %s", curve)
+            elif curve_dir is None and completed:
+                logger.info(
+                    "loss curve: not written (it goes beside --tensorboard-dir or --log-jsonl, "
+                    "neither given; --no-loss-curve turns this line off)"
+                )
         else:
             self.reporter.close(completed=completed)

@@ -30,8 +30,6 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_ext.lev.config import LEV_PARAMETER_GROUPS
-from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.config import OptimizerConfig
 from megatron_ext.training.unique_params import counted_params
@@ -64,21 +62,6 @@ def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() <= 1 or leaf.endswith("bias") or "norm" in leaf
 
 
-def _lev_param_settings(model: torch.nn.Module) -> dict[int, tuple[bool, float]]:
-    """id(parameter) -> (weight decay?, lr multiplier) for the parameters of every LEV
-    embedding in `model`, from its LEVConfig (--lev-weight-decay-groups, --lev-lr-mult)."""
-    settings = {}
-    for module in model.modules():
-        if not isinstance(module, LEVEmbedding):
-            continue
-        lc = module.lev_config
-        for group, names in LEV_PARAMETER_GROUPS.items():
-            for name in names:
-                param = getattr(module, name)
-                settings[id(param)] = (group in lc.weight_decay_groups, lc.lr_mult)
-    return settings
-
-
 def param_groups(
     model: torch.nn.Module,
     cfg: Optional[OptimizerConfig] = None,
@@ -86,32 +69,38 @@ def param_groups(
 ) -> list[dict]:
     """AdamW groups: decayed (wd_mult 1) and not decayed (wd_mult 0), by Megatron's rule.
 
-    LEV parameters follow their LEVConfig instead (decay per --lev-weight-decay-groups; with
-    --lev-lr-mult != 1 they form their own groups whose `max_lr`/`min_lr` the scheduler reads,
-    given `cfg`). With `decoupled` = (--decoupled-lr, --decoupled-min-lr), the input embedding
-    and output layer parameters form groups with that lr (Megatron-LM's decoupled learning
-    rate; an LEV lr multiplier applies on top of it). The base groups are kept even when empty
-    so that the ranks of a pipeline stage (and, without an LEV lr multiplier, all ranks) have
-    the same group structure (the scheduler walks them)."""
-    lev = _lev_param_settings(model)
+    The parameters of a module with `param_settings` (`engine.ModuleHooks`; LEV's: decay per
+    --lev-weight-decay-groups, --lev-lr-mult) follow those instead; with an lr multiplier != 1
+    they form their own groups whose `max_lr`/`min_lr` the scheduler reads, given `cfg`. With
+    `decoupled` = (--decoupled-lr, --decoupled-min-lr), the input embedding and output layer
+    parameters form groups with that lr (Megatron-LM's decoupled learning rate; a module's lr
+    multiplier applies on top of it). The base groups are kept even when empty so that the
+    ranks of a pipeline stage (and, without an lr multiplier, all ranks) have the same group
+    structure (the scheduler walks them)."""
+    own: dict[int, tuple[bool, float, str]] = {
+        key: (*setting, module.engine_name)
+        for module in model.modules()
+        if hasattr(module, "param_settings")
+        for key, setting in module.param_settings().items()
+    }
     base = [False, True] if decoupled is not None else [False]
-    groups: dict[tuple[bool, float, bool], list] = {
-        (decay, 1.0, dec): [] for dec in base for decay in (True, False)
+    groups: dict[tuple[bool, float, bool, str], list] = {
+        (decay, 1.0, dec, ""): [] for dec in base for decay in (True, False)
     }
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decay, lr_mult = lev.get(id(param), (not _no_weight_decay(name, param), 1.0))
+        decay, lr_mult, owner = own.get(id(param), (not _no_weight_decay(name, param), 1.0, ""))
         dec = decoupled is not None and is_decoupled_param(name)
-        groups.setdefault((decay, lr_mult, dec), []).append(param)
+        groups.setdefault((decay, lr_mult, dec, owner if lr_mult != 1.0 else ""), []).append(param)
     out = []
-    for (decay, lr_mult, dec), params in groups.items():
+    for (decay, lr_mult, dec, owner), params in groups.items():
         name = ("decoupled_" if dec else "") + ("decay" if decay else "no_decay")
         group = {"params": params, "wd_mult": 1.0 if decay else 0.0, "name": name}
         if lr_mult != 1.0:
-            group["name"] += "_lev"
+            group["name"] += f"_{owner}"
             if cfg is None and not dec:
-                raise ValueError("param_groups: an LEV lr multiplier needs the OptimizerConfig")
+                raise ValueError("param_groups: an lr multiplier needs the OptimizerConfig")
         if dec or lr_mult != 1.0:
             lr, min_lr = decoupled if dec else (cfg.lr, cfg.min_lr)
             group.update(max_lr=lr * lr_mult, min_lr=min_lr * lr_mult)

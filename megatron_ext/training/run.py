@@ -36,12 +36,13 @@ from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import Engine, Phase
 from megatron_ext.training.engine_portable import PortableEngine
 from megatron_ext.training.initialization import initialize_like_single_stage
+from megatron_ext.training.interrupt import InterruptWatch, TrainingInterrupted, interrupted_line
 from megatron_ext.training.loop import DatasetsProvider, Trainer, close, train
 from megatron_ext.training.megatron_engine import MegatronEngine
 from megatron_ext.training.metrics import flops_per_iteration, peak_tflops, run_info
 from megatron_ext.training.metrics_logger import MetricsLogger, Timers
+from megatron_ext.training.pipeline import ForwardStep
 from megatron_ext.training.run_extras import RunExtras
-from megatron_ext.training.schedules import ForwardStep
 from megatron_ext.training.unique_params import unique_numel
 
 logger = logging.getLogger(__name__)
@@ -256,6 +257,7 @@ def pretrain(
     trainer = save_lock = None
     completed, rank0 = False, dist.get_rank() == 0
     made_save = _first_missing(cfg.ckpt.save)  # before the lock creates it
+    interrupt, started = InterruptWatch(), 0
     try:
         cfg = cfg.resolve(dist.get_world_size())  # the data-parallel size of this world
         save_lock = SaveLock.acquire(cfg.ckpt.save) if cfg.ckpt.save else None
@@ -269,11 +271,14 @@ def pretrain(
             save_lock=save_lock,
         )
         trainer.start_time = job_start
+        started = trainer.state.iteration
         _log_restart(trainer)
         stopped = train(trainer, datasets_provider)
         completed = True
         return stopped
-    except RuntimeError as error:
+    except Exception as error:
+        if interrupt.received:  # a peer left on Ctrl-C first: this rank's collective failed
+            raise _interrupted(cfg, trainer, started) from None
         if trainer is None or not is_collective_timeout(error):
             raise
         what, group = trainer.phase.what, trainer.phase.group
@@ -290,14 +295,22 @@ def pretrain(
                 else "no checkpoint was saved"
             )
         ) from None
+    except KeyboardInterrupt:
+        raise _interrupted(cfg, trainer, started) from None
     finally:
         try:
             close(trainer, completed)
         finally:
+            interrupt.release()
             if save_lock is not None:
                 save_lock.release()
             if not completed and made_save and rank0:
                 _remove_if_no_files(made_save)
+
+
+def _interrupted(cfg: RunConfig, trainer: Optional[Trainer], started: int) -> TrainingInterrupted:
+    reached = None if trainer is None else trainer.state.iteration
+    return TrainingInterrupted(interrupted_line(cfg.ckpt.save, started, reached))
 
 
 def _first_missing(path: Optional[str]) -> Optional[str]:

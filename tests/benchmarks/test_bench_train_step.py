@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import bench_train_step
 from benchmarks.bench_train_step import lev_seconds
-from megatron_ext.launch import launch
+from tests.support.jobs import launch
 
 
 def test_lev_seconds_reads_the_timers_lines_only():

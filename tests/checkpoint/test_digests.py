@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.launch import launch
 from tests.support.distributed import run_distributed
+from tests.support.jobs import launch
 from tests.support.runs import ENTRY_MODULE, REPO, TINY_LEV_MODEL, TINY_TRAIN
 
 from .test_format import _tiny_model

@@ -20,8 +20,8 @@ import shutil
 import pytest
 import torch
 
-from megatron_ext.launch import launch
 from tests.support.distributed import run_distributed
+from tests.support.jobs import launch
 from tests.support.runs import ENTRY_MODULE
 
 from .test_format import _tiny_model

@@ -31,7 +31,7 @@ import pytest
 
 from megatron_ext.checkpoint import lock as L
 from megatron_ext.checkpoint.io_errors import SaveLockError
-from megatron_ext.launch import launch
+from tests.support.jobs import launch
 from tests.support.runs import ENTRY_MODULE, REPO, TINY_MOCK_RUN
 
 

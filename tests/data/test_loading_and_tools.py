@@ -119,6 +119,17 @@ def test_an_empty_split_says_which_split_works(datasets, sp_model):
     # A corpus too small for three splits says so, without a --split that cannot work.
     assert _split_in_documents([0.969, 0.03, 0.001], 2, [4, 2, 2]) is None
     assert _split_in_documents([0.969, 0.03, 0.001], 60, [4, 2, 0]) == "59,1,0"
+    # A split the user set to 0 stays 0 in the proposal (no test split added to 99,1,0).
+    no_test = dataclasses.replace(config, split="99,1,0")
+    with pytest.raises(DataError) as raised:
+        build_train_valid_test_datasets(no_test, tok, [4, 2, 2])
+    message = str(raised.value)
+    assert message.startswith(f"the valid split of {datasets['val']}"), message
+    hint = re.search(r"pass --split (\d+),(\d+),(\d+) \(documents per split\)", message)
+    assert hint.group(0) == f"pass --split {count - 1},1,0 (documents per split)", message
+    fixed = dataclasses.replace(config, split=f"{count - 1},1,0")
+    train, valid, test = build_train_valid_test_datasets(fixed, tok, [4, 2, 2])
+    assert len(train) >= 4 and len(valid) >= 2 and test is None
 
 
 def test_clear_errors(datasets, sp_model, tiktoken_file):

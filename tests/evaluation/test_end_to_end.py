@@ -7,6 +7,8 @@ import gzip
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +52,7 @@ def test_validation_loss_equals_the_training_loops(eval_runs, tool, tmp_path, ar
 
 def test_tp2_saved_checkpoint_gives_the_same_loss_at_tp1_and_tp2(eval_runs, tool, tmp_path):
     from megatron_ext.data.readers import iter_lines
-    from megatron_ext.launch import launch
+    from tests.support.jobs import launch
 
     texts = [json.loads(line)["text"] for _, line in iter_lines(str(eval_runs.val_jsonl))]
     text = tmp_path / "held_out.jsonl"
@@ -137,6 +139,35 @@ def test_curves_and_sample_efficiency(eval_runs, tool, tmp_path, capsys):
     assert tool("curves", "--run", f"lev={eval_runs.jsonl('lev')}", "--seq-length", "32",
                 "--output-dir", tmp_path / "jsonl") == 0  # fmt: skip
     _assert_png(str(tmp_path / "jsonl" / "curves.png"))
+
+
+def test_curves_read_the_runs_sequence_length_quietly(eval_runs, tmp_path):
+    """`evaluate.py curves` as a user runs it, without --seq-length: each TensorBoard run
+    records its own (the same tokens as --seq-length 32 gives), and TensorBoard's reader adds
+    no "Directory watcher advancing" lines; a --log-jsonl run, which does not record it, is one
+    line asking for --seq-length, with nothing written."""
+    script = Path(__file__).resolve().parents[2] / "tools" / "evaluate.py"
+    runs = ["--run", f"tied={eval_runs.tensorboard('tied')}"]
+    runs += ["--run", f"lev={eval_runs.tensorboard('lev')}", "--reference", "tied"]
+    result = subprocess.run(
+        [sys.executable, str(script), "curves", *runs, "--output-dir", str(tmp_path / "own")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Directory watcher" not in result.stdout + result.stderr, result.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "own" / "sample_efficiency.json").read_text())
+    assert row["reference_tokens"] == 6 * 8 * 32
+    jsonl = subprocess.run(
+        [sys.executable, str(script), "curves", "--run", f"lev={eval_runs.jsonl('lev')}",
+         "--output-dir", str(tmp_path / "jsonl")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    errors = [line for line in jsonl.stderr.splitlines() if line.startswith("error:")]
+    assert jsonl.returncode == 2 and len(errors) == 1, jsonl.stderr[-3000:]
+    assert (
+        "does not record the run's --seq-length" in errors[0] and "pass --seq-length" in errors[0]
+    )
+    assert not (tmp_path / "jsonl").exists()
 
 
 def test_bad_input_is_one_line(eval_runs, tool, tmp_path, capsys):

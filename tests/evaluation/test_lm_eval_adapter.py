@@ -60,6 +60,24 @@ def _reference_log_prob(model, context: list[int], continuation: list[int], voca
     return -float(loss.double().sum()), greedy
 
 
+def _harness_hf(model_args: str, tasks: str, names: list[str]) -> dict:
+    """lm-evaluation-harness's own `--model hf` on `names` (seeded as our adapter's runs)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(
+        model="hf",
+        model_args=model_args,
+        tasks=names,
+        task_manager=TaskManager(include_path=tasks),
+        batch_size=4,
+        random_seed=1234,
+        numpy_random_seed=1234,
+        torch_random_seed=1234,
+        fewshot_random_seed=1234,
+    )["results"]
+
+
 def test_adapter_matches_direct_log_probabilities(eval_runs, environment_unchanged):
     import torch.distributed as dist
     from lm_eval.api.instance import Instance
@@ -121,8 +139,6 @@ def test_harness_hf_model_on_the_export_equals_our_adapter(
     """`lm_eval --model hf --model_args pretrained=EXPORT` with no extra argument scores rolling
     (empty-context) and context requests exactly as `tools/evaluate.py lm-eval` on the
     checkpoint: the export declares the EOD id the model was trained with as its BOS."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
     from megatron_ext.conversion import convert_checkpoint
@@ -143,17 +159,7 @@ def test_harness_hf_model_on_the_export_equals_our_adapter(
                 "--include-path", tasks, "--micro-batch-size", "4",
                 "--output-dir", tmp_path / "ours") == 0  # fmt: skip
     ours = json.loads((tmp_path / "ours" / "lm_eval.json").read_text())["results"]
-    theirs = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=f"pretrained={hf},dtype=float32,device=cpu",  # no prefix_token_id
-        tasks=names,
-        task_manager=TaskManager(include_path=tasks),
-        batch_size=4,
-        random_seed=1234,
-        numpy_random_seed=1234,
-        torch_random_seed=1234,
-        fewshot_random_seed=1234,
-    )["results"]
+    theirs = _harness_hf(f"pretrained={hf},dtype=float32,device=cpu", tasks, names)  # no prefix
     for task, metric in [
         ("tiny_wikitext", "word_perplexity,none"),
         ("tiny_wikitext", "bits_per_byte,none"),
@@ -161,3 +167,32 @@ def test_harness_hf_model_on_the_export_equals_our_adapter(
         ("tiny_lambada", "acc,none"),
     ]:
         assert theirs[task][metric] == pytest.approx(ours[task][metric], rel=1e-4), (task, metric)
+
+
+def test_harness_hf_model_on_the_leviathan_export_equals_the_llama_export(
+    eval_runs, tmp_path, offline, environment_unchanged
+):
+    """`lm_eval --model hf` with trust_remote_code=True on the export that keeps LEV
+    (`--hf-format leviathan`) gives the numbers of the materialised Llama export."""
+
+    from megatron_ext.conversion import convert_checkpoint
+
+    tasks = write_tiny_tasks(str(eval_runs.val_jsonl), str(tmp_path / "tasks"), items=4)
+    names = ["tiny_wikitext", "tiny_lambada"]
+    results = {}
+    for fmt in ("llama", "leviathan"):
+        out = tmp_path / fmt
+        argv = ["export-hf", "--load", eval_runs.ckpt("lev"), "--output", str(out),
+                "--hf-format", fmt, "--no-progress"]  # fmt: skip
+        with environment_unchanged():
+            assert convert_checkpoint.main(argv) == 0
+        model_args = f"pretrained={out},dtype=float32,device=cpu,trust_remote_code=True"
+        results[fmt] = _harness_hf(model_args, tasks, names)
+    for task, metric in [
+        ("tiny_wikitext", "word_perplexity,none"),
+        ("tiny_wikitext", "bits_per_byte,none"),
+        ("tiny_lambada", "perplexity,none"),
+        ("tiny_lambada", "acc,none"),
+    ]:
+        kept, materialised = results["leviathan"][task][metric], results["llama"][task][metric]
+        assert kept == pytest.approx(materialised, rel=1e-5), (task, metric)

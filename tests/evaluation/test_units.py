@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from megatron_ext._paths import atomic_open
 from megatron_ext.evaluation.curves import (
     Curve,
     RunCurves,
@@ -22,7 +23,7 @@ from megatron_ext.evaluation.frequency import (
     compare_runs,
     training_counts,
 )
-from megatron_ext.evaluation.outputs import EvaluationError, atomic_open, write_json
+from megatron_ext.evaluation.outputs import EvaluationError, write_json
 from megatron_ext.evaluation.perplexity import LossTotals, pack_stream
 from megatron_ext.evaluation.wikitext import (
     Window,

@@ -199,7 +199,7 @@ def test_global_batch_dedup_is_off_without_dedup_or_grad(lev):
     cfg = lev.tiny_config(vocab_size=300, hidden_size=16, seed_dim=8, rank=4, num_heads=2)
     for flags in (dict(dedup=False), dict(dedup_global_batch=False)):
         module = lev.make_lev(dataclasses.replace(cfg, **flags), dtype=F64)
-        assert not module.dedups_global_batch
+        assert not module.defers_gradients
         module.begin_global_batch()
         assert module._global_batch is None
     module = lev.make_lev(cfg, dtype=F64)

@@ -97,3 +97,31 @@ def test_commands_are_shown_with_relative_paths(tmp_path, monkeypatch):
     assert short_path(str(tmp_path / ".venv" / "bin" / "python")) == ".venv/bin/python"
     assert short_path("/elsewhere/x") == "/elsewhere/x"
     assert short_path("--lr") == "--lr"
+
+
+def test_only_runs_the_named_stages_after_finished_ones(tmp_path):
+    """`only` (--stages, how a cluster job array splits the study): the named stages run, the
+    earlier ones must be finished, the later ones are left alone."""
+    calls = []
+    with pytest.raises(StageError, match=r"stage 'a' is not finished .*--stages a"):
+        run_stages(_stages(calls), tmp_path, only=["b"])
+    assert calls == [] and not (tmp_path / "b").exists()
+    run_stages(_stages(calls), tmp_path, only=["a"])
+    assert calls == ["a"] and not (tmp_path / "b").exists()
+    run_stages(_stages(calls), tmp_path, only=["b"])
+    assert calls == ["a", "b"] and (tmp_path / "b" / MARKER).is_file()
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(StageError, match="stage 'b' is not finished"):  # b's key changed
+        run_stages(_stages(calls, key=2), tmp_path, only=["c"])
+    assert calls == ["a", "b"] and not (tmp_path / "c").exists()
+
+
+def test_only_needs_just_the_stages_a_stage_reads(tmp_path):
+    """Two training stages that read the same data are independent: one runs without the
+    other (`Stage.needs`), as two tasks of a job array."""
+    calls = []
+    stages = _stages(calls)
+    stages[2].needs = ("a",)
+    run_stages(stages, tmp_path, only=["a"])
+    run_stages(stages, tmp_path, only=["c"])
+    assert calls == ["a", "c"] and not (tmp_path / "b").exists()

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from megatron_ext.launch import Job, job_environment
+from megatron_ext.launch import job_environment
 from tests.support.distributed import find_free_port
+from tests.support.jobs import Job
 from tests.support.runs import ENTRY, REPO
 
 __all__ = ["TORCHRUN", "cluster_job", "records", "torchrun_cmd"]

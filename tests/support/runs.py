@@ -19,7 +19,7 @@ from typing import Optional
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
-from megatron_ext.launch import launch as start
+from tests.support.jobs import launch as start
 
 __all__ = [
     "REPO",
@@ -58,6 +58,9 @@ TINY_TRAIN = [
     "--num-workers", "0", "--no-loss-curve", "--hidden-dropout", "0.0",
     "--attention-dropout", "0.0",
 ]  # fmt: skip
+# TINY_TRAIN at Megatron-LM's default dropout (0.1), for the resume and restart tests: dropout's
+# streams are part of what a resume restores.
+TINY_TRAIN_DEFAULT_DROPOUT = TINY_TRAIN[: TINY_TRAIN.index("--hidden-dropout")]
 # The shortened quick start that README.md shows (4 iterations per arm on a 1 MB sample corpus):
 # tools/quickstart.py's flags of the session's `quickstart_run` (tests/conftest.py).
 QUICKSTART_FLAGS = ("--iters", "4", "--eval-interval", "2", "--corpus-mb", "1")

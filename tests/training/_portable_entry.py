@@ -115,7 +115,7 @@ def main(
             eval_loss=eval_loss,
             layers=gathered,
             wrappers=wrappers,
-            lev_deferred=bool(engine.lev),
+            lev_deferred=bool(engine.deferred),
         )
         (out / "losses.json").write_text(json.dumps(record))
     destroy_parallel()

@@ -6,10 +6,9 @@
   one line naming the timeout and the group; torchrun exits non-zero; the last checkpoint is
   intact;
 - torchrun --max-restarts 2 after a SIGKILLed rank: the ranks restart, resume by themselves from
-  the latest checkpoint (--load = --save) and train the same losses as an uninterrupted run;
-- examples/slurm/pretrain_requeue.sbatch, with `srun` and `scontrol` replaced by small scripts:
-  SIGUSR1 to every process of the step saves and exits 0, the job requeues itself, and the
-  requeued job resumes with the same losses.
+  the latest checkpoint (--load = --save) and train the same losses as an uninterrupted run.
+
+examples/slurm/*.sbatch run under a real Slurm in tests/slurm/test_sbatch.py.
 
 One uninterrupted 2-rank run (the reference, 12 iterations, a checkpoint every 4) is shared by
 the checks that compare losses. The two-agent (--nnodes 2) run is in test_cluster_nodes.py, a
@@ -21,19 +20,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import stat
 import time
-from pathlib import Path
 
 import pytest
 
-from megatron_ext.launch import descendant_pids
-from tests.support.cluster import TORCHRUN
 from tests.support.cluster import cluster_job as _job
 from tests.support.cluster import records as _records
 from tests.support.cluster import torchrun_cmd as _torchrun
-from tests.support.distributed import find_free_port
-from tests.support.runs import REPO, TINY_LEV_MODEL, TINY_TRAIN, launch
+from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, TINY_TRAIN_DEFAULT_DROPOUT, launch
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +39,7 @@ SAVE_INTERVAL = 4
 def train_args(corpus) -> list[str]:
     """Every run asks for the same schedule (so that losses compare) and stops at ITERS."""
     return [
-        *TINY_LEV_MODEL, *TINY_TRAIN, *corpus, "--eval-iters", "0",
+        *TINY_LEV_MODEL, *TINY_TRAIN_DEFAULT_DROPOUT, *corpus, "--eval-iters", "0",
         "--exit-interval", str(ITERS), "--save-interval", str(SAVE_INTERVAL),
     ]  # fmt: skip
 
@@ -142,64 +136,3 @@ def test_torchrun_restarts_after_sigkill_and_resumes(train_args, reference, tmp_
     for it in range(start + 1, ITERS + 1):  # trained again after the restart
         assert losses[it] == reference[it], f"iteration {it}: {losses[it]} != {reference[it]}"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
-
-
-def _fake_slurm(bin_dir: Path, requeued: Path) -> None:
-    """`srun` runs its command once (one node); `scontrol` answers `show hostnames` and records
-    `requeue`."""
-    bin_dir.mkdir()
-    scripts = {
-        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == -* ]]; do shift; done\nexec "$@"\n',
-        "scontrol": (
-            "#!/usr/bin/env bash\n"
-            'if [ "$1" = show ]; then echo 127.0.0.1; exit 0; fi\n'
-            f'echo "$*" >> {requeued}\n'
-        ),
-    }
-    for name, text in scripts.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-
-
-def test_slurm_usr1_saves_requeues_and_resumes(train_args, reference, tmp_path):
-    requeued = tmp_path / "requeued.txt"
-    _fake_slurm(tmp_path / "bin", requeued)
-    jsonl, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
-    args = [*train_args, "--save", str(ckpt), "--load", str(ckpt), "--log-jsonl", str(jsonl)]
-    script = [str(REPO / "examples" / "slurm" / "pretrain_requeue.sbatch"), *args]
-    env = dict(
-        PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
-        ROOT=str(REPO), NPROC_PER_NODE="2", MASTER_PORT=str(find_free_port()),
-        TORCHRUN=" ".join(TORCHRUN), SLURM_JOB_ID="4242", SLURM_JOB_NAME="i27-test",
-        SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost",
-    )  # fmt: skip
-    env["LOG_DIR"] = str(tmp_path / "logs")
-    with _job(["bash", *script], tmp_path / "job1", env) as job:
-        job.wait_for_lines(jsonl, 2)
-        torchrun = job.agents()  # batch script -> srun stand-in -> torchrun
-        assert len(torchrun) == 1 and sorted(job.ranks()) == [0, 1]
-        step = [torchrun[0], *descendant_pids(torchrun[0])]  # the step, as Slurm signals it
-        # The 12 iterations take about a second: the step is frozen while every process gets
-        # SIGUSR1, so that a slow test process cannot lose the race against the run's end.
-        for sig in (signal.SIGSTOP, signal.SIGUSR1, signal.SIGCONT):
-            for pid in step:
-                os.kill(pid, sig)
-        assert job.wait() == 0, job.output()[-4000:]
-    first = job.output()
-    stopped = re.search(r"exiting at iteration (\d+) \(signal\)", first)
-    assert stopped and "requeueing job 4242" in first, first[-4000:]
-    assert requeued.read_text().split() == ["requeue", "4242"]
-    last = int(stopped.group(1))
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
-
-    env.update(SLURM_RESTART_COUNT="1", MASTER_PORT=str(find_free_port()))
-    with _job(["bash", *script], tmp_path / "job2", env) as job:
-        assert job.wait() == 0, job.output()[-4000:]
-    second = job.output()
-    assert "requeue count 1" in second and "requeueing" not in second
-    assert "loaded checkpoint" in second and f"iteration {last}" in second
-    assert requeued.read_text().split() == ["requeue", "4242"]  # not requeued again
-    losses = {r["iteration"]: r["loss"] for r in _records(jsonl)}
-    assert sorted(losses) == list(range(1, ITERS + 1))
-    for it in range(last + 1, ITERS + 1):
-        assert losses[it] == reference[it], f"iteration {it}: {losses[it]} != {reference[it]}"

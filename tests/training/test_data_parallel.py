@@ -105,7 +105,7 @@ def _check_late_gradients():
 
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.data_parallel import GradientAverage, wrap
-    from megatron_ext.training.schedules import Pipeline, PipelineShape
+    from megatron_ext.training.pipeline import Pipeline, PipelineShape
 
     rank, group = dist.get_rank(), ProcessGroups.from_megatron().dp_cp
     x = torch.full((4,), float(rank + 1))  # rank 0 sees 1s, rank 1 sees 2s: the average is 1.5

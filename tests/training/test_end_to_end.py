@@ -1,13 +1,13 @@
 """End-to-end training on CPU: `pretrain_leviathan.py` under torchrun with gloo ranks.
 
-A tiny LEV model trains on a generated, tokenized and preprocessed corpus. One single-rank run
-(20 iterations, checkpoints at 10 and 20) is the reference: TP=2 (+ sequence parallel), PP=2 and
-DP=2 (+ distributed optimizer) runs match its losses (float32, same data order); resuming it at
-iteration 10 reproduces iterations 11-20 bit for bit; checkpoints saved at TP=2 and by the
-distributed optimizer at DP=2 resume at other layouts with the same losses, and so do the
-model chunks of an interleaved PP=2 x 2 run (which itself resumes the reference; resumed at its
-own layout it is bit-identical); SIGTERM leaves a loadable checkpoint; a NaN stops the run
-without saving it.
+A tiny LEV model trains on a generated, tokenized and preprocessed corpus, without dropout (runs
+at different layouts compare their losses). One single-rank run (20 iterations, checkpoints at
+10 and 20) is the reference: TP=2 (+ sequence parallel), PP=2 and DP=2 (+ distributed optimizer)
+runs match its losses (float32, same data order); checkpoints saved at TP=2 and by the
+distributed optimizer at DP=2 resume at other layouts with the same losses to a tolerance, and
+so do the model chunks of an interleaved PP=2 x 2 run (which itself resumes the reference);
+SIGTERM leaves a loadable checkpoint; a NaN stops the run without saving it. A resume at the
+saving run's own layout is bit-identical, with dropout: test_resume_exact.py.
 """
 
 from __future__ import annotations
@@ -112,16 +112,6 @@ def test_reference_run_logs_validates_and_checkpoints(ref_run, runs):
     assert len(events.Scalars("lm loss")) == 20
 
 
-def test_resume_is_bit_identical(launcher, base_args, ref_run, runs):
-    d = runs / "resume"
-    args = [*base_args, "--load", str(runs / "ref" / "ckpt"), "--ckpt-step", "10"]
-    resumed = launcher(1, [*args, "--exit-interval", "20"], d).check()
-    assert "loaded checkpoint" in resumed.output
-    assert sorted(resumed.losses) == list(range(11, 21))
-    for it in range(11, 21):
-        assert resumed.losses[it] == ref_run.losses[it], f"iteration {it} differs"
-
-
 def test_tensor_parallel_matches_and_loss_falls(tp_run, ref_run):
     losses = tp_run.losses
     assert sorted(losses) == list(range(1, 31))
@@ -201,26 +191,6 @@ def test_interleaved_chunks_load_a_single_stage_checkpoint(interleaved_run, ref_
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000012", "iter_0000014"]
     layout = json.loads((ckpt / "iter_0000012" / "common.json").read_text())["layout"]
     assert layout == {"tp": 1, "pp": 2, "cp": 1, "dp": 1}, layout
-
-
-def test_interleaved_resume_is_bit_identical(launcher, base_args, interleaved_run, runs):
-    """The same layout, spelled the other Megatron-LM way (chunks per rank, not layers per
-    chunk), with DataLoader workers: iterations 13-14 equal the saving run's bit for bit, and
-    the ranks exit."""
-    d = runs / "vp2_resume"
-    args = [*base_args, "--pipeline-model-parallel-size", "2"]
-    args += ["--num-virtual-stages-per-pipeline-rank", "2", "--exit-interval", "14"]
-    args += ["--load", str(runs / "vp2" / "ckpt"), "--ckpt-step", "12"]
-    # DataLoader workers: the chunks' shared batch iterator once kept them alive past the end,
-    # and the ranks hung at exit (multiprocessing joined workers never told to stop).
-    args += ["--num-workers", "2"]
-    run = launcher(2, args, d).check()
-    assert "model chunks per pipeline rank: 2 (1 layers each)" in run.output
-    assert "RNG states not restored" not in run.output
-    assert sorted(run.losses) == [13, 14]
-    for it in (13, 14):
-        assert run.losses[it] == interleaved_run.losses[it], f"iteration {it} differs"
-        assert _grad_norms(run)[it] == _grad_norms(interleaved_run)[it], f"iteration {it}"
 
 
 def test_interleaved_checkpoint_resumes_without_chunks_at_tp2(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.checkpoint import lock as L
-from megatron_ext.launch import launch
+from tests.support.jobs import launch
 from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN
 
 pytestmark = pytest.mark.integration
@@ -51,6 +51,12 @@ CASES = {
         [*RUN, "--load", "empty", "--ckpt-step", "3"],
         "error: empty/iter_0000003 is not a complete checkpoint",
     ),
+    # Megatron-LM refuses a sequence longer than the position table too
+    "seq-length-over-max-position-embeddings": (
+        [*RUN, "--max-position-embeddings", "8"],
+        "error: --seq-length 16 is longer than --max-position-embeddings 8 (Megatron-LM "
+        "refuses it too); raise --max-position-embeddings to at least 16",
+    ),
     # a flag value found wrong once the world size is known
     "bad-batch-size": (
         _set(RUN, "--global-batch-size", "3"),
@@ -89,3 +95,35 @@ def test_a_successful_run_still_writes_its_tensorboard_file(tmp_path):
     content = events.read_bytes()
     assert b"config" in content and b"lm loss" in content  # the text entry and the scalars
     assert (work / "runs" / "a" / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            [],
+            "error: --context-parallel-size 2 needs --transformer-impl transformer_engine on a "
+            "CUDA GPU (megatron-core's context-parallel attention is Transformer Engine's); "
+            "without one, pass --context-parallel-size 1",
+        ),
+        (
+            ["--transformer-impl", "transformer_engine"],
+            "error: --transformer-impl transformer_engine needs a CUDA GPU; use local and "
+            "--context-parallel-size 1",
+        ),
+    ],
+)
+def test_context_parallel_on_cpu_names_the_way_out(tmp_path, flags, error):
+    """Megatron-LM's long-context flag on a machine without a GPU, on the 2 ranks it needs:
+    each message leads to --context-parallel-size 1, not to the other message."""
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [*RUN, "--context-parallel-size", "2", *flags]
+    with launch(ENTRY_MODULE, 2, args, log=tmp_path / "out.log", cwd=work) as job:
+        assert job.wait() != 0
+        output = job.output()
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors == [error], output[-3000:]
+    # the only traceback is torchrun's own report that the ranks exited non-zero
+    assert output.count("Traceback") == output.count("errors.ChildFailedError:"), output[-3000:]
+    assert _files(work) == []

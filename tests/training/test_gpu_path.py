@@ -148,6 +148,24 @@ def test_gpu_check_script_parses_and_its_cpu_parts_pass(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_gpu_check_help_is_clean_and_complete(tmp_path):
+    """`gpu_check --help` prints its usage and nothing before it (no import-time warnings), and
+    every option says what it does and its default."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--help"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: gpu_check.py"), proc.stdout[:500]
+    text = " ".join(proc.stdout.split())
+    assert "--out OUT the JSON file to write (default: gpu_check.json)" in text, text
+    assert "--time-budget-s TIME_BUDGET_S seconds for all phases" in text, text
+    assert "(default: 450.0)" in text, text
+    assert "--iters ITERS throughput iterations (default: 12 on a GPU, 4 with" in text, text
+    assert "--warmup WARMUP iterations left out of timing (default: 4 on a GPU" in text, text
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_container_files():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "FROM nvcr.io/nvidia/pytorch:${NGC_TAG}" in dockerfile

@@ -115,13 +115,26 @@ def _check_decoupled_lr_and_norms():
 
 
 def _check_recompute_on_cpu():
+    """Recomputation gives the gradients of the plain backward, with dropout (0.1) drawing the
+    same masks again: the streams are reseeded before each model's step."""
     from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.models.local_modules import SDPACoreAttention
+    from megatron_ext.parallel import set_random_seed
+    from megatron_ext.rng import device_rng
+
+    dropout = dict(hidden_dropout=0.1, attention_dropout=0.1)
+
+    def loss_and_grads(model, tokens):
+        set_random_seed(5)
+        with device_rng():
+            return _loss_and_grads(model, tokens)
 
     torch.manual_seed(1)
-    reference = build_model(_tiny(), parallel=ParallelConfig(), precision=PrecisionConfig())
+    reference = build_model(
+        _tiny(**dropout), parallel=ParallelConfig(), precision=PrecisionConfig()
+    )
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
-    expected = _loss_and_grads(reference, tokens)
+    expected = loss_and_grads(reference, tokens)
     variants = [
         dict(recompute_granularity="selective"),
         dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
@@ -129,7 +142,7 @@ def _check_recompute_on_cpu():
     ]
     for variant in variants:
         model = build_model(
-            _tiny(**variant), parallel=ParallelConfig(), precision=PrecisionConfig()
+            _tiny(**variant, **dropout), parallel=ParallelConfig(), precision=PrecisionConfig()
         )
         model.load_state_dict(reference.state_dict())
         calls = {"attention": 0}
@@ -142,7 +155,7 @@ def _check_recompute_on_cpu():
                     return _inner(*args, **kw)
 
                 module._attend = counted
-        grads = _loss_and_grads(model, tokens)
+        grads = loss_and_grads(model, tokens)
         assert grads.keys() == expected.keys()
         for name in grads:
             assert torch.equal(grads[name], expected[name]), (variant, name)

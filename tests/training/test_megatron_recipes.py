@@ -145,8 +145,11 @@ def test_per_token_loss_equals_the_mean_loss_on_full_sequences(launcher, llama_r
 
 
 def _rampup_argv(d) -> list[str]:
+    # Dropout at Megatron-LM's default (the recipe sets 0.0; the last flag given wins): the
+    # resume must repeat its masks too.
     return [
-        *llama3_8b(d), "--rampup-batch-size", "1", "1", "6", "--log-params-norm",
+        *llama3_8b(d), "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+        "--rampup-batch-size", "1", "1", "6", "--log-params-norm",
         "--log-num-zeros-in-grad", "--log-memory-to-tensorboard", "--manual-gc-interval", "1",
         "--async-save",
     ]  # fmt: skip

@@ -61,6 +61,7 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     from megatron_ext import quickstart
     from megatron_ext.conversion import convert_checkpoint
     from megatron_ext.data import (
+        count_tokens,
         make_sample_corpus,
         merge_datasets,
         preprocess_data,
@@ -80,6 +81,7 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
         "count_params": param_table.build_parser(),
         "preprocess_data": preprocess_data.build_parser(),
         "merge_datasets": merge_datasets.build_parser(),
+        "count_tokens": count_tokens.build_parser(),
         "train_tokenizer": train_tokenizer.build_parser(),
         "make_sample_corpus": make_sample_corpus.build_parser(),
         "quickstart": quickstart.pipeline.build_parser(),

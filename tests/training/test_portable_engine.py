@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ext.training.schedules import Pipeline, PipelineShape
+from megatron_ext.training.pipeline import Pipeline, PipelineShape
 from tests.support.distributed import find_free_port
 
 ENTRY = Path(__file__).with_name("_portable_entry.py")
@@ -111,7 +111,7 @@ def test_interleaved_pipeline_matches_one_rank(runs, global_batch):
 @pytest.mark.integration
 def test_fewer_micro_batches_than_stages_match_one_rank(runs):
     """One micro-batch on two stages: torch's Schedule1F1B refuses fewer micro-batches than
-    stages (tests/training/test_schedules.py), so the pipeline runs ScheduleGPipe, the same
+    stages (tests/training/test_pipeline.py), so the pipeline runs ScheduleGPipe, the same
     work in the same order."""
     single, piped = _losses(runs["pp1_gb1"]), _losses(runs["pp2_gb1"])
     assert piped["layers"] == [[[1, 2]], [[3, 4]]]

@@ -3,7 +3,10 @@
 - a --load directory that does not exist is a WARNING naming its absolute path (an error with
   --exit-on-missing-checkpoint);
 - --log-jsonl holds one record per iteration after a resume from an earlier checkpoint;
-- a new --train-iters on resume points at --override-opt_param-scheduler;
+- a new --train-iters on resume names --train-iters and points at
+  --override-opt_param-scheduler;
+- --load naming one iter_XXXXXXX directory loads that iteration (as --load <run> --ckpt-step N);
+  with a --ckpt-step naming another, one line says to pass the run's directory;
 - a width change is reported with the parameter and both shapes, without blaming the
   vocabulary padding;
 - a malformed weighted --data-path blend is refused as such (not "dataset not found: 0.5").
@@ -20,7 +23,7 @@ import pytest
 
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.readers import DataError
-from megatron_ext.launch import launch
+from tests.support.jobs import launch
 from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN
 
 pytestmark = pytest.mark.integration
@@ -72,6 +75,28 @@ def test_resume_mistakes_are_explained(tmp_path):
     longer = _run(tmp_path, "--train-iters", "12", "--load", str(ckpt))
     line = _error_line(longer)
     assert "learning-rate schedule" in line and "--override-opt_param-scheduler" in line, line
+    # the flag the user changed, not the scheduler's names for it
+    assert line.startswith("error: --train-iters of this command line differs"), line
+    assert "decay_steps" not in line and "do not match" not in line, line
+
+    # --load naming one checkpoint (as the tools take it) loads that iteration, exactly.
+    before = sorted(p.name for p in ckpt.iterdir())
+    one = _run(
+        tmp_path, "--train-iters", "6", "--load", str(ckpt / "iter_0000002"), "--exit-interval",
+        "3", "--log-jsonl", str(tmp_path / "one.jsonl"),
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert "loading iteration 2 of" in one.stdout and "--ckpt-step 2" in one.stdout
+    assert "iter_0000002 (iteration 2," in one.stdout, one.stdout[-3000:]
+    one_records = [json.loads(x) for x in (tmp_path / "one.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in one_records] == [3]
+    assert one_records[0]["loss"] == pytest.approx(records[2]["loss"], rel=1e-5)
+    other = _run(
+        tmp_path, "--train-iters", "6", "--load", str(ckpt / "iter_0000002"), "--ckpt-step", "4"
+    )
+    line = _error_line(other)
+    assert f"--load {ckpt}" in line and "--ckpt-step 4" in line, line
+    assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing written into --load
 
     wider = _run(tmp_path, "--train-iters", "6", "--load", str(ckpt), "--hidden-size", "48")
     line = _error_line(wider)

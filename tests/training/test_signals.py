@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.launch import launch
+from tests.support.jobs import launch
+from tests.support.runs import ENTRY_MODULE
 from tests.support.runs import TINY_LEV_MODEL as MODEL
 from tests.support.runs import TINY_TRAIN as TRAIN
 
@@ -89,3 +90,33 @@ def test_sigterm_saves_and_every_rank_exits_zero(delivery, corpus, tmp_path):
         assert returncode == 0, output[-3000:]
     else:  # torchrun was signalled itself: it says so in its exit status (see the docstring)
         assert returncode == 1 and "Received 15 death signal" in output, output[-3000:]
+
+
+def test_ctrl_c_says_what_was_kept_and_what_was_lost(corpus, tmp_path):
+    """Ctrl-C in the terminal: SIGINT to torchrun's process group (torchrun passes it on to
+    each rank's). One line from rank 0 names the last complete checkpoint and the iterations
+    after it that were lost; no rank's traceback; --save is left complete and unlocked."""
+    ckpt, jsonl = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    args = [*MODEL, *TRAIN, *corpus, "--save", str(ckpt), "--save-interval", "3"]
+    args += ["--eval-iters", "0", "--log-jsonl", str(jsonl)]
+    with launch(ENTRY_MODULE, 2, args, signal_targets="agent", cwd=tmp_path) as job:
+        job.wait_for_lines(jsonl, 5)
+        job.send_signal(signal.SIGINT)
+        job.wait()
+        output = job.output()
+    last = max(r["iteration"] for r in _records(jsonl))
+    latest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    lines = [line for line in output.splitlines() if line.startswith("interrupted")]
+    assert len(lines) == 1, output[-5000:]
+    assert latest % 3 == 0 and 3 <= latest <= last < ITERS, (latest, last)
+    kept = f"kept the last complete checkpoint, iteration {latest} in --save {ckpt}"
+    if latest < last:
+        lost = f"iterations {latest + 1}-{last} were" if latest + 1 < last else f"{last} was"
+        assert kept in lines[0] and lost in lines[0] and "lost" in lines[0], lines[0]
+    else:
+        assert "nothing was lost" in lines[0], lines[0]
+    assert f"resume with --load {ckpt}" in lines[0], lines[0]
+    # torchrun reports the signal it received itself; the ranks add no traceback
+    assert output.count("Traceback") == output.count("SignalException: Process"), output[-5000:]
+    assert "ConnectionResetError" not in output and "rank 1" not in lines[0], output[-5000:]
+    assert not list(ckpt.glob("*.tmp")) and not (ckpt / "save.lock").exists()

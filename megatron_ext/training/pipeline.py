@@ -1,47 +1,22 @@
 """Forward and backward over one iteration's micro-batches, on torch.distributed.pipelining.
 
-Every layout takes this one path (gloo and NCCL alike): each model chunk of this pipeline rank
-is one `torch.distributed.pipelining.PipelineStage` of the P x V stages (rank r's chunk c is
-stage c * P + r: torch's looped placement, which is Megatron-LM's virtual pipeline stages), and
-torch's schedules drive them:
+Every layout takes this one path: each model chunk of this pipeline rank is one `PipelineStage`
+of the P x V stages (rank r's chunk c is stage c * P + r, Megatron-LM's virtual stages), driven
+by `Schedule1F1B` (`ScheduleGPipe` with fewer micro-batches than stages; P = 1 is plain
+gradient accumulation) or, with V chunks per rank, `ScheduleInterleaved1F1B`.
 
-- one chunk per rank: `Schedule1F1B` (with P = 1 that is plain gradient accumulation, the
-  forward and backward of each micro-batch in turn). With fewer micro-batches than stages, which
-  `Schedule1F1B` refuses, `ScheduleGPipe`: every stage then runs all its forwards before its
-  backwards, which differs from 1F1B only on the stages 1F1B lets start backward early, and
-  accumulates the same gradients in the same order.
-- V chunks per rank (--num-layers-per-virtual-pipeline-stage): `ScheduleInterleaved1F1B`, with
-  the number of micro-batches a multiple of P, as Megatron-LM's interleaved schedule needs.
-
-torch's schedules hand a stage after the first only the activation it received, and compute the
-loss with `loss_fn(output, target)`; Megatron's forward-step contract instead has every stage
-read its micro-batch from the data iterator (position ids and attention masks under
---reset-position-ids / --reset-attention-mask, the loss mask and labels on the loss stage) and
-return its output with a `loss_func`:
+`ChunkStage` adapts Megatron's forward-step contract to torch's stages:
 
     forward_step(data_iterator, model) -> (output_tensor, loss_func)
-    loss_func(output_tensor) -> (loss, reports)
+    loss_func(output_tensor) -> (loss, reports)      reports: name -> detached [sum, count]
 
-where `loss` is the micro-batch's scalar loss and `reports` maps names to detached [sum, count]
-tensors. `ChunkStage` adapts one to the other. `Pipeline.run` passes the micro-batch index
-0..M-1 both as a keyword argument of `step` (torch splits keyword arguments into micro-batches
-and gives them to every stage) and as the loss `target`. With its index, a stage's forward takes
-its micro-batch from the iteration's `_Iteration`, which reads the micro-batches from the data
-iterator in order, once per rank (this rank's other chunks get the same ones), and calls
-`forward_step` on a one-item iterator of it under autocast; the last stage keeps the returned
-`loss_func`, and `loss_fn` calls it, sums the reports in float64 and returns the loss divided by
-the number of micro-batches (not with --calculate-per-token-loss: the loss is then a token sum
-and the engine divides the gradients by the global token count) and multiplied by the FP16 loss
-scale, for torch's schedule to backpropagate (`scale_grads=False`: torch divides nothing).
-Stages exchange [s, b, h] activations ([s/tp, b, h] under sequence parallelism, s/cp under
-context parallelism) in float32 (`precision.pipeline_dtype`), declared to `PipelineStage` up
-front, so torch runs no shape-inference forward.
-
-Data parallelism: a stage whose module is a `DistributedDataParallel` runs its forwards under
-`no_sync` and lets DDP reduce in its last backward (torch's `PipelineStage` does both), so the
-engine wraps each `ChunkStage` in DDP (`data_parallel.py`). A `ChunkStage` owns the chunk's
-parameters less the deferred ones (LEV's global-batch parameters, whose gradients arrive after
-the schedule): what DDP around it reduces.
+Each stage reads its micro-batch (by the index `Pipeline.run` passes) from the iteration's data,
+once per rank, and runs its forward on the dropout stream (`rng.device_rng`: on CPU a generator
+state of its own, which checkpoints save); the last stage's `loss_fn` sums the reports and
+scales the loss (by 1 / M or, with --calculate-per-token-loss, not; times the FP16 loss scale).
+Stages exchange float32 [s, b, h] activations of declared shapes. A `ChunkStage` owns the
+chunk's parameters less the deferred ones (`engine.ModuleHooks`): what the engine's DDP around
+it reduces (`data_parallel.py`).
 """
 
 from __future__ import annotations
@@ -53,6 +28,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, Optional, Seque
 import torch
 
 from megatron_ext.parallel import ProcessGroups
+from megatron_ext.rng import device_rng
 
 __all__ = ["ForwardStep", "PipelineShape", "ChunkStage", "Pipeline"]
 
@@ -152,8 +128,9 @@ class ChunkStage(torch.nn.Module):
         if not self.first:
             self.chunk.set_input_tensor(received[0])
         try:
-            with iteration.autocast():
-                output, loss_func = self.forward_step(iter((iteration.batch(index),)), self.chunk)
+            batch = iteration.batch(index)
+            with iteration.autocast(), device_rng():
+                output, loss_func = self.forward_step(iter((batch,)), self.chunk)
         except Exception as error:
             iteration.error = error
             raise
@@ -172,7 +149,7 @@ class Pipeline:
         pg: the run's process groups (`pg.pp` orders the stages).
         shape: the activations the stages exchange (and the loss stage's output).
         autocast: the forward's precision context.
-        deferred: parameters the chunk stages do not own (LEV's global-batch parameters).
+        deferred: parameters the chunk stages do not own (`engine.ModuleHooks.defers_gradients`).
         wrap: the module each stage runs, made from its `ChunkStage` (the engine's torch DDP;
             by default the `ChunkStage` itself).
     """

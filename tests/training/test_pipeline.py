@@ -1,5 +1,5 @@
 """The adapter between Megatron's forward-step contract and torch.distributed.pipelining
-(`training/schedules.py`): what a stage owns and reads; a one-stage pipeline (PP = 1) against
+(`training/pipeline.py`): what a stage owns and reads; a one-stage pipeline (PP = 1) against
 autograd, with the forward step's errors passed through as raised; why fewer micro-batches
 than stages run ScheduleGPipe; and, from the command line, that the stages after the first get
 their micro-batch's own inputs (position ids and attention masks under --reset-position-ids /
@@ -20,7 +20,7 @@ import torch
 
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import iter_lines
-from megatron_ext.training.schedules import ChunkStage, _Iteration
+from megatron_ext.training.pipeline import ChunkStage, _Iteration
 from tests.support.distributed import run_distributed
 from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN
 
@@ -77,7 +77,7 @@ def _check_one_stage():
     of the mean of the micro-batches' losses, the reports summed; an error of the forward step
     comes out as it was raised, not as torch's stage wraps it."""
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training.schedules import Pipeline, PipelineShape
+    from megatron_ext.training.pipeline import Pipeline, PipelineShape
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(3, 1)

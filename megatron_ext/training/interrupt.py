@@ -1,0 +1,71 @@
+"""Ctrl-C during training: one line saying what was kept and what was lost.
+
+A terminal delivers SIGINT to every process of the job at once (torchrun, each rank, their
+DataLoader workers), and torchrun forwards it to the ranks again. Each rank turns the first one
+into KeyboardInterrupt (ignoring the repeats, so that the run's clean-up, the --save lock's
+release included, is not cut short); a rank whose peer left first sees a failed collective
+instead, which after a SIGINT means the same. `pretrain` turns both into `TrainingInterrupted`,
+whose message (printed by rank 0 only) names the last complete checkpoint and the iterations
+that were not saved.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Optional
+
+from megatron_ext.checkpoint.format import read_latest_iteration
+
+__all__ = ["InterruptWatch", "TrainingInterrupted", "interrupted_line"]
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run; the message says what was kept and what was lost."""
+
+
+class InterruptWatch:
+    """SIGINT while training: the first raises KeyboardInterrupt, repeats are ignored; the
+    previous handler is restored by `release` (a no-op outside the main thread)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: leave SIGINT alone
+            self._previous = None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if not self.received:
+            self.received = True
+            raise KeyboardInterrupt
+
+    def release(self) -> None:
+        """Put back the SIGINT handler that was there before."""
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def interrupted_line(save: Optional[str], started: int, reached: Optional[int]) -> str:
+    """What Ctrl-C kept and lost: `started` is the iteration the run loaded (0: none),
+    `reached` the last completed iteration (None: interrupted before training began)."""
+    if reached is None:
+        return "interrupted before training began: nothing was trained or saved"
+    latest = read_latest_iteration(save) if save else None
+    resume = f" (resume with --load {save})" if latest is not None else ""
+    if latest is not None and latest >= reached:
+        return (
+            f"interrupted after iteration {reached}: its checkpoint in --save {save} is "
+            f"complete, nothing was lost{resume}"
+        )
+    first = max(latest or 0, started) + 1
+    lost = f"iteration {reached} was" if first == reached else f"iterations {first}-{reached} were"
+    if reached < first:
+        lost = "no iteration completed since the start, so none was"
+    if latest is not None:
+        kept = f"kept the last complete checkpoint, iteration {latest} in --save {save}"
+    elif save:
+        kept = f"no checkpoint was saved in --save {save}"
+    else:
+        kept = "no checkpoint was saved (no --save)"
+    return f"interrupted after iteration {reached}: {kept}; {lost} lost{resume}"
