@@ -10,10 +10,12 @@ DTensors, in Megatron-LM's layout::
 Keys are layout-free (`model.<name>` with the single-stage names, strided shards through a
 [stride, n/stride, ...] view; `optim.<name>.exp_avg|exp_avg_sq|step`), so a checkpoint saved
 at one TP/PP/DP/VP layout, ZeRO states included, loads at another. A save writes
-`iter_XXXXXXX.tmp/`, renames it when every rank is done, then replaces the latest marker;
-a state with a non-finite parameter is never saved. A load verifies every file's digest
-(`digests.py`), runs no code from the checkpoint (`safe_load.py`), and turns an I/O failure on
-any rank into one `CheckpointError` naming the file and what to do (`io_errors.py`).
+`iter_XXXXXXX.tmp/`, renames it when every rank is done, then replaces the latest marker; a
+save that stops (an error, Ctrl-C) removes its `.tmp`, one a killed process left is removed by
+the next save (loads never look at it); a state with a non-finite parameter is never saved.
+A load verifies every file's digest (`digests.py`), runs no code from the checkpoint
+(`safe_load.py`), and turns an I/O failure on any rank into one `CheckpointError` naming
+the file and what to do (`io_errors.py`).
 """
 
 from __future__ import annotations
