@@ -10,10 +10,12 @@ DTensors, in Megatron-LM's layout::
 Keys are layout-free (`model.<name>` with the single-stage names, strided shards through a
 [stride, n/stride, ...] view; `optim.<name>.exp_avg|exp_avg_sq|step`), so a checkpoint saved
 at one TP/PP/DP/VP layout, ZeRO states included, loads at another. A save writes
-`iter_XXXXXXX.tmp/`, renames it when every rank is done, then replaces the latest marker;
-a state with a non-finite parameter is never saved. A load verifies every file's digest
-(`digests.py`), runs no code from the checkpoint (`safe_load.py`), and turns an I/O failure on
-any rank into one `CheckpointError` naming the file and what to do (`io_errors.py`).
+`iter_XXXXXXX.tmp/`, renames it when every rank is done, then replaces the latest marker; a
+save that stops (an error, Ctrl-C) removes its `.tmp`, one a killed process left is removed by
+the next save (loads never look at it); a state with a non-finite parameter is never saved.
+A load verifies every file's digest (`digests.py`), runs no code from the checkpoint
+(`safe_load.py`), and turns an I/O failure on any rank into one `CheckpointError` naming
+the file and what to do (`io_errors.py`).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ __all__ = [
     "checkpoint_dir",
     "read_latest_iteration",
     "save_checkpoint",
+    "remove_partial_saves",
     "load_checkpoint",
     "TRACKER_FILENAME",
 ]
@@ -363,13 +366,51 @@ def save_checkpoint(
         )
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
+    with _partial_removed_on_failure(tmp):
+        return _save(
+            root, tmp, state, model, optimizer, scheduler, loss_scaler, pg=pg,
+            args_json=args_json, save_rng=save_rng, keep_last=keep_last,
+            async_save=async_save, digests=digests,
+        )  # fmt: skip
+
+
+def remove_partial_saves(root: str) -> list[str]:
+    """Remove the `iter_XXXXXXX.tmp/` directories in `root` (saves that never completed: a
+    process killed mid-save cannot remove its own); the names removed. Only the run that
+    holds --save's lock may call this."""
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith("iter_") and n.endswith(".tmp"))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return names
+
+
+@contextlib.contextmanager
+def _partial_removed_on_failure(tmp: str):
+    """Remove the partial checkpoint `tmp` when a save stops on this rank, whatever stopped it
+    (Ctrl-C's KeyboardInterrupt, a peer that left, an I/O error): every rank removes it, since
+    a slower rank may re-create the directory (DCP's writer makes it) after a faster one
+    removed it. A process killed outright leaves it; the next save or interrupt removes it."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save(
+    root, tmp, state, model, optimizer, scheduler, loss_scaler, *, pg, args_json, save_rng,
+    keep_last, async_save, digests,
+):  # fmt: skip
+    """`save_checkpoint`'s work, into `tmp` (renamed into place when every rank is done)."""
+    final = checkpoint_dir(root, state.iteration)
     failure = None
     try:
         if _rank0():
             os.makedirs(root, exist_ok=True)
-            for name in os.listdir(root):
-                if name.startswith("iter_") and name.endswith(".tmp"):
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            remove_partial_saves(root)
             os.makedirs(os.path.join(tmp, "rng"))
             os.makedirs(os.path.join(tmp, DIGESTS_DIR))
     except OSError as error:
@@ -419,7 +460,7 @@ def save_checkpoint(
         future = dcp.async_save(
             tensors, checkpoint_id=tmp, storage_writer=writer, process_group=_async_group()
         )
-        return PendingSave(future, finish, state.iteration)
+        return PendingSave(future, finish, state.iteration, tmp)
     try:
         dcp.save(tensors, checkpoint_id=tmp, storage_writer=writer)
     except CHECKPOINT_IO_ERRORS as error:
@@ -537,8 +578,8 @@ def _async_group():
 class PendingSave:
     """An --async-save checkpoint being written; `poll` / `wait` finish it (collectives)."""
 
-    def __init__(self, future, finish, iteration: int) -> None:
-        self.future, self.finish, self.iteration = future, finish, iteration
+    def __init__(self, future, finish, iteration: int, tmp: str) -> None:
+        self.future, self.finish, self.iteration, self.tmp = future, finish, iteration, tmp
 
     def poll(self) -> bool:
         """Finish the checkpoint if every rank's write completed; whether it is finished."""
@@ -553,11 +594,12 @@ class PendingSave:
 
     def wait(self) -> str:
         """Block until this rank's write completed, then finish the checkpoint everywhere."""
-        try:
-            self.future.result()
-        except CHECKPOINT_IO_ERRORS as error:
-            return self.finish(error=error)
-        return self.finish()
+        with _partial_removed_on_failure(self.tmp):
+            try:
+                self.future.result()
+            except CHECKPOINT_IO_ERRORS as error:
+                return self.finish(error=error)
+            return self.finish()
 
 
 def _read_metadata(path: str):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import cpu_accel
-from megatron_ext.checkpoint.format import read_latest_iteration
+from megatron_ext.checkpoint.format import read_latest_iteration, remove_partial_saves
 from megatron_ext.checkpoint.lock import SaveLock
 from megatron_ext.elastic import restart_round
 from megatron_ext.parallel import (
@@ -261,6 +261,9 @@ def pretrain(
     try:
         cfg = cfg.resolve(dist.get_world_size())  # the data-parallel size of this world
         save_lock = SaveLock.acquire(cfg.ckpt.save) if cfg.ckpt.save else None
+        if save_lock is not None and rank0:  # a run killed mid-save left these
+            for name in remove_partial_saves(cfg.ckpt.save):
+                logger.info("removed %s, a save that an earlier run did not complete", name)
         trainer = setup(
             cfg,
             pg,
@@ -278,7 +281,7 @@ def pretrain(
         return stopped
     except Exception as error:
         if interrupt.received:  # a peer left on Ctrl-C first: this rank's collective failed
-            raise _interrupted(cfg, trainer, started) from None
+            raise _interrupted(cfg, trainer, started, save_lock) from None
         if trainer is None or not is_collective_timeout(error):
             raise
         what, group = trainer.phase.what, trainer.phase.group
@@ -296,7 +299,7 @@ def pretrain(
             )
         ) from None
     except KeyboardInterrupt:
-        raise _interrupted(cfg, trainer, started) from None
+        raise _interrupted(cfg, trainer, started, save_lock) from None
     finally:
         try:
             close(trainer, completed)
@@ -308,7 +311,14 @@ def pretrain(
                 _remove_if_no_files(made_save)
 
 
-def _interrupted(cfg: RunConfig, trainer: Optional[Trainer], started: int) -> TrainingInterrupted:
+def _interrupted(
+    cfg: RunConfig, trainer: Optional[Trainer], started: int, save_lock: Optional[SaveLock]
+) -> TrainingInterrupted:
+    """The Ctrl-C line; rank 0 first removes the save that Ctrl-C cut short (and any a killed
+    run left), while this run still holds --save: each rank also removes its own on the way
+    out of `save_checkpoint`, but a rank killed mid-save cannot."""
+    if save_lock is not None and dist.get_rank() == 0:
+        remove_partial_saves(cfg.ckpt.save)
     reached = None if trainer is None else trainer.state.iteration
     return TrainingInterrupted(interrupted_line(cfg.ckpt.save, started, reached))
 
