@@ -175,13 +175,17 @@ def test_pretrain_sbatch_two_nodes(slurm, sample_data, tmp_path):
 def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, tmp_path):
     reference = _Reference(slurm, tmp_path / "reference", _long(train_args), LONG_ITERS)
     # --time=1 --signal=USR1@10 in place of the script's 4 hours and 120 s.
-    job = _requeue_job(slurm, tmp_path, _long(train_args), "--time=1", "--signal=USR1@10")
+    # The job starts with 10 minutes; once its ranks have their handler its limit is cut to the
+    # next minute, so that the warning (20-50 s before a 1-minute end) cannot come first.
+    job = _requeue_job(slurm, tmp_path, _long(train_args), "--time=10", "--signal=USR1@10")
     ranks = _ranks_once_started(slurm, job)
     _wait_records(tmp_path / "m.jsonl", 1, slurm, job, poll=0.01)
     _stop(ranks)
     # They train, so their --exit-signal-handler is set: the warning cannot come before it.
     assert all(signal_caught(p, signal.SIGUSR1) for p in ranks.values()), ranks
     assert len(records(tmp_path / "m.jsonl")) < LONG_ITERS, "the ranks finished before the freeze"
+    h, m, sec = map(int, slurm.job(job)["RunTime"].split("-")[-1].split(":"))
+    slurm.run("scontrol", "update", f"JobId={job}", f"TimeLimit={h * 60 + m + 2}")
     # Slurm sends the warning 20-50 s after the start; it may wake the stopped ranks itself
     # (SIGCONT before the signal).
     deadline = time.monotonic() + 120
