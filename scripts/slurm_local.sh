@@ -17,7 +17,8 @@
 # slurmctld checks them every 30 s and sends a --signal warning at the first check that finds
 # the end within the warning time plus 30 s (--time=1 --signal=USR1@10: 20 to 50 s after the
 # start); SIGKILL follows SIGTERM after KillWait=5 s; a requeued job may start again 10 s after
-# it ended (cred_expire); the scheduler looks at pending jobs every 2 s.
+# it ended (cred_expire); the scheduler looks at pending jobs every 2 s; an ended job's record
+# stays an hour (MinJobAge), for `scontrol show job`.
 # Ports: SLURMCTLD_PORT (6917), then SLURMD_PORT (6918) and the next for the second node.
 set -euo pipefail
 usage="usage: slurm_local.sh start|stop|status DIR"
@@ -46,6 +47,9 @@ start() {
     fi
     # A start that fails half-way stops what it started.
     trap 'stop >/dev/null 2>&1' EXIT
+    # slurmd's job sockets are DIR/spool-NODE/NODE_JOB.STEP, at most 107 characters.
+    [ "${#DIR}" -le 60 ] ||
+        die "$GIVEN is too long (${#DIR} characters, at most 60): slurmd's sockets under it would exceed Unix's 108; use a shorter directory"
     mkdir -p "$DIR/state" "$DIR/munge"
     chmod 700 "$DIR/munge"
     local cpus mem
@@ -89,7 +93,7 @@ ReturnToService=2
 KillWait=5
 OverTimeLimit=0
 InactiveLimit=0
-MinJobAge=300
+MinJobAge=3600
 MessageTimeout=10
 PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF

@@ -20,8 +20,11 @@ Time limits act at the minute and slurmctld checks them every 30 s, sending the 
 first check that finds the end within the warning time plus 30 s: with --time=1 --signal=USR1@10,
 20 to 50 s after the start (the ranks run by then; a warning that came before their handler
 would be ignored, as torchrun's SIGUSR1 is), and the kill 30 s or more later. The training is far
-shorter, so the test freezes the ranks (SIGSTOP) after their first iteration until the warning
-is pending on them, then lets them go on.
+shorter, so the test freezes the ranks (SIGSTOP) at their first record until the warning is
+pending on them, then lets them go on. The ranks are found before they train (the /proc scan is
+slow on a busy host) and the run is LONG_ITERS iterations, so that they cannot finish before the
+freeze; once requeued, the job's time limit is raised (`scontrol update`) so that the resumed
+run, longer than the 20 s to the next warning, is not warned again.
 """
 
 from __future__ import annotations
@@ -40,12 +43,13 @@ import pytest
 from tests.support.cluster import records
 from tests.support.distributed import find_free_port
 from tests.support.runs import REPO, TINY_LEV_MODEL, TINY_TRAIN_DEFAULT_DROPOUT
-from tests.support.slurm import Cluster, signal_pending
+from tests.support.slurm import Cluster, signal_caught, signal_pending
 
 pytestmark = pytest.mark.integration
 
 SLURM_DIR = REPO / "examples" / "slurm"
 ITERS = 40  # long enough (2 to 4 s) for the test to freeze the ranks before the end
+LONG_ITERS = 200  # the time-limit test's run: far longer than the freeze takes, on a busy host
 SAVE_INTERVAL = 4
 # A node without GPUs: the scripts' GPU and CPU counts are overridden on sbatch's command line,
 # as a user adapts a script to a partition.
@@ -79,21 +83,17 @@ def _losses(d: Path) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in records(d / "m.jsonl")}
 
 
-def _wait_records(jsonl: Path, count: int, slurm: Cluster, job: int, timeout: float = 240):
-    deadline = time.monotonic() + timeout
+def _wait_records(
+    jsonl: Path, count: int, slurm: Cluster, job: int, timeout: float = 240, poll: float = 0.05
+):
+    deadline, checked = time.monotonic() + timeout, 0.0
     while len(records(jsonl)) < count:
-        info = slurm.job(job)
-        assert info["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), info
+        if time.monotonic() - checked >= 1:  # scontrol once a second (slow on a busy host)
+            checked = time.monotonic()
+            info = slurm.job(job)
+            assert info["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), info
         assert time.monotonic() < deadline, f"{count} records not written in {timeout} s"
-        time.sleep(0.05)
-
-
-def _freeze(slurm: Cluster, job: int, nranks: int = 2) -> dict[int, int]:
-    ranks = slurm.ranks(job)
-    assert sorted(ranks) == list(range(nranks)), ranks
-    for pid in ranks.values():
-        os.kill(pid, signal.SIGSTOP)
-    return ranks
+        time.sleep(poll)
 
 
 class _Reference:
@@ -101,9 +101,9 @@ class _Reference:
     requeue), submitted at once; `losses()` waits for it, so that it runs beside the job a test
     submits meanwhile (one node each)."""
 
-    def __init__(self, slurm: Cluster, d: Path, args: list[str]):
+    def __init__(self, slurm: Cluster, d: Path, args: list[str], iters: int = ITERS):
         self.slurm, self.d, self.job = slurm, d, _requeue_job(slurm, d, args)
-        self._losses = None
+        self.iters, self._losses = iters, None
 
     def losses(self) -> dict[int, float]:
         if self._losses is None:
@@ -112,13 +112,28 @@ class _Reference:
             assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", output[-4000:]
             assert "requeueing" not in output and info["Restarts"] == "0"
             self._losses = _losses(self.d)
-            assert sorted(self._losses) == list(range(1, ITERS + 1))
+            assert sorted(self._losses) == list(range(1, self.iters + 1))
         return self._losses
 
 
 @pytest.fixture(scope="module")
 def reference(slurm, train_args, tmp_path_factory) -> _Reference:
     return _Reference(slurm, tmp_path_factory.mktemp("reference"), train_args)
+
+
+def _long(train_args: list[str]) -> list[str]:
+    return [*train_args, "--train-iters", str(LONG_ITERS), "--save-interval", "50"]
+
+
+def _ranks_once_started(slurm: Cluster, job: int, nranks: int = 2, timeout: float = 240):
+    """The job's ranks (global rank -> pid) as soon as torchrun has started them all."""
+    deadline = time.monotonic() + timeout
+    while sorted(ranks := slurm.ranks(job)) != list(range(nranks)):
+        info = slurm.job(job)
+        assert info["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), info
+        assert time.monotonic() < deadline, f"{nranks} ranks not started in {timeout} s: {ranks}"
+        time.sleep(0.2)
+    return ranks
 
 
 def test_pretrain_sbatch_two_nodes(slurm, sample_data, tmp_path):
@@ -157,11 +172,20 @@ def test_pretrain_sbatch_two_nodes(slurm, sample_data, tmp_path):
     assert (tmp_path / f"leviathan-{job}.step.log").is_file()
 
 
-def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, reference, tmp_path):
+def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, tmp_path):
+    reference = _Reference(slurm, tmp_path / "reference", _long(train_args), LONG_ITERS)
     # --time=1 --signal=USR1@10 in place of the script's 4 hours and 120 s.
-    job = _requeue_job(slurm, tmp_path, train_args, "--time=1", "--signal=USR1@10")
-    _wait_records(tmp_path / "m.jsonl", 1, slurm, job)
-    ranks = _freeze(slurm, job)
+    # The job starts with 10 minutes; once its ranks have their handler its limit is cut to the
+    # next minute, so that the warning (20-50 s before a 1-minute end) cannot come first.
+    job = _requeue_job(slurm, tmp_path, _long(train_args), "--time=10", "--signal=USR1@10")
+    ranks = _ranks_once_started(slurm, job)
+    _wait_records(tmp_path / "m.jsonl", 1, slurm, job, poll=0.01)
+    _stop(ranks)
+    # They train, so their --exit-signal-handler is set: the warning cannot come before it.
+    assert all(signal_caught(p, signal.SIGUSR1) for p in ranks.values()), ranks
+    assert len(records(tmp_path / "m.jsonl")) < LONG_ITERS, "the ranks finished before the freeze"
+    h, m, sec = map(int, slurm.job(job)["RunTime"].split("-")[-1].split(":"))
+    slurm.run("scontrol", "update", f"JobId={job}", f"TimeLimit={h * 60 + m + 2}")
     # Slurm sends the warning 20-50 s after the start; it may wake the stopped ranks itself
     # (SIGCONT before the signal).
     deadline = time.monotonic() + 120
@@ -172,21 +196,35 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, refere
         time.sleep(0.2)
     for pid in ranks.values():
         os.kill(pid, signal.SIGCONT)
+    # The requeued job would be warned again 20-50 s after its start, maybe before its ranks
+    # set their handler on a busy host: it gets 10 minutes (as an admin extends a job).
+    info = slurm.wait(job, "PENDING", "RUNNING", "CONFIGURING", "COMPLETED", restarts=1)
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
     info = slurm.wait(job, "COMPLETED", timeout=300, restarts=1)
     output = _output(tmp_path, job)
-    assert info["ExitCode"] == "0:0", output[-4000:]
+    assert info["ExitCode"] == "0:0" and info["Restarts"] == "1", output[-4000:]
     stopped = re.search(r"exiting at iteration (\d+) \(signal\)", output)
     assert stopped, output[-4000:]
     last = int(stopped.group(1))
-    assert 1 <= last < ITERS
+    assert 1 <= last < LONG_ITERS
     assert f"saved a checkpoint on the time-limit warning; requeueing job {job}" in output
     assert f"job {job} start (requeue count 1)" in output
     assert re.search(rf"loaded checkpoint \S+iter_{last:07d} \(iteration {last},", output)
     assert (tmp_path / f"leviathan-{job}.step1.log").is_file()
     losses, want = _losses(tmp_path), reference.losses()
-    assert sorted(losses) == list(range(1, ITERS + 1))
-    for it in range(1, ITERS + 1):  # bit for bit, the resumed iterations included
+    assert sorted(losses) == list(range(1, LONG_ITERS + 1))
+    for it in range(1, LONG_ITERS + 1):  # bit for bit, the resumed iterations included
         assert losses[it] == want[it], f"iteration {it}: {losses[it]} != {want[it]}"
+
+
+def _stop(ranks: dict[int, int], timeout: float = 60) -> None:
+    """SIGSTOP the ranks and wait until they are stopped (a busy host delivers it late)."""
+    for pid in ranks.values():
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while any(_state(p) not in ("T", "t") for p in ranks.values()):
+        assert time.monotonic() < deadline, {p: _state(p) for p in ranks.values()}
+        time.sleep(0.01)
 
 
 def _state(pid: int) -> str:
@@ -237,8 +275,9 @@ def test_scancel_keeps_the_last_checkpoint_and_the_next_job_takes_over(slurm, tr
 
 def test_a_dead_rank_ends_the_step_and_a_requeue_resumes(slurm, train_args, reference, tmp_path):
     job = _requeue_job(slurm, tmp_path, train_args, MAX_RESTARTS=0)
-    _wait_records(tmp_path / "m.jsonl", SAVE_INTERVAL + 1, slurm, job)
-    ranks = _freeze(slurm, job)
+    ranks = _ranks_once_started(slurm, job)
+    _wait_records(tmp_path / "m.jsonl", SAVE_INTERVAL + 1, slurm, job, poll=0.01)
+    _stop(ranks)
     saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
     os.kill(ranks[1], signal.SIGKILL)
     os.kill(ranks[0], signal.SIGCONT)
@@ -299,10 +338,12 @@ def _with(env: dict, text: str) -> str:
     return text
 
 
-def test_a_stopped_cluster_leaves_nothing_running(slurm, tmp_path):
+def test_a_stopped_cluster_leaves_nothing_running(slurm, tmp_path, tmp_path_factory):
     """scripts/slurm_local.sh stop with a job running: the job is cancelled, the daemons stop,
     and `pgrep` finds none of the cluster's processes (a second, one-node cluster)."""
-    other = Cluster.start(tmp_path / "slurm", nodes=1)
+    # slurmd's sockets live under DIR (at most 108 characters): a short one, as the session's.
+    directory = tmp_path_factory.mktemp("slurm")
+    other = Cluster.start(directory, nodes=1)
     try:
         job = other.sbatch(["--wrap", "sleep 600", f"--output={tmp_path}/sleep-%j.out"])
         other.wait(job, "RUNNING", timeout=60)
@@ -314,5 +355,5 @@ def test_a_stopped_cluster_leaves_nothing_running(slurm, tmp_path):
         other.stop()
     assert other.leftovers() == []
     for name, pid in [("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd-127.0.0.1.pid")]:
-        pgrep = subprocess.run(["pgrep", "-F", str(tmp_path / "slurm" / pid)], capture_output=True)
+        pgrep = subprocess.run(["pgrep", "-F", str(directory / pid)], capture_output=True)
         assert pgrep.returncode == 1, f"{name} still runs"

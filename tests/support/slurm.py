@@ -24,7 +24,8 @@ from megatron_ext.launch import job_environment
 from tests.support.runs import REPO
 
 __all__ = [
-    "ENDED", "INSTALL", "SLURM_LOCAL", "Cluster", "missing", "pids_with_environ", "signal_pending"
+    "ENDED", "INSTALL", "SLURM_LOCAL", "Cluster", "missing", "pids_with_environ", "signal_caught",
+    "signal_pending",
 ]  # fmt: skip
 
 SLURM_LOCAL = REPO / "scripts" / "slurm_local.sh"
@@ -154,7 +155,10 @@ class Cluster:
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=60)
         if check and proc.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr}")
+            raise AssertionError(
+                f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}"
+                f"{proc.stdout.strip()}\n{self._log_tails()}"
+            )
         return proc
 
     def sbatch(self, args: Iterable[str], env: Optional[dict] = None, cwd: Path = REPO) -> int:
@@ -191,11 +195,23 @@ class Cluster:
                 return info
             if info["JobState"] in ENDED and int(info.get("Restarts", 0)) >= restarts:
                 raise AssertionError(f"job {job_id} ended {info['JobState']}, not {states}")
+            if info.get("Reason", "").startswith("launch_failed"):
+                raise AssertionError(f"job {job_id} failed to launch: {info}\n{self._log_tails()}")
             if info.get("Reason") == "DependencyNeverSatisfied":
                 raise AssertionError(f"job {job_id} waits for a job that failed: {info}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"job {job_id} not {states} within {timeout} s: {info}")
             time.sleep(0.5)
+
+    def _log_tails(self, lines: int = 15) -> str:
+        """The last lines of the daemons' logs (why a job is gone or did not launch)."""
+        tails = []
+        for log in [self.directory / "slurmctld.log", *sorted(self.directory.glob("slurmd-*.log"))]:
+            try:
+                tails.append(f"{log}:\n" + "\n".join(log.read_text().splitlines()[-lines:]))
+            except OSError as e:
+                tails.append(f"{log}: {e}")
+        return "\n".join(tails)
 
     def processes(self, job_id: int) -> list[int]:
         """The job's processes (its batch script, srun, torchrun, the ranks...)."""
@@ -231,14 +247,23 @@ def _running(pid: int) -> bool:
         return False
 
 
-def signal_pending(pid: int, sig: int) -> bool:
-    """Whether `sig` waits to be delivered to the (stopped) process `pid`."""
+def _signal_mask(pid: int, sig: int, *fields: str) -> bool:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
     bit = 1 << (sig - 1)
     for line in status.splitlines():
-        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & bit:
+        if line.startswith(fields) and int(line.split()[1], 16) & bit:
             return True
     return False
+
+
+def signal_pending(pid: int, sig: int) -> bool:
+    """Whether `sig` waits to be delivered to the (stopped) process `pid`."""
+    return _signal_mask(pid, sig, "SigPnd:", "ShdPnd:")
+
+
+def signal_caught(pid: int, sig: int) -> bool:
+    """Whether the process `pid` has a handler for `sig`."""
+    return _signal_mask(pid, sig, "SigCgt:")
