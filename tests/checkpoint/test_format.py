@@ -71,6 +71,7 @@ def _killed_and_nonfinite_saves(root: str) -> bool:
     # A save stopped by an exception (Ctrl-C's KeyboardInterrupt) removes its partial copy...
     torch.distributed.barrier()
     assert not os.path.exists(ck.checkpoint_dir(root, 2) + ".tmp")
+    torch.distributed.barrier()  # every rank has looked before rank 0 leaves debris
     # ...a process killed outright cannot: its debris, which loads ignore.
     if torch.distributed.get_rank() == 0:
         os.makedirs(os.path.join(ck.checkpoint_dir(root, 2) + ".tmp", "rng"))
