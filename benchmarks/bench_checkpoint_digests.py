@@ -44,8 +44,8 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope
 
 from megatron_ext.checkpoint.digests import verify_checkpoint  # noqa: E402
 from megatron_ext.checkpoint.format import TrainState, checkpoint_dir, save_checkpoint  # noqa: E402
+from megatron_ext.config.model import MODEL_SIZE_PRESETS  # noqa: E402
 from megatron_ext.lev import LEVConfig  # noqa: E402
-from megatron_ext.models.config import MODEL_SIZE_PRESETS  # noqa: E402
 
 VOCAB = 200_064  # o200k_base (200,019 ids) padded to a multiple of 128 x TP
 TP = 2

@@ -43,7 +43,7 @@ from benchmarks.harness import (  # noqa: E402
 
 
 def _model(arm: str, args, pg):
-    from megatron_ext.data.tokenizers import padded_vocab_size
+    from megatron_ext.config.data import padded_vocab_size
     from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.training import parse_config
 

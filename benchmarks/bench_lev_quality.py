@@ -86,7 +86,8 @@ def stack_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
 
 def plain_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
     """benchmarks.plain_gpt for one arm and seed with the study's settings."""
-    from megatron_ext.data.tokenizers import build_tokenizer, padded_vocab_size
+    from megatron_ext.config.data import padded_vocab_size
+    from megatron_ext.data.tokenizers import build_tokenizer
 
     cmd = [sys.executable, "-m", "benchmarks.plain_gpt", "--embedding", arm]
     plain_only = ("eval_samples", "log_interval", "split", "data_path")

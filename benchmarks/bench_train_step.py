@@ -90,8 +90,9 @@ import torch
 # The repository root, so that `tests.support.jobs` imports when this file runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ext.config_flags import add_flags, flag_values  # noqa: E402
-from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets  # noqa: E402
+from megatron_ext.config.data import DataConfig  # noqa: E402
+from megatron_ext.config.flags import add_flags, flag_values  # noqa: E402
+from megatron_ext.data.loading import build_train_valid_test_datasets  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.launch import find_free_port  # noqa: E402
 from tests.support.jobs import Job, count_records, launch  # noqa: E402

@@ -668,7 +668,8 @@ def main(argv=None) -> int:
         Path(out).write_text(json.dumps(logits_check(hf, ckpt, data, args.seq_length)))
         return 0
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from megatron_ext.data.tokenizers import TikTokenizer, padded_vocab_size
+    from megatron_ext.config.data import padded_vocab_size
+    from megatron_ext.data.tokenizers import TikTokenizer
     from megatron_ext.models import count_parameters  # noqa: F401
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 megatron.core.parallel_state creates the groups (megatron-core's layers read them from there);
 this module picks the backend (gloo on CPU, nccl on CUDA), validates the layout with messages
-that say which flag to change (`models.layout.ParallelConfig.resolve`), and seeds the random
+that say which flag to change (`config.layout.ParallelConfig.resolve`), and seeds the random
 generators the way Megatron-LM does (the CUDA RNG tracker on GPU; on CPU its twin over CPU
 generator states, `rng.CpuRNGStatesTracker`).
 
@@ -31,8 +31,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.distributed import distributed_c10d as c10d
 
 from megatron_ext import placement, rng
+from megatron_ext.config.layout import ParallelConfig
 from megatron_ext.elastic import round_store, uses_agent_store
-from megatron_ext.models.layout import ParallelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -139,7 +139,7 @@ def test_the_graph_sees_function_level_and_relative_imports():
     # A module-level import inside the package.
     assert "megatron_ext.training.megatron_engine" in graph["megatron_ext.training.run"]
     # Module-level imports across subpackages.
-    assert "megatron_ext.training.config" in graph["megatron_ext.training.arguments"]
+    assert "megatron_ext.config.run" in graph["megatron_ext.config.arguments"]
     # A planted circle is found.
     planted = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert strongly_connected(planted) == [frozenset({"a", "b", "c"})]
@@ -378,10 +378,8 @@ def test_function_local_import_check_sees_what_it_must(tmp_path):
 
 def test_reading_a_checkpoint_does_not_go_through_training():
     """inference/, conversion/ and checkpoint/ read checkpoints through `megatron_ext.checkpoint`
-    and the model's configs; only import-hf, which writes a new checkpoint's args.json with the
-    training parser, imports from training/."""
+    and the configs (`megatron_ext.config`), never through training/."""
     graph = import_graph()
-    allowed = {("megatron_ext.conversion.import_hf", "megatron_ext.training.arguments")}
     through_training = sorted(
         (module, target)
         for module, targets in graph.items()
@@ -389,8 +387,7 @@ def test_reading_a_checkpoint_does_not_go_through_training():
         for target in targets
         if target.startswith("megatron_ext.training")
     )
-    assert [edge for edge in through_training if edge not in allowed] == []
-    assert set(through_training) == allowed
+    assert through_training == []
 
 
 # megatron-core's first import: the gate, and the roots whose module-level imports the check
@@ -595,9 +592,8 @@ mps.get_context_parallel_rank()
 
 def test_training_imports_nothing_from_lev():
     """The engines and the optimizer are generic: a module of the model declares what it needs
-    of them through `training.engine.ModuleHooks` (LEVEmbedding does), never by its class. Only
-    the run's configs, which hold the --lev-* flags' LEVConfig, import lev/ (until the
-    configuration has a room of its own); that list may only shrink."""
+    of them through `training.engine.ModuleHooks` (LEVEmbedding does), never by its class; the
+    --lev-* flags' LEVConfig is the config room's (`megatron_ext.config.lev`)."""
     graph = import_graph()
     into_lev = sorted(
         (module, target)
@@ -606,11 +602,7 @@ def test_training_imports_nothing_from_lev():
         for target in targets
         if target.startswith("megatron_ext.lev")
     )
-    configs = [
-        ("megatron_ext.training.arguments", "megatron_ext.lev.config"),
-        ("megatron_ext.training.config", "megatron_ext.lev.config"),
-    ]
-    assert [edge for edge in into_lev if edge not in configs] == []
+    assert into_lev == []
 
 
 def test_inference_imports_nothing_from_conversion():

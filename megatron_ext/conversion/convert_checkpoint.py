@@ -34,7 +34,9 @@ import torch.distributed as dist
 from megatron_ext._paths import display_path
 from megatron_ext.checkpoint.lock import break_lock
 from megatron_ext.cli import ArgumentParser, run_tool
-from megatron_ext.config_flags import add_flags
+from megatron_ext.config.data import DataConfig
+from megatron_ext.config.flags import add_flags
+from megatron_ext.config.model import EmbeddingConfig, ModelConfig
 from megatron_ext.conversion.common import DTYPES, ConversionError
 from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
 from megatron_ext.conversion.export_megatron import (
@@ -44,9 +46,7 @@ from megatron_ext.conversion.export_megatron import (
 from megatron_ext.conversion.hf import HF_FORMATS
 from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
 from megatron_ext.conversion.reshard import ReshardOptions, reshard
-from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.tokenizers import TokenizerError
-from megatron_ext.models.config import EmbeddingConfig, ModelConfig
 
 
 def _add_checkpoint(p: argparse.ArgumentParser) -> None:

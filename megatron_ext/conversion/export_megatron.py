@@ -27,11 +27,11 @@ import torch
 from tqdm import tqdm
 
 from megatron_ext._paths import display_path
+from megatron_ext.config.data import padded_vocab_size
+from megatron_ext.config.layout import ParallelConfig, check_layout
+from megatron_ext.config.model import EmbeddingConfig
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
 from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
-from megatron_ext.data.tokenizers import padded_vocab_size
-from megatron_ext.models.config import EmbeddingConfig
-from megatron_ext.models.layout import ParallelConfig, check_layout
 
 __all__ = ["ExportMegatronOptions", "export_megatron", "megatron_rank_state_dict", "TP_LAYOUT"]
 

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 
 from megatron_ext._paths import display_path
+from megatron_ext.config.arguments import args_json_of_flags, model_config_from_args_json
+from megatron_ext.config.data import padded_vocab_size
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
 from megatron_ext.conversion.hf import (
     LEV_CONFIG_FIELDS,
@@ -30,8 +32,7 @@ from megatron_ext.conversion.hf import (
     from_hf_state_dict,
     read_hf_checkpoint,
 )
-from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
-from megatron_ext.models.config import model_config_from_args_json
+from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
 
 __all__ = ["ImportHFOptions", "import_hf", "TOKENIZER_FILES"]
 
@@ -141,7 +142,6 @@ def import_hf(opts: ImportHFOptions) -> str:
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.models.full_state_dict import load_full_state_dict
-    from megatron_ext.training.arguments import args_json_of_flags
 
     output = os.path.abspath(opts.output)
     if os.path.lexists(output) and not opts.overwrite:

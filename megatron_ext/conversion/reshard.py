@@ -27,10 +27,11 @@ from tqdm import tqdm
 from megatron_ext._paths import display_path
 from megatron_ext.checkpoint.io_errors import UnsafeCheckpointError
 from megatron_ext.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from megatron_ext.config.data import padded_vocab_size
+from megatron_ext.config.lev import smallest_base
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
 from megatron_ext.conversion.source import _check_shard_files
-from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
-from megatron_ext.lev.config import smallest_base
+from megatron_ext.data.tokenizers import TokenizerError
 
 __all__ = ["ReshardOptions", "reshard", "VOCAB_KEYS"]
 

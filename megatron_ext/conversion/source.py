@@ -18,8 +18,9 @@ from tqdm import tqdm
 
 from megatron_ext._paths import display_path
 from megatron_ext.checkpoint.safe_load import read_metadata
+from megatron_ext.config.data import padded_vocab_size
 from megatron_ext.conversion.common import ConversionError
-from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
+from megatron_ext.data.tokenizers import TokenizerError
 from megatron_ext.lev.table import LEVTable
 
 __all__ = [

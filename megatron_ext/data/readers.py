@@ -18,6 +18,8 @@ from typing import BinaryIO, Iterator, Sequence
 
 import zstandard
 
+from megatron_ext.config.data import DataError
+
 __all__ = [
     "DataError",
     "CorruptInputError",
@@ -34,10 +36,6 @@ __all__ = [
 SUPPORTED_SUFFIXES = (".jsonl.zst", ".json.zst", ".jsonl.gz", ".json.gz", ".jsonl", ".json")
 
 _BLOCK = 1 << 20
-
-
-class DataError(Exception):
-    """A data-pipeline error whose message is one line that says what is wrong and what to do."""
 
 
 class CorruptInputError(DataError):

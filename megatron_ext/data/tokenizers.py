@@ -4,7 +4,7 @@ Every tokenizer exposes the same small surface, the one Megatron-Core's datasets
 preprocessing need:
 
 - ``vocab_size``: the number of ids the model must be able to embed (before Megatron-style
-  padding, see :func:`padded_vocab_size`);
+  padding, see `megatron_ext.config.data.padded_vocab_size`);
 - ``eod``: the end-of-document id appended by ``--append-eod``;
 - ``pad``: the padding id, or ``None`` when the vocabulary has none;
 - ``tokenize(text) -> list[int]``, ``detokenize(ids) -> str`` and the batched
@@ -44,7 +44,6 @@ __all__ = [
     "NullTokenizer",
     "TOKENIZER_TYPES",
     "build_tokenizer",
-    "padded_vocab_size",
     "EXPORT_PROVENANCE_FILE",
     "read_export_provenance",
 ]
@@ -447,16 +446,3 @@ def build_tokenizer(
     if cls is TikTokenizer:
         return TikTokenizer(tokenizer_model, pattern=str(kw.get("tiktoken_pattern") or "o200k"))
     return cls(tokenizer_model)
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp_size: int = 1) -> int:
-    """Megatron-LM's ``_vocab_size_with_padding``: round up to a multiple of
-    ``divisible_by * tp_size`` (``--make-vocab-size-divisible-by`` times the TP size) so that the
-    embedding and output layer split evenly across tensor-parallel ranks."""
-    if vocab_size <= 0 or divisible_by <= 0 or tp_size <= 0:
-        raise ValueError(
-            f"vocab_size, divisible_by and tp_size must be > 0, got "
-            f"{vocab_size}, {divisible_by}, {tp_size}"
-        )
-    multiple = divisible_by * tp_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple

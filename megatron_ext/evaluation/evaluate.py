@@ -28,7 +28,10 @@ from typing import Optional, Sequence
 
 from megatron_ext._paths import atomic_write, display_path
 from megatron_ext.cli import ArgumentParser, run_tool
-from megatron_ext.config_flags import add_flags
+from megatron_ext.config.flags import add_flags
+from megatron_ext.config.layout import ParallelConfig
+from megatron_ext.config.model import ModelConfig
+from megatron_ext.config.run import BatchConfig
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
 from megatron_ext.data.indexed import check_dataset, get_idx_path
 from megatron_ext.data.readers import DataError
@@ -50,10 +53,6 @@ logger = logging.getLogger("evaluate")
 
 
 def _add_model_args(p: argparse.ArgumentParser, multiple: bool = False) -> None:
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.models.layout import ParallelConfig
-    from megatron_ext.training.config import BatchConfig
-
     g = p.add_argument_group("checkpoint and layout")
     if multiple:
         g.add_argument(
@@ -120,9 +119,6 @@ def _add_encoding_arg(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.models.config import ModelConfig
-
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -20,12 +20,12 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from megatron_ext.config.arguments import run_config_from_args_json
 from megatron_ext.data.indexed import get_bin_path, get_idx_path, load_dataset, num_tokens
 from megatron_ext.data.loading import build_train_valid_test_datasets
 from megatron_ext.data.readers import iter_lines
 from megatron_ext.evaluation.outputs import EvaluationError, read_text_file
 from megatron_ext.evaluation.scoring import Batch
-from megatron_ext.training.arguments import run_config_from_args_json
 
 __all__ = [
     "LossTotals",

@@ -25,16 +25,14 @@ from typing import Optional, Sequence
 
 from megatron_ext._paths import atomic_write
 from megatron_ext.cli import ArgumentParser, run_tool
-from megatron_ext.config_flags import ArgumentError, add_flags
+from megatron_ext.config.flags import ArgumentError, add_flags
+from megatron_ext.config.layout import ParallelConfig
 from megatron_ext.data.tokenizers import TokenizerError
 
 logger = logging.getLogger("generate")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.models.layout import ParallelConfig
-
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
     p.add_argument(

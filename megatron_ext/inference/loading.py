@@ -40,9 +40,9 @@ from megatron_ext.checkpoint.format import (
     verify_or_raise,
 )
 from megatron_ext.checkpoint.safe_load import read_metadata
+from megatron_ext.config.arguments import model_config_from_args_json
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model, check_layout
-from megatron_ext.models.config import model_config_from_args_json
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ def run_model_config(
     transformer_impl: Optional[str] = None,
 ):
     """The run's `ModelConfig` (from its args.json; dropout and recomputation off), checked
-    against the TP x PP layout this process runs (`models.layout.check_layout`). `load_model`
+    against the TP x PP layout this process runs (`config.layout.check_layout`). `load_model`
     builds it at its process groups' TP x PP, in float32, without sequence parallelism (the
     tools score and generate at inference shapes)."""
     config = model_config_from_args_json(vars(run.args))

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext import cpu_accel
+from megatron_ext.config.lev import LEVConfig
 from megatron_ext.lev import fused
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.config import LEVConfig
 
 __all__ = [
     "KERNELS",

@@ -41,8 +41,8 @@ from megatron.core.utils import (
     make_tp_sharded_tensor_for_checkpoint,
 )
 
+from megatron_ext.config.lev import LEV_PARAMETER_GROUPS, LEVConfig
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.config import LEV_PARAMETER_GROUPS, LEVConfig
 from megatron_ext.lev.kernels import lev_modes
 from megatron_ext.lev.table import LEVTable
 from megatron_ext.tensor_parallel import check_sequence_split

@@ -21,8 +21,8 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.config.lev import LEVConfig
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.kernels import LEVKernelOptions, select_backend
 
 __all__ = ["LEVTable", "lev_table", "table_chunk_size"]

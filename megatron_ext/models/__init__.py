@@ -1,16 +1,16 @@
 """Leviathan models on megatron-core: the LLaMA-style backbone and every input-embedding arm."""
 
 from megatron_ext._lazy import lazy_exports
-from megatron_ext.models.config import (
+from megatron_ext.config.layout import (
+    ParallelConfig,
+    PrecisionConfig,
+    check_layout,
+)
+from megatron_ext.config.model import (
     EMBEDDING_TYPES,
     MODEL_SIZE_PRESETS,
     EmbeddingConfig,
     ModelConfig,
-)
-from megatron_ext.models.layout import (
-    ParallelConfig,
-    PrecisionConfig,
-    check_layout,
 )
 from megatron_ext.models.param_count import ParameterCount, count_parameters
 

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig, check_layout
+from megatron_ext.config.model import ModelConfig
 from megatron_ext.lev.layer import LEVEmbedding
-from megatron_ext.models.config import ModelConfig
 from megatron_ext.models.embeddings import DigitSeedEmbedding, LookupSeedEmbedding
-from megatron_ext.models.layout import ParallelConfig, PrecisionConfig, check_layout
 from megatron_ext.models.leviathan_model import LeviathanModel
 from megatron_ext.models.param_count import resolve_embedding_sizes
 
@@ -46,7 +46,7 @@ def compose_transformer_config(
     (checked by `check_layout` first); `model_cfg.extra_transformer_config` is applied last."""
     parallel, precision = parallel or ParallelConfig(), precision or PrecisionConfig()
     check_layout(model_cfg, parallel, precision)
-    dtype = precision.params_dtype
+    dtype = getattr(torch, str(precision.params_dtype).removeprefix("torch."))  # or its name
     fp8 = {}
     if precision.fp8_format is not None:
         fp8 = {f"fp8_{k}": v for k, v in precision.fp8_recipe().items()}
@@ -129,7 +129,7 @@ def build_model(
     `ParallelConfig` (its TP, PP, CP sizes and sequence parallelism); None: one rank.
     `precision`: the run's `PrecisionConfig` (its `params_dtype`, FP8 recipe); None: float32.
     A layout the model cannot take raises ValueError naming the flag
-    (`models.layout.check_layout`).
+    (`config.layout.check_layout`).
     `pg`: the process groups the model communicates over (`LeviathanModel`); None keeps
     megatron's default for its own layers (its `parallel_state` groups).
     `vp_stage`/`vp_size`: build model chunk `vp_stage` of `vp_size` on this pipeline rank.

@@ -34,8 +34,8 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from megatron_ext.config.lev import LEVConfig
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.config import LEVConfig
 from megatron_ext.tensor_parallel import PortableVocabParallelEmbedding, check_sequence_split
 
 __all__ = ["SeedToHidden", "LookupSeedEmbedding", "DigitSeedEmbedding"]

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
-from megatron_ext.models.config import TRANSFORMER_IMPLS, transformer_engine_available
+from megatron_ext.config.model import TRANSFORMER_IMPLS, transformer_engine_available
 from megatron_ext.models.local_modules import (
     CachedSelfAttention,
     SDPACoreAttention,

@@ -18,7 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_ext.models.config import ModelConfig
+from megatron_ext.config.model import ModelConfig
 from megatron_ext.models.layer_specs import get_decoder_block_spec
 from megatron_ext.models.local_modules import (
     PortableRotaryEmbedding,

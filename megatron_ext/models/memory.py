@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_ext.models.config import ModelConfig
-from megatron_ext.models.layout import ParallelConfig, PrecisionConfig
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+from megatron_ext.config.model import ModelConfig
 from megatron_ext.models.param_count import count_parameters, resolve_embedding_sizes
 
 __all__ = [

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from megatron_ext.models.config import EmbeddingConfig, ModelConfig
+from megatron_ext.config.model import EmbeddingConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -14,18 +14,18 @@ import io
 import sys
 
 from megatron_ext.cli import ArgumentParser, run_tool
-from megatron_ext.config_flags import add_flags, flag_values
-from megatron_ext.lev.config import LEVConfig
-from megatron_ext.models.config import (
+from megatron_ext.config.flags import add_flags, flag_values
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig, check_layout
+from megatron_ext.config.lev import LEVConfig
+from megatron_ext.config.model import (
     EMBEDDING_TYPES,
     MODEL_SIZE_PRESETS,
     EmbeddingConfig,
     ModelConfig,
 )
-from megatron_ext.models.layout import ParallelConfig, PrecisionConfig, check_layout
+from megatron_ext.config.run import BatchConfig, EngineConfig
 from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
 from megatron_ext.models.param_count import count_parameters, resolve_embedding_sizes
-from megatron_ext.training.config import BatchConfig, EngineConfig
 
 __all__ = [
     "COLUMNS",

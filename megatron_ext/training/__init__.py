@@ -2,15 +2,15 @@
 distributed checkpoints and logging. The entry point is `pretrain_leviathan.py`."""
 
 from megatron_ext._lazy import lazy_exports
-from megatron_ext.config_flags import ArgumentError
-from megatron_ext.training.config import RunConfig
+from megatron_ext.config.flags import ArgumentError
+from megatron_ext.config.run import RunConfig
 
 # Their modules import megatron-core: loaded on first use (see megatron_ext/_lazy.py), so the
-# run's configs (`training.config`) need only torch.
+# run's configs (`config.run`) need only torch.
 _LAZY = {
-    "build_parser": "megatron_ext.training.arguments",
-    "parse_config": "megatron_ext.training.arguments",
-    "run_config_from_args_json": "megatron_ext.training.arguments",
+    "build_parser": "megatron_ext.config.arguments",
+    "parse_config": "megatron_ext.config.arguments",
+    "run_config_from_args_json": "megatron_ext.config.arguments",
     "CheckpointError": "megatron_ext.checkpoint.format",
     "TrainState": "megatron_ext.checkpoint.format",
     "load_checkpoint": "megatron_ext.checkpoint.format",

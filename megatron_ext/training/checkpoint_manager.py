@@ -25,8 +25,8 @@ from megatron_ext.checkpoint.format import (
 )
 from megatron_ext.checkpoint.io_errors import check_save_directory as check
 from megatron_ext.checkpoint.lock import SaveLock
+from megatron_ext.config.run import RunConfig
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import Engine, Phase
 
 __all__ = ["CheckpointManager", "check_save_directory"]

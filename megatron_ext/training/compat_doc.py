@@ -10,8 +10,8 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_ext._paths import atomic_write
-from megatron_ext.training.arguments import build_parser
-from megatron_ext.training.megatron_compat import compat_table
+from megatron_ext.config.arguments import build_parser
+from megatron_ext.config.megatron_compat import compat_table
 
 __all__ = ["main"]
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from megatron_ext.config.run import RunConfig
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training import data_parallel
-from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import (
     CheckpointParts,
     Engine,

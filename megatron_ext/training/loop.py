@@ -23,9 +23,9 @@ from typing import Callable, Optional, Sequence
 import torch.distributed as dist
 
 from megatron_ext.checkpoint.format import TrainState
+from megatron_ext.config.run import RunConfig
 from megatron_ext.parallel import ProcessGroups, destroy_parallel
 from megatron_ext.training.checkpoint_manager import CheckpointManager
-from megatron_ext.training.config import RunConfig
 from megatron_ext.training.data import build_data_loader
 from megatron_ext.training.engine import Engine, NonFiniteError, Phase, StepResult
 from megatron_ext.training.metrics_logger import MetricsLogger, Timers

@@ -39,8 +39,8 @@ from megatron.core.optimizer import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from megatron_ext.config.run import RunConfig
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import (
     CheckpointParts,
     Engine,

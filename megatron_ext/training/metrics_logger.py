@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_ext._paths import atomic_open
-from megatron_ext.training.config import RunConfig
+from megatron_ext.config.run import RunConfig
 from megatron_ext.training.engine import StepResult
 from megatron_ext.training.metrics import Reporter, format_train_line
 

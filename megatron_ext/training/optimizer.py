@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_ext.config.run import OptimizerConfig
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.config import OptimizerConfig
 from megatron_ext.training.unique_params import counted_params
 
 logger = logging.getLogger(__name__)

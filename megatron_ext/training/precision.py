@@ -6,7 +6,7 @@ reductions and norms in float32), and --fp8-format adds Transformer Engine's `fp
 (DelayedScaling, HYBRID = E4M3 forward / E5M2 backward) around the forward on CUDA. This keeps
 one code path for CPU and GPU, needs no separate master copy (the fp32 weights are the master),
 and reduces gradients in fp32 across data-parallel ranks. The model is therefore built at a
-float32 (`PrecisionConfig.params_dtype`; `training.config.RunConfig` keeps it so).
+float32 (`PrecisionConfig.params_dtype`; `config.run.RunConfig` keeps it so).
 
 Where the low precision starts, the same for every embedding arm: the input module runs in fp32
 (a lookup table is not autocast; LEV and the ALBERT / MLP seed networks disable autocast), so
@@ -26,7 +26,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from megatron_ext.models.layout import PrecisionConfig
+from megatron_ext.config.layout import PrecisionConfig
 
 __all__ = ["autocast_factory", "pipeline_dtype"]
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_ext import cpu_accel
 from megatron_ext.checkpoint.format import read_latest_iteration, remove_partial_saves
 from megatron_ext.checkpoint.lock import SaveLock
+from megatron_ext.config.run import RunConfig
 from megatron_ext.elastic import restart_round
 from megatron_ext.parallel import (
     ProcessGroups,
@@ -32,7 +33,6 @@ from megatron_ext.parallel import (
     set_random_seed,
 )
 from megatron_ext.training.checkpoint_manager import CheckpointManager, check_save_directory
-from megatron_ext.training.config import RunConfig
 from megatron_ext.training.engine import Engine, Phase
 from megatron_ext.training.engine_portable import PortableEngine
 from megatron_ext.training.initialization import initialize_like_single_stage

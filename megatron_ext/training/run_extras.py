@@ -24,8 +24,8 @@ from megatron_ext import cpu_accel
 from megatron_ext.training.unique_params import counted_params
 
 if TYPE_CHECKING:
+    from megatron_ext.config.run import LoggingConfig, RunConfig
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training.config import LoggingConfig, RunConfig
 
 logger = logging.getLogger(__name__)
 

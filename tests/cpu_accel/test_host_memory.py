@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ext import cpu_accel
-from megatron_ext.config_flags import flag_name
+from megatron_ext.config.flags import flag_name
+from megatron_ext.config.run import MemoryConfig
 from megatron_ext.cpu_accel import host_memory
 from megatron_ext.training import run_extras
-from megatron_ext.training.config import MemoryConfig
 
 _SCRIPT = """
 import json, resource, sys, threading, torch

@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 from megatron_ext.checkpoint.format import CheckpointError
+from megatron_ext.config.data import DataConfig
 from megatron_ext.data.fingerprint import (
     TokenizerMismatchError,
     read_sidecar,
@@ -20,7 +21,7 @@ from megatron_ext.data.fingerprint import (
     tokenizer_record,
 )
 from megatron_ext.data.indexed import dataset_files, merge_datasets
-from megatron_ext.data.loading import DataConfig, build_train_valid_test_datasets
+from megatron_ext.data.loading import build_train_valid_test_datasets
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import build_tokenizer

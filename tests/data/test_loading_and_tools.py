@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.config_flags import add_flags, flag_values
+from megatron_ext.config.data import DataConfig
+from megatron_ext.config.flags import add_flags, flag_values
 from megatron_ext.data import preprocess as pp
 from megatron_ext.data.loading import (
-    DataConfig,
     VocabSizeMismatchError,
     _split_in_documents,
     build_train_valid_test_datasets,

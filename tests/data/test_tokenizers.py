@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
+from megatron_ext.config.data import padded_vocab_size
+from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
 
 TEXTS = ["Hello world, the theory.", "naïve café 東京 🙂", "", "  two  spaces\nnewline"]
 

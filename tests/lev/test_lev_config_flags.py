@@ -1,12 +1,12 @@
 """The `--lev-*` flags: generated from LEVConfig's fields by the one flag mechanism
-(`config_flags`), and the config they fill."""
+(`config.flags`), and the config they fill."""
 
 import argparse
 import dataclasses
 
 import pytest
 
-from megatron_ext.config_flags import add_flags, flag_name, flag_values
+from megatron_ext.config.flags import add_flags, flag_name, flag_values
 from megatron_ext.lev import LEVConfig
 
 
@@ -99,9 +99,9 @@ RUN = ["--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--seq-l
 
 
 def test_deprecated_lev_fused_maps_onto_lev_kernel_with_one_warning(monkeypatch):
-    from megatron_ext.lev import config as lev_config
-    from megatron_ext.training import arguments
-    from megatron_ext.training.arguments import ArgumentError, parse_config
+    from megatron_ext.config import arguments
+    from megatron_ext.config import lev as lev_config
+    from megatron_ext.config.arguments import ArgumentError, parse_config
 
     monkeypatch.setattr(lev_config, "_warned_fused", False)
     assert arguments.build_parser().parse_args([]).lev_fused is None  # no mapping, no warning

@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 
+from megatron_ext.config.lev import LEVConfig
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.kernels import LEVKernelOptions, lev_modes
 from tests.support.memory import saved_tensor_bytes
 

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_ext.config_flags import add_flags
+from megatron_ext.config.arguments import model_config_from_args_json
+from megatron_ext.config.flags import add_flags
 from megatron_ext.lev import LEVConfig
 from megatron_ext.models import (
     EmbeddingConfig,
@@ -18,7 +19,6 @@ from megatron_ext.models import (
     PrecisionConfig,
     check_layout,
 )
-from megatron_ext.models.config import model_config_from_args_json
 from megatron_ext.models.layer_specs import get_layer_spec, transformer_engine_available
 
 BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32)
@@ -86,8 +86,8 @@ def test_model_config_describes_the_model_only():
     """The layout and precision are build_model's arguments, not ModelConfig fields; the run's
     ParallelConfig and PrecisionConfig own their flags, one type each: the run, the model
     builder, the memory planner, the engines and the test harness take them."""
+    from megatron_ext.config import run as config
     from megatron_ext.models import memory
-    from megatron_ext.training import config
     from tests.support import distributed
 
     moved = _field_names(ParallelConfig) | {"params_dtype", "bf16", "fp16", "fp8", "fp8_format"}
@@ -125,7 +125,7 @@ RUN = ["--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--seq-l
 
 def _model(*argv, vocab_size: int = 128) -> ModelConfig:
     """The model of `argv` as the command line builds it, at `vocab_size`."""
-    from megatron_ext.training.arguments import parse_config
+    from megatron_ext.config.arguments import parse_config
 
     return parse_config([*RUN, *argv], world_size=1).model.replace(vocab_size=vocab_size)
 
@@ -159,7 +159,7 @@ def test_group_query_attention_defaults_to_megatron_lms_one_group():
 
 
 def test_flag_conflicts_are_clear_errors():
-    from megatron_ext.training.arguments import ArgumentError
+    from megatron_ext.config.arguments import ArgumentError
 
     with pytest.raises(ArgumentError, match="contradicts --embedding-type tied"):
         _model("--embedding-type", "tied", "--untie-embeddings-and-output-weights")
@@ -172,7 +172,7 @@ def test_flag_conflicts_are_clear_errors():
 
 
 def test_megatron_launch_script_flags_are_accepted():
-    from megatron_ext.training.arguments import parse_config
+    from megatron_ext.config.arguments import parse_config
 
     argv = (
         "--use-mcore-models --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
@@ -192,8 +192,8 @@ def test_megatron_launch_script_flags_are_accepted():
     [("--normalization", "LayerNorm"), ("--position-embedding-type", "learned_absolute")],
 )
 def test_megatron_flags_asking_for_another_design_are_refused(flag, value):
-    """Megatron-LM compatibility rules (`training.megatron_compat`) answer these flags."""
-    from megatron_ext.training.arguments import ArgumentError, parse_config
+    """Megatron-LM compatibility rules (`config.megatron_compat`) answer these flags."""
+    from megatron_ext.config.arguments import ArgumentError, parse_config
 
     argv = [flag, value, "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
     argv += ["--seq-length", "32"]
@@ -202,7 +202,7 @@ def test_megatron_flags_asking_for_another_design_are_refused(flag, value):
 
 
 def test_lev_flags_become_the_frozen_config_the_model_holds():
-    from megatron_ext.training.arguments import ArgumentError, parse_config
+    from megatron_ext.config.arguments import ArgumentError, parse_config
 
     cfg = _model("--lev-num-knots", "5", "--lev-rank", "4")
     lev = cfg.embedding.lev
@@ -265,8 +265,8 @@ OLD_ARGS_JSON = """{
 def test_an_args_json_written_before_the_split_still_builds_its_model(tmp_path):
     import json
 
+    from megatron_ext.config.arguments import parse_config
     from megatron_ext.models import compose_transformer_config
-    from megatron_ext.training.arguments import parse_config
 
     saved = json.loads(OLD_ARGS_JSON)
     model = model_config_from_args_json(saved).replace(vocab_size=128)

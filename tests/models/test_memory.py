@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import torch
 
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
 from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig, param_table
-from megatron_ext.models.layout import ParallelConfig, PrecisionConfig
 from megatron_ext.models.memory import (
     TrainingPlan,
     estimate_export_memory,

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_ext.config.layout import ParallelConfig
 from megatron_ext.launch import find_free_port
-from megatron_ext.models.layout import ParallelConfig
 from megatron_ext.parallel import destroy_parallel, initialize_parallel
 
 __all__ = ["call_in_file", "find_free_port", "run_distributed"]

@@ -21,8 +21,7 @@ from tests.support.tiny_gpt import SEQ, RandomSamples, forward_step, model_provi
 
 
 def main(engine: str, out: Path, load: str | None) -> None:
-    from megatron_ext.training import pretrain
-    from megatron_ext.training.config import (
+    from megatron_ext.config.run import (
         BatchConfig,
         CheckpointConfig,
         EngineConfig,
@@ -31,6 +30,7 @@ def main(engine: str, out: Path, load: str | None) -> None:
         OptimizerConfig,
         RunConfig,
     )
+    from megatron_ext.training import pretrain
 
     cfg = RunConfig(
         batch=BatchConfig(

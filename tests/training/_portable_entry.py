@@ -39,13 +39,13 @@ def main(
     dp: int = 1,
     embedding_type: str = "untied",
 ) -> None:
-    from megatron_ext.parallel import destroy_parallel, initialize_parallel, set_random_seed
-    from megatron_ext.training.config import (
+    from megatron_ext.config.run import (
         BatchConfig,
         OptimizerConfig,
         ParallelConfig,
         RunConfig,
     )
+    from megatron_ext.parallel import destroy_parallel, initialize_parallel, set_random_seed
     from megatron_ext.training.engine import NonFiniteError, Phase
     from megatron_ext.training.engine_portable import PortableEngine
     from megatron_ext.training.metrics_logger import Timers

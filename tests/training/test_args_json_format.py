@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.training.arguments import build_parser, parse_config, run_config_from_args_json
+from megatron_ext.config.arguments import build_parser, parse_config, run_config_from_args_json
 
 PARSER = build_parser()
 CASES = json.loads((Path(__file__).parent / "data" / "args_json_format.json").read_text())

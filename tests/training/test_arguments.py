@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.training.arguments import (
+from megatron_ext.config.arguments import (
     ArgumentError,
     parse_config,
     run_config_from_args_json,
@@ -109,7 +109,7 @@ def test_required_flags():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
 def test_precision_errors_come_from_the_configs():
     """Each precision check lives in one place: FP8 needing Transformer Engine in
-    `models.layout.check_layout` (it needs the model's --transformer-impl, and the run checks
+    `config.layout.check_layout` (it needs the model's --transformer-impl, and the run checks
     it while parsing), --fp8-format needing --bf16 and --bf16 with --fp16 in PrecisionConfig,
     the one precision type of the run and the model."""
     from megatron_ext.models import ModelConfig, PrecisionConfig, check_layout
@@ -136,7 +136,7 @@ def test_precision_errors_come_from_the_configs():
             "--global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel "
             "size 1 = 2; change one of them",
         ),
-        # A layout the model cannot take (`models.layout.check_layout`, before any rank starts).
+        # A layout the model cannot take (`config.layout.check_layout`, before any rank starts).
         (
             ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "48",
              "--num-attention-heads", "3", "--global-batch-size", "2"],

@@ -1,4 +1,4 @@
-"""The batch-size ramp-up schedule (`training.batch_rampup`) against megatron-core's own
+"""The batch-size ramp-up schedule (`config.rampup`) against megatron-core's own
 calculator, consumed sample by consumed sample, and its refusals."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import megatron_ext.megatron_import  # noqa: F401  (megatron-core's first import
 
 import pytest
 
-from megatron_ext.training.batch_rampup import BatchSizeRampup
+from megatron_ext.config.rampup import BatchSizeRampup
 
 
 def _megatron_rampup(gbs, mbs, dp, start, incr, samples):

@@ -45,7 +45,7 @@ def _without_outputs(argv: list[str]) -> list[str]:
 def _added_since(saved: dict) -> dict:
     """The flags added since the checkpoint was written, at their defaults (its args.json lacks
     them)."""
-    from megatron_ext.training.arguments import build_parser
+    from megatron_ext.config.arguments import build_parser
 
     parser = build_parser()
     return {
@@ -91,7 +91,7 @@ def test_use_checkpoint_args_reads_the_model_flags_of_a_format_1_checkpoint():
     """--use-checkpoint-args restores the model flags into the RunConfig, and the whole
     args.json reads back into the run it recorded (Megatron-LM's FP8 recipe defaults since
     issue 47 aside: without --fp8-format they had no effect)."""
-    from megatron_ext.training.arguments import parse_config, run_config_from_args_json
+    from megatron_ext.config.arguments import parse_config, run_config_from_args_json
 
     argv = ["--micro-batch-size", "2", "--train-iters", "6", "--lr", "1e-3", "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--seq-length", "16",

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from megatron_ext.training.arguments import ArgumentError, parse_config, run_config_from_args_json
-from megatron_ext.training.config import (
+from megatron_ext.config.arguments import ArgumentError, parse_config, run_config_from_args_json
+from megatron_ext.config.run import (
     BatchConfig,
     CheckpointConfig,
     EngineConfig,

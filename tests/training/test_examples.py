@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.training.arguments import parse_config
+from megatron_ext.config.arguments import parse_config
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,5 @@
 """Every flag of `pretrain_leviathan.py` is declared once, by one mechanism
-(`config_flags.flag`): on the config field that owns it (LEV's included), as a Megatron-LM
+(`config.flags.flag`): on the config field that owns it (LEV's included), as a Megatron-LM
 compatibility rule, or (until its config owns it) in the short list below."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import json
 
 import pytest
 
-from megatron_ext.config_flags import command_line_default, flag_dest, flag_fields, flag_name
-from megatron_ext.data.loading import DataConfig
-from megatron_ext.lev.config import LEVConfig
-from megatron_ext.models.config import EmbeddingConfig, ModelConfig
-from megatron_ext.training import config as C
-from megatron_ext.training.arguments import build_parser, parse_config
-from megatron_ext.training.megatron_compat import _CompatAction
+from megatron_ext.config import run as C
+from megatron_ext.config.arguments import build_parser, parse_config
+from megatron_ext.config.data import DataConfig
+from megatron_ext.config.flags import command_line_default, flag_dest, flag_fields, flag_name
+from megatron_ext.config.lev import LEVConfig
+from megatron_ext.config.megatron_compat import _CompatAction
+from megatron_ext.config.model import EmbeddingConfig, ModelConfig
 
 TREE = (
     C.RunConfig, C.ParallelConfig, C.BatchConfig, C.PrecisionConfig, C.ExitConfig,
@@ -27,7 +27,7 @@ TREE = (
 # Flags still declared by hand (argparse code), until the config that owns them declares them.
 # This list may only shrink: test_no_flag_is_declared_outside_the_tree fails on a new entry.
 HAND_DECLARED = {
-    # deprecated alias mapped onto --lev-kernel by lev.config.lev_flag_values (old args.json)
+    # deprecated alias mapped onto --lev-kernel by config.lev.lev_flag_values (old args.json)
     "--lev-fused",
 }  # fmt: skip
 
@@ -179,7 +179,7 @@ def test_every_model_flag_reaches_args_json_and_round_trips_through_use_checkpoi
     """Every field marked shapes_model (model, embedding, tokenizer) and every --lev-* flag is
     written to args.json and restored by --use-checkpoint-args (names read from the fields,
     no list), giving the same ModelConfig and the same tokenizer settings."""
-    from megatron_ext.training.arguments import model_shaping_dests
+    from megatron_ext.config.arguments import model_shaping_dests
 
     parser = build_parser()
     shaping = [
@@ -270,7 +270,7 @@ def test_the_entry_point_builds_the_config_once_and_args_json_rebuilds_the_same(
     """`parse_config` returns the frozen RunConfig it built while validating (derived values
     included); rebuilding it from its args.json (a checkpoint's, for tools) gives the same
     config, which writes the same args.json."""
-    from megatron_ext.training.arguments import run_config_from_args_json
+    from megatron_ext.config.arguments import run_config_from_args_json
 
     argv = [*RUN, "--seq-length", "32", *extra]
     if "--train-samples" in extra:
@@ -285,7 +285,7 @@ def test_the_entry_point_builds_the_config_once_and_args_json_rebuilds_the_same(
 def test_every_config_of_the_tree_checks_its_declared_values_first():
     """`flag_dataclass`: the declared checks (required, minimum, above, choices, needs) run
     before a config's own `__post_init__`, and a subclass keeps its parent's checks."""
-    from megatron_ext.config_flags import flag, flag_dataclass
+    from megatron_ext.config.flags import flag, flag_dataclass
 
     @flag_dataclass
     class Parent:

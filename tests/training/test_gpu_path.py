@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.config_flags import flag_fields, flag_name
-from megatron_ext.training.arguments import ArgumentError, build_parser, check_machine, parse_config
-from megatron_ext.training.config import EngineConfig, PrecisionConfig
+from megatron_ext.config.arguments import ArgumentError, build_parser, check_machine, parse_config
+from megatron_ext.config.flags import flag_fields, flag_name
+from megatron_ext.config.run import EngineConfig, PrecisionConfig
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,7 @@ def test_every_gpu_flag_is_declared_by_its_config_field():
     p = run.precision
     assert (p.fp8_amax_history_len, p.fp8_amax_compute_algo, p.fp8_margin) == (16, "max", 1)
     assert p.fp8_recipe() == dict(margin=1, amax_history_len=16, amax_compute_algo="max")
-    assert run.engine.ddp_impl == "portable" and p.params_dtype == torch.float32
+    assert run.engine.ddp_impl == "portable" and p.params_dtype == "float32"
 
 
 # What megatron-core's distributed optimizer needs to gather FP8 parameters (on CUDA).
@@ -93,14 +93,14 @@ def test_fp8_param_gather_is_accepted_where_it_can_work():
     distributed optimizer: accepted there (CUDA), reaching megatron's DDP config and the
     model's TransformerConfig (fp8_param: Transformer Engine keeps the weights in FP8)."""
     run = _run("--fp8-param-gather", *FP8_GATHER, cuda=True)
-    assert run.precision.fp8_param_gather and run.precision.params_dtype == torch.bfloat16
+    assert run.precision.fp8_param_gather and run.precision.params_dtype == "bfloat16"
     assert run.args_json()["fp8_param_gather"] is True
     row = next(r for r in _compat_rows() if r.startswith("| `--fp8-param-gather` |"))
     assert "| implemented |" in row and "--use-distributed-optimizer" in row
 
 
 def _compat_rows() -> list[str]:
-    from megatron_ext.training.megatron_compat import compat_table
+    from megatron_ext.config.megatron_compat import compat_table
 
     return compat_table(build_parser()).splitlines()
 
@@ -198,17 +198,17 @@ def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
     """Portable engine: float32 parameters whatever --bf16/--fp16 say (autocast runs them);
     megatron's engine: BF16 parameters (`RunConfig` derives `PrecisionConfig.params_dtype`),
     and the FP8 recipe in the TransformerConfig fields, whichever engine."""
-    from megatron_ext.models import ModelConfig, PrecisionConfig, compose_transformer_config
-    from megatron_ext.training.config import (
+    from megatron_ext.config.run import (
         BatchConfig,
         EngineConfig,
         OptimizerConfig,
         RunConfig,
     )
+    from megatron_ext.models import ModelConfig, PrecisionConfig, compose_transformer_config
 
     batch, optim = BatchConfig(seq_length=8), OptimizerConfig(lr=1e-3)
     portable = RunConfig(batch=batch, optim=optim, precision=PrecisionConfig(bf16=True))
-    assert portable.precision.params_dtype == torch.float32
+    assert portable.precision.params_dtype == "float32"
     tc = compose_transformer_config(ModelConfig(vocab_size=64), None, portable.precision)
     assert tc.params_dtype == torch.float32 and not tc.bf16
     precision = PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_amax_history_len=16)
@@ -216,7 +216,7 @@ def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
         batch=batch, optim=optim, precision=precision, engine=EngineConfig(ddp_impl="megatron")
     )
     model_precision = megatron.precision
-    assert model_precision.bf16 and model_precision.params_dtype == torch.bfloat16
+    assert model_precision.bf16 and model_precision.params_dtype == "bfloat16"
     assert model_precision.fp8_amax_history_len == 16
     # The recipe reaches the TransformerConfig (TE builds the FP8 layers; on CPU the config).
     te = ModelConfig(vocab_size=64, transformer_impl="transformer_engine")

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from megatron_ext.training.arguments import ArgumentError, parse_config
+from megatron_ext.config.arguments import ArgumentError, parse_config
 
 RTOL = 1e-5
 INTERLEAVED = [

@@ -28,7 +28,7 @@ def single_rank(monkeypatch):
 
 
 def _config(tmp_path):
-    from megatron_ext.training.config import (
+    from megatron_ext.config.run import (
         BatchConfig,
         CheckpointConfig,
         EvalConfig,

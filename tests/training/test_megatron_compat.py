@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.training.arguments import ArgumentError, build_parser, parse_config
-from megatron_ext.training.megatron_compat import compat_table, flag_status
-from megatron_ext.training.megatron_flags import MEGATRON_FLAGS
+from megatron_ext.config.arguments import ArgumentError, build_parser, parse_config
+from megatron_ext.config.megatron_compat import compat_table, flag_status
+from megatron_ext.config.megatron_flags import MEGATRON_FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,8 +167,8 @@ def test_defaults_are_megatron_lms_or_listed_with_their_reason(parser):
     import argparse
     import json
 
-    from megatron_ext.models.config import transformer_engine_available
-    from megatron_ext.training.megatron_compat import DEFAULT_DIFFERENCES
+    from megatron_ext.config.megatron_compat import DEFAULT_DIFFERENCES
+    from megatron_ext.config.model import transformer_engine_available
 
     table = json.loads((Path(__file__).parent / "data" / "megatron_lm_defaults.json").read_text())
     assert table["tag"] == "core_v0.16.1"

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_model_config_kv_channels_and_rotary_percent():
-    from megatron_ext.models.config import ModelConfig
+    from megatron_ext.config.model import ModelConfig
 
     base = dict(vocab_size=256, num_layers=1, hidden_size=64, num_attention_heads=4)
     assert ModelConfig(**base, head_dim=32).kv_channels == 32
@@ -48,7 +48,7 @@ def test_memory_and_log_line():
 
 
 def _tiny(**changes):
-    from megatron_ext.models.config import EmbeddingConfig, ModelConfig
+    from megatron_ext.config.model import EmbeddingConfig, ModelConfig
 
     lev = dict(seed_dim=16, rank=4, num_heads=2, num_knots=5)
     config = dict(
@@ -68,9 +68,9 @@ def _loss_and_grads(model, tokens):
 
 
 def _check_decoupled_lr_and_norms():
+    from megatron_ext.config.run import OptimizerConfig
     from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training.config import OptimizerConfig
     from megatron_ext.training.optimizer import build_optimizer, build_scheduler
     from megatron_ext.training.run_extras import num_zeros_in_grad, params_norm
 

@@ -83,7 +83,7 @@ def test_lev_weight_decay_groups():
 
 
 def test_lev_lr_multiplier_follows_the_schedule():
-    from megatron_ext.training.arguments import OptimizerConfig
+    from megatron_ext.config.arguments import OptimizerConfig
     from megatron_ext.training.optimizer import Optimizer, build_scheduler
 
     cfg = OptimizerConfig(

@@ -59,6 +59,7 @@ def dump(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, dict]:
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
     """The parser of every command a user runs: pretrain_leviathan.py and tools/*.py."""
     from megatron_ext import quickstart
+    from megatron_ext.config.arguments import build_parser
     from megatron_ext.conversion import convert_checkpoint
     from megatron_ext.data import (
         count_tokens,
@@ -70,7 +71,6 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     from megatron_ext.evaluation import evaluate
     from megatron_ext.inference import generate
     from megatron_ext.models import param_table
-    from megatron_ext.training.arguments import build_parser
     from tools import make_demo_data
 
     return {
@@ -145,7 +145,7 @@ def test_count_params_help_says_what_it_does_before_the_model_flags():
 
 def _machine_independent(record: dict) -> dict:
     """--transformer-impl defaults to transformer_engine where TE and a GPU are present."""
-    from megatron_ext.models.config import transformer_engine_available
+    from megatron_ext.config.model import transformer_engine_available
 
     if transformer_engine_available():
         option = record["pretrain_leviathan"]["--transformer-impl"]

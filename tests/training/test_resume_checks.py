@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.data.loading import DataConfig
+from megatron_ext.config.data import DataConfig
 from megatron_ext.data.readers import DataError
 from tests.support.jobs import launch
 from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN

@@ -1,6 +1,6 @@
 """`ModelConfig` and `EmbeddingConfig`: the LLaMA-style backbone and its input embedding (with
 the frozen `LEVConfig` at the model's V and D). They describe the model only: the parallel
-layout and precision it is built at, and megatron's `TransformerConfig`, are `models.layout`'s.
+layout and precision it is built at, and megatron's `TransformerConfig`, are `config.layout`'s.
 
 Both declare their flags on their fields and validate themselves; the story is in
 docs/architecture.md "One flag, end to end". On the command line the vocabulary is the
@@ -9,16 +9,13 @@ tokenizer's (padded), known after parsing: until then `vocab_size` is None.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 from dataclasses import field
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
-import torch
-
-from megatron_ext.config_flags import flag, flag_dataclass, flag_values
-from megatron_ext.lev.config import LEVConfig, lev_flag_values
+from megatron_ext.config.flags import flag, flag_dataclass, flag_values
+from megatron_ext.config.lev import LEVConfig, lev_flag_values
 
 __all__ = [
     "EMBEDDING_TYPES",
@@ -27,7 +24,6 @@ __all__ = [
     "EmbeddingConfig",
     "ModelConfig",
     "llama_ffn_hidden_size",
-    "model_config_from_args_json",
     "model_of_flags",
     "transformer_engine_available",
 ]
@@ -53,7 +49,11 @@ RECOMPUTE_METHODS = ("uniform", "block")
 
 def transformer_engine_available() -> bool:
     """True when Transformer Engine is importable and a CUDA device is present."""
-    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    import torch  # deferred: the configs import no torch; only a machine with TE asks it
+
+    return torch.cuda.is_available()
 
 
 def default_transformer_impl() -> str:
@@ -154,7 +154,7 @@ class ModelConfig:
 
     vocab_size: Optional[int] = None
     """Size of the (padded) vocabulary the model embeds and scores; None until the tokenizer is
-    known (the command line's config: `training.config.RunConfig.with_tokenizer` sets it)."""
+    known (the command line's config: `config.run.RunConfig.with_tokenizer` sets it)."""
     num_layers: Optional[int] = flag(
         None, "transformer layers (default: the preset's, else 2)", shapes_model=True, minimum=1
     )
@@ -252,7 +252,7 @@ class ModelConfig:
         """After the fields' declared checks (`flag_dataclass`): fill the sizes left None
         (`derived`), raise ValueError naming the flag for every impossible setting, build the
         LEVConfig at the model's V and D (`EmbeddingConfig.at_model_size`, which checks it).
-        What needs the layout too is `models.layout.check_layout`'s."""
+        What needs the layout too is `config.layout.check_layout`'s."""
         if isinstance(self.embedding, dict):
             object.__setattr__(self, "embedding", EmbeddingConfig(**self.embedding))
         sizes = {**_DEBUG_MODEL, **MODEL_SIZE_PRESETS.get(self.model_size or "", {})}
@@ -345,19 +345,9 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def model_of_flags(args: argparse.Namespace) -> tuple[ModelConfig, LEVConfig]:
-    """The model of parsed flags (its vocabulary None: the tokenizer's) and its LEV flags."""
-    lev = LEVConfig(**lev_flag_values(args))
-    embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, args), lev=lev)
-    return ModelConfig(embedding=embedding, **flag_values(ModelConfig, args)), lev
-
-
-def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:
-    """The model a checkpoint's args.json records (any checkpoint: also one that no run wrote,
-    `training.arguments.args_json_of_flags`), its vocabulary None (the checkpoint's tensors
-    have it).
-
-    Raises:
-        ValueError: a model no config accepts, naming the flag.
-    """
-    return model_of_flags(argparse.Namespace(**saved))[0]
+def model_of_flags(values: Mapping[str, Any]) -> tuple[ModelConfig, LEVConfig]:
+    """The model of flag values by namespace name (parsed, or a checkpoint's args.json; its
+    vocabulary None: the tokenizer's) and its LEV flags."""
+    lev = LEVConfig(**lev_flag_values(values))
+    embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, values), lev=lev)
+    return ModelConfig(embedding=embedding, **flag_values(ModelConfig, values)), lev

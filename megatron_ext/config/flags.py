@@ -6,7 +6,7 @@ field's name (`micro_batch_size` -> --micro-batch-size; --no-x for a store_false
 (and args.json key) is Megatron-LM's, the flag's name (--no-x -> x) unless the field gives
 `dest`. `add_flags(group, cls)` turns the fields into argparse arguments whose default *is* the
 field's (or its `command_line_default`) and whose type comes from the annotation;
-`flag_values(cls, namespace)` reads the values back by field name; `check_flag_values(config)`
+`flag_values(cls, values)` reads parsed values back by field name; `check_flag_values(config)`
 refuses None where a field is `required`, a value below its `minimum`, not above `above`,
 outside its `choices` or given without the field it `needs`, and `@flag_dataclass` (a frozen
 dataclass) runs it before the config's own checks. So a new flag is one field.
@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import functools
 import typing
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 __all__ = [
     "ArgumentError",
@@ -171,14 +171,16 @@ def add_flags(group, cls: type, *names: str, **overrides) -> None:
         group.add_argument(flag_name(field), *field.metadata["aliases"], **options)
 
 
-def flag_values(cls: type, namespace: argparse.Namespace, derived: bool = False) -> dict[str, Any]:
-    """Field name -> parsed value for every flagged field of `cls` present in `namespace` (with
-    `derived`, every field: args.json records the derived values by name); a field missing
-    there is left out (the args.json of a checkpoint written before it existed)."""
+def flag_values(
+    cls: type, values: Mapping[str, Any] | argparse.Namespace, derived: bool = False
+) -> dict[str, Any]:
+    """Field name -> value for every flagged field of `cls` in `values` (a tool's parsed flags,
+    or a checkpoint's args.json, by namespace name; with `derived`, every field: args.json records
+    the derived values by name); a field missing there is left out (the args.json of a
+    checkpoint written before it existed)."""
     fields = dataclasses.fields(cls) if derived else flag_fields(cls)
-    return {
-        f.name: getattr(namespace, flag_dest(f)) for f in fields if hasattr(namespace, flag_dest(f))
-    }
+    values = vars(values) if isinstance(values, argparse.Namespace) else values
+    return {f.name: values[flag_dest(f)] for f in fields if flag_dest(f) in values}
 
 
 def _one_of(choices) -> str:

@@ -1,5 +1,5 @@
 """The command line of `pretrain_leviathan.py` (Megatron-LM's names and meanings): the parser
-generated from the config fields (`config_flags`) and the `megatron_compat` rules, and
+generated from the config fields (`config.flags`) and the `megatron_compat` rules, and
 `parse_config`, which turns argv into one frozen `RunConfig`: it restores the model flags from a
 checkpoint (`--use-checkpoint-args`), applies Megatron-LM's flag-level rewrites, builds the
 configs (deriving what Megatron-LM derives) and checks what this machine must have.
@@ -18,16 +18,17 @@ import os
 import re
 from typing import Any, Optional, Sequence
 
-import torch
-
-from megatron_ext.checkpoint.format import checkpoint_dir, read_latest_iteration
 from megatron_ext.cli import ArgumentParser
-from megatron_ext.config_flags import ArgumentError, add_flags, flag_dest, flag_fields, flag_values
-from megatron_ext.data.loading import DataConfig
-from megatron_ext.data.readers import DataError
-from megatron_ext.lev.config import LEVConfig
-from megatron_ext.models.config import EmbeddingConfig, ModelConfig, model_of_flags
-from megatron_ext.training.config import (
+from megatron_ext.config.data import DataConfig, DataError
+from megatron_ext.config.flags import ArgumentError, add_flags, flag_dest, flag_fields, flag_values
+from megatron_ext.config.lev import LEVConfig
+from megatron_ext.config.megatron_compat import (
+    _CompatAction,
+    add_megatron_compat_arguments,
+    apply_megatron_compat,
+)
+from megatron_ext.config.model import EmbeddingConfig, ModelConfig, model_of_flags
+from megatron_ext.config.run import (
     BatchConfig,
     CheckpointConfig,
     EngineConfig,
@@ -40,20 +41,16 @@ from megatron_ext.training.config import (
     PrecisionConfig,
     RunConfig,
 )
-from megatron_ext.training.megatron_compat import (
-    _CompatAction,
-    add_megatron_compat_arguments,
-    apply_megatron_compat,
-)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ArgumentError",
     "build_parser",
+    "args_json_of_flags",
     "check_machine",
     "checkpoint_args_path",
-    "args_json_of_flags",
+    "model_config_from_args_json",
     "model_shaping_dests",
     "parse_config",
     "run_config_from_args_json",
@@ -124,6 +121,9 @@ def model_shaping_dests() -> list[str]:
 
 def checkpoint_args_path(load_dir: str, iteration: Optional[int] = None) -> Optional[str]:
     """The args.json of the latest (or `iteration`) checkpoint in `load_dir`, if any."""
+    # deferred: the checkpoint layout's module imports torch, which the configs do not
+    from megatron_ext.checkpoint.format import checkpoint_dir, read_latest_iteration
+
     if iteration is None:
         iteration = read_latest_iteration(load_dir)
     if iteration is None:
@@ -166,41 +166,40 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
     logger.info("model flags taken from %s", path)
 
 
-def _run_config(args: argparse.Namespace, world_size: Optional[int]) -> RunConfig:
+def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
     """The `RunConfig` of parsed flags (`world_size` ranks: Megatron-LM's derivations), or of a
     checkpoint's args.json (`world_size` None: the derived values as it recorded them)."""
-    seq_length, seed = getattr(args, "seq_length", None), getattr(args, "seed", 1234)
+    seq_length, seed = values.get("seq_length"), values.get("seed", RunConfig.seed)
     if world_size is None:
-        parallel = ParallelConfig(**flag_values(ParallelConfig, args, derived=True))
-        batch = BatchConfig(**flag_values(BatchConfig, args, derived=True))
-        optim = OptimizerConfig(**flag_values(OptimizerConfig, args, derived=True))
+        parallel = ParallelConfig(**flag_values(ParallelConfig, values, derived=True))
+        batch = BatchConfig(**flag_values(BatchConfig, values, derived=True))
+        optim = OptimizerConfig(**flag_values(OptimizerConfig, values, derived=True))
     else:
-        parallel = ParallelConfig(**flag_values(ParallelConfig, args)).resolve(world_size)
+        parallel = ParallelConfig(**flag_values(ParallelConfig, values)).resolve(world_size)
         batch = BatchConfig.from_run_length(
-            parallel.data_parallel_size, seq_length=seq_length, **flag_values(BatchConfig, args)
+            parallel.data_parallel_size, seq_length=seq_length, **flag_values(BatchConfig, values)
         )
         optim = OptimizerConfig.from_schedule(
             global_batch_size=batch.global_batch_size,
-            train_iters=args.train_iters,
-            train_samples=args.train_samples,
-            **flag_values(OptimizerConfig, args),
+            train_iters=values["train_iters"],
+            train_samples=values["train_samples"],
+            **flag_values(OptimizerConfig, values),
         )
-    model, lev = model_of_flags(args)
+    model, lev = model_of_flags(values)
     if world_size is not None:
         model.check_as_given()
-    fingerprint = getattr(args, "tokenizer_fingerprint", None)  # args.json's
     data = DataConfig(
-        seq_length=seq_length, seed=seed, tokenizer_fingerprint=fingerprint,
-        **flag_values(DataConfig, args),
+        seq_length=seq_length, seed=seed, tokenizer_fingerprint=values.get("tokenizer_fingerprint"),
+        **flag_values(DataConfig, values),
     )  # fmt: skip
-    parts = {name: cls(**flag_values(cls, args, derived=True)) for name, cls in _PARTS.items()}
+    parts = {name: cls(**flag_values(cls, values, derived=True)) for name, cls in _PARTS.items()}
     return RunConfig(batch, optim, parallel, seed=seed, model=model, lev=lev, data=data, **parts)
 
 
-def _compat_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+def _compat_flags(values: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
     """The values of the flags no config owns (args.json records them; --lev-fused mapped)."""
     dests = {a.dest for a in parser._actions if isinstance(a, _CompatAction)}
-    return {**{d: getattr(args, d) for d in dests if hasattr(args, d)}, "lev_fused": None}
+    return {**{d: values[d] for d in dests if d in values}, "lev_fused": None}
 
 
 _FP8_RECIPE = ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
@@ -218,9 +217,18 @@ def run_config_from_args_json(saved: dict[str, Any]) -> RunConfig:
     """
     if saved.get("fp8_format") is None:  # before issue 47: FP8's recipe defaults of then
         saved = {k: v for k, v in saved.items() if k not in _FP8_RECIPE}
-    args = argparse.Namespace(**saved)
-    compat = _compat_flags(args, build_parser())
-    return dataclasses.replace(_run_config(args, None), compat_flags=compat)
+    compat = _compat_flags(saved, build_parser())
+    return dataclasses.replace(_run_config(saved, None), compat_flags=compat)
+
+
+def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:
+    """The model a checkpoint's args.json records (any checkpoint: also one that no run wrote,
+    `args_json_of_flags`), its vocabulary None (the checkpoint's tensors have it).
+
+    Raises:
+        ValueError: a model no config accepts, naming the flag.
+    """
+    return model_of_flags(saved)[0]
 
 
 def args_json_of_flags(argv: Sequence[str]) -> dict[str, Any]:
@@ -334,14 +342,17 @@ def parse_config(
         _apply_checkpoint_args(args, _explicit_dests(argv))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if cuda is None:
+        import torch  # deferred: the configs import no torch; only this default asks it
+
+        cuda = torch.cuda.is_available()
     _rewrite(args)
     try:
-        run = _run_config(args, world_size)
+        run = _run_config(vars(args), world_size)
         apply_megatron_compat(args, cuda, fp8=run.precision.fp8_format is not None)
     except (ValueError, DataError) as error:  # DataConfig's: --data-path and the like
         raise ArgumentError(str(error)) from None
     check_machine(run, cuda)
     if run.log.logging_level is not None:
         logging.getLogger().setLevel(run.log.logging_level)
-    return dataclasses.replace(run, compat_flags=_compat_flags(args, parser))
+    return dataclasses.replace(run, compat_flags=_compat_flags(vars(args), parser))

@@ -1,7 +1,7 @@
 """LEV hyper-parameters: `LEVConfig`, a dataclass that validates itself, with its `--lev-*` flags.
 
 Every hyper-parameter of docs/lev.md section 2 is a field that declares its flag with `lev_flag`
-(`config_flags.flag`, named `--lev-<field>`); invalid values fail when the config is built,
+(`config.flags.flag`, named `--lev-<field>`); invalid values fail when the config is built,
 naming the flag; the one check that needs the layout (whole heads per TP rank) is
 `heads_per_rank`. Parameter shapes at TP size 1 (docs/design.md "Fixed contracts")::
 
@@ -19,9 +19,9 @@ import argparse
 import functools
 import math
 import warnings
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from megatron_ext.config_flags import flag, flag_dataclass, flag_values
+from megatron_ext.config.flags import flag, flag_dataclass, flag_values
 
 __all__ = [
     "LEV_PARAMETER_GROUPS",
@@ -48,7 +48,7 @@ SPEC_WEIGHT_DECAY_GROUPS = ("codebooks", "seed_proj", "spline_delta", "out_proj"
 
 
 lev_flag = functools.partial(flag, prefix="lev-")
-"""`config_flags.flag` for LEV's fields: the flag is `--lev-<field-name>`."""
+"""`config.flags.flag` for LEV's fields: the flag is `--lev-<field-name>`."""
 
 
 def smallest_base(vocab_size: int, num_digits: int) -> int:
@@ -76,7 +76,7 @@ class LEVConfig:
 
     vocab_size: Optional[int] = None
     """V: number of token ids; ids must lie in [0, V). None (with `hidden_size`): the flags
-    before the model's size is known; `models.config.EmbeddingConfig.at_model_size` sets both."""
+    before the model's size is known; `config.model.EmbeddingConfig.at_model_size` sets both."""
     hidden_size: Optional[int] = None
     """D: model width, the size of each generated embedding."""
     num_digits: int = lev_flag(3, "k: base-b digits per token id (and codebooks)", minimum=1)
@@ -241,13 +241,13 @@ class LEVConfig:
 _warned_fused = False
 
 
-def lev_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+def lev_flag_values(args: Mapping[str, Any]) -> dict[str, Any]:
     """The --lev-* values of parsed flags or of a checkpoint's args.json, the deprecated
     --lev-fused/--no-lev-fused (`lev_fused`, also in old args.json) mapped onto `kernel`: False is
     "reference" (with "auto"; refused with another kernel), True the default. Either warns once
     per process."""
     global _warned_fused
-    values, fused = flag_values(LEVConfig, args), getattr(args, "lev_fused", None)
+    values, fused = flag_values(LEVConfig, args), args.get("lev_fused")
     if fused is not None and not _warned_fused:
         _warned_fused = True
         warnings.warn(

@@ -19,9 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
-from megatron_ext.training.megatron_flags import MEGATRON_FLAGS, MEGATRON_LM_VERSION
+from megatron_ext.config.megatron_flags import MEGATRON_FLAGS, MEGATRON_LM_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -602,7 +600,7 @@ _BACKBONE_FLAGS = (
 
 
 def apply_megatron_compat(
-    args: argparse.Namespace, cuda: Optional[bool] = None, fp8: bool = False
+    args: argparse.Namespace, cuda: bool, fp8: bool = False
 ) -> argparse.Namespace:
     """Refuse, note or accept the compatibility flags given (`fp8`: the run has --fp8-format);
     set effective design values.
@@ -610,8 +608,6 @@ def apply_megatron_compat(
     Raises:
         ValueError: naming the first refused flag and why.
     """
-    if cuda is None:
-        cuda = torch.cuda.is_available()
     given = getattr(args, _GIVEN, None) or {}
     if hasattr(args, _GIVEN):
         delattr(args, _GIVEN)
@@ -657,7 +653,7 @@ def apply_megatron_compat(
 
 def compat_table(parser: argparse.ArgumentParser) -> str:
     """docs/megatron-compat.md: one row per Megatron-LM flag, read from the entry point's parser
-    (`training.arguments.build_parser`; `training.compat_doc` writes the file)."""
+    (`config.arguments.build_parser`; `training.compat_doc` writes the file)."""
     rows, counts = [], {}
     for group, flag, _ in MEGATRON_FLAGS:
         status, note = flag_status(parser, flag)

@@ -14,10 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import torch
-
-from megatron_ext.config_flags import flag, flag_dataclass
-from megatron_ext.models.config import ModelConfig
+from megatron_ext.config.flags import flag, flag_dataclass
+from megatron_ext.config.model import ModelConfig
 
 __all__ = [
     "ParallelConfig",
@@ -176,10 +174,11 @@ class PrecisionConfig:
     loss_scale_window: int = flag(1000, "finite steps before the loss scale grows")
     hysteresis: int = flag(2, "overflows tolerated before the loss scale shrinks")
     grad_reduce_in_bf16: bool = flag(False, "all-reduce data-parallel gradients in bfloat16")
-    params_dtype: torch.dtype = torch.float32
-    """The dtype the model's parameters are built in: float32 under the portable engine, which
-    runs --bf16/--fp16 as autocast over them; bfloat16 with --bf16 under --ddp-impl megatron
-    (`training.config.RunConfig` derives it); float64 or bfloat16 for models built in code."""
+    params_dtype: str = "float32"
+    """The dtype the model's parameters are built in, a torch dtype or its name: float32 under
+    the portable engine, which runs --bf16/--fp16 as autocast over them; bfloat16 with --bf16
+    under --ddp-impl megatron (`config.run.RunConfig` derives it); float64 or bfloat16 for models
+    built in code."""
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:

@@ -1,12 +1,12 @@
 """The run's configuration: `RunConfig`, one frozen dataclass whose parts are the training
 settings (batch and run length, optimizer, exit, evaluation, checkpoint, logging, memory,
-engine), the parallel layout and precision (`models.layout`), the model with its LEV
-hyper-parameters (`models.config`, `lev.config`) and the data (`data.loading`).
+engine), the parallel layout and precision (`config.layout`), the model with its LEV
+hyper-parameters (`config.model`, `config.lev`) and the data (`config.data`).
 
 Each part declares its flags on its fields (the help says what a flag does; --help adds its
 default) and checks itself in `__post_init__`; `RunConfig` checks what spans two parts and
 derives what one part gives another; `resolve(world_size)` derives the data-parallel size.
-`training.arguments.parse_config` builds it from the command line, and `RunConfig.args_json()`
+`config.arguments.parse_config` builds it from the command line, and `RunConfig.args_json()`
 is what args.json records: docs/architecture.md "One flag, end to end".
 """
 
@@ -16,15 +16,12 @@ import dataclasses
 from dataclasses import field
 from typing import Any, Optional
 
-import torch
-
-from megatron_ext.config_flags import flag, flag_dataclass, flag_dest, flag_fields
-from megatron_ext.data.loading import DataConfig
-from megatron_ext.data.tokenizers import padded_vocab_size
-from megatron_ext.lev.config import LEVConfig
-from megatron_ext.models.config import ModelConfig
-from megatron_ext.models.layout import ParallelConfig, PrecisionConfig, check_layout
-from megatron_ext.training.batch_rampup import BatchSizeRampup
+from megatron_ext.config.data import DataConfig, padded_vocab_size
+from megatron_ext.config.flags import flag, flag_dataclass, flag_dest, flag_fields
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig, check_layout
+from megatron_ext.config.lev import LEVConfig
+from megatron_ext.config.model import ModelConfig
+from megatron_ext.config.rampup import BatchSizeRampup
 
 __all__ = [
     "BatchConfig",
@@ -385,7 +382,7 @@ class CheckpointConfig:
         choices=("torch_dcp", "torch_dist"),
     )
     use_checkpoint_args: bool = flag(False, "take the model flags from the checkpoint in --load")
-    """Applied while parsing (`training.arguments.parse_config`); recorded here."""
+    """Applied while parsing (`config.arguments.parse_config`); recorded here."""
 
 
 @flag_dataclass
@@ -532,7 +529,7 @@ class RunConfig:
     data: Optional[DataConfig] = None
     compat_flags: dict[str, Any] = field(default_factory=dict)
     """The flags no config owns, by namespace name: Megatron-LM's compatibility flags (their
-    effective values, `training.megatron_compat`) and the deprecated `lev_fused` (None: mapped
+    effective values, `config.megatron_compat`) and the deprecated `lev_fused` (None: mapped
     onto --lev-kernel while parsing). args.json records them with the rest."""
 
     def __post_init__(self) -> None:
@@ -540,7 +537,7 @@ class RunConfig:
         (--skip-train loads no optimizer state; megatron's engine keeps BF16 parameters; the
         model's depth gives the chunks per pipeline rank)."""
         if self.engine.ddp_impl == "megatron" and self.precision.bf16:
-            self._derive(precision=dataclasses.replace(self.precision, params_dtype=torch.bfloat16))
+            self._derive(precision=dataclasses.replace(self.precision, params_dtype="bfloat16"))
         if self.model is not None:
             self._derive(parallel=self.parallel.with_num_layers(self.model.num_layers))
         b, p = self.batch, self.parallel

@@ -1,7 +1,7 @@
 """Megatron-LM's batch-size ramp-up (--rampup-batch-size START INCREMENT SAMPLES) as a
 schedule of consumed samples: `BatchSizeRampup`, the counterpart of megatron-core's
 `num_microbatches_calculator.RampupBatchsizeNumMicroBatchesCalculator` (tests/training/
-test_batch_rampup.py compares the two). `training.config.BatchConfig.rampup` builds it from the
+test_batch_rampup.py compares the two). `config.run.BatchConfig.rampup` builds it from the
 flags; the loop asks it for each iteration's global batch (`run_extras.RunExtras.global_batch`).
 """
 
