@@ -50,6 +50,7 @@ __all__ = [
     "args_json_of_flags",
     "check_machine",
     "checkpoint_args_path",
+    "data_config_from_args_json",
     "model_config_from_args_json",
     "model_shaping_dests",
     "parse_config",
@@ -188,10 +189,7 @@ def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
     model, lev = model_of_flags(values)
     if world_size is not None:
         model.check_as_given()
-    data = DataConfig(
-        seq_length=seq_length, seed=seed, tokenizer_fingerprint=values.get("tokenizer_fingerprint"),
-        **flag_values(DataConfig, values),
-    )  # fmt: skip
+    data = data_config_from_args_json(values)
     parts = {name: cls(**flag_values(cls, values, derived=True)) for name, cls in _PARTS.items()}
     return RunConfig(batch, optim, parallel, seed=seed, model=model, lev=lev, data=data, **parts)
 
@@ -219,6 +217,25 @@ def run_config_from_args_json(saved: dict[str, Any]) -> RunConfig:
         saved = {k: v for k, v in saved.items() if k not in _FP8_RECIPE}
     compat = _compat_flags(saved, build_parser())
     return dataclasses.replace(_run_config(saved, None), compat_flags=compat)
+
+
+def data_config_from_args_json(saved: dict[str, Any]) -> DataConfig:
+    """The data and tokenizer flags of parsed flags or of a checkpoint's args.json (any
+    checkpoint: one that no training run wrote names no data, `DataConfig.check_sources`)."""
+    values = flag_values(DataConfig, saved)
+    if (
+        values.get("tokenizer_type") is None
+        and values.get("vocab_file")
+        and values.get("merge_file")
+    ):
+        logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
+        values["tokenizer_type"] = "GPT2BPETokenizer"  # Megatron-LM's
+    return DataConfig(
+        seq_length=saved.get("seq_length"),
+        seed=saved.get("seed", RunConfig.seed),
+        tokenizer_fingerprint=saved.get("tokenizer_fingerprint"),
+        **values,
+    )
 
 
 def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:

@@ -6,14 +6,11 @@ pipeline's one-line error. The datasets themselves are `data.loading`'s.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import field
 from typing import Optional, Sequence
 
 from megatron_ext.config.flags import flag, flag_dataclass
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["TOKENIZER_TYPE_NAMES", "VOCAB_MULTIPLE", "DataConfig", "DataError", "padded_vocab_size"]
 
@@ -110,14 +107,7 @@ class DataConfig:
     records it; `data.fingerprint` compares it with the datasets')."""
 
     def __post_init__(self) -> None:
-        per_split = any([self.train_data_path, self.valid_data_path, self.test_data_path])
-        sources = sum([bool(self.data_path), per_split, self.mock_data])
-        if sources == 0:
-            raise DataError(
-                "no training data: pass --data-path, or --train-data-path/--valid-data-path/"
-                "--test-data-path, or --mock-data"
-            )
-        if sources > 1:
+        if self._sources() > 1:
             raise DataError(
                 "choose one of --data-path, the per-split --*-data-path flags and --mock-data"
             )
@@ -132,9 +122,23 @@ class DataConfig:
             ("--test-data-path", self.test_data_path),
         ):
             _check_blend(name, blend)
-        if self.tokenizer_type is None and self.vocab_file and self.merge_file:
-            logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
-            object.__setattr__(self, "tokenizer_type", "GPT2BPETokenizer")  # Megatron-LM's
+
+    def _sources(self) -> int:
+        per_split = any([self.train_data_path, self.valid_data_path, self.test_data_path])
+        return sum([bool(self.data_path), per_split, self.mock_data])
+
+    def check_sources(self) -> None:
+        """Refuse a config that names no training data (a run's; a checkpoint's args.json that
+        no training run wrote has none).
+
+        Raises:
+            DataError: none of --data-path, the per-split --*-data-path flags, --mock-data.
+        """
+        if self._sources() == 0:
+            raise DataError(
+                "no training data: pass --data-path, or --train-data-path/--valid-data-path/"
+                "--test-data-path, or --mock-data"
+            )
 
 
 def _is_weight(value: str) -> bool:

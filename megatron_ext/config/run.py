@@ -536,6 +536,8 @@ class RunConfig:
         """The checks that span two parts, and the values one part derives for another
         (--skip-train loads no optimizer state; megatron's engine keeps BF16 parameters; the
         model's depth gives the chunks per pipeline rank)."""
+        if self.data is not None:
+            self.data.check_sources()
         if self.engine.ddp_impl == "megatron" and self.precision.bf16:
             self._derive(precision=dataclasses.replace(self.precision, params_dtype="bfloat16"))
         if self.model is not None:

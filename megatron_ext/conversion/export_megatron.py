@@ -122,8 +122,8 @@ def megatron_rank_state_dict(
 
 def _megatron_args(loaded, padded: int, tp: int, pp: int, dtype: torch.dtype) -> argparse.Namespace:
     cfg = loaded.model_config
-    args = loaded.run.args
-    return argparse.Namespace(
+    data = loaded.run.data
+    return argparse.Namespace(  # Megatron-LM's checkpoint format: its "args" is a Namespace
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -145,10 +145,10 @@ def _megatron_args(loaded, padded: int, tp: int, pp: int, dtype: torch.dtype) ->
         qk_layernorm=cfg.qk_layernorm,
         untie_embeddings_and_output_weights=not cfg.embedding.tied,
         padded_vocab_size=padded,
-        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128),
-        vocab_size=getattr(args, "vocab_size", None),
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
+        make_vocab_size_divisible_by=data.make_vocab_size_divisible_by,
+        vocab_size=data.vocab_size,
+        tokenizer_type=data.tokenizer_type,
+        tokenizer_model=data.tokenizer_model,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None,
@@ -197,7 +197,7 @@ def export_megatron(opts: ExportMegatronOptions) -> str:
         raise ConversionError(str(error)) from None
     if cfg.qk_layernorm:
         raise ConversionError("export-megatron does not map --qk-layernorm models yet")
-    divisible = getattr(loaded.run.args, "make_vocab_size_divisible_by", 128)
+    divisible = loaded.run.data.make_vocab_size_divisible_by
     padded = padded_vocab_size(loaded.tokenizer.vocab_size, divisible, tp)
     table = materialize_input_table(
         loaded.model, compute_dtype=opts.compute_dtype, dtype=opts.dtype, progress=opts.progress

@@ -11,8 +11,8 @@ optimizer state. No process group is needed.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import warnings
@@ -105,17 +105,17 @@ def reshard(opts: ReshardOptions) -> str:
     except TokenizerError as error:
         raise ConversionError(str(error)) from None
     old_padded = run.padded_vocab_size()
-    divisible = getattr(run.args, "make_vocab_size_divisible_by", 128)
-    new_padded = padded_vocab_size(tokenizer.vocab_size, divisible, tp)
+    new_padded = padded_vocab_size(tokenizer.vocab_size, run.data.make_vocab_size_divisible_by, tp)
 
-    args = dict(vars(run.args))
+    args = dict(run.args_json)
     args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if tp == 1:
         args["sequence_parallel"] = False
-    if args["embedding_type"] in ("lev", "factored-mlp") and args.get("lev_base") is None:
+    lev = run.model.embedding.lev
+    if run.embedding_type in ("lev", "factored-mlp") and lev.base is None:
         # LEV's digit base follows from the padded vocabulary unless given: keep it fixed.
-        args["lev_base"] = smallest_base(old_padded, args.get("lev_num_digits", 3))
-    new_run = type(run)(run.root, run.iteration, run.path, argparse.Namespace(**args), run.common)
+        args["lev_base"] = smallest_base(old_padded, lev.num_digits)
+    new_run = dataclasses.replace(run, args_json=args)
     try:
         config = run_model_config(
             new_run, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp

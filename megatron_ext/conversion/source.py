@@ -106,7 +106,7 @@ def load_checkpoint_full(
     from megatron_ext.models.full_state_dict import gather_full_state_dict
 
     run = find_checkpoint(load_dir, iteration, verify=verify, progress=progress)
-    saved = run.args.embedding_type
+    saved = run.embedding_type
     if embedding_type is not None and embedding_type != saved:
         raise ConversionError(
             f"{display_path(run.path)} holds a --embedding-type {saved} model, not "
@@ -119,7 +119,7 @@ def load_checkpoint_full(
             tokenizer = run_tokenizer(run, tokenizer_model)
         except TokenizerError as error:
             raise ConversionError(str(error)) from None
-        divisible = getattr(run.args, "make_vocab_size_divisible_by", 128)
+        divisible = run.data.make_vocab_size_divisible_by
         tp = run.common.get("layout", {}).get("tp", 1)
         expected = padded_vocab_size(tokenizer.vocab_size, divisible, tp)
         if expected != run.padded_vocab_size():

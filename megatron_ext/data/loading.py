@@ -262,9 +262,10 @@ def build_train_valid_test_datasets(
         three datasets (GPTDataset, BlendedDataset or MockGPTDataset) or None per split.
 
     Raises:
-        DataError: missing dataset prefix; VocabSizeMismatchError when a dataset was made with
-            another vocabulary.
+        DataError: no or missing dataset prefix; VocabSizeMismatchError when a dataset was
+            made with another vocabulary.
     """
+    data_config.check_sources()
     with warnings.catch_warnings():  # megatron.core on first use (see blend_prefixes)
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
         # deferred: keeps megatron.core (slow) out of this module's import

@@ -365,8 +365,8 @@ def cmd_frequency(args) -> int:
         loaded = _load(args, load_dir, pg)
         if counts is None:
             if prefixes is None:
-                run_args = loaded.run.args
-                blend = run_args.data_path or getattr(run_args, "train_data_path", None)
+                data = loaded.run.data
+                blend = data.data_path or data.train_data_path
                 prefixes = blend_prefixes(blend)
             counts = training_counts(
                 prefixes, loaded.tokenizer.vocab_size, tokenizer_record(loaded.tokenizer)

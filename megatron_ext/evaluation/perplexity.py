@@ -20,7 +20,6 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from megatron_ext.config.arguments import run_config_from_args_json
 from megatron_ext.data.indexed import get_bin_path, get_idx_path, load_dataset, num_tokens
 from megatron_ext.data.loading import build_train_valid_test_datasets
 from megatron_ext.data.readers import iter_lines
@@ -167,17 +166,15 @@ def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = 
     Returns:
         (batches, number of target tokens); raises EvaluationError if the run had no such set.
     """
-    args = run.args
-    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
-    gbs = int(args.global_batch_size)
-    if eval_iters == 0:
-        raise EvaluationError(f"{run.path}: the run used --eval-iters 0 and has no {split} set")
     try:
-        recorded = run_config_from_args_json(vars(args))  # the run's data flags
+        recorded = run.run_config()  # the run's batch, evaluation and data flags
     except ValueError as error:  # args.json of no training run (an import-hf checkpoint)
         raise EvaluationError(f"{run.path}: no training run to validate ({error})") from None
+    eval_iters, gbs = recorded.eval.eval_iters, recorded.batch.global_batch_size
+    if eval_iters == 0:
+        raise EvaluationError(f"{run.path}: the run used --eval-iters 0 and has no {split} set")
     data_config = dataclasses.replace(recorded.data, num_dataset_builder_threads=1)
-    num_samples = [int(args.train_iters) * gbs, eval_iters * gbs, eval_iters * gbs]
+    num_samples = [recorded.batch.train_iters * gbs, eval_iters * gbs, eval_iters * gbs]
     datasets = build_train_valid_test_datasets(data_config, tokenizer, num_samples)
     dataset = datasets[1 if split == "valid" else 2]
     needed = eval_iters * gbs
@@ -186,7 +183,7 @@ def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = 
             f"the run's {split} split has fewer than --eval-iters x --global-batch-size = "
             f"{needed} samples; evaluate a whole dataset with --data-path instead"
         )
-    use_mask = bool(getattr(args, "reset_attention_mask", False))
+    use_mask = recorded.data.reset_attention_mask
 
     def batches() -> Iterator[Batch]:
         for first in range(0, needed, micro_batch_size):
@@ -200,4 +197,4 @@ def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = 
                 attention_mask=stacked.get("attention_mask") if use_mask else None,
             )
 
-    return batches(), needed * int(args.seq_length)
+    return batches(), needed * recorded.batch.seq_length

@@ -21,11 +21,11 @@ a `CheckpointError` whose one-line message names the path and says what to do.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
 import megatron_ext.megatron_import  # noqa: F401
@@ -40,7 +40,14 @@ from megatron_ext.checkpoint.format import (
     verify_or_raise,
 )
 from megatron_ext.checkpoint.safe_load import read_metadata
-from megatron_ext.config.arguments import model_config_from_args_json
+from megatron_ext.config.arguments import (
+    data_config_from_args_json,
+    model_config_from_args_json,
+    run_config_from_args_json,
+)
+from megatron_ext.config.data import DataConfig
+from megatron_ext.config.model import ModelConfig
+from megatron_ext.config.run import RunConfig
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model, check_layout
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
@@ -69,15 +76,33 @@ class SavedRun:
     iteration: int
     path: str
     """`<root>/iter_XXXXXXX`."""
-    args: argparse.Namespace
-    """The run's flags, from `args.json`."""
+    args_json: dict
+    """The run's flags as `args.json` records them (the file a resharded copy rewrites)."""
     common: dict
     """`common.json`: iteration, consumed samples, scheduler state, saved layout."""
+
+    @cached_property
+    def model(self) -> ModelConfig:
+        """The model args.json records, its vocabulary None (`padded_vocab_size` has it)."""
+        return model_config_from_args_json(self.args_json)
+
+    @cached_property
+    def data(self) -> DataConfig:
+        """The data and tokenizer flags args.json records."""
+        return data_config_from_args_json(self.args_json)
+
+    def run_config(self) -> RunConfig:
+        """The training run args.json records.
+
+        Raises:
+            ValueError: the checkpoint was not written by a training run (import-hf's).
+        """
+        return run_config_from_args_json(self.args_json)
 
     @property
     def embedding_type(self) -> str:
         """The run's `--embedding-type`."""
-        return self.args.embedding_type
+        return self.model.embedding.embedding_type
 
     def padded_vocab_size(self) -> int:
         """The vocabulary the saved model embeds and scores (padding included), read from the
@@ -125,10 +150,10 @@ def find_checkpoint(
         with open(os.path.join(path, "common.json")) as handle:
             common = json.load(handle)
         with open(os.path.join(path, "args.json")) as handle:
-            args = argparse.Namespace(**json.load(handle))
+            args_json = json.load(handle)
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: unreadable checkpoint metadata ({error})") from None
-    return SavedRun(root=root, iteration=iteration, path=path, args=args, common=common)
+    return SavedRun(root=root, iteration=iteration, path=path, args_json=args_json, common=common)
 
 
 def _isfile(path: str, name: str) -> bool:
@@ -145,20 +170,20 @@ def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
     (e.g. the run was launched from another directory): the model file or directory, or for a
     GPT-2 BPE run the directory holding its vocab and merge files.
     """
-    args = run.args
-    if args.tokenizer_type is None:
+    data = run.data
+    if data.tokenizer_type is None:
         raise CheckpointError(f"{run.path}: the run recorded no --tokenizer-type")
-    files = _tokenizer_files(args, tokenizer_model)
+    files = _tokenizer_files(data, tokenizer_model)
     tokenizer = build_tokenizer(
-        args.tokenizer_type,
+        data.tokenizer_type,
         files.get("tokenizer_model"),
-        vocab_size=getattr(args, "vocab_size", None),
-        tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+        vocab_size=data.vocab_size,
+        tiktoken_pattern=data.tiktoken_pattern,
         vocab_file=files.get("vocab_file"),
         merge_file=files.get("merge_file"),
     )
-    model_path = " + ".join(v for v in files.values() if v) or args.tokenizer_type
-    recorded = getattr(args, "tokenizer_fingerprint", None)
+    model_path = " + ".join(v for v in files.values() if v) or data.tokenizer_type
+    recorded = data.tokenizer_fingerprint
     if recorded is not None and recorded != tokenizer.fingerprint:
         cause = (
             "another tokenizer was given" if tokenizer_model else "the file changed after training"
@@ -177,14 +202,11 @@ def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
     return tokenizer
 
 
-def _tokenizer_files(args: argparse.Namespace, override: Optional[str]) -> dict:
+def _tokenizer_files(data: DataConfig, override: Optional[str]) -> dict:
     """{flag dest: path} of the run's tokenizer files (`override` replacing where they were
     recorded), each checked to exist."""
-    if args.tokenizer_type == "GPT2BPETokenizer":
-        recorded = {
-            "vocab_file": getattr(args, "vocab_file", None),
-            "merge_file": getattr(args, "merge_file", None),
-        }
+    if data.tokenizer_type == "GPT2BPETokenizer":
+        recorded = {"vocab_file": data.vocab_file, "merge_file": data.merge_file}
         if override is not None:
             if not os.path.isdir(override):
                 raise CheckpointError(
@@ -196,10 +218,10 @@ def _tokenizer_files(args: argparse.Namespace, override: Optional[str]) -> dict:
                 for (dest, path), default in zip(recorded.items(), ("vocab.json", "merges.txt"))
             }
         hint = "pass --tokenizer-model DIR, the directory now holding them"
-    elif args.tokenizer_type == "NullTokenizer":
+    elif data.tokenizer_type == "NullTokenizer":
         return {}
     else:
-        recorded = {"tokenizer_model": override or getattr(args, "tokenizer_model", None)}
+        recorded = {"tokenizer_model": override or data.tokenizer_model}
         hint = "pass --tokenizer-model"
     missing = [path for path in recorded.values() if path and not os.path.exists(path)]
     if missing:
@@ -222,7 +244,7 @@ def run_model_config(
     against the TP x PP layout this process runs (`config.layout.check_layout`). `load_model`
     builds it at its process groups' TP x PP, in float32, without sequence parallelism (the
     tools score and generate at inference shapes)."""
-    config = model_config_from_args_json(vars(run.args))
+    config = run.model
     if transformer_impl is None and not torch.cuda.is_available():
         transformer_impl = "local"
     config = config.replace(

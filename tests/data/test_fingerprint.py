@@ -4,7 +4,6 @@ tokenizer of the same vocabulary size used to be accepted silently)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -170,7 +169,8 @@ class _SavedRunWithoutTensors(SavedRun):
 
 def test_a_checkpoint_refuses_a_tokenizer_other_than_its_own(sp_model, other_sp_model, tmp_path):
     def run(fingerprint) -> SavedRun:
-        args = argparse.Namespace(
+        args_json = dict(  # what args.json records of the tokenizer
+            seq_length=32,
             tokenizer_type="SentencePieceTokenizer",
             tokenizer_model=sp_model,
             tokenizer_fingerprint=fingerprint,
@@ -180,7 +180,7 @@ def test_a_checkpoint_refuses_a_tokenizer_other_than_its_own(sp_model, other_sp_
             tensor_model_parallel_size=1,
         )
         return _SavedRunWithoutTensors(
-            root=str(tmp_path), iteration=1, path=str(tmp_path), args=args, common={}
+            root=str(tmp_path), iteration=1, path=str(tmp_path), args_json=args_json, common={}
         )
 
     own = _sp(sp_model).fingerprint

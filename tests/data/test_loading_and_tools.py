@@ -135,7 +135,7 @@ def test_an_empty_split_says_which_split_works(datasets, sp_model):
 def test_clear_errors(datasets, sp_model, tiktoken_file):
     tok = build_tokenizer("SentencePieceTokenizer", sp_model)
     with pytest.raises(DataError, match="no training data"):
-        DataConfig(seq_length=16)
+        build_train_valid_test_datasets(DataConfig(seq_length=16), tok, [1, 1, 1])
     with pytest.raises(DataError, match="dataset not found"):
         build_train_valid_test_datasets(
             DataConfig(data_path=["/nope/x"], seq_length=16), tok, [1, 1, 1]
