@@ -154,14 +154,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # imported) is imported only now, after the warning filter of setup_logging; the providers
     # above import it lazily for the same reason.
     from megatron_ext.checkpoint.format import CheckpointError
+    from megatron_ext.config.arguments import parse_config
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
-    from megatron_ext.training import (
-        CollectiveTimeoutError,
-        NonFiniteError,
-        parse_config,
-        pretrain,
-    )
+    from megatron_ext.training import CollectiveTimeoutError, NonFiniteError, pretrain
     from megatron_ext.training.interrupt import TrainingInterrupted
 
     try:

@@ -43,9 +43,10 @@ from benchmarks.harness import (  # noqa: E402
 
 
 def _model(arm: str, args, pg):
+    from megatron_ext.config.arguments import parse_config
     from megatron_ext.config.data import padded_vocab_size
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
-    from megatron_ext.training import parse_config
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
 
     run = parse_config([
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
@@ -68,9 +69,11 @@ def bench_vs_transformers(args, pg, clock) -> None:
     import torch.nn.functional as F
 
     from benchmarks.hf_peer import hf_export
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.config.model import ModelConfig
     from megatron_ext.evaluation.perplexity import LossTotals, pack_stream
     from megatron_ext.evaluation.scoring import ModelScorer, score_batches
-    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.models import build_model
 
     torch.manual_seed(0)
     config = ModelConfig(

@@ -56,7 +56,9 @@ def _timed(fn):
 
 def _lev_model(args, pg):
     """(config, model) of the benchmarked LEV model, seeded, in eval mode."""
-    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.config.model import ModelConfig
+    from megatron_ext.models import build_model
 
     torch.manual_seed(0)
     config = ModelConfig(

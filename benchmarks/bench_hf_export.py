@@ -44,9 +44,10 @@ def build_checkpoint(out: Path, tokenizer: Path, num_layers: int) -> Path:
     from megatron_ext.checkpoint.format import TrainState, save_checkpoint
     from megatron_ext.config.arguments import args_json_of_flags, model_config_from_args_json
     from megatron_ext.config.data import padded_vocab_size
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
     from megatron_ext.data.tokenizers import build_tokenizer
     from megatron_ext.inference.loading import init_inference_parallel
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.models import build_model
     from megatron_ext.parallel import destroy_parallel
 
     tok = build_tokenizer("TikTokenizer", str(tokenizer), tiktoken_pattern="o200k")

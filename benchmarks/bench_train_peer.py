@@ -80,13 +80,14 @@ def run_ours(args, workdir: str) -> tuple[list[float], list[float]]:
 def _build_peer(args):
     """transformers' Llama with our initial weights, its optimizer, and the training samples."""
     from benchmarks.hf_peer import hf_export
+    from megatron_ext.config.arguments import parse_config
     from megatron_ext.config.data import DataConfig
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
     from megatron_ext.data.loading import build_train_valid_test_datasets
     from megatron_ext.data.tokenizers import build_tokenizer
     from megatron_ext.inference.loading import init_inference_parallel
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.models import build_model
     from megatron_ext.parallel import set_random_seed
-    from megatron_ext.training import parse_config
 
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=args.vocab - 1)
     run = parse_config(_flags(args)).with_tokenizer(tokenizer)

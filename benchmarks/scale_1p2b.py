@@ -427,7 +427,9 @@ def logits_check(hf_dir: str, ckpt: str, data_prefix: str, window: int) -> dict:
 def planned(args: argparse.Namespace, arm: str, vocab: int) -> tuple[dict[str, int], int]:
     """(bytes per rank that `megatron_ext.models.memory` plans for the measured stages, tensors
     only: the caller adds the measured runtime; the model's parameters by `count_parameters`)."""
-    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, count_parameters
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.config.model import ModelConfig
+    from megatron_ext.models import count_parameters
     from megatron_ext.models.memory import (
         TrainingPlan,
         estimate_export_memory,

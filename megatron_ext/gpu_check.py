@@ -45,10 +45,10 @@ with warnings.catch_warnings():
     import torch
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_ext.config.model import MODEL_SIZE_PRESETS, ModelConfig
     from megatron_ext.launch import PACKAGE_ROOT, launch
     from megatron_ext.lev import LEVConfig, LEVEmbedding
     from megatron_ext.lev.kernels import lev_modes
-    from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig
     from megatron_ext.models.memory import TrainingPlan, estimate_memory, flops_per_token
     from megatron_ext.models.te_check import compare_te_and_local_logits
     from megatron_ext.training.metrics import peak_tflops

@@ -120,7 +120,9 @@ def test_sequence_parallel_collectives_gather_and_reduce_scatter_without_warning
 def _layout_attributes(perform_initialization: bool) -> dict:
     """Every parameter's tensor-parallel attributes of each arm's model, built with or without
     drawing its initial values (a model about to be loaded, `inference.loading.load_model`)."""
-    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.config.model import ModelConfig
+    from megatron_ext.models import build_model
 
     out = {}
     for arm in ("tied", "untied", "lev"):

@@ -16,18 +16,20 @@ import json
 import logging
 import os
 import re
+import warnings
 from typing import Any, Optional, Sequence
 
 from megatron_ext.cli import ArgumentParser
 from megatron_ext.config.data import DataConfig, DataError
 from megatron_ext.config.flags import ArgumentError, add_flags, flag_dest, flag_fields, flag_values
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
 from megatron_ext.config.lev import LEVConfig
 from megatron_ext.config.megatron_compat import (
     _CompatAction,
     add_megatron_compat_arguments,
     apply_megatron_compat,
 )
-from megatron_ext.config.model import EmbeddingConfig, ModelConfig, model_of_flags
+from megatron_ext.config.model import EmbeddingConfig, ModelConfig
 from megatron_ext.config.run import (
     BatchConfig,
     CheckpointConfig,
@@ -37,8 +39,6 @@ from megatron_ext.config.run import (
     LoggingConfig,
     MemoryConfig,
     OptimizerConfig,
-    ParallelConfig,
-    PrecisionConfig,
     RunConfig,
 )
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     for cls, title, description in _GROUPS:
         group = parser.add_argument_group(title, description)
         add_flags(group, cls)
-        if cls is LEVConfig:  # its deprecated alias (old args.json hold it too: `lev_flag_values`)
+        if cls is LEVConfig:  # its deprecated alias (old args.json hold it too: `_lev_flag_values`)
             group.add_argument(
                 "--lev-fused",
                 action=argparse.BooleanOptionalAction,
@@ -186,7 +186,7 @@ def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
             train_samples=values["train_samples"],
             **flag_values(OptimizerConfig, values),
         )
-    model, lev = model_of_flags(values)
+    model, lev = _model_and_lev(values)
     if world_size is not None:
         model.check_as_given()
     data = data_config_from_args_json(values)
@@ -245,7 +245,42 @@ def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:
     Raises:
         ValueError: a model no config accepts, naming the flag.
     """
-    return model_of_flags(saved)[0]
+    return _model_and_lev(saved)[0]
+
+
+def _model_and_lev(values: dict[str, Any]) -> tuple[ModelConfig, LEVConfig]:
+    """The model of flag values (its vocabulary None: the tokenizer's) and its LEV flags."""
+    lev = LEVConfig(**_lev_flag_values(values))
+    embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, values), lev=lev)
+    return ModelConfig(embedding=embedding, **flag_values(ModelConfig, values)), lev
+
+
+_warned_fused = False
+
+
+def _lev_flag_values(args: dict[str, Any]) -> dict[str, Any]:
+    """The --lev-* values of parsed flags or of a checkpoint's args.json, the deprecated
+    --lev-fused/--no-lev-fused (`lev_fused`, also in old args.json) mapped onto `kernel`: False is
+    "reference" (with "auto"; refused with another kernel), True the default. Either warns once
+    per process."""
+    global _warned_fused
+    values, fused = flag_values(LEVConfig, args), args.get("lev_fused")
+    if fused is not None and not _warned_fused:
+        _warned_fused = True
+        warnings.warn(
+            "--lev-fused/--no-lev-fused (lev_fused in args.json) is deprecated: use "
+            "--lev-kernel (--no-lev-fused is --lev-kernel reference)",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if fused is not None and not fused:
+        if values.get("kernel", "auto") not in ("auto", "reference"):
+            raise ValueError(
+                f"--no-lev-fused (deprecated: --lev-kernel reference) contradicts "
+                f"--lev-kernel {values['kernel']}; drop --no-lev-fused"
+            )
+        values["kernel"] = "reference"
+    return values
 
 
 def args_json_of_flags(argv: Sequence[str]) -> dict[str, Any]:

@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import warnings
-from typing import Any, Mapping, Optional
+from typing import Optional
 
-from megatron_ext.config.flags import flag, flag_dataclass, flag_values
+from megatron_ext.config.flags import flag, flag_dataclass
 
 __all__ = [
     "LEV_PARAMETER_GROUPS",
     "SPEC_WEIGHT_DECAY_GROUPS",
     "LEVConfig",
-    "lev_flag_values",
     "smallest_base",
 ]
 
@@ -236,31 +234,3 @@ class LEVConfig:
             + self.rank * self.hidden_size
         )
         return self.num_codebook_parameters + self.num_heads * per_head
-
-
-_warned_fused = False
-
-
-def lev_flag_values(args: Mapping[str, Any]) -> dict[str, Any]:
-    """The --lev-* values of parsed flags or of a checkpoint's args.json, the deprecated
-    --lev-fused/--no-lev-fused (`lev_fused`, also in old args.json) mapped onto `kernel`: False is
-    "reference" (with "auto"; refused with another kernel), True the default. Either warns once
-    per process."""
-    global _warned_fused
-    values, fused = flag_values(LEVConfig, args), args.get("lev_fused")
-    if fused is not None and not _warned_fused:
-        _warned_fused = True
-        warnings.warn(
-            "--lev-fused/--no-lev-fused (lev_fused in args.json) is deprecated: use "
-            "--lev-kernel (--no-lev-fused is --lev-kernel reference)",
-            FutureWarning,
-            stacklevel=3,
-        )
-    if fused is not None and not fused:
-        if values.get("kernel", "auto") not in ("auto", "reference"):
-            raise ValueError(
-                f"--no-lev-fused (deprecated: --lev-kernel reference) contradicts "
-                f"--lev-kernel {values['kernel']}; drop --no-lev-fused"
-            )
-        values["kernel"] = "reference"
-    return values

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
-from megatron_ext.config.flags import flag, flag_dataclass, flag_values
-from megatron_ext.config.lev import LEVConfig, lev_flag_values
+from megatron_ext.config.flags import flag, flag_dataclass
+from megatron_ext.config.lev import LEVConfig
 
 __all__ = [
     "EMBEDDING_TYPES",
@@ -24,7 +24,6 @@ __all__ = [
     "EmbeddingConfig",
     "ModelConfig",
     "llama_ffn_hidden_size",
-    "model_of_flags",
     "transformer_engine_available",
 ]
 
@@ -343,11 +342,3 @@ class ModelConfig:
             )
             changes["embedding"] = dataclasses.replace(self.embedding, lev=lev)
         return dataclasses.replace(self, **changes)
-
-
-def model_of_flags(values: Mapping[str, Any]) -> tuple[ModelConfig, LEVConfig]:
-    """The model of flag values by namespace name (parsed, or a checkpoint's args.json; its
-    vocabulary None: the tokenizer's) and its LEV flags."""
-    lev = LEVConfig(**lev_flag_values(values))
-    embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, values), lev=lev)
-    return ModelConfig(embedding=embedding, **flag_values(ModelConfig, values)), lev

@@ -32,8 +32,6 @@ __all__ = [
     "LoggingConfig",
     "MemoryConfig",
     "OptimizerConfig",
-    "ParallelConfig",
-    "PrecisionConfig",
     "RunConfig",
 ]
 

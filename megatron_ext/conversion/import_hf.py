@@ -25,6 +25,7 @@ import torch
 from megatron_ext._paths import display_path
 from megatron_ext.config.arguments import args_json_of_flags, model_config_from_args_json
 from megatron_ext.config.data import padded_vocab_size
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir
 from megatron_ext.conversion.hf import (
     LEV_CONFIG_FIELDS,
@@ -140,7 +141,7 @@ def import_hf(opts: ImportHFOptions) -> str:
     # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.checkpoint.format import TrainState, save_checkpoint
     from megatron_ext.inference.loading import init_inference_parallel
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import load_full_state_dict
 
     output = os.path.abspath(opts.output)

@@ -45,11 +45,12 @@ from megatron_ext.config.arguments import (
     model_config_from_args_json,
     run_config_from_args_json,
 )
-from megatron_ext.config.data import DataConfig
+from megatron_ext.config.data import DataConfig, DataError
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig, check_layout
 from megatron_ext.config.model import ModelConfig
 from megatron_ext.config.run import RunConfig
 from megatron_ext.data.tokenizers import build_tokenizer
-from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model, check_layout
+from megatron_ext.models import build_model
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
 
 if TYPE_CHECKING:
@@ -84,12 +85,18 @@ class SavedRun:
     @cached_property
     def model(self) -> ModelConfig:
         """The model args.json records, its vocabulary None (`padded_vocab_size` has it)."""
-        return model_config_from_args_json(self.args_json)
+        return self._read(model_config_from_args_json)
 
     @cached_property
     def data(self) -> DataConfig:
         """The data and tokenizer flags args.json records."""
-        return data_config_from_args_json(self.args_json)
+        return self._read(data_config_from_args_json)
+
+    def _read(self, reader):
+        try:
+            return reader(self.args_json)
+        except (ValueError, DataError) as error:  # a value no config accepts, naming the flag
+            raise CheckpointError(f"{self.path}/args.json: {error}") from None
 
     def run_config(self) -> RunConfig:
         """The training run args.json records.

@@ -1,17 +1,6 @@
 """Leviathan models on megatron-core: the LLaMA-style backbone and every input-embedding arm."""
 
 from megatron_ext._lazy import lazy_exports
-from megatron_ext.config.layout import (
-    ParallelConfig,
-    PrecisionConfig,
-    check_layout,
-)
-from megatron_ext.config.model import (
-    EMBEDDING_TYPES,
-    MODEL_SIZE_PRESETS,
-    EmbeddingConfig,
-    ModelConfig,
-)
 from megatron_ext.models.param_count import ParameterCount, count_parameters
 
 # Their modules import megatron-core: loaded on first use (see megatron_ext/_lazy.py).
@@ -24,16 +13,9 @@ _LAZY = {
 __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
-    "EMBEDDING_TYPES",
-    "MODEL_SIZE_PRESETS",
-    "EmbeddingConfig",
     "LeviathanModel",
-    "ModelConfig",
-    "ParallelConfig",
     "ParameterCount",
-    "PrecisionConfig",
     "build_model",
-    "check_layout",
     "compose_transformer_config",
     "count_parameters",
 ]

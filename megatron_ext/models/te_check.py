@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+from megatron_ext.config.model import ModelConfig
+from megatron_ext.models import build_model
 from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
 

@@ -20,7 +20,9 @@ class _Killed(BaseException):
 
 
 def _tiny_model(arm: str = "untied"):
-    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.config.model import ModelConfig
+    from megatron_ext.models import build_model
 
     cfg = ModelConfig(
         vocab_size=128,

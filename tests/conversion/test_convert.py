@@ -82,8 +82,9 @@ def _megatron_gpt_logits(model_dir: str, ckpt: str, ids: torch.Tensor) -> torch.
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron_ext.config.layout import ParallelConfig
     from megatron_ext.inference.loading import find_checkpoint, run_model_config
-    from megatron_ext.models import ParallelConfig, compose_transformer_config
+    from megatron_ext.models import compose_transformer_config
     from megatron_ext.models.local_modules import PortableRotaryEmbedding, SDPACoreAttention
 
     tp = parallel_state.get_tensor_model_parallel_world_size()

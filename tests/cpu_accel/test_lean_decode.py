@@ -34,7 +34,8 @@ VARIANTS = {
 
 
 def _model(arm: str, dtype=torch.float64, **overrides):
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
 
     torch.manual_seed(0)
     model = build_model(

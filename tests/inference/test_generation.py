@@ -24,7 +24,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [42]]
 
 def _config(arm: str, **overrides):
     """The tiny 2-layer model of these tests and test_lean_decode's, `overrides` on top."""
-    from megatron_ext.models import ModelConfig
+    from megatron_ext.config.model import ModelConfig
 
     fields = dict(
         vocab_size=VOCAB, num_layers=2, hidden_size=32, num_attention_heads=4,
@@ -37,7 +37,8 @@ def _config(arm: str, **overrides):
 
 
 def _model(arm: str, dtype=torch.float64):
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
 
     torch.manual_seed(0)
     model = build_model(

@@ -15,11 +15,13 @@ pytestmark = pytest.mark.integration
 def _checks() -> dict:
     import torch
 
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.config.model import ModelConfig
     from megatron_ext.evaluation.perplexity import LossTotals, pack_stream
     from megatron_ext.evaluation.scoring import ModelScorer, score_batches
     from megatron_ext.inference.loading import init_inference_parallel
     from megatron_ext.lev.layer import LEVEmbedding
-    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.models import build_model
 
     pg = init_inference_parallel(1, 1)
     torch.manual_seed(0)

@@ -100,10 +100,9 @@ RUN = ["--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3", "--seq-l
 
 def test_deprecated_lev_fused_maps_onto_lev_kernel_with_one_warning(monkeypatch):
     from megatron_ext.config import arguments
-    from megatron_ext.config import lev as lev_config
     from megatron_ext.config.arguments import ArgumentError, parse_config
 
-    monkeypatch.setattr(lev_config, "_warned_fused", False)
+    monkeypatch.setattr(arguments, "_warned_fused", False)
     assert arguments.build_parser().parse_args([]).lev_fused is None  # no mapping, no warning
     with pytest.warns(FutureWarning, match="--lev-kernel reference"):
         run = parse_config([*RUN, "--no-lev-fused"], world_size=1)

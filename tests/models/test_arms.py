@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config(arm):
-    from megatron_ext.models import ModelConfig
+    from megatron_ext.config.model import ModelConfig
 
     return ModelConfig(
         vocab_size=VOCAB, seq_length=SEQ, embedding=dict(embedding_type=arm, lev=dict(LEV)), **SHAPE
@@ -43,7 +43,8 @@ def _split_counts(model) -> dict:
 
 
 def _arm_checks():
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
 
     gen = torch.Generator().manual_seed(0)
     # A learnable pattern: each sequence counts up from a random start.

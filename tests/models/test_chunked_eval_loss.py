@@ -42,7 +42,9 @@ def _one_rank_eval_losses() -> dict:
     """Per arm: whether the scoring forward took the chunks (and the autograd one did not),
     and the largest difference of its losses from the logits path and from float64."""
     import megatron_ext.models.leviathan_model as leviathan_model
-    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.config.model import ModelConfig
+    from megatron_ext.models import build_model
 
     calls = []
 
@@ -92,7 +94,9 @@ def test_eval_forward_takes_the_chunks_with_the_same_losses():
 def _two_shard_eval_losses() -> list[bool]:
     import megatron_ext.megatron_import  # noqa: F401
 
-    from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.config.model import ModelConfig
+    from megatron_ext.models import build_model
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.tensor_parallel import gather_from_tensor_model_parallel_region
 

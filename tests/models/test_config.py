@@ -11,14 +11,9 @@ import torch
 
 from megatron_ext.config.arguments import model_config_from_args_json
 from megatron_ext.config.flags import add_flags
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig, check_layout
+from megatron_ext.config.model import EmbeddingConfig, ModelConfig
 from megatron_ext.lev import LEVConfig
-from megatron_ext.models import (
-    EmbeddingConfig,
-    ModelConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    check_layout,
-)
 from megatron_ext.models.layer_specs import get_layer_spec, transformer_engine_available
 
 BASE = dict(vocab_size=128, num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
-from megatron_ext.models import MODEL_SIZE_PRESETS, ModelConfig, param_table
+from megatron_ext.config.model import MODEL_SIZE_PRESETS, ModelConfig
+from megatron_ext.models import param_table
 from megatron_ext.models.memory import (
     TrainingPlan,
     estimate_export_memory,
@@ -39,7 +40,8 @@ def _config(arm: str) -> ModelConfig:
 def _measure(arms, autocast_bf16: bool, tp: int, sp: bool, batch: int = BATCH) -> dict:
     """Bytes saved for backward by one forward + loss of each arm (this rank), micro-batch
     `batch` x SEQ."""
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
     from tests.support.memory import saved_tensor_bytes
 
     sizes = {}
@@ -112,7 +114,8 @@ def test_activation_figure_under_tensor_and_sequence_parallelism():
 def _count_flops(arm) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
 
     torch.manual_seed(0)
     model = build_model(_config(arm), parallel=ParallelConfig(), precision=PrecisionConfig())

@@ -27,7 +27,7 @@ LEV = dict(seed_dim=16, rank=4, num_heads=2, num_knots=5)
 
 
 def _model_config(arm: str, **overrides):
-    from megatron_ext.models import ModelConfig
+    from megatron_ext.config.model import ModelConfig
 
     base = dict(
         vocab_size=VOCAB,
@@ -81,7 +81,8 @@ def _bf16_dtypes(model, inputs, position_ids) -> dict:
 
 
 def _references(path):
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict
     from megatron_ext.parallel import ProcessGroups
 
@@ -114,7 +115,8 @@ def _max_diffs(got: dict, want: dict) -> dict:
 
 def _tensor_parallel_checks(path):
     """TP=2 without and with sequence parallelism, each arm against its single-rank reference."""
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -175,7 +177,8 @@ def _pipeline_checks(path):
     """Two stages (input + layers 0-1 | layers 2-3 + head) driven by hand with send/recv."""
     import torch.distributed as dist
 
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.finalize_grads import allreduce_tied_embedding_grads

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.models import EMBEDDING_TYPES, MODEL_SIZE_PRESETS, ModelConfig, count_parameters
+from megatron_ext.config.model import EMBEDDING_TYPES, MODEL_SIZE_PRESETS, ModelConfig
+from megatron_ext.models import count_parameters
 from megatron_ext.models.param_count import resolve_embedding_sizes
 
 V200K = 200064

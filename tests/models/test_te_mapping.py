@@ -43,7 +43,7 @@ def test_the_map_is_megatron_cores():
 
 
 def _config(impl="local"):
-    from megatron_ext.models import ModelConfig
+    from megatron_ext.config.model import ModelConfig
 
     return ModelConfig(
         vocab_size=96,
@@ -75,7 +75,8 @@ class _TENamedLayer(torch.nn.Module):
 
 
 def _round_trip() -> dict:
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
     from megatron_ext.models.full_state_dict import gather_full_state_dict, load_full_state_dict
     from megatron_ext.parallel import ProcessGroups
 
@@ -115,7 +116,8 @@ def test_te_model_names_map_onto_the_local_model():  # pragma: no cover - GPU on
 
 
 def _both_names() -> dict:
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
 
     one_rank = dict(parallel=ParallelConfig(), precision=PrecisionConfig())
     return {

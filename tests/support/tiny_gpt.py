@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.models import ModelConfig, ParallelConfig, PrecisionConfig, build_model
+from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+from megatron_ext.config.model import ModelConfig
+from megatron_ext.models import build_model
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.initialization import initialize_like_single_stage
 

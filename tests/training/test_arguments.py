@@ -112,7 +112,8 @@ def test_precision_errors_come_from_the_configs():
     `config.layout.check_layout` (it needs the model's --transformer-impl, and the run checks
     it while parsing), --fp8-format needing --bf16 and --bf16 with --fp16 in PrecisionConfig,
     the one precision type of the run and the model."""
-    from megatron_ext.models import ModelConfig, PrecisionConfig, check_layout
+    from megatron_ext.config.layout import PrecisionConfig, check_layout
+    from megatron_ext.config.model import ModelConfig
 
     with pytest.raises(ArgumentError, match="FP8 is not available on CPU"):
         _parse("--fp8-format", "hybrid", "--bf16")

@@ -39,7 +39,7 @@ def _without_arm(argv: list[str], arm: str) -> list[str]:
 
 @pytest.mark.parametrize("size", ["200m", "400m", "1.2b"])
 def test_recipes_share_hyper_parameters_and_validate(size):
-    from megatron_ext.models import check_layout
+    from megatron_ext.config.layout import check_layout
 
     argvs = {arm: _recipe_argv(size, arm) for arm in ARMS}
     reference = _without_arm(argvs["lev"], "lev")

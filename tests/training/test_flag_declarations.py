@@ -27,7 +27,7 @@ TREE = (
 # Flags still declared by hand (argparse code), until the config that owns them declares them.
 # This list may only shrink: test_no_flag_is_declared_outside_the_tree fails on a new entry.
 HAND_DECLARED = {
-    # deprecated alias mapped onto --lev-kernel by config.lev.lev_flag_values (old args.json)
+    # deprecated alias mapped onto --lev-kernel by config.arguments._lev_flag_values (old args.json)
     "--lev-fused",
 }  # fmt: skip
 

@@ -15,7 +15,8 @@ import torch
 
 from megatron_ext.config.arguments import ArgumentError, build_parser, check_machine, parse_config
 from megatron_ext.config.flags import flag_fields, flag_name
-from megatron_ext.config.run import EngineConfig, PrecisionConfig
+from megatron_ext.config.layout import PrecisionConfig
+from megatron_ext.config.run import EngineConfig
 
 pytestmark = pytest.mark.integration
 
@@ -198,13 +199,15 @@ def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
     """Portable engine: float32 parameters whatever --bf16/--fp16 say (autocast runs them);
     megatron's engine: BF16 parameters (`RunConfig` derives `PrecisionConfig.params_dtype`),
     and the FP8 recipe in the TransformerConfig fields, whichever engine."""
+    from megatron_ext.config.layout import PrecisionConfig
+    from megatron_ext.config.model import ModelConfig
     from megatron_ext.config.run import (
         BatchConfig,
         EngineConfig,
         OptimizerConfig,
         RunConfig,
     )
-    from megatron_ext.models import ModelConfig, PrecisionConfig, compose_transformer_config
+    from megatron_ext.models import compose_transformer_config
 
     batch, optim = BatchConfig(seq_length=8), OptimizerConfig(lr=1e-3)
     portable = RunConfig(batch=batch, optim=optim, precision=PrecisionConfig(bf16=True))

@@ -68,8 +68,9 @@ def _loss_and_grads(model, tokens):
 
 
 def _check_decoupled_lr_and_norms():
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
     from megatron_ext.config.run import OptimizerConfig
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.models import build_model
     from megatron_ext.parallel import ProcessGroups
     from megatron_ext.training.optimizer import build_optimizer, build_scheduler
     from megatron_ext.training.run_extras import num_zeros_in_grad, params_norm
@@ -117,7 +118,8 @@ def _check_decoupled_lr_and_norms():
 def _check_recompute_on_cpu():
     """Recomputation gives the gradients of the plain backward, with dropout (0.1) drawing the
     same masks again: the streams are reseeded before each model's step."""
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
     from megatron_ext.models.local_modules import SDPACoreAttention
     from megatron_ext.parallel import set_random_seed
     from megatron_ext.rng import device_rng
@@ -167,7 +169,8 @@ def _check_recompute_on_cpu():
 
 
 def _check_kv_channels_and_rotary_percent():
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
 
     model = build_model(
         _tiny(head_dim=16, rotary_percent=0.5),
@@ -191,7 +194,8 @@ def _check_async_save(root: str):
         read_latest_iteration,
         save_checkpoint,
     )
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
+    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
+    from megatron_ext.models import build_model
     from megatron_ext.parallel import ProcessGroups
 
     pg = ProcessGroups.from_megatron()

@@ -7,7 +7,7 @@ from megatron_ext.training.metrics import flops_per_iteration, format_train_line
 
 def test_flops_match_six_n_d_for_short_sequences():
     """Without the attention term, training FLOPs are 6 x (GEMM parameters) x tokens."""
-    from megatron_ext.models import ModelConfig
+    from megatron_ext.config.model import ModelConfig
 
     h, ffn, v, layers, gbs, s = 256, 512, 1000, 3, 4, 1
     config = ModelConfig(
@@ -29,7 +29,7 @@ def test_flops_match_six_n_d_for_short_sequences():
 def test_iteration_flops_and_gpu_check_share_one_formula():
     """The iteration line's MFU and tools/gpu_check.py's MFU count the same FLOPs, LEV's
     generator included."""
-    from megatron_ext.models import ModelConfig
+    from megatron_ext.config.model import ModelConfig
     from megatron_ext.models.memory import flops_per_token
 
     config = ModelConfig(vocab_size=512, seq_length=64, num_layers=2, hidden_size=64)
