@@ -14,13 +14,9 @@ from megatron_ext.config.flags import flag, flag_dataclass
 
 __all__ = ["TOKENIZER_TYPE_NAMES", "VOCAB_MULTIPLE", "DataConfig", "DataError", "padded_vocab_size"]
 
-TOKENIZER_TYPE_NAMES = (
-    "GPT2BPETokenizer",
-    "GPTSentencePieceTokenizer",
-    "HuggingFaceTokenizer",
-    "NullTokenizer",
-    "SentencePieceTokenizer",
-    "TikTokenizer",
+TOKENIZER_TYPE_NAMES = tuple(
+    "GPT2BPETokenizer GPTSentencePieceTokenizer HuggingFaceTokenizer NullTokenizer "
+    "SentencePieceTokenizer TikTokenizer".split()
 )
 """--tokenizer-type's choices (Megatron-LM's names), `data.tokenizers.TOKENIZER_TYPES`'s keys."""
 
@@ -53,16 +49,13 @@ class DataConfig:
     data_path: Optional[list[str]] = flag(
         None, "dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...", nargs="*"
     )
-    """Megatron-style blend: [prefix] | [w1, p1, w2, p2, ...] | [p1, p2, ...]."""
     split: Optional[str] = flag(
         "969,30,1", "train,valid,test proportions of --data-path (default 969,30,1)"
     )
-    """Train/valid/test proportions of each ``data_path`` dataset."""
     train_data_path: Optional[list[str]] = flag(None, "training prefix(es), no split", nargs="*")
     valid_data_path: Optional[list[str]] = flag(None, "validation prefix(es)", nargs="*")
     test_data_path: Optional[list[str]] = flag(None, "test prefix(es)", nargs="*")
     data_cache_path: Optional[str] = flag(None, "directory for cached sample indices")
-    """Directory for Megatron-Core's cached sample indices (None: beside the data)."""
     mock_data: bool = flag(False, "synthetic data (Megatron-Core's MockGPTDataset)")
     seq_length: int = field(kw_only=True)
     """Tokens per sample (--seq-length, `ModelConfig`'s flag: the run's one value is passed in)."""
@@ -75,7 +68,6 @@ class DataConfig:
         None, "SentencePiece .model, .tiktoken file or HF tokenizer directory", shapes_model=True
     )
     vocab_size: Optional[int] = flag(None, "for NullTokenizer", shapes_model=True)
-    """NullTokenizer only (Megatron's --vocab-size)."""
     tiktoken_pattern: str = flag("o200k", "TikTokenizer split pattern: o200k, cl100k or a regex")
     vocab_file: Optional[str] = flag(None, "GPT2BPETokenizer vocab.json")
     merge_file: Optional[str] = flag(None, "GPT2BPETokenizer merges.txt")
@@ -84,7 +76,6 @@ class DataConfig:
         "pad the vocabulary to a multiple of this times the TP size",
         shapes_model=True,
     )
-    """The model's vocabulary is the tokenizer's padded to this times the TP size."""
     reset_position_ids: bool = flag(False, "restart position ids after each end-of-document token")
     reset_attention_mask: bool = flag(False, "do not attend across end-of-document tokens")
     eod_mask_loss: bool = flag(False, "mask the loss at end-of-document tokens")

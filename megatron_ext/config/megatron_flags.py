@@ -17,514 +17,206 @@ from __future__ import annotations
 
 MEGATRON_LM_VERSION = "core_v0.16.1"
 
-MEGATRON_FLAGS: tuple[tuple[str, str, str], ...] = (
-    # network size
-    ("network size", "--encoder-num-layers", "value"),
-    ("network size", "--decoder-num-layers", "value"),
-    ("network size", "--group-query-attention", "switch"),
-    ("network size", "--window-size", "value"),
-    ("network size", "--window-attn-skip-freq", "value"),
-    ("network size", "--max-position-embeddings", "value"),
-    ("network size", "--position-embedding-type", "value"),
-    ("network size", "--relative-attention-num-buckets", "value"),
-    ("network size", "--relative-attention-max-distance", "value"),
-    ("network size", "--use-rotary-position-embeddings", "switch"),
-    ("network size", "--rotary-base", "value"),
-    ("network size", "--rotary-percent", "value"),
-    ("network size", "--rotary-seq-len-interpolation-factor", "value"),
-    ("network size", "--use-rope-scaling", "switch"),
-    ("network size", "--rope-scaling-factor", "value"),
-    ("network size", "--no-rope-freq", "value"),
-    ("network size", "--no-position-embedding", "switch"),
-    ("network size", "--make-vocab-size-divisible-by", "value"),
-    ("network size", "--openai-gelu", "switch"),
-    ("network size", "--squared-relu", "switch"),
-    ("network size", "--swiglu", "switch"),
-    ("network size", "--quick-geglu", "switch"),
-    ("network size", "--onnx-safe", "value"),
-    ("network size", "--bert-no-binary-head", "switch"),
-    ("network size", "--untie-embeddings-and-output-weights", "switch"),
-    # transformer configuration
-    ("transformer configuration", "--tensor-model-parallel-size", "value"),
-    ("transformer configuration", "--pipeline-model-parallel-comm-backend", "value"),
-    ("transformer configuration", "--pipeline-model-parallel-size", "value"),
-    ("transformer configuration", "--sequence-parallel", "switch"),
-    ("transformer configuration", "--context-parallel-size", "value"),
-    ("transformer configuration", "--hierarchical-context-parallel-sizes", "list"),
-    ("transformer configuration", "--max-seqlen-per-dp-cp-rank", "value"),
-    ("transformer configuration", "--hybrid-context-parallel", "switch"),
-    ("transformer configuration", "--expert-model-parallel-size", "value"),
-    ("transformer configuration", "--expert-tensor-parallel-size", "value"),
-    ("transformer configuration", "--moe-extended-tp", "switch"),
-    ("transformer configuration", "--no-initialization", "switch"),
-    ("transformer configuration", "--use-cpu-initialization", "switch"),
-    ("transformer configuration", "--fp16", "switch"),
-    ("transformer configuration", "--bf16", "switch"),
-    ("transformer configuration", "--deterministic-mode", "switch"),
-    ("transformer configuration", "--no-async-tensor-model-parallel-allreduce", "switch"),
-    ("transformer configuration", "--disable-async-tensor-model-parallel-allreduce", "switch"),
-    ("transformer configuration", "--tp-comm-overlap", "switch"),
-    ("transformer configuration", "--no-tp-comm-bulk-wgrad", "switch"),
-    ("transformer configuration", "--disable-tp-comm-bulk-wgrad", "switch"),
-    ("transformer configuration", "--no-tp-comm-bulk-dgrad", "switch"),
-    ("transformer configuration", "--disable-tp-comm-bulk-dgrad", "switch"),
-    ("transformer configuration", "--no-tp-comm-overlap-ag", "switch"),
-    ("transformer configuration", "--disable-tp-comm-overlap-ag", "switch"),
-    ("transformer configuration", "--no-tp-comm-overlap-rs", "switch"),
-    ("transformer configuration", "--disable-tp-comm-overlap-rs", "switch"),
-    ("transformer configuration", "--tp-comm-overlap-rs-dgrad", "switch"),
-    ("transformer configuration", "--no-tp-comm-split-ag", "switch"),
-    ("transformer configuration", "--disable-tp-comm-split-ag", "switch"),
-    ("transformer configuration", "--no-tp-comm-split-rs", "switch"),
-    ("transformer configuration", "--disable-tp-comm-split-rs", "switch"),
-    ("transformer configuration", "--cross-entropy-loss-fusion", "switch"),
-    ("transformer configuration", "--cross-entropy-fusion-impl", "value"),
-    ("transformer configuration", "--tp-comm-bootstrap-backend", "value"),
-    ("transformer configuration", "--overlap-moe-expert-parallel-comm", "switch"),
-    ("transformer configuration", "--delay-wgrad-compute", "switch"),
-    ("transformer configuration", "--ep-overlap-early-attn-memory-release", "switch"),
-    ("transformer configuration", "--use-ring-exchange-p2p", "switch"),
-    ("transformer configuration", "--defer-embedding-wgrad-compute", "switch"),
-    ("transformer configuration", "--wgrad-deferral-limit", "value"),
-    ("transformer configuration", "--overlap-p2p-communication-warmup-flush", "switch"),
-    ("transformer configuration", "--microbatch-group-size-per-virtual-pipeline-stage", "value"),
-    ("transformer configuration", "--mtp-standalone", "switch"),
-    ("transformer configuration", "--cpu-offloading-num-layers", "value"),
-    ("transformer configuration", "--num-layers", "value"),
-    ("transformer configuration", "--mtp-num-layers", "value"),
-    ("transformer configuration", "--mtp-loss-scaling-factor", "value"),
-    ("transformer configuration", "--account-for-embedding-in-pipeline-split", "switch"),
-    ("transformer configuration", "--account-for-loss-in-pipeline-split", "switch"),
-    ("transformer configuration", "--hidden-size", "value"),
-    ("transformer configuration", "--num-attention-heads", "value"),
-    ("transformer configuration", "--attention-backend", "value"),
-    ("transformer configuration", "--softmax-type", "value"),
-    ("transformer configuration", "--num-query-groups", "value"),
-    ("transformer configuration", "--ffn-hidden-size", "value"),
-    ("transformer configuration", "--kv-channels", "value"),
-    ("transformer configuration", "--hidden-dropout", "value"),
-    ("transformer configuration", "--attention-dropout", "value"),
-    ("transformer configuration", "--fp32-residual-connection", "switch"),
-    ("transformer configuration", "--apply-residual-connection-post-layernorm", "switch"),
-    ("transformer configuration", "--norm-epsilon", "value"),
-    ("transformer configuration", "--apply-layernorm-1p", "switch"),
-    ("transformer configuration", "--disable-bias-linear", "switch"),
-    ("transformer configuration", "--add-qkv-bias", "switch"),
-    ("transformer configuration", "--glu-linear-offset", "value"),
-    ("transformer configuration", "--activation-func-clamp-value", "value"),
-    ("transformer configuration", "--rotary-interleaved", "switch"),
-    ("transformer configuration", "--normalization", "value"),
-    ("transformer configuration", "--qk-layernorm", "switch"),
-    ("transformer configuration", "--qk-l2-norm", "switch"),
-    ("transformer configuration", "--qk-clip", "switch"),
-    ("transformer configuration", "--qk-clip-alpha", "value"),
-    ("transformer configuration", "--qk-clip-threshold", "value"),
-    ("transformer configuration", "--attention-output-gate", "switch"),
-    ("transformer configuration", "--calculate-per-token-loss", "switch"),
-    ("transformer configuration", "--multi-latent-attention", "switch"),
-    ("transformer configuration", "--experimental-attention-variant", "value"),
-    ("transformer configuration", "--dsa-indexer-n-heads", "value"),
-    ("transformer configuration", "--dsa-indexer-head-dim", "value"),
-    ("transformer configuration", "--dsa-indexer-topk", "value"),
-    ("transformer configuration", "--dsa-indexer-loss-coeff", "value"),
-    ("transformer configuration", "--dsa-indexer-use-sparse-loss", "switch"),
-    ("transformer configuration", "--linear-conv-kernel-dim", "value"),
-    ("transformer configuration", "--linear-key-head-dim", "value"),
-    ("transformer configuration", "--linear-value-head-dim", "value"),
-    ("transformer configuration", "--linear-num-key-heads", "value"),
-    ("transformer configuration", "--linear-num-value-heads", "value"),
-    ("transformer configuration", "--init-method-std", "value"),
-    ("transformer configuration", "--embedding-init-method-std", "value"),
-    ("transformer configuration", "--init-model-with-meta-device", "switch"),
-    ("transformer configuration", "--apply-query-key-layer-scaling", "switch"),
-    ("transformer configuration", "--disable-bf16-reduced-precision-matmul", "switch"),
-    ("transformer configuration", "--use-fused-weighted-squared-relu", "switch"),
-    ("transformer configuration", "--recompute-granularity", "value"),
-    ("transformer configuration", "--recompute-method", "value"),
-    ("transformer configuration", "--recompute-num-layers", "value"),
-    ("transformer configuration", "--distribute-saved-activations", "switch"),
-    ("transformer configuration", "--recompute-modules", "list"),
-    ("transformer configuration", "--fp8-format", "value"),
-    ("transformer configuration", "--fp8-recipe", "value"),
-    ("transformer configuration", "--fp8-quantizer-factory", "value"),
-    ("transformer configuration", "--fp8-margin", "value"),
-    ("transformer configuration", "--fp8-interval", "value"),
-    ("transformer configuration", "--fp8-amax-history-len", "value"),
-    ("transformer configuration", "--fp8-amax-compute-algo", "value"),
-    ("transformer configuration", "--no-fp8-wgrad", "switch"),
-    ("transformer configuration", "--disable-fp8-wgrad", "switch"),
-    ("transformer configuration", "--first-last-layers-bf16", "switch"),
-    ("transformer configuration", "--num-layers-at-start-in-bf16", "value"),
-    ("transformer configuration", "--num-layers-at-end-in-bf16", "value"),
-    ("transformer configuration", "--use-kitchen-attention", "switch"),
-    ("transformer configuration", "--kitchen-attention-backend", "value"),
-    ("transformer configuration", "--fp4-format", "value"),
-    ("transformer configuration", "--fp4-recipe", "value"),
-    ("transformer configuration", "--fp4-param-gather", "switch"),
-    ("transformer configuration", "--fp4-quantizer-factory", "value"),
-    ("transformer configuration", "--moe-shared-expert-intermediate-size", "value"),
-    ("transformer configuration", "--moe-shared-expert-gate", "switch"),
-    ("transformer configuration", "--moe-shared-expert-overlap", "switch"),
-    ("transformer configuration", "--moe-ffn-hidden-size", "value"),
-    ("transformer configuration", "--moe-router-topk", "value"),
-    ("transformer configuration", "--moe-enable-routing-replay", "switch"),
-    ("transformer configuration", "--moe-router-padding-for-quantization", "switch"),
-    ("transformer configuration", "--moe-router-padding-for-fp8", "switch"),
-    ("transformer configuration", "--moe-router-num-groups", "value"),
-    ("transformer configuration", "--moe-router-group-topk", "value"),
-    ("transformer configuration", "--moe-router-pre-softmax", "switch"),
-    ("transformer configuration", "--moe-router-topk-scaling-factor", "value"),
-    ("transformer configuration", "--moe-router-score-function", "value"),
-    ("transformer configuration", "--moe-router-dtype", "value"),
-    ("transformer configuration", "--moe-router-enable-expert-bias", "switch"),
-    ("transformer configuration", "--moe-router-bias-update-rate", "value"),
-    ("transformer configuration", "--moe-router-force-load-balancing", "switch"),
-    ("transformer configuration", "--moe-grouped-gemm", "switch"),
-    ("transformer configuration", "--moe-use-legacy-grouped-gemm", "switch"),
-    ("transformer configuration", "--moe-z-loss-coeff", "value"),
-    ("transformer configuration", "--moe-input-jitter-eps", "value"),
-    ("transformer configuration", "--moe-token-dispatcher-type", "value"),
-    ("transformer configuration", "--moe-enable-deepep", "switch"),
-    ("transformer configuration", "--moe-flex-dispatcher-backend", "value"),
-    ("transformer configuration", "--moe-per-layer-logging", "switch"),
-    ("transformer configuration", "--moe-expert-capacity-factor", "value"),
-    ("transformer configuration", "--moe-pad-expert-input-to-capacity", "switch"),
-    ("transformer configuration", "--moe-token-drop-policy", "value"),
-    ("transformer configuration", "--moe-layer-recompute", "switch"),
-    ("transformer configuration", "--moe-permute-fusion", "switch"),
-    ("transformer configuration", "--moe-router-fusion", "switch"),
-    ("transformer configuration", "--moe-apply-probs-on-input", "switch"),
-    ("transformer configuration", "--moe-latent-size", "value"),
-    ("transformer configuration", "--moe-deepep-num-sms", "value"),
-    ("transformer configuration", "--moe-hybridep-num-sms", "value"),
-    ("transformer configuration", "--enable-cuda-graph", "switch"),
-    ("transformer configuration", "--cuda-graph-warmup-steps", "value"),
-    ("transformer configuration", "--external-cuda-graph", "switch"),
-    ("transformer configuration", "--cuda-graph-impl", "value"),
-    ("transformer configuration", "--no-clone-scatter-output-in-embedding", "switch"),
-    ("transformer configuration", "--disable-clone-scatter-output-in-embedding", "switch"),
-    ("transformer configuration", "--config-logger-dir", "value"),
-    ("transformer configuration", "--flash-decode", "switch"),
-    ("transformer configuration", "--batch-invariant-mode", "switch"),
-    ("transformer configuration", "--use-te-activation-func", "switch"),
-    ("transformer configuration", "--symmetric-ar-type", "value"),
-    ("transformer configuration", "--inference-fuse-tp-communication", "switch"),
-    ("transformer configuration", "--mrope-section", "list"),
-    ("transformer configuration", "--is-hybrid-model", "switch"),
-    ("transformer configuration", "--mamba-state-dim", "value"),
-    ("transformer configuration", "--mamba-head-dim", "value"),
-    ("transformer configuration", "--mamba-num-groups", "value"),
-    ("transformer configuration", "--mamba-num-heads", "value"),
-    ("transformer configuration", "--disable-mamba-mem-eff-path", "switch"),
-    ("transformer configuration", "--mlp-chunks-for-prefill", "value"),
-    ("transformer configuration", "--transformer-impl", "value"),
-    ("transformer configuration", "--fine-grained-activation-offloading", "switch"),
-    ("transformer configuration", "--offload-modules", "list"),
-    ("transformer configuration", "--min-offloaded-tensor-size", "value"),
-    # regularization
-    ("regularization", "--weight-decay", "value"),
-    ("regularization", "--apply-wd-to-qk-layernorm", "switch"),
-    ("regularization", "--clip-grad", "value"),
-    ("regularization", "--adam-beta1", "value"),
-    ("regularization", "--adam-beta2", "value"),
-    ("regularization", "--adam-eps", "value"),
-    ("regularization", "--sgd-momentum", "value"),
-    ("regularization", "--muon-momentum", "value"),
-    ("regularization", "--muon-no-split-qkv", "switch"),
-    ("regularization", "--muon-use-nesterov", "switch"),
-    ("regularization", "--muon-scale-mode", "value"),
-    ("regularization", "--muon-fp32-matmul-prec", "value"),
-    ("regularization", "--muon-num-ns-steps", "value"),
-    ("regularization", "--muon-tp-mode", "value"),
-    ("regularization", "--muon-extra-scale-factor", "value"),
-    ("regularization", "--no-weight-decay-cond-type", "value"),
-    # training
-    ("training", "--micro-batch-size", "value"),
-    ("training", "--global-batch-size", "value"),
-    ("training", "--rampup-batch-size", "value"),
-    ("training", "--decrease-batch-size-if-needed", "switch"),
-    ("training", "--empty-unused-memory-level", "value"),
-    ("training", "--check-weight-hash-across-dp-replicas-interval", "value"),
-    ("training", "--train-sync-interval", "value"),
-    ("training", "--train-iters", "value"),
-    ("training", "--train-samples", "value"),
-    ("training", "--exit-interval", "value"),
-    ("training", "--exit-duration-in-mins", "value"),
-    ("training", "--exit-signal-handler", "switch"),
-    ("training", "--exit-signal", "value"),
-    ("training", "--exit-signal-handler-for-dataloader", "switch"),
-    ("training", "--manual-gc", "switch"),
-    ("training", "--manual-gc-interval", "value"),
-    ("training", "--no-manual-gc-eval", "switch"),
-    ("training", "--disable-manual-gc-eval", "switch"),
-    ("training", "--iterations-to-skip", "list"),
-    ("training", "--batch-size", "value"),
-    ("training", "--recompute-activations", "switch"),
-    ("training", "--no-check-for-nan-in-loss-and-grad", "switch"),
-    ("training", "--check-for-large-grads", "switch"),
-    ("training", "--result-rejected-tracker-filename", "value"),
-    ("training", "--disable-gloo-process-groups", "switch"),
-    ("training", "--tp-comm-overlap-cfg", "value"),
-    ("training", "--checkpoint-activations", "switch"),
-    ("training", "--no-masked-softmax-fusion", "switch"),
-    ("training", "--no-bias-gelu-fusion", "switch"),
-    ("training", "--no-bias-swiglu-fusion", "switch"),
-    ("training", "--no-bias-dropout-fusion", "switch"),
-    ("training", "--no-rope-fusion", "switch"),
-    ("training", "--rope-type", "value"),
-    ("training", "--use-flash-attn", "switch"),
-    ("training", "--optimizer", "value"),
-    ("training", "--optimizer-cpu-offload", "switch"),
-    ("training", "--optimizer-offload-fraction", "value"),
-    ("training", "--use-torch-optimizer-for-cpu-offload", "switch"),
-    ("training", "--overlap-cpu-optimizer-d2h-h2d", "switch"),
-    ("training", "--dump-param-to-param-group-map", "value"),
-    ("training", "--no-pin-cpu-grads", "switch"),
-    ("training", "--no-pin-cpu-params", "switch"),
-    ("training", "--dataloader-type", "value"),
-    ("training", "--no-persist-layer-norm", "switch"),
-    ("training", "--no-gradient-accumulation-fusion", "switch"),
-    ("training", "--use-mcore-models", "switch"),
-    ("training", "--use-legacy-models", "switch"),
-    ("training", "--high-priority-stream-groups", "list"),
-    ("training", "--disable-jit-fuser", "switch"),
-    # profiling
-    ("profiling", "--profile", "switch"),
-    ("profiling", "--profile-step-start", "value"),
-    ("profiling", "--profile-step-end", "value"),
-    ("profiling", "--use-pytorch-profiler", "switch"),
-    ("profiling", "--profile-ranks", "list"),
-    ("profiling", "--record-memory-history", "switch"),
-    ("profiling", "--memory-snapshot-path", "value"),
-    # RNG and initialization
-    ("RNG and initialization", "--seed", "value"),
-    ("RNG and initialization", "--te-rng-tracker", "switch"),
-    ("RNG and initialization", "--inference-rng-tracker", "switch"),
-    ("RNG and initialization", "--data-parallel-random-init", "switch"),
-    ("RNG and initialization", "--init-method-xavier-uniform", "switch"),
-    # learning rate and weight decay
-    ("learning rate and weight decay", "--lr-decay-style", "value"),
-    ("learning rate and weight decay", "--lr-wsd-decay-style", "value"),
-    ("learning rate and weight decay", "--lr-decay-iters", "value"),
-    ("learning rate and weight decay", "--lr-decay-samples", "value"),
-    ("learning rate and weight decay", "--lr-wsd-decay-iters", "value"),
-    ("learning rate and weight decay", "--lr-wsd-decay-samples", "value"),
-    ("learning rate and weight decay", "--lr-warmup-fraction", "value"),
-    ("learning rate and weight decay", "--lr-warmup-iters", "value"),
-    ("learning rate and weight decay", "--lr-warmup-samples", "value"),
-    ("learning rate and weight decay", "--lr-warmup-init", "value"),
-    ("learning rate and weight decay", "--override-opt_param-scheduler", "switch"),
-    ("learning rate and weight decay", "--override-opt-param-scheduler", "switch"),
-    ("learning rate and weight decay", "--use-checkpoint-opt_param-scheduler", "switch"),
-    ("learning rate and weight decay", "--use-checkpoint-opt-param-scheduler", "switch"),
-    ("learning rate and weight decay", "--start-weight-decay", "value"),
-    ("learning rate and weight decay", "--end-weight-decay", "value"),
-    ("learning rate and weight decay", "--weight-decay-incr-style", "value"),
-    ("learning rate and weight decay", "--lr", "value"),
-    ("learning rate and weight decay", "--warmup", "value"),
-    ("learning rate and weight decay", "--min-lr", "value"),
-    ("learning rate and weight decay", "--decoupled-lr", "value"),
-    ("learning rate and weight decay", "--decoupled-min-lr", "value"),
-    # checkpointing
-    ("checkpointing", "--save", "value"),
-    ("checkpointing", "--save-interval", "value"),
-    ("checkpointing", "--persistent-save-interval", "value"),
-    ("checkpointing", "--save-wgrads-interval", "value"),
-    ("checkpointing", "--save-dgrads-interval", "value"),
-    ("checkpointing", "--save-retain-interval", "value"),
-    ("checkpointing", "--load", "value"),
-    ("checkpointing", "--load-main-params-from-ckpt", "switch"),
-    ("checkpointing", "--non-persistent-save-interval", "value"),
-    ("checkpointing", "--non-persistent-ckpt-type", "value"),
-    ("checkpointing", "--non-persistent-global-ckpt-dir", "value"),
-    ("checkpointing", "--non-persistent-local-ckpt-dir", "value"),
-    ("checkpointing", "--non-persistent-local-ckpt-algo", "value"),
-    ("checkpointing", "--finetune", "switch"),
-    ("checkpointing", "--pretrained-checkpoint", "value"),
-    ("checkpointing", "--ckpt-step", "value"),
-    ("checkpointing", "--use-checkpoint-args", "switch"),
-    ("checkpointing", "--use-mp-args-from-checkpoint-args", "switch"),
-    ("checkpointing", "--no-use-tokenizer-model-from-checkpoint-args", "switch"),
-    ("checkpointing", "--disable-use-tokenizer-model-from-checkpoint-args", "switch"),
-    ("checkpointing", "--exit-on-missing-checkpoint", "switch"),
-    ("checkpointing", "--ckpt-format", "value"),
-    ("checkpointing", "--auto-detect-ckpt-format", "switch"),
-    ("checkpointing", "--ckpt-convert-format", "value"),
-    ("checkpointing", "--ckpt-convert-save", "value"),
-    ("checkpointing", "--ckpt-convert-update-legacy-dist-opt-format", "switch"),
-    ("checkpointing", "--no-ckpt-fully-parallel-save", "switch"),
-    ("checkpointing", "--disable-ckpt-fully-parallel-save", "switch"),
-    ("checkpointing", "--async-save", "switch"),
-    ("checkpointing", "--use-persistent-ckpt-worker", "switch"),
-    ("checkpointing", "--ckpt-fully-parallel-load", "switch"),
-    ("checkpointing", "--ckpt-assume-constant-structure", "switch"),
-    ("checkpointing", "--no-strict-fsdp-dtensor-load", "switch"),
-    ("checkpointing", "--disable-strict-fsdp-dtensor-load", "switch"),
-    ("checkpointing", "--dist-ckpt-strictness", "value"),
-    ("checkpointing", "--dist-ckpt-save-pre-mcore-014", "switch"),
-    ("checkpointing", "--dist-ckpt-optim-fully-reshardable", "switch"),
-    ("checkpointing", "--distrib-optim-fully-reshardable-mem-efficient", "switch"),
-    ("checkpointing", "--replication", "switch"),
-    ("checkpointing", "--replication-jump", "value"),
-    ("checkpointing", "--replication-factor", "value"),
-    ("checkpointing", "--no-save-optim", "switch"),
-    ("checkpointing", "--no-save-rng", "switch"),
-    ("checkpointing", "--no-load-optim", "switch"),
-    ("checkpointing", "--no-load-rng", "switch"),
-    ("checkpointing", "--use-dist-ckpt", "switch"),
-    ("checkpointing", "--dist-ckpt-format", "value"),
-    ("checkpointing", "--ckpt-fully-parallel-save", "switch"),
-    # mixed precision
-    ("mixed precision", "--grad-reduce-in-bf16", "switch"),
-    ("mixed precision", "--loss-scale", "value"),
-    ("mixed precision", "--initial-loss-scale", "value"),
-    ("mixed precision", "--min-loss-scale", "value"),
-    ("mixed precision", "--loss-scale-window", "value"),
-    ("mixed precision", "--hysteresis", "value"),
-    ("mixed precision", "--attention-softmax-in-fp32", "switch"),
-    ("mixed precision", "--accumulate-allreduce-grads-in-fp32", "switch"),
-    ("mixed precision", "--fp16-lm-cross-entropy", "switch"),
-    ("mixed precision", "--reuse-grad-buf-for-mxfp8-param-ag", "switch"),
-    # distributed
-    ("distributed", "--decoder-first-pipeline-num-layers", "value"),
-    ("distributed", "--decoder-last-pipeline-num-layers", "value"),
-    ("distributed", "--pipeline-model-parallel-layout", "value"),
-    ("distributed", "--model-parallel-size", "value"),
-    ("distributed", "--num-layers-per-virtual-pipeline-stage", "value"),
-    ("distributed", "--num-virtual-stages-per-pipeline-rank", "value"),
-    ("distributed", "--no-overlap-p2p-communication", "switch"),
-    ("distributed", "--distributed-backend", "value"),
-    ("distributed", "--distributed-timeout-minutes", "value"),
-    ("distributed", "--distributed-timeout-seconds-after-init", "value"),
-    ("distributed", "--overlap-grad-reduce", "switch"),
-    ("distributed", "--no-align-grad-reduce", "switch"),
-    ("distributed", "--ddp-num-buckets", "value"),
-    ("distributed", "--ddp-bucket-size", "value"),
-    ("distributed", "--ddp-pad-buckets-for-high-nccl-busbw", "switch"),
-    ("distributed", "--ddp-reduce-scatter-with-fp32-accumulation", "switch"),
-    ("distributed", "--ddp-average-in-collective", "switch"),
-    ("distributed", "--overlap-param-gather", "switch"),
-    ("distributed", "--overlap-param-gather-with-optimizer-step", "switch"),
-    ("distributed", "--no-align-param-gather", "switch"),
-    ("distributed", "--no-scatter-gather-tensors-in-pipeline", "switch"),
-    ("distributed", "--local-rank", "value"),
-    ("distributed", "--lazy-mpu-init", "value"),
-    ("distributed", "--use-distributed-optimizer", "switch"),
-    ("distributed", "--use-nccl-ub", "switch"),
-    ("distributed", "--disable-symmetric-registration", "switch"),
-    ("distributed", "--fsdp-manual-registration", "switch"),
-    ("distributed", "--use-sharp", "switch"),
-    ("distributed", "--sharp-enabled-group", "value"),
-    ("distributed", "--create-all-gather-group", "switch"),
-    ("distributed", "--use-megatron-fsdp", "switch"),
-    ("distributed", "--data-parallel-sharding-strategy", "value"),
-    ("distributed", "--outer-dp-sharding-strategy", "value"),
-    ("distributed", "--no-gradient-reduce-div-fusion", "switch"),
-    ("distributed", "--fsdp-double-buffer", "switch"),
-    ("distributed", "--suggested-communication-unit-size", "value"),
-    ("distributed", "--keep-fp8-transpose-cache", "switch"),
-    ("distributed", "--enable-full-sharding-in-hsdp", "switch"),
-    ("distributed", "--num-distributed-optimizer-instances", "value"),
-    ("distributed", "--use-torch-fsdp2", "switch"),
-    ("distributed", "--torch-fsdp2-no-reshard-after-forward", "switch"),
-    ("distributed", "--cp-comm-type", "list"),
-    ("distributed", "--nccl-communicator-config-path", "value"),
-    ("distributed", "--use-tp-pp-dp-mapping", "switch"),
-    ("distributed", "--fake-process-group", "switch"),
-    # validation
-    ("validation", "--eval-iters", "value"),
-    ("validation", "--eval-interval", "value"),
-    ("validation", "--skip-train", "switch"),
-    ("validation", "--test-mode", "switch"),
-    ("validation", "--full-validation", "switch"),
-    ("validation", "--multiple-validation-sets", "switch"),
-    # data and dataloader
-    ("data and dataloader", "--data-path", "list"),
-    ("data and dataloader", "--phase-transition-iterations", "value"),
-    ("data and dataloader", "--split", "value"),
-    ("data and dataloader", "--train-data-path", "list"),
-    ("data and dataloader", "--valid-data-path", "list"),
-    ("data and dataloader", "--test-data-path", "list"),
-    ("data and dataloader", "--data-args-path", "value"),
-    ("data and dataloader", "--per-split-data-args-path", "value"),
-    ("data and dataloader", "--per-dataset-sequences-path", "value"),
-    ("data and dataloader", "--dataloader-fast-cache-load", "switch"),
-    ("data and dataloader", "--dataloader-defer-npy-index-mmap", "switch"),
-    ("data and dataloader", "--data-cache-path", "value"),
-    ("data and dataloader", "--no-mmap-bin-files", "switch"),
-    ("data and dataloader", "--mock-data", "switch"),
-    ("data and dataloader", "--seq-length", "value"),
-    ("data and dataloader", "--encoder-seq-length", "value"),
-    ("data and dataloader", "--decoder-seq-length", "value"),
-    ("data and dataloader", "--sample-rate", "value"),
-    ("data and dataloader", "--mask-prob", "value"),
-    ("data and dataloader", "--short-seq-prob", "value"),
-    ("data and dataloader", "--num-workers", "value"),
-    ("data and dataloader", "--reset-position-ids", "switch"),
-    ("data and dataloader", "--reset-attention-mask", "switch"),
-    ("data and dataloader", "--eod-mask-loss", "switch"),
-    ("data and dataloader", "--no-create-attention-mask-in-dataloader", "switch"),
-    ("data and dataloader", "--num-dataset-builder-threads", "value"),
-    ("data and dataloader", "--object-storage-cache-path", "value"),
-    ("data and dataloader", "--mid-level-dataset-surplus", "value"),
-    ("data and dataloader", "--allow-ambiguous-pad-tokens", "switch"),
-    ("data and dataloader", "--fim-data", "switch"),
-    ("data and dataloader", "--fim-rate", "value"),
-    ("data and dataloader", "--fim-spm-rate", "value"),
-    ("data and dataloader", "--fim-split-sample", "value"),
-    ("data and dataloader", "--fim-fragment-rate", "value"),
-    ("data and dataloader", "--fim-no-prefix", "value"),
-    ("data and dataloader", "--fim-prefix-token", "value"),
-    ("data and dataloader", "--fim-middle-token", "value"),
-    ("data and dataloader", "--fim-suffix-token", "value"),
-    ("data and dataloader", "--fim-pad-token", "value"),
-    ("data and dataloader", "--fim-eod-token", "value"),
-    # tokenizer
-    ("tokenizer", "--vocab-size", "value"),
-    ("tokenizer", "--padded-vocab-size", "value"),
-    ("tokenizer", "--vocab-file", "value"),
-    ("tokenizer", "--merge-file", "value"),
-    ("tokenizer", "--vocab-extra-ids", "value"),
-    ("tokenizer", "--tokenizer-type", "value"),
-    ("tokenizer", "--tokenizer-model", "value"),
-    ("tokenizer", "--tokenizer-metadata", "value"),
-    ("tokenizer", "--tokenizer-special-tokens", "list"),
-    ("tokenizer", "--legacy-tokenizer", "switch"),
-    ("tokenizer", "--tiktoken-pattern", "value"),
-    ("tokenizer", "--tiktoken-num-special-tokens", "value"),
-    ("tokenizer", "--tiktoken-special-tokens", "list"),
-    ("tokenizer", "--tokenizer-sentencepiece-legacy", "switch"),
-    ("tokenizer", "--tokenizer-hf-use-fast", "switch"),
-    ("tokenizer", "--tokenizer-hf-include-special-tokens", "switch"),
-    ("tokenizer", "--trust-remote-code", "switch"),
-    # logging
-    ("logging", "--log-interval", "value"),
-    ("logging", "--log-params-norm", "switch"),
-    ("logging", "--log-throughput", "switch"),
-    ("logging", "--log-progress", "switch"),
-    ("logging", "--timing-log-level", "value"),
-    ("logging", "--timing-log-option", "value"),
-    ("logging", "--tensorboard-dir", "value"),
-    ("logging", "--tensorboard-log-interval", "value"),
-    ("logging", "--tensorboard-queue-size", "value"),
-    ("logging", "--log-timers-to-tensorboard", "switch"),
-    ("logging", "--no-log-loss-scale-to-tensorboard", "switch"),
-    ("logging", "--disable-log-loss-scale-to-tensorboard", "switch"),
-    ("logging", "--log-validation-ppl-to-tensorboard", "switch"),
-    ("logging", "--log-memory-to-tensorboard", "switch"),
-    ("logging", "--log-memory-interval", "value"),
-    ("logging", "--log-device-memory-used", "switch"),
-    ("logging", "--log-num-zeros-in-grad", "switch"),
-    ("logging", "--log-max-attention-logit", "switch"),
-    ("logging", "--no-barrier-with-level-1-timing", "switch"),
-    ("logging", "--log-world-size-to-tensorboard", "switch"),
-    ("logging", "--wandb-project", "value"),
-    ("logging", "--wandb-exp-name", "value"),
-    ("logging", "--wandb-save-dir", "value"),
-    ("logging", "--wandb-entity", "value"),
-    ("logging", "--logging-level", "value"),
-    ("logging", "--log-energy", "switch"),
-    # Transformer-Engine
-    ("Transformer-Engine", "--fp8-param-gather", "switch"),
-    ("Transformer-Engine", "--te-precision-config-file", "value"),
+# (argument group) -> its flags in Megatron-LM's order: --x a switch, --x=V one value, --x=V+ one
+# or more.
+_GROUPS = {
+    "network size": """
+        --encoder-num-layers=V --decoder-num-layers=V --group-query-attention --window-size=V
+        --window-attn-skip-freq=V --max-position-embeddings=V --position-embedding-type=V
+        --relative-attention-num-buckets=V --relative-attention-max-distance=V
+        --use-rotary-position-embeddings --rotary-base=V --rotary-percent=V
+        --rotary-seq-len-interpolation-factor=V --use-rope-scaling --rope-scaling-factor=V
+        --no-rope-freq=V --no-position-embedding --make-vocab-size-divisible-by=V --openai-gelu
+        --squared-relu --swiglu --quick-geglu --onnx-safe=V --bert-no-binary-head
+        --untie-embeddings-and-output-weights
+    """,
+    "transformer configuration": """
+        --tensor-model-parallel-size=V --pipeline-model-parallel-comm-backend=V
+        --pipeline-model-parallel-size=V --sequence-parallel --context-parallel-size=V
+        --hierarchical-context-parallel-sizes=V+ --max-seqlen-per-dp-cp-rank=V
+        --hybrid-context-parallel --expert-model-parallel-size=V --expert-tensor-parallel-size=V
+        --moe-extended-tp --no-initialization --use-cpu-initialization --fp16 --bf16
+        --deterministic-mode --no-async-tensor-model-parallel-allreduce
+        --disable-async-tensor-model-parallel-allreduce --tp-comm-overlap --no-tp-comm-bulk-wgrad
+        --disable-tp-comm-bulk-wgrad --no-tp-comm-bulk-dgrad --disable-tp-comm-bulk-dgrad
+        --no-tp-comm-overlap-ag --disable-tp-comm-overlap-ag --no-tp-comm-overlap-rs
+        --disable-tp-comm-overlap-rs --tp-comm-overlap-rs-dgrad --no-tp-comm-split-ag
+        --disable-tp-comm-split-ag --no-tp-comm-split-rs --disable-tp-comm-split-rs
+        --cross-entropy-loss-fusion --cross-entropy-fusion-impl=V --tp-comm-bootstrap-backend=V
+        --overlap-moe-expert-parallel-comm --delay-wgrad-compute
+        --ep-overlap-early-attn-memory-release --use-ring-exchange-p2p
+        --defer-embedding-wgrad-compute --wgrad-deferral-limit=V
+        --overlap-p2p-communication-warmup-flush
+        --microbatch-group-size-per-virtual-pipeline-stage=V --mtp-standalone
+        --cpu-offloading-num-layers=V --num-layers=V --mtp-num-layers=V --mtp-loss-scaling-factor=V
+        --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
+        --hidden-size=V --num-attention-heads=V --attention-backend=V --softmax-type=V
+        --num-query-groups=V --ffn-hidden-size=V --kv-channels=V --hidden-dropout=V
+        --attention-dropout=V --fp32-residual-connection --apply-residual-connection-post-layernorm
+        --norm-epsilon=V --apply-layernorm-1p --disable-bias-linear --add-qkv-bias
+        --glu-linear-offset=V --activation-func-clamp-value=V --rotary-interleaved --normalization=V
+        --qk-layernorm --qk-l2-norm --qk-clip --qk-clip-alpha=V --qk-clip-threshold=V
+        --attention-output-gate --calculate-per-token-loss --multi-latent-attention
+        --experimental-attention-variant=V --dsa-indexer-n-heads=V --dsa-indexer-head-dim=V
+        --dsa-indexer-topk=V --dsa-indexer-loss-coeff=V --dsa-indexer-use-sparse-loss
+        --linear-conv-kernel-dim=V --linear-key-head-dim=V --linear-value-head-dim=V
+        --linear-num-key-heads=V --linear-num-value-heads=V --init-method-std=V
+        --embedding-init-method-std=V --init-model-with-meta-device --apply-query-key-layer-scaling
+        --disable-bf16-reduced-precision-matmul --use-fused-weighted-squared-relu
+        --recompute-granularity=V --recompute-method=V --recompute-num-layers=V
+        --distribute-saved-activations --recompute-modules=V+ --fp8-format=V --fp8-recipe=V
+        --fp8-quantizer-factory=V --fp8-margin=V --fp8-interval=V --fp8-amax-history-len=V
+        --fp8-amax-compute-algo=V --no-fp8-wgrad --disable-fp8-wgrad --first-last-layers-bf16
+        --num-layers-at-start-in-bf16=V --num-layers-at-end-in-bf16=V --use-kitchen-attention
+        --kitchen-attention-backend=V --fp4-format=V --fp4-recipe=V --fp4-param-gather
+        --fp4-quantizer-factory=V --moe-shared-expert-intermediate-size=V --moe-shared-expert-gate
+        --moe-shared-expert-overlap --moe-ffn-hidden-size=V --moe-router-topk=V
+        --moe-enable-routing-replay --moe-router-padding-for-quantization
+        --moe-router-padding-for-fp8 --moe-router-num-groups=V --moe-router-group-topk=V
+        --moe-router-pre-softmax --moe-router-topk-scaling-factor=V --moe-router-score-function=V
+        --moe-router-dtype=V --moe-router-enable-expert-bias --moe-router-bias-update-rate=V
+        --moe-router-force-load-balancing --moe-grouped-gemm --moe-use-legacy-grouped-gemm
+        --moe-z-loss-coeff=V --moe-input-jitter-eps=V --moe-token-dispatcher-type=V
+        --moe-enable-deepep --moe-flex-dispatcher-backend=V --moe-per-layer-logging
+        --moe-expert-capacity-factor=V --moe-pad-expert-input-to-capacity --moe-token-drop-policy=V
+        --moe-layer-recompute --moe-permute-fusion --moe-router-fusion --moe-apply-probs-on-input
+        --moe-latent-size=V --moe-deepep-num-sms=V --moe-hybridep-num-sms=V --enable-cuda-graph
+        --cuda-graph-warmup-steps=V --external-cuda-graph --cuda-graph-impl=V
+        --no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding
+        --config-logger-dir=V --flash-decode --batch-invariant-mode --use-te-activation-func
+        --symmetric-ar-type=V --inference-fuse-tp-communication --mrope-section=V+ --is-hybrid-model
+        --mamba-state-dim=V --mamba-head-dim=V --mamba-num-groups=V --mamba-num-heads=V
+        --disable-mamba-mem-eff-path --mlp-chunks-for-prefill=V --transformer-impl=V
+        --fine-grained-activation-offloading --offload-modules=V+ --min-offloaded-tensor-size=V
+    """,
+    "regularization": """
+        --weight-decay=V --apply-wd-to-qk-layernorm --clip-grad=V --adam-beta1=V --adam-beta2=V
+        --adam-eps=V --sgd-momentum=V --muon-momentum=V --muon-no-split-qkv --muon-use-nesterov
+        --muon-scale-mode=V --muon-fp32-matmul-prec=V --muon-num-ns-steps=V --muon-tp-mode=V
+        --muon-extra-scale-factor=V --no-weight-decay-cond-type=V
+    """,
+    "training": """
+        --micro-batch-size=V --global-batch-size=V --rampup-batch-size=V
+        --decrease-batch-size-if-needed --empty-unused-memory-level=V
+        --check-weight-hash-across-dp-replicas-interval=V --train-sync-interval=V --train-iters=V
+        --train-samples=V --exit-interval=V --exit-duration-in-mins=V --exit-signal-handler
+        --exit-signal=V --exit-signal-handler-for-dataloader --manual-gc --manual-gc-interval=V
+        --no-manual-gc-eval --disable-manual-gc-eval --iterations-to-skip=V+ --batch-size=V
+        --recompute-activations --no-check-for-nan-in-loss-and-grad --check-for-large-grads
+        --result-rejected-tracker-filename=V --disable-gloo-process-groups --tp-comm-overlap-cfg=V
+        --checkpoint-activations --no-masked-softmax-fusion --no-bias-gelu-fusion
+        --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --rope-type=V
+        --use-flash-attn --optimizer=V --optimizer-cpu-offload --optimizer-offload-fraction=V
+        --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d
+        --dump-param-to-param-group-map=V --no-pin-cpu-grads --no-pin-cpu-params --dataloader-type=V
+        --no-persist-layer-norm --no-gradient-accumulation-fusion --use-mcore-models
+        --use-legacy-models --high-priority-stream-groups=V+ --disable-jit-fuser
+    """,
+    "profiling": """
+        --profile --profile-step-start=V --profile-step-end=V --use-pytorch-profiler
+        --profile-ranks=V+ --record-memory-history --memory-snapshot-path=V
+    """,
+    "RNG and initialization": """
+        --seed=V --te-rng-tracker --inference-rng-tracker --data-parallel-random-init
+        --init-method-xavier-uniform
+    """,
+    "learning rate and weight decay": """
+        --lr-decay-style=V --lr-wsd-decay-style=V --lr-decay-iters=V --lr-decay-samples=V
+        --lr-wsd-decay-iters=V --lr-wsd-decay-samples=V --lr-warmup-fraction=V --lr-warmup-iters=V
+        --lr-warmup-samples=V --lr-warmup-init=V --override-opt_param-scheduler
+        --override-opt-param-scheduler --use-checkpoint-opt_param-scheduler
+        --use-checkpoint-opt-param-scheduler --start-weight-decay=V --end-weight-decay=V
+        --weight-decay-incr-style=V --lr=V --warmup=V --min-lr=V --decoupled-lr=V
+        --decoupled-min-lr=V
+    """,
+    "checkpointing": """
+        --save=V --save-interval=V --persistent-save-interval=V --save-wgrads-interval=V
+        --save-dgrads-interval=V --save-retain-interval=V --load=V --load-main-params-from-ckpt
+        --non-persistent-save-interval=V --non-persistent-ckpt-type=V
+        --non-persistent-global-ckpt-dir=V --non-persistent-local-ckpt-dir=V
+        --non-persistent-local-ckpt-algo=V --finetune --pretrained-checkpoint=V --ckpt-step=V
+        --use-checkpoint-args --use-mp-args-from-checkpoint-args
+        --no-use-tokenizer-model-from-checkpoint-args
+        --disable-use-tokenizer-model-from-checkpoint-args --exit-on-missing-checkpoint
+        --ckpt-format=V --auto-detect-ckpt-format --ckpt-convert-format=V --ckpt-convert-save=V
+        --ckpt-convert-update-legacy-dist-opt-format --no-ckpt-fully-parallel-save
+        --disable-ckpt-fully-parallel-save --async-save --use-persistent-ckpt-worker
+        --ckpt-fully-parallel-load --ckpt-assume-constant-structure --no-strict-fsdp-dtensor-load
+        --disable-strict-fsdp-dtensor-load --dist-ckpt-strictness=V --dist-ckpt-save-pre-mcore-014
+        --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient
+        --replication --replication-jump=V --replication-factor=V --no-save-optim --no-save-rng
+        --no-load-optim --no-load-rng --use-dist-ckpt --dist-ckpt-format=V
+        --ckpt-fully-parallel-save
+    """,
+    "mixed precision": """
+        --grad-reduce-in-bf16 --loss-scale=V --initial-loss-scale=V --min-loss-scale=V
+        --loss-scale-window=V --hysteresis=V --attention-softmax-in-fp32
+        --accumulate-allreduce-grads-in-fp32 --fp16-lm-cross-entropy
+        --reuse-grad-buf-for-mxfp8-param-ag
+    """,
+    "distributed": """
+        --decoder-first-pipeline-num-layers=V --decoder-last-pipeline-num-layers=V
+        --pipeline-model-parallel-layout=V --model-parallel-size=V
+        --num-layers-per-virtual-pipeline-stage=V --num-virtual-stages-per-pipeline-rank=V
+        --no-overlap-p2p-communication --distributed-backend=V --distributed-timeout-minutes=V
+        --distributed-timeout-seconds-after-init=V --overlap-grad-reduce --no-align-grad-reduce
+        --ddp-num-buckets=V --ddp-bucket-size=V --ddp-pad-buckets-for-high-nccl-busbw
+        --ddp-reduce-scatter-with-fp32-accumulation --ddp-average-in-collective
+        --overlap-param-gather --overlap-param-gather-with-optimizer-step --no-align-param-gather
+        --no-scatter-gather-tensors-in-pipeline --local-rank=V --lazy-mpu-init=V
+        --use-distributed-optimizer --use-nccl-ub --disable-symmetric-registration
+        --fsdp-manual-registration --use-sharp --sharp-enabled-group=V --create-all-gather-group
+        --use-megatron-fsdp --data-parallel-sharding-strategy=V --outer-dp-sharding-strategy=V
+        --no-gradient-reduce-div-fusion --fsdp-double-buffer --suggested-communication-unit-size=V
+        --keep-fp8-transpose-cache --enable-full-sharding-in-hsdp
+        --num-distributed-optimizer-instances=V --use-torch-fsdp2
+        --torch-fsdp2-no-reshard-after-forward --cp-comm-type=V+ --nccl-communicator-config-path=V
+        --use-tp-pp-dp-mapping --fake-process-group
+    """,
+    "validation": """
+        --eval-iters=V --eval-interval=V --skip-train --test-mode --full-validation
+        --multiple-validation-sets
+    """,
+    "data and dataloader": """
+        --data-path=V+ --phase-transition-iterations=V --split=V --train-data-path=V+
+        --valid-data-path=V+ --test-data-path=V+ --data-args-path=V --per-split-data-args-path=V
+        --per-dataset-sequences-path=V --dataloader-fast-cache-load
+        --dataloader-defer-npy-index-mmap --data-cache-path=V --no-mmap-bin-files --mock-data
+        --seq-length=V --encoder-seq-length=V --decoder-seq-length=V --sample-rate=V --mask-prob=V
+        --short-seq-prob=V --num-workers=V --reset-position-ids --reset-attention-mask
+        --eod-mask-loss --no-create-attention-mask-in-dataloader --num-dataset-builder-threads=V
+        --object-storage-cache-path=V --mid-level-dataset-surplus=V --allow-ambiguous-pad-tokens
+        --fim-data --fim-rate=V --fim-spm-rate=V --fim-split-sample=V --fim-fragment-rate=V
+        --fim-no-prefix=V --fim-prefix-token=V --fim-middle-token=V --fim-suffix-token=V
+        --fim-pad-token=V --fim-eod-token=V
+    """,
+    "tokenizer": """
+        --vocab-size=V --padded-vocab-size=V --vocab-file=V --merge-file=V --vocab-extra-ids=V
+        --tokenizer-type=V --tokenizer-model=V --tokenizer-metadata=V --tokenizer-special-tokens=V+
+        --legacy-tokenizer --tiktoken-pattern=V --tiktoken-num-special-tokens=V
+        --tiktoken-special-tokens=V+ --tokenizer-sentencepiece-legacy --tokenizer-hf-use-fast
+        --tokenizer-hf-include-special-tokens --trust-remote-code
+    """,
+    "logging": """
+        --log-interval=V --log-params-norm --log-throughput --log-progress --timing-log-level=V
+        --timing-log-option=V --tensorboard-dir=V --tensorboard-log-interval=V
+        --tensorboard-queue-size=V --log-timers-to-tensorboard --no-log-loss-scale-to-tensorboard
+        --disable-log-loss-scale-to-tensorboard --log-validation-ppl-to-tensorboard
+        --log-memory-to-tensorboard --log-memory-interval=V --log-device-memory-used
+        --log-num-zeros-in-grad --log-max-attention-logit --no-barrier-with-level-1-timing
+        --log-world-size-to-tensorboard --wandb-project=V --wandb-exp-name=V --wandb-save-dir=V
+        --wandb-entity=V --logging-level=V --log-energy
+    """,
+    "Transformer-Engine": """
+        --fp8-param-gather --te-precision-config-file=V
+    """,
+}
+
+_KINDS = {"": "switch", "V": "value", "V+": "list"}
+
+MEGATRON_FLAGS: tuple[tuple[str, str, str], ...] = tuple(
+    (group, flag, _KINDS[value])
+    for group, flags in _GROUPS.items()
+    for flag, _, value in (word.partition("=") for word in flags.split())
 )
+"""(argument group, flag, kind) of every flag, in Megatron-LM's order."""

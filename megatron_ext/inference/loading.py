@@ -1,8 +1,9 @@
 """Load a training checkpoint for evaluation, generation and conversion.
 
 A checkpoint directory records everything needed to rebuild its model: the run's flags
-(`args.json`), the iteration and layout (`common.json`) and the DCP shards. These helpers turn
-it back into a model at whatever layout the caller runs (TP=1 on one CPU process included)::
+(`args.json`, read as configs: `SavedRun.model`, `.data`, `.run_config()`), the iteration and
+layout (`common.json`) and the DCP shards. These helpers turn it back into a model at whatever
+layout the caller runs (TP=1 on one CPU process included)::
 
     run = find_checkpoint("ckpt/lev")                  # latest, or iteration=...
     pg = init_inference_parallel(tensor_model_parallel_size=1)
@@ -26,7 +27,7 @@ import logging
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import megatron_ext.megatron_import  # noqa: F401
 
@@ -52,9 +53,6 @@ from megatron_ext.config.run import RunConfig
 from megatron_ext.data.tokenizers import build_tokenizer
 from megatron_ext.models import build_model
 from megatron_ext.parallel import ProcessGroups, destroy_parallel, initialize_parallel
-
-if TYPE_CHECKING:
-    from megatron_ext.parallel import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
