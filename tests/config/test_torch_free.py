@@ -1,6 +1,6 @@
 """The config room (`megatron_ext.config`) imports neither torch nor megatron-core: every module
-of it imports in a fresh interpreter where both are blocked, and the command line parses into a
-`RunConfig` there."""
+of it imports in a fresh interpreter where both are blocked, the command line parses into a
+`RunConfig` there and its args.json reads back into the same config."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import megatron_ext.config as room
 names = sorted(m.name for m in pkgutil.iter_modules(room.__path__))
 for name in names:
     importlib.import_module(f"megatron_ext.config.{name}")
-from megatron_ext.config.arguments import parse_config
+from megatron_ext.config.arguments import parse_config, run_config_from_args_json
 from megatron_ext.config.run import RunConfig
 
 run = parse_config(
@@ -35,6 +35,7 @@ run = parse_config(
     cuda=False,
 )
 assert isinstance(run, RunConfig), type(run)
+assert run_config_from_args_json(run.args_json()) == run  # the args.json reader, too
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron"))
 print(",".join(names), run.parallel.data_parallel_size, run.num_microbatches, loaded)
 """
