@@ -276,6 +276,12 @@ OPTIONAL_PACKAGES = {
 OPTIONAL_MEGATRON_MODULES = ("megatron.core.extensions.transformer_engine",)
 
 
+def _says_why(line: str) -> bool:
+    """Whether `line` holds a comment other than a linter's or formatter's pragma."""
+    pragmas = ("noqa", "type:", "fmt:", "pragma")
+    return any(c.strip() and not c.strip().startswith(pragmas) for c in line.split("#")[1:])
+
+
 def function_local_imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
     """(line, top-level package, commented) of every import inside a function of `path`; a
     relative import is megatron_ext's. `commented`: a comment on the import's line or on the
@@ -303,11 +309,11 @@ def function_local_imports(path: pathlib.Path) -> list[tuple[int, str, bool]]:
                 name = node.names[0].name if isinstance(node, ast.Import) else node.module
                 package = name.split(".")[0]
             row = node.lineno - 1
-            commented = "#" in lines[row]
+            commented = _says_why(lines[row])
             while not commented and row > 0:
                 row -= 1
                 text = lines[row].strip()
-                commented = text.startswith("#") or ("#" in text and row in import_rows)
+                commented = _says_why(text) and (text.startswith("#") or row in import_rows)
                 # A blank line between import sections (isort's) stays inside the block.
                 between = not text and row - 1 in import_rows
                 if not (commented or row in import_rows or between):
@@ -480,11 +486,26 @@ def test_function_local_import_check_sees_what_it_must(tmp_path):
         "def g():\n"
         "    x = 1\n"
         "    import lm_eval\n"
+        "def h():\n"
+        "    import numpy  # noqa: F401\n"
     )  # fmt: skip
     assert function_local_imports(planted) == [
         (2, "megatron_ext", False), (3, "torch", False), (5, "wandb", True),
-        (6, "transformers", True), (9, "lm_eval", False),
+        (6, "transformers", True), (9, "lm_eval", False), (11, "numpy", False),
     ]  # fmt: skip
+
+
+# Issue 57 asks for at most 40 function-local imports in the whole package (optional
+# dependencies, deferred slow imports, each with its reason); this bound may only go down.
+MAX_FUNCTION_LOCAL_IMPORTS = 79
+
+
+def test_function_local_imports_are_few():
+    count = sum(len(function_local_imports(path)) for path in PACKAGE.rglob("*.py"))
+    assert count <= MAX_FUNCTION_LOCAL_IMPORTS, (
+        f"{count} imports inside functions, at most {MAX_FUNCTION_LOCAL_IMPORTS}: import at "
+        "module level, or defer one import of a module that imports the rest"
+    )
 
 
 def test_reading_a_checkpoint_does_not_go_through_training():
