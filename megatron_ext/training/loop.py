@@ -169,7 +169,37 @@ class Trainer:
 
     def train(self, train_ds, valid_ds) -> str:
         """Train to --train-iters or an exit condition; return why it stopped."""
-        b, lg = self.cfg.batch, self.cfg.log
+        loader = self._train_loader(train_ds)
+        self.metrics.start(self.state.iteration)
+        iterator = iter(loader)
+        self.engine.train()
+        while self.state.iteration < self.cfg.batch.train_iters:
+            step_start, step_cpu_start = time.time(), time.process_time()
+            self.global_batch = self.extras.global_batch(self.state.consumed_train_samples)
+            self.extras.before_step(self.state.iteration + 1)
+            result = self._step(iterator)
+            self._count(result)
+            self.extras.after_step(self.state.iteration)
+            self.step_seconds = max(self.step_seconds, time.time() - step_start)
+            self._log_iteration(result, step_start, step_cpu_start)
+            it, ev, ck = self.state.iteration, self.cfg.eval, self.cfg.ckpt
+            periodic = ev.eval_interval and it % ev.eval_interval == 0  # None: after training
+            if ev.eval_iters and valid_ds is not None and periodic:
+                self.log_evaluation(self.evaluate(valid_ds), "validation")
+            self.checkpoints.poll()
+            if ck.save_interval and it % ck.save_interval == 0:
+                self.save()
+            reason = self._exit_reason(result.flags)
+            if reason is not None:
+                self._leave(reason)
+                return reason
+        self.save()
+        return "finished"
+
+    def _train_loader(self, train_ds):
+        """This rank's loader from the resumed sample on; refused when it holds fewer
+        micro-batches than the iterations left need (ramp-up included)."""
+        b = self.cfg.batch
         loader = build_data_loader(
             train_ds,
             self.state.consumed_train_samples,
@@ -190,82 +220,76 @@ class Trainer:
                 f"the training set has {len(loader.batch_sampler)} micro-batches left for this "
                 f"rank but {needed} are needed; check --train-iters and the data split"
             )
-        self.metrics.start(self.state.iteration)
-        iterator = iter(loader)
-        self.engine.train()
-        reason = "finished"
-        while self.state.iteration < b.train_iters:
-            step_start, step_cpu_start = time.time(), time.process_time()
-            self.global_batch = self.extras.global_batch(self.state.consumed_train_samples)
-            self.extras.before_step(self.state.iteration + 1)
-            result = self._step(iterator)
-            state = self.state
-            state.iteration += 1
-            state.consumed_train_samples += self.global_batch
-            state.skipped_iterations += int(result.skipped)
-            state.nonfinite_iterations += int(result.nonfinite)
-            if self.flops_per_batch:
-                state.floating_point_operations_so_far += (
-                    self.flops_per_batch * self.global_batch / b.global_batch_size
-                )
-            self.extras.after_step(state.iteration)
-            self.step_seconds = max(self.step_seconds, time.time() - step_start)
-            it = state.iteration
-            if it % lg.tensorboard_log_interval == 0 or it % lg.log_interval == 0:
-                extras = self.engine.log_stats()  # collective
-                if self.cfg.log.log_memory_to_tensorboard:
-                    extras.update(memory_stats())
-                self.metrics.extras = extras
-            loss_scale = self.engine.scaler.scale if self.engine.scaler is not None else None
-            self.metrics.iteration(
-                result,
+        return loader
+
+    def _count(self, result: StepResult) -> None:
+        """The iteration's counters: iterations, samples, skipped and non-finite steps, FLOPs."""
+        state = self.state
+        state.iteration += 1
+        state.consumed_train_samples += self.global_batch
+        state.skipped_iterations += int(result.skipped)
+        state.nonfinite_iterations += int(result.nonfinite)
+        if self.flops_per_batch:
+            state.floating_point_operations_so_far += (
+                self.flops_per_batch * self.global_batch / self.cfg.batch.global_batch_size
+            )
+
+    def _log_iteration(self, result: StepResult, step_start: float, cpu_start: float) -> None:
+        """The iteration's scalars, and its line every --log-interval."""
+        state, lg = self.state, self.cfg.log
+        it = state.iteration
+        if it % lg.tensorboard_log_interval == 0 or it % lg.log_interval == 0:
+            extras = self.engine.log_stats()  # collective
+            if lg.log_memory_to_tensorboard:
+                extras.update(memory_stats())
+            self.metrics.extras = extras
+        loss_scale = self.engine.scaler.scale if self.engine.scaler is not None else None
+        self.metrics.iteration(
+            result,
+            state,
+            global_batch=self.global_batch,
+            seconds=time.time() - step_start,
+            cpu_seconds=time.process_time() - cpu_start,
+            loss_scale=loss_scale,
+        )
+        if it % lg.log_interval == 0:
+            self.metrics.line(
                 state,
                 global_batch=self.global_batch,
-                seconds=time.time() - step_start,
-                cpu_seconds=time.process_time() - step_cpu_start,
+                lr=result.lr,
                 loss_scale=loss_scale,
+                elapsed_since_start=time.time() - self.start_time,
+                timers=self.timers.take(),
             )
-            if it % lg.log_interval == 0:
-                self.metrics.line(
-                    state,
-                    global_batch=self.global_batch,
-                    lr=result.lr,
-                    loss_scale=loss_scale,
-                    elapsed_since_start=time.time() - self.start_time,
-                    timers=self.timers.take(),
-                )
-            ev = self.cfg.eval
-            periodic = ev.eval_interval and it % ev.eval_interval == 0  # None: after training
-            if ev.eval_iters and valid_ds is not None and periodic:
-                self.log_evaluation(self.evaluate(valid_ds), "validation")
-            ck = self.cfg.ckpt
-            self.checkpoints.poll()
-            if ck.save_interval and it % ck.save_interval == 0:
-                self.save()
-            signal_received, timeout = result.flags
-            if signal_received:
-                reason = "signal"
-            elif timeout:
-                reason = "exit-duration"
-            elif self.cfg.exit.exit_interval and it % self.cfg.exit.exit_interval == 0:
-                reason = "exit-interval"
-            if reason != "finished":
-                if self.is_rank0:
-                    logger.info("exiting at iteration %d (%s)", it, reason)
-                self.save()
-                self.checkpoints.wait()
-                if reason == "exit-duration" and self.is_rank0:
-                    logger.info(
-                        "exit-duration: saved iteration %d %.1f s after the job start "
-                        "(--exit-duration-in-mins %g = %.1f s)",
-                        it,
-                        time.time() - self.start_time,
-                        self.cfg.exit.exit_duration_in_mins,
-                        60.0 * self.cfg.exit.exit_duration_in_mins,
-                    )
-                return reason
+
+    def _exit_reason(self, flags) -> Optional[str]:
+        """Why the loop stops after this iteration (None: it goes on)."""
+        signal_received, timeout = flags
+        interval = self.cfg.exit.exit_interval
+        if signal_received:
+            return "signal"
+        if timeout:
+            return "exit-duration"
+        if interval and self.state.iteration % interval == 0:
+            return "exit-interval"
+        return None
+
+    def _leave(self, reason: str) -> None:
+        """Save before an exit condition stops the loop, and wait for the save to complete."""
+        it = self.state.iteration
+        if self.is_rank0:
+            logger.info("exiting at iteration %d (%s)", it, reason)
         self.save()
-        return reason
+        self.checkpoints.wait()
+        if reason == "exit-duration" and self.is_rank0:
+            logger.info(
+                "exit-duration: saved iteration %d %.1f s after the job start "
+                "(--exit-duration-in-mins %g = %.1f s)",
+                it,
+                time.time() - self.start_time,
+                self.cfg.exit.exit_duration_in_mins,
+                60.0 * self.cfg.exit.exit_duration_in_mins,
+            )
 
 
 def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
