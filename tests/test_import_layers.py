@@ -238,6 +238,8 @@ def test_imports_go_down_the_layers():
     unplaced = {unit_of(module) for module in graph} - placed
     assert not unplaced, f"place these in LAYERS (and docs/architecture.md): {sorted(unplaced)}"
     assert len(placed) == sum(map(len, LAYERS)), "a unit is in LAYERS twice"
+    gone = placed - {unit_of(module) for module in graph}
+    assert not gone, f"drop from LAYERS (no such module): {sorted(gone)}"
     known = {edge for edge in KNOWN_UPWARD if set(edge) <= set(graph)}
     breaks = layer_breaks(graph)
     assert [edge for edge in breaks if edge not in known] == [], (
