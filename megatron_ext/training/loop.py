@@ -1,15 +1,10 @@
 """The training loop: `Trainer` (the iterations, evaluation, the exit conditions), `train`
-(datasets, the iterations, final evaluation) and `close` (logs, profiler, process groups).
-`run.py` builds a run and calls them (`pretrain`, `setup`).
-
-The loop composes four collaborators, each in its own module: the engine (`engine.Engine`:
-`engine_portable.PortableEngine`, or `megatron_engine.MegatronEngine` with --ddp-impl
-megatron) runs one global batch per `step`; the metrics logger (`metrics_logger.py`) writes
-the iteration line, TensorBoard, W&B and --log-jsonl; the checkpoint manager
-(`checkpoint_manager.py`) saves and loads the engine's parts; `run_extras.RunExtras`
-runs the feature hooks (batch ramp-up, profiler, manual GC). The loop itself owns the
-iteration counters and the exit conditions (--exit-signal-handler, --exit-duration-in-mins,
---exit-interval), each of which saves before leaving.
+(datasets, the iterations, final evaluation) and `close` (logs, profiler, process groups);
+`run.py` builds a run and calls them. The loop composes the engine (`engine.Engine`: one global
+batch per `step`), the metrics logger (`metrics_logger.py`), the checkpoint manager
+(`checkpoint_manager.py`) and `run_extras.RunExtras` (batch ramp-up, profiler, manual GC); it
+owns the iteration counters and the exit conditions (--exit-signal-handler,
+--exit-duration-in-mins, --exit-interval), each of which saves before leaving.
 """
 
 from __future__ import annotations
@@ -189,9 +184,8 @@ class Trainer:
             self.checkpoints.poll()
             if ck.save_interval and it % ck.save_interval == 0:
                 self.save()
-            reason = self._exit_reason(result.flags)
+            reason = self._stop(result.flags)
             if reason is not None:
-                self._leave(reason)
                 return reason
         self.save()
         return "finished"
@@ -262,21 +256,18 @@ class Trainer:
                 timers=self.timers.take(),
             )
 
-    def _exit_reason(self, flags) -> Optional[str]:
-        """Why the loop stops after this iteration (None: it goes on)."""
+    def _stop(self, flags) -> Optional[str]:
+        """Why the loop stops after this iteration, once it has saved (None: it goes on)."""
         signal_received, timeout = flags
-        interval = self.cfg.exit.exit_interval
+        it, interval = self.state.iteration, self.cfg.exit.exit_interval
         if signal_received:
-            return "signal"
-        if timeout:
-            return "exit-duration"
-        if interval and self.state.iteration % interval == 0:
-            return "exit-interval"
-        return None
-
-    def _leave(self, reason: str) -> None:
-        """Save before an exit condition stops the loop, and wait for the save to complete."""
-        it = self.state.iteration
+            reason = "signal"
+        elif timeout:
+            reason = "exit-duration"
+        elif interval and it % interval == 0:
+            reason = "exit-interval"
+        else:
+            return None
         if self.is_rank0:
             logger.info("exiting at iteration %d (%s)", it, reason)
         self.save()
@@ -290,6 +281,7 @@ class Trainer:
                 self.cfg.exit.exit_duration_in_mins,
                 60.0 * self.cfg.exit.exit_duration_in_mins,
             )
+        return reason
 
 
 def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
@@ -303,11 +295,8 @@ def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
     cfg = trainer.cfg
     b, ev = cfg.batch, cfg.eval
     rank0 = trainer.is_rank0
-    num_samples = [
-        b.train_iters * b.global_batch_size,
-        ev.eval_iters * b.global_batch_size,
-        ev.eval_iters * b.global_batch_size,
-    ]
+    eval_samples = ev.eval_iters * b.global_batch_size
+    num_samples = [b.train_iters * b.global_batch_size, eval_samples, eval_samples]
     train_ds, valid_ds, test_ds = datasets_provider(num_samples)
     if cfg.exit.skip_train:  # Megatron-LM's --skip-train: evaluate and exit
         if rank0:

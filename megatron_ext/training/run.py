@@ -77,44 +77,6 @@ def build_engine(cfg: RunConfig, model, forward_step, pg, phase, timers) -> Engi
     return PortableEngine(cfg, model, forward_step, pg, phase, timers)
 
 
-def _build_chunks(
-    cfg: RunConfig, pg: ProcessGroups, model_provider: ModelProvider
-) -> list[torch.nn.Module]:
-    """This pipeline rank's model: one module, or with --num-layers-per-virtual-pipeline-stage
-    its V model chunks in order (chunk c holds virtual stage c x PP + pp_rank; the embedding on
-    the first rank's chunk 0, the head on the last rank's chunk V-1).
-
-    Megatron-LM's contract: the provider builds its stage on the groups it is given, and a
-    chunk when given `vp_stage` (here also `vp_size`, the chunks per rank).
-    """
-    collection = pg.megatron_collection()
-    p = cfg.parallel
-    if p.num_layers_per_virtual_pipeline_stage is None:
-        return [
-            model_provider(
-                pre_process=pg.is_first_stage,
-                post_process=pg.is_last_stage,
-                pg_collection=collection,
-            )
-        ]
-    vp_size = p.virtual_pipeline_model_parallel_size
-    if vp_size is None:
-        raise ValueError(
-            "--num-layers-per-virtual-pipeline-stage: derive the chunks per rank first "
-            "(ParallelConfig.with_num_layers(num_layers))"
-        )
-    return [
-        model_provider(
-            pre_process=pg.is_first_stage and c == 0,
-            post_process=pg.is_last_stage and c == vp_size - 1,
-            pg_collection=collection,
-            vp_stage=c,
-            vp_size=vp_size,
-        )
-        for c in range(vp_size)
-    ]
-
-
 def setup(
     cfg: RunConfig,
     pg: ProcessGroups,
@@ -152,11 +114,8 @@ def setup(
     param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     extras = RunExtras(cfg, pg, param_bytes)
     model_config = getattr(chunks[0], "model_config", None)  # a LeviathanModel's ModelConfig
-    flops = (
-        flops_per_iteration(model_config, cfg.batch.global_batch_size)
-        if model_config is not None
-        else None
-    )
+    gbs = cfg.batch.global_batch_size
+    flops = None if model_config is None else flops_per_iteration(model_config, gbs)
     metrics = MetricsLogger(
         cfg,
         is_rank0=rank0,
@@ -216,14 +175,37 @@ def _build_model(
     model_provider: ModelProvider,
     full_model_provider: Optional[Callable[[], torch.nn.Module]],
 ) -> list[torch.nn.Module]:
-    """This rank's model chunks, with a fresh PP > 1 run's initial weights those of one stage
-    (`full_model_provider`), on the GPU where there is one."""
-    chunks = _build_chunks(cfg, pg, model_provider)
-    ck = cfg.ckpt
+    """This pipeline rank's model: one module, or with --num-layers-per-virtual-pipeline-stage
+    its V model chunks in order (chunk c holds virtual stage c x PP + pp_rank; the embedding on
+    the first rank's chunk 0, the head on the last rank's chunk V-1); a fresh PP > 1 run starts
+    from one stage's initial weights (`full_model_provider`); on the GPU where there is one.
+
+    Megatron-LM's contract: the provider builds its stage on the groups it is given, and a
+    chunk when given `vp_stage` (here also `vp_size`, the chunks per rank).
+    """
+    p, ck = cfg.parallel, cfg.ckpt
+    interleaved, vp_size = p.num_layers_per_virtual_pipeline_stage is not None, 1
+    if interleaved:
+        vp_size = p.virtual_pipeline_model_parallel_size
+        if vp_size is None:
+            raise ValueError(
+                "--num-layers-per-virtual-pipeline-stage: derive the chunks per rank first "
+                "(ParallelConfig.with_num_layers(num_layers))"
+            )
+    collection = pg.megatron_collection()
+    chunks = [
+        model_provider(
+            pre_process=pg.is_first_stage and c == 0,
+            post_process=pg.is_last_stage and c == vp_size - 1,
+            pg_collection=collection,
+            **(dict(vp_stage=c, vp_size=vp_size) if interleaved else {}),
+        )
+        for c in range(vp_size)
+    ]
     resuming = bool(ck.load) and (
         ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
     )
-    if cfg.parallel.pipeline_model_parallel_size > 1 and full_model_provider and not resuming:
+    if p.pipeline_model_parallel_size > 1 and full_model_provider and not resuming:
         for chunk in chunks:
             initialize_like_single_stage(chunk, full_model_provider, cfg.seed)
     if torch.cuda.is_available():
