@@ -1,6 +1,6 @@
 """Entry-point plumbing shared by every command (tools/, pretrain_leviathan, the console
-scripts): logging set-up, --help's layout (`ArgumentParser`, `HelpFormatter`), and expected
-failures turned into one ``error:`` line and an exit code.
+scripts): logging set-up, and expected failures turned into one ``error:`` line and an exit
+code (--help's layout is `config.flags.ArgumentParser`'s).
 
     def main(argv=None) -> int:
         return run_tool(_main, argv, errors=(CheckpointError, TokenizerError))
@@ -10,7 +10,6 @@ Library code raises its own exception classes and never exits; only entry points
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -20,8 +19,6 @@ from typing import Callable, Optional, Sequence, TextIO, Union
 
 __all__ = [
     "LOG_FORMAT",
-    "ArgumentParser",
-    "HelpFormatter",
     "LevelFormatter",
     "rank",
     "setup_logging",
@@ -49,35 +46,6 @@ class LevelFormatter(logging.Formatter):
         if record.levelno < logging.WARNING:
             return line
         return line.replace("] ", f"] {record.levelname}: ", 1)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help of every command: the description as written (its examples keep their lines),
-    and each option's default after its help, unless the help names it already (a switch is
-    off unless given; a required option says so)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help, default = action.help or "", action.default
-        if type(action).__name__ == "_ChoicesPseudoAction":  # a sub-command in the list
-            return help
-        if action.required:
-            return help + " (required)"
-        if isinstance(action, argparse.BooleanOptionalAction) and default is not None:
-            default = action.option_strings[0 if default else 1]
-        elif action.nargs == 0 or default is argparse.SUPPRESS:  # store_true / store_false
-            return help
-        else:
-            default = "none" if default is None else "%(default)s"
-        return help if "default" in help.lower() else f"{help} (default: {default})"
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """The parser of every command: --help laid out by `HelpFormatter`, its sub-commands' too
-    (argparse builds a sub-command's parser with its parent's class)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
 
 
 def setup_logging(
@@ -124,13 +92,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def _shutdown_distributed() -> None:
     """Destroy the process groups a command created (no-op if torch.distributed is unused)."""
-    if "torch.distributed" not in sys.modules:
-        return
-    # deferred: keeps torch (slow) out of this module's import
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        # deferred: keeps torch (slow) out of this module's import
+    dist = sys.modules.get("torch.distributed")  # loaded by the command if it used it
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # deferred: keeps torch and megatron.core (slow) out of this module's import
         from megatron_ext.parallel import destroy_parallel
 
         destroy_parallel()

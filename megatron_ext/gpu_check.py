@@ -34,7 +34,8 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
-from megatron_ext.cli import ArgumentParser, quiet_import_warnings, run_tool
+from megatron_ext.cli import quiet_import_warnings, run_tool
+from megatron_ext.config.flags import ArgumentParser
 
 # Without megatron-core's import-time notes that Apex / TE are missing (environment() records
 # whether TE is there): `--help` prints its usage and nothing before it.

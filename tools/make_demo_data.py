@@ -36,7 +36,8 @@ import sys
 from typing import Iterator, Optional, Sequence
 
 from megatron_ext._paths import atomic_write
-from megatron_ext.cli import ArgumentParser, run_tool
+from megatron_ext.cli import run_tool
+from megatron_ext.config.flags import ArgumentParser
 from megatron_ext.data.readers import DataError, iter_lines
 
 __all__ = [

@@ -19,9 +19,15 @@ import re
 import warnings
 from typing import Any, Optional, Sequence
 
-from megatron_ext.cli import ArgumentParser
 from megatron_ext.config.data import DataConfig, DataError
-from megatron_ext.config.flags import ArgumentError, add_flags, flag_dest, flag_fields, flag_values
+from megatron_ext.config.flags import (
+    ArgumentError,
+    ArgumentParser,
+    add_flags,
+    flag_dest,
+    flag_fields,
+    flag_values,
+)
 from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
 from megatron_ext.config.lev import LEVConfig
 from megatron_ext.config.megatron_compat import (
@@ -121,15 +127,18 @@ def model_shaping_dests() -> list[str]:
 
 
 def checkpoint_args_path(load_dir: str, iteration: Optional[int] = None) -> Optional[str]:
-    """The args.json of the latest (or `iteration`) checkpoint in `load_dir`, if any."""
-    # deferred: the checkpoint layout's module imports torch, which the configs do not
-    from megatron_ext.checkpoint.format import checkpoint_dir, read_latest_iteration
-
+    """The args.json of the latest (or `iteration`) checkpoint in `load_dir`, if any: Megatron-LM's
+    layout, `latest_checkpointed_iteration.txt` naming `iter_XXXXXXX/` (`checkpoint.format`'s)."""
     if iteration is None:
-        iteration = read_latest_iteration(load_dir)
-    if iteration is None:
-        return None
-    path = os.path.join(checkpoint_dir(load_dir, iteration), "args.json")
+        tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+        if not os.path.isfile(tracker):
+            return None
+        with open(tracker) as handle:
+            text = handle.read().strip()
+        if not text.isdigit():
+            raise ArgumentError(f"{tracker} holds {text!r}, not an iteration number")
+        iteration = int(text)
+    path = os.path.join(load_dir, f"iter_{iteration:07d}", "args.json")
     return path if os.path.isfile(path) else None
 
 

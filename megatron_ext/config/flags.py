@@ -10,8 +10,9 @@ field's (or its `command_line_default`) and whose type comes from the annotation
 refuses None where a field is `required`, a value below its `minimum`, not above `above`,
 outside its `choices` or given without the field it `needs`, and `@flag_dataclass` (a frozen
 dataclass) runs it before the config's own checks. So a new flag is one field.
-`ArgumentError` is the command line's one error type: an impossible or contradictory
-combination of flags, its message one line naming the flag to change.
+`ArgumentParser` is every command's parser (--help shows each default); `ArgumentError` the
+command line's one error type: an impossible or contradictory combination of flags, its message
+one line naming the flag to change.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any, Mapping, Optional
 
 __all__ = [
     "ArgumentError",
+    "ArgumentParser",
+    "HelpFormatter",
     "add_flags",
     "check_flag_values",
     "command_line_default",
@@ -226,3 +229,32 @@ def flag_dataclass(cls: type) -> type:
 
     cls.__post_init__ = __post_init__
     return dataclasses.dataclass(frozen=True)(cls)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help of every command: the description as written (its examples keep their lines),
+    and each option's default after its help, unless the help names it already (a switch is
+    off unless given; a required option says so)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help, default = action.help or "", action.default
+        if type(action).__name__ == "_ChoicesPseudoAction":  # a sub-command in the list
+            return help
+        if action.required:
+            return help + " (required)"
+        if isinstance(action, argparse.BooleanOptionalAction) and default is not None:
+            default = action.option_strings[0 if default else 1]
+        elif action.nargs == 0 or default is argparse.SUPPRESS:  # store_true / store_false
+            return help
+        else:
+            default = "none" if default is None else "%(default)s"
+        return help if "default" in help.lower() else f"{help} (default: {default})"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of every command: --help laid out by `HelpFormatter`, its sub-commands' too
+    (argparse builds a sub-command's parser with its parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)

@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from megatron_ext._paths import display_path
 from megatron_ext.checkpoint.lock import break_lock
-from megatron_ext.cli import ArgumentParser, run_tool
+from megatron_ext.cli import run_tool
 from megatron_ext.config.data import DataConfig
-from megatron_ext.config.flags import add_flags
+from megatron_ext.config.flags import ArgumentParser, add_flags
 from megatron_ext.config.model import EmbeddingConfig, ModelConfig
 from megatron_ext.conversion.common import DTYPES, ConversionError
 from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf

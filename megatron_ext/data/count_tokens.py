@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from megatron_ext.cli import ArgumentParser
+from megatron_ext.config.flags import ArgumentParser
 from megatron_ext.data.cli import add_tokenizer_flags, run_tool, setup_logging
 from megatron_ext.data.fingerprint import sidecar_path, tokenizer_record, write_sidecar
 from megatron_ext.data.indexed import (

@@ -13,7 +13,7 @@ import argparse
 import logging
 from typing import Optional, Sequence
 
-from megatron_ext.cli import ArgumentParser
+from megatron_ext.config.flags import ArgumentParser
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 

@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Optional, Sequence
 
-from megatron_ext.cli import ArgumentParser
+from megatron_ext.config.flags import ArgumentParser
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.indexed import merge_datasets
 from megatron_ext.data.readers import DataError

@@ -17,7 +17,7 @@ import json
 import logging
 from typing import Optional, Sequence
 
-from megatron_ext.cli import ArgumentParser
+from megatron_ext.config.flags import ArgumentParser
 from megatron_ext.data.cli import add_tokenizer_flags, run_tool, setup_logging
 from megatron_ext.data.preprocess import PreprocessConfig, config_dict, preprocess
 

@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict
 from typing import Optional, Sequence
 
-from megatron_ext.cli import ArgumentParser
+from megatron_ext.config.flags import ArgumentParser
 from megatron_ext.data.cli import run_tool, setup_logging
 from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
 

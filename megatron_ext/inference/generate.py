@@ -24,8 +24,8 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from megatron_ext._paths import atomic_write
-from megatron_ext.cli import ArgumentParser, run_tool
-from megatron_ext.config.flags import ArgumentError, add_flags
+from megatron_ext.cli import run_tool
+from megatron_ext.config.flags import ArgumentError, ArgumentParser, add_flags
 from megatron_ext.config.layout import ParallelConfig
 from megatron_ext.data.tokenizers import TokenizerError
 

@@ -13,8 +13,8 @@ import csv
 import io
 import sys
 
-from megatron_ext.cli import ArgumentParser, run_tool
-from megatron_ext.config.flags import add_flags, flag_values
+from megatron_ext.cli import run_tool
+from megatron_ext.config.flags import ArgumentParser, add_flags, flag_values
 from megatron_ext.config.layout import ParallelConfig, PrecisionConfig, check_layout
 from megatron_ext.config.lev import LEVConfig
 from megatron_ext.config.model import (

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ext import cpu_accel
-from megatron_ext.cli import ArgumentParser, run_tool
+from megatron_ext.cli import run_tool
+from megatron_ext.config.flags import ArgumentParser
 from megatron_ext.evaluation.report import write_comparison_report
 from megatron_ext.quickstart.stages import (
     Stage,

@@ -105,7 +105,7 @@ def _with_subcommands(name: str, parser: argparse.ArgumentParser):
 def test_every_option_says_what_it_does_and_its_default():
     """issue 50: --help describes every option of every command (sub-commands included), and
     the project's formatter adds each option's default where the help does not name it."""
-    from megatron_ext.cli import HelpFormatter
+    from megatron_ext.config.flags import HelpFormatter
 
     empty, plain = [], []
     for command, parser in command_parsers().items():
@@ -130,7 +130,7 @@ def test_every_option_says_what_it_does_and_its_default():
                     and not ("default" in shown or "required" in shown)
                 ):
                     empty.append(f"{name} {'/'.join(action.option_strings)}: no default shown")
-    assert not plain, f"parsers without cli.HelpFormatter: {plain}"
+    assert not plain, f"parsers without config.flags.HelpFormatter: {plain}"
     assert not empty, "options without a help text:\n" + "\n".join(empty)
 
 
