@@ -2,20 +2,14 @@
 DTensors, in Megatron-LM's layout::
 
     <save>/iter_0000100/                      DCP shards + .metadata, common.json, args.json,
-                                              rng/<rank>.pt (dropout streams included),
-                                              digests/rank<N>.json
+                                              rng/<rank>.pt, digests/rank<N>.json
     <save>/latest_checkpointed_iteration.txt  written last
     <save>/save.lock                          held by the run writing here (`lock.py`)
 
-Keys are layout-free (`model.<name>` with the single-stage names, strided shards through a
-[stride, n/stride, ...] view; `optim.<name>.exp_avg|exp_avg_sq|step`), so a checkpoint saved
-at one TP/PP/DP/VP layout, ZeRO states included, loads at another. A save writes
-`iter_XXXXXXX.tmp/`, renames it when every rank is done, then replaces the latest marker; a
-save that stops (an error, Ctrl-C) removes its `.tmp`, one a killed process left is removed by
-the next save (loads never look at it); a state with a non-finite parameter is never saved.
-A load verifies every file's digest (`digests.py`), runs no code from the checkpoint
-(`safe_load.py`), and turns an I/O failure on any rank into one `CheckpointError` naming
-the file and what to do (`io_errors.py`).
+Keys are layout-free (`model.<name>`, `optim.<name>.exp_avg|exp_avg_sq|step`), so a checkpoint
+saved at one TP/PP/DP/VP layout loads at another. A save writes `iter_XXXXXXX.tmp/` and renames
+it when every rank is done; a save that stops removes its `.tmp`; a non-finite state is never
+saved. A load verifies every file's digest first.
 """
 
 from __future__ import annotations
@@ -94,7 +88,6 @@ __all__ = [
     "checkpoint_dir",
     "read_latest_iteration",
     "save_checkpoint",
-    "remove_partial_saves",
     "load_checkpoint",
     "TRACKER_FILENAME",
 ]
@@ -195,11 +188,6 @@ def _rank_and_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _rng_file(path: str, pg: ProcessGroups) -> str:
@@ -374,19 +362,6 @@ def save_checkpoint(
         )  # fmt: skip
 
 
-def remove_partial_saves(root: str) -> list[str]:
-    """Remove the `iter_XXXXXXX.tmp/` directories in `root` (saves that never completed: a
-    process killed mid-save cannot remove its own); the names removed. Only the run that
-    holds --save's lock may call this."""
-    try:
-        names = sorted(n for n in os.listdir(root) if n.startswith("iter_") and n.endswith(".tmp"))
-    except FileNotFoundError:
-        return []
-    for name in names:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return names
-
-
 @contextlib.contextmanager
 def _partial_removed_on_failure(tmp: str):
     """Remove the partial checkpoint `tmp` when a save stops on this rank, whatever stopped it
@@ -410,7 +385,7 @@ def _save(
     try:
         if _rank0():
             os.makedirs(root, exist_ok=True)
-            remove_partial_saves(root)
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed save's; `SaveLock` sweeps others
             os.makedirs(os.path.join(tmp, "rng"))
             os.makedirs(os.path.join(tmp, DIGESTS_DIR))
     except OSError as error:

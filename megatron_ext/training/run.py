@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import cpu_accel
-from megatron_ext.checkpoint.format import read_latest_iteration, remove_partial_saves
-from megatron_ext.checkpoint.lock import SaveLock
+from megatron_ext.checkpoint.format import read_latest_iteration
+from megatron_ext.checkpoint.lock import SaveLock, remove_partial_saves
 from megatron_ext.elastic import restart_round
 from megatron_ext.parallel import (
     ProcessGroups,
@@ -261,9 +261,6 @@ def pretrain(
     try:
         cfg = cfg.resolve(dist.get_world_size())  # the data-parallel size of this world
         save_lock = SaveLock.acquire(cfg.ckpt.save) if cfg.ckpt.save else None
-        if save_lock is not None and rank0:  # a run killed mid-save left these
-            for name in remove_partial_saves(cfg.ckpt.save):
-                logger.info("removed %s, a save that an earlier run did not complete", name)
         trainer = setup(
             cfg,
             pg,
