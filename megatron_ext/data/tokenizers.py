@@ -1,21 +1,10 @@
 """Tokenizers with Megatron-LM's names and conventions.
 
-Every tokenizer exposes the same small surface, the one Megatron-Core's datasets and our
-preprocessing need:
-
-- ``vocab_size``: the number of ids the model must be able to embed (before Megatron-style
-  padding, see :func:`padded_vocab_size`);
-- ``eod``: the end-of-document id appended by ``--append-eod``;
-- ``pad``: the padding id, or ``None`` when the vocabulary has none;
-- ``tokenize(text) -> list[int]``, ``detokenize(ids) -> str`` and the batched
-  ``encode_batch(texts) -> list[list[int]]`` used by the preprocessing workers;
-- ``unique_identifiers``: an ordered dict that Megatron-Core's dataset cache hashes, so a changed
-  tokenizer file invalidates cached sample indices.
-
-Types (``--tokenizer-type``): ``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``),
-``HuggingFaceTokenizer`` (a local directory; needs the optional ``transformers``),
-``TikTokenizer`` (a local ``.tiktoken`` rank file such as ``o200k_base.tiktoken``) and
-``NullTokenizer`` (whitespace-separated integer ids; ``--vocab-size`` ids plus an EOD id).
+Each exposes ``vocab_size`` (before padding, `padded_vocab_size`), ``eod``, ``pad`` (or None),
+``tokenize``, ``detokenize``, ``encode_batch`` and ``unique_identifiers`` (hashed by
+Megatron-Core's dataset cache). ``--tokenizer-type``: ``SentencePieceTokenizer`` (alias
+``GPTSentencePieceTokenizer``), ``HuggingFaceTokenizer`` (needs ``transformers``),
+``TikTokenizer`` (a local ``.tiktoken`` file) and ``NullTokenizer`` (integer ids).
 """
 
 from __future__ import annotations
@@ -84,16 +73,6 @@ class SentencePieceTokenizer(Tokenizer):
         """Number of pieces in the SentencePiece model."""
         return int(self._sp.GetPieceSize())
 
-    @property
-    def eod(self) -> int:
-        """The model's eos id."""
-        return self._eod
-
-    @property
-    def pad(self) -> Optional[int]:
-        """The model's pad id, or None when it has none."""
-        return self._pad
-
     def tokenize(self, text: str) -> list[int]:
         """Piece ids of `text`."""
         return self._sp.Encode(text, out_type=int)
@@ -161,16 +140,6 @@ class HuggingFaceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         """`len(tokenizer)`: the base vocabulary plus added tokens."""
         return len(self._tok)
-
-    @property
-    def eod(self) -> int:
-        """The tokenizer's `eos_token_id`."""
-        return self._eod
-
-    @property
-    def pad(self) -> Optional[int]:
-        """The tokenizer's `pad_token_id`, or None when unset."""
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         """Ids of `text` without the tokenizer's special tokens (BOS/EOS)."""
@@ -301,16 +270,6 @@ class TikTokenizer(Tokenizer):
         return int(self._enc.n_vocab)
 
     @property
-    def eod(self) -> int:
-        """The id of `<|endoftext|>`."""
-        return self._eod
-
-    @property
-    def pad(self) -> Optional[int]:
-        """The id of `<|pad|>` for non-published rank files, else None."""
-        return self._pad
-
-    @property
     def split_pattern(self) -> str:
         """The regular expression that splits text into pieces before BPE."""
         return TIKTOKEN_PATTERNS.get(self._pattern, self._pattern)
@@ -350,17 +309,12 @@ class NullTokenizer(Tokenizer):
         super().__init__(None)
         if vocab_size is None or int(vocab_size) <= 0:
             raise TokenizerError("NullTokenizer needs --vocab-size > 0")
-        self._n = int(vocab_size)
+        self._n = self._eod = int(vocab_size)  # EOD: the id just past the ordinary ids
 
     @property
     def vocab_size(self) -> int:
         """`--vocab-size` plus one for the EOD id."""
         return self._n + 1
-
-    @property
-    def eod(self) -> int:
-        """The id just past the ordinary ids (`--vocab-size`)."""
-        return self._n
 
     def tokenize(self, text: str) -> list[int]:
         """The integers of whitespace-separated `text`, each checked to lie in [0, vocab)."""
