@@ -1,26 +1,12 @@
-"""Hugging Face `LlamaForCausalLM` <-> our single-stage parameter names.
+"""Hugging Face `LlamaForCausalLM` <-> our single-stage parameter names (megatron-core's:
+`decoder.layers.i.self_attention.linear_qkv` <-> q_proj | k_proj | v_proj, `mlp.linear_fc1`
+[2F, D] <-> gate_proj ; up_proj, `output_layer` <-> lm_head, absent when tied). The LEV arm
+exported as `LeviathanForCausalLM` keeps LEV's parameters: embedding.word_embeddings.<p> <->
+model.embed_tokens.<p>.
 
-    ours (megatron-core names)                         Hugging Face Llama
-    embedding.word_embeddings.weight [V, D]            model.embed_tokens.weight
-    decoder.layers.i.input_layernorm.weight            model.layers.i.input_layernorm.weight
-    decoder.layers.i.self_attention.linear_qkv.weight  q_proj | k_proj | v_proj (see below)
-    decoder.layers.i.self_attention.linear_proj.weight model.layers.i.self_attn.o_proj.weight
-    decoder.layers.i.pre_mlp_layernorm.weight          post_attention_layernorm.weight
-    decoder.layers.i.mlp.linear_fc1.weight [2F, D]     gate_proj [F, D] ; up_proj [F, D]
-    decoder.layers.i.mlp.linear_fc2.weight             down_proj
-    decoder.final_layernorm.weight                     model.norm.weight
-    output_layer.weight                                lm_head.weight (absent when tied)
-
-The LEV arm exported as `LeviathanForCausalLM` (`--hf-format leviathan`) keeps LEV's parameters
-under the same names: embedding.word_embeddings.<p> <-> model.embed_tokens.<p> (codebooks,
-seed_proj, seed_norm_weight, seed_norm_bias, spline_delta, out_proj).
-
-Megatron fuses QKV per query group: rows [ng, np/ng + 2, hn] hold each group's np/ng query
-heads, then its key head, then its value head. Llama's grouped-query attention serves query
-heads j*np/ng .. (j+1)*np/ng - 1 with key/value head j, so splitting the groups gives q/k/v in
-Llama's order. Megatron's default rotary layout (non-interleaved, rotate-half) is Llama's; an
-interleaved checkpoint (`--rotary-interleaved`) has its q/k rows permuted into that layout.
-SwiGLU's fc1 is [gate; up] and silu(gate) * up in both.
+Megatron fuses QKV per query group (rows [ng, np/ng + 2, hn]: the group's query heads, its key
+head, its value head), so splitting the groups gives Llama's grouped-query order. An
+interleaved-rotary checkpoint has its q/k rows permuted into Llama's rotate-half layout.
 """
 
 from __future__ import annotations

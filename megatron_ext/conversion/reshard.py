@@ -27,7 +27,7 @@ from tqdm import tqdm
 from megatron_ext._paths import display_path
 from megatron_ext.checkpoint.io_errors import UnsafeCheckpointError
 from megatron_ext.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
-from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+from megatron_ext.conversion.common import ConversionError, atomic_output_dir, new_output
 from megatron_ext.conversion.source import _check_shard_files
 from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
 from megatron_ext.lev.config import smallest_base
@@ -91,11 +91,7 @@ def reshard(opts: ReshardOptions) -> str:
     from megatron_ext.checkpoint.format import TRACKER_FILENAME, checkpoint_dir, save_tensors
     from megatron_ext.inference.loading import find_checkpoint, run_model_config, run_tokenizer
 
-    output = os.path.abspath(opts.output)
-    if os.path.lexists(output) and not opts.overwrite:
-        raise ConversionError(
-            f"output {display_path(output)} already exists; pass --overwrite or pick another"
-        )
+    output = new_output(opts.output, opts.overwrite)
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     run = find_checkpoint(opts.load, opts.iteration, verify=opts.verify, progress=opts.progress)
     _check_shard_files(run.path)
