@@ -2,21 +2,13 @@
 """LEV training quality at small scale: validation-loss gap of LEVIATHAN (and, with --all-arms,
 every arm) to TIED over several seeds, in this stack and in a plain-PyTorch loop.
 
-Each run is the real entry point `pretrain_leviathan.py` on one CPU process (or, for --plain,
-`benchmarks/plain_gpt.py`, an independent implementation of the same math and backbone),
-on an indexed dataset made by `tools/preprocess_data.py`. Defaults are the settings of issue 14
-(3 layers, hidden 192, 6 heads, FFN 512, seq 128, global batch 16, 1500 iterations, lr 2e-3
-warmup 100 cosine to 2e-4, weight decay 0.1, clip 1.0, LEV k=3 d_seed=64 kappa=16 r=32 h=4
-tau=2). A variant ("NAME=FLAGS") reruns the LEV arm with extra flags, one factor at a time:
+Each run is `pretrain_leviathan.py` on one CPU process (or, with --plain, `plain_gpt.py`) on an
+indexed dataset; a variant ("NAME=FLAGS") reruns the LEV arm with extra flags. Prints per
+arm/variant the final validation loss and the gap to TIED of the same seed, and writes
+`results.json` and `curves.png` into --out-dir; a finished run is not rerun.
 
     python benchmarks/bench_lev_quality.py --data-path data/kjv8k_text_document \\
-        --tokenizer-model data/kjv8k.model --seeds 0 1 2 --plain \\
-        --variant "out-std-0.02=--lev-init-output-std 0.02" --out-dir runs/lev-quality
-
-Prints, per arm/variant, the final validation loss (mean and std over seeds) and the gap to
-TIED of the same seed and implementation (mean, std, min..max), writes `results.json` and
-`curves.png` (validation curves, mean over seeds) into --out-dir. A run whose log already says
-"done (finished)" is not rerun, so a study can be extended one variant at a time.
+        --tokenizer-model data/kjv8k.model --seeds 0 1 2 --plain --out-dir runs/lev-quality
 """
 
 from __future__ import annotations
@@ -31,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from megatron_ext._paths import atomic_open, atomic_write
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
@@ -203,9 +197,8 @@ def plot(curves, path: Path) -> None:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    with atomic_open(path, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=100)
 
 
 def main() -> None:
@@ -333,9 +326,7 @@ def main() -> None:
             print(f"seed {seed}, iteration {it} (the last all four runs reached): "
                   f"stack gap {gap['stack']:+.3f}, plain gap {gap['plain']:+.3f}")  # fmt: skip
     result = dict(settings=vars(args), rows=rows, curves=curves)
-    tmp = out_dir / "results.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out_dir / "results.json")
+    atomic_write(out_dir / "results.json", json.dumps(result, indent=1))
     plot(curves, out_dir / "curves.png")
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'curves.png'}")
 

@@ -1,21 +1,10 @@
 """A plain-PyTorch GPT training loop with a TIED or a LEV input embedding: the baseline of
 `bench_lev_quality.py`.
 
-Independent of `megatron_ext` on purpose (its own model, its own LEV, its own optimizer loop):
-it answers "does the same math train the same way outside the stack?". The backbone is the
-stack's LLaMA style (pre-RMSNorm, SwiGLU, rotary positions or, with --positions learned,
-a learned absolute table, no biases), initialised as megatron-core does (N(0, 0.02); the
-attention and FFN output projections N(0, 0.02 / sqrt(2 L))). LEV follows docs/lev.md section 2
-literally (digits, summed codebooks, per-head projection + LayerNorm + sigmoid(/tau),
-normalised quadratic B-splines, product of d_seed spline values as sign * exp(sum log(|phi| +
-eps)), per-head output projection) with the spec's initialisation.
-
-Data: a Megatron indexed dataset (`tools/preprocess_data.py` output). Documents are split like
-Megatron's `--split` (the first share of documents trains, the next validates), each split is
-one token stream; training draws seq+1 windows at random positions (seeded), validation is the
-first --eval-samples windows of the validation stream, the same at every evaluation.
-
-Output: Megatron-style lines (`validation loss at iteration N | lm loss value: X`) that
+Independent of `megatron_ext` on purpose (its own model, LEV and optimizer loop): does the same
+math train the same way outside the stack? The backbone is the stack's LLaMA style, initialised
+as megatron-core does; LEV follows docs/lev.md section 2 literally. Data: a Megatron indexed
+dataset split like `--split`; prints Megatron-style validation lines that
 `bench_lev_quality.py` parses.
 
     python -m benchmarks.plain_gpt --data-path data/kjv8k_text_document \\
