@@ -1,19 +1,10 @@
 """Which tokenizer made a dataset or a checkpoint, and the check where two of them meet.
 
-Two tokenizers with the same vocabulary size can map text to entirely different ids, so the
-vocabulary size alone cannot tell whether a dataset, a counts file and a checkpoint belong
-together. Every tokenizer has a ``fingerprint`` (`Tokenizer.fingerprint`: a digest of its model
-files, type and vocabulary, not of where the files lie), recorded:
-
-- beside every dataset the project writes, as ``<dataset prefix>_tokenizer.json`` (this
-  module's *sidecar*: ``fingerprint``, ``type``, ``model``, ``vocab_size``, ``eod``), written
-  by preprocessing and merging before the ``.idx`` so that a whole dataset always has it;
-- in every checkpoint's ``args.json`` as ``tokenizer_fingerprint``.
-
-They are compared when training reads ``--data-path`` datasets, when evaluation scores a
-checkpoint on a dataset or reads its token counts, and when datasets are merged. Datasets made
-by stock Megatron-LM have no sidecar: they still load, with one warning that their tokenizer
-cannot be checked.
+Every tokenizer has a ``fingerprint`` (a digest of its model files, type and vocabulary),
+recorded beside every dataset the project writes as ``<prefix>_tokenizer.json`` (the sidecar,
+written before the ``.idx``) and in every checkpoint's ``args.json``. They are compared when
+training, evaluation or merging brings two together; datasets without a sidecar (stock
+Megatron-LM's) load with one warning.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import logging
 import os
 import struct
 import warnings
+from types import ModuleType
 from typing import Optional
 
 import numpy as np
@@ -63,23 +64,31 @@ def dataset_files(prefix: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _mcore():
-    """megatron.core.datasets.indexed_dataset, imported on first use (it imports all of
-    megatron.core, seconds of start-up) without the CPU-only Apex/TE warnings."""
+def mcore_datasets() -> ModuleType:
+    """megatron.core.datasets with the modules the data package uses, imported on first use
+    (they import all of megatron.core, seconds of start-up) without the CPU-only Apex/TE
+    warnings."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-        # deferred: keeps torch (slow) out of this module's import
+        # deferred: keeps megatron and torch (slow) out of the data modules' import
         import megatron_ext.megatron_import  # noqa: F401
 
-        from megatron.core.datasets import indexed_dataset
-    return indexed_dataset
+        from megatron.core import datasets
+        from megatron.core.datasets import (  # noqa: F401 (loaded as attributes of `datasets`)
+            blended_megatron_dataset_builder,
+            blended_megatron_dataset_config,
+            gpt_dataset,
+            indexed_dataset,
+            utils,
+        )
+    return datasets
 
 
 @functools.lru_cache(maxsize=None)
 def _fast_index_writer() -> type:
     """Megatron-Core's index writer with the sequence pointers computed by numpy."""
 
-    class _FastIndexWriter(_mcore()._IndexWriter):
+    class _FastIndexWriter(mcore_datasets().indexed_dataset._IndexWriter):
         def _sequence_pointers(self, sequence_lengths) -> np.ndarray:  # type: ignore[override]
             lengths = np.asarray(sequence_lengths, dtype=np.int64)
             pointers = np.zeros(len(lengths), dtype=np.int64)
@@ -353,7 +362,7 @@ def merge_datasets(
     if not prefixes:
         raise DataError("nothing to merge: no dataset prefixes given")
     for prefix in prefixes:
-        if not _mcore().IndexedDataset.exists(prefix):
+        if not mcore_datasets().indexed_dataset.IndexedDataset.exists(prefix):
             raise DataError(f"dataset not found: {prefix}.bin/.idx")
     for prefix in prefixes:
         check_dataset(prefix)  # every input is whole before anything is written
@@ -361,7 +370,10 @@ def merge_datasets(
     if existing and not overwrite:
         raise DataError(f"output exists: {existing[0]} (pass --overwrite to replace it)")
     record = common_record(prefixes)
-    indices = [_mcore()._IndexReader(get_idx_path(prefix), multimodal=False) for prefix in prefixes]
+    indices = [
+        mcore_datasets().indexed_dataset._IndexReader(get_idx_path(prefix), multimodal=False)
+        for prefix in prefixes
+    ]
     dtypes = {np.dtype(index.dtype) for index in indices}
     if len(dtypes) != 1:
         raise DataError(
@@ -453,10 +465,10 @@ def _concatenate_bins(prefixes, indices, bin_path: str) -> tuple[np.ndarray, np.
 def load_dataset(prefix: str):
     """Open a finished dataset with Megatron-Core's reader (for tools and tests), after
     ``check_dataset``."""
-    if not _mcore().IndexedDataset.exists(prefix):
+    if not mcore_datasets().indexed_dataset.IndexedDataset.exists(prefix):
         raise DataError(f"dataset not found: {prefix}.bin/.idx")
     check_dataset(prefix)
-    return _mcore().IndexedDataset(prefix, multimodal=False, mmap=True)
+    return mcore_datasets().indexed_dataset.IndexedDataset(prefix, multimodal=False, mmap=True)
 
 
 def num_tokens(prefix: str) -> int:

@@ -1,15 +1,9 @@
-"""Train a SentencePiece tokenizer on jsonl corpora (the engine behind
-``tools/train_tokenizer.py``).
+"""Train a SentencePiece tokenizer on jsonl corpora (the engine of ``tools/train_tokenizer.py``).
 
-Memory is bounded: the input is streamed and a fixed-size uniform sample of sentences is kept by
-reservoir sampling (Algorithm R with a seeded generator), so the result is deterministic for a
-given input, seed and ``--input-sentence-size``, and the whole Pile never needs to fit in memory.
-Documents are split at newlines; pieces longer than SentencePiece's ``max_sentence_length`` are
-cut, since SentencePiece silently drops over-long sentences.
-
-The model reserves ``<pad>`` = 0, ``<unk>`` = 1, ``<s>`` = 2 and ``</s>`` = 3 (end of document,
-Megatron's ``eod``), uses byte fallback (no id is ever unknown) and identity normalisation
-(stored tokens decode back to the exact input text).
+The input is streamed into a seeded reservoir sample of sentences (deterministic, bounded
+memory); over-long pieces are cut, as SentencePiece would silently drop them. The model reserves
+``<pad>`` = 0, ``<unk>`` = 1, ``<s>`` = 2, ``</s>`` = 3 (Megatron's ``eod``), uses byte
+fallback and identity normalisation.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from megatron_ext.data.indexed import check_dataset, counts_path, get_idx_path
 from megatron_ext.evaluation.outputs import (
     EvaluationError,
     format_markdown_table,
+    pyplot,
     save_figure,
     write_csv,
     write_json,
@@ -272,13 +273,7 @@ def write_frequency_report(
 
 
 def _plot(results: dict[str, FrequencyStats], baseline: Optional[str], path: str) -> str:
-    # deferred: matplotlib is slow to import and only the plots need it
-    import matplotlib
-
-    matplotlib.use("Agg")
-    # deferred: matplotlib is slow to import and only the plots need it
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(results)
     labels = next(iter(results.values())).labels
     width = 0.8 / len(names)

@@ -1,15 +1,10 @@
-"""lm-evaluation-harness model class for our checkpoints (any arm; TP=1 on CPU, TP>1 on the
-ranks of a torchrun world).
+"""lm-evaluation-harness model class for our checkpoints (any arm, any TP).
 
-Importing this module registers the model as `leviathan` with the harness, so that
+Importing this module registers the model as `leviathan`, so that
 `lm_eval.simple_evaluate(model="leviathan", model_args="load=ckpt/lev,batch_size=32", ...)`
-works as well as `tools/evaluate.py lm-eval` (which passes an already loaded model).
-
-Requests are scored in batches sorted by length (longest first). A context longer than the
-model's sequence length is truncated on the left, keeping the continuation whole (or its last
-`seq_length` tokens). `loglikelihood_rolling` uses the harness's own disjoint rolling windows;
-`generate_until` greedily continues with `megatron_ext.inference.generation.generate` (KV cache)
-and cuts the text at the first stop string.
+works as well as `tools/evaluate.py lm-eval`. Requests are scored in batches, longest first;
+a context too long is truncated on the left; `generate_until` continues greedily with
+`inference.generation.generate` and cuts at the first stop string.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ __all__ = [
     "EvaluationError",
     "format_markdown_table",
     "read_text_file",
+    "pyplot",
     "save_figure",
     "write_csv",
     "write_json",
@@ -100,11 +101,21 @@ def format_markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) 
     return "\n".join(lines) + "\n"
 
 
-def save_figure(fig, path: str, dpi: int = 120) -> str:
-    """Save a matplotlib figure as PNG atomically and close it."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    # deferred: matplotlib is slow to import and only the plots need it
+    import matplotlib
+
+    matplotlib.use("Agg")
     # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+    """Save a matplotlib figure as PNG atomically and close it."""
+    plt = pyplot()
     try:
         with atomic_open(path, "wb") as handle:
             fig.savefig(handle, format="png", dpi=dpi, bbox_inches="tight")
