@@ -1,19 +1,10 @@
 """Dropout's random streams on CPU, kept apart from everything else as megatron keeps them on GPU.
 
-On GPU, Megatron's dropout never draws from the CPU generator: outside tensor-parallel regions it
-draws from the CUDA default generator, inside them (`get_cuda_rng_tracker().fork()`) from the
-tracker's "model-parallel-rng" state (seed + 2718 + TP rank: different on each TP rank, the same
-across DP), and checkpoints save both. On CPU there is one generator, which other code draws
-from too, at points that differ between an uninterrupted run and a resumed one: a DataLoader
-draws its base seed when an iterator is created, and a resumed run creates its training
-iterator after the checkpoint's RNG state is restored (so its dropout masks were shifted).
-
-`CpuRNGStatesTracker` is megatron's tracker over CPU generator states: `fork(name)` runs its
-block on the CPU generator set to `name`'s state and then puts the previous state back. It also
-holds DEVICE_RNG, the CPU twin of the CUDA default generator: the training schedule runs every
-forward inside `device_rng()`, so dropout outside tensor-parallel regions draws from it and
-nothing else does. The checkpoint's RNG files save and restore the tracker's states
-(`states` / `set_states`), and `checkpoint` replays them for a recomputation.
+On GPU, dropout draws from the CUDA generator and the tracker's "model-parallel-rng" state,
+never from the CPU generator; on CPU there is one generator, which other code draws from at
+points that differ between a run and its resume. `CpuRNGStatesTracker` is megatron's tracker
+over CPU generator states, plus DEVICE_RNG (the CPU twin of the CUDA default generator, used
+inside `device_rng()`); checkpoints save its states and `checkpoint` replays them.
 """
 
 from __future__ import annotations

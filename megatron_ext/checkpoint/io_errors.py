@@ -1,18 +1,8 @@
-"""Checkpoint errors: the exception classes, and I/O failures as one clear line agreed on by
-every rank.
-
-- `CheckpointError` and its kinds: every problem with a checkpoint is one of them, its message
-  one line naming the file and what to do (the entry points print it as `error: ...`, exit 2).
-- `check_save_directory`: before the first iteration, `--save` is created, written by every
-  rank and compared with the expected checkpoint size, so that a read-only or full disk is found
-  in seconds rather than at the first save.
-- `describe_io_error`: the reason behind a failed write (no space, permission, read-only file
-  system, ...) dug out of torch.distributed.checkpoint's per-rank exception wrappers; a bare
-  "unexpected pos" from a full disk is recognised by the free space left.
-- `agree_on_failure`: every rank learns whether any rank failed, and why, so that all of them
-  stop together instead of hanging in the next collective.
-- `verify_shard_files`: each file a checkpoint's metadata refers to exists and is long enough,
-  so that a truncated shard is named (file and iteration) instead of a bare EOFError.
+"""Checkpoint errors: the exception classes (`CheckpointError` and its kinds, one line naming the
+file and what to do), and I/O failures as one clear line agreed on by every rank:
+`check_save_directory` (a read-only or full --save found before the first iteration),
+`describe_io_error` (the reason behind a failed write), `agree_on_failure` (every rank stops
+together) and `verify_shard_files` (a truncated shard named instead of a bare EOFError).
 """
 
 from __future__ import annotations

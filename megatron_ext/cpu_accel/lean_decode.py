@@ -1,17 +1,13 @@
 """A lean cached decode step for the local layer spec at TP=1: the same layers, plain torch ops.
 
-Per generated token, megatron-core's TransformerLayer machinery costs more Python than a small
-model's matmuls. `LeanDecoder` runs exactly the local spec's computation on the model's own
-weights, batch-first, with its own KV cache ([b, ng, max_s, hn] per layer, keys rotated)::
+`LeanDecoder` runs the local spec's computation on the model's own weights, batch-first, with
+its own KV cache ([b, ng, max_s, hn] per layer, keys rotated)::
 
     decoder = LeanDecoder(model, batch=2, max_sequence_length=64)   # raises if not covered
     logits = decoder(tokens[:, :5])   # prefill: [b, 5] -> next-token logits [b, V]
     logits = decoder(tokens[:, 5:6])  # one decoding step
 
-The embedding is the model's own module (every arm; LEV from its eval table). On CPU the decoder
-holds each weight transposed ([in, out]: MKL repacks an [out, in] weight on every small matmul),
-one more copy of the weights per decoder. `lean_decode_unsupported` names what a model has that
-the lean step does not cover (TP, biases, MoE, ...); callers then run megatron's path and say so.
+`lean_decode_unsupported` names what a model has that it does not cover (TP, biases, MoE...).
 """
 
 from __future__ import annotations

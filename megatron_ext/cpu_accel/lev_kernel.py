@@ -86,9 +86,7 @@ def _ptr(tensor: torch.Tensor) -> int:
 class CpuSeedNorm:
     """Step 3b up to the sigmoid in C++ (`lev.kernels.SeedNorm`): one pass per (id, head) row
     for y = LayerNorm(u) * gain + shift, and for dL/du; dL/dgain and dL/dshift summed column by
-    column in id order (the same bits for any thread count). Against `TORCH_SEED_NORM`
-    (layer_norm and addcmul, their autograd) at 900 ids, h*d = 1024, float32, 2 threads:
-    forward 0.56 -> 0.17 ms, backward 2.2 -> 0.48 ms."""
+    column in id order (the same bits for any thread count)."""
 
     def forward(self, u, gain, shift, eps) -> torch.Tensor:
         """u [N, h, d], gain and shift [h, d] (contiguous) -> y [N, h, d]."""

@@ -3,13 +3,9 @@
     python tools/generate.py --load ckpt/lev --prompt "The river" --max-new-tokens 64
     python tools/generate.py --load ckpt/lev --prompts-file prompts.txt --temperature 0.8 \\
         --top-p 0.9 --seed 1 --output completions.jsonl
-    torchrun --nproc-per-node 2 tools/generate.py --load ckpt/lev \\
-        --tensor-model-parallel-size 2 --prompt "The river"      # the training layout on GPUs
 
 A prompts file holds one prompt per line (.txt) or {"prompt": ...} objects (.jsonl). Greedy by
-default; generation stops at the tokenizer's end-of-document id unless --no-stop-at-eod.
-Results are printed, or written as jsonl (prompt, completion, token ids, why it stopped).
-Bad input ends with one line on stderr and exit code 2.
+default; stops at end-of-document unless --no-stop-at-eod.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Autoregressive text generation with a KV cache, for any arm at TP=1 or TP>1.
+"""Autoregressive text generation with a KV cache (megatron-core's `StaticInferenceContext`),
+for any arm at any TP.
 
-    new_tokens = generate(model, [[5, 17, 3], [5, 9]], SamplingConfig(max_new_tokens=32),
-                          tp_group=pg.tp)  # pg from init_inference_parallel; None: no TP
-
-The cache is megatron-core's `StaticInferenceContext`. Prompts of different lengths share one
-batch as megatron's static engine does it: the shortest prompt is prefilled for every row, then
-each step feeds one token per row (its own prompt token while it has one), with no padding or
-mask, so every row computes what it would alone. Under TP every rank passes the same prompts
-and the token chosen on TP rank 0 is broadcast. LEV embeds through its eval table, checked or
-built once per call. `step="lean"` (TP=1, local spec) computes the same logits with the CPU
-accelerations' `LeanDecoder`; `decode_step_for` says which step covers a model.
+Prompts of different lengths share one batch as megatron's static engine does it (the shortest
+prompt prefilled, then one token per row, its own prompt token while it has one), so every row
+computes what it would alone. Under TP the token chosen on TP rank 0 is broadcast.
+`step="lean"` computes the same logits with the CPU accelerations' `LeanDecoder`.
 """
 
 from __future__ import annotations
