@@ -20,11 +20,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron_ext._paths import atomic_open
 from megatron_ext.cli import ArgumentParser
 from megatron_ext.data.cli import add_tokenizer_flags, run_tool, setup_logging
-from megatron_ext.data.fingerprint import sidecar_path, tokenizer_record, write_sidecar
+from megatron_ext.data.fingerprint import place_sidecar, sidecar_path, tokenizer_record
 from megatron_ext.data.indexed import (
-    TMP_SUFFIX,
     check_dataset,
     counts_path,
     get_bin_path,
@@ -80,20 +80,10 @@ def write_counts(
         )
     if size is not None:
         counts = np.pad(counts, (0, size - counts.size))
-    pairs = [(path + TMP_SUFFIX, path)]
-    try:
-        with open(pairs[0][0], "wb") as handle:  # a file object: no second ".npy" suffix
-            np.save(handle, counts, allow_pickle=False)
-        if tokenizer is not None:
-            record = sidecar_path(prefix)
-            write_sidecar(record + TMP_SUFFIX, tokenizer_record(tokenizer))
-            pairs.append((record + TMP_SUFFIX, record))
-        for tmp, final in pairs:
-            os.replace(tmp, final)
-    finally:
-        for tmp, _ in pairs:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    with atomic_open(path, "wb") as handle:  # a file object: no second ".npy" suffix
+        np.save(handle, counts, allow_pickle=False)
+    if tokenizer is not None:
+        place_sidecar(prefix, tokenizer_record(tokenizer))
     return path
 
 

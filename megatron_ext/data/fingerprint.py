@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Optional, Sequence
 
+from megatron_ext._paths import atomic_write
 from megatron_ext.data.readers import DataError
 
 logger = logging.getLogger(__name__)
@@ -24,9 +25,9 @@ __all__ = [
     "check_dataset_tokenizers",
     "common_record",
     "read_sidecar",
+    "place_sidecar",
     "sidecar_path",
     "tokenizer_record",
-    "write_sidecar",
 ]
 
 SIDECAR_SUFFIX = "_tokenizer.json"
@@ -59,11 +60,15 @@ def sidecar_path(prefix: str) -> str:
     return prefix + SIDECAR_SUFFIX
 
 
-def write_sidecar(path: str, record: dict) -> None:
-    """Write `record` as JSON to `path` (callers write to a temporary name and rename)."""
-    with open(path, "w") as handle:
-        json.dump(record, handle, indent=1, sort_keys=True)
-        handle.write("\n")
+def place_sidecar(prefix: str, record: Optional[dict]) -> None:
+    """Write (atomically) the tokenizer record of the dataset ``prefix``, or with None remove
+    it (an overwritten dataset must not keep another tokenizer's record)."""
+    path = sidecar_path(prefix)
+    if record is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    atomic_write(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def read_sidecar(prefix: str) -> Optional[dict]:

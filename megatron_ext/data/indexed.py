@@ -21,8 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_ext._paths import atomic_path
-from megatron_ext.data.fingerprint import common_record, sidecar_path, write_sidecar
+from megatron_ext.data.fingerprint import common_record, place_sidecar
 from megatron_ext.data.readers import DataError
 
 logger = logging.getLogger(__name__)
@@ -302,7 +301,7 @@ class DatasetWriter:
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
         _write_index(self._tmp[1], self.dtype, lengths)
         _save_npy(self._tmp[2], self.counts)
-        _place_sidecar(self.prefix, self.tokenizer_record)
+        place_sidecar(self.prefix, self.tokenizer_record)
         # counts, bin, idx: the .idx appears last, so its presence means the dataset is whole.
         _replace_all([(self._tmp[2], self._final[2]), (self._tmp[0], self._final[0])])
         _replace_all([(self._tmp[1], self._final[1])])
@@ -322,17 +321,6 @@ class DatasetWriter:
                 os.remove(path)
             except FileNotFoundError:
                 pass
-
-
-def _place_sidecar(prefix: str, record: Optional[dict]) -> None:
-    """Write (atomically) or remove the tokenizer record of the dataset ``prefix``."""
-    path = sidecar_path(prefix)
-    if record is None:
-        if os.path.exists(path):
-            os.remove(path)  # an overwritten dataset must not keep another tokenizer's record
-        return
-    with atomic_path(path) as tmp:
-        write_sidecar(tmp, record)
 
 
 def read_counts(prefix: str) -> np.ndarray:
@@ -393,7 +381,7 @@ def merge_datasets(
         if counts is not None:
             _save_npy(tmp[2], counts)
             pairs.insert(0, (tmp[2], final[2]))
-        _place_sidecar(output_prefix, record)
+        place_sidecar(output_prefix, record)
         _replace_all(pairs)
         _replace_all([(tmp[1], final[1])])
     except BaseException:
