@@ -27,14 +27,7 @@ from megatron_ext.checkpoint.lock import break_lock
 from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.config_flags import add_flags
 from megatron_ext.conversion.common import DTYPES, ConversionError
-from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
-from megatron_ext.conversion.export_megatron import (
-    ExportMegatronOptions,
-    export_megatron,
-)
 from megatron_ext.conversion.hf import HF_FORMATS
-from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
-from megatron_ext.conversion.reshard import ReshardOptions, reshard
 from megatron_ext.data.loading import DataConfig
 from megatron_ext.data.tokenizers import TokenizerError
 from megatron_ext.models.config import EmbeddingConfig, ModelConfig
@@ -185,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> str:
+    # deferred: the converters import megatron.core (slow), which --help does without
+    from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
+    from megatron_ext.conversion.export_megatron import ExportMegatronOptions, export_megatron
+    from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
+    from megatron_ext.conversion.reshard import ReshardOptions, reshard
+
     if args.command == "import-hf":
         return import_hf(
             ImportHFOptions(

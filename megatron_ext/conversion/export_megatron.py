@@ -25,6 +25,7 @@ from megatron_ext.conversion.common import ConversionError, atomic_output_dir, n
 from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
 from megatron_ext.data.tokenizers import padded_vocab_size
 from megatron_ext.models.config import EmbeddingConfig
+from megatron_ext.models.full_state_dict import tp_shard
 from megatron_ext.models.layout import ParallelConfig, check_layout
 
 __all__ = ["ExportMegatronOptions", "export_megatron", "megatron_rank_state_dict", "TP_LAYOUT"]
@@ -80,9 +81,6 @@ def megatron_rank_state_dict(
     pp_size: int,
 ) -> dict[str, torch.Tensor]:
     """One (TP, PP) rank's state dict from megatron-named full tensors (stage-local layers)."""
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.models.full_state_dict import tp_shard
-
     per_stage = num_layers // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     out: dict[str, torch.Tensor] = {}

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from megatron_ext.checkpoint.format import TrainState, save_checkpoint
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir, new_output
 from megatron_ext.conversion.hf import (
     LEV_CONFIG_FIELDS,
@@ -30,7 +31,11 @@ from megatron_ext.conversion.hf import (
     read_hf_checkpoint,
 )
 from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer, padded_vocab_size
+from megatron_ext.inference.loading import init_inference_parallel
+from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
 from megatron_ext.models.config import model_config_from_args_json
+from megatron_ext.models.full_state_dict import load_full_state_dict
+from megatron_ext.training.arguments import args_json_of_flags
 
 __all__ = ["ImportHFOptions", "import_hf", "TOKENIZER_FILES"]
 
@@ -184,13 +189,6 @@ def _tokenizer(hf_dir: str) -> tuple[list[str], int, str]:
 
 def import_hf(opts: ImportHFOptions) -> str:
     """Write the checkpoint directory; returns its path."""
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.checkpoint.format import TrainState, save_checkpoint
-    from megatron_ext.inference.loading import init_inference_parallel
-    from megatron_ext.models import ParallelConfig, PrecisionConfig, build_model
-    from megatron_ext.models.full_state_dict import load_full_state_dict
-    from megatron_ext.training.arguments import args_json_of_flags
-
     output = new_output(opts.output, opts.overwrite)
     config, tensors = read_hf_checkpoint(opts.hf_dir)
     arm, lev = _arm(config, tensors, opts)

@@ -20,7 +20,16 @@ from megatron_ext._paths import display_path
 from megatron_ext.checkpoint.safe_load import read_metadata
 from megatron_ext.conversion.common import ConversionError
 from megatron_ext.data.tokenizers import TokenizerError, padded_vocab_size
+from megatron_ext.inference.loading import (
+    find_checkpoint,
+    init_inference_parallel,
+    load_model,
+    run_model_config,
+    run_tokenizer,
+)
+from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.lev.table import LEVTable
+from megatron_ext.models.full_state_dict import gather_full_state_dict
 
 __all__ = [
     "LoadedCheckpoint",
@@ -94,16 +103,6 @@ def load_checkpoint_full(
     Raises:
         ConversionError / CheckpointError: every problem, as one line.
     """
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.inference.loading import (
-        find_checkpoint,
-        init_inference_parallel,
-        load_model,
-        run_model_config,
-        run_tokenizer,
-    )
-    from megatron_ext.models.full_state_dict import gather_full_state_dict
-
     run = find_checkpoint(load_dir, iteration, verify=verify, progress=progress)
     saved = run.args.embedding_type
     if embedding_type is not None and embedding_type != saved:
@@ -181,9 +180,6 @@ def materialize_module_table(
     table is returned as it is (detached, sharing the weight's storage: read it, do not modify
     it), or as a copy in `dtype` when one is given and differs.
     """
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.lev.layer import LEVEmbedding
-
     if hasattr(module, "weight") and not list(module.children()):
         return module.weight.detach().to(dtype or module.weight.dtype)
     vocab = module.vocab_size if hasattr(module, "vocab_size") else module.num_embeddings
