@@ -86,10 +86,6 @@ class SentencePieceTokenizer(Tokenizer):
         """Text decoded from piece ids."""
         return self._sp.Decode([int(i) for i in ids])
 
-    def id_to_piece(self, token_id: int) -> str:
-        """The piece string of one id (for inspection and tests)."""
-        return self._sp.IdToPiece(int(token_id))
-
 
 class HuggingFaceTokenizer(Tokenizer):
     """A Hugging Face tokenizer saved in a local directory (``tokenizer.json`` and friends).

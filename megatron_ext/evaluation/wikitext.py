@@ -122,11 +122,6 @@ class Window:
     end: int
     scored_after: int
 
-    @property
-    def num_scored(self) -> int:
-        """Targets this window scores: stream positions scored_after + 1 .. end."""
-        return self.end - self.scored_after
-
 
 def rolling_windows(num_targets: int, context: int, stride: int) -> list[Window]:
     """Windows scoring targets 1..num_targets once each (see the module docstring).
