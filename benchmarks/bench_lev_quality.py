@@ -24,9 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_ext._paths import atomic_open, atomic_write
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks.harness` when this file runs as a script
+
+from benchmarks.harness import add_study_flags  # noqa: E402
+from megatron_ext._paths import atomic_open, atomic_write  # noqa: E402
+
 ALL_ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
 _VAL = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
 _LEV_FLAGS = ("num_digits", "seed_dim", "num_knots", "rank", "num_heads", "temperature")
@@ -233,21 +236,7 @@ def main() -> None:
     )
     p.add_argument("--extra", default="", help="more pretrain_leviathan.py flags for every run")
     p.add_argument("--plain-extra", type=shlex.split, default=[], help="more plain-baseline flags")
-    p.add_argument("--num-layers", type=int, default=3)
-    p.add_argument("--hidden-size", type=int, default=192)
-    p.add_argument("--num-attention-heads", type=int, default=6)
-    p.add_argument("--ffn-hidden-size", type=int, default=512)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--train-iters", type=int, default=1500)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr", type=float, default=2e-4)
-    p.add_argument("--lr-warmup-iters", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--adam-beta2", type=float, default=0.999)
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-samples", type=int, default=128, help="validation samples per eval")
+    add_study_flags(p)
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--lev-num-digits", type=int, default=3)
     p.add_argument("--lev-seed-dim", type=int, default=64)

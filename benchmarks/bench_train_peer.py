@@ -29,7 +29,6 @@ from benchmarks.harness import CLOCKS, median_rate, ratio_line  # noqa: E402
 
 RECORD_FIELD = {"wall": "seconds", "cpu_seconds": "cpu_seconds"}
 """--log-jsonl's field of each --clock."""
-"""--clock: (our --log-jsonl field, the peer loop's clock)."""
 
 
 def _flags(args) -> list[str]:

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness import add_study_flags
+
 # ----------------------------------------------------------------------------- LEV
 
 
@@ -178,26 +180,12 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--embedding", choices=("tied", "lev"), default="lev")
     p.add_argument("--positions", choices=("rope", "learned"), default="rope")
-    p.add_argument("--num-layers", type=int, default=3)
-    p.add_argument("--hidden-size", type=int, default=192)
-    p.add_argument("--num-attention-heads", type=int, default=6)
-    p.add_argument("--ffn-hidden-size", type=int, default=512)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--train-iters", type=int, default=1500)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr", type=float, default=2e-4)
-    p.add_argument("--lr-warmup-iters", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    add_study_flags(p)
     p.add_argument(
         "--decay-all", action="store_true", help="weight decay on every parameter (else >= 2-D)"
     )
     p.add_argument("--adam-beta1", type=float, default=0.9)
-    p.add_argument("--adam-beta2", type=float, default=0.999)
-    p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-samples", type=int, default=128)
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--lev-num-digits", type=int, default=3)
     p.add_argument("--lev-seed-dim", type=int, default=64)
