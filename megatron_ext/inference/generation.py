@@ -167,24 +167,15 @@ def generate(
     vocab_size: Optional[int] = None,
     step: str = "megatron",
 ) -> list[list[int]]:
-    """Continue every prompt; returns the new ids of each (without the stop token).
+    """Continue every prompt (token ids, at least one each); returns the new ids of each
+    (without the stop token).
 
-    Args:
-        model: a `LeviathanModel` (or megatron GPTModel) in eval mode, holding the whole
-            pipeline (PP=1); under TP>1 every rank of the TP group calls this with the same
-            prompts and gets the same result.
-        prompts: token ids, at least one per prompt.
-        cfg: sampling settings.
-        tp_group: the model's tensor-parallel group (`ProcessGroups.tp`): the token chosen on
-            its first rank is broadcast over it. None: the model is not tensor-parallel
-            (refused for a TP>1 model).
-        vocab_size: the tokenizer's vocabulary; ids at or above it (the padding of
-            make-vocab-size-divisible-by) are never produced.
-        step: "megatron" runs each step through the model's forward with megatron's
-            `StaticInferenceContext` (or without a cache when `cfg.use_cache` is False);
-            "lean" runs the CPU accelerations' `LeanDecoder` (same logits, plain torch ops,
-            TP=1 local spec with the cache only; `decode_step_for` picks one and says why). A
-            model the lean step does not cover is refused, never silently run the other way.
+    `model` is an eval-mode `LeviathanModel` (or GPTModel) holding the whole pipeline; under
+    TP>1 every rank of `tp_group` passes the same prompts and the token chosen on its first rank
+    is broadcast (None: no TP, refused for a TP>1 model). Ids at or above `vocab_size` (the
+    padding) are never produced. `step` "megatron" runs the model's forward (with megatron's
+    `StaticInferenceContext` unless `cfg.use_cache` is False); "lean" the CPU accelerations'
+    `LeanDecoder` (TP=1 local spec, cache only; a model it does not cover is refused).
     """
     inner = _check_request(model, prompts, cfg, step)
     if cfg.max_new_tokens == 0:
