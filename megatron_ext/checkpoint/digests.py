@@ -38,6 +38,7 @@ __all__ = [
     "Verification",
     "file_digest",
     "manifest_path",
+    "rank_and_world",
     "verify_checkpoint",
     "write_manifest",
 ]
@@ -358,7 +359,8 @@ def _check_file(
     return None
 
 
-def _world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """(this rank, the world size); (0, 1) without torch.distributed."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -377,7 +379,7 @@ def verify_checkpoint(checkpoint: str, progress: bool = False) -> Verification:
     """
     if not os.path.isdir(os.path.join(checkpoint, DIGESTS_DIR)):
         return Verification(has_digests=False)
-    rank, world_size = _world()
+    rank, world_size = rank_and_world()
     manifests = _read_manifests(checkpoint)
     entries = manifests.entries
     mine = _share(entries, rank, world_size)

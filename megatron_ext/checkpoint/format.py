@@ -45,11 +45,13 @@ from megatron_ext.checkpoint.digests import (
     FileDigest,
     Verification,
     file_digest,
+    rank_and_world,
     verify_checkpoint,
     write_manifest,
 )
 from megatron_ext.checkpoint.io_errors import (
     CHECKPOINT_IO_ERRORS,
+    ITER_RE,
     CheckpointDigestError,
     CheckpointError,
     CheckpointSaveError,
@@ -60,6 +62,7 @@ from megatron_ext.checkpoint.io_errors import (
     describe_io_error,
     older_checkpoints_hint,
     older_iterations,
+    saved_iterations,
     verify_shard_files,
 )
 from megatron_ext.checkpoint.safe_load import (
@@ -94,7 +97,6 @@ __all__ = [
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
 @dataclass
@@ -140,7 +142,7 @@ def locate_checkpoint(load_dir: str, iteration: Optional[int] = None) -> tuple[s
         raise CheckpointError(f"checkpoint directory {display_path(load_dir)} does not exist")
     name = os.path.basename(load_dir.rstrip(os.sep))
     if name.startswith("iter_") and iteration is None:
-        if _ITER_RE.match(name) is None:
+        if ITER_RE.match(name) is None:
             raise CheckpointError(f"{display_path(load_dir)} is not a checkpoint directory")
         return os.path.dirname(load_dir), int(name[len("iter_") :])
     if iteration is None:
@@ -182,12 +184,6 @@ def _schedule_flags(ours: dict, saved: dict) -> str:
 
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _rng_file(path: str, pg: ProcessGroups) -> str:
@@ -310,10 +306,7 @@ def _all_finite(model: torch.nn.Module | Sequence[torch.nn.Module]) -> bool:
 
 
 def _prune(root: str, keep_last: int, latest: int) -> None:
-    iterations = sorted(
-        int(m.group(1)) for m in (_ITER_RE.match(n) for n in os.listdir(root)) if m is not None
-    )
-    for iteration in iterations[:-keep_last]:
+    for iteration in saved_iterations(root)[:-keep_last]:
         if iteration != latest:
             shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
             logger.info("removed old checkpoint %s", checkpoint_dir(root, iteration))
@@ -524,7 +517,7 @@ def _write_rank_files(tmp: str, files: _RankFiles) -> None:
     digests: dict[str, FileDigest] = dict(files.writer.shard_digests())
     for path in written:
         digests[os.path.relpath(path, tmp).replace(os.sep, "/")] = file_digest(path)
-    rank, world_size = _rank_and_world()
+    rank, world_size = rank_and_world()
     write_manifest(tmp, rank, world_size, digests)
 
 
@@ -575,10 +568,6 @@ class PendingSave:
             except CHECKPOINT_IO_ERRORS as error:
                 return self.finish(error=error)
             return self.finish()
-
-
-def _read_metadata(path: str):
-    return read_metadata(os.path.join(path, ".metadata"))
 
 
 def _check_same_arm(path: str, model: torch.nn.Module) -> None:
@@ -724,7 +713,7 @@ def _open_checkpoint(root: str, iteration: int, model, verify: bool) -> tuple[st
         with open(common_path) as handle:
             common = json.load(handle)
         _check_same_arm(path, model)
-        metadata = _read_metadata(path)
+        metadata = read_metadata(os.path.join(path, ".metadata"))
     problem = None if verified is not None and verified.ok else verify_shard_files(path, metadata)
     if problem is not None:
         raise CheckpointError(

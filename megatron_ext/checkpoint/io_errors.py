@@ -24,12 +24,14 @@ __all__ = [
     "SaveLockError",
     "UnsafeCheckpointError",
     "CHECKPOINT_IO_ERRORS",
+    "ITER_RE",
     "agree_on_failure",
     "check_save_directory",
     "describe_io_error",
     "causes",
     "older_checkpoints_hint",
     "older_iterations",
+    "saved_iterations",
     "verify_shard_files",
 ]
 
@@ -73,7 +75,7 @@ _REASONS = {
     errno.EFBIG: "file too large",
     errno.EIO: "input/output error",
 }
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
 def _human(num_bytes: float) -> str:
@@ -178,16 +180,18 @@ def check_save_directory(root: str, needed_bytes: int) -> Optional[str]:
     return agree_on_failure(problem)
 
 
-def older_iterations(root: str, iteration: int) -> list[int]:
-    """The iterations of the checkpoints in `root` older than `iteration`, newest first."""
+def saved_iterations(root: str) -> list[int]:
+    """The iterations of the `iter_XXXXXXX` directories in `root`, oldest first."""
     try:
         names = os.listdir(root)
     except OSError:
         names = []
-    return sorted(
-        (int(m.group(1)) for m in map(_ITER_RE.match, names) if m and int(m.group(1)) < iteration),
-        reverse=True,
-    )
+    return sorted(int(m.group(1)) for m in map(ITER_RE.match, names) if m)
+
+
+def older_iterations(root: str, iteration: int) -> list[int]:
+    """The iterations of the checkpoints in `root` older than `iteration`, newest first."""
+    return [i for i in reversed(saved_iterations(root)) if i < iteration]
 
 
 def older_checkpoints_hint(root: str, iteration: int) -> str:
