@@ -204,7 +204,7 @@ def plot(curves, path: Path) -> None:
         fig.savefig(handle, format="png", dpi=100)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-path", required=True, help="indexed dataset prefix (.bin/.idx)")
     p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model of the data")
@@ -248,6 +248,42 @@ def main() -> None:
     args = p.parse_args()
     if args.eval_samples < args.global_batch_size:
         sys.exit("bench_lev_quality: --eval-samples must be >= --global-batch-size")
+    return args
+
+
+def print_summary(rows: list[dict], curves: dict, args: argparse.Namespace) -> None:
+    """The table of final losses and gaps to TIED, and the stack / plain gap comparisons."""
+    print(f"\nfinal validation loss after {args.train_iters} iterations (mean ± std over seeds)")
+    print(f"{'run group':30s} {'seeds':>7s} {'val loss':>15s} {'gap to TIED':>15s}  gap per seed")
+    for row in rows:
+        gap = "" if row["gap"] is None else f"{row['gap']:+.3f} ± {row['gap_std']:.3f}"
+        per_seed = " ".join(
+            f"{g:+.3f}" + ("" if row["gap_iterations"][s] == args.train_iters else
+                           f" (at {row['gap_iterations'][s]})")
+            for s, g in row["gaps"].items()
+        )  # fmt: skip
+        if row["last_iteration"] < args.train_iters:
+            per_seed += f"  [running: {row['last_iteration']} iterations so far]"
+        seeds = ",".join(map(str, row["seeds"]))
+        print(f"{row['group']:30s} {seeds:>7s} {row['final']:7.3f} ± {row['final_std']:.3f} "
+              f"{gap:>15s}  {per_seed}")  # fmt: skip
+    gaps = {r["group"]: r for r in rows if r["gap"] is not None}
+    done = {g for g, r in gaps.items() if r["last_iteration"] >= args.train_iters}
+    if {"stack/lev", "plain/lev"} <= done:
+        diff = gaps["stack/lev"]["gap"] - gaps["plain/lev"]["gap"]
+        print(f"stack gap - plain gap: {diff:+.3f}")
+    pair_groups = ("stack/lev", "stack/tied", "plain/lev", "plain/tied")
+    if all(g in curves for g in pair_groups):  # like for like, also while runs are in progress
+        for seed in sorted(set.intersection(*(set(curves[g]) for g in pair_groups))):
+            it = max(set.intersection(*(set(curves[g][seed]) for g in pair_groups)))
+            gap = {i: curves[f"{i}/lev"][seed][it] - curves[f"{i}/tied"][seed][it]
+                   for i in ("stack", "plain")}  # fmt: skip
+            print(f"seed {seed}, iteration {it} (the last all four runs reached): "
+                  f"stack gap {gap['stack']:+.3f}, plain gap {gap['plain']:+.3f}")  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
     variants = {}
     for item in args.variant:
         name, sep, flags = item.partition("=")
@@ -287,33 +323,7 @@ def main() -> None:
         sys.exit(f"bench_lev_quality: no finished run in {out_dir}")
 
     rows = summarise(curves)
-    print(f"\nfinal validation loss after {args.train_iters} iterations (mean ± std over seeds)")
-    print(f"{'run group':30s} {'seeds':>7s} {'val loss':>15s} {'gap to TIED':>15s}  gap per seed")
-    for row in rows:
-        gap = "" if row["gap"] is None else f"{row['gap']:+.3f} ± {row['gap_std']:.3f}"
-        per_seed = " ".join(
-            f"{g:+.3f}" + ("" if row["gap_iterations"][s] == args.train_iters else
-                           f" (at {row['gap_iterations'][s]})")
-            for s, g in row["gaps"].items()
-        )  # fmt: skip
-        if row["last_iteration"] < args.train_iters:
-            per_seed += f"  [running: {row['last_iteration']} iterations so far]"
-        seeds = ",".join(map(str, row["seeds"]))
-        print(f"{row['group']:30s} {seeds:>7s} {row['final']:7.3f} ± {row['final_std']:.3f} "
-              f"{gap:>15s}  {per_seed}")  # fmt: skip
-    gaps = {r["group"]: r for r in rows if r["gap"] is not None}
-    done = {g for g, r in gaps.items() if r["last_iteration"] >= args.train_iters}
-    if {"stack/lev", "plain/lev"} <= done:
-        diff = gaps["stack/lev"]["gap"] - gaps["plain/lev"]["gap"]
-        print(f"stack gap - plain gap: {diff:+.3f}")
-    pair_groups = ("stack/lev", "stack/tied", "plain/lev", "plain/tied")
-    if all(g in curves for g in pair_groups):  # like for like, also while runs are in progress
-        for seed in sorted(set.intersection(*(set(curves[g]) for g in pair_groups))):
-            it = max(set.intersection(*(set(curves[g][seed]) for g in pair_groups)))
-            gap = {i: curves[f"{i}/lev"][seed][it] - curves[f"{i}/tied"][seed][it]
-                   for i in ("stack", "plain")}  # fmt: skip
-            print(f"seed {seed}, iteration {it} (the last all four runs reached): "
-                  f"stack gap {gap['stack']:+.3f}, plain gap {gap['plain']:+.3f}")  # fmt: skip
+    print_summary(rows, curves, args)
     result = dict(settings=vars(args), rows=rows, curves=curves)
     atomic_write(out_dir / "results.json", json.dumps(result, indent=1))
     plot(curves, out_dir / "curves.png")
