@@ -128,10 +128,7 @@ def _iter_zstd_blocks(handle: BinaryIO, path: str) -> Iterator[bytes]:
     dctx = zstandard.ZstdDecompressor()
     dobj = dctx.decompressobj()
     in_frame = False
-    while True:
-        compressed = handle.read(_BLOCK)
-        if not compressed:
-            break
+    for compressed in iter(lambda: handle.read(_BLOCK), b""):
         while compressed:
             try:
                 out = dobj.decompress(compressed)
@@ -171,21 +168,13 @@ def iter_blocks(path: str) -> Iterator[bytes]:
         elif path.endswith(".gz"):
             try:
                 with gzip.GzipFile(fileobj=handle) as gz:
-                    while True:
-                        block = gz.read(_BLOCK)
-                        if not block:
-                            break
-                        yield block
+                    yield from iter(lambda: gz.read(_BLOCK), b"")
             except EOFError:
                 raise CorruptInputError(f"{path}: truncated gzip file") from None
             except (gzip.BadGzipFile, zlib.error) as error:
                 raise CorruptInputError(f"{path}: corrupt gzip data ({error})") from None
         else:
-            while True:
-                block = handle.read(_BLOCK)
-                if not block:
-                    break
-                yield block
+            yield from iter(lambda: handle.read(_BLOCK), b"")
 
 
 def iter_line_chunks(path: str, chunk_bytes: int = 1 << 20) -> Iterator[tuple[int, bytes]]:
