@@ -108,15 +108,12 @@ def run_command(
         try:
             for line in proc.stdout:
                 fh.write(line)
-                if show is not None and show.search(line):
-                    say("    " + compact_iteration_line(line.rstrip()))
+                _echo(line, show)
         except KeyboardInterrupt:
             _stop(proc)
             raise
         rc = _wait(proc)
-    if rc:
-        tail = "".join(open(log).readlines()[-25:])
-        raise StageError(f"command failed with exit code {rc}; end of {log}:\n{tail}")
+    _check_exit(rc, log)
 
 
 def run_launched(
@@ -138,17 +135,21 @@ def run_launched(
         torchrun_args=torchrun_args,
     )  # fmt: skip
     say("  $ " + " ".join(short_path(c) for c in job.cmd))
-
-    def echo(line: str) -> None:
-        if show is not None and show.search(line):
-            say("    " + compact_iteration_line(line.rstrip()))
-
     with job:
         try:
-            rc = job.wait(on_line=echo)
+            rc = job.wait(on_line=lambda line: _echo(line, show))
         except KeyboardInterrupt:
             job.stop(grace=15)
             raise
+    _check_exit(rc, log)
+
+
+def _echo(line: str, show: Optional[re.Pattern]) -> None:
+    if show is not None and show.search(line):
+        say("    " + compact_iteration_line(line.rstrip()))
+
+
+def _check_exit(rc: int, log: Path) -> None:
     if rc:
         tail = "".join(open(log).readlines()[-25:])
         raise StageError(f"command failed with exit code {rc}; end of {log}:\n{tail}")
