@@ -34,11 +34,8 @@ _NOT_FORKED = "default-rng"  # megatron's name for "no fork active"
 
 
 class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
-    """megatron's `CudaRNGStatesTracker` holding CPU generator states (see the module doc).
-
-    `add(name, seed)` and `fork(name)` keep megatron's contract (a seed or a name is added once;
-    forks nest; the block's draws advance `name`'s state); `states_` maps names to the byte
-    tensors `torch.get_rng_state()` returns.
+    """megatron's `CudaRNGStatesTracker` contract (`add`, nested `fork`) over CPU generator
+    states; `states_` maps names to `torch.get_rng_state()` byte tensors.
     """
 
     def add(self, name: str, seed: int) -> None:
@@ -130,11 +127,8 @@ def device_rng() -> ContextManager:
 
 
 def checkpoint(function: Callable, *args):
-    """`torch.utils.checkpoint` (non-reentrant) whose recomputation draws what the forward drew.
-
-    torch replays the CPU generator's state; this also replays the CPU tracker's, for a block
-    that forks inside (attention dropout without sequence parallelism), as megatron's
-    `tensor_parallel.checkpoint` does for the CUDA tracker.
+    """`torch.utils.checkpoint` (non-reentrant) whose recomputation also replays the CPU
+    tracker's states, as megatron's `tensor_parallel.checkpoint` does for the CUDA tracker.
     """
     tracker = cpu_tracker()
     if tracker is None:

@@ -329,14 +329,9 @@ def save_checkpoint(
 ):
     """Save (collectively, every rank of the layout `pg`) and return the checkpoint directory.
 
-    With `digests` (the default) each rank records the digest of every file it wrote in
-    `digests/rank<r>.json`; False writes the format of before digests (for benchmarks and
-    tests).
-
-    With `async_save` (--async-save) the tensors are staged to CPU memory and written by a
-    background thread; the returned `PendingSave` finishes the checkpoint (rank files,
-    rename, latest marker) once every rank's write completed, so the latest marker never
-    points at a partial checkpoint.
+    `digests` False writes no digests (benchmarks, tests). With `async_save` the tensors are
+    staged to CPU and written by a background thread; the returned `PendingSave` finishes the
+    checkpoint (rank files, rename, latest marker) once every rank's write completed.
 
     Raises:
         NonFiniteStateError: a parameter is NaN/inf on some rank (nothing is written).
@@ -638,13 +633,9 @@ def load_checkpoint(
     strict_missing: bool = False,
     verify: bool = True,
 ) -> Optional[TrainState]:
-    """Load the latest (or `iteration`) checkpoint of `root` into this rank's shards (of the
-    layout `pg`), after checking every file against its digest (`verify`; --no-verify-checkpoint
-    turns it off; a checkpoint without digests loads with one warning).
-
-    Returns:
-        the restored TrainState (zeroed with `finetune`), or None when `root` has no checkpoint
-        (an error with `strict_missing`).
+    """Load the latest (or `iteration`) checkpoint of `root` into this rank's shards (layout
+    `pg`), every file checked against its digest first (`verify`); the restored TrainState (zeroed
+    with `finetune`), or None when `root` has no checkpoint (an error with `strict_missing`).
     """
     if iteration is None:
         iteration = read_latest_iteration(root)
@@ -821,14 +812,12 @@ def _load_rng(path: str, common: dict, pg: ProcessGroups) -> None:
 def verify_or_raise(
     root: str, iteration: int, progress: bool = False, announce: bool = True
 ) -> Verification:
-    """Check checkpoint `iteration` of `root` against its digests (collective: each rank hashes
-    its share of the files) and return the outcome; without digests, warn once. `announce`:
-    log a line when every file matches (a run's load; the tools show a progress bar instead).
+    """Check checkpoint `iteration` of `root` against its digests (collective) and return the
+    outcome; without digests, warn once. `announce`: log a line when every file matches.
 
     Raises:
         CheckpointDigestError (every rank): a file is damaged, missing or of another size; the
-            message names the checkpoint, the file, and the newest older checkpoint that
-            verifies (checked here, never loaded).
+            message names the file and the newest older checkpoint that verifies.
     """
     path = checkpoint_dir(root, iteration)
     started = time.time()

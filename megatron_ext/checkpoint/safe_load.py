@@ -76,12 +76,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: str) -> Metadata:
-    """The `Metadata` in the file `path`, unpickled with only DCP's types admitted, its shard
-    files checked to be plain names inside the checkpoint directory.
-
-    Raises:
-        UnsafeCheckpointError: the file names any other global, or another kind of object.
-        EOFError, pickle.UnpicklingError, ...: a truncated or corrupt file.
+    """The `Metadata` in `path`, unpickled with only DCP's types admitted, its shard files
+    checked to be plain names inside the checkpoint (else `UnsafeCheckpointError`).
     """
     with open(path, "rb") as handle:
         metadata = _MetadataUnpickler(handle, path).load()
@@ -209,11 +205,8 @@ def save_rng_file(path: str, state: dict) -> None:
 
 
 def load_rng_file(path: str) -> dict:
-    """The RNG states of `path` (either format), as `save_rng_file` took them.
-
-    Raises:
-        UnsafeCheckpointError: the file holds anything but RNG states (a pickled object that
-            loading would call): nothing of it ran.
+    """The RNG states of `path` (either format), as `save_rng_file` took them;
+    `UnsafeCheckpointError` when it holds anything else (nothing of it ran).
     """
     try:
         with torch.serialization.safe_globals(_RNG_FORMAT_1_GLOBALS):

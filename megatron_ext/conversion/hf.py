@@ -121,11 +121,9 @@ def to_hf_state_dict(
     vocab_rows: int,
     rotary_interleaved: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Our full state dict (input module replaced by `input_table` [Vp, D]) -> Llama names.
-
-    `vocab_rows` rows of the input table and head are kept (the tokenizer's size trims the
-    padding; the padded size keeps it). With `input_table` None the LEV module's parameters
-    are kept as they are, under model.embed_tokens. (`LeviathanForCausalLM`).
+    """Our full state dict (input module replaced by `input_table` [Vp, D]) -> Llama names,
+    `vocab_rows` rows of the table and head kept; with `input_table` None LEV's parameters stay
+    as they are under model.embed_tokens (`LeviathanForCausalLM`).
     """
     out: dict[str, torch.Tensor] = {}
     if input_table is not None:
@@ -171,10 +169,8 @@ def from_hf_state_dict(
     padded_vocab: int,
     lev: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Llama names -> our full state dict for the TIED (tied=True) or UNTIED arm, or with
-    `lev` the LEV arm (`LeviathanForCausalLM`'s names: LEV's parameters as they are).
-
-    The vocabulary is padded with zero rows up to `padded_vocab` (never trimmed).
+    """Llama names -> our full state dict for the TIED or UNTIED arm, or with `lev` the LEV arm
+    (`LeviathanForCausalLM`), the vocabulary padded with zero rows to `padded_vocab`.
     """
 
     def pad(t: torch.Tensor) -> torch.Tensor:
@@ -377,14 +373,9 @@ def _umask() -> int:
 
 
 def export_tokenizer(tokenizer, out_dir: str) -> None:
-    """Write tokenizer files that `AutoTokenizer.from_pretrained(out_dir)` loads.
-
-    A SentencePiece BPE model becomes a `tokenizers` BPE with the same vocabulary, merges
-    (ordered by piece score, as SentencePiece merges), byte fallback and the dummy-prefix
-    metaspace; its control pieces (<s>, </s>, ...) are never matched in text, as in
-    SentencePiece. A tiktoken rank file (o200k, cl100k, ...) becomes a byte-level BPE with
-    the same split pattern, ids and special tokens (`_export_tiktoken`). A Hugging Face
-    tokenizer is saved as it is.
+    """Write tokenizer files that `AutoTokenizer.from_pretrained(out_dir)` loads and that encode
+    as `tokenizer` does: a SentencePiece BPE or a tiktoken / GPT-2 rank file as a `tokenizers`
+    BPE, a Hugging Face tokenizer as it is.
     """
     if isinstance(tokenizer, HuggingFaceTokenizer):
         tokenizer._tok.save_pretrained(out_dir)

@@ -93,15 +93,8 @@ def load_checkpoint_full(
     progress: bool = True,
 ) -> LoadedCheckpoint:
     """Load `load_dir` (a `--save` directory or one iter_XXXXXXX) at TP=1 in this process,
-    after checking its files against their digests (`verify`, with a progress bar on large
-    checkpoints).
-
-    Args:
-        embedding_type: when given, the arm the caller expects (a mismatch is an error).
-        tokenizer_model: overrides the tokenizer path recorded by the run.
-
-    Raises:
-        ConversionError / CheckpointError: every problem, as one line.
+    its digests checked first (`verify`); `embedding_type`: the arm the caller expects;
+    `tokenizer_model`: instead of the run's. Every problem is one ConversionError/CheckpointError.
     """
     run = find_checkpoint(load_dir, iteration, verify=verify, progress=progress)
     saved = run.args.embedding_type
@@ -170,15 +163,9 @@ def materialize_module_table(
     progress: bool = True,
 ) -> torch.Tensor:
     """Run a TP=1 input module on every id: [V, D] computed in `compute_dtype`, stored in
-    `dtype` (default: `compute_dtype`).
-
-    LEV is computed by `lev.table.LEVTable` (batched no-grad math in `compute_dtype`, float32
-    or float64) one chunk at a time into a table of `dtype`, so that the table exists once, in
-    the dtype the caller keeps (an export at V = 200k, D = 2048 would otherwise hold a
-    3 GiB float64 table beside its 1.5 GiB float32 cast). The other generated arms run on a
-    temporary `compute_dtype` copy of their parameters (the module is left as it was). A lookup
-    table is returned as it is (detached, sharing the weight's storage: read it, do not modify
-    it), or as a copy in `dtype` when one is given and differs.
+    `dtype` (default: `compute_dtype`). LEV is computed chunk by chunk into one table of `dtype`;
+    the other generated arms run on a temporary copy of their parameters. A lookup table is
+    returned as it is (sharing the weight's storage: do not modify it), or copied into `dtype`.
     """
     if hasattr(module, "weight") and not list(module.children()):
         return module.weight.detach().to(dtype or module.weight.dtype)

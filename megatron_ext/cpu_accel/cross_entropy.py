@@ -27,11 +27,7 @@ _PTR = ctypes.c_void_p
 
 @functools.lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL:
-    """The compiled kernel (built on first use; cached on disk and per process).
-
-    Raises:
-        CpuKernelUnavailable: no compiler, or the build failed.
-    """
+    """The compiled kernel, built on first use (CpuKernelUnavailable when it cannot be)."""
     lib = build_library(
         _SOURCE, "CPU cross-entropy kernel", "the scoring loss uses torch ops (slower)"
     )

@@ -27,17 +27,9 @@ LARGE_BLOCKS_PARAM_LIMIT = 256 << 20
 
 
 def retain_freed_host_memory(large_blocks: bool = False) -> Optional[str]:
-    """Set glibc's mmap and trim thresholds (see the module doc) for this process and the
-    processes it forks.
-
-    Args:
-        large_blocks: also serve blocks above the largest mmap threshold from the heap (mmap
-            count 0), for runs whose activations are host memory (training on CPU).
-
-    Returns:
-        None when set, else why not (one line): not Linux/glibc, or the user chose the
-        allocator's settings (a MALLOC_* or GLIBC_TUNABLES variable, or an LD_PRELOADed
-        allocator), which are left alone.
+    """Set glibc's mmap and trim thresholds (module doc) for this process and its children;
+    `large_blocks`: also serve the largest blocks from the heap (CPU training). None when set, else
+    why not: not glibc, or the user set the allocator up (MALLOC_*, GLIBC_TUNABLES, LD_PRELOAD).
     """
     if not sys.platform.startswith("linux"):
         return f"not on Linux ({sys.platform})"

@@ -96,14 +96,10 @@ def lean_decode_unsupported(model: torch.nn.Module) -> Optional[str]:
 
 
 class LeanDecoder:
-    """Cached next-token logits for `batch` rows of up to `max_sequence_length` positions.
-
-    Each call feeds the tokens [b, s] after those already fed (s >= 1; the first call starts at
-    position 0) and returns the logits [b, V] (float32 or wider) for the token after them. The
-    model must not change between calls; run it under `torch.no_grad()` (and, for LEV, under
-    `lev_eval_tables`). `transposed_weights`: multiply [in, out] copies of the weights (None: on
-    CPU) or the model's [out, in] weights through `F.linear`; the copies are made by each
-    decoder, i.e. once per `generate` call.
+    """Cached next-token logits for `batch` rows of up to `max_sequence_length` positions: each
+    call feeds the tokens [b, s] after those fed before and returns the logits [b, V] of the next.
+    Run it under `torch.no_grad()` (LEV: `lev_eval_tables`) on an unchanging model.
+    `transposed_weights`: [in, out] copies of the weights (None: on CPU), made per decoder.
     """
 
     def __init__(

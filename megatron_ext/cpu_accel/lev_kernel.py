@@ -40,11 +40,7 @@ _PTR = ctypes.c_void_p
 
 @functools.lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL:
-    """The compiled kernel library (built on first use; cached on disk and per process).
-
-    Raises:
-        CpuKernelUnavailable: no compiler, or the build failed.
-    """
+    """The compiled kernel library, built on first use (CpuKernelUnavailable when it cannot be)."""
     lib = build_library(_SOURCE, "CPU LEV kernel", "pass --lev-kernel torch")
     sizes = [_INT64] * 5  # h, n, d, kappa, r
     strides = [_INT64] * 2  # (head, id) strides of a [h, n, .] operand

@@ -61,11 +61,9 @@ def write_counts(
     vocab_size: Optional[int] = None,
     overwrite: bool = False,
 ) -> str:
-    """Count the ids of `prefix` and write `<prefix>_counts.npy` (and the tokenizer record
-    `<prefix>_tokenizer.json` with `tokenizer`); return the counts path.
-
-    Raises:
-        DataError: counts already there (without `overwrite`), or an id the vocabulary lacks.
+    """Count the ids of `prefix` and write `<prefix>_counts.npy` (with `tokenizer`, also its
+    record); the counts path. DataError: counts there already (without `overwrite`), or an id
+    the vocabulary lacks.
     """
     path = counts_path(prefix)
     if os.path.exists(path) and not overwrite:

@@ -97,12 +97,8 @@ def read_sidecar(prefix: str) -> Optional[dict]:
 
 
 def common_record(prefixes: Sequence[str]) -> Optional[dict]:
-    """The one tokenizer record shared by the datasets `prefixes` (for a merge's output).
-
-    Returns None (with one warning) when some input has no sidecar.
-
-    Raises:
-        TokenizerMismatchError: two inputs were made with different tokenizers.
+    """The one tokenizer record shared by the datasets `prefixes` (for a merge's output); None
+    (with one warning) when some input has none; TokenizerMismatchError when two differ.
     """
     records = [(prefix, read_sidecar(prefix)) for prefix in prefixes]
     known = [(prefix, record) for prefix, record in records if record is not None]
@@ -122,19 +118,9 @@ def common_record(prefixes: Sequence[str]) -> Optional[dict]:
 def check_dataset_tokenizers(
     prefixes: Sequence[str], expected: Optional[dict], against: str, fix: str
 ) -> None:
-    """Fail when a dataset in `prefixes` was made with another tokenizer than `expected`.
-
-    Args:
-        prefixes: dataset prefixes (``--data-path`` entries, ``--counts-prefix``).
-        expected: the tokenizer record they must match (``fingerprint`` and a description);
-            None when it is unknown (a checkpoint written before fingerprints): nothing to check.
-        against: what `expected` is, for the message (``"the run's tokenizer"``).
-        fix: how to fix a mismatch, appended to the message.
-
-    Datasets without a sidecar (stock Megatron-LM) are accepted with one warning.
-
-    Raises:
-        TokenizerMismatchError: the first dataset whose fingerprint differs.
+    """Raise TokenizerMismatchError when a dataset of `prefixes` was made with another tokenizer
+    than the record `expected` (None: unknown, nothing to check); the message names `against`
+    (what `expected` is) and ends with `fix`. Datasets without a sidecar pass with one warning.
     """
     if expected is None:
         return

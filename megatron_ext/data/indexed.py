@@ -119,14 +119,9 @@ _CHECK_CHUNK = 1 << 22  # index entries checked at a time (bounds the memory)
 
 
 def check_dataset(prefix: str) -> int:
-    """Check that the dataset ``prefix`` is whole and that its ``.bin`` and ``.idx`` agree:
-    the index header (magic, version, token dtype), its size, each sequence's pointer, the
-    document indices, and the ``.bin`` size the index describes; returns its token count.
-
-    Memory is bounded (the index is read in chunks); the cost is one pass over the ``.idx``.
-
-    Raises:
-        DataError: one line naming the file and what is wrong.
+    """Check that the dataset ``prefix`` is whole and its ``.bin`` and ``.idx`` agree (header,
+    sizes, pointers, document indices) in one chunked pass over the ``.idx``; its token count.
+    DataError: one line naming the file and what is wrong.
     """
     idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
     for path in (idx_path, bin_path):
@@ -257,13 +252,8 @@ def _replace_all(pairs: list[tuple[str, str]]) -> None:
 
 
 class DatasetWriter:
-    """Stream documents into one indexed dataset plus its token counts.
-
-    Args:
-        prefix: the dataset prefix (the path given to ``--data-path``).
-        vocab_size: the tokenizer's vocab size (sets the dtype and the counts' length).
-        tokenizer_record: `fingerprint.tokenizer_record` of the tokenizer that made the ids,
-            written beside the dataset; None writes none (and removes a stale one).
+    """Stream documents into the indexed dataset ``prefix`` plus its token counts (`vocab_size`
+    sets the dtype and the counts' length) and `tokenizer_record` (None: none, a stale one removed).
     """
 
     def __init__(
@@ -334,18 +324,12 @@ def read_counts(prefix: str) -> np.ndarray:
 def merge_datasets(
     prefixes: list[str], output_prefix: str, overwrite: bool = False, require_counts: bool = True
 ) -> dict:
-    """Concatenate indexed datasets (in the given order) into ``output_prefix``; sum counts.
-
-    The ``.bin`` data is streamed, and the index arithmetic is vectorised, so merging all Pile
-    shards needs memory proportional to the number of documents only.
-
-    Returns:
-        a summary dict (documents, tokens, inputs).
+    """Concatenate indexed datasets (in the given order) into ``output_prefix`` and sum their
+    counts, streamed (memory grows with the documents only); a summary dict.
 
     Raises:
-        DataError: no inputs, a missing input, mixed dtypes or vocab sizes, existing output;
-            `TokenizerMismatchError` when the inputs' tokenizer records differ (inputs without
-            one are merged with a warning, and the output then has none).
+        DataError: no or missing inputs, mixed dtypes or vocab sizes, existing output;
+            TokenizerMismatchError: the inputs' tokenizer records differ.
     """
     if not prefixes:
         raise DataError("nothing to merge: no dataset prefixes given")

@@ -172,13 +172,8 @@ def check_vocab_sizes(
     model_vocab: Optional[int] = None,
     dataset_name: str = "dataset",
 ) -> None:
-    """Raise a one-line VocabSizeMismatchError when the sizes disagree.
-
-    Args:
-        tokenizer_vocab: the tokenizer's ``vocab_size``.
-        dataset_vocab: the vocab size the dataset was made with (length of its counts), or a
-            bound from its ids (max id + 1); must not exceed / must equal the tokenizer's.
-        model_vocab: the model's (possibly padded) vocab size; must be >= the tokenizer's.
+    """Raise a one-line VocabSizeMismatchError unless `dataset_vocab` (a dataset's counts length)
+    equals `tokenizer_vocab` and `model_vocab` (padded) is at least it; None skips a check.
     """
     if dataset_vocab is not None and dataset_vocab != tokenizer_vocab:
         raise VocabSizeMismatchError(

@@ -266,13 +266,10 @@ def encode_chunk(
     append_eod: bool,
     split_by: Optional[str] = None,
 ) -> ChunkResult:
-    """Parse, validate and encode one chunk of jsonl lines.
-
-    A record is bad (counted with its line number, then skipped) when the line is not valid
-    UTF-8 or not a JSON object, or a key is missing or not a string, or a text holds a lone
-    surrogate (JSON ``"\ud800"``: valid JSON, invalid Unicode), or the ``split_by`` field is
-    missing. A record is empty (counted, skipped) when any of its texts has no
-    non-whitespace character or encodes to no tokens. Blank lines are ignored.
+    """Parse, validate and encode one chunk of jsonl lines. A record is bad (counted with its
+    line number, skipped) when it is not UTF-8 or not a JSON object, a key is missing or not a
+    string, a text holds a lone surrogate, or the ``split_by`` field is missing; empty (counted,
+    skipped) when a text is blank or encodes to nothing. Blank lines are ignored.
     """
     result = ChunkResult(bytes=len(chunk))
     lines = chunk.split(b"\n")

@@ -46,11 +46,9 @@ class CorruptInputError(DataError):
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file and its shard name (used to name per-shard outputs).
-
-    ``name`` is the path relative to the directory it was found under (for directory inputs),
-    otherwise the base name, with the suffix removed and ``/`` replaced by ``_``:
-    ``pile/train/00.jsonl.zst`` found under ``pile/`` is ``train_00``.
+    """One input file and its shard name: its path relative to the directory it was found
+    under, else its base name, without suffix, ``/`` as ``_`` (``pile/train/00.jsonl.zst`` found
+    under ``pile/`` is ``train_00``).
     """
 
     path: str
@@ -70,14 +68,9 @@ def _is_supported(path: str) -> bool:
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[InputFile]:
-    """Expand files, globs and directories (searched recursively) into a sorted file list.
-
-    Order is deterministic: each argument's matches sorted by path, arguments in the given order.
-    A file listed twice is kept once.
-
-    Raises:
-        DataError: an argument matches nothing, or a file has an unsupported suffix, or two
-            files would get the same shard name.
+    """Files, globs and directories (searched recursively) as files, each argument's sorted by
+    path, each file once. DataError: an argument matches nothing, an unsupported suffix, or two
+    files with the same shard name.
     """
     found: list[InputFile] = []
     seen: set[str] = set()
@@ -178,11 +171,8 @@ def iter_blocks(path: str) -> Iterator[bytes]:
 
 
 def iter_line_chunks(path: str, chunk_bytes: int = 1 << 20) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(first_line_number, chunk)`` where ``chunk`` holds whole lines of ``path``.
-
-    Chunks are cut at the first newline after ``chunk_bytes`` bytes, so the cut points depend
-    only on the file and ``chunk_bytes`` (never on the worker count). Line numbers start at 1.
-    The last line may lack its newline.
+    """``(first_line_number, chunk)`` of whole lines of ``path``, cut at the first newline after
+    ``chunk_bytes`` (so the cuts never depend on the worker count); line numbers start at 1.
     """
     buffer = bytearray()
     line_number = 1

@@ -134,13 +134,9 @@ def sample_sentences(config: TokenizerTrainingConfig) -> tuple[list[str], dict]:
 
 
 def train_sentencepiece(config: TokenizerTrainingConfig) -> str:
-    """Train and write ``<model_prefix>.model``/``.vocab``; return the ``.model`` path.
-
-    Both files are written under temporary names and renamed when complete.
-
-    Raises:
-        DataError: bad settings, no usable input, existing output without ``overwrite``, or a
-            SentencePiece training failure (e.g. a vocabulary larger than the sample supports).
+    """Train and write ``<model_prefix>.model``/``.vocab`` (temporary names, renamed when
+    complete); the ``.model`` path. DataError: bad settings or input, existing output without
+    ``overwrite``, or a SentencePiece failure.
     """
     model_path = config.model_prefix + ".model"
     vocab_path = config.model_prefix + ".vocab"

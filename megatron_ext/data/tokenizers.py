@@ -88,11 +88,8 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HuggingFaceTokenizer(Tokenizer):
-    """A Hugging Face tokenizer saved in a local directory (``tokenizer.json`` and friends).
-
-    Nothing is downloaded (``local_files_only``). EOD is ``eos_token_id``; padding is
-    ``pad_token_id`` (None when unset). ``vocab_size`` is ``len(tokenizer)``, which includes
-    added tokens, unlike the HF attribute of that name.
+    """A Hugging Face tokenizer saved in a local directory (nothing is downloaded); EOD is
+    ``eos_token_id``, ``vocab_size`` is ``len(tokenizer)`` (added tokens included).
     """
 
     type_name = "HuggingFaceTokenizer"
@@ -227,13 +224,10 @@ def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
 
 
 class TikTokenizer(Tokenizer):
-    """A tiktoken BPE from a local ``.tiktoken`` rank file (e.g. ``o200k_base.tiktoken``).
-
-    For the published ``o200k_base``/``cl100k_base`` files the published special tokens are used
-    (EOD ``<|endoftext|>``, no padding id) and ``vocab_size`` is the encoding's ``n_vocab``.
-    For any other rank file, ``<|endoftext|>`` (EOD) and ``<|pad|>`` are appended after the
-    highest rank. ``pattern`` is a key of :data:`TIKTOKEN_PATTERNS` or a regular expression;
-    it defaults to the o200k pattern.
+    """A tiktoken BPE from a local ``.tiktoken`` rank file. The published ``o200k_base`` /
+    ``cl100k_base`` files keep their special tokens (EOD ``<|endoftext|>``, no pad); other rank
+    files get ``<|endoftext|>`` and ``<|pad|>`` after the highest rank. ``pattern``: a key of
+    :data:`TIKTOKEN_PATTERNS` or a regular expression.
     """
 
     type_name = "TikTokenizer"
@@ -292,11 +286,8 @@ class TikTokenizer(Tokenizer):
 
 
 class NullTokenizer(Tokenizer):
-    """Megatron-LM's NullTokenizer: text is whitespace-separated integer ids.
-
-    ``vocab_size`` given on the command line (``--vocab-size``) is the number of ordinary ids;
-    EOD is the extra id ``vocab_size`` and the tokenizer's ``vocab_size`` is one more, exactly as
-    in Megatron-LM. There is no padding id.
+    """Megatron-LM's NullTokenizer: text is whitespace-separated integer ids below
+    ``--vocab-size``; EOD is the id ``vocab_size`` (so ``vocab_size`` is one more); no padding.
     """
 
     type_name = "NullTokenizer"
@@ -370,17 +361,10 @@ TOKENIZER_TYPES = {
 def build_tokenizer(
     tokenizer_type: str, tokenizer_model: Optional[str] = None, **kw: object
 ) -> Tokenizer:
-    """Build a tokenizer by its Megatron-LM type name.
-
-    Args:
-        tokenizer_type: one of :data:`TOKENIZER_TYPES`.
-        tokenizer_model: model file (SentencePiece ``.model``, ``.tiktoken``) or directory (HF).
-        **kw: ``vocab_size`` for NullTokenizer; ``tiktoken_pattern`` for TikTokenizer;
-            ``vocab_file`` and ``merge_file`` for GPT2BPETokenizer. Other
-            keys (e.g. unused argparse fields) are ignored.
-
-    Raises:
-        TokenizerError: unknown type, missing or unreadable model (one-line message).
+    """Build a tokenizer by its Megatron-LM type name (:data:`TOKENIZER_TYPES`) from its model
+    file or directory; ``**kw``: ``vocab_size`` (NullTokenizer), ``tiktoken_pattern``,
+    ``vocab_file`` and ``merge_file`` (GPT2BPETokenizer); other keys are ignored. TokenizerError:
+    unknown type, missing or unreadable model.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise TokenizerError(

@@ -264,13 +264,9 @@ def plot_curves(
     smoothing: float = 0.0,
     reference: Optional[str] = None,
 ) -> list[str]:
-    """The loss-curve pictures; the paths written.
-
-    Up to two runs, or without a `reference`: train (smoothed, solid) and validation (markers,
-    dashed) loss of every run against tokens, in `path`. With a `reference` and more than two
-    runs the arms differ by far less than the loss falls during training, so `path` shows each
-    run's loss minus the reference's instead (validation on the left, smoothed train on the
-    right) and the absolute curves go to `<path stem>_absolute.png`.
+    """The loss-curve pictures; the paths written. Up to two runs, or without a `reference`:
+    train and validation loss against tokens in `path`; else each run's loss minus the
+    reference's in `path` and the absolute curves in `<path stem>_absolute.png`.
     """
     if reference is None or len(runs) <= 2:
         return [_plot_absolute(runs, path, smoothing)]

@@ -64,16 +64,9 @@ def bin_labels(edges: Sequence[float]) -> list[str]:
 def training_counts(
     prefixes: Sequence[str], vocab_size: int, tokenizer: Optional[dict] = None
 ) -> np.ndarray:
-    """Summed token counts of the datasets `prefixes` (int64 [vocab_size]).
-
-    Args:
-        tokenizer: the run's tokenizer record (`data.fingerprint.tokenizer_record`), compared
-            with each dataset's; None checks the vocabulary size only.
-
-    Raises:
-        EvaluationError: a counts file is missing, unreadable or has another vocabulary size;
-            `DataError`: the dataset beside it is damaged (`data.indexed.check_dataset`);
-            `TokenizerMismatchError`: a dataset was made with another tokenizer.
+    """Summed token counts (int64 [vocab_size]) of the datasets `prefixes`, each checked
+    against `tokenizer` (a record; None: the vocabulary size only). EvaluationError: a missing,
+    unreadable or mis-sized counts file; DataError / TokenizerMismatchError from the dataset.
     """
     total: Optional[np.ndarray] = None
     for prefix in prefixes:
@@ -119,11 +112,8 @@ def training_counts(
 
 
 class FrequencyBins:
-    """Maps token ids to frequency bins; a `TokenConsumer` accumulating per-bin loss.
-
-    Args:
-        counts: int64 [V] training counts of each id.
-        edges: increasing relative frequencies in (0, 1) separating the bins.
+    """Maps token ids to frequency bins of `counts` (int64 [V]) between `edges` (increasing,
+    in (0, 1)); a `TokenConsumer` accumulating per-bin loss.
     """
 
     def __init__(self, counts: np.ndarray, edges: Sequence[float] = DEFAULT_EDGES) -> None:

@@ -31,15 +31,8 @@ __all__ = ["LeviathanLM"]
 
 @register_model("leviathan", "megatron_ext")
 class LeviathanLM(TemplateLM):
-    """A training checkpoint as an lm-eval language model.
-
-    Args:
-        load: the run's --save directory (or one iter_XXXXXXX inside it).
-        loaded: an already loaded model (instead of `load`).
-        batch_size: sequences per forward.
-        max_length: context window (default: the run's --seq-length).
-        max_gen_toks: new tokens per generate_until request, unless the task sets its own.
-        tensor_model_parallel_size, pipeline_model_parallel_size: the layout to run at.
+    """A training checkpoint (`load`, or an already `loaded` model) as an lm-eval language
+    model at the given TP x PP layout; `max_length` defaults to the run's --seq-length.
     """
 
     def __init__(

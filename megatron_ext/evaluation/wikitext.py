@@ -81,11 +81,8 @@ def detokenize(text: str) -> str:
 
 
 def read_wikitext(path: str, encoding: str = "utf-8") -> list[str]:
-    """The articles of a wikitext file, each from its ` = Title = ` line to the next one.
-
-    Raises:
-        EvaluationError: missing file, text not valid in ``encoding``, or no article heading
-            (not a wikitext file).
+    """The articles of a wikitext file, each from its ` = Title = ` line to the next one;
+    EvaluationError: missing file, bad ``encoding``, or no article heading.
     """
     if not os.path.isfile(path):
         raise EvaluationError(

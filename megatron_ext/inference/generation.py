@@ -43,13 +43,10 @@ DECODE_STEPS = ("megatron", "lean")
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How to pick each new token.
-
-    temperature 0 is greedy (argmax); otherwise logits are divided by the temperature, cut to
-    the `top_k` most likely ids (0: no cut) and to the smallest set whose probability reaches
-    `top_p` (1.0: no cut), then sampled from a generator seeded with `seed` (None: drawn from
-    torch's default generator). A row stops after `max_new_tokens` or at one of
-    `stop_token_ids` (the stop token is not returned).
+    """How to pick each new token: temperature 0 is greedy; otherwise logits / temperature, cut
+    to the `top_k` most likely (0: no cut) and to the smallest set reaching `top_p` (1.0: no cut),
+    sampled with `seed` (None: torch's generator). A row stops after `max_new_tokens` or at a
+    `stop_token_ids` id (not returned).
     """
 
     max_new_tokens: int
@@ -123,10 +120,7 @@ def next_token_logits(
     model: torch.nn.Module, tokens: torch.Tensor, inference_context=None
 ) -> torch.Tensor:
     """Logits [b, V] (TP-gathered, padding included; float32 or wider) for the token after
-    `tokens` [b, s].
-
-    With `inference_context`, `tokens` are the ones after its `sequence_len_offset` (the
-    cache holds the rest); the offset is advanced past them.
+    `tokens` [b, s]; with `inference_context`, `tokens` follow its cached prefix, which they extend.
     """
     logits = model(
         tokens, None, None, inference_context=inference_context, runtime_gather_output=True

@@ -86,11 +86,9 @@ def run_command(
     log: Optional[Path] = None,
     show: Optional[re.Pattern] = None,
 ) -> None:
-    """Run ``cmd`` in ``cwd`` (put first on PYTHONPATH; OMP_NUM_THREADS=1 unless set).
-
-    With ``log``, its output goes to that file and the lines matching ``show`` are echoed;
-    otherwise it goes straight to the terminal (progress bars included). A non-zero exit raises
-    :class:`StageError` with the end of the log. Ctrl-C interrupts the child, then re-raises.
+    """Run ``cmd`` in ``cwd`` (first on PYTHONPATH; OMP_NUM_THREADS=1 unless set), its output
+    to ``log`` with the lines matching ``show`` echoed, or to the terminal. A non-zero exit raises
+    StageError with the log's end; Ctrl-C interrupts the child, then re-raises.
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -181,14 +179,8 @@ def _fingerprint(key: dict) -> str:
 
 def run_stages(stages: list[Stage], out: Path, only: Optional[Sequence[str]] = None) -> None:
     """Run the stages in order into ``out``, reusing each finished one whose ``key`` did not
-    change; once a stage is redone, every later stage is redone too.
-
-    ``only``: run just these stages (a cluster job array splits the study so); the stages they
-    need (``Stage.needs``) that are not among them must be finished already (StageError
-    otherwise); the others are left alone.
-
-    Ctrl-C discards the running stage's temporary directory and exits 130; any other error
-    discards it and propagates.
+    change (once one is redone, so are the later ones). ``only``: just these stages, whose
+    ``needs`` must be finished. Ctrl-C discards the running stage and exits 130.
     """
     out.mkdir(parents=True, exist_ok=True)
     redo = False
