@@ -35,8 +35,7 @@ _NOT_FORKED = "default-rng"  # megatron's name for "no fork active"
 
 class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
     """megatron's `CudaRNGStatesTracker` contract (`add`, nested `fork`) over CPU generator
-    states; `states_` maps names to `torch.get_rng_state()` byte tensors.
-    """
+    states; `states_` maps names to `torch.get_rng_state()` byte tensors."""
 
     def add(self, name: str, seed: int) -> None:
         """Track a new CPU state `name` seeded with `seed`."""
@@ -128,8 +127,7 @@ def device_rng() -> ContextManager:
 
 def checkpoint(function: Callable, *args):
     """`torch.utils.checkpoint` (non-reentrant) whose recomputation also replays the CPU
-    tracker's states, as megatron's `tensor_parallel.checkpoint` does for the CUDA tracker.
-    """
+    tracker's states, as megatron's `tensor_parallel.checkpoint` does for the CUDA tracker."""
     tracker = cpu_tracker()
     if tracker is None:
         return torch_checkpoint(function, *args, use_reentrant=False)

@@ -195,8 +195,7 @@ class _DigestingFileSystem(FileSystem):
 class DigestingWriter(FileSystemWriter):
     """torch.distributed.checkpoint's FileSystemWriter (`dcp.save`'s default settings) that
     records the digest of each shard file this rank writes (`shard_digests`), without torch's zip
-    CRC32 (torch.load never checks it; the digests replace it).
-    """
+    CRC32 (torch.load never checks it; the digests replace it)."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
@@ -367,8 +366,7 @@ def rank_and_world() -> tuple[int, int]:
 def verify_checkpoint(checkpoint: str, progress: bool = False) -> Verification:
     """Check every file of `checkpoint` against its recorded digest; collective when
     torch.distributed is initialised (each rank hashes its share), the same `Verification` on every
-    rank. `progress`: a bar on rank 0 for checkpoints of at least `PROGRESS_MIN_BYTES`.
-    """
+    rank. `progress`: a bar on rank 0 for checkpoints of at least `PROGRESS_MIN_BYTES`."""
     if not os.path.isdir(os.path.join(checkpoint, DIGESTS_DIR)):
         return Verification(has_digests=False)
     rank, world_size = rank_and_world()

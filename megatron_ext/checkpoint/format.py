@@ -635,8 +635,7 @@ def load_checkpoint(
 ) -> Optional[TrainState]:
     """Load the latest (or `iteration`) checkpoint of `root` into this rank's shards (layout
     `pg`), every file checked against its digest first (`verify`); the restored TrainState (zeroed
-    with `finetune`), or None when `root` has no checkpoint (an error with `strict_missing`).
-    """
+    with `finetune`), or None when `root` has no checkpoint (an error with `strict_missing`)."""
     if iteration is None:
         iteration = read_latest_iteration(root)
     if iteration is None:

@@ -113,8 +113,7 @@ def describe_io_error(
     error: BaseException, directory: str, needed_bytes: Optional[int] = None
 ) -> str:
     """Why a checkpoint write failed, in a few words, naming the failing ranks DCP reports;
-    a full disk without an errno (torch's "unexpected pos") is recognised by the free space.
-    """
+    a full disk without an errno (torch's "unexpected pos") is recognised by the free space."""
     found = list(causes(error))
     ranks = sorted({r for c in found if isinstance(c, CheckpointException) for r in c.failures})
     on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""

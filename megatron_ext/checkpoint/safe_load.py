@@ -77,8 +77,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(path: str) -> Metadata:
     """The `Metadata` in `path`, unpickled with only DCP's types admitted, its shard files
-    checked to be plain names inside the checkpoint (else `UnsafeCheckpointError`).
-    """
+    checked to be plain names inside the checkpoint (else `UnsafeCheckpointError`)."""
     with open(path, "rb") as handle:
         metadata = _MetadataUnpickler(handle, path).load()
     where = display_path(path)
@@ -206,8 +205,7 @@ def save_rng_file(path: str, state: dict) -> None:
 
 def load_rng_file(path: str) -> dict:
     """The RNG states of `path` (either format), as `save_rng_file` took them;
-    `UnsafeCheckpointError` when it holds anything else (nothing of it ran).
-    """
+    `UnsafeCheckpointError` when it holds anything else (nothing of it ran)."""
     try:
         with torch.serialization.safe_globals(_RNG_FORMAT_1_GLOBALS):
             saved = torch.load(path, map_location="cpu", weights_only=True)

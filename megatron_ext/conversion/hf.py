@@ -123,8 +123,7 @@ def to_hf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Our full state dict (input module replaced by `input_table` [Vp, D]) -> Llama names,
     `vocab_rows` rows of the table and head kept; with `input_table` None LEV's parameters stay
-    as they are under model.embed_tokens (`LeviathanForCausalLM`).
-    """
+    as they are under model.embed_tokens (`LeviathanForCausalLM`)."""
     out: dict[str, torch.Tensor] = {}
     if input_table is not None:
         out["model.embed_tokens.weight"] = input_table[:vocab_rows]
@@ -170,8 +169,7 @@ def from_hf_state_dict(
     lev: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Llama names -> our full state dict for the TIED or UNTIED arm, or with `lev` the LEV arm
-    (`LeviathanForCausalLM`), the vocabulary padded with zero rows to `padded_vocab`.
-    """
+    (`LeviathanForCausalLM`), the vocabulary padded with zero rows to `padded_vocab`."""
 
     def pad(t: torch.Tensor) -> torch.Tensor:
         if t.size(0) > padded_vocab:
@@ -375,8 +373,7 @@ def _umask() -> int:
 def export_tokenizer(tokenizer, out_dir: str) -> None:
     """Write tokenizer files that `AutoTokenizer.from_pretrained(out_dir)` loads and that encode
     as `tokenizer` does: a SentencePiece BPE or a tiktoken / GPT-2 rank file as a `tokenizers`
-    BPE, a Hugging Face tokenizer as it is.
-    """
+    BPE, a Hugging Face tokenizer as it is."""
     if isinstance(tokenizer, HuggingFaceTokenizer):
         tokenizer._tok.save_pretrained(out_dir)
     elif isinstance(tokenizer, SentencePieceTokenizer):

@@ -165,8 +165,7 @@ def materialize_module_table(
     """Run a TP=1 input module on every id: [V, D] computed in `compute_dtype`, stored in
     `dtype` (default: `compute_dtype`). LEV is computed chunk by chunk into one table of `dtype`;
     the other generated arms run on a temporary copy of their parameters. A lookup table is
-    returned as it is (sharing the weight's storage: do not modify it), or copied into `dtype`.
-    """
+    returned as it is (sharing the weight's storage: do not modify it), or copied into `dtype`."""
     if hasattr(module, "weight") and not list(module.children()):
         return module.weight.detach().to(dtype or module.weight.dtype)
     vocab = module.vocab_size if hasattr(module, "vocab_size") else module.num_embeddings

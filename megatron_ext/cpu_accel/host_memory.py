@@ -29,8 +29,7 @@ LARGE_BLOCKS_PARAM_LIMIT = 256 << 20
 def retain_freed_host_memory(large_blocks: bool = False) -> Optional[str]:
     """Set glibc's mmap and trim thresholds (module doc) for this process and its children;
     `large_blocks`: also serve the largest blocks from the heap (CPU training). None when set, else
-    why not: not glibc, or the user set the allocator up (MALLOC_*, GLIBC_TUNABLES, LD_PRELOAD).
-    """
+    why not: not glibc, or the user set the allocator up (MALLOC_*, GLIBC_TUNABLES, LD_PRELOAD)."""
     if not sys.platform.startswith("linux"):
         return f"not on Linux ({sys.platform})"
     chosen = [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]

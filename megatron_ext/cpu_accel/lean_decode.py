@@ -99,8 +99,7 @@ class LeanDecoder:
     """Cached next-token logits for `batch` rows of up to `max_sequence_length` positions: each
     call feeds the tokens [b, s] after those fed before and returns the logits [b, V] of the next.
     Run it under `torch.no_grad()` (LEV: `lev_eval_tables`) on an unchanging model.
-    `transposed_weights`: [in, out] copies of the weights (None: on CPU), made per decoder.
-    """
+    `transposed_weights`: [in, out] copies of the weights (None: on CPU), made per decoder."""
 
     def __init__(
         self,

@@ -63,8 +63,7 @@ def write_counts(
 ) -> str:
     """Count the ids of `prefix` and write `<prefix>_counts.npy` (with `tokenizer`, also its
     record); the counts path. DataError: counts there already (without `overwrite`), or an id
-    the vocabulary lacks.
-    """
+    the vocabulary lacks."""
     path = counts_path(prefix)
     if os.path.exists(path) and not overwrite:
         raise DataError(f"{path} exists; pass --overwrite to count {prefix} again")

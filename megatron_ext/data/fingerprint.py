@@ -98,8 +98,7 @@ def read_sidecar(prefix: str) -> Optional[dict]:
 
 def common_record(prefixes: Sequence[str]) -> Optional[dict]:
     """The one tokenizer record shared by the datasets `prefixes` (for a merge's output); None
-    (with one warning) when some input has none; TokenizerMismatchError when two differ.
-    """
+    (with one warning) when some input has none; TokenizerMismatchError when two differ."""
     records = [(prefix, read_sidecar(prefix)) for prefix in prefixes]
     known = [(prefix, record) for prefix, record in records if record is not None]
     for prefix, record in known[1:]:
@@ -120,8 +119,7 @@ def check_dataset_tokenizers(
 ) -> None:
     """Raise TokenizerMismatchError when a dataset of `prefixes` was made with another tokenizer
     than the record `expected` (None: unknown, nothing to check); the message names `against`
-    (what `expected` is) and ends with `fix`. Datasets without a sidecar pass with one warning.
-    """
+    (what `expected` is) and ends with `fix`. Datasets without a sidecar pass with one warning."""
     if expected is None:
         return
     missing = []

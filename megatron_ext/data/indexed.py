@@ -121,8 +121,7 @@ _CHECK_CHUNK = 1 << 22  # index entries checked at a time (bounds the memory)
 def check_dataset(prefix: str) -> int:
     """Check that the dataset ``prefix`` is whole and its ``.bin`` and ``.idx`` agree (header,
     sizes, pointers, document indices) in one chunked pass over the ``.idx``; its token count.
-    DataError: one line naming the file and what is wrong.
-    """
+    DataError: one line naming the file and what is wrong."""
     idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):

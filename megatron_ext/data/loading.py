@@ -173,8 +173,7 @@ def check_vocab_sizes(
     dataset_name: str = "dataset",
 ) -> None:
     """Raise a one-line VocabSizeMismatchError unless `dataset_vocab` (a dataset's counts length)
-    equals `tokenizer_vocab` and `model_vocab` (padded) is at least it; None skips a check.
-    """
+    equals `tokenizer_vocab` and `model_vocab` (padded) is at least it; None skips a check."""
     if dataset_vocab is not None and dataset_vocab != tokenizer_vocab:
         raise VocabSizeMismatchError(
             f"{dataset_name} was preprocessed with a vocab of {dataset_vocab} ids but the "

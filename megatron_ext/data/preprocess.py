@@ -269,8 +269,7 @@ def encode_chunk(
     """Parse, validate and encode one chunk of jsonl lines. A record is bad (counted with its
     line number, skipped) when it is not UTF-8 or not a JSON object, a key is missing or not a
     string, a text holds a lone surrogate, or the ``split_by`` field is missing; empty (counted,
-    skipped) when a text is blank or encodes to nothing. Blank lines are ignored.
-    """
+    skipped) when a text is blank or encodes to nothing. Blank lines are ignored."""
     result = ChunkResult(bytes=len(chunk))
     lines = chunk.split(b"\n")
     if chunk.endswith(b"\n"):

@@ -48,8 +48,7 @@ class CorruptInputError(DataError):
 class InputFile:
     """One input file and its shard name: its path relative to the directory it was found
     under, else its base name, without suffix, ``/`` as ``_`` (``pile/train/00.jsonl.zst`` found
-    under ``pile/`` is ``train_00``).
-    """
+    under ``pile/`` is ``train_00``)."""
 
     path: str
     name: str
@@ -70,8 +69,7 @@ def _is_supported(path: str) -> bool:
 def expand_inputs(inputs: Sequence[str]) -> list[InputFile]:
     """Files, globs and directories (searched recursively) as files, each argument's sorted by
     path, each file once. DataError: an argument matches nothing, an unsupported suffix, or two
-    files with the same shard name.
-    """
+    files with the same shard name."""
     found: list[InputFile] = []
     seen: set[str] = set()
     for arg in inputs:
@@ -172,8 +170,7 @@ def iter_blocks(path: str) -> Iterator[bytes]:
 
 def iter_line_chunks(path: str, chunk_bytes: int = 1 << 20) -> Iterator[tuple[int, bytes]]:
     """``(first_line_number, chunk)`` of whole lines of ``path``, cut at the first newline after
-    ``chunk_bytes`` (so the cuts never depend on the worker count); line numbers start at 1.
-    """
+    ``chunk_bytes`` (so the cuts never depend on the worker count); line numbers start at 1."""
     buffer = bytearray()
     line_number = 1
     for block in iter_blocks(path):

@@ -136,8 +136,7 @@ def sample_sentences(config: TokenizerTrainingConfig) -> tuple[list[str], dict]:
 def train_sentencepiece(config: TokenizerTrainingConfig) -> str:
     """Train and write ``<model_prefix>.model``/``.vocab`` (temporary names, renamed when
     complete); the ``.model`` path. DataError: bad settings or input, existing output without
-    ``overwrite``, or a SentencePiece failure.
-    """
+    ``overwrite``, or a SentencePiece failure."""
     model_path = config.model_prefix + ".model"
     vocab_path = config.model_prefix + ".vocab"
     if not config.overwrite:

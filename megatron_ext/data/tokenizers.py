@@ -89,8 +89,7 @@ class SentencePieceTokenizer(Tokenizer):
 
 class HuggingFaceTokenizer(Tokenizer):
     """A Hugging Face tokenizer saved in a local directory (nothing is downloaded); EOD is
-    ``eos_token_id``, ``vocab_size`` is ``len(tokenizer)`` (added tokens included).
-    """
+    ``eos_token_id``, ``vocab_size`` is ``len(tokenizer)`` (added tokens included)."""
 
     type_name = "HuggingFaceTokenizer"
 
@@ -227,8 +226,7 @@ class TikTokenizer(Tokenizer):
     """A tiktoken BPE from a local ``.tiktoken`` rank file. The published ``o200k_base`` /
     ``cl100k_base`` files keep their special tokens (EOD ``<|endoftext|>``, no pad); other rank
     files get ``<|endoftext|>`` and ``<|pad|>`` after the highest rank. ``pattern``: a key of
-    :data:`TIKTOKEN_PATTERNS` or a regular expression.
-    """
+    :data:`TIKTOKEN_PATTERNS` or a regular expression."""
 
     type_name = "TikTokenizer"
 
@@ -287,8 +285,7 @@ class TikTokenizer(Tokenizer):
 
 class NullTokenizer(Tokenizer):
     """Megatron-LM's NullTokenizer: text is whitespace-separated integer ids below
-    ``--vocab-size``; EOD is the id ``vocab_size`` (so ``vocab_size`` is one more); no padding.
-    """
+    ``--vocab-size``; EOD is the id ``vocab_size`` (so ``vocab_size`` is one more); no padding."""
 
     type_name = "NullTokenizer"
 
@@ -364,8 +361,7 @@ def build_tokenizer(
     """Build a tokenizer by its Megatron-LM type name (:data:`TOKENIZER_TYPES`) from its model
     file or directory; ``**kw``: ``vocab_size`` (NullTokenizer), ``tiktoken_pattern``,
     ``vocab_file`` and ``merge_file`` (GPT2BPETokenizer); other keys are ignored. TokenizerError:
-    unknown type, missing or unreadable model.
-    """
+    unknown type, missing or unreadable model."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise TokenizerError(
             f"unknown --tokenizer-type {tokenizer_type!r}; choose one of "

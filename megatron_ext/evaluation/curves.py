@@ -266,8 +266,7 @@ def plot_curves(
 ) -> list[str]:
     """The loss-curve pictures; the paths written. Up to two runs, or without a `reference`:
     train and validation loss against tokens in `path`; else each run's loss minus the
-    reference's in `path` and the absolute curves in `<path stem>_absolute.png`.
-    """
+    reference's in `path` and the absolute curves in `<path stem>_absolute.png`."""
     if reference is None or len(runs) <= 2:
         return [_plot_absolute(runs, path, smoothing)]
     absolute = os.path.splitext(path)[0] + "_absolute.png"

@@ -66,8 +66,7 @@ def training_counts(
 ) -> np.ndarray:
     """Summed token counts (int64 [vocab_size]) of the datasets `prefixes`, each checked
     against `tokenizer` (a record; None: the vocabulary size only). EvaluationError: a missing,
-    unreadable or mis-sized counts file; DataError / TokenizerMismatchError from the dataset.
-    """
+    unreadable or mis-sized counts file; DataError / TokenizerMismatchError from the dataset."""
     total: Optional[np.ndarray] = None
     for prefix in prefixes:
         path = counts_path(prefix)
@@ -113,8 +112,7 @@ def training_counts(
 
 class FrequencyBins:
     """Maps token ids to frequency bins of `counts` (int64 [V]) between `edges` (increasing,
-    in (0, 1)); a `TokenConsumer` accumulating per-bin loss.
-    """
+    in (0, 1)); a `TokenConsumer` accumulating per-bin loss."""
 
     def __init__(self, counts: np.ndarray, edges: Sequence[float] = DEFAULT_EDGES) -> None:
         edges = [float(e) for e in edges]

@@ -32,8 +32,7 @@ __all__ = ["LeviathanLM"]
 @register_model("leviathan", "megatron_ext")
 class LeviathanLM(TemplateLM):
     """A training checkpoint (`load`, or an already `loaded` model) as an lm-eval language
-    model at the given TP x PP layout; `max_length` defaults to the run's --seq-length.
-    """
+    model at the given TP x PP layout; `max_length` defaults to the run's --seq-length."""
 
     def __init__(
         self,

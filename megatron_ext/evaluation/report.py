@@ -59,8 +59,7 @@ def write_comparison_report(
 ) -> dict:
     """Write ``report.md`` and ``summary.json`` into ``out_dir``; return the summary.
     ``runs[arm]`` holds ``parameters`` and ``final_valid_loss``; the baseline is TIED if present,
-    else the first arm; ``setup`` says what the arms share.
-    """
+    else the first arm; ``setup`` says what the arms share."""
     base = "tied" if "tied" in arms else arms[0]
     table, losses = _perplexity_table(arms, runs, all_token_rows(freq), base)
     parts = decomposition(losses)

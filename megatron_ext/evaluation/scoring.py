@@ -66,8 +66,7 @@ class TokenConsumer(Protocol):
 class ModelScorer:
     """Runs this rank's stage of the eval-mode `model` forward-only and returns what the last
     stage computed: PP activations [s, b, `hidden_size`] over `pg.pp`, vocab-parallel logits
-    over `pg.tp`; ids at or above `vocab_size` (padding) are never predicted.
-    """
+    over `pg.tp`; ids at or above `vocab_size` (padding) are never predicted."""
 
     def __init__(
         self, model: torch.nn.Module, hidden_size: int, vocab_size: int, pg: "ProcessGroups"
@@ -141,8 +140,7 @@ class ModelScorer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """([b, s] float32 log-probability of each label, [b, s] whether it is the arg-max); the
         normaliser covers the padded output as the training loss does, the arg-max the tokenizer's
-        ids only, and only [b, s] maxima and sums cross the TP ranks.
-        """
+        ids only, and only [b, s] maxima and sums cross the TP ranks."""
         labels = labels.to(self.device)
         out = self._run(tokens, _positions(tokens), None, None)
         if out is not None:
@@ -243,8 +241,7 @@ def score_batches(
     show_progress: bool = True,
 ) -> dict:
     """Score every batch and hand its (targets, losses) to the consumers (a progress bar on
-    rank 0); {"targets", "seconds", "tokens_per_second"}.
-    """
+    rank 0); {"targets", "seconds", "tokens_per_second"}."""
     consumers = list(consumers)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     bar = tqdm(

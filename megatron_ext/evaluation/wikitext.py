@@ -82,8 +82,7 @@ def detokenize(text: str) -> str:
 
 def read_wikitext(path: str, encoding: str = "utf-8") -> list[str]:
     """The articles of a wikitext file, each from its ` = Title = ` line to the next one;
-    EvaluationError: missing file, bad ``encoding``, or no article heading.
-    """
+    EvaluationError: missing file, bad ``encoding``, or no article heading."""
     if not os.path.isfile(path):
         raise EvaluationError(
             f"wikitext file {path} does not exist; download wikitext-103 once (see "

@@ -46,8 +46,7 @@ class SamplingConfig:
     """How to pick each new token: temperature 0 is greedy; otherwise logits / temperature, cut
     to the `top_k` most likely (0: no cut) and to the smallest set reaching `top_p` (1.0: no cut),
     sampled with `seed` (None: torch's generator). A row stops after `max_new_tokens` or at a
-    `stop_token_ids` id (not returned).
-    """
+    `stop_token_ids` id (not returned)."""
 
     max_new_tokens: int
     temperature: float = 0.0

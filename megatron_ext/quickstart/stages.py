@@ -88,8 +88,7 @@ def run_command(
 ) -> None:
     """Run ``cmd`` in ``cwd`` (first on PYTHONPATH; OMP_NUM_THREADS=1 unless set), its output
     to ``log`` with the lines matching ``show`` echoed, or to the terminal. A non-zero exit raises
-    StageError with the log's end; Ctrl-C interrupts the child, then re-raises.
-    """
+    StageError with the log's end; Ctrl-C interrupts the child, then re-raises."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -180,8 +179,7 @@ def _fingerprint(key: dict) -> str:
 def run_stages(stages: list[Stage], out: Path, only: Optional[Sequence[str]] = None) -> None:
     """Run the stages in order into ``out``, reusing each finished one whose ``key`` did not
     change (once one is redone, so are the later ones). ``only``: just these stages, whose
-    ``needs`` must be finished. Ctrl-C discards the running stage and exits 130.
-    """
+    ``needs`` must be finished. Ctrl-C discards the running stage and exits 130."""
     out.mkdir(parents=True, exist_ok=True)
     redo = False
     names = [stage.name for stage in stages]
