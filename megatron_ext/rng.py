@@ -99,11 +99,8 @@ class _Replay:
 
 
 def install_cpu_tracker() -> CpuRNGStatesTracker:
-    """Make a fresh `CpuRNGStatesTracker` the one megatron's `get_cuda_rng_tracker()` returns.
-
-    megatron-core 0.16.1 builds its tracker from CUDA-only classes (or Transformer Engine's) and
-    has no hook for another kind; its module global is what every caller reads.
-    """
+    """Make a fresh `CpuRNGStatesTracker` the one megatron's `get_cuda_rng_tracker()` returns
+    (megatron-core has no hook for another kind: its module global is what callers read)."""
     tracker = CpuRNGStatesTracker()
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

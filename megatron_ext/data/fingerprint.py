@@ -72,11 +72,8 @@ def place_sidecar(prefix: str, record: Optional[dict]) -> None:
 
 
 def read_sidecar(prefix: str) -> Optional[dict]:
-    """The tokenizer record of the dataset ``prefix``, or None when it has no sidecar.
-
-    Raises:
-        DataError: the sidecar exists but is not a tokenizer record (truncated, edited).
-    """
+    """The tokenizer record of the dataset ``prefix``, or None without a sidecar; DataError
+    when the sidecar is not a tokenizer record."""
     path = sidecar_path(prefix)
     if not os.path.isfile(path):
         return None

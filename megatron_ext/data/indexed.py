@@ -45,10 +45,7 @@ TMP_SUFFIX = ".tmp"
 
 
 def token_dtype(vocab_size: int) -> type:
-    """uint16 when every id fits (vocab_size <= 65,536), else int32.
-
-    This is the rule Megatron-Core's GPTDatasetConfig uses for ``token_dtype_code``.
-    """
+    """uint16 when every id fits (vocab_size <= 65,536), else int32 (Megatron-Core's rule)."""
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
 
 
@@ -221,9 +218,7 @@ def _check_documents(idx_path: str, sequences: int, documents: int, fix: str) ->
 
 def _write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
     """The .idx Megatron-Core's ``_IndexWriter`` writes for one document per sequence, byte for
-    byte (tests/data/test_preprocess.py compares them), without importing megatron.core: that
-    import is seconds of start-up and logs Megatron-FSDP banners a preprocessing run does not
-    need."""
+    byte, without importing megatron.core (seconds of start-up a preprocessing run does without)."""
     lengths = np.asarray(lengths, dtype=np.int32)
     pointers = np.zeros(len(lengths), dtype=np.int64)
     if len(lengths) > 1:

@@ -331,14 +331,9 @@ def build_train_valid_test_datasets(
     train_val_test_num_samples: Sequence[Optional[int]],
     is_built_on_rank: Optional[Callable[[], bool]] = None,
 ) -> tuple[Any, Any, Any]:
-    """(train, valid, test) GPT datasets from Megatron-Core's builder (None for a split, or on
-    ranks where `is_built_on_rank` is False); `train_val_test_num_samples`: samples per split
-    (None = one epoch). Every rank builds by default (rank 0 first, writing the index cache).
-
-    Raises:
-        DataError: a missing dataset prefix; VocabSizeMismatchError: a dataset made with
-            another vocabulary.
-    """
+    """(train, valid, test) GPT datasets from Megatron-Core's builder, `train_val_test_num_samples`
+    per split (None: one epoch); None for a split, or where `is_built_on_rank` is False. DataError:
+    a missing prefix; VocabSizeMismatchError: a dataset made with another vocabulary."""
     mcore = mcore_datasets()
     gpt, get_blend_from_list = mcore.gpt_dataset, mcore.utils.get_blend_from_list
     if len(train_val_test_num_samples) != 3:

@@ -585,13 +585,9 @@ class _SerialPool:
 
 
 def preprocess(config: PreprocessConfig) -> list[dict]:
-    """Run preprocessing; return one summary dict per unit (skipped units are left out).
-
-    Raises:
-        DataError: bad arguments, missing input, existing output, unusable tokenizer, a bad
-            record under ``strict``, corrupt input; ``Interrupted`` on Ctrl-C/SIGTERM. In every
-            case temporary files are removed and finished units are kept.
-    """
+    """Run preprocessing; one summary dict per unit (skipped units left out). DataError on bad
+    input or settings, ``Interrupted`` on Ctrl-C/SIGTERM: temporary files are removed, finished
+    units kept."""
     tokenizer_kwargs = {
         "tokenizer_type": config.tokenizer_type,
         "tokenizer_model": config.tokenizer_model,

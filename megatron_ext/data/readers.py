@@ -143,12 +143,8 @@ def _iter_zstd_blocks(handle: BinaryIO, path: str) -> Iterator[bytes]:
 
 
 def iter_blocks(path: str) -> Iterator[bytes]:
-    """Decompressed bytes of ``path`` in blocks of about 1 MiB.
-
-    Raises:
-        CorruptInputError: truncated or corrupt ``.zst``/``.gz`` input.
-        DataError: the file cannot be opened.
-    """
+    """Decompressed bytes of ``path`` in blocks of about 1 MiB; CorruptInputError for truncated
+    or corrupt ``.zst``/``.gz`` input, DataError when it cannot be opened."""
     try:
         handle = open(path, "rb")
     except OSError as error:

@@ -227,11 +227,8 @@ def write_sample_corpus(
     num_train_shards: int = 1,
     spec: Optional[SampleCorpusSpec] = None,
 ) -> dict[str, str]:
-    """Write the corpus; return ``{"train/00": path, ..., "val": path, "test": path}``.
-
-    ``size_mb`` is the approximate uncompressed train size; val and test are each
-    ``spec.valid_fraction`` of it (at least 64 KB).
-    """
+    """Write the corpus (``size_mb`` of train text; val and test each ``spec.valid_fraction`` of
+    it, at least 64 KB); ``{"train/00": path, ..., "val": path, "test": path}``."""
     spec = spec or SampleCorpusSpec(size_mb=size_mb, seed=seed, num_train_shards=num_train_shards)
     if spec.size_mb <= 0 or spec.num_train_shards < 1:
         raise ValueError("size_mb must be > 0 and num_train_shards >= 1")

@@ -84,10 +84,8 @@ def _pieces(text: str, max_bytes: int) -> Iterator[str]:
 
 
 def sample_sentences(config: TokenizerTrainingConfig) -> tuple[list[str], dict]:
-    """Stream the inputs and return a reservoir sample of sentences plus read statistics.
-
-    Bad lines (invalid UTF-8/JSON, missing or non-string key) are counted and skipped.
-    """
+    """A seeded reservoir sample of the inputs' sentences, and read statistics (bad lines are
+    counted and skipped)."""
     rng = random.Random(config.seed)
     reservoir: list[str] = []
     stats = {"documents": 0, "sentences": 0, "bad_records": 0, "bytes": 0}

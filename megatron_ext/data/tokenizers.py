@@ -40,11 +40,8 @@ __all__ = [
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece model (as written by ``tools/train_tokenizer.py``).
-
-    EOD is the model's ``eos`` id and padding its ``pad`` id, as in Megatron-LM's
-    GPTSentencePieceTokenizer, so a model trained here also works with stock Megatron-LM.
-    """
+    """A SentencePiece model; EOD its ``eos`` id and padding its ``pad`` id, as Megatron-LM's
+    GPTSentencePieceTokenizer."""
 
     type_name = "SentencePieceTokenizer"
 

@@ -31,12 +31,8 @@ _MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"
 
 
 def read_text_file(path: str, encoding: str = "utf-8") -> str:
-    """The whole text of ``path`` decoded with ``encoding``.
-
-    Raises:
-        EvaluationError: unknown encoding, or bytes that are not valid in it (the message names
-            the file and the byte offset, and says which compressed format it looks like).
-    """
+    """The whole text of ``path`` in ``encoding``; EvaluationError naming the file and byte
+    offset (and a compressed format it looks like) for bytes not valid in it."""
     try:
         codecs.lookup(encoding)
     except LookupError:

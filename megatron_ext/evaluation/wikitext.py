@@ -120,11 +120,8 @@ class Window:
 
 
 def rolling_windows(num_targets: int, context: int, stride: int) -> list[Window]:
-    """Windows scoring targets 1..num_targets once each (see the module docstring).
-
-    Window k ends at target min(context + k * stride, n), takes the `context` tokens before it
-    as input and scores the targets the previous window did not.
-    """
+    """Windows scoring targets 1..num_targets once each: window k ends at min(context + k *
+    stride, n), takes the `context` tokens before it and scores those the previous did not."""
     if context < 1 or not 1 <= stride <= context:
         raise EvaluationError(f"need 1 <= --stride <= --context, got {stride} and {context}")
     windows = []
