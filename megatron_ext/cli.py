@@ -124,13 +124,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def _shutdown_distributed() -> None:
     """Destroy the process groups a command created (no-op if torch.distributed is unused)."""
-    if "torch.distributed" not in sys.modules:
-        return
-    # deferred: keeps torch (slow) out of this module's import
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        # deferred: keeps torch (slow) out of this module's import
+    dist = sys.modules.get("torch.distributed")  # loaded by the command if it used it
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # deferred: keeps torch and megatron.core (slow) out of this module's import
         from megatron_ext.parallel import destroy_parallel
 
         destroy_parallel()

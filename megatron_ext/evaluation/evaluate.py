@@ -9,37 +9,26 @@
     python tools/evaluate.py curves --run tied=tb/tied --run lev=tb/lev --seq-length 512 \\
         --reference tied --output-dir eval/curves
 
-Checkpoints of any arm saved at any TP/PP layout load at the layout asked for here
-(--tensor-model-parallel-size/--pipeline-model-parallel-size; launch TP x PP ranks with
-torchrun, or plain python for TP=PP=1). The options shared with training are the training
-configs' own flags; the model and its sequence length come from the checkpoint's args.json.
-docs/evaluation.md has a worked example of each.
-Exit codes: 0 done, 2 bad input (one line on stderr).
+Checkpoints of any arm and layout load at the layout asked for here (launch TP x PP ranks with
+torchrun, or plain python for TP=PP=1); the options shared with training are its configs' own
+flags, the model comes from the checkpoint's args.json. docs/evaluation.md has an example of
+each. Exit codes: 0 done, 2 bad input (one line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from typing import Optional, Sequence
 
-from megatron_ext._paths import atomic_write, display_path
+from megatron_ext._paths import atomic_write
 from megatron_ext.cli import ArgumentParser, run_tool
 from megatron_ext.config_flags import add_flags
-from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
-from megatron_ext.data.indexed import check_dataset, get_idx_path
 from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import TokenizerError
 from megatron_ext.evaluation.curves import plot_curves, read_run_curves, sample_efficiency
-from megatron_ext.evaluation.frequency import (
-    DEFAULT_EDGES,
-    FrequencyBins,
-    training_counts,
-    write_frequency_report,
-)
 from megatron_ext.evaluation.outputs import (
     EvaluationError,
     format_markdown_table,
@@ -120,17 +109,21 @@ def _add_encoding_arg(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.models.config import ModelConfig
-
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    for add_command in (_add_perplexity, _add_frequency, _add_wikitext, _add_lm_eval, _add_curves):
+        add_command(sub)
+    return parser
 
+
+def _add_perplexity(sub) -> None:
     p = sub.add_parser("perplexity", help="loss and perplexity of one checkpoint")
     _add_model_args(p)
     _add_data_args(p)
     p.add_argument("--output-dir", default=None, help="write perplexity.json/.md here")
 
+
+def _add_frequency(sub) -> None:
     p = sub.add_parser("frequency", help="frequency-stratified perplexity of several runs")
     _add_model_args(p, multiple=True)
     _add_data_args(p)
@@ -151,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output-dir", required=True, help="write frequency.json/.md and plots here")
 
+
+def _add_wikitext(sub) -> None:
     p = sub.add_parser("wikitext", help="Wikitext-103 zero-shot perplexity")
     _add_model_args(p)
     p.add_argument("--file", required=True, help="wiki.test.tokens (or wiki.test.raw)")
@@ -159,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=None, help="window step (default context/2)")
     p.add_argument("--output-dir", default=None, help="write wikitext.json here")
 
+
+def _add_lm_eval(sub) -> None:
     p = sub.add_parser("lm-eval", help="downstream tasks with lm-evaluation-harness")
     _add_model_args(p)
     p.add_argument(
@@ -187,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output-dir", default=None, help="write lm_eval.json/.md here")
 
+
+def _add_curves(sub) -> None:
+    # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.models.config import ModelConfig
+
     p = sub.add_parser("curves", help="loss curves and sample efficiency of several runs")
     p.add_argument(
         "--run",
@@ -211,296 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(the absolute curves go to curves_absolute.png)",
     )
     p.add_argument("--output-dir", required=True, help="write curves.png and the tables here")
-    return parser
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def _rank0() -> bool:
-    # deferred: keeps torch (slow) out of this module's import
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _init(args):
-    """This rank's `ProcessGroups` at the requested layout (initialised here if needed)."""
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.inference.loading import init_inference_parallel
-
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != tp * pp:
-        raise EvaluationError(
-            f"evaluation runs on TP x PP = {tp * pp} ranks but the world has {world}; launch "
-            f"torchrun --nproc-per-node {tp * pp} (or plain python for TP=PP=1)"
-        )
-    if args.micro_batch_size < 1:
-        raise EvaluationError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    return init_inference_parallel(tp, pp)
-
-
-def _check_datasets_first(args) -> None:
-    """A damaged evaluation or counts dataset is named before any checkpoint is loaded
-    (`data.indexed.check_dataset`; a missing one is reported where it is read)."""
-    for prefix in [getattr(args, "data_path", None), *(getattr(args, "counts_prefix", None) or [])]:
-        if prefix and os.path.isfile(get_idx_path(prefix)):
-            check_dataset(prefix)
-
-
-def _load(args, load_dir: str, pg):
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.evaluation.scoring import load_for_evaluation
-
-    loaded = load_for_evaluation(
-        load_dir, pg, iteration=args.ckpt_step, tokenizer_model=args.tokenizer_model
-    )
-    if _rank0():
-        logger.info(
-            "loaded %s (iteration %d, --embedding-type %s) at TP=%d PP=%d",
-            display_path(loaded.run.root),
-            loaded.run.iteration,
-            loaded.run.embedding_type,
-            args.tensor_model_parallel_size,
-            args.pipeline_model_parallel_size,
-        )
-    return loaded
-
-
-def _batches(args, loaded):
-    """(batches, target-token count, description) of the chosen evaluation set."""
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.data.loading import check_vocab_sizes, dataset_vocab_size
-    from megatron_ext.evaluation.perplexity import (
-        dataset_documents,
-        loop_validation_batches,
-        pack_stream,
-        text_documents,
-    )
-
-    mbs, seq = args.micro_batch_size, loaded.seq_length
-    if args.split:
-        batches, total = loop_validation_batches(loaded.run, loaded.tokenizer, mbs, args.split)
-        return batches, total, f"the run's {args.split} batches (--eval-iters)"
-    if args.data_path:
-        documents, total = dataset_documents(args.data_path)
-        check_vocab_sizes(
-            loaded.tokenizer.vocab_size, dataset_vocab_size(args.data_path), None, args.data_path
-        )
-        check_dataset_tokenizers(
-            [args.data_path],
-            tokenizer_record(loaded.tokenizer),
-            against="the checkpoint's tokenizer",
-            fix="score the checkpoint on data made with its tokenizer",
-        )
-        return pack_stream(documents, seq, mbs), total - 1, args.data_path
-    documents, total = text_documents(args.text, loaded.tokenizer, args.json_key, args.encoding)
-    return pack_stream(documents, seq, mbs), total - 1, " ".join(args.text)
-
-
-# ------------------------------------------------------------------------------ commands
-
-
-def cmd_perplexity(args) -> int:
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.evaluation.perplexity import LossTotals
-    from megatron_ext.evaluation.scoring import score_batches
-
-    pg = _init(args)
-    _check_datasets_first(args)
-    loaded = _load(args, args.load, pg)
-    batches, total, source = _batches(args, loaded)
-    totals = LossTotals()
-    speed = score_batches(
-        loaded.scorer, batches, [totals], total_targets=total, show_progress=not args.no_progress
-    )
-    if totals.tokens == 0:
-        raise EvaluationError(f"{source}: no tokens were scored (empty evaluation set)")
-    result = dict(
-        checkpoint=loaded.run.path,
-        embedding_type=loaded.run.embedding_type,
-        data=source,
-        **totals.as_dict(),
-        tokens_per_second=speed["tokens_per_second"],
-    )
-    if _rank0():
-        print(
-            f"{display_path(loaded.run.path)}: {source}: {totals.tokens} tokens, "
-            f"loss {totals.loss:.6f}, "
-            f"perplexity {totals.perplexity:.4f} ({speed['tokens_per_second']:.0f} tokens/s)"
-        )
-        if args.output_dir:
-            write_json(os.path.join(args.output_dir, "perplexity.json"), result)
-            table = format_markdown_table(
-                ["checkpoint", "data", "tokens", "loss", "perplexity"],
-                [
-                    [
-                        loaded.run.path,
-                        source,
-                        totals.tokens,
-                        f"{totals.loss:.4f}",
-                        f"{totals.perplexity:.3f}",
-                    ]
-                ],
-            )
-            atomic_write(os.path.join(args.output_dir, "perplexity.md"), table)
-    return 0
-
-
-def cmd_frequency(args) -> int:
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.data.loading import blend_prefixes
-    from megatron_ext.evaluation.scoring import score_batches
-
-    names = args.names or [os.path.basename(os.path.normpath(p)) for p in args.load]
-    if len(names) != len(args.load) or len(set(names)) != len(names):
-        raise EvaluationError("--names needs one distinct name per --load")
-    if args.baseline is not None and args.baseline not in names:
-        raise EvaluationError(f"--baseline {args.baseline} is not one of --names {names}")
-    pg = _init(args)
-    _check_datasets_first(args)
-    results, counts, prefixes = {}, None, args.counts_prefix
-    for name, load_dir in zip(names, args.load):
-        loaded = _load(args, load_dir, pg)
-        if counts is None:
-            if prefixes is None:
-                run_args = loaded.run.args
-                blend = run_args.data_path or getattr(run_args, "train_data_path", None)
-                prefixes = blend_prefixes(blend)
-            counts = training_counts(
-                prefixes, loaded.tokenizer.vocab_size, tokenizer_record(loaded.tokenizer)
-            )
-            if _rank0():
-                logger.info("binning by the token counts of %s", ", ".join(prefixes))
-        elif len(counts) != loaded.tokenizer.vocab_size:
-            raise EvaluationError(
-                f"{load_dir} uses a tokenizer of {loaded.tokenizer.vocab_size} ids, the counts "
-                f"have {len(counts)}: compare runs trained with the same tokenizer"
-            )
-        bins = FrequencyBins(counts, args.bin_edges or DEFAULT_EDGES)
-        batches, total, source = _batches(args, loaded)
-        score_batches(
-            loaded.scorer,
-            batches,
-            [bins],
-            total_targets=total,
-            desc=name,
-            show_progress=not args.no_progress,
-        )
-        results[name] = bins.stats
-        del loaded
-    if _rank0():
-        paths = write_frequency_report(results, args.baseline, args.output_dir)
-        with open(paths["md"]) as handle:
-            print(handle.read(), end="")
-        print("wrote " + ", ".join(paths[k] for k in ("md", "csv", "json", "png")))
-    return 0
-
-
-def cmd_wikitext(args) -> int:
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.evaluation.perplexity import LossTotals
-    from megatron_ext.evaluation.scoring import score_batches
-    from megatron_ext.evaluation.wikitext import (
-        WikitextResult,
-        prepare_streams,
-        read_wikitext,
-        rolling_windows,
-        window_batches,
-    )
-
-    articles = read_wikitext(args.file, args.encoding)  # check it before loading anything
-    pg = _init(args)
-    loaded = _load(args, args.load, pg)
-    context = args.context or loaded.seq_length
-    stride = args.stride or max(1, context // 2)
-    rolling_windows(1, context, stride)  # validates context/stride
-    if context > loaded.seq_length:
-        logger.warning("--context %d exceeds the run's --seq-length %d", context, loaded.seq_length)
-    streams, num_tokens, words = prepare_streams(articles, loaded.tokenizer)
-    totals = LossTotals()
-    score_batches(
-        loaded.scorer,
-        window_batches(streams, context, stride, args.micro_batch_size),
-        [totals],
-        total_targets=num_tokens,
-        desc="wikitext",
-        show_progress=not args.no_progress,
-    )
-    result = WikitextResult(len(articles), words, totals.tokens, totals.loss_sum, context, stride)
-    out = dict(checkpoint=loaded.run.path, file=args.file, **result.as_dict())
-    if _rank0():
-        print(
-            f"{args.file}: {out['articles']} articles, {out['words']} words, {out['tokens']} "
-            f"tokens | context {context} stride {stride} | token perplexity "
-            f"{out['token_perplexity']:.4f} | word perplexity {out['word_perplexity']:.4f}"
-        )
-        if args.output_dir:
-            write_json(os.path.join(args.output_dir, "wikitext.json"), out)
-    return 0
-
-
-def cmd_lm_eval(args) -> int:
-    try:
-        # optional: the [eval] extra
-        import lm_eval
-        from lm_eval.tasks import TaskManager
-        from lm_eval.utils import make_table
-    except ImportError:
-        raise EvaluationError(
-            "lm-eval is not installed: pip install -e '.[eval]' (pins lm-eval)"
-        ) from None
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.evaluation.lm_eval_adapter import LeviathanLM
-
-    if args.log_samples and not args.output_dir:
-        raise EvaluationError("--log-samples writes samples_<task>.jsonl: give --output-dir")
-    pg = _init(args)
-    loaded = _load(args, args.load, pg)
-    lm = LeviathanLM(
-        loaded=loaded, batch_size=args.micro_batch_size, max_gen_toks=args.max_gen_toks
-    )
-    limit = args.limit
-    if limit is not None and limit >= 1:
-        limit = int(limit)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=[t for t in args.tasks.split(",") if t],
-        num_fewshot=args.num_fewshot,
-        limit=limit,
-        task_manager=TaskManager(include_path=args.include_path),
-        random_seed=args.seed,
-        numpy_random_seed=args.seed,
-        torch_random_seed=args.seed,
-        fewshot_random_seed=args.seed,
-        log_samples=args.log_samples,
-    )
-    if _rank0() and results is not None:
-        table = make_table(results)
-        print(table)
-        if args.output_dir:
-            atomic_write(os.path.join(args.output_dir, "lm_eval.md"), table)
-            write_json(
-                os.path.join(args.output_dir, "lm_eval.json"),
-                {
-                    "results": results["results"],
-                    "versions": results.get("versions", {}),
-                    "n-shot": results.get("n-shot", {}),
-                    "checkpoint": loaded.run.path,
-                },
-            )
-            for task, samples in (results.get("samples") or {}).items():
-                lines = [json.dumps(sample, default=str) for sample in samples]
-                atomic_write(
-                    os.path.join(args.output_dir, f"samples_{task}.jsonl"),
-                    "".join(line + "\n" for line in lines),
-                )
-    return 0
 
 
 def cmd_curves(args) -> int:
@@ -547,15 +263,6 @@ def cmd_curves(args) -> int:
     return 0
 
 
-COMMANDS = {
-    "perplexity": cmd_perplexity,
-    "frequency": cmd_frequency,
-    "wikitext": cmd_wikitext,
-    "lm-eval": cmd_lm_eval,
-    "curves": cmd_curves,
-}
-
-
 def _errors() -> tuple:
     # deferred: keeps megatron.core (slow) out of this module's import
     from megatron_ext.checkpoint.format import CheckpointError
@@ -565,6 +272,11 @@ def _errors() -> tuple:
 
 def _main(argv: Optional[Sequence[str]]) -> int:
     args = get_args(argv)
+    if args.command == "curves":
+        return cmd_curves(args)
+    # deferred: keeps torch and megatron.core (slow) out of this module's import (--help)
+    from megatron_ext.evaluation.commands import COMMANDS
+
     return COMMANDS[args.command](args)
 
 

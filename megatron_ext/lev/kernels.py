@@ -4,18 +4,16 @@
     t, Delta [h, d, kappa, r] --(backend.forward)--> M [N, h, r]
 
 `LEVModes` owns what the backends share (autocast off, the compute dtype, steps 3a-3b, saving
-only z and M and recomputing t in backward, casting gradients back). A backend implements
-steps 3c-3e (B-spline basis, spline values with coefficients 1 + Delta, signed product):
+only z and M, recomputing t in backward, casting gradients back). A backend implements steps
+3c-3e (B-spline basis, spline values with coefficients 1 + Delta, signed product):
 
     forward(t [h, N, d], delta [h, d, kappa, r], opts) -> M [N, h, r]
     backward(t, delta, grad = dL/dM * M [N, h, r], opts) -> (dL/dy [h, N, d], dL/dDelta)
 
 Backends: "torch" (`lev.fused`), "cpu" (`cpu_accel.lev_kernel`, C++), "triton"
-(`lev.triton_kernel`); "reference" is `lev.math.lev_modes` under plain autograd; "auto" picks
-triton on float32 CUDA, cpu on CPU when its kernel builds, else torch. Every choice computes the
-same function and saves the same tensors. The signed product is the product of the factors
-phi -/+ eps by frexp mantissas and summed exponents (renormalised every 64 factors, rounded
-once), exact over every range the flags allow (docs/lev.md step 3e).
+(`lev.triton_kernel`); "reference" is `lev.math.lev_modes` under autograd; "auto" picks triton
+on float32 CUDA, cpu on CPU when its kernel builds, else torch. All compute the same function;
+the signed product multiplies frexp mantissas and sums exponents (docs/lev.md step 3e).
 """
 
 from __future__ import annotations

@@ -7,13 +7,12 @@ Tensor parallelism: each rank owns h/tp whole heads (its dim-0 slices of seed_pr
 spline_delta, out_proj, tagged with megatron's TP attributes); the codebooks are replicated,
 their gradient summed over all heads through `copy_to_tensor_model_parallel_region`.
 
-Speed and memory: LEV runs once per distinct id of the micro-batch (the all-reduce on the
-[U, D] distinct rows), or, with `LEVConfig.dedup_global_batch`, once per distinct id of the
-global batch (`begin_global_batch` / `end_global_batch`, the engines' `ModuleHooks`: the rows
-collect every micro-batch's gradient and LEV's backward runs once, after the schedule). The
-kernels (`lev.kernels.lev_modes`, --lev-kernel) save only the seeds (or digits), the modes and
-the ids. With `LEVConfig.eval_table`, eval forwards that need no gradient look ids up in a
-[V, D] table (`lev.table`), rebuilt whenever a parameter changes (once per `pinned_eval_table`).
+LEV runs once per distinct id of the micro-batch (the all-reduce on the [U, D] distinct rows),
+or, with `LEVConfig.dedup_global_batch`, of the global batch (`begin_global_batch` /
+`end_global_batch`, the engines' `ModuleHooks`: LEV's backward runs once, after the schedule).
+The kernels (`lev.kernels.lev_modes`, --lev-kernel) save only the seeds (or digits), the modes
+and the ids. With `LEVConfig.eval_table`, eval forwards without gradient read a [V, D] table
+(`lev.table`), rebuilt whenever a parameter changes (once per `pinned_eval_table`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """The LEV forward pass, one function per step of docs/lev.md section 2, in order.
 
-This is the readable ("naive") form: plain torch ops, differentiated by autograd, every
-intermediate kept in memory. It is the definition, not the default training path:
-`lev.kernels.lev_modes` (`--lev-kernel auto|torch|cpu|triton`) computes steps 3a-3e with
-recompute-in-backward and a cheaper separable product; `--lev-kernel reference` runs this file
-as is. Every kernel matches an independent float64 reference,
-outputs and every gradient, in `tests/lev/test_lev_reference.py::test_matches_reference_float64`.
-
-Shapes (N ids, k digits, base b, seed width d = d_seed, seed input width d_in = d or k*d,
-h heads on this rank, kappa knots, rank r, model width D)::
+The readable form: plain torch ops, differentiated by autograd, every intermediate kept. It is
+the definition, not the training path: `lev.kernels.lev_modes` (--lev-kernel) computes steps
+3a-3e with recompute-in-backward and a cheaper separable product (`--lev-kernel reference` runs
+this file); every kernel matches a float64 reference, outputs and gradients
+(`tests/lev/test_lev_reference.py`). Shapes (N ids, k digits, base b, seed width d = d_seed,
+seed input width d_in = d or k*d, h heads on this rank, kappa knots, rank r, model width D)::
 
     ids [N] -> digits [N, k] -> z [N, d_in] -> t [h, N, d] -> basis [h, N, d, kappa]
         -> phi [h, N, d, r] -> M [h, N, r] -> e [N, D]
 
-Everything from the seed onwards is computed in float32 (float64 if the parameters are float64),
-whatever the parameter dtype or autocast state: the product of d_seed factors is not safe in bf16.
+From the seed on everything is float32 (float64 with float64 parameters) whatever the parameter
+dtype or autocast: the product of d_seed factors is not safe in bf16.
 """
 
 from __future__ import annotations

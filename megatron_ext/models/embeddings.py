@@ -1,21 +1,17 @@
-"""Input modules of the baselines and ablations (docs/lev.md section 3).
+"""Input modules of the baselines and ablations (docs/lev.md section 3), each with
+VocabParallelEmbedding's contract: `forward(input_ids [b, s])` -> the TP-complete [b, s, D], or
+[s/tp, b, D] with `reduce_scatter_embeddings` (sequence parallel).
 
-Each honours VocabParallelEmbedding's contract: `forward(input_ids [b, s])` returns the
-TP-complete [b, s, D], or [s/tp, b, D] when `reduce_scatter_embeddings` (sequence parallel).
+- `LookupSeedEmbedding` (albert, flat-mlp): a vocab-parallel V x m table, its m-wide lookups
+  summed across TP (m << D), then a replicated m -> D map: a linear projection (albert) or
+  LayerNorm + SiLU MLP (flat-mlp).
+- `DigitSeedEmbedding` (factored-mlp): LEV's replicated digit codebooks (docs/lev.md step 2),
+  then the same norm + MLP; no table at all.
 
-- `LookupSeedEmbedding` (albert, flat-mlp): a vocab-parallel V x m table; its m-wide partial
-  lookups are summed across TP (cheap: m << D), then a small replicated network maps m -> D:
-  a linear projection (albert) or LayerNorm + SiLU MLP (flat-mlp).
-- `DigitSeedEmbedding` (factored-mlp): LEV's replicated digit codebooks (the seed of
-  docs/lev.md step 2) followed by the same norm + MLP; no table at all.
-
-Replicated parameters see identical inputs and gradients on every TP rank without sequence
-parallelism. With it each rank only processes its slice of the sequence, so they are tagged
-`sequence_parallel` and their gradients are summed across TP like Megatron's norm weights.
-
-DECISIONS (flags override): projections are initialised so that a fresh model's input
-embeddings have the usual 0.02 scale; the MLP ablations normalise their seed (LayerNorm) before
-the MLP, as LEV does before its splines, so the ablations differ from LEV only in the mapping.
+Under sequence parallelism each rank sees only its slice, so the replicated parameters are
+tagged `sequence_parallel` and their gradients summed across TP like Megatron's norm weights.
+Projections are initialised so that a fresh model's input embeddings have the usual 0.02
+scale; the MLP ablations normalise their seed before the MLP, as LEV before its splines.
 """
 
 from __future__ import annotations

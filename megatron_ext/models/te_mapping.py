@@ -7,14 +7,11 @@ megatron-core's TE decoder layer fuses each RMSNorm into the following linear la
     input_layernorm.weight             self_attention.linear_qkv.layer_norm_weight
     pre_mlp_layernorm.weight           mlp.linear_fc1.layer_norm_weight
 
-Every other parameter has the same name and shape in both specs (the TE attention has no
-parameters; FP8 scaling state is `_extra_state`, not a parameter). The mapping is megatron-core's
-own: its local GPT layer spec declares it as `sharded_state_dict_keys_map` so that its
-distributed checkpoints load across specs; this module reads it from there.
-
-Checkpoints of this project store the local ("canonical") names: `full_state_dict`'s
-layout-free names pass through `canonical_param_name`, so a TE-trained checkpoint loads into the
-local spec (CPU evaluation, export) and a local one into the TE spec, in any parallel layout.
+Every other parameter has the same name in both (FP8 state is `_extra_state`). The mapping is
+megatron-core's own (`sharded_state_dict_keys_map` of its local GPT layer spec). Checkpoints
+store the local ("canonical") names (`full_state_dict` passes names through
+`canonical_param_name`), so a TE-trained checkpoint loads into the local spec and a local one
+into the TE spec, at any layout.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Data-parallel gradient averaging of the portable engine: torch's `DistributedDataParallel`
 over each pipeline stage, and one explicit average of the gradients deferred past it.
 
-Every layout averages the same way over `pg.dp_cp` (data x context parallel ranks, when there
-are more than one): the module each pipeline stage runs (`pipeline.ChunkStage`, one per model
-chunk) is wrapped in DDP (`wrap`). torch's `PipelineStage` runs a DDP module's forwards under
-`no_sync`, so the micro-batches' gradients accumulate locally, and lets DDP reduce during the
-stage's last backward (bucketed all-reduce overlapped with it). The communication hook
-(`GradientAverage`) averages each bucket, first noting whether this rank's own gradients were
-finite (so that a NaN's message names the rank it came from) and, with --grad-reduce-in-bf16,
-sends BF16 (the gradient is averaged in float32, rounded to BF16 for the sum, and copied back
-to float32).
+Every layout averages over `pg.dp_cp` (data x context parallel ranks, when more than one): each
+stage's module (`pipeline.ChunkStage`) is wrapped in DDP (`wrap`); torch's `PipelineStage` runs
+its forwards under `no_sync` and lets DDP reduce during the stage's last backward (bucketed,
+overlapped). The communication hook (`GradientAverage`) averages each bucket, first noting
+whether this rank's gradients were finite (a NaN's message names its rank), and with
+--grad-reduce-in-bf16 sends BF16 (averaged in float32, rounded for the sum, copied back).
 
 Modules that defer their gradients (`engine.ModuleHooks`: LEV with --lev-dedup-global-batch)
-run their backward once per global batch, after the schedule, when DDP has finished: their
-parameters are not the chunk stages' own (DDP would wait for their gradients in the last
-backward), and the engine averages them with one explicit call,
-`GradientAverage.average_params`, through the same averaging as the hook.
+run their backward after the schedule, when DDP has finished: their parameters are not the
+stages' own, and the engine averages them with one `GradientAverage.average_params` call.
 """
 
 from __future__ import annotations

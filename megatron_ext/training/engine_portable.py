@@ -1,22 +1,17 @@
-"""The portable training engine (the default; gloo on CPU, NCCL on GPU).
+"""The portable training engine (the default; gloo on CPU, NCCL on GPU): float32 parameters,
+gradients and Adam states, --bf16/--fp16 under autocast. One step, the same under every layout:
 
-float32 parameters, gradients and Adam states; --bf16/--fp16 run forward and backward under
-autocast. One step, the same under every layout:
-
-1. forward/backward over the micro-batches on torch.distributed.pipelining (`pipeline.Pipeline`:
-   1F1B, interleaved 1F1B over model chunks), each pipeline stage's module in torch's
-   `DistributedDataParallel` over `pg.dp_cp` when DP x CP > 1 (`data_parallel.wrap`): the
-   micro-batches accumulate under `no_sync`, each stage's last backward averages its
-   gradients, overlapped;
+1. forward/backward over the micro-batches (`pipeline.Pipeline`: 1F1B, interleaved 1F1B over
+   model chunks), each stage's module in torch DDP over `pg.dp_cp` when DP x CP > 1
+   (`data_parallel.wrap`): micro-batches accumulate under `no_sync`, the last backward averages;
 2. modules whose gradients arrive after the schedule (`engine.ModuleHooks`: LEV with
-   --lev-dedup-global-batch): the step brackets the micro-batches with their
-   `begin_global_batch` and `end_global_batch` (their backward); their gradients (which DDP
-   leaves out) are averaged by one call, `GradientAverage.average_params`;
-3. Megatron's model-parallel gradient reductions (sequence-parallel norms over TP, tied
-   embeddings over the embedding group), the 1 / loss-scale (and per-token) gradient scale;
-4. global grad-norm clipping, one world all-reduce of [loss sum, token count, non-finite flags,
-   the caller's flags], then the optimizer step (or a stop / skip on a non-finite loss or grad
-   norm) and the scheduler step.
+   --lev-dedup-global-batch) get `begin_global_batch` / `end_global_batch` around the
+   micro-batches, and their gradients one `GradientAverage.average_params` call;
+3. Megatron's model-parallel gradient sums (sequence-parallel norms over TP, tied embeddings
+   over the embedding group), the 1 / loss-scale (and per-token) gradient scale;
+4. grad-norm clipping, one world all-reduce of [loss sum, tokens, non-finite and the caller's
+   flags], then the optimizer step (or a stop / skip on a non-finite loss or grad norm) and the
+   scheduler step.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The training loop: `Trainer` (the iterations, evaluation, the exit conditions), `train`
-(datasets, the iterations, final evaluation) and `close` (logs, profiler, process groups).
-`run.py` builds a run and calls them (`pretrain`, `setup`).
-
-The loop composes four collaborators, each in its own module: the engine (`engine.Engine`:
-`engine_portable.PortableEngine`, or `megatron_engine.MegatronEngine` with --ddp-impl
-megatron) runs one global batch per `step`; the metrics logger (`metrics_logger.py`) writes
-the iteration line, TensorBoard, W&B and --log-jsonl; the checkpoint manager
-(`checkpoint_manager.py`) saves and loads the engine's parts; `run_extras.RunExtras`
-runs the feature hooks (batch ramp-up, profiler, manual GC). The loop itself owns the
-iteration counters and the exit conditions (--exit-signal-handler, --exit-duration-in-mins,
---exit-interval), each of which saves before leaving.
+(datasets, the iterations, final evaluation) and `close` (logs, profiler, process groups);
+`run.py` builds a run and calls them. The loop composes the engine (`engine.Engine`: one global
+batch per `step`), the metrics logger (`metrics_logger.py`), the checkpoint manager
+(`checkpoint_manager.py`) and `run_extras.RunExtras` (batch ramp-up, profiler, manual GC); it
+owns the iteration counters and the exit conditions (--exit-signal-handler,
+--exit-duration-in-mins, --exit-interval), each of which saves before leaving.
 """
 
 from __future__ import annotations
@@ -169,7 +164,36 @@ class Trainer:
 
     def train(self, train_ds, valid_ds) -> str:
         """Train to --train-iters or an exit condition; return why it stopped."""
-        b, lg = self.cfg.batch, self.cfg.log
+        loader = self._train_loader(train_ds)
+        self.metrics.start(self.state.iteration)
+        iterator = iter(loader)
+        self.engine.train()
+        while self.state.iteration < self.cfg.batch.train_iters:
+            step_start, step_cpu_start = time.time(), time.process_time()
+            self.global_batch = self.extras.global_batch(self.state.consumed_train_samples)
+            self.extras.before_step(self.state.iteration + 1)
+            result = self._step(iterator)
+            self._count(result)
+            self.extras.after_step(self.state.iteration)
+            self.step_seconds = max(self.step_seconds, time.time() - step_start)
+            self._log_iteration(result, step_start, step_cpu_start)
+            it, ev, ck = self.state.iteration, self.cfg.eval, self.cfg.ckpt
+            periodic = ev.eval_interval and it % ev.eval_interval == 0  # None: after training
+            if ev.eval_iters and valid_ds is not None and periodic:
+                self.log_evaluation(self.evaluate(valid_ds), "validation")
+            self.checkpoints.poll()
+            if ck.save_interval and it % ck.save_interval == 0:
+                self.save()
+            reason = self._stop(result.flags)
+            if reason is not None:
+                return reason
+        self.save()
+        return "finished"
+
+    def _train_loader(self, train_ds):
+        """This rank's loader from the resumed sample on; refused when it holds fewer
+        micro-batches than the iterations left need (ramp-up included)."""
+        b = self.cfg.batch
         loader = build_data_loader(
             train_ds,
             self.state.consumed_train_samples,
@@ -190,81 +214,73 @@ class Trainer:
                 f"the training set has {len(loader.batch_sampler)} micro-batches left for this "
                 f"rank but {needed} are needed; check --train-iters and the data split"
             )
-        self.metrics.start(self.state.iteration)
-        iterator = iter(loader)
-        self.engine.train()
-        reason = "finished"
-        while self.state.iteration < b.train_iters:
-            step_start, step_cpu_start = time.time(), time.process_time()
-            self.global_batch = self.extras.global_batch(self.state.consumed_train_samples)
-            self.extras.before_step(self.state.iteration + 1)
-            result = self._step(iterator)
-            state = self.state
-            state.iteration += 1
-            state.consumed_train_samples += self.global_batch
-            state.skipped_iterations += int(result.skipped)
-            state.nonfinite_iterations += int(result.nonfinite)
-            if self.flops_per_batch:
-                state.floating_point_operations_so_far += (
-                    self.flops_per_batch * self.global_batch / b.global_batch_size
-                )
-            self.extras.after_step(state.iteration)
-            self.step_seconds = max(self.step_seconds, time.time() - step_start)
-            it = state.iteration
-            if it % lg.tensorboard_log_interval == 0 or it % lg.log_interval == 0:
-                extras = self.engine.log_stats()  # collective
-                if self.cfg.log.log_memory_to_tensorboard:
-                    extras.update(memory_stats())
-                self.metrics.extras = extras
-            loss_scale = self.engine.scaler.scale if self.engine.scaler is not None else None
-            self.metrics.iteration(
-                result,
+        return loader
+
+    def _count(self, result: StepResult) -> None:
+        """The iteration's counters: iterations, samples, skipped and non-finite steps, FLOPs."""
+        state = self.state
+        state.iteration += 1
+        state.consumed_train_samples += self.global_batch
+        state.skipped_iterations += int(result.skipped)
+        state.nonfinite_iterations += int(result.nonfinite)
+        if self.flops_per_batch:
+            state.floating_point_operations_so_far += (
+                self.flops_per_batch * self.global_batch / self.cfg.batch.global_batch_size
+            )
+
+    def _log_iteration(self, result: StepResult, step_start: float, cpu_start: float) -> None:
+        """The iteration's scalars, and its line every --log-interval."""
+        state, lg = self.state, self.cfg.log
+        it = state.iteration
+        if it % lg.tensorboard_log_interval == 0 or it % lg.log_interval == 0:
+            extras = self.engine.log_stats()  # collective
+            if lg.log_memory_to_tensorboard:
+                extras.update(memory_stats())
+            self.metrics.extras = extras
+        loss_scale = self.engine.scaler.scale if self.engine.scaler is not None else None
+        self.metrics.iteration(
+            result,
+            state,
+            global_batch=self.global_batch,
+            seconds=time.time() - step_start,
+            cpu_seconds=time.process_time() - cpu_start,
+            loss_scale=loss_scale,
+        )
+        if it % lg.log_interval == 0:
+            self.metrics.line(
                 state,
                 global_batch=self.global_batch,
-                seconds=time.time() - step_start,
-                cpu_seconds=time.process_time() - step_cpu_start,
+                lr=result.lr,
                 loss_scale=loss_scale,
+                elapsed_since_start=time.time() - self.start_time,
+                timers=self.timers.take(),
             )
-            if it % lg.log_interval == 0:
-                self.metrics.line(
-                    state,
-                    global_batch=self.global_batch,
-                    lr=result.lr,
-                    loss_scale=loss_scale,
-                    elapsed_since_start=time.time() - self.start_time,
-                    timers=self.timers.take(),
-                )
-            ev = self.cfg.eval
-            periodic = ev.eval_interval and it % ev.eval_interval == 0  # None: after training
-            if ev.eval_iters and valid_ds is not None and periodic:
-                self.log_evaluation(self.evaluate(valid_ds), "validation")
-            ck = self.cfg.ckpt
-            self.checkpoints.poll()
-            if ck.save_interval and it % ck.save_interval == 0:
-                self.save()
-            signal_received, timeout = result.flags
-            if signal_received:
-                reason = "signal"
-            elif timeout:
-                reason = "exit-duration"
-            elif self.cfg.exit.exit_interval and it % self.cfg.exit.exit_interval == 0:
-                reason = "exit-interval"
-            if reason != "finished":
-                if self.is_rank0:
-                    logger.info("exiting at iteration %d (%s)", it, reason)
-                self.save()
-                self.checkpoints.wait()
-                if reason == "exit-duration" and self.is_rank0:
-                    logger.info(
-                        "exit-duration: saved iteration %d %.1f s after the job start "
-                        "(--exit-duration-in-mins %g = %.1f s)",
-                        it,
-                        time.time() - self.start_time,
-                        self.cfg.exit.exit_duration_in_mins,
-                        60.0 * self.cfg.exit.exit_duration_in_mins,
-                    )
-                return reason
+
+    def _stop(self, flags) -> Optional[str]:
+        """Why the loop stops after this iteration, once it has saved (None: it goes on)."""
+        signal_received, timeout = flags
+        it, interval = self.state.iteration, self.cfg.exit.exit_interval
+        if signal_received:
+            reason = "signal"
+        elif timeout:
+            reason = "exit-duration"
+        elif interval and it % interval == 0:
+            reason = "exit-interval"
+        else:
+            return None
+        if self.is_rank0:
+            logger.info("exiting at iteration %d (%s)", it, reason)
         self.save()
+        self.checkpoints.wait()
+        if reason == "exit-duration" and self.is_rank0:
+            logger.info(
+                "exit-duration: saved iteration %d %.1f s after the job start "
+                "(--exit-duration-in-mins %g = %.1f s)",
+                it,
+                time.time() - self.start_time,
+                self.cfg.exit.exit_duration_in_mins,
+                60.0 * self.cfg.exit.exit_duration_in_mins,
+            )
         return reason
 
 
@@ -279,11 +295,8 @@ def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
     cfg = trainer.cfg
     b, ev = cfg.batch, cfg.eval
     rank0 = trainer.is_rank0
-    num_samples = [
-        b.train_iters * b.global_batch_size,
-        ev.eval_iters * b.global_batch_size,
-        ev.eval_iters * b.global_batch_size,
-    ]
+    eval_samples = ev.eval_iters * b.global_batch_size
+    num_samples = [b.train_iters * b.global_batch_size, eval_samples, eval_samples]
     train_ds, valid_ds, test_ds = datasets_provider(num_samples)
     if cfg.exit.skip_train:  # Megatron-LM's --skip-train: evaluate and exit
         if rank0:

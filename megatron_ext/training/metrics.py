@@ -217,13 +217,10 @@ class Reporter:
     def _plot(self, directory: str) -> Optional[str]:
         try:
             # deferred: matplotlib is slow to import and only the plots need it
-            import matplotlib
-
-            matplotlib.use("Agg")
-            # deferred: matplotlib is slow to import and only the plots need it
             import matplotlib.pyplot as plt
         except ImportError:  # pragma: no cover
             return None
+        plt.switch_backend("Agg")
         os.makedirs(directory, exist_ok=True)
         fig, ax = plt.subplots(figsize=(7, 4))
         for tag, label in (("lm loss", "train"), ("lm loss validation", "validation")):

@@ -1,21 +1,17 @@
 """AdamW with Megatron's parameter groups, optional ZeRO-1, grad-norm clipping that counts
-tensor-parallel duplicates once, and FP16 loss scaling (the data-parallel gradient average is
-`data_parallel.py`'s).
+tensor-parallel duplicates once, and FP16 loss scaling, on gloo and NCCL alike (the
+data-parallel gradient average is `data_parallel.py`'s).
 
-Everything here runs on gloo (CPU) and NCCL (GPU) alike:
+- `build_optimizer`: torch's AdamW over two groups (weight decay / none), or with
+  --use-distributed-optimizer torch's `ZeroRedundancyOptimizer` over the data-parallel group
+  (each DP rank keeps and steps Adam states for its share, then broadcasts: ZeRO stage 1).
+- `clip_grad_norm`: the global L2 norm: tensor-parallel shards summed over TP, replicated
+  parameters counted once, the last stage's copy of a tied embedding not at all, then summed
+  over pipeline stages.
 
-- `build_optimizer`: torch's AdamW over two groups (weight decay / none), or, with
-  `--use-distributed-optimizer`, torch's `ZeroRedundancyOptimizer` over the data-parallel group:
-  each DP rank keeps Adam states for its share of the parameters, steps them, and broadcasts
-  the new values (ZeRO stage 1).
-- `clip_grad_norm`: the global L2 norm over all ranks: tensor-parallel shards summed over TP,
-  replicated parameters counted once, the last pipeline stage's copy of a tied embedding not at
-  all, then summed over pipeline stages.
-
-Precision: parameters, gradients and Adam states are float32 everywhere; --bf16 / --fp16 run
-the forward and backward under autocast (see `precision.py`), so the optimizer never sees a
-low-precision master weight and DP reduction is in float32, as Megatron's default
-(--accumulate-allreduce-grads-in-fp32) with BF16.
+Parameters, gradients and Adam states are float32; --bf16 / --fp16 run under autocast
+(`precision.py`), so there is no low-precision master weight and DP reduces in float32, as
+Megatron's default (--accumulate-allreduce-grads-in-fp32) with BF16.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Forward and backward over one iteration's micro-batches, on torch.distributed.pipelining.
 
-Every layout takes this one path: each model chunk of this pipeline rank is one `PipelineStage`
-of the P x V stages (rank r's chunk c is stage c * P + r, Megatron-LM's virtual stages), driven
-by `Schedule1F1B` (`ScheduleGPipe` with fewer micro-batches than stages; P = 1 is plain
-gradient accumulation) or, with V chunks per rank, `ScheduleInterleaved1F1B`.
-
-`ChunkStage` adapts Megatron's forward-step contract to torch's stages:
-
-    forward_step(data_iterator, model) -> (output_tensor, loss_func)
-    loss_func(output_tensor) -> (loss, reports)      reports: name -> detached [sum, count]
-
-Each stage reads its micro-batch (by the index `Pipeline.run` passes) from the iteration's data,
-once per rank, and runs its forward on the dropout stream (`rng.device_rng`: on CPU a generator
-state of its own, which checkpoints save); the last stage's `loss_fn` sums the reports and
-scales the loss (by 1 / M or, with --calculate-per-token-loss, not; times the FP16 loss scale).
-Stages exchange float32 [s, b, h] activations of declared shapes. A `ChunkStage` owns the
-chunk's parameters less the deferred ones (`engine.ModuleHooks`): what the engine's DDP around
-it reduces (`data_parallel.py`).
+Each model chunk of this pipeline rank is one `PipelineStage` of the P x V stages (rank r's
+chunk c is stage c * P + r, Megatron-LM's virtual stages), driven by `Schedule1F1B`
+(`ScheduleGPipe` with fewer micro-batches than stages; P = 1 is gradient accumulation) or, with
+V chunks per rank, `ScheduleInterleaved1F1B`. `ChunkStage` adapts Megatron's contract,
+`forward_step(data_iterator, model) -> (output, loss_func)`, `loss_func(output) -> (loss,
+reports)` (name -> detached [sum, count]): each stage reads its micro-batch (the index
+`Pipeline.run` passes) once per rank and runs on the dropout stream (`rng.device_rng`); the last
+stage's `loss_fn` sums the reports and scales the loss (by 1 / M, not with
+--calculate-per-token-loss; times the FP16 loss scale). Stages exchange float32 [s, b, h]
+activations of declared shapes. A `ChunkStage` owns the chunk's parameters less the deferred
+ones (`engine.ModuleHooks`): what the DDP around it reduces (`data_parallel.py`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """Mixed precision of the portable training path.
 
-DECISION: parameters, gradients and optimizer states stay float32 on CPU and GPU alike;
---bf16 / --fp16 run forward and backward under `torch.autocast` (matmuls in the low precision,
-reductions and norms in float32), and --fp8-format adds Transformer Engine's `fp8_autocast`
-(DelayedScaling, HYBRID = E4M3 forward / E5M2 backward) around the forward on CUDA. This keeps
-one code path for CPU and GPU, needs no separate master copy (the fp32 weights are the master),
-and reduces gradients in fp32 across data-parallel ranks. The model is therefore built at a
-float32 (`PrecisionConfig.params_dtype`; `training.config.RunConfig` keeps it so).
+Parameters, gradients and optimizer states stay float32 on CPU and GPU alike; --bf16 / --fp16
+run forward and backward under `torch.autocast` (matmuls low, reductions and norms float32), and
+--fp8-format adds Transformer Engine's `fp8_autocast` (DelayedScaling, HYBRID) around the
+forward on CUDA: one code path, the fp32 weights are the master copy, gradients reduce in fp32.
+The model is built at float32 (`PrecisionConfig.params_dtype`).
 
-Where the low precision starts, the same for every embedding arm: the input module runs in fp32
-(a lookup table is not autocast; LEV and the ALBERT / MLP seed networks disable autocast), so
-every arm sums its partial embeddings across TP in fp32 and hands layer 0 fp32 [s, b, h].
-Inside the decoder, megatron's bias-dropout-add casts the residual to the dtype of the
-sublayer output (bf16 under autocast), so the residual stream is bf16 from layer 0's first
-residual add on, as in Megatron-LM's --bf16 without --fp32-residual-connection. Norms and the
-loss are computed in fp32 (autocast's policy). Pipeline stages exchange fp32 activations
-(`pipeline_dtype`): a bf16 hidden state converts to fp32 exactly, so a pipelined run computes
-what a single-stage run does.
+Every embedding arm's input module runs in fp32 (a lookup is not autocast; LEV and the seed
+networks disable it) and hands layer 0 fp32 [s, b, h]; megatron's bias-dropout-add then casts
+the residual to the sublayer's dtype, so the residual stream is bf16 from layer 0's first add,
+as in Megatron-LM's --bf16 without --fp32-residual-connection. Norms and the loss are fp32;
+pipeline stages exchange fp32 activations (`pipeline_dtype`: bf16 converts exactly), so a
+pipelined run computes what a single-stage run does.
 """
 
 from __future__ import annotations

@@ -77,44 +77,6 @@ def build_engine(cfg: RunConfig, model, forward_step, pg, phase, timers) -> Engi
     return PortableEngine(cfg, model, forward_step, pg, phase, timers)
 
 
-def _build_chunks(
-    cfg: RunConfig, pg: ProcessGroups, model_provider: ModelProvider
-) -> list[torch.nn.Module]:
-    """This pipeline rank's model: one module, or with --num-layers-per-virtual-pipeline-stage
-    its V model chunks in order (chunk c holds virtual stage c x PP + pp_rank; the embedding on
-    the first rank's chunk 0, the head on the last rank's chunk V-1).
-
-    Megatron-LM's contract: the provider builds its stage on the groups it is given, and a
-    chunk when given `vp_stage` (here also `vp_size`, the chunks per rank).
-    """
-    collection = pg.megatron_collection()
-    p = cfg.parallel
-    if p.num_layers_per_virtual_pipeline_stage is None:
-        return [
-            model_provider(
-                pre_process=pg.is_first_stage,
-                post_process=pg.is_last_stage,
-                pg_collection=collection,
-            )
-        ]
-    vp_size = p.virtual_pipeline_model_parallel_size
-    if vp_size is None:
-        raise ValueError(
-            "--num-layers-per-virtual-pipeline-stage: derive the chunks per rank first "
-            "(ParallelConfig.with_num_layers(num_layers))"
-        )
-    return [
-        model_provider(
-            pre_process=pg.is_first_stage and c == 0,
-            post_process=pg.is_last_stage and c == vp_size - 1,
-            pg_collection=collection,
-            vp_stage=c,
-            vp_size=vp_size,
-        )
-        for c in range(vp_size)
-    ]
-
-
 def setup(
     cfg: RunConfig,
     pg: ProcessGroups,
@@ -135,7 +97,7 @@ def setup(
     Returns:
         the trainer (its `state` at the loaded iteration), ready for `train`.
     """
-    p, ck = cfg.parallel, cfg.ckpt
+    ck = cfg.ckpt
     if not cfg.engine.cpu_accel:
         cpu_accel.disable()  # before any kernel is chosen; DataLoader workers inherit it
     random.seed(cfg.seed)
@@ -143,36 +105,8 @@ def setup(
     set_random_seed(cfg.seed, pg.pp_rank)
     rank0 = dist.get_rank() == 0
     if rank0:
-        info = run_info()
-        logger.info("run: %s", ", ".join(f"{k}={v}" for k, v in info.items()))
-        if not cpu_accel.enabled():
-            logger.info("%s: portable paths only", cpu_accel.OFF)
-        logger.info(
-            "layout: world %d = TP %d x CP %d x PP %d x DP %d; backend %s",
-            dist.get_world_size(),
-            p.tensor_model_parallel_size,
-            p.context_parallel_size,
-            p.pipeline_model_parallel_size,
-            pg.dp_size,
-            dist.get_backend(),
-        )
-        if p.virtual_pipeline_model_parallel_size:
-            logger.info(
-                "interleaved 1F1B: model chunks per pipeline rank: %d (%d layers each)",
-                p.virtual_pipeline_model_parallel_size,
-                p.num_layers_per_virtual_pipeline_stage,
-            )
-        for key, value in cfg.args_json().items():
-            logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
-    chunks = _build_chunks(cfg, pg, model_provider)
-    resuming = bool(ck.load) and (
-        ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
-    )
-    if p.pipeline_model_parallel_size > 1 and full_model_provider and not resuming:
-        for chunk in chunks:
-            initialize_like_single_stage(chunk, full_model_provider, cfg.seed)
-    if torch.cuda.is_available():
-        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+        _log_run(cfg, pg)
+    chunks = _build_model(cfg, pg, model_provider, full_model_provider)
     model = chunks[0] if len(chunks) == 1 else chunks
     num_params = unique_numel(torch.nn.ModuleList(chunks), pg)
     phase, timers = Phase(), Timers.at_level(cfg.log.timing_log_level)
@@ -180,11 +114,8 @@ def setup(
     param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     extras = RunExtras(cfg, pg, param_bytes)
     model_config = getattr(chunks[0], "model_config", None)  # a LeviathanModel's ModelConfig
-    flops = (
-        flops_per_iteration(model_config, cfg.batch.global_batch_size)
-        if model_config is not None
-        else None
-    )
+    gbs = cfg.batch.global_batch_size
+    flops = None if model_config is None else flops_per_iteration(model_config, gbs)
     metrics = MetricsLogger(
         cfg,
         is_rank0=rank0,
@@ -211,6 +142,75 @@ def setup(
     if ck.save:
         check_save_directory(ck.save, num_params, with_optimizer=not ck.no_save_optim)
     return trainer
+
+
+def _log_run(cfg: RunConfig, pg: ProcessGroups) -> None:
+    """Rank 0's account of the run before it builds anything: machine, layout, every setting."""
+    p = cfg.parallel
+    logger.info("run: %s", ", ".join(f"{k}={v}" for k, v in run_info().items()))
+    if not cpu_accel.enabled():
+        logger.info("%s: portable paths only", cpu_accel.OFF)
+    logger.info(
+        "layout: world %d = TP %d x CP %d x PP %d x DP %d; backend %s",
+        dist.get_world_size(),
+        p.tensor_model_parallel_size,
+        p.context_parallel_size,
+        p.pipeline_model_parallel_size,
+        pg.dp_size,
+        dist.get_backend(),
+    )
+    if p.virtual_pipeline_model_parallel_size:
+        logger.info(
+            "interleaved 1F1B: model chunks per pipeline rank: %d (%d layers each)",
+            p.virtual_pipeline_model_parallel_size,
+            p.num_layers_per_virtual_pipeline_stage,
+        )
+    for key, value in cfg.args_json().items():
+        logger.info("  %s %s %s", key, "." * max(2, 40 - len(key)), value)
+
+
+def _build_model(
+    cfg: RunConfig,
+    pg: ProcessGroups,
+    model_provider: ModelProvider,
+    full_model_provider: Optional[Callable[[], torch.nn.Module]],
+) -> list[torch.nn.Module]:
+    """This pipeline rank's model: one module, or with --num-layers-per-virtual-pipeline-stage
+    its V model chunks in order (chunk c holds virtual stage c x PP + pp_rank; the embedding on
+    the first rank's chunk 0, the head on the last rank's chunk V-1); a fresh PP > 1 run starts
+    from one stage's initial weights (`full_model_provider`); on the GPU where there is one.
+
+    Megatron-LM's contract: the provider builds its stage on the groups it is given, and a
+    chunk when given `vp_stage` (here also `vp_size`, the chunks per rank).
+    """
+    p, ck = cfg.parallel, cfg.ckpt
+    interleaved, vp_size = p.num_layers_per_virtual_pipeline_stage is not None, 1
+    if interleaved:
+        vp_size = p.virtual_pipeline_model_parallel_size
+        if vp_size is None:
+            raise ValueError(
+                "--num-layers-per-virtual-pipeline-stage: derive the chunks per rank first "
+                "(ParallelConfig.with_num_layers(num_layers))"
+            )
+    collection = pg.megatron_collection()
+    chunks = [
+        model_provider(
+            pre_process=pg.is_first_stage and c == 0,
+            post_process=pg.is_last_stage and c == vp_size - 1,
+            pg_collection=collection,
+            **(dict(vp_stage=c, vp_size=vp_size) if interleaved else {}),
+        )
+        for c in range(vp_size)
+    ]
+    resuming = bool(ck.load) and (
+        ck.ckpt_step is not None or read_latest_iteration(ck.load) is not None
+    )
+    if p.pipeline_model_parallel_size > 1 and full_model_provider and not resuming:
+        for chunk in chunks:
+            initialize_like_single_stage(chunk, full_model_provider, cfg.seed)
+    if torch.cuda.is_available():
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+    return chunks
 
 
 def pretrain(
@@ -281,20 +281,7 @@ def pretrain(
             raise _interrupted(cfg, trainer, started, save_lock) from None
         if trainer is None or not is_collective_timeout(error):
             raise
-        what, group = trainer.phase.what, trainer.phase.group
-        ck = trainer.cfg.ckpt
-        latest = read_latest_iteration(ck.save) if ck.save else None
-        raise CollectiveTimeoutError(
-            f"rank {dist.get_rank()}: {what} over {group_description(group)} did not complete "
-            f"within --distributed-timeout-minutes {p.distributed_timeout_minutes:g} "
-            f"({60 * p.distributed_timeout_minutes:g} s) after iteration "
-            f"{trainer.state.iteration}: a rank of that group stopped, hung or died; "
-            + (
-                f"the last complete checkpoint is iteration {latest} in --save {ck.save}"
-                if latest is not None
-                else "no checkpoint was saved"
-            )
-        ) from None
+        raise _collective_timeout(trainer) from None
     except KeyboardInterrupt:
         raise _interrupted(cfg, trainer, started, save_lock) from None
     finally:
@@ -306,6 +293,24 @@ def pretrain(
                 save_lock.release()
             if not completed and made_save and rank0:
                 _remove_if_no_files(made_save)
+
+
+def _collective_timeout(trainer: Trainer) -> CollectiveTimeoutError:
+    """The error of a collective that waited past --distributed-timeout-minutes: what waited,
+    over which group, and the last complete checkpoint."""
+    minutes, ck = trainer.cfg.parallel.distributed_timeout_minutes, trainer.cfg.ckpt
+    latest = read_latest_iteration(ck.save) if ck.save else None
+    return CollectiveTimeoutError(
+        f"rank {dist.get_rank()}: {trainer.phase.what} over "
+        f"{group_description(trainer.phase.group)} did not complete within "
+        f"--distributed-timeout-minutes {minutes:g} ({60 * minutes:g} s) after iteration "
+        f"{trainer.state.iteration}: a rank of that group stopped, hung or died; "
+        + (
+            f"the last complete checkpoint is iteration {latest} in --save {ck.save}"
+            if latest is not None
+            else "no checkpoint was saved"
+        )
+    )
 
 
 def _interrupted(
