@@ -1,28 +1,12 @@
 """What checkpoint digests add to a save: one rank's share of the 1.2B model (TP=2), saved by
 the project's `save_checkpoint` in three variants, interleaved, in the same process:
-
-  before    the save before digests: no digests, torch's per-record zip CRC32 computed
-            (`save_checkpoint(..., digests=False)`)
-  digests   the save now: every file hashed (a second thread reads each shard behind DCP's
-            writer, the small files after), the zip CRC32 no longer computed (torch.load never
-            checks it; the digests replace it)
-  no_crc    neither: isolates what the hashing itself costs (digests / no_crc)
-
-The state is one tensor-parallel rank's share of `--model-size 1.2b --embedding-type lev` with
-the o200k vocabulary (padded to 200,064) at TP=2: every decoder weight, the output head and
-LEV's parameters at their per-rank shapes (about 0.62B float32 parameters), with the two Adam
-moments of each (6.9 GiB in all), as the run's own save writes them (DCP shards, the RNG file,
-common.json, args.json, then the rename and the latest marker; every file fsynced).
-
-Prints the seconds of each save (the order of the variants rotates, each save starts after
-`sync`), the median of each variant, the ratios digests / before (what a run's save costs now
-against before; the issue's limit is 1.05) and digests / no_crc, and the CPU seconds. Also
-times checking the checkpoint on load (`verify_checkpoint`). Needs about 8 GB of memory and
-7.5 GB of free disk; run from the repository root (about 5 minutes on 2 cores):
+`before` (no digests, torch's zip CRC32: `digests=False`), `digests` (every file hashed, no
+CRC32: the save now) and `no_crc` (neither: isolates the hashing). Prints each save's seconds,
+the medians, the ratios digests / before and digests / no_crc, and the time of
+`verify_checkpoint`. Needs about 8 GB of memory and 7.5 GB of free disk (results:
+benchmarks/RESULTS.md); `--scale 0.05` is a smoke test:
 
     python benchmarks/bench_checkpoint_digests.py --dir /path/on/the/checkpoint/disk
-
-`--scale 0.05` runs the same on a twentieth of the state (seconds, for a smoke test).
 """
 
 from __future__ import annotations

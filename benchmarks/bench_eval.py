@@ -1,24 +1,13 @@
 #!/usr/bin/env python
 """Evaluation throughput against the training forward pass, per arm, measured in one run.
 
-For each arm the same model and micro-batch run (a) the training forward pass (train mode,
-autograd recording, LEV through its spline generator) and (b) the evaluation forward of
-`megatron_ext.evaluation.scoring.ModelScorer` (eval mode, `torch.inference_mode`, LEV through
-its eval table), then (c) evaluation at --eval-batch-multiplier times the micro-batch, as
-tools/evaluate.py runs it. Printed: median tokens/s of each and the ratios (b)/(a), (c)/(a).
-
-Then (issue 28) perplexity against the peer users would pick instead: LEV, the same packed
-windows (`pack_stream` of --peer-documents random documents, micro-batch --peer-micro-batch)
-scored by `score_batches` as `tools/evaluate.py perplexity` does, and by a plain transformers
-forward of our HF export (`LlamaForCausalLM`, float32, same threads) with
-`F.cross_entropy` over the same masked targets; --pairs interleaved runs, the per-pair ratio
-(ours/theirs speed) as min and median, and both losses (equal to float rounding).
+Per arm: the training forward (a), `ModelScorer`'s evaluation forward (b) and evaluation at
+--eval-batch-multiplier times the micro-batch (c); prints median tokens/s and (b)/(a), (c)/(a).
+Then perplexity against a plain transformers forward of our HF export on the same packed
+windows: --pairs interleaved runs, the ours/theirs ratio (min, median) and both losses.
 
     python benchmarks/bench_eval.py
-    python benchmarks/bench_eval.py --skip-arms          # only the transformers comparison
     python benchmarks/bench_eval.py --skip-arms --threads 1 --clock cpu_seconds  # loaded host
-    python benchmarks/bench_eval.py --hidden-size 1024 --num-layers 8 --seq-length 1024 \\
-        --vocab-size 50304 --micro-batch-size 4
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""Generation and export speed (issues 13 and 28), each measured against a baseline of this run.
+"""Generation and export speed, each measured against a baseline of this run.
 
-  (a) tokens/s of `generate` with the KV cache / tokens/s recomputing the whole prefix at
-      every step, for --new-tokens (256) greedy tokens after a --prompt-tokens prompt, on a
-      quick-start-sized LEV model (--layers x --hidden, V --vocab, batch --batch);  expected >> 1
-  (b) time to materialise the LEV input table at V = --table-vocab (200k), D = --table-hidden
-      (2048) with the default LEV hyper-parameters (float32 compute) / time to write that
-      [V, D] float32 table as safetensors;                               target <= 1
-  (c) tokens/s of `generate` (KV cache, greedy; --step, by default the lean decode step where
-      it covers the model, as tools/generate.py) / tokens/s of transformers' `generate` on our
-      HF export of the same model (`LlamaForCausalLM`, float32, same threads), --new-tokens
-      tokens per row, at each of --peer-batches, --pairs interleaved runs (ours, theirs, ours,
-      ...); min and median of the per-pair ratios, and whether every pair gave the same
-      tokens;                                                           target >= 1.2 (batch 1)
+  (a) `generate` with the KV cache / recomputing the whole prefix at every step (>> 1)
+  (b) materialising the LEV table at V = --table-vocab, D = --table-hidden / writing that
+      table as safetensors (target <= 1)
+  (c) `generate` (as tools/generate.py) / transformers' `generate` on our HF export, at each
+      of --peer-batches, --pairs interleaved runs: min and median ratio, and whether every
+      pair gave the same tokens (target >= 1.2 at batch 1)
 
-(a) decodes with megatron's StaticInferenceContext, LEV from its eval table (built and checked
-once per `generate` call) and keys rotated once before they enter the cache; the baseline runs
-the whole prefix through the model at every step. (b) is `lev.table.LEVTable` (batched no-grad
-math, the path of `tools/convert_checkpoint.py export-hf/export-megatron --compute-dtype
-float32`), and the write includes safetensors' serialisation and an fsync.
-
-CPU timings on shared machines are noisy: compare the ratios, not the seconds.
-Run: `python benchmarks/bench_generate.py` (`--table-vocab 16384` measures (b)'s per-id rate
-in a fraction of the time).
+Compare the ratios, not the seconds. Run: `python benchmarks/bench_generate.py`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 #!/usr/bin/env python
 """The two Hugging Face exports of a LEV checkpoint at the paper's 1.2B shape: bytes and time.
 
-Builds `--model-size 1.2b --embedding-type lev` with the real o200k vocabulary (OpenAI's
-`o200k_base.tiktoken` from the bpe-openai package, checked as benchmarks/scale_1p2b.py checks
-it: V = 200,019 ids, padded to 200,064) and D = 2048, at TP=1 with `--num-layers` of its 16
-decoder layers (the export of the whole model needs more memory than a 24 GB machine shared with
-other work), saves it as a training checkpoint (`save_checkpoint`, as import-hf does), then runs
-
-    tools/convert_checkpoint.py export-hf --hf-format llama      (LEV materialised: a [V, D] table)
-    tools/convert_checkpoint.py export-hf --hf-format leviathan  (LEV kept: its ~2M parameters)
-
-each with --dtype bfloat16 --no-tokenizer, as users run them, and prints per export its wall time
-and its bytes on disk, then the bytes at all 16 layers (the measured export plus the measured
-bytes of one decoder layer times the missing layers; the embedding and head do not depend on
-depth) and the ratio llama / leviathan. Each export reads the same checkpoint (its digests are
-checked first, in both). Run from the repository root:
+Builds `--model-size 1.2b --embedding-type lev` with the o200k vocabulary at TP=1 and
+`--num-layers` of its 16 layers, saves it as a training checkpoint, then runs `export-hf
+--hf-format llama` (LEV materialised) and `--hf-format leviathan` (LEV kept), each with
+--dtype bfloat16 --no-tokenizer, and prints each export's wall time and bytes, the bytes
+extrapolated to 16 layers and the ratio llama / leviathan. Needs `pip install -e .[scale,eval]`:
 
     python benchmarks/bench_hf_export.py --num-layers 2 --out /tmp/bench_hf_export
-
-Needs `pip install -e .[scale,eval]`; about 8 GB of memory at 2 layers.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""LEV speed and memory against the baselines it must not slow down (issue 3, item 6).
+"""LEV speed and memory against the baselines it must not slow down.
 
-For V = 50k and 200k, D = 2048, N = 8192 tokens drawn from a Zipf distribution (4 sequences of
-2048), prints, each measured in this run on this machine:
-
-  (a) LEV fwd+bwd time / megatron VocabParallelEmbedding fwd+bwd time
-  (b) LEV fwd+bwd time / one LLaMA layer fwd+bwd (D 2048, 16 heads, SwiGLU FFN 5632) on the
-      same tokens, for each --kernels value (issue 14's target on CPU: <= 0.03)
-  (c) LEV saved-activation bytes / bytes of the [N, D] output              target <= 2.0
-  (d) speedup of dedup and of the fused path over the naive path (plain autograd, no dedup),
-      on the first --naive-tokens tokens (the naive path's [N, h, d_seed, r] tensors do not fit
-      a laptop at N = 8192)
-
-Times are the best of --reps runs after a warm-up (CPU timings on shared machines are noisy:
-compare ratios, not seconds; `--clock cpu` with OMP_NUM_THREADS=1 measures CPU time, which other
-processes disturb far less). Run: `python benchmarks/bench_lev.py` (a few minutes on CPU).
+For V = 50k and 200k, D = 2048, N = 8192 Zipf-distributed tokens, measured in this run:
+(a) LEV fwd+bwd / VocabParallelEmbedding fwd+bwd; (b) LEV fwd+bwd / one LLaMA layer fwd+bwd,
+per --kernels value; (c) LEV saved-activation bytes / bytes of the [N, D] output; (d) the
+speed-up of dedup and of the fused path over plain autograd (on --naive-tokens tokens).
+Times are the best of --reps runs after a warm-up. Run: `python benchmarks/bench_lev.py`.
 """
 
 from __future__ import annotations

@@ -2,21 +2,13 @@
 """LEV training quality at small scale: validation-loss gap of LEVIATHAN (and, with --all-arms,
 every arm) to TIED over several seeds, in this stack and in a plain-PyTorch loop.
 
-Each run is the real entry point `pretrain_leviathan.py` on one CPU process (or, for --plain,
-`benchmarks/plain_gpt.py`, an independent implementation of the same math and backbone),
-on an indexed dataset made by `tools/preprocess_data.py`. Defaults are the settings of issue 14
-(3 layers, hidden 192, 6 heads, FFN 512, seq 128, global batch 16, 1500 iterations, lr 2e-3
-warmup 100 cosine to 2e-4, weight decay 0.1, clip 1.0, LEV k=3 d_seed=64 kappa=16 r=32 h=4
-tau=2). A variant ("NAME=FLAGS") reruns the LEV arm with extra flags, one factor at a time:
+Each run is `pretrain_leviathan.py` on one CPU process (or, with --plain, `plain_gpt.py`) on an
+indexed dataset; a variant ("NAME=FLAGS") reruns the LEV arm with extra flags. Prints per
+arm/variant the final validation loss and the gap to TIED of the same seed, and writes
+`results.json` and `curves.png` into --out-dir; a finished run is not rerun.
 
     python benchmarks/bench_lev_quality.py --data-path data/kjv8k_text_document \\
-        --tokenizer-model data/kjv8k.model --seeds 0 1 2 --plain \\
-        --variant "out-std-0.02=--lev-init-output-std 0.02" --out-dir runs/lev-quality
-
-Prints, per arm/variant, the final validation loss (mean and std over seeds) and the gap to
-TIED of the same seed and implementation (mean, std, min..max), writes `results.json` and
-`curves.png` (validation curves, mean over seeds) into --out-dir. A run whose log already says
-"done (finished)" is not rerun, so a study can be extended one variant at a time.
+        --tokenizer-model data/kjv8k.model --seeds 0 1 2 --plain --out-dir runs/lev-quality
 """
 
 from __future__ import annotations
@@ -33,6 +25,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks.harness` when this file runs as a script
+
+from benchmarks.harness import add_study_flags  # noqa: E402
+from megatron_ext._paths import atomic_open, atomic_write  # noqa: E402
+
 ALL_ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
 _VAL = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
 _LEV_FLAGS = ("num_digits", "seed_dim", "num_knots", "rank", "num_heads", "temperature")
@@ -204,12 +201,11 @@ def plot(curves, path: Path) -> None:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    with atomic_open(path, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=100)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-path", required=True, help="indexed dataset prefix (.bin/.idx)")
     p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model of the data")
@@ -241,21 +237,7 @@ def main() -> None:
     )
     p.add_argument("--extra", default="", help="more pretrain_leviathan.py flags for every run")
     p.add_argument("--plain-extra", type=shlex.split, default=[], help="more plain-baseline flags")
-    p.add_argument("--num-layers", type=int, default=3)
-    p.add_argument("--hidden-size", type=int, default=192)
-    p.add_argument("--num-attention-heads", type=int, default=6)
-    p.add_argument("--ffn-hidden-size", type=int, default=512)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--train-iters", type=int, default=1500)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr", type=float, default=2e-4)
-    p.add_argument("--lr-warmup-iters", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--adam-beta2", type=float, default=0.999)
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-samples", type=int, default=128, help="validation samples per eval")
+    add_study_flags(p)
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--lev-num-digits", type=int, default=3)
     p.add_argument("--lev-seed-dim", type=int, default=64)
@@ -267,6 +249,42 @@ def main() -> None:
     args = p.parse_args()
     if args.eval_samples < args.global_batch_size:
         sys.exit("bench_lev_quality: --eval-samples must be >= --global-batch-size")
+    return args
+
+
+def print_summary(rows: list[dict], curves: dict, args: argparse.Namespace) -> None:
+    """The table of final losses and gaps to TIED, and the stack / plain gap comparisons."""
+    print(f"\nfinal validation loss after {args.train_iters} iterations (mean ± std over seeds)")
+    print(f"{'run group':30s} {'seeds':>7s} {'val loss':>15s} {'gap to TIED':>15s}  gap per seed")
+    for row in rows:
+        gap = "" if row["gap"] is None else f"{row['gap']:+.3f} ± {row['gap_std']:.3f}"
+        per_seed = " ".join(
+            f"{g:+.3f}" + ("" if row["gap_iterations"][s] == args.train_iters else
+                           f" (at {row['gap_iterations'][s]})")
+            for s, g in row["gaps"].items()
+        )  # fmt: skip
+        if row["last_iteration"] < args.train_iters:
+            per_seed += f"  [running: {row['last_iteration']} iterations so far]"
+        seeds = ",".join(map(str, row["seeds"]))
+        print(f"{row['group']:30s} {seeds:>7s} {row['final']:7.3f} ± {row['final_std']:.3f} "
+              f"{gap:>15s}  {per_seed}")  # fmt: skip
+    gaps = {r["group"]: r for r in rows if r["gap"] is not None}
+    done = {g for g, r in gaps.items() if r["last_iteration"] >= args.train_iters}
+    if {"stack/lev", "plain/lev"} <= done:
+        diff = gaps["stack/lev"]["gap"] - gaps["plain/lev"]["gap"]
+        print(f"stack gap - plain gap: {diff:+.3f}")
+    pair_groups = ("stack/lev", "stack/tied", "plain/lev", "plain/tied")
+    if all(g in curves for g in pair_groups):  # like for like, also while runs are in progress
+        for seed in sorted(set.intersection(*(set(curves[g]) for g in pair_groups))):
+            it = max(set.intersection(*(set(curves[g][seed]) for g in pair_groups)))
+            gap = {i: curves[f"{i}/lev"][seed][it] - curves[f"{i}/tied"][seed][it]
+                   for i in ("stack", "plain")}  # fmt: skip
+            print(f"seed {seed}, iteration {it} (the last all four runs reached): "
+                  f"stack gap {gap['stack']:+.3f}, plain gap {gap['plain']:+.3f}")  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
     variants = {}
     for item in args.variant:
         name, sep, flags = item.partition("=")
@@ -306,37 +324,9 @@ def main() -> None:
         sys.exit(f"bench_lev_quality: no finished run in {out_dir}")
 
     rows = summarise(curves)
-    print(f"\nfinal validation loss after {args.train_iters} iterations (mean ± std over seeds)")
-    print(f"{'run group':30s} {'seeds':>7s} {'val loss':>15s} {'gap to TIED':>15s}  gap per seed")
-    for row in rows:
-        gap = "" if row["gap"] is None else f"{row['gap']:+.3f} ± {row['gap_std']:.3f}"
-        per_seed = " ".join(
-            f"{g:+.3f}" + ("" if row["gap_iterations"][s] == args.train_iters else
-                           f" (at {row['gap_iterations'][s]})")
-            for s, g in row["gaps"].items()
-        )  # fmt: skip
-        if row["last_iteration"] < args.train_iters:
-            per_seed += f"  [running: {row['last_iteration']} iterations so far]"
-        seeds = ",".join(map(str, row["seeds"]))
-        print(f"{row['group']:30s} {seeds:>7s} {row['final']:7.3f} ± {row['final_std']:.3f} "
-              f"{gap:>15s}  {per_seed}")  # fmt: skip
-    gaps = {r["group"]: r for r in rows if r["gap"] is not None}
-    done = {g for g, r in gaps.items() if r["last_iteration"] >= args.train_iters}
-    if {"stack/lev", "plain/lev"} <= done:
-        diff = gaps["stack/lev"]["gap"] - gaps["plain/lev"]["gap"]
-        print(f"stack gap - plain gap: {diff:+.3f}")
-    pair_groups = ("stack/lev", "stack/tied", "plain/lev", "plain/tied")
-    if all(g in curves for g in pair_groups):  # like for like, also while runs are in progress
-        for seed in sorted(set.intersection(*(set(curves[g]) for g in pair_groups))):
-            it = max(set.intersection(*(set(curves[g][seed]) for g in pair_groups)))
-            gap = {i: curves[f"{i}/lev"][seed][it] - curves[f"{i}/tied"][seed][it]
-                   for i in ("stack", "plain")}  # fmt: skip
-            print(f"seed {seed}, iteration {it} (the last all four runs reached): "
-                  f"stack gap {gap['stack']:+.3f}, plain gap {gap['plain']:+.3f}")  # fmt: skip
+    print_summary(rows, curves, args)
     result = dict(settings=vars(args), rows=rows, curves=curves)
-    tmp = out_dir / "results.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out_dir / "results.json")
+    atomic_write(out_dir / "results.json", json.dumps(result, indent=1))
     plot(curves, out_dir / "curves.png")
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'curves.png'}")
 

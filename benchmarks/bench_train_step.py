@@ -2,73 +2,19 @@
 """Training-step speed of `pretrain_leviathan.py` per arm and per layout, as ratios against a
 baseline measured in the same run on the same machine.
 
-Each configuration runs the real entry point (mock data, NullTokenizer) for --iters iterations
-and reports the median time per iteration after --warmup iterations, the tokens/s, and the
-ratio to the first configuration (the UNTIED arm on one rank). Layouts that need more ranks
-than --max-ranks are skipped. On CPU the defaults take a few minutes; on GPUs pass
-`--transformer-impl transformer_engine --bf16` in --extra and larger sizes.
+Each configuration runs the real entry point for --iters iterations and reports the median
+time per iteration after --warmup, the tokens/s, the ratio to the first configuration, the
+LEV / TIED and UNTIED / TIED ratios, and each LEV run's own share of the iteration (from
+--timing-log-level 2). --only filters the configurations, --rounds repeats them interleaved,
+--slices K lets a round's runs take turns K iterations at a time (paused by SIGSTOP), and
+--baseline-tree DIR runs each configuration also from another checkout. Results and the
+commands behind them: benchmarks/RESULTS.md section 4.
 
     python benchmarks/bench_train_step.py
-    python benchmarks/bench_train_step.py --num-layers 3 --hidden-size 192 \
-        --num-attention-heads 6 --seq-length 128 --micro-batch-size 16 --global-batch-size 16 \
-        --only tied lev --rounds 3 --data-flags "--data-path data/kjv8k_text_document \
-        --split 95,5,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model data/kjv8k.model"
-
---only keeps the configurations whose label starts with one of the given words; --rounds
-repeats the whole list (interleaved, so that load changes on a shared machine hit every
-configuration alike) and takes the median over all rounds; --data-flags replaces the mock data
-with the runs' data and tokenizer flags (the same for every arm). The mock data (Megatron-Core's
-MockGPTDataset) is documents that count 1, 2, 3, ... up to a random length below 4096, so most
-ids of a micro-batch are distinct, and LEV, which runs once per distinct id of the global batch
-(`--lev-dedup-global-batch`; of each micro-batch without it), does nearly one evaluation per
-token: at 4 x 512 tokens a median of 1617 distinct ids per micro-batch, against 562 for English
-text (the KJV corpus of docs/lev-training.md, 8k SentencePiece vocabulary). The benchmark prints
-the distinct ids per micro-batch and per global batch of the data its runs train on. A real-text
-run
-of the width-256 shape (data made by the project's tools, benchmarks/RESULTS.md section 2):
-
-    python benchmarks/bench_train_step.py --only tied "lev, 1" --hidden-size 256 \
-        --seq-length 512 --micro-batch-size 4 --global-batch-size 8 --threads 2 --rounds 3 \
-        --data-flags "--data-path data/kjv8k_text_document --split 95,5,0 \
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/kjv8k.model"
-
---slices K runs a round's configurations at once and lets them take turns, K iterations at a
-time, each paused (SIGSTOP to all its processes, `Job.pause`) while another runs, in the order
-A B, B A, A B, ... The iteration that a pause interrupted is not measured (nor the warmup), so
-every turn gives K - 1 measured iterations of each configuration (K where it runs two turns in
-a row) seconds apart, and the machine's slow changes of speed (on a 2-core VM a process can
-switch between two speeds 10% apart for tens of seconds) hit both sides of a ratio alike; the
-ratios are then printed per turn. All of a round's runs are held in memory at once. The
-LEV / TIED target at width 256 is measured this way (benchmarks/RESULTS.md section 4.3):
-
     python benchmarks/bench_train_step.py --only tied "lev, 1" --hidden-size 256 \
         --seq-length 512 --micro-batch-size 4 --global-batch-size 8 --threads 2 --iters 54 \
         --warmup 6 --slices 4 --data-flags "--data-path data/kjv8k_text_document \
         --split 95,5,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model data/kjv8k.model"
-
---baseline-tree DIR runs every configuration a second time from another checkout (its
-pretrain_leviathan.py and its megatron_ext; label suffix "@baseline"), in the same rounds or
-turns, and prints each configuration's time per iteration over the baseline's. A change is
-measured against the commit before it on the same machine at the same time:
-
-    git worktree add --detach ../before HEAD~1
-    python benchmarks/bench_train_step.py --only "lev, PP=2" --iters 30 --warmup 6 \
-        --slices 4 --baseline-tree ../before
-
---threads sets OMP_NUM_THREADS of every run (default 1: with more threads than free cores,
---clock cpu_seconds would also count their spin-waiting). With the tied single-rank configuration
-measured, the LEV / TIED and UNTIED / TIED tokens/s ratios are printed, with their value in each
-round (the spread between rounds is the noise of the measurement).
-
-    python benchmarks/bench_train_step.py --hidden-size 1024 --num-layers 8 --seq-length 512 \\
-        --max-ranks 8 --extra "--bf16"
-
-Every run logs --timing-log-level 2's timers, and for each LEV configuration the benchmark also
-prints LEV's own wall time per iteration (its forwards and its global-batch backward) and its
-share of the iteration. That share is measured inside the same iterations, so the noise between
-processes (on a 2-core VM, rounds of the same run differ by up to 10-15%) does not touch it:
-1 - share is the LEV / TIED ratio to expect when the rest of LEV's iteration costs what TIED's
-does (TIED's embedding lookup is not subtracted).
 """
 
 from __future__ import annotations

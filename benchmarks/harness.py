@@ -76,3 +76,23 @@ def ratio_line(ratios: list[float], suffix: str = "") -> str:
     """The ours/theirs line a peer comparison prints: the min and median of its pairs."""
     low, mid = min(ratios), statistics.median(ratios)
     return f"    ratio ours/theirs min {low:.2f} median {mid:.2f}{suffix}"
+
+
+def add_study_flags(p: argparse.ArgumentParser) -> None:
+    """The LEV quality study's model and training flags, with its defaults (issue 14's
+    settings), as `bench_lev_quality.py` and its plain baseline `plain_gpt.py` both take them."""
+    p.add_argument("--num-layers", type=int, default=3)
+    p.add_argument("--hidden-size", type=int, default=192)
+    p.add_argument("--num-attention-heads", type=int, default=6)
+    p.add_argument("--ffn-hidden-size", type=int, default=512)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--train-iters", type=int, default=1500)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr", type=float, default=2e-4)
+    p.add_argument("--lr-warmup-iters", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--adam-beta2", type=float, default=0.999)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--eval-samples", type=int, default=128, help="validation samples per eval")

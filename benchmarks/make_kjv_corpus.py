@@ -19,6 +19,8 @@ import re
 import sqlite3
 import sys
 
+from megatron_ext._paths import atomic_write
+
 _VERSE_NUMBER = re.compile(r"^\d+:\d+\s+")
 
 
@@ -54,11 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     docs = chapters()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    tmp = args.output + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        for doc in docs:
-            handle.write(json.dumps(doc) + "\n")
-    os.replace(tmp, args.output)
+    atomic_write(args.output, "".join(json.dumps(doc) + "\n" for doc in docs))
     chars = sum(len(d["text"]) for d in docs)
     print(f"wrote {len(docs)} chapters ({chars / 1e6:.2f}M characters) to {args.output}")
 

@@ -1,21 +1,10 @@
 """A plain-PyTorch GPT training loop with a TIED or a LEV input embedding: the baseline of
 `bench_lev_quality.py`.
 
-Independent of `megatron_ext` on purpose (its own model, its own LEV, its own optimizer loop):
-it answers "does the same math train the same way outside the stack?". The backbone is the
-stack's LLaMA style (pre-RMSNorm, SwiGLU, rotary positions or, with --positions learned,
-a learned absolute table, no biases), initialised as megatron-core does (N(0, 0.02); the
-attention and FFN output projections N(0, 0.02 / sqrt(2 L))). LEV follows docs/lev.md section 2
-literally (digits, summed codebooks, per-head projection + LayerNorm + sigmoid(/tau),
-normalised quadratic B-splines, product of d_seed spline values as sign * exp(sum log(|phi| +
-eps)), per-head output projection) with the spec's initialisation.
-
-Data: a Megatron indexed dataset (`tools/preprocess_data.py` output). Documents are split like
-Megatron's `--split` (the first share of documents trains, the next validates), each split is
-one token stream; training draws seq+1 windows at random positions (seeded), validation is the
-first --eval-samples windows of the validation stream, the same at every evaluation.
-
-Output: Megatron-style lines (`validation loss at iteration N | lm loss value: X`) that
+Independent of `megatron_ext` on purpose (its own model, LEV and optimizer loop): does the same
+math train the same way outside the stack? The backbone is the stack's LLaMA style, initialised
+as megatron-core does; LEV follows docs/lev.md section 2 literally. Data: a Megatron indexed
+dataset split like `--split`; prints Megatron-style validation lines that
 `bench_lev_quality.py` parses.
 
     python -m benchmarks.plain_gpt --data-path data/kjv8k_text_document \\
@@ -31,6 +20,8 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from benchmarks.harness import add_study_flags
 
 # ----------------------------------------------------------------------------- LEV
 
@@ -189,26 +180,12 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--embedding", choices=("tied", "lev"), default="lev")
     p.add_argument("--positions", choices=("rope", "learned"), default="rope")
-    p.add_argument("--num-layers", type=int, default=3)
-    p.add_argument("--hidden-size", type=int, default=192)
-    p.add_argument("--num-attention-heads", type=int, default=6)
-    p.add_argument("--ffn-hidden-size", type=int, default=512)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--train-iters", type=int, default=1500)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr", type=float, default=2e-4)
-    p.add_argument("--lr-warmup-iters", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    add_study_flags(p)
     p.add_argument(
         "--decay-all", action="store_true", help="weight decay on every parameter (else >= 2-D)"
     )
     p.add_argument("--adam-beta1", type=float, default=0.9)
-    p.add_argument("--adam-beta2", type=float, default=0.999)
-    p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-samples", type=int, default=128)
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--lev-num-digits", type=int, default=3)
     p.add_argument("--lev-seed-dim", type=int, default=64)

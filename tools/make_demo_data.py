@@ -4,26 +4,9 @@
     python tools/make_demo_data.py wikitext --input CORPUS.jsonl.zst --output FILE --articles N
     python tools/make_demo_data.py lm-eval-tasks --input CORPUS.jsonl.zst --output DIR --items N
 
-``wikitext``: a file in the Wikitext-103 format (what ``evaluate.py wikitext --file`` reads; the
-real ``wiki.test.tokens`` is downloaded by users) made of the corpus's first N documents: a
-blank line, `` = Title = ``, a blank line, then paragraphs, each one line with wikitext's
-tokenisation (punctuation split off by spaces, ``-`` inside words as `` @-@ ``, digit group
-commas and decimal points as `` @,@ `` / `` @.@ ``), sections as `` = = Heading = = ``.
-
-``lm-eval-tasks``: four tiny lm-evaluation-harness tasks in the harness's local-file format (a
-task YAML with ``dataset_path: json`` and ``data_files``; pass DIR to ``evaluate.py lm-eval
---include-path``), N documents each, each shaped like a paper task:
-
-- ``tiny_lambada``: ``loglikelihood`` of a sentence's last word (acc, perplexity), as
-  lambada_openai;
-- ``tiny_piqa``: ``multiple_choice`` between the true ending and another sentence's (acc,
-  acc_norm);
-- ``tiny_wikitext``: ``loglikelihood_rolling`` of whole paragraphs (word/byte perplexity);
-- ``tiny_gen``: greedy ``generate_until`` a period, scored by exact match with the next word.
-
-The corpus is jsonl (``.jsonl``, ``.jsonl.zst``, ``.jsonl.gz``), one ``{"text": ...}`` object a
-line. Every output file is written under a temporary name and renamed when complete. Bad input
-is one ``error:`` line and exit code 2. The tests import the functions below.
+``wikitext``: a file in the Wikitext-103 format and tokenisation from the corpus's first N
+documents. ``lm-eval-tasks``: four tiny lm-evaluation-harness tasks in its local-file format
+(``tiny_lambada``, ``tiny_piqa``, ``tiny_wikitext``, ``tiny_gen``), N documents each.
 """
 
 from __future__ import annotations
@@ -155,16 +138,18 @@ def wikitext_from_jsonl(jsonl: str, path: str, articles: int = 8) -> str:
 
 # ----------------------------------------------------------------------------- lm-eval tasks
 
-_YAML = {
-    "tiny_lambada": """task: tiny_lambada
+_YAML_HEAD = """task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
-output_type: loglikelihood
+output_type: {output_type}
 test_split: test
-doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
-doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+"""
+# Each task's output type and the lines between the shared head and `metadata`.
+_YAML = {
+    "tiny_lambada": ("loglikelihood", """doc_to_text: "{{text.split(' ')[:-1]|join(' ')}}"
+doc_to_target: "{{' '+text.split(' ')[-1]}}"
 metric_list:
   - metric: perplexity
     aggregation: perplexity
@@ -172,19 +157,10 @@ metric_list:
   - metric: acc
     aggregation: mean
     higher_is_better: true
-metadata:
-  version: 1.0
-""",
-    "tiny_piqa": """task: tiny_piqa
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-output_type: multiple_choice
-test_split: test
-doc_to_text: "{{{{goal}}}}"
+"""),
+    "tiny_piqa": ("multiple_choice", """doc_to_text: "{{goal}}"
 doc_to_target: label
-doc_to_choice: "{{{{[sol1, sol2]}}}}"
+doc_to_choice: "{{[sol1, sol2]}}"
 metric_list:
   - metric: acc
     aggregation: mean
@@ -192,34 +168,16 @@ metric_list:
   - metric: acc_norm
     aggregation: mean
     higher_is_better: true
-metadata:
-  version: 1.0
-""",
-    "tiny_wikitext": """task: tiny_wikitext
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: "{{{{page}}}}"
+"""),
+    "tiny_wikitext": ("loglikelihood_rolling", """doc_to_text: ""
+doc_to_target: "{{page}}"
 metric_list:
   - metric: word_perplexity
   - metric: byte_perplexity
   - metric: bits_per_byte
-metadata:
-  version: 1.0
-""",
-    "tiny_gen": """task: tiny_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-output_type: generate_until
-test_split: test
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
+"""),
+    "tiny_gen": ("generate_until", """doc_to_text: "{{question}}"
+doc_to_target: "{{answer}}"
 generation_kwargs:
   until: ["."]
   max_gen_toks: 8
@@ -230,10 +188,14 @@ metric_list:
     higher_is_better: true
     ignore_punctuation: true
     ignore_case: true
-metadata:
-  version: 1.0
-""",
-}
+"""),
+}  # fmt: skip
+
+
+def _task_yaml(task: str, data: str) -> str:
+    output_type, body = _YAML[task]
+    head = _YAML_HEAD.format(task=task, data=json.dumps(data), output_type=output_type)
+    return head + body + "metadata:\n  version: 1.0\n"
 
 
 def _sentences(jsonl: str) -> Iterator[str]:
@@ -284,7 +246,7 @@ def write_tiny_tasks(jsonl: str, directory: str, items: int = 6) -> str:
     for task, data in rows.items():
         data_path = os.path.join(directory, f"{task}.jsonl")
         _write_text(data_path, "".join(json.dumps(row) + "\n" for row in data))
-        yaml = _YAML[task].format(data=json.dumps(os.path.abspath(data_path)))
+        yaml = _task_yaml(task, os.path.abspath(data_path))
         _write_text(os.path.join(directory, f"{task}.yaml"), yaml)
     return directory
 

@@ -1,18 +1,7 @@
-"""The checkpoint format and its I/O, below training, inference and conversion (as
-Megatron-Core's dist_checkpointing is below Megatron-LM's training loop).
-
-- `format`: the layout of a checkpoint directory (`<save>/iter_0000100/`, the latest marker),
-  its save (atomic, also in the background) and its load at any TP/PP/DP layout;
-- `digests`: the digest of every file a save writes, recorded inside the checkpoint, and the
-  check of them all before a load reads anything;
-- `safe_load`: reading a checkpoint runs no code from it (restricted unpickling of DCP's
-  metadata, RNG states as tensors, no pickled entries);
-- `lock`: one run per --save (a lock with a lease, taken over when its holder is gone);
-- `io_errors`: the exception classes, and I/O failures as one clear line agreed on by every
-  rank.
-
-`training/checkpoint_manager.py` is a run's glue around them; `inference/` and `conversion/`
-read checkpoints through this package.
+"""The checkpoint format and its I/O, below training, inference and conversion: `format` (the
+directory layout, save and load at any layout), `digests` (every file's digest, checked before
+a load), `safe_load` (reading runs no code), `lock` (one run per --save) and `io_errors` (the
+exceptions; I/O failures as one line agreed on by every rank).
 """
 
 from megatron_ext._lazy import lazy_exports

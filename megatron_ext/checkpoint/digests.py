@@ -38,6 +38,7 @@ __all__ = [
     "Verification",
     "file_digest",
     "manifest_path",
+    "rank_and_world",
     "verify_checkpoint",
     "write_manifest",
 ]
@@ -192,12 +193,9 @@ class _DigestingFileSystem(FileSystem):
 
 
 class DigestingWriter(FileSystemWriter):
-    """torch.distributed.checkpoint's FileSystemWriter (same settings as `dcp.save`'s default)
-    that records the digest of each shard file this rank writes (`shard_digests`).
-
-    The shards are written without torch's per-record zip CRC32: torch.load never checks it
-    (an altered byte loads silently), and computing it was most of a save's CPU time; the file
-    digests replace it and are checked on every load."""
+    """torch.distributed.checkpoint's FileSystemWriter (`dcp.save`'s default settings) that
+    records the digest of each shard file this rank writes (`shard_digests`), without torch's zip
+    CRC32 (torch.load never checks it; the digests replace it)."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
@@ -358,26 +356,20 @@ def _check_file(
     return None
 
 
-def _world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """(this rank, the world size); (0, 1) without torch.distributed."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def verify_checkpoint(checkpoint: str, progress: bool = False) -> Verification:
-    """Check every file of `checkpoint` against its recorded digest; collective over the
-    default group when torch.distributed is initialised (each rank hashes its share).
-
-    Args:
-        progress: a progress bar (tqdm, on rank 0, of its share) when the checkpoint holds at
-            least `PROGRESS_MIN_BYTES`.
-
-    Returns:
-        the same `Verification` on every rank.
-    """
+    """Check every file of `checkpoint` against its recorded digest; collective when
+    torch.distributed is initialised (each rank hashes its share), the same `Verification` on every
+    rank. `progress`: a bar on rank 0 for checkpoints of at least `PROGRESS_MIN_BYTES`."""
     if not os.path.isdir(os.path.join(checkpoint, DIGESTS_DIR)):
         return Verification(has_digests=False)
-    rank, world_size = _world()
+    rank, world_size = rank_and_world()
     manifests = _read_manifests(checkpoint)
     entries = manifests.entries
     mine = _share(entries, rank, world_size)

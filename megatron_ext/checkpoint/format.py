@@ -2,20 +2,14 @@
 DTensors, in Megatron-LM's layout::
 
     <save>/iter_0000100/                      DCP shards + .metadata, common.json, args.json,
-                                              rng/<rank>.pt (dropout streams included),
-                                              digests/rank<N>.json
+                                              rng/<rank>.pt, digests/rank<N>.json
     <save>/latest_checkpointed_iteration.txt  written last
     <save>/save.lock                          held by the run writing here (`lock.py`)
 
-Keys are layout-free (`model.<name>` with the single-stage names, strided shards through a
-[stride, n/stride, ...] view; `optim.<name>.exp_avg|exp_avg_sq|step`), so a checkpoint saved
-at one TP/PP/DP/VP layout, ZeRO states included, loads at another. A save writes
-`iter_XXXXXXX.tmp/`, renames it when every rank is done, then replaces the latest marker; a
-save that stops (an error, Ctrl-C) removes its `.tmp`, one a killed process left is removed by
-the next save (loads never look at it); a state with a non-finite parameter is never saved.
-A load verifies every file's digest (`digests.py`), runs no code from the checkpoint
-(`safe_load.py`), and turns an I/O failure on any rank into one `CheckpointError` naming
-the file and what to do (`io_errors.py`).
+Keys are layout-free (`model.<name>`, `optim.<name>.exp_avg|exp_avg_sq|step`), so a checkpoint
+saved at one TP/PP/DP/VP layout loads at another. A save writes `iter_XXXXXXX.tmp/` and renames
+it when every rank is done; a save that stops removes its `.tmp`; a non-finite state is never
+saved. A load verifies every file's digest first.
 """
 
 from __future__ import annotations
@@ -51,11 +45,13 @@ from megatron_ext.checkpoint.digests import (
     FileDigest,
     Verification,
     file_digest,
+    rank_and_world,
     verify_checkpoint,
     write_manifest,
 )
 from megatron_ext.checkpoint.io_errors import (
     CHECKPOINT_IO_ERRORS,
+    ITER_RE,
     CheckpointDigestError,
     CheckpointError,
     CheckpointSaveError,
@@ -66,6 +62,7 @@ from megatron_ext.checkpoint.io_errors import (
     describe_io_error,
     older_checkpoints_hint,
     older_iterations,
+    saved_iterations,
     verify_shard_files,
 )
 from megatron_ext.checkpoint.safe_load import (
@@ -94,14 +91,12 @@ __all__ = [
     "checkpoint_dir",
     "read_latest_iteration",
     "save_checkpoint",
-    "remove_partial_saves",
     "load_checkpoint",
     "TRACKER_FILENAME",
 ]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
 @dataclass
@@ -147,7 +142,7 @@ def locate_checkpoint(load_dir: str, iteration: Optional[int] = None) -> tuple[s
         raise CheckpointError(f"checkpoint directory {display_path(load_dir)} does not exist")
     name = os.path.basename(load_dir.rstrip(os.sep))
     if name.startswith("iter_") and iteration is None:
-        if _ITER_RE.match(name) is None:
+        if ITER_RE.match(name) is None:
             raise CheckpointError(f"{display_path(load_dir)} is not a checkpoint directory")
         return os.path.dirname(load_dir), int(name[len("iter_") :])
     if iteration is None:
@@ -189,17 +184,6 @@ def _schedule_flags(ours: dict, saved: dict) -> str:
 
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _rng_file(path: str, pg: ProcessGroups) -> str:
@@ -322,10 +306,7 @@ def _all_finite(model: torch.nn.Module | Sequence[torch.nn.Module]) -> bool:
 
 
 def _prune(root: str, keep_last: int, latest: int) -> None:
-    iterations = sorted(
-        int(m.group(1)) for m in (_ITER_RE.match(n) for n in os.listdir(root)) if m is not None
-    )
-    for iteration in iterations[:-keep_last]:
+    for iteration in saved_iterations(root)[:-keep_last]:
         if iteration != latest:
             shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
             logger.info("removed old checkpoint %s", checkpoint_dir(root, iteration))
@@ -348,14 +329,9 @@ def save_checkpoint(
 ):
     """Save (collectively, every rank of the layout `pg`) and return the checkpoint directory.
 
-    With `digests` (the default) each rank records the digest of every file it wrote in
-    `digests/rank<r>.json`; False writes the format of before digests (for benchmarks and
-    tests).
-
-    With `async_save` (--async-save) the tensors are staged to CPU memory and written by a
-    background thread; the returned `PendingSave` finishes the checkpoint (rank files,
-    rename, latest marker) once every rank's write completed, so the latest marker never
-    points at a partial checkpoint.
+    `digests` False writes no digests (benchmarks, tests). With `async_save` the tensors are
+    staged to CPU and written by a background thread; the returned `PendingSave` finishes the
+    checkpoint (rank files, rename, latest marker) once every rank's write completed.
 
     Raises:
         NonFiniteStateError: a parameter is NaN/inf on some rank (nothing is written).
@@ -372,19 +348,6 @@ def save_checkpoint(
             args_json=args_json, save_rng=save_rng, keep_last=keep_last,
             async_save=async_save, digests=digests,
         )  # fmt: skip
-
-
-def remove_partial_saves(root: str) -> list[str]:
-    """Remove the `iter_XXXXXXX.tmp/` directories in `root` (saves that never completed: a
-    process killed mid-save cannot remove its own); the names removed. Only the run that
-    holds --save's lock may call this."""
-    try:
-        names = sorted(n for n in os.listdir(root) if n.startswith("iter_") and n.endswith(".tmp"))
-    except FileNotFoundError:
-        return []
-    for name in names:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return names
 
 
 @contextlib.contextmanager
@@ -410,7 +373,7 @@ def _save(
     try:
         if _rank0():
             os.makedirs(root, exist_ok=True)
-            remove_partial_saves(root)
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed save's; `SaveLock` sweeps others
             os.makedirs(os.path.join(tmp, "rng"))
             os.makedirs(os.path.join(tmp, DIGESTS_DIR))
     except OSError as error:
@@ -549,7 +512,7 @@ def _write_rank_files(tmp: str, files: _RankFiles) -> None:
     digests: dict[str, FileDigest] = dict(files.writer.shard_digests())
     for path in written:
         digests[os.path.relpath(path, tmp).replace(os.sep, "/")] = file_digest(path)
-    rank, world_size = _rank_and_world()
+    rank, world_size = rank_and_world()
     write_manifest(tmp, rank, world_size, digests)
 
 
@@ -600,10 +563,6 @@ class PendingSave:
             except CHECKPOINT_IO_ERRORS as error:
                 return self.finish(error=error)
             return self.finish()
-
-
-def _read_metadata(path: str):
-    return read_metadata(os.path.join(path, ".metadata"))
 
 
 def _check_same_arm(path: str, model: torch.nn.Module) -> None:
@@ -674,14 +633,9 @@ def load_checkpoint(
     strict_missing: bool = False,
     verify: bool = True,
 ) -> Optional[TrainState]:
-    """Load the latest (or `iteration`) checkpoint of `root` into this rank's shards (of the
-    layout `pg`), after checking every file against its digest (`verify`; --no-verify-checkpoint
-    turns it off; a checkpoint without digests loads with one warning).
-
-    Returns:
-        the restored TrainState (zeroed with `finetune`), or None when `root` has no checkpoint
-        (an error with `strict_missing`).
-    """
+    """Load the latest (or `iteration`) checkpoint of `root` into this rank's shards (layout
+    `pg`), every file checked against its digest first (`verify`); the restored TrainState (zeroed
+    with `finetune`), or None when `root` has no checkpoint (an error with `strict_missing`)."""
     if iteration is None:
         iteration = read_latest_iteration(root)
     if iteration is None:
@@ -749,7 +703,7 @@ def _open_checkpoint(root: str, iteration: int, model, verify: bool) -> tuple[st
         with open(common_path) as handle:
             common = json.load(handle)
         _check_same_arm(path, model)
-        metadata = _read_metadata(path)
+        metadata = read_metadata(os.path.join(path, ".metadata"))
     problem = None if verified is not None and verified.ok else verify_shard_files(path, metadata)
     if problem is not None:
         raise CheckpointError(
@@ -857,14 +811,12 @@ def _load_rng(path: str, common: dict, pg: ProcessGroups) -> None:
 def verify_or_raise(
     root: str, iteration: int, progress: bool = False, announce: bool = True
 ) -> Verification:
-    """Check checkpoint `iteration` of `root` against its digests (collective: each rank hashes
-    its share of the files) and return the outcome; without digests, warn once. `announce`:
-    log a line when every file matches (a run's load; the tools show a progress bar instead).
+    """Check checkpoint `iteration` of `root` against its digests (collective) and return the
+    outcome; without digests, warn once. `announce`: log a line when every file matches.
 
     Raises:
         CheckpointDigestError (every rank): a file is damaged, missing or of another size; the
-            message names the checkpoint, the file, and the newest older checkpoint that
-            verifies (checked here, never loaded).
+            message names the file and the newest older checkpoint that verifies.
     """
     path = checkpoint_dir(root, iteration)
     started = time.time()

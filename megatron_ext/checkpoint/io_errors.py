@@ -1,18 +1,8 @@
-"""Checkpoint errors: the exception classes, and I/O failures as one clear line agreed on by
-every rank.
-
-- `CheckpointError` and its kinds: every problem with a checkpoint is one of them, its message
-  one line naming the file and what to do (the entry points print it as `error: ...`, exit 2).
-- `check_save_directory`: before the first iteration, `--save` is created, written by every
-  rank and compared with the expected checkpoint size, so that a read-only or full disk is found
-  in seconds rather than at the first save.
-- `describe_io_error`: the reason behind a failed write (no space, permission, read-only file
-  system, ...) dug out of torch.distributed.checkpoint's per-rank exception wrappers; a bare
-  "unexpected pos" from a full disk is recognised by the free space left.
-- `agree_on_failure`: every rank learns whether any rank failed, and why, so that all of them
-  stop together instead of hanging in the next collective.
-- `verify_shard_files`: each file a checkpoint's metadata refers to exists and is long enough,
-  so that a truncated shard is named (file and iteration) instead of a bare EOFError.
+"""Checkpoint errors: the exception classes (`CheckpointError` and its kinds, one line naming the
+file and what to do), and I/O failures as one clear line agreed on by every rank:
+`check_save_directory` (a read-only or full --save found before the first iteration),
+`describe_io_error` (the reason behind a failed write), `agree_on_failure` (every rank stops
+together) and `verify_shard_files` (a truncated shard named instead of a bare EOFError).
 """
 
 from __future__ import annotations
@@ -34,12 +24,14 @@ __all__ = [
     "SaveLockError",
     "UnsafeCheckpointError",
     "CHECKPOINT_IO_ERRORS",
+    "ITER_RE",
     "agree_on_failure",
     "check_save_directory",
     "describe_io_error",
     "causes",
     "older_checkpoints_hint",
     "older_iterations",
+    "saved_iterations",
     "verify_shard_files",
 ]
 
@@ -83,7 +75,7 @@ _REASONS = {
     errno.EFBIG: "file too large",
     errno.EIO: "input/output error",
 }
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
 def _human(num_bytes: float) -> str:
@@ -120,11 +112,8 @@ def _free_bytes(directory: str) -> Optional[int]:
 def describe_io_error(
     error: BaseException, directory: str, needed_bytes: Optional[int] = None
 ) -> str:
-    """Why a checkpoint write failed, in a few words (no traceback), naming the failing ranks
-    when torch.distributed.checkpoint reports them.
-
-    A full disk often surfaces without an errno (torch's zip writer turns the failed write into
-    "unexpected pos"): then the free space left decides."""
+    """Why a checkpoint write failed, in a few words, naming the failing ranks DCP reports;
+    a full disk without an errno (torch's "unexpected pos") is recognised by the free space."""
     found = list(causes(error))
     ranks = sorted({r for c in found if isinstance(c, CheckpointException) for r in c.failures})
     on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
@@ -188,16 +177,18 @@ def check_save_directory(root: str, needed_bytes: int) -> Optional[str]:
     return agree_on_failure(problem)
 
 
-def older_iterations(root: str, iteration: int) -> list[int]:
-    """The iterations of the checkpoints in `root` older than `iteration`, newest first."""
+def saved_iterations(root: str) -> list[int]:
+    """The iterations of the `iter_XXXXXXX` directories in `root`, oldest first."""
     try:
         names = os.listdir(root)
     except OSError:
         names = []
-    return sorted(
-        (int(m.group(1)) for m in map(_ITER_RE.match, names) if m and int(m.group(1)) < iteration),
-        reverse=True,
-    )
+    return sorted(int(m.group(1)) for m in map(ITER_RE.match, names) if m)
+
+
+def older_iterations(root: str, iteration: int) -> list[int]:
+    """The iterations of the checkpoints in `root` older than `iteration`, newest first."""
+    return [i for i in reversed(saved_iterations(root)) if i < iteration]
 
 
 def older_checkpoints_hint(root: str, iteration: int) -> str:

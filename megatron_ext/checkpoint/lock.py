@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -236,7 +237,9 @@ class SaveLock:
         if problem is not None:
             raise SaveLockError(problem)
         lock = cls(root, holder)
-        if rank0:
+        if rank0:  # a run killed mid-save left these; loads never look at them
+            for name in remove_partial_saves(root):
+                logger.info("removed %s, a save that an earlier run did not complete", name)
             lock._thread = threading.Thread(target=lock._renew, name="save-lock", daemon=True)
             lock._thread.start()
         return lock
@@ -342,6 +345,19 @@ class SaveLock:
         except (OSError, ValueError):
             pass
         self.holder = None
+
+
+def remove_partial_saves(root: str) -> list[str]:
+    """Remove the `iter_XXXXXXX.tmp/` directories in `root` (saves that never completed: a
+    process killed mid-save cannot remove its own); the names removed. Only the run that
+    holds --save's lock may call this."""
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith("iter_") and n.endswith(".tmp"))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return names
 
 
 def break_lock(root: str, force: bool = False) -> Optional[str]:

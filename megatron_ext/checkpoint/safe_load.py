@@ -1,20 +1,10 @@
-"""Reading a checkpoint runs nothing from it: checkpoints travel between teams and clusters,
-and a file of one is data, never code.
+"""Reading a checkpoint runs nothing from it: a file of one is data, never code.
 
-- `.metadata` (torch.distributed.checkpoint's pickled `Metadata`) is read by
-  `SafeFileSystemReader`, torch's FileSystemReader with an unpickler that admits only DCP's
-  metadata classes and the torch and standard-library types they hold (`METADATA_GLOBALS`);
-  the shard files it names must be plain file names inside the checkpoint.
-- Tensors: DCP reads each with `torch.load(weights_only=True)`. An entry the metadata declares
-  as pickled bytes would go to `DefaultLoadPlanner.load_bytes`, which unpickles it without
-  restriction; the project writes none, and `SafeLoadPlanner` refuses them.
-- RNG files hold tensors, ints and floats only (`save_rng_file`), read with
-  `torch.load(weights_only=True)`; files in the format before this one (numpy's state as an
-  array) are read with exactly numpy's array types admitted besides.
-- common.json, args.json and the digest manifests are JSON.
-
-A file that holds anything else is an `UnsafeCheckpointError` naming the file and what was
-refused; nothing of it ran.
+`.metadata` is unpickled admitting only DCP's metadata classes and the types they hold
+(`METADATA_GLOBALS`), and the shard files it names must lie inside the checkpoint; tensors are
+read with `torch.load(weights_only=True)` and entries declared as pickled bytes are refused
+(`SafeLoadPlanner`); RNG files hold tensors, ints and floats only (format 1 files: numpy's
+array types admitted besides). Anything else is an `UnsafeCheckpointError`.
 """
 
 from __future__ import annotations
@@ -86,13 +76,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: str) -> Metadata:
-    """The `Metadata` in the file `path`, unpickled with only DCP's types admitted, its shard
-    files checked to be plain names inside the checkpoint directory.
-
-    Raises:
-        UnsafeCheckpointError: the file names any other global, or another kind of object.
-        EOFError, pickle.UnpicklingError, ...: a truncated or corrupt file.
-    """
+    """The `Metadata` in `path`, unpickled with only DCP's types admitted, its shard files
+    checked to be plain names inside the checkpoint (else `UnsafeCheckpointError`)."""
     with open(path, "rb") as handle:
         metadata = _MetadataUnpickler(handle, path).load()
     where = display_path(path)
@@ -219,12 +204,8 @@ def save_rng_file(path: str, state: dict) -> None:
 
 
 def load_rng_file(path: str) -> dict:
-    """The RNG states of `path` (either format), as `save_rng_file` took them.
-
-    Raises:
-        UnsafeCheckpointError: the file holds anything but RNG states (a pickled object that
-            loading would call): nothing of it ran.
-    """
+    """The RNG states of `path` (either format), as `save_rng_file` took them;
+    `UnsafeCheckpointError` when it holds anything else (nothing of it ran)."""
     try:
         with torch.serialization.safe_globals(_RNG_FORMAT_1_GLOBALS):
             saved = torch.load(path, map_location="cpu", weights_only=True)

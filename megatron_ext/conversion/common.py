@@ -22,6 +22,7 @@ __all__ = [
     "DTYPES",
     "atomic_output_dir",
     "git_revision",
+    "new_output",
     "parse_dtype",
 ]
 
@@ -41,18 +42,22 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-@contextlib.contextmanager
-def atomic_output_dir(path: str, overwrite: bool = False) -> Iterator[str]:
-    """Yield a temporary directory that becomes `path` when the block completes.
-
-    Raises:
-        ConversionError: `path` exists and `overwrite` is False.
-    """
+def new_output(path: str, overwrite: bool) -> str:
+    """The absolute `path`; ConversionError when it exists and `overwrite` is False (checked
+    before a long load, and again by `atomic_output_dir`)."""
     path = os.path.abspath(path)
     if os.path.lexists(path) and not overwrite:
         raise ConversionError(
             f"output {display_path(path)} already exists; pass --overwrite or pick another"
         )
+    return path
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str, overwrite: bool = False) -> Iterator[str]:
+    """Yield a temporary directory that becomes `path` when the block completes (`new_output`
+    checks `path` first)."""
+    path = new_output(path, overwrite)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp{os.getpid()}")

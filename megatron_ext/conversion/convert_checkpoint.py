@@ -2,23 +2,14 @@
 check a checkpoint's digests; break a --save lock.
 
     python tools/convert_checkpoint.py export-hf --load ckpt/lev --output hf/lev --dtype bfloat16
-    python tools/convert_checkpoint.py export-hf --load ckpt/lev --output hf/lev-kept \\
-        --hf-format leviathan
     python tools/convert_checkpoint.py import-hf --hf-dir hf/llama --output ckpt/llama-import
-    python tools/convert_checkpoint.py export-megatron --load ckpt/lev --output mlm/lev \\
-        --target-tensor-parallel-size 2
     python tools/convert_checkpoint.py reshard --load ckpt/lev --output ckpt/lev-tp1 \\
         --target-tensor-parallel-size 1 --no-optimizer
     python tools/convert_checkpoint.py verify --load ckpt/lev
-    python tools/convert_checkpoint.py unlock --save ckpt/lev
 
-Like Megatron-LM's tools/checkpoint/convert.py, every converting subcommand is a loader side (a
-training checkpoint at any TP/PP/DP layout, or a Hugging Face directory) and a saver side; the
-loader checks the checkpoint's files against their digests first (--no-verify-checkpoint skips
-it) and runs no code from them. Outputs are written to a temporary directory and renamed into
-place when complete (Ctrl-C leaves nothing); bad input ends with one line on stderr and exit
-code 2. `verify` checks a checkpoint (a copy between clusters) without building a model: exit 0
-when every file matches its digest, 1 when one does not, 2 on bad input. See docs/convert.md.
+Every converting subcommand verifies the source's digests first (--no-verify-checkpoint skips
+it) and writes its output under a temporary name, renamed when complete. `verify` exits 0 when
+every file matches, 1 when one does not, 2 on bad input. See docs/convert.md.
 """
 
 from __future__ import annotations
@@ -38,14 +29,7 @@ from megatron_ext.config.data import DataConfig
 from megatron_ext.config.flags import ArgumentParser, add_flags
 from megatron_ext.config.model import EmbeddingConfig, ModelConfig
 from megatron_ext.conversion.common import DTYPES, ConversionError
-from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
-from megatron_ext.conversion.export_megatron import (
-    ExportMegatronOptions,
-    export_megatron,
-)
 from megatron_ext.conversion.hf import HF_FORMATS
-from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
-from megatron_ext.conversion.reshard import ReshardOptions, reshard
 from megatron_ext.data.tokenizers import TokenizerError
 
 
@@ -194,26 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> str:
-    progress = not args.no_progress
-    if args.command == "export-hf":
-        return export_hf(
-            ExportHFOptions(
-                load=args.load,
-                output=args.output,
-                iteration=args.ckpt_step,
-                dtype=DTYPES[args.dtype],
-                compute_dtype=getattr(torch, args.compute_dtype),
-                keep_padded_vocab=args.keep_padded_vocab,
-                max_shard_size=args.max_shard_size,
-                tokenizer_model=args.tokenizer_model,
-                export_tokenizer=not args.no_tokenizer,
-                embedding_type=args.embedding_type,
-                overwrite=args.overwrite,
-                progress=progress,
-                verify=args.verify,
-                hf_format=args.hf_format,
-            )
-        )
+    # deferred: the converters import megatron.core (slow), which --help does without
+    from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
+    from megatron_ext.conversion.export_megatron import ExportMegatronOptions, export_megatron
+    from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
+    from megatron_ext.conversion.reshard import ReshardOptions, reshard
+
     if args.command == "import-hf":
         return import_hf(
             ImportHFOptions(
@@ -225,35 +195,44 @@ def run(args: argparse.Namespace) -> str:
                 overwrite=args.overwrite,
             )
         )
-    if args.command == "export-megatron":
-        return export_megatron(
-            ExportMegatronOptions(
-                load=args.load,
-                output=args.output,
-                iteration=args.ckpt_step,
+    common = dict(
+        load=args.load,
+        output=args.output,
+        iteration=args.ckpt_step,
+        tokenizer_model=args.tokenizer_model,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        verify=args.verify,
+    )
+    if args.command == "reshard":
+        return reshard(
+            ReshardOptions(
+                **common,
                 tensor_model_parallel_size=args.target_tensor_parallel_size,
                 pipeline_model_parallel_size=args.target_pipeline_parallel_size,
-                dtype=DTYPES[args.dtype],
-                compute_dtype=getattr(torch, args.compute_dtype),
-                tokenizer_model=args.tokenizer_model,
-                embedding_type=args.embedding_type,
-                overwrite=args.overwrite,
-                progress=progress,
-                verify=args.verify,
+                keep_optimizer=not args.no_optimizer,
             )
         )
-    return reshard(
-        ReshardOptions(
-            load=args.load,
-            output=args.output,
-            iteration=args.ckpt_step,
+    common.update(
+        dtype=DTYPES[args.dtype],
+        compute_dtype=getattr(torch, args.compute_dtype),
+        embedding_type=args.embedding_type,
+    )
+    if args.command == "export-hf":
+        return export_hf(
+            ExportHFOptions(
+                **common,
+                keep_padded_vocab=args.keep_padded_vocab,
+                max_shard_size=args.max_shard_size,
+                export_tokenizer=not args.no_tokenizer,
+                hf_format=args.hf_format,
+            )
+        )
+    return export_megatron(
+        ExportMegatronOptions(
+            **common,
             tensor_model_parallel_size=args.target_tensor_parallel_size,
             pipeline_model_parallel_size=args.target_pipeline_parallel_size,
-            keep_optimizer=not args.no_optimizer,
-            tokenizer_model=args.tokenizer_model,
-            overwrite=args.overwrite,
-            progress=progress,
-            verify=args.verify,
         )
     )
 

@@ -23,7 +23,12 @@ from typing import Optional
 import torch
 
 from megatron_ext._paths import display_path
-from megatron_ext.conversion.common import ConversionError, atomic_output_dir, git_revision
+from megatron_ext.conversion.common import (
+    ConversionError,
+    atomic_output_dir,
+    git_revision,
+    new_output,
+)
 from megatron_ext.conversion.hf import (
     HF_FORMATS,
     export_tokenizer,
@@ -99,11 +104,7 @@ def export_hf(opts: ExportHFOptions) -> str:
     # optional: the [eval] extra
     from transformers import GenerationConfig
 
-    if os.path.lexists(opts.output) and not opts.overwrite:
-        # Fail before the (possibly long) load; atomic_output_dir checks again.
-        raise ConversionError(
-            f"output {display_path(opts.output)} already exists; pass --overwrite or pick another"
-        )
+    new_output(opts.output, opts.overwrite)  # before the (possibly long) load
     loaded = load_checkpoint_full(
         opts.load,
         iteration=opts.iteration,

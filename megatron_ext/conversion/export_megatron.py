@@ -1,18 +1,13 @@
 """export-megatron: any arm -> a Megatron-LM legacy checkpoint (`--ckpt-format torch`).
 
     <out>/latest_checkpointed_iteration.txt
-    <out>/iter_XXXXXXX/mp_rank_TT/model_optim_rng.pt          (PP=1)
-    <out>/iter_XXXXXXX/mp_rank_TT_PPP/model_optim_rng.pt      (PP>1)
+    <out>/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt
 
-Each file holds {"model": this rank's state dict, "checkpoint_version": 3.0, "iteration",
-"args"} with megatron-core's GPTModel key names for its local and Transformer Engine-free spec
-(our names are megatron-core's, so only the input module changes: the arm is materialised into
-`embedding.word_embeddings.weight`). Tensor-parallel shards follow megatron's splits: the
-vocabulary and QKV/fc1 rows (fc1 as gate|up per rank) across ranks for column-parallel layers,
-columns for row-parallel ones. Stock Megatron-LM loads it with
-
-    pretrain_gpt.py --load <out> --ckpt-format torch --finetune --no-load-optim --no-load-rng \\
-        --use-checkpoint-args --untie-embeddings-and-output-weights ...
+Each file holds {"model", "checkpoint_version": 3.0, "iteration", "args"} with megatron-core's
+GPTModel key names for its local spec; the arm is materialised into
+`embedding.word_embeddings.weight` and tensor-parallel shards follow megatron's splits. Stock
+Megatron-LM loads it with `pretrain_gpt.py --load <out> --ckpt-format torch --finetune
+--no-load-optim --no-load-rng --use-checkpoint-args --untie-embeddings-and-output-weights`.
 """
 
 from __future__ import annotations
@@ -26,12 +21,12 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from megatron_ext._paths import display_path
 from megatron_ext.config.data import padded_vocab_size
 from megatron_ext.config.layout import ParallelConfig, check_layout
 from megatron_ext.config.model import EmbeddingConfig
-from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+from megatron_ext.conversion.common import ConversionError, atomic_output_dir, new_output
 from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
+from megatron_ext.models.full_state_dict import tp_shard
 
 __all__ = ["ExportMegatronOptions", "export_megatron", "megatron_rank_state_dict", "TP_LAYOUT"]
 
@@ -86,9 +81,6 @@ def megatron_rank_state_dict(
     pp_size: int,
 ) -> dict[str, torch.Tensor]:
     """One (TP, PP) rank's state dict from megatron-named full tensors (stage-local layers)."""
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.models.full_state_dict import tp_shard
-
     per_stage = num_layers // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     out: dict[str, torch.Tensor] = {}
@@ -173,11 +165,7 @@ def _resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 def export_megatron(opts: ExportMegatronOptions) -> str:
     """Write the legacy checkpoint; returns its directory."""
-    output = os.path.abspath(opts.output)
-    if os.path.lexists(output) and not opts.overwrite:
-        raise ConversionError(
-            f"output {display_path(output)} already exists; pass --overwrite or pick another"
-        )
+    output = new_output(opts.output, opts.overwrite)
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     loaded = load_checkpoint_full(
         opts.load,

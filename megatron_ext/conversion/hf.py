@@ -1,26 +1,12 @@
-"""Hugging Face `LlamaForCausalLM` <-> our single-stage parameter names.
+"""Hugging Face `LlamaForCausalLM` <-> our single-stage parameter names (megatron-core's:
+`decoder.layers.i.self_attention.linear_qkv` <-> q_proj | k_proj | v_proj, `mlp.linear_fc1`
+[2F, D] <-> gate_proj ; up_proj, `output_layer` <-> lm_head, absent when tied). The LEV arm
+exported as `LeviathanForCausalLM` keeps LEV's parameters: embedding.word_embeddings.<p> <->
+model.embed_tokens.<p>.
 
-    ours (megatron-core names)                         Hugging Face Llama
-    embedding.word_embeddings.weight [V, D]            model.embed_tokens.weight
-    decoder.layers.i.input_layernorm.weight            model.layers.i.input_layernorm.weight
-    decoder.layers.i.self_attention.linear_qkv.weight  q_proj | k_proj | v_proj (see below)
-    decoder.layers.i.self_attention.linear_proj.weight model.layers.i.self_attn.o_proj.weight
-    decoder.layers.i.pre_mlp_layernorm.weight          post_attention_layernorm.weight
-    decoder.layers.i.mlp.linear_fc1.weight [2F, D]     gate_proj [F, D] ; up_proj [F, D]
-    decoder.layers.i.mlp.linear_fc2.weight             down_proj
-    decoder.final_layernorm.weight                     model.norm.weight
-    output_layer.weight                                lm_head.weight (absent when tied)
-
-The LEV arm exported as `LeviathanForCausalLM` (`--hf-format leviathan`) keeps LEV's parameters
-under the same names: embedding.word_embeddings.<p> <-> model.embed_tokens.<p> (codebooks,
-seed_proj, seed_norm_weight, seed_norm_bias, spline_delta, out_proj).
-
-Megatron fuses QKV per query group: rows [ng, np/ng + 2, hn] hold each group's np/ng query
-heads, then its key head, then its value head. Llama's grouped-query attention serves query
-heads j*np/ng .. (j+1)*np/ng - 1 with key/value head j, so splitting the groups gives q/k/v in
-Llama's order. Megatron's default rotary layout (non-interleaved, rotate-half) is Llama's; an
-interleaved checkpoint (`--rotary-interleaved`) has its q/k rows permuted into that layout.
-SwiGLU's fc1 is [gate; up] and silu(gate) * up in both.
+Megatron fuses QKV per query group (rows [ng, np/ng + 2, hn]: the group's query heads, its key
+head, its value head), so splitting the groups gives Llama's grouped-query order. An
+interleaved-rotary checkpoint has its q/k rows permuted into Llama's rotate-half layout.
 """
 
 from __future__ import annotations
@@ -135,12 +121,9 @@ def to_hf_state_dict(
     vocab_rows: int,
     rotary_interleaved: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Our full state dict (input module replaced by `input_table` [Vp, D]) -> Llama names.
-
-    `vocab_rows` rows of the input table and head are kept (the tokenizer's size trims the
-    padding; the padded size keeps it). With `input_table` None the LEV module's parameters
-    are kept as they are, under model.embed_tokens. (`LeviathanForCausalLM`).
-    """
+    """Our full state dict (input module replaced by `input_table` [Vp, D]) -> Llama names,
+    `vocab_rows` rows of the table and head kept; with `input_table` None LEV's parameters stay
+    as they are under model.embed_tokens (`LeviathanForCausalLM`)."""
     out: dict[str, torch.Tensor] = {}
     if input_table is not None:
         out["model.embed_tokens.weight"] = input_table[:vocab_rows]
@@ -185,11 +168,8 @@ def from_hf_state_dict(
     padded_vocab: int,
     lev: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Llama names -> our full state dict for the TIED (tied=True) or UNTIED arm, or with
-    `lev` the LEV arm (`LeviathanForCausalLM`'s names: LEV's parameters as they are).
-
-    The vocabulary is padded with zero rows up to `padded_vocab` (never trimmed).
-    """
+    """Llama names -> our full state dict for the TIED or UNTIED arm, or with `lev` the LEV arm
+    (`LeviathanForCausalLM`), the vocabulary padded with zero rows to `padded_vocab`."""
 
     def pad(t: torch.Tensor) -> torch.Tensor:
         if t.size(0) > padded_vocab:
@@ -391,15 +371,9 @@ def _umask() -> int:
 
 
 def export_tokenizer(tokenizer, out_dir: str) -> None:
-    """Write tokenizer files that `AutoTokenizer.from_pretrained(out_dir)` loads.
-
-    A SentencePiece BPE model becomes a `tokenizers` BPE with the same vocabulary, merges
-    (ordered by piece score, as SentencePiece merges), byte fallback and the dummy-prefix
-    metaspace; its control pieces (<s>, </s>, ...) are never matched in text, as in
-    SentencePiece. A tiktoken rank file (o200k, cl100k, ...) becomes a byte-level BPE with
-    the same split pattern, ids and special tokens (`_export_tiktoken`). A Hugging Face
-    tokenizer is saved as it is.
-    """
+    """Write tokenizer files that `AutoTokenizer.from_pretrained(out_dir)` loads and that encode
+    as `tokenizer` does: a SentencePiece BPE or a tiktoken / GPT-2 rank file as a `tokenizers`
+    BPE, a Hugging Face tokenizer as it is."""
     if isinstance(tokenizer, HuggingFaceTokenizer):
         tokenizer._tok.save_pretrained(out_dir)
     elif isinstance(tokenizer, SentencePieceTokenizer):

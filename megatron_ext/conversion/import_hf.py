@@ -22,11 +22,11 @@ from typing import Optional
 
 import torch
 
-from megatron_ext._paths import display_path
+from megatron_ext.checkpoint.format import TrainState, save_checkpoint
 from megatron_ext.config.arguments import args_json_of_flags, model_config_from_args_json
 from megatron_ext.config.data import padded_vocab_size
 from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
-from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+from megatron_ext.conversion.common import ConversionError, atomic_output_dir, new_output
 from megatron_ext.conversion.hf import (
     LEV_CONFIG_FIELDS,
     LEVIATHAN_ARCHITECTURE,
@@ -34,6 +34,9 @@ from megatron_ext.conversion.hf import (
     read_hf_checkpoint,
 )
 from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
+from megatron_ext.inference.loading import init_inference_parallel
+from megatron_ext.models import build_model
+from megatron_ext.models.full_state_dict import load_full_state_dict
 
 __all__ = ["ImportHFOptions", "import_hf", "TOKENIZER_FILES"]
 
@@ -136,20 +139,8 @@ def _check_lev_fields(config: dict, tensors: dict, path: str) -> None:
         raise ConversionError(f"{path} has no lm_head.weight (a LEV model's head is its own)")
 
 
-def import_hf(opts: ImportHFOptions) -> str:
-    """Write the checkpoint directory; returns its path."""
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.checkpoint.format import TrainState, save_checkpoint
-    from megatron_ext.inference.loading import init_inference_parallel
-    from megatron_ext.models import build_model
-    from megatron_ext.models.full_state_dict import load_full_state_dict
-
-    output = os.path.abspath(opts.output)
-    if os.path.lexists(output) and not opts.overwrite:
-        raise ConversionError(
-            f"output {display_path(output)} already exists; pass --overwrite or pick another"
-        )
-    config, tensors = read_hf_checkpoint(opts.hf_dir)
+def _arm(config: dict, tensors: dict, opts: ImportHFOptions) -> tuple[str, bool]:
+    """(the --embedding-type to import as, whether the model is a LeviathanForCausalLM)."""
     lev = is_leviathan(config)
     if lev:
         if opts.embedding_type not in (None, "lev"):
@@ -173,10 +164,15 @@ def import_hf(opts: ImportHFOptions) -> str:
                 f"{opts.hf_dir} has separate input and output tables; import it with "
                 "--embedding-type untied"
             )
-    files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(opts.hf_dir, f))]
+    return arm, lev
+
+
+def _tokenizer(hf_dir: str) -> tuple[list[str], int, str]:
+    """(the tokenizer files of `hf_dir`, its vocabulary size, its fingerprint)."""
+    files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]
     if not files:
         raise ConversionError(
-            f"{opts.hf_dir} holds no tokenizer files (tokenizer.json ...); save the tokenizer "
+            f"{hf_dir} holds no tokenizer files (tokenizer.json ...); save the tokenizer "
             "into the model directory (tokenizer.save_pretrained) first"
         )
     # Read from a copy of the tokenizer files alone, as the run will read them (<out>/tokenizer):
@@ -184,12 +180,20 @@ def import_hf(opts: ImportHFOptions) -> str:
     # whether to run the model's code.
     with tempfile.TemporaryDirectory() as alone:
         for name in files:
-            shutil.copy2(os.path.join(opts.hf_dir, name), os.path.join(alone, name))
+            shutil.copy2(os.path.join(hf_dir, name), os.path.join(alone, name))
         try:
             tokenizer = build_tokenizer("HuggingFaceTokenizer", alone)
         except TokenizerError as error:
-            raise ConversionError(str(error).replace(alone, opts.hf_dir)) from None
-        vocab, fingerprint = tokenizer.vocab_size, tokenizer.fingerprint  # read from its files
+            raise ConversionError(str(error).replace(alone, hf_dir)) from None
+        return files, tokenizer.vocab_size, tokenizer.fingerprint  # read from its files
+
+
+def import_hf(opts: ImportHFOptions) -> str:
+    """Write the checkpoint directory; returns its path."""
+    output = new_output(opts.output, opts.overwrite)
+    config, tensors = read_hf_checkpoint(opts.hf_dir)
+    arm, lev = _arm(config, tensors, opts)
+    files, vocab, fingerprint = _tokenizer(opts.hf_dir)
     hf_vocab = config["vocab_size"]
     if vocab > hf_vocab:
         raise ConversionError(
@@ -232,14 +236,7 @@ def import_hf(opts: ImportHFOptions) -> str:
         os.makedirs(os.path.join(tmp, "tokenizer"))
         for name in files:
             shutil.copy2(os.path.join(opts.hf_dir, name), os.path.join(tmp, "tokenizer", name))
-        save_checkpoint(
-            tmp,
-            TrainState(),
-            model,
-            pg=pg,
-            args_json=args_json,
-            save_rng=False,
-        )
+        save_checkpoint(tmp, TrainState(), model, pg=pg, args_json=args_json, save_rng=False)
     logger.info(
         "imported %s as a --embedding-type %s checkpoint (vocabulary %d, padded %d)",
         opts.hf_dir,

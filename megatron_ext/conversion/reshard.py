@@ -25,13 +25,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from megatron_ext._paths import display_path
+from megatron_ext.checkpoint.format import TRACKER_FILENAME, checkpoint_dir, save_tensors
 from megatron_ext.checkpoint.io_errors import UnsafeCheckpointError
 from megatron_ext.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from megatron_ext.config.data import padded_vocab_size
 from megatron_ext.config.lev import smallest_base
-from megatron_ext.conversion.common import ConversionError, atomic_output_dir
+from megatron_ext.conversion.common import ConversionError, atomic_output_dir, new_output
 from megatron_ext.conversion.source import _check_shard_files
 from megatron_ext.data.tokenizers import TokenizerError
+from megatron_ext.inference.loading import find_checkpoint, run_model_config, run_tokenizer
 
 __all__ = ["ReshardOptions", "reshard", "VOCAB_KEYS"]
 
@@ -86,17 +88,46 @@ def _single_process():
         yield
 
 
+def _read_tensors(path: str, keep_optimizer: bool, progress: bool) -> dict[str, torch.Tensor]:
+    """Every model tensor (and with `keep_optimizer` every optimizer tensor) of the checkpoint
+    directory `path`, whole, read by this one process."""
+    metadata = read_metadata(os.path.join(path, ".metadata")).state_dict_metadata
+    pickled = [k for k, md in metadata.items() if not isinstance(md, TensorStorageMetadata)]
+    if pickled:  # the project writes tensors only; DCP would unpickle these without limits
+        raise UnsafeCheckpointError(
+            f"{display_path(os.path.join(path, '.metadata'))} declares {pickled[0]} as "
+            "pickled bytes, which loading would execute; this project writes tensors only: "
+            "refused"
+        )
+    keys = [
+        k
+        for k, md in metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+        and (k.startswith("model.") or (keep_optimizer and k.startswith("optim.")))
+    ]
+    state: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=len(keys), desc="reading tensors", unit="tensor", disable=not progress)
+    for start in range(0, len(keys), _READ_GROUP):
+        group = {
+            k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
+            for k in keys[start : start + _READ_GROUP]
+        }
+        with _single_process():
+            dcp.load(
+                group,
+                storage_reader=SafeFileSystemReader(path),
+                planner=SafeLoadPlanner(path),
+                no_dist=True,
+            )
+        state.update(group)
+        bar.update(len(group))
+    bar.close()
+    return state
+
+
 def reshard(opts: ReshardOptions) -> str:
     """Write the resharded checkpoint (a new --save directory); returns its path."""
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.checkpoint.format import TRACKER_FILENAME, checkpoint_dir, save_tensors
-    from megatron_ext.inference.loading import find_checkpoint, run_model_config, run_tokenizer
-
-    output = os.path.abspath(opts.output)
-    if os.path.lexists(output) and not opts.overwrite:
-        raise ConversionError(
-            f"output {display_path(output)} already exists; pass --overwrite or pick another"
-        )
+    output = new_output(opts.output, opts.overwrite)
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     run = find_checkpoint(opts.load, opts.iteration, verify=opts.verify, progress=opts.progress)
     _check_shard_files(run.path)
@@ -124,37 +155,7 @@ def reshard(opts: ReshardOptions) -> str:
     except ValueError as error:
         raise ConversionError(f"cannot lay the model out at TP={tp}, PP={pp}: {error}") from None
 
-    metadata = read_metadata(os.path.join(run.path, ".metadata")).state_dict_metadata
-    pickled = [k for k, md in metadata.items() if not isinstance(md, TensorStorageMetadata)]
-    if pickled:  # the project writes tensors only; DCP would unpickle these without limits
-        raise UnsafeCheckpointError(
-            f"{display_path(os.path.join(run.path, '.metadata'))} declares {pickled[0]} as "
-            "pickled bytes, which loading would execute; this project writes tensors only: "
-            "refused"
-        )
-    keys = [
-        k
-        for k, md in metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-        and (k.startswith("model.") or (opts.keep_optimizer and k.startswith("optim.")))
-    ]
-    state: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=len(keys), desc="reading tensors", unit="tensor", disable=not opts.progress)
-    for start in range(0, len(keys), _READ_GROUP):
-        group = {
-            k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype)
-            for k in keys[start : start + _READ_GROUP]
-        }
-        with _single_process():
-            dcp.load(
-                group,
-                storage_reader=SafeFileSystemReader(run.path),
-                planner=SafeLoadPlanner(run.path),
-                no_dist=True,
-            )
-        state.update(group)
-        bar.update(len(group))
-    bar.close()
+    state = _read_tensors(run.path, opts.keep_optimizer, opts.progress)
     if new_padded != old_padded:
         logger.info("re-padding the vocabulary from %d to %d rows", old_padded, new_padded)
         for key in list(state):

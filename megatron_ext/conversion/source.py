@@ -21,7 +21,16 @@ from megatron_ext.checkpoint.safe_load import read_metadata
 from megatron_ext.config.data import padded_vocab_size
 from megatron_ext.conversion.common import ConversionError
 from megatron_ext.data.tokenizers import TokenizerError
+from megatron_ext.inference.loading import (
+    find_checkpoint,
+    init_inference_parallel,
+    load_model,
+    run_model_config,
+    run_tokenizer,
+)
+from megatron_ext.lev.layer import LEVEmbedding
 from megatron_ext.lev.table import LEVTable
+from megatron_ext.models.full_state_dict import gather_full_state_dict
 
 __all__ = [
     "LoadedCheckpoint",
@@ -85,26 +94,9 @@ def load_checkpoint_full(
     progress: bool = True,
 ) -> LoadedCheckpoint:
     """Load `load_dir` (a `--save` directory or one iter_XXXXXXX) at TP=1 in this process,
-    after checking its files against their digests (`verify`, with a progress bar on large
-    checkpoints).
-
-    Args:
-        embedding_type: when given, the arm the caller expects (a mismatch is an error).
-        tokenizer_model: overrides the tokenizer path recorded by the run.
-
-    Raises:
-        ConversionError / CheckpointError: every problem, as one line.
+    its digests checked first (`verify`); `embedding_type`: the arm the caller expects;
+    `tokenizer_model`: instead of the run's. Every problem is one ConversionError/CheckpointError.
     """
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.inference.loading import (
-        find_checkpoint,
-        init_inference_parallel,
-        load_model,
-        run_model_config,
-        run_tokenizer,
-    )
-    from megatron_ext.models.full_state_dict import gather_full_state_dict
-
     run = find_checkpoint(load_dir, iteration, verify=verify, progress=progress)
     saved = run.embedding_type
     if embedding_type is not None and embedding_type != saved:
@@ -172,19 +164,9 @@ def materialize_module_table(
     progress: bool = True,
 ) -> torch.Tensor:
     """Run a TP=1 input module on every id: [V, D] computed in `compute_dtype`, stored in
-    `dtype` (default: `compute_dtype`).
-
-    LEV is computed by `lev.table.LEVTable` (batched no-grad math in `compute_dtype`, float32
-    or float64) one chunk at a time into a table of `dtype`, so that the table exists once, in
-    the dtype the caller keeps (an export at V = 200k, D = 2048 would otherwise hold a
-    3 GiB float64 table beside its 1.5 GiB float32 cast). The other generated arms run on a
-    temporary `compute_dtype` copy of their parameters (the module is left as it was). A lookup
-    table is returned as it is (detached, sharing the weight's storage: read it, do not modify
-    it), or as a copy in `dtype` when one is given and differs.
-    """
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.lev.layer import LEVEmbedding
-
+    `dtype` (default: `compute_dtype`). LEV is computed chunk by chunk into one table of `dtype`;
+    the other generated arms run on a temporary copy of their parameters. A lookup table is
+    returned as it is (sharing the weight's storage: do not modify it), or copied into `dtype`."""
     if hasattr(module, "weight") and not list(module.children()):
         return module.weight.detach().to(dtype or module.weight.dtype)
     vocab = module.vocab_size if hasattr(module, "vocab_size") else module.num_embeddings

@@ -1,18 +1,10 @@
 """CPU accelerations: compiled kernels and tuning that make CPU runs faster, in one room.
 
-Nothing here changes what is computed: each piece has a portable path in the core that gives the
-same function (tested against it), taken when the piece is off or cannot be built. The core asks
-this module at its own extension points (each accessor returns the module, or None when off):
-
-- `lev_backend()` -> `lev_kernel` (C++ LEV kernel; `lev.kernels.select_backend`);
-- `cross_entropy_kernel()` -> `cross_entropy` (one-pass C++ cross entropy of the scoring head);
-- `decode_step()` -> `lean_decode` (the decode step in plain torch ops; `inference.generation`);
-- `host_memory_tuning()` -> `host_memory` (glibc settings; `training.run_extras`).
-
-`build` compiles the C++ sources on first use and caches them. One switch turns all off:
-``MEGATRON_EXT_CPU_ACCEL=0`` (inherited by every process a command starts), or ``--no-cpu-accel``
-of `pretrain_leviathan.py` and `tools/quickstart.py`. The modules are imported by name on first
-use, so the core's import graph never depends on them.
+Nothing here changes what is computed: each piece has a portable path in the core, taken when
+the piece is off or cannot be built. The core asks at its extension points (each accessor
+returns the module, or None when off): `lev_backend()`, `cross_entropy_kernel()`,
+`decode_step()`, `host_memory_tuning()`. `build` compiles the C++ sources on first use. One
+switch turns all off: ``MEGATRON_EXT_CPU_ACCEL=0`` or ``--no-cpu-accel``.
 """
 
 from __future__ import annotations

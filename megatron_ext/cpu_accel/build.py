@@ -81,14 +81,9 @@ def _build(compiler: str, source: Path, target: Path, what: str, hint: str) -> N
 
 
 def build_library(source: Path, what: str, hint: str) -> ctypes.CDLL:
-    """The shared library of the C++ file `source`, built on first use and cached on disk as
-    `<source stem>_<key>.so` (callers cache the returned handle per process).
-
-    `what` names the kernel in messages ("CPU LEV kernel"); `hint` says what to do instead.
-
-    Raises:
-        CpuKernelUnavailable: no compiler, or the build failed.
-    """
+    """The shared library of the C++ file `source`, built on first use and cached on disk
+    (callers cache the handle per process); `what` names the kernel in messages, `hint` says what
+    to do instead. Raises CpuKernelUnavailable: no compiler, or the build failed."""
     compiler = _compiler(what, hint)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(

@@ -27,11 +27,7 @@ _PTR = ctypes.c_void_p
 
 @functools.lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL:
-    """The compiled kernel (built on first use; cached on disk and per process).
-
-    Raises:
-        CpuKernelUnavailable: no compiler, or the build failed.
-    """
+    """The compiled kernel, built on first use (CpuKernelUnavailable when it cannot be)."""
     lib = build_library(
         _SOURCE, "CPU cross-entropy kernel", "the scoring loss uses torch ops (slower)"
     )
@@ -51,13 +47,9 @@ def kernel_error() -> Optional[str]:
 def cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Per-row loss [n] (float32) of float32 CPU logits [n, V] (rows contiguous, any row
-    stride) against int64 target ids [n]; `out` (float32 [n], contiguous) receives it if
-    given. Uses torch.get_num_threads() threads; the result does not depend on it.
-
-    Raises:
-        IndexError: a target outside [0, V) (torch's cross entropy refuses them too).
-    """
+    """Per-row loss [n] (float32) of float32 CPU logits [n, V] (rows contiguous) against int64
+    targets [n], into `out` if given; the same for any thread count. IndexError: a target
+    outside [0, V)."""
     n, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.device.type != "cpu":
         raise TypeError(f"expected float32 CPU logits, got {logits.dtype} on {logits.device}")

@@ -1,16 +1,10 @@
 """Keep freed host memory in the process between training iterations (glibc's malloc).
 
-glibc returns freed memory to the OS eagerly (blocks above its mmap threshold are unmapped on
-free, the heap top is trimmed), so a CPU step that re-allocates activations of data-dependent
-sizes (LEV's distinct ids) faults fresh zeroed pages in every iteration.
-`retain_freed_host_memory` sets the mmap threshold to glibc's largest (32 MiB) and the trim
-threshold to 1 GiB, as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_` would; with
-`large_blocks=True` (CPU training) also `MALLOC_MMAP_MAX_=0`, so that blocks above 32 MiB (the
-logits and their gradient) come from the heap and are kept too. glibc still maps what the heap
-cannot hold, so no allocation fails. GPU runs, and CPU ranks with `LARGE_BLOCKS_PARAM_LIMIT`
-bytes of parameters or more, keep large blocks mapped: there they are one-off buffers or
-weights' gradients and Adam states of differing sizes, whose holes in the heap would stay
-resident. Measurements: benchmarks/RESULTS.md.
+A CPU step re-allocates activations of data-dependent sizes, and glibc returns freed memory
+eagerly, so every iteration faults fresh pages. `retain_freed_host_memory` raises the mmap and
+trim thresholds (as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`); `large_blocks=True`
+(small CPU models) also keeps blocks above 32 MiB on the heap. Measurements:
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -33,18 +27,9 @@ LARGE_BLOCKS_PARAM_LIMIT = 256 << 20
 
 
 def retain_freed_host_memory(large_blocks: bool = False) -> Optional[str]:
-    """Set glibc's mmap and trim thresholds (see the module doc) for this process and the
-    processes it forks.
-
-    Args:
-        large_blocks: also serve blocks above the largest mmap threshold from the heap (mmap
-            count 0), for runs whose activations are host memory (training on CPU).
-
-    Returns:
-        None when set, else why not (one line): not Linux/glibc, or the user chose the
-        allocator's settings (a MALLOC_* or GLIBC_TUNABLES variable, or an LD_PRELOADed
-        allocator), which are left alone.
-    """
+    """Set glibc's mmap and trim thresholds (module doc) for this process and its children;
+    `large_blocks`: also serve the largest blocks from the heap (CPU training). None when set, else
+    why not: not glibc, or the user set the allocator up (MALLOC_*, GLIBC_TUNABLES, LD_PRELOAD)."""
     if not sys.platform.startswith("linux"):
         return f"not on Linux ({sys.platform})"
     chosen = [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]

@@ -1,17 +1,13 @@
 """A lean cached decode step for the local layer spec at TP=1: the same layers, plain torch ops.
 
-Per generated token, megatron-core's TransformerLayer machinery costs more Python than a small
-model's matmuls. `LeanDecoder` runs exactly the local spec's computation on the model's own
-weights, batch-first, with its own KV cache ([b, ng, max_s, hn] per layer, keys rotated)::
+`LeanDecoder` runs the local spec's computation on the model's own weights, batch-first, with
+its own KV cache ([b, ng, max_s, hn] per layer, keys rotated)::
 
     decoder = LeanDecoder(model, batch=2, max_sequence_length=64)   # raises if not covered
     logits = decoder(tokens[:, :5])   # prefill: [b, 5] -> next-token logits [b, V]
     logits = decoder(tokens[:, 5:6])  # one decoding step
 
-The embedding is the model's own module (every arm; LEV from its eval table). On CPU the decoder
-holds each weight transposed ([in, out]: MKL repacks an [out, in] weight on every small matmul),
-one more copy of the weights per decoder. `lean_decode_unsupported` names what a model has that
-the lean step does not cover (TP, biases, MoE, ...); callers then run megatron's path and say so.
+`lean_decode_unsupported` names what a model has that it does not cover (TP, biases, MoE...).
 """
 
 from __future__ import annotations
@@ -100,15 +96,10 @@ def lean_decode_unsupported(model: torch.nn.Module) -> Optional[str]:
 
 
 class LeanDecoder:
-    """Cached next-token logits for `batch` rows of up to `max_sequence_length` positions.
-
-    Each call feeds the tokens [b, s] after those already fed (s >= 1; the first call starts at
-    position 0) and returns the logits [b, V] (float32 or wider) for the token after them. The
-    model must not change between calls; run it under `torch.no_grad()` (and, for LEV, under
-    `lev_eval_tables`). `transposed_weights`: multiply [in, out] copies of the weights (None: on
-    CPU) or the model's [out, in] weights through `F.linear`; the copies are made by each
-    decoder, i.e. once per `generate` call.
-    """
+    """Cached next-token logits for `batch` rows of up to `max_sequence_length` positions: each
+    call feeds the tokens [b, s] after those fed before and returns the logits [b, V] of the next.
+    Run it under `torch.no_grad()` (LEV: `lev_eval_tables`) on an unchanging model.
+    `transposed_weights`: [in, out] copies of the weights (None: on CPU), made per decoder."""
 
     def __init__(
         self,

@@ -40,11 +40,7 @@ _PTR = ctypes.c_void_p
 
 @functools.lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL:
-    """The compiled kernel library (built on first use; cached on disk and per process).
-
-    Raises:
-        CpuKernelUnavailable: no compiler, or the build failed.
-    """
+    """The compiled kernel library, built on first use (CpuKernelUnavailable when it cannot be)."""
     lib = build_library(_SOURCE, "CPU LEV kernel", "pass --lev-kernel torch")
     sizes = [_INT64] * 5  # h, n, d, kappa, r
     strides = [_INT64] * 2  # (head, id) strides of a [h, n, .] operand
@@ -86,9 +82,7 @@ def _ptr(tensor: torch.Tensor) -> int:
 class CpuSeedNorm:
     """Step 3b up to the sigmoid in C++ (`lev.kernels.SeedNorm`): one pass per (id, head) row
     for y = LayerNorm(u) * gain + shift, and for dL/du; dL/dgain and dL/dshift summed column by
-    column in id order (the same bits for any thread count). Against `TORCH_SEED_NORM`
-    (layer_norm and addcmul, their autograd) at 900 ids, h*d = 1024, float32, 2 threads:
-    forward 0.56 -> 0.17 ms, backward 2.2 -> 0.48 ms."""
+    column in id order (the same bits for any thread count)."""
 
     def forward(self, u, gain, shift, eps) -> torch.Tensor:
         """u [N, h, d], gain and shift [h, d] (contiguous) -> y [N, h, d]."""

@@ -20,11 +20,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron_ext._paths import atomic_open
 from megatron_ext.config.flags import ArgumentParser
 from megatron_ext.data.cli import add_tokenizer_flags, run_tool, setup_logging
-from megatron_ext.data.fingerprint import sidecar_path, tokenizer_record, write_sidecar
+from megatron_ext.data.fingerprint import place_sidecar, sidecar_path, tokenizer_record
 from megatron_ext.data.indexed import (
-    TMP_SUFFIX,
     check_dataset,
     counts_path,
     get_bin_path,
@@ -61,12 +61,9 @@ def write_counts(
     vocab_size: Optional[int] = None,
     overwrite: bool = False,
 ) -> str:
-    """Count the ids of `prefix` and write `<prefix>_counts.npy` (and the tokenizer record
-    `<prefix>_tokenizer.json` with `tokenizer`); return the counts path.
-
-    Raises:
-        DataError: counts already there (without `overwrite`), or an id the vocabulary lacks.
-    """
+    """Count the ids of `prefix` and write `<prefix>_counts.npy` (with `tokenizer`, also its
+    record); the counts path. DataError: counts there already (without `overwrite`), or an id
+    the vocabulary lacks."""
     path = counts_path(prefix)
     if os.path.exists(path) and not overwrite:
         raise DataError(f"{path} exists; pass --overwrite to count {prefix} again")
@@ -80,20 +77,10 @@ def write_counts(
         )
     if size is not None:
         counts = np.pad(counts, (0, size - counts.size))
-    pairs = [(path + TMP_SUFFIX, path)]
-    try:
-        with open(pairs[0][0], "wb") as handle:  # a file object: no second ".npy" suffix
-            np.save(handle, counts, allow_pickle=False)
-        if tokenizer is not None:
-            record = sidecar_path(prefix)
-            write_sidecar(record + TMP_SUFFIX, tokenizer_record(tokenizer))
-            pairs.append((record + TMP_SUFFIX, record))
-        for tmp, final in pairs:
-            os.replace(tmp, final)
-    finally:
-        for tmp, _ in pairs:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    with atomic_open(path, "wb") as handle:  # a file object: no second ".npy" suffix
+        np.save(handle, counts, allow_pickle=False)
+    if tokenizer is not None:
+        place_sidecar(prefix, tokenizer_record(tokenizer))
     return path
 
 

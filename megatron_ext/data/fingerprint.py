@@ -1,19 +1,10 @@
 """Which tokenizer made a dataset or a checkpoint, and the check where two of them meet.
 
-Two tokenizers with the same vocabulary size can map text to entirely different ids, so the
-vocabulary size alone cannot tell whether a dataset, a counts file and a checkpoint belong
-together. Every tokenizer has a ``fingerprint`` (`Tokenizer.fingerprint`: a digest of its model
-files, type and vocabulary, not of where the files lie), recorded:
-
-- beside every dataset the project writes, as ``<dataset prefix>_tokenizer.json`` (this
-  module's *sidecar*: ``fingerprint``, ``type``, ``model``, ``vocab_size``, ``eod``), written
-  by preprocessing and merging before the ``.idx`` so that a whole dataset always has it;
-- in every checkpoint's ``args.json`` as ``tokenizer_fingerprint``.
-
-They are compared when training reads ``--data-path`` datasets, when evaluation scores a
-checkpoint on a dataset or reads its token counts, and when datasets are merged. Datasets made
-by stock Megatron-LM have no sidecar: they still load, with one warning that their tokenizer
-cannot be checked.
+Every tokenizer has a ``fingerprint`` (a digest of its model files, type and vocabulary),
+recorded beside every dataset the project writes as ``<prefix>_tokenizer.json`` (the sidecar,
+written before the ``.idx``) and in every checkpoint's ``args.json``. They are compared when
+training, evaluation or merging brings two together; datasets without a sidecar (stock
+Megatron-LM's) load with one warning.
 """
 
 from __future__ import annotations
@@ -23,6 +14,7 @@ import logging
 import os
 from typing import Optional, Sequence
 
+from megatron_ext._paths import atomic_write
 from megatron_ext.data.readers import DataError
 
 logger = logging.getLogger(__name__)
@@ -33,9 +25,9 @@ __all__ = [
     "check_dataset_tokenizers",
     "common_record",
     "read_sidecar",
+    "place_sidecar",
     "sidecar_path",
     "tokenizer_record",
-    "write_sidecar",
 ]
 
 SIDECAR_SUFFIX = "_tokenizer.json"
@@ -68,19 +60,20 @@ def sidecar_path(prefix: str) -> str:
     return prefix + SIDECAR_SUFFIX
 
 
-def write_sidecar(path: str, record: dict) -> None:
-    """Write `record` as JSON to `path` (callers write to a temporary name and rename)."""
-    with open(path, "w") as handle:
-        json.dump(record, handle, indent=1, sort_keys=True)
-        handle.write("\n")
+def place_sidecar(prefix: str, record: Optional[dict]) -> None:
+    """Write (atomically) the tokenizer record of the dataset ``prefix``, or with None remove
+    it (an overwritten dataset must not keep another tokenizer's record)."""
+    path = sidecar_path(prefix)
+    if record is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    atomic_write(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def read_sidecar(prefix: str) -> Optional[dict]:
-    """The tokenizer record of the dataset ``prefix``, or None when it has no sidecar.
-
-    Raises:
-        DataError: the sidecar exists but is not a tokenizer record (truncated, edited).
-    """
+    """The tokenizer record of the dataset ``prefix``, or None without a sidecar; DataError
+    when the sidecar is not a tokenizer record."""
     path = sidecar_path(prefix)
     if not os.path.isfile(path):
         return None
@@ -101,13 +94,8 @@ def read_sidecar(prefix: str) -> Optional[dict]:
 
 
 def common_record(prefixes: Sequence[str]) -> Optional[dict]:
-    """The one tokenizer record shared by the datasets `prefixes` (for a merge's output).
-
-    Returns None (with one warning) when some input has no sidecar.
-
-    Raises:
-        TokenizerMismatchError: two inputs were made with different tokenizers.
-    """
+    """The one tokenizer record shared by the datasets `prefixes` (for a merge's output); None
+    (with one warning) when some input has none; TokenizerMismatchError when two differ."""
     records = [(prefix, read_sidecar(prefix)) for prefix in prefixes]
     known = [(prefix, record) for prefix, record in records if record is not None]
     for prefix, record in known[1:]:
@@ -126,20 +114,9 @@ def common_record(prefixes: Sequence[str]) -> Optional[dict]:
 def check_dataset_tokenizers(
     prefixes: Sequence[str], expected: Optional[dict], against: str, fix: str
 ) -> None:
-    """Fail when a dataset in `prefixes` was made with another tokenizer than `expected`.
-
-    Args:
-        prefixes: dataset prefixes (``--data-path`` entries, ``--counts-prefix``).
-        expected: the tokenizer record they must match (``fingerprint`` and a description);
-            None when it is unknown (a checkpoint written before fingerprints): nothing to check.
-        against: what `expected` is, for the message (``"the run's tokenizer"``).
-        fix: how to fix a mismatch, appended to the message.
-
-    Datasets without a sidecar (stock Megatron-LM) are accepted with one warning.
-
-    Raises:
-        TokenizerMismatchError: the first dataset whose fingerprint differs.
-    """
+    """Raise TokenizerMismatchError when a dataset of `prefixes` was made with another tokenizer
+    than the record `expected` (None: unknown, nothing to check); the message names `against`
+    (what `expected` is) and ends with `fix`. Datasets without a sidecar pass with one warning."""
     if expected is None:
         return
     missing = []

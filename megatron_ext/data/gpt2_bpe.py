@@ -117,11 +117,6 @@ class GPT2BPETokenizer(Tokenizer):
         """Number of ids: the larger of vocab.json's entry count and its highest id + 1."""
         return self._vocab_size
 
-    @property
-    def eod(self) -> int:
-        """Id of the <|endoftext|> token, the end-of-document marker."""
-        return self._eod
-
     def tokenize(self, text: str) -> list[int]:
         """vocab.json ids of `text` under GPT-2 byte-level BPE (special tokens not recognised)."""
         return self._rank_to_id[self._enc.encode_ordinary(text)].tolist()

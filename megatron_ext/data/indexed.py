@@ -16,12 +16,12 @@ import logging
 import os
 import struct
 import warnings
+from types import ModuleType
 from typing import Optional
 
 import numpy as np
 
-from megatron_ext._paths import atomic_path
-from megatron_ext.data.fingerprint import common_record, sidecar_path, write_sidecar
+from megatron_ext.data.fingerprint import common_record, place_sidecar
 from megatron_ext.data.readers import DataError
 
 logger = logging.getLogger(__name__)
@@ -45,10 +45,7 @@ TMP_SUFFIX = ".tmp"
 
 
 def token_dtype(vocab_size: int) -> type:
-    """uint16 when every id fits (vocab_size <= 65,536), else int32.
-
-    This is the rule Megatron-Core's GPTDatasetConfig uses for ``token_dtype_code``.
-    """
+    """uint16 when every id fits (vocab_size <= 65,536), else int32 (Megatron-Core's rule)."""
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
 
 
@@ -63,23 +60,31 @@ def dataset_files(prefix: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _mcore():
-    """megatron.core.datasets.indexed_dataset, imported on first use (it imports all of
-    megatron.core, seconds of start-up) without the CPU-only Apex/TE warnings."""
+def mcore_datasets() -> ModuleType:
+    """megatron.core.datasets with the modules the data package uses, imported on first use
+    (they import all of megatron.core, seconds of start-up) without the CPU-only Apex/TE
+    warnings."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-        # deferred: keeps torch (slow) out of this module's import
+        # deferred: keeps megatron and torch (slow) out of the data modules' import
         import megatron_ext.megatron_import  # noqa: F401
 
-        from megatron.core.datasets import indexed_dataset
-    return indexed_dataset
+        from megatron.core import datasets
+        from megatron.core.datasets import (  # noqa: F401 (loaded as attributes of `datasets`)
+            blended_megatron_dataset_builder,
+            blended_megatron_dataset_config,
+            gpt_dataset,
+            indexed_dataset,
+            utils,
+        )
+    return datasets
 
 
 @functools.lru_cache(maxsize=None)
 def _fast_index_writer() -> type:
     """Megatron-Core's index writer with the sequence pointers computed by numpy."""
 
-    class _FastIndexWriter(_mcore()._IndexWriter):
+    class _FastIndexWriter(mcore_datasets().indexed_dataset._IndexWriter):
         def _sequence_pointers(self, sequence_lengths) -> np.ndarray:  # type: ignore[override]
             lengths = np.asarray(sequence_lengths, dtype=np.int64)
             pointers = np.zeros(len(lengths), dtype=np.int64)
@@ -111,15 +116,9 @@ _CHECK_CHUNK = 1 << 22  # index entries checked at a time (bounds the memory)
 
 
 def check_dataset(prefix: str) -> int:
-    """Check that the dataset ``prefix`` is whole and that its ``.bin`` and ``.idx`` agree:
-    the index header (magic, version, token dtype), its size, each sequence's pointer, the
-    document indices, and the ``.bin`` size the index describes; returns its token count.
-
-    Memory is bounded (the index is read in chunks); the cost is one pass over the ``.idx``.
-
-    Raises:
-        DataError: one line naming the file and what is wrong.
-    """
+    """Check that the dataset ``prefix`` is whole and its ``.bin`` and ``.idx`` agree (header,
+    sizes, pointers, document indices) in one chunked pass over the ``.idx``; its token count.
+    DataError: one line naming the file and what is wrong."""
     idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
@@ -219,9 +218,7 @@ def _check_documents(idx_path: str, sequences: int, documents: int, fix: str) ->
 
 def _write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
     """The .idx Megatron-Core's ``_IndexWriter`` writes for one document per sequence, byte for
-    byte (tests/data/test_preprocess.py compares them), without importing megatron.core: that
-    import is seconds of start-up and logs Megatron-FSDP banners a preprocessing run does not
-    need."""
+    byte, without importing megatron.core (seconds of start-up a preprocessing run does without)."""
     lengths = np.asarray(lengths, dtype=np.int32)
     pointers = np.zeros(len(lengths), dtype=np.int64)
     if len(lengths) > 1:
@@ -249,13 +246,8 @@ def _replace_all(pairs: list[tuple[str, str]]) -> None:
 
 
 class DatasetWriter:
-    """Stream documents into one indexed dataset plus its token counts.
-
-    Args:
-        prefix: the dataset prefix (the path given to ``--data-path``).
-        vocab_size: the tokenizer's vocab size (sets the dtype and the counts' length).
-        tokenizer_record: `fingerprint.tokenizer_record` of the tokenizer that made the ids,
-            written beside the dataset; None writes none (and removes a stale one).
+    """Stream documents into the indexed dataset ``prefix`` plus its token counts (`vocab_size`
+    sets the dtype and the counts' length) and `tokenizer_record` (None: none, a stale one removed).
     """
 
     def __init__(
@@ -293,7 +285,7 @@ class DatasetWriter:
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
         _write_index(self._tmp[1], self.dtype, lengths)
         _save_npy(self._tmp[2], self.counts)
-        _place_sidecar(self.prefix, self.tokenizer_record)
+        place_sidecar(self.prefix, self.tokenizer_record)
         # counts, bin, idx: the .idx appears last, so its presence means the dataset is whole.
         _replace_all([(self._tmp[2], self._final[2]), (self._tmp[0], self._final[0])])
         _replace_all([(self._tmp[1], self._final[1])])
@@ -315,17 +307,6 @@ class DatasetWriter:
                 pass
 
 
-def _place_sidecar(prefix: str, record: Optional[dict]) -> None:
-    """Write (atomically) or remove the tokenizer record of the dataset ``prefix``."""
-    path = sidecar_path(prefix)
-    if record is None:
-        if os.path.exists(path):
-            os.remove(path)  # an overwritten dataset must not keep another tokenizer's record
-        return
-    with atomic_path(path) as tmp:
-        write_sidecar(tmp, record)
-
-
 def read_counts(prefix: str) -> np.ndarray:
     """Token counts (int64, one per id) of the dataset ``prefix``."""
     path = counts_path(prefix)
@@ -337,23 +318,17 @@ def read_counts(prefix: str) -> np.ndarray:
 def merge_datasets(
     prefixes: list[str], output_prefix: str, overwrite: bool = False, require_counts: bool = True
 ) -> dict:
-    """Concatenate indexed datasets (in the given order) into ``output_prefix``; sum counts.
-
-    The ``.bin`` data is streamed, and the index arithmetic is vectorised, so merging all Pile
-    shards needs memory proportional to the number of documents only.
-
-    Returns:
-        a summary dict (documents, tokens, inputs).
+    """Concatenate indexed datasets (in the given order) into ``output_prefix`` and sum their
+    counts, streamed (memory grows with the documents only); a summary dict.
 
     Raises:
-        DataError: no inputs, a missing input, mixed dtypes or vocab sizes, existing output;
-            `TokenizerMismatchError` when the inputs' tokenizer records differ (inputs without
-            one are merged with a warning, and the output then has none).
+        DataError: no or missing inputs, mixed dtypes or vocab sizes, existing output;
+            TokenizerMismatchError: the inputs' tokenizer records differ.
     """
     if not prefixes:
         raise DataError("nothing to merge: no dataset prefixes given")
     for prefix in prefixes:
-        if not _mcore().IndexedDataset.exists(prefix):
+        if not mcore_datasets().indexed_dataset.IndexedDataset.exists(prefix):
             raise DataError(f"dataset not found: {prefix}.bin/.idx")
     for prefix in prefixes:
         check_dataset(prefix)  # every input is whole before anything is written
@@ -361,7 +336,10 @@ def merge_datasets(
     if existing and not overwrite:
         raise DataError(f"output exists: {existing[0]} (pass --overwrite to replace it)")
     record = common_record(prefixes)
-    indices = [_mcore()._IndexReader(get_idx_path(prefix), multimodal=False) for prefix in prefixes]
+    indices = [
+        mcore_datasets().indexed_dataset._IndexReader(get_idx_path(prefix), multimodal=False)
+        for prefix in prefixes
+    ]
     dtypes = {np.dtype(index.dtype) for index in indices}
     if len(dtypes) != 1:
         raise DataError(
@@ -381,7 +359,7 @@ def merge_datasets(
         if counts is not None:
             _save_npy(tmp[2], counts)
             pairs.insert(0, (tmp[2], final[2]))
-        _place_sidecar(output_prefix, record)
+        place_sidecar(output_prefix, record)
         _replace_all(pairs)
         _replace_all([(tmp[1], final[1])])
     except BaseException:
@@ -453,10 +431,10 @@ def _concatenate_bins(prefixes, indices, bin_path: str) -> tuple[np.ndarray, np.
 def load_dataset(prefix: str):
     """Open a finished dataset with Megatron-Core's reader (for tools and tests), after
     ``check_dataset``."""
-    if not _mcore().IndexedDataset.exists(prefix):
+    if not mcore_datasets().indexed_dataset.IndexedDataset.exists(prefix):
         raise DataError(f"dataset not found: {prefix}.bin/.idx")
     check_dataset(prefix)
-    return _mcore().IndexedDataset(prefix, multimodal=False, mmap=True)
+    return mcore_datasets().indexed_dataset.IndexedDataset(prefix, multimodal=False, mmap=True)
 
 
 def num_tokens(prefix: str) -> int:

@@ -1,17 +1,8 @@
-"""Training data: GPT datasets of a `config.data.DataConfig` built by Megatron-Core's
-BlendedMegatronDatasetBuilder.
-
-Flag forms (as Megatron-LM): ``--data-path PREFIX`` | ``--data-path W1 P1 W2 P2 ...`` |
-``--data-path P1 P2 ...`` (weights from dataset sizes) with ``--split 969,30,1``; or
-``--train-data-path/--valid-data-path/--test-data-path`` (each in the same forms, no split); or
-``--mock-data``. ``--data-cache-path`` is where Megatron-Core caches its sample indices (default:
-beside the data). Samples are dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids``
-(and ``attention_mask`` unless ``--no-create-attention-mask-in-dataloader``), as in Megatron-LM.
-
-Megatron-Core 0.16.1 notes (verified): its wheel ships the compiled ``helpers_cpp`` that
-sample-index and blending need; with a cache path and a multi-dataset blend its BlendedDataset
-calls ``torch.distributed.get_rank()`` unconditionally, so a single process without
-torch.distributed gets a private one-rank gloo group (in-memory store, no port) for the build.
+"""Training data: GPT datasets of a `config.data.DataConfig` (Megatron-LM's data flags) built by
+Megatron-Core's BlendedMegatronDatasetBuilder, from ``--data-path`` (with ``--split``), the
+``--train/valid/test-data-path`` flags, or ``--mock-data``; samples as in Megatron-LM.
+A single process without torch.distributed builds through a private one-rank gloo group
+(Megatron-Core's BlendedDataset calls ``get_rank()``).
 """
 
 from __future__ import annotations
@@ -19,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -33,6 +23,7 @@ from megatron_ext.data.indexed import (
     counts_path,
     get_bin_path,
     get_idx_path,
+    mcore_datasets,
     sampled_max_id,
     token_dtype,
 )
@@ -69,14 +60,8 @@ def check_vocab_sizes(
     model_vocab: Optional[int] = None,
     dataset_name: str = "dataset",
 ) -> None:
-    """Raise a one-line VocabSizeMismatchError when the sizes disagree.
-
-    Args:
-        tokenizer_vocab: the tokenizer's ``vocab_size``.
-        dataset_vocab: the vocab size the dataset was made with (length of its counts), or a
-            bound from its ids (max id + 1); must not exceed / must equal the tokenizer's.
-        model_vocab: the model's (possibly padded) vocab size; must be >= the tokenizer's.
-    """
+    """Raise a one-line VocabSizeMismatchError unless `dataset_vocab` (a dataset's counts length)
+    equals `tokenizer_vocab` and `model_vocab` (padded) is at least it; None skips a check."""
     if dataset_vocab is not None and dataset_vocab != tokenizer_vocab:
         raise VocabSizeMismatchError(
             f"{dataset_name} was preprocessed with a vocab of {dataset_vocab} ids but the "
@@ -92,13 +77,7 @@ def check_vocab_sizes(
 
 def blend_prefixes(blend: Optional[Sequence[str]]) -> list[str]:
     """Dataset prefixes of a Megatron-LM blend (``[weight] prefix ...``), weights dropped."""
-    # megatron-core's dataset modules import all of megatron.core (seconds, and Apex / TE
-    # warnings): DataConfig and its flags stay importable without them.
-    import megatron_ext.megatron_import  # noqa: F401
-
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    parsed = get_blend_from_list(list(blend)) if blend else None
+    parsed = mcore_datasets().utils.get_blend_from_list(list(blend)) if blend else None
     return list(parsed[0]) if parsed else []
 
 
@@ -125,20 +104,13 @@ def _split_in_documents(
 def _check_datasets(
     config: DataConfig, tokenizer: Tokenizer, num_samples: Sequence[Optional[int]]
 ) -> None:
-    # megatron.core on first use (see blend_prefixes)
-    import megatron_ext.megatron_import  # noqa: F401
-
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-
+    split_config = mcore_datasets().blended_megatron_dataset_config
     names = ("train", "valid", "test")
     checks: list[tuple[str, Optional[tuple[float, float]], str]] = []
     weights: Sequence[float] = ()
     if config.data_path:
-        weights = parse_and_normalize_split(config.split)
-        matrix = convert_split_vector_to_split_matrix(weights)
+        weights = split_config.parse_and_normalize_split(config.split)
+        matrix = split_config.convert_split_vector_to_split_matrix(weights)
         for prefix in blend_prefixes(config.data_path):
             for i, bookends in enumerate(matrix):
                 if bookends is not None and num_samples[i]:
@@ -247,40 +219,12 @@ def build_train_valid_test_datasets(
     train_val_test_num_samples: Sequence[Optional[int]],
     is_built_on_rank: Optional[Callable[[], bool]] = None,
 ) -> tuple[Any, Any, Any]:
-    """Build (train, valid, test) GPT datasets with Megatron-Core's builder.
-
-    Args:
-        data_config: the data settings.
-        tokenizer: from :func:`megatron_ext.data.tokenizers.build_tokenizer`.
-        train_val_test_num_samples: samples wanted per split (Megatron-LM: iterations times
-            global batch size; None = one epoch).
-        is_built_on_rank: Megatron-Core's callable; default every rank builds (rank 0 first,
-            writing the index cache, then the others read it). Ranks where it returns False
-            get None, as in Megatron-LM.
-
-    Returns:
-        three datasets (GPTDataset, BlendedDataset or MockGPTDataset) or None per split.
-
-    Raises:
-        DataError: no or missing dataset prefix; VocabSizeMismatchError when a dataset was
-            made with another vocabulary.
-    """
+    """(train, valid, test) GPT datasets from Megatron-Core's builder, `train_val_test_num_samples`
+    per split (None: one epoch); None for a split, or where `is_built_on_rank` is False. DataError:
+    no or a missing prefix; VocabSizeMismatchError: a dataset made with another vocabulary."""
     data_config.check_sources()
-    with warnings.catch_warnings():  # megatron.core on first use (see blend_prefixes)
-        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-        # deferred: keeps megatron.core (slow) out of this module's import
-        import megatron_ext.megatron_import  # noqa: F401
-
-        from megatron.core.datasets.blended_megatron_dataset_builder import (
-            BlendedMegatronDatasetBuilder,
-        )
-        from megatron.core.datasets.gpt_dataset import (
-            GPTDataset,
-            GPTDatasetConfig,
-            MockGPTDataset,
-        )
-        from megatron.core.datasets.utils import get_blend_from_list
-
+    mcore = mcore_datasets()
+    gpt, get_blend_from_list = mcore.gpt_dataset, mcore.utils.get_blend_from_list
     if len(train_val_test_num_samples) != 3:
         raise ValueError("train_val_test_num_samples must have 3 entries")
     if not data_config.mock_data:
@@ -291,7 +235,7 @@ def build_train_valid_test_datasets(
         data_config.test_data_path,
     ]
     use_per_split = any(per_split)
-    gpt_config = GPTDatasetConfig(
+    gpt_config = gpt.GPTDatasetConfig(
         random_seed=data_config.seed,
         sequence_length=data_config.seq_length,
         blend=get_blend_from_list(data_config.data_path) if data_config.data_path else None,
@@ -308,13 +252,13 @@ def build_train_valid_test_datasets(
         eod_mask_loss=data_config.eod_mask_loss,
         create_attention_mask=data_config.create_attention_mask,
     )
-    cls = MockGPTDataset if data_config.mock_data else GPTDataset
+    cls = gpt.MockGPTDataset if data_config.mock_data else gpt.GPTDataset
     if data_config.data_cache_path:
         os.makedirs(data_config.data_cache_path, exist_ok=True)
     blends = [data_config.data_path, *per_split]
     multi = any(len(blend_prefixes(b)) > 1 for b in blends if b)
     with _process_group_for_build(bool(data_config.data_cache_path) and multi):
-        train, valid, test = BlendedMegatronDatasetBuilder(
+        train, valid, test = mcore.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder(
             cls,
             list(train_val_test_num_samples),
             is_built_on_rank or _always,

@@ -266,14 +266,10 @@ def encode_chunk(
     append_eod: bool,
     split_by: Optional[str] = None,
 ) -> ChunkResult:
-    """Parse, validate and encode one chunk of jsonl lines.
-
-    A record is bad (counted with its line number, then skipped) when the line is not valid
-    UTF-8 or not a JSON object, or a key is missing or not a string, or a text holds a lone
-    surrogate (JSON ``"\ud800"``: valid JSON, invalid Unicode), or the ``split_by`` field is
-    missing. A record is empty (counted, skipped) when any of its texts has no
-    non-whitespace character or encodes to no tokens. Blank lines are ignored.
-    """
+    """Parse, validate and encode one chunk of jsonl lines. A record is bad (counted with its
+    line number, skipped) when it is not UTF-8 or not a JSON object, a key is missing or not a
+    string, a text holds a lone surrogate, or the ``split_by`` field is missing; empty (counted,
+    skipped) when a text is blank or encodes to nothing. Blank lines are ignored."""
     result = ChunkResult(bytes=len(chunk))
     lines = chunk.split(b"\n")
     if chunk.endswith(b"\n"):
@@ -589,13 +585,9 @@ class _SerialPool:
 
 
 def preprocess(config: PreprocessConfig) -> list[dict]:
-    """Run preprocessing; return one summary dict per unit (skipped units are left out).
-
-    Raises:
-        DataError: bad arguments, missing input, existing output, unusable tokenizer, a bad
-            record under ``strict``, corrupt input; ``Interrupted`` on Ctrl-C/SIGTERM. In every
-            case temporary files are removed and finished units are kept.
-    """
+    """Run preprocessing; one summary dict per unit (skipped units left out). DataError on bad
+    input or settings, ``Interrupted`` on Ctrl-C/SIGTERM: temporary files are removed, finished
+    units kept."""
     tokenizer_kwargs = {
         "tokenizer_type": config.tokenizer_type,
         "tokenizer_model": config.tokenizer_model,

@@ -44,12 +44,9 @@ class CorruptInputError(DataError):
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file and its shard name (used to name per-shard outputs).
-
-    ``name`` is the path relative to the directory it was found under (for directory inputs),
-    otherwise the base name, with the suffix removed and ``/`` replaced by ``_``:
-    ``pile/train/00.jsonl.zst`` found under ``pile/`` is ``train_00``.
-    """
+    """One input file and its shard name: its path relative to the directory it was found
+    under, else its base name, without suffix, ``/`` as ``_`` (``pile/train/00.jsonl.zst`` found
+    under ``pile/`` is ``train_00``)."""
 
     path: str
     name: str
@@ -68,15 +65,9 @@ def _is_supported(path: str) -> bool:
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[InputFile]:
-    """Expand files, globs and directories (searched recursively) into a sorted file list.
-
-    Order is deterministic: each argument's matches sorted by path, arguments in the given order.
-    A file listed twice is kept once.
-
-    Raises:
-        DataError: an argument matches nothing, or a file has an unsupported suffix, or two
-            files would get the same shard name.
-    """
+    """Files, globs and directories (searched recursively) as files, each argument's sorted by
+    path, each file once. DataError: an argument matches nothing, an unsupported suffix, or two
+    files with the same shard name."""
     found: list[InputFile] = []
     seen: set[str] = set()
     for arg in inputs:
@@ -126,10 +117,7 @@ def _iter_zstd_blocks(handle: BinaryIO, path: str) -> Iterator[bytes]:
     dctx = zstandard.ZstdDecompressor()
     dobj = dctx.decompressobj()
     in_frame = False
-    while True:
-        compressed = handle.read(_BLOCK)
-        if not compressed:
-            break
+    for compressed in iter(lambda: handle.read(_BLOCK), b""):
         while compressed:
             try:
                 out = dobj.decompress(compressed)
@@ -153,12 +141,8 @@ def _iter_zstd_blocks(handle: BinaryIO, path: str) -> Iterator[bytes]:
 
 
 def iter_blocks(path: str) -> Iterator[bytes]:
-    """Decompressed bytes of ``path`` in blocks of about 1 MiB.
-
-    Raises:
-        CorruptInputError: truncated or corrupt ``.zst``/``.gz`` input.
-        DataError: the file cannot be opened.
-    """
+    """Decompressed bytes of ``path`` in blocks of about 1 MiB; CorruptInputError for truncated
+    or corrupt ``.zst``/``.gz`` input, DataError when it cannot be opened."""
     try:
         handle = open(path, "rb")
     except OSError as error:
@@ -169,30 +153,18 @@ def iter_blocks(path: str) -> Iterator[bytes]:
         elif path.endswith(".gz"):
             try:
                 with gzip.GzipFile(fileobj=handle) as gz:
-                    while True:
-                        block = gz.read(_BLOCK)
-                        if not block:
-                            break
-                        yield block
+                    yield from iter(lambda: gz.read(_BLOCK), b"")
             except EOFError:
                 raise CorruptInputError(f"{path}: truncated gzip file") from None
             except (gzip.BadGzipFile, zlib.error) as error:
                 raise CorruptInputError(f"{path}: corrupt gzip data ({error})") from None
         else:
-            while True:
-                block = handle.read(_BLOCK)
-                if not block:
-                    break
-                yield block
+            yield from iter(lambda: handle.read(_BLOCK), b"")
 
 
 def iter_line_chunks(path: str, chunk_bytes: int = 1 << 20) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(first_line_number, chunk)`` where ``chunk`` holds whole lines of ``path``.
-
-    Chunks are cut at the first newline after ``chunk_bytes`` bytes, so the cut points depend
-    only on the file and ``chunk_bytes`` (never on the worker count). Line numbers start at 1.
-    The last line may lack its newline.
-    """
+    """``(first_line_number, chunk)`` of whole lines of ``path``, cut at the first newline after
+    ``chunk_bytes`` (so the cuts never depend on the worker count); line numbers start at 1."""
     buffer = bytearray()
     line_number = 1
     for block in iter_blocks(path):

@@ -1,21 +1,10 @@
 """A deterministic, Pile-format synthetic corpus for demos and tests.
 
-Layout (like the Pile): ``DIR/train/00.jsonl.zst`` ... , ``DIR/val.jsonl.zst``,
-``DIR/test.jsonl.zst``; one ``{"text": ..., "meta": {"pile_set_name": ...}}`` per line.
-
-What there is to learn:
-
-- a word vocabulary with Zipf-distributed frequencies (exponent ~1.1), so a few words are very
-  common and a long tail is seen only a handful of times, which is what the frequency-stratified
-  evaluation needs;
-- words built from syllables, so subword tokenizers find shared pieces, plus some accented and
-  non-Latin words and numbers (exercising byte fallback);
-- structure: each "subset" (Pile-CC, Wikipedia (en), Github, ArXiv) reweights the vocabulary by
-  topic, every word has a preferred successor that follows it often (bigram structure), and
-  sentences/paragraphs/code lines have fixed shapes.
-
-Everything comes from ``numpy.random.default_rng(seed)`` and single-threaded zstd at a fixed
-level, so the same seed and size give byte-identical files.
+Layout (like the Pile): ``DIR/train/00.jsonl.zst`` ..., ``DIR/val.jsonl.zst``,
+``DIR/test.jsonl.zst``; one ``{"text": ..., "meta": {"pile_set_name": ...}}`` per line. A
+Zipf-distributed syllable vocabulary (with accented, non-Latin words and numbers), topics per
+subset and bigram structure give a model something to learn. The same seed and size give
+byte-identical files.
 """
 
 from __future__ import annotations
@@ -238,11 +227,8 @@ def write_sample_corpus(
     num_train_shards: int = 1,
     spec: Optional[SampleCorpusSpec] = None,
 ) -> dict[str, str]:
-    """Write the corpus; return ``{"train/00": path, ..., "val": path, "test": path}``.
-
-    ``size_mb`` is the approximate uncompressed train size; val and test are each
-    ``spec.valid_fraction`` of it (at least 64 KB).
-    """
+    """Write the corpus (``size_mb`` of train text; val and test each ``spec.valid_fraction`` of
+    it, at least 64 KB); ``{"train/00": path, ..., "val": path, "test": path}``."""
     spec = spec or SampleCorpusSpec(size_mb=size_mb, seed=seed, num_train_shards=num_train_shards)
     if spec.size_mb <= 0 or spec.num_train_shards < 1:
         raise ValueError("size_mb must be > 0 and num_train_shards >= 1")

@@ -41,15 +41,18 @@ class Tokenizer:
         """Number of ids (including special ids); the model's embedding must hold them all."""
         raise NotImplementedError
 
+    _eod: int
+    _pad: Optional[int] = None
+
     @property
     def eod(self) -> int:
-        """End-of-document id."""
-        raise NotImplementedError
+        """End-of-document id (set by each tokenizer as `_eod`)."""
+        return self._eod
 
     @property
     def pad(self) -> Optional[int]:
-        """Padding id, or None when the vocabulary has no padding token."""
-        return None
+        """Padding id (`_pad`), or None when the vocabulary has no padding token."""
+        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         """Ids of ``text`` (no EOD appended)."""

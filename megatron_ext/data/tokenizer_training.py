@@ -1,15 +1,9 @@
-"""Train a SentencePiece tokenizer on jsonl corpora (the engine behind
-``tools/train_tokenizer.py``).
+"""Train a SentencePiece tokenizer on jsonl corpora (the engine of ``tools/train_tokenizer.py``).
 
-Memory is bounded: the input is streamed and a fixed-size uniform sample of sentences is kept by
-reservoir sampling (Algorithm R with a seeded generator), so the result is deterministic for a
-given input, seed and ``--input-sentence-size``, and the whole Pile never needs to fit in memory.
-Documents are split at newlines; pieces longer than SentencePiece's ``max_sentence_length`` are
-cut, since SentencePiece silently drops over-long sentences.
-
-The model reserves ``<pad>`` = 0, ``<unk>`` = 1, ``<s>`` = 2 and ``</s>`` = 3 (end of document,
-Megatron's ``eod``), uses byte fallback (no id is ever unknown) and identity normalisation
-(stored tokens decode back to the exact input text).
+The input is streamed into a seeded reservoir sample of sentences (deterministic, bounded
+memory); over-long pieces are cut, as SentencePiece would silently drop them. The model reserves
+``<pad>`` = 0, ``<unk>`` = 1, ``<s>`` = 2, ``</s>`` = 3 (Megatron's ``eod``), uses byte
+fallback and identity normalisation.
 """
 
 from __future__ import annotations
@@ -90,10 +84,8 @@ def _pieces(text: str, max_bytes: int) -> Iterator[str]:
 
 
 def sample_sentences(config: TokenizerTrainingConfig) -> tuple[list[str], dict]:
-    """Stream the inputs and return a reservoir sample of sentences plus read statistics.
-
-    Bad lines (invalid UTF-8/JSON, missing or non-string key) are counted and skipped.
-    """
+    """A seeded reservoir sample of the inputs' sentences, and read statistics (bad lines are
+    counted and skipped)."""
     rng = random.Random(config.seed)
     reservoir: list[str] = []
     stats = {"documents": 0, "sentences": 0, "bad_records": 0, "bytes": 0}
@@ -140,14 +132,9 @@ def sample_sentences(config: TokenizerTrainingConfig) -> tuple[list[str], dict]:
 
 
 def train_sentencepiece(config: TokenizerTrainingConfig) -> str:
-    """Train and write ``<model_prefix>.model``/``.vocab``; return the ``.model`` path.
-
-    Both files are written under temporary names and renamed when complete.
-
-    Raises:
-        DataError: bad settings, no usable input, existing output without ``overwrite``, or a
-            SentencePiece training failure (e.g. a vocabulary larger than the sample supports).
-    """
+    """Train and write ``<model_prefix>.model``/``.vocab`` (temporary names, renamed when
+    complete); the ``.model`` path. DataError: bad settings or input, existing output without
+    ``overwrite``, or a SentencePiece failure."""
     model_path = config.model_prefix + ".model"
     vocab_path = config.model_prefix + ".vocab"
     if not config.overwrite:

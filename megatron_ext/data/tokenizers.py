@@ -1,21 +1,10 @@
 """Tokenizers with Megatron-LM's names and conventions.
 
-Every tokenizer exposes the same small surface, the one Megatron-Core's datasets and our
-preprocessing need:
-
-- ``vocab_size``: the number of ids the model must be able to embed (before Megatron-style
-  padding, see `megatron_ext.config.data.padded_vocab_size`);
-- ``eod``: the end-of-document id appended by ``--append-eod``;
-- ``pad``: the padding id, or ``None`` when the vocabulary has none;
-- ``tokenize(text) -> list[int]``, ``detokenize(ids) -> str`` and the batched
-  ``encode_batch(texts) -> list[list[int]]`` used by the preprocessing workers;
-- ``unique_identifiers``: an ordered dict that Megatron-Core's dataset cache hashes, so a changed
-  tokenizer file invalidates cached sample indices.
-
-Types (``--tokenizer-type``): ``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``),
-``HuggingFaceTokenizer`` (a local directory; needs the optional ``transformers``),
-``TikTokenizer`` (a local ``.tiktoken`` rank file such as ``o200k_base.tiktoken``) and
-``NullTokenizer`` (whitespace-separated integer ids; ``--vocab-size`` ids plus an EOD id).
+Each exposes ``vocab_size`` (before padding, `megatron_ext.config.data.padded_vocab_size`),
+``eod``, ``pad`` (or None), ``tokenize``, ``detokenize``, ``encode_batch`` and
+``unique_identifiers`` (hashed by Megatron-Core's dataset cache). ``--tokenizer-type``:
+``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``), ``HuggingFaceTokenizer`` (needs
+``transformers``), ``TikTokenizer`` (a local ``.tiktoken`` file) and ``NullTokenizer`` (ids).
 """
 
 from __future__ import annotations
@@ -50,11 +39,8 @@ __all__ = [
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece model (as written by ``tools/train_tokenizer.py``).
-
-    EOD is the model's ``eos`` id and padding its ``pad`` id, as in Megatron-LM's
-    GPTSentencePieceTokenizer, so a model trained here also works with stock Megatron-LM.
-    """
+    """A SentencePiece model; EOD its ``eos`` id and padding its ``pad`` id, as Megatron-LM's
+    GPTSentencePieceTokenizer."""
 
     type_name = "SentencePieceTokenizer"
 
@@ -83,16 +69,6 @@ class SentencePieceTokenizer(Tokenizer):
         """Number of pieces in the SentencePiece model."""
         return int(self._sp.GetPieceSize())
 
-    @property
-    def eod(self) -> int:
-        """The model's eos id."""
-        return self._eod
-
-    @property
-    def pad(self) -> Optional[int]:
-        """The model's pad id, or None when it has none."""
-        return self._pad
-
     def tokenize(self, text: str) -> list[int]:
         """Piece ids of `text`."""
         return self._sp.Encode(text, out_type=int)
@@ -106,18 +82,10 @@ class SentencePieceTokenizer(Tokenizer):
         """Text decoded from piece ids."""
         return self._sp.Decode([int(i) for i in ids])
 
-    def id_to_piece(self, token_id: int) -> str:
-        """The piece string of one id (for inspection and tests)."""
-        return self._sp.IdToPiece(int(token_id))
-
 
 class HuggingFaceTokenizer(Tokenizer):
-    """A Hugging Face tokenizer saved in a local directory (``tokenizer.json`` and friends).
-
-    Nothing is downloaded (``local_files_only``). EOD is ``eos_token_id``; padding is
-    ``pad_token_id`` (None when unset). ``vocab_size`` is ``len(tokenizer)``, which includes
-    added tokens, unlike the HF attribute of that name.
-    """
+    """A Hugging Face tokenizer saved in a local directory (nothing is downloaded); EOD is
+    ``eos_token_id``, ``vocab_size`` is ``len(tokenizer)`` (added tokens included)."""
 
     type_name = "HuggingFaceTokenizer"
 
@@ -160,16 +128,6 @@ class HuggingFaceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         """`len(tokenizer)`: the base vocabulary plus added tokens."""
         return len(self._tok)
-
-    @property
-    def eod(self) -> int:
-        """The tokenizer's `eos_token_id`."""
-        return self._eod
-
-    @property
-    def pad(self) -> Optional[int]:
-        """The tokenizer's `pad_token_id`, or None when unset."""
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         """Ids of `text` without the tokenizer's special tokens (BOS/EOS)."""
@@ -261,14 +219,10 @@ def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
 
 
 class TikTokenizer(Tokenizer):
-    """A tiktoken BPE from a local ``.tiktoken`` rank file (e.g. ``o200k_base.tiktoken``).
-
-    For the published ``o200k_base``/``cl100k_base`` files the published special tokens are used
-    (EOD ``<|endoftext|>``, no padding id) and ``vocab_size`` is the encoding's ``n_vocab``.
-    For any other rank file, ``<|endoftext|>`` (EOD) and ``<|pad|>`` are appended after the
-    highest rank. ``pattern`` is a key of :data:`TIKTOKEN_PATTERNS` or a regular expression;
-    it defaults to the o200k pattern.
-    """
+    """A tiktoken BPE from a local ``.tiktoken`` rank file. The published ``o200k_base`` /
+    ``cl100k_base`` files keep their special tokens (EOD ``<|endoftext|>``, no pad); other rank
+    files get ``<|endoftext|>`` and ``<|pad|>`` after the highest rank. ``pattern``: a key of
+    :data:`TIKTOKEN_PATTERNS` or a regular expression."""
 
     type_name = "TikTokenizer"
 
@@ -300,16 +254,6 @@ class TikTokenizer(Tokenizer):
         return int(self._enc.n_vocab)
 
     @property
-    def eod(self) -> int:
-        """The id of `<|endoftext|>`."""
-        return self._eod
-
-    @property
-    def pad(self) -> Optional[int]:
-        """The id of `<|pad|>` for non-published rank files, else None."""
-        return self._pad
-
-    @property
     def split_pattern(self) -> str:
         """The regular expression that splits text into pieces before BPE."""
         return TIKTOKEN_PATTERNS.get(self._pattern, self._pattern)
@@ -336,12 +280,8 @@ class TikTokenizer(Tokenizer):
 
 
 class NullTokenizer(Tokenizer):
-    """Megatron-LM's NullTokenizer: text is whitespace-separated integer ids.
-
-    ``vocab_size`` given on the command line (``--vocab-size``) is the number of ordinary ids;
-    EOD is the extra id ``vocab_size`` and the tokenizer's ``vocab_size`` is one more, exactly as
-    in Megatron-LM. There is no padding id.
-    """
+    """Megatron-LM's NullTokenizer: text is whitespace-separated integer ids below
+    ``--vocab-size``; EOD is the id ``vocab_size`` (so ``vocab_size`` is one more); no padding."""
 
     type_name = "NullTokenizer"
 
@@ -349,17 +289,12 @@ class NullTokenizer(Tokenizer):
         super().__init__(None)
         if vocab_size is None or int(vocab_size) <= 0:
             raise TokenizerError("NullTokenizer needs --vocab-size > 0")
-        self._n = int(vocab_size)
+        self._n = self._eod = int(vocab_size)  # EOD: the id just past the ordinary ids
 
     @property
     def vocab_size(self) -> int:
         """`--vocab-size` plus one for the EOD id."""
         return self._n + 1
-
-    @property
-    def eod(self) -> int:
-        """The id just past the ordinary ids (`--vocab-size`)."""
-        return self._n
 
     def tokenize(self, text: str) -> list[int]:
         """The integers of whitespace-separated `text`, each checked to lie in [0, vocab)."""
@@ -419,18 +354,10 @@ TOKENIZER_TYPES = {
 def build_tokenizer(
     tokenizer_type: str, tokenizer_model: Optional[str] = None, **kw: object
 ) -> Tokenizer:
-    """Build a tokenizer by its Megatron-LM type name.
-
-    Args:
-        tokenizer_type: one of :data:`TOKENIZER_TYPES`.
-        tokenizer_model: model file (SentencePiece ``.model``, ``.tiktoken``) or directory (HF).
-        **kw: ``vocab_size`` for NullTokenizer; ``tiktoken_pattern`` for TikTokenizer;
-            ``vocab_file`` and ``merge_file`` for GPT2BPETokenizer. Other
-            keys (e.g. unused argparse fields) are ignored.
-
-    Raises:
-        TokenizerError: unknown type, missing or unreadable model (one-line message).
-    """
+    """Build a tokenizer by its Megatron-LM type name (:data:`TOKENIZER_TYPES`) from its model
+    file or directory; ``**kw``: ``vocab_size`` (NullTokenizer), ``tiktoken_pattern``,
+    ``vocab_file`` and ``merge_file`` (GPT2BPETokenizer); other keys are ignored. TokenizerError:
+    unknown type, missing or unreadable model."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise TokenizerError(
             f"unknown --tokenizer-type {tokenizer_type!r}; choose one of "

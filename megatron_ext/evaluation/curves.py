@@ -17,11 +17,11 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from megatron_ext.evaluation.outputs import EvaluationError, save_figure
+from megatron_ext.evaluation.outputs import EvaluationError, pyplot, save_figure
 
 __all__ = [
     "Curve",
@@ -62,25 +62,31 @@ def _curve(points: Sequence[tuple[float, float]], seq_length: int) -> Optional[C
     return Curve(x, np.array([p[1] for p in points], dtype=np.float64))
 
 
-def _read_tensorboard(path: str) -> dict[str, list[tuple[float, float]]]:
+def _event_files(path: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True))
+
+
+def _accumulators(paths: Iterable[str], guidance: dict) -> Iterator:
+    """A loaded TensorBoard `EventAccumulator` of each of `paths` (event files or directories)."""
     # deferred: keeps tensorboard (slow) out of this module's import
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # its reader logs "Directory watcher advancing from ... to ..." per event file at INFO
     logging.getLogger("tensorboard").setLevel(logging.WARNING)
-    if not glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True):
+    for events in paths:
+        acc = EventAccumulator(events, size_guidance=guidance)
+        acc.Reload()
+        yield acc
+
+
+def _read_tensorboard(path: str) -> dict[str, list[tuple[float, float]]]:
+    files = _event_files(path)
+    if not files:
         raise EvaluationError(
             f"{path} holds no TensorBoard event files (train with --tensorboard-dir {path})"
         )
     out: dict[str, list[tuple[float, float]]] = {}
-    for events in sorted(
-        {
-            os.path.dirname(p)
-            for p in glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True)
-        }
-    ):
-        acc = EventAccumulator(events, size_guidance={"scalars": 0})
-        acc.Reload()
+    for acc in _accumulators(sorted({os.path.dirname(p) for p in files}), {"scalars": 0}):
         for tag in acc.Tags().get("scalars", []):
             out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     return out
@@ -91,15 +97,7 @@ def recorded_seq_length(path: str) -> Optional[int]:
     args.json, in the "config" text entry), or None (a jsonl file, a run without the entry)."""
     if not os.path.isdir(path):
         return None
-    # deferred: keeps tensorboard (slow) out of this module's import
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)
-    for events in sorted(
-        glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True)
-    ):
-        acc = EventAccumulator(events, size_guidance={"tensors": 0})
-        acc.Reload()
+    for acc in _accumulators(_event_files(path), {"tensors": 0}):
         if "config/text_summary" not in acc.Tags().get("tensors", []):
             continue
         for event in acc.Tensors("config/text_summary"):
@@ -260,31 +258,15 @@ def loss_difference(run: Curve, reference: Curve) -> Optional[Curve]:
     return Curve(tokens, run.loss[inside] - np.interp(tokens, reference.tokens, reference.loss))
 
 
-def _pyplot():
-    # deferred: matplotlib is slow to import and only the plots need it
-    import matplotlib
-
-    matplotlib.use("Agg")
-    # deferred: matplotlib is slow to import and only the plots need it
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_curves(
     runs: Sequence[RunCurves],
     path: str,
     smoothing: float = 0.0,
     reference: Optional[str] = None,
 ) -> list[str]:
-    """The loss-curve pictures; the paths written.
-
-    Up to two runs, or without a `reference`: train (smoothed, solid) and validation (markers,
-    dashed) loss of every run against tokens, in `path`. With a `reference` and more than two
-    runs the arms differ by far less than the loss falls during training, so `path` shows each
-    run's loss minus the reference's instead (validation on the left, smoothed train on the
-    right) and the absolute curves go to `<path stem>_absolute.png`.
-    """
+    """The loss-curve pictures; the paths written. Up to two runs, or without a `reference`:
+    train and validation loss against tokens in `path`; else each run's loss minus the
+    reference's in `path` and the absolute curves in `<path stem>_absolute.png`."""
     if reference is None or len(runs) <= 2:
         return [_plot_absolute(runs, path, smoothing)]
     absolute = os.path.splitext(path)[0] + "_absolute.png"
@@ -295,7 +277,7 @@ def plot_curves(
 
 
 def _plot_absolute(runs: Sequence[RunCurves], path: str, smoothing: float) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
@@ -331,7 +313,7 @@ def _plot_differences(
     runs: Sequence[RunCurves], path: str, smoothing: float, reference: str
 ) -> str:
     """Validation and smoothed train loss of every run minus `reference`'s, against tokens."""
-    plt = _pyplot()
+    plt = pyplot()
     base = next(r for r in runs if r.name == reference)
     fig, (valid_ax, train_ax) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -24,6 +24,7 @@ from megatron_ext.data.indexed import check_dataset, counts_path, get_idx_path
 from megatron_ext.evaluation.outputs import (
     EvaluationError,
     format_markdown_table,
+    pyplot,
     save_figure,
     write_csv,
     write_json,
@@ -63,17 +64,9 @@ def bin_labels(edges: Sequence[float]) -> list[str]:
 def training_counts(
     prefixes: Sequence[str], vocab_size: int, tokenizer: Optional[dict] = None
 ) -> np.ndarray:
-    """Summed token counts of the datasets `prefixes` (int64 [vocab_size]).
-
-    Args:
-        tokenizer: the run's tokenizer record (`data.fingerprint.tokenizer_record`), compared
-            with each dataset's; None checks the vocabulary size only.
-
-    Raises:
-        EvaluationError: a counts file is missing, unreadable or has another vocabulary size;
-            `DataError`: the dataset beside it is damaged (`data.indexed.check_dataset`);
-            `TokenizerMismatchError`: a dataset was made with another tokenizer.
-    """
+    """Summed token counts (int64 [vocab_size]) of the datasets `prefixes`, each checked
+    against `tokenizer` (a record; None: the vocabulary size only). EvaluationError: a missing,
+    unreadable or mis-sized counts file; DataError / TokenizerMismatchError from the dataset."""
     total: Optional[np.ndarray] = None
     for prefix in prefixes:
         path = counts_path(prefix)
@@ -118,12 +111,8 @@ def training_counts(
 
 
 class FrequencyBins:
-    """Maps token ids to frequency bins; a `TokenConsumer` accumulating per-bin loss.
-
-    Args:
-        counts: int64 [V] training counts of each id.
-        edges: increasing relative frequencies in (0, 1) separating the bins.
-    """
+    """Maps token ids to frequency bins of `counts` (int64 [V]) between `edges` (increasing,
+    in (0, 1)); a `TokenConsumer` accumulating per-bin loss."""
 
     def __init__(self, counts: np.ndarray, edges: Sequence[float] = DEFAULT_EDGES) -> None:
         edges = [float(e) for e in edges]
@@ -272,13 +261,7 @@ def write_frequency_report(
 
 
 def _plot(results: dict[str, FrequencyStats], baseline: Optional[str], path: str) -> str:
-    # deferred: matplotlib is slow to import and only the plots need it
-    import matplotlib
-
-    matplotlib.use("Agg")
-    # deferred: matplotlib is slow to import and only the plots need it
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(results)
     labels = next(iter(results.values())).labels
     width = 0.8 / len(names)

@@ -1,15 +1,10 @@
-"""lm-evaluation-harness model class for our checkpoints (any arm; TP=1 on CPU, TP>1 on the
-ranks of a torchrun world).
+"""lm-evaluation-harness model class for our checkpoints (any arm, any TP).
 
-Importing this module registers the model as `leviathan` with the harness, so that
+Importing this module registers the model as `leviathan`, so that
 `lm_eval.simple_evaluate(model="leviathan", model_args="load=ckpt/lev,batch_size=32", ...)`
-works as well as `tools/evaluate.py lm-eval` (which passes an already loaded model).
-
-Requests are scored in batches sorted by length (longest first). A context longer than the
-model's sequence length is truncated on the left, keeping the continuation whole (or its last
-`seq_length` tokens). `loglikelihood_rolling` uses the harness's own disjoint rolling windows;
-`generate_until` greedily continues with `megatron_ext.inference.generation.generate` (KV cache)
-and cuts the text at the first stop string.
+works as well as `tools/evaluate.py lm-eval`. Requests are scored in batches, longest first;
+a context too long is truncated on the left; `generate_until` continues greedily with
+`inference.generation.generate` and cuts at the first stop string.
 """
 
 from __future__ import annotations
@@ -36,16 +31,8 @@ __all__ = ["LeviathanLM"]
 
 @register_model("leviathan", "megatron_ext")
 class LeviathanLM(TemplateLM):
-    """A training checkpoint as an lm-eval language model.
-
-    Args:
-        load: the run's --save directory (or one iter_XXXXXXX inside it).
-        loaded: an already loaded model (instead of `load`).
-        batch_size: sequences per forward.
-        max_length: context window (default: the run's --seq-length).
-        max_gen_toks: new tokens per generate_until request, unless the task sets its own.
-        tensor_model_parallel_size, pipeline_model_parallel_size: the layout to run at.
-    """
+    """A training checkpoint (`load`, or an already `loaded` model) as an lm-eval language
+    model at the given TP x PP layout; `max_length` defaults to the run's --seq-length."""
 
     def __init__(
         self,

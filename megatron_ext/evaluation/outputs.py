@@ -16,6 +16,7 @@ __all__ = [
     "EvaluationError",
     "format_markdown_table",
     "read_text_file",
+    "pyplot",
     "save_figure",
     "write_csv",
     "write_json",
@@ -30,12 +31,8 @@ _MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"
 
 
 def read_text_file(path: str, encoding: str = "utf-8") -> str:
-    """The whole text of ``path`` decoded with ``encoding``.
-
-    Raises:
-        EvaluationError: unknown encoding, or bytes that are not valid in it (the message names
-            the file and the byte offset, and says which compressed format it looks like).
-    """
+    """The whole text of ``path`` in ``encoding``; EvaluationError naming the file and byte
+    offset (and a compressed format it looks like) for bytes not valid in it."""
     try:
         codecs.lookup(encoding)
     except LookupError:
@@ -100,11 +97,21 @@ def format_markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) 
     return "\n".join(lines) + "\n"
 
 
-def save_figure(fig, path: str, dpi: int = 120) -> str:
-    """Save a matplotlib figure as PNG atomically and close it."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    # deferred: matplotlib is slow to import and only the plots need it
+    import matplotlib
+
+    matplotlib.use("Agg")
     # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 120) -> str:
+    """Save a matplotlib figure as PNG atomically and close it."""
+    plt = pyplot()
     try:
         with atomic_open(path, "wb") as handle:
             fig.savefig(handle, format="png", dpi=dpi, bbox_inches="tight")

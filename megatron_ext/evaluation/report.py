@@ -58,11 +58,8 @@ def write_comparison_report(
     bin_edges: Sequence[float],
 ) -> dict:
     """Write ``report.md`` and ``summary.json`` into ``out_dir``; return the summary.
-
-    ``runs[arm]`` holds ``parameters`` and ``final_valid_loss``; the baseline is TIED when it is
-    one of ``arms``, else the first arm. ``setup`` is the paragraph that says what the arms
-    share (backbone, data, budget).
-    """
+    ``runs[arm]`` holds ``parameters`` and ``final_valid_loss``; the baseline is TIED if present,
+    else the first arm; ``setup`` says what the arms share."""
     base = "tied" if "tied" in arms else arms[0]
     table, losses = _perplexity_table(arms, runs, all_token_rows(freq), base)
     parts = decomposition(losses)

@@ -64,16 +64,9 @@ class TokenConsumer(Protocol):
 
 
 class ModelScorer:
-    """Runs this rank's stage of `model` forward-only and returns what the last stage computed.
-
-    Args:
-        model: an eval-mode `LeviathanModel` stage (`megatron_ext.inference.loading.load_model`).
-        hidden_size: the model's hidden size (PP activations are [s, b, h]).
-        vocab_size: the tokenizer's vocabulary; `target_scores` never predicts the padding ids
-            above it.
-        pg: the groups the model was built over (`init_inference_parallel`); the stages talk
-            over `pg.pp`, the vocab-parallel logits over `pg.tp`.
-    """
+    """Runs this rank's stage of the eval-mode `model` forward-only and returns what the last
+    stage computed: PP activations [s, b, `hidden_size`] over `pg.pp`, vocab-parallel logits
+    over `pg.tp`; ids at or above `vocab_size` (padding) are never predicted."""
 
     def __init__(
         self, model: torch.nn.Module, hidden_size: int, vocab_size: int, pg: "ProcessGroups"
@@ -145,15 +138,9 @@ class ModelScorer:
     def target_scores(
         self, tokens: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probability of each label and whether it is the greedy (arg-max) choice.
-
-        The normaliser runs over the model's whole (padded) output, as the training loss does;
-        the arg-max only over the tokenizer's ids. Logits stay sharded over TP: only [b, s]
-        maxima and sums cross ranks.
-
-        Returns:
-            ([b, s] float32 log-probabilities, [b, s] bool greedy flags).
-        """
+        """([b, s] float32 log-probability of each label, [b, s] whether it is the arg-max); the
+        normaliser covers the padded output as the training loss does, the arg-max the tokenizer's
+        ids only, and only [b, s] maxima and sums cross the TP ranks."""
         labels = labels.to(self.device)
         out = self._run(tokens, _positions(tokens), None, None)
         if out is not None:
@@ -253,13 +240,8 @@ def score_batches(
     desc: str = "evaluating",
     show_progress: bool = True,
 ) -> dict:
-    """Score every batch and hand each batch's (targets, losses) to the consumers.
-
-    Shows a progress bar (tokens/s and ETA when `total_targets` is known) on rank 0.
-
-    Returns:
-        {"targets": scored tokens, "seconds": wall time, "tokens_per_second": throughput}.
-    """
+    """Score every batch and hand its (targets, losses) to the consumers (a progress bar on
+    rank 0); {"targets", "seconds", "tokens_per_second"}."""
     consumers = list(consumers)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     bar = tqdm(

@@ -81,12 +81,8 @@ def detokenize(text: str) -> str:
 
 
 def read_wikitext(path: str, encoding: str = "utf-8") -> list[str]:
-    """The articles of a wikitext file, each from its ` = Title = ` line to the next one.
-
-    Raises:
-        EvaluationError: missing file, text not valid in ``encoding``, or no article heading
-            (not a wikitext file).
-    """
+    """The articles of a wikitext file, each from its ` = Title = ` line to the next one;
+    EvaluationError: missing file, bad ``encoding``, or no article heading."""
     if not os.path.isfile(path):
         raise EvaluationError(
             f"wikitext file {path} does not exist; download wikitext-103 once (see "
@@ -122,18 +118,10 @@ class Window:
     end: int
     scored_after: int
 
-    @property
-    def num_scored(self) -> int:
-        """Targets this window scores: stream positions scored_after + 1 .. end."""
-        return self.end - self.scored_after
-
 
 def rolling_windows(num_targets: int, context: int, stride: int) -> list[Window]:
-    """Windows scoring targets 1..num_targets once each (see the module docstring).
-
-    Window k ends at target min(context + k * stride, n), takes the `context` tokens before it
-    as input and scores the targets the previous window did not.
-    """
+    """Windows scoring targets 1..num_targets once each: window k ends at min(context + k *
+    stride, n), takes the `context` tokens before it and scores those the previous did not."""
     if context < 1 or not 1 <= stride <= context:
         raise EvaluationError(f"need 1 <= --stride <= --context, got {stride} and {context}")
     windows = []

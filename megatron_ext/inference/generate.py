@@ -3,13 +3,9 @@
     python tools/generate.py --load ckpt/lev --prompt "The river" --max-new-tokens 64
     python tools/generate.py --load ckpt/lev --prompts-file prompts.txt --temperature 0.8 \\
         --top-p 0.9 --seed 1 --output completions.jsonl
-    torchrun --nproc-per-node 2 tools/generate.py --load ckpt/lev \\
-        --tensor-model-parallel-size 2 --prompt "The river"      # the training layout on GPUs
 
 A prompts file holds one prompt per line (.txt) or {"prompt": ...} objects (.jsonl). Greedy by
-default; generation stops at the tokenizer's end-of-document id unless --no-stop-at-eod.
-Results are printed, or written as jsonl (prompt, completion, token ids, why it stopped).
-Bad input ends with one line on stderr and exit code 2.
+default; stops at end-of-document unless --no-stop-at-eod.
 """
 
 from __future__ import annotations
@@ -112,12 +108,16 @@ def completion_text(tokenizer, prompt_ids: list[int], new: list[int]) -> str:
     return full[len(prefix) :] if full.startswith(prefix) else tokenizer.detokenize(new)
 
 
+def _generation():
+    """megatron_ext.inference.generation, imported on first use."""
+    # deferred: keeps torch (slow) out of this module's import
+    from megatron_ext.inference import generation
+
+    return generation
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     # deferred: keeps torch (slow) out of this module's import
-    import torch.distributed as dist
-
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.inference.generation import decode_step_for
     from megatron_ext.inference.loading import (
         find_checkpoint,
         init_inference_parallel,
@@ -148,18 +148,19 @@ def run(args: argparse.Namespace) -> list[dict]:
         )
     pg = init_inference_parallel(tp, 1)
     model = load_model(run_, config, pg)
-    step, why = decode_step_for(model, sampling.use_cache)
+    step, why = _generation().decode_step_for(model, sampling.use_cache)
     if args.decode_step != "auto":
         if args.decode_step == "lean" and step != "lean":
             raise ArgumentError(f"--decode-step lean: {why}; use --decode-step megatron")
         step, why = args.decode_step, "--decode-step"
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
         logger.info("decode step: %s (%s)", step, why)
     start = time.perf_counter()
     records = _records(model, tokenizer, prompts, sampling, pg, step, args.batch_size)
     produced = sum(len(r["completion_ids"]) for r in records)
     elapsed = time.perf_counter() - start
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank0:
         logger.info(
             "generated %d tokens for %d prompts in %.1f s (%.1f tokens/s)",
             produced,
@@ -172,11 +173,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def _sampling_config(args: argparse.Namespace):
     """The `SamplingConfig` of the flags, checked with the batch and decode-step flags."""
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.inference.generation import SamplingConfig
-
     try:
-        sampling = SamplingConfig(
+        sampling = _generation().SamplingConfig(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
@@ -195,9 +193,7 @@ def _sampling_config(args: argparse.Namespace):
 
 def _records(model, tokenizer, prompts, sampling, pg, step: str, batch_size: int) -> list[dict]:
     """One output record per prompt, generated `batch_size` prompts at a time."""
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.inference.generation import generate
-
+    generate = _generation().generate
     records = []
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first : first + batch_size]

@@ -1,15 +1,10 @@
-"""Autoregressive text generation with a KV cache, for any arm at TP=1 or TP>1.
+"""Autoregressive text generation with a KV cache (megatron-core's `StaticInferenceContext`),
+for any arm at any TP.
 
-    new_tokens = generate(model, [[5, 17, 3], [5, 9]], SamplingConfig(max_new_tokens=32),
-                          tp_group=pg.tp)  # pg from init_inference_parallel; None: no TP
-
-The cache is megatron-core's `StaticInferenceContext`. Prompts of different lengths share one
-batch as megatron's static engine does it: the shortest prompt is prefilled for every row, then
-each step feeds one token per row (its own prompt token while it has one), with no padding or
-mask, so every row computes what it would alone. Under TP every rank passes the same prompts
-and the token chosen on TP rank 0 is broadcast. LEV embeds through its eval table, checked or
-built once per call. `step="lean"` (TP=1, local spec) computes the same logits with the CPU
-accelerations' `LeanDecoder`; `decode_step_for` says which step covers a model.
+Prompts of different lengths share one batch as megatron's static engine does it (the shortest
+prompt prefilled, then one token per row, its own prompt token while it has one), so every row
+computes what it would alone. Under TP the token chosen on TP rank 0 is broadcast.
+`step="lean"` computes the same logits with the CPU accelerations' `LeanDecoder`.
 """
 
 from __future__ import annotations
@@ -48,14 +43,10 @@ DECODE_STEPS = ("megatron", "lean")
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How to pick each new token.
-
-    temperature 0 is greedy (argmax); otherwise logits are divided by the temperature, cut to
-    the `top_k` most likely ids (0: no cut) and to the smallest set whose probability reaches
-    `top_p` (1.0: no cut), then sampled from a generator seeded with `seed` (None: drawn from
-    torch's default generator). A row stops after `max_new_tokens` or at one of
-    `stop_token_ids` (the stop token is not returned).
-    """
+    """How to pick each new token: temperature 0 is greedy; otherwise logits / temperature, cut
+    to the `top_k` most likely (0: no cut) and to the smallest set reaching `top_p` (1.0: no cut),
+    sampled with `seed` (None: torch's generator). A row stops after `max_new_tokens` or at a
+    `stop_token_ids` id (not returned)."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -128,10 +119,7 @@ def next_token_logits(
     model: torch.nn.Module, tokens: torch.Tensor, inference_context=None
 ) -> torch.Tensor:
     """Logits [b, V] (TP-gathered, padding included; float32 or wider) for the token after
-    `tokens` [b, s].
-
-    With `inference_context`, `tokens` are the ones after its `sequence_len_offset` (the
-    cache holds the rest); the offset is advanced past them.
+    `tokens` [b, s]; with `inference_context`, `tokens` follow its cached prefix, which they extend.
     """
     logits = model(
         tokens, None, None, inference_context=inference_context, runtime_gather_output=True
@@ -172,24 +160,15 @@ def generate(
     vocab_size: Optional[int] = None,
     step: str = "megatron",
 ) -> list[list[int]]:
-    """Continue every prompt; returns the new ids of each (without the stop token).
+    """Continue every prompt (token ids, at least one each); returns the new ids of each
+    (without the stop token).
 
-    Args:
-        model: a `LeviathanModel` (or megatron GPTModel) in eval mode, holding the whole
-            pipeline (PP=1); under TP>1 every rank of the TP group calls this with the same
-            prompts and gets the same result.
-        prompts: token ids, at least one per prompt.
-        cfg: sampling settings.
-        tp_group: the model's tensor-parallel group (`ProcessGroups.tp`): the token chosen on
-            its first rank is broadcast over it. None: the model is not tensor-parallel
-            (refused for a TP>1 model).
-        vocab_size: the tokenizer's vocabulary; ids at or above it (the padding of
-            make-vocab-size-divisible-by) are never produced.
-        step: "megatron" runs each step through the model's forward with megatron's
-            `StaticInferenceContext` (or without a cache when `cfg.use_cache` is False);
-            "lean" runs the CPU accelerations' `LeanDecoder` (same logits, plain torch ops,
-            TP=1 local spec with the cache only; `decode_step_for` picks one and says why). A
-            model the lean step does not cover is refused, never silently run the other way.
+    `model` is an eval-mode `LeviathanModel` (or GPTModel) holding the whole pipeline; under
+    TP>1 every rank of `tp_group` passes the same prompts and the token chosen on its first rank
+    is broadcast (None: no TP, refused for a TP>1 model). Ids at or above `vocab_size` (the
+    padding) are never produced. `step` "megatron" runs the model's forward (with megatron's
+    `StaticInferenceContext` unless `cfg.use_cache` is False); "lean" the CPU accelerations'
+    `LeanDecoder` (TP=1 local spec, cache only; a model it does not cover is refused).
     """
     inner = _check_request(model, prompts, cfg, step)
     if cfg.max_new_tokens == 0:

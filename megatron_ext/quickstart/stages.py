@@ -86,12 +86,9 @@ def run_command(
     log: Optional[Path] = None,
     show: Optional[re.Pattern] = None,
 ) -> None:
-    """Run ``cmd`` in ``cwd`` (put first on PYTHONPATH; OMP_NUM_THREADS=1 unless set).
-
-    With ``log``, its output goes to that file and the lines matching ``show`` are echoed;
-    otherwise it goes straight to the terminal (progress bars included). A non-zero exit raises
-    :class:`StageError` with the end of the log. Ctrl-C interrupts the child, then re-raises.
-    """
+    """Run ``cmd`` in ``cwd`` (first on PYTHONPATH; OMP_NUM_THREADS=1 unless set), its output
+    to ``log`` with the lines matching ``show`` echoed, or to the terminal. A non-zero exit raises
+    StageError with the log's end; Ctrl-C interrupts the child, then re-raises."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -108,15 +105,12 @@ def run_command(
         try:
             for line in proc.stdout:
                 fh.write(line)
-                if show is not None and show.search(line):
-                    say("    " + compact_iteration_line(line.rstrip()))
+                _echo(line, show)
         except KeyboardInterrupt:
             _stop(proc)
             raise
         rc = _wait(proc)
-    if rc:
-        tail = "".join(open(log).readlines()[-25:])
-        raise StageError(f"command failed with exit code {rc}; end of {log}:\n{tail}")
+    _check_exit(rc, log)
 
 
 def run_launched(
@@ -138,17 +132,21 @@ def run_launched(
         torchrun_args=torchrun_args,
     )  # fmt: skip
     say("  $ " + " ".join(short_path(c) for c in job.cmd))
-
-    def echo(line: str) -> None:
-        if show is not None and show.search(line):
-            say("    " + compact_iteration_line(line.rstrip()))
-
     with job:
         try:
-            rc = job.wait(on_line=echo)
+            rc = job.wait(on_line=lambda line: _echo(line, show))
         except KeyboardInterrupt:
             job.stop(grace=15)
             raise
+    _check_exit(rc, log)
+
+
+def _echo(line: str, show: Optional[re.Pattern]) -> None:
+    if show is not None and show.search(line):
+        say("    " + compact_iteration_line(line.rstrip()))
+
+
+def _check_exit(rc: int, log: Path) -> None:
     if rc:
         tail = "".join(open(log).readlines()[-25:])
         raise StageError(f"command failed with exit code {rc}; end of {log}:\n{tail}")
@@ -180,15 +178,8 @@ def _fingerprint(key: dict) -> str:
 
 def run_stages(stages: list[Stage], out: Path, only: Optional[Sequence[str]] = None) -> None:
     """Run the stages in order into ``out``, reusing each finished one whose ``key`` did not
-    change; once a stage is redone, every later stage is redone too.
-
-    ``only``: run just these stages (a cluster job array splits the study so); the stages they
-    need (``Stage.needs``) that are not among them must be finished already (StageError
-    otherwise); the others are left alone.
-
-    Ctrl-C discards the running stage's temporary directory and exits 130; any other error
-    discards it and propagates.
-    """
+    change (once one is redone, so are the later ones). ``only``: just these stages, whose
+    ``needs`` must be finished. Ctrl-C discards the running stage and exits 130."""
     out.mkdir(parents=True, exist_ok=True)
     redo = False
     names = [stage.name for stage in stages]

@@ -59,9 +59,12 @@ def interrupted_line(save: Optional[str], started: int, reached: Optional[int]) 
             f"complete, nothing was lost{resume}"
         )
     first = max(latest or 0, started) + 1
-    lost = f"iteration {reached} was" if first == reached else f"iterations {first}-{reached} were"
     if reached < first:
         lost = "no iteration completed since the start, so none was"
+    elif first == reached:
+        lost = f"iteration {reached} was"
+    else:
+        lost = f"iterations {first}-{reached} were"
     if latest is not None:
         kept = f"kept the last complete checkpoint, iteration {latest} in --save {save}"
     elif save:

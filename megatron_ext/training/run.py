@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import cpu_accel
-from megatron_ext.checkpoint.format import read_latest_iteration, remove_partial_saves
-from megatron_ext.checkpoint.lock import SaveLock
+from megatron_ext.checkpoint.format import read_latest_iteration
+from megatron_ext.checkpoint.lock import SaveLock, remove_partial_saves
 from megatron_ext.config.run import RunConfig
 from megatron_ext.elastic import restart_round
 from megatron_ext.parallel import (
@@ -260,7 +260,7 @@ def pretrain(
     interrupt, started = InterruptWatch(), 0
     try:
         cfg = cfg.resolve(dist.get_world_size())  # the data-parallel size of this world
-        save_lock = _take_save(cfg.ckpt.save, rank0)
+        save_lock = SaveLock.acquire(cfg.ckpt.save) if cfg.ckpt.save else None
         trainer = setup(
             cfg,
             pg,
@@ -293,15 +293,6 @@ def pretrain(
                 save_lock.release()
             if not completed and made_save and rank0:
                 _remove_if_no_files(made_save)
-
-
-def _take_save(save: Optional[str], rank0: bool) -> Optional[SaveLock]:
-    """The lock of --save (None without --save); rank 0 removes the saves a killed run left."""
-    save_lock = SaveLock.acquire(save) if save else None
-    if save_lock is not None and rank0:
-        for name in remove_partial_saves(save):
-            logger.info("removed %s, a save that an earlier run did not complete", name)
-    return save_lock
 
 
 def _collective_timeout(trainer: Trainer) -> CollectiveTimeoutError:

@@ -118,7 +118,7 @@ def test_rolling_windows_by_hand():
     ]  # fmt: skip
     assert rolling_windows(3, 4, 2) == [Window(0, 3, 0)]
     assert rolling_windows(5, 4, 3) == [Window(0, 4, 0), Window(1, 5, 4)]
-    assert sum(w.num_scored for w in rolling_windows(1000, 64, 16)) == 1000
+    assert sum(w.end - w.scored_after for w in rolling_windows(1000, 64, 16)) == 1000
     with pytest.raises(EvaluationError, match="stride"):
         rolling_windows(10, 4, 5)
 
