@@ -220,14 +220,18 @@ RUN_FIRST = (
     _DOCS("README.md"),  # on a copy of `quickstart_run`
     "tests/slurm/test_sbatch.py",  # Slurm jobs, mostly waiting on time limits: about 4 min
     "tests/slurm/test_study.py",  # the study as a job array, then its report again: 2-3 min
+    "tests/training/test_resume_exact.py",  # five layouts, each trained and resumed
     "tests/training/test_end_to_end.py",
     "tests/benchmarks/test_scale_1p2b.py",  # every stage of the 1.2B recipe on o200k
+    "tests/tools/test_megatron_lm_workflow.py",
     "tests/training/test_cluster_nodes.py",
+    "tests/training/test_pipeline.py",
     "tests/checkpoint/test_digests.py",
     "tests/training/test_signals.py",
     "tests/training/test_megatron_recipes.py",
     "tests/training/test_cluster.py",
-    "tests/checkpoint/test_lock.py",
+    "tests/training/test_failed_launch.py",
+    "tests/training/test_resume_checks.py",
 )
 
 
