@@ -205,11 +205,12 @@ _DOCS = "tests/test_docs_commands.py::test_documented_commands_run[{}]".format
 
 # The order in which the xdist workers are handed units of work (pyproject.toml turns off
 # xdist's own order, most tests first, which left the long few-test integration units to the
-# end, one worker running them while the other had nothing left): the longest first, those
-# that build a session fixture (`trained`, `quickstart_run`) a while before those that wait
-# for it, then the other integration modules, then the unit modules (most tests first), which
-# fill in at the end. A worker is handed its next unit once two or fewer of its tests are left
-# to run, so a worker running a one-test unit (a page) already holds the next.
+# end, one worker running them while the other had nothing left): the longest first (the
+# integration modules below in the order of their CPU seconds), those that build a session
+# fixture (`trained`, `quickstart_run`) a while before those that wait for it, then the other
+# integration modules, then the unit modules (most tests first), which fill in at the end. A
+# worker is handed its next unit once two or fewer of its tests are left to run, so a worker
+# running a one-test unit (a page) already holds the next.
 RUN_FIRST = (
     "tests/scripts/test_quickstart.py",  # builds `quickstart_run`
     _DOCS("docs/evaluation.md"),  # makes and evaluates its own two runs: the longest page
@@ -219,11 +220,18 @@ RUN_FIRST = (
     _DOCS("README.md"),  # on a copy of `quickstart_run`
     "tests/slurm/test_sbatch.py",  # Slurm jobs, mostly waiting on time limits: about 4 min
     "tests/slurm/test_study.py",  # the study as a job array, then its report again: 2-3 min
+    "tests/training/test_resume_exact.py",  # five layouts, each trained and resumed
     "tests/training/test_end_to_end.py",
-    "tests/training/test_cluster.py",
-    "tests/training/test_megatron_recipes.py",
+    "tests/benchmarks/test_scale_1p2b.py",  # every stage of the 1.2B recipe on o200k
+    "tests/tools/test_megatron_lm_workflow.py",
     "tests/training/test_cluster_nodes.py",
+    "tests/training/test_pipeline.py",
+    "tests/checkpoint/test_digests.py",
     "tests/training/test_signals.py",
+    "tests/training/test_megatron_recipes.py",
+    "tests/training/test_cluster.py",
+    "tests/training/test_failed_launch.py",
+    "tests/training/test_resume_checks.py",
 )
 
 

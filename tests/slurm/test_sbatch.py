@@ -4,10 +4,9 @@ scripts' own arguments and environment:
 
 - pretrain.sbatch on 2 nodes: one torchrun agent per node, the ranks placed as the script
   says, the job COMPLETED with exit 0;
-- pretrain_requeue.sbatch at a 1-minute time limit: Slurm's warning signal (--signal=USR1@10)
-  reaches the ranks, they save, the job requeues itself (`scontrol requeue`), and the requeued
-  job (SLURM_RESTART_COUNT=1) resumes and logs the same losses as an uninterrupted job, bit for
-  bit;
+- pretrain_requeue.sbatch at a time limit: Slurm's warning signal (--signal=USR1@100) reaches
+  the ranks, they save, the job requeues itself (`scontrol requeue`), and the requeued job
+  (SLURM_RESTART_COUNT=1) resumes and logs the same losses as an uninterrupted job, bit for bit;
 - `scancel` of a running job leaves the last complete checkpoint (it verifies) and no
   half-written one under a final name, and the next job on the same --save runs (taking over
   the --save lock if the cancelled job left it);
@@ -17,14 +16,16 @@ scripts' own arguments and environment:
   the rest): bash -n, `sbatch --test-only` accepts its options, its srun's container options.
 
 Time limits act at the minute and slurmctld checks them every 30 s, sending the warning at the
-first check that finds the end within the warning time plus 30 s: with --time=1 --signal=USR1@10,
-20 to 50 s after the start (the ranks run by then; a warning that came before their handler
-would be ignored, as torchrun's SIGUSR1 is), and the kill 30 s or more later. The training is far
-shorter, so the test freezes the ranks (SIGSTOP) at their first record until the warning is
-pending on them, then lets them go on. The ranks are found before they train (the /proc scan is
+first check that finds the end within the warning time plus 30 s. The time-limit test submits
+with --time=10 --signal=USR1@100 (no warning: the end is 10 minutes away), freezes the ranks
+(SIGSTOP) at their first record, once they have their handler (a warning that came before it
+would be ignored, as torchrun's SIGUSR1 is), then cuts the limit (`scontrol update`) to 2
+minutes past the elapsed minutes: the end is then 60 to 120 s away, within the 130 s, so the
+next check (at most 30 s later, before the end) sends the warning. Once it is pending on the
+ranks the limit goes back to 10 minutes (no kill however long the save takes, and no warning for
+the requeued job) and the ranks go on. The ranks are found before they train (the /proc scan is
 slow on a busy host) and the run is LONG_ITERS iterations, so that they cannot finish before the
-freeze; once requeued, the job's time limit is raised (`scontrol update`) so that the resumed
-run, longer than the 20 s to the next warning, is not warned again.
+freeze.
 """
 
 from __future__ import annotations
@@ -174,10 +175,9 @@ def test_pretrain_sbatch_two_nodes(slurm, sample_data, tmp_path):
 
 def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, tmp_path):
     reference = _Reference(slurm, tmp_path / "reference", _long(train_args), LONG_ITERS)
-    # --time=1 --signal=USR1@10 in place of the script's 4 hours and 120 s.
-    # The job starts with 10 minutes; once its ranks have their handler its limit is cut to the
-    # next minute, so that the warning (20-50 s before a 1-minute end) cannot come first.
-    job = _requeue_job(slurm, tmp_path, _long(train_args), "--time=10", "--signal=USR1@10")
+    # --signal=USR1@100 in place of the script's 120 s; 10 minutes, cut once the ranks have
+    # their handler (the module's docstring).
+    job = _requeue_job(slurm, tmp_path, _long(train_args), "--time=10", "--signal=USR1@100")
     ranks = _ranks_once_started(slurm, job)
     _wait_records(tmp_path / "m.jsonl", 1, slurm, job, poll=0.01)
     _stop(ranks)
@@ -186,7 +186,7 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, tmp_pa
     assert len(records(tmp_path / "m.jsonl")) < LONG_ITERS, "the ranks finished before the freeze"
     h, m, sec = map(int, slurm.job(job)["RunTime"].split("-")[-1].split(":"))
     slurm.run("scontrol", "update", f"JobId={job}", f"TimeLimit={h * 60 + m + 2}")
-    # Slurm sends the warning 20-50 s after the start; it may wake the stopped ranks itself
+    # Slurm sends the warning at its next check; it may wake the stopped ranks itself
     # (SIGCONT before the signal).
     deadline = time.monotonic() + 120
     while not all(signal_pending(p, signal.SIGUSR1) for p in ranks.values()):
@@ -194,12 +194,10 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, tmp_pa
             break
         assert time.monotonic() < deadline, "no SIGUSR1 from Slurm within 120 s"
         time.sleep(0.2)
+    # 10 minutes again, as an admin extends a job (the module's docstring).
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
     for pid in ranks.values():
         os.kill(pid, signal.SIGCONT)
-    # The requeued job would be warned again 20-50 s after its start, maybe before its ranks
-    # set their handler on a busy host: it gets 10 minutes (as an admin extends a job).
-    info = slurm.wait(job, "PENDING", "RUNNING", "CONFIGURING", "COMPLETED", restarts=1)
-    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
     info = slurm.wait(job, "COMPLETED", timeout=300, restarts=1)
     output = _output(tmp_path, job)
     assert info["ExitCode"] == "0:0" and info["Restarts"] == "1", output[-4000:]
