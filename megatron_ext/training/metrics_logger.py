@@ -116,14 +116,8 @@ def truncate_jsonl(path: str, iteration: int) -> None:
 class MetricsLogger:
     """The iteration line, TensorBoard/W&B scalars and --log-jsonl records of one run.
 
-    Args:
-        cfg: the run's settings (log, batch and feature flags are read).
-        is_rank0: only rank 0 writes anything.
-        flops_per_batch: model FLOPs of one iteration at the full --global-batch-size (None:
-            unknown, no TFLOP/s).
-        peak: per-device peak TFLOP/s for MFU (None: no MFU).
-        world_size: devices the FLOPs are spread over.
-        wandb: a W&B run or None.
+    Only rank 0 writes. `flops_per_batch`: model FLOPs of one iteration at the full
+    --global-batch-size (None: no TFLOP/s); `peak`: per-device peak TFLOP/s (None: no MFU).
     """
 
     def __init__(
