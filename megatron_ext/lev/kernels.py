@@ -40,6 +40,7 @@ __all__ = [
     "LEVModes",
     "cpu_kernel_available",
     "cpu_kernel_error",
+    "digit_projection",
     "lev_modes",
     "select_backend",
     "triton_importable",
@@ -114,16 +115,23 @@ def _project(
     one. Worth it when N > k*b (LEVEmbedding decides).
     """
     h, d, d_in = seed_proj.shape
-    weight = seed_proj.reshape(h * d, d_in)
     if digits is None:
-        return torch.matmul(z, weight.t())
-    k, b, d_c = z.shape
-    if combine == "sum":
-        digit_proj = torch.matmul(z, weight.t())  # [k, b, h*d]
-    else:  # "concat": digit m meets the m-th block of d_c columns
-        digit_proj = torch.bmm(z, weight.view(h * d, k, d_c).permute(1, 2, 0))
+        return torch.matmul(z, seed_proj.reshape(h * d, d_in).t())
+    k, b, _ = z.shape
+    digit_proj = digit_projection(z, seed_proj, combine)
     offsets = torch.arange(k, device=digits.device, dtype=digits.dtype) * b
     return F.embedding_bag(digits + offsets, digit_proj.reshape(k * b, h * d), mode="sum")
+
+
+def digit_projection(codebooks: torch.Tensor, seed_proj: torch.Tensor, combine: str):
+    """P [k, b, h*d] = C_m @ W_m^T of the codebooks [k, b, d_c] (W_m = W for "sum"; for
+    "concat" the m-th block of d_c columns of W)."""
+    h, d, d_in = seed_proj.shape
+    weight = seed_proj.reshape(h * d, d_in)
+    if combine == "sum":
+        return torch.matmul(codebooks, weight.t())
+    k, _, d_c = codebooks.shape
+    return torch.bmm(codebooks, weight.view(h * d, k, d_c).permute(1, 2, 0))
 
 
 class SeedNorm(Protocol):
