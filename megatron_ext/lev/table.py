@@ -20,7 +20,7 @@ from megatron_ext.lev import math as lev_math
 from megatron_ext.lev.config import LEVConfig
 from megatron_ext.lev.kernels import LEVKernelOptions, digit_projection, select_backend
 
-__all__ = ["LEVTable", "lev_table", "table_chunk_size"]
+__all__ = ["LEVTable", "table_chunk_size"]
 
 # Spline values phi per chunk (h*d*r*n of them): 16M (64 MiB in float32; 256 ids at the
 # defaults) amortise the per-op overhead and thread start-up; measured best on 2 CPU cores.
@@ -124,15 +124,3 @@ class LEVTable:
             if progress is not None:
                 progress(ids.shape[0])
         return out
-
-
-def lev_table(
-    lev_config: LEVConfig,
-    params: Mapping[str, torch.Tensor],
-    *,
-    dtype: torch.dtype = torch.float32,
-    out: Optional[torch.Tensor] = None,
-    progress: Optional[Callable[[int], None]] = None,
-) -> torch.Tensor:
-    """This rank's [V, D] LEV table from its parameters (see `LEVTable`)."""
-    return LEVTable(lev_config, params, dtype=dtype).table(out=out, progress=progress)

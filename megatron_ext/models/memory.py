@@ -57,11 +57,6 @@ class TrainingPlan:
         """The portable engine under --bf16 keeps bf16 copies of fp32 weights for backward."""
         return self.precision.bf16 and self.engine == "portable"
 
-    @property
-    def num_gpus(self) -> int:
-        """GPUs of the layout: tensor x pipeline x data parallel."""
-        return self.parallel.world_size // self.parallel.context_parallel_size
-
 
 @dataclass(frozen=True)
 class MemoryEstimate:

@@ -35,8 +35,7 @@ class Timers:
 
     def __init__(self, enabled: bool, detailed: bool = False) -> None:
         self.enabled = enabled
-        self.detailed = enabled and detailed
-        """Whether `span` times (--timing-log-level 2)."""
+        self.detailed = enabled and detailed  # whether `span` times (level 2)
         self.totals: dict[str, float] = {}
         self.spans: dict[str, float] = {}
         self._last = time.perf_counter()
@@ -136,8 +135,7 @@ class MetricsLogger:
             cfg.log.tensorboard_dir, cfg.log.tensorboard_queue_size, enabled=is_rank0
         )
         self.reporter.wandb = wandb
-        self.extras: dict[str, float] = {}
-        """The engine's and the features' logged extras of the latest logged iteration."""
+        self.extras: dict[str, float] = {}  # logged extras of the latest logged iteration
         self._losses: list[float] = []
         self._grad_norms: list[float] = []
         self._interval_start = time.time()
