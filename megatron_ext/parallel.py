@@ -186,13 +186,10 @@ def initialize_parallel(
     """Initialise torch.distributed (from torchrun's env vars) and megatron's parallel groups;
     return this rank's groups (seeded with `set_random_seed(1234, ...)`).
 
-    Without torchrun's variables (a plain `python pretrain_leviathan.py`, or a tool's `main`
-    called in a notebook) the process is a one-rank world over an in-memory store: no port, and
-    `os.environ` is left as it was, so processes it starts later do not inherit a rank.
-    `timeout_minutes` (fractions allowed) bounds every collective of every group once the
-    groups exist: a rank that waits longer for a stopped or hung peer raises
-    (`is_collective_timeout`) instead of hanging. Start-up (rendezvous, creating the groups)
-    waits at least STARTUP_TIMEOUT_MINUTES, so that a short timeout does not fail a slow start.
+    Without torchrun's variables the process is a one-rank world over an in-memory store (no
+    port, `os.environ` left alone). `timeout_minutes` bounds every collective once the groups
+    exist (a rank waiting on a stopped peer raises instead of hanging); start-up waits at least
+    STARTUP_TIMEOUT_MINUTES.
     """
     startup = datetime.timedelta(minutes=max(timeout_minutes, STARTUP_TIMEOUT_MINUTES))
     backend = backend or default_backend()

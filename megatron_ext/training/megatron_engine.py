@@ -57,18 +57,8 @@ __all__ = ["MegatronEngine", "MegatronParts"]
 
 @dataclass(frozen=True)
 class MegatronParts:
-    """The megatron-core callables the engine is built from (the CUDA-only ones replaceable).
-
-    ddp: `DistributedDataParallel(config=, ddp_config=, module=, pg_collection=)`.
-    ddp_config: `DistributedDataParallelConfig(**fields)`.
-    float16_module: `Float16Module(config, module)` (BF16 parameters).
-    optimizer_config: `OptimizerConfig(**fields)`.
-    config_overrides: `get_standard_config_overrides(optimizer_config)`.
-    get_optimizer: `get_megatron_optimizer(config, model_chunks, config_overrides=,
-        pg_collection=)` -> a ChainedOptimizer.
-    forward_backward: `get_forward_backward_func(pp_size=, vp_size=)`.
-    finalize_model_grads: megatron's `finalize_model_grads(model_chunks, num_tokens, ...)`.
-    """
+    """The megatron-core callables the engine is built from (`megatron_core()`: the real ones;
+    the tests pass CPU doubles with the same signatures)."""
 
     ddp: Callable
     ddp_config: Callable

@@ -127,15 +127,9 @@ class ChunkStage(torch.nn.Module):
 class Pipeline:
     """This rank's model chunks as stages of torch's pipeline schedules (see the module doc).
 
-    Args:
-        chunks: this rank's model chunks in order (more than one: interleaved 1F1B).
-        forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
-        pg: the run's process groups (`pg.pp` orders the stages).
-        shape: the activations the stages exchange (and the loss stage's output).
-        autocast: the forward's precision context.
-        deferred: parameters the chunk stages do not own (`engine.ModuleHooks.defers_gradients`).
-        wrap: the module each stage runs, made from its `ChunkStage` (the engine's torch DDP;
-            by default the `ChunkStage` itself).
+    `chunks`: this rank's model chunks in order (more than one: interleaved 1F1B); `deferred`:
+    parameters the stages do not own (`engine.ModuleHooks`); `wrap`: the module each stage runs,
+    made from its `ChunkStage` (the engine's DDP; by default the `ChunkStage` itself).
     """
 
     def __init__(
