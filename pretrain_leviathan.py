@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_ext.cli import setup_logging
+from megatron_ext.cli import run_tool, setup_logging
 
 logger = logging.getLogger("pretrain_leviathan")
 
@@ -42,11 +42,9 @@ def model_provider(
     vp_stage=None,
     vp_size=None,
 ):
-    """This pipeline stage of the model (input embedding on the first, head on the last), built
-    at the run's layout `parallel` (a `ParallelConfig`) and `precision` (a `PrecisionConfig`),
-    its layers communicating over `pg_collection` (megatron-core's `ProcessGroupCollection`;
-    None: megatron's global groups, as for the single-stage twin built before PP training); with
-    `vp_stage` of `vp_size` model chunks per rank, that chunk of the stage's layers."""
+    """This pipeline stage of the model (or model chunk `vp_stage` of `vp_size`), built at the
+    run's `parallel` layout and `precision`, communicating over `pg_collection` (None:
+    megatron's global groups, as for the single-stage twin built before PP training)."""
     from megatron_ext.models import build_model
     from megatron_ext.parallel import ProcessGroups
 
@@ -117,10 +115,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: b
         return total, {"lm loss": stats}
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:
-        torch.distributed.all_reduce(stats, group=parallel_state.get_context_parallel_group())
-        return total * cp / stats[1].clamp(min=1.0), {
-            "lm loss": torch.stack([total.detach(), count])
-        }
+        summed = stats.clone()  # the report stays this rank's own [sum, count]
+        torch.distributed.all_reduce(summed, group=parallel_state.get_context_parallel_group())
+        return total * cp / summed[1].clamp(min=1.0), {"lm loss": stats}
     return total / count.clamp(min=1.0), {"lm loss": stats}
 
 
@@ -223,8 +220,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     """The command (``python pretrain_leviathan.py``, ``python -m pretrain_leviathan``, the
     ``leviathan-pretrain`` console script): :func:`main` under megatron_ext.cli.run_tool."""
-    from megatron_ext.cli import run_tool
-
     return run_tool(main, argv, log_format=None, shutdown_distributed=False)
 
 

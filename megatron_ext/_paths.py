@@ -1,10 +1,8 @@
 """Paths: how they are shown to users, and files written under them atomically.
 
-Tools resolve paths to absolute ones internally (checkpoints, outputs); what they print and log
-goes through :func:`display_path`, so output run from the repository root reads
-``runs/x/ckpt`` rather than the machine's absolute path. Every file written under a temporary
-name and renamed when complete (a reader or an interrupted run never sees half of it) goes
-through :func:`atomic_path` / :func:`atomic_open` / :func:`atomic_write`.
+What tools print goes through :func:`display_path` (``runs/x/ckpt``, not the machine's absolute
+path). Every file written under a temporary name and renamed when complete goes through
+:func:`atomic_path` / :func:`atomic_open` / :func:`atomic_write`.
 """
 
 from __future__ import annotations

@@ -56,14 +56,11 @@ def setup_logging(
     rank_prefix: bool = False,
     quiet_megatron: bool = True,
 ) -> None:
-    """INFO (DEBUG with ``verbose``) lines on rank 0, errors only on the other ranks (as
-    Megatron-LM warns on rank 0), to ``stream`` (default stderr); once per process
-    (logging.basicConfig).
+    """INFO (DEBUG with ``verbose``) lines on rank 0, errors only on the other ranks, to
+    ``stream`` (default stderr); once per process (logging.basicConfig).
 
     ``rank_prefix``: the other ranks' lines start ``[rank N]`` instead of the time, and
-    warnings and errors name their level (the training entry point's lines).
-    ``quiet_megatron``: megatron-core's own INFO lines are dropped (the tools'); training keeps
-    them, as Megatron-LM shows them.
+    warnings and errors name their level. ``quiet_megatron``: drop megatron-core's INFO lines.
     """
     level = logging.DEBUG if verbose else logging.INFO
     handler = logging.StreamHandler(stream or sys.stderr)
@@ -80,9 +77,8 @@ def setup_logging(
 
 
 def quiet_import_warnings() -> None:
-    """Drop megatron-core's import-time notes that Apex / Transformer Engine are missing (and
-    its deprecation notes a user cannot act on), as `setup_logging` does, for a command that
-    imports megatron-core before it parses its flags."""
+    """Drop megatron-core's import-time notes a user cannot act on (Apex / Transformer Engine
+    missing, deprecations), for a command that imports it before `setup_logging`."""
     warnings.filterwarnings("ignore", message=_QUIET_WARNINGS)
 
 
@@ -116,18 +112,13 @@ def run_tool(
     """Run a command's ``main(argv)`` and return its exit code.
 
     Args:
-        main: parses ``argv`` and does the work; returns the exit code.
         errors: the expected failure classes (or a function returning them, so that heavy
             modules are imported only when the command runs): each becomes ``error: <message>``
-            on stderr (rank 0 only) and ``error_code``, without a traceback. Anything else
-            propagates with its traceback (a bug).
+            on stderr (rank 0 only) and ``error_code``; anything else keeps its traceback.
         log_format: the logging format (see :func:`setup_logging`); None leaves logging alone.
-        log_stream: where log lines go (default stderr).
         interrupted: the line printed on Ctrl-C (exit 130).
-        sigterm_interrupts: treat SIGTERM (Slurm preemption, ``kill``) as Ctrl-C, so that the
-            command's clean-up runs.
-        shutdown_distributed: destroy the process groups the command left initialized (off
-            for training, whose loop owns its groups' teardown).
+        sigterm_interrupts: treat SIGTERM (Slurm preemption, ``kill``) as Ctrl-C.
+        shutdown_distributed: destroy the process groups the command left initialized.
     """
     if log_format is not None:
         setup_logging(stream=log_stream, fmt=log_format)

@@ -1,20 +1,14 @@
 """A fresh key space in torchrun's store for every restart round.
 
-Under torchrun (c10d or static rendezvous) the ranks do not host their own TCPStore: they share
-the agent's (`TORCHELASTIC_USE_AGENT_STORE=True`), and torch 2.13's agent keeps that store for
-the whole job. `init_process_group(init_method="env://")` uses it without a per-round prefix, so
-after `--max-restarts` restarts the ranks, the new ranks find the previous round's keys
-(`default_pg/...`, each group's gloo addresses or NCCL ids) and connect to ranks that are dead:
-process-group start-up hangs (pytorch/pytorch#135712 describes the same race for NCCL).
-`TORCHELASTIC_RESTART_COUNT` cannot serve as the prefix: each agent counts its own restarts, so
-two nodes can disagree.
+Under torchrun the ranks share the agent's TCPStore, which outlives a restart; without a
+per-round prefix the restarted ranks find the previous round's keys and connect to dead ranks
+(pytorch/pytorch#135712). `TORCHELASTIC_RESTART_COUNT` cannot be the prefix: each agent counts
+its own restarts.
 
-`round_store` agrees on a prefix that is new in every round: rank 0 publishes a random token;
-every other rank answers the token it reads with its own token, and proceeds once rank 0 lists
-its token among the members of the round. A token left by a dead rank 0 is never confirmed with
-a live rank's token, so nobody can settle on a previous round. Rank 0 also counts the rounds in
-the store, so every rank knows the job-wide restart number (`restart_round`), which the agents'
-own counters do not give: an agent whose ranks were healthy restarts them without counting.
+`round_store` agrees on a new prefix every round: rank 0 publishes a random token, every other
+rank answers it with its own, and proceeds once rank 0 lists its token among the round's
+members (a dead rank 0's token is never confirmed). Rank 0 also counts the rounds in the store:
+the job-wide restart number (`restart_round`).
 """
 
 from __future__ import annotations

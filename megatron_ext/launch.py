@@ -1,17 +1,10 @@
-"""The one launcher of training processes: an entry point on N ranks under torchrun (plain
-``python`` for one rank), in its own session, its output captured to a log, and nothing left
-running when it is done. Used by tools/gpu_check.py and the quick start (tests and benchmarks
-add signals and process inspection: tests/support/jobs.py)::
+"""The one launcher of training processes: an entry point (a module name, run with ``-m``, or a
+``.py`` path) on N ranks under torchrun (plain ``python`` for one rank), in its own session, its
+output captured to a log, and nothing left running when it is done. The children import the
+caller's ``megatron_ext`` (its parent directory goes first on their PYTHONPATH)::
 
     with launch("pretrain_leviathan", 2, args, log=workdir / "output.log") as job:
         returncode = job.wait(on_line=print)
-    output = job.output()
-
-``entry`` is a module name (run as ``python -m entry`` / ``torchrun -m entry``, so it works from
-an installed package: ``pretrain_leviathan`` is installed as a top-level module beside
-``megatron_ext``) or the path of a ``.py`` script. The children import the same
-``megatron_ext`` as the caller: its parent directory goes first on their PYTHONPATH (a source
-checkout; for an installed package that is site-packages, already on the path).
 """
 
 from __future__ import annotations
@@ -34,12 +27,8 @@ _LISTEN_PORTS = (20000, 32768)
 
 
 def _listen_port_range() -> tuple[int, int]:
-    """Ports [low, high) that the kernel never hands out as ephemeral (outgoing) ports.
-
-    Linux's ephemeral range is read from /proc (32768-60999 by default); below it, down to
-    10000, are the ports left for listeners. Elsewhere the IANA ephemeral range 49152-65535 is
-    assumed, and 20000-32767 is used.
-    """
+    """Ports [low, high) that the kernel never hands out as ephemeral (outgoing) ports: below
+    (down to 10000) or above Linux's ephemeral range, else 20000-32767."""
     try:
         with open(_EPHEMERAL_RANGE_FILE) as f:
             low, high = (int(v) for v in f.read().split())
@@ -56,13 +45,11 @@ _drawn_ports: set[int] = set()
 
 
 def find_free_port() -> int:
-    """Return a TCP port on loopback that was free a moment ago, for a rendezvous to listen on.
+    """A TCP port on loopback that was free a moment ago, for a rendezvous to listen on.
 
-    The port is drawn at random outside the kernel's ephemeral range. A port that the kernel
-    assigned (bind to port 0) is an ephemeral one, and between this call and the listener's
-    bind any outgoing connection on the machine (gloo opens many) may take it: concurrent
-    launches then fail with EADDRINUSE. A random draw also keeps concurrent callers (pytest-xdist
-    workers) apart, and one process never gets the same port twice.
+    Drawn at random outside the ephemeral range: an ephemeral port (bind to port 0) may be taken
+    by any outgoing connection (gloo opens many) before the listener binds it; the random draw
+    keeps concurrent callers apart, and one process never gets the same port twice.
     """
     low, high = _listen_port_range()
     rng = random.Random(int.from_bytes(os.urandom(8), "little"))
@@ -94,20 +81,19 @@ __all__ = [
 PACKAGE_ROOT = Path(megatron_ext.__file__).resolve().parents[1]
 
 
+def _stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/PID/stat after the command name (state first), None if gone."""
+    try:
+        # The command name may hold spaces and parentheses: fields follow the last ')'.
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid`` (from /proc; Linux), in pid order."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses: fields follow the last ')'.
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            children.append(int(entry))
-    return sorted(children)
+    stats = {int(e): _stat(int(e)) for e in os.listdir("/proc") if e.isdigit()}
+    return sorted(child for child, stat in stats.items() if stat and int(stat[1]) == pid)
 
 
 def descendant_pids(pid: int) -> list[int]:
@@ -117,24 +103,16 @@ def descendant_pids(pid: int) -> list[int]:
 
 
 def _start_time(pid: int) -> Optional[int]:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): with
-    the pid it names one process, even after the pid is reused."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    """The start time in clock ticks since boot: with the pid it names one process, even after
+    the pid is reused."""
+    stat = _stat(pid)
+    return None if stat is None else int(stat[19])
 
 
 def _same_process_running(pid: int, started: Optional[int]) -> bool:
     """Whether the process seen as (pid, start time) still runs (a zombie does not)."""
-    if started is None:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return int(stat[19]) == started and stat[0] not in ("Z", "X")
+    stat = _stat(pid)
+    return stat is not None and int(stat[19]) == started and stat[0] not in ("Z", "X")
 
 
 class Job:
@@ -334,23 +312,18 @@ def launch(
     python: str = sys.executable,
     job: Callable[..., Job] = Job,
 ) -> Job:
-    """Start ``entry`` on ``nproc`` ranks and return the running :class:`Job`.
+    """Start ``entry`` (a module name or a script path) with ``args`` on ``nproc`` ranks and
+    return the running :class:`Job`.
 
     Args:
-        entry: a module name (``"pretrain_leviathan"``) or a script path.
-        nproc: ranks on this node.
-        args: the entry's arguments.
-        env: variables added to the inherited environment (PYTHONUNBUFFERED=1 and
-            OMP_NUM_THREADS=1 are set unless given; a None value removes the variable).
+        env: variables added to the environment (see `job_environment`).
         timeout: seconds from the start after which :meth:`Job.wait` kills the job and raises
             TimeoutError (None: no limit).
-        log: the output file (default: ``output.log`` in ``cwd``).
-        stderr: a separate file for standard error (default: interleaved into ``log``).
-        cwd: the working directory (default: the current one).
+        log: the output file (default: ``output.log`` in ``cwd``); ``stderr``: a separate file
+            for standard error (default: interleaved into ``log``).
         torchrun: run under ``torch.distributed.run`` (default: when ``nproc > 1``); without it
-            one plain process gets MASTER_ADDR/MASTER_PORT and no inherited RANK/WORLD_SIZE.
+            one plain process gets MASTER_ADDR/MASTER_PORT.
         torchrun_args: extra torchrun flags (e.g. ``--max-restarts 2``).
-        python: the interpreter.
         job: the class of the returned job (tests/support/jobs.py: one that signals it).
     """
     if nproc < 1:

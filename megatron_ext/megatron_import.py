@@ -1,19 +1,14 @@
 """The one place megatron-core is first imported from, with its import-time costs deferred.
 
-megatron-core's `jit.py` sets `jit_fuser = torch.compile`, and the fusion modules that
-`import megatron.core` loads decorate functions with it, importing torch._dynamo and
-TorchInductor in every process although a CPU run calls none of them. Here megatron-core is
-imported while `torch.compile` is `lazy_compile` (compiles on the first call, as torch.compile
-does anyway), then `torch.compile` is restored; megatron's `jit_fuser` stays lazy.
-
-megatron-core also runs `try: import wandb` at import: where wandb is installed and not imported
-yet, the real module is put into `sys.modules` unexecuted (`import_deferred`), so `HAVE_WANDB`
-is True as before and wandb's `__init__` runs on the first attribute read or submodule import.
-(`importlib.util.LazyLoader` cannot: `inspect.getmodule` reads every module's `__file__`.)
+megatron-core decorates its fusion functions with `torch.compile` at import, which imports
+torch._dynamo and TorchInductor in every process although a CPU run calls none of them. Here
+megatron-core is imported while `torch.compile` is `lazy_compile` (compiles on the first call),
+then `torch.compile` is restored. Its `try: import wandb` gets the real module unexecuted
+(`import_deferred`): `HAVE_WANDB` stays True and wandb's `__init__` runs on first use
+(`importlib.util.LazyLoader` cannot: `inspect.getmodule` reads every module's `__file__`).
 
 Every module of this project that imports megatron-core imports this module first
-(`tests/test_import_layers.py` checks it); the saving is measured by
-`benchmarks/bench_startup.py` (benchmarks/RESULTS.md).
+(`tests/test_import_layers.py` checks it; `benchmarks/bench_startup.py` measures the saving).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Process-group and RNG set-up shared by the entry points, the tests and the benchmarks.
+"""Process-group and RNG set-up: megatron.core.parallel_state creates the groups; this module
+picks the backend (gloo on CPU, nccl on CUDA), validates the layout, and seeds the random
+generators the way Megatron-LM does (on CPU over `rng.CpuRNGStatesTracker`).
 
-megatron.core.parallel_state creates the groups (megatron-core's layers read them from there);
-this module picks the backend (gloo on CPU, nccl on CUDA), validates the layout with messages
-that say which flag to change (`config.layout.ParallelConfig.resolve`), and seeds the random
-generators the way Megatron-LM does (the CUDA RNG tracker on GPU; on CPU its twin over CPU
-generator states, `rng.CpuRNGStatesTracker`).
-
-`initialize_parallel` returns the groups as one `ProcessGroups` object; the training loop,
-optimizer, schedule, gradient reductions, checkpointing, the model builder, evaluation,
-generation and conversion take it (or the one group they need) as an argument instead of
-reading megatron's globals. This module is the one place that reads them
-(`ProcessGroups.from_megatron`, `ProcessGroups.current`); tests/test_import_layers.py keeps
-it so.
+`initialize_parallel` returns the groups as one `ProcessGroups` object, which the rest of the
+package takes as an argument: this module is the one place that reads megatron's globals
+(tests/test_import_layers.py keeps it so).
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import megatron_ext.megatron_import  # noqa: F401
@@ -58,19 +51,13 @@ class ProcessGroups:
     """
 
     tp: dist.ProcessGroup
-    """Tensor parallel."""
-    pp: dist.ProcessGroup
-    """Pipeline parallel (the stages of this model replica)."""
+    pp: dist.ProcessGroup  # the stages of this model replica
     cp: dist.ProcessGroup
-    """Context parallel."""
-    dp: dist.ProcessGroup
-    """Data parallel (without context parallelism)."""
-    dp_cp: dist.ProcessGroup
-    """Data x context parallel: gradients are averaged and ZeRO-1 shards over it."""
-    mp: dist.ProcessGroup
-    """Model parallel (TP x PP): the global gradient norm sums over it."""
+    dp: dist.ProcessGroup  # without context parallelism
+    dp_cp: dist.ProcessGroup  # gradients are averaged and ZeRO-1 shards over it
+    mp: dist.ProcessGroup  # TP x PP: the global gradient norm sums over it
+    # First and last pipeline stage, which both hold a tied embedding (this rank's, if any).
     embd: Optional[dist.ProcessGroup] = None
-    """First and last pipeline stage, which both hold a tied embedding (this rank's, if any)."""
 
     @classmethod
     def from_megatron(cls) -> "ProcessGroups":
@@ -103,27 +90,15 @@ class ProcessGroups:
     def megatron_collection(self):
         """These groups as megatron-core's `ProcessGroupCollection` (GPTModel's `pg_collection`),
         so that megatron's layers communicate over the same groups as this package's code."""
-        return ProcessGroupCollection(
-            tp=self.tp,
-            pp=self.pp,
-            cp=self.cp,
-            dp=self.dp,
-            dp_cp=self.dp_cp,
-            mp=self.mp,
-            embd=self.embd,
-        )
+        return ProcessGroupCollection(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
     def from_collection(cls, collection) -> "ProcessGroups":
         """The groups of a megatron-core `ProcessGroupCollection` (what Megatron-LM hands a
         `model_provider` as `pg_collection`); the inverse of `megatron_collection`."""
+        names = [f.name for f in fields(cls) if f.name != "embd"]
         return cls(
-            tp=collection.tp,
-            pp=collection.pp,
-            cp=collection.cp,
-            dp=collection.dp,
-            dp_cp=collection.dp_cp,
-            mp=collection.mp,
+            **{name: getattr(collection, name) for name in names},
             embd=getattr(collection, "embd", None),
         )
 
@@ -139,7 +114,7 @@ class ProcessGroups:
 
     @property
     def pp_rank(self) -> int:
-        """This rank\'s pipeline stage."""
+        """This rank's pipeline stage."""
         return dist.get_rank(self.pp)
 
     @property
@@ -211,13 +186,10 @@ def initialize_parallel(
     """Initialise torch.distributed (from torchrun's env vars) and megatron's parallel groups;
     return this rank's groups (seeded with `set_random_seed(1234, ...)`).
 
-    Without torchrun's variables (a plain `python pretrain_leviathan.py`, or a tool's `main`
-    called in a notebook) the process is a one-rank world over an in-memory store: no port, and
-    `os.environ` is left as it was, so processes it starts later do not inherit a rank.
-    `timeout_minutes` (fractions allowed) bounds every collective of every group once the
-    groups exist: a rank that waits longer for a stopped or hung peer raises
-    (`is_collective_timeout`) instead of hanging. Start-up (rendezvous, creating the groups)
-    waits at least STARTUP_TIMEOUT_MINUTES, so that a short timeout does not fail a slow start.
+    Without torchrun's variables the process is a one-rank world over an in-memory store (no
+    port, `os.environ` left alone). `timeout_minutes` bounds every collective once the groups
+    exist (a rank waiting on a stopped peer raises instead of hanging); start-up waits at least
+    STARTUP_TIMEOUT_MINUTES.
     """
     startup = datetime.timedelta(minutes=max(timeout_minutes, STARTUP_TIMEOUT_MINUTES))
     backend = backend or default_backend()
@@ -294,9 +266,8 @@ def _set_timeout(timeout: datetime.timedelta) -> None:
 
 def is_collective_timeout(error: Optional[BaseException]) -> bool:
     """Whether `error`, or an error it was raised from, is a collective that waited past the
-    process-group timeout (gloo says "Timed out waiting ... for recv", NCCL's watchdog "Watchdog
-    caught collective operation timeout"; torch's pipeline stages raise their own RuntimeError
-    from what their forward or backward raised)."""
+    process-group timeout (a RuntimeError saying so: gloo, NCCL's watchdog, torch's pipeline
+    stages re-raising)."""
     while error is not None:
         text = str(error).lower()
         if isinstance(error, RuntimeError) and ("timed out" in text or "timeout" in text):
@@ -323,10 +294,8 @@ def set_random_seed(seed: int, pp_rank: int = 0) -> None:
     `ProcessGroups.pp_rank`), the same across TP; then megatron's RNG tracker
     (`model_parallel_cuda_manual_seed`: its model-parallel state differs per TP rank).
 
-    Every tensor-parallel rank draws the same CPU stream, which megatron's
-    `use_cpu_initialization` relies on to build the full master weight before splitting it.
-    Without CUDA the tracker is `rng.CpuRNGStatesTracker` with the same seeds, and dropout draws
-    from its streams, not from that CPU stream (see `megatron_ext.rng`).
+    Every TP rank draws the same CPU stream (megatron's `use_cpu_initialization` builds the full
+    master weight before splitting it). Without CUDA the tracker is `rng.CpuRNGStatesTracker`.
     """
     seed = seed + 100 * pp_rank
     torch.manual_seed(seed)

@@ -1,12 +1,9 @@
 """Which node each rank runs on, and whether the tensor-parallel groups stay inside a node.
 
-megatron-core numbers ranks with tensor parallelism varying fastest (order tp-cp-ep-dp-pp), and
-torchrun gives node `GROUP_RANK` the consecutive global ranks
-`GROUP_RANK * LOCAL_WORLD_SIZE ... + LOCAL_WORLD_SIZE - 1`. So with `--nproc-per-node` a
-multiple of `--tensor-model-parallel-size`, every TP group (the most communication-heavy one:
-two all-reduces per layer) lies within one node, and data parallelism runs across nodes.
-`rank_placement` checks this on the running groups rather than trusting the arithmetic: every
-rank reports its node and its coordinates, rank 0 gets the table.
+megatron-core varies tensor parallelism fastest and torchrun gives each node consecutive ranks,
+so with `--nproc-per-node` a multiple of `--tensor-model-parallel-size` every TP group (two
+all-reduces per layer) lies within one node. `rank_placement` checks this on the running groups
+rather than trusting the arithmetic.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ class RankPlace:
     pp: int
     cp: int
     dp: int
-    tp_group: tuple[int, ...]
-    """Global ranks of this rank's tensor-parallel group."""
+    tp_group: tuple[int, ...]  # global ranks of this rank's tensor-parallel group
 
 
 def node_name() -> str:
@@ -45,10 +41,8 @@ def node_name() -> str:
 
 
 def rank_placement(groups) -> list[RankPlace]:
-    """Every rank's place (gathered over the world; collective), indexed by global rank.
-
-    `groups` is this rank's `megatron_ext.parallel.ProcessGroups`.
-    """
+    """Every rank's place (gathered over the world; collective), indexed by global rank;
+    `groups` is this rank's `ProcessGroups`."""
     mine = RankPlace(
         rank=dist.get_rank(),
         node=node_name(),

@@ -1,11 +1,9 @@
 """Portable sequence-parallel communication and the parallel layers that use it.
 
-megatron-core 0.16.1's sequence-parallel mappings (`_gather_along_first_dim`,
-`_reduce_scatter_along_first_dim`, `_gather_along_last_dim`) and its linear autograd function
-allocate their outputs on `torch.cuda.current_device()`, so sequence parallelism fails on CPU.
-The functions here do the same collectives with outputs on the input's device (gloo supports
-all-gather-into-tensor and reduce-scatter-tensor), and the `Portable*` layers route through
-them on CPU while keeping megatron's own (overlapped, buffer-reusing) path on CUDA.
+megatron-core's sequence-parallel mappings and linear autograd function allocate their outputs
+on `torch.cuda.current_device()`, so sequence parallelism fails on CPU. The functions here do
+the same collectives on the input's device, and the `Portable*` layers route through them on
+CPU while keeping megatron's own path on CUDA.
 
 Layouts: "sequence parallel" tensors are [s/tp, b, h]; "tensor parallel" ones [s, b, h/tp].
 """
@@ -51,12 +49,8 @@ __all__ = [
 def model_tp_size_rank(
     model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup]
 ) -> tuple[int, int]:
-    """(size, rank) of `model`'s tensor-parallel group `tp_group` (`ProcessGroups.tp`).
-
-    None means the model is not tensor-parallel: (1, 0), refused (ValueError) when the model's
-    config says it is split over several ranks, so that no caller silently treats a shard as
-    the whole tensor.
-    """
+    """(size, rank) of `model`'s tensor-parallel group `tp_group` (`ProcessGroups.tp`); None
+    means (1, 0), refused when the model's config says it is split (a shard is not the whole)."""
     if tp_group is not None:
         return dist.get_world_size(tp_group), dist.get_rank(tp_group)
     model_tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1) or 1
@@ -145,12 +139,9 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Te
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """megatron's `_VocabParallelCrossEntropy` (no label smoothing), step for step and with
-    its own helpers, except for three passes over the [s, b, V/tp] float32 logits it need not
-    make: the row maximum is `amax` (megatron's `torch.max(dim)` also computes the arg-max,
-    about 5x slower on CPU; the values are the same), the all-reduces are skipped on a
-    one-rank group, and without autograd (evaluation) the logits are not normalised into the
-    softmax that only the backward reads. The losses and gradients are bit for bit megatron's.
+    """megatron's `_VocabParallelCrossEntropy` (no label smoothing) with its own helpers, bit
+    for bit, less three passes over the [s, b, V/tp] float32 logits: the row maximum by `amax`
+    (not the arg-max too), no all-reduce on a one-rank group, and no softmax without autograd.
     """
 
     @staticmethod
@@ -206,11 +197,8 @@ def chunked_head_cross_entropy(
 ) -> torch.Tensor:
     """Per-token cross entropy [s, b] of the output head `hidden @ weight.T` (hidden
     [s, b, h], weight [V, h], target ids [s, b]) without autograd and without the [s, b, V]
-    logits: the head runs `rows` rows at a time and each chunk's loss is taken while the chunk
-    is still in cache, by the compiled one-pass-per-row kernel of the CPU accelerations
-    (`cpu_accel.cross_entropy`)
-    for float32 CPU logits, else by `vocab_parallel_cross_entropy` (one rank; the reason the
-    kernel is not used is logged once).
+    logits: `rows` rows at a time, each chunk's loss taken while it is in cache (by
+    `cpu_accel.cross_entropy` for float32 CPU logits, else `vocab_parallel_cross_entropy`).
 
     Raises:
         IndexError: a target id outside [0, V).
@@ -272,17 +260,13 @@ def adopt(cls: type, module: torch.nn.Module) -> torch.nn.Module:
 
 
 class _MarksLayoutWithoutInit:
-    """megatron's tensor-parallel layers set their weight's layout attributes (partition dim
-    and stride, which grad-norm counting and the checkpoint layout read) only while drawing its
-    initial values; a model built to be loaded (`perform_initialization=False`: no draw) still
-    needs them. `partition_dim` and `stride` are the layer's."""
+    """megatron's layers set their weight's layout attributes (partition dim, stride) only while
+    drawing its initial values; a model built to be loaded (no draw) still needs them."""
 
     partition_dim = 0
     stride = 1
 
     def mark_layout_without_init(self) -> None:
-        """Set the weight's layout attributes where megatron skipped its initialisation (it
-        sets them whenever it draws)."""
         weight = getattr(self, "weight", None)
         if weight is not None and not hasattr(weight, "tensor_model_parallel"):
             mcore_tp.set_tensor_model_parallel_attributes(
@@ -291,10 +275,8 @@ class _MarksLayoutWithoutInit:
 
 
 def _forward_only_single_rank(layer) -> bool:
-    """True when a CPU linear may skip megatron's communication wrappers: no autograd is
-    recorded (evaluation, generation) and its TP group has one rank, so every copy, reduce and
-    gather is the identity. Skipping them saves several autograd-Function calls per layer and
-    token, which dominate a decoding step's overhead on CPU; the matmul is the same call."""
+    """True when a CPU linear may skip megatron's communication wrappers (identities here, but
+    autograd-Function calls that dominate a CPU decoding step): no autograd, one TP rank."""
     if torch.is_grad_enabled() or layer.sequence_parallel:
         return False
     single = layer.__dict__.get("_tp_single_rank")
@@ -311,32 +293,14 @@ class PortableColumnParallelLinear(mcore_tp.ColumnParallelLinear, _MarksLayoutWi
         self.stride = stride  # SwiGLU's fc1 (2): its shards interleave gate and up
         self.mark_layout_without_init()
 
-    def _forward_impl(
-        self,
-        input,
-        weight,
-        bias=None,
-        gradient_accumulation_fusion=False,
-        allreduce_dgrad=False,
-        sequence_parallel=False,
-        tp_group=None,
-        **kwargs,
-    ):
+    def _forward_impl(self, input, weight, bias=None, **kwargs):
         if input.is_cuda:
-            return super()._forward_impl(
-                input,
-                weight,
-                bias=bias,
-                gradient_accumulation_fusion=gradient_accumulation_fusion,
-                allreduce_dgrad=allreduce_dgrad,
-                sequence_parallel=sequence_parallel,
-                tp_group=tp_group,
-                **kwargs,
-            )
-        tp_group = tp_group if tp_group is not None else self.tp_group
-        if sequence_parallel:
+            return super()._forward_impl(input, weight, bias=bias, **kwargs)
+        tp_group = kwargs.get("tp_group")
+        tp_group = self.tp_group if tp_group is None else tp_group
+        if kwargs.get("sequence_parallel"):
             input = gather_from_sequence_parallel_region(input, tp_group)
-        elif allreduce_dgrad:
+        elif kwargs.get("allreduce_dgrad"):
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         return F.linear(input, weight, bias)
 

@@ -40,6 +40,7 @@ __all__ = [
     "LEVModes",
     "cpu_kernel_available",
     "cpu_kernel_error",
+    "digit_projection",
     "lev_modes",
     "select_backend",
     "triton_importable",
@@ -55,19 +56,14 @@ KERNELS = ("auto", "reference", "torch", "triton", "cpu")
 class LEVKernelOptions:
     """What a LEV kernel needs besides its tensors (kappa, r, h, d come from their shapes)."""
 
-    temperature: float = 2.0
-    """tau in t = sigmoid(LayerNorm(u) / tau)."""
-    norm_eps: float = 1e-5
-    """LayerNorm epsilon."""
-    normalize_basis: bool = True
-    """Renormalise the B-spline basis to sum 1."""
-    product_eps: float = 1e-9
-    """eps in sign * exp(sum log(|phi| + eps)) (any positive float; see "The signed product")."""
-    chunk_size: int = 0
-    """Ids per chunk of the torch backend (0: about 2M spline values per chunk)."""
+    temperature: float = 2.0  # tau in t = sigmoid(LayerNorm(u) / tau)
+    norm_eps: float = 1e-5  # LayerNorm epsilon
+    normalize_basis: bool = True  # renormalise the B-spline basis to sum 1
+    product_eps: float = 1e-9  # eps in sign * exp(sum log(|phi| + eps))
+    chunk_size: int = 0  # ids per chunk of the torch backend (0: about 2M spline values)
+    # How k codebook rows form a seed when `lev_modes` gets codebooks and digits: "sum"
+    # (d_c = d_in) or "concat" (k*d_c = d_in).
     codebook_combine: str = "sum"
-    """How k codebook rows form a seed when `lev_modes` gets codebooks and digits: "sum"
-    (d_c = d_in) or "concat" (k*d_c = d_in); `LEVConfig.codebook_combine`."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0 or not self.norm_eps > 0 or not self.product_eps > 0:
@@ -113,32 +109,35 @@ def _project(
 ) -> torch.Tensor:
     """Step 3a for all h heads: u [N, h*d] = z @ W^T, with W = seed_proj as [h*d, d_in].
 
-    With `digits` [N, k], z is the codebooks [k, b, d_c] instead of the seeds, and each seed is
-    the sum (`combine` "sum", d_c = d_in) or the concatenation ("concat", k*d_c = d_in) of the
-    k codebook rows its digits name. u is linear in those rows, so it is the sum of k rows of
-    P_m = C_m @ W_m^T ([b, h*d]; W_m = W for "sum", the m-th column block of W for "concat"):
-    one small [k*b, d_c] GEMM and k*h*d additions per id instead of d_in*h*d multiply-adds
-    (`lev.table` does the same), and in backward a scatter of dL/du into P's k*b rows instead
-    of two [N, d_in, h*d] GEMMs. Worth it when N > k*b (LEVEmbedding decides).
+    With `digits` [N, k], z is the codebooks [k, b, d_c]: u is linear in the k codebook rows
+    that form a seed, so it is the sum of k rows of P_m = C_m @ W_m^T ([b, h*d]; W_m = W for
+    "sum", the m-th column block of W for "concat"), one small GEMM instead of an [N, d_in]
+    one. Worth it when N > k*b (LEVEmbedding decides).
     """
     h, d, d_in = seed_proj.shape
-    weight = seed_proj.reshape(h * d, d_in)
     if digits is None:
-        return torch.matmul(z, weight.t())
-    k, b, d_c = z.shape
-    if combine == "sum":
-        digit_proj = torch.matmul(z, weight.t())  # [k, b, h*d]
-    else:  # "concat": digit m meets the m-th block of d_c columns
-        digit_proj = torch.bmm(z, weight.view(h * d, k, d_c).permute(1, 2, 0))
+        return torch.matmul(z, seed_proj.reshape(h * d, d_in).t())
+    k, b, _ = z.shape
+    digit_proj = digit_projection(z, seed_proj, combine)
     offsets = torch.arange(k, device=digits.device, dtype=digits.dtype) * b
     return F.embedding_bag(digits + offsets, digit_proj.reshape(k * b, h * d), mode="sum")
 
 
+def digit_projection(codebooks: torch.Tensor, seed_proj: torch.Tensor, combine: str):
+    """P [k, b, h*d] = C_m @ W_m^T of the codebooks [k, b, d_c] (W_m = W for "sum"; for
+    "concat" the m-th block of d_c columns of W)."""
+    h, d, d_in = seed_proj.shape
+    weight = seed_proj.reshape(h * d, d_in)
+    if combine == "sum":
+        return torch.matmul(codebooks, weight.t())
+    k, _, d_c = codebooks.shape
+    return torch.bmm(codebooks, weight.view(h * d, k, d_c).permute(1, 2, 0))
+
+
 class SeedNorm(Protocol):
-    """Step 3b up to the sigmoid, y = LayerNorm(u) * gain + shift per (id, head) row of d
-    values (gain, shift = the LayerNorm's weight and bias over the temperature), and its
-    backward. u, y and dL/dy are contiguous [N, h, d]; gain and shift [h, d]. A backend may
-    carry its own as `seed_norm` (the C++ one: one pass per row); else `TORCH_SEED_NORM`."""
+    """Step 3b up to the sigmoid, y = LayerNorm(u) * gain + shift per (id, head) row (gain,
+    shift: the LayerNorm's weight and bias over the temperature), and its backward. u, y, dL/dy
+    contiguous [N, h, d]; gain, shift [h, d]. A backend may carry its own as `seed_norm`."""
 
     def forward(
         self, u: torch.Tensor, gain: torch.Tensor, shift: torch.Tensor, eps: float
@@ -183,10 +182,8 @@ def _seed_to_t(
     opts: LEVKernelOptions,
     digits: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 3a-3b: z (or the codebooks, with `digits`) and the parameters in the compute dtype
-    -> (u [N, h, d], with the projection's autograd graph where grad is enabled; gain [h, d];
-    t = sigmoid(y) [N, h, d], no graph). gain and shift are the LayerNorm's weight and bias
-    over the temperature."""
+    """Steps 3a-3b in the compute dtype -> (u [N, h, d], with the projection's autograd graph
+    where grad is enabled; gain [h, d]; t = sigmoid(y) [N, h, d], no graph)."""
     h, d, _ = seed_proj.shape
     u = _project(z, seed_proj, digits, opts.codebook_combine).view(-1, h, d)
     gain, shift = (p.detach() / opts.temperature for p in norm_params)
@@ -196,15 +193,10 @@ def _seed_to_t(
 
 
 class LEVModes(torch.autograd.Function):
-    """z [N, d_in] -> M [N, h, r] through `backend`; saves z, the parameters and M (and with
-    `digits`, z being the codebooks, the digits).
-
-    Steps 3a-3b: the h projections are one [N, d_in] x [d_in, h*d] GEMM (`_project`; a
-    broadcast batched matmul copies z h times and, in backward, sums h products for dL/dz),
-    then the backend's `SeedNorm` gives y, and t = sigmoid(y) (backends get t's [h, N, d]
-    view). The sigmoid's backward is the backends' (dL/dy = dL/dt * t * (1 - t) where they write
-    dL/dt), the SeedNorm's backward takes dL/dy to dL/du, and autograd takes dL/du through the
-    projection.
+    """z [N, d_in] -> M [N, h, r] through `backend`; saves z, the parameters and M (and the
+    digits). The h projections are one GEMM (`_project`), the backend's `SeedNorm` gives y and
+    t = sigmoid(y) (backends get t's [h, N, d] view); backward: the backend's to dL/dy, the
+    SeedNorm's to dL/du, autograd through the projection.
     """
 
     @staticmethod
@@ -301,9 +293,8 @@ def select_backend(kernel: str, z: torch.Tensor) -> LEVBackend:
         return fused.TORCH_BACKEND
     if kernel == "cpu" or (kernel == "auto" and z.device.type == "cpu"):
         if kernel == "auto":
-            if not cpu_kernel_available():
-                return fused.TORCH_BACKEND
-            return cpu_accel.lev_backend().CPU_BACKEND
+            available = cpu_kernel_available()
+            return cpu_accel.lev_backend().CPU_BACKEND if available else fused.TORCH_BACKEND
         if z.device.type != "cpu":
             raise RuntimeError(
                 f"--lev-kernel cpu runs on CPU tensors, but LEV's input is on {z.device}; "
@@ -351,16 +342,12 @@ def lev_modes(
             spline_delta [h, d, kappa, r] (h = heads on this rank).
         opts: the kernel options (a `LEVConfig` is converted by `LEVKernelOptions.of`).
         kernel: one of KERNELS.
-        digits: [N, k] int64 digits in [0, b) (`lev.math.to_digits`): seed i is the sum of the
-            codebook rows C_m[digits[i, m]] (d_c = d_in) or their concatenation (k*d_c = d_in),
-            as `opts.codebook_combine` says.
-        modes: M [N, h, r] that this function computed earlier for the same inputs (under
-            no_grad; float32, or float64 for float64 inputs): not computed again, only recorded
-            for backward, so that one backward can serve the rows of several forwards
-            (`LEVEmbedding`'s global batch). The "reference" kernel computes M again.
+        digits: [N, k] int64 digits (`lev.math.to_digits`) of the codebook rows that form
+            each seed (`opts.codebook_combine`).
+        modes: M [N, h, r] computed earlier for the same inputs under no_grad: only recorded
+            for backward (`LEVEmbedding`'s global batch; "reference" computes M again).
     Returns:
-        M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state; every
-        kernel but "reference" saves only z, the parameters, M (and the digits) for backward.
+        M: [N, h, r] in float32 (float64 if z is float64), whatever the autocast state.
     """
     opts = LEVKernelOptions.of(opts)
     d_in = seed_proj.shape[2]

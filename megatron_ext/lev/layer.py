@@ -118,18 +118,13 @@ class LEVEmbedding(torch.nn.Module):
     `training.engine.ModuleHooks`: timing spans "lev-*", optimizer settings, global-batch dedup).
 
     Args:
-        lev_config: LEV hyper-parameters (vocab size V, width D, heads, ...); frozen, kept as
-            `self.lev_config` and whose kernel options (`LEVKernelOptions.of`) the kernels get.
-
-    Keyword Args:
-        config: megatron TransformerConfig; uses params_dtype, use_cpu_initialization,
-            perform_initialization and tensor_model_parallel_size (a consistency check).
-        tp_group: the tensor-parallel group (`ProcessGroups.tp`; a model passes its own). None
-            means no tensor parallelism: the module holds every head and never communicates
-            (a single process, with or without torch.distributed); it is refused when
-            `config.tensor_model_parallel_size` > 1. Nothing is read from megatron's globals.
-        reduce_scatter_embeddings: return [s/tp, b, D] reduce-scattered along the sequence (what
-            LanguageModelEmbedding asks for under sequence parallelism) instead of [b, s, D].
+        lev_config: LEV hyper-parameters (vocab size V, width D, heads, ...).
+        config: megatron TransformerConfig (params_dtype, use_cpu_initialization,
+            perform_initialization; tensor_model_parallel_size must match `tp_group`).
+        tp_group: the tensor-parallel group (`ProcessGroups.tp`); None: every head here, no
+            communication. Nothing is read from megatron's globals.
+        reduce_scatter_embeddings: return [s/tp, b, D] reduce-scattered along the sequence
+            (sequence parallelism) instead of [b, s, D].
     """
 
     def __init__(
@@ -191,14 +186,10 @@ class LEVEmbedding(torch.nn.Module):
     # ------------------------------------------------------------------ parameters
 
     def reset_parameters(self) -> None:
-        """Initialise as docs/lev.md section 2 says, identically for every TP layout.
-
-        Every rank draws the full TP=1 tensors from the default CPU generator (all TP ranks
-        share its seed), in the fixed order of LEV_PARAMETER_NAMES, and keeps its heads: TP=2
-        therefore builds exactly the parameters of TP=1 for the same seed. With
-        `LEVConfig.init_output_std` the full out_proj is then scaled so that the embeddings of
-        `std_probe_ids` have that std (`embedding_std`, computed from the full tensors on every
-        rank: no communication, no extra random draws).
+        """Initialise as docs/lev.md section 2 says, identically for every TP layout: every
+        rank draws the full TP=1 tensors from the default CPU generator in the order of
+        LEV_PARAMETER_NAMES and keeps its heads. With `LEVConfig.init_output_std` the full
+        out_proj is scaled so that the embeddings of `std_probe_ids` have that std.
         """
         lc = self.lev_config
         full = lc.parameter_shapes(1)
@@ -243,14 +234,9 @@ class LEVEmbedding(torch.nn.Module):
         sharded_offsets: tuple = (),
         metadata: Optional[dict] = None,
     ) -> dict:
-        """Megatron distributed-checkpoint view: codebooks replicated, the rest TP-sharded on 0.
-
-        Args:
-            prefix: key prefix (e.g. "embedding.word_embeddings.").
-            sharded_offsets: offsets of enclosing shardings (e.g. pipeline), passed through.
-            metadata: megatron's metadata dict; its "dp_cp_group" (`ProcessGroups.dp_cp`, which
-                the model's `sharded_state_dict` fills in) sets the replica ids.
-        """
+        """Megatron distributed-checkpoint view: codebooks replicated, the rest TP-sharded on 0;
+        `metadata["dp_cp_group"]` (the model's `sharded_state_dict` fills it in) sets the
+        replica ids."""
         dp_cp_group = (metadata or {}).get("dp_cp_group")
         if dp_cp_group is None:
             raise ValueError(
@@ -277,11 +263,6 @@ class LEVEmbedding(torch.nn.Module):
         return sharded
 
     # ------------------------------------------------------------------ forward
-
-    def _output_dtype(self, device: torch.device) -> torch.dtype:
-        # The parameters' dtype, whatever the autocast state: like a lookup table's output, and
-        # so that the TP reduction sums fp32 partial embeddings (training/precision.py).
-        return self.config.params_dtype
 
     def partial_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's heads' share of the embeddings of `ids` (no TP reduction).
@@ -337,11 +318,7 @@ class LEVEmbedding(torch.nn.Module):
             input_ids: [b, s] integer ids in [0, V); all TP ranks must pass the same ids.
         Returns:
             [b, s, D] summed over the TP group, or, with reduce_scatter_embeddings,
-            [s/tp, b, D] reduce-scattered along s. Dtype: config.params_dtype, also under
-            autocast (computed in float32 at least; see training/precision.py).
-        Raises:
-            ValueError: an id outside [0, V) (naming it), or s not divisible by the TP size
-                under reduce-scatter.
+            [s/tp, b, D] reduce-scattered along s; in config.params_dtype, also under autocast.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"LEV expects input_ids of shape [b, s], got {tuple(input_ids.shape)}")
@@ -349,7 +326,9 @@ class LEVEmbedding(torch.nn.Module):
         b, s = input_ids.shape
         if self.reduce_scatter_embeddings:
             check_sequence_split(s, self.tp_size)
-        out_dtype = self._output_dtype(input_ids.device)
+        # The parameters' dtype, whatever the autocast state: like a lookup table's output, and
+        # so that the TP reduction sums fp32 partial embeddings (training/precision.py).
+        out_dtype = self.config.params_dtype
 
         if self._use_eval_table():
             table = self._eval_table(out_dtype)
@@ -484,7 +463,7 @@ class LEVEmbedding(torch.nn.Module):
         parameters), which equals `partial_embeddings` up to rounding.
         """
         device = self.codebooks.device
-        out_dtype = out_dtype or self._output_dtype(device)
+        out_dtype = out_dtype or self.config.params_dtype
         vocab = self.lev_config.vocab_size
         logger.info(
             "building the LEV eval table [%d, %d] (%s)", vocab, self.embedding_dim, out_dtype
@@ -520,13 +499,10 @@ class LEVEmbedding(torch.nn.Module):
 
 
 class _GlobalBatchRows:
-    """The LEV rows one global batch has computed so far (`LEVEmbedding.begin_global_batch`).
-
-    Each forward that meets new ids computes their modes and rows without autograd ([U_new, h,
-    r] and [U_new, D]) and keeps the rows as a leaf; micro-batches read the concatenated
-    leaves, so their backwards accumulate into the leaves' gradients, and `backward` then runs
-    LEV's backward once for all rows of the global batch (one kernel call, one recompute of t,
-    one TP all-reduce, instead of one per forward).
+    """The LEV rows one global batch has computed so far (`LEVEmbedding.begin_global_batch`):
+    each forward computes new ids' modes and rows without autograd and keeps the rows as a leaf
+    whose gradient the micro-batches' backwards accumulate; `backward` then runs LEV's backward
+    once for all rows (one kernel call, one TP all-reduce, instead of one per forward).
     """
 
     def __init__(self) -> None:

@@ -1,11 +1,9 @@
 """The LEV forward pass, one function per step of docs/lev.md section 2, in order.
 
-The readable form: plain torch ops, differentiated by autograd, every intermediate kept. It is
-the definition, not the training path: `lev.kernels.lev_modes` (--lev-kernel) computes steps
-3a-3e with recompute-in-backward and a cheaper separable product (`--lev-kernel reference` runs
-this file); every kernel matches a float64 reference, outputs and gradients
-(`tests/lev/test_lev_reference.py`). Shapes (N ids, k digits, base b, seed width d = d_seed,
-seed input width d_in = d or k*d, h heads on this rank, kappa knots, rank r, model width D)::
+The readable form (plain torch ops under autograd, `--lev-kernel reference`): the definition,
+not the training path (`lev.kernels.lev_modes`). Shapes (N ids, k digits, base b, seed width
+d = d_seed, seed input width d_in = d or k*d, h heads on this rank, kappa knots, rank r, model
+width D)::
 
     ids [N] -> digits [N, k] -> z [N, d_in] -> t [h, N, d] -> basis [h, N, d, kappa]
         -> phi [h, N, d, r] -> M [h, N, r] -> e [N, D]
@@ -39,11 +37,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise a clear error for non-integer ids or ids outside [0, vocab_size).
-
-    A token id outside the vocabulary would otherwise be written in base b and silently
-    become another token (or raise a deep index error); docs/lev.md step 1 asks for a clear error.
-    """
+    """Raise a clear error for non-integer ids or ids outside [0, vocab_size) (written in
+    base b, such an id would silently become another token)."""
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"LEV token ids must be an integer tensor, got dtype {ids.dtype}")
     if ids.numel() == 0:

@@ -3,15 +3,10 @@ exports, the eval table and generation. Per chunk of n ids::
 
     ids [n] -> digits [n, k] -> u [n, h*d] -> t [h, n, d] -> M [n, h, r] -> e [n, D]
 
-1. the seed projection by digit: P_m = C_m @ W_m^T computed once per table, each id sums k of
-   its rows (k*h*d additions instead of d_in*h*d multiply-adds);
-2. LayerNorm and sigmoid per head;
-3. steps 3c-3e by the forward of the backend `--lev-kernel` picks (`lev.kernels`), the same
-   code that trains;
-4. out_proj, one matmul written straight into the output rows.
-
-The result is this rank's partial embedding (summed over TP ranks it is the full one), float32
-or float64 (`dtype`), checked against an independent float64 reference (tests/lev).
+the seed projection by digit (`lev.kernels.digit_projection`, once per table), LayerNorm and
+sigmoid per head, steps 3c-3e by the forward of the backend that trains (`--lev-kernel`), and
+out_proj written straight into the output rows. The result is this rank's partial embedding,
+float32 or float64 (`dtype`).
 """
 
 from __future__ import annotations
@@ -23,9 +18,9 @@ import torch.nn.functional as F
 
 from megatron_ext.config.lev import LEVConfig
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.kernels import LEVKernelOptions, select_backend
+from megatron_ext.lev.kernels import LEVKernelOptions, digit_projection, select_backend
 
-__all__ = ["LEVTable", "lev_table", "table_chunk_size"]
+__all__ = ["LEVTable", "table_chunk_size"]
 
 # Spline values phi per chunk (h*d*r*n of them): 16M (64 MiB in float32; 256 ids at the
 # defaults) amortise the per-op overhead and thread start-up; measured best on 2 CPU cores.
@@ -40,12 +35,8 @@ def table_chunk_size(num_heads: int, seed_dim: int, rank: int) -> int:
 class LEVTable:
     """This rank's LEV embeddings of any ids, from parameters prepared once (no autograd).
 
-    Args:
-        lev_config: the hyper-parameters (vocab size, knots, eps, ...).
-        params: this rank's parameters by name (LEV_PARAMETER_NAMES; h = seed_proj.shape[0]
-            heads), any dtype and device.
-        dtype: compute and output dtype, float32 (default) or float64.
-        chunk_size: ids per chunk (0: `table_chunk_size`).
+    `params`: this rank's parameters by name (any dtype and device); `dtype`: compute and
+    output dtype (float32 or float64); `chunk_size`: ids per chunk (0: `table_chunk_size`).
     """
 
     def __init__(
@@ -63,14 +54,9 @@ class LEVTable:
         with torch.no_grad():
             p = {name: t.detach().to(dtype) for name, t in params.items()}
             codebooks = p["codebooks"]  # [k, b, d]
-            h, d, d_in = p["seed_proj"].shape
+            h, d, _ = p["seed_proj"].shape
             k, b, _ = codebooks.shape
-            weight = p["seed_proj"].reshape(h * d, d_in)
-            if lc.codebook_combine == "sum":
-                digit_proj = torch.matmul(codebooks, weight.t())  # [k, b, h*d]
-            else:  # concat: digit m meets the m-th block of d_in columns
-                blocks = weight.view(h * d, k, d).permute(1, 2, 0)  # [k, d, h*d]
-                digit_proj = torch.bmm(codebooks, blocks)
+            digit_proj = digit_projection(codebooks, p["seed_proj"], lc.codebook_combine)
             self.digit_proj = digit_proj.reshape(k * b, h * d).contiguous()
             self.digit_offsets = torch.arange(k, device=codebooks.device) * b
             self.gain = p["seed_norm_weight"].reshape(h, d, 1).contiguous()
@@ -138,15 +124,3 @@ class LEVTable:
             if progress is not None:
                 progress(ids.shape[0])
         return out
-
-
-def lev_table(
-    lev_config: LEVConfig,
-    params: Mapping[str, torch.Tensor],
-    *,
-    dtype: torch.dtype = torch.float32,
-    out: Optional[torch.Tensor] = None,
-    progress: Optional[Callable[[int], None]] = None,
-) -> torch.Tensor:
-    """This rank's [V, D] LEV table from its parameters (see `LEVTable`)."""
-    return LEVTable(lev_config, params, dtype=dtype).table(out=out, progress=progress)

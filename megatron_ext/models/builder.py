@@ -8,9 +8,8 @@
     lev           LEV generator                             + untied head
 
 `build_model(model_cfg, parallel=..., precision=...)` applies the layout after the model is
-described (torchtitan's `parallelize_llama(model, parallel_dims, ...)`): megatron's
-`TransformerConfig` is composed from the three (`compose_transformer_config`).
-Under pipeline parallelism the input module lives on the first stage, the head on the last.
+described: megatron's `TransformerConfig` is composed from the three
+(`compose_transformer_config`).
 """
 
 from __future__ import annotations
@@ -123,16 +122,9 @@ def build_model(
     vp_size: Optional[int] = None,
 ) -> LeviathanModel:
     """The model (or this pipeline stage of it) for `cfg.embedding.embedding_type`, built at
-    `parallel` and `precision`.
-
-    `parallel` (required, as `precision`: the caller says which layout it builds): the run's
-    `ParallelConfig` (its TP, PP, CP sizes and sequence parallelism); None: one rank.
-    `precision`: the run's `PrecisionConfig` (its `params_dtype`, FP8 recipe); None: float32.
-    A layout the model cannot take raises ValueError naming the flag
-    (`config.layout.check_layout`).
-    `pg`: the process groups the model communicates over (`LeviathanModel`); None keeps
-    megatron's default for its own layers (its `parallel_state` groups).
-    `vp_stage`/`vp_size`: build model chunk `vp_stage` of `vp_size` on this pipeline rank.
+    `parallel` (None: one rank) and `precision` (None: float32), both required so that the
+    caller says which layout it builds; a layout the model cannot take raises ValueError naming
+    the flag (`config.layout.check_layout`). `pg`, `vp_stage`, `vp_size`: as `LeviathanModel`'s.
     """
     cfg = resolve_embedding_sizes(cfg)
     return LeviathanModel(

@@ -8,10 +8,9 @@ VocabParallelEmbedding's contract: `forward(input_ids [b, s])` -> the TP-complet
 - `DigitSeedEmbedding` (factored-mlp): LEV's replicated digit codebooks (docs/lev.md step 2),
   then the same norm + MLP; no table at all.
 
-Under sequence parallelism each rank sees only its slice, so the replicated parameters are
-tagged `sequence_parallel` and their gradients summed across TP like Megatron's norm weights.
-Projections are initialised so that a fresh model's input embeddings have the usual 0.02
-scale; the MLP ablations normalise their seed before the MLP, as LEV before its splines.
+The replicated parameters are tagged `sequence_parallel` (their gradients summed across TP
+like Megatron's norm weights). Projections are initialised so that a fresh model's input
+embeddings have the usual 0.02 scale.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Full (unsharded, single-device) parameters of a tensor/pipeline-parallel model and back.
 
-Megatron tags every tensor-parallel parameter with `tensor_model_parallel`, `partition_dim`
-and `partition_stride`. A stride-s parameter (SwiGLU's fc1: s=2, gate|up) is the full tensor
-cut along `partition_dim` into s*tp equal pieces, rank r holding pieces r, r+tp, ... in order;
-stride 1 is a plain contiguous split. Layer names are made global with each layer's
-`layer_number`, so a pipeline stage's `decoder.layers.0` is `decoder.layers.{offset}`.
-
-Used by the layout-equivalence tests, checkpoint conversion and the Hugging Face exporter.
-The caller passes the tensor-parallel group (`ProcessGroups.tp`); None means the model is not
-tensor-parallel (one process holds whole tensors), which a TP>1 model refuses.
+A stride-s parameter (SwiGLU's fc1: s=2, gate|up) is the full tensor cut along
+`partition_dim` into s*tp equal pieces, rank r holding pieces r, r+tp, ... in order; stride 1
+is a plain contiguous split. Layer names are made global with each layer's `layer_number`, so
+a pipeline stage's `decoder.layers.0` is `decoder.layers.{offset}`. The caller passes the
+tensor-parallel group (`ProcessGroups.tp`; None: whole tensors, refused by a TP>1 model).
 """
 
 from __future__ import annotations
@@ -97,11 +93,6 @@ def gather_full_state_dict(
     TP, under global names, on CPU. Every rank of the TP group gets the same dict. A tensor
     that needed no gather (TP=1, or a replicated parameter) on CPU shares its storage with the
     parameter: read it, do not modify it in place.
-
-    Args:
-        model: this rank's model (stage).
-        tp_group: its tensor-parallel group (`ProcessGroups.tp`); None: not tensor-parallel.
-        grads: gather `.grad` instead of the parameters.
     """
     tp_size, _ = model_tp_size_rank(model, tp_group)
     full: dict[str, torch.Tensor] = {}

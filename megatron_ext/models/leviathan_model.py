@@ -50,23 +50,16 @@ class LeviathanModel(GPTModel):
     """A LLaMA-style GPT whose input embedding is chosen by `input_embedding_builder`.
 
     Args:
-        model_config: the backbone and its input embedding.
         config: megatron's TransformerConfig of `model_config` at the run's layout and
-            precision (`models.builder.compose_transformer_config`; `build_model` composes it).
-        pre_process: this pipeline stage holds the input embedding.
-        post_process: this pipeline stage holds the final norm and the output head.
-        share_embeddings_and_output_weights: tie the input table with the output head
-            (the TIED arm; needs a [V/tp, D] input weight).
-        input_embedding_builder: None keeps megatron's VocabParallelEmbedding; otherwise called
-            as `builder(config=..., reduce_scatter_embeddings=..., tp_group=...)` to build the
-            replacement, with the model's own tensor-parallel group.
-        transformer_layer_spec: a layer or block spec overriding the one picked by
-            `model_config.transformer_impl`.
-        pg: the process groups, handed to megatron's GPTModel as its `pg_collection` (so its
-            layers and the input module use exactly these groups). None: GPTModel's default,
-            megatron's own `parallel_state` groups.
-        vp_stage, vp_size: this model chunk's virtual pipeline stage and the number of chunks
-            per pipeline rank (--num-layers-per-virtual-pipeline-stage); None: one chunk.
+            precision (`models.builder.compose_transformer_config`).
+        pre_process / post_process: this pipeline stage holds the input embedding / the final
+            norm and the output head.
+        share_embeddings_and_output_weights: the TIED arm (needs a [V/tp, D] input weight).
+        input_embedding_builder: None keeps megatron's VocabParallelEmbedding; else it builds
+            the replacement (`InputEmbeddingBuilder`) with the model's own TP group.
+        transformer_layer_spec: overrides the spec `model_config.transformer_impl` picks.
+        pg: the process groups, GPTModel's `pg_collection` (None: megatron's `parallel_state`).
+        vp_stage, vp_size: this chunk's virtual pipeline stage and the chunks per pipeline rank.
     """
 
     def __init__(

@@ -1,16 +1,10 @@
-"""CPU-safe twins of the few megatron-core 0.16.1 leaves that assume CUDA, chosen by the local
-layer spec or by `LeviathanModel` (megatron-core itself is never patched):
-
-- `SDPACoreAttention` for `DotProductAttention` (its score buffer lives on the current CUDA
-  device); its `recompute` is selective recomputation on CPU (`rng.checkpoint`, replaying the CPU
-  dropout streams);
-- `SequenceParallelNorm` for `WrappedTorchNorm`, which refuses sequence parallelism (its
-  parameters are tagged `sequence_parallel=True`: their partial gradients are all-reduced over TP);
-- `PortableRotaryEmbedding` for `RotaryEmbedding` (whose `get_emb` moves `inv_freq` to CUDA);
-- `PortableTransformerBlock` for full recompute without CUDA (megatron's checkpoint saves the
-  CUDA RNG state);
-- `SwiGLUMLP`: megatron's `MLP` without two passes its unfused SwiGLU makes over [s, b, ffn];
-- `CachedSelfAttention` for `SelfAttention`, its KV cache on the device of its own weights.
+"""CPU-safe twins of the few megatron-core leaves that assume CUDA, chosen by the local layer
+spec or by `LeviathanModel` (megatron-core itself is never patched): `SDPACoreAttention` for
+`DotProductAttention` (score buffer on CUDA), `SequenceParallelNorm` for `WrappedTorchNorm`
+(refuses sequence parallelism), `PortableRotaryEmbedding` (`inv_freq` to CUDA),
+`PortableTransformerBlock` (full recompute saves the CUDA RNG state), `SwiGLUMLP` (megatron's
+`MLP` without two passes over [s, b, ffn]) and `CachedSelfAttention` (KV cache on its weights'
+device).
 """
 
 from __future__ import annotations
@@ -90,9 +84,9 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        # Selective recomputation on CPU (LeviathanModel sets it instead of megatron's
+        # `checkpoint_core_attention`, whose checkpoint needs CUDA).
         self.recompute = False
-        """Selective recomputation on CPU (set by LeviathanModel instead of megatron's
-        `checkpoint_core_attention`, whose checkpoint needs CUDA)."""
 
     def forward(
         self,
@@ -105,30 +99,13 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params=None,
     ) -> Tensor:
         """SDPA (causal or masked, GQA) over q, k, v [s, b, n, hn] -> context [s, b, n*hn]."""
+        args = query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
         if self.recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(
-                self._attend,
-                query,
-                key,
-                value,
-                attention_mask,
-                attn_mask_type,
-                attention_bias,
-                packed_seq_params,
-            )
-        return self._attend(
-            query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
-        )
+            return checkpoint(self._attend, *args)
+        return self._attend(*args)
 
     def _attend(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Optional[Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[Tensor] = None,
-        packed_seq_params=None,
+        self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
     ) -> Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError(
@@ -337,12 +314,9 @@ class PortableTransformerBlock(TransformerBlock):
 class _RopeTables:
     """cos and sin of megatron's rotary angles, computed once per angle tensor.
 
-    megatron's `apply_rotary_pos_emb` takes the angles [s, 1, 1, d] and evaluates cos and sin
-    again for every call: twice per layer per forward (query and key), and at every decoding
-    step. The angles come from `RotaryEmbedding.forward`, which megatron memoises per sequence
-    length, so the same tensor object comes back forward after forward; its tables are kept
-    here (a few entries, keyed by that object, the dtype, mscale and whether inference mode was
-    on: an inference tensor must not reach a forward that records autograd).
+    megatron evaluates cos and sin of the angles [s, 1, 1, d] at every call (twice per layer
+    per forward); `RotaryEmbedding.forward` memoises the angles per sequence length, so a few
+    entries keyed by that object (and dtype, mscale, inference mode) serve every forward.
     """
 
     _entries: dict = {}
@@ -383,19 +357,12 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 class CachedSelfAttention(SelfAttention):
     """megatron's SelfAttention with its inference KV cache on the weights' device.
 
-    The cache is megatron's own (`StaticInferenceContext.key_value_memory_dict`, one
-    [max_s, max_b, ng, hn] key and value buffer per layer); only where it lives changes, and
-    what it holds: keys already rotated. megatron's static path caches un-rotated keys and
-    rotates the whole cached prefix again at every decoding step (cos/sin of every position,
-    every layer), which makes one new token cost O(prefix); here each key is rotated once, with
-    its own positions, before it is stored (as megatron's dynamic and flash-decode paths do).
-    The rotated values are the same numbers, so the logits are unchanged.
-
-    The rotary embedding itself (queries and keys, with or without a cache) is applied here
-    too, from cos/sin tables computed once per angle tensor (`_RopeTables`) instead of at
-    every call, with megatron's exact arithmetic (`_rotate`); the caller then has nothing left
-    to rotate. Configurations this does not cover (fused RoPE, multi-latent
-    attention, flash decoding, dynamic batching) take megatron's own path.
+    The cache is megatron's own ([max_s, max_b, ng, hn] per layer) but holds keys already
+    rotated: megatron's static path rotates the whole cached prefix again at every decoding
+    step (O(prefix) per token); here each key is rotated once before it is stored, with the
+    same numbers. Queries and keys are rotated here (`_RopeTables`, `_rotate`), leaving the
+    caller nothing to rotate; fused RoPE, MLA, flash decoding and dynamic batching take
+    megatron's own path.
     """
 
     def _rope_here(self, inference_context) -> bool:

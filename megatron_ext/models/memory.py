@@ -1,16 +1,13 @@
 """Per-GPU memory and FLOPs of a training run, on paper (nothing is allocated).
 
 `estimate_memory(cfg, layout)` splits one GPU's memory into weights, gradients, optimizer states
-and activations (with and without full recompute) for the most loaded pipeline stage of
-`layout` (a `TrainingPlan`); `estimate_save_memory` and `estimate_export_memory` plan a
-checkpoint save and ``export-hf``; `flops_per_token` counts the training FLOPs of one token.
-`tools/count_params.py --memory` prints them per arm, scale and layout.
+and activations (with and without full recompute) for the most loaded pipeline stage;
+`estimate_save_memory` and `estimate_export_memory` plan a checkpoint save and ``export-hf``;
+`flops_per_token` counts the training FLOPs of one token.
 
 Activations follow what the local (portable) path saves for backward, tensor by tensor
-(tests/models/test_memory.py counts the bytes autograd saves); Transformer Engine saves a
-different set (`scripts/gpu_check.sh` measures it). Every figure counts tensors: a process's
-runtime (Python, torch, gloo or CUDA) is not planned; `benchmarks/scale_1p2b.py` measures it
-and compares plan and run (benchmarks/RESULTS.md).
+(tests/models/test_memory.py counts them). A process's runtime (Python, torch, gloo or CUDA) is
+not planned (`benchmarks/scale_1p2b.py` measures it).
 """
 
 from __future__ import annotations
@@ -42,14 +39,10 @@ class TrainingPlan:
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig(bf16=True))
-    """BF16 unless given (a GPU run's precision)."""
     micro_batch_size: int = 1
-    num_micro_batches: int = 1
-    """Micro-batches per step per DP rank (sets how many are in flight under pipelining)."""
-    engine: str = "portable"
-    """portable: float32 params/grads + autocast; megatron: bf16 params, fp32 main grads."""
-    unique_fraction: float = 1.0
-    """Distinct ids per token of a micro-batch (LEV runs once per distinct id; 1 = bound)."""
+    num_micro_batches: int = 1  # per step per DP rank (how many are in flight under PP)
+    engine: str = "portable"  # float32 params/grads + autocast; megatron: bf16 params
+    unique_fraction: float = 1.0  # distinct ids per token of a micro-batch (LEV; 1 = bound)
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.num_micro_batches < 1:
@@ -64,25 +57,17 @@ class TrainingPlan:
         """The portable engine under --bf16 keeps bf16 copies of fp32 weights for backward."""
         return self.precision.bf16 and self.engine == "portable"
 
-    @property
-    def num_gpus(self) -> int:
-        """GPUs of the layout: tensor x pipeline x data parallel."""
-        return self.parallel.world_size // self.parallel.context_parallel_size
-
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes on the most loaded GPU (the larger of the first and last pipeline stage)."""
 
-    parameters: int
-    """Parameters held by that GPU."""
+    parameters: int  # held by that GPU
     weights: int
     grads: int
     optimizer: int
-    activations: int
-    """Saved for backward by all micro-batches in flight, no recompute."""
-    activations_recompute: int
-    """The same with full recompute of every layer (only layer inputs kept, one layer live)."""
+    activations: int  # saved for backward by all micro-batches in flight, no recompute
+    activations_recompute: int  # with full recompute (only layer inputs kept, one layer live)
 
     @property
     def total(self) -> int:
@@ -246,31 +231,20 @@ def estimate_memory(cfg: ModelConfig, layout: TrainingPlan) -> MemoryEstimate:
 
 def estimate_save_memory(cfg: ModelConfig, layout: TrainingPlan) -> int:
     """Bytes of the most loaded GPU while it saves a checkpoint after a step: the step's own
-    figure (`estimate_memory(...).total`). The save adds nothing of the model's size (the
-    writer, torch.distributed.checkpoint, streams each tensor from its storage; the finiteness
-    check reads extremes), and the step's freed activations stay with the allocator that holds
-    them for the next step (CUDA's caching allocator; on CPU glibc's heap, which
-    `cpu_accel.host_memory` keeps below its trim threshold). Measured on CPU at the 1.2B width:
-    the save's resident size equals the step's end, above weights, gradients and optimizer
-    states by the activations' share (benchmarks/RESULTS.md)."""
+    figure. The save adds nothing of the model's size (torch.distributed.checkpoint streams each
+    tensor from its storage), and the step's freed activations stay with the allocator
+    (measured: benchmarks/RESULTS.md)."""
     return estimate_memory(cfg, layout).total
 
 
 def estimate_export_memory(
     cfg: ModelConfig, exported_vocab: Optional[int] = None, dtype_bytes: int = 4
 ) -> int:
-    """Bytes of ``tools/convert_checkpoint.py export-hf`` (conversion/export_hf.py) from a TP=1
-    checkpoint: the model loaded at TP=1 in float32 (built without its random initialisation,
-    inference/loading.py), plus the larger of
-
-    - the load: torch.distributed.checkpoint's reader deserialises each stored tensor into a
-      buffer of its own before copying it into the parameter (the largest: the [V, D] output
-      layer or embedding, float32);
-    - the conversion: the materialised input table [V', D] in the stored dtype (`dtype_bytes`;
-      V' = `exported_vocab`, the tokenizer's ids, default the padded V; none for a TIED or
-      UNTIED table stored in float32, which is the weight itself), every layer's query,
-      key and value weights split out of its fused QKV weight (copies, conversion/hf.py), and
-      for a stored dtype other than float32 the cast of the other parameters.
+    """Bytes of ``tools/convert_checkpoint.py export-hf`` from a TP=1 checkpoint: the model in
+    float32, plus the larger of the load's buffer for the largest stored tensor and the
+    conversion's copies: the input table [V', D] in the stored dtype (`dtype_bytes`; V' =
+    `exported_vocab`, default the padded V), every layer's Q, K, V split out of the fused QKV
+    weight, and for a dtype other than float32 the cast of the other parameters.
     """
     cfg = resolve_embedding_sizes(cfg, log=False)
     count = count_parameters(cfg)
@@ -289,12 +263,9 @@ def estimate_export_memory(
 def flops_per_token(cfg: ModelConfig, recompute: bool = False, unique_fraction: float = 1.0):
     """Training FLOPs (forward + backward) of one token, whole model (all GPUs together).
 
-    Matmuls cost 2 FLOPs per multiply-add forward and twice that backward (6 per parameter per
-    token); attention scores and values add 2 * 2 * s * D per layer forward (full s x s, the
-    convention of Megatron-LM and PaLM MFU figures, not halved for the causal mask). LEV's
-    fused path runs its forward twice (recompute in backward): seed projection, spline
-    evaluation (3 multiply-adds per coordinate and mode), and output projection, per distinct
-    id. Full recompute adds one more forward of the layers.
+    6 FLOPs per matmul parameter per token; attention adds 2 * 2 * s * D per layer forward (full
+    s x s, Megatron-LM's and PaLM's MFU convention). LEV runs its forward twice (recompute in
+    backward) per distinct id. Full recompute adds one more forward of the layers.
     """
     cfg = resolve_embedding_sizes(cfg, log=False)
     d, s, layers = cfg.hidden_size, cfg.seq_length, cfg.num_layers

@@ -118,14 +118,18 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def to_csv(rows: list[dict]) -> str:
-    """The parameter rows as CSV (:data:`COLUMNS`)."""
+def _csv(rows: list[dict], columns: tuple[str, ...]) -> str:
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for r in rows:
-        writer.writerow({**r, "overhead_vs_tied_pct": f"{r['overhead_vs_tied_pct']:.4f}"})
+        writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
     return out.getvalue().rstrip("\n")
+
+
+def to_csv(rows: list[dict]) -> str:
+    """The parameter rows as CSV (:data:`COLUMNS`)."""
+    return _csv(rows, COLUMNS)
 
 
 MEMORY_COLUMNS = (
@@ -144,6 +148,7 @@ MEMORY_COLUMNS = (
     "gflop_per_token",
 )
 _GIB = 1024**3
+_GIB_COLUMNS = [c for c in MEMORY_COLUMNS if c.endswith("_gib")]
 
 
 def memory_rows(
@@ -181,13 +186,7 @@ def memory_rows(
                         arm=arm,
                         layout=name,
                         params_per_gpu=mem.parameters,
-                        weights_gib=mem.weights / _GIB,
-                        grads_gib=mem.grads / _GIB,
-                        optimizer_gib=mem.optimizer / _GIB,
-                        activations_gib=mem.activations / _GIB,
-                        activations_recompute_gib=mem.activations_recompute / _GIB,
-                        total_gib=mem.total / _GIB,
-                        total_recompute_gib=mem.total_recompute / _GIB,
+                        **{c: getattr(mem, c.removesuffix("_gib")) / _GIB for c in _GIB_COLUMNS},
                         gflop_per_token=flops_per_token(cfg, False, layout.unique_fraction) / 1e9,
                     )
                 )
@@ -202,18 +201,7 @@ def memory_markdown(rows: list[dict]) -> str:
     )
     lines = [head, "|" + "---|" * 13]
     for r in rows:
-        gib = [
-            f"{r[k]:.2f} GiB"
-            for k in (
-                "weights_gib",
-                "grads_gib",
-                "optimizer_gib",
-                "activations_gib",
-                "activations_recompute_gib",
-                "total_gib",
-                "total_recompute_gib",
-            )
-        ]
+        gib = [f"{r[k]:.2f} GiB" for k in _GIB_COLUMNS]
         lines.append(
             f"| {r['scale']} | {r['vocab']:,} | {r['arm']} | {r['layout']} | "
             f"{r['params_per_gpu'] / 1e6:,.1f}M | " + " | ".join(gib) + f" | "
@@ -224,12 +212,7 @@ def memory_markdown(rows: list[dict]) -> str:
 
 def memory_csv(rows: list[dict]) -> str:
     """The memory rows as CSV (:data:`MEMORY_COLUMNS`)."""
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=MEMORY_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for r in rows:
-        writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
-    return out.getvalue().rstrip("\n")
+    return _csv(rows, MEMORY_COLUMNS)
 
 
 def build_parser() -> argparse.ArgumentParser:

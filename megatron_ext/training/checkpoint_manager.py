@@ -1,10 +1,8 @@
 """The run's checkpoint glue: --save (with --async-save, one write in flight; only while this
 run holds --save's lock), --load (verified unless --no-verify-checkpoint), and the bookkeeping
-the exit conditions need (the slowest save, the last saved iteration).
-
-It saves and loads whatever the engine's `checkpoint_parts()` names, in the project's format
-(`megatron_ext.checkpoint.format.save_checkpoint` / `load_checkpoint`), so both engines write the
-same layout.
+the exit conditions need (the slowest save, the last saved iteration). It saves and loads
+whatever the engine's `checkpoint_parts()` names, in the project's format, so both engines write
+the same layout.
 """
 
 from __future__ import annotations

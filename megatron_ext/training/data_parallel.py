@@ -1,16 +1,11 @@
 """Data-parallel gradient averaging of the portable engine: torch's `DistributedDataParallel`
 over each pipeline stage, and one explicit average of the gradients deferred past it.
 
-Every layout averages over `pg.dp_cp` (data x context parallel ranks, when more than one): each
-stage's module (`pipeline.ChunkStage`) is wrapped in DDP (`wrap`); torch's `PipelineStage` runs
-its forwards under `no_sync` and lets DDP reduce during the stage's last backward (bucketed,
-overlapped). The communication hook (`GradientAverage`) averages each bucket, first noting
-whether this rank's gradients were finite (a NaN's message names its rank), and with
---grad-reduce-in-bf16 sends BF16 (averaged in float32, rounded for the sum, copied back).
-
-Modules that defer their gradients (`engine.ModuleHooks`: LEV with --lev-dedup-global-batch)
-run their backward after the schedule, when DDP has finished: their parameters are not the
-stages' own, and the engine averages them with one `GradientAverage.average_params` call.
+Every layout averages over `pg.dp_cp`: each stage's module is wrapped in DDP (`wrap`), which
+reduces during the stage's last backward. The communication hook (`GradientAverage`) averages
+each bucket, first noting whether this rank's gradients were finite (a NaN's message names its
+rank), and with --grad-reduce-in-bf16 sends BF16. Deferred gradients (`engine.ModuleHooks`)
+arrive after DDP has finished: the engine averages them with `GradientAverage.average_params`.
 """
 
 from __future__ import annotations

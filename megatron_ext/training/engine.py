@@ -1,15 +1,10 @@
 """The training engine interface: what the loop needs from whoever runs the step, and what a
 module may declare to the engines (`ModuleHooks`).
 
-As narrow as Megatron-LM's `train_step`: an engine owns this stage's model chunks, the optimizer,
-the LR scheduler and the FP16 loss scaler, and offers `step(data_iterator, global_batch, flags)
--> StepResult` (one global batch: forward/backward, gradient reductions, clipping, the optimizer
-and scheduler step or a skip, the caller's flags ORed over the world), `evaluate`, `log_stats`
-(collective) and `checkpoint_parts()` (what `checkpoint.format.save_checkpoint` saves and loads).
-
-Two implementations: `engine_portable.PortableEngine` (gloo and NCCL) and
-`megatron_engine.MegatronEngine` (megatron-core's DDP, optimizer and schedules; CUDA). The
-loop, the metrics logger and the checkpoint manager are composed around either.
+As narrow as Megatron-LM's `train_step`: an engine owns this stage's model chunks, optimizer,
+LR scheduler and FP16 loss scaler, and offers `step` (one global batch), `evaluate`,
+`log_stats` and `checkpoint_parts`. Two implementations: `engine_portable.PortableEngine` (gloo
+and NCCL) and `megatron_engine.MegatronEngine` (megatron-core's DDP, optimizer and schedules).
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ __all__ = [
     "Phase",
     "NonFiniteError",
     "world_stats",
+    "add_reports",
     "ModuleHooks",
     "deferring_modules",
     "time_forwards",
@@ -55,22 +51,14 @@ class Phase:
 class StepResult:
     """One iteration as the loop sees it (identical on every rank)."""
 
-    loss: float
-    """Mean loss over the global batch's tokens (nan when not finite)."""
-    grad_norm: float
-    """Global gradient L2 norm before clipping (nan when unknown or not finite)."""
-    stepped: bool
-    """The optimizer stepped."""
-    skipped: bool
-    """The step was skipped (FP16 overflow or a skipped non-finite step)."""
-    nonfinite: bool
-    """The loss or grad norm was not finite (counted as a nan iteration)."""
-    lr: float
-    """The learning rate after the step (of the first parameter group)."""
-    flags: tuple[bool, ...] = field(default_factory=tuple)
-    """The caller's flags, each True when it was True on any rank."""
-    note: str = ""
-    """Why a non-finite step was skipped (the loop logs it with the iteration)."""
+    loss: float  # mean over the global batch's tokens (nan when not finite)
+    grad_norm: float  # global L2 norm before clipping (nan when unknown or not finite)
+    stepped: bool  # the optimizer stepped
+    skipped: bool  # FP16 overflow or a skipped non-finite step
+    nonfinite: bool  # the loss or grad norm was not finite (counted as a nan iteration)
+    lr: float  # after the step (of the first parameter group)
+    flags: tuple[bool, ...] = field(default_factory=tuple)  # the caller's, ORed over the ranks
+    note: str = ""  # why a non-finite step was skipped (logged with the iteration)
 
 
 @dataclass
@@ -81,6 +69,14 @@ class CheckpointParts:
     optimizer: Any
     scheduler: Any
     loss_scaler: Any = None
+
+
+def add_reports(totals: dict, reports: dict) -> dict:
+    """Add `reports` (name -> [sum, count]) into `totals`, in float64; returns `totals`."""
+    for name, value in reports.items():
+        value = value.detach().double()
+        totals[name] = totals[name] + value if name in totals else value
+    return totals
 
 
 def world_stats(
@@ -101,13 +97,10 @@ def world_stats(
 
 class ModuleHooks(Protocol):
     """What a module of the model may declare to the engines and the optimizer (duck-typed;
-    `LEVEmbedding` declares it all). A module with an `engine_name`: its training-mode forwards
-    are timed as the span "<engine_name>-forward" (--timing-log-level 2), `param_settings` sets
-    its parameters' optimizer groups. One whose `defers_gradients` is true gets its gradients
-    after the pipeline schedule: the portable engine calls `begin_global_batch` before the
-    micro-batches, `end_global_batch` after them (the backward that fills its gradients; span
-    "<engine_name>-backward") or `abort_global_batch` on a failed step, and averages those
-    gradients over data parallelism itself (DDP leaves the parameters out)."""
+    `LEVEmbedding` declares it all). A module with an `engine_name` has its training forwards
+    timed as "<engine_name>-forward" and its optimizer groups set by `param_settings`. One whose
+    `defers_gradients` is true gets its gradients after the pipeline schedule, in
+    `end_global_batch`, averaged over data parallelism by the engine (DDP leaves them out)."""
 
     engine_name: str
     defers_gradients: bool
@@ -163,6 +156,7 @@ class Engine(abc.ABC):
         scheduler: megatron-core's OptimizerParamScheduler over `optimizer`.
         scaler: the FP16 loss scaler (`scale`), or None.
         phase: the shared `Phase` the engine updates around its collectives.
+        pg: the run's `ProcessGroups`; device: where the step's statistics are reduced.
     """
 
     model: torch.nn.Module
@@ -170,6 +164,8 @@ class Engine(abc.ABC):
     scheduler: Any
     scaler: Any
     phase: Phase
+    pg: Any
+    device: torch.device
 
     @abc.abstractmethod
     def step(
@@ -178,8 +174,25 @@ class Engine(abc.ABC):
         """Train on one global batch of `global_batch` samples drawn from `data_iterator`."""
 
     @abc.abstractmethod
+    def _forward_only(self, data_iterator: Iterator) -> dict:
+        """One global batch forward: the loss reports' totals on the last stage, else {}."""
+
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Optional[float]:
         """Mean forward-only loss over `eval_iters` global batches (None without tokens)."""
+        totals: dict[str, torch.Tensor] = {}
+        self.train(False)
+        try:
+            with torch.no_grad():
+                for _ in range(eval_iters):
+                    add_reports(totals, self._forward_only(data_iterator))
+        finally:
+            self.train()
+        stats = world_stats(totals, self._counts_loss(), [], self.device)
+        return stats[0] / stats[1] if stats[1] > 0 else None
+
+    def _counts_loss(self) -> bool:
+        """TP rank 0 of the last stage counts the loss (once per DP replica)."""
+        return self.pg.is_last_stage and self.pg.tp_rank == 0
 
     @abc.abstractmethod
     def log_stats(self) -> dict[str, float]:
@@ -189,9 +202,9 @@ class Engine(abc.ABC):
     def checkpoint_parts(self) -> CheckpointParts:
         """The objects a checkpoint saves and loads, in the project's format."""
 
-    def train(self) -> None:
-        """Put the model chunks in training mode."""
-        self.model.train()
+    def train(self, mode: bool = True) -> None:
+        """Put the model chunks in training (or evaluation) mode."""
+        self.model.train(mode)
 
     @contextlib.contextmanager
     def checkpoint_view(self):

@@ -59,17 +59,8 @@ __all__ = ["PortableEngine"]
 
 
 class PortableEngine(Engine):
-    """The portable engine over this stage's `model` (see the module doc).
-
-    Args:
-        cfg: the run's settings.
-        model: this pipeline stage's model (float32 parameters), or its model chunks in order
-            (virtual pipeline stages: the interleaved 1F1B schedule).
-        forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
-        pg: the run's process groups.
-        phase: shared with the loop, named when a collective times out.
-        timers: --timing-log-level's timers.
-    """
+    """The portable engine over this stage's `model` (float32 parameters), or its model chunks
+    in order (interleaved 1F1B); see the module doc."""
 
     def __init__(
         self,
@@ -105,7 +96,7 @@ class PortableEngine(Engine):
             else None
         )
         self.autocast = autocast_factory(prec)
-        device = next(model.parameters()).device
+        self.device = device = next(model.parameters()).device
         hidden = self.chunks[0].config.hidden_size
         seq = b.seq_length // cfg.parallel.context_parallel_size
         tokens = seq  # of this context-parallel rank, in the loss stage's [b, s] output
@@ -118,11 +109,9 @@ class PortableEngine(Engine):
             loss_output=(b.micro_batch_size, tokens),
         )
         self.consecutive_nonfinite = 0
-        self.deferred = deferring_modules(self.chunks)
-        """The modules whose backward runs after the last micro-batch (`ModuleHooks`)."""
+        self.deferred = deferring_modules(self.chunks)  # backward after the last micro-batch
         time_forwards(self.chunks, timers)
-        self.average: Optional[data_parallel.GradientAverage] = None
-        """The data-parallel average over `pg.dp_cp` (None when DP x CP is 1)."""
+        self.average: Optional[data_parallel.GradientAverage] = None  # over pg.dp_cp if > 1
         if pg.dp_cp_size > 1:
             self.average = data_parallel.GradientAverage(
                 pg.dp_cp, torch.bfloat16 if prec.grad_reduce_in_bf16 else None
@@ -136,19 +125,16 @@ class PortableEngine(Engine):
             deferred=self._deferred_params(),
             wrap=(lambda m: m) if self.average is None else self._wrap,
         )
+        # torch DDP around each pipeline stage's module (none when DP x CP is 1).
         self.ddp: list[DistributedDataParallel] = [
             m for m in self.pipeline.modules if isinstance(m, DistributedDataParallel)
         ]
-        """torch DDP around each pipeline stage's module (none when DP x CP is 1)."""
 
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
         return data_parallel.wrap(module, self.average)
 
     def _deferred_params(self) -> list[torch.nn.Parameter]:
         return [param for module in self.deferred for param in module.parameters()]
-
-    def _counts_loss(self) -> bool:
-        return self.pg.is_last_stage and self.pg.tp_rank == 0
 
     def step(
         self, data_iterator: Iterator, global_batch: int, flags: Sequence[bool] = ()
@@ -299,21 +285,8 @@ class PortableEngine(Engine):
             )
         return message
 
-    def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Optional[float]:
-        """See `Engine.evaluate`."""
-        totals: dict[str, torch.Tensor] = {}
-        self.model.eval()
-        try:
-            for _ in range(eval_iters):
-                step = self.pipeline.run(
-                    data_iterator, self.cfg.num_microbatches, forward_only=True
-                )
-                for key, value in step.items():
-                    totals[key] = totals[key] + value if key in totals else value
-        finally:
-            self.model.train()
-        stats = world_stats(totals, self._counts_loss(), [], self.shape.device)
-        return stats[0] / stats[1] if stats[1] > 0 else None
+    def _forward_only(self, data_iterator: Iterator) -> dict:
+        return self.pipeline.run(data_iterator, self.cfg.num_microbatches, forward_only=True)
 
     def log_stats(self) -> dict[str, float]:
         """See `Engine.log_stats`."""

@@ -1,13 +1,10 @@
 """Layout-invariant initial weights under pipeline parallelism.
 
-With `use_cpu_initialization` megatron draws every weight's full master tensor from the CPU
-generator in construction order, so any TP size gets the same model. Pipeline stages break this:
-stage 1 constructs layers L/2.. first, from a different point of the stream (and Megatron also
-offsets the seed by the pipeline rank). So a PP=2 run would start from different weights than a
-PP=1 run with the same --seed. `initialize_like_single_stage` rebuilds the whole model as one
-stage from --seed (every rank of a stage does this, on its own TP shards) and copies this stage's
-parameters from it by global name; the RNG state is then put back, so dropout streams keep
-Megatron's per-stage offsets. Cost: one extra construction of the whole model per rank at start.
+With `use_cpu_initialization` any TP size draws the same model, but a pipeline stage constructs
+its layers from another point of the CPU stream (and another seed), so a PP=2 run would start
+from other weights than PP=1. `initialize_like_single_stage` rebuilds the whole model as one
+stage from --seed and copies this stage's parameters from it by global name; the RNG state is
+then put back, so dropout streams keep Megatron's per-stage offsets.
 """
 
 from __future__ import annotations

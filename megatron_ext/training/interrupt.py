@@ -1,12 +1,10 @@
 """Ctrl-C during training: one line saying what was kept and what was lost.
 
-A terminal delivers SIGINT to every process of the job at once (torchrun, each rank, their
-DataLoader workers), and torchrun forwards it to the ranks again. Each rank turns the first one
-into KeyboardInterrupt (ignoring the repeats, so that the run's clean-up, the --save lock's
-release included, is not cut short); a rank whose peer left first sees a failed collective
-instead, which after a SIGINT means the same. `pretrain` turns both into `TrainingInterrupted`,
-whose message (printed by rank 0 only) names the last complete checkpoint and the iterations
-that were not saved.
+A terminal delivers SIGINT to every process of the job, and torchrun forwards it again: each
+rank turns the first one into KeyboardInterrupt and ignores the repeats (so that the clean-up is
+not cut short); a rank whose peer left first sees a failed collective, which after a SIGINT
+means the same. `pretrain` turns both into `TrainingInterrupted`, whose message names the last
+complete checkpoint and the iterations that were not saved.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The training loop: `Trainer` (the iterations, evaluation, the exit conditions), `train`
-(datasets, the iterations, final evaluation) and `close` (logs, profiler, process groups);
-`run.py` builds a run and calls them. The loop composes the engine (`engine.Engine`: one global
-batch per `step`), the metrics logger (`metrics_logger.py`), the checkpoint manager
-(`checkpoint_manager.py`) and `run_extras.RunExtras` (batch ramp-up, profiler, manual GC); it
-owns the iteration counters and the exit conditions (--exit-signal-handler,
---exit-duration-in-mins, --exit-interval), each of which saves before leaving.
+"""The training loop: `Trainer` (the iterations, evaluation, the exit conditions, each of which
+saves before leaving), `train` (datasets, the iterations, final evaluation) and `close` (logs,
+profiler, process groups), composed around the engine, the metrics logger, the checkpoint
+manager and `run_extras.RunExtras`; `run.py` builds a run and calls them.
 """
 
 from __future__ import annotations
@@ -33,9 +30,9 @@ __all__ = ["train", "close", "Trainer", "NonFiniteError"]
 DatasetsProvider = Callable[[Sequence[int]], tuple]
 
 
+# --exit-signal-handler: SIGTERM (preemption, the time limit) and SIGUSR1 (Slurm's
+# `--signal=USR1@120` warning before the time limit) both mean save and exit.
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-"""--exit-signal-handler: SIGTERM (preemption, the time limit) and SIGUSR1 (Slurm's
-`--signal=USR1@120` warning before the time limit) both mean save and exit."""
 
 
 class _SignalHandler:
@@ -55,19 +52,8 @@ class _SignalHandler:
 
 class Trainer:
     """The loop of one run around its engine, metrics logger and checkpoint manager (built by
-    `setup`).
-
-    Args:
-        cfg: the run's settings.
-        engine: runs one global batch per `step`.
-        pg: the run's process groups.
-        phase: shared with the engine and the checkpoint manager.
-        timers: shared with the engine (--timing-log-level).
-        metrics: the metrics logger.
-        checkpoints: the checkpoint manager over `engine`.
-        extras: the feature hooks (batch ramp-up, profiler, manual GC, W&B).
-        flops_per_batch: model FLOPs of one iteration at the full --global-batch-size (None
-            when the model does not say its ModelConfig).
+    `setup`; `phase` and `timers` shared with the engine). `flops_per_batch`: model FLOPs of one
+    iteration at the full --global-batch-size (None when the model does not say its config).
     """
 
     def __init__(
@@ -89,19 +75,14 @@ class Trainer:
         self.flops_per_batch = flops_per_batch
         self.state = TrainState()
         self.is_rank0 = dist.get_rank() == 0
-        self.start_time = time.time()
-        """Job start for --exit-duration-in-mins (`pretrain` sets the process's start time)."""
-        self.step_seconds = 0.0
-        """Wall time of the slowest iteration (the exit-duration check's look-ahead)."""
+        self.start_time = time.time()  # for --exit-duration-in-mins (`pretrain` sets it)
+        self.step_seconds = 0.0  # the slowest iteration (the exit-duration look-ahead)
         self.signal = _SignalHandler() if cfg.exit.exit_signal_handler else None
-        self.global_batch = cfg.batch.global_batch_size
-        """This iteration's global batch size (below the flag's during --rampup-batch-size)."""
+        self.global_batch = cfg.batch.global_batch_size  # lower during --rampup-batch-size
 
     def _duration_exhausted(self) -> bool:
         """--exit-duration-in-mins: would one more iteration plus the final save end past the
-        limit (from the job start)? Then this iteration is the last one, and the save after it
-        ends before the limit as long as the next iteration and save take no longer than the
-        slowest seen so far. Before any save or load was timed, a save is reserved
+        limit (from the job start)? Before any save or load was timed, a save is reserved
         max(2 iterations, 5% of the limit up to 60 s)."""
         limit = self.cfg.exit.exit_duration_in_mins
         if not limit:

@@ -1,17 +1,11 @@
 """`--ddp-impl megatron`: megatron-core's own training machinery as an `Engine`.
 
-A peer of the portable engine built from megatron-core's pieces, as Megatron-LM's `pretrain`
-uses them: BF16 parameters under `Float16Module` with float32 main gradients in megatron's
-bucketed `DistributedDataParallel` (--overlap-grad-reduce, --ddp-bucket-size); megatron's
-optimizer (its parameter groups, --decoupled-lr, float32 master weights, clipping, the
-distributed optimizer with --use-distributed-optimizer); `get_forward_backward_func` with
-`finalize_model_grads`; megatron-core's OptimizerParamScheduler.
-
-Checkpoints are the project's format (the float32 master weights as `model.<name>`, Adam's
-moments as `optim.<name>.*`), so either engine's checkpoint loads into the other; with
---use-distributed-optimizer the optimizer state is refused (its flat bucket shards do not map
-onto the per-parameter layout). megatron-core's pieces need CUDA: they come from a
-`MegatronParts`, which the tests replace with CPU doubles (`tests.support.megatron_doubles`).
+Megatron-core's pieces as Megatron-LM's `pretrain` uses them: BF16 parameters under
+`Float16Module`, float32 main gradients in its bucketed `DistributedDataParallel`, its optimizer
+(float32 master weights, the distributed optimizer), `get_forward_backward_func` with
+`finalize_model_grads`. Checkpoints are the project's format (the float32 master weights), so
+either engine's checkpoint loads into the other. The pieces need CUDA: they come from a
+`MegatronParts`, which the tests replace with CPU doubles.
 """
 
 from __future__ import annotations
@@ -47,6 +41,7 @@ from megatron_ext.training.engine import (
     NonFiniteError,
     Phase,
     StepResult,
+    add_reports,
     time_forwards,
     world_stats,
 )
@@ -62,18 +57,8 @@ __all__ = ["MegatronEngine", "MegatronParts"]
 
 @dataclass(frozen=True)
 class MegatronParts:
-    """The megatron-core callables the engine is built from (the CUDA-only ones replaceable).
-
-    ddp: `DistributedDataParallel(config=, ddp_config=, module=, pg_collection=)`.
-    ddp_config: `DistributedDataParallelConfig(**fields)`.
-    float16_module: `Float16Module(config, module)` (BF16 parameters).
-    optimizer_config: `OptimizerConfig(**fields)`.
-    config_overrides: `get_standard_config_overrides(optimizer_config)`.
-    get_optimizer: `get_megatron_optimizer(config, model_chunks, config_overrides=,
-        pg_collection=)` -> a ChainedOptimizer.
-    forward_backward: `get_forward_backward_func(pp_size=, vp_size=)`.
-    finalize_model_grads: megatron's `finalize_model_grads(model_chunks, num_tokens, ...)`.
-    """
+    """The megatron-core callables the engine is built from (`megatron_core()`: the real ones;
+    the tests pass CPU doubles with the same signatures)."""
 
     ddp: Callable
     ddp_config: Callable
@@ -107,10 +92,8 @@ class _OptimizerState:
     def __init__(self, chained) -> None:
         self.inner = chained
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.main_of: dict[int, torch.Tensor] = {}
-        """id(model parameter) -> its float32 main parameter (BF16 parameters only)."""
-        self.owners: dict[int, Any] = {}
-        """id(model parameter) -> the torch optimizer holding its state."""
+        self.main_of: dict[int, torch.Tensor] = {}  # id(param) -> float32 main (BF16 params)
+        self.owners: dict[int, Any] = {}  # id(param) -> the torch optimizer holding its state
         for opt in chained.chained_optimizers:
             pairs = []
             if hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
@@ -160,17 +143,8 @@ class _OptimizerState:
 
 
 class MegatronEngine(Engine):
-    """megatron-core's DDP, optimizer and schedule behind the `Engine` interface.
-
-    Args:
-        cfg: the run's settings.
-        model: this pipeline stage's model (megatron's GPTModel or a subclass).
-        forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
-        pg: the run's process groups.
-        phase: shared with the loop.
-        timers: --timing-log-level's timers.
-        parts: megatron-core's pieces (default: the real ones, which need CUDA).
-    """
+    """megatron-core's DDP, optimizer and schedule behind the `Engine` interface, over this
+    stage's `model` (a GPTModel); `parts` default to megatron-core's own (CUDA)."""
 
     def __init__(
         self,
@@ -245,11 +219,7 @@ class MegatronEngine(Engine):
             config.param_sync_func = self.ddp.start_param_sync
         self.forward_backward = parts.forward_backward(pp_size=pg.pp_size, vp_size=None)
         self.device = next(model.parameters()).device
-        self.num_zeros: Optional[int] = None
-        """Zeros in the latest step's gradients (--log-num-zeros-in-grad)."""
-
-    def _counts_loss(self) -> bool:
-        return self.pg.is_last_stage and self.pg.tp_rank == 0
+        self.num_zeros: Optional[int] = None  # in the latest step's gradients
 
     def _run(self, data_iterator: Iterator, num_microbatches: int, forward_only: bool) -> dict:
         b, p = self.cfg.batch, self.cfg.parallel
@@ -263,11 +233,8 @@ class MegatronEngine(Engine):
             forward_only=forward_only,
         )
         totals: dict[str, torch.Tensor] = {}
-        if self.pg.is_last_stage:
-            for report in reports:
-                for key, value in report.items():
-                    value = value.double()
-                    totals[key] = totals[key] + value if key in totals else value
+        for report in reports if self.pg.is_last_stage else ():
+            add_reports(totals, report)
         return totals
 
     def step(
@@ -310,21 +277,8 @@ class MegatronEngine(Engine):
             note="megatron's optimizer skipped the step" if not stepped else "",
         )
 
-    def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Optional[float]:
-        """See `Engine.evaluate`."""
-        totals: dict[str, torch.Tensor] = {}
-        self.ddp.eval()
-        try:
-            with torch.no_grad():
-                for _ in range(eval_iters):
-                    for key, value in self._run(
-                        data_iterator, self.cfg.num_microbatches, True
-                    ).items():
-                        totals[key] = totals[key] + value if key in totals else value
-        finally:
-            self.ddp.train()
-        stats = world_stats(totals, self._counts_loss(), [], self.device)
-        return stats[0] / stats[1] if stats[1] > 0 else None
+    def _forward_only(self, data_iterator: Iterator) -> dict:
+        return self._run(data_iterator, self.cfg.num_microbatches, True)
 
     def log_stats(self) -> dict[str, float]:
         """See `Engine.log_stats`."""
@@ -344,9 +298,9 @@ class MegatronEngine(Engine):
             out["num-zeros"] = float(self.num_zeros)
         return out
 
-    def train(self) -> None:
-        """Put the wrapped model in training mode."""
-        self.ddp.train()
+    def train(self, mode: bool = True) -> None:
+        """Put the wrapped model in training (or evaluation) mode."""
+        self.ddp.train(mode)
 
     def checkpoint_parts(self) -> CheckpointParts:
         """See `Engine.checkpoint_parts`."""

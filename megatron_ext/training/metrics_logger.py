@@ -35,8 +35,7 @@ class Timers:
 
     def __init__(self, enabled: bool, detailed: bool = False) -> None:
         self.enabled = enabled
-        self.detailed = enabled and detailed
-        """Whether `span` times (--timing-log-level 2)."""
+        self.detailed = enabled and detailed  # whether `span` times (level 2)
         self.totals: dict[str, float] = {}
         self.spans: dict[str, float] = {}
         self._last = time.perf_counter()
@@ -116,14 +115,8 @@ def truncate_jsonl(path: str, iteration: int) -> None:
 class MetricsLogger:
     """The iteration line, TensorBoard/W&B scalars and --log-jsonl records of one run.
 
-    Args:
-        cfg: the run's settings (log, batch and feature flags are read).
-        is_rank0: only rank 0 writes anything.
-        flops_per_batch: model FLOPs of one iteration at the full --global-batch-size (None:
-            unknown, no TFLOP/s).
-        peak: per-device peak TFLOP/s for MFU (None: no MFU).
-        world_size: devices the FLOPs are spread over.
-        wandb: a W&B run or None.
+    Only rank 0 writes. `flops_per_batch`: model FLOPs of one iteration at the full
+    --global-batch-size (None: no TFLOP/s); `peak`: per-device peak TFLOP/s (None: no MFU).
     """
 
     def __init__(
@@ -142,8 +135,7 @@ class MetricsLogger:
             cfg.log.tensorboard_dir, cfg.log.tensorboard_queue_size, enabled=is_rank0
         )
         self.reporter.wandb = wandb
-        self.extras: dict[str, float] = {}
-        """The engine's and the features' logged extras of the latest logged iteration."""
+        self.extras: dict[str, float] = {}  # logged extras of the latest logged iteration
         self._losses: list[float] = []
         self._grad_norms: list[float] = []
         self._interval_start = time.time()

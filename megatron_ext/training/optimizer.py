@@ -1,17 +1,9 @@
-"""AdamW with Megatron's parameter groups, optional ZeRO-1, grad-norm clipping that counts
-tensor-parallel duplicates once, and FP16 loss scaling, on gloo and NCCL alike (the
-data-parallel gradient average is `data_parallel.py`'s).
-
-- `build_optimizer`: torch's AdamW over two groups (weight decay / none), or with
-  --use-distributed-optimizer torch's `ZeroRedundancyOptimizer` over the data-parallel group
-  (each DP rank keeps and steps Adam states for its share, then broadcasts: ZeRO stage 1).
-- `clip_grad_norm`: the global L2 norm: tensor-parallel shards summed over TP, replicated
-  parameters counted once, the last stage's copy of a tied embedding not at all, then summed
-  over pipeline stages.
+"""AdamW with Megatron's parameter groups, optional ZeRO-1 (torch's
+`ZeroRedundancyOptimizer` over the data-parallel group), grad-norm clipping that counts
+tensor-parallel duplicates once, and FP16 loss scaling, on gloo and NCCL alike.
 
 Parameters, gradients and Adam states are float32; --bf16 / --fp16 run under autocast
-(`precision.py`), so there is no low-precision master weight and DP reduces in float32, as
-Megatron's default (--accumulate-allreduce-grads-in-fp32) with BF16.
+(`precision.py`), so there is no low-precision master weight and DP reduces in float32.
 """
 
 from __future__ import annotations
@@ -65,14 +57,11 @@ def param_groups(
 ) -> list[dict]:
     """AdamW groups: decayed (wd_mult 1) and not decayed (wd_mult 0), by Megatron's rule.
 
-    The parameters of a module with `param_settings` (`engine.ModuleHooks`; LEV's: decay per
-    --lev-weight-decay-groups, --lev-lr-mult) follow those instead; with an lr multiplier != 1
-    they form their own groups whose `max_lr`/`min_lr` the scheduler reads, given `cfg`. With
-    `decoupled` = (--decoupled-lr, --decoupled-min-lr), the input embedding and output layer
-    parameters form groups with that lr (Megatron-LM's decoupled learning rate; a module's lr
-    multiplier applies on top of it). The base groups are kept even when empty so that the
-    ranks of a pipeline stage (and, without an lr multiplier, all ranks) have the same group
-    structure (the scheduler walks them)."""
+    The parameters of a module with `param_settings` (`engine.ModuleHooks`) follow those
+    instead; with an lr multiplier != 1 they form their own groups with `max_lr`/`min_lr` from
+    `cfg`. With `decoupled` = (--decoupled-lr, --decoupled-min-lr), the input embedding and
+    output layer form groups with that lr (times a module's multiplier). The base groups are
+    kept even when empty, so that ranks have the same group structure (the scheduler walks it)."""
     own: dict[int, tuple[bool, float, str]] = {
         key: (*setting, module.engine_name)
         for module in model.modules()
@@ -107,9 +96,8 @@ def param_groups(
 class Optimizer:
     """AdamW (plain or ZeRO-1) plus the bookkeeping the loop and checkpoints need.
 
-    `param_groups` is what megatron's OptimizerParamScheduler writes lr/weight_decay into;
-    `owned_state()` and `set_state()` expose the per-parameter Adam states this rank keeps
-    (all of them, or its ZeRO share), keyed by the parameter tensor.
+    `owned_state()` and `set_state()` expose the Adam states this rank keeps (all of them, or
+    its ZeRO share), keyed by the parameter tensor.
     """
 
     def __init__(
@@ -125,9 +113,8 @@ class Optimizer:
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=0.0
         )
         if self.params and all(p.device.type == "cpu" for p in self.params):
-            # torch's fused CPU kernel: one vectorised pass per parameter instead of the default
-            # for-loop's ~10 ops (4 vs 18 ms a step for 5.5M parameters at one thread); the
-            # same update, rounded in another order (within an ulp of the for-loop's).
+            # torch's fused CPU kernel: one vectorised pass per parameter instead of the
+            # for-loop's ~10 ops; the same update within an ulp.
             kwargs["fused"] = True
         self.distributed = zero_group is not None
         if self.distributed:

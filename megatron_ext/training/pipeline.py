@@ -2,15 +2,11 @@
 
 Each model chunk of this pipeline rank is one `PipelineStage` of the P x V stages (rank r's
 chunk c is stage c * P + r, Megatron-LM's virtual stages), driven by `Schedule1F1B`
-(`ScheduleGPipe` with fewer micro-batches than stages; P = 1 is gradient accumulation) or, with
-V chunks per rank, `ScheduleInterleaved1F1B`. `ChunkStage` adapts Megatron's contract,
-`forward_step(data_iterator, model) -> (output, loss_func)`, `loss_func(output) -> (loss,
-reports)` (name -> detached [sum, count]): each stage reads its micro-batch (the index
-`Pipeline.run` passes) once per rank and runs on the dropout stream (`rng.device_rng`); the last
-stage's `loss_fn` sums the reports and scales the loss (by 1 / M, not with
---calculate-per-token-loss; times the FP16 loss scale). Stages exchange float32 [s, b, h]
-activations of declared shapes. A `ChunkStage` owns the chunk's parameters less the deferred
-ones (`engine.ModuleHooks`): what the DDP around it reduces (`data_parallel.py`).
+(`ScheduleGPipe` with fewer micro-batches than stages) or `ScheduleInterleaved1F1B`.
+`ChunkStage` adapts Megatron's contract, `forward_step(data_iterator, model) -> (output,
+loss_func)`, `loss_func(output) -> (loss, reports)` (name -> detached [sum, count]); the last
+stage's `loss_fn` sums the reports and scales the loss (1 / M unless
+--calculate-per-token-loss, times the FP16 loss scale). Stages exchange [s, b, h] activations.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import torch
 
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.rng import device_rng
+from megatron_ext.training.engine import add_reports
 
 __all__ = ["ForwardStep", "PipelineShape", "ChunkStage", "Pipeline"]
 
@@ -41,10 +38,9 @@ class PipelineShape:
 
 
 class _Iteration:
-    """One `Pipeline.run`: the micro-batches (read from the data iterator in order as a stage
-    first asks for one, and dropped once each of the rank's `readers` chunks has had it), the
-    loss functions of the loss stage's forwards, the reports summed so far, the factor the
-    loss is multiplied by before backward, and the forward's precision context."""
+    """One `Pipeline.run`: the micro-batches (read in order as a stage first asks for one,
+    dropped once each of the rank's `readers` chunks has had it), the loss stage's loss
+    functions and the reports summed so far."""
 
     def __init__(
         self,
@@ -59,8 +55,7 @@ class _Iteration:
         self.batches: dict[int, tuple[object, int]] = {}  # index -> (micro-batch, reads left)
         self.loss_funcs: dict[int, Callable] = {}
         self.totals: dict[str, torch.Tensor] = {}
-        self.error: Optional[Exception] = None
-        """What a stage's forward raised (torch's stage raises a RuntimeError from it)."""
+        self.error: Optional[Exception] = None  # what a stage's forward raised
 
     def batch(self, index: int):
         """Micro-batch `index` of the iteration, for one of this rank's chunks."""
@@ -73,9 +68,7 @@ class _Iteration:
         return batch
 
     def add(self, reports: dict[str, torch.Tensor]) -> None:
-        for name, value in reports.items():
-            value = value.detach().to(torch.float64)
-            self.totals[name] = self.totals[name] + value if name in self.totals else value
+        add_reports(self.totals, reports)
 
 
 class ChunkStage(torch.nn.Module):
@@ -83,13 +76,10 @@ class ChunkStage(torch.nn.Module):
 
         forward(*received, microbatch) -> output
 
-    `received` is the previous stage's activation [s, b, h] (nothing on the first stage),
-    handed to the chunk through `set_input_tensor`; `microbatch` the micro-batch's index (a
-    one-element tensor). The output of a stage before the last goes out as `dtype`; the
-    loss stage's (the forward step's output) goes to `Pipeline`'s `loss_fn`.
-
-    The chunk is held, not registered as a submodule: this module's parameters are the
-    chunk's less `deferred`, the ones a `DistributedDataParallel` around it reduces.
+    `received` is the previous stage's activation [s, b, h] (nothing on the first stage);
+    `microbatch` the micro-batch's index (a one-element tensor). The chunk is held, not
+    registered as a submodule: this module's parameters are the chunk's less `deferred`, the
+    ones a `DistributedDataParallel` around it reduces.
     """
 
     def __init__(
@@ -137,15 +127,9 @@ class ChunkStage(torch.nn.Module):
 class Pipeline:
     """This rank's model chunks as stages of torch's pipeline schedules (see the module doc).
 
-    Args:
-        chunks: this rank's model chunks in order (more than one: interleaved 1F1B).
-        forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
-        pg: the run's process groups (`pg.pp` orders the stages).
-        shape: the activations the stages exchange (and the loss stage's output).
-        autocast: the forward's precision context.
-        deferred: parameters the chunk stages do not own (`engine.ModuleHooks.defers_gradients`).
-        wrap: the module each stage runs, made from its `ChunkStage` (the engine's torch DDP;
-            by default the `ChunkStage` itself).
+    `chunks`: this rank's model chunks in order (more than one: interleaved 1F1B); `deferred`:
+    parameters the stages do not own (`engine.ModuleHooks`); `wrap`: the module each stage runs,
+    made from its `ChunkStage` (the engine's DDP; by default the `ChunkStage` itself).
     """
 
     def __init__(
@@ -172,8 +156,7 @@ class Pipeline:
             )
             for c, chunk in enumerate(chunks)
         ]
-        self.modules = [wrap(stage) for stage in self.chunk_stages]
-        """What each stage runs: the `ChunkStage`, or the engine's DDP around it."""
+        self.modules = [wrap(stage) for stage in self.chunk_stages]  # or DDP around each
         self._schedules: dict[int, object] = {}
 
     def _schedule(self, num_microbatches: int):
@@ -184,9 +167,8 @@ class Pipeline:
         if M in self._schedules:
             self._schedules[M] = self._schedules.pop(M)  # the latest used last
             return self._schedules[M]
-        # deferred: torch.distributed.pipelining imports TorchDynamo (its schedules import
-        # torch._dynamo), about 0.45 CPU-s more than the training code's own imports, which
-        # stay free of it (tests/test_megatron_import.py); a training run pays it once
+        # deferred: torch.distributed.pipelining imports torch._dynamo (about 0.45 CPU-s),
+        # which the training code's own imports stay free of (tests/test_megatron_import.py)
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -237,16 +219,11 @@ class Pipeline:
         per_token_loss: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Run one iteration's `num_microbatches` micro-batches through this rank's stages
-        (forward, and backward unless `forward_only`); gradients accumulate in `param.grad`
-        (averaged over data-parallel ranks where the stage modules are DDP).
+        (forward, and backward unless `forward_only`); gradients accumulate in `param.grad`.
+        `loss_scale` multiplies the loss before backward (FP16); with `per_token_loss` the
+        losses are not divided by the number of micro-batches.
 
-        `loss_scale` multiplies the loss before backward (FP16); with `per_token_loss`
-        (--calculate-per-token-loss) the losses are token sums and are not divided by the
-        number of micro-batches.
-
-        Returns:
-            on the last pipeline stage, the reports summed over micro-batches (float64);
-            elsewhere {}.
+        Returns the reports summed over micro-batches (float64) on the last stage, else {}.
         """
         M, P, V = num_microbatches, self.pg.pp_size, len(self.modules)
         if V > 1 and M % P:

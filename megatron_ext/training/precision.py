@@ -1,16 +1,12 @@
 """Mixed precision of the portable training path.
 
-Parameters, gradients and optimizer states stay float32 on CPU and GPU alike; --bf16 / --fp16
-run forward and backward under `torch.autocast` (matmuls low, reductions and norms float32), and
---fp8-format adds Transformer Engine's `fp8_autocast` (DelayedScaling, HYBRID) around the
-forward on CUDA: one code path, the fp32 weights are the master copy, gradients reduce in fp32.
-The model is built at float32 (`PrecisionConfig.params_dtype`).
+Parameters, gradients and optimizer states stay float32; --bf16 / --fp16 run forward and
+backward under `torch.autocast`, and --fp8-format adds Transformer Engine's `fp8_autocast`
+around the forward on CUDA: the fp32 weights are the master copy, gradients reduce in fp32.
 
-Every embedding arm's input module runs in fp32 (a lookup is not autocast; LEV and the seed
-networks disable it) and hands layer 0 fp32 [s, b, h]; megatron's bias-dropout-add then casts
-the residual to the sublayer's dtype, so the residual stream is bf16 from layer 0's first add,
-as in Megatron-LM's --bf16 without --fp32-residual-connection. Norms and the loss are fp32;
-pipeline stages exchange fp32 activations (`pipeline_dtype`: bf16 converts exactly), so a
+Every embedding arm's input module runs in fp32 and hands layer 0 fp32 [s, b, h]; the residual
+stream is bf16 from layer 0's first add (Megatron-LM's --bf16 without
+--fp32-residual-connection). Pipeline stages exchange fp32 activations (`pipeline_dtype`), so a
 pipelined run computes what a single-stage run does.
 """
 

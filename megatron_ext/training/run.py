@@ -1,11 +1,7 @@
 """One training run end to end: `pretrain(cfg, model_provider=..., forward_step=...,
-datasets_provider=...)`, Megatron-LM's entry contract.
-
-`pretrain` initialises the process groups (`parallel.initialize_parallel` returns them as one
-`ProcessGroups`, passed to everything that communicates) and runs three steps: `setup` (seeds,
-model chunks, engine, metrics logger, checkpoint load; here), `loop.train` (datasets, the
-iterations, final evaluation) and `loop.close` (logs, profiler, process groups), which runs
-whatever happened.
+datasets_provider=...)`, Megatron-LM's entry contract. It initialises the process groups and
+runs `setup` (seeds, model chunks, engine, metrics logger, checkpoint load; here), `loop.train`
+and `loop.close`, which runs whatever happened.
 """
 
 from __future__ import annotations
@@ -90,12 +86,8 @@ def setup(
     """Seed, build this stage's model, its engine and the rest of the run, and load --load.
 
     `engine_builder` (default: the engine --ddp-impl names) is
-    `(cfg, model, forward_step, pg, phase, timers) -> Engine`; tests pass one that builds the
-    megatron-core engine on CPU doubles (`tests.support.megatron_doubles`).
-    `save_lock`: the run's lock of --save (`pretrain` takes it), checked before every save.
-
-    Returns:
-        the trainer (its `state` at the loaded iteration), ready for `train`.
+    `(cfg, model, forward_step, pg, phase, timers) -> Engine`. `save_lock`: the run's lock of
+    --save, checked before every save. Returns the trainer at the loaded iteration.
     """
     ck = cfg.ckpt
     if not cfg.engine.cpu_accel:
@@ -176,12 +168,8 @@ def _build_model(
     full_model_provider: Optional[Callable[[], torch.nn.Module]],
 ) -> list[torch.nn.Module]:
     """This pipeline rank's model: one module, or with --num-layers-per-virtual-pipeline-stage
-    its V model chunks in order (chunk c holds virtual stage c x PP + pp_rank; the embedding on
-    the first rank's chunk 0, the head on the last rank's chunk V-1); a fresh PP > 1 run starts
-    from one stage's initial weights (`full_model_provider`); on the GPU where there is one.
-
-    Megatron-LM's contract: the provider builds its stage on the groups it is given, and a
-    chunk when given `vp_stage` (here also `vp_size`, the chunks per rank).
+    its V model chunks in order (chunk c holds virtual stage c x PP + pp_rank); a fresh PP > 1
+    run starts from one stage's initial weights (`full_model_provider`); on the GPU if any.
     """
     p, ck = cfg.parallel, cfg.ckpt
     interleaved, vp_size = p.num_layers_per_virtual_pipeline_stage is not None, 1
@@ -229,17 +217,12 @@ def pretrain(
         model_provider: `(pre_process, post_process) -> module` of this pipeline stage.
         forward_step: Megatron's `(data_iterator, model) -> (output, loss_func)`.
         datasets_provider: `[train, valid, test] sample counts -> (train, valid, test)`.
-        full_model_provider: builds the whole model as a single pipeline stage; under pipeline
-            parallelism a fresh run copies its initial weights from it, so that PP>1 starts
-            from the same weights as PP=1 (see `initialization.py`).
-        engine_builder: builds the training engine (see `setup`; default: --ddp-impl's).
+        full_model_provider: builds the whole model as one stage, whose initial weights a
+            fresh PP>1 run copies (`initialization.py`).
+        engine_builder: builds the training engine (see `setup`).
 
-    Returns:
-        why training stopped: "finished", "signal", "exit-duration", "exit-interval" or
-        "skip-train".
-
-    --save is this run's alone while it runs: its lock (`checkpoint.lock.SaveLock`) is taken
-    before anything is built and removed when the run ends, whatever ended it.
+    Returns why training stopped (`loop.train`). --save is locked (`checkpoint.lock.SaveLock`)
+    from before anything is built to the end of the run, whatever ended it.
 
     Raises:
         NonFiniteError: a NaN/inf loss or grad norm stopped the run (nothing was saved).
@@ -316,9 +299,8 @@ def _collective_timeout(trainer: Trainer) -> CollectiveTimeoutError:
 def _interrupted(
     cfg: RunConfig, trainer: Optional[Trainer], started: int, save_lock: Optional[SaveLock]
 ) -> TrainingInterrupted:
-    """The Ctrl-C line; rank 0 first removes the save that Ctrl-C cut short (and any a killed
-    run left), while this run still holds --save: each rank also removes its own on the way
-    out of `save_checkpoint`, but a rank killed mid-save cannot."""
+    """The Ctrl-C line; rank 0 first removes the saves cut short while this run still holds
+    --save (a rank killed mid-save cannot remove its own)."""
     if save_lock is not None and dist.get_rank() == 0:
         remove_partial_saves(cfg.ckpt.save)
     reached = None if trainer is None else trainer.state.iteration
@@ -336,9 +318,8 @@ def _first_missing(path: Optional[str]) -> Optional[str]:
 
 
 def _remove_if_no_files(root: str) -> None:
-    """Remove a --save directory this run made, and the directories in it, if they hold no
-    file (a run that failed before its first checkpoint): a failed launch leaves nothing
-    behind. Only empty directories are removed (rmdir), so no file is ever deleted."""
+    """Remove a --save directory this run made and the directories in it if they hold no file
+    (a failed launch leaves nothing behind; rmdir never deletes a file)."""
     for directory, _, _ in sorted(os.walk(root), key=lambda entry: -len(entry[0])):
         try:
             os.rmdir(directory)

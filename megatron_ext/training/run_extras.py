@@ -139,17 +139,6 @@ class RunExtras:
         if self.memory.empty_unused_memory_level >= 2 and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def stats(self, params) -> dict[str, float]:
-        """Collective (every rank): the logged extras of this iteration."""
-        out: dict[str, float] = {}
-        if self.log.log_params_norm:
-            out["params-norm"] = params_norm(params, self.pg)
-        if self.log.log_num_zeros_in_grad:
-            out["num-zeros"] = float(num_zeros_in_grad(params, self.pg))
-        if self.log.log_memory_to_tensorboard:
-            out.update(memory_stats())
-        return out
-
     def trace_dir(self) -> str:
         """Directory of the profiler traces: --tensorboard-dir, else <save>/profile."""
         return self.log_dir or os.path.join(self.save_dir, "profile")
