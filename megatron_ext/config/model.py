@@ -247,37 +247,39 @@ class ModelConfig:
     LLaMA's FFN width, the key/value groups, 128 tokens, selective recomputation): args.json
     records them as given (None), and `check_as_given` reads which sizes were given."""
 
-    def __post_init__(self) -> None:
-        """After the fields' declared checks (`flag_dataclass`): fill the sizes left None
-        (`derived`), raise ValueError naming the flag for every impossible setting, build the
-        LEVConfig at the model's V and D (`EmbeddingConfig.at_model_size`, which checks it).
-        What needs the layout too is `config.layout.check_layout`'s."""
-        if isinstance(self.embedding, dict):
-            object.__setattr__(self, "embedding", EmbeddingConfig(**self.embedding))
-        sizes = {**_DEBUG_MODEL, **MODEL_SIZE_PRESETS.get(self.model_size or "", {})}
+    @classmethod
+    def derive(cls, v: dict) -> dict:
+        """The sizes left None filled (`derived`), and the LEVConfig built at the model's V and
+        D (`EmbeddingConfig.at_model_size`, which checks it)."""
+        if isinstance(v["embedding"], dict):
+            v["embedding"] = EmbeddingConfig(**v["embedding"])
+        sizes = {**_DEBUG_MODEL, **MODEL_SIZE_PRESETS.get(v["model_size"] or "", {})}
         fills = dict(
             num_layers=lambda: sizes["num_layers"],
             hidden_size=lambda: sizes["hidden_size"],
             num_attention_heads=lambda: sizes["num_attention_heads"],
             ffn_hidden_size=lambda: (
-                sizes.get("ffn_hidden_size") or llama_ffn_hidden_size(self.hidden_size)
+                sizes.get("ffn_hidden_size") or llama_ffn_hidden_size(v["hidden_size"])
             ),
             seq_length=lambda: 128,
             # Megatron-LM's default with --group-query-attention is one key/value group.
-            num_query_groups=lambda: 1 if self.group_query_attention else self.num_attention_heads,
-            recompute_granularity=lambda: "selective" if self.recompute_activations else None,
+            num_query_groups=lambda: 1 if v["group_query_attention"] else v["num_attention_heads"],
+            recompute_granularity=lambda: "selective" if v["recompute_activations"] else None,
         )
-        derived = set(self.derived)
+        derived = set(v["derived"])
         for name, fill in fills.items():
-            if getattr(self, name) is None and fill() is not None:
-                object.__setattr__(self, name, fill())
+            if v[name] is None and fill() is not None:
+                v[name] = fill()
                 derived.add(name)
-        object.__setattr__(self, "derived", tuple(sorted(derived)))
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"--vocab-size must be >= 1, got {self.vocab_size}")
-        object.__setattr__(
-            self, "embedding", self.embedding.at_model_size(self.vocab_size, self.hidden_size)
-        )
+        v["derived"] = tuple(sorted(derived))
+        if v["vocab_size"] is not None and v["vocab_size"] < 1:
+            raise ValueError(f"--vocab-size must be >= 1, got {v['vocab_size']}")
+        v["embedding"] = v["embedding"].at_model_size(v["vocab_size"], v["hidden_size"])
+        return v
+
+    def __post_init__(self) -> None:
+        """Raise ValueError naming the flag for every impossible setting (what needs the layout
+        too is `config.layout.check_layout`'s)."""
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if int(self.kv_channels * self.rotary_percent) % 2:
