@@ -200,6 +200,7 @@ def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
         model.check_as_given()
     data = data_config_from_args_json(values)
     parts = {name: cls(**flag_values(cls, values, derived=True)) for name, cls in _PARTS.items()}
+    lev = None if model.embedding.uses_lev else lev  # else the model's (`RunConfig.derive`)
     return RunConfig(batch, optim, parallel, seed=seed, model=model, lev=lev, data=data, **parts)
 
 

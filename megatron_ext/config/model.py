@@ -243,8 +243,9 @@ class ModelConfig:
     )
 
     derived: tuple[str, ...] = field(default=(), compare=False, repr=False)
-    """The flag fields left None that this config filled (a preset's or the debug model's sizes,
-    LLaMA's FFN width, the key/value groups, 128 tokens, selective recomputation): args.json
+    """The flags left None that this config filled (a preset's or the debug model's sizes,
+    LLaMA's FFN width, the key/value groups, 128 tokens, selective recomputation, LEV's
+    digit base `lev_base`): args.json
     records them as given (None), and `check_as_given` reads which sizes were given."""
 
     @classmethod
@@ -271,10 +272,14 @@ class ModelConfig:
             if v[name] is None and fill() is not None:
                 v[name] = fill()
                 derived.add(name)
-        v["derived"] = tuple(sorted(derived))
         if v["vocab_size"] is not None and v["vocab_size"] < 1:
             raise ValueError(f"--vocab-size must be >= 1, got {v['vocab_size']}")
+        given = v["embedding"].lev
+        given = given.base if isinstance(given, LEVConfig) else (given or {}).get("base")
         v["embedding"] = v["embedding"].at_model_size(v["vocab_size"], v["hidden_size"])
+        if v["embedding"].lev is not None and v["embedding"].lev.base != given:
+            derived.add("lev_base")
+        v["derived"] = tuple(sorted(derived))
         return v
 
     def __post_init__(self) -> None:
@@ -336,11 +341,6 @@ class ModelConfig:
         resized = {"vocab_size", "hidden_size"} & changes.keys()
         if resized and "embedding" not in changes and lev is not None:
             keeps_base = self.embedding.embedding_type in ("lev", "factored-mlp")
-            lev = dataclasses.replace(
-                lev,
-                vocab_size=changes.get("vocab_size", self.vocab_size),
-                hidden_size=changes.get("hidden_size", self.hidden_size),
-                base=lev.base if keeps_base else None,
-            )
-            changes["embedding"] = dataclasses.replace(self.embedding, lev=lev)
+            lev = dataclasses.replace(lev, vocab_size=None, base=lev.base if keeps_base else None)
+            changes["embedding"] = dataclasses.replace(self.embedding, lev=lev)  # sized by derive
         return dataclasses.replace(self, **changes)

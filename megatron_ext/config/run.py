@@ -528,8 +528,8 @@ class RunConfig:
     """The model (None: the model provider given to `pretrain` holds it, as in tests). From the
     command line its vocabulary is None until `with_tokenizer`."""
     lev: Optional[LEVConfig] = None
-    """The --lev-* flags as given, at no model size: args.json records them for every arm; the
-    LEV-sized arms hold them at the model's V and D as `model.embedding.lev`."""
+    """The --lev-* flags (args.json records them for every arm): for an arm that uses LEV,
+    `model.embedding.lev` itself (at the model's V and D); given here only for the others."""
     data: Optional[DataConfig] = None
     compat_flags: dict[str, Any] = field(default_factory=dict)
     """The flags no config owns, by namespace name: Megatron-LM's compatibility flags (their
@@ -538,10 +538,14 @@ class RunConfig:
 
     @classmethod
     def derive(cls, values: dict) -> dict:
-        """The values one part derives for another: megatron's engine keeps BF16 parameters;
-        the model's depth gives the chunks per pipeline rank; --skip-train loads no optimizer
-        state."""
+        """The values one part derives for another: a LEV arm's LEVConfig is the run's;
+        megatron's engine keeps BF16 parameters; the model's depth gives the chunks per
+        pipeline rank; --skip-train loads no optimizer state."""
         precision, model, ckpt = values["precision"], values["model"], values["ckpt"]
+        if model is not None and model.embedding.lev is not None:
+            if values["lev"] not in (None, model.embedding.lev):
+                raise ValueError("RunConfig: a LEV arm's run uses model.embedding.lev: lev=None")
+            values["lev"] = model.embedding.lev
         if values["engine"].ddp_impl == "megatron" and precision.bf16:
             values["precision"] = dataclasses.replace(precision, params_dtype="bfloat16")
         if model is not None:
@@ -660,7 +664,10 @@ class RunConfig:
             self.parallel.tensor_model_parallel_size,
         )
         data = dataclasses.replace(self.data, tokenizer_fingerprint=tokenizer.fingerprint)
-        return dataclasses.replace(self, model=self.model.replace(vocab_size=vocab), data=data)
+        model = self.model.replace(vocab_size=vocab)
+        return dataclasses.replace(
+            self, model=model, lev=None if model.embedding.lev else self.lev, data=data
+        )
 
     def args_json(self) -> dict[str, Any]:
         """The run as args.json records it, one key per flag (Megatron-LM's namespace names)
@@ -672,11 +679,11 @@ class RunConfig:
         for part in (*training, self.ckpt, self.log, self.memory, self.engine):
             out.update(_recorded(part, derived=True))
         out.update(seed=self.seed, world_size=self.parallel.world_size)
+        if self.lev is not None:
+            out.update(_recorded(self.lev))
         if self.model is not None:
             given = {name: None for name in self.model.derived}
             out.update({**_recorded(self.model), **_recorded(self.model.embedding), **given})
-        if self.lev is not None:
-            out.update(_recorded(self.lev))
         if self.data is not None:
             out.update(_recorded(self.data))
             if self.data.tokenizer_fingerprint is not None:
