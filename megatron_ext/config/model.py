@@ -244,9 +244,8 @@ class ModelConfig:
 
     derived: tuple[str, ...] = field(default=(), compare=False, repr=False)
     """The flags left None that this config filled (a preset's or the debug model's sizes,
-    LLaMA's FFN width, the key/value groups, 128 tokens, selective recomputation, LEV's
-    digit base `lev_base`): args.json
-    records them as given (None), and `check_as_given` reads which sizes were given."""
+    LLaMA's FFN width, the key/value groups, 128 tokens, selective recomputation, LEV's base):
+    args.json records them as given (None); `check_as_given` reads which sizes were given."""
 
     @classmethod
     def derive(cls, v: dict) -> dict:
