@@ -78,12 +78,10 @@ class EmbeddingConfig:
         "lev", "the input embedding arm", shapes_model=True, choices=EMBEDDING_TYPES
     )
     lev: Union[LEVConfig, dict[str, Any], None] = None
-    """The LEV hyper-parameters of the arms that use them: the LEV generator, factored-mlp's
-    digit codebooks, and the parameter count the albert / flat-mlp / factored-mlp widths match.
-    Inside a `ModelConfig` a `LEVConfig` at the model's V and D for those arms and None for
-    tied / untied (see `at_model_size`); given as None (the defaults), as an unsized LEVConfig
-    or as a dict of LEVConfig fields (vocab_size/hidden_size may be left out), it is built
-    there."""
+    """The LEV hyper-parameters of the arms that use them (the LEV generator, factored-mlp's
+    codebooks, the count the other arms' widths match): None (the defaults), a LEVConfig or a
+    dict of its fields; inside a `ModelConfig` a `LEVConfig` at the model's V and D for those
+    arms (the run's one LEVConfig) and None for tied / untied (`at_model_size`)."""
     albert_dim: Optional[int] = flag(
         None,
         "ALBERT's m: V x m table, m x D projection (default: match LEV)",
@@ -124,13 +122,12 @@ class EmbeddingConfig:
         return self.embedding_type in _LEV_SIZED_TYPES
 
     def at_model_size(self, vocab_size: Optional[int], hidden_size: int) -> "EmbeddingConfig":
-        """This config with `lev` a `LEVConfig` of vocabulary `vocab_size` (None: not known
+        """This config with `lev` a `LEVConfig` at vocabulary `vocab_size` (None: not known
         yet) and width `hidden_size` if the arm uses LEV, else None (self when it is so already).
 
         Raises:
-            ValueError: a LEV hyper-parameter is impossible (naming its flag), or `lev` was
-                built for another V or D.
-        """
+            ValueError: an impossible LEV hyper-parameter (naming its flag), or a `lev` built
+                for another V or D."""
         lev = self.lev
         if not self.uses_lev:
             lev = None
