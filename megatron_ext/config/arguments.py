@@ -257,11 +257,13 @@ def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:
     return _model_and_lev(saved)[0]
 
 
-def _model_and_lev(values: dict[str, Any]) -> tuple[ModelConfig, LEVConfig]:
-    """The model of flag values (its vocabulary None: the tokenizer's) and its LEV flags."""
+def _model_and_lev(values: dict[str, Any]) -> tuple[ModelConfig, Optional[LEVConfig]]:
+    """The model of flag values (its vocabulary None: the tokenizer's) and the LEV flags of an
+    arm that does not use LEV (a LEV arm's LEVConfig is its model's)."""
     lev = LEVConfig(**_lev_flag_values(values))
     embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, values), lev=lev)
-    return ModelConfig(embedding=embedding, **flag_values(ModelConfig, values)), lev
+    model = ModelConfig(embedding=embedding, **flag_values(ModelConfig, values))
+    return model, None if model.embedding.uses_lev else lev
 
 
 _warned_fused = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import typing
 from typing import Any, Mapping, Optional
 
@@ -219,7 +220,9 @@ def check_flag_values(config: Any) -> None:
 
 def flag_dataclass(cls: type) -> type:
     """`dataclass(frozen=True)` for a config with flags: its `__post_init__` refuses what the
-    fields declare (`check_flag_values`), then runs the class's own `__post_init__`, if any."""
+    fields declare (`check_flag_values`), then runs the class's own `__post_init__`, if any.
+    A class with a `derive(values)` classmethod (field name -> value as given, to the values
+    to build with) has its derived values computed from the given ones before it is built."""
     own = getattr(cls, "__post_init__", lambda self: None)  # a parent's, if the class has none
 
     @functools.wraps(own)
@@ -228,7 +231,18 @@ def flag_dataclass(cls: type) -> type:
         own(self)
 
     cls.__post_init__ = __post_init__
-    return dataclasses.dataclass(frozen=True)(cls)
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    if hasattr(cls, "derive"):
+        init, signature = cls.__init__, inspect.signature(cls.__init__)
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs) -> None:
+            given = signature.bind(self, *args, **kwargs).arguments
+            fields = [f for f in dataclasses.fields(cls) if f.init]
+            init(self, **cls.derive({f.name: given.get(f.name, field_default(f)) for f in fields}))
+
+        cls.__init__ = __init__
+    return cls
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

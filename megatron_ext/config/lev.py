@@ -145,8 +145,16 @@ class LEVConfig:
     )
     lr_mult: float = lev_flag(1.0, "learning-rate multiplier of the LEV parameters", above=0)
 
+    @classmethod
+    def derive(cls, values: dict) -> dict:
+        """The digit base, when not given: the smallest b with b^k >= V (at a known V)."""
+        v, k = values["vocab_size"], values["num_digits"]
+        if values["base"] is None and v is not None and v >= 1 and k >= 1:
+            values["base"] = smallest_base(v, k)
+        return {**values, "weight_decay_groups": tuple(values["weight_decay_groups"])}
+
     def __post_init__(self) -> None:
-        """V and D, and the digit base (when not given: the smallest b with b^k >= V, stored)."""
+        """V and D, and a given digit base that covers V."""
         sized = self.vocab_size is not None
         if sized and self.vocab_size < 1:
             raise ValueError(
@@ -158,10 +166,7 @@ class LEVConfig:
                 f"LEVConfig: hidden_size D must be >= 1, got {self.hidden_size}; change "
                 "--hidden-size"
             )
-        if self.base is None:
-            if sized:
-                object.__setattr__(self, "base", smallest_base(self.vocab_size, self.num_digits))
-        elif sized and self.base**self.num_digits < self.vocab_size:
+        if sized and self.base**self.num_digits < self.vocab_size:
             need_b = smallest_base(self.vocab_size, self.num_digits)
             need_k = 1
             while self.base**need_k < self.vocab_size:
@@ -172,7 +177,6 @@ class LEVConfig:
                 f"vocab size {self.vocab_size}; raise --lev-base to >= {need_b}, or "
                 f"--lev-num-digits to >= {need_k}, or omit --lev-base"
             )
-        object.__setattr__(self, "weight_decay_groups", tuple(self.weight_decay_groups))
 
     # ----------------------------------------------------------------------------- derived
 

@@ -78,12 +78,10 @@ class EmbeddingConfig:
         "lev", "the input embedding arm", shapes_model=True, choices=EMBEDDING_TYPES
     )
     lev: Union[LEVConfig, dict[str, Any], None] = None
-    """The LEV hyper-parameters of the arms that use them: the LEV generator, factored-mlp's
-    digit codebooks, and the parameter count the albert / flat-mlp / factored-mlp widths match.
-    Inside a `ModelConfig` a `LEVConfig` at the model's V and D for those arms and None for
-    tied / untied (see `at_model_size`); given as None (the defaults), as an unsized LEVConfig
-    or as a dict of LEVConfig fields (vocab_size/hidden_size may be left out), it is built
-    there."""
+    """The LEV hyper-parameters of the arms that use them (the LEV generator, factored-mlp's
+    codebooks, the count the other arms' widths match): None (the defaults), a LEVConfig or a
+    dict of its fields; inside a `ModelConfig` a `LEVConfig` at the model's V and D for those
+    arms (the run's one LEVConfig) and None for tied / untied (`at_model_size`)."""
     albert_dim: Optional[int] = flag(
         None,
         "ALBERT's m: V x m table, m x D projection (default: match LEV)",
@@ -124,13 +122,12 @@ class EmbeddingConfig:
         return self.embedding_type in _LEV_SIZED_TYPES
 
     def at_model_size(self, vocab_size: Optional[int], hidden_size: int) -> "EmbeddingConfig":
-        """This config with `lev` a `LEVConfig` of vocabulary `vocab_size` (None: not known
+        """This config with `lev` a `LEVConfig` at vocabulary `vocab_size` (None: not known
         yet) and width `hidden_size` if the arm uses LEV, else None (self when it is so already).
 
         Raises:
-            ValueError: a LEV hyper-parameter is impossible (naming its flag), or `lev` was
-                built for another V or D.
-        """
+            ValueError: an impossible LEV hyper-parameter (naming its flag), or a `lev` built
+                for another V or D."""
         lev = self.lev
         if not self.uses_lev:
             lev = None
@@ -243,41 +240,47 @@ class ModelConfig:
     )
 
     derived: tuple[str, ...] = field(default=(), compare=False, repr=False)
-    """The flag fields left None that this config filled (a preset's or the debug model's sizes,
-    LLaMA's FFN width, the key/value groups, 128 tokens, selective recomputation): args.json
-    records them as given (None), and `check_as_given` reads which sizes were given."""
+    """The flags left None that this config filled (a preset's or the debug model's sizes,
+    LLaMA's FFN width, the key/value groups, 128 tokens, selective recomputation, LEV's base):
+    args.json records them as given (None); `check_as_given` reads which sizes were given."""
 
-    def __post_init__(self) -> None:
-        """After the fields' declared checks (`flag_dataclass`): fill the sizes left None
-        (`derived`), raise ValueError naming the flag for every impossible setting, build the
-        LEVConfig at the model's V and D (`EmbeddingConfig.at_model_size`, which checks it).
-        What needs the layout too is `config.layout.check_layout`'s."""
-        if isinstance(self.embedding, dict):
-            object.__setattr__(self, "embedding", EmbeddingConfig(**self.embedding))
-        sizes = {**_DEBUG_MODEL, **MODEL_SIZE_PRESETS.get(self.model_size or "", {})}
+    @classmethod
+    def derive(cls, v: dict) -> dict:
+        """The sizes left None filled (`derived`), and the LEVConfig built at the model's V and
+        D (`EmbeddingConfig.at_model_size`, which checks it)."""
+        if isinstance(v["embedding"], dict):
+            v["embedding"] = EmbeddingConfig(**v["embedding"])
+        sizes = {**_DEBUG_MODEL, **MODEL_SIZE_PRESETS.get(v["model_size"] or "", {})}
         fills = dict(
             num_layers=lambda: sizes["num_layers"],
             hidden_size=lambda: sizes["hidden_size"],
             num_attention_heads=lambda: sizes["num_attention_heads"],
             ffn_hidden_size=lambda: (
-                sizes.get("ffn_hidden_size") or llama_ffn_hidden_size(self.hidden_size)
+                sizes.get("ffn_hidden_size") or llama_ffn_hidden_size(v["hidden_size"])
             ),
             seq_length=lambda: 128,
             # Megatron-LM's default with --group-query-attention is one key/value group.
-            num_query_groups=lambda: 1 if self.group_query_attention else self.num_attention_heads,
-            recompute_granularity=lambda: "selective" if self.recompute_activations else None,
+            num_query_groups=lambda: 1 if v["group_query_attention"] else v["num_attention_heads"],
+            recompute_granularity=lambda: "selective" if v["recompute_activations"] else None,
         )
-        derived = set(self.derived)
+        derived = set(v["derived"])
         for name, fill in fills.items():
-            if getattr(self, name) is None and fill() is not None:
-                object.__setattr__(self, name, fill())
+            if v[name] is None and fill() is not None:
+                v[name] = fill()
                 derived.add(name)
-        object.__setattr__(self, "derived", tuple(sorted(derived)))
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"--vocab-size must be >= 1, got {self.vocab_size}")
-        object.__setattr__(
-            self, "embedding", self.embedding.at_model_size(self.vocab_size, self.hidden_size)
-        )
+        if v["vocab_size"] is not None and v["vocab_size"] < 1:
+            raise ValueError(f"--vocab-size must be >= 1, got {v['vocab_size']}")
+        given = v["embedding"].lev
+        given = given.base if isinstance(given, LEVConfig) else (given or {}).get("base")
+        v["embedding"] = v["embedding"].at_model_size(v["vocab_size"], v["hidden_size"])
+        if v["embedding"].lev is not None and v["embedding"].lev.base != given:
+            derived.add("lev_base")
+        v["derived"] = tuple(sorted(derived))
+        return v
+
+    def __post_init__(self) -> None:
+        """Raise ValueError naming the flag for every impossible setting (what needs the layout
+        too is `config.layout.check_layout`'s)."""
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if int(self.kv_channels * self.rotary_percent) % 2:
@@ -334,11 +337,6 @@ class ModelConfig:
         resized = {"vocab_size", "hidden_size"} & changes.keys()
         if resized and "embedding" not in changes and lev is not None:
             keeps_base = self.embedding.embedding_type in ("lev", "factored-mlp")
-            lev = dataclasses.replace(
-                lev,
-                vocab_size=changes.get("vocab_size", self.vocab_size),
-                hidden_size=changes.get("hidden_size", self.hidden_size),
-                base=lev.base if keeps_base else None,
-            )
-            changes["embedding"] = dataclasses.replace(self.embedding, lev=lev)
+            lev = dataclasses.replace(lev, vocab_size=None, base=lev.base if keeps_base else None)
+            changes["embedding"] = dataclasses.replace(self.embedding, lev=lev)  # sized by derive
         return dataclasses.replace(self, **changes)

@@ -254,6 +254,17 @@ class OptimizerConfig:
     lr_wsd_decay_steps: Optional[int] = None
     wd_incr_steps: int = 1
 
+    @classmethod
+    def derive(cls, values: dict) -> dict:
+        """The weight decay at start and end default to --weight-decay; with --decoupled-lr,
+        its minimum to --min-lr (Megatron-LM's)."""
+        for name in ("start_weight_decay", "end_weight_decay"):
+            if values[name] is None:
+                values[name] = values["weight_decay"]
+        if values["decoupled_lr"] is not None and values["decoupled_min_lr"] is None:
+            values["decoupled_min_lr"] = values["min_lr"]
+        return values
+
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr}), --lr > 0")
@@ -272,9 +283,6 @@ class OptimizerConfig:
             )
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_steps is None:
             raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters/-samples")
-        for name in ("start_weight_decay", "end_weight_decay"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, self.weight_decay)
         if self.weight_decay_incr_style == "constant" and (
             self.start_weight_decay != self.end_weight_decay
         ):
@@ -283,8 +291,6 @@ class OptimizerConfig:
                 "linear or cosine"
             )
         if self.decoupled_lr is not None:
-            if self.decoupled_min_lr is None:  # Megatron-LM: --min-lr
-                object.__setattr__(self, "decoupled_min_lr", self.min_lr)
             if self.decoupled_lr <= 0 or not 0 <= self.decoupled_min_lr <= self.decoupled_lr:
                 raise ValueError(
                     f"need 0 <= --decoupled-min-lr ({self.decoupled_min_lr}) <= --decoupled-lr "
@@ -522,24 +528,36 @@ class RunConfig:
     """The model (None: the model provider given to `pretrain` holds it, as in tests). From the
     command line its vocabulary is None until `with_tokenizer`."""
     lev: Optional[LEVConfig] = None
-    """The --lev-* flags as given, at no model size: args.json records them for every arm; the
-    LEV-sized arms hold them at the model's V and D as `model.embedding.lev`."""
+    """The --lev-* flags (args.json records them for every arm): for an arm that uses LEV,
+    `model.embedding.lev` itself (at the model's V and D); given here only for the others."""
     data: Optional[DataConfig] = None
     compat_flags: dict[str, Any] = field(default_factory=dict)
     """The flags no config owns, by namespace name: Megatron-LM's compatibility flags (their
     effective values, `config.megatron_compat`) and the deprecated `lev_fused` (None: mapped
     onto --lev-kernel while parsing). args.json records them with the rest."""
 
+    @classmethod
+    def derive(cls, values: dict) -> dict:
+        """The values one part derives for another: a LEV arm's LEVConfig is the run's;
+        megatron's engine keeps BF16 parameters; the model's depth gives the chunks per
+        pipeline rank; --skip-train loads no optimizer state."""
+        precision, model, ckpt = values["precision"], values["model"], values["ckpt"]
+        if model is not None and model.embedding.lev is not None:
+            if values["lev"] not in (None, model.embedding.lev):
+                raise ValueError("RunConfig: a LEV arm's run uses model.embedding.lev: lev=None")
+            values["lev"] = model.embedding.lev
+        if values["engine"].ddp_impl == "megatron" and precision.bf16:
+            values["precision"] = dataclasses.replace(precision, params_dtype="bfloat16")
+        if model is not None:
+            values["parallel"] = values["parallel"].with_num_layers(model.num_layers)
+        if values["exit"].skip_train and ckpt.load:
+            values["ckpt"] = dataclasses.replace(ckpt, no_load_optim=True)
+        return values
+
     def __post_init__(self) -> None:
-        """The checks that span two parts, and the values one part derives for another
-        (--skip-train loads no optimizer state; megatron's engine keeps BF16 parameters; the
-        model's depth gives the chunks per pipeline rank)."""
+        """The checks that span two parts."""
         if self.data is not None:
             self.data.check_sources()
-        if self.engine.ddp_impl == "megatron" and self.precision.bf16:
-            self._derive(precision=dataclasses.replace(self.precision, params_dtype="bfloat16"))
-        if self.model is not None:
-            self._derive(parallel=self.parallel.with_num_layers(self.model.num_layers))
         b, p = self.batch, self.parallel
         micro_times_dp = b.micro_batch_size * p.data_parallel_size
         if b.global_batch_size % micro_times_dp:
@@ -556,10 +574,8 @@ class RunConfig:
         b.rampup(p.data_parallel_size)  # checks --rampup-batch-size
         if p.num_layers_per_virtual_pipeline_stage:
             self._check_interleaved()
-        if self.exit.skip_train:
-            if not self.ckpt.load:
-                raise ValueError("--skip-train evaluates a checkpoint: pass --load")
-            self._derive(ckpt=dataclasses.replace(self.ckpt, no_load_optim=True))
+        if self.exit.skip_train and not self.ckpt.load:
+            raise ValueError("--skip-train evaluates a checkpoint: pass --load")
         if self.engine.overlap_param_gather and not p.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         megatron = self.engine.ddp_impl == "megatron"
@@ -588,10 +604,6 @@ class RunConfig:
             )
         if self.model is not None:
             check_layout(self.model, self.parallel, self.precision)
-
-    def _derive(self, **parts) -> None:
-        for name, part in parts.items():
-            object.__setattr__(self, name, part)
 
     def _check_interleaved(self) -> None:
         """What the interleaved 1F1B schedule (virtual pipeline stages) needs of the run."""
@@ -652,7 +664,10 @@ class RunConfig:
             self.parallel.tensor_model_parallel_size,
         )
         data = dataclasses.replace(self.data, tokenizer_fingerprint=tokenizer.fingerprint)
-        return dataclasses.replace(self, model=self.model.replace(vocab_size=vocab), data=data)
+        model = self.model.replace(vocab_size=vocab)
+        return dataclasses.replace(
+            self, model=model, lev=None if model.embedding.lev else self.lev, data=data
+        )
 
     def args_json(self) -> dict[str, Any]:
         """The run as args.json records it, one key per flag (Megatron-LM's namespace names)
@@ -664,11 +679,11 @@ class RunConfig:
         for part in (*training, self.ckpt, self.log, self.memory, self.engine):
             out.update(_recorded(part, derived=True))
         out.update(seed=self.seed, world_size=self.parallel.world_size)
+        if self.lev is not None:
+            out.update(_recorded(self.lev))
         if self.model is not None:
             given = {name: None for name in self.model.derived}
             out.update({**_recorded(self.model), **_recorded(self.model.embedding), **given})
-        if self.lev is not None:
-            out.update(_recorded(self.lev))
         if self.data is not None:
             out.update(_recorded(self.data))
             if self.data.tokenizer_fingerprint is not None:

@@ -66,7 +66,6 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0 (0: no cut), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

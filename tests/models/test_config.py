@@ -209,6 +209,12 @@ def test_lev_flags_become_the_frozen_config_the_model_holds():
     run = parse_config([*RUN, "--lev-num-knots", "5"], world_size=1)
     assert (run.lev.vocab_size, run.lev.base, run.lev.num_knots) == (None, None, 5)
     assert run.model.embedding.lev == dataclasses.replace(run.lev, hidden_size=64)
+    # One LEVConfig per run; once sized, args.json still records the base as given (None).
+    sized = run.with_tokenizer(argparse.Namespace(vocab_size=100, fingerprint="f"))
+    assert sized.lev is sized.model.embedding.lev and sized.lev.base == 6  # V padded to 128
+    assert (sized.args_json()["lev_base"], sized.args_json()["lev_num_knots"]) == (None, 5)
+    with pytest.raises(ValueError, match="lev=None"):
+        dataclasses.replace(sized, lev=run.lev)
     # The arms sized from LEV's count hold it too; tied / untied hold none.
     albert = _model("--embedding-type", "albert", "--lev-rank", "4")
     assert albert.embedding.lev.rank == 4
