@@ -1,13 +1,9 @@
 """Fused LEV modes on CPU: a compiled C++ twin of the Triton kernel (`--lev-kernel cpu`).
 
-One C++ loop (csrc/lev_cpu.cpp) per (head, id) evaluates each spline value from the three
-non-zero basis values of its coordinate and multiplies it into the mode at once; backward
-recomputes them per (head, coordinate) and accumulates dL/dDelta and dL/dt in the same pass,
-so nothing of size h*d*r per id is stored (`lev.fused` makes about fifteen elementwise passes
-instead). Same function and saved tensors as `lev.fused`; the LayerNorm and its affine are C++
-too (`CpuSeedNorm`). Compiled on first use (`cpu_accel.build`, cached under
-$MEGATRON_EXT_CACHE); `cpu_kernel_error()` says why it cannot be used, and `--lev-kernel auto`
-then logs that reason once and runs `lev.fused`.
+csrc/lev_cpu.cpp evaluates each spline value from the three non-zero basis values of its
+coordinate and multiplies it into the mode at once; backward recomputes them per (head,
+coordinate), so nothing of size h*d*r per id is stored. Step 3b is C++ too (`CpuSeedNorm`).
+Compiled on first use (`cpu_accel.build`); `cpu_kernel_error()` says why it cannot be used.
 """
 
 from __future__ import annotations
@@ -80,9 +76,9 @@ def _ptr(tensor: torch.Tensor) -> int:
 
 
 class CpuSeedNorm:
-    """Step 3b up to the sigmoid in C++ (`lev.kernels.SeedNorm`): one pass per (id, head) row
-    for y = LayerNorm(u) * gain + shift, and for dL/du; dL/dgain and dL/dshift summed column by
-    column in id order (the same bits for any thread count)."""
+    """`lev.kernels.LEVBackend.seed_norm` in C++: one pass per (id, head) row for y and for
+    dL/du; dL/dgain and dL/dshift summed column by column in id order (the same bits for any
+    thread count)."""
 
     def forward(self, u, gain, shift, eps) -> torch.Tensor:
         """u [N, h, d], gain and shift [h, d] (contiguous) -> y [N, h, d]."""
@@ -114,7 +110,7 @@ class CpuBackend:
     seed_norm = CpuSeedNorm()
 
     def forward(self, t: torch.Tensor, delta: torch.Tensor, opts) -> torch.Tensor:
-        """t [h, N, d] (any head and id strides), delta [h, d, kappa, r] -> M [N, h, r]."""
+        """See `lev.kernels.LEVBackend` (t: any head and id strides)."""
         lib = load_library()
         h, d, kappa, r = delta.shape
         n = t.shape[1]
@@ -130,12 +126,8 @@ class CpuBackend:
         return modes
 
     def backward(self, t, delta, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
-        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]), with
-        t = sigmoid(y): dL/dy = dL/dt * t * (1 - t) (`lev.kernels.LEVBackend`).
-
-        t and grad are read through their strides (rows contiguous, copied only if not);
-        dL/dy is the [h, N, d] view of an [N, h, d] tensor (y's layout in `lev.kernels`).
-        """
+        """See `lev.kernels.LEVBackend`; t and grad are read through their strides (rows
+        contiguous, copied only if not); dL/dy is the [h, N, d] view of an [N, h, d] tensor."""
         lib = load_library()
         h, d, kappa, r = delta.shape
         n = t.shape[1]

@@ -1,8 +1,5 @@
-"""Fused LEV modes in torch ops (the "torch" backend of `lev.kernels`): seed z -> separable
-modes M, saving only z [N, d_in] and M [N, h, r] and recomputing the rest chunk by chunk in
-backward (`lev.math.lev_modes` keeps every intermediate: h*d*(kappa + r) numbers per id).
-
-Per chunk of n ids, all heads at once (layout [h, d, n, .], one batched matmul per coordinate)::
+"""Fused LEV modes in torch ops (the "torch" backend of `lev.kernels`): steps 3c-3e chunk by
+chunk of ids, all heads at once (layout [h, d, n, .], one batched matmul per coordinate)::
 
     B = basis(t)              [h, d, n, kappa]   three non-zeros per row (docs/lev.md step 3c)
     phi = B @ (1 + Delta)     [h, d, n, r]
@@ -22,17 +19,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from megatron_ext.lev.kernels import LEVKernelOptions
 
 __all__ = [
     "TORCH_BACKEND",
+    "TORCH_SEED_NORM",
     "TorchBackend",
+    "TorchSeedNorm",
     "default_chunk_size",
     "PRODUCT_GROUP",
     "exact_ldexp",
-    "fast_bspline_basis",
     "separable_product_from_phi",
     "signed_factors",
 ]
@@ -105,19 +104,6 @@ def _basis_backward(grad_basis: torch.Tensor, parts: _BasisParts, num_knots: int
     return grad_s * (num_knots - 1)
 
 
-def fast_bspline_basis(t: torch.Tensor, num_knots: int, normalize: bool = True) -> torch.Tensor:
-    """The basis of `lev.math.bspline_basis` from its three non-zero values (no autograd).
-
-    Args:
-        t: [...] in [0, 1].
-    Returns:
-        [..., kappa].
-    """
-    parts = _basis_parts(t, num_knots, normalize)
-    out = torch.empty(*t.shape, num_knots, dtype=t.dtype, device=t.device)
-    return _dense_basis(parts, out)
-
-
 # ----------------------------------------------------------------------------- product
 
 PRODUCT_GROUP = 64
@@ -139,11 +125,6 @@ def signed_factors(
     of docs/lev.md step 3e has it. `scratch` (phi's shape) avoids a temporary."""
     eps_t = torch.tensor(eps, dtype=phi.dtype, device=phi.device)
     return phi.add_(0.0).add_(torch.copysign(eps_t, phi, out=scratch))
-
-
-def _is_normal(value: float, dtype: torch.dtype) -> bool:
-    info = torch.finfo(dtype)
-    return info.tiny <= value <= info.max
 
 
 def _power_of_two(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -183,7 +164,8 @@ def separable_product_from_phi(
         mantissa = torch.empty_like(phi)
     if exponent is None:
         exponent = torch.empty(phi.shape, dtype=torch.int32, device=phi.device)
-    zero = None if _is_normal(eps, phi.dtype) else phi == 0
+    info = torch.finfo(phi.dtype)
+    zero = None if info.tiny <= eps <= info.max else phi == 0
     torch.frexp(signed_factors(phi, eps, scratch=mantissa), out=(mantissa, exponent))
     if zero is not None:
         # Where eps is a normal number of the dtype, frexp(+eps) is already eps's own split.
@@ -215,70 +197,78 @@ class _Workspace:
             self.grad_basis = torch.empty(numel * kappa, dtype=dtype, device=device)
 
 
-def _chunk(opts: "LEVKernelOptions", h: int, d: int, r: int, n_total: int) -> int:
-    return max(1, min(opts.chunk_size or default_chunk_size(h, d, r), n_total))
+def _chunks(t: torch.Tensor, coeff: torch.Tensor, opts: "LEVKernelOptions", backward: bool):
+    """Per chunk of the ids of t [h, N, d], with coeff = 1 + Delta [h, d, kappa, r]: (ids slice,
+    tt [h, d, n], basis parts, B [h*d, n, kappa], phi = B @ coeff [h, d, n, r], workspace)."""
+    h, d, kappa, r = coeff.shape
+    n_total = t.shape[1]
+    chunk = max(1, min(opts.chunk_size or default_chunk_size(h, d, r), n_total))
+    ws = _Workspace(h, d, chunk, kappa, r, t.dtype, t.device, backward)
+    for start in range(0, n_total, chunk):
+        n = min(chunk, n_total - start)
+        tt = t[:, start : start + n].transpose(1, 2).contiguous()
+        parts = _basis_parts(tt, kappa, opts.normalize_basis)
+        basis3 = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa)).view(h * d, n, kappa)
+        phi = _prefix(ws.phi, h, d, n, r)
+        torch.bmm(basis3, coeff.view(h * d, kappa, r), out=phi.view(h * d, n, r))
+        yield slice(start, start + n), tt, parts, basis3, phi, ws
+
+
+class TorchSeedNorm:
+    """`LEVBackend.seed_norm` in torch ops: layer_norm and addcmul, their autograd for backward."""
+
+    def forward(self, u, gain, shift, eps):
+        """(LN(u) * g + b) / tau = LN(u) * (g / tau) + b / tau: one addcmul after layer_norm."""
+        return torch.addcmul(shift, F.layer_norm(u, (u.shape[-1],), eps=eps), gain)
+
+    def backward(self, u, gain, grad_y, eps):
+        """The local autograd graph of `forward`."""
+        inputs = [x.detach().requires_grad_() for x in (u, gain, torch.zeros_like(gain))]
+        with torch.enable_grad():
+            y = self.forward(*inputs, eps)
+        return tuple(torch.autograd.grad(y, inputs, grad_y))
+
+
+TORCH_SEED_NORM = TorchSeedNorm()
 
 
 class TorchBackend:
     """Steps 3c-3e in chunked torch ops (`lev.kernels.LEVBackend`; any device)."""
 
     name = "torch"
+    seed_norm = TORCH_SEED_NORM
 
     def forward(self, t: torch.Tensor, delta: torch.Tensor, opts: "LEVKernelOptions"):
-        """t [h, N, d], delta [h, d, kappa, r] -> M [N, h, r]."""
+        """See `lev.kernels.LEVBackend`."""
         h, d, kappa, r = delta.shape
-        coeff3 = (1 + delta).view(h * d, kappa, r)
-        n_total = t.shape[1]
-        chunk = _chunk(opts, h, d, r, n_total)
-        ws = _Workspace(h, d, chunk, kappa, r, t.dtype, t.device, backward=False)
-        modes = torch.empty(n_total, h, r, dtype=t.dtype, device=t.device)
-        for start in range(0, n_total, chunk):
-            n = min(chunk, n_total - start)
-            tt = t[:, start : start + n].transpose(1, 2).contiguous()  # [h, d, n]
-            parts = _basis_parts(tt, kappa, opts.normalize_basis)
-            basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
-            phi = _prefix(ws.phi, h, d, n, r)
-            torch.bmm(basis.view(h * d, n, kappa), coeff3, out=phi.view(h * d, n, r))
-            product = separable_product_from_phi(
-                phi,
-                opts.product_eps,
-                _prefix(ws.mantissa, h, d, n, r),
-                _prefix(ws.exponent, h, d, n, r),
-            )
-            modes[start : start + n] = product.transpose(0, 1)
+        modes = torch.empty(t.shape[1], h, r, dtype=t.dtype, device=t.device)
+        for ids, _, _, _, phi, ws in _chunks(t, 1 + delta, opts, backward=False):
+            shape = phi.shape
+            mantissa, exponent = _prefix(ws.mantissa, *shape), _prefix(ws.exponent, *shape)
+            product = separable_product_from_phi(phi, opts.product_eps, mantissa, exponent)
+            modes[ids] = product.transpose(0, 1)
         return modes
 
     def backward(self, t, delta, grad, opts: "LEVKernelOptions"):
-        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]) with
-        t = sigmoid(y) (`lev.kernels.LEVBackend`)."""
+        """See `lev.kernels.LEVBackend`."""
         h, d, kappa, r = delta.shape
-        coeff3 = (1 + delta).view(h * d, kappa, r)
-        coeff3_t = coeff3.transpose(1, 2)  # [h*d, r, kappa]
+        coeff = 1 + delta
+        coeff3_t = coeff.view(h * d, kappa, r).transpose(1, 2)  # [h*d, r, kappa]
         scaled = grad.transpose(0, 1).unsqueeze(1)  # [h, 1, N, r]
-        n_total = t.shape[1]
-        chunk = _chunk(opts, h, d, r, n_total)
         grad_t = torch.empty_like(t)
-        grad_coeff3 = torch.zeros_like(coeff3)  # dL/d(1 + Delta) = dL/dDelta
-        ws = _Workspace(h, d, chunk, kappa, r, t.dtype, t.device, backward=True)
-        for start in range(0, n_total, chunk):
-            n = min(chunk, n_total - start)
-            tt = t[:, start : start + n].transpose(1, 2).contiguous()  # [h, d, n]
-            parts = _basis_parts(tt, kappa, opts.normalize_basis)
-            basis = _dense_basis(parts, _prefix(ws.basis, h, d, n, kappa))
-            basis3 = basis.view(h * d, n, kappa)
-            x = _prefix(ws.phi, h, d, n, r)
-            torch.bmm(basis3, coeff3, out=x.view(h * d, n, r))
-            # dM/dphi = M / x with x = phi -/+ eps.
+        grad_coeff = torch.zeros_like(coeff)
+        for ids, tt, parts, basis3, x, ws in _chunks(t, coeff, opts, backward=True):
+            n = tt.shape[2]
+            # dM/dphi = M / x with x = phi -/+ eps; dL/d(1 + Delta) = dL/dDelta.
             factors = signed_factors(x, opts.product_eps, _prefix(ws.mantissa, h, d, n, r))
-            grad_phi = torch.div(scaled[:, :, start : start + n], factors, out=x)
-            grad_phi3 = grad_phi.view(h * d, n, r)
-            grad_coeff3.baddbmm_(basis3.transpose(1, 2), grad_phi3)
+            grad_phi3 = torch.div(scaled[:, :, ids], factors, out=x).view(h * d, n, r)
+            grad_coeff.view(h * d, kappa, r).baddbmm_(basis3.transpose(1, 2), grad_phi3)
             grad_basis = _prefix(ws.grad_basis, h, d, n, kappa)
             torch.bmm(grad_phi3, coeff3_t, out=grad_basis.view(h * d, n, kappa))
             grad_t_chunk = _basis_backward(grad_basis, parts, kappa)  # [h, d, n]
             # Through the sigmoid t = sigmoid(y): dL/dy = dL/dt * t * (1 - t).
-            grad_t[:, start : start + n] = grad_t_chunk.mul_(tt * (1 - tt)).transpose(1, 2)
-        return grad_t, grad_coeff3.view(h, d, kappa, r)
+            grad_t[:, ids] = grad_t_chunk.mul_(tt * (1 - tt)).transpose(1, 2)
+        return grad_t, grad_coeff
 
 
 TORCH_BACKEND = TorchBackend()

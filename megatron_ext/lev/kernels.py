@@ -1,16 +1,11 @@
 """LEV's fused modes: one autograd Function over pluggable backends (`--lev-kernel`).
 
-    z [N, d_in] --(torch: seed projection)--> u --(SeedNorm)--> y,  t = sigmoid(y) [h, N, d]
+    z [N, d_in] --(seed projection, backend.seed_norm)--> y,  t = sigmoid(y) [h, N, d]
     t, Delta [h, d, kappa, r] --(backend.forward)--> M [N, h, r]
 
-`LEVModes` owns what the backends share (autocast off, the compute dtype, steps 3a-3b, saving
-only z and M, recomputing t in backward, casting gradients back). A backend implements steps
-3c-3e (B-spline basis, spline values with coefficients 1 + Delta, signed product):
-
-    forward(t [h, N, d], delta [h, d, kappa, r], opts) -> M [N, h, r]
-    backward(t, delta, grad = dL/dM * M [N, h, r], opts) -> (dL/dy [h, N, d], dL/dDelta)
-
-Backends: "torch" (`lev.fused`), "cpu" (`cpu_accel.lev_kernel`, C++), "triton"
+`LEVModes` owns what the backends share: autocast off, the compute dtype, steps 3a-3b, saving
+only z and M, recomputing t in backward, casting gradients back. A backend (`LEVBackend`)
+implements steps 3c-3e: "torch" (`lev.fused`), "cpu" (`cpu_accel.lev_kernel`, C++), "triton"
 (`lev.triton_kernel`); "reference" is `lev.math.lev_modes` under autograd; "auto" picks triton
 on float32 CUDA, cpu on CPU when its kernel builds, else torch. All compute the same function;
 the signed product multiplies frexp mantissas and sums exponents (docs/lev.md step 3e).
@@ -41,6 +36,7 @@ __all__ = [
     "cpu_kernel_available",
     "cpu_kernel_error",
     "digit_projection",
+    "digit_sum",
     "lev_modes",
     "select_backend",
     "triton_importable",
@@ -88,9 +84,13 @@ class LEVKernelOptions:
 
 
 class LEVBackend(Protocol):
-    """Steps 3c-3e and their gradient (see the module docstring for shapes)."""
+    """Steps 3c-3e and their gradient, and `seed_norm`: step 3b up to the sigmoid,
+    y = LayerNorm(u) * gain + shift per (id, head) row, `forward(u, gain, shift, eps) -> y` and
+    `backward(u, gain, dL/dy, eps) -> (dL/du, dL/dgain, dL/dshift)` (u, y, dL/dy contiguous
+    [N, h, d]; gain, shift: the LayerNorm's weight and bias over tau, [h, d])."""
 
     name: str
+    seed_norm: object
 
     def forward(self, t: torch.Tensor, delta: torch.Tensor, opts: LEVKernelOptions) -> torch.Tensor:
         """t [h, N, d], delta [h, d, kappa, r] -> M [N, h, r] (coefficients 1 + delta)."""
@@ -104,28 +104,9 @@ class LEVBackend(Protocol):
         ...
 
 
-def _project(
-    z: torch.Tensor, seed_proj: torch.Tensor, digits: Optional[torch.Tensor], combine: str
-) -> torch.Tensor:
-    """Step 3a for all h heads: u [N, h*d] = z @ W^T, with W = seed_proj as [h*d, d_in].
-
-    With `digits` [N, k], z is the codebooks [k, b, d_c]: u is linear in the k codebook rows
-    that form a seed, so it is the sum of k rows of P_m = C_m @ W_m^T ([b, h*d]; W_m = W for
-    "sum", the m-th column block of W for "concat"), one small GEMM instead of an [N, d_in]
-    one. Worth it when N > k*b (LEVEmbedding decides).
-    """
-    h, d, d_in = seed_proj.shape
-    if digits is None:
-        return torch.matmul(z, seed_proj.reshape(h * d, d_in).t())
-    k, b, _ = z.shape
-    digit_proj = digit_projection(z, seed_proj, combine)
-    offsets = torch.arange(k, device=digits.device, dtype=digits.dtype) * b
-    return F.embedding_bag(digits + offsets, digit_proj.reshape(k * b, h * d), mode="sum")
-
-
 def digit_projection(codebooks: torch.Tensor, seed_proj: torch.Tensor, combine: str):
-    """P [k, b, h*d] = C_m @ W_m^T of the codebooks [k, b, d_c] (W_m = W for "sum"; for
-    "concat" the m-th block of d_c columns of W)."""
+    """P [k, b, h*d] = C_m @ W_m^T of the codebooks [k, b, d_c] (W = seed_proj as [h*d, d_in];
+    W_m = W for "sum", for "concat" the m-th block of d_c columns of W)."""
     h, d, d_in = seed_proj.shape
     weight = seed_proj.reshape(h * d, d_in)
     if combine == "sum":
@@ -134,69 +115,37 @@ def digit_projection(codebooks: torch.Tensor, seed_proj: torch.Tensor, combine: 
     return torch.bmm(codebooks, weight.view(h * d, k, d_c).permute(1, 2, 0))
 
 
-class SeedNorm(Protocol):
-    """Step 3b up to the sigmoid, y = LayerNorm(u) * gain + shift per (id, head) row (gain,
-    shift: the LayerNorm's weight and bias over the temperature), and its backward. u, y, dL/dy
-    contiguous [N, h, d]; gain, shift [h, d]. A backend may carry its own as `seed_norm`."""
-
-    def forward(
-        self, u: torch.Tensor, gain: torch.Tensor, shift: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        """-> y [N, h, d]."""
-        ...
-
-    def backward(
-        self, u: torch.Tensor, gain: torch.Tensor, grad_y: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (dL/du [N, h, d], dL/dgain [h, d], dL/dshift [h, d])."""
-        ...
+def digit_sum(digit_proj: torch.Tensor, digits: torch.Tensor) -> torch.Tensor:
+    """u [N, h*d] = sum_m P[m, digits[:, m]] of P [k, b, h*d] (`digit_projection`)."""
+    k, b, width = digit_proj.shape
+    offsets = torch.arange(k, device=digits.device, dtype=digits.dtype) * b
+    return F.embedding_bag(digits + offsets, digit_proj.reshape(k * b, width), mode="sum")
 
 
-class TorchSeedNorm:
-    """`SeedNorm` in torch ops: layer_norm and addcmul, their autograd for the backward."""
+def _seed_to_t(z, seed_proj, norm_weight, norm_bias, backend, opts, digits):
+    """Steps 3a-3b in z's dtype -> (u [N, h, d], with the projection's autograd graph where
+    grad is enabled; gain [h, d]; t = sigmoid(y) [N, h, d], no graph).
 
-    def forward(self, u, gain, shift, eps):
-        """(LN(u) * g + b) / tau = LN(u) * (g / tau) + b / tau: one addcmul after layer_norm."""
-        return torch.addcmul(shift, F.layer_norm(u, (u.shape[-1],), eps=eps), gain)
-
-    def backward(self, u, gain, grad_y, eps):
-        """The local autograd graph of `forward`."""
-        inputs = [x.detach().requires_grad_() for x in (u, gain, torch.zeros_like(gain))]
-        with torch.enable_grad():
-            y = self.forward(*inputs, eps)
-        return tuple(torch.autograd.grad(y, inputs, grad_y))
-
-
-TORCH_SEED_NORM = TorchSeedNorm()
-
-
-def _seed_norm(backend: LEVBackend) -> SeedNorm:
-    return getattr(backend, "seed_norm", None) or TORCH_SEED_NORM
-
-
-def _seed_to_t(
-    z: torch.Tensor,
-    seed_proj: torch.Tensor,
-    norm_params: tuple[torch.Tensor, torch.Tensor],
-    norm: SeedNorm,
-    opts: LEVKernelOptions,
-    digits: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 3a-3b in the compute dtype -> (u [N, h, d], with the projection's autograd graph
-    where grad is enabled; gain [h, d]; t = sigmoid(y) [N, h, d], no graph)."""
-    h, d, _ = seed_proj.shape
-    u = _project(z, seed_proj, digits, opts.codebook_combine).view(-1, h, d)
-    gain, shift = (p.detach() / opts.temperature for p in norm_params)
+    Step 3a for all h heads is one GEMM, u = z @ W^T. With `digits` [N, k], z is the codebooks
+    [k, b, d_c]: u is linear in the k codebook rows that form a seed, so it is the sum of k rows
+    of `digit_projection`, one small GEMM instead of an [N, d_in] one. Worth it when N > k*b
+    (LEVEmbedding decides).
+    """
+    h, d, d_in = seed_proj.shape
+    if digits is None:
+        u = torch.matmul(z, seed_proj.reshape(h * d, d_in).t()).view(-1, h, d)
+    else:
+        u = digit_sum(digit_projection(z, seed_proj, opts.codebook_combine), digits).view(-1, h, d)
+    gain, shift = (p.detach().to(z.dtype) / opts.temperature for p in (norm_weight, norm_bias))
     with torch.no_grad():
-        t = norm.forward(u.detach(), gain, shift, opts.norm_eps).sigmoid_()
+        t = backend.seed_norm.forward(u.detach(), gain, shift, opts.norm_eps).sigmoid_()
     return u, gain, t
 
 
 class LEVModes(torch.autograd.Function):
     """z [N, d_in] -> M [N, h, r] through `backend`; saves z, the parameters and M (and the
-    digits). The h projections are one GEMM (`_project`), the backend's `SeedNorm` gives y and
-    t = sigmoid(y) (backends get t's [h, N, d] view); backward: the backend's to dL/dy, the
-    SeedNorm's to dL/du, autograd through the projection.
+    digits). `_seed_to_t` gives t = sigmoid(y) (backends get its [h, N, d] view); backward:
+    the backend's to dL/dy, its `seed_norm`'s to dL/du, autograd through the projection.
     """
 
     @staticmethod
@@ -208,10 +157,8 @@ class LEVModes(torch.autograd.Function):
         if modes is None:
             with torch.autocast(device_type=z.device.type, enabled=False), torch.no_grad():
                 cdt = lev_math.compute_dtype(z.dtype)
-                norm_params = (norm_weight.to(cdt), norm_bias.to(cdt))
-                _, _, t = _seed_to_t(
-                    z.to(cdt), seed_proj.to(cdt), norm_params, _seed_norm(backend), opts, digits
-                )
+                zc, weight = z.to(cdt), seed_proj.to(cdt)
+                _, _, t = _seed_to_t(zc, weight, norm_weight, norm_bias, backend, opts, digits)
                 modes = backend.forward(t.transpose(0, 1), spline_delta.to(cdt).contiguous(), opts)
         ctx.backend, ctx.opts, ctx.has_digits = backend, opts, digits is not None
         saved = (z, seed_proj, norm_weight, norm_bias, spline_delta, modes)
@@ -224,15 +171,15 @@ class LEVModes(torch.autograd.Function):
         z, seed_proj, norm_weight, norm_bias, spline_delta, modes, *digits = ctx.saved_tensors
         digits = digits[0] if ctx.has_digits else None
         opts: LEVKernelOptions = ctx.opts
-        norm = _seed_norm(ctx.backend)
         need_z, need_w, need_g, need_b, need_delta = ctx.needs_input_grad[:5]
         with torch.autocast(device_type=z.device.type, enabled=False):
             cdt = modes.dtype
             weight = seed_proj.detach().to(cdt).requires_grad_(need_w)
             zc = z.detach().to(cdt).requires_grad_(need_z)
-            norm_params = (norm_weight.to(cdt), norm_bias.to(cdt))
             with torch.enable_grad():
-                u, gain, t = _seed_to_t(zc, weight, norm_params, norm, opts, digits)
+                u, gain, t = _seed_to_t(
+                    zc, weight, norm_weight, norm_bias, ctx.backend, opts, digits
+                )
             delta = spline_delta.detach().to(cdt).contiguous()
             # dL/dM * M laid out [h, N, r] (each head's rows one block), passed as [N, h, r].
             scaled = modes.new_empty(modes.shape[1], modes.shape[0], modes.shape[2])
@@ -241,10 +188,9 @@ class LEVModes(torch.autograd.Function):
                 grad_y, grad_delta = ctx.backend.backward(
                     t.transpose(0, 1), delta, scaled.transpose(0, 1), opts
                 )
-                # SeedNorm reads dL/dy in y's own [N, h, d] layout (a no-op for backends that
-                # write it so).
+                # seed_norm reads dL/dy in y's [N, h, d] layout (backends may write it so).
                 grad_y = grad_y.transpose(0, 1).contiguous()
-                grad_u, grad_gain, grad_shift = norm.backward(
+                grad_u, grad_gain, grad_shift = ctx.backend.seed_norm.backward(
                     u.detach(), gain, grad_y, opts.norm_eps
                 )
             inputs = [x for x in (zc, weight) if x.requires_grad]
@@ -291,25 +237,23 @@ def select_backend(kernel: str, z: torch.Tensor) -> LEVBackend:
     """
     if kernel == "torch":
         return fused.TORCH_BACKEND
-    if kernel == "cpu" or (kernel == "auto" and z.device.type == "cpu"):
-        if kernel == "auto":
-            available = cpu_kernel_available()
-            return cpu_accel.lev_backend().CPU_BACKEND if available else fused.TORCH_BACKEND
+    if kernel == "auto" and z.device.type == "cpu":
+        return (
+            cpu_accel.lev_backend().CPU_BACKEND if cpu_kernel_available() else fused.TORCH_BACKEND
+        )
+    if kernel == "cpu":
         if z.device.type != "cpu":
             raise RuntimeError(
                 f"--lev-kernel cpu runs on CPU tensors, but LEV's input is on {z.device}; "
                 "use --lev-kernel auto"
             )
-        kernel_module = cpu_accel.lev_backend()
-        if kernel_module is None:
-            raise RuntimeError(
-                f"--lev-kernel cpu is one of the CPU accelerations, and {cpu_accel.OFF}; use "
-                "--lev-kernel auto or torch"
-            )
-        error = kernel_module.cpu_kernel_error()
+        error = cpu_kernel_error()
+        if error == cpu_accel.OFF:
+            error = f"--lev-kernel cpu is one of the CPU accelerations, and {error}; use "
+            error += "--lev-kernel auto or torch"
         if error is not None:
             raise RuntimeError(error)
-        return kernel_module.CPU_BACKEND
+        return cpu_accel.lev_backend().CPU_BACKEND
     cdt = lev_math.compute_dtype(z.dtype)
     if kernel == "auto":
         if not (z.is_cuda and cdt == torch.float32 and triton_importable()):
@@ -338,7 +282,7 @@ def lev_modes(
 
     Args:
         z: [N, d_in] seeds, or with `digits` the codebooks [k, b, d_c] that form them (steps
-            2-3a by digit, `_project`); seed_proj [h, d, d_in]; norm_weight, norm_bias [h, d];
+            2-3a by digit, `_seed_to_t`); seed_proj [h, d, d_in]; norm_weight, norm_bias [h, d];
             spline_delta [h, d, kappa, r] (h = heads on this rank).
         opts: the kernel options (a `LEVConfig` is converted by `LEVKernelOptions.of`).
         kernel: one of KERNELS.
@@ -363,12 +307,14 @@ def lev_modes(
             )
     if kernel == "reference":
         with torch.autocast(device_type=z.device.type, enabled=False):
-            cdt = lev_math.compute_dtype(z.dtype)
             if digits is not None:
                 z = lev_math.seed(z, digits, opts.codebook_combine)
             return lev_math.lev_modes(
-                z.to(cdt),
-                *(p.to(cdt) for p in (seed_proj, norm_weight, norm_bias, spline_delta)),
+                z,
+                seed_proj,
+                norm_weight,
+                norm_bias,
+                spline_delta,
                 temperature=opts.temperature,
                 num_knots=spline_delta.shape[2],
                 normalize_basis=opts.normalize_basis,

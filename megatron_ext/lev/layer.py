@@ -3,21 +3,18 @@
     forward(input_ids [b, s]) -> [b, s, D]     TP-all-reduced   (reduce_scatter_embeddings=False)
                               -> [s/tp, b, D]  reduce-scattered (reduce_scatter_embeddings=True)
 
-Tensor parallelism: each rank owns h/tp whole heads (its dim-0 slices of seed_proj, seed_norm_*,
-spline_delta, out_proj, tagged with megatron's TP attributes); the codebooks are replicated,
-their gradient summed over all heads through `copy_to_tensor_model_parallel_region`.
-
-LEV runs once per distinct id of the micro-batch (the all-reduce on the [U, D] distinct rows),
-or, with `LEVConfig.dedup_global_batch`, of the global batch (`begin_global_batch` /
-`end_global_batch`, the engines' `ModuleHooks`: LEV's backward runs once, after the schedule).
-The kernels (`lev.kernels.lev_modes`, --lev-kernel) save only the seeds (or digits), the modes
-and the ids. With `LEVConfig.eval_table`, eval forwards without gradient read a [V, D] table
+Each TP rank owns h/tp whole heads (dim-0 slices of seed_proj, seed_norm_*, spline_delta,
+out_proj); the codebooks are replicated, their gradient summed over the TP group. LEV runs
+once per distinct id of the micro-batch or, with `LEVConfig.dedup_global_batch`, of the global
+batch (`begin_global_batch` / `end_global_batch`: LEV's backward runs once, after the
+schedule). With `LEVConfig.eval_table`, eval forwards without gradient read a [V, D] table
 (`lev.table`), rebuilt whenever a parameter changes (once per `pinned_eval_table`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from typing import Iterator, Optional
@@ -59,16 +56,6 @@ __all__ = [
     "std_probe_ids",
 ]
 
-LEV_PARAMETER_NAMES = (
-    "codebooks",
-    "seed_proj",
-    "seed_norm_weight",
-    "seed_norm_bias",
-    "spline_delta",
-    "out_proj",
-)
-"""The parameters of LEVEmbedding, in registration order (docs/design.md "Fixed contracts")."""
-
 LEV_TP_PARTITION_DIMS: dict[str, Optional[int]] = {
     "codebooks": None,
     "seed_proj": 0,
@@ -78,6 +65,9 @@ LEV_TP_PARTITION_DIMS: dict[str, Optional[int]] = {
     "out_proj": 0,
 }
 """Parameter name -> tensor-parallel partition dim (None: replicated on every TP rank)."""
+
+LEV_PARAMETER_NAMES = tuple(LEV_TP_PARTITION_DIMS)
+"""The parameters of LEVEmbedding, in registration order (docs/design.md "Fixed contracts")."""
 
 _STD_PROBE_IDS = 8192
 
@@ -92,12 +82,8 @@ def std_probe_ids(vocab_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def embedding_std(lev_config: LEVConfig, params: dict[str, torch.Tensor]) -> float:
-    """Std of all entries of the LEV embeddings of `std_probe_ids` (float32, torch kernel).
-
-    Args:
-        lev_config: the hyper-parameters.
-        params: the full (TP=1) parameters by name, as `LEVConfig.parameter_shapes(1)`.
-    """
+    """Std of all entries of the LEV embeddings of `std_probe_ids` (float32, torch kernel), of
+    the full (TP=1) parameters by name (`LEVConfig.parameter_shapes(1)`)."""
     lc = lev_config
     ids = std_probe_ids(lc.vocab_size)
     digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
@@ -199,14 +185,12 @@ class LEVEmbedding(torch.nn.Module):
             "spline_delta": lc.spline_init_std,
             "out_proj": lc.init_std / math.sqrt(lc.num_heads),
         }
-        masters = {}
-        for name in LEV_PARAMETER_NAMES:
-            if name == "seed_norm_weight":
-                masters[name] = torch.ones(full[name])
-            elif name == "seed_norm_bias":
-                masters[name] = torch.zeros(full[name])
-            else:
-                masters[name] = torch.empty(full[name]).normal_(0.0, stds[name])
+        masters = {  # drawn in this order; the seed LayerNorm starts as the identity (1, 0)
+            name: torch.empty(full[name]).normal_(0.0, stds[name])
+            if name in stds
+            else torch.full(full[name], float(name == "seed_norm_weight"))
+            for name in LEV_PARAMETER_NAMES
+        }
         if lc.init_output_std is not None:
             # e is linear in out_proj: one rescale sets the std exactly (on the measured ids).
             masters["out_proj"] *= lc.init_output_std / embedding_std(lc, masters)
@@ -214,12 +198,10 @@ class LEVEmbedding(torch.nn.Module):
             self.tp_rank * self.num_local_heads, (self.tp_rank + 1) * self.num_local_heads
         )
         with torch.no_grad():
-            for name in LEV_PARAMETER_NAMES:
-                param = getattr(self, name)
-                master = masters[name]
-                if LEV_TP_PARTITION_DIMS[name] is not None:
-                    master = master[heads]
-                param.copy_(master.to(dtype=param.dtype))
+            for name, master in masters.items():
+                getattr(self, name).copy_(
+                    master if LEV_TP_PARTITION_DIMS[name] is None else master[heads]
+                )
 
     def tp_partition_dims(self) -> dict[str, Optional[int]]:
         """Parameter name -> TP partition dim, or None when replicated (from the attributes)."""
@@ -243,36 +225,22 @@ class LEVEmbedding(torch.nn.Module):
                 "LEVEmbedding.sharded_state_dict needs metadata={'dp_cp_group': ...} "
                 "(ProcessGroups.dp_cp); the model's sharded_state_dict passes it"
             )
-        groups = dict(tp_group=self.tp_group, dp_cp_group=dp_cp_group)
-        state = self.state_dict(prefix="", keep_vars=True)
+        kwargs = dict(prepend_offsets=sharded_offsets, tp_group=self.tp_group)
         sharded = {}
-        for name, tensor in state.items():
-            key = f"{prefix}{name}"
-            if LEV_TP_PARTITION_DIMS.get(name) is None:
-                sharded[key] = make_sharded_tensor_for_checkpoint(
-                    tensor, key, prepend_offsets=sharded_offsets, **groups
-                )
+        for name, tensor in self.state_dict(prefix="", keep_vars=True).items():
+            key, dim = f"{prefix}{name}", LEV_TP_PARTITION_DIMS.get(name)
+            if dim is None:
+                make = make_sharded_tensor_for_checkpoint
             else:
-                sharded[key] = make_tp_sharded_tensor_for_checkpoint(
-                    tensor,
-                    key,
-                    tp_axis=LEV_TP_PARTITION_DIMS[name],
-                    prepend_offsets=sharded_offsets,
-                    **groups,
-                )
+                make = functools.partial(make_tp_sharded_tensor_for_checkpoint, tp_axis=dim)
+            sharded[key] = make(tensor, key, dp_cp_group=dp_cp_group, **kwargs)
         return sharded
 
     # ------------------------------------------------------------------ forward
 
     def partial_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's heads' share of the embeddings of `ids` (no TP reduction).
-
-        Args:
-            ids: [U] int64 ids in [0, V) (not checked here).
-        Returns:
-            [U, D] in the compute dtype (float32; float64 for float64 parameters). Summed over
-            the TP ranks it is the full LEV embedding.
-        """
+        """This rank's heads' share [U, D] of the embeddings of ids [U] (in [0, V), not checked),
+        float32 (float64 for float64 parameters); summed over the TP ranks, the full embedding."""
         with torch.autocast(device_type=ids.device.type, enabled=False):
             return lev_math.lev_embed(self._modes(ids), self.out_proj)  # [U, D]
 
@@ -284,7 +252,7 @@ class LEVEmbedding(torch.nn.Module):
         digits = lev_math.to_digits(ids, lc.base, lc.num_digits)
         codebooks = self.codebooks.to(cdt)
         # More ids than codebook rows: project the k*b rows once and sum k of them per id
-        # (`lev.kernels._project`), instead of projecting U seeds.
+        # (`lev.kernels.digit_sum`), instead of projecting U seeds.
         by_digit = lc.projects_by_digit(ids.shape[0])
         z = codebooks if by_digit else lev_math.seed(codebooks, digits, lc.codebook_combine)
         if self.tp_size > 1:
@@ -312,14 +280,9 @@ class LEVEmbedding(torch.nn.Module):
             )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embed token ids.
-
-        Args:
-            input_ids: [b, s] integer ids in [0, V); all TP ranks must pass the same ids.
-        Returns:
-            [b, s, D] summed over the TP group, or, with reduce_scatter_embeddings,
-            [s/tp, b, D] reduce-scattered along s; in config.params_dtype, also under autocast.
-        """
+        """input_ids [b, s] in [0, V), the same on every TP rank -> [b, s, D] summed over the TP
+        group or, with reduce_scatter_embeddings, [s/tp, b, D] reduce-scattered along s; in
+        config.params_dtype, also under autocast."""
         if input_ids.dim() != 2:
             raise ValueError(f"LEV expects input_ids of shape [b, s], got {tuple(input_ids.shape)}")
         lev_math.check_ids(input_ids, self.lev_config.vocab_size)

@@ -54,24 +54,15 @@ def check_ids(ids: torch.Tensor, vocab_size: int) -> None:
 
 
 def to_digits(ids: torch.Tensor, base: int, num_digits: int) -> torch.Tensor:
-    """Step 1: base-b digits of each id, most significant first.
-
-    Args:
-        ids: [...] integer ids in [0, base**num_digits).
-    Returns:
-        [..., k] int64 digits with ids = sum_m digits[..., m] * base**(k-1-m).
-    """
+    """Step 1: ids [...] in [0, b^k) -> base-b digits [..., k] (int64), most significant first:
+    ids = sum_m digits[..., m] * b^(k-1-m)."""
     powers = base ** torch.arange(num_digits - 1, -1, -1, device=ids.device, dtype=torch.int64)
     return torch.div(ids.long().unsqueeze(-1), powers, rounding_mode="floor") % base
 
 
 def seed(codebooks: torch.Tensor, digits: torch.Tensor, combine: str = "sum") -> torch.Tensor:
-    """Step 2: z(i) = sum_m C_m[i_m] ("sum", [N, d]) or concat_m C_m[i_m] ("concat", [N, k*d]).
-
-    Args:
-        codebooks: [k, b, d].
-        digits: [N, k] int64.
-    """
+    """Step 2: codebooks [k, b, d], digits [N, k] -> z(i) = sum_m C_m[i_m] ("sum", [N, d]) or
+    concat_m C_m[i_m] ("concat", [N, k*d])."""
     k, b, d = codebooks.shape
     # One lookup into the k stacked codebooks: row m*b + i_m is C_m[i_m].
     offsets = torch.arange(k, device=digits.device, dtype=digits.dtype) * b
@@ -89,13 +80,8 @@ def seed_to_t(
     temperature: float,
     norm_eps: float = 1e-5,
 ) -> torch.Tensor:
-    """Steps 3a-3b per head: t = sigmoid(LayerNorm_l(z @ W_seed[l].T) / tau).
-
-    Args:
-        z: [N, d_in]; seed_proj: [h, d, d_in]; norm_weight, norm_bias: [h, d].
-    Returns:
-        t: [h, N, d] in [0, 1].
-    """
+    """Steps 3a-3b per head: t = sigmoid(LayerNorm_l(z @ W_seed[l].T) / tau) [h, N, d] in
+    [0, 1], of z [N, d_in], seed_proj [h, d, d_in], norm_weight and norm_bias [h, d]."""
     u = torch.matmul(z, seed_proj.transpose(1, 2))  # [h, N, d]
     mean = u.mean(dim=-1, keepdim=True)
     var = (u - mean).square().mean(dim=-1, keepdim=True)  # biased, as torch LayerNorm
@@ -109,12 +95,8 @@ def bspline_basis(t: torch.Tensor, num_knots: int, normalize: bool = True) -> to
 
     B_j(t) = beta2((kappa-1)|t - g_j|), beta2(x) = 3/4 - x^2 (x < 1/2), (3/2 - x)^2 / 2
     (1/2 <= x < 3/2), 0 otherwise. At most 3 are non-zero; near t = 0 or 1 the missing
-    outer knots make the sum smaller than 1, which `normalize` corrects.
-
-    Args:
-        t: [...] values in [0, 1].
-    Returns:
-        [..., kappa] (dense; layout-agnostic, so it serves [h, N, d] and [h, d, N] alike).
+    outer knots make the sum smaller than 1, which `normalize` corrects. t [...] in [0, 1] ->
+    [..., kappa] (dense; layout-agnostic, so it serves [h, N, d] and [h, d, N] alike).
     """
     knots = torch.arange(num_knots, device=t.device, dtype=t.dtype)
     x = ((num_knots - 1) * t.unsqueeze(-1) - knots).abs()
@@ -127,26 +109,15 @@ def bspline_basis(t: torch.Tensor, num_knots: int, normalize: bool = True) -> to
 
 
 def spline_values(basis: torch.Tensor, spline_delta: torch.Tensor) -> torch.Tensor:
-    """Step 3d: phi[l, n, d, rho] = sum_j B_j(t[l, n, d]) * (1 + Delta[l, d, j, rho]).
-
-    Args:
-        basis: [h, N, d, kappa]; spline_delta: [h, d, kappa, r].
-    Returns:
-        phi: [h, N, d, r].
-    """
+    """Step 3d: phi[l, n, d, rho] = sum_j B_j(t[l, n, d]) * (1 + Delta[l, d, j, rho]) of basis
+    [h, N, d, kappa] and spline_delta [h, d, kappa, r] -> phi [h, N, d, r]."""
     return torch.einsum("hndj,hdjr->hndr", basis, 1 + spline_delta)
 
 
 def separable_product(phi: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
-    """Step 3e: M[l, n, rho] = prod_d phi[l, n, d, rho], as sign * exp(sum_d log(|phi| + eps)).
-
-    sign = (-1)^(number of negative factors). Computed in float32 at least.
-
-    Args:
-        phi: [h, N, d, r].
-    Returns:
-        M: [h, N, r].
-    """
+    """Step 3e: M[l, n, rho] = prod_d phi[l, n, d, rho], as sign * exp(sum_d log(|phi| + eps)),
+    sign = (-1)^(number of negative factors): phi [h, N, d, r] -> M [h, N, r], in float32 at
+    least."""
     phi = phi.to(compute_dtype(phi.dtype))
     log_abs = torch.log(phi.abs() + eps).sum(dim=2)
     negatives = (phi < 0).sum(dim=2)
@@ -186,13 +157,8 @@ def lev_modes(
 
 
 def lev_embed(modes: torch.Tensor, out_proj: torch.Tensor) -> torch.Tensor:
-    """Step 4: e = sum_l M_l @ W_out[l], i.e. [N, h*r] @ [h*r, D].
-
-    Args:
-        modes: [N, h, r]; out_proj: [h, r, D].
-    Returns:
-        [N, D] in the dtype of `modes`.
-    """
+    """Step 4: e = sum_l M_l @ W_out[l], i.e. [N, h*r] @ [h*r, D], of modes [N, h, r] and
+    out_proj [h, r, D] -> [N, D] in the dtype of `modes`."""
     n, h, r = modes.shape
     weight = out_proj.to(modes.dtype).reshape(h * r, out_proj.shape[-1])
     return torch.matmul(modes.reshape(n, h * r), weight)

@@ -1,12 +1,11 @@
 """LEV's [V, D] table, materialised through the training kernels' forward (no autograd), for
 exports, the eval table and generation. Per chunk of n ids::
 
-    ids [n] -> digits [n, k] -> u [n, h*d] -> t [h, n, d] -> M [n, h, r] -> e [n, D]
+    ids [n] -> digits [n, k] -> u [n, h, d] -> t [h, n, d] -> M [n, h, r] -> e [n, D]
 
-the seed projection by digit (`lev.kernels.digit_projection`, once per table), LayerNorm and
-sigmoid per head, steps 3c-3e by the forward of the backend that trains (`--lev-kernel`), and
-out_proj written straight into the output rows. The result is this rank's partial embedding,
-float32 or float64 (`dtype`).
+the seed projection by digit (`lev.kernels.digit_projection`, once per table), steps 3b-3e by
+the backend that trains (`--lev-kernel`), and out_proj written straight into the output rows.
+The result is this rank's partial embedding, float32 or float64 (`dtype`).
 """
 
 from __future__ import annotations
@@ -14,11 +13,15 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron_ext.config.lev import LEVConfig
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.kernels import LEVKernelOptions, digit_projection, select_backend
+from megatron_ext.lev.kernels import (
+    LEVKernelOptions,
+    digit_projection,
+    digit_sum,
+    select_backend,
+)
 
 __all__ = ["LEVTable", "table_chunk_size"]
 
@@ -55,12 +58,9 @@ class LEVTable:
             p = {name: t.detach().to(dtype) for name, t in params.items()}
             codebooks = p["codebooks"]  # [k, b, d]
             h, d, _ = p["seed_proj"].shape
-            k, b, _ = codebooks.shape
-            digit_proj = digit_projection(codebooks, p["seed_proj"], lc.codebook_combine)
-            self.digit_proj = digit_proj.reshape(k * b, h * d).contiguous()
-            self.digit_offsets = torch.arange(k, device=codebooks.device) * b
-            self.gain = p["seed_norm_weight"].reshape(h, d, 1).contiguous()
-            self.bias = p["seed_norm_bias"].reshape(h, d, 1).contiguous()
+            self.digit_proj = digit_projection(codebooks, p["seed_proj"], lc.codebook_combine)
+            self.gain = (p["seed_norm_weight"] / lc.temperature).contiguous()  # [h, d]
+            self.shift = (p["seed_norm_bias"] / lc.temperature).contiguous()
             kappa, r = p["spline_delta"].shape[2:]
             self.delta = p["spline_delta"].contiguous()  # [h, d, kappa, r]
             self.out_proj = p["out_proj"].reshape(h * r, -1).contiguous()
@@ -73,24 +73,15 @@ class LEVTable:
         self.backend = select_backend(kernel, self.delta.new_empty(0))
         self.opts = LEVKernelOptions.of(lc)
 
-    def _t(self, ids: torch.Tensor) -> torch.Tensor:
-        """Steps 1-3b: ids [n] -> t [h, d, n]."""
-        lc = self.lev_config
-        digits = lev_math.to_digits(ids, lc.base, lc.num_digits)  # [n, k]
-        u = F.embedding_bag(digits + self.digit_offsets, self.digit_proj, mode="sum")
-        u = u.t().reshape(self.num_heads, self.seed_dim, -1)  # [h, d, n]
-        mean = u.mean(dim=1, keepdim=True)
-        centred = u - mean
-        var = centred.square().mean(dim=1, keepdim=True)  # biased, as torch LayerNorm
-        normed = centred * torch.rsqrt(var + lc.norm_eps)
-        return torch.sigmoid((normed * self.gain + self.bias) / lc.temperature)
-
     @torch.no_grad()
     def modes(self, ids: torch.Tensor) -> torch.Tensor:
         """Steps 1-3e: ids [n] (int64, in [0, V), not checked) -> M [n, h, r]."""
+        lc = self.lev_config
         with torch.autocast(device_type=self.device.type, enabled=False):
-            t = self._t(ids).transpose(1, 2).contiguous()  # [h, n, d]
-            return self.backend.forward(t, self.delta, self.opts)
+            digits = lev_math.to_digits(ids, lc.base, lc.num_digits)  # [n, k]
+            u = digit_sum(self.digit_proj, digits).view(-1, self.num_heads, self.seed_dim)
+            t = self.backend.seed_norm.forward(u, self.gain, self.shift, lc.norm_eps).sigmoid_()
+            return self.backend.forward(t.transpose(0, 1), self.delta, self.opts)
 
     @torch.no_grad()
     def rows(self, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,18 +1,14 @@
-"""Fused LEV modes in Triton (the "triton" backend of `lev.kernels`): steps 3c-3e of
-`lev.math.lev_modes` in one kernel per direction; steps 3a-3b stay in torch.
+"""Fused LEV modes in Triton (the "triton" backend of `lev.kernels`): steps 3c-3e in one kernel
+per direction, so no [N, d, r] or [N, d, kappa] tensor is ever in memory.
 
-forward, one program per (head l, block of n ids), one pass over the d seed coordinates: the
-three basis values and knots of t[l, n, c], phi = sum_j B_j * (1 + Delta[l, c, i_j, :]) in
-registers, and the frexp mantissa-exponent product of phi -/+ eps (`lev.kernels`), so no
-[N, d, r] or [N, d, kappa] tensor is ever in memory.
+forward, one program per (head l, block of ids), one pass over the d seed coordinates: the
+three basis values of t[l, n, c], phi = sum_j B_j * (1 + Delta[l, c, i_j, :]) in registers, and
+the frexp mantissa-exponent product of phi -/+ eps. backward, one program per (head l,
+coordinate c) over all ids (deterministic: no atomics): dL/dphi = G / x, dL/dDelta[l, c] +=
+B^T @ dL/dphi (tl.dot, IEEE float32), dL/dt from the three basis values, dL/dy = dL/dt*t*(1-t).
 
-backward, one program per (head l, coordinate c) over all ids (deterministic: no atomics),
-with G = dL/dM * M: dL/dphi = G / x, dL/dDelta[l, c] += B^T @ dL/dphi (tl.dot, IEEE float32),
-dL/dt from the three basis values, dL/dy = dL/dt * t * (1 - t).
-
-Compiled by Triton for CUDA tensors; with TRITON_INTERPRET=1 set before this module is
-imported they run on CPU tensors in Triton's interpreter (how the tests check them). Ids are
-deduplicated by the caller, so N is the number of distinct ids.
+Compiled for CUDA tensors; with TRITON_INTERPRET=1 set before this module is imported they run
+on CPU tensors in Triton's interpreter (how the tests check them).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import os
 
 import torch
 
-from megatron_ext.lev.fused import PRODUCT_GROUP
+from megatron_ext.lev.fused import PRODUCT_GROUP, TORCH_SEED_NORM
 
 try:  # Triton is optional: the torch paths serve CPU and machines without it.
     import triton
@@ -264,62 +260,49 @@ def _pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-_FWD_BLOCK_N = 32
-_BWD_BLOCK_N = 32
-
-
-def _launch_forward(t: torch.Tensor, delta: torch.Tensor, opts) -> torch.Tensor:
-    h, n, d = t.shape
-    r = delta.shape[-1]
-    modes = torch.empty(n, h, r, dtype=t.dtype, device=t.device)
-    if n == 0:
-        return modes
-    grid = (h, triton.cdiv(n, _FWD_BLOCK_N))
-    eps_mant, eps_exp = math.frexp(opts.product_eps)
-    eps = torch.tensor([opts.product_eps, eps_mant], dtype=t.dtype, device=t.device)
-    _lev_modes_fwd_kernel[grid](
-        t, delta, modes, n, d, r, *t.stride(), modes.stride(0), modes.stride(1), eps, eps_exp,
-        KNOTS=delta.shape[2], NORMALIZE=opts.normalize_basis,
-        IS_F64=t.dtype == torch.float64, GROUP=PRODUCT_GROUP,
-        BLOCK_N=_FWD_BLOCK_N, BLOCK_R=_pad(r),
-    )  # fmt: skip
-    return modes
-
-
-def _launch_backward(
-    t: torch.Tensor, delta: torch.Tensor, scaled: torch.Tensor, opts
-) -> tuple[torch.Tensor, torch.Tensor]:
-    h, n, d = t.shape
-    r = delta.shape[-1]
-    # t and dL/dt through their strides (dL/dt: the [h, N, d] view of an [N, h, d] tensor).
-    grad_t = torch.empty(n, h, d, dtype=t.dtype, device=t.device).transpose(0, 1)
-    grad_delta = torch.zeros_like(delta)
-    if n == 0:
-        return grad_t, grad_delta
-    _lev_modes_bwd_kernel[(h, d)](
-        t, delta, scaled, grad_t, grad_delta, n, d, r, *t.stride(),
-        scaled.stride(0), scaled.stride(1), *grad_t.stride(),
-        torch.tensor([opts.product_eps], dtype=t.dtype, device=t.device),
-        KNOTS=delta.shape[2], KNOTS_PAD=_pad(delta.shape[2]), NORMALIZE=opts.normalize_basis,
-        BLOCK_N=_BWD_BLOCK_N, BLOCK_R=_pad(r),
-    )  # fmt: skip
-    return grad_t, grad_delta
+_BLOCK_N = 32  # ids per block, both directions
 
 
 class TritonBackend:
     """Steps 3c-3e in the Triton kernels (`lev.kernels.LEVBackend`)."""
 
     name = "triton"
+    seed_norm = TORCH_SEED_NORM
 
     def forward(self, t: torch.Tensor, delta: torch.Tensor, opts) -> torch.Tensor:
-        """t [h, N, d] (any strides), delta [h, d, kappa, r] -> M [N, h, r]."""
+        """See `lev.kernels.LEVBackend` (t: any strides)."""
         check_triton_usable(t.device, t.dtype)
-        return _launch_forward(t, delta, opts)
+        h, n, d = t.shape
+        r = delta.shape[-1]
+        modes = torch.empty(n, h, r, dtype=t.dtype, device=t.device)
+        if n == 0:
+            return modes
+        eps_mant, eps_exp = math.frexp(opts.product_eps)
+        eps = torch.tensor([opts.product_eps, eps_mant], dtype=t.dtype, device=t.device)
+        _lev_modes_fwd_kernel[(h, triton.cdiv(n, _BLOCK_N))](
+            t, delta, modes, n, d, r, *t.stride(), modes.stride(0), modes.stride(1), eps, eps_exp,
+            KNOTS=delta.shape[2], NORMALIZE=opts.normalize_basis,
+            IS_F64=t.dtype == torch.float64, GROUP=PRODUCT_GROUP,
+            BLOCK_N=_BLOCK_N, BLOCK_R=_pad(r),
+        )  # fmt: skip
+        return modes
 
     def backward(self, t, delta, grad, opts) -> tuple[torch.Tensor, torch.Tensor]:
-        """grad = dL/dM * M [N, h, r] -> (dL/dy [h, N, d], dL/dDelta [h, d, kappa, r]) with
-        t = sigmoid(y) (`lev.kernels.LEVBackend`)."""
-        return _launch_backward(t, delta, grad, opts)
+        """See `lev.kernels.LEVBackend` (dL/dy: the [h, N, d] view of an [N, h, d] tensor)."""
+        h, n, d = t.shape
+        r = delta.shape[-1]
+        grad_t = torch.empty(n, h, d, dtype=t.dtype, device=t.device).transpose(0, 1)
+        grad_delta = torch.zeros_like(delta)
+        if n == 0:
+            return grad_t, grad_delta
+        _lev_modes_bwd_kernel[(h, d)](
+            t, delta, grad, grad_t, grad_delta, n, d, r, *t.stride(),
+            grad.stride(0), grad.stride(1), *grad_t.stride(),
+            torch.tensor([opts.product_eps], dtype=t.dtype, device=t.device),
+            KNOTS=delta.shape[2], KNOTS_PAD=_pad(delta.shape[2]), NORMALIZE=opts.normalize_basis,
+            BLOCK_N=_BLOCK_N, BLOCK_R=_pad(r),
+        )  # fmt: skip
+        return grad_t, grad_delta
 
 
 TRITON_BACKEND = TritonBackend()

@@ -12,7 +12,8 @@ import torch
 
 from megatron_ext.cpu_accel import lev_kernel
 from megatron_ext.lev import math as lev_math
-from megatron_ext.lev.kernels import TORCH_SEED_NORM, LEVKernelOptions, select_backend
+from megatron_ext.lev.fused import TORCH_SEED_NORM
+from megatron_ext.lev.kernels import LEVKernelOptions, select_backend
 
 if lev_kernel.cpu_kernel_error() is not None:  # pragma: no cover - needs a machine without g++
     pytest.skip(f"CPU kernel unavailable: {lev_kernel.cpu_kernel_error()}", allow_module_level=True)

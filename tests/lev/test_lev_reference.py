@@ -518,7 +518,7 @@ def test_autocast_keeps_float32(kernel):
 
 
 # More distinct ids (20) than codebook rows (k*b = 12, or 16 for k2_kappa3): LEVEmbedding
-# projects by digit (`lev.kernels._project` with digits).
+# projects by digit (`lev.kernels.digit_sum`).
 MANY_IDS = [[0, 3, 7, 9, 11, 14, 17, 20, 23, 26], [29, 31, 34, 37, 40, 42, 44, 46, 48, 49]]
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_ext.lev import math as lev_math
+from megatron_ext.lev.kernels import cpu_kernel_error
 from megatron_ext.lev.table import LEVTable
 
 CONFIGS = {
@@ -40,6 +41,11 @@ def _params(module):
     return dict(module.named_parameters())
 
 
+def _skip_unless_runs(kernel: str) -> None:
+    if kernel == "cpu" and cpu_kernel_error() is not None:  # no g++, or the accelerations off
+        pytest.skip(cpu_kernel_error())
+
+
 @pytest.mark.parametrize("kernel", ["torch", "cpu"])
 @pytest.mark.parametrize("spread", [1.5, 0.0])
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -47,11 +53,7 @@ def test_table_matches_definition(lev, name, spread, kernel):
     # spread 1.5: negative spline values (the sign path); 0: the init's coefficients 1 + N(0,
     # 0.1^2), all positive (eps folded into the coefficients when the basis is normalised).
     # The table's steps 3c-3e are the forward of the backend --lev-kernel picks.
-    if kernel == "cpu":
-        from megatron_ext.lev.kernels import cpu_kernel_error
-
-        if cpu_kernel_error() is not None:  # no g++, or the CPU accelerations are off
-            pytest.skip(cpu_kernel_error())
+    _skip_unless_runs(kernel)
     cfg = lev.tiny_config(**CONFIGS[name], kernel=kernel)
     module = lev.make_lev(cfg, dtype=torch.float64, spread=spread)
     ref = _definition(module, torch.arange(cfg.vocab_size))
@@ -95,11 +97,7 @@ def test_product_neither_underflows_nor_overflows(lev, kernel):
     # product is ~1, but a running float32 product underflows to 0 after 13 factors. Two
     # factors 1e20 (coordinates o, o+8) overflow float32 next to tiny ones: the product is
     # still the finite one. (Every kernel's product: tests/lev/test_lev_reference.py.)
-    if kernel == "cpu":
-        from megatron_ext.lev.kernels import cpu_kernel_error
-
-        if cpu_kernel_error() is not None:  # no g++, or the CPU accelerations are off
-            pytest.skip(cpu_kernel_error())
+    _skip_unless_runs(kernel)
     cfg = lev.tiny_config(seed_dim=32, kernel=kernel)
     module = lev.make_lev(cfg, dtype=torch.float64)
     ids = torch.arange(cfg.vocab_size)

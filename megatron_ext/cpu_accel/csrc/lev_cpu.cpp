@@ -748,7 +748,7 @@ void backward(const T* __restrict t, int64_t t_stride_h, int64_t t_stride_n,
   }
 }
 
-// Step 3b without the sigmoid (lev/kernels.py `SeedNorm`): y = LayerNorm(u) * gain + shift for
+// Step 3b without the sigmoid (`LEVBackend.seed_norm`): y = LayerNorm(u) * gain + shift for
 // each (id, head) row of d values, u and y [n, h, d] contiguous, gain and shift [h, d] (the
 // LayerNorm's weight and bias over the temperature). One pass over u per row instead of torch's
 // separate LayerNorm and affine passes. The row statistics are two-pass (mean, then the mean
