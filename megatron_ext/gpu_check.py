@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -126,12 +127,8 @@ def environment() -> dict:
 def check_triton(device: str) -> dict:
     """Triton kernel vs the torch fused path: outputs and all six LEV parameter gradients."""
 
-    def fused_lev_modes(*args):
-        return lev_modes(*args, kernel="torch")
-
-    def triton_lev_modes(*args):
-        return lev_modes(*args, kernel="triton")
-
+    fused_lev_modes = functools.partial(lev_modes, kernel="torch")
+    triton_lev_modes = functools.partial(lev_modes, kernel="triton")
     big = device == "cuda"
     n, h, d, kappa, r = (4096, 8, 128, 16, 64) if big else (40, 2, 8, 6, 16)
     gen = torch.Generator().manual_seed(0)
@@ -154,9 +151,9 @@ def check_triton(device: str) -> dict:
     weight = torch.randn_like(ref)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
     ref_grads = torch.autograd.grad((ref * weight).sum(), inputs)
-    errors = {"modes": ((out - ref).abs().max() / ref.abs().max()).item()}
+    errors = {"modes": _relative_error(out, ref)}
     for name, g, rg in zip(("z", "seed_proj", "norm_w", "norm_b", "delta"), grads, ref_grads):
-        errors[name] = ((g - rg).abs().max() / rg.abs().max().clamp_min(1e-30)).item()
+        errors[name] = _relative_error(g, rg)
     # bf16 parameters through the module (dedup, codebook gradient): triton vs torch.
     vocab = 5000 if big else 60
     tcfg = TransformerConfig(
@@ -176,13 +173,9 @@ def check_triton(device: str) -> dict:
         outs[kernel] = module(ids)
         outs[kernel].float().square().sum().backward()
         grads_bf16[kernel] = {k: p.grad.float() for k, p in module.named_parameters()}
-    errors["bf16_embedding"] = (
-        (outs["triton"].float() - outs["torch"].float()).abs().max()
-        / outs["torch"].float().abs().max()
-    ).item()
+    errors["bf16_embedding"] = _relative_error(outs["triton"].float(), outs["torch"].float())
     for name, g in grads_bf16["triton"].items():
-        rg = grads_bf16["torch"][name]
-        errors[f"bf16_{name}"] = ((g - rg).abs().max() / rg.abs().max().clamp_min(1e-30)).item()
+        errors[f"bf16_{name}"] = _relative_error(g, grads_bf16["torch"][name])
     speed = None
     if big:  # fwd+bwd time of the torch fused path over the Triton kernels, best of 5
         speed = _best_time(fused_lev_modes, inputs, kcfg) / _best_time(
@@ -197,6 +190,10 @@ def check_triton(device: str) -> dict:
         shape=dict(n=n, heads=h, seed_dim=d, knots=kappa, rank=r),
         torch_over_triton_time=speed,
     )
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
 
 
 def _best_time(fn, inputs, lev_config, reps: int = 5) -> float:
@@ -484,13 +481,8 @@ def _main(argv) -> int:
             checks["engines_20_steps"] = dict(status="skipped", reason=reason)
             checks["gpu_pytest"] = dict(status="skipped", reason=reason)
         _write_json(out_path, result)  # checks are kept even if throughput is cut short
-        _run_phase(
-            "throughput",
-            result,
-            budget,
-            30,
-            lambda: throughput(workdir, dry, budget, iters, warmup),
-        )
+        run = functools.partial(throughput, workdir, dry, budget, iters, warmup)
+        _run_phase("throughput", result, budget, 30, run)
     failed = [k for k, v in checks.items() if v.get("status") == "fail"]
     if result["throughput"].get("status") == "fail":
         failed.append("throughput")

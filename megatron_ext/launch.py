@@ -102,13 +102,6 @@ def descendant_pids(pid: int) -> list[int]:
     return children + [d for c in children for d in descendant_pids(c)]
 
 
-def _start_time(pid: int) -> Optional[int]:
-    """The start time in clock ticks since boot: with the pid it names one process, even after
-    the pid is reused."""
-    stat = _stat(pid)
-    return None if stat is None else int(stat[19])
-
-
 def _same_process_running(pid: int, started: Optional[int]) -> bool:
     """Whether the process seen as (pid, start time) still runs (a zombie does not)."""
     stat = _stat(pid)
@@ -138,7 +131,8 @@ class Job:
         self.torchrun = torchrun
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
-        self.seen: dict[int, Optional[int]] = {}  # pid -> start time
+        # pid -> start time in clock ticks since boot (names one process after a pid reuse)
+        self.seen: dict[int, Optional[int]] = {}
         self._log = open(self.log_path, "w")
         self.stderr_path = None if stderr_path is None else Path(stderr_path)
         self._err = None if stderr_path is None else open(stderr_path, "w")
@@ -172,7 +166,8 @@ class Job:
     def _remember(self, pids: list[int]) -> None:
         for pid in pids:
             if pid not in self.seen:
-                self.seen[pid] = _start_time(pid)
+                stat = _stat(pid)
+                self.seen[pid] = None if stat is None else int(stat[19])
 
     def _check_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:

@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ProcessGroups",
-    "default_backend",
     "initialize_parallel",
     "destroy_parallel",
     "set_random_seed",
@@ -171,11 +170,6 @@ class ProcessGroups:
         return dict(pp=self.pp_rank, tp=self.tp_rank, cp=self.cp_rank, dp=self.dp_rank)
 
 
-def default_backend() -> str:
-    """nccl when CUDA is usable, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def initialize_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -192,7 +186,7 @@ def initialize_parallel(
     STARTUP_TIMEOUT_MINUTES.
     """
     startup = datetime.timedelta(minutes=max(timeout_minutes, STARTUP_TIMEOUT_MINUTES))
-    backend = backend or default_backend()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("backend nccl needs CUDA; use gloo on CPU")
     if not dist.is_initialized():

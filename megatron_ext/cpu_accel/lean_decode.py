@@ -130,11 +130,8 @@ class LeanDecoder:
         self.cos = cos.view(1, max_sequence_length, 1, -1)  # [1, max_s, 1, d]
         self.sin = sin.view(1, max_sequence_length, 1, -1)
         cache_shape = (batch, self.groups, max_sequence_length, self.head_dim)
-        self.caches = [
-            (
-                torch.empty(cache_shape, dtype=dtype, device=device),
-                torch.empty(cache_shape, dtype=dtype, device=device),
-            )
+        self.caches = [  # (keys, values) per layer
+            tuple(torch.empty(cache_shape, dtype=dtype, device=device) for _ in range(2))
             for _ in model.decoder.layers
         ]
         self.max_sequence_length = max_sequence_length
