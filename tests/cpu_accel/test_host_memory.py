@@ -1,7 +1,8 @@
 """`cpu_accel.host_memory`: with the thresholds set, re-allocating tensors of varying sizes (a
 training step's pattern) faults no fresh pages in after the first round; with glibc's defaults
 every round does. How many pages the heap still grows by in the first rounds depends on the heap
-the imports left (seen: 0 to 4 rounds of 5k to 20k pages), so the runs are compared by their totals. Each case runs in a fresh process (the settings are per process)."""
+the imports left (seen: 0 to 4 rounds of 5k to 20k pages), so the runs are compared by their
+totals. Each case runs in a fresh process (the settings are per process)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _run(mode: str, sizes: str = _SMALL, **env: str) -> dict:
     clean.pop("LD_PRELOAD", None)
     done = subprocess.run(
         [sys.executable, "-c", _SCRIPT, mode, sizes], env={**clean, **env}, capture_output=True,
-        text=True, timeout=120, check=True,
+        text=True, timeout=900, check=True,
     )  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -345,6 +345,13 @@ def test_a_stopped_cluster_leaves_nothing_running(slurm, tmp_path, tmp_path_fact
     try:
         job = other.sbatch(["--wrap", "sleep 600", f"--output={tmp_path}/sleep-%j.out"])
         other.wait(job, "RUNNING", timeout=60)
+        # RUNNING is set before slurmstepd has started the batch script: wait for its processes.
+        deadline = time.monotonic() + 120
+        while (
+            not (other.processes(job) and any("sleep 600" in line for line in other.leftovers()))
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.5)
         assert other.processes(job), "the job's processes"
         assert sorted(other.daemons()) == ["munged", "slurmctld", "slurmd-127.0.0.1"]
         running = other.leftovers()
