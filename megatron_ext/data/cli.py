@@ -21,8 +21,9 @@ def add_tokenizer_flags(group, *, required: bool, vocab_size_help: str) -> None:
     """The tokenizer's flags, `DataConfig`'s (Megatron-LM's --tokenizer-type and the files or
     sizes each type reads)."""
     add_flags(group, DataConfig, "tokenizer_type", required=required, help="tokenizer kind")
+    add_flags(group, DataConfig, "tokenizer_model")
     add_flags(group, DataConfig, "vocab_size", help=vocab_size_help)
-    add_flags(group, DataConfig, "tokenizer_model", "tiktoken_pattern", "vocab_file", "merge_file")
+    add_flags(group, DataConfig, "vocab_file", "merge_file", "tiktoken_pattern")
 
 
 def add_config_flags(group, cls: type, *required: str) -> None:
