@@ -9,56 +9,46 @@ import argparse
 from typing import Callable, Optional, Sequence
 
 from megatron_ext import cli
+from megatron_ext.config.data import DataConfig
+from megatron_ext.config.flags import add_flags, flag_fields
 from megatron_ext.data.readers import DataError
-from megatron_ext.data.tokenizers import TOKENIZER_TYPES, TokenizerError
+from megatron_ext.data.tokenizers import TokenizerError
 
-__all__ = ["LOG_FORMAT", "add_tokenizer_flags", "setup_logging", "run_tool"]
-
-LOG_FORMAT = "[%(asctime)s] %(levelname)s %(message)s"
+__all__ = ["add_config_flags", "add_tokenizer_flags", "run_tool"]
 
 
-def add_tokenizer_flags(
-    group: argparse._ArgumentGroup, *, required: bool, vocab_size_help: str
-) -> None:
-    """The tokenizer's flags as Megatron-LM's data tools spell them (--tokenizer-type and the
-    files or sizes each type reads)."""
-    group.add_argument(
-        "--tokenizer-type",
-        required=required,
-        default=None,
-        choices=sorted(TOKENIZER_TYPES),
-        help="tokenizer kind",
-    )
-    group.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="SentencePiece .model, .tiktoken file, or HF tokenizer directory",
-    )
-    group.add_argument("--vocab-size", type=int, default=None, help=vocab_size_help)
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
-    group.add_argument(
-        "--tiktoken-pattern",
-        default="o200k",
-        help="TikTokenizer split pattern: o200k, cl100k or a regex",
-    )
+def add_tokenizer_flags(group, *, required: bool, vocab_size_help: str) -> None:
+    """The tokenizer's flags, `DataConfig`'s (Megatron-LM's --tokenizer-type and the files or
+    sizes each type reads)."""
+    add_flags(group, DataConfig, "tokenizer_type", required=required, help="tokenizer kind")
+    add_flags(group, DataConfig, "tokenizer_model")
+    add_flags(group, DataConfig, "vocab_size", help=vocab_size_help)
+    add_flags(group, DataConfig, "vocab_file", "merge_file", "tiktoken_pattern")
 
 
-def setup_logging(verbose: bool = False) -> None:
-    """INFO (or DEBUG) lines to stderr with their level, once per process."""
-    cli.setup_logging(verbose=verbose, fmt=LOG_FORMAT)
+def add_config_flags(group, cls: type, *required: str) -> None:
+    """Every flag of the config `cls`; those of the fields `required` must be given."""
+    for field in flag_fields(cls):
+        add_flags(group, cls, field.name, **({"required": True} if field.name in required else {}))
 
 
 def run_tool(
-    main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None
+    build_parser: Callable[[], argparse.ArgumentParser],
+    run: Callable[[argparse.Namespace], None],
+    argv: Optional[Sequence[str]] = None,
 ) -> int:
-    """``megatron_ext.cli.run_tool`` with the data tools' settings (module docstring)."""
+    """Parse ``argv`` and ``run`` the tool under ``megatron_ext.cli.run_tool`` with the data
+    tools' settings (module docstring); the exit code."""
+
+    def main(argv: Optional[Sequence[str]]) -> int:
+        run(build_parser().parse_args(argv))
+        return 0
+
     return cli.run_tool(
         main,
         argv,
         errors=(DataError, TokenizerError),
-        error_code=2,
-        log_format=None,  # each tool sets logging up after parsing its flags
+        log_format="[%(asctime)s] %(levelname)s %(message)s",
         interrupted="interrupted: temporary outputs removed, finished outputs kept",
         sigterm_interrupts=True,
     )

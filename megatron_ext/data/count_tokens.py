@@ -22,14 +22,9 @@ import numpy as np
 
 from megatron_ext._paths import atomic_open
 from megatron_ext.config.flags import ArgumentParser
-from megatron_ext.data.cli import add_tokenizer_flags, run_tool, setup_logging
+from megatron_ext.data.cli import add_tokenizer_flags, run_tool
 from megatron_ext.data.fingerprint import place_sidecar, sidecar_path, tokenizer_record
-from megatron_ext.data.indexed import (
-    check_dataset,
-    counts_path,
-    get_bin_path,
-    index_dtype,
-)
+from megatron_ext.data.indexed import check_dataset, counts_path, get_bin_path, index_header
 from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -41,7 +36,7 @@ _CHUNK_TOKENS = 1 << 24
 def count_tokens(prefix: str) -> np.ndarray:
     """int64 counts of every id in the dataset `prefix` ([largest id + 1]), read in chunks."""
     check_dataset(prefix)  # a damaged dataset is named before it is read
-    dtype = index_dtype(prefix)
+    dtype = index_header(prefix)[0]
     if not os.path.getsize(get_bin_path(prefix)):
         return np.zeros(0, np.int64)
     tokens = np.memmap(get_bin_path(prefix), dtype, "r")
@@ -101,19 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging()
+def _run(args: argparse.Namespace) -> None:
     tokenizer = None
     if args.tokenizer_type is not None:
-        tokenizer = build_tokenizer(
-            args.tokenizer_type,
-            args.tokenizer_model,
-            vocab_size=args.vocab_size,
-            tiktoken_pattern=args.tiktoken_pattern,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-        )
+        tokenizer = build_tokenizer(**vars(args))
     for prefix in args.data_path:
         path = write_counts(prefix, tokenizer, args.vocab_size, overwrite=args.overwrite)
         counts = np.load(path, mmap_mode="r")
@@ -127,12 +113,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             else " (no tokenizer given: the length is the largest id + 1 unless --vocab-size; "
             "frequency evaluation needs the tokenizer's vocabulary size)",
         )
-    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command (tools/count_tokens.py): parse ``argv``, run, return the exit code."""
-    return run_tool(_main, argv)
+    return run_tool(build_parser, _run, argv)
 
 
 if __name__ == "__main__":

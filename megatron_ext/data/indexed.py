@@ -1,16 +1,17 @@
 """Writing Megatron-Core indexed datasets (``.bin``/``.idx``) and their token counts, safely.
 
-The format is Megatron-Core's: the ``.idx`` in its ``_IndexWriter``'s layout with vectorised
-sequence pointers (without importing megatron.core), the ``.bin`` the concatenated token ids;
-one document is one sequence. Beside them ``<prefix>_counts.npy`` (int64 count of every id) and
+The format is Megatron-Core's: the ``.idx`` in its ``_IndexWriter``'s layout (written and read
+here without importing megatron.core), the ``.bin`` the concatenated token ids; one document is
+one sequence. Beside them ``<prefix>_counts.npy`` (int64 count of every id) and
 ``<prefix>_tokenizer.json`` (``data/fingerprint.py``). Every file is written under a temporary
 name and renamed when complete, counts and tokenizer record first, ``.idx`` last, so a dataset
-whose ``.idx`` exists is whole; ``abort()`` removes the temporary files. ``check_dataset``
-checks that a pair agrees (header, sizes, pointers, document indices) before anything reads it.
+whose ``.idx`` exists is whole. ``check_dataset`` checks that a pair agrees (header, sizes,
+pointers, document indices) before anything reads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -21,13 +22,13 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_ext._paths import atomic_path
 from megatron_ext.data.fingerprint import common_record, place_sidecar
 from megatron_ext.data.readers import DataError
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "TMP_SUFFIX",
     "check_dataset",
     "token_dtype",
     "counts_path",
@@ -37,11 +38,9 @@ __all__ = [
     "merge_datasets",
     "load_dataset",
     "num_tokens",
-    "index_dtype",
+    "index_header",
     "sampled_max_id",
 ]
-
-TMP_SUFFIX = ".tmp"
 
 
 def token_dtype(vocab_size: int) -> type:
@@ -80,21 +79,6 @@ def mcore_datasets() -> ModuleType:
     return datasets
 
 
-@functools.lru_cache(maxsize=None)
-def _fast_index_writer() -> type:
-    """Megatron-Core's index writer with the sequence pointers computed by numpy."""
-
-    class _FastIndexWriter(mcore_datasets().indexed_dataset._IndexWriter):
-        def _sequence_pointers(self, sequence_lengths) -> np.ndarray:  # type: ignore[override]
-            lengths = np.asarray(sequence_lengths, dtype=np.int64)
-            pointers = np.zeros(len(lengths), dtype=np.int64)
-            if len(lengths) > 1:
-                np.cumsum(lengths[:-1] * np.dtype(self.dtype).itemsize, out=pointers[1:])
-            return pointers
-
-    return _FastIndexWriter
-
-
 def get_bin_path(prefix: str) -> str:
     """Megatron's data file name for ``prefix``."""
     return prefix + ".bin"
@@ -108,11 +92,10 @@ def get_idx_path(prefix: str) -> str:
 # Megatron-Core's .idx layout (indexed_dataset._INDEX_HEADER, DType codes, _IndexWriter.write).
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.uint16: 8}
-
-
 _HEADER_BYTES = len(_INDEX_HEADER) + 8 + 1 + 8 + 8  # magic, version, dtype, counts
 _CODE_NAMES = {code: np.dtype(t).name for t, code in _DTYPE_CODES.items()}
 _CHECK_CHUNK = 1 << 22  # index entries checked at a time (bounds the memory)
+_FIX = "copy the dataset again or re-run tools/preprocess_data.py"
 
 
 def check_dataset(prefix: str) -> int:
@@ -123,79 +106,85 @@ def check_dataset(prefix: str) -> int:
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
             raise DataError(f"dataset not found: {path} is missing")
-    fix = "copy the dataset again or re-run tools/preprocess_data.py"
-    code, sequences, documents = _index_header(idx_path, fix)
-    itemsize = np.dtype(_CODE_NAMES[code]).itemsize
-    tokens = _check_sequences(idx_path, sequences, itemsize, fix)
-    bin_size, bin_expected = os.path.getsize(bin_path), tokens * itemsize
+    dtype, sequences, documents = index_header(prefix)
+    tokens = _check_sequences(idx_path, sequences, dtype.itemsize)
+    bin_size, bin_expected = os.path.getsize(bin_path), tokens * dtype.itemsize
     if bin_size != bin_expected:
         what = "shorter" if bin_size < bin_expected else "longer"
         raise DataError(
             f"{bin_path} is {what} than its index describes ({bin_size} bytes, "
-            f"{idx_path} describes {tokens} {_CODE_NAMES[code]} tokens = {bin_expected} bytes; an "
-            f"interrupted copy, or the .bin of another dataset); {fix}"
+            f"{idx_path} describes {tokens} {dtype.name} tokens = {bin_expected} bytes; an "
+            f"interrupted copy, or the .bin of another dataset); {_FIX}"
         )
-    _check_documents(idx_path, sequences, documents, fix)
+    _check_documents(idx_path, sequences, documents)
     return tokens
 
 
-def _index_header(idx_path: str, fix: str) -> tuple[int, int, int]:
-    """(dtype code, sequences, document indices) of the index's header, which must describe
-    the index's size."""
+def index_header(prefix: str) -> tuple[np.dtype, int, int]:
+    """(token dtype, sequences, document indices) of the ``.idx`` header of ``prefix``, which
+    must describe the index's size; DataError naming what is wrong."""
+    idx_path = get_idx_path(prefix)
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as handle:
         header = handle.read(_HEADER_BYTES)
     if len(header) < _HEADER_BYTES:
-        raise DataError(f"{idx_path} is truncated ({idx_size} bytes, less than a header); {fix}")
+        raise DataError(f"{idx_path} is truncated ({idx_size} bytes, less than a header); {_FIX}")
     if header[: len(_INDEX_HEADER)] != _INDEX_HEADER:
         raise DataError(
             f"{idx_path} is not a Megatron indexed-dataset index (its first bytes are "
-            f"{header[: len(_INDEX_HEADER)]!r}, not {_INDEX_HEADER!r}); {fix}"
+            f"{header[: len(_INDEX_HEADER)]!r}, not {_INDEX_HEADER!r}); {_FIX}"
         )
     version, code, sequences, documents = struct.unpack("<QBQQ", header[len(_INDEX_HEADER) :])
     if version != 1:
         raise DataError(f"{idx_path} has index version {version}; this reader knows version 1")
     if code not in _CODE_NAMES:
         known = ", ".join(f"{c} {n}" for c, n in sorted(_CODE_NAMES.items()))
-        raise DataError(f"{idx_path} has token dtype code {code}, not one of {known}; {fix}")
+        raise DataError(f"{idx_path} has token dtype code {code}, not one of {known}; {_FIX}")
     expected = _HEADER_BYTES + 12 * sequences + 8 * documents
     if idx_size not in (expected, expected + sequences):  # (+ modes: a multimodal index)
         what = "truncated" if idx_size < expected else "longer than its header describes"
         raise DataError(
             f"{idx_path} is {what} ({idx_size} bytes; {sequences} sequences and {documents} "
-            f"document indices take {expected}); {fix}"
+            f"document indices take {expected}); {_FIX}"
         )
     if documents == 0:
-        raise DataError(f"{idx_path} has no document indices (at least [0] is needed); {fix}")
-    return code, sequences, documents
+        raise DataError(f"{idx_path} has no document indices (at least [0] is needed); {_FIX}")
+    return np.dtype(_CODE_NAMES[code]), sequences, documents
 
 
-def _check_sequences(idx_path: str, sequences: int, itemsize: int, fix: str) -> int:
-    """Every sequence's length and pointer (chunk by chunk); returns the token count."""
+def _index_arrays(idx_path: str, sequences: int, documents: int) -> tuple[np.ndarray, ...]:
+    """Memory maps of the index's sequence lengths, sequence pointers and document indices."""
     lengths = np.memmap(idx_path, np.int32, "r", _HEADER_BYTES, (sequences,))
     pointers = np.memmap(idx_path, np.int64, "r", _HEADER_BYTES + 4 * sequences, (sequences,))
+    docs = np.memmap(idx_path, np.int64, "r", _HEADER_BYTES + 12 * sequences, (documents,))
+    return lengths, pointers, docs
+
+
+def _check_sequences(idx_path: str, sequences: int, itemsize: int) -> int:
+    """Every sequence's length and pointer (chunk by chunk); returns the token count."""
+    lengths, pointers, _ = _index_arrays(idx_path, sequences, 0)
     tokens = 0
     for start in range(0, sequences, _CHECK_CHUNK):
         part = np.asarray(lengths[start : start + _CHECK_CHUNK], dtype=np.int64)
         if part.size and part.min() < 0:
             bad = start + int(np.argmin(part))
-            raise DataError(f"{idx_path}: sequence {bad} has a negative length; {fix}")
+            raise DataError(f"{idx_path}: sequence {bad} has a negative length; {_FIX}")
         expected_pointers = (tokens + np.cumsum(part) - part) * itemsize
         wrong = np.flatnonzero(pointers[start : start + _CHECK_CHUNK] != expected_pointers)
         if wrong.size:
             bad = start + int(wrong[0])
             raise DataError(
                 f"{idx_path}: sequence {bad} points at byte {int(pointers[bad])} of the .bin, "
-                f"not {int(expected_pointers[wrong[0]])} where it starts; {fix}"
+                f"not {int(expected_pointers[wrong[0]])} where it starts; {_FIX}"
             )
         tokens += int(part.sum())
     del lengths, pointers
     return tokens
 
 
-def _check_documents(idx_path: str, sequences: int, documents: int, fix: str) -> None:
+def _check_documents(idx_path: str, sequences: int, documents: int) -> None:
     """The document indices run from 0 up to `sequences`, never decreasing."""
-    docs = np.memmap(idx_path, np.int64, "r", _HEADER_BYTES + 12 * sequences, (documents,))
+    docs = _index_arrays(idx_path, sequences, documents)[2]
     previous = 0
     for start in range(0, documents, _CHECK_CHUNK):
         part = np.asarray(docs[start : start + _CHECK_CHUNK])
@@ -205,44 +194,42 @@ def _check_documents(idx_path: str, sequences: int, documents: int, fix: str) ->
             bad = start + (int(outside[0]) if outside.size else 0)
             raise DataError(
                 f"{idx_path}: document index {bad} is {int(docs[bad])}, out of range (document "
-                f"boundaries run from 0 up to the {sequences} sequences); {fix}"
+                f"boundaries run from 0 up to the {sequences} sequences); {_FIX}"
             )
         previous = int(part[-1])
     if previous != sequences:
         raise DataError(
             f"{idx_path}: the last document index is {previous}, not the {sequences} sequences "
-            f"(out of range); {fix}"
+            f"(out of range); {_FIX}"
         )
     del docs
 
 
-def _write_index(path: str, dtype: type, lengths: np.ndarray) -> None:
-    """The .idx Megatron-Core's ``_IndexWriter`` writes for one document per sequence, byte for
-    byte, without importing megatron.core (seconds of start-up a preprocessing run does without)."""
+def _write_index(
+    path: str, dtype: type, lengths: np.ndarray, document_indices: Optional[np.ndarray] = None
+) -> None:
+    """The .idx Megatron-Core's ``_IndexWriter`` writes, byte for byte, without importing
+    megatron.core (seconds of start-up); `document_indices` default: one document per sequence."""
     lengths = np.asarray(lengths, dtype=np.int32)
+    if document_indices is None:
+        document_indices = np.arange(len(lengths) + 1, dtype=np.int64)
     pointers = np.zeros(len(lengths), dtype=np.int64)
     if len(lengths) > 1:
         np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
     with open(path, "wb") as handle:
         handle.write(_INDEX_HEADER)
-        handle.write(struct.pack("<Q", 1))
-        handle.write(struct.pack("<B", _DTYPE_CODES[dtype]))
-        handle.write(struct.pack("<Q", len(lengths)))
-        handle.write(struct.pack("<Q", len(lengths) + 1))
+        handle.write(
+            struct.pack("<QBQQ", 1, _DTYPE_CODES[dtype], len(lengths), len(document_indices))
+        )
         handle.write(lengths.tobytes(order="C"))
         handle.write(pointers.tobytes(order="C"))
-        handle.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes(order="C"))
+        handle.write(np.asarray(document_indices, dtype=np.int64).tobytes(order="C"))
 
 
 def _save_npy(path: str, array: np.ndarray) -> None:
     # A file object, so numpy does not append a second ".npy" to the temporary name.
     with open(path, "wb") as handle:
         np.save(handle, array, allow_pickle=False)
-
-
-def _replace_all(pairs: list[tuple[str, str]]) -> None:
-    for tmp, final in pairs:
-        os.replace(tmp, final)
 
 
 class DatasetWriter:
@@ -257,16 +244,17 @@ class DatasetWriter:
         self.tokenizer_record = tokenizer_record
         self.vocab_size = int(vocab_size)
         self.dtype = token_dtype(self.vocab_size)
-        directory = os.path.dirname(os.path.abspath(prefix))
-        os.makedirs(directory, exist_ok=True)
-        self._final = dataset_files(prefix)
-        self._tmp = [path + TMP_SUFFIX for path in self._final]
-        self._bin = open(self._tmp[0], "wb")
+        # The stack renames in the reverse order of entry: counts, .bin, then the .idx.
+        self._files = contextlib.ExitStack()
+        self._idx, bin_path, self._counts = [
+            self._files.enter_context(atomic_path(path))
+            for path in (get_idx_path(prefix), get_bin_path(prefix), counts_path(prefix))
+        ]
+        self._bin = open(bin_path, "wb")
         self._lengths: list[np.ndarray] = []
         self.counts = np.zeros(self.vocab_size, dtype=np.int64)
         self.num_documents = 0
         self.num_tokens = 0
-        self._closed = False
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents: ``tokens`` concatenated (the writer's dtype), ``lengths`` per doc."""
@@ -283,28 +271,16 @@ class DatasetWriter:
         """Write the index and counts and move all three files to their final names."""
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
-        _write_index(self._tmp[1], self.dtype, lengths)
-        _save_npy(self._tmp[2], self.counts)
+        _write_index(self._idx, self.dtype, lengths)
+        _save_npy(self._counts, self.counts)
         place_sidecar(self.prefix, self.tokenizer_record)
-        # counts, bin, idx: the .idx appears last, so its presence means the dataset is whole.
-        _replace_all([(self._tmp[2], self._final[2]), (self._tmp[0], self._final[0])])
-        _replace_all([(self._tmp[1], self._final[1])])
-        self._closed = True
+        self._files.close()
 
     def abort(self) -> None:
         """Remove the temporary files (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._bin.close()
-        except OSError:
-            pass
-        for path in self._tmp:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
+        self._bin.close()
+        # Unwound by an exception, each atomic_path removes its temporary file.
+        self._files.__exit__(InterruptedError, InterruptedError(), None)
 
 
 def read_counts(prefix: str) -> np.ndarray:
@@ -328,53 +304,32 @@ def merge_datasets(
     if not prefixes:
         raise DataError("nothing to merge: no dataset prefixes given")
     for prefix in prefixes:
-        if not mcore_datasets().indexed_dataset.IndexedDataset.exists(prefix):
-            raise DataError(f"dataset not found: {prefix}.bin/.idx")
-    for prefix in prefixes:
         check_dataset(prefix)  # every input is whole before anything is written
     existing = [path for path in dataset_files(output_prefix) if os.path.exists(path)]
     if existing and not overwrite:
         raise DataError(f"output exists: {existing[0]} (pass --overwrite to replace it)")
     record = common_record(prefixes)
-    indices = [
-        mcore_datasets().indexed_dataset._IndexReader(get_idx_path(prefix), multimodal=False)
-        for prefix in prefixes
-    ]
-    dtypes = {np.dtype(index.dtype) for index in indices}
+    headers = [index_header(prefix) for prefix in prefixes]
+    dtypes = {header[0] for header in headers}
     if len(dtypes) != 1:
         raise DataError(
             f"cannot merge datasets of different token dtypes: {sorted(map(str, dtypes))}"
         )
-    dtype = indices[0].dtype
     counts = _summed_counts(prefixes, require_counts)
-    directory = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(directory, exist_ok=True)
-    final = dataset_files(output_prefix)
-    tmp = [path + TMP_SUFFIX for path in final]
-    try:
-        lengths, document_indices = _concatenate_bins(prefixes, indices, tmp[0])
-        with _fast_index_writer()(tmp[1], dtype) as writer:
-            writer.write(lengths, None, document_indices)
-        pairs = [(tmp[0], final[0])]
+    outputs = [get_idx_path(output_prefix), get_bin_path(output_prefix)]
+    with contextlib.ExitStack() as files:  # renamed in reverse: the .idx last
+        tmp = [files.enter_context(atomic_path(path)) for path in outputs]
         if counts is not None:
-            _save_npy(tmp[2], counts)
-            pairs.insert(0, (tmp[2], final[2]))
+            _save_npy(files.enter_context(atomic_path(counts_path(output_prefix))), counts)
+        lengths, document_indices = _concatenate(prefixes, headers, tmp[1])
+        _write_index(tmp[0], headers[0][0].type, lengths, document_indices)
         place_sidecar(output_prefix, record)
-        _replace_all(pairs)
-        _replace_all([(tmp[1], final[1])])
-    except BaseException:
-        for path in tmp:
-            if os.path.exists(path):
-                os.remove(path)
-        raise
-    finally:
-        del indices
     summary = {
         "output_prefix": output_prefix,
         "inputs": list(prefixes),
         "documents": int(len(document_indices) - 1),
         "tokens": int(lengths.sum(dtype=np.int64)),
-        "dtype": np.dtype(dtype).name,
+        "dtype": headers[0][0].name,
         "counts": counts is not None,
         "tokenizer": record,
     }
@@ -412,27 +367,26 @@ def _summed_counts(prefixes: list[str], require_counts: bool) -> Optional[np.nda
     return counts
 
 
-def _concatenate_bins(prefixes, indices, bin_path: str) -> tuple[np.ndarray, np.ndarray]:
+def _concatenate(prefixes, headers, bin_path: str) -> tuple[np.ndarray, np.ndarray]:
     """Stream the inputs' .bin data into `bin_path`; returns the merged index's sequence lengths
     and document indices."""
-    lengths_parts, docs_parts, offset = [], [], 0
+    lengths_parts, docs_parts, offset = [], [np.zeros(1, dtype=np.int64)], 0
     with open(bin_path, "wb") as out:
-        for prefix, index in zip(prefixes, indices):
+        for prefix, (_, sequences, documents) in zip(prefixes, headers):
             with open(get_bin_path(prefix), "rb") as src:
                 while block := src.read(1 << 24):
                     out.write(block)
-            lengths_parts.append(np.array(index.sequence_lengths, dtype=np.int32))
-            docs_parts.append(np.array(index.document_indices[1:], dtype=np.int64) + offset)
-            offset += len(index.sequence_lengths)
-    document_indices = np.concatenate([np.zeros(1, dtype=np.int64), *docs_parts])
-    return np.concatenate(lengths_parts), document_indices
+            lengths, _, docs = _index_arrays(get_idx_path(prefix), sequences, documents)
+            lengths_parts.append(np.array(lengths))
+            docs_parts.append(np.array(docs[1:]) + offset)
+            offset += sequences
+            del lengths, docs
+    return np.concatenate(lengths_parts), np.concatenate(docs_parts)
 
 
 def load_dataset(prefix: str):
     """Open a finished dataset with Megatron-Core's reader (for tools and tests), after
     ``check_dataset``."""
-    if not mcore_datasets().indexed_dataset.IndexedDataset.exists(prefix):
-        raise DataError(f"dataset not found: {prefix}.bin/.idx")
     check_dataset(prefix)
     return mcore_datasets().indexed_dataset.IndexedDataset(prefix, multimodal=False, mmap=True)
 
@@ -443,13 +397,6 @@ def num_tokens(prefix: str) -> int:
     return check_dataset(prefix)
 
 
-def index_dtype(prefix: str) -> np.dtype:
-    """The token dtype the ``.idx`` of ``prefix`` names (after `check_dataset`)."""
-    with open(get_idx_path(prefix), "rb") as handle:
-        header = handle.read(_HEADER_BYTES)
-    return np.dtype(_CODE_NAMES[header[len(_INDEX_HEADER) + 8]])
-
-
 _SAMPLE_BLOCKS = 64
 _SAMPLE_BLOCK_BYTES = 1 << 20
 
@@ -458,8 +405,8 @@ def sampled_max_id(prefix: str) -> int:
     """The largest token id in a sample of the dataset ``prefix``'s ``.bin``: all of it up to
     64 MiB, else 64 evenly spaced 1 MiB blocks (first and last included). For datasets without
     counts (made by Megatron-LM): a cheap check that the tokenizer covers their ids. Call after
-    `check_dataset` (the header is trusted here)."""
-    dtype = index_dtype(prefix)
+    `check_dataset`."""
+    dtype = index_header(prefix)[0]
     if not os.path.getsize(get_bin_path(prefix)):
         return -1
     tokens = np.memmap(get_bin_path(prefix), dtype, "r")

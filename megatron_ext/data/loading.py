@@ -23,6 +23,7 @@ from megatron_ext.data.indexed import (
     counts_path,
     get_bin_path,
     get_idx_path,
+    index_header,
     mcore_datasets,
     sampled_max_id,
     token_dtype,
@@ -81,12 +82,6 @@ def blend_prefixes(blend: Optional[Sequence[str]]) -> list[str]:
     return list(parsed[0]) if parsed else []
 
 
-def _num_sequences(prefix: str) -> int:
-    with open(get_idx_path(prefix), "rb") as handle:
-        header = handle.read(26)
-    return int(np.frombuffer(header[18:26], dtype="<u8")[0]) if len(header) == 26 else 0
-
-
 def _split_in_documents(
     weights: Sequence[float], count: int, num_samples: Sequence[Optional[int]]
 ) -> Optional[str]:
@@ -134,7 +129,7 @@ def _check_datasets(
             whole.add(prefix)
         if bookends is not None:
             # Megatron-Core loops forever building samples from a split without tokens.
-            count = _num_sequences(prefix)
+            count = index_header(prefix)[1]
             begin = int(round(bookends[0] * count))
             end = int(round(bookends[1] * count))
             if end <= begin:
@@ -154,10 +149,7 @@ def _check_datasets(
         check_vocab_sizes(tokenizer.vocab_size, counted_vocab, None, prefix)
         if counted_vocab is None:  # no _counts.npy (made by Megatron-LM): look at its ids
             _check_ids_in_vocab(prefix, tokenizer)
-        with open(get_idx_path(prefix), "rb") as handle:
-            header = handle.read(18)
-        code = header[17] if len(header) == 18 else None
-        if code == 8 and token_dtype(tokenizer.vocab_size) is not np.uint16:
+        if index_header(prefix)[0] == np.uint16 and token_dtype(tokenizer.vocab_size) != np.uint16:
             raise VocabSizeMismatchError(
                 f"{prefix} stores uint16 ids but the tokenizer has {tokenizer.vocab_size} ids; "
                 "it was preprocessed with a different tokenizer"
@@ -209,10 +201,6 @@ def _process_group_for_build(needed: bool) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _always() -> bool:
-    return True
-
-
 def build_train_valid_test_datasets(
     data_config: DataConfig,
     tokenizer: Tokenizer,
@@ -261,7 +249,7 @@ def build_train_valid_test_datasets(
         train, valid, test = mcore.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder(
             cls,
             list(train_val_test_num_samples),
-            is_built_on_rank or _always,
+            is_built_on_rank or (lambda: True),
             gpt_config,
         ).build()
     logger.info(

@@ -18,7 +18,7 @@ import os
 from typing import Optional, Sequence
 
 from megatron_ext.config.flags import ArgumentParser
-from megatron_ext.data.cli import run_tool, setup_logging
+from megatron_ext.data.cli import run_tool
 from megatron_ext.data.indexed import merge_datasets
 from megatron_ext.data.readers import DataError
 
@@ -60,9 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _main(argv: Optional[Sequence[str]]) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging()
+def _run(args: argparse.Namespace) -> None:
     prefixes = [p for p in _prefixes(args.input) if p != args.output_prefix]
     logger.info("merging %d datasets into %s", len(prefixes), args.output_prefix)
     merge_datasets(
@@ -71,12 +69,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         overwrite=args.overwrite,
         require_counts=not args.allow_missing_counts,
     )
-    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command (tools/merge_datasets.py): parse ``argv``, run, return the exit code."""
-    return run_tool(_main, argv)
+    return run_tool(build_parser, _run, argv)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import numpy as np
 
 from megatron_ext import _signals
 from megatron_ext._paths import atomic_open
+from megatron_ext.config.flags import flag
 from megatron_ext.data.fingerprint import tokenizer_record
 from megatron_ext.data.indexed import DatasetWriter, dataset_files, token_dtype
 from megatron_ext.data.readers import DataError, InputFile, expand_inputs, iter_line_chunks
@@ -65,38 +66,44 @@ class Interrupted(DataError):
 
 @dataclass
 class PreprocessConfig:
-    """Settings of one preprocessing run (the command line fills it by field name)."""
+    """Settings of one preprocessing run; the fields with a flag are the command line's."""
 
-    input: list[str]
-    """Input files, globs or directories (.jsonl, .jsonl.zst, .json.gz, ...)."""
-    output_prefix: str
-    """Megatron-LM's --output-prefix; datasets are ``<prefix>_<key>_document``."""
-    tokenizer_type: str
+    input: list[str] = flag(
+        None,
+        "jsonl files, globs or directories (.jsonl, .jsonl.zst, .json.gz, .jsonl.gz)",
+        nargs="+",
+    )
+    output_prefix: str = flag(
+        None, "datasets are written to <output-prefix>_<key>_document.{bin,idx}"
+    )
+    tokenizer_type: Optional[str] = None
+    """The tokenizer: these six fields are `DataConfig`'s flags (`data.cli`)."""
     tokenizer_model: Optional[str] = None
     vocab_size: Optional[int] = None
-    """Only for NullTokenizer (Megatron's --vocab-size)."""
     tiktoken_pattern: str = "o200k"
     vocab_file: Optional[str] = None
-    """GPT2BPETokenizer's vocab.json (Megatron's --vocab-file)."""
     merge_file: Optional[str] = None
-    """GPT2BPETokenizer's merges.txt (Megatron's --merge-file)."""
-    json_keys: list[str] = field(default_factory=lambda: ["text"])
-    append_eod: bool = False
-    workers: int = 1
-    log_interval: int = 1000
-    split_by: Optional[str] = None
-    """Dotted field to split outputs by, e.g. ``meta.pile_set_name``."""
-    shard_output: bool = False
-    """One output per input file instead of one output for all inputs."""
-    concurrent_shards: Optional[int] = None
-    """Shards processed at once in shard_output mode (None: about workers / 4)."""
-    skip_existing: bool = False
-    """Skip units whose outputs are finished (resume)."""
-    overwrite: bool = False
-    strict: bool = False
-    """Abort on the first bad record instead of skipping it."""
-    chunk_bytes: int = 1 << 20
-    """Bytes of jsonl per task sent to a worker."""
+    json_keys: list[str] = flag(
+        ["text"], "keys to extract from each json record (default: text)", nargs="+"
+    )
+    append_eod: bool = flag(False, "append an end-of-document token to every document")
+    workers: int = flag(1, "tokenizer worker processes")
+    log_interval: int = flag(1000, "log progress every this many documents")
+    split_by: Optional[str] = flag(
+        None,
+        "write one dataset per value of this dotted field, e.g. meta.pile_set_name",
+        metavar="FIELD",
+    )
+    shard_output: bool = flag(False, "one output per input file: <output-prefix>_<shard name>")
+    concurrent_shards: Optional[int] = flag(
+        None, "with --shard-output: shards processed at once (default workers/4)"
+    )
+    skip_existing: bool = flag(
+        False, "resume: skip outputs already finished (their _summary.json exists)"
+    )
+    overwrite: bool = flag(False, "replace existing outputs")
+    strict: bool = flag(False, "abort on the first bad record instead of skipping it")
+    chunk_size_mb: float = flag(1.0, "MB of jsonl per worker task (default 1)")
     max_reported_bad: int = 20
     """Bad records logged individually per unit (all are counted)."""
 
@@ -105,18 +112,21 @@ class PreprocessConfig:
             self.input = [self.input]
         if isinstance(self.json_keys, str):
             self.json_keys = [self.json_keys]
-        if not self.input:
-            raise DataError("no --input given")
+        if not self.input or not self.output_prefix:
+            raise DataError("--input and --output-prefix are required")
         if not self.json_keys:
             raise DataError("--json-keys needs at least one key")
         if self.workers < 1:
             raise DataError(f"--workers must be >= 1, got {self.workers}")
         if self.log_interval < 1:
             raise DataError(f"--log-interval must be >= 1, got {self.log_interval}")
-        if self.chunk_bytes < 1:
-            raise DataError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
         if self.overwrite and self.skip_existing:
             raise DataError("--overwrite and --skip-existing exclude each other")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of jsonl per task sent to a worker (whole lines: the first newline after)."""
+        return max(1, int(self.chunk_size_mb * (1 << 20)))
 
 
 @dataclass
@@ -198,8 +208,7 @@ def _init_worker(tokenizer_kwargs: dict, options: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _signals.unblock()
-    _WORKER["tokenizer"] = build_tokenizer(**tokenizer_kwargs)
-    _WORKER["options"] = options
+    _WORKER.update(tokenizer=build_tokenizer(**tokenizer_kwargs), options=options)
 
 
 def _lookup(record: dict, dotted: str) -> Any:
@@ -239,16 +248,9 @@ def _record_texts(
         if not isinstance(value, str):
             return f"non-string {key!r} ({type(value).__name__})", [], None
         surrogate = _SURROGATE.search(value)
-        if surrogate is not None:
-            # Valid JSON ("\ud800"), but no tokenizer can encode it.
-            return (
-                (
-                    f"invalid Unicode in {key!r} (lone surrogate "
-                    f"U+{ord(surrogate.group()):04X} at character {surrogate.start()})"
-                ),
-                [],
-                None,
-            )
+        if surrogate is not None:  # valid JSON ("\ud800"), but no tokenizer can encode it
+            where = f"U+{ord(surrogate.group()):04X} at character {surrogate.start()}"
+            return f"invalid Unicode in {key!r} (lone surrogate {where})", [], None
         values.append(value)
     if split_by is None:
         return None, values, None
@@ -300,9 +302,7 @@ def encode_chunk(
         line_numbers.append(line_number)
 
     failed: set[int] = set()
-    encoded = {}
-    for key in json_keys:
-        encoded[key] = _encode_checked(tokenizer, texts[key], failed)
+    encoded = {key: _encode_checked(tokenizer, texts[key], failed) for key in json_keys}
     for i in sorted(failed):
         result.bad.append((line_numbers[i], "tokenizer cannot encode the text"))
     keep = [
@@ -549,7 +549,7 @@ def _settle(pending: Sequence[Any], timeout: float = _SETTLE_SECONDS) -> None:
 
 
 class _SerialPool:
-    """The Pool interface, run in this process (workers=1 path and debugging)."""
+    """The Pool interface, run in this process (one worker)."""
 
     class _Done:
         def __init__(self, value: Any) -> None:
@@ -562,40 +562,22 @@ class _SerialPool:
             pass
 
     def __init__(self, tokenizer_kwargs: dict, options: dict) -> None:
-        self._tokenizer = build_tokenizer(**tokenizer_kwargs)
-        self._options = options
+        _WORKER.update(tokenizer=build_tokenizer(**tokenizer_kwargs), options=options)
 
     def apply_async(self, func: Any, args: tuple) -> "_SerialPool._Done":
-        previous = dict(_WORKER)
-        _WORKER["tokenizer"], _WORKER["options"] = self._tokenizer, self._options
-        try:
-            return self._Done(func(*args))
-        finally:
-            _WORKER.clear()
-            _WORKER.update(previous)
-
-    def terminate(self) -> None:
-        pass
+        return self._Done(func(*args))
 
     def close(self) -> None:
         pass
 
-    def join(self) -> None:
-        pass
+    terminate = join = close
 
 
 def preprocess(config: PreprocessConfig) -> list[dict]:
     """Run preprocessing; one summary dict per unit (skipped units left out). DataError on bad
     input or settings, ``Interrupted`` on Ctrl-C/SIGTERM: temporary files are removed, finished
     units kept."""
-    tokenizer_kwargs = {
-        "tokenizer_type": config.tokenizer_type,
-        "tokenizer_model": config.tokenizer_model,
-        "vocab_size": config.vocab_size,
-        "tiktoken_pattern": config.tiktoken_pattern,
-        "vocab_file": config.vocab_file,
-        "merge_file": config.merge_file,
-    }
+    tokenizer_kwargs = asdict(config)  # build_tokenizer reads the tokenizer's fields
     tokenizer = build_tokenizer(**tokenizer_kwargs)
     try:
         tokenizer.encode_batch(["probe"] if config.tokenizer_type != "NullTokenizer" else ["0"])
@@ -693,8 +675,3 @@ def _start_pool(workers: int, tokenizer_kwargs: dict, options: dict) -> Any:
         return multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(
             workers, initializer=_init_worker, initargs=(tokenizer_kwargs, options)
         )
-
-
-def config_dict(config: PreprocessConfig) -> dict:
-    """The resolved configuration, for logging."""
-    return asdict(config)

@@ -20,6 +20,7 @@ import numpy as np
 import zstandard
 
 from megatron_ext._paths import atomic_write, display_path
+from megatron_ext.config.flags import flag
 
 logger = logging.getLogger(__name__)
 
@@ -27,66 +28,23 @@ __all__ = ["SUBSETS", "SampleCorpusSpec", "write_sample_corpus", "generate_docum
 
 SUBSETS = ("Pile-CC", "Wikipedia (en)", "Github", "ArXiv")
 _SUBSET_WEIGHTS = np.array([0.45, 0.25, 0.15, 0.15])
-_ONSETS = [
-    "",
-    "b",
-    "c",
-    "d",
-    "f",
-    "g",
-    "h",
-    "k",
-    "l",
-    "m",
-    "n",
-    "p",
-    "r",
-    "s",
-    "t",
-    "v",
-    "w",
-    "br",
-    "ch",
-    "cl",
-    "dr",
-    "fr",
-    "gr",
-    "pl",
-    "pr",
-    "sh",
-    "st",
-    "th",
-    "tr",
-    "z",
-]
+_ONSETS = ["", *"b c d f g h k l m n p r s t v w br ch cl dr fr gr pl pr sh st th tr z".split()]
 _NUCLEI = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "io", "y", "é", "ö"]
 _CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ck", "ng"]
 _EXOTIC = ["москва", "東京", "naïve", "café", "straße", "λόγος", "数据", "🙂", "ĳssel", "øre"]
 _CODE_KEYWORDS = ["def", "return", "if", "else", "for", "in", "import", "class", "self", "None"]
-_MATH = [
-    "\\alpha",
-    "\\sum_{i=1}^{n}",
-    "\\frac{1}{2}",
-    "x^2",
-    "\\int_0^1",
-    "\\mathbb{R}",
-    "=",
-    "+",
-    "\\leq",
-    "\\lambda",
-]
+_MATH = r"\alpha \sum_{i=1}^{n} \frac{1}{2} x^2 \int_0^1 \mathbb{R} = + \leq \lambda".split()
 
 
 @dataclass
 class SampleCorpusSpec:
-    """Knobs of the generator (defaults give a few MB in a few seconds)."""
+    """Knobs of the generator (defaults give a few MB in a few seconds); the flagged ones are
+    tools/make_sample_corpus.py's."""
 
-    size_mb: float = 4.0
-    """Approximate uncompressed jsonl size of the train split, in MB."""
-    seed: int = 1234
-    num_train_shards: int = 1
-    vocab_words: int = 20000
-    """Word types; with Zipf frequencies most of them are rare."""
+    size_mb: float = flag(4.0, "approximate uncompressed size of the train split in MB")
+    seed: int = flag(1234, "seed of the generated text")
+    num_train_shards: int = flag(1, "train shards", name="--num-shards")
+    vocab_words: int = flag(20000, "word types (with Zipf frequencies most of them are rare)")
     zipf_exponent: float = 1.1
     valid_fraction: float = 0.05
     """Size of val and of test, each, relative to train."""
@@ -220,16 +178,10 @@ def _write_zst(path: str, lines) -> int:
     return count
 
 
-def write_sample_corpus(
-    output_dir: str,
-    size_mb: float = 4.0,
-    seed: int = 1234,
-    num_train_shards: int = 1,
-    spec: Optional[SampleCorpusSpec] = None,
-) -> dict[str, str]:
-    """Write the corpus (``size_mb`` of train text; val and test each ``spec.valid_fraction`` of
-    it, at least 64 KB); ``{"train/00": path, ..., "val": path, "test": path}``."""
-    spec = spec or SampleCorpusSpec(size_mb=size_mb, seed=seed, num_train_shards=num_train_shards)
+def write_sample_corpus(output_dir: str, spec: Optional[SampleCorpusSpec] = None) -> dict[str, str]:
+    """Write the corpus (``spec.size_mb`` of train text; val and test each
+    ``spec.valid_fraction`` of it, at least 64 KB); ``{"train/00": path, ..., "val", "test"}``."""
+    spec = spec or SampleCorpusSpec()
     if spec.size_mb <= 0 or spec.num_train_shards < 1:
         raise ValueError("size_mb must be > 0 and num_train_shards >= 1")
     os.makedirs(os.path.join(output_dir, "train"), exist_ok=True)

@@ -13,12 +13,13 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import sentencepiece
 
 from megatron_ext._paths import display_path
+from megatron_ext.config.flags import flag
 from megatron_ext.data.readers import DataError, expand_inputs, iter_lines
 
 logger = logging.getLogger(__name__)
@@ -30,31 +31,44 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 @dataclass
 class TokenizerTrainingConfig:
-    """Settings of a tokenizer training run (the command line fills it by field name)."""
+    """Settings of a tokenizer training run; the fields are the command line's flags."""
 
-    input: list[str]
-    model_prefix: str
-    """Writes ``<model_prefix>.model`` and ``<model_prefix>.vocab``."""
-    vocab_size: int = 50000
-    model_type: str = "bpe"
-    """bpe (default) or unigram."""
-    json_keys: list[str] = field(default_factory=lambda: ["text"])
-    input_sentence_size: int = 2_000_000
-    """Sentences kept in the reservoir sample (bounds memory)."""
-    max_documents: Optional[int] = None
-    """Stop reading after this many documents (None: read all input)."""
-    max_sentence_length: int = 4192
-    """Bytes; longer sentences are cut into pieces of at most this size."""
-    character_coverage: float = 0.9995
-    byte_fallback: bool = True
-    split_digits: bool = True
-    seed: int = 1234
-    num_threads: int = 1
-    overwrite: bool = False
+    input: list[str] = flag(
+        None, "jsonl files, globs or directories (.jsonl, .jsonl.zst, .json.gz)", nargs="+"
+    )
+    model_prefix: str = flag(None, "output: <model-prefix>.model and <model-prefix>.vocab")
+    json_keys: list[str] = flag(["text"], "json keys to read text from", nargs="+")
+    vocab_size: int = flag(
+        50000, "vocabulary size including special and byte ids (paper: 50k/100k/200k)"
+    )
+    model_type: str = flag("bpe", "SentencePiece algorithm", choices=["bpe", "unigram"])
+    input_sentence_size: int = flag(
+        2_000_000, "sentences sampled (reservoir) for training; bounds memory"
+    )
+    max_documents: Optional[int] = flag(None, "stop reading input after this many documents")
+    max_sentence_length: int = flag(4192, "bytes; longer lines are cut into pieces")
+    character_coverage: float = flag(
+        0.9995, "fraction of characters the vocabulary covers (the rest: byte fallback or <unk>)"
+    )
+    byte_fallback: bool = flag(
+        True, "disable byte fallback (unknown characters become <unk>)", action="store_false"
+    )
+    split_digits: bool = flag(
+        True,
+        "let pieces hold several digits (default: one piece per digit)",
+        action="store_false",
+    )
+    seed: int = flag(1234, "sampling seed")
+    num_threads: int = flag(
+        1, "training threads (default: the CPU count)", command_line_default=None
+    )
+    overwrite: bool = flag(False, "replace an existing model")
 
     def __post_init__(self) -> None:
         if isinstance(self.input, str):
             self.input = [self.input]
+        if not self.input or not self.model_prefix:
+            raise DataError("--input and --model-prefix are required")
         if self.model_type not in ("bpe", "unigram"):
             raise DataError(f"--model-type must be bpe or unigram, got {self.model_type!r}")
         if self.vocab_size < 300 and self.byte_fallback:

@@ -1,28 +1,26 @@
 """Tokenizers with Megatron-LM's names and conventions.
 
 Each exposes ``vocab_size`` (before padding, `megatron_ext.config.data.padded_vocab_size`),
-``eod``, ``pad`` (or None), ``tokenize``, ``detokenize``, ``encode_batch`` and
+``eod``, ``pad`` (or None), ``tokenize``, ``detokenize``, ``encode_batch``, ``fingerprint`` and
 ``unique_identifiers`` (hashed by Megatron-Core's dataset cache). ``--tokenizer-type``:
 ``SentencePieceTokenizer`` (alias ``GPTSentencePieceTokenizer``), ``HuggingFaceTokenizer`` (needs
-``transformers``), ``TikTokenizer`` (a local ``.tiktoken`` file) and ``NullTokenizer`` (ids).
+``transformers``), ``TikTokenizer`` (a local ``.tiktoken`` file), ``GPT2BPETokenizer`` (GPT-2's
+``vocab.json`` and ``merges.txt``) and ``NullTokenizer`` (ids).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import itertools
 import json
-import logging
 import os
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+import numpy as np
 import sentencepiece
 import tiktoken
-
-from megatron_ext.data.gpt2_bpe import GPT2BPETokenizer
-from megatron_ext.data.tokenizer_base import Tokenizer, TokenizerError, _file_digest
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "TokenizerError",
@@ -30,12 +28,92 @@ __all__ = [
     "SentencePieceTokenizer",
     "HuggingFaceTokenizer",
     "TikTokenizer",
+    "GPT2BPETokenizer",
     "NullTokenizer",
     "TOKENIZER_TYPES",
     "build_tokenizer",
     "EXPORT_PROVENANCE_FILE",
     "read_export_provenance",
 ]
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built or used; the message is one line that says what to change."""
+
+
+def _file_digest(path: str, limit: int = 1 << 26) -> str:
+    """sha256 of (at most the first ``limit`` bytes of) a file, for cache identifiers."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        digest.update(handle.read(limit))
+    return digest.hexdigest()[:16]
+
+
+class Tokenizer:
+    """Base class: the interface shared by all tokenizers (see the module docstring)."""
+
+    #: The name used with ``--tokenizer-type``.
+    type_name: str = ""
+
+    def __init__(self, model_path: Optional[str]) -> None:
+        self.model_path = model_path
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (including special ids); the model's embedding must hold them all."""
+        raise NotImplementedError
+
+    _eod: int
+    _pad: Optional[int] = None
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id (set by each tokenizer as `_eod`)."""
+        return self._eod
+
+    @property
+    def pad(self) -> Optional[int]:
+        """Padding id (`_pad`), or None when the vocabulary has no padding token."""
+        return self._pad
+
+    def tokenize(self, text: str) -> list[int]:
+        """Ids of ``text`` (no EOD appended)."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Ids of each text; equal to ``[self.tokenize(t) for t in texts]``, only faster."""
+        raise NotImplementedError
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+        raise NotImplementedError
+
+    @property
+    def unique_identifiers(self) -> "OrderedDict[str, str]":
+        """What identifies this tokenizer, hashed into Megatron-Core's dataset cache names."""
+        ident: OrderedDict[str, str] = OrderedDict()
+        ident["class"] = f"{type(self).__module__}.{type(self).__qualname__}"
+        ident["tokenizer_path"] = str(self.model_path)
+        if self.model_path and os.path.isfile(self.model_path):
+            ident["sha256_16"] = _file_digest(self.model_path)
+        ident["vocab_size"] = str(self.vocab_size)
+        return ident
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits that change whenever text would map to other ids: a digest of
+        `unique_identifiers` (the type, the digests of the model files, the vocab size, the
+        split pattern...) without the file locations, so a copied model file keeps it.
+        Recorded beside every dataset and in every checkpoint (`data/fingerprint.py`)."""
+        ident = {k: v for k, v in self.unique_identifiers.items() if k != "tokenizer_path"}
+        blob = json.dumps(ident, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(model={self.model_path!r}, vocab_size={self.vocab_size}, "
+            f"eod={self.eod}, pad={self.pad})"
+        )
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -194,8 +272,7 @@ _KNOWN_TIKTOKEN_SPECIALS = {
         "<|endofprompt|>": 100276,
     },
 }
-_ENDOFTEXT = "<|endoftext|>"
-_PAD = "<|pad|>"
+_ENDOFTEXT, _PAD = "<|endoftext|>", "<|pad|>"
 
 
 def _load_tiktoken_ranks(path: str) -> dict[bytes, int]:
@@ -276,6 +353,125 @@ class TikTokenizer(Tokenizer):
         """The base identifiers plus the split pattern."""
         ident = super().unique_identifiers
         ident["pattern"] = self._pattern
+        return ident
+
+
+# GPT-2's published pre-tokenisation pattern.
+_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used in vocab.json / merges.txt:
+    printable Latin-1 bytes map to themselves, the other bytes to code points from 256 on."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    keep |= {*range(ord("®"), ord("ÿ") + 1)}
+    others = (chr(256 + n) for n in itertools.count())
+    return {byte: chr(byte) if byte in keep else next(others) for byte in range(256)}
+
+
+class GPT2BPETokenizer(Tokenizer):
+    """Megatron-LM's GPT2BPETokenizer: GPT-2's byte-level BPE from a ``vocab.json`` (token -> id)
+    and a ``merges.txt`` (merge rules, highest priority first); EOD is ``<|endoftext|>``.
+
+    Encoding runs on tiktoken: BPE with merge priorities is tiktoken's rank-based BPE when a
+    token's rank is the priority of the merge that creates it (single bytes first), so the ranks
+    come from the merges file and map to the ids of ``vocab.json`` afterwards."""
+
+    type_name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: Optional[str], merge_file: Optional[str]) -> None:
+        super().__init__(vocab_file)
+        if not vocab_file or not merge_file:
+            raise TokenizerError(
+                "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"
+            )
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not os.path.isfile(path):
+                raise TokenizerError(f"{flag}: file not found: {path}")
+        self.merge_file = merge_file
+        try:
+            with open(vocab_file, encoding="utf-8") as handle:
+                vocab = json.load(handle)
+        except (OSError, ValueError) as error:
+            raise TokenizerError(f"--vocab-file {vocab_file}: not a JSON vocabulary ({error})")
+        if not isinstance(vocab, dict) or not vocab:
+            raise TokenizerError(f"--vocab-file {vocab_file}: expected a JSON object token -> id")
+        if _ENDOFTEXT not in vocab:
+            raise TokenizerError(f"--vocab-file {vocab_file} has no {_ENDOFTEXT} token (EOD)")
+        decoder = {ch: b for b, ch in bytes_to_unicode().items()}
+
+        def to_bytes(token: str, where: str) -> bytes:
+            try:
+                return bytes(decoder[ch] for ch in token)
+            except KeyError:
+                raise TokenizerError(
+                    f"{where}: {token!r} is not a GPT-2 byte-level token"
+                ) from None
+
+        ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
+        with open(merge_file, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                line = line.rstrip("\n")
+                if not line or (number == 1 and line.startswith("#version")):
+                    continue
+                parts = line.split(" ")
+                if len(parts) != 2:
+                    raise TokenizerError(f"{merge_file}:{number}: expected 'left right'")
+                merged = to_bytes(parts[0], merge_file) + to_bytes(parts[1], merge_file)
+                ranks.setdefault(merged, len(ranks))
+        # tiktoken rank -> vocab.json id; every BPE result must be in the vocabulary.
+        rank_to_id = np.full(len(ranks), -1, dtype=np.int64)
+        for token, token_id in vocab.items():
+            if token == _ENDOFTEXT:
+                continue
+            rank = ranks.get(to_bytes(token, vocab_file))
+            if rank is not None:
+                rank_to_id[rank] = int(token_id)
+        missing = int((rank_to_id < 0).sum())
+        if missing:
+            raise TokenizerError(
+                f"{merge_file} creates {missing} token(s) that {vocab_file} lacks; the two files "
+                "do not belong together"
+            )
+        self._enc = tiktoken.Encoding(
+            name="gpt2-bpe", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={}
+        )
+        self._rank_to_id = rank_to_id
+        self._id_to_bytes = {int(rank_to_id[r]): t for t, r in ranks.items()}
+        self._eod = int(vocab[_ENDOFTEXT])
+        self._vocab_size = max(len(vocab), max(int(i) for i in vocab.values()) + 1)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids: the larger of vocab.json's entry count and its highest id + 1."""
+        return self._vocab_size
+
+    def tokenize(self, text: str) -> list[int]:
+        """vocab.json ids of `text` under GPT-2 byte-level BPE (special tokens not recognised)."""
+        return self._rank_to_id[self._enc.encode_ordinary(text)].tolist()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`tokenize` of each text in `texts`; an empty list for an empty text."""
+        ranks = self._enc.encode_ordinary_batch(list(texts), num_threads=1)
+        return [self._rank_to_id[r].tolist() if r else [] for r in ranks]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of `ids`: their bytes joined and decoded as UTF-8 (invalid bytes replaced, unknown
+        ids dropped, the EOD id written as <|endoftext|>)."""
+        pieces = []
+        for i in ids:
+            i = int(i)
+            pieces.append(_ENDOFTEXT.encode() if i == self._eod else self._id_to_bytes.get(i, b""))
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    @property
+    def unique_identifiers(self) -> "OrderedDict[str, str]":
+        """The base tokenizer's identifiers plus the merges file's digest (first 16 hex digits of
+        its SHA-256), so that data caches of another merges file are not reused."""
+        ident = super().unique_identifiers
+        # The class's path before data/gpt2_bpe.py joined this module: recorded fingerprints hold.
+        ident["class"] = "megatron_ext.data.gpt2_bpe.GPT2BPETokenizer"
+        ident["merges_sha256_16"] = _file_digest(self.merge_file)
         return ident
 
 

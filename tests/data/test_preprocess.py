@@ -38,7 +38,7 @@ def _config(inputs, prefix, model, **kw):
         tokenizer_type="SentencePieceTokenizer",
         tokenizer_model=model,
         append_eod=True,
-        chunk_bytes=16 << 10,
+        chunk_size_mb=1 / 64,  # 16 KiB
         log_interval=100,
     )
     defaults.update(kw)
