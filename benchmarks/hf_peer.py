@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.conversion.hf import hf_config, to_hf_state_dict
-from megatron_ext.conversion.source import materialize_input_table
+from megatron_ext.conversion.source import materialize_module_table
 
 
 def hf_export(model, model_config, tied: bool):
@@ -22,7 +22,8 @@ def hf_export(model, model_config, tied: bool):
         for k, v in model.state_dict().items()
         if not k.endswith("_extra_state") and torch.is_tensor(v)
     }
-    table = materialize_input_table(model, compute_dtype=torch.float64, progress=False).float()
+    embedding = model.embedding.word_embeddings
+    table = materialize_module_table(embedding, compute_dtype=torch.float64, progress=False).float()
     state = to_hf_state_dict(
         full,
         table,

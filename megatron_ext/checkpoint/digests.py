@@ -50,10 +50,6 @@ _CHUNK = 16 << 20  # bytes hashed per read when checking a file
 PROGRESS_MIN_BYTES = 256 << 20
 
 
-def _hasher():
-    return xxhash.xxh3_128()
-
-
 @dataclass(frozen=True)
 class FileDigest:
     """The size and digest of one file of a checkpoint."""
@@ -69,7 +65,7 @@ def manifest_path(checkpoint: str, rank: int) -> str:
 
 def file_digest(path: str, progress: Optional[Callable[[int], object]] = None) -> FileDigest:
     """Hash the file `path` (read in chunks; `progress(n)` after each chunk of n bytes)."""
-    hasher, size = _hasher(), 0
+    hasher, size = xxhash.xxh3_128(), 0
     with open(path, "rb") as handle:
         while True:
             chunk = handle.read(_CHUNK)
@@ -90,7 +86,7 @@ class _TailHasher:
 
     def __init__(self, path) -> None:
         self._path = path
-        self._hasher = _hasher()
+        self._hasher = xxhash.xxh3_128()
         self._hashed = 0
         self._final: Optional[int] = None
         self._stop = False
@@ -252,9 +248,6 @@ class DamagedFile:
     what: str
     """e.g. "is truncated (10 of 20 bytes)"."""
 
-    def __str__(self) -> str:
-        return f"{self.name} {self.what}"
-
 
 @dataclass
 class Verification:
@@ -274,21 +267,13 @@ class Verification:
         return self.has_digests and not self.problems
 
 
-@dataclass
-class _Manifests:
-    entries: dict[str, FileDigest]
-    """Every recorded file (relative to the checkpoint) -> its digest."""
-    problems: list[DamagedFile]
-    """Manifests that are damaged or missing."""
-    count: int
-    bytes: int
-
-
-def _read_manifests(checkpoint: str) -> _Manifests:
-    """Every rank reads all of them (a few KiB each)."""
+def _read_manifests(checkpoint: str) -> tuple[dict[str, FileDigest], Verification]:
+    """({every recorded file (relative to the checkpoint): its digest}, the manifests' own
+    count, bytes and problems); every rank reads all of them (a few KiB each)."""
     directory = os.path.join(checkpoint, DIGESTS_DIR)
     names = sorted(n for n in os.listdir(directory) if n.startswith("rank") and n.endswith(".json"))
-    found = _Manifests({}, [], len(names), 0)
+    entries: dict[str, FileDigest] = {}
+    found = Verification(has_digests=True, files=len(names))
     world_size = None
     for name in names:
         path = os.path.join(directory, name)
@@ -309,17 +294,12 @@ def _read_manifests(checkpoint: str) -> _Manifests:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             found.problems.append(DamagedFile(f"{DIGESTS_DIR}/{name}", f"is damaged ({error})"))
             continue
-        found.entries.update(files)
-    first = os.path.basename(manifest_path(checkpoint, 0))
-    if world_size is None:
-        if first not in names:
-            found.problems.append(DamagedFile(f"{DIGESTS_DIR}/{first}", "is missing"))
-    else:
-        for rank in range(world_size):
-            name = os.path.basename(manifest_path(checkpoint, rank))
-            if name not in names:
-                found.problems.append(DamagedFile(f"{DIGESTS_DIR}/{name}", "is missing"))
-    return found
+        entries.update(files)
+    for rank in range(world_size or 1):  # rank 0's manifest names the world size
+        name = os.path.basename(manifest_path(checkpoint, rank))
+        if name not in names:
+            found.problems.append(DamagedFile(f"{DIGESTS_DIR}/{name}", "is missing"))
+    return entries, found
 
 
 def _share(entries: dict[str, FileDigest], rank: int, world_size: int) -> list[str]:
@@ -370,8 +350,7 @@ def verify_checkpoint(checkpoint: str, progress: bool = False) -> Verification:
     if not os.path.isdir(os.path.join(checkpoint, DIGESTS_DIR)):
         return Verification(has_digests=False)
     rank, world_size = rank_and_world()
-    manifests = _read_manifests(checkpoint)
-    entries = manifests.entries
+    entries, verified = _read_manifests(checkpoint)
     mine = _share(entries, rank, world_size)
     total = sum(e.size for e in entries.values())
     show = progress and rank == 0 and total >= PROGRESS_MIN_BYTES
@@ -387,9 +366,7 @@ def verify_checkpoint(checkpoint: str, progress: bool = False) -> Verification:
         gathered: list = [None] * world_size
         dist.all_gather_object(gathered, local)
         local = [p for part in gathered for p in part]
-    return Verification(
-        has_digests=True,
-        files=len(entries) + manifests.count,
-        bytes=sum(e.size for e in entries.values()) + manifests.bytes,
-        problems=sorted(manifests.problems + local),
-    )
+    verified.files += len(entries)
+    verified.bytes += total
+    verified.problems = sorted(verified.problems + local)
+    return verified

@@ -59,16 +59,17 @@ from megatron_ext.checkpoint.io_errors import (
     UnsafeCheckpointError,
     agree_on_failure,
     causes,
+    check_shard_files,
     describe_io_error,
     older_checkpoints_hint,
     older_iterations,
     saved_iterations,
-    verify_shard_files,
 )
 from megatron_ext.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     load_rng_file,
+    pickled_entry_error,
     read_metadata,
     save_rng_file,
 )
@@ -327,7 +328,8 @@ def save_checkpoint(
     async_save: bool = False,
     digests: bool = True,
 ):
-    """Save (collectively, every rank of the layout `pg`) and return the checkpoint directory.
+    """Save (collectively, every rank of the layout `pg`) and return the checkpoint directory,
+    written into `iter_XXXXXXX.tmp` and renamed into place when every rank is done.
 
     `digests` False writes no digests (benchmarks, tests). With `async_save` the tensors are
     staged to CPU and written by a background thread; the returned `PendingSave` finishes the
@@ -343,11 +345,47 @@ def save_checkpoint(
     final = checkpoint_dir(root, state.iteration)
     tmp = final + ".tmp"
     with _partial_removed_on_failure(tmp):
-        return _save(
-            root, tmp, state, model, optimizer, scheduler, loss_scaler, pg=pg,
-            args_json=args_json, save_rng=save_rng, keep_last=keep_last,
-            async_save=async_save, digests=digests,
-        )  # fmt: skip
+        failure = None
+        try:
+            if _rank0():
+                os.makedirs(root, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # a killed save's; `SaveLock` sweeps others
+                os.makedirs(os.path.join(tmp, "rng"))
+                os.makedirs(os.path.join(tmp, DIGESTS_DIR))
+        except OSError as error:
+            failure = describe_io_error(error, root)
+        _stop_if_failed(failure, root, tmp, state.iteration)  # also the barrier
+
+        tensors = _state_tensors(model, optimizer, pg)
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
+        needed = sum(t.numel() * t.element_size() for t in local)
+        # Everything the checkpoint holds is captured now; `finish` only writes it.
+        rng = (_rng_file(tmp, pg), _rng_state()) if save_rng else None
+        common = {
+            "format_version": FORMAT_VERSION,
+            "train_state": dataclasses.asdict(state),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
+            "layout": pg.layout(),
+            "has_optimizer": optimizer is not None,
+            "has_rng": save_rng,
+            "torch_version": torch.__version__,
+        }
+        writer = DigestingWriter(tmp) if digests else None
+        files = (rng, common, args_json, writer)
+        finish = functools.partial(
+            _finish_save, root, tmp, final, state.iteration, files, keep_last, needed
+        )
+        if async_save:
+            future = dcp.async_save(
+                tensors, checkpoint_id=tmp, storage_writer=writer, process_group=_async_group()
+            )
+            return PendingSave(future, finish, state.iteration, tmp)
+        try:
+            dcp.save(tensors, checkpoint_id=tmp, storage_writer=writer)
+        except CHECKPOINT_IO_ERRORS as error:
+            return finish(error=error)
+        return finish()
 
 
 @contextlib.contextmanager
@@ -363,72 +401,23 @@ def _partial_removed_on_failure(tmp: str):
         raise
 
 
-def _save(
-    root, tmp, state, model, optimizer, scheduler, loss_scaler, *, pg, args_json, save_rng,
-    keep_last, async_save, digests,
-):  # fmt: skip
-    """`save_checkpoint`'s work, into `tmp` (renamed into place when every rank is done)."""
-    final = checkpoint_dir(root, state.iteration)
-    failure = None
-    try:
-        if _rank0():
-            os.makedirs(root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a killed save's; `SaveLock` sweeps others
-            os.makedirs(os.path.join(tmp, "rng"))
-            os.makedirs(os.path.join(tmp, DIGESTS_DIR))
-    except OSError as error:
-        failure = describe_io_error(error, root)
-    _stop_if_failed(failure, root, tmp, state.iteration)  # also the barrier
-
+def _state_tensors(model, optimizer, pg: ProcessGroups) -> dict[str, Any]:
+    """The layout-free views a save writes: every parameter but the tied copy, and (given
+    `optimizer`) the Adam states this rank owns."""
     tensors: dict[str, Any] = {}
     keys: dict[int, str] = {}
     for _, key, param, tied in _named_params(model):
         if not tied:
             tensors[f"model.{key}"] = _layout_view(param.detach(), param, pg.tp)
             keys[id(param)] = key
-    if optimizer is not None:
-        for param, adam in optimizer.owned_state().items():
-            key = keys.get(id(param))
-            if key is None:
-                continue  # the tied copy: its state equals the first stage's
-            for name in ("exp_avg", "exp_avg_sq"):
-                tensors[f"optim.{key}.{name}"] = _layout_view(adam[name], param, pg.tp)
-            tensors[f"optim.{key}.step"] = torch.as_tensor(adam["step"]).detach().float().cpu()
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors.values()]
-    needed = sum(t.numel() * t.element_size() for t in local)
-    # Everything the checkpoint holds is captured now; `finish` only writes it.
-    rng = (_rng_file(tmp, pg), _rng_state()) if save_rng else None
-    common = {
-        "format_version": FORMAT_VERSION,
-        "train_state": dataclasses.asdict(state),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "loss_scaler": loss_scaler.state_dict() if loss_scaler is not None else None,
-        "layout": pg.layout(),
-        "has_optimizer": optimizer is not None,
-        "has_rng": save_rng,
-        "torch_version": torch.__version__,
-    }
-    writer = DigestingWriter(tmp) if digests else None
-    finish = functools.partial(
-        _finish_save,
-        root,
-        tmp,
-        final,
-        state.iteration,
-        _RankFiles(rng, common, args_json, writer),
-        keep_last,
-        needed,
-    )
-    if async_save:
-        future = dcp.async_save(
-            tensors, checkpoint_id=tmp, storage_writer=writer, process_group=_async_group()
-        )
-        return PendingSave(future, finish, state.iteration, tmp)
-    try:
-        dcp.save(tensors, checkpoint_id=tmp, storage_writer=writer)
-    except CHECKPOINT_IO_ERRORS as error:
-        return finish(error=error)
-    return finish()
+    for param, adam in (optimizer.owned_state() if optimizer is not None else {}).items():
+        key = keys.get(id(param))
+        if key is None:
+            continue  # the tied copy: its state equals the first stage's
+        for name in ("exp_avg", "exp_avg_sq"):
+            tensors[f"optim.{key}.{name}"] = _layout_view(adam[name], param, pg.tp)
+        tensors[f"optim.{key}.step"] = torch.as_tensor(adam["step"]).detach().float().cpu()
+    return tensors
 
 
 def _stop_if_failed(failure: Optional[str], root: str, tmp: str, iteration: int) -> None:
@@ -451,25 +440,14 @@ def _stop_if_failed(failure: Optional[str], root: str, tmp: str, iteration: int)
     )
 
 
-@dataclass
-class _RankFiles:
-    """What a rank writes besides its shards: its RNG file (`rng` = (path, states)), on rank 0
-    common.json and args.json, and (with `writer`, which hashed the shards) its manifest."""
-
-    rng: Optional[tuple[str, dict]]
-    common: dict
-    args_json: Optional[dict]
-    writer: Optional[DigestingWriter]
-
-
 def _finish_save(root, tmp, final, iteration, files, keep_last, needed, error=None) -> str:
-    """After this rank's shards are written (or failed with `error`): RNG files, common.json,
-    args.json, digests, then the rename and the latest marker (collective). Any rank's I/O
+    """After this rank's shards are written (or failed with `error`): the `files` of
+    `_write_rank_files`, then the rename and the latest marker (collective). Any rank's I/O
     failure stops every rank with CheckpointSaveError and leaves the previous latest."""
     failure = describe_io_error(error, root, needed) if error is not None else None
     if failure is None:
         try:
-            _write_rank_files(tmp, files)
+            _write_rank_files(tmp, *files)
         except CHECKPOINT_IO_ERRORS as write_error:
             failure = describe_io_error(write_error, root, needed)
     _stop_if_failed(failure, root, tmp, iteration)  # every rank's files are on disk
@@ -490,26 +468,33 @@ def _finish_save(root, tmp, final, iteration, files, keep_last, needed, error=No
     return final
 
 
-def _write_rank_files(tmp: str, files: _RankFiles) -> None:
-    """This rank's RNG file, on rank 0 common.json and args.json, then (with digests) this
-    rank's manifest: its shards as hashed while written, the small files hashed now (from the
-    page cache), and on rank 0 DCP's .metadata."""
+def _write_rank_files(
+    tmp: str,
+    rng: Optional[tuple[str, dict]],
+    common: dict,
+    args_json: Optional[dict],
+    writer: Optional[DigestingWriter],
+) -> None:
+    """This rank's RNG file (`rng`: its path and the states), on rank 0 common.json and
+    args.json, then (with the `writer` that hashed the shards) this rank's manifest: its shards
+    as hashed while written, the small files hashed now (from the page cache), and on rank 0
+    DCP's .metadata."""
     written = []
-    if files.rng is not None:
-        save_rng_file(files.rng[0], files.rng[1])
-        written.append(files.rng[0])
+    if rng is not None:
+        save_rng_file(*rng)
+        written.append(rng[0])
     if _rank0():
         with open(os.path.join(tmp, "common.json"), "w") as handle:
-            json.dump(files.common, handle, indent=1)
+            json.dump(common, handle, indent=1)
         written.append(os.path.join(tmp, "common.json"))
-        if files.args_json is not None:
+        if args_json is not None:
             with open(os.path.join(tmp, "args.json"), "w") as handle:
-                json.dump(files.args_json, handle, indent=1, sort_keys=True)
+                json.dump(args_json, handle, indent=1, sort_keys=True)
             written.append(os.path.join(tmp, "args.json"))
         written.append(os.path.join(tmp, ".metadata"))
-    if files.writer is None:
+    if writer is None:
         return
-    digests: dict[str, FileDigest] = dict(files.writer.shard_digests())
+    digests: dict[str, FileDigest] = dict(writer.shard_digests())
     for path in written:
         digests[os.path.relpath(path, tmp).replace(os.sep, "/")] = file_digest(path)
     rank, world_size = rank_and_world()
@@ -522,7 +507,7 @@ def save_tensors(path: str, tensors: dict, common: dict, args_json: Optional[dic
     writes them (no RNG files; the caller renames it into place)."""
     writer = DigestingWriter(path)
     dcp.save(tensors, storage_writer=writer, no_dist=True)
-    _write_rank_files(path, _RankFiles(None, common, args_json, writer))
+    _write_rank_files(path, None, common, args_json, writer)
 
 
 _ASYNC_GROUP: dict = {}
@@ -588,10 +573,7 @@ def _check_shape(metadata, key: str, view: torch.Tensor, path: str) -> None:
             "and the model size flags, or use --use-checkpoint-args)"
         )
     if isinstance(entry, BytesStorageMetadata):
-        raise UnsafeCheckpointError(
-            f"{display_path(os.path.join(path, '.metadata'))} declares {key} as pickled bytes, "
-            "which loading would execute; this project writes tensors only: refused"
-        )
+        raise pickled_entry_error(path, key)
     expected = tuple(view.shape)  # a DTensor's shape is its global shape
     saved = tuple(entry.size)
     if saved != expected:
@@ -650,15 +632,13 @@ def load_checkpoint(
     _load_schedule(path, common, scheduler, loss_scaler)
     if load_rng:
         # Each rank reads its own RNG file: every rank must learn that one of them failed.
-        failure: Optional[CheckpointError] = None
         try:
             with _unreadable_as_checkpoint_error(root, path, iteration):
                 _load_rng(path, common, pg)
         except CheckpointError as error:
-            failure = error
-        problem = agree_on_failure(None if failure is None else str(failure))
-        if failure is not None:
-            raise failure
+            agree_on_failure(str(error))
+            raise
+        problem = agree_on_failure(None)
         if problem is not None:
             raise CheckpointError(problem)
     state = TrainState(**common["train_state"])
@@ -704,12 +684,8 @@ def _open_checkpoint(root: str, iteration: int, model, verify: bool) -> tuple[st
             common = json.load(handle)
         _check_same_arm(path, model)
         metadata = read_metadata(os.path.join(path, ".metadata"))
-    problem = None if verified is not None and verified.ok else verify_shard_files(path, metadata)
-    if problem is not None:
-        raise CheckpointError(
-            f"checkpoint iteration {iteration} cannot be loaded: {problem} (an interrupted "
-            f"copy or a full disk?); {older_checkpoints_hint(root, iteration)}"
-        )
+    if verified is None or not verified.ok:
+        check_shard_files(root, path, iteration, metadata)
     return path, common, metadata
 
 
@@ -717,29 +693,23 @@ def _load_tensors(root, iteration, common, metadata, model, optimizer, pg) -> No
     """Read this rank's shards of the parameters and (given `optimizer`) of the Adam states it
     owns, each shape checked against the checkpoint's."""
     path = checkpoint_dir(root, iteration)
+    if optimizer is not None and not common.get("has_optimizer", True):
+        raise CheckpointError(f"{path} was saved without optimizer state; use --no-load-optim")
     target: dict[str, Any] = {}
+    pending = []
     for _, key, param, _tied in _named_params(model):
         view = _layout_view(param.data, param, pg.tp)
         _check_shape(metadata, f"model.{key}", view, path)
         target[f"model.{key}"] = view
-    pending = []
-    if optimizer is not None:
-        if not common.get("has_optimizer", True):
-            raise CheckpointError(f"{path} was saved without optimizer state; use --no-load-optim")
-        for _, key, param, _tied in _named_params(model):
-            if not optimizer.owns(param) or f"optim.{key}.step" not in (
-                metadata.state_dict_metadata
-            ):
-                continue
-            adam = {
-                "exp_avg": torch.zeros_like(param.data),
-                "exp_avg_sq": torch.zeros_like(param.data),
-                "step": torch.zeros((), dtype=torch.float32),
-            }
-            for name in ("exp_avg", "exp_avg_sq"):
-                target[f"optim.{key}.{name}"] = _layout_view(adam[name], param, pg.tp)
-            target[f"optim.{key}.step"] = adam["step"]
-            pending.append((param, adam))
+        if optimizer is None or not optimizer.owns(param):
+            continue
+        if f"optim.{key}.step" not in metadata.state_dict_metadata:
+            continue
+        adam = {name: torch.zeros_like(param.data) for name in ("exp_avg", "exp_avg_sq")}
+        for name, moment in adam.items():
+            target[f"optim.{key}.{name}"] = _layout_view(moment, param, pg.tp)
+        adam["step"] = target[f"optim.{key}.step"] = torch.zeros((), dtype=torch.float32)
+        pending.append((param, adam))
     with _unreadable_as_checkpoint_error(root, path, iteration):
         dcp.load(
             target,

@@ -2,7 +2,7 @@
 file and what to do), and I/O failures as one clear line agreed on by every rank:
 `check_save_directory` (a read-only or full --save found before the first iteration),
 `describe_io_error` (the reason behind a failed write), `agree_on_failure` (every rank stops
-together) and `verify_shard_files` (a truncated shard named instead of a bare EOFError).
+together) and `check_shard_files` (a truncated shard named instead of a bare EOFError).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = [
     "older_checkpoints_hint",
     "older_iterations",
     "saved_iterations",
-    "verify_shard_files",
+    "check_shard_files",
 ]
 
 
@@ -200,18 +200,19 @@ def older_checkpoints_hint(root: str, iteration: int) -> str:
     return f"load an older one with --ckpt-step {older[0]}{also}"
 
 
-def verify_shard_files(path: str, metadata) -> Optional[str]:
-    """The first file of checkpoint `path` that is missing or shorter than its metadata says
-    ("<file> is truncated (...)"), or None."""
+def check_shard_files(root: str, path: str, iteration: int, metadata) -> None:
+    """Raise CheckpointError naming the first file of checkpoint `path` (iteration `iteration`
+    of `root`) that is missing or shorter than its DCP `metadata` says, and what to load."""
     needed: dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     for relative, size in sorted(needed.items()):
         file = os.path.join(path, relative)
-        if not os.path.isfile(file):
-            return f"{file} is missing"
-        actual = os.path.getsize(file)
-        if actual < size:
-            return f"{file} is truncated ({actual} of {size} bytes)"
-    return None
+        actual = os.path.getsize(file) if os.path.isfile(file) else None
+        if actual is None or actual < size:
+            what = "is missing" if actual is None else f"is truncated ({actual} of {size} bytes)"
+            raise CheckpointError(
+                f"checkpoint iteration {iteration} cannot be loaded: {file} {what} (an "
+                f"interrupted copy or a full disk?); {older_checkpoints_hint(root, iteration)}"
+            )

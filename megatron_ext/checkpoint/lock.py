@@ -164,30 +164,22 @@ def read_lock(root: str) -> Optional[LockHolder]:
         raise ValueError(f"not a lock file ({error})") from None
 
 
-def _written(path: str, holder: LockHolder) -> str:
-    """`holder` written (and synced) to a temporary file beside `path`; returns its name."""
+def _write(path: str, holder: LockHolder, replace: bool = False) -> bool:
+    """Write the lock `path` holding `holder` through a synced temporary file beside it, complete
+    or not at all: replacing it, or creating it (False when it exists)."""
     tmp = f"{path}.{holder.token}.tmp"
     with open(tmp, "w") as handle:
         json.dump(dataclasses.asdict(holder), handle)
         handle.flush()
         os.fsync(handle.fileno())
-    return tmp
-
-
-def _write_new(path: str, holder: LockHolder) -> bool:
-    """Create the lock `path` holding `holder`, complete, or nothing: False if it exists."""
-    tmp = _written(path, holder)
     try:
-        os.link(tmp, path)
+        (os.replace if replace else os.link)(tmp, path)
         return True
     except FileExistsError:
         return False
     finally:
-        os.remove(tmp)
-
-
-def _replace(path: str, holder: LockHolder) -> None:
-    os.replace(_written(path, holder), path)
+        if not replace:
+            os.remove(tmp)
 
 
 def _broadcast(value):
@@ -252,7 +244,7 @@ class SaveLock:
         where = display_path(root)
         me = LockHolder.me()
         for _ in range(3):  # a lock removed between our link and our read: try again
-            if _write_new(path, me):
+            if _write(path, me):
                 return None, me
             try:
                 held = read_lock(root)
@@ -291,7 +283,7 @@ class SaveLock:
                     gone,
                     held.describe(lease=False),
                 )
-            _replace(path, me)
+            _write(path, me, replace=True)
             if (read_lock(root) or held).token == me.token:
                 return None, me
         return f"--save {where}: could not take {LOCK_FILENAME} (another run took it)", None
@@ -305,7 +297,7 @@ class SaveLock:
                     self.lost = held.describe() if held is not None else "the lock was removed"
                     return
                 self.holder = dataclasses.replace(self.holder, renewed=time.time())
-                _replace(self.path, self.holder)
+                _write(self.path, self.holder, replace=True)
             except (OSError, ValueError) as error:
                 logger.warning("--save %s: could not renew the lock (%s)", self.root, error)
 

@@ -29,6 +29,7 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "load_rng_file",
+    "pickled_entry_error",
     "read_metadata",
     "save_rng_file",
 ]
@@ -125,11 +126,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         """Refuse: see the class docstring."""
-        raise UnsafeCheckpointError(
-            f"{display_path(os.path.join(self.checkpoint, '.metadata'))} declares "
-            f"{read_item.dest_index.fqn} as pickled bytes, which loading would execute; this "
-            "project writes tensors only: refused"
-        )
+        raise pickled_entry_error(self.checkpoint, read_item.dest_index.fqn)
+
+
+def pickled_entry_error(checkpoint: str, key: str) -> UnsafeCheckpointError:
+    """The refusal of entry `key`, which `checkpoint`'s `.metadata` declares as pickled bytes."""
+    return UnsafeCheckpointError(
+        f"{display_path(os.path.join(checkpoint, '.metadata'))} declares {key} as pickled bytes, "
+        "which loading would execute; this project writes tensors only: refused"
+    )
 
 
 # ------------------------------------------------------------------------------ RNG files
@@ -153,6 +158,8 @@ _RNG_FORMAT_1_GLOBALS = [
     (_reconstruct, "numpy._core.multiarray._reconstruct"),
 ]
 _REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|but got <class '([^']+)'>")
+# States saved as torch and the RNG trackers return them (tensors, dicts of tensors).
+_TENSOR_STATES = ("torch", "cuda", "tracker", "cpu_tracker")
 
 
 def _encode_rng(state: dict) -> dict:
@@ -171,10 +178,7 @@ def _encode_rng(state: dict) -> dict:
         "has_gauss": int(has_gauss),
         "cached_gaussian": float(cached),
     }
-    for key in ("torch", "cuda", "tracker", "cpu_tracker"):
-        if key in state:
-            out[key] = state[key]
-    return out
+    return {**out, **{k: state[k] for k in _TENSOR_STATES if k in state}}
 
 
 def _decode_rng(saved: dict) -> dict:
@@ -191,10 +195,7 @@ def _decode_rng(saved: dict) -> dict:
             n["cached_gaussian"],
         ),
     }
-    for key in ("torch", "cuda", "tracker", "cpu_tracker"):
-        if key in saved:
-            state[key] = saved[key]
-    return state
+    return {**state, **{k: saved[k] for k in _TENSOR_STATES if k in saved}}
 
 
 def save_rng_file(path: str, state: dict) -> None:

@@ -1,4 +1,5 @@
-"""What every converter shares: one-line errors, atomic output directories, provenance.
+"""What every converter shares: one-line errors, atomic output directories, provenance, the
+padding of vocabulary rows.
 
 Outputs are written into a hidden temporary directory beside the destination and renamed into
 place only when complete, so an error or Ctrl-C never leaves a half-written export behind.
@@ -20,26 +21,22 @@ from megatron_ext._paths import display_path
 __all__ = [
     "ConversionError",
     "DTYPES",
+    "HF_FORMATS",
     "atomic_output_dir",
     "git_revision",
     "new_output",
-    "parse_dtype",
+    "resize_rows",
 ]
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HF_FORMATS = ("llama", "leviathan")
+"""export-hf's --hf-format: LEV materialised into a Llama table, or kept (hf_leviathan)."""
 
 
 class ConversionError(RuntimeError):
     """Bad input to a converter; the message is one line saying what to change."""
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """The torch dtype named `name` (a key of `DTYPES`); ConversionError for any other name."""
-    if name not in DTYPES:
-        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 def new_output(path: str, overwrite: bool) -> str:
@@ -76,6 +73,13 @@ def atomic_output_dir(path: str, overwrite: bool = False) -> Iterator[str]:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     logger.info("wrote %s", display_path(path))
+
+
+def resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A copy of `tensor` [V, ...] with `rows` rows: trimmed, or padded with zero rows."""
+    if tensor.size(0) >= rows:
+        return tensor[:rows].clone()
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.size(0), *tensor.shape[1:])])
 
 
 def git_revision() -> str:

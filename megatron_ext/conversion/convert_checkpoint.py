@@ -20,17 +20,19 @@ import sys
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_ext._paths import display_path
+from megatron_ext.checkpoint.io_errors import CheckpointDigestError, CheckpointError
 from megatron_ext.checkpoint.lock import break_lock
 from megatron_ext.cli import run_tool
 from megatron_ext.config.data import DataConfig
 from megatron_ext.config.flags import ArgumentParser, add_flags
 from megatron_ext.config.model import EmbeddingConfig, ModelConfig
-from megatron_ext.conversion.common import DTYPES, ConversionError
-from megatron_ext.conversion.hf import HF_FORMATS
+from megatron_ext.conversion.common import DTYPES, HF_FORMATS, ConversionError
 from megatron_ext.data.tokenizers import TokenizerError
+
+# What export-hf and import-hf need beyond the core (the [eval] extra).
+_HF_PACKAGES = ("transformers", "safetensors", "tokenizers", "huggingface_hub")
 
 
 def _add_checkpoint(p: argparse.ArgumentParser) -> None:
@@ -45,28 +47,34 @@ def _add_checkpoint(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_load(p: argparse.ArgumentParser, arm_check: bool = True) -> None:
+def _add_source(p: argparse.ArgumentParser, export: bool) -> None:
+    """The checkpoint to read and the directory to write; an export's arm check and dtypes."""
     _add_checkpoint(p)
-    _add_verify(p)
-    p.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="the run's tokenizer, if not where it recorded it (for GPT2BPETokenizer: the "
-        "directory holding its vocab and merge files)",
-    )
-    if arm_check:
-        p.add_argument(
-            "--embedding-type", default=None, help="refuse the checkpoint unless it holds this arm"
-        )
-
-
-def _add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-verify-checkpoint",
         dest="verify",
         action="store_false",
         help="read the checkpoint without first checking its files against their digests",
     )
+    p.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="the run's tokenizer, if not where it recorded it (for GPT2BPETokenizer: the "
+        "directory holding its vocab and merge files)",
+    )
+    if export:
+        p.add_argument(
+            "--embedding-type", default=None, help="refuse the checkpoint unless it holds this arm"
+        )
+    _add_output(p)
+    if export:
+        p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="stored dtype")
+        p.add_argument(
+            "--compute-dtype",
+            choices=("float64", "float32"),
+            default="float64",
+            help="precision of the materialised input table before the cast to --dtype",
+        )
 
 
 def _add_target_layout(p: argparse.ArgumentParser, what: str) -> None:
@@ -85,16 +93,6 @@ def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _add_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="stored dtype")
-    p.add_argument(
-        "--compute-dtype",
-        choices=("float64", "float32"),
-        default="float64",
-        help="precision of the materialised input table before the cast to --dtype",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,9 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "export-hf", help="training checkpoint -> Hugging Face LlamaForCausalLM or Leviathan"
     )
-    _add_load(p)
-    _add_output(p)
-    _add_dtype(p)
+    _add_source(p, export=True)
     p.add_argument("--max-shard-size", default="5GB", help="safetensors shard limit (5GB)")
     p.add_argument(
         "--keep-padded-vocab",
@@ -146,14 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, DataConfig, "make_vocab_size_divisible_by")
 
     p = sub.add_parser("export-megatron", help="any arm -> Megatron-LM legacy checkpoint")
-    _add_load(p)
-    _add_output(p)
-    _add_dtype(p)
+    _add_source(p, export=True)
     _add_target_layout(p, "Megatron-LM checkpoint")
 
     p = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP layout")
-    _add_load(p, arm_check=False)
-    _add_output(p)
+    _add_source(p, export=False)
     _add_target_layout(p, "resharded checkpoint")
     p.add_argument("--no-optimizer", action="store_true", help="drop the optimizer state")
 
@@ -178,15 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> str:
-    # deferred: the converters import megatron.core (slow), which --help does without
-    from megatron_ext.conversion.export_hf import ExportHFOptions, export_hf
-    from megatron_ext.conversion.export_megatron import ExportMegatronOptions, export_megatron
-    from megatron_ext.conversion.import_hf import ImportHFOptions, import_hf
-    from megatron_ext.conversion.reshard import ReshardOptions, reshard
+    if args.command in ("export-hf", "import-hf"):
+        try:
+            # optional: the [eval] extra; deferred too: megatron.core (slow), which --help skips
+            from megatron_ext.conversion import export_hf, import_hf
+        except ModuleNotFoundError as error:
+            if (error.name or "").split(".")[0] not in _HF_PACKAGES:
+                raise
+            raise ConversionError(
+                f"{args.command} needs the optional package {error.name}: pip install "
+                "'megatron-ext-leviathan[eval]'"
+            ) from None
+    else:
+        # deferred: the converters import megatron.core (slow), which --help does without
+        from megatron_ext.conversion import export_megatron, reshard
 
     if args.command == "import-hf":
-        return import_hf(
-            ImportHFOptions(
+        return import_hf.import_hf(
+            import_hf.ImportHFOptions(
                 hf_dir=args.hf_dir,
                 output=args.output,
                 embedding_type=args.embedding_type,
@@ -205,8 +207,8 @@ def run(args: argparse.Namespace) -> str:
         verify=args.verify,
     )
     if args.command == "reshard":
-        return reshard(
-            ReshardOptions(
+        return reshard.reshard(
+            reshard.ReshardOptions(
                 **common,
                 tensor_model_parallel_size=args.target_tensor_parallel_size,
                 pipeline_model_parallel_size=args.target_pipeline_parallel_size,
@@ -219,8 +221,8 @@ def run(args: argparse.Namespace) -> str:
         embedding_type=args.embedding_type,
     )
     if args.command == "export-hf":
-        return export_hf(
-            ExportHFOptions(
+        return export_hf.export_hf(
+            export_hf.ExportHFOptions(
                 **common,
                 keep_padded_vocab=args.keep_padded_vocab,
                 max_shard_size=args.max_shard_size,
@@ -228,8 +230,8 @@ def run(args: argparse.Namespace) -> str:
                 hf_format=args.hf_format,
             )
         )
-    return export_megatron(
-        ExportMegatronOptions(
+    return export_megatron.export_megatron(
+        export_megatron.ExportMegatronOptions(
             **common,
             tensor_model_parallel_size=args.target_tensor_parallel_size,
             pipeline_model_parallel_size=args.target_pipeline_parallel_size,
@@ -241,12 +243,7 @@ def verify(args: argparse.Namespace) -> int:
     """`verify`: 0 when every file of the checkpoint matches its digest, 1 when one does not
     (an `error:` line naming the file and the newest older checkpoint that verifies)."""
     # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.checkpoint.format import (
-        CheckpointDigestError,
-        checkpoint_dir,
-        locate_checkpoint,
-        verify_or_raise,
-    )
+    from megatron_ext.checkpoint.format import checkpoint_dir, locate_checkpoint, verify_or_raise
 
     root, iteration = locate_checkpoint(args.load, args.ckpt_step)
     path = checkpoint_dir(root, iteration)
@@ -282,36 +279,21 @@ def unlock(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shutdown() -> None:
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.parallel import destroy_parallel
-
-    destroy_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _errors() -> tuple:
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.checkpoint.format import CheckpointError
-
-    return (ConversionError, CheckpointError, TokenizerError)
-
-
 def _main(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("verify", "unlock"):
         return (verify if args.command == "verify" else unlock)(args)
-    try:
-        path = run(args)
-    finally:
-        _shutdown()
-    print(f"{args.command}: wrote {display_path(path)}", flush=True)
+    print(f"{args.command}: wrote {display_path(run(args))}", flush=True)
     return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_tool(_main, argv, errors=_errors, interrupted="interrupted: nothing was written")
+    return run_tool(
+        _main,
+        argv,
+        errors=(ConversionError, CheckpointError, TokenizerError),
+        interrupted="interrupted: nothing was written",
+    )
 
 
 if __name__ == "__main__":

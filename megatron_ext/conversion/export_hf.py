@@ -18,25 +18,29 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
 
-import torch
+from transformers import GenerationConfig
 
 from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import (
+    HF_FORMATS,
     ConversionError,
     atomic_output_dir,
     git_revision,
     new_output,
 )
 from megatron_ext.conversion.hf import (
-    HF_FORMATS,
     export_tokenizer,
     hf_config,
     to_hf_state_dict,
     write_safetensors,
 )
-from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
+from megatron_ext.conversion.hf_leviathan.remote_code import write_remote_code
+from megatron_ext.conversion.source import (
+    ExportOptions,
+    load_checkpoint_full,
+    materialize_module_table,
+)
 
 __all__ = ["ExportHFOptions", "export_hf"]
 
@@ -44,25 +48,13 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ExportHFOptions:
-    """Arguments of `export_hf`: source run, output directory, dtypes, sharding, tokenizer."""
+class ExportHFOptions(ExportOptions):
+    """Arguments of `export_hf`: the source and dtypes, sharding, tokenizer, format."""
 
-    load: str
-    output: str
-    iteration: Optional[int] = None
-    dtype: torch.dtype = torch.float32
-    compute_dtype: torch.dtype = torch.float64
-    """Precision of the materialised input table before the cast to `dtype`."""
     keep_padded_vocab: bool = False
     """Keep the make-vocab-size-divisible-by padding rows (default: trim to the tokenizer)."""
     max_shard_size: str = "5GB"
-    tokenizer_model: Optional[str] = None
     export_tokenizer: bool = True
-    embedding_type: Optional[str] = None
-    overwrite: bool = False
-    progress: bool = True
-    verify: bool = True
-    """Check the source against its digests first (--no-verify-checkpoint turns it off)."""
     hf_format: str = "llama"
     """llama: LlamaForCausalLM, the input module materialised; leviathan: LeviathanForCausalLM,
     LEV's parameters kept (LEV checkpoints only)."""
@@ -91,8 +83,7 @@ def provenance(loaded, vocab_rows: int, opts: ExportHFOptions) -> dict:
     if opts.hf_format == "llama":
         record["input_table_compute_dtype"] = str(opts.compute_dtype).replace("torch.", "")
     if emb.embedding_type in ("lev", "factored-mlp"):
-        lev = dataclasses.asdict(cfg.embedding.lev)
-        record["lev"] = {k: v for k, v in lev.items()}
+        record["lev"] = dataclasses.asdict(emb.lev)
     for key in ("albert_dim", "flat_mlp_seed_dim", "mlp_hidden"):
         if getattr(emb, key) is not None:
             record[key] = getattr(emb, key)
@@ -101,9 +92,6 @@ def provenance(loaded, vocab_rows: int, opts: ExportHFOptions) -> dict:
 
 def export_hf(opts: ExportHFOptions) -> str:
     """Write the export; returns its directory."""
-    # optional: the [eval] extra
-    from transformers import GenerationConfig
-
     new_output(opts.output, opts.overwrite)  # before the (possibly long) load
     loaded = load_checkpoint_full(
         opts.load,
@@ -125,8 +113,8 @@ def export_hf(opts: ExportHFOptions) -> str:
     table = None
     if not keep_lev:
         # Computed in compute_dtype, kept in the stored dtype: one [V, D] table.
-        table = materialize_input_table(
-            loaded.model,
+        table = materialize_module_table(
+            loaded.model.embedding.word_embeddings,
             compute_dtype=opts.compute_dtype,
             dtype=opts.dtype,
             progress=opts.progress,
@@ -153,9 +141,6 @@ def export_hf(opts: ExportHFOptions) -> str:
     with atomic_output_dir(opts.output, opts.overwrite) as tmp:
         config.save_pretrained(tmp)
         if keep_lev:
-            # deferred: imports transformers
-            from megatron_ext.conversion.hf_leviathan.remote_code import write_remote_code
-
             write_remote_code(tmp)
         GenerationConfig(
             eos_token_id=loaded.tokenizer.eod,

@@ -16,7 +16,6 @@ import argparse
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -24,8 +23,17 @@ from tqdm import tqdm
 from megatron_ext.config.data import padded_vocab_size
 from megatron_ext.config.layout import ParallelConfig, check_layout
 from megatron_ext.config.model import EmbeddingConfig
-from megatron_ext.conversion.common import ConversionError, atomic_output_dir, new_output
-from megatron_ext.conversion.source import load_checkpoint_full, materialize_input_table
+from megatron_ext.conversion.common import (
+    ConversionError,
+    atomic_output_dir,
+    new_output,
+    resize_rows,
+)
+from megatron_ext.conversion.source import (
+    ExportOptions,
+    load_checkpoint_full,
+    materialize_module_table,
+)
 from megatron_ext.models.full_state_dict import tp_shard
 
 __all__ = ["ExportMegatronOptions", "export_megatron", "megatron_rank_state_dict", "TP_LAYOUT"]
@@ -44,30 +52,11 @@ TP_LAYOUT = {
 
 
 @dataclass(frozen=True)
-class ExportMegatronOptions:
-    """Arguments of `export_megatron`: source run, output directory, the TP x PP layout to write
-    and the dtypes."""
+class ExportMegatronOptions(ExportOptions):
+    """Arguments of `export_megatron`: the source and dtypes, and the TP x PP layout to write."""
 
-    load: str
-    output: str
-    iteration: Optional[int] = None
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    dtype: torch.dtype = torch.float32
-    compute_dtype: torch.dtype = torch.float64
-    tokenizer_model: Optional[str] = None
-    embedding_type: Optional[str] = None
-    overwrite: bool = False
-    progress: bool = True
-    verify: bool = True
-    """Check the source against its digests first (--no-verify-checkpoint turns it off)."""
-
-
-def _layout_of(name: str) -> Optional[tuple[int, int]]:
-    for suffix, layout in TP_LAYOUT.items():
-        if name.endswith(suffix):
-            return layout
-    return None
 
 
 def megatron_rank_state_dict(
@@ -99,16 +88,12 @@ def megatron_rank_state_dict(
             if not last:
                 continue
             key = name
-        layout = _layout_of(name)
-        if layout is not None and tp_size > 1:
-            tensor = tp_shard(tensor, *layout, rank=tp_rank, size=tp_size)
-        out[key] = tensor.clone()
+        layout = next((v for suffix, v in TP_LAYOUT.items() if name.endswith(suffix)), None)
+        out[key] = tp_shard(tensor, *layout, tp_rank, tp_size) if layout else tensor.clone()
     if tied and last and not first:
         # Megatron's last stage keeps its own copy of the tied table as output_layer.weight.
         table = full["embedding.word_embeddings.weight"]
-        out["output_layer.weight"] = (
-            tp_shard(table, 0, 1, tp_rank, tp_size) if tp_size > 1 else table.clone()
-        )
+        out["output_layer.weight"] = tp_shard(table, 0, 1, tp_rank, tp_size)
     return out
 
 
@@ -157,12 +142,6 @@ def _megatron_args(loaded, padded: int, tp: int, pp: int, dtype: torch.dtype) ->
     )
 
 
-def _resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    if tensor.size(0) >= rows:
-        return tensor[:rows]
-    return torch.cat([tensor, tensor.new_zeros(rows - tensor.size(0), *tensor.shape[1:])])
-
-
 def export_megatron(opts: ExportMegatronOptions) -> str:
     """Write the legacy checkpoint; returns its directory."""
     output = new_output(opts.output, opts.overwrite)
@@ -187,14 +166,17 @@ def export_megatron(opts: ExportMegatronOptions) -> str:
         raise ConversionError("export-megatron does not map --qk-layernorm models yet")
     divisible = loaded.run.data.make_vocab_size_divisible_by
     padded = padded_vocab_size(loaded.tokenizer.vocab_size, divisible, tp)
-    table = materialize_input_table(
-        loaded.model, compute_dtype=opts.compute_dtype, dtype=opts.dtype, progress=opts.progress
+    table = materialize_module_table(
+        loaded.model.embedding.word_embeddings,
+        compute_dtype=opts.compute_dtype,
+        dtype=opts.dtype,
+        progress=opts.progress,
     )
     full = {k: v for k, v in loaded.full.items() if not k.startswith("embedding.")}
     full["embedding.word_embeddings.weight"] = table
     for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if key in full:
-            full[key] = _resize_vocab(full[key], padded)
+            full[key] = resize_rows(full[key], padded)
     full = {k: v.to(opts.dtype) for k, v in full.items()}
     args = _megatron_args(loaded, padded, tp, pp, opts.dtype)
     iteration = loaded.run.iteration

@@ -7,6 +7,8 @@ model.embed_tokens.<p>.
 Megatron fuses QKV per query group (rows [ng, np/ng + 2, hn]: the group's query heads, its key
 head, its value head), so splitting the groups gives Llama's grouped-query order. An
 interleaved-rotary checkpoint has its q/k rows permuted into Llama's rotate-half layout.
+
+Needs the [eval] extra (transformers, safetensors): only export-hf and import-hf import it.
 """
 
 from __future__ import annotations
@@ -18,9 +20,22 @@ import re
 from typing import Optional
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
 from tqdm import tqdm
+from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import (
+    SentencePieceExtractor,
+    TikTokenConverter,
+    import_protobuf,
+)
 
-from megatron_ext.conversion.common import ConversionError
+from megatron_ext.conversion.common import ConversionError, resize_rows
+from megatron_ext.conversion.hf_leviathan import LeviathanConfig
+from megatron_ext.conversion.hf_leviathan.remote_code import AUTO_MAP
 from megatron_ext.data.tokenizers import (
     EXPORT_PROVENANCE_FILE,
     GPT2BPETokenizer,
@@ -30,7 +45,6 @@ from megatron_ext.data.tokenizers import (
 )
 
 __all__ = [
-    "HF_FORMATS",
     "LEV_CONFIG_FIELDS",
     "LEVIATHAN_ARCHITECTURE",
     "LLAMA_ARCHITECTURE",
@@ -47,7 +61,6 @@ logger = logging.getLogger(__name__)
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 LEVIATHAN_ARCHITECTURE = "LeviathanForCausalLM"
-HF_FORMATS = ("llama", "leviathan")
 LEV_CONFIG_FIELDS = (
     "num_digits",
     "base",
@@ -65,7 +78,6 @@ LEV_CONFIG_FIELDS = (
 )
 """`LEVConfig` fields a `LeviathanConfig` stores, as `lev_<field>` (the model's definition and
 its initialisation; the kernel, dedup and optimizer choices are the training run's)."""
-"""export-hf's --hf-format: LEV materialised into a Llama table, or kept (hf_leviathan)."""
 _LEV_PREFIX = ("embedding.word_embeddings.", "model.embed_tokens.")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -83,11 +95,6 @@ def _interleaved_to_half(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, hn // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-def _half_to_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
-    hn = w.size(0) // heads
-    return w.view(heads, 2, hn // 2, -1).transpose(1, 2).reshape(w.shape)
-
-
 def split_qkv(qkv: torch.Tensor, heads: int, groups: int, rotary_interleaved: bool = False):
     """Megatron's fused [ng * (np/ng + 2) * hn, D] -> (q [np*hn, D], k [ng*hn, D], v)."""
     per = heads // groups
@@ -101,10 +108,8 @@ def split_qkv(qkv: torch.Tensor, heads: int, groups: int, rotary_interleaved: bo
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-def fuse_qkv(q, k, v, heads: int, groups: int, rotary_interleaved: bool = False):
-    """Inverse of `split_qkv`."""
-    if rotary_interleaved:
-        q, k = _half_to_interleaved(q, heads), _half_to_interleaved(k, groups)
+def fuse_qkv(q, k, v, heads: int, groups: int):
+    """Inverse of `split_qkv` (q and k rows in rotate-half order, as Llama's)."""
     per = heads // groups
     hn = q.size(0) // heads
     parts = [q.view(groups, per, hn, -1), k.view(groups, 1, hn, -1), v.view(groups, 1, hn, -1)]
@@ -174,7 +179,7 @@ def from_hf_state_dict(
     def pad(t: torch.Tensor) -> torch.Tensor:
         if t.size(0) > padded_vocab:
             raise ConversionError(f"vocabulary {t.size(0)} exceeds the padded size {padded_vocab}")
-        return torch.cat([t, t.new_zeros(padded_vocab - t.size(0), *t.shape[1:])])
+        return resize_rows(t, padded_vocab)
 
     if lev:
         n = len(_LEV_PREFIX[1])
@@ -224,18 +229,11 @@ def hf_config(
     """The `LlamaConfig` of an exported model, or with `lev_config` (a `LEVConfig`) the
     `LeviathanConfig` with its `lev_*` fields and `auto_map`; `provenance` is stored as
     `leviathan`."""
-    # optional: the [eval] extra
-    from transformers import LlamaConfig
-
     eod = getattr(tokenizer, "eod", None)
     pad = getattr(tokenizer, "pad", None)
     extra: dict = {"architectures": [LLAMA_ARCHITECTURE]}
     config_class = LlamaConfig
     if lev_config is not None:
-        # deferred: imports transformers' Llama modeling (hf_leviathan registers it)
-        from megatron_ext.conversion.hf_leviathan import LeviathanConfig
-        from megatron_ext.conversion.hf_leviathan.remote_code import AUTO_MAP
-
         config_class = LeviathanConfig
         extra = {f"lev_{k}": getattr(lev_config, k) for k in LEV_CONFIG_FIELDS}
         extra["architectures"] = [LEVIATHAN_ARCHITECTURE]
@@ -298,9 +296,6 @@ def check_llama_like(config: dict, path: str) -> None:
 
 def read_hf_checkpoint(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, every tensor) of a Hugging Face model directory."""
-    # optional: the [eval] extra
-    from safetensors import safe_open
-
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ConversionError(f"{path} has no config.json; give a Hugging Face model directory")
@@ -337,10 +332,6 @@ def write_safetensors(
     progress: bool = True,
 ) -> list[str]:
     """Write `state` as model.safetensors, or shards plus model.safetensors.index.json."""
-    # optional: the [eval] extra (transformers')
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     names = []
     for filename, keys in tqdm(
@@ -413,11 +404,6 @@ def _export_tiktoken(tokenizer: TikTokenizer, out_dir: str) -> None:
     ranks (the merges derived from the ranks, as transformers' TikTokenConverter does), its
     split pattern, and its special tokens at their ids, never matched in text (the source
     encodes documents with `encode_ordinary`). Checked on a probe text before it is kept."""
-    # optional: the [eval] extra (transformers')
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
     encoding = tokenizer._enc
     vocab, merges = TikTokenConverter(
         vocab_file=tokenizer.model_path
@@ -436,8 +422,8 @@ def _export_tiktoken(tokenizer: TikTokenizer, out_dir: str) -> None:
     eod = encoding.decode_single_token_bytes(tokenizer.eod).decode()
     pad = tokenizer.pad
     pad = None if pad is None else encoding.decode_single_token_bytes(pad).decode()
-    _save_byte_level_bpe(
-        backend, eod, pad, tokenizer, out_dir, "this tiktoken encoding (its split pattern?)"
+    _save_fast(
+        backend, tokenizer, out_dir, eod, pad, probe="this tiktoken encoding (its split pattern?)"
     )
 
 
@@ -445,61 +431,47 @@ def _export_gpt2_bpe(tokenizer: GPT2BPETokenizer, out_dir: str) -> None:
     """GPT-2 vocab.json + merges.txt as a `tokenizers` byte-level BPE with GPT-2's split
     pattern; <|endoftext|> (EOD) at its id, never matched in text (as Megatron-LM's
     GPT2BPETokenizer). Checked on a probe text before it is kept."""
-    # optional: the [eval] extra (transformers')
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
     backend = Tokenizer(BPE.from_file(tokenizer.model_path, tokenizer.merge_file))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     eod = tokenizer.detokenize([tokenizer.eod])
     backend.add_special_tokens([AddedToken(eod, special=True, normalized=False)])
-    _save_byte_level_bpe(backend, eod, None, tokenizer, out_dir, "these GPT-2 files")
+    _save_fast(backend, tokenizer, out_dir, eod, None, probe="these GPT-2 files")
 
 
-def _save_byte_level_bpe(backend, eod: str, pad, tokenizer, out_dir: str, source: str) -> None:
-    """`backend` as a transformers fast tokenizer in `out_dir`, once it encodes a probe text as
-    `tokenizer` does."""
-    from transformers import PreTrainedTokenizerFast  # optional: the [eval] extra
-
+def _save_fast(backend, tokenizer, out_dir: str, eod, pad, unk=None, probe=None) -> None:
+    """`backend` as a transformers fast tokenizer in `out_dir` under the generic class name
+    every transformers release (and vLLM, lm-eval) knows; BOS and EOS are the end-of-document
+    token `eod` (what training starts a document with: a scoring prefix, never added to encoded
+    text). `probe` (what the source is): kept only once it encodes a probe text as `tokenizer`.
+    """
     fast = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=eod,  # as for SentencePiece: the end-of-document token, a scoring prefix
+        unk_token=unk,
+        bos_token=eod,
         eos_token=eod,
         pad_token=pad,
-        split_special_tokens=True,
+        split_special_tokens=True,  # special tokens are never matched in text, as in training
         clean_up_tokenization_spaces=False,
     )
-    got = fast(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
-    if got != tokenizer.tokenize(_TOKENIZER_PROBE):
+    encoded = fast(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"] if probe else None
+    if probe is not None and encoded != tokenizer.tokenize(_TOKENIZER_PROBE):
         raise ConversionError(
             f"{tokenizer.model_path}: the Hugging Face byte-level BPE does not encode like "
-            f"{source}; pass --no-tokenizer"
+            f"{probe}; pass --no-tokenizer"
         )
     fast.save_pretrained(out_dir)
-    _generic_tokenizer_class(out_dir)
-
-
-def _generic_tokenizer_class(out_dir: str) -> None:
-    """The generic class name every transformers release (and vLLM, lm-eval) knows, with no
-    BOS or EOS added to encoded text."""
     config_path = os.path.join(out_dir, "tokenizer_config.json")
     with open(config_path) as handle:
         config = json.load(handle)
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config["add_bos_token"] = False
-    config["add_eos_token"] = False
+    config.update(
+        tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False, add_eos_token=False
+    )
     with open(config_path, "w") as handle:
         json.dump(config, handle, indent=2, sort_keys=True)
 
 
 def _export_sentencepiece(tokenizer, out_dir: str) -> None:
-    # optional: the [eval] extra (transformers')
-    from tokenizers import Tokenizer, decoders, normalizers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import SentencePieceExtractor, import_protobuf
-
     model_path = tokenizer.model_path
     proto = import_protobuf().ModelProto()
     with open(model_path, "rb") as handle:
@@ -541,16 +513,4 @@ def _export_sentencepiece(tokenizer, out_dir: str) -> None:
     backend.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
     )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token=unk,
-        # BOS is the end-of-document piece, as in training (see `llama_config`); never added to
-        # encoded text (add_bos_token False below), only used as a scoring prefix.
-        bos_token=piece(tokenizer.eod),
-        eos_token=piece(tokenizer.eod),
-        pad_token=piece(sp.pad_id()),
-        split_special_tokens=True,  # SentencePiece never matches control pieces in text
-        clean_up_tokenization_spaces=False,
-    )
-    fast.save_pretrained(out_dir)
-    _generic_tokenizer_class(out_dir)
+    _save_fast(backend, tokenizer, out_dir, piece(tokenizer.eod), piece(sp.pad_id()), unk)

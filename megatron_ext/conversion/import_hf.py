@@ -24,7 +24,7 @@ import torch
 
 from megatron_ext.checkpoint.format import TrainState, save_checkpoint
 from megatron_ext.config.arguments import args_json_of_flags, model_config_from_args_json
-from megatron_ext.config.data import padded_vocab_size
+from megatron_ext.config.data import VOCAB_MULTIPLE, padded_vocab_size
 from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
 from megatron_ext.conversion.common import ConversionError, atomic_output_dir, new_output
 from megatron_ext.conversion.hf import (
@@ -33,7 +33,7 @@ from megatron_ext.conversion.hf import (
     from_hf_state_dict,
     read_hf_checkpoint,
 )
-from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
+from megatron_ext.data.tokenizers import EXPORT_PROVENANCE_FILE, TokenizerError, build_tokenizer
 from megatron_ext.inference.loading import init_inference_parallel
 from megatron_ext.models import build_model
 from megatron_ext.models.full_state_dict import load_full_state_dict
@@ -50,7 +50,7 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
-    "leviathan_tokenizer.json",  # EXPORT_PROVENANCE_FILE: which tokenizer an export came from
+    EXPORT_PROVENANCE_FILE,  # which tokenizer an export came from
 )
 
 
@@ -66,7 +66,7 @@ class ImportHFOptions:
     for) a LeviathanForCausalLM."""
     seq_length: Optional[int] = None
     """--seq-length recorded for the run (default: max_position_embeddings, at most 4096)."""
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = VOCAB_MULTIPLE
     overwrite: bool = False
 
 

@@ -17,7 +17,6 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,14 +25,28 @@ from tqdm import tqdm
 
 from megatron_ext._paths import display_path
 from megatron_ext.checkpoint.format import TRACKER_FILENAME, checkpoint_dir, save_tensors
-from megatron_ext.checkpoint.io_errors import UnsafeCheckpointError
-from megatron_ext.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from megatron_ext.checkpoint.io_errors import check_shard_files
+from megatron_ext.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    pickled_entry_error,
+    read_metadata,
+)
 from megatron_ext.config.data import padded_vocab_size
 from megatron_ext.config.lev import smallest_base
-from megatron_ext.conversion.common import ConversionError, atomic_output_dir, new_output
-from megatron_ext.conversion.source import _check_shard_files
-from megatron_ext.data.tokenizers import TokenizerError
-from megatron_ext.inference.loading import find_checkpoint, run_model_config, run_tokenizer
+from megatron_ext.conversion.common import (
+    ConversionError,
+    atomic_output_dir,
+    new_output,
+    resize_rows,
+)
+from megatron_ext.conversion.source import SourceOptions
+from megatron_ext.inference.loading import (
+    SavedRun,
+    find_checkpoint,
+    run_model_config,
+    run_tokenizer,
+)
 
 __all__ = ["ReshardOptions", "reshard", "VOCAB_KEYS"]
 
@@ -50,21 +63,13 @@ _READ_GROUP = 16
 
 
 @dataclass(frozen=True)
-class ReshardOptions:
-    """Arguments of `reshard`: source run, output directory, the TP x PP layout to write and
-    whether to keep the optimizer state."""
+class ReshardOptions(SourceOptions):
+    """Arguments of `reshard`: the source, the TP x PP layout to write and whether to keep the
+    optimizer state."""
 
-    load: str
-    output: str
-    iteration: Optional[int] = None
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     keep_optimizer: bool = True
-    tokenizer_model: Optional[str] = None
-    overwrite: bool = False
-    progress: bool = True
-    verify: bool = True
-    """Check the source against its digests first (--no-verify-checkpoint turns it off)."""
 
 
 def _vocab_param(key: str) -> bool:
@@ -72,12 +77,6 @@ def _vocab_param(key: str) -> bool:
     if key.startswith("optim."):
         name = key[len("optim.") :].rsplit(".", 1)[0]
     return name in VOCAB_KEYS and not key.endswith(".step")
-
-
-def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    if tensor.size(0) >= rows:
-        return tensor[:rows].clone()
-    return torch.cat([tensor, tensor.new_zeros(rows - tensor.size(0), *tensor.shape[1:])])
 
 
 @contextlib.contextmanager
@@ -88,22 +87,18 @@ def _single_process():
         yield
 
 
-def _read_tensors(path: str, keep_optimizer: bool, progress: bool) -> dict[str, torch.Tensor]:
+def _read_tensors(run: SavedRun, keep_optimizer: bool, progress: bool) -> dict[str, torch.Tensor]:
     """Every model tensor (and with `keep_optimizer` every optimizer tensor) of the checkpoint
-    directory `path`, whole, read by this one process."""
-    metadata = read_metadata(os.path.join(path, ".metadata")).state_dict_metadata
+    `run`, whole, read by this one process."""
+    path = run.path
+    metadata = read_metadata(os.path.join(path, ".metadata"))
+    check_shard_files(run.root, path, run.iteration, metadata)
+    metadata = metadata.state_dict_metadata
     pickled = [k for k, md in metadata.items() if not isinstance(md, TensorStorageMetadata)]
     if pickled:  # the project writes tensors only; DCP would unpickle these without limits
-        raise UnsafeCheckpointError(
-            f"{display_path(os.path.join(path, '.metadata'))} declares {pickled[0]} as "
-            "pickled bytes, which loading would execute; this project writes tensors only: "
-            "refused"
-        )
+        raise pickled_entry_error(path, pickled[0])
     keys = [
-        k
-        for k, md in metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-        and (k.startswith("model.") or (keep_optimizer and k.startswith("optim.")))
+        k for k in metadata if k.startswith("model.") or (keep_optimizer and k.startswith("optim."))
     ]
     state: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(keys), desc="reading tensors", unit="tensor", disable=not progress)
@@ -130,11 +125,7 @@ def reshard(opts: ReshardOptions) -> str:
     output = new_output(opts.output, opts.overwrite)
     tp, pp = opts.tensor_model_parallel_size, opts.pipeline_model_parallel_size
     run = find_checkpoint(opts.load, opts.iteration, verify=opts.verify, progress=opts.progress)
-    _check_shard_files(run.path)
-    try:
-        tokenizer = run_tokenizer(run, opts.tokenizer_model)
-    except TokenizerError as error:
-        raise ConversionError(str(error)) from None
+    tokenizer = run_tokenizer(run, opts.tokenizer_model)
     old_padded = run.padded_vocab_size()
     new_padded = padded_vocab_size(tokenizer.vocab_size, run.data.make_vocab_size_divisible_by, tp)
 
@@ -143,24 +134,31 @@ def reshard(opts: ReshardOptions) -> str:
     if tp == 1:
         args["sequence_parallel"] = False
     lev = run.model.embedding.lev
-    if run.embedding_type in ("lev", "factored-mlp") and lev.base is None:
-        # LEV's digit base follows from the padded vocabulary unless given: keep it fixed.
-        args["lev_base"] = smallest_base(old_padded, lev.num_digits)
-    new_run = dataclasses.replace(run, args_json=args)
-    try:
-        config = run_model_config(
-            new_run, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    if run.embedding_type in ("lev", "factored-mlp"):
+        # LEV's digit base follows from the padded vocabulary unless given: keep it fixed (the
+        # codebooks keep their shape), and it must cover the new padding.
+        base = args["lev_base"] = lev.base or smallest_base(old_padded, lev.num_digits)
+        if base**lev.num_digits < new_padded:
+            raise ConversionError(
+                f"cannot lay the model out at TP={tp}: the vocabulary pads to {new_padded} ids, "
+                f"more than LEV's {lev.num_digits} digits in base {base} cover "
+                f"({base**lev.num_digits}); pick a TP size that pads it to fewer"
+            )
+    try:  # the layout must suit the model (heads, groups, layers divisible)
+        run_model_config(
+            dataclasses.replace(run, args_json=args),
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
         )
-        config.replace(vocab_size=new_padded)
     except ValueError as error:
         raise ConversionError(f"cannot lay the model out at TP={tp}, PP={pp}: {error}") from None
 
-    state = _read_tensors(run.path, opts.keep_optimizer, opts.progress)
+    state = _read_tensors(run, opts.keep_optimizer, opts.progress)
     if new_padded != old_padded:
         logger.info("re-padding the vocabulary from %d to %d rows", old_padded, new_padded)
         for key in list(state):
             if _vocab_param(key):
-                state[key] = _resize_rows(state[key], new_padded)
+                state[key] = resize_rows(state[key], new_padded)
 
     common = dict(run.common)
     common["layout"] = {"tp": tp, "pp": pp, "cp": 1, "dp": 1}

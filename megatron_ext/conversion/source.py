@@ -9,7 +9,6 @@ token id, so the table reproduces them exactly (up to the rounding of its dtype)
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,10 +16,8 @@ import torch
 from tqdm import tqdm
 
 from megatron_ext._paths import display_path
-from megatron_ext.checkpoint.safe_load import read_metadata
 from megatron_ext.config.data import padded_vocab_size
 from megatron_ext.conversion.common import ConversionError
-from megatron_ext.data.tokenizers import TokenizerError
 from megatron_ext.inference.loading import (
     find_checkpoint,
     init_inference_parallel,
@@ -33,9 +30,10 @@ from megatron_ext.lev.table import LEVTable
 from megatron_ext.models.full_state_dict import gather_full_state_dict
 
 __all__ = [
+    "ExportOptions",
     "LoadedCheckpoint",
+    "SourceOptions",
     "load_checkpoint_full",
-    "materialize_input_table",
     "materialize_module_table",
 ]
 
@@ -43,6 +41,34 @@ logger = logging.getLogger(__name__)
 
 # Ids per step of the materialisation (bounds the LEV intermediates to a few hundred MB).
 _TABLE_CHUNK = 8192
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """What every converter of a training checkpoint takes: the run it reads, what it writes."""
+
+    load: str
+    """A run's --save directory, or one iter_XXXXXXX in it."""
+    output: str
+    iteration: Optional[int] = None
+    """The checkpoint to read (default: the latest)."""
+    tokenizer_model: Optional[str] = None
+    """The run's tokenizer, if not where the run recorded it."""
+    overwrite: bool = False
+    progress: bool = True
+    verify: bool = True
+    """Check the source against its digests first (--no-verify-checkpoint turns it off)."""
+
+
+@dataclass(frozen=True)
+class ExportOptions(SourceOptions):
+    """An export's source and dtypes."""
+
+    dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float64
+    """Precision of the materialised input table before the cast to `dtype`."""
+    embedding_type: Optional[str] = None
+    """Refuse the checkpoint unless it holds this arm."""
 
 
 @dataclass
@@ -57,30 +83,13 @@ class LoadedCheckpoint:
     """Its `ModelConfig`."""
     full: dict
     """Every parameter under its single-stage name (float32, on CPU)."""
-    tokenizer: Optional[object]
-    """The run's tokenizer (None when skipped)."""
+    tokenizer: object
+    """The run's tokenizer."""
 
     @property
     def embedding_type(self) -> str:
         """The checkpoint's arm (`model_config.embedding.embedding_type`: tied, lev, ...)."""
         return self.model_config.embedding.embedding_type
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Rows of the model's embedding and output layer, vocabulary padding included."""
-        return self.model_config.vocab_size
-
-
-def _check_shard_files(path: str) -> None:
-    metadata = read_metadata(os.path.join(path, ".metadata"))
-    files = sorted({item.relative_path for item in (metadata.storage_data or {}).values()})
-    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-    if missing:
-        raise ConversionError(
-            f"{display_path(path)} is missing shard file(s) {', '.join(missing)}; the checkpoint "
-            "was copied incompletely: copy the whole iter_XXXXXXX directory or pick another "
-            "--iteration"
-        )
 
 
 def load_checkpoint_full(
@@ -88,14 +97,14 @@ def load_checkpoint_full(
     *,
     iteration: Optional[int] = None,
     tokenizer_model: Optional[str] = None,
-    need_tokenizer: bool = True,
     embedding_type: Optional[str] = None,
     verify: bool = True,
     progress: bool = True,
 ) -> LoadedCheckpoint:
     """Load `load_dir` (a `--save` directory or one iter_XXXXXXX) at TP=1 in this process,
     its digests checked first (`verify`); `embedding_type`: the arm the caller expects;
-    `tokenizer_model`: instead of the run's. Every problem is one ConversionError/CheckpointError.
+    `tokenizer_model`: instead of the run's. Every problem is one ConversionError,
+    CheckpointError or TokenizerError.
     """
     run = find_checkpoint(load_dir, iteration, verify=verify, progress=progress)
     saved = run.embedding_type
@@ -104,22 +113,16 @@ def load_checkpoint_full(
             f"{display_path(run.path)} holds a --embedding-type {saved} model, not "
             f"{embedding_type}; drop --embedding-type or point at the right checkpoint"
         )
-    _check_shard_files(run.path)
-    tokenizer = None
-    if need_tokenizer:
-        try:
-            tokenizer = run_tokenizer(run, tokenizer_model)
-        except TokenizerError as error:
-            raise ConversionError(str(error)) from None
-        divisible = run.data.make_vocab_size_divisible_by
-        tp = run.common.get("layout", {}).get("tp", 1)
-        expected = padded_vocab_size(tokenizer.vocab_size, divisible, tp)
-        if expected != run.padded_vocab_size():
-            raise ConversionError(
-                f"tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids (padded to "
-                f"{expected}) but {display_path(run.path)} embeds {run.padded_vocab_size()}: it is "
-                "not the run's tokenizer; pass the right --tokenizer-model"
-            )
+    tokenizer = run_tokenizer(run, tokenizer_model)
+    divisible = run.data.make_vocab_size_divisible_by
+    tp = run.common.get("layout", {}).get("tp", 1)
+    expected = padded_vocab_size(tokenizer.vocab_size, divisible, tp)
+    if expected != run.padded_vocab_size():
+        raise ConversionError(
+            f"tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids (padded to "
+            f"{expected}) but {display_path(run.path)} embeds {run.padded_vocab_size()}: it is "
+            "not the run's tokenizer; pass the right --tokenizer-model"
+        )
     try:
         config = run_model_config(run)
     except ValueError as error:
@@ -138,23 +141,6 @@ def load_checkpoint_full(
     return LoadedCheckpoint(run, model, config, full, tokenizer)
 
 
-def materialize_input_table(
-    model: torch.nn.Module,
-    *,
-    compute_dtype: torch.dtype = torch.float64,
-    dtype: Optional[torch.dtype] = None,
-    progress: bool = True,
-) -> torch.Tensor:
-    """The [V, D] input table of a TP=1 model: row i is the embedding of id i, computed in
-    `compute_dtype` and stored in `dtype` (default: `compute_dtype`)."""
-    return materialize_module_table(
-        model.embedding.word_embeddings,
-        compute_dtype=compute_dtype,
-        dtype=dtype,
-        progress=progress,
-    )
-
-
 @torch.no_grad()
 def materialize_module_table(
     module: torch.nn.Module,
@@ -171,12 +157,11 @@ def materialize_module_table(
         return module.weight.detach().to(dtype or module.weight.dtype)
     vocab = module.vocab_size if hasattr(module, "vocab_size") else module.num_embeddings
     dtype = dtype or compute_dtype
+    bar_title = "materialising input table"
     if isinstance(module, LEVEmbedding):
         builder = LEVTable(module.lev_config, dict(module.named_parameters()), dtype=compute_dtype)
         out = torch.empty(vocab, builder.hidden_size, dtype=dtype, device=builder.device)
-        with tqdm(
-            total=vocab, desc="materialising input table", unit="id", disable=not progress
-        ) as bar:
+        with tqdm(total=vocab, desc=bar_title, unit="id", disable=not progress) as bar:
             return builder.table(out=out, progress=bar.update).cpu()
     device = next(module.parameters()).device
     saved = {name: p.data for name, p in module.named_parameters()}
@@ -186,13 +171,11 @@ def materialize_module_table(
     module.eval()
     rows = []
     try:
-        bar = tqdm(total=vocab, desc="materialising input table", unit="id", disable=not progress)
-        for start in range(0, vocab, _TABLE_CHUNK):
-            ids = torch.arange(start, min(start + _TABLE_CHUNK, vocab), device=device)
-            rows.append(module(ids[None, :])[0].to(dtype))
-            rows[-1] = rows[-1].cpu()
-            bar.update(ids.numel())
-        bar.close()
+        with tqdm(total=vocab, desc=bar_title, unit="id", disable=not progress) as bar:
+            for start in range(0, vocab, _TABLE_CHUNK):
+                ids = torch.arange(start, min(start + _TABLE_CHUNK, vocab), device=device)
+                rows.append(module(ids[None, :])[0].to(dtype).cpu())
+                bar.update(ids.numel())
     finally:
         for name, p in module.named_parameters():
             p.data = saved[name]

@@ -482,7 +482,7 @@ BAD_INPUTS = {
     "edited_args": "iter_0000006/args.json is truncated (",
     "unknown_arm": "embedding-type",
     "missing_shard": "iter_0000006/__1_0.distcp is missing (a bad copy or a failing disk?)",
-    "missing_shard_unverified": "missing shard file",
+    "missing_shard_unverified": "iter_0000006/__1_0.distcp is missing (an interrupted copy",
     "incomplete": "no complete checkpoint",
     "vocab_mismatch": "not the run's tokenizer",
     "exists": "already exists",

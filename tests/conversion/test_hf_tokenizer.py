@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.conversion.hf import export_tokenizer
 from megatron_ext.data.tokenizers import build_tokenizer
 
 pytest.importorskip("transformers")
@@ -31,6 +30,8 @@ def _hf(out: Path):
 
 
 def _check(source, out: Path, texts) -> None:
+    from megatron_ext.conversion.hf import export_tokenizer  # needs transformers
+
     export_tokenizer(source, str(out))
     exported = _hf(out)
     for text in texts:
