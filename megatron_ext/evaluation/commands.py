@@ -1,15 +1,12 @@
 """The subcommands of tools/evaluate.py that score a checkpoint (perplexity, frequency,
-wikitext, lm-eval): each loads the checkpoint at the layout asked for and writes its results.
-`evaluation.evaluate` parses the command line and imports this module, which loads torch and
-megatron-core, only when one of them runs."""
+wikitext, lm-eval): each loads the checkpoint at the layout asked for and writes its results."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-
-import torch.distributed as dist
 
 from megatron_ext._paths import atomic_write, display_path
 from megatron_ext.data.fingerprint import check_dataset_tokenizers, tokenizer_record
@@ -29,9 +26,8 @@ from megatron_ext.evaluation.perplexity import (
     pack_stream,
     text_documents,
 )
-from megatron_ext.evaluation.scoring import load_for_evaluation, score_batches
+from megatron_ext.evaluation.scoring import load_for_evaluation, rank0, score_batches
 from megatron_ext.evaluation.wikitext import (
-    WikitextResult,
     prepare_streams,
     read_wikitext,
     rolling_windows,
@@ -42,12 +38,10 @@ from megatron_ext.inference.loading import init_inference_parallel
 logger = logging.getLogger("evaluate")
 
 
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def _init(args):
-    """This rank's `ProcessGroups` at the requested layout (initialised here if needed)."""
+    """This rank's `ProcessGroups` at the requested layout (initialised here if needed), once
+    the evaluation and counts datasets are checked: a damaged one is named before any
+    checkpoint is loaded (a missing one where it is read)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != tp * pp:
@@ -57,22 +51,18 @@ def _init(args):
         )
     if args.micro_batch_size < 1:
         raise EvaluationError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    return init_inference_parallel(tp, pp)
-
-
-def _check_datasets_first(args) -> None:
-    """A damaged evaluation or counts dataset is named before any checkpoint is loaded
-    (`data.indexed.check_dataset`; a missing one is reported where it is read)."""
+    pg = init_inference_parallel(tp, pp)
     for prefix in [getattr(args, "data_path", None), *(getattr(args, "counts_prefix", None) or [])]:
         if prefix and os.path.isfile(get_idx_path(prefix)):
             check_dataset(prefix)
+    return pg
 
 
 def _load(args, load_dir: str, pg):
     loaded = load_for_evaluation(
         load_dir, pg, iteration=args.ckpt_step, tokenizer_model=args.tokenizer_model
     )
-    if _rank0():
+    if rank0():
         logger.info(
             "loaded %s (iteration %d, --embedding-type %s) at TP=%d PP=%d",
             display_path(loaded.run.root),
@@ -108,7 +98,6 @@ def _batches(args, loaded):
 
 def cmd_perplexity(args) -> int:
     pg = _init(args)
-    _check_datasets_first(args)
     loaded = _load(args, args.load, pg)
     batches, total, source = _batches(args, loaded)
     totals = LossTotals()
@@ -124,7 +113,7 @@ def cmd_perplexity(args) -> int:
         **totals.as_dict(),
         tokens_per_second=speed["tokens_per_second"],
     )
-    if _rank0():
+    if rank0():
         print(
             f"{display_path(loaded.run.path)}: {source}: {totals.tokens} tokens, "
             f"loss {totals.loss:.6f}, "
@@ -132,17 +121,10 @@ def cmd_perplexity(args) -> int:
         )
         if args.output_dir:
             write_json(os.path.join(args.output_dir, "perplexity.json"), result)
+            row = [loaded.run.path, source, totals.tokens, f"{totals.loss:.4f}"]
             table = format_markdown_table(
                 ["checkpoint", "data", "tokens", "loss", "perplexity"],
-                [
-                    [
-                        loaded.run.path,
-                        source,
-                        totals.tokens,
-                        f"{totals.loss:.4f}",
-                        f"{totals.perplexity:.3f}",
-                    ]
-                ],
+                [[*row, f"{totals.perplexity:.3f}"]],
             )
             atomic_write(os.path.join(args.output_dir, "perplexity.md"), table)
     return 0
@@ -155,19 +137,17 @@ def cmd_frequency(args) -> int:
     if args.baseline is not None and args.baseline not in names:
         raise EvaluationError(f"--baseline {args.baseline} is not one of --names {names}")
     pg = _init(args)
-    _check_datasets_first(args)
     results, counts, prefixes = {}, None, args.counts_prefix
     for name, load_dir in zip(names, args.load):
         loaded = _load(args, load_dir, pg)
         if counts is None:
             if prefixes is None:
                 data = loaded.run.data
-                blend = data.data_path or data.train_data_path
-                prefixes = blend_prefixes(blend)
+                prefixes = blend_prefixes(data.data_path or data.train_data_path)
             counts = training_counts(
                 prefixes, loaded.tokenizer.vocab_size, tokenizer_record(loaded.tokenizer)
             )
-            if _rank0():
+            if rank0():
                 logger.info("binning by the token counts of %s", ", ".join(prefixes))
         elif len(counts) != loaded.tokenizer.vocab_size:
             raise EvaluationError(
@@ -186,7 +166,7 @@ def cmd_frequency(args) -> int:
         )
         results[name] = bins.stats
         del loaded
-    if _rank0():
+    if rank0():
         paths = write_frequency_report(results, args.baseline, args.output_dir)
         with open(paths["md"]) as handle:
             print(handle.read(), end="")
@@ -213,9 +193,19 @@ def cmd_wikitext(args) -> int:
         desc="wikitext",
         show_progress=not args.no_progress,
     )
-    result = WikitextResult(len(articles), words, totals.tokens, totals.loss_sum, context, stride)
-    out = dict(checkpoint=loaded.run.path, file=args.file, **result.as_dict())
-    if _rank0():
+    out = dict(
+        checkpoint=loaded.run.path,
+        file=args.file,
+        articles=len(articles),
+        words=words,
+        tokens=totals.tokens,
+        token_loss=totals.loss,
+        token_perplexity=totals.perplexity,
+        word_perplexity=math.exp(totals.loss_sum / words),  # the same loss per original word
+        context=context,
+        stride=stride,
+    )
+    if rank0():
         print(
             f"{args.file}: {out['articles']} articles, {out['words']} words, {out['tokens']} "
             f"tokens | context {context} stride {stride} | token perplexity "
@@ -244,9 +234,7 @@ def cmd_lm_eval(args) -> int:
     lm = LeviathanLM(
         loaded=loaded, batch_size=args.micro_batch_size, max_gen_toks=args.max_gen_toks
     )
-    limit = args.limit
-    if limit is not None and limit >= 1:
-        limit = int(limit)
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     results = simple_evaluate(
         model=lm,
         tasks=[t for t in args.tasks.split(",") if t],
@@ -259,7 +247,7 @@ def cmd_lm_eval(args) -> int:
         fewshot_random_seed=args.seed,
         log_samples=args.log_samples,
     )
-    if _rank0() and results is not None:
+    if rank0() and results is not None:
         table = utils.make_table(results)
         print(table)
         if args.output_dir:
@@ -274,11 +262,8 @@ def cmd_lm_eval(args) -> int:
                 },
             )
             for task, samples in (results.get("samples") or {}).items():
-                lines = [json.dumps(sample, default=str) for sample in samples]
-                atomic_write(
-                    os.path.join(args.output_dir, f"samples_{task}.jsonl"),
-                    "".join(line + "\n" for line in lines),
-                )
+                lines = "".join(json.dumps(sample, default=str) + "\n" for sample in samples)
+                atomic_write(os.path.join(args.output_dir, f"samples_{task}.jsonl"), lines)
     return 0
 
 

@@ -1,23 +1,22 @@
-"""Loss curves and sample efficiency from the logs of several runs.
-
-Sources: a TensorBoard directory (the training loop's `lm loss`, `lm loss validation` and
-their `... vs samples` tags) or a `--log-jsonl` file (training loss only: the loop writes
-validation losses to TensorBoard). x is in tokens: consumed samples times the sequence length.
+"""Loss curves and sample efficiency from the logs of several runs: a TensorBoard directory (the
+loop's `lm loss` and `lm loss validation` against samples) or a `--log-jsonl` file (training
+loss only), against tokens (consumed samples times the sequence length).
 
 Sample efficiency (the paper's "2.1x fewer tokens"): the tokens run A needs to reach run B's
-final validation loss, by linear interpolation between A's evaluation points, and the ratio
-B's tokens / A's tokens.
+final validation loss (linear interpolation between A's evaluation points), against B's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import itertools
 import json
 import logging
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -51,7 +50,6 @@ class RunCurves:
     train: Optional[Curve] = None
     validation: Optional[Curve] = None
     source: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def _curve(points: Sequence[tuple[float, float]], seq_length: int) -> Optional[Curve]:
@@ -62,89 +60,77 @@ def _curve(points: Sequence[tuple[float, float]], seq_length: int) -> Optional[C
     return Curve(x, np.array([p[1] for p in points], dtype=np.float64))
 
 
-def _event_files(path: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True))
-
-
-def _accumulators(paths: Iterable[str], guidance: dict) -> Iterator:
-    """A loaded TensorBoard `EventAccumulator` of each of `paths` (event files or directories)."""
+def _read_tensorboard(path: str) -> tuple[dict[str, list[tuple[float, float]]], Optional[int]]:
+    """(tag -> (step, value) scalars, the --seq-length the run's flags record in the "config"
+    text entry or None) of the TensorBoard event files under `path`."""
     # deferred: keeps tensorboard (slow) out of this module's import
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    # its reader logs "Directory watcher advancing from ... to ..." per event file at INFO
-    logging.getLogger("tensorboard").setLevel(logging.WARNING)
-    for events in paths:
-        acc = EventAccumulator(events, size_guidance=guidance)
-        acc.Reload()
-        yield acc
-
-
-def _read_tensorboard(path: str) -> dict[str, list[tuple[float, float]]]:
-    files = _event_files(path)
+    files = glob.glob(os.path.join(path, "**", "events.out.tfevents.*"), recursive=True)
     if not files:
         raise EvaluationError(
             f"{path} holds no TensorBoard event files (train with --tensorboard-dir {path})"
         )
-    out: dict[str, list[tuple[float, float]]] = {}
-    for acc in _accumulators(sorted({os.path.dirname(p) for p in files}), {"scalars": 0}):
-        for tag in acc.Tags().get("scalars", []):
-            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-    return out
+    # its reader logs "Directory watcher advancing from ... to ..." per event file at INFO
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)
+    scalars: dict[str, list[tuple[float, float]]] = {}
+    seq_length: Optional[int] = None
+    for directory in sorted({os.path.dirname(p) for p in files}):
+        acc = EventAccumulator(directory, size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        tags = acc.Tags()
+        for tag in tags.get("scalars", []):
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+        if "config/text_summary" in tags.get("tensors", []):
+            for event in acc.Tensors("config/text_summary"):
+                for text in event.tensor_proto.string_val:
+                    found = re.search(r"^\s*seq_length: (\d+)\s*$", text.decode(), re.MULTILINE)
+                    if found and seq_length is None:
+                        seq_length = int(found.group(1))
+    return scalars, seq_length
 
 
-def recorded_seq_length(path: str) -> Optional[int]:
-    """The --seq-length a run's TensorBoard directory records (the run's flags, as its
-    args.json, in the "config" text entry), or None (a jsonl file, a run without the entry)."""
-    if not os.path.isdir(path):
-        return None
-    for acc in _accumulators(_event_files(path), {"tensors": 0}):
-        if "config/text_summary" not in acc.Tags().get("tensors", []):
-            continue
-        for event in acc.Tensors("config/text_summary"):
-            for text in event.tensor_proto.string_val:
-                found = re.search(r"^\s*seq_length: (\d+)\s*$", text.decode(), re.MULTILINE)
-                if found:
-                    return int(found.group(1))
-    return None
+def _read_jsonl(path: str) -> list[tuple[float, float]]:
+    """(consumed samples, loss) of each record of a --log-jsonl file."""
+    points = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                points.append((record["consumed_samples"], record["loss"]))
+            except (ValueError, KeyError, TypeError):
+                raise EvaluationError(
+                    f"{path}:{number} is not a --log-jsonl record (needs consumed_samples and loss)"
+                ) from None
+    return points
 
 
 def read_run_curves(name: str, path: str, seq_length: Optional[int] = None) -> RunCurves:
-    """Curves of one run from a TensorBoard directory or a --log-jsonl file, in tokens
-    (`seq_length` tokens a sample; default: the run's own, which a TensorBoard directory
-    records)."""
-    if seq_length is None:
-        seq_length = recorded_seq_length(path)
-        if seq_length is None:
-            raise EvaluationError(
-                f"{path} does not record the run's --seq-length (a --log-jsonl file, or "
-                "TensorBoard events without the run's config); pass --seq-length"
-            )
-    if seq_length < 1:
+    """Curves of one run from a TensorBoard directory or a --log-jsonl file (training loss
+    only), in tokens: `seq_length` tokens a sample (default: the run's own, which a
+    TensorBoard directory records)."""
+    if seq_length is not None and seq_length < 1:
         raise EvaluationError(f"--seq-length must be >= 1, got {seq_length}")
     if os.path.isdir(path):
-        tags = _read_tensorboard(path)
-        train = _curve(tags.get("lm loss vs samples", []), seq_length)
-        valid = _curve(tags.get("lm loss validation vs samples", []), seq_length)
+        tags, recorded = _read_tensorboard(path)
+        train = tags.get("lm loss vs samples", [])
+        valid = tags.get("lm loss validation vs samples", [])
     elif os.path.isfile(path):
-        points = []
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    points.append((record["consumed_samples"], record["loss"]))
-                except (ValueError, KeyError, TypeError):
-                    raise EvaluationError(
-                        f"{path}:{number} is not a --log-jsonl record (needs consumed_samples "
-                        "and loss)"
-                    ) from None
-        train, valid = _curve(points, seq_length), None
+        train, valid, recorded = _read_jsonl(path), [], None
     else:
         raise EvaluationError(f"{path} does not exist (give a TensorBoard dir or a jsonl file)")
-    if train is None and valid is None:
+    seq_length = recorded if seq_length is None else seq_length
+    if seq_length is None:
+        raise EvaluationError(
+            f"{path} does not record the run's --seq-length (a --log-jsonl file, or "
+            "TensorBoard events without the run's config); pass --seq-length"
+        )
+    curves = RunCurves(name, _curve(train, seq_length), _curve(valid, seq_length), source=path)
+    if curves.train is None and curves.validation is None:
         raise EvaluationError(f"{path} holds no loss values")
-    return RunCurves(name, train, valid, source=path)
+    return curves
 
 
 def smooth(values: np.ndarray, weight: float) -> np.ndarray:
@@ -198,18 +184,7 @@ class SampleEfficiency:
 
     def as_dict(self) -> dict:
         """The fields plus `ratio` and `message` as a JSON-ready dict."""
-        return {
-            "run": self.run,
-            "reference": self.reference,
-            "target_loss": self.target_loss,
-            "reference_tokens": self.reference_tokens,
-            "tokens": self.tokens,
-            "ratio": self.ratio,
-            "best_loss": self.best_loss,
-            "best_tokens": self.best_tokens,
-            "at_first_point": self.at_first_point,
-            "message": self.message(),
-        }
+        return {**dataclasses.asdict(self), "ratio": self.ratio, "message": self.message()}
 
 
 def tokens_to_reach(curve: Curve, target: float) -> tuple[Optional[float], bool]:
@@ -276,34 +251,29 @@ def plot_curves(
     ]
 
 
+def _smoothed_train(run: RunCurves, smoothing: float) -> Optional[Curve]:
+    if run.train is None:
+        return None
+    return Curve(run.train.tokens, smooth(run.train.loss, smoothing))
+
+
+def _colors(plt) -> Iterator[str]:
+    """Matplotlib's colours in turn: each run keeps its colour in every picture."""
+    return itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+
+
 def _plot_absolute(runs: Sequence[RunCurves], path: str, smoothing: float) -> str:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, run in enumerate(runs):
-        color = colors[i % len(colors)]
-        if run.train is not None:
-            ax.plot(
-                run.train.tokens,
-                smooth(run.train.loss, smoothing),
-                color=color,
-                label=f"{run.name} train",
-                linewidth=1.2,
-            )
-        if run.validation is not None:
-            ax.plot(
-                run.validation.tokens,
-                run.validation.loss,
-                color=color,
-                linestyle="--",
-                marker="o",
-                markersize=3,
-                label=f"{run.name} validation",
-            )
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("lm loss (nats)")
+    for run, color in zip(runs, _colors(plt)):
+        train, valid = _smoothed_train(run, smoothing), run.validation
+        if train is not None:
+            ax.plot(train.tokens, train.loss, color=color, label=f"{run.name} train", linewidth=1.2)
+        if valid is not None:
+            label = f"{run.name} validation"
+            ax.plot(valid.tokens, valid.loss, "o--", color=color, markersize=3, label=label)
     title = "Loss curves" + (f" (train smoothed {smoothing:g})" if smoothing else "")
-    ax.set_title(title)
+    ax.set(xlabel="tokens", ylabel="lm loss (nats)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
@@ -316,30 +286,22 @@ def _plot_differences(
     plt = pyplot()
     base = next(r for r in runs if r.name == reference)
     fig, (valid_ax, train_ax) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    base_train = None
-    if base.train is not None:
-        base_train = Curve(base.train.tokens, smooth(base.train.loss, smoothing))
-    for i, run in enumerate(runs):
+    base_train = _smoothed_train(base, smoothing)
+    for run, color in zip(runs, _colors(plt)):
         if run is base:
             continue
-        color = colors[i % len(colors)]  # each arm keeps its colour of the absolute picture
-        if run.validation is not None and base.validation is not None:
-            delta = loss_difference(run.validation, base.validation)
+        for ax, curve, ref, style in (
+            (valid_ax, run.validation, base.validation, dict(marker="o", markersize=3)),
+            (train_ax, _smoothed_train(run, smoothing), base_train, dict(linewidth=1.2)),
+        ):
+            delta = None if curve is None or ref is None else loss_difference(curve, ref)
             if delta is not None:
-                valid_ax.plot(delta.tokens, delta.loss, color=color, marker="o", markersize=3,
-                              label=run.name)  # fmt: skip
-        if run.train is not None and base_train is not None:
-            smoothed = Curve(run.train.tokens, smooth(run.train.loss, smoothing))
-            delta = loss_difference(smoothed, base_train)
-            if delta is not None:
-                train_ax.plot(delta.tokens, delta.loss, color=color, linewidth=1.2, label=run.name)
+                ax.plot(delta.tokens, delta.loss, color=color, label=run.name, **style)
     trained = f", smoothed {smoothing:g}" if smoothing else ""
     for ax, what in ((valid_ax, "validation loss"), (train_ax, f"train loss{trained}")):
         ax.axhline(0.0, color="black", linewidth=0.8, label=reference)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel(f"loss minus {reference}'s (nats)")
-        ax.set_title(f"{what.capitalize()}: each arm minus {reference} (below 0: better)")
+        title = f"{what.capitalize()}: each arm minus {reference} (below 0: better)"
+        ax.set(xlabel="tokens", ylabel=f"loss minus {reference}'s (nats)", title=title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return save_figure(fig, path)

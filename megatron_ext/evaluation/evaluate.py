@@ -1,18 +1,12 @@
 """Evaluate training checkpoints: the paper's tables and figures for your own runs.
 
     python tools/evaluate.py perplexity --load ckpt/lev --data-path data/val_text_document
-    python tools/evaluate.py perplexity --load ckpt/lev --split valid      # the loop's batches
     python tools/evaluate.py frequency --load ckpt/tied --load ckpt/lev --names tied lev \\
         --baseline tied --data-path data/val_text_document --output-dir eval/frequency
-    python tools/evaluate.py wikitext --load ckpt/lev --file wikitext-103/wiki.test.tokens
-    python tools/evaluate.py lm-eval --load ckpt/lev --tasks hellaswag,arc_easy,piqa
-    python tools/evaluate.py curves --run tied=tb/tied --run lev=tb/lev --seq-length 512 \\
-        --reference tied --output-dir eval/curves
 
-Checkpoints of any arm and layout load at the layout asked for here (launch TP x PP ranks with
-torchrun, or plain python for TP=PP=1); the options shared with training are its configs' own
-flags, the model comes from the checkpoint's args.json. docs/evaluation.md has an example of
-each. Exit codes: 0 done, 2 bad input (one line on stderr).
+Subcommands perplexity, frequency, wikitext, lm-eval and curves (docs/evaluation.md has an
+example of each). A checkpoint of any arm and layout loads at the layout asked for here (TP x PP
+ranks under torchrun, or plain python for TP=PP=1). Exit codes: 0 done, 2 bad input (one line).
 """
 
 from __future__ import annotations
@@ -32,11 +26,8 @@ from megatron_ext.config.run import BatchConfig
 from megatron_ext.data.readers import DataError
 from megatron_ext.data.tokenizers import TokenizerError
 from megatron_ext.evaluation.curves import plot_curves, read_run_curves, sample_efficiency
-from megatron_ext.evaluation.outputs import (
-    EvaluationError,
-    format_markdown_table,
-    write_json,
-)
+from megatron_ext.evaluation.outputs import EvaluationError, format_markdown_table, write_json
+from megatron_ext.inference.generate import add_checkpoint_flags
 
 logger = logging.getLogger("evaluate")
 
@@ -53,20 +44,7 @@ def _add_model_args(p: argparse.ArgumentParser, multiple: bool = False) -> None:
         g.add_argument("--names", nargs="+", help="a name per --load (default: directory names)")
     else:
         g.add_argument("--load", required=True, help="the run's --save directory")
-    g.add_argument(
-        "--ckpt-step",
-        "--iteration",
-        dest="ckpt_step",
-        type=int,
-        default=None,
-        help="iteration (default: latest)",
-    )
-    g.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="the tokenizer file, if not where the run recorded it (for GPT2BPETokenizer: the "
-        "directory holding its vocab and merge files)",
-    )
+    add_checkpoint_flags(g)
     add_flags(
         g,
         ParallelConfig,
@@ -211,10 +189,6 @@ def _add_curves(sub) -> None:
     p.add_argument("--output-dir", required=True, help="write curves.png and the tables here")
 
 
-def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
 def cmd_curves(args) -> int:
     runs = []
     for spec in args.run:
@@ -238,22 +212,15 @@ def cmd_curves(args) -> int:
         print(f"wrote {png}")
     if args.reference is None:
         return 0
-    for row in rows:
-        print(row.message())
-    table = format_markdown_table(
-        ["run", "reference", "target loss", "reference tokens", "run tokens", "ratio"],
-        [
-            [
-                r.run,
-                r.reference,
-                f"{r.target_loss:.4f}",
-                f"{r.reference_tokens:.4g}",
-                "never" if r.tokens is None else f"{r.tokens:.4g}",
-                "-" if r.ratio is None else f"{r.ratio:.2f}x",
-            ]
-            for r in rows
-        ],
-    )
+    cells = []
+    for r in rows:
+        print(r.message())
+        target = [f"{r.target_loss:.4f}", f"{r.reference_tokens:.4g}"]
+        tokens = "never" if r.tokens is None else f"{r.tokens:.4g}"
+        ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x"
+        cells.append([r.run, r.reference, *target, tokens, ratio])
+    header = ["run", "reference", "target loss", "reference tokens", "run tokens", "ratio"]
+    table = format_markdown_table(header, cells)
     atomic_write(os.path.join(args.output_dir, "sample_efficiency.md"), table)
     write_json(os.path.join(args.output_dir, "sample_efficiency.json"), [r.as_dict() for r in rows])
     return 0
@@ -267,7 +234,7 @@ def _errors() -> tuple:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    args = get_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "curves":
         return cmd_curves(args)
     # deferred: keeps torch and megatron.core (slow) out of this module's import (--help)

@@ -2,18 +2,16 @@
 
 Each target token is binned by its relative frequency in the *training* data, from the
 `<prefix>_counts.npy` files preprocessing writes (summed over the blended datasets). Bins are
-half-open intervals of relative frequency between `edges`: with the default edges
-(1e-7, 1e-6, 1e-5, 1e-4) the bins are "rarer than 1 in 10M", "1 in 10M .. 1 in 1M",
-"1 in 1M .. 1 in 100k", "1 in 100k .. 1 in 10k" and "more frequent than 1 in 10k" (an id seen
-exactly at an edge belongs to the more frequent bin; ids never seen in training are in the
-rarest bin). Every bin is reported, also when it holds no target token.
+half-open intervals between `edges` (default 1e-7, 1e-6, 1e-5, 1e-4: "<1/10M" to ">=1/10k"); an
+id seen exactly at an edge belongs to the more frequent bin, ids never seen in training to the
+rarest. Every bin is reported, also when it holds no target token.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -126,7 +124,8 @@ class FrequencyBins:
         self.frequency = counts / float(counts.sum())
         # side="right": a frequency equal to an edge belongs to the bin above it.
         self.bin_of_id = np.searchsorted(np.asarray(edges), self.frequency, side="right")
-        self.stats = FrequencyStats(self.labels, edges)
+        n = len(self.labels)
+        self.stats = FrequencyStats(self.labels, edges, np.zeros(n, np.int64), np.zeros(n))
 
     def bins(self, ids: np.ndarray) -> np.ndarray:
         """Bin index (0 = rarest) of each id."""
@@ -146,45 +145,34 @@ class FrequencyBins:
         self.stats.loss_sum += np.bincount(b, weights=losses, minlength=n)
 
 
+def _mean(tokens: int, loss_sum: float) -> dict:
+    """Mean loss and perplexity of `tokens` targets (NaN without any)."""
+    loss = loss_sum / tokens if tokens else float("nan")
+    return {"loss": loss, "perplexity": math.exp(loss) if tokens else float("nan")}
+
+
 @dataclass
 class FrequencyStats:
-    """Per-bin target count and loss sum of one run."""
+    """Per-bin target count (int64 [bins]) and loss sum (float64 [bins]) of one run."""
 
     labels: list[str]
     edges: list[float]
-    tokens: np.ndarray = field(default=None)  # type: ignore[assignment]
-    loss_sum: np.ndarray = field(default=None)  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        n = len(self.labels)
-        if self.tokens is None:
-            self.tokens = np.zeros(n, dtype=np.int64)
-        if self.loss_sum is None:
-            self.loss_sum = np.zeros(n, dtype=np.float64)
+    tokens: np.ndarray
+    loss_sum: np.ndarray
 
     def rows(self) -> list[dict]:
         """One dict per bin: tokens, share, loss, perplexity (NaN loss for an empty bin)."""
         total = int(self.tokens.sum())
-        out = []
-        for i, label in enumerate(self.labels):
-            n = int(self.tokens[i])
-            loss = float(self.loss_sum[i] / n) if n else float("nan")
-            out.append(
-                {
-                    "bin": label,
-                    "tokens": n,
-                    "share": n / total if total else float("nan"),
-                    "loss": loss,
-                    "perplexity": math.exp(loss) if n else float("nan"),
-                }
-            )
-        return out
+        rows = []
+        for label, n, loss_sum in zip(self.labels, self.tokens.tolist(), self.loss_sum.tolist()):
+            share = n / total if total else float("nan")
+            rows.append({"bin": label, "tokens": n, "share": share, **_mean(n, loss_sum)})
+        return rows
 
     def overall(self) -> dict:
         """Token count, mean loss and perplexity over all bins (NaN loss without tokens)."""
         n = int(self.tokens.sum())
-        loss = float(self.loss_sum.sum() / n) if n else float("nan")
-        return {"tokens": n, "loss": loss, "perplexity": math.exp(loss) if n else float("nan")}
+        return {"tokens": n, **_mean(n, float(self.loss_sum.sum()))}
 
 
 def relative_change(value: float, baseline: float) -> float:
@@ -203,8 +191,7 @@ def compare_runs(results: dict[str, FrequencyStats], baseline: Optional[str]) ->
         name: stats.rows() + [dict(bin="all", share=1.0, **stats.overall())]
         for name, stats in results.items()
     }
-    labels = [r["bin"] for r in next(iter(per_run.values()))]
-    for i, label in enumerate(labels):
+    for i in range(len(next(iter(per_run.values())))):
         for name, stats_rows in per_run.items():
             row = dict(stats_rows[i], run=name)
             if baseline is not None:
@@ -213,6 +200,9 @@ def compare_runs(results: dict[str, FrequencyStats], baseline: Optional[str]) ->
                 )
             rows.append(row)
     return rows
+
+
+_FORMATS = {"share": ".2%", "loss": ".4f", "perplexity": ".2f", "ppl_change_vs_baseline": "+.1%"}
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -225,29 +215,16 @@ def write_frequency_report(
     """frequency.md / .csv / .json and frequency.png (one bar group per bin, one bar per run,
     log-scale perplexity) in `output_dir`; returns the paths."""
     rows = compare_runs(results, baseline)
-    header = ["bin", "run", "tokens", "share", "loss", "perplexity"]
-    if baseline is not None:
-        header.append(f"ppl change vs {baseline}")
-    md_rows = []
-    for r in rows:
-        cells = [
-            r["bin"],
-            r["run"],
-            r["tokens"],
-            _fmt(r["share"], ".2%"),
-            _fmt(r["loss"], ".4f"),
-            _fmt(r["perplexity"], ".2f"),
-        ]
-        if baseline is not None:
-            cells.append(_fmt(r["ppl_change_vs_baseline"], "+.1%"))
-        md_rows.append(cells)
-    paths = {}
-    paths["md"] = atomic_write(
-        os.path.join(output_dir, "frequency.md"), format_markdown_table(header, md_rows)
-    )
     keys = ["bin", "run", "tokens", "share", "loss", "perplexity"]
+    header = list(keys)
     if baseline is not None:
         keys.append("ppl_change_vs_baseline")
+        header.append(f"ppl change vs {baseline}")
+    cells = [[_fmt(r[k], _FORMATS[k]) if k in _FORMATS else r[k] for k in keys] for r in rows]
+    paths = {}
+    paths["md"] = atomic_write(
+        os.path.join(output_dir, "frequency.md"), format_markdown_table(header, cells)
+    )
     paths["csv"] = write_csv(
         os.path.join(output_dir, "frequency.csv"), keys, [[r[k] for k in keys] for r in rows]
     )
@@ -276,20 +253,17 @@ def _plot(results: dict[str, FrequencyStats], baseline: Optional[str], path: str
             for bar, p, q in zip(bars, ppl, base):
                 change = relative_change(p, q)
                 if math.isfinite(change):
-                    ax.annotate(
-                        f"{change:+.0%}",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center",
-                        va="bottom",
-                        fontsize=7,
-                    )
+                    top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
+                    ax.annotate(f"{change:+.0%}", top, ha="center", va="bottom", fontsize=7)
     counts = next(iter(results.values())).tokens
     ax.set_xticks(x, [f"{lab}\n({int(n)} tok)" for lab, n in zip(labels, counts)], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylim(bottom=1.0)  # bars from perplexity 1: their log-height is the loss
-    ax.set_ylabel("perplexity (log scale)")
-    ax.set_xlabel("training-data frequency of the target token")
-    ax.set_title("Frequency-stratified perplexity")
+    ax.set(
+        xlabel="training-data frequency of the target token",
+        ylabel="perplexity (log scale)",
+        title="Frequency-stratified perplexity",
+    )
     ax.grid(axis="y", alpha=0.3, which="both")
     ax.legend()
     return save_figure(fig, path)

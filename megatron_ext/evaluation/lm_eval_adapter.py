@@ -12,15 +12,18 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import torch
-import torch.distributed as dist
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator
 from tqdm.auto import tqdm
 
-from megatron_ext.evaluation.scoring import LoadedModel, load_for_evaluation
+from megatron_ext.evaluation.scoring import (
+    LoadedModel,
+    batch_of_rows,
+    load_for_evaluation,
+    rank0,
+)
 from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
 from megatron_ext.inference.loading import init_inference_parallel
 
@@ -61,34 +64,30 @@ class LeviathanLM(TemplateLM):
                 iteration=None if iteration is None else int(iteration),
                 tokenizer_model=tokenizer_model,
             )
-        self.loaded = loaded
         self.scorer = loaded.scorer
         self.tok = loaded.tokenizer
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 16
         self.max_length = int(max_length or loaded.seq_length)
         self.max_gen_toks = int(max_gen_toks)
-        self._rank0 = not dist.is_initialized() or dist.get_rank() == 0
-
-    # ---------------------------------------------------------------- harness interface
 
     @property
     def eot_token_id(self) -> int:
-        """End-of-text id for the harness: the tokenizer's end-of-document id."""
+        """The tokenizer's end-of-document id."""
         return self.tok.eod
 
     @property
     def tokenizer_name(self) -> str:
-        """Name of the tokenizer for the harness: the tokenizer model's path."""
+        """The tokenizer model's path."""
         return str(self.tok.model_path)
 
     @property
     def rank(self) -> int:
-        """Harness rank: 0 on every rank (the TP x PP ranks all compute the same results)."""
-        return 0  # every rank of our TP x PP world computes the same results
+        """0: every rank of the TP x PP world computes the same results."""
+        return 0
 
     @property
     def world_size(self) -> int:
-        """Harness world size: 1 (the TP x PP ranks act as one harness worker)."""
+        """1: the TP x PP ranks act as one harness worker."""
         return 1
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs):
@@ -108,22 +107,18 @@ class LeviathanLM(TemplateLM):
 
         collator = Collator(requests, sort_fn=order)
         results = []
-        bar = tqdm(total=len(requests), disable=disable_tqdm or not self._rank0, desc="scoring")
+        bar = tqdm(total=len(requests), disable=disable_tqdm or not rank0(), desc="scoring")
         for chunk in collator.get_batched(n=self.batch_size):
             rows = []
             for _, context, continuation in chunk:
                 # Left truncation: keep the last max_length + 1 ids (inputs are all but the last).
                 whole = (context + continuation)[-(self.max_length + 1) :]
-                rows.append((whole[:-1], whole[1:], min(len(continuation), len(whole) - 1)))
-            width = max(len(r[0]) for r in rows)
-            tokens = torch.zeros(len(rows), width, dtype=torch.long)
-            labels = torch.zeros_like(tokens)
-            for i, (inp, lab, _) in enumerate(rows):
-                tokens[i, : len(inp)] = torch.tensor(inp)
-                labels[i, : len(lab)] = torch.tensor(lab)
-            log_probs, greedy = self.scorer.target_scores(tokens, labels)
-            for i, (inp, _, n) in enumerate(rows):
-                span = slice(len(inp) - n, len(inp))
+                first = max(len(whole) - 1 - len(continuation), 0)  # its first scored label
+                rows.append((whole[:-1], whole[1:], first))
+            batch = batch_of_rows(rows, max(len(r[0]) for r in rows))
+            log_probs, greedy = self.scorer.target_scores(batch.tokens, batch.labels)
+            for i, (inp, _, first) in enumerate(rows):
+                span = slice(first, len(inp))
                 answer = (float(log_probs[i, span].double().sum()), bool(greedy[i, span].all()))
                 results.append(answer)
                 self.cache_hook.add_partial("loglikelihood", chunk[i][0], answer)
@@ -167,9 +162,9 @@ class LeviathanLM(TemplateLM):
         )
         results = []
         step, why = decode_step_for(self.scorer.model)
-        if self._rank0:
+        if rank0():
             logger.info("generate_until: decode step %s (%s)", step, why)
-        bar = tqdm(total=len(requests), disable=disable_tqdm or not self._rank0, desc="generating")
+        bar = tqdm(total=len(requests), disable=disable_tqdm or not rank0(), desc="generating")
         for chunk in collator.get_batched(n=self.batch_size):
             kwargs = dict(chunk[0][1])
             until = kwargs.pop("until", None) or []

@@ -1,10 +1,11 @@
-"""Result files of the evaluation tools, written atomically (temporary name, then rename), so
-that an interrupted run never leaves a half-written table or figure behind."""
+"""Result files of the evaluation tools, written atomically (temporary name, then rename): an
+interrupted run never leaves a half-written table or figure behind."""
 
 from __future__ import annotations
 
 import codecs
 import csv
+import functools
 import io
 import json
 import math
@@ -82,11 +83,7 @@ def write_csv(path: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -
 
 def format_markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub Markdown table; numeric columns right-aligned."""
-
-    def cell(value: Any) -> str:
-        return "" if value is None else str(value)
-
-    texts = [[cell(v) for v in row] for row in rows]
+    texts = [["" if v is None else str(v) for v in row] for row in rows]
     numeric = [
         all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) if rows else False
         for i in range(len(header))
@@ -97,15 +94,13 @@ def format_markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) 
     return "\n".join(lines) + "\n"
 
 
+@functools.cache
 def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display needed)."""
-    # deferred: matplotlib is slow to import and only the plots need it
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """matplotlib.pyplot on the Agg backend (no display needed), switched to once."""
     # deferred: matplotlib is slow to import and only the plots need it
     import matplotlib.pyplot as plt
 
+    plt.switch_backend("Agg")
     return plt
 
 

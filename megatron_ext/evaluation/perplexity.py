@@ -24,7 +24,7 @@ from megatron_ext.data.indexed import get_bin_path, get_idx_path, load_dataset, 
 from megatron_ext.data.loading import build_train_valid_test_datasets
 from megatron_ext.data.readers import iter_lines
 from megatron_ext.evaluation.outputs import EvaluationError, read_text_file
-from megatron_ext.evaluation.scoring import Batch
+from megatron_ext.evaluation.scoring import Batch, micro_batches
 
 __all__ = [
     "LossTotals",
@@ -65,46 +65,22 @@ class LossTotals:
 def pack_stream(
     documents: Iterable[np.ndarray], seq_length: int, micro_batch_size: int
 ) -> Iterator[Batch]:
-    """Micro-batches [b, seq_length] of the concatenated documents (see the module docstring).
-
-    Args:
-        documents: token id arrays, each already ending with its EOD where wanted.
-    """
+    """Micro-batches [b, seq_length] of the concatenated `documents` (token id arrays, each
+    already ending with its EOD where wanted; see the module docstring)."""
     if seq_length < 1 or micro_batch_size < 1:
         raise ValueError("seq_length and micro_batch_size must be >= 1")
-    span = seq_length + 1
-    pending: list[np.ndarray] = []
-    buffer = np.zeros(0, dtype=np.int64)
 
-    def batch(rows: list[np.ndarray]) -> Batch:
-        tokens = np.zeros((len(rows), seq_length), dtype=np.int64)
-        labels = np.zeros((len(rows), seq_length), dtype=np.int64)
-        mask = np.zeros((len(rows), seq_length), dtype=np.float32)
-        for i, row in enumerate(rows):
-            n = len(row) - 1
-            tokens[i, :n] = row[:-1]
-            labels[i, :n] = row[1:]
-            mask[i, :n] = 1.0
-        t = torch.from_numpy(tokens)
-        return Batch(
-            tokens=t,
-            labels=torch.from_numpy(labels),
-            loss_mask=torch.from_numpy(mask),
-            position_ids=torch.arange(seq_length).unsqueeze(0).expand_as(t).contiguous(),
-        )
+    def rows() -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+        buffer = np.zeros(0, dtype=np.int64)
+        for document in documents:
+            buffer = np.concatenate([buffer, np.asarray(document, dtype=np.int64)])
+            while len(buffer) > seq_length:
+                yield buffer[:seq_length], buffer[1 : seq_length + 1], 0
+                buffer = buffer[seq_length:]  # the last target is the next sequence's first input
+        if len(buffer) > 1:
+            yield buffer[:-1], buffer[1:], 0
 
-    for document in documents:
-        buffer = np.concatenate([buffer, np.asarray(document, dtype=np.int64)])
-        while len(buffer) >= span:
-            pending.append(buffer[:span])
-            buffer = buffer[seq_length:]  # the last token is the next sequence's first input
-            if len(pending) == micro_batch_size:
-                yield batch(pending)
-                pending = []
-    if len(buffer) > 1:
-        pending.append(buffer)
-    if pending:
-        yield batch(pending)
+    return micro_batches(rows(), seq_length, micro_batch_size)
 
 
 def dataset_documents(prefix: str) -> tuple[Iterator[np.ndarray], int]:
@@ -190,10 +166,7 @@ def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = 
             samples = [dataset[i] for i in range(first, min(first + micro_batch_size, needed))]
             stacked = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
             yield Batch(
-                tokens=stacked["tokens"],
-                labels=stacked["labels"],
-                loss_mask=stacked["loss_mask"],
-                position_ids=stacked["position_ids"],
+                *(stacked[k] for k in ("tokens", "labels", "loss_mask", "position_ids")),
                 attention_mask=stacked.get("attention_mask") if use_mask else None,
             )
 

@@ -1,12 +1,7 @@
-"""The comparison report of several arms trained alike: a parameter/perplexity table, the loss
-curves, the frequency-stratified table and, with the four ablation arms, the paper's
-decomposition of LEV's gain (docs/lev.md section 3).
-
-Inputs are what the other analyses wrote: each run's ``run.json`` (parameters, the training
-loop's last validation loss), ``tools/evaluate.py frequency``'s ``frequency.json``/``.md`` and
-``tools/evaluate.py curves``' sample-efficiency lines. Outputs: ``report.md`` and
-``summary.json`` in one directory.
-"""
+"""The comparison report of several arms trained alike (``report.md`` and ``summary.json``): a
+parameter/perplexity table, the loss curves, the frequency-stratified table and, with the four
+ablation arms, the paper's decomposition of LEV's gain (docs/lev.md section 3), from each run's
+``run.json`` and what ``tools/evaluate.py frequency`` and ``curves`` wrote."""
 
 from __future__ import annotations
 
@@ -18,11 +13,9 @@ from typing import Optional, Sequence
 from megatron_ext._paths import atomic_write
 from megatron_ext.evaluation.outputs import format_markdown_table
 
-__all__ = ["DECOMPOSITION", "all_token_rows", "decomposition", "write_comparison_report"]
+__all__ = ["DECOMPOSITION", "decomposition", "write_comparison_report"]
 
-# The paper's decomposition of LEV's gain, as a chain of arms that each add one ingredient:
-# linear compression (ALBERT) -> continuous generation from a plain seed (FLAT-MLP) ->
-# compositional digit seed (FACTORED-MLP) -> separable spline instead of an MLP (LEV).
+# A chain of arms that each add one ingredient of LEV (see `_decomposition_section`).
 DECOMPOSITION = (
     ("continuous representation", "albert", "flat-mlp"),
     ("compositional structure", "flat-mlp", "factored-mlp"),
@@ -38,11 +31,6 @@ def decomposition(losses: dict[str, float]) -> Optional[list[tuple[str, str, str
         return None
     ref = losses["albert"]
     return [(name, a, b, 100.0 * (losses[a] - losses[b]) / ref) for name, a, b in DECOMPOSITION]
-
-
-def all_token_rows(freq: dict) -> dict[str, dict]:
-    """The 'all' row (every validation token) of each run in a frequency.json."""
-    return {row["run"]: row for row in freq["rows"] if str(row["bin"]) == "all"}
 
 
 def write_comparison_report(
@@ -61,7 +49,8 @@ def write_comparison_report(
     ``runs[arm]`` holds ``parameters`` and ``final_valid_loss``; the baseline is TIED if present,
     else the first arm; ``setup`` says what the arms share."""
     base = "tied" if "tied" in arms else arms[0]
-    table, losses = _perplexity_table(arms, runs, all_token_rows(freq), base)
+    alls = {row["run"]: row for row in freq["rows"] if row["bin"] == "all"}  # every token's
+    table, losses = _perplexity_table(arms, runs, alls, base)
     parts = decomposition(losses)
     md = [
         f"# {title}", "", setup, "",

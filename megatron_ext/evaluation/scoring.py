@@ -1,28 +1,33 @@
 """Per-token losses and log-probabilities of a loaded checkpoint, at any TP x PP layout.
 
-Every rank of the tool's world (TP x PP ranks, no data parallelism) sees the same batch. Under
-TP the model's vocab-parallel cross entropy gives the per-token loss without gathering logits;
-under PP the stages pass [s, b, h] activations forward point-to-point and the last stage
-broadcasts the result, so every rank returns the same tensor. Everything runs under
-`torch.inference_mode` (no autograd; LEV looks ids up in its eval table).
+Every rank of the tool's world (TP x PP ranks, no data parallelism) sees the same batch and
+returns the same tensor: under TP the vocab-parallel cross entropy gives the per-token loss
+without gathering logits; under PP the stages pass [s, b, h] activations forward and the last
+stage broadcasts the result. No autograd; LEV looks ids up in its eval table.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol
+from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-if TYPE_CHECKING:
-    from megatron_ext.parallel import ProcessGroups
+from megatron_ext.inference.generation import lev_eval_tables
+from megatron_ext.inference.loading import (
+    find_checkpoint,
+    load_model,
+    run_model_config,
+    run_tokenizer,
+)
+from megatron_ext.parallel import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +36,10 @@ __all__ = [
     "LoadedModel",
     "ModelScorer",
     "TokenConsumer",
+    "batch_of_rows",
     "load_for_evaluation",
+    "micro_batches",
+    "rank0",
     "score_batches",
 ]
 
@@ -56,6 +64,32 @@ class Batch:
         return int(self.loss_mask.sum().item())
 
 
+def batch_of_rows(rows: Sequence[tuple[np.ndarray, np.ndarray, int]], width: int) -> Batch:
+    """A `Batch` [len(rows), width] of (inputs, labels, first scored position) rows, padded and
+    masked; position ids count from 0 in every row, as in training."""
+    tokens = np.zeros((len(rows), width), dtype=np.int64)
+    labels = np.zeros_like(tokens)
+    mask = np.zeros((len(rows), width), dtype=np.float32)
+    for i, (inputs, targets, first) in enumerate(rows):
+        tokens[i, : len(inputs)] = inputs
+        labels[i, : len(targets)] = targets
+        mask[i, first : len(targets)] = 1.0
+    t = torch.from_numpy(tokens)
+    return Batch(
+        tokens=t,
+        labels=torch.from_numpy(labels),
+        loss_mask=torch.from_numpy(mask),
+        position_ids=torch.arange(width).unsqueeze(0).expand_as(t).contiguous(),
+    )
+
+
+def micro_batches(rows: Iterable, width: int, micro_batch_size: int) -> Iterator[Batch]:
+    """`batch_of_rows` of every `micro_batch_size` rows (the last one may hold fewer)."""
+    rows = iter(rows)
+    while chunk := list(itertools.islice(rows, micro_batch_size)):
+        yield batch_of_rows(chunk, width)
+
+
 class TokenConsumer(Protocol):
     """Receives the scored targets of each batch (e.g. a perplexity sum, frequency bins)."""
 
@@ -69,7 +103,7 @@ class ModelScorer:
     over `pg.tp`; ids at or above `vocab_size` (padding) are never predicted."""
 
     def __init__(
-        self, model: torch.nn.Module, hidden_size: int, vocab_size: int, pg: "ProcessGroups"
+        self, model: torch.nn.Module, hidden_size: int, vocab_size: int, pg: ProcessGroups
     ) -> None:
         self.model = model
         self.hidden_size = hidden_size
@@ -77,16 +111,7 @@ class ModelScorer:
         self.pg = pg
         self.device = next(model.parameters()).device
         self.pp = pg.pp_size
-        self.first = pg.is_first_stage
         self.last = pg.is_last_stage
-        if self.pp > 1:
-            self.pp_group = pg.pp
-            self.last_rank = dist.get_process_group_ranks(pg.pp)[-1]
-            self.prev = None if self.first else pg.pp_neighbour(-1)
-            self.next = None if self.last else pg.pp_neighbour(1)
-        self.tp_group = pg.tp
-        self.tp = pg.tp_size
-        self.tp_rank = pg.tp_rank
 
     def _run(self, tokens, position_ids, attention_mask, labels) -> Optional[torch.Tensor]:
         tokens = tokens.to(self.device)
@@ -96,16 +121,15 @@ class ModelScorer:
         if labels is not None:
             labels = labels.to(self.device)
         if self.pp > 1:
-            b, s = tokens.shape
-            if not self.first:
+            hidden = None
+            if not self.pg.is_first_stage:
+                b, s = tokens.shape
                 hidden = torch.empty(s, b, self.hidden_size, device=self.device)
-                dist.recv(hidden, src=self.prev)
-                self.model.set_input_tensor(hidden)
-            else:
-                self.model.set_input_tensor(None)
+                dist.recv(hidden, src=self.pg.pp_neighbour(-1))
+            self.model.set_input_tensor(hidden)
         out = self.model(tokens, position_ids, attention_mask, labels=labels if self.last else None)
         if self.pp > 1 and not self.last:
-            dist.send(out.float().contiguous(), dst=self.next)
+            dist.send(out.float().contiguous(), dst=self.pg.pp_neighbour(1))
             return None
         return out
 
@@ -115,7 +139,8 @@ class ModelScorer:
         buffer = (
             out.contiguous() if self.last else torch.empty(shape, dtype=dtype, device=self.device)
         )
-        dist.broadcast(buffer, src=self.last_rank, group=self.pp_group)
+        last_rank = dist.get_process_group_ranks(self.pg.pp)[-1]
+        dist.broadcast(buffer, src=last_rank, group=self.pg.pp)
         return buffer
 
     @torch.inference_mode()
@@ -146,25 +171,30 @@ class ModelScorer:
         if out is not None:
             logits = out.float()  # [b, s, V/tp]
             shard = logits.size(-1)
-            first = self.tp_rank * shard
+            first = self.pg.tp_rank * shard
             ids = torch.arange(first, first + shard, device=logits.device)
             real_max = logits.masked_fill(ids >= self.vocab_size, float("-inf")).amax(-1)
             top = logits.amax(-1)
             local = (labels >= first) & (labels < first + shard)
             index = (labels - first).clamp(0, shard - 1).unsqueeze(-1)
             target = torch.where(local, logits.gather(-1, index).squeeze(-1), 0.0)
-            if self.tp > 1:
-                for value, op in ((real_max, dist.ReduceOp.MAX), (top, dist.ReduceOp.MAX)):
-                    dist.all_reduce(value, op=op, group=self.tp_group)
+            if self.pg.tp_size > 1:
+                for value in (real_max, top):
+                    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.pg.tp)
             sum_exp = torch.exp(logits - top.unsqueeze(-1)).sum(-1)
-            if self.tp > 1:
-                dist.all_reduce(sum_exp, group=self.tp_group)
-                dist.all_reduce(target, group=self.tp_group)
+            if self.pg.tp_size > 1:
+                dist.all_reduce(sum_exp, group=self.pg.tp)
+                dist.all_reduce(target, group=self.pg.tp)
             log_prob = target - top - torch.log(sum_exp)
             greedy = (target >= real_max).float()
             out = torch.stack([log_prob, greedy])
         out = self._from_last_stage(out, (2, *tokens.shape), torch.float32)
         return out[0], out[1] > 0
+
+
+def rank0() -> bool:
+    """Whether this process prints and writes the results (global rank 0, or no world)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
@@ -180,29 +210,16 @@ class LoadedModel:
     scorer: ModelScorer
     seq_length: int
 
-    @property
-    def name(self) -> str:
-        """The run's root directory, which names the model in results."""
-        return self.run.root
-
 
 def load_for_evaluation(
     load_dir: str,
-    pg: "ProcessGroups",
+    pg: ProcessGroups,
     *,
     iteration: Optional[int] = None,
     tokenizer_model: Optional[str] = None,
 ) -> LoadedModel:
     """Load a checkpoint (any arm, saved at any layout) at the TP x PP layout of `pg` (from
     `megatron_ext.inference.loading.init_inference_parallel`), LEV with its eval table."""
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.inference.loading import (
-        find_checkpoint,
-        load_model,
-        run_model_config,
-        run_tokenizer,
-    )
-
     run = find_checkpoint(load_dir, iteration)
     tokenizer = run_tokenizer(run, tokenizer_model)
     config = run_model_config(
@@ -214,21 +231,6 @@ def load_for_evaluation(
     model = load_model(run, config, pg)
     scorer = ModelScorer(model, config.hidden_size, tokenizer.vocab_size, pg)
     return LoadedModel(run, tokenizer, scorer, config.seq_length)
-
-
-@contextlib.contextmanager
-def _pinned_lev_tables(model: torch.nn.Module) -> Iterator[None]:
-    """Check each LEV eval table once for the whole pass instead of at every batch (the exact
-    comparison of the parameters with the table's snapshot): the weights do not change while
-    batches are scored."""
-    # deferred: keeps megatron.core (slow) out of this module's import
-    from megatron_ext.lev.layer import LEVEmbedding
-
-    with contextlib.ExitStack() as stack:
-        for module in model.modules():
-            if isinstance(module, LEVEmbedding):
-                stack.enter_context(module.pinned_eval_table())
-        yield
 
 
 def score_batches(
@@ -243,19 +245,18 @@ def score_batches(
     """Score every batch and hand its (targets, losses) to the consumers (a progress bar on
     rank 0); {"targets", "seconds", "tokens_per_second"}."""
     consumers = list(consumers)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     bar = tqdm(
         total=total_targets,
         desc=desc,
         unit="tok",
         unit_scale=True,
-        disable=not (show_progress and rank0),
+        disable=not (show_progress and rank0()),
         mininterval=1.0,
         dynamic_ncols=True,
     )
     start = time.perf_counter()
     scored = 0
-    with bar, _pinned_lev_tables(scorer.model):
+    with bar, lev_eval_tables(scorer.model):
         for batch in batches:
             losses = scorer.token_losses(
                 batch.tokens, batch.labels, batch.position_ids, batch.attention_mask
@@ -269,6 +270,6 @@ def score_batches(
             bar.update(len(targets))
     seconds = time.perf_counter() - start
     rate = scored / seconds if seconds > 0 else float("nan")
-    if rank0:
+    if rank0():
         logger.info("%s: %d tokens in %.1f s (%.0f tokens/s)", desc, scored, seconds, rate)
     return {"targets": scored, "seconds": seconds, "tokens_per_second": rate}

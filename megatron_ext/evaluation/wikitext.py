@@ -1,33 +1,28 @@
 """Wikitext-103 zero-shot perplexity from a local `wiki.test.tokens` (or `.raw`) file.
 
-The file holds articles, each starting with a top-level heading line ` = Title = `
-(sub-sections are ` = = Section = = `). Each article is detokenised with the standard
-wikitext rules (`detokenize`: ` @-@ ` -> `-`, spaces before punctuation, ...), tokenised with
-the run's tokenizer, preceded by the EOD token (so its first token is scored too) and scored
-with rolling windows (`rolling_windows`): windows of `context` tokens advance by `stride`, and
-each token is scored once, in the first window that ends at or after it, so it sees at least
-`context - stride` tokens of context (fewer only near the article start). Word-level
-perplexity divides the same total loss by the number of whitespace-separated words of the
-original (not detokenised) articles, as published wikitext results do.
+Each article (from its ` = Title = ` heading line to the next) is detokenised with the standard
+wikitext rules (`detokenize`), tokenised with the run's tokenizer, preceded by the EOD token (so
+its first token is scored too) and scored with rolling windows of `context` tokens advancing by
+`stride`: each token is scored once, in the first window that ends at or after it, so it sees at
+least `context - stride` tokens of context (fewer near the article start). Word perplexity
+divides the same total loss by the whitespace-separated words of the original articles, as
+published wikitext results do.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
-import torch
 
 from megatron_ext.evaluation.outputs import EvaluationError, read_text_file
-from megatron_ext.evaluation.scoring import Batch
+from megatron_ext.evaluation.scoring import Batch, micro_batches
 
 __all__ = [
     "Window",
-    "WikitextResult",
     "detokenize",
     "read_wikitext",
     "rolling_windows",
@@ -37,24 +32,12 @@ __all__ = [
 _TITLE = re.compile(r"^ = [^=].*[^=] = $")
 
 # The standard wikitext detokenisation, applied in order.
-_LITERAL_RULES = [
-    ("s '", "s'"),
-    (" @-@ ", "-"),
-    (" @,@ ", ","),
-    (" @.@ ", "."),
-    (" : ", ": "),
-    (" ; ", "; "),
-    (" . ", ". "),
-    (" ! ", "! "),
-    (" ? ", "? "),
-    (" , ", ", "),
-]
+_LITERAL_RULES = [("s '", "s'"), (" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", ".")]
+_LITERAL_RULES += [(f" {mark} ", f"{mark} ") for mark in ":;.!?,"]
+# Spaces inside brackets and quotes: "( x )" -> "(x)".
 _BRACKET_RULES = [
-    (re.compile(r"\(\s*([^\)]*?)\s*\)"), r"(\1)"),
-    (re.compile(r"\[\s*([^\]]*?)\s*\]"), r"[\1]"),
-    (re.compile(r"{\s*([^}]*?)\s*}"), r"{\1}"),
-    (re.compile(r"\"\s*([^\"]*?)\s*\""), r'"\1"'),
-    (re.compile(r"'\s*([^']*?)\s*'"), r"'\1'"),
+    (re.compile(rf"{re.escape(a)}\s*([^{re.escape(b)}]*?)\s*{re.escape(b)}"), rf"{a}\1{b}")
+    for a, b in ("()", "[]", "{}", '""', "''")
 ]
 _TAIL_RULES = [
     ("= = = =", "===="),
@@ -138,61 +121,12 @@ def window_batches(
     streams: Sequence[np.ndarray], context: int, stride: int, micro_batch_size: int
 ) -> Iterator[Batch]:
     """Micro-batches [b, context] of every window of every stream (padded and masked)."""
-    rows: list[tuple[np.ndarray, np.ndarray, int]] = []
-
-    def batch() -> Batch:
-        tokens = np.zeros((len(rows), context), dtype=np.int64)
-        labels = np.zeros_like(tokens)
-        mask = np.zeros((len(rows), context), dtype=np.float32)
-        for i, (inp, lab, first_scored) in enumerate(rows):
-            tokens[i, : len(inp)] = inp
-            labels[i, : len(lab)] = lab
-            mask[i, first_scored : len(lab)] = 1.0
-        t = torch.from_numpy(tokens)
-        return Batch(
-            tokens=t,
-            labels=torch.from_numpy(labels),
-            loss_mask=torch.from_numpy(mask),
-            position_ids=torch.arange(context).unsqueeze(0).expand_as(t).contiguous(),
-        )
-
-    for stream in streams:
-        for w in rolling_windows(len(stream) - 1, context, stride):
-            rows.append(
-                (stream[w.start : w.end], stream[w.start + 1 : w.end + 1], w.scored_after - w.start)
-            )
-            if len(rows) == micro_batch_size:
-                yield batch()
-                rows = []
-    if rows:
-        yield batch()
-
-
-@dataclass
-class WikitextResult:
-    """Totals of a rolling-window wikitext evaluation: article, word and token counts, the summed
-    token loss (nats) and the window settings."""
-
-    articles: int
-    words: int
-    tokens: int
-    loss_sum: float
-    context: int
-    stride: int
-
-    def as_dict(self) -> dict:
-        """The totals plus token loss, token perplexity and word perplexity (the summed loss per
-        original word) as a dict."""
-        return {
-            "articles": self.articles,
-            "words": self.words,
-            "tokens": self.tokens,
-            "token_loss": self.loss_sum / self.tokens,
-            "token_perplexity": math.exp(self.loss_sum / self.tokens),
-            "word_perplexity": math.exp(self.loss_sum / self.words),
-            "context": self.context,
-            "stride": self.stride,
-        }
+    rows = (
+        (stream[w.start : w.end], stream[w.start + 1 : w.end + 1], w.scored_after - w.start)
+        for stream in streams
+        for w in rolling_windows(len(stream) - 1, context, stride)
+    )
+    return micro_batches(rows, context, micro_batch_size)
 
 
 def prepare_streams(articles: Sequence[str], tokenizer) -> tuple[list[np.ndarray], int, int]:

@@ -28,9 +28,9 @@ from megatron_ext.data.tokenizers import TokenizerError
 logger = logging.getLogger("generate")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
+def add_checkpoint_flags(p) -> None:
+    """--ckpt-step and --tokenizer-model: which checkpoint of a run, and where its tokenizer is
+    (of every tool that loads a training checkpoint)."""
     p.add_argument(
         "--ckpt-step",
         "--iteration",
@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run's tokenizer, if not where it recorded it (for GPT2BPETokenizer: the "
         "directory holding its vocab and merge files)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="a run's --save directory or an iter_XXXXXXX")
+    add_checkpoint_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts-file", help="one prompt per line (.txt) or jsonl with 'prompt'")
@@ -108,47 +114,31 @@ def completion_text(tokenizer, prompt_ids: list[int], new: list[int]) -> str:
     return full[len(prefix) :] if full.startswith(prefix) else tokenizer.detokenize(new)
 
 
-def _generation():
-    """megatron_ext.inference.generation, imported on first use."""
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.inference import generation
-
-    return generation
-
-
 def run(args: argparse.Namespace) -> list[dict]:
-    # deferred: keeps torch (slow) out of this module's import
-    from megatron_ext.inference.loading import (
-        find_checkpoint,
-        init_inference_parallel,
-        load_model,
-        run_model_config,
-        run_tokenizer,
-    )
+    """One record per prompt of the flags' checkpoint and prompts."""
+    # deferred: keeps torch and megatron.core (slow) out of this module's import
+    from megatron_ext.inference import generation, loading
 
-    sampling = _sampling_config(args)
+    sampling = _sampling_config(args, generation.SamplingConfig)
     prompts = read_prompts(args)
-    run_ = find_checkpoint(args.load, args.ckpt_step)
-    tokenizer = run_tokenizer(run_, args.tokenizer_model)
+    saved = loading.find_checkpoint(args.load, args.ckpt_step)
+    tokenizer = loading.run_tokenizer(saved, args.tokenizer_model)
     if not args.no_stop_at_eod:
         sampling = replace(sampling, stop_token_ids=(tokenizer.eod,))
     tp = args.tensor_model_parallel_size
     try:
-        config = run_model_config(run_, tensor_model_parallel_size=tp)
+        config = loading.run_model_config(saved, tensor_model_parallel_size=tp)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != tp:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp:
         raise ArgumentError(
-            f"launch exactly --tensor-model-parallel-size ({tp}) ranks, "
-            f"not {os.environ['WORLD_SIZE']}"
+            f"--tensor-model-parallel-size {tp} needs {tp} ranks, not {world}: launch "
+            f"torchrun --nproc-per-node {tp}"
         )
-    if "WORLD_SIZE" not in os.environ and tp != 1:
-        raise ArgumentError(
-            f"--tensor-model-parallel-size {tp} needs torchrun --nproc-per-node {tp}"
-        )
-    pg = init_inference_parallel(tp, 1)
-    model = load_model(run_, config, pg)
-    step, why = _generation().decode_step_for(model, sampling.use_cache)
+    pg = loading.init_inference_parallel(tp, 1)
+    model = loading.load_model(saved, config, pg)
+    step, why = generation.decode_step_for(model, sampling.use_cache)
     if args.decode_step != "auto":
         if args.decode_step == "lean" and step != "lean":
             raise ArgumentError(f"--decode-step lean: {why}; use --decode-step megatron")
@@ -157,7 +147,26 @@ def run(args: argparse.Namespace) -> list[dict]:
     if rank0:
         logger.info("decode step: %s (%s)", step, why)
     start = time.perf_counter()
-    records = _records(model, tokenizer, prompts, sampling, pg, step, args.batch_size)
+    records = []
+    for first in range(0, len(prompts), args.batch_size):
+        batch = prompts[first : first + args.batch_size]
+        ids = [tokenizer.tokenize(p) for p in batch]
+        empty = [p for p, i in zip(batch, ids) if not i]
+        if empty:
+            raise ArgumentError(f"prompt {empty[0]!r} encodes to no token")
+        outputs = generation.generate(
+            model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size, step=step
+        )
+        for prompt, prompt_ids, new in zip(batch, ids, outputs):
+            records.append(
+                {
+                    "prompt": prompt,
+                    "completion": completion_text(tokenizer, prompt_ids, new),
+                    "prompt_ids": prompt_ids,
+                    "completion_ids": new,
+                    "stop_reason": "eod" if len(new) < sampling.max_new_tokens else "length",
+                }
+            )
     produced = sum(len(r["completion_ids"]) for r in records)
     elapsed = time.perf_counter() - start
     if rank0:
@@ -171,10 +180,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     return records
 
 
-def _sampling_config(args: argparse.Namespace):
+def _sampling_config(args: argparse.Namespace, config_class):
     """The `SamplingConfig` of the flags, checked with the batch and decode-step flags."""
     try:
-        sampling = _generation().SamplingConfig(
+        sampling = config_class(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
@@ -189,32 +198,6 @@ def _sampling_config(args: argparse.Namespace):
     if args.decode_step == "lean" and args.no_cache:
         raise ArgumentError("--decode-step lean always uses its KV cache; drop --no-cache")
     return sampling
-
-
-def _records(model, tokenizer, prompts, sampling, pg, step: str, batch_size: int) -> list[dict]:
-    """One output record per prompt, generated `batch_size` prompts at a time."""
-    generate = _generation().generate
-    records = []
-    for first in range(0, len(prompts), batch_size):
-        batch = prompts[first : first + batch_size]
-        ids = [tokenizer.tokenize(p) for p in batch]
-        empty = [p for p, i in zip(batch, ids) if not i]
-        if empty:
-            raise ArgumentError(f"prompt {empty[0]!r} encodes to no token")
-        outputs = generate(
-            model, ids, sampling, tp_group=pg.tp, vocab_size=tokenizer.vocab_size, step=step
-        )
-        for prompt, prompt_ids, new in zip(batch, ids, outputs):
-            records.append(
-                {
-                    "prompt": prompt,
-                    "completion": completion_text(tokenizer, prompt_ids, new),
-                    "prompt_ids": prompt_ids,
-                    "completion_ids": new,
-                    "stop_reason": "eod" if len(new) < sampling.max_new_tokens else "length",
-                }
-            )
-    return records
 
 
 def _errors() -> tuple:

@@ -1,23 +1,12 @@
-"""Load a training checkpoint for evaluation, generation and conversion.
-
-A checkpoint directory records everything needed to rebuild its model: the run's flags
-(`args.json`, read as configs: `SavedRun.model`, `.data`, `.run_config()`), the iteration and
-layout (`common.json`) and the DCP shards. These helpers turn it back into a model at whatever
+"""Load a training checkpoint for evaluation, generation and conversion, at whatever TP x PP
 layout the caller runs (TP=1 on one CPU process included)::
 
     run = find_checkpoint("ckpt/lev")                  # latest, or iteration=...
     pg = init_inference_parallel(tensor_model_parallel_size=1)
-    tokenizer = run_tokenizer(run)
     model = load_model(run, run_model_config(run), pg)  # eval mode, weights loaded
 
-The `ProcessGroups` that `init_inference_parallel` returns are what the model is built over and
-what scoring (`evaluation.scoring.ModelScorer`) and generation (`generate(..., tp_group=pg.tp)`)
-take.
-
-`find_checkpoint` checks every file of the checkpoint against the digests recorded when it was
-saved (collectively when torch.distributed is initialised), before anything reads it; reading
-runs no code from it (`megatron_ext.checkpoint.safe_load`). Every problem with the directory is
-a `CheckpointError` whose one-line message names the path and says what to do.
+`find_checkpoint` checks every file against the digests recorded at save time before anything
+reads it; every problem with the directory is a one-line `CheckpointError`.
 """
 
 from __future__ import annotations
@@ -97,11 +86,7 @@ class SavedRun:
             raise CheckpointError(f"{self.path}/args.json: {error}") from None
 
     def run_config(self) -> RunConfig:
-        """The training run args.json records.
-
-        Raises:
-            ValueError: the checkpoint was not written by a training run (import-hf's).
-        """
+        """The training run args.json records; ValueError for import-hf's checkpoints."""
         return run_config_from_args_json(self.args_json)
 
     @property
@@ -126,22 +111,18 @@ def find_checkpoint(
     verify: bool = True,
     progress: bool = False,
 ) -> SavedRun:
-    """The complete checkpoint of `load_dir` (a `--save` directory, or one `iter_XXXXXXX`),
-    checked against its digests (`verify`; collective when torch.distributed is initialised;
-    `progress`: a progress bar on large checkpoints).
-
-    Args:
-        load_dir: the training run's `--save` directory, or a checkpoint directory in it.
-        iteration: which checkpoint (default: the latest).
+    """The complete checkpoint `iteration` (default: the latest) of `load_dir` (a `--save`
+    directory, or one `iter_XXXXXXX`), checked against its digests (`verify`; collective when
+    torch.distributed is initialised; `progress`: a progress bar on large checkpoints).
 
     Raises:
         CheckpointError: no such directory, no complete checkpoint, or one without args.json;
-            CheckpointDigestError: a damaged file (naming it and an older checkpoint that
-            verifies).
+            CheckpointDigestError: a damaged file (naming it and an older one that verifies).
     """
     root, iteration = locate_checkpoint(load_dir, iteration)
     path = checkpoint_dir(root, iteration)
-    missing = [f for f in ("common.json", "args.json", ".metadata") if not _isfile(path, f)]
+    needed = ("common.json", "args.json", ".metadata")
+    missing = [f for f in needed if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise CheckpointError(
             f"{path} is not a complete checkpoint (missing {', '.join(missing)}); "
@@ -161,20 +142,11 @@ def find_checkpoint(
     return SavedRun(root=root, iteration=iteration, path=path, args_json=args_json, common=common)
 
 
-def _isfile(path: str, name: str) -> bool:
-    return os.path.isfile(os.path.join(path, name))
-
-
 def run_tokenizer(run: SavedRun, tokenizer_model: Optional[str] = None):
-    """The tokenizer the run trained with, built from what its args.json records (any type
-    training accepts: SentencePiece, Hugging Face, tiktoken, GPT-2 BPE, Null), checked against
-    the fingerprint the checkpoint recorded (checkpoints written before fingerprints are not
-    checked).
-
-    `tokenizer_model` points at the tokenizer when it is no longer where the run recorded it
-    (e.g. the run was launched from another directory): the model file or directory, or for a
-    GPT-2 BPE run the directory holding its vocab and merge files.
-    """
+    """The tokenizer the run trained with (any type training accepts), built from its args.json
+    and checked against the fingerprint the checkpoint recorded (if any). `tokenizer_model`:
+    where the tokenizer is now, if not where the run recorded it (for GPT-2 BPE, the directory
+    holding its vocab and merge files)."""
     data = run.data
     if data.tokenizer_type is None:
         raise CheckpointError(f"{run.path}: the run recorded no --tokenizer-type")
@@ -246,9 +218,8 @@ def run_model_config(
     transformer_impl: Optional[str] = None,
 ):
     """The run's `ModelConfig` (from its args.json; dropout and recomputation off), checked
-    against the TP x PP layout this process runs (`config.layout.check_layout`). `load_model`
-    builds it at its process groups' TP x PP, in float32, without sequence parallelism (the
-    tools score and generate at inference shapes)."""
+    against the TP x PP layout this process runs; `load_model` builds it there in float32,
+    without sequence parallelism."""
     config = run.model
     if transformer_impl is None and not torch.cuda.is_available():
         transformer_impl = "local"
@@ -275,39 +246,26 @@ def run_model_config(
 def init_inference_parallel(
     tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
 ) -> "ProcessGroups":
-    """Initialise torch.distributed and megatron's groups for a tool; return this rank's groups.
-
-    Under torchrun the launcher's environment is used; a plain `python tools/x.py` becomes a
-    one-rank world over an in-memory store (no port: two tools can run side by side). Calling it
-    again is harmless: groups already at this layout are kept, others are rebuilt.
-    """
+    """This rank's groups at this layout, torch.distributed and megatron's groups initialised
+    (under torchrun from its environment; a plain `python` is a one-rank world). Groups already
+    at this layout are kept, others are rebuilt."""
     current = ProcessGroups.current()
+    layout = (tensor_model_parallel_size, pipeline_model_parallel_size)
     if current is not None:
-        if (current.tp_size, current.pp_size) == (
-            tensor_model_parallel_size,
-            pipeline_model_parallel_size,
-        ):
+        if (current.tp_size, current.pp_size) == layout:
             return current
         destroy_parallel()
-    return initialize_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+    return initialize_parallel(*layout)
 
 
 def load_model(run: SavedRun, model_config, pg: "ProcessGroups") -> torch.nn.Module:
-    """This rank's stage of the run's model with the checkpoint's weights, in eval mode.
-
-    Args:
-        run: the checkpoint (`find_checkpoint`, which verified it).
-        model_config: `run_model_config(run, ...)`.
-        pg: the groups (`init_inference_parallel`) the model is built over, at their TP x PP
-            layout, and loaded with.
-    """
+    """This rank's stage of the run's model (`model_config`: `run_model_config(run, ...)`) with
+    the checkpoint's weights, in eval mode, built over `pg` at its TP x PP layout."""
     parallel = ParallelConfig(
         tensor_model_parallel_size=pg.tp_size, pipeline_model_parallel_size=pg.pp_size
     )
-    # Built without drawing initial values (megatron's CPU init draws a full [V, D] master per
-    # vocabulary-parallel weight and copies its shard: 3 GB at V = 200k, D = 2048, more than a
-    # TP=1 export's model, benchmarks/RESULTS.md); the load sets every parameter
-    # (strict_missing below). The layers still mark their tensor-parallel layout.
+    # No initial values drawn (megatron's CPU init draws a full [V, D] master per vocabulary-
+    # parallel weight: 3 GB at V = 200k, D = 2048): the load sets every parameter (strict_missing).
     model = build_model(
         model_config.replace(perform_initialization=False),
         parallel=parallel,

@@ -8,6 +8,7 @@ by the next run. Once one stage is redone, every later stage is redone too.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -93,23 +94,19 @@ def run_command(
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")
     say("  $ " + " ".join(short_path(c) for c in cmd))
-    if log is None:
-        rc = _wait(subprocess.Popen(cmd, cwd=cwd, env=env))
-        if rc:
-            raise StageError(f"command failed with exit code {rc}: {cmd[0]} ...")
-        return
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+    piped = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if log else {}
+    with open(log, "w") if log else contextlib.nullcontext() as fh:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, **piped)
         try:
-            for line in proc.stdout:
+            for line in proc.stdout or ():
                 fh.write(line)
                 _echo(line, show)
+            rc = proc.wait()
         except KeyboardInterrupt:
             _stop(proc)
             raise
-        rc = _wait(proc)
+    if rc and log is None:
+        raise StageError(f"command failed with exit code {rc}: {cmd[0]} ...")
     _check_exit(rc, log)
 
 
@@ -122,14 +119,13 @@ def run_launched(
     cwd: Path,
     log: Path,
     show: Optional[re.Pattern] = None,
-    torchrun_args: tuple[str, ...] = ("--standalone",),
 ) -> None:
     """Run ``entry`` on ``nproc`` ranks under torchrun (megatron_ext.launch), output to
     ``log`` with the lines matching ``show`` echoed, as :func:`run_command` does for a plain
     command. Ctrl-C interrupts the ranks (torchrun forwards it), then re-raises."""
     job = launch(
         entry, nproc, args, python=python, cwd=cwd, log=log, timeout=None, torchrun=True,
-        torchrun_args=torchrun_args,
+        torchrun_args=("--standalone",),
     )  # fmt: skip
     say("  $ " + " ".join(short_path(c) for c in job.cmd))
     with job:
@@ -152,14 +148,6 @@ def _check_exit(rc: int, log: Path) -> None:
         raise StageError(f"command failed with exit code {rc}; end of {log}:\n{tail}")
 
 
-def _wait(proc: subprocess.Popen) -> int:
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        _stop(proc)
-        raise
-
-
 def _stop(proc: subprocess.Popen) -> None:
     """Interrupt the child (a terminal's Ctrl-C already did; a SIGTERM to us alone did not),
     give it a moment to exit cleanly, then kill it."""
@@ -174,6 +162,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _fingerprint(key: dict) -> str:
     return hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _finished(final: Path, fingerprint: str) -> Optional[dict]:
+    """The completion marker of the stage in `final` if it was finished with these settings."""
+    marker = final / MARKER
+    done = json.loads(marker.read_text()) if marker.is_file() else {}
+    return done if done.get("fingerprint") == fingerprint else None
 
 
 def run_stages(stages: list[Stage], out: Path, only: Optional[Sequence[str]] = None) -> None:
@@ -191,25 +186,20 @@ def run_stages(stages: list[Stage], out: Path, only: Optional[Sequence[str]] = N
         final, tmp = out / stage.name, out / f".{stage.name}.tmp"
         fp = _fingerprint(stage.key)
         header = f"[{i}/{len(stages)}] {stage.title}"
-        marker = final / MARKER
         if only is not None and stage.name not in only:
-            if stage.name not in needed:
-                continue
-            done = json.loads(marker.read_text()) if marker.is_file() else {}
-            if done.get("fingerprint") != fp:
+            if stage.name in needed and _finished(final, fp) is None:
                 raise StageError(
                     f"stage '{stage.name}' is not finished for these settings in "
                     f"{short_path(str(final))}: run it first (--stages {stage.name})"
                 )
             continue
-        if not redo and marker.is_file():
-            done = json.loads(marker.read_text())
-            if done.get("fingerprint") == fp:
-                say(
-                    f"\n{header}: reusing the finished stage in {short_path(str(final))} "
-                    f"({done.get('summary', '')})"
-                )
-                continue
+        done = None if redo else _finished(final, fp)
+        if done is not None:
+            say(
+                f"\n{header}: reusing the finished stage in {short_path(str(final))} "
+                f"({done.get('summary', '')})"
+            )
+            continue
         redo = True
         say(f"\n{header} -> {short_path(str(final))}")
         if tmp.exists():
