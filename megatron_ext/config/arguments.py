@@ -179,7 +179,6 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
 def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
     """The `RunConfig` of parsed flags (`world_size` ranks: Megatron-LM's derivations), or of a
     checkpoint's args.json (`world_size` None: the derived values as it recorded them)."""
-    seq_length, seed = values.get("seq_length"), values.get("seed", RunConfig.seed)
     if world_size is None:
         parallel = ParallelConfig(**flag_values(ParallelConfig, values, derived=True))
         batch = BatchConfig(**flag_values(BatchConfig, values, derived=True))
@@ -187,7 +186,7 @@ def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
     else:
         parallel = ParallelConfig(**flag_values(ParallelConfig, values)).resolve(world_size)
         batch = BatchConfig.from_run_length(
-            parallel.data_parallel_size, seq_length=seq_length, **flag_values(BatchConfig, values)
+            parallel.data_parallel_size, **flag_values(BatchConfig, values)
         )
         optim = OptimizerConfig.from_schedule(
             global_batch_size=batch.global_batch_size,
@@ -200,7 +199,9 @@ def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
         model.check_as_given()
     data = data_config_from_args_json(values)
     parts = {name: cls(**flag_values(cls, values, derived=True)) for name, cls in _PARTS.items()}
-    return RunConfig(batch, optim, parallel, seed=seed, model=model, lev=lev, data=data, **parts)
+    return RunConfig(
+        batch, optim, model, parallel, lev=lev, data=data, **parts, **flag_values(RunConfig, values)
+    )
 
 
 def _compat_flags(values: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -239,12 +240,7 @@ def data_config_from_args_json(saved: dict[str, Any]) -> DataConfig:
     ):
         logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
         values["tokenizer_type"] = "GPT2BPETokenizer"  # Megatron-LM's
-    return DataConfig(
-        seq_length=saved.get("seq_length"),
-        seed=saved.get("seed", RunConfig.seed),
-        tokenizer_fingerprint=saved.get("tokenizer_fingerprint"),
-        **values,
-    )
+    return DataConfig(tokenizer_fingerprint=saved.get("tokenizer_fingerprint"), **values)
 
 
 def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:

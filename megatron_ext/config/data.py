@@ -7,7 +7,6 @@ pipeline's one-line error. The datasets themselves are `data.loading`'s.
 from __future__ import annotations
 
 import os
-from dataclasses import field
 from typing import Optional, Sequence
 
 from megatron_ext.config.flags import flag, flag_dataclass
@@ -44,7 +43,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = VOCAB_MULTIPLE, tp_si
 
 @flag_dataclass
 class DataConfig:
-    """Where training data comes from and how samples are cut (fields named as the flags)."""
+    """Where training data comes from and how samples are cut (fields named as the flags); the
+    run's --seq-length and --seed are given to the dataset builder."""
 
     data_path: Optional[list[str]] = flag(
         None, "dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...", nargs="*"
@@ -57,10 +57,6 @@ class DataConfig:
     test_data_path: Optional[list[str]] = flag(None, "test prefix(es)", nargs="*")
     data_cache_path: Optional[str] = flag(None, "directory for cached sample indices")
     mock_data: bool = flag(False, "synthetic data (Megatron-Core's MockGPTDataset)")
-    seq_length: int = field(kw_only=True)
-    """Tokens per sample (--seq-length, `ModelConfig`'s flag: the run's one value is passed in)."""
-    seed: int = 1234
-    """The run's --seed (`RunConfig`'s flag)."""
     tokenizer_type: Optional[str] = flag(
         None, "tokenizer kind (required)", shapes_model=True, choices=TOKENIZER_TYPE_NAMES
     )
@@ -102,8 +98,6 @@ class DataConfig:
             raise DataError(
                 "choose one of --data-path, the per-split --*-data-path flags and --mock-data"
             )
-        if self.seq_length < 1:
-            raise DataError(f"--seq-length must be >= 1, got {self.seq_length}")
         if self.data_path and not self.split:
             raise DataError("--data-path needs --split (e.g. 969,30,1)")
         for name, blend in (

@@ -227,12 +227,18 @@ def check_layout(
             f"--seq-length {model_cfg.seq_length} is not divisible by --tensor-model-parallel-size "
             f"{tp}, which --sequence-parallel needs; change the sequence length"
         )
+    cp = parallel.context_parallel_size
+    if cp > 1 and model_cfg.seq_length % (2 * cp):
+        raise ValueError(
+            f"--seq-length {model_cfg.seq_length} is not divisible by 2 x --context-parallel-size "
+            f"{cp}"
+        )
     if model_cfg.embedding.embedding_type == "lev":
         model_cfg.embedding.lev.heads_per_rank(tp)  # LEV splits its heads over TP
     impl = model_cfg.transformer_impl
-    if parallel.context_parallel_size > 1 and impl != "transformer_engine":
+    if cp > 1 and impl != "transformer_engine":
         raise ValueError(
-            f"--context-parallel-size {parallel.context_parallel_size} needs --transformer-impl "
+            f"--context-parallel-size {cp} needs --transformer-impl "
             "transformer_engine on a CUDA GPU (megatron-core's context-parallel attention is "
             "Transformer Engine's); without one, pass --context-parallel-size 1"
         )

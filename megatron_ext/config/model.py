@@ -176,8 +176,8 @@ class ModelConfig:
         minimum=1,
     )
     seq_length: Optional[int] = flag(None, "tokens per sample", shapes_model=True, minimum=1)
-    """The run's one value, which `BatchConfig` and `DataConfig` also receive. Rotary positions
-    need no table, so None (a model built alone) means 128."""
+    """The run's one value (`RunConfig.model`: a sample's tokens, which the datasets are cut
+    to). Rotary positions need no table, so None (a model built in code) means 128."""
     rotary_base: int = flag(10000, "base of the rotary frequencies", shapes_model=True)
     rotary_percent: float = flag(1.0, "fraction of head channels rotated", shapes_model=True)
     head_dim: Optional[int] = flag(
@@ -303,8 +303,10 @@ class ModelConfig:
         """Megatron-LM's rules for the sizes as the command line gives them (a model built in
         code has the rest filled): all of --num-layers, --hidden-size and --num-attention-heads,
         a --model-size preset, or none (the debug model); --num-query-groups only with
-        --group-query-attention (Megatron-LM ignores it without the switch); --seq-length no
+        --group-query-attention (Megatron-LM ignores it without the switch); --seq-length, no
         longer than --max-position-embeddings when that is given."""
+        if "seq_length" in self.derived:
+            raise ValueError("--seq-length is required")
         sizes = ("num_layers", "hidden_size", "num_attention_heads")
         given = [name for name in sizes if name not in self.derived]
         if not self.model_size and given and len(given) < len(sizes):

@@ -40,10 +40,8 @@ __all__ = [
 class BatchConfig:
     """Batch sizes and run length (Megatron-LM's flags). The command line leaves the global
     batch and the run length unset and `from_run_length` derives them; a library user gives
-    them directly."""
+    them directly. A sample is `model.seq_length` tokens."""
 
-    seq_length: int
-    """Tokens per sample (--seq-length, `ModelConfig`'s flag: the length the model is built for)."""
     micro_batch_size: Optional[int] = flag(
         1,
         "sequences per forward and backward on one rank (required)",
@@ -84,12 +82,6 @@ class BatchConfig:
         choices=("single",),
     )
 
-    def __post_init__(self) -> None:
-        if self.seq_length is None:
-            raise ValueError("--seq-length is required")
-        if self.seq_length < 1:
-            raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
-
     def rampup(self, data_parallel_size: int) -> Optional[BatchSizeRampup]:
         """The --rampup-batch-size schedule up to the global batch, in steps that split into
         micro-batches over `data_parallel_size` ranks, or None without the flag.
@@ -108,7 +100,6 @@ class BatchConfig:
         cls,
         data_parallel_size: int,
         *,
-        seq_length: int,
         micro_batch_size: int,
         global_batch_size: Optional[int] = None,
         train_iters: Optional[int] = None,
@@ -127,7 +118,6 @@ class BatchConfig:
         if global_batch_size is None and micro_batch_size is not None:
             global_batch_size = micro_batch_size * data_parallel_size
         batch = cls(
-            seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
             train_iters=train_iters or 0,
@@ -515,6 +505,9 @@ class RunConfig:
     batch: BatchConfig
     optim: OptimizerConfig
     """Required: --lr has no default (as in Megatron-LM)."""
+    model: ModelConfig
+    """The model, its `seq_length` the run's (a sample's tokens). From the command line its
+    vocabulary is None until `with_tokenizer`."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -524,9 +517,6 @@ class RunConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     seed: int = flag(1234, "seeds Python, NumPy and torch (offset by the pipeline rank)")
-    model: Optional[ModelConfig] = None
-    """The model (None: the model provider given to `pretrain` holds it, as in tests). From the
-    command line its vocabulary is None until `with_tokenizer`."""
     lev: Optional[LEVConfig] = None
     """The --lev-* flags (args.json records them for every arm): for an arm that uses LEV,
     `model.embedding.lev` itself (at the model's V and D); given here only for the others."""
@@ -542,14 +532,13 @@ class RunConfig:
         megatron's engine keeps BF16 parameters; the model's depth gives the chunks per
         pipeline rank; --skip-train loads no optimizer state."""
         precision, model, ckpt = values["precision"], values["model"], values["ckpt"]
-        if model is not None and model.embedding.lev is not None:
+        if model.embedding.lev is not None:
             if values["lev"] not in (None, model.embedding.lev):
                 raise ValueError("RunConfig: a LEV arm's run uses model.embedding.lev: lev=None")
             values["lev"] = model.embedding.lev
         if values["engine"].ddp_impl == "megatron" and precision.bf16:
             values["precision"] = dataclasses.replace(precision, params_dtype="bfloat16")
-        if model is not None:
-            values["parallel"] = values["parallel"].with_num_layers(model.num_layers)
+        values["parallel"] = values["parallel"].with_num_layers(model.num_layers)
         if values["exit"].skip_train and ckpt.load:
             values["ckpt"] = dataclasses.replace(ckpt, no_load_optim=True)
         return values
@@ -565,11 +554,6 @@ class RunConfig:
                 f"--global-batch-size {b.global_batch_size} is not divisible by "
                 f"--micro-batch-size {b.micro_batch_size} x data-parallel size "
                 f"{p.data_parallel_size} = {micro_times_dp}; change one of them"
-            )
-        cp = p.context_parallel_size
-        if cp > 1 and b.seq_length % (2 * cp):
-            raise ValueError(
-                f"--seq-length {b.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
             )
         b.rampup(p.data_parallel_size)  # checks --rampup-batch-size
         if p.num_layers_per_virtual_pipeline_stage:
@@ -602,8 +586,7 @@ class RunConfig:
             raise ValueError(
                 "--profile writes its trace beside the TensorBoard logs: --tensorboard-dir"
             )
-        if self.model is not None:
-            check_layout(self.model, self.parallel, self.precision)
+        check_layout(self.model, self.parallel, self.precision)
 
     def _check_interleaved(self) -> None:
         """What the interleaved 1F1B schedule (virtual pipeline stages) needs of the run."""
@@ -681,9 +664,8 @@ class RunConfig:
         out.update(seed=self.seed, world_size=self.parallel.world_size)
         if self.lev is not None:
             out.update(_recorded(self.lev))
-        if self.model is not None:
-            given = {name: None for name in self.model.derived}
-            out.update({**_recorded(self.model), **_recorded(self.model.embedding), **given})
+        given = {name: None for name in self.model.derived}
+        out.update({**_recorded(self.model), **_recorded(self.model.embedding), **given})
         if self.data is not None:
             out.update(_recorded(self.data))
             if self.data.tokenizer_fingerprint is not None:
