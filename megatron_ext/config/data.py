@@ -1,7 +1,5 @@
-"""`DataConfig`: where training data comes from, how samples are cut, and the tokenizer, with
-Megatron-LM's data and tokenizer flags (`--data-path`, `--split`, `--tokenizer-type`, ...);
-`padded_vocab_size`, the model's vocabulary from the tokenizer's; `DataError`, the data
-pipeline's one-line error. The datasets themselves are `data.loading`'s.
+"""`DataConfig`: the training data and the tokenizer, with Megatron-LM's data and tokenizer
+flags; `padded_vocab_size`; `DataError`, the data pipeline's one-line error.
 """
 
 from __future__ import annotations
@@ -113,12 +111,8 @@ class DataConfig:
         return sum([bool(self.data_path), per_split, self.mock_data])
 
     def check_sources(self) -> None:
-        """Refuse a config that names no training data (a run's; a checkpoint's args.json that
-        no training run wrote has none).
-
-        Raises:
-            DataError: none of --data-path, the per-split --*-data-path flags, --mock-data.
-        """
+        """Refuse (DataError) a run that names no training data (a checkpoint's args.json that
+        no training run wrote has none)."""
         if self._sources() == 0:
             raise DataError(
                 "no training data: pass --data-path, or --train-data-path/--valid-data-path/"

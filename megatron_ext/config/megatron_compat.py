@@ -47,19 +47,14 @@ class Rule:
     """What happens when a flag that is not implemented here is given."""
 
     status: str
-    note: str
-    """One line: why, and what to use instead."""
-    allowed: Optional[tuple] = None
-    """For DESIGN value flags: the values that restate the design (accepted)."""
-    cpu_refused: bool = False
-    """For CUDA-path flags: refused on CPU (else ignored there with a logged note)."""
-    effective: object = None
-    """For DESIGN switches: the value the run really uses (shown in the argument dump)."""
-    choices: Optional[tuple] = None
-    """Megatron-LM's valid values (argparse checks them)."""
+    note: str  # one line: why, and what to use instead
+    allowed: Optional[tuple] = None  # DESIGN value flags: the values that restate the design
+    cpu_refused: bool = False  # CUDA-path flags: refused on CPU (else ignored with a note)
+    effective: object = None  # DESIGN switches: the value the run uses (in args.json)
+    choices: Optional[tuple] = None  # Megatron-LM's valid values
     default: object = argparse.SUPPRESS
-    """The value the namespace (and args.json) holds when the flag is not given: Megatron-LM's
-    default for the launch-script flags of this backbone's fixed design, else nothing."""
+    """The namespace's (args.json's) value when the flag is not given: Megatron-LM's default for
+    the launch-script flags of this backbone's fixed design, else nothing."""
 
 
 def _r(note: str) -> Rule:
@@ -366,12 +361,9 @@ _FUSION = (
     "stored under the flag's own name, no_*: false, where Megatron-LM stores the inverse (its "
     "fusion switch: true); the same unset flag, noted and ignored"
 )
-_DESIGN_DEFAULT = None  # a DESIGN rule's flag: its effective value; the rule's note says why
 
-# Megatron-LM core_v0.16.1's default of every flag whose default differs here, and why
-# (tests/training/test_megatron_compat.py compares the parser with Megatron-LM's own parser,
-# recorded in tests/training/data/megatron_lm_defaults.json); every other shared flag defaults
-# as in Megatron-LM. docs/megatron-compat.md lists them.
+# Megatron-LM core_v0.16.1's default of every flag whose default differs here, and why (every
+# other shared flag defaults as there: tests/training/test_megatron_compat.py).
 DEFAULT_DIFFERENCES: dict[str, tuple[object, Optional[str]]] = {
     "--distributed-backend": (
         "nccl",
@@ -413,28 +405,17 @@ DEFAULT_DIFFERENCES: dict[str, tuple[object, Optional[str]]] = {
     "--no-bias-dropout-fusion": (True, _FUSION),
     "--no-rope-fusion": (True, _FUSION),
     "--no-gradient-accumulation-fusion": (True, _FUSION),
+    # None: the fixed design (the rule's note says why). A design switch is on here, and off in
+    # Megatron-LM unless it spells the inverse there (--no-*, --disable-*).
     **{
-        flag: (False, _DESIGN_DEFAULT)
-        for flag in (
-            "--use-rotary-position-embeddings",
-            "--swiglu",
-            "--apply-layernorm-1p",
-            "--use-mcore-models",
-            "--use-pytorch-profiler",
-            "--auto-detect-ckpt-format",
-            "--ckpt-fully-parallel-load",
-            "--dist-ckpt-optim-fully-reshardable",
-            "--distrib-optim-fully-reshardable-mem-efficient",
-            "--use-dist-ckpt",
-            "--ckpt-fully-parallel-save",
-            "--attention-softmax-in-fp32",
-            "--accumulate-allreduce-grads-in-fp32",
-            "--legacy-tokenizer",
-            "--tokenizer-hf-use-fast",
-        )
-    },  # fmt: skip
-    "--position-embedding-type": ("learned_absolute", _DESIGN_DEFAULT),
-    "--normalization": ("LayerNorm", _DESIGN_DEFAULT),
+        flag: (False, None)
+        for _, flag, kind in MEGATRON_FLAGS
+        if kind == "switch"
+        and getattr(_RULES.get(flag), "status", None) == DESIGN
+        and not flag.startswith(("--no-", "--disable-"))
+    },
+    "--position-embedding-type": ("learned_absolute", None),
+    "--normalization": ("LayerNorm", None),
 }
 
 

@@ -1,13 +1,9 @@
-"""The run's configuration: `RunConfig`, one frozen dataclass whose parts are the training
-settings (batch and run length, optimizer, exit, evaluation, checkpoint, logging, memory,
-engine), the parallel layout and precision (`config.layout`), the model with its LEV
-hyper-parameters (`config.model`, `config.lev`) and the data (`config.data`).
-
-Each part declares its flags on its fields (the help says what a flag does; --help adds its
-default) and checks itself in `__post_init__`; `RunConfig` checks what spans two parts and
-derives what one part gives another; `resolve(world_size)` derives the data-parallel size.
-`config.arguments.parse_config` builds it from the command line, and `RunConfig.args_json()`
-is what args.json records: docs/architecture.md "One flag, end to end".
+"""`RunConfig`: every setting of a run in one frozen dataclass, one part per concern: batch and
+run length, optimizer, exit, evaluation, checkpoint, logging, memory and engine (here), layout
+and precision (`config.layout`), the model (`config.model`, `config.lev`) and the data
+(`config.data`). Each part declares its flags on its fields and checks itself; `RunConfig`
+checks and derives across parts, and `args_json()` is args.json (docs/architecture.md "One flag,
+end to end").
 """
 
 from __future__ import annotations
@@ -83,12 +79,8 @@ class BatchConfig:
     )
 
     def rampup(self, data_parallel_size: int) -> Optional[BatchSizeRampup]:
-        """The --rampup-batch-size schedule up to the global batch, in steps that split into
-        micro-batches over `data_parallel_size` ranks, or None without the flag.
-
-        Raises:
-            ValueError: a ramp that does not reach the global batch or does not split.
-        """
+        """The --rampup-batch-size schedule at `data_parallel_size` (None without the flag);
+        ValueError for a ramp that does not reach the global batch or does not split."""
         if not self.rampup_batch_size:
             return None
         start, increment, samples = self.rampup_batch_size
@@ -107,10 +99,8 @@ class BatchConfig:
         **flags,
     ) -> "BatchConfig":
         """Megatron-LM's batch flags at `data_parallel_size`: the global batch defaults to
-        micro-batch x DP (no accumulation); the run length is exactly one of `train_iters` and
-        `train_samples`, iterations derived from samples (through --rampup-batch-size, if any).
-        `flags` are the other fields as given (rampup_batch_size, num_workers, ...).
-        """
+        micro-batch x DP; the run length is one of `train_iters` and `train_samples` (iterations
+        derived, through --rampup-batch-size if any). `flags`: the other fields."""
         if (train_iters is None) == (train_samples is None):
             raise ValueError("give exactly one of --train-iters and --train-samples")
         if train_iters is not None and train_iters < 1:
@@ -131,10 +121,9 @@ class BatchConfig:
                 f"--train-samples {train_samples} is less than one global batch "
                 f"({global_batch_size})"
             )
-        rampup = batch.rampup(data_parallel_size)
-        if rampup is None:
-            return dataclasses.replace(batch, train_iters=train_samples // global_batch_size)
-        return dataclasses.replace(batch, train_iters=rampup.iterations_for(train_samples))
+        ramp, gbs = batch.rampup(data_parallel_size), global_batch_size
+        iters = ramp.iterations_for(train_samples) if ramp else train_samples // gbs
+        return dataclasses.replace(batch, train_iters=iters)
 
 
 @flag_dataclass
@@ -296,11 +285,9 @@ class OptimizerConfig:
         train_samples: Optional[int] = None,
         **fields,
     ) -> "OptimizerConfig":
-        """Megatron-LM's schedule flags -> the lengths in samples: a run given in iterations
-        (`train_iters`) gives its schedule in iterations (x `global_batch_size`), one given in
-        samples (`train_samples`) in samples; `lr_warmup_fraction` is a fraction of the decay.
-        The decay defaults to the whole run, the weight-decay ramp spans the whole run.
-        `fields` are the other fields of the config, the schedule's flags among them."""
+        """Megatron-LM's schedule flags -> the lengths in samples: in iterations (x
+        `global_batch_size`) for a run given in `train_iters`, in samples for `train_samples`.
+        The decay defaults to the whole run; the weight-decay ramp spans it. `fields`: the rest."""
         # The unit the run is given in, its scale to samples, and the other unit (refused).
         unit, scale, other, length = "iters", global_batch_size, "samples", train_iters
         if train_samples is not None:
@@ -376,7 +363,6 @@ class CheckpointConfig:
         choices=("torch_dcp", "torch_dist"),
     )
     use_checkpoint_args: bool = flag(False, "take the model flags from the checkpoint in --load")
-    """Applied while parsing (`config.arguments.parse_config`); recorded here."""
 
 
 @flag_dataclass
@@ -421,7 +407,6 @@ class LoggingConfig:
         action="store_false",
     )
     logging_level: Optional[int] = flag(None, "Python logging level (e.g. 10, 20)")
-    """Applied by the entry point (the root logger's level) before anything runs."""
     profile: bool = flag(False, "torch.profiler trace beside the TensorBoard logs")
     profile_step_start: int = flag(10, "profile from the iteration after it")
     profile_step_end: int = flag(12, "last profiled iteration")
@@ -432,8 +417,6 @@ class LoggingConfig:
     wandb_entity: Optional[str] = flag(None, "Weights & Biases team or user")
 
     def __post_init__(self) -> None:
-        """Checks of these flags alone; --profile's need of a directory (--tensorboard-dir or
-        --save) is `RunConfig`'s."""
         if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
             raise ValueError(
                 f"need 0 <= --profile-step-start ({self.profile_step_start}) < "
@@ -499,15 +482,13 @@ class EngineConfig:
 
 @flag_dataclass
 class RunConfig:
-    """Every setting of a run, one dataclass per concern: the training parts, the layout and
-    precision, the model (with its LEV hyper-parameters) and the data."""
+    """Every setting of a run, one dataclass per concern."""
 
     batch: BatchConfig
     optim: OptimizerConfig
-    """Required: --lr has no default (as in Megatron-LM)."""
     model: ModelConfig
-    """The model, its `seq_length` the run's (a sample's tokens). From the command line its
-    vocabulary is None until `with_tokenizer`."""
+    """Its `seq_length` is the run's. From the command line its vocabulary is None until
+    `with_tokenizer`."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -522,9 +503,8 @@ class RunConfig:
     `model.embedding.lev` itself (at the model's V and D); given here only for the others."""
     data: Optional[DataConfig] = None
     compat_flags: dict[str, Any] = field(default_factory=dict)
-    """The flags no config owns, by namespace name: Megatron-LM's compatibility flags (their
-    effective values, `config.megatron_compat`) and the deprecated `lev_fused` (None: mapped
-    onto --lev-kernel while parsing). args.json records them with the rest."""
+    """The flags no config owns, by namespace name (`config.megatron_compat`'s, and the
+    deprecated `lev_fused`: None, mapped onto --lev-kernel while parsing)."""
 
     @classmethod
     def derive(cls, values: dict) -> dict:
@@ -621,13 +601,8 @@ class RunConfig:
             )
 
     def resolve(self, world_size: int) -> "RunConfig":
-        """This config on `world_size` ranks: `parallel.data_parallel_size` derived from the
-        layout and the batch checked against it (self if nothing changes).
-
-        Raises:
-            ValueError: the ranks do not split into the layout, or the global batch does not
-                split into micro-batches over the data-parallel ranks.
-        """
+        """This config on `world_size` ranks, the data-parallel size derived (self if it is);
+        ValueError where the ranks or the global batch do not split."""
         parallel = self.parallel.resolve(world_size)
         return self if parallel is self.parallel else dataclasses.replace(self, parallel=parallel)
 
@@ -638,9 +613,8 @@ class RunConfig:
         return b.global_batch_size // (b.micro_batch_size * self.parallel.data_parallel_size)
 
     def with_tokenizer(self, tokenizer) -> "RunConfig":
-        """This run once its tokenizer is built: the model's vocabulary is the tokenizer's
-        padded to --make-vocab-size-divisible-by x TP (Megatron-LM's), and the data records the
-        tokenizer's fingerprint (args.json keeps it; `data.fingerprint` compares it)."""
+        """This run once its tokenizer is built: the model's vocabulary the tokenizer's padded
+        (Megatron-LM's), the data with the tokenizer's fingerprint (`data.fingerprint`)."""
         vocab = padded_vocab_size(
             tokenizer.vocab_size,
             self.data.make_vocab_size_divisible_by,
@@ -653,10 +627,8 @@ class RunConfig:
         )
 
     def args_json(self) -> dict[str, Any]:
-        """The run as args.json records it, one key per flag (Megatron-LM's namespace names)
-        and per value the training parts derive (data-parallel size, iterations, schedule
-        lengths in samples, ...); the model and LEV flags as given (a preset's sizes stay
-        None); the flags no config owns; the world size and the tokenizer's fingerprint."""
+        """args.json: one key per flag (Megatron-LM's namespace names) and per value the
+        training parts derive; the model and LEV flags as given (a preset's sizes stay None)."""
         out = dict(self.compat_flags)
         training = (self.batch, self.optim, self.parallel, self.precision, self.exit, self.eval)
         for part in (*training, self.ckpt, self.log, self.memory, self.engine):
