@@ -329,14 +329,8 @@ def _load_iteration_directory(args: argparse.Namespace) -> None:
             f"asks for {args.ckpt_step}; pass the run's directory: --load {parent} --ckpt-step "
             f"{args.ckpt_step}"
         )
-    logger.info(
-        "--load %s: loading iteration %d of %s (the same as --load %s --ckpt-step %d)",
-        args.load,
-        iteration,
-        parent,
-        parent,
-        iteration,
-    )
+    same = f"--load {parent} --ckpt-step {iteration}"
+    logger.info("--load %s: loading iteration %d of %s (as %s)", args.load, iteration, parent, same)
     args.load, args.ckpt_step = parent, iteration
 
 

@@ -437,9 +437,7 @@ class _CompatAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         value = True if self.nargs == 0 else values
         setattr(namespace, self.dest, value)
-        given = dict(getattr(namespace, _GIVEN, {}) or {})
-        given[option_string] = value
-        setattr(namespace, _GIVEN, given)
+        setattr(namespace, _GIVEN, {**getattr(namespace, _GIVEN, {}), option_string: value})
 
 
 def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
