@@ -27,9 +27,8 @@ VOCAB_MULTIPLE = 128
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = VOCAB_MULTIPLE, tp_size: int = 1) -> int:
-    """Megatron-LM's ``_vocab_size_with_padding``: round up to a multiple of
-    ``divisible_by * tp_size`` (``--make-vocab-size-divisible-by`` times the TP size) so that the
-    embedding and output layer split evenly across tensor-parallel ranks."""
+    """Megatron-LM's ``_vocab_size_with_padding``: round up to a multiple of ``divisible_by *
+    tp_size``, so that the embedding and output layer split evenly across TP ranks."""
     if vocab_size <= 0 or divisible_by <= 0 or tp_size <= 0:
         raise ValueError(
             f"vocab_size, divisible_by and tp_size must be > 0, got "
@@ -88,8 +87,7 @@ class DataConfig:
     )
     num_dataset_builder_threads: int = flag(1, "threads building the dataset indices")
     tokenizer_fingerprint: Optional[str] = None
-    """The fingerprint of the tokenizer the run trains with, once it is built (args.json
-    records it; `data.fingerprint` compares it with the datasets')."""
+    """The run's tokenizer's, once built (args.json records it; `data.fingerprint` reads it)."""
 
     def __post_init__(self) -> None:
         if self._sources() > 1:

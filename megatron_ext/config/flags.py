@@ -167,10 +167,8 @@ def add_flags(group, cls: type, *names: str, **overrides) -> None:
 def flag_values(
     cls: type, values: Mapping[str, Any] | argparse.Namespace, derived: bool = False
 ) -> dict[str, Any]:
-    """Field name -> value for every flagged field of `cls` in `values` (a tool's parsed flags,
-    or a checkpoint's args.json, by namespace name; with `derived`, every field: args.json records
-    the derived values by name); a field missing there is left out (the args.json of a
-    checkpoint written before it existed)."""
+    """Field name -> value of each flagged field (with `derived`, each field) of `cls` in `values`
+    (parsed flags or an args.json, by namespace name); a field missing there is left out."""
     fields = dataclasses.fields(cls) if derived else flag_fields(cls)
     values = vars(values) if isinstance(values, argparse.Namespace) else values
     return {f.name: values[flag_dest(f)] for f in fields if flag_dest(f) in values}
@@ -235,9 +233,8 @@ def flag_dataclass(cls: type) -> type:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help of every command: the description as written (its examples keep their lines),
-    and each option's default after its help, unless the help names it already (a switch is
-    off unless given; a required option says so)."""
+    """--help of every command: the description as written, and each option's default after its
+    help unless the help names it (a switch is off unless given; a required option says so)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help, default = action.help or "", action.default

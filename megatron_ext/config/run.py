@@ -217,8 +217,8 @@ class OptimizerConfig:
     decoupled_min_lr: Optional[float] = flag(
         None, "minimum LR of those parameters (default: --min-lr)", needs="decoupled_lr"
     )
-    # The schedule as the flags give it, in iterations or in samples (recorded as typed);
-    # `from_schedule` turns them into the *_steps below. A config built in code sets those.
+    # The schedule as typed, in iterations or samples; `from_schedule` derives the *_steps below
+    # from them (Megatron-LM steps its scheduler in samples). A config built in code sets those.
     lr_decay_iters: Optional[int] = flag(None, "iterations of decay (default: --train-iters)")
     lr_decay_samples: Optional[int] = flag(None, "samples of decay (default: --train-samples)")
     lr_warmup_iters: int = flag(0, "iterations of linear warmup")
@@ -226,8 +226,6 @@ class OptimizerConfig:
     lr_warmup_fraction: Optional[float] = flag(None, "warmup as a fraction of the decay, in [0, 1)")
     lr_wsd_decay_iters: Optional[int] = flag(None, "iterations of WSD's final decay")
     lr_wsd_decay_samples: Optional[int] = flag(None, "samples of WSD's final decay")
-    # In samples (Megatron-LM steps its scheduler by the global batch size); `from_schedule`
-    # derives them from the flags in iterations or samples.
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 1
     lr_wsd_decay_steps: Optional[int] = None
