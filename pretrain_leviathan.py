@@ -132,11 +132,13 @@ def forward_step(
     return output, functools.partial(loss_func, batch["loss_mask"], per_token=per_token_loss)
 
 
-def datasets_provider(data_config, tokenizer, num_samples: Sequence[int]):
-    """(train, valid, test) GPT datasets with `num_samples` samples each."""
+def datasets_provider(run, tokenizer, num_samples: Sequence[int]):
+    """(train, valid, test) GPT datasets of `run` with `num_samples` samples each."""
     from megatron_ext.data.loading import build_train_valid_test_datasets
 
-    return build_train_valid_test_datasets(data_config, tokenizer, num_samples)
+    return build_train_valid_test_datasets(
+        run.data, tokenizer, num_samples, seq_length=run.model.seq_length, seed=run.seed
+    )
 
 
 def _error(message: str) -> None:
@@ -195,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 use_attention_mask=data.reset_attention_mask,
                 per_token_loss=run.engine.calculate_per_token_loss,
             ),
-            datasets_provider=functools.partial(datasets_provider, run.data, tokenizer),
+            datasets_provider=functools.partial(datasets_provider, run, tokenizer),
             full_model_provider=functools.partial(
                 model_provider, run.model, one_stage, run.precision
             ),

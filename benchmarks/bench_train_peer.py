@@ -89,10 +89,10 @@ def _build_peer(args):
          {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(run.optim.adam_beta1, run.optim.adam_beta2), eps=run.optim.adam_eps,
     )  # fmt: skip
-    data = DataConfig(mock_data=True, seq_length=args.seq, seed=args.seed)
     train, _, _ = build_train_valid_test_datasets(
-        data, tokenizer, [args.iters * args.micro_batch, None, None]
-    )
+        DataConfig(mock_data=True), tokenizer, [args.iters * args.micro_batch, None, None],
+        seq_length=args.seq, seed=args.seed,
+    )  # fmt: skip
     return hf, optimizer, train
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_ext.config.data import DataConfig  # noqa: E402
 from megatron_ext.config.flags import add_flags, flag_values  # noqa: E402
+from megatron_ext.config.run import RunConfig  # noqa: E402
 from megatron_ext.data.loading import build_train_valid_test_datasets  # noqa: E402
 from megatron_ext.data.tokenizers import build_tokenizer  # noqa: E402
 from megatron_ext.launch import find_free_port  # noqa: E402
@@ -228,12 +229,14 @@ def distinct_ids(args: argparse.Namespace, per: int) -> list[int]:
     parser = argparse.ArgumentParser()
     add_flags(parser, DataConfig)
     flags = flag_values(DataConfig, parser.parse_args(shlex.split(args.data_flags)))
-    config = DataConfig(seq_length=args.seq_length, **flags)
+    config = DataConfig(**flags)
     tokenizer = build_tokenizer(
         config.tokenizer_type, config.tokenizer_model, vocab_size=config.vocab_size
     )
     samples = args.iters * args.global_batch_size
-    train, _, _ = build_train_valid_test_datasets(config, tokenizer, [samples, 0, 0])
+    train, _, _ = build_train_valid_test_datasets(
+        config, tokenizer, [samples, 0, 0], seq_length=args.seq_length, seed=RunConfig.seed
+    )  # the runs' default --seed
     return [
         len(torch.unique(torch.stack([train[i]["tokens"] for i in range(start, start + per)])))
         for start in range(0, samples - per + 1, per)

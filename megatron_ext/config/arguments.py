@@ -1,10 +1,8 @@
 """The command line of `pretrain_leviathan.py` (Megatron-LM's names and meanings): the parser
-generated from the config fields (`config.flags`) and the `megatron_compat` rules, and
-`parse_config`, which turns argv into one frozen `RunConfig`: it restores the model flags from a
-checkpoint (`--use-checkpoint-args`), applies Megatron-LM's flag-level rewrites, builds the
-configs (deriving what Megatron-LM derives) and checks what this machine must have.
-`run_config_from_args_json` builds the same config from a checkpoint's args.json. The
-namespace does not leave this module.
+generated from the config fields and the `megatron_compat` rules; `parse_config`, argv to one
+frozen `RunConfig` (--use-checkpoint-args, Megatron-LM's rewrites and derivations, this
+machine's checks); `run_config_from_args_json`, a checkpoint's args.json to the same config.
+The namespace does not leave this module.
 """
 
 from __future__ import annotations
@@ -55,7 +53,6 @@ __all__ = [
     "build_parser",
     "args_json_of_flags",
     "check_machine",
-    "checkpoint_args_path",
     "data_config_from_args_json",
     "model_config_from_args_json",
     "model_shaping_dests",
@@ -126,7 +123,7 @@ def model_shaping_dests() -> list[str]:
     ]
 
 
-def checkpoint_args_path(load_dir: str, iteration: Optional[int] = None) -> Optional[str]:
+def _checkpoint_args_path(load_dir: str, iteration: Optional[int] = None) -> Optional[str]:
     """The args.json of the latest (or `iteration`) checkpoint in `load_dir`, if any: Megatron-LM's
     layout, `latest_checkpointed_iteration.txt` naming `iter_XXXXXXX/` (`checkpoint.format`'s)."""
     if iteration is None:
@@ -155,7 +152,7 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
     the command line (Megatron-LM: the command line wins), warning about each such one."""
     if not args.load:
         raise ArgumentError("--use-checkpoint-args needs --load")
-    path = checkpoint_args_path(args.load, args.ckpt_step)
+    path = _checkpoint_args_path(args.load, args.ckpt_step)
     if path is None:
         raise ArgumentError(f"--use-checkpoint-args: no checkpoint with args.json in {args.load}")
     with open(path) as handle:
@@ -179,7 +176,6 @@ def _apply_checkpoint_args(args: argparse.Namespace, explicit: set[str]) -> None
 def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
     """The `RunConfig` of parsed flags (`world_size` ranks: Megatron-LM's derivations), or of a
     checkpoint's args.json (`world_size` None: the derived values as it recorded them)."""
-    seq_length, seed = values.get("seq_length"), values.get("seed", RunConfig.seed)
     if world_size is None:
         parallel = ParallelConfig(**flag_values(ParallelConfig, values, derived=True))
         batch = BatchConfig(**flag_values(BatchConfig, values, derived=True))
@@ -187,7 +183,7 @@ def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
     else:
         parallel = ParallelConfig(**flag_values(ParallelConfig, values)).resolve(world_size)
         batch = BatchConfig.from_run_length(
-            parallel.data_parallel_size, seq_length=seq_length, **flag_values(BatchConfig, values)
+            parallel.data_parallel_size, **flag_values(BatchConfig, values)
         )
         optim = OptimizerConfig.from_schedule(
             global_batch_size=batch.global_batch_size,
@@ -195,12 +191,15 @@ def _run_config(values: dict[str, Any], world_size: Optional[int]) -> RunConfig:
             train_samples=values["train_samples"],
             **flag_values(OptimizerConfig, values),
         )
-    model, lev = _model_and_lev(values)
+    model = model_config_from_args_json(values)
+    lev = None if model.embedding.uses_lev else LEVConfig(**_lev_flag_values(values))
     if world_size is not None:
         model.check_as_given()
     data = data_config_from_args_json(values)
     parts = {name: cls(**flag_values(cls, values, derived=True)) for name, cls in _PARTS.items()}
-    return RunConfig(batch, optim, parallel, seed=seed, model=model, lev=lev, data=data, **parts)
+    return RunConfig(
+        batch, optim, model, parallel, lev=lev, data=data, **parts, **flag_values(RunConfig, values)
+    )
 
 
 def _compat_flags(values: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -213,16 +212,11 @@ _FP8_RECIPE = ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
 
 
 def run_config_from_args_json(saved: dict[str, Any]) -> RunConfig:
-    """The `RunConfig` a checkpoint's args.json records (`RunConfig.args_json`), at the layout
-    and with the derived values it saved; a flag missing from an older args.json keeps its
-    default. Without --fp8-format the FP8 recipe had no effect and is read at its defaults (an
-    args.json written before issue 47 records 1024 and max, Megatron-LM's 1 and most_recent
-    since).
-
-    Raises:
-        ValueError: a value no config accepts (the file was not written by this package).
-    """
-    if saved.get("fp8_format") is None:  # before issue 47: FP8's recipe defaults of then
+    """The `RunConfig` a checkpoint's args.json records, at its layout and with the derived
+    values it saved; a flag missing from an older args.json keeps its default, and so does the
+    FP8 recipe of a run without --fp8-format (where it had no effect). ValueError: a value no
+    config accepts (the file was not written by this package)."""
+    if saved.get("fp8_format") is None:  # before issue 47 they were 1024 and max
         saved = {k: v for k, v in saved.items() if k not in _FP8_RECIPE}
     compat = _compat_flags(saved, build_parser())
     return dataclasses.replace(_run_config(saved, None), compat_flags=compat)
@@ -232,38 +226,19 @@ def data_config_from_args_json(saved: dict[str, Any]) -> DataConfig:
     """The data and tokenizer flags of parsed flags or of a checkpoint's args.json (any
     checkpoint: one that no training run wrote names no data, `DataConfig.check_sources`)."""
     values = flag_values(DataConfig, saved)
-    if (
-        values.get("tokenizer_type") is None
-        and values.get("vocab_file")
-        and values.get("merge_file")
-    ):
+    if not values.get("tokenizer_type") and values.get("vocab_file") and values.get("merge_file"):
         logger.info("--vocab-file and --merge-file given: --tokenizer-type GPT2BPETokenizer")
         values["tokenizer_type"] = "GPT2BPETokenizer"  # Megatron-LM's
-    return DataConfig(
-        seq_length=saved.get("seq_length"),
-        seed=saved.get("seed", RunConfig.seed),
-        tokenizer_fingerprint=saved.get("tokenizer_fingerprint"),
-        **values,
-    )
+    return DataConfig(tokenizer_fingerprint=saved.get("tokenizer_fingerprint"), **values)
 
 
 def model_config_from_args_json(saved: dict[str, Any]) -> ModelConfig:
-    """The model a checkpoint's args.json records (any checkpoint: also one that no run wrote,
-    `args_json_of_flags`), its vocabulary None (the checkpoint's tensors have it).
-
-    Raises:
-        ValueError: a model no config accepts, naming the flag.
-    """
-    return _model_and_lev(saved)[0]
-
-
-def _model_and_lev(values: dict[str, Any]) -> tuple[ModelConfig, Optional[LEVConfig]]:
-    """The model of flag values (its vocabulary None: the tokenizer's) and the LEV flags of an
-    arm that does not use LEV (a LEV arm's LEVConfig is its model's)."""
-    lev = LEVConfig(**_lev_flag_values(values))
-    embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, values), lev=lev)
-    model = ModelConfig(embedding=embedding, **flag_values(ModelConfig, values))
-    return model, None if model.embedding.uses_lev else lev
+    """The model of parsed flags or of a checkpoint's args.json (any checkpoint: also one no run
+    wrote, `args_json_of_flags`), its vocabulary None (the tokenizer's, or the tensors').
+    ValueError: a model no config accepts, naming the flag."""
+    lev = LEVConfig(**_lev_flag_values(saved))
+    embedding = EmbeddingConfig(**flag_values(EmbeddingConfig, saved), lev=lev)
+    return ModelConfig(embedding=embedding, **flag_values(ModelConfig, saved))
 
 
 _warned_fused = False
@@ -304,12 +279,7 @@ def args_json_of_flags(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def check_machine(run: RunConfig, cuda: bool) -> None:
-    """Refuse what this machine cannot run (the configs check values, not the machine), and
-    note the flags it ignores.
-
-    Raises:
-        ArgumentError: the one line naming the flag.
-    """
+    """Refuse (ArgumentError) what this machine cannot run, and note the flags it ignores."""
     if run.parallel.distributed_backend == "nccl" and not cuda:
         raise ArgumentError("--distributed-backend nccl needs CUDA; drop it (gloo is used on CPU)")
     if run.model.transformer_impl == "transformer_engine" and not cuda:
@@ -359,14 +329,8 @@ def _load_iteration_directory(args: argparse.Namespace) -> None:
             f"asks for {args.ckpt_step}; pass the run's directory: --load {parent} --ckpt-step "
             f"{args.ckpt_step}"
         )
-    logger.info(
-        "--load %s: loading iteration %d of %s (the same as --load %s --ckpt-step %d)",
-        args.load,
-        iteration,
-        parent,
-        parent,
-        iteration,
-    )
+    same = f"--load {parent} --ckpt-step {iteration}"
+    logger.info("--load %s: loading iteration %d of %s (as %s)", args.load, iteration, parent, same)
     args.load, args.ckpt_step = parent, iteration
 
 
@@ -390,14 +354,9 @@ def parse_config(
     *,
     cuda: Optional[bool] = None,
 ) -> RunConfig:
-    """Parse and validate `argv` (default sys.argv) for `world_size` ranks (default torchrun's
-    WORLD_SIZE, else 1) on a machine with CUDA or without (default: this one's): the frozen
-    `RunConfig`, its derived values included and its model's vocabulary None until
-    `RunConfig.with_tokenizer`. --logging-level sets the root logger's level.
-
-    Raises:
-        ArgumentError: a refused flag or combination (one line naming the flag).
-    """
+    """The `RunConfig` of `argv` (default sys.argv) for `world_size` ranks (default torchrun's
+    WORLD_SIZE, else 1) with `cuda` or without (default: this machine's), its model's vocabulary
+    None until `with_tokenizer`; sets --logging-level. ArgumentError: a refused flag (one line)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     _load_iteration_directory(args)

@@ -1,13 +1,10 @@
-"""`DataConfig`: where training data comes from, how samples are cut, and the tokenizer, with
-Megatron-LM's data and tokenizer flags (`--data-path`, `--split`, `--tokenizer-type`, ...);
-`padded_vocab_size`, the model's vocabulary from the tokenizer's; `DataError`, the data
-pipeline's one-line error. The datasets themselves are `data.loading`'s.
+"""`DataConfig`: the training data and the tokenizer, with Megatron-LM's data and tokenizer
+flags; `padded_vocab_size`; `DataError`, the data pipeline's one-line error.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import field
 from typing import Optional, Sequence
 
 from megatron_ext.config.flags import flag, flag_dataclass
@@ -30,9 +27,8 @@ VOCAB_MULTIPLE = 128
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = VOCAB_MULTIPLE, tp_size: int = 1) -> int:
-    """Megatron-LM's ``_vocab_size_with_padding``: round up to a multiple of
-    ``divisible_by * tp_size`` (``--make-vocab-size-divisible-by`` times the TP size) so that the
-    embedding and output layer split evenly across tensor-parallel ranks."""
+    """Megatron-LM's ``_vocab_size_with_padding``: round up to a multiple of ``divisible_by *
+    tp_size``, so that the embedding and output layer split evenly across TP ranks."""
     if vocab_size <= 0 or divisible_by <= 0 or tp_size <= 0:
         raise ValueError(
             f"vocab_size, divisible_by and tp_size must be > 0, got "
@@ -44,7 +40,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = VOCAB_MULTIPLE, tp_si
 
 @flag_dataclass
 class DataConfig:
-    """Where training data comes from and how samples are cut (fields named as the flags)."""
+    """Where training data comes from and how samples are cut (fields named as the flags); the
+    run's --seq-length and --seed are given to the dataset builder."""
 
     data_path: Optional[list[str]] = flag(
         None, "dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...", nargs="*"
@@ -57,10 +54,6 @@ class DataConfig:
     test_data_path: Optional[list[str]] = flag(None, "test prefix(es)", nargs="*")
     data_cache_path: Optional[str] = flag(None, "directory for cached sample indices")
     mock_data: bool = flag(False, "synthetic data (Megatron-Core's MockGPTDataset)")
-    seq_length: int = field(kw_only=True)
-    """Tokens per sample (--seq-length, `ModelConfig`'s flag: the run's one value is passed in)."""
-    seed: int = 1234
-    """The run's --seed (`RunConfig`'s flag)."""
     tokenizer_type: Optional[str] = flag(
         None, "tokenizer kind (required)", shapes_model=True, choices=TOKENIZER_TYPE_NAMES
     )
@@ -94,16 +87,13 @@ class DataConfig:
     )
     num_dataset_builder_threads: int = flag(1, "threads building the dataset indices")
     tokenizer_fingerprint: Optional[str] = None
-    """The fingerprint of the tokenizer the run trains with, once it is built (args.json
-    records it; `data.fingerprint` compares it with the datasets')."""
+    """The run's tokenizer's, once built (args.json records it; `data.fingerprint` reads it)."""
 
     def __post_init__(self) -> None:
         if self._sources() > 1:
             raise DataError(
                 "choose one of --data-path, the per-split --*-data-path flags and --mock-data"
             )
-        if self.seq_length < 1:
-            raise DataError(f"--seq-length must be >= 1, got {self.seq_length}")
         if self.data_path and not self.split:
             raise DataError("--data-path needs --split (e.g. 969,30,1)")
         for name, blend in (
@@ -119,12 +109,8 @@ class DataConfig:
         return sum([bool(self.data_path), per_split, self.mock_data])
 
     def check_sources(self) -> None:
-        """Refuse a config that names no training data (a run's; a checkpoint's args.json that
-        no training run wrote has none).
-
-        Raises:
-            DataError: none of --data-path, the per-split --*-data-path flags, --mock-data.
-        """
+        """Refuse (DataError) a run that names no training data (a checkpoint's args.json that
+        no training run wrote has none)."""
         if self._sources() == 0:
             raise DataError(
                 "no training data: pass --data-path, or --train-data-path/--valid-data-path/"

@@ -1,18 +1,13 @@
 """The one flag mechanism: command-line flags declared on config dataclass fields.
 
-A field with a flag says so in its metadata, `flag(default, "help", ...)`. The flag is the
-field's name (`micro_batch_size` -> --micro-batch-size; --no-x for a store_false switch of x;
-`prefix` first: LEV's --lev-*) unless the field gives another `name`; its namespace attribute
-(and args.json key) is Megatron-LM's, the flag's name (--no-x -> x) unless the field gives
-`dest`. `add_flags(group, cls)` turns the fields into argparse arguments whose default *is* the
-field's (or its `command_line_default`) and whose type comes from the annotation;
-`flag_values(cls, values)` reads parsed values back by field name; `check_flag_values(config)`
-refuses None where a field is `required`, a value below its `minimum`, not above `above`,
-outside its `choices` or given without the field it `needs`, and `@flag_dataclass` (a frozen
-dataclass) runs it before the config's own checks. So a new flag is one field.
-`ArgumentParser` is every command's parser (--help shows each default); `ArgumentError` the
-command line's one error type: an impossible or contradictory combination of flags, its message
-one line naming the flag to change.
+`flag(default, "help", ...)` declares a field's flag in its metadata: named after the field
+(`micro_batch_size` -> --micro-batch-size) unless it gives `name`, its namespace attribute (and
+args.json key) Megatron-LM's. `add_flags(group, cls)` turns the fields into argparse arguments
+whose default *is* the field's and whose type comes from the annotation; `flag_values` reads
+parsed values back by field name; `@flag_dataclass` (frozen) refuses, before the config's own
+checks, what the fields declare (`required`, `minimum`, `above`, `choices`, `needs`). So a new
+flag is one field. `ArgumentParser` is every command's parser; `ArgumentError` the command
+line's one error (one line naming the flag to change).
 """
 
 from __future__ import annotations
@@ -60,21 +55,15 @@ def flag(
     needs: Optional[str] = None,
     **argparse_options,
 ) -> Any:
-    """A dataclass field with a command-line flag: `name` (default: `prefix` and the field's
-    name, see `flag_name`), the `help` that says what it does (--help adds the default).
-
-    `aliases` are other spellings of the same flag (Megatron-LM accepts several for a few).
-    `argparse_options` go to `add_argument` as they are (choices, metavar, dest, action, nargs);
-    the default is the field's, so the command line and a library user agree. A list or tuple
-    default becomes a default factory (each config gets its own copy).
+    """A dataclass field with a command-line flag: `name` (default: `flag_name`), the `help`
+    that says what it does (--help adds the default), other spellings (`aliases`);
+    `argparse_options` go to `add_argument` as they are. A list default becomes a factory.
 
     `shapes_model`: the value shapes the model's parameters (`--use-checkpoint-args` takes it
     from the checkpoint). `command_line_default`: the flag's default (or a callable giving it)
-    where it must differ from the library's (Megatron-LM's, e.g. None for a flag required or
-    derived on the command line). `required`: the config refuses None (the command line's
-    default, so that the message names the flag). `minimum` / `above`: the least value accepted
-    / a bound the value must exceed (None passes); `needs`: the field that must be set when this
-    one differs from its default.
+    where it differs from the library's (Megatron-LM's). `required`: the config refuses None;
+    `minimum` / `above`: the least value / a bound to exceed (None passes); `needs`: the field
+    that must be set when this one differs from its default.
     """
     metadata = {"flag": name, "aliases": tuple(aliases), "help": help, **argparse_options}
     extra = dict(prefix=prefix or None, shapes_model=shapes_model or None, needs=needs)
@@ -178,10 +167,8 @@ def add_flags(group, cls: type, *names: str, **overrides) -> None:
 def flag_values(
     cls: type, values: Mapping[str, Any] | argparse.Namespace, derived: bool = False
 ) -> dict[str, Any]:
-    """Field name -> value for every flagged field of `cls` in `values` (a tool's parsed flags,
-    or a checkpoint's args.json, by namespace name; with `derived`, every field: args.json records
-    the derived values by name); a field missing there is left out (the args.json of a
-    checkpoint written before it existed)."""
+    """Field name -> value of each flagged field (with `derived`, each field) of `cls` in `values`
+    (parsed flags or an args.json, by namespace name); a field missing there is left out."""
     fields = dataclasses.fields(cls) if derived else flag_fields(cls)
     values = vars(values) if isinstance(values, argparse.Namespace) else values
     return {f.name: values[flag_dest(f)] for f in fields if flag_dest(f) in values}
@@ -246,9 +233,8 @@ def flag_dataclass(cls: type) -> type:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help of every command: the description as written (its examples keep their lines),
-    and each option's default after its help, unless the help names it already (a switch is
-    off unless given; a required option says so)."""
+    """--help of every command: the description as written, and each option's default after its
+    help unless the help names it (a switch is off unless given; a required option says so)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help, default = action.help or "", action.default

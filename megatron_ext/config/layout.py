@@ -1,10 +1,5 @@
-"""What a model is built and trained *at*, apart from what it *is*: the run's parallel layout
-(`ParallelConfig`) and precision (`PrecisionConfig`), with their flags, the one type of each
-that the model builder, the memory planner, the engines and the test harness take; the checks
-that need them together with the model's shapes (`check_layout`), and megatron's
-`TransformerConfig` is composed from the three by the model builder
-(`models.builder.compose_transformer_config`).
-
+"""What a model is built and trained *at*: the parallel layout (`ParallelConfig`) and precision
+(`PrecisionConfig`), with their flags, and `check_layout`, what they need of the model's shapes.
 `ModelConfig` describes the model only; `build_model(model_cfg, parallel=..., precision=...)`
 applies the layout afterwards, as torchtitan's `parallelize_llama(model, parallel_dims, ...)`.
 """
@@ -83,13 +78,9 @@ class ParallelConfig:
                 )
 
     def with_num_layers(self, num_layers: int) -> "ParallelConfig":
-        """This layout for a `num_layers` model: the model chunks per pipeline rank derived
-        from --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank
-        (self if nothing changes; one stage per rank is no interleaving, as in Megatron-LM).
-
-        Raises:
-            ValueError: `num_layers` is not divisible by PP x the chunks' layers.
-        """
+        """This layout for a `num_layers` model, the model chunks per pipeline rank derived (self
+        if they are; one stage per rank is no interleaving, as in Megatron-LM). ValueError:
+        `num_layers` is not divisible by PP x the chunks' layers."""
         pp, stages = self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank
         per_stage = self.num_layers_per_virtual_pipeline_stage
         if stages is not None:
@@ -125,11 +116,8 @@ class ParallelConfig:
         return self._model_parallel * self.data_parallel_size
 
     def resolve(self, world_size: int) -> "ParallelConfig":
-        """This layout on `world_size` ranks: the data-parallel size derived (self if it is).
-
-        Raises:
-            ValueError: the ranks do not split into TP x CP x PP x DP.
-        """
+        """This layout on `world_size` ranks, the data-parallel size derived (self if it is);
+        ValueError: the ranks do not split into TP x CP x PP x DP."""
         if world_size % self._model_parallel:
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
@@ -168,17 +156,14 @@ class PrecisionConfig:
         "--ddp-impl megatron --use-distributed-optimizer with --fp8-format)",
     )
     loss_scale: Optional[float] = flag(None, "static FP16 loss scale")
-    """Static FP16 loss scale (None: dynamic)."""
     initial_loss_scale: float = flag(2.0**32, "first dynamic FP16 loss scale")
     min_loss_scale: float = flag(1.0, "least dynamic FP16 loss scale")
     loss_scale_window: int = flag(1000, "finite steps before the loss scale grows")
     hysteresis: int = flag(2, "overflows tolerated before the loss scale shrinks")
     grad_reduce_in_bf16: bool = flag(False, "all-reduce data-parallel gradients in bfloat16")
     params_dtype: str = "float32"
-    """The dtype the model's parameters are built in, a torch dtype or its name: float32 under
-    the portable engine, which runs --bf16/--fp16 as autocast over them; bfloat16 with --bf16
-    under --ddp-impl megatron (`config.run.RunConfig` derives it); float64 or bfloat16 for models
-    built in code."""
+    """The parameters' dtype (a torch dtype or its name): float32 under the portable engine's
+    autocast; bfloat16 with --bf16 under --ddp-impl megatron (`RunConfig` derives it)."""
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
@@ -227,12 +212,18 @@ def check_layout(
             f"--seq-length {model_cfg.seq_length} is not divisible by --tensor-model-parallel-size "
             f"{tp}, which --sequence-parallel needs; change the sequence length"
         )
+    cp = parallel.context_parallel_size
+    if cp > 1 and model_cfg.seq_length % (2 * cp):
+        raise ValueError(
+            f"--seq-length {model_cfg.seq_length} is not divisible by 2 x --context-parallel-size "
+            f"{cp}"
+        )
     if model_cfg.embedding.embedding_type == "lev":
         model_cfg.embedding.lev.heads_per_rank(tp)  # LEV splits its heads over TP
     impl = model_cfg.transformer_impl
-    if parallel.context_parallel_size > 1 and impl != "transformer_engine":
+    if cp > 1 and impl != "transformer_engine":
         raise ValueError(
-            f"--context-parallel-size {parallel.context_parallel_size} needs --transformer-impl "
+            f"--context-parallel-size {cp} needs --transformer-impl "
             "transformer_engine on a CUDA GPU (megatron-core's context-parallel attention is "
             "Transformer Engine's); without one, pass --context-parallel-size 1"
         )

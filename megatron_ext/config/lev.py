@@ -1,9 +1,6 @@
-"""LEV hyper-parameters: `LEVConfig`, a dataclass that validates itself, with its `--lev-*` flags.
-
-Every hyper-parameter of docs/lev.md section 2 is a field that declares its flag with `lev_flag`
-(`config.flags.flag`, named `--lev-<field>`); invalid values fail when the config is built,
-naming the flag; the one check that needs the layout (whole heads per TP rank) is
-`heads_per_rank`. Parameter shapes at TP size 1 (docs/design.md "Fixed contracts")::
+"""`LEVConfig`: the LEV hyper-parameters of docs/lev.md section 2, each with its `--lev-*` flag,
+checked when the config is built (whole heads per TP rank: `heads_per_rank`). Parameter shapes
+at TP size 1 (docs/design.md "Fixed contracts")::
 
     codebooks         [k, b, d_seed]
     seed_proj         [h, d_seed, d_in]      d_in = d_seed (sum) or k*d_seed (concat)
@@ -63,14 +60,9 @@ def smallest_base(vocab_size: int, num_digits: int) -> int:
 
 @flag_dataclass
 class LEVConfig:
-    """Hyper-parameters of one LEV input generator (docs/lev.md section 2).
-
-    The symbols of docs/lev.md are given first. Fields after `normalize_basis` are numerical or
-    implementation choices that docs/lev.md fixes (eps values, initialisation) or leaves to us
-    (dedup, kernel, eval table); they have flags too so every run is reproducible from its
-    command line. Every field but V and D declares its `--lev-*` flag. Frozen: the object the
-    flags produce is the one `LEVEmbedding` and the kernels read (through `LEVKernelOptions.of`).
-    """
+    """Hyper-parameters of one LEV input generator: docs/lev.md's symbols first, then the
+    numerical and implementation choices (eps values, initialisation, dedup, kernel, eval
+    table). Every field but V and D has its `--lev-*` flag."""
 
     vocab_size: Optional[int] = None
     """V: number of token ids; ids must lie in [0, V). None (with `hidden_size`): the flags
@@ -125,11 +117,8 @@ class LEVConfig:
         "Triton kernels, the C++ CPU kernel, or auto (triton on CUDA, cpu on CPU)",
         choices=_KERNELS,
     )
-    """Steps 3a-3e (`lev.kernels`): reference is `lev.math` (every intermediate saved), torch
-    `lev.fused`, triton `lev.triton_kernel`, cpu `cpu_accel.lev_kernel` (a CPU acceleration);
-    auto takes triton for float32 CUDA tensors when it imports, cpu for CPU tensors when the
-    accelerations are on and a C++ compiler builds it, else torch. All but reference save only
-    the seeds and the modes for backward."""
+    """Steps 3a-3e (`lev.kernels`): `lev.math`, `lev.fused`, `lev.triton_kernel` or
+    `cpu_accel.lev_kernel`; auto falls back to torch where triton or cpu cannot run."""
     init_output_std: Optional[float] = lev_flag(
         None,
         "rescale out_proj at init so the [V, D] embedding table has this std (default: the "
@@ -178,8 +167,6 @@ class LEVConfig:
                 f"--lev-num-digits to >= {need_k}, or omit --lev-base"
             )
 
-    # ----------------------------------------------------------------------------- derived
-
     @property
     def seed_in_dim(self) -> int:
         """Width of the seed z: d_seed with "sum", k*d_seed with "concat"."""
@@ -197,11 +184,7 @@ class LEVConfig:
         return num_ids > self.num_digits * self.base
 
     def heads_per_rank(self, tp_size: int) -> int:
-        """h / tp: the heads each rank of a tensor-parallel group of `tp_size` owns.
-
-        Raises:
-            ValueError: h is not divisible by `tp_size` (every rank must own whole heads).
-        """
+        """h / tp: the heads each rank of a TP group of `tp_size` owns (ValueError: not whole)."""
         if self.num_heads % tp_size != 0:
             raise ValueError(
                 f"--lev-num-heads {self.num_heads} is not divisible by "
@@ -224,12 +207,8 @@ class LEVConfig:
         }
 
     def num_parameters(self) -> int:
-        """Total LEV parameters (TP size 1): the formula of docs/lev.md section 2
-
-        k*b*d_seed + h*(d_in*d_seed + 2*d_seed + d_seed*kappa*r + r*D),
-
-        where d_in = d_seed for "sum" (the d_seed^2 term) and k*d_seed for "concat".
-        """
+        """Total LEV parameters (TP size 1), docs/lev.md section 2:
+        k*b*d_seed + h*(d_in*d_seed + 2*d_seed + d_seed*kappa*r + r*D)."""
         d = self.seed_dim
         per_head = (
             self.seed_in_dim * d

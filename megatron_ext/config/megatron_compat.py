@@ -1,15 +1,11 @@
-"""Every Megatron-LM flag has an answer: implemented, accepted (it restates this design),
-ignored with a logged note, CUDA-path only, or refused with one line saying why.
+"""Every Megatron-LM flag has an answer: implemented (a config field declares it), accepted as
+restating this design, ignored with a logged note, CUDA-path only, or refused with one line
+saying why.
 
-`add_megatron_compat_arguments(parser)` runs last in `build_parser`: the flags implemented here
-are declared on the config fields that own them, so it registers every flag of
-`megatron_flags.MEGATRON_FLAGS` that the parser does not know yet with a `_CompatAction` that
-records its use. `apply_megatron_compat(args)` (called by `parse_args`) then refuses, notes or
-accepts what was given, and writes the effective value of design flags (`swiglu True`).
-
-`compat_table(parser)` reads the status back from the parser's actions, so that
-docs/megatron-compat.md (`python -m megatron_ext.training.compat_doc --write PATH`)
-cannot drift from what the parser does.
+`add_megatron_compat_arguments`, last in `build_parser`, registers every flag of
+`megatron_flags.MEGATRON_FLAGS` the parser lacks with a `_CompatAction` that records its use;
+`apply_megatron_compat` answers what was given and writes the design flags' effective values.
+`compat_table` reads the answers back from the parser: docs/megatron-compat.md.
 """
 
 from __future__ import annotations
@@ -51,23 +47,18 @@ class Rule:
     """What happens when a flag that is not implemented here is given."""
 
     status: str
-    note: str
-    """One line: why, and what to use instead."""
-    allowed: Optional[tuple] = None
-    """For DESIGN/REFUSED value flags: the values that restate the design (accepted)."""
-    cpu_refused: bool = False
-    """For CUDA-path flags: refused on CPU (else ignored there with a logged note)."""
-    effective: object = None
-    """For DESIGN switches: the value the run really uses (shown in the argument dump)."""
-    choices: Optional[tuple] = None
-    """Megatron-LM's valid values (argparse checks them)."""
+    note: str  # one line: why, and what to use instead
+    allowed: Optional[tuple] = None  # DESIGN value flags: the values that restate the design
+    cpu_refused: bool = False  # CUDA-path flags: refused on CPU (else ignored with a note)
+    effective: object = None  # DESIGN switches: the value the run uses (in args.json)
+    choices: Optional[tuple] = None  # Megatron-LM's valid values
     default: object = argparse.SUPPRESS
-    """The value the namespace (and args.json) holds when the flag is not given: Megatron-LM's
-    default for the launch-script flags of this backbone's fixed design, else nothing."""
+    """The namespace's (args.json's) value when the flag is not given: Megatron-LM's default for
+    the launch-script flags of this backbone's fixed design, else nothing."""
 
 
-def _r(note: str, allowed: Optional[tuple] = None) -> Rule:
-    return Rule(REFUSED, note, allowed)
+def _r(note: str) -> Rule:
+    return Rule(REFUSED, note)
 
 
 def _d(note: str, effective: object = True, allowed: Optional[tuple] = None, **default) -> Rule:
@@ -106,9 +97,22 @@ _CKPT_ONE_FORMAT = (
     "checkpoints are one format: torch.distributed.checkpoint with DTensor shards, not "
     "Megatron's torch_dist (see --ckpt-format)"
 )
+_MOE = "no mixture-of-experts layers: the backbone is dense"
+_MAMBA = "the backbone is a transformer (no Mamba layers)"
+_CP = "context parallelism is TE's p2p ring"
+_MCORE_PP = "needs Megatron's CUDA pipeline schedules"
+_CUDA_GRAPH = "CUDA graphs are not supported by this loop"
+_ADAMW = "the optimizer is AdamW (--optimizer adam)"
+_QK_CLIP = "QK-clip is a Muon recipe; the optimizer is AdamW"
+_REPLICATION = "checkpoint replication is not supported; use shared storage"
 
-# Flags not implemented here, by name. Every flag of MEGATRON_FLAGS that the parser lacks
-# must be answered here or by a prefix below (tests/training/test_megatron_compat.py).
+
+def _each(flags: str, rule: Rule) -> dict[str, Rule]:
+    return dict.fromkeys(flags.split(), rule)
+
+
+# Every flag of MEGATRON_FLAGS that the parser lacks, by name, or by a prefix (ending in "-",
+# tried in order after the names) (tests/training/test_megatron_compat.py).
 _RULES: dict[str, Rule] = {
     # network size / transformer configuration
     "--apply-layernorm-1p": _d(
@@ -137,25 +141,19 @@ _RULES: dict[str, Rule] = {
         "gradients are float32 (autocast keeps fp32 master weights)"
     ),
     "--use-flash-attn": _n("Transformer Engine picks its fused attention itself", default=False),
-    "--no-masked-softmax-fusion": _n(_NO_FUSION, default=False),
-    "--no-bias-swiglu-fusion": _n(_NO_FUSION, default=False),
-    "--no-bias-dropout-fusion": _n(_NO_FUSION, default=False),
-    "--no-bias-gelu-fusion": _n(_NO_FUSION),
-    "--no-rope-fusion": _n(_NO_FUSION, default=False),
-    "--no-persist-layer-norm": _n(_NO_FUSION),
-    "--disable-jit-fuser": _n(_NO_FUSION),
+    **_each("--no-masked-softmax-fusion --no-bias-swiglu-fusion", _n(_NO_FUSION, default=False)),
+    **_each("--no-bias-dropout-fusion --no-rope-fusion", _n(_NO_FUSION, default=False)),
+    **_each("--no-bias-gelu-fusion --no-persist-layer-norm --disable-jit-fuser", _n(_NO_FUSION)),
+    "--use-te-activation-func": _n(_NO_FUSION),
     "--no-gradient-accumulation-fusion": _n(
         "gradients accumulate in float32 .grad tensors", default=False
     ),
-    "--encoder-num-layers": _r(_DECODER),
-    "--decoder-num-layers": _r(_DECODER),
-    "--encoder-seq-length": _r(_DECODER),
-    "--decoder-seq-length": _r(_DECODER),
-    "--bert-no-binary-head": _r(_DECODER),
+    **_each("--encoder-num-layers --decoder-num-layers --bert-no-binary-head", _r(_DECODER)),
+    **_each("--encoder-seq-length --decoder-seq-length --vocab-extra-ids", _r(_DECODER)),
+    **_each("--sample-rate --mask-prob --short-seq-prob", _r(_DECODER)),
     "--window-size": _r("attention is full causal attention (no sliding window)"),
     "--window-attn-skip-freq": _r("attention is full causal attention (no sliding window)"),
-    "--relative-attention-num-buckets": _r(_ROPE),
-    "--relative-attention-max-distance": _r(_ROPE),
+    **_each("--relative-attention-num-buckets --relative-attention-max-distance", _r(_ROPE)),
     "--no-position-embedding": _r(_ROPE),
     "--rotary-seq-len-interpolation-factor": _r("rotary scaling is not supported; " + _ROPE),
     "--use-rope-scaling": _r("LLaMA-3.1 rope scaling is not supported; " + _ROPE),
@@ -164,21 +162,14 @@ _RULES: dict[str, Rule] = {
     "--mrope-section": _r("multimodal rope is not supported; " + _ROPE),
     "--rope-type": _d("plain rotary positions", "rope", ("rope",)),
     "--rotary-interleaved": _r("rotary uses the half-split (non-interleaved) layout"),
-    "--openai-gelu": _r(_SWIGLU),
-    "--squared-relu": _r(_SWIGLU),
-    "--quick-geglu": _r(_SWIGLU),
-    "--use-fused-weighted-squared-relu": _r(_SWIGLU),
-    "--glu-linear-offset": _r(_SWIGLU),
-    "--activation-func-clamp-value": _r(_SWIGLU),
-    "--use-te-activation-func": _n(_NO_FUSION),
+    **_each("--openai-gelu --squared-relu --quick-geglu --glu-linear-offset", _r(_SWIGLU)),
+    **_each("--use-fused-weighted-squared-relu --activation-func-clamp-value", _r(_SWIGLU)),
     "--onnx-safe": _n("no ONNX export path here"),
     "--add-qkv-bias": _r("linear layers have no bias (LLaMA-style); drop the flag"),
     "--fp32-residual-connection": _r("not supported; --bf16 autocast keeps fp32 weights"),
     "--apply-residual-connection-post-layernorm": _r("the backbone is pre-norm"),
     "--qk-l2-norm": _r("use --qk-layernorm (RMSNorm on queries and keys)"),
-    "--qk-clip": _r("QK-clip is a Muon recipe; the optimizer is AdamW"),
-    "--qk-clip-alpha": _r("QK-clip is a Muon recipe; the optimizer is AdamW"),
-    "--qk-clip-threshold": _r("QK-clip is a Muon recipe; the optimizer is AdamW"),
+    **_each("--qk-clip --qk-clip-alpha --qk-clip-threshold", _r(_QK_CLIP)),
     "--attention-output-gate": _r("attention has no output gate (LLaMA-style)"),
     "--softmax-type": _d("standard softmax attention", "vanilla", ("vanilla",)),
     "--multi-latent-attention": _r("attention is grouped-query attention (no MLA)"),
@@ -203,7 +194,6 @@ _RULES: dict[str, Rule] = {
     "--cross-entropy-fusion-impl": _c(
         "the fused cross entropy is a CUDA kernel", choices=("native", "te")
     ),
-    "--fp8-amax-compute-algo": _c(_FP8, cpu_refused=True, choices=("most_recent", "max")),
     "--fp8-recipe": _c(
         _FP8, cpu_refused=True, choices=("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
     ),
@@ -215,28 +205,24 @@ _RULES: dict[str, Rule] = {
     "--no-clone-scatter-output-in-embedding": _n("an embedding memory tweak; no effect here"),
     "--disable-clone-scatter-output-in-embedding": _n("an embedding memory tweak; no effect here"),
     "--config-logger-dir": _r("use --log-jsonl and the TensorBoard config text"),
-    "--is-hybrid-model": _r("the backbone is a transformer (no Mamba layers)"),
-    "--disable-mamba-mem-eff-path": _r("the backbone is a transformer (no Mamba layers)"),
+    **_each("--is-hybrid-model --disable-mamba-mem-eff-path", _r(_MAMBA)),
     # parallelism
     "--pipeline-model-parallel-comm-backend": _n("p2p goes through the default process group"),
-    "--hierarchical-context-parallel-sizes": _r("context parallelism is TE's p2p ring"),
-    "--hybrid-context-parallel": _r("context parallelism is TE's p2p ring"),
-    "--max-seqlen-per-dp-cp-rank": _r("context parallelism is TE's p2p ring"),
-    "--cp-comm-type": _d("context parallelism is TE's p2p ring", ["p2p"], (["p2p"],)),
+    **_each("--hierarchical-context-parallel-sizes --hybrid-context-parallel", _r(_CP)),
+    "--max-seqlen-per-dp-cp-rank": _r(_CP),
+    "--cp-comm-type": _d(_CP, ["p2p"], (["p2p"],)),
     "--no-async-tensor-model-parallel-allreduce": _n("a CUDA overlap knob; no effect here"),
     "--disable-async-tensor-model-parallel-allreduce": _n("a CUDA overlap knob; no effect here"),
     "--use-ring-exchange-p2p": _n("p2p sends and receives are batched per step"),
     "--overlap-p2p-communication-warmup-flush": _r(_INTERLEAVED),
     "--microbatch-group-size-per-virtual-pipeline-stage": _r(_INTERLEAVED),
     "--no-overlap-p2p-communication": _d("p2p communication is not overlapped"),
-    "--defer-embedding-wgrad-compute": _r("needs Megatron's CUDA pipeline schedules"),
-    "--wgrad-deferral-limit": _r("needs Megatron's CUDA pipeline schedules"),
-    "--delay-wgrad-compute": _r("needs Megatron's CUDA pipeline schedules"),
+    **_each("--defer-embedding-wgrad-compute --wgrad-deferral-limit", _r(_MCORE_PP)),
+    "--delay-wgrad-compute": _r(_MCORE_PP),
     "--account-for-embedding-in-pipeline-split": _r(_PP_SPLIT),
-    "--account-for-loss-in-pipeline-split": _r(_PP_SPLIT),
+    **_each("--account-for-loss-in-pipeline-split --pipeline-model-parallel-layout", _r(_PP_SPLIT)),
     "--decoder-first-pipeline-num-layers": _r(_PP_SPLIT),
     "--decoder-last-pipeline-num-layers": _r(_PP_SPLIT),
-    "--pipeline-model-parallel-layout": _r(_PP_SPLIT),
     "--model-parallel-size": _r("removed in Megatron-LM too; use --tensor-model-parallel-size"),
     "--distributed-timeout-seconds-after-init": _r("use --distributed-timeout-minutes"),
     "--no-scatter-gather-tensors-in-pipeline": _d("pipeline tensors are sent whole"),
@@ -248,12 +234,8 @@ _RULES: dict[str, Rule] = {
     "--sharp-enabled-group": _c("an InfiniBand SHARP setting; no effect with gloo"),
     "--create-all-gather-group": _c("a CUDA overlap knob; no effect with gloo"),
     "--nccl-communicator-config-path": _c("an NCCL setting; no effect with gloo"),
-    "--no-gradient-reduce-div-fusion": _c(_DDP),
-    "--overlap-grad-reduce": _c(_DDP),
-    "--overlap-param-gather": _c(_DDP),
-    "--overlap-param-gather-with-optimizer-step": _c(_DDP),
-    "--no-align-grad-reduce": _c(_DDP),
-    "--no-align-param-gather": _c(_DDP),
+    **_each("--no-gradient-reduce-div-fusion --overlap-param-gather-with-optimizer-step", _c(_DDP)),
+    **_each("--no-align-grad-reduce --no-align-param-gather --ddp-", _c(_DDP)),
     "--num-distributed-optimizer-instances": _d("one distributed-optimizer instance", 1, (1,)),
     "--data-parallel-sharding-strategy": _d(
         "no FSDP sharding (use --use-distributed-optimizer)", "no_shard", ("no_shard",)
@@ -271,19 +253,16 @@ _RULES: dict[str, Rule] = {
     "--exit-signal-handler-for-dataloader": _r("dataloader workers exit with the rank"),
     "--iterations-to-skip": _r("use --skip-nonfinite-steps to skip bad steps"),
     "--batch-size": _r("removed in Megatron-LM too; use --micro-batch-size"),
-    "--check-for-large-grads": _r(_NO_RERUN),
-    "--result-rejected-tracker-filename": _r(_NO_RERUN),
+    **_each("--check-for-large-grads --result-rejected-tracker-filename", _r(_NO_RERUN)),
     "--disable-gloo-process-groups": _n("megatron-core gloo side groups are not created here"),
-    "--tp-comm-overlap-cfg": _c(_TP_OVERLAP, cpu_refused=True),
     "--checkpoint-activations": _r("removed in Megatron-LM too; use --recompute-activations"),
     "--dump-param-to-param-group-map": _r("parameter groups are logged at start-up"),
     "--use-legacy-models": _r("only megatron-core models (Megatron's legacy models are gone)"),
     "--high-priority-stream-groups": _c("a CUDA stream setting; no effect on CPU"),
     "--te-precision-config-file": _c("a Transformer Engine precision recipe", cpu_refused=True),
     "--te-rng-tracker": _c("Transformer Engine's RNG tracker; the local path uses megatron's"),
-    "--inference-rng-tracker": _n(_INFERENCE),
     "--warmup": _r("removed in Megatron-LM too; use --lr-warmup-fraction"),
-    "--sgd-momentum": _r("the optimizer is AdamW (--optimizer adam)"),
+    **_each("--sgd-momentum --muon-", _r(_ADAMW)),
     "--apply-wd-to-qk-layernorm": _r("norm weights (qk-layernorm included) get no weight decay"),
     "--no-weight-decay-cond-type": _r("norm weights (qk-layernorm included) get no weight decay"),
     # profiling
@@ -292,15 +271,14 @@ _RULES: dict[str, Rule] = {
     "--memory-snapshot-path": _c("CUDA caching-allocator history", cpu_refused=True),
     # checkpointing
     "--persistent-save-interval": _r("use --save-interval"),
-    "--save-wgrads-interval": _r("gradients are not checkpointed"),
-    "--save-dgrads-interval": _r("gradients are not checkpointed"),
+    **_each("--save-wgrads-interval --save-dgrads-interval", _r("gradients are not checkpointed")),
     "--save-retain-interval": _r("use --ckpt-keep-last N"),
     "--load-main-params-from-ckpt": _r("weights are float32; --load restores them"),
     "--pretrained-checkpoint": _r("use --load with --finetune"),
     "--use-mp-args-from-checkpoint-args": _r("use --use-checkpoint-args"),
     "--no-use-tokenizer-model-from-checkpoint-args": _n("--use-checkpoint-args restores it"),
     "--disable-use-tokenizer-model-from-checkpoint-args": _n("--use-checkpoint-args restores it"),
-    "--auto-detect-ckpt-format": _d(_CKPT_ONE_FORMAT),
+    **_each("--auto-detect-ckpt-format --use-dist-ckpt", _d(_CKPT_ONE_FORMAT)),
     "--no-ckpt-fully-parallel-save": _n("every rank writes its own shards"),
     "--disable-ckpt-fully-parallel-save": _n("every rank writes its own shards"),
     "--ckpt-fully-parallel-save": _d("every rank writes its own shards"),
@@ -315,14 +293,10 @@ _RULES: dict[str, Rule] = {
     "--dist-ckpt-save-pre-mcore-014": _r(_CKPT_ONE_FORMAT),
     "--dist-ckpt-optim-fully-reshardable": _d("optimizer states reshard to any layout"),
     "--distrib-optim-fully-reshardable-mem-efficient": _d("optimizer states reshard to any layout"),
-    "--use-dist-ckpt": _d(_CKPT_ONE_FORMAT),
     "--dist-ckpt-format": _d(_CKPT_ONE_FORMAT, "torch_dist", ("torch_dist",)),
-    "--replication": _r("checkpoint replication is not supported; use shared storage"),
-    "--replication-jump": _r("checkpoint replication is not supported; use shared storage"),
-    "--replication-factor": _r("checkpoint replication is not supported; use shared storage"),
+    **_each("--replication --replication-jump --replication-factor", _r(_REPLICATION)),
     # mixed precision
     "--fp16-lm-cross-entropy": _r("the cross entropy runs in float32"),
-    "--reuse-grad-buf-for-mxfp8-param-ag": _c(_FP8, cpu_refused=True),
     # validation
     "--test-mode": _r("a Megatron-LM self-test mode"),
     "--full-validation": _r("validation reads --eval-iters batches; raise it"),
@@ -336,19 +310,14 @@ _RULES: dict[str, Rule] = {
     "--dataloader-defer-npy-index-mmap": _n("the sample-index cache is loaded as is"),
     "--object-storage-cache-path": _r("data is read from local files"),
     "--mid-level-dataset-surplus": _n("megatron-core's default surplus is used"),
-    "--allow-ambiguous-pad-tokens": _r(_TOKENIZER),
-    "--sample-rate": _r(_DECODER),
-    "--mask-prob": _r(_DECODER),
-    "--short-seq-prob": _r(_DECODER),
+    "--fim-": _r("fill-in-the-middle samples are not built; preprocess them yourself"),
     # tokenizer
     "--padded-vocab-size": _r("derived from --make-vocab-size-divisible-by x TP"),
-    "--vocab-extra-ids": _r(_DECODER),
-    "--tokenizer-metadata": _r(_TOKENIZER),
-    "--tokenizer-special-tokens": _r(_TOKENIZER),
+    **_each("--allow-ambiguous-pad-tokens --tokenizer-metadata", _r(_TOKENIZER)),
+    **_each("--tokenizer-special-tokens --tokenizer-sentencepiece-legacy", _r(_TOKENIZER)),
     "--legacy-tokenizer": _d("tokenizers follow Megatron-LM's type names"),
     "--tiktoken-num-special-tokens": _r("TikTokenizer adds <|endoftext|> and <|pad|> only"),
     "--tiktoken-special-tokens": _r("TikTokenizer adds <|endoftext|> and <|pad|> only"),
-    "--tokenizer-sentencepiece-legacy": _r(_TOKENIZER),
     "--tokenizer-hf-use-fast": _d("Hugging Face tokenizers load their fast version"),
     "--tokenizer-hf-include-special-tokens": _r("text is tokenized without special tokens"),
     "--trust-remote-code": _r("tokenizers load from local files only (no remote code)"),
@@ -360,59 +329,31 @@ _RULES: dict[str, Rule] = {
     "--log-max-attention-logit": _r("needs Transformer Engine >= 2.9 attention internals"),
     "--no-barrier-with-level-1-timing": _n("timers synchronise only the local device"),
     "--log-energy": _c("GPU energy counters", cpu_refused=True),
+    # families
+    **_each("--moe- --overlap-moe- --ep-overlap-", _r(_MOE)),
+    "--mtp-": _r("no multi-token prediction; the loss is next-token"),
+    "--mamba-": _r(_MAMBA),
+    "--dsa-": _r("attention is grouped-query attention (no sparse attention)"),
+    "--linear-": _r("attention is grouped-query attention (no linear attention)"),
+    "--fp4-": _r("FP4 needs Transformer Engine on Blackwell GPUs; not supported"),
+    **_each("--fp8- --no-fp8- --disable-fp8- --first-last-layers-bf16", _c(_FP8, cpu_refused=True)),
+    **_each("--num-layers-at- --reuse-grad-buf-for-mxfp8-param-ag", _c(_FP8, cpu_refused=True)),
+    **_each("--kitchen- --use-kitchen-", _r("NVIDIA Kitchen quantization is not supported")),
+    "--tp-comm-overlap-cfg": _c(_TP_OVERLAP, cpu_refused=True),
+    **_each("--tp-comm- --no-tp-comm- --disable-tp-comm-", _c(_TP_OVERLAP, cpu_refused=True)),
+    **_each("--enable-cuda-graph --cuda-graph- --external-cuda-graph", _r(_CUDA_GRAPH)),
+    **_each("--keep-fp8- --fsdp- --use-megatron-fsdp --use-torch-fsdp2 --torch-fsdp2-", _r(_FSDP)),
+    **_each("--enable-full-sharding-in-hsdp --suggested-communication-unit-size", _r(_FSDP)),
+    **_each("--no-strict-fsdp- --disable-strict-fsdp-", _r(_FSDP)),
+    **_each("--optimizer-cpu-offload --optimizer-offload- --overlap-cpu-optimizer-", _r(_OFFLOAD)),
+    **_each("--use-torch-optimizer-for-cpu-offload --no-pin-cpu- --offload-modules", _r(_OFFLOAD)),
+    **_each("--cpu-offloading-num-layers --min-offloaded-tensor-size", _r(_OFFLOAD)),
+    "--fine-grained-activation-offloading": _r(_OFFLOAD),
+    **_each("--inference-rng-tracker --inference- --symmetric-ar-type", _n(_INFERENCE)),
+    **_each("--flash-decode --mlp-chunks-for-prefill", _n(_INFERENCE)),
+    "--non-persistent-": _r("only persistent checkpoints (--save/--save-interval)"),
+    "--ckpt-convert-": _r("convert with tools/convert_checkpoint.py"),
 }
-
-# Families of flags, by prefix (checked after _RULES).
-_PREFIX_RULES: tuple[tuple[str, Rule], ...] = (
-    ("--moe-", _r("no mixture-of-experts layers: the backbone is dense")),
-    ("--overlap-moe-", _r("no mixture-of-experts layers: the backbone is dense")),
-    ("--ep-overlap-", _r("no mixture-of-experts layers: the backbone is dense")),
-    ("--mtp-", _r("no multi-token prediction; the loss is next-token")),
-    ("--mamba-", _r("the backbone is a transformer (no Mamba layers)")),
-    ("--dsa-", _r("attention is grouped-query attention (no sparse attention)")),
-    ("--linear-", _r("attention is grouped-query attention (no linear attention)")),
-    ("--fim-", _r("fill-in-the-middle samples are not built; preprocess them yourself")),
-    ("--muon-", _r("the optimizer is AdamW (--optimizer adam)")),
-    ("--fp4-", _r("FP4 needs Transformer Engine on Blackwell GPUs; not supported")),
-    ("--fp8-", _c(_FP8, cpu_refused=True)),
-    ("--no-fp8-", _c(_FP8, cpu_refused=True)),
-    ("--disable-fp8-", _c(_FP8, cpu_refused=True)),
-    ("--first-last-layers-bf16", _c(_FP8, cpu_refused=True)),
-    ("--num-layers-at-", _c(_FP8, cpu_refused=True)),
-    ("--keep-fp8-", _r(_FSDP)),
-    ("--kitchen-", _r("NVIDIA Kitchen quantization is not supported")),
-    ("--use-kitchen-", _r("NVIDIA Kitchen quantization is not supported")),
-    ("--tp-comm-", _c(_TP_OVERLAP, cpu_refused=True)),
-    ("--no-tp-comm-", _c(_TP_OVERLAP, cpu_refused=True)),
-    ("--disable-tp-comm-", _c(_TP_OVERLAP, cpu_refused=True)),
-    ("--enable-cuda-graph", _r("CUDA graphs are not supported by this loop")),
-    ("--cuda-graph-", _r("CUDA graphs are not supported by this loop")),
-    ("--external-cuda-graph", _r("CUDA graphs are not supported by this loop")),
-    ("--ddp-", _c(_DDP)),
-    ("--fsdp-", _r(_FSDP)),
-    ("--use-megatron-fsdp", _r(_FSDP)),
-    ("--use-torch-fsdp2", _r(_FSDP)),
-    ("--torch-fsdp2-", _r(_FSDP)),
-    ("--enable-full-sharding-in-hsdp", _r(_FSDP)),
-    ("--suggested-communication-unit-size", _r(_FSDP)),
-    ("--no-strict-fsdp-", _r(_FSDP)),
-    ("--disable-strict-fsdp-", _r(_FSDP)),
-    ("--optimizer-cpu-offload", _r(_OFFLOAD)),
-    ("--optimizer-offload-", _r(_OFFLOAD)),
-    ("--use-torch-optimizer-for-cpu-offload", _r(_OFFLOAD)),
-    ("--overlap-cpu-optimizer-", _r(_OFFLOAD)),
-    ("--no-pin-cpu-", _r(_OFFLOAD)),
-    ("--cpu-offloading", _r(_OFFLOAD)),
-    ("--fine-grained-activation-offloading", _r(_OFFLOAD)),
-    ("--offload-modules", _r(_OFFLOAD)),
-    ("--min-offloaded-tensor-size", _r(_OFFLOAD)),
-    ("--inference-", _n(_INFERENCE)),
-    ("--flash-decode", _n(_INFERENCE)),
-    ("--mlp-chunks-for-prefill", _n(_INFERENCE)),
-    ("--symmetric-ar-type", _n(_INFERENCE)),
-    ("--non-persistent-", _r("only persistent checkpoints (--save/--save-interval)")),
-    ("--ckpt-convert-", _r("convert with tools/convert_checkpoint.py")),
-)
 
 
 _SAME_SWITCH = "the same unset switch (Megatron-LM's None is off)"
@@ -420,12 +361,9 @@ _FUSION = (
     "stored under the flag's own name, no_*: false, where Megatron-LM stores the inverse (its "
     "fusion switch: true); the same unset flag, noted and ignored"
 )
-_DESIGN_DEFAULT = None  # a DESIGN rule's flag: its effective value; the rule's note says why
 
-# Megatron-LM core_v0.16.1's default of every flag whose default differs here, and why
-# (tests/training/test_megatron_compat.py compares the parser with Megatron-LM's own parser,
-# recorded in tests/training/data/megatron_lm_defaults.json); every other shared flag defaults
-# as in Megatron-LM. docs/megatron-compat.md lists them.
+# Megatron-LM core_v0.16.1's default of every flag whose default differs here, and why (every
+# other shared flag defaults as there: tests/training/test_megatron_compat.py).
 DEFAULT_DIFFERENCES: dict[str, tuple[object, Optional[str]]] = {
     "--distributed-backend": (
         "nccl",
@@ -467,28 +405,17 @@ DEFAULT_DIFFERENCES: dict[str, tuple[object, Optional[str]]] = {
     "--no-bias-dropout-fusion": (True, _FUSION),
     "--no-rope-fusion": (True, _FUSION),
     "--no-gradient-accumulation-fusion": (True, _FUSION),
+    # None: the fixed design (the rule's note says why). A design switch is on here, and off in
+    # Megatron-LM unless it spells the inverse there (--no-*, --disable-*).
     **{
-        flag: (False, _DESIGN_DEFAULT)
-        for flag in (
-            "--use-rotary-position-embeddings",
-            "--swiglu",
-            "--apply-layernorm-1p",
-            "--use-mcore-models",
-            "--use-pytorch-profiler",
-            "--auto-detect-ckpt-format",
-            "--ckpt-fully-parallel-load",
-            "--dist-ckpt-optim-fully-reshardable",
-            "--distrib-optim-fully-reshardable-mem-efficient",
-            "--use-dist-ckpt",
-            "--ckpt-fully-parallel-save",
-            "--attention-softmax-in-fp32",
-            "--accumulate-allreduce-grads-in-fp32",
-            "--legacy-tokenizer",
-            "--tokenizer-hf-use-fast",
-        )
-    },  # fmt: skip
-    "--position-embedding-type": ("learned_absolute", _DESIGN_DEFAULT),
-    "--normalization": ("LayerNorm", _DESIGN_DEFAULT),
+        flag: (False, None)
+        for _, flag, kind in MEGATRON_FLAGS
+        if kind == "switch"
+        and getattr(_RULES.get(flag), "status", None) == DESIGN
+        and not flag.startswith(("--no-", "--disable-"))
+    },
+    "--position-embedding-type": ("learned_absolute", None),
+    "--normalization": ("LayerNorm", None),
 }
 
 
@@ -496,10 +423,8 @@ def rule_for(flag: str) -> Optional[Rule]:
     """The rule of a flag that is not implemented here (None: no rule)."""
     if flag in _RULES:
         return _RULES[flag]
-    for prefix, rule in _PREFIX_RULES:
-        if flag.startswith(prefix):
-            return rule
-    return None
+    prefixes = (rule for key, rule in _RULES.items() if key[-1] == "-" and flag.startswith(key))
+    return next(prefixes, None)
 
 
 class _CompatAction(argparse.Action):
@@ -512,17 +437,7 @@ class _CompatAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         value = True if self.nargs == 0 else values
         setattr(namespace, self.dest, value)
-        given = dict(getattr(namespace, _GIVEN, {}) or {})
-        given[option_string] = value
-        setattr(namespace, _GIVEN, given)
-
-
-def _compat_kwargs(kind: str) -> dict:
-    if kind == "switch":
-        return dict(nargs=0)
-    if kind == "list":
-        return dict(nargs="+")
-    return dict(nargs=None)
+        setattr(namespace, _GIVEN, {**getattr(namespace, _GIVEN, {}), option_string: value})
 
 
 def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -535,26 +450,20 @@ def add_megatron_compat_arguments(parser: argparse.ArgumentParser) -> argparse.A
     )
     for _, flag, kind in MEGATRON_FLAGS:
         rule = rule_for(flag)
-        action = known.get(flag)
-        if action is not None:
-            if rule is not None and rule.status in (DESIGN, NOTED):
-                action.megatron_rule = rule  # a flag another group owns; same answer
+        if flag in known or rule is None:  # implemented, or left unknown (the compat test)
             continue
-        if rule is None:
-            continue  # left unknown: the compat test names it
-        dest = flag[2:].replace("-", "_")
         group.add_argument(
             flag,
-            dest=dest,
+            dest=flag[2:].replace("-", "_"),
             action=_CompatAction,
             megatron_rule=rule,
-            # Only what was given (or a design flag's effective value, or the rule's default)
-            # shows in the dump.
+            # The dump (args.json) shows what was given, else a design switch's effective value
+            # (what the run does, not what was typed) or the rule's default.
             default=rule.effective
             if kind == "switch" and rule.effective is not None
             else rule.default,
             help=f"[{rule.status}] {rule.note}",
-            **_compat_kwargs(kind),
+            nargs={"switch": 0, "list": "+"}.get(kind),
             **({"choices": rule.choices} if rule.choices and kind != "switch" else {}),
         )
     return parser
@@ -581,12 +490,7 @@ def flag_status(parser: argparse.ArgumentParser, flag: str) -> tuple[str, str]:
 def _value_allowed(rule: Rule, value) -> bool:
     if rule.allowed is None:
         return rule.status != REFUSED
-    for allowed in rule.allowed:
-        if value == allowed or str(value) == str(allowed):
-            return True
-        if isinstance(allowed, list) and isinstance(value, list) and value == allowed:
-            return True
-    return False
+    return any(value == allowed or str(value) == str(allowed) for allowed in rule.allowed)
 
 
 # Any of these on the command line asks for the LLaMA-style backbone (Megatron-LM's LLaMA
@@ -602,19 +506,14 @@ _BACKBONE_FLAGS = (
 def apply_megatron_compat(
     args: argparse.Namespace, cuda: bool, fp8: bool = False
 ) -> argparse.Namespace:
-    """Refuse, note or accept the compatibility flags given (`fp8`: the run has --fp8-format);
-    set effective design values.
+    """Refuse, note or accept the compatibility flags given (`fp8`: the run has --fp8-format).
 
     Raises:
         ValueError: naming the first refused flag and why.
     """
-    given = getattr(args, _GIVEN, None) or {}
-    if hasattr(args, _GIVEN):
-        delattr(args, _GIVEN)
+    given = vars(args).pop(_GIVEN, None) or {}
     for flag, value in given.items():
-        rule = rule_for(flag)
-        if rule is None:
-            continue
+        rule = rule_for(flag)  # a `_CompatAction`'s flag: it has one
         shown = flag if value is True else f"{flag} {value}"
         if flag.startswith("--fp8-") and not fp8:
             raise ValueError(f"{flag} needs --fp8-format (FP8 through Transformer Engine on CUDA)")
@@ -629,7 +528,7 @@ def apply_megatron_compat(
                 logger.info("%s: ignored on CPU (%s)", flag, rule.note)
         elif rule.status == NOTED:
             logger.info("%s: ignored (%s)", flag, rule.note)
-        elif not _value_allowed(rule, value) or (rule.status == REFUSED and rule.allowed is None):
+        elif not _value_allowed(rule, value):
             raise ValueError(f"{shown}: {rule.note}")
     if not any(flag in given for flag in _BACKBONE_FLAGS):
         logger.info(
@@ -638,16 +537,6 @@ def apply_megatron_compat(
             "LLaMA-style backbone, rotary positions, RMSNorm and a SwiGLU MLP",
             ", ".join(_BACKBONE_FLAGS[:3]),
         )
-    for _, flag, kind in MEGATRON_FLAGS:
-        rule = rule_for(flag)
-        if rule is None or kind != "switch" or flag in given:
-            continue
-        dest = flag[2:].replace("-", "_")
-        if rule.status == NOTED and getattr(args, dest, False) is True:
-            logger.info("%s: ignored (%s)", flag, rule.note)  # a flag the model group owns
-        elif rule.status == DESIGN and rule.effective is not None:
-            # The argument dump shows what the run does, not what was typed.
-            setattr(args, dest, rule.effective)
     return args
 
 

@@ -1,16 +1,8 @@
-"""The command-line flags of Megatron-LM core_v0.16.1 that `pretrain_leviathan.py` must know.
-
-Data, not code: (argument group, flag, kind) for every flag that Megatron-LM's
-`megatron/training/arguments.py` registers in the groups for the network size (including the
-generated "transformer configuration" group), regularisation, training, profiling,
-initialisation, learning rate, checkpointing, mixed precision, distributed, validation, data,
-tokenizer, logging and Transformer-Engine. Extracted once from Megatron-LM's own parser at
-tag core_v0.16.1; every flag of its `examples/llama/train_llama3_8b_h100_fp8.sh` and
-`examples/gpt3/train_gpt3_175b_distributed.sh` is among them. `kind` is how the flag takes
-values there: "switch" (no value), "value" (one) or "list" (one or more).
-
-`megatron_compat.py` gives each flag its status here, and `docs/megatron-compat.md` is generated
-from the parser; tests/training/test_megatron_compat.py fails when one of these is unknown.
+"""The command-line flags of Megatron-LM core_v0.16.1 that `pretrain_leviathan.py` must know:
+(argument group, flag, kind) for every flag its `megatron/training/arguments.py` registers in the
+named groups, extracted once from its parser (the LLaMA-3 8B and GPT-3 175B example scripts'
+flags among them); kind "switch" (no value), "value" (one) or "list" (one or more).
+`megatron_compat` answers each.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """`ModelConfig` and `EmbeddingConfig`: the LLaMA-style backbone and its input embedding (with
-the frozen `LEVConfig` at the model's V and D). They describe the model only: the parallel
-layout and precision it is built at, and megatron's `TransformerConfig`, are `config.layout`'s.
-
-Both declare their flags on their fields and validate themselves; the story is in
-docs/architecture.md "One flag, end to end". On the command line the vocabulary is the
-tokenizer's (padded), known after parsing: until then `vocab_size` is None.
+the `LEVConfig` at the model's V and D), their flags declared on their fields. They describe the
+model only: the layout and precision it is built at are `config.layout`'s.
 """
 
 from __future__ import annotations
@@ -55,11 +51,6 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
-def default_transformer_impl() -> str:
-    """`--transformer-impl`'s default: Megatron-LM's (transformer_engine) where it can run."""
-    return "transformer_engine" if transformer_engine_available() else "local"
-
-
 def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
     """LLaMA's SwiGLU width: 2/3 of 4D (same FLOPs as a 4D GELU MLP), rounded up."""
     ffn = int(2 * 4 * hidden_size / 3)
@@ -68,20 +59,16 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
 
 @flag_dataclass
 class EmbeddingConfig:
-    """Which input embedding the model uses, and the sizes of the non-LEV arms.
-
-    Sizes left None are chosen so that the arm's input-side parameter count matches LEV's
-    (see `megatron_ext.models.param_count.resolve_embedding_sizes`).
-    """
+    """Which input embedding the model uses, and the sizes of the non-LEV arms (None: matching
+    LEV's input-side parameter count, `models.param_count.resolve_embedding_sizes`)."""
 
     embedding_type: str = flag(
         "lev", "the input embedding arm", shapes_model=True, choices=EMBEDDING_TYPES
     )
     lev: Union[LEVConfig, dict[str, Any], None] = None
-    """The LEV hyper-parameters of the arms that use them (the LEV generator, factored-mlp's
-    codebooks, the count the other arms' widths match): None (the defaults), a LEVConfig or a
+    """The LEV hyper-parameters of the arms that use them: None (the defaults), a LEVConfig or a
     dict of its fields; inside a `ModelConfig` a `LEVConfig` at the model's V and D for those
-    arms (the run's one LEVConfig) and None for tied / untied (`at_model_size`)."""
+    arms and None for tied / untied (`at_model_size`)."""
     albert_dim: Optional[int] = flag(
         None,
         "ALBERT's m: V x m table, m x D projection (default: match LEV)",
@@ -122,12 +109,9 @@ class EmbeddingConfig:
         return self.embedding_type in _LEV_SIZED_TYPES
 
     def at_model_size(self, vocab_size: Optional[int], hidden_size: int) -> "EmbeddingConfig":
-        """This config with `lev` a `LEVConfig` at vocabulary `vocab_size` (None: not known
-        yet) and width `hidden_size` if the arm uses LEV, else None (self when it is so already).
-
-        Raises:
-            ValueError: an impossible LEV hyper-parameter (naming its flag), or a `lev` built
-                for another V or D."""
+        """This config with `lev` a `LEVConfig` at `vocab_size` (None: not known yet) and
+        `hidden_size` if the arm uses LEV, else None (self if it is so). ValueError: an impossible
+        LEV hyper-parameter (naming its flag), or a `lev` built for another V or D."""
         lev = self.lev
         if not self.uses_lev:
             lev = None
@@ -149,12 +133,10 @@ class ModelConfig:
     """A decoder-only LLaMA-style model: RMSNorm, SwiGLU, rotary positions, no biases."""
 
     vocab_size: Optional[int] = None
-    """Size of the (padded) vocabulary the model embeds and scores; None until the tokenizer is
-    known (the command line's config: `config.run.RunConfig.with_tokenizer` sets it)."""
+    """The (padded) vocabulary; None until the tokenizer is known (`RunConfig.with_tokenizer`)."""
     num_layers: Optional[int] = flag(
         None, "transformer layers (default: the preset's, else 2)", shapes_model=True, minimum=1
     )
-    """None: the --model-size preset's, else 2 (the debug flavour, as hidden 64 and 4 heads)."""
     hidden_size: Optional[int] = flag(
         None, "model width D (default: the preset's, else 64)", shapes_model=True, minimum=1
     )
@@ -176,8 +158,8 @@ class ModelConfig:
         minimum=1,
     )
     seq_length: Optional[int] = flag(None, "tokens per sample", shapes_model=True, minimum=1)
-    """The run's one value, which `BatchConfig` and `DataConfig` also receive. Rotary positions
-    need no table, so None (a model built alone) means 128."""
+    """The run's one value (`RunConfig.model`: a sample's tokens, which the datasets are cut
+    to). Rotary positions need no table, so None (a model built in code) means 128."""
     rotary_base: int = flag(10000, "base of the rotary frequencies", shapes_model=True)
     rotary_percent: float = flag(1.0, "fraction of head channels rotated", shapes_model=True)
     head_dim: Optional[int] = flag(
@@ -200,10 +182,10 @@ class ModelConfig:
         "local",
         "transformer_engine (TE on CUDA) or local (megatron-core modules with CPU twins); "
         "default: transformer_engine where TE and a GPU are present, else local",
-        command_line_default=default_transformer_impl,
+        # Megatron-LM's default (transformer_engine) where it can run, else local.
+        command_line_default=lambda: TRANSFORMER_IMPLS[transformer_engine_available()],
         choices=TRANSFORMER_IMPLS,
     )
-    """A model built in code stays on the local path unless asked (it runs on CPU anywhere)."""
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
 
     use_cpu_initialization: bool = flag(
@@ -240,9 +222,8 @@ class ModelConfig:
     )
 
     derived: tuple[str, ...] = field(default=(), compare=False, repr=False)
-    """The flags left None that this config filled (a preset's or the debug model's sizes,
-    LLaMA's FFN width, the key/value groups, 128 tokens, selective recomputation, LEV's base):
-    args.json records them as given (None); `check_as_given` reads which sizes were given."""
+    """The flags left None that this config filled (`derive`): args.json records them as given
+    (None); `check_as_given` reads which sizes were given."""
 
     @classmethod
     def derive(cls, v: dict) -> dict:
@@ -303,8 +284,10 @@ class ModelConfig:
         """Megatron-LM's rules for the sizes as the command line gives them (a model built in
         code has the rest filled): all of --num-layers, --hidden-size and --num-attention-heads,
         a --model-size preset, or none (the debug model); --num-query-groups only with
-        --group-query-attention (Megatron-LM ignores it without the switch); --seq-length no
+        --group-query-attention (Megatron-LM ignores it without the switch); --seq-length, no
         longer than --max-position-embeddings when that is given."""
+        if "seq_length" in self.derived:
+            raise ValueError("--seq-length is required")
         sizes = ("num_layers", "hidden_size", "num_attention_heads")
         given = [name for name in sizes if name not in self.derived]
         if not self.model_size and given and len(given) < len(sizes):
@@ -326,13 +309,9 @@ class ModelConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def replace(self, **changes) -> "ModelConfig":
-        """A validated copy with some fields changed.
-
-        A new vocab_size or hidden_size carries over to `embedding.lev` (unless `embedding` is
-        changed too). LEV's digit base stays as resolved for the arms whose codebooks it shapes
-        (lev, factored-mlp: the weights keep their shape); albert and flat-mlp, which only match
-        LEV's parameter count, re-derive it for the new vocabulary.
-        """
+        """A validated copy with `changes`; a new vocab_size or hidden_size carries over to
+        `embedding.lev` (unless `embedding` changes too), its digit base kept where it shapes the
+        weights (lev, factored-mlp) and re-derived where it only sizes them (albert, flat-mlp)."""
         lev = self.embedding.lev
         resized = {"vocab_size", "hidden_size"} & changes.keys()
         if resized and "embedding" not in changes and lev is not None:

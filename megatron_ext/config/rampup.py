@@ -1,8 +1,5 @@
-"""Megatron-LM's batch-size ramp-up (--rampup-batch-size START INCREMENT SAMPLES) as a
-schedule of consumed samples: `BatchSizeRampup`, the counterpart of megatron-core's
-`num_microbatches_calculator.RampupBatchsizeNumMicroBatchesCalculator` (tests/training/
-test_batch_rampup.py compares the two). `config.run.BatchConfig.rampup` builds it from the
-flags; the loop asks it for each iteration's global batch (`run_extras.RunExtras.global_batch`).
+"""`BatchSizeRampup`: Megatron-LM's --rampup-batch-size as a schedule of consumed samples, the
+counterpart of megatron-core's `RampupBatchsizeNumMicroBatchesCalculator`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The run's configuration: `RunConfig`, one frozen dataclass whose parts are the training
-settings (batch and run length, optimizer, exit, evaluation, checkpoint, logging, memory,
-engine), the parallel layout and precision (`config.layout`), the model with its LEV
-hyper-parameters (`config.model`, `config.lev`) and the data (`config.data`).
-
-Each part declares its flags on its fields (the help says what a flag does; --help adds its
-default) and checks itself in `__post_init__`; `RunConfig` checks what spans two parts and
-derives what one part gives another; `resolve(world_size)` derives the data-parallel size.
-`config.arguments.parse_config` builds it from the command line, and `RunConfig.args_json()`
-is what args.json records: docs/architecture.md "One flag, end to end".
+"""`RunConfig`: every setting of a run in one frozen dataclass, one part per concern: batch and
+run length, optimizer, exit, evaluation, checkpoint, logging, memory and engine (here), layout
+and precision (`config.layout`), the model (`config.model`, `config.lev`) and the data
+(`config.data`). Each part declares its flags on its fields and checks itself; `RunConfig`
+checks and derives across parts, and `args_json()` is args.json (docs/architecture.md "One flag,
+end to end").
 """
 
 from __future__ import annotations
@@ -40,10 +36,8 @@ __all__ = [
 class BatchConfig:
     """Batch sizes and run length (Megatron-LM's flags). The command line leaves the global
     batch and the run length unset and `from_run_length` derives them; a library user gives
-    them directly."""
+    them directly. A sample is `model.seq_length` tokens."""
 
-    seq_length: int
-    """Tokens per sample (--seq-length, `ModelConfig`'s flag: the length the model is built for)."""
     micro_batch_size: Optional[int] = flag(
         1,
         "sequences per forward and backward on one rank (required)",
@@ -84,19 +78,9 @@ class BatchConfig:
         choices=("single",),
     )
 
-    def __post_init__(self) -> None:
-        if self.seq_length is None:
-            raise ValueError("--seq-length is required")
-        if self.seq_length < 1:
-            raise ValueError(f"--seq-length must be >= 1, got {self.seq_length}")
-
     def rampup(self, data_parallel_size: int) -> Optional[BatchSizeRampup]:
-        """The --rampup-batch-size schedule up to the global batch, in steps that split into
-        micro-batches over `data_parallel_size` ranks, or None without the flag.
-
-        Raises:
-            ValueError: a ramp that does not reach the global batch or does not split.
-        """
+        """The --rampup-batch-size schedule at `data_parallel_size` (None without the flag);
+        ValueError for a ramp that does not reach the global batch or does not split."""
         if not self.rampup_batch_size:
             return None
         start, increment, samples = self.rampup_batch_size
@@ -108,7 +92,6 @@ class BatchConfig:
         cls,
         data_parallel_size: int,
         *,
-        seq_length: int,
         micro_batch_size: int,
         global_batch_size: Optional[int] = None,
         train_iters: Optional[int] = None,
@@ -116,10 +99,8 @@ class BatchConfig:
         **flags,
     ) -> "BatchConfig":
         """Megatron-LM's batch flags at `data_parallel_size`: the global batch defaults to
-        micro-batch x DP (no accumulation); the run length is exactly one of `train_iters` and
-        `train_samples`, iterations derived from samples (through --rampup-batch-size, if any).
-        `flags` are the other fields as given (rampup_batch_size, num_workers, ...).
-        """
+        micro-batch x DP; the run length is one of `train_iters` and `train_samples` (iterations
+        derived, through --rampup-batch-size if any). `flags`: the other fields."""
         if (train_iters is None) == (train_samples is None):
             raise ValueError("give exactly one of --train-iters and --train-samples")
         if train_iters is not None and train_iters < 1:
@@ -127,7 +108,6 @@ class BatchConfig:
         if global_batch_size is None and micro_batch_size is not None:
             global_batch_size = micro_batch_size * data_parallel_size
         batch = cls(
-            seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
             train_iters=train_iters or 0,
@@ -141,10 +121,9 @@ class BatchConfig:
                 f"--train-samples {train_samples} is less than one global batch "
                 f"({global_batch_size})"
             )
-        rampup = batch.rampup(data_parallel_size)
-        if rampup is None:
-            return dataclasses.replace(batch, train_iters=train_samples // global_batch_size)
-        return dataclasses.replace(batch, train_iters=rampup.iterations_for(train_samples))
+        ramp, gbs = batch.rampup(data_parallel_size), global_batch_size
+        iters = ramp.iterations_for(train_samples) if ramp else train_samples // gbs
+        return dataclasses.replace(batch, train_iters=iters)
 
 
 @flag_dataclass
@@ -238,8 +217,8 @@ class OptimizerConfig:
     decoupled_min_lr: Optional[float] = flag(
         None, "minimum LR of those parameters (default: --min-lr)", needs="decoupled_lr"
     )
-    # The schedule as the flags give it, in iterations or in samples (recorded as typed);
-    # `from_schedule` turns them into the *_steps below. A config built in code sets those.
+    # The schedule as typed, in iterations or samples; `from_schedule` derives the *_steps below
+    # from them (Megatron-LM steps its scheduler in samples). A config built in code sets those.
     lr_decay_iters: Optional[int] = flag(None, "iterations of decay (default: --train-iters)")
     lr_decay_samples: Optional[int] = flag(None, "samples of decay (default: --train-samples)")
     lr_warmup_iters: int = flag(0, "iterations of linear warmup")
@@ -247,8 +226,6 @@ class OptimizerConfig:
     lr_warmup_fraction: Optional[float] = flag(None, "warmup as a fraction of the decay, in [0, 1)")
     lr_wsd_decay_iters: Optional[int] = flag(None, "iterations of WSD's final decay")
     lr_wsd_decay_samples: Optional[int] = flag(None, "samples of WSD's final decay")
-    # In samples (Megatron-LM steps its scheduler by the global batch size); `from_schedule`
-    # derives them from the flags in iterations or samples.
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 1
     lr_wsd_decay_steps: Optional[int] = None
@@ -306,11 +283,9 @@ class OptimizerConfig:
         train_samples: Optional[int] = None,
         **fields,
     ) -> "OptimizerConfig":
-        """Megatron-LM's schedule flags -> the lengths in samples: a run given in iterations
-        (`train_iters`) gives its schedule in iterations (x `global_batch_size`), one given in
-        samples (`train_samples`) in samples; `lr_warmup_fraction` is a fraction of the decay.
-        The decay defaults to the whole run, the weight-decay ramp spans the whole run.
-        `fields` are the other fields of the config, the schedule's flags among them."""
+        """Megatron-LM's schedule flags -> the lengths in samples: in iterations (x
+        `global_batch_size`) for a run given in `train_iters`, in samples for `train_samples`.
+        The decay defaults to the whole run; the weight-decay ramp spans it. `fields`: the rest."""
         # The unit the run is given in, its scale to samples, and the other unit (refused).
         unit, scale, other, length = "iters", global_batch_size, "samples", train_iters
         if train_samples is not None:
@@ -386,7 +361,6 @@ class CheckpointConfig:
         choices=("torch_dcp", "torch_dist"),
     )
     use_checkpoint_args: bool = flag(False, "take the model flags from the checkpoint in --load")
-    """Applied while parsing (`config.arguments.parse_config`); recorded here."""
 
 
 @flag_dataclass
@@ -431,7 +405,6 @@ class LoggingConfig:
         action="store_false",
     )
     logging_level: Optional[int] = flag(None, "Python logging level (e.g. 10, 20)")
-    """Applied by the entry point (the root logger's level) before anything runs."""
     profile: bool = flag(False, "torch.profiler trace beside the TensorBoard logs")
     profile_step_start: int = flag(10, "profile from the iteration after it")
     profile_step_end: int = flag(12, "last profiled iteration")
@@ -442,8 +415,6 @@ class LoggingConfig:
     wandb_entity: Optional[str] = flag(None, "Weights & Biases team or user")
 
     def __post_init__(self) -> None:
-        """Checks of these flags alone; --profile's need of a directory (--tensorboard-dir or
-        --save) is `RunConfig`'s."""
         if self.profile and not 0 <= self.profile_step_start < self.profile_step_end:
             raise ValueError(
                 f"need 0 <= --profile-step-start ({self.profile_step_start}) < "
@@ -509,12 +480,13 @@ class EngineConfig:
 
 @flag_dataclass
 class RunConfig:
-    """Every setting of a run, one dataclass per concern: the training parts, the layout and
-    precision, the model (with its LEV hyper-parameters) and the data."""
+    """Every setting of a run, one dataclass per concern."""
 
     batch: BatchConfig
     optim: OptimizerConfig
-    """Required: --lr has no default (as in Megatron-LM)."""
+    model: ModelConfig
+    """Its `seq_length` is the run's. From the command line its vocabulary is None until
+    `with_tokenizer`."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -524,17 +496,13 @@ class RunConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     seed: int = flag(1234, "seeds Python, NumPy and torch (offset by the pipeline rank)")
-    model: Optional[ModelConfig] = None
-    """The model (None: the model provider given to `pretrain` holds it, as in tests). From the
-    command line its vocabulary is None until `with_tokenizer`."""
     lev: Optional[LEVConfig] = None
     """The --lev-* flags (args.json records them for every arm): for an arm that uses LEV,
     `model.embedding.lev` itself (at the model's V and D); given here only for the others."""
     data: Optional[DataConfig] = None
     compat_flags: dict[str, Any] = field(default_factory=dict)
-    """The flags no config owns, by namespace name: Megatron-LM's compatibility flags (their
-    effective values, `config.megatron_compat`) and the deprecated `lev_fused` (None: mapped
-    onto --lev-kernel while parsing). args.json records them with the rest."""
+    """The flags no config owns, by namespace name (`config.megatron_compat`'s, and the
+    deprecated `lev_fused`: None, mapped onto --lev-kernel while parsing)."""
 
     @classmethod
     def derive(cls, values: dict) -> dict:
@@ -542,14 +510,13 @@ class RunConfig:
         megatron's engine keeps BF16 parameters; the model's depth gives the chunks per
         pipeline rank; --skip-train loads no optimizer state."""
         precision, model, ckpt = values["precision"], values["model"], values["ckpt"]
-        if model is not None and model.embedding.lev is not None:
+        if model.embedding.lev is not None:
             if values["lev"] not in (None, model.embedding.lev):
                 raise ValueError("RunConfig: a LEV arm's run uses model.embedding.lev: lev=None")
             values["lev"] = model.embedding.lev
         if values["engine"].ddp_impl == "megatron" and precision.bf16:
             values["precision"] = dataclasses.replace(precision, params_dtype="bfloat16")
-        if model is not None:
-            values["parallel"] = values["parallel"].with_num_layers(model.num_layers)
+        values["parallel"] = values["parallel"].with_num_layers(model.num_layers)
         if values["exit"].skip_train and ckpt.load:
             values["ckpt"] = dataclasses.replace(ckpt, no_load_optim=True)
         return values
@@ -565,11 +532,6 @@ class RunConfig:
                 f"--global-batch-size {b.global_batch_size} is not divisible by "
                 f"--micro-batch-size {b.micro_batch_size} x data-parallel size "
                 f"{p.data_parallel_size} = {micro_times_dp}; change one of them"
-            )
-        cp = p.context_parallel_size
-        if cp > 1 and b.seq_length % (2 * cp):
-            raise ValueError(
-                f"--seq-length {b.seq_length} is not divisible by 2 x --context-parallel-size {cp}"
             )
         b.rampup(p.data_parallel_size)  # checks --rampup-batch-size
         if p.num_layers_per_virtual_pipeline_stage:
@@ -602,8 +564,7 @@ class RunConfig:
             raise ValueError(
                 "--profile writes its trace beside the TensorBoard logs: --tensorboard-dir"
             )
-        if self.model is not None:
-            check_layout(self.model, self.parallel, self.precision)
+        check_layout(self.model, self.parallel, self.precision)
 
     def _check_interleaved(self) -> None:
         """What the interleaved 1F1B schedule (virtual pipeline stages) needs of the run."""
@@ -638,13 +599,8 @@ class RunConfig:
             )
 
     def resolve(self, world_size: int) -> "RunConfig":
-        """This config on `world_size` ranks: `parallel.data_parallel_size` derived from the
-        layout and the batch checked against it (self if nothing changes).
-
-        Raises:
-            ValueError: the ranks do not split into the layout, or the global batch does not
-                split into micro-batches over the data-parallel ranks.
-        """
+        """This config on `world_size` ranks, the data-parallel size derived (self if it is);
+        ValueError where the ranks or the global batch do not split."""
         parallel = self.parallel.resolve(world_size)
         return self if parallel is self.parallel else dataclasses.replace(self, parallel=parallel)
 
@@ -655,9 +611,8 @@ class RunConfig:
         return b.global_batch_size // (b.micro_batch_size * self.parallel.data_parallel_size)
 
     def with_tokenizer(self, tokenizer) -> "RunConfig":
-        """This run once its tokenizer is built: the model's vocabulary is the tokenizer's
-        padded to --make-vocab-size-divisible-by x TP (Megatron-LM's), and the data records the
-        tokenizer's fingerprint (args.json keeps it; `data.fingerprint` compares it)."""
+        """This run once its tokenizer is built: the model's vocabulary the tokenizer's padded
+        (Megatron-LM's), the data with the tokenizer's fingerprint (`data.fingerprint`)."""
         vocab = padded_vocab_size(
             tokenizer.vocab_size,
             self.data.make_vocab_size_divisible_by,
@@ -670,10 +625,8 @@ class RunConfig:
         )
 
     def args_json(self) -> dict[str, Any]:
-        """The run as args.json records it, one key per flag (Megatron-LM's namespace names)
-        and per value the training parts derive (data-parallel size, iterations, schedule
-        lengths in samples, ...); the model and LEV flags as given (a preset's sizes stay
-        None); the flags no config owns; the world size and the tokenizer's fingerprint."""
+        """args.json: one key per flag (Megatron-LM's namespace names) and per value the
+        training parts derive; the model and LEV flags as given (a preset's sizes stay None)."""
         out = dict(self.compat_flags)
         training = (self.batch, self.optim, self.parallel, self.precision, self.exit, self.eval)
         for part in (*training, self.ckpt, self.log, self.memory, self.engine):
@@ -681,9 +634,8 @@ class RunConfig:
         out.update(seed=self.seed, world_size=self.parallel.world_size)
         if self.lev is not None:
             out.update(_recorded(self.lev))
-        if self.model is not None:
-            given = {name: None for name in self.model.derived}
-            out.update({**_recorded(self.model), **_recorded(self.model.embedding), **given})
+        given = {name: None for name in self.model.derived}
+        out.update({**_recorded(self.model), **_recorded(self.model.embedding), **given})
         if self.data is not None:
             out.update(_recorded(self.data))
             if self.data.tokenizer_fingerprint is not None:

@@ -206,10 +206,14 @@ def build_train_valid_test_datasets(
     tokenizer: Tokenizer,
     train_val_test_num_samples: Sequence[Optional[int]],
     is_built_on_rank: Optional[Callable[[], bool]] = None,
+    *,
+    seq_length: int,
+    seed: int,
 ) -> tuple[Any, Any, Any]:
     """(train, valid, test) GPT datasets from Megatron-Core's builder, `train_val_test_num_samples`
-    per split (None: one epoch); None for a split, or where `is_built_on_rank` is False. DataError:
-    no or a missing prefix; VocabSizeMismatchError: a dataset made with another vocabulary."""
+    samples of `seq_length` tokens per split (None: one epoch), shuffled from `seed`; None for a
+    split, or where `is_built_on_rank` is False. DataError: no or a missing prefix;
+    VocabSizeMismatchError: a dataset made with another vocabulary."""
     data_config.check_sources()
     mcore = mcore_datasets()
     gpt, get_blend_from_list = mcore.gpt_dataset, mcore.utils.get_blend_from_list
@@ -224,8 +228,8 @@ def build_train_valid_test_datasets(
     ]
     use_per_split = any(per_split)
     gpt_config = gpt.GPTDatasetConfig(
-        random_seed=data_config.seed,
-        sequence_length=data_config.seq_length,
+        random_seed=seed,
+        sequence_length=seq_length,
         blend=get_blend_from_list(data_config.data_path) if data_config.data_path else None,
         blend_per_split=[get_blend_from_list(p) if p else None for p in per_split]
         if use_per_split

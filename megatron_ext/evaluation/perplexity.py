@@ -151,7 +151,10 @@ def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = 
         raise EvaluationError(f"{run.path}: the run used --eval-iters 0 and has no {split} set")
     data_config = dataclasses.replace(recorded.data, num_dataset_builder_threads=1)
     num_samples = [recorded.batch.train_iters * gbs, eval_iters * gbs, eval_iters * gbs]
-    datasets = build_train_valid_test_datasets(data_config, tokenizer, num_samples)
+    seq = recorded.model.seq_length
+    datasets = build_train_valid_test_datasets(
+        data_config, tokenizer, num_samples, seq_length=seq, seed=recorded.seed
+    )
     dataset = datasets[1 if split == "valid" else 2]
     needed = eval_iters * gbs
     if dataset is None or len(dataset) < needed:
@@ -170,4 +173,4 @@ def loop_validation_batches(run, tokenizer, micro_batch_size: int, split: str = 
                 attention_mask=stacked.get("attention_mask") if use_mask else None,
             )
 
-    return batches(), needed * recorded.batch.seq_length
+    return batches(), needed * seq

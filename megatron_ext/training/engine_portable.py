@@ -98,7 +98,7 @@ class PortableEngine(Engine):
         self.autocast = autocast_factory(prec)
         self.device = device = next(model.parameters()).device
         hidden = self.chunks[0].config.hidden_size
-        seq = b.seq_length // cfg.parallel.context_parallel_size
+        seq = cfg.model.seq_length // cfg.parallel.context_parallel_size
         tokens = seq  # of this context-parallel rank, in the loss stage's [b, s] output
         if cfg.parallel.sequence_parallel:
             seq //= cfg.parallel.tensor_model_parallel_size

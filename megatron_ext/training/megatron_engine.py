@@ -228,7 +228,7 @@ class MegatronEngine(Engine):
             data_iterator=data_iterator,
             model=[self.ddp],
             num_microbatches=num_microbatches,
-            seq_length=b.seq_length // p.context_parallel_size,
+            seq_length=self.cfg.model.seq_length // p.context_parallel_size,
             micro_batch_size=b.micro_batch_size,
             forward_only=forward_only,
         )

@@ -203,7 +203,7 @@ class MetricsLogger:
         r.scalar("grad-norm", result.grad_norm, it)
         if loss_scale is not None and log.log_loss_scale_to_tensorboard:
             r.scalar("loss-scale", loss_scale, it)
-        tokens = state.consumed_train_samples * self.cfg.batch.seq_length
+        tokens = state.consumed_train_samples * self.cfg.model.seq_length
         r.scalar("lm loss vs tokens", result.loss, tokens)
         r.scalar("batch-size", global_batch, it)
         if log.log_world_size_to_tensorboard:
@@ -232,7 +232,7 @@ class MetricsLogger:
         if self.flops_per_batch:
             flops = self.flops_per_batch * global_batch / b.global_batch_size
             tflops = flops / elapsed / self.world_size / 1e12
-        tokens = global_batch * b.seq_length / elapsed
+        tokens = global_batch * self.cfg.model.seq_length / elapsed
         finite = [x for x in self._losses if math.isfinite(x)]
         show_tflops = tflops is not None and (
             torch.cuda.is_available() or self.cfg.log.log_throughput
@@ -249,7 +249,7 @@ class MetricsLogger:
             global_batch_size=global_batch,
             elapsed=elapsed_since_start,
             eta=elapsed * (b.train_iters - state.iteration),
-            consumed_tokens=state.consumed_train_samples * b.seq_length,
+            consumed_tokens=state.consumed_train_samples * self.cfg.model.seq_length,
             extras=self.extras,
             loss=sum(finite) / len(finite) if finite else float("nan"),
             loss_scale=loss_scale,

@@ -89,8 +89,10 @@ def test_training_refuses_a_dataset_of_another_tokenizer_of_the_same_size(
     datasets, sp_model, other_sp_model, tmp_path, caplog
 ):
     def build(prefix: str, model: str):
-        config = DataConfig(data_path=[prefix], split="90,7,3", seq_length=32, seed=1)
-        return build_train_valid_test_datasets(config, _sp(model), [8, None, None])
+        config = DataConfig(data_path=[prefix], split="90,7,3")
+        return build_train_valid_test_datasets(
+            config, _sp(model), [8, None, None], seq_length=32, seed=1
+        )
 
     with pytest.raises(TokenizerMismatchError) as error:
         build(datasets["other"], sp_model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -70,10 +71,12 @@ def test_flags_and_blend(datasets, sp_model, tmp_path):
             "--eod-mask-loss",
         ]
     )
-    config = DataConfig(seq_length=64, seed=5, **flag_values(DataConfig, args))
-    assert config.eod_mask_loss and config.seq_length == 64
+    config = DataConfig(**flag_values(DataConfig, args))
+    assert config.eod_mask_loss
     tok = build_tokenizer(config.tokenizer_type, config.tokenizer_model)
-    train, valid, test = build_train_valid_test_datasets(config, tok, [40, 8, 0])
+    train, valid, test = build_train_valid_test_datasets(
+        config, tok, [40, 8, 0], seq_length=64, seed=5
+    )
     assert test is None and len(train) == 40 and len(valid) >= 8
     sample = train[3]
     assert sample["tokens"].shape == (64,) and sample["labels"].shape == (64,)
@@ -85,16 +88,14 @@ def test_flags_and_blend(datasets, sp_model, tmp_path):
 
 def test_single_and_per_split_paths(datasets, sp_model):
     tok = build_tokenizer("SentencePieceTokenizer", sp_model)
-    config = DataConfig(data_path=[datasets["train_00"]], split="80,10,10", seq_length=32)
-    train, valid, test = build_train_valid_test_datasets(config, tok, [10, 2, 1])
+    build = functools.partial(build_train_valid_test_datasets, seq_length=32, seed=1234)
+    config = DataConfig(data_path=[datasets["train_00"]], split="80,10,10")
+    train, valid, test = build(config, tok, [10, 2, 1])
     assert len(train) >= 10 and len(valid) >= 2 and len(test) >= 1
-    config = DataConfig(
-        train_data_path=[datasets["train_00"]], valid_data_path=[datasets["val"]], seq_length=32
-    )
-    train, valid, test = build_train_valid_test_datasets(config, tok, [10, 2, None])
+    config = DataConfig(train_data_path=[datasets["train_00"]], valid_data_path=[datasets["val"]])
+    train, valid, test = build(config, tok, [10, 2, None])
     assert test is None and set(train[0]) >= {"tokens", "labels", "loss_mask", "position_ids"}
-    mock = DataConfig(mock_data=True, seq_length=16)
-    train, _, _ = build_train_valid_test_datasets(mock, tok, [4, 1, 1])
+    train, _, _ = build(DataConfig(mock_data=True), tok, [4, 1, 1])
     assert int(train[0]["tokens"].max()) < tok.vocab_size
 
 
@@ -103,9 +104,10 @@ def test_an_empty_split_says_which_split_works(datasets, sp_model):
     document: one line names the split and the documents, and proposes a --split (in documents)
     that the same command then trains with."""
     tok = build_tokenizer("SentencePieceTokenizer", sp_model)
-    config = DataConfig(data_path=[datasets["val"]], split="969,30,1", seq_length=16)
+    build = functools.partial(build_train_valid_test_datasets, seq_length=16, seed=1234)
+    config = DataConfig(data_path=[datasets["val"]], split="969,30,1")
     with pytest.raises(DataError) as raised:
-        build_train_valid_test_datasets(config, tok, [4, 2, 2])
+        build(config, tok, [4, 2, 2])
     message = str(raised.value)
     count = int(re.search(r"none of its (\d+) documents", message).group(1))
     assert "\n" not in message and message.startswith(f"the test split of {datasets['val']}")
@@ -114,7 +116,7 @@ def test_an_empty_split_says_which_split_works(datasets, sp_model):
     train, valid, test = (int(n) for n in hint.groups())
     assert train + valid + test == count and min(valid, test) >= 1 and count < 1000
     fixed = dataclasses.replace(config, split=f"{train},{valid},{test}")
-    built = build_train_valid_test_datasets(fixed, tok, [4, 2, 2])
+    built = build(fixed, tok, [4, 2, 2])
     assert all(len(ds) >= n for ds, n in zip(built, [4, 2, 2]))
     # A corpus too small for three splits says so, without a --split that cannot work.
     assert _split_in_documents([0.969, 0.03, 0.001], 2, [4, 2, 2]) is None
@@ -122,33 +124,28 @@ def test_an_empty_split_says_which_split_works(datasets, sp_model):
     # A split the user set to 0 stays 0 in the proposal (no test split added to 99,1,0).
     no_test = dataclasses.replace(config, split="99,1,0")
     with pytest.raises(DataError) as raised:
-        build_train_valid_test_datasets(no_test, tok, [4, 2, 2])
+        build(no_test, tok, [4, 2, 2])
     message = str(raised.value)
     assert message.startswith(f"the valid split of {datasets['val']}"), message
     hint = re.search(r"pass --split (\d+),(\d+),(\d+) \(documents per split\)", message)
     assert hint.group(0) == f"pass --split {count - 1},1,0 (documents per split)", message
     fixed = dataclasses.replace(config, split=f"{count - 1},1,0")
-    train, valid, test = build_train_valid_test_datasets(fixed, tok, [4, 2, 2])
+    train, valid, test = build(fixed, tok, [4, 2, 2])
     assert len(train) >= 4 and len(valid) >= 2 and test is None
 
 
 def test_clear_errors(datasets, sp_model, tiktoken_file):
     tok = build_tokenizer("SentencePieceTokenizer", sp_model)
+    build = functools.partial(build_train_valid_test_datasets, seq_length=16, seed=1234)
     with pytest.raises(DataError, match="no training data"):
-        build_train_valid_test_datasets(DataConfig(seq_length=16), tok, [1, 1, 1])
+        build(DataConfig(), tok, [1, 1, 1])
     with pytest.raises(DataError, match="dataset not found"):
-        build_train_valid_test_datasets(
-            DataConfig(data_path=["/nope/x"], seq_length=16), tok, [1, 1, 1]
-        )
+        build(DataConfig(data_path=["/nope/x"]), tok, [1, 1, 1])
     with pytest.raises(DataError, match="split of .* is empty"):
-        build_train_valid_test_datasets(
-            DataConfig(data_path=[datasets["val"]], split="999,1,0", seq_length=16), tok, [1, 1, 0]
-        )
+        build(DataConfig(data_path=[datasets["val"]], split="999,1,0"), tok, [1, 1, 0])
     other = build_tokenizer("TikTokenizer", tiktoken_file)
     with pytest.raises(VocabSizeMismatchError, match="preprocessed with a vocab of 600"):
-        build_train_valid_test_datasets(
-            DataConfig(data_path=[datasets["val"]], seq_length=16), other, [1, 0, 0]
-        )
+        build(DataConfig(data_path=[datasets["val"]]), other, [1, 0, 0])
     with pytest.raises(VocabSizeMismatchError, match="model vocab size 500"):
         check_vocab_sizes(600, 600, 500)
     check_vocab_sizes(600, 600, 640)

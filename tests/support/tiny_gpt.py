@@ -11,7 +11,15 @@ from megatron_ext.models import build_model
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.initialization import initialize_like_single_stage
 
-__all__ = ["SEQ", "VOCAB", "RandomSamples", "forward_step", "model_provider", "pipeline_chunks"]
+__all__ = [
+    "SEQ",
+    "VOCAB",
+    "RandomSamples",
+    "forward_step",
+    "model_config",
+    "model_provider",
+    "pipeline_chunks",
+]
 
 SEQ, VOCAB = 16, 128
 
@@ -49,20 +57,26 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def model_provider(
-    pre_process: bool, post_process: bool, pg_collection=None, *, embedding_type: str = "untied"
-):
-    """A 2-layer, hidden-32 GPT stage (`embedding_type` arm) on the groups of `pg_collection`."""
-    config = ModelConfig(
+def model_config(
+    embedding_type: str = "untied", num_layers: int = 2, hidden_size: int = 32
+) -> ModelConfig:
+    """The tiny GPT (`embedding_type` arm), SEQ tokens a sample: its run's `RunConfig.model`."""
+    return ModelConfig(
         vocab_size=VOCAB,
-        num_layers=2,
-        hidden_size=32,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
         num_attention_heads=4,
         seq_length=SEQ,
         embedding=dict(embedding_type=embedding_type),
     )
+
+
+def model_provider(
+    pre_process: bool, post_process: bool, pg_collection=None, *, embedding_type: str = "untied"
+):
+    """A 2-layer, hidden-32 GPT stage (`embedding_type` arm) on the groups of `pg_collection`."""
     return build_model(
-        config,
+        model_config(embedding_type),
         parallel=ParallelConfig(),  # the TransformerConfig's layout; the groups are pg's
         precision=PrecisionConfig(),
         pre_process=pre_process,
@@ -83,14 +97,7 @@ def pipeline_chunks(
     """This pipeline rank's `chunks_per_rank` model chunks (virtual stages) of a GPT with the
     `embedding_type` arm, each holding exactly the weights of the same layers of one
     single-stage model built from `seed`, so that any pipeline layout trains like one rank."""
-    config = ModelConfig(
-        vocab_size=VOCAB,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=4,
-        seq_length=SEQ,
-        embedding=dict(embedding_type=embedding_type),
-    )
+    config = model_config(embedding_type, num_layers, hidden_size)
     parallel = ParallelConfig(pipeline_model_parallel_size=pg.pp_size)
     v = chunks_per_rank
     chunks = [

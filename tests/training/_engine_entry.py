@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from tests.support.tiny_gpt import SEQ, RandomSamples, forward_step, model_provider
+from tests.support.tiny_gpt import RandomSamples, forward_step, model_config, model_provider
 
 
 def main(engine: str, out: Path, load: str | None) -> None:
@@ -34,7 +34,6 @@ def main(engine: str, out: Path, load: str | None) -> None:
 
     cfg = RunConfig(
         batch=BatchConfig(
-            seq_length=SEQ,
             micro_batch_size=2,
             global_batch_size=8,
             train_iters=4,
@@ -48,6 +47,7 @@ def main(engine: str, out: Path, load: str | None) -> None:
             clip_grad=1.0,
             decoupled_lr=3e-3,
         ),
+        model=model_config(),
         eval=EvalConfig(eval_interval=4, eval_iters=1),
         ckpt=CheckpointConfig(
             save=str(out / "ckpt"), save_interval=2, load=load, ckpt_step=2 if load else None

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.support.tiny_gpt import SEQ, RandomSamples, forward_step, pipeline_chunks
+from tests.support.tiny_gpt import RandomSamples, forward_step, model_config, pipeline_chunks
 
 LAYERS, MICRO_BATCH, ITERS, SEED = 4, 1, 4, 1234
 
@@ -64,12 +64,10 @@ def main(
     layers = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
     cfg = RunConfig(
         batch=BatchConfig(
-            seq_length=SEQ,
-            micro_batch_size=MICRO_BATCH,
-            global_batch_size=global_batch,
-            train_iters=ITERS,
+            micro_batch_size=MICRO_BATCH, global_batch_size=global_batch, train_iters=ITERS
         ),
         optim=OptimizerConfig(lr=1e-2, lr_decay_steps=ITERS, clip_grad=1.0),
+        model=model_config(embedding_type, LAYERS, hidden_size=32),
         parallel=ParallelConfig(pipeline_model_parallel_size=pp),
     ).resolve(dist.get_world_size())
     step_fn, iteration = forward_step, [0]

@@ -49,7 +49,7 @@ def test_megatron_flags_fill_the_configs():
     assert cfg.parallel.use_distributed_optimizer
     assert cfg.num_microbatches == 4  # 16 / (2 x DP 2)
     assert cfg.precision.bf16 and cfg.optim.adam_beta2 == 0.95 and cfg.optim.clip_grad == 0.5
-    assert cfg.batch.seq_length == 32 and cfg.seed == 1234 and cfg.eval.eval_iters == 100
+    assert cfg.model.seq_length == 32 and cfg.seed == 1234 and cfg.eval.eval_iters == 100
     # Megatron steps the schedule in samples: decay over 100 iterations x 16, warmup 10%.
     assert cfg.optim.lr_decay_steps == 1600 and cfg.optim.lr_warmup_steps == 160
     assert cfg.ckpt.save == "ckpt" and cfg.ckpt.save_interval == 10

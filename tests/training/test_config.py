@@ -4,10 +4,12 @@ message, and derives what Megatron-LM derives; the flags reach args.json unchang
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
 from megatron_ext.config.arguments import ArgumentError, parse_config, run_config_from_args_json
+from megatron_ext.config.model import ModelConfig
 from megatron_ext.config.run import (
     BatchConfig,
     CheckpointConfig,
@@ -25,10 +27,9 @@ from megatron_ext.config.run import (
 
 def _run(**parts) -> RunConfig:
     """A valid one-rank run with `parts` replaced."""
-    parts.setdefault(
-        "batch", BatchConfig(seq_length=32, micro_batch_size=2, global_batch_size=4, train_iters=3)
-    )
+    parts.setdefault("batch", BatchConfig(micro_batch_size=2, global_batch_size=4, train_iters=3))
     parts.setdefault("optim", OptimizerConfig(lr=1e-4))
+    parts.setdefault("model", ModelConfig(seq_length=32))
     return RunConfig(**parts)
 
 
@@ -43,16 +44,9 @@ def _run(**parts) -> RunConfig:
             lambda: ParallelConfig(distributed_backend="mpi"),
             "--distributed-backend must be nccl or gloo",
         ),
-        (
-            lambda: BatchConfig(seq_length=32, micro_batch_size=None),
-            "--micro-batch-size is required",
-        ),
-        (lambda: BatchConfig(seq_length=None), "--seq-length is required"),
-        (lambda: BatchConfig(seq_length=0), "--seq-length must be >= 1, got 0"),
-        (
-            lambda: BatchConfig(seq_length=8, global_batch_size=0),
-            "--global-batch-size must be >= 1, got 0",
-        ),
+        (lambda: BatchConfig(micro_batch_size=None), "--micro-batch-size is required"),
+        (lambda: ModelConfig(seq_length=0), "--seq-length must be >= 1, got 0"),
+        (lambda: BatchConfig(global_batch_size=0), "--global-batch-size must be >= 1, got 0"),
         (
             lambda: PrecisionConfig(bf16=True, fp16=True),
             "--bf16 and --fp16 are exclusive; pick one",
@@ -140,19 +134,18 @@ def _run(**parts) -> RunConfig:
         ),
         # Checks across two configs: RunConfig's.
         (
-            lambda: _run(batch=BatchConfig(seq_length=8, micro_batch_size=2, global_batch_size=3)),
+            lambda: _run(batch=BatchConfig(micro_batch_size=2, global_batch_size=3)),
             "--global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel size 1",
         ),
         (
             lambda: _run(
-                parallel=ParallelConfig(context_parallel_size=4), batch=BatchConfig(seq_length=12)
+                parallel=ParallelConfig(context_parallel_size=4), model=ModelConfig(seq_length=12)
             ),
             "--seq-length 12 is not divisible by 2 x --context-parallel-size 4",
         ),
         (
             lambda: _run(
                 batch=BatchConfig(
-                    seq_length=8,
                     micro_batch_size=2,
                     global_batch_size=8,
                     rampup_batch_size=[2, 4, 100],
@@ -206,22 +199,40 @@ def test_the_command_line_prints_the_configs_messages():
         (["--fp8-margin", "1"], "--fp8-margin needs --fp8-format"),
         (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive; pick one"),
         (["--async-save"], "--async-save needs --save"),
+        (["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
     ):
         with pytest.raises(ArgumentError) as info:
             parse_config([*base, *extra], world_size=1)
         assert str(info.value).startswith(message)
 
 
+def test_the_run_holds_one_seq_length():
+    """--seq-length has one field in the run's tree of configs, the model's: the engines, the
+    datasets and the metrics read `run.model.seq_length`; args.json records it once."""
+
+    def fields(cls):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield cls.__name__, f.name
+            for part in (hints[f.name], *typing.get_args(hints[f.name])):
+                if dataclasses.is_dataclass(part):
+                    yield from fields(part)
+
+    tree = list(fields(RunConfig))
+    assert {"BatchConfig", "DataConfig", "LEVConfig", "EmbeddingConfig"} <= {c for c, _ in tree}
+    assert [c for c, name in tree if name == "seq_length"] == ["ModelConfig"]
+    run = parse_config([*BASE, "--seq-length", "48"], world_size=1)
+    assert run.model.seq_length == 48 and run.args_json()["seq_length"] == 48
+
+
 def test_batch_from_run_length_derives_megatron_values():
-    b = BatchConfig.from_run_length(4, seq_length=16, micro_batch_size=2, train_iters=10)
+    b = BatchConfig.from_run_length(4, micro_batch_size=2, train_iters=10)
     assert (b.global_batch_size, b.train_iters) == (8, 10)  # micro x DP, no accumulation
-    b = BatchConfig.from_run_length(
-        1, seq_length=16, micro_batch_size=2, global_batch_size=8, train_samples=1001
-    )
+    b = BatchConfig.from_run_length(1, micro_batch_size=2, global_batch_size=8, train_samples=1001)
     assert b.train_iters == 125
     # A ramp 2 -> 8 by 2 over 100 samples consumes 1000 samples in more, smaller iterations.
     b = BatchConfig.from_run_length(
-        1, seq_length=16, micro_batch_size=2, global_batch_size=8, train_samples=1000,
+        1, micro_batch_size=2, global_batch_size=8, train_samples=1000,
         rampup_batch_size=[2, 2, 100],
     )  # fmt: skip
     assert b.train_iters == 143
@@ -232,7 +243,7 @@ def test_batch_from_run_length_derives_megatron_values():
         (dict(train_samples=1), "--train-samples 1 is less than one global batch (2)"),
     ):
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            BatchConfig.from_run_length(1, seq_length=16, micro_batch_size=2, **kwargs)
+            BatchConfig.from_run_length(1, micro_batch_size=2, **kwargs)
 
 
 def test_optimizer_from_schedule_counts_in_samples():

@@ -46,7 +46,7 @@ def test_recipes_share_hyper_parameters_and_validate(size):
     for arm, argv in argvs.items():
         assert _without_arm(argv, arm) == reference, f"{arm} differs from lev beyond the arm"
         run = parse_config(argv, world_size=8)
-        assert run.batch.seq_length == 512 and run.batch.global_batch_size == 512
+        assert run.model.seq_length == 512 and run.batch.global_batch_size == 512
         model = run.model.replace(vocab_size=200064)  # o200k padded
         check_layout(model, run.parallel)  # the recipe's TP/PP fit the model at its vocabulary
         assert model.embedding.embedding_type == arm

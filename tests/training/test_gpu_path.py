@@ -209,20 +209,20 @@ def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
     )
     from megatron_ext.models import compose_transformer_config
 
-    batch, optim = BatchConfig(seq_length=8), OptimizerConfig(lr=1e-3)
-    portable = RunConfig(batch=batch, optim=optim, precision=PrecisionConfig(bf16=True))
+    batch, optim, model = BatchConfig(), OptimizerConfig(lr=1e-3), ModelConfig(vocab_size=64)
+    portable = RunConfig(batch, optim, model, precision=PrecisionConfig(bf16=True))
     assert portable.precision.params_dtype == "float32"
-    tc = compose_transformer_config(ModelConfig(vocab_size=64), None, portable.precision)
+    tc = compose_transformer_config(model, None, portable.precision)
     assert tc.params_dtype == torch.float32 and not tc.bf16
     precision = PrecisionConfig(bf16=True, fp8_format="hybrid", fp8_amax_history_len=16)
+    te = ModelConfig(vocab_size=64, transformer_impl="transformer_engine")
     megatron = RunConfig(
-        batch=batch, optim=optim, precision=precision, engine=EngineConfig(ddp_impl="megatron")
+        batch, optim, te, precision=precision, engine=EngineConfig(ddp_impl="megatron")
     )
     model_precision = megatron.precision
     assert model_precision.bf16 and model_precision.params_dtype == "bfloat16"
     assert model_precision.fp8_amax_history_len == 16
     # The recipe reaches the TransformerConfig (TE builds the FP8 layers; on CPU the config).
-    te = ModelConfig(vocab_size=64, transformer_impl="transformer_engine")
     tc = compose_transformer_config(te, None, model_precision)
     assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.fp8 == "hybrid"
     assert (tc.fp8_amax_history_len, tc.fp8_amax_compute_algo, tc.fp8_param) == (
@@ -231,4 +231,4 @@ def test_the_engine_decides_the_models_parameter_dtype_in_one_place():
     gather = dataclasses.replace(model_precision, fp8_param_gather=True)
     assert compose_transformer_config(te, None, gather).fp8_param
     with pytest.raises(ValueError, match="FP8 is not available on CPU"):
-        compose_transformer_config(ModelConfig(vocab_size=64), None, model_precision)
+        compose_transformer_config(model, None, model_precision)

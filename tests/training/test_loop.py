@@ -11,7 +11,7 @@ import math
 import pytest
 
 from tests.support.distributed import find_free_port
-from tests.support.tiny_gpt import SEQ, VOCAB, RandomSamples, forward_step
+from tests.support.tiny_gpt import SEQ, VOCAB, RandomSamples, forward_step, model_config
 from tests.support.tiny_gpt import model_provider as _tiny_provider
 
 # The loop's tests train the default arm (LEV).
@@ -38,7 +38,8 @@ def _config(tmp_path):
     )
 
     return RunConfig(
-        batch=BatchConfig(seq_length=SEQ, micro_batch_size=2, global_batch_size=4, train_iters=3),
+        batch=BatchConfig(micro_batch_size=2, global_batch_size=4, train_iters=3),
+        model=model_config("lev"),
         optim=OptimizerConfig(
             lr=1e-3, lr_decay_steps=12, start_weight_decay=0.01, end_weight_decay=0.01
         ),
@@ -72,9 +73,9 @@ def test_pretrain_from_a_config_built_in_code(tmp_path, single_rank):
     root = cfg.ckpt.save
     assert read_latest_iteration(root) == 3
     with open(f"{checkpoint_dir(root, 3)}/args.json") as handle:
-        saved = json.load(handle)  # the run as built in code (RunConfig.args_json), no model
+        saved = json.load(handle)  # the run as built in code (RunConfig.args_json)
     assert saved == cfg.args_json() and saved["eval_interval"] == 2 and saved["world_size"] == 1
-    assert "num_layers" not in saved  # the model provider holds the model
+    assert (saved["num_layers"], saved["seq_length"], saved["embedding_type"]) == (2, SEQ, "lev")
     # close() ran: no process group is left behind.
     assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
 

@@ -110,6 +110,6 @@ def test_resume_mistakes_are_explained(tmp_path):
 )
 def test_malformed_weighted_blend(blend):
     with pytest.raises(DataError, match="a weighted blend is pairs of weight and prefix"):
-        DataConfig(data_path=blend, seq_length=16)
-    DataConfig(data_path=["0.7", "a", "0.3", "b"], seq_length=16)  # well-formed: accepted here
-    DataConfig(data_path=["a", "b"], seq_length=16)
+        DataConfig(data_path=blend)
+    DataConfig(data_path=["0.7", "a", "0.3", "b"])  # well-formed: accepted here
+    DataConfig(data_path=["a", "b"])
