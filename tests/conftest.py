@@ -114,22 +114,6 @@ def sample_data(tmp_path_factory) -> list[str]:
     return flags
 
 
-# arm -> (ranks, layout flags, training flags) of the session's trained checkpoints. LEV and TIED
-# train 6 iterations at TP=2 with validation every 3 (the evaluation tests compare the loop's
-# validation loss at iteration 6 with the tools'); the other arms train 2 iterations, ALBERT at
-# PP=2, the rest on one rank.
-_SHORT = ["--exit-interval", "2", "--save-interval", "2", "--eval-iters", "0"]
-_VALIDATED = ["--exit-interval", "6", "--eval-interval", "3"]
-TRAINED_ARMS = {
-    "lev": (2, ["--tensor-model-parallel-size", "2"], _VALIDATED),
-    "tied": (2, ["--tensor-model-parallel-size", "2"], _VALIDATED),
-    "albert": (2, ["--pipeline-model-parallel-size", "2"], _SHORT),
-    "untied": (1, [], _SHORT),
-    "flat-mlp": (1, [], _SHORT),
-    "factored-mlp": (1, [], _SHORT),
-}
-
-
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, sample_data) -> dict:
     """Every arm trained by `pretrain_leviathan.py` on `sample_data` (TRAINED_ARMS), with
@@ -137,7 +121,7 @@ def trained(tmp_path_factory, sample_data) -> dict:
     session, also across xdist workers, and shared by the conversion and evaluation tests, which
     only read it. {"data": data flags, "corpus": the corpus directory (raw/, tok.model,
     sample_text_document.*), "tokenizer": tok.model, "ckpt" / "tensorboard" / "jsonl":
-    {arm: path}}."""
+    {arm: path}}; tests.support.runs.trained_run_flags gives an arm's ranks and flags."""
     from tests.support.once import build_once, session_dir
 
     def build(root: Path) -> dict:
@@ -149,16 +133,13 @@ def trained(tmp_path_factory, sample_data) -> dict:
 def _train_arms(root: Path, data: list[str]) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
+    from tests.support.runs import TRAINED_ARMS, launch, trained_run_flags
 
     def one(arm: str) -> None:
-        nproc, layout, train = TRAINED_ARMS[arm]
-        model = list(TINY_LEV_MODEL)
-        model[model.index("--embedding-type") + 1] = arm
-        model += ["--group-query-attention", "--num-query-groups", "2"]
+        nproc, flags = trained_run_flags(arm, data)
         run = root / arm
         logs = ["--save", str(run / "ckpt"), "--tensorboard-dir", str(run / "tb")]
-        launch(nproc, [*model, *TINY_TRAIN, *data, *layout, *train, *logs], run).check()
+        launch(nproc, [*flags, *logs], run).check()
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(one, TRAINED_ARMS))

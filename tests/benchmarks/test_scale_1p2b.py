@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHRUNK = [
     "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128",
     "--num-attention-heads", "4", "--seq-length", "64", "--iters", "2", "--save-interval", "1",
-    "--arms", "lev",
+    "--arms", "lev", "--held-out", "1",
 ]  # fmt: skip
 
 

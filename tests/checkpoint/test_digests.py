@@ -8,7 +8,8 @@
   nothing of the damaged checkpoint is loaded;
 - an old checkpoint without digests (the format before them: `digests/` removed and the RNG
   files rewritten as the code before this change wrote them) loads, RNG states included;
-- through `pretrain_leviathan.py`, saved on 2 ranks: 64 bytes altered in the middle of
+- through `pretrain_leviathan.py`, on a copy of the session's LEV run saved on 2 ranks at
+  iterations 3 and 6 (`trained`, tests/conftest.py): 64 bytes altered in the middle of
   `__1_0.distcp` (a bad copy) stop the resume with one `error:` line and exit 2 before any
   iteration (with --no-verify-checkpoint it loads, as before digests); the old-format
   checkpoint resumes on 2 ranks with exactly one warning;
@@ -23,6 +24,7 @@ import random
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,22 +32,22 @@ import torch
 
 from tests.support.distributed import run_distributed
 from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE, REPO, TINY_LEV_MODEL, TINY_TRAIN
+from tests.support.runs import ENTRY_MODULE, REPO, trained_run_flags
 
 from .test_format import _tiny_model
 
 pytestmark = pytest.mark.integration
 
 
-def alter_byte(path: str, offset: int | None = None, count: int = 1) -> None:
-    """Flip `count` bytes of `path` from `offset` (default: its middle)."""
+def alter_byte(path: str, offset: int | None = None, count: int = 1, mask: int = 0xFF) -> None:
+    """Flip the `mask` bits of `count` bytes of `path` from `offset` (default: its middle)."""
     size = os.path.getsize(path)
     offset = size // 2 if offset is None else offset
     with open(path, "r+b") as handle:
         handle.seek(offset)
         data = handle.read(count)
         handle.seek(offset)
-        handle.write(bytes(b ^ 0xFF for b in data))
+        handle.write(bytes(b ^ mask for b in data))
 
 
 def write_pre_digest_format(checkpoint: str) -> None:
@@ -186,18 +188,15 @@ def test_one_altered_byte_in_any_file_is_named(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def saved_run(corpus, tmp_path_factory):
-    """A 2-rank (TP=2) run that saved iterations 2 and 4."""
-    d = tmp_path_factory.mktemp("digests_run")
-    args = [*TINY_LEV_MODEL, *TINY_TRAIN, *corpus, "--tensor-model-parallel-size", "2"]
-    args += ["--exit-interval", "4", "--save-interval", "2", "--eval-iters", "0"]
-    args += ["--save", str(d / "ckpt")]
-    with launch(ENTRY_MODULE, 2, args, cwd=d) as job:
-        assert job.wait() == 0, job.output()[-4000:]
-    return d, args
+def saved_run(trained, corpus) -> tuple:
+    """The session's LEV run (TP=2, saved at iterations 3 and 6) and its flags."""
+    nproc, args = trained_run_flags("lev", corpus)
+    assert nproc == 2
+    return Path(trained["ckpt"]["lev"]), [*args, "--eval-iters", "0"]
 
 
 def _resume(d, args, *extra, nproc=2, name="resume"):
+    """Resume `d`/ckpt with `args` + `extra`, saving to `d`/`name`_ckpt."""
     out, err = d / f"{name}.out", d / f"{name}.err"
     args = [*args, "--load", str(d / "ckpt"), "--save", str(d / f"{name}_ckpt"), *extra]
     with launch(ENTRY_MODULE, nproc, args, log=out, stderr=err, cwd=d) as job:
@@ -213,13 +212,15 @@ def _convert(*argv, cwd):
 
 
 def test_damaged_shard_stops_the_resume_and_the_tools(saved_run, tmp_path):
-    d, args = saved_run
+    ckpt, args = saved_run
     work = tmp_path / "damaged"
-    shutil.copytree(d / "ckpt", work / "ckpt")
+    shutil.copytree(ckpt, work / "ckpt")
     good = _convert("verify", "--load", "ckpt", cwd=work)
-    assert good.returncode == 0 and "verify: ckpt/iter_0000004: " in good.stdout, good.stderr
+    assert good.returncode == 0 and "verify: ckpt/iter_0000006: " in good.stdout, good.stderr
     assert "match their digests" in good.stdout
-    alter_byte(str(work / "ckpt" / "iter_0000004" / "__1_0.distcp"), count=64)
+    # The lowest bit of each byte: the parameters stay finite (all ones, as from a zero, would
+    # be a NaN), so that the unverified load below trains.
+    alter_byte(str(work / "ckpt" / "iter_0000006" / "__1_0.distcp"), count=64, mask=0x01)
 
     # On one rank (TP=1; the checkpoint is layout-free), so that the exit status is the
     # entry point's own (under torchrun the first rank to exit 2 makes torchrun stop the other).
@@ -228,47 +229,47 @@ def test_damaged_shard_stops_the_resume_and_the_tools(saved_run, tmp_path):
     assert returncode == 2 and len(errors) == 1, stdout[-3000:] + stderr[-3000:]
     assert "Traceback" not in stdout + stderr
     assert errors[0].startswith(
-        "error: checkpoint iteration 4 cannot be loaded: ckpt/iter_0000004/__1_0.distcp does not "
+        "error: checkpoint iteration 6 cannot be loaded: ckpt/iter_0000006/__1_0.distcp does not "
         "match the digest recorded when it was saved"
     ), errors[0]
-    assert "iteration 2 verifies: load it with --ckpt-step 2" in errors[0], errors[0]
-    assert " iteration        5/" not in stdout  # nothing trained
+    assert "iteration 3 verifies: load it with --ckpt-step 3" in errors[0], errors[0]
+    assert " iteration        7/" not in stdout  # nothing trained
     assert not (work / "resume_ckpt" / "save.lock").exists()  # released on the error too
     # --no-verify-checkpoint: the user's choice, said once; the damage is not noticed then.
     returncode, stdout, stderr = _resume(
         work, args, "--tensor-model-parallel-size", "1", "--no-verify-checkpoint",
-        "--exit-interval", "5", nproc=1, name="unverified",
+        "--exit-interval", "7", nproc=1, name="unverified",
     )  # fmt: skip
     assert returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert "--no-verify-checkpoint: loading without checking the digests" in stdout
-    assert "loaded checkpoint ckpt/iter_0000004 (iteration 4" in stdout
+    assert "loaded checkpoint ckpt/iter_0000006 (iteration 6" in stdout
 
     bad = _convert("verify", "--load", "ckpt", cwd=work)
     assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert "error: checkpoint iteration 4 cannot be loaded: ckpt/iter_0000004/__1_0.distcp" in (
+    assert "error: checkpoint iteration 6 cannot be loaded: ckpt/iter_0000006/__1_0.distcp" in (
         bad.stderr
     )
-    older = _convert("verify", "--load", "ckpt/iter_0000002", cwd=work)
-    assert older.returncode == 0 and "ckpt/iter_0000002: " in older.stdout, older.stderr
+    older = _convert("verify", "--load", "ckpt/iter_0000003", cwd=work)
+    assert older.returncode == 0 and "ckpt/iter_0000003: " in older.stdout, older.stderr
     missing = _convert("verify", "--load", "no_such_dir", cwd=work)
     assert missing.returncode == 2 and "error: checkpoint directory no_such_dir does not exist" in (
         missing.stderr
     )
     export = _convert("export-hf", "--load", "ckpt", "--output", "hf", cwd=work)
     assert export.returncode == 2 and "Traceback" not in export.stderr, export.stderr[-3000:]
-    assert "ckpt/iter_0000004/__1_0.distcp does not match" in export.stderr
+    assert "ckpt/iter_0000006/__1_0.distcp does not match" in export.stderr
     assert not (work / "hf").exists()
 
 
 def test_checkpoint_without_digests_resumes_with_one_warning(saved_run, tmp_path):
-    d, args = saved_run
+    ckpt, args = saved_run
     work = tmp_path / "old"
-    shutil.copytree(d / "ckpt", work / "ckpt")
-    write_pre_digest_format(str(work / "ckpt" / "iter_0000004"))
-    returncode, stdout, stderr = _resume(work, args, "--exit-interval", "5")
+    shutil.copytree(ckpt, work / "ckpt")
+    write_pre_digest_format(str(work / "ckpt" / "iter_0000006"))
+    returncode, stdout, stderr = _resume(work, args, "--exit-interval", "7")
     assert returncode == 0, stdout[-3000:] + stderr[-3000:]
     warnings = [line for line in stdout.splitlines() if "has no digests" in line]
     assert len(warnings) == 1, stdout[-3000:]
-    assert "WARNING: checkpoint iteration 4 (ckpt/iter_0000004) has no digests" in warnings[0]
-    assert "loaded checkpoint ckpt/iter_0000004 (iteration 4" in stdout
+    assert "WARNING: checkpoint iteration 6 (ckpt/iter_0000006) has no digests" in warnings[0]
+    assert "loaded checkpoint ckpt/iter_0000006 (iteration 6" in stdout
     assert "RNG states not restored" not in stdout  # the old RNG files are read

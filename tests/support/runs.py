@@ -28,9 +28,11 @@ __all__ = [
     "TINY_LEV_MODEL",
     "TINY_TRAIN",
     "TINY_MOCK_RUN",
+    "TRAINED_ARMS",
     "Run",
     "launch",
     "prepare_sample_data",
+    "trained_run_flags",
 ]
 
 # The training entry, importable from a checkout and from an installed package (it is installed
@@ -64,6 +66,34 @@ TINY_TRAIN_DEFAULT_DROPOUT = TINY_TRAIN[: TINY_TRAIN.index("--hidden-dropout")]
 # The shortened quick start that README.md shows (4 iterations per arm on a 1 MB sample corpus):
 # tools/quickstart.py's flags of the session's `quickstart_run` (tests/conftest.py).
 QUICKSTART_FLAGS = ("--iters", "4", "--eval-interval", "2", "--corpus-mb", "1")
+# arm -> (ranks, layout flags, training flags) of the session's `trained` checkpoints
+# (tests/conftest.py). LEV and TIED train 6 iterations at TP=2 with validation every 3 (the
+# evaluation tests compare the loop's validation loss at iteration 6 with the tools'), LEV saving
+# at 3 and 6 (tests/checkpoint/test_digests.py damages 6 and falls back on 3); the other arms
+# train 2 iterations, ALBERT at PP=2, the rest on one rank.
+_SHORT = ["--exit-interval", "2", "--save-interval", "2", "--eval-iters", "0"]
+_VALIDATED = ["--exit-interval", "6", "--eval-interval", "3"]
+TRAINED_ARMS = {
+    "lev": (2, ["--tensor-model-parallel-size", "2"], [*_VALIDATED, "--save-interval", "3"]),
+    "tied": (2, ["--tensor-model-parallel-size", "2"], _VALIDATED),
+    "albert": (2, ["--pipeline-model-parallel-size", "2"], _SHORT),
+    "untied": (1, [], _SHORT),
+    "flat-mlp": (1, [], _SHORT),
+    "factored-mlp": (1, [], _SHORT),
+}
+
+
+def trained_run_flags(arm: str, data: list[str]) -> tuple[int, list[str]]:
+    """(ranks, flags but --save and the logs) of the session's `trained` run of `arm` on `data`:
+    TINY_LEV_MODEL as that arm, with grouped-query attention (it exercises every converter's QKV
+    group mapping), and TINY_TRAIN."""
+    nproc, layout, train = TRAINED_ARMS[arm]
+    model = list(TINY_LEV_MODEL)
+    model[model.index("--embedding-type") + 1] = arm
+    model += ["--group-query-attention", "--num-query-groups", "2"]
+    return nproc, [*model, *TINY_TRAIN, *data, *layout, *train]
+
+
 # The smallest whole run, one rank, no data files (mock data): for checks that need a run and
 # not its numbers (resume errors, --save locks, checkpoint files); add --train-iters.
 TINY_MOCK_RUN = [
@@ -78,11 +108,13 @@ TINY_MOCK_RUN = [
 
 @dataclass
 class Run:
-    """Outcome of one launch: exit code, combined output, per-iteration records."""
+    """Outcome of one launch: exit code, combined output, per-iteration records (and, when it
+    was signalled, the number of DataLoader workers of each rank at the signal)."""
 
     returncode: int
     output: str
     records: list = field(default_factory=list)
+    workers: list = field(default_factory=list)
 
     @property
     def losses(self) -> dict[int, float]:
@@ -133,9 +165,11 @@ def launch(
     *,
     timeout: float = 300,
     sigterm_after_iteration: Optional[int] = None,
+    entry: str | Path = ENTRY_MODULE,
+    env: Optional[dict] = None,
 ) -> Run:
-    """Run pretrain_leviathan on `nproc` ranks (torchrun; plain python for one rank) in
-    `workdir`, with --log-jsonl there, and wait for it (megatron_ext.launch).
+    """Run `entry` (pretrain_leviathan) on `nproc` ranks (torchrun; plain python for one rank)
+    in `workdir`, with --log-jsonl there and `env` added, and wait for it (megatron_ext.launch).
 
     With `sigterm_after_iteration`, SIGTERM is sent to every rank once that iteration has been
     logged (as Slurm does on preemption).
@@ -146,12 +180,14 @@ def launch(
     if jsonl.exists():
         jsonl.unlink()
     args = [*args, "--log-jsonl", str(jsonl)]
-    with start(ENTRY_MODULE, nproc, args, cwd=workdir, timeout=timeout) as job:
+    workers = []
+    with start(entry, nproc, args, env=env, cwd=workdir, timeout=timeout) as job:
         if sigterm_after_iteration is not None:
             job.wait_for_lines(jsonl, sigterm_after_iteration, require=False)
+            workers = [len(pids) for pids in job.workers().values()]
             job.send_signal(signal.SIGTERM, "ranks")
         returncode = job.wait()
     records = []
     if jsonl.exists():
         records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    return Run(returncode, job.output(), records)
+    return Run(returncode, job.output(), records, workers)
