@@ -23,7 +23,9 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 class InterruptWatch:
     """SIGINT while training: the first raises KeyboardInterrupt, repeats are ignored; the
-    previous handler is restored by `release` (a no-op outside the main thread)."""
+    previous handler is restored by `release` (a no-op outside the main thread). After a Ctrl-C
+    the repeats stay ignored: torchrun forwards the terminal's SIGINT again, which may land after
+    the clean-up, while the command prints its one line and exits 130."""
 
     def __init__(self) -> None:
         self.received = False
@@ -38,9 +40,9 @@ class InterruptWatch:
             raise KeyboardInterrupt
 
     def release(self) -> None:
-        """Put back the SIGINT handler that was there before."""
+        """Put back the SIGINT handler that was there before (after a Ctrl-C: ignore SIGINT)."""
         if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+            signal.signal(signal.SIGINT, signal.SIG_IGN if self.received else self._previous)
             self._previous = None
 
 
