@@ -90,16 +90,30 @@ def _stat(pid: int) -> Optional[list[str]]:
         return None
 
 
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> its children in pid order, from one read of /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in sorted(int(e) for e in os.listdir("/proc") if e.isdigit()):
+        stat = _stat(entry)
+        if stat is not None:
+            children.setdefault(int(stat[1]), []).append(entry)
+    return children
+
+
 def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc; Linux), in pid order."""
-    stats = {int(e): _stat(int(e)) for e in os.listdir("/proc") if e.isdigit()}
-    return sorted(child for child, stat in stats.items() if stat and int(stat[1]) == pid)
+    """Direct children of ``pid``, in pid order."""
+    return _children().get(pid, [])
 
 
 def descendant_pids(pid: int) -> list[int]:
-    """Every process below ``pid``, children before grandchildren."""
-    children = child_pids(pid)
-    return children + [d for c in children for d in descendant_pids(c)]
+    """Every process below ``pid``, children before grandchildren (one read of /proc: a job's
+    wait polls this every 50 ms)."""
+    children, found = _children(), []
+    level = children.get(pid, [])
+    while level:
+        found += level
+        level = [c for p in level for c in children.get(p, [])]
+    return found
 
 
 def _same_process_running(pid: int, started: Optional[int]) -> bool:
