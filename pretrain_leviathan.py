@@ -61,47 +61,29 @@ def model_provider(
     )
 
 
-def _on_this_cp_rank(batch: dict) -> dict:
-    """Megatron's load-balanced context-parallel split: the sequence is cut into 2*cp chunks
-    and CP rank r keeps chunks r and 2*cp-1-r (causal attention work is then even)."""
+def get_batch(data_iterator, use_attention_mask: bool = False) -> dict:
+    """The next micro-batch on this rank's device, cut to this context-parallel rank's share
+    (megatron's load-balanced split: of 2 x CP chunks, CP rank r keeps r and 2 x CP - 1 - r);
+    the attention mask stays whole."""
     import megatron_ext.megatron_import  # noqa: F401
 
-    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
 
-    cp = parallel_state.get_context_parallel_world_size()
-    if cp == 1:
-        return batch
-    rank = parallel_state.get_context_parallel_rank()
-    index = torch.tensor([rank, 2 * cp - rank - 1])
-    out = {}
-    for key, value in batch.items():
-        if value is None or key == "attention_mask":
-            out[key] = value
-            continue
-        chunks = value.view(value.size(0), 2 * cp, value.size(1) // (2 * cp), *value.shape[2:])
-        out[key] = chunks.index_select(1, index.to(value.device)).flatten(1, 2)
-    return out
-
-
-def get_batch(data_iterator, use_attention_mask: bool = False) -> dict:
-    """The next micro-batch on this rank's device, cut to this context-parallel rank's share."""
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     keys = ("tokens", "labels", "loss_mask", "position_ids")
-    out = {k: batch[k].to(device, non_blocking=True) for k in keys}
+    out = get_batch_on_this_cp_rank({k: batch[k].to(device, non_blocking=True) for k in keys})
     mask = batch.get("attention_mask") if use_attention_mask else None
     out["attention_mask"] = mask.to(device) if mask is not None else None
-    return _on_this_cp_rank(out)
+    return out
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
-    """Mean next-token loss over the unmasked tokens of the micro-batch (with `per_token`,
-    --calculate-per-token-loss, their sum: the loop divides by the global token count).
-
-    Returns the loss to backpropagate and {"lm loss": [sum, count]} for reporting. Under
-    context parallelism each rank holds part of the sequence: the token count is summed across
-    CP and the loss multiplied by the CP size, since gradients are averaged over DP x CP.
-    """
+    """(the loss to backpropagate, {"lm loss": [sum, count]} to report): the mean next-token
+    loss over the unmasked tokens of the micro-batch (with `per_token`,
+    --calculate-per-token-loss, their sum: the loop divides by the global token count). Under
+    context parallelism the token count is summed across CP and the loss multiplied by the CP
+    size, since gradients are averaged over DP x CP."""
     import megatron_ext.megatron_import  # noqa: F401
 
     from megatron.core import parallel_state
@@ -132,15 +114,6 @@ def forward_step(
     return output, functools.partial(loss_func, batch["loss_mask"], per_token=per_token_loss)
 
 
-def datasets_provider(run, tokenizer, num_samples: Sequence[int]):
-    """(train, valid, test) GPT datasets of `run` with `num_samples` samples each."""
-    from megatron_ext.data.loading import build_train_valid_test_datasets
-
-    return build_train_valid_test_datasets(
-        run.data, tokenizer, num_samples, seq_length=run.model.seq_length, seed=run.seed
-    )
-
-
 def _error(message: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -154,6 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # above import it lazily for the same reason.
     from megatron_ext.checkpoint.format import CheckpointError
     from megatron_ext.config.arguments import parse_config
+    from megatron_ext.data.loading import build_train_valid_test_datasets
     from megatron_ext.data.readers import DataError
     from megatron_ext.data.tokenizers import TokenizerError, build_tokenizer
     from megatron_ext.training import CollectiveTimeoutError, NonFiniteError, pretrain
@@ -197,7 +171,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 use_attention_mask=data.reset_attention_mask,
                 per_token_loss=run.engine.calculate_per_token_loss,
             ),
-            datasets_provider=functools.partial(datasets_provider, run, tokenizer),
+            datasets_provider=functools.partial(
+                build_train_valid_test_datasets,
+                run.data,
+                tokenizer,
+                seq_length=run.model.seq_length,
+                seed=run.seed,
+            ),
             full_model_provider=functools.partial(
                 model_provider, run.model, one_stage, run.precision
             ),

@@ -7,9 +7,8 @@
     factored-mlp  LEV digit codebooks -> LayerNorm -> MLP   + untied head
     lev           LEV generator                             + untied head
 
-`build_model(model_cfg, parallel=..., precision=...)` applies the layout after the model is
-described: megatron's `TransformerConfig` is composed from the three
-(`compose_transformer_config`).
+The layout is applied after the model is described: megatron's `TransformerConfig` is composed
+from the model, parallel and precision configs (`compose_transformer_config`).
 """
 
 from __future__ import annotations

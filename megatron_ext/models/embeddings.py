@@ -2,15 +2,12 @@
 VocabParallelEmbedding's contract: `forward(input_ids [b, s])` -> the TP-complete [b, s, D], or
 [s/tp, b, D] with `reduce_scatter_embeddings` (sequence parallel).
 
-- `LookupSeedEmbedding` (albert, flat-mlp): a vocab-parallel V x m table, its m-wide lookups
-  summed across TP (m << D), then a replicated m -> D map: a linear projection (albert) or
-  LayerNorm + SiLU MLP (flat-mlp).
-- `DigitSeedEmbedding` (factored-mlp): LEV's replicated digit codebooks (docs/lev.md step 2),
-  then the same norm + MLP; no table at all.
+- `LookupSeedEmbedding` (albert, flat-mlp): a vocab-parallel V x m table, then a replicated
+  m -> D map: a linear projection (albert) or LayerNorm + SiLU MLP (flat-mlp).
+- `DigitSeedEmbedding` (factored-mlp): LEV's replicated digit codebooks, then the same MLP.
 
-The replicated parameters are tagged `sequence_parallel` (their gradients summed across TP
-like Megatron's norm weights). Projections are initialised so that a fresh model's input
-embeddings have the usual 0.02 scale.
+Replicated parameters are tagged `sequence_parallel` (their gradients summed across TP like
+Megatron's norm weights); a fresh model's input embeddings have the usual 0.02 scale.
 """
 
 from __future__ import annotations
@@ -85,13 +82,8 @@ class SeedToHidden(torch.nn.Module):
 
 
 class LookupSeedEmbedding(torch.nn.Module):
-    """ALBERT's factorised input (mlp_hidden None) or the FLAT-MLP ablation.
-
-    Args:
-        vocab_size: V; the table is split over the vocabulary across TP ranks.
-        seed_dim: m, the table width.
-        mlp_hidden: None for a linear m -> D projection, else the MLP's hidden width.
-    """
+    """ALBERT's factorised input (`mlp_hidden` None: a linear m -> D projection) or the FLAT-MLP
+    ablation: a V x m (`seed_dim`) table split over the vocabulary across TP ranks."""
 
     def __init__(
         self,
@@ -117,7 +109,6 @@ class LookupSeedEmbedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embed ids [b, s] -> [b, s, D], or [s/tp, b, D] under reduce-scatter."""
-        # [b, s, m] (all-reduced) or [s/tp, b, m] (reduce-scattered) -> same layout with D.
         return self.to_hidden(self.table(input_ids))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -136,13 +127,8 @@ class LookupSeedEmbedding(torch.nn.Module):
 
 
 class DigitSeedEmbedding(torch.nn.Module):
-    """FACTORED-MLP ablation: LEV's digit codebooks (replicated) + norm + MLP (replicated).
-
-    Args:
-        lev_config: the LEV hyper-parameters; uses V, k, b, d_seed and the codebook combine
-            (validated there: b**k >= V).
-        mlp_hidden: the MLP's hidden width.
-    """
+    """FACTORED-MLP ablation: LEV's digit codebooks (V, k, b, d_seed and the codebook combine of
+    `lev_config`) + norm + MLP of hidden width `mlp_hidden`, all replicated."""
 
     def __init__(
         self,

@@ -9,13 +9,12 @@ tensor-parallel group (`ProcessGroups.tp`; None: whole tensors, refused by a TP>
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext.models.te_mapping import canonical_param_name
+from megatron_ext.models.te_mapping import LAYER_NAME, canonical_param_name
 from megatron_ext.tensor_parallel import model_tp_size_rank
 
 __all__ = [
@@ -28,8 +27,6 @@ __all__ = [
     "gather_full_state_dict",
     "load_full_state_dict",
 ]
-
-_LAYER_RE = re.compile(r"^((?:.*\.)?decoder\.layers\.)(\d+)\.(.*)$")
 
 
 def tp_layout(param: torch.Tensor) -> Optional[tuple[int, int]]:
@@ -61,7 +58,7 @@ def global_param_name(model: torch.nn.Module, local_name: str) -> str:
     Transformer Engine spec names become local-spec names (`te_mapping`), so checkpoints and
     full state dicts are the same for both specs.
     """
-    match = _LAYER_RE.match(local_name)
+    match = LAYER_NAME.match(local_name)
     if match is None:
         return canonical_param_name(local_name)
     prefix, index, rest = match.groups()
@@ -107,9 +104,7 @@ def gather_full_state_dict(
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
             dist.all_gather(shards, tensor.contiguous(), group=tp_group)
             tensor = tp_unshard(shards, *layout)
-        # Gathered shards are new tensors already; an unsharded CPU parameter is returned as
-        # it is (detached), not copied: callers read the dict (exports, comparisons), and a
-        # second copy of every weight would double an export's memory at 1.2B.
+        # Not copied: a second copy of every weight would double an export's memory at 1.2B.
         full[global_param_name(model, name)] = tensor.cpu()
     return full
 

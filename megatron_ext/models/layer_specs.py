@@ -3,10 +3,8 @@
     input_layernorm -> self_attention(linear_qkv -> core_attention -> linear_proj) -> + residual
     pre_mlp_layernorm -> mlp(linear_fc1 [SwiGLU: gate|up] -> linear_fc2)          -> + residual
 
-The local spec uses megatron-core's own parallel linears (in their portable form, see
-`megatron_ext.tensor_parallel`) with the CPU-safe twins of `local_modules`; the Transformer
-Engine spec is megatron-core's own TE spec (fused norm+linear, TE attention, FP8-capable).
-`--transformer-impl` picks one.
+`--transformer-impl` picks the local spec (megatron-core's parallel linears in their portable
+form, with the CPU-safe twins of `local_modules`) or megatron-core's own Transformer Engine spec.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
-from megatron_ext.config.model import TRANSFORMER_IMPLS, transformer_engine_available
+from megatron_ext.config.model import transformer_engine_available
 from megatron_ext.models.local_modules import (
     CachedSelfAttention,
     SDPACoreAttention,
@@ -39,17 +37,20 @@ from megatron_ext.models.local_modules import (
 )
 from megatron_ext.tensor_parallel import PortableColumnParallelLinear, PortableRowParallelLinear
 
-__all__ = [
-    "get_local_layer_spec",
-    "get_transformer_engine_layer_spec",
-    "get_layer_spec",
-    "get_decoder_block_spec",
-    "transformer_engine_available",
-]
+__all__ = ["get_layer_spec", "get_decoder_block_spec", "transformer_engine_available"]
 
 
-def get_local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
-    """Decoder layer built from megatron-core modules that also run on CPU."""
+def get_layer_spec(transformer_impl: str, qk_layernorm: bool = False) -> ModuleSpec:
+    """The decoder-layer spec of `--transformer-impl`: local (megatron-core modules that also run
+    on CPU) or transformer_engine (megatron-core's own TE spec; needs TE and CUDA)."""
+    if transformer_impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise RuntimeError(
+                "--transformer-impl transformer_engine needs Transformer Engine and a CUDA GPU "
+                "(pip install 'megatron-ext-leviathan[gpu]' in the NGC container); use "
+                "--transformer-impl local on CPU"
+            )
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -75,29 +76,6 @@ def get_local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
             ),
             mlp_bda=get_bias_dropout_add,
         ),
-    )
-
-
-def get_transformer_engine_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
-    """megatron-core's Transformer Engine decoder layer (needs TE and CUDA)."""
-    if not transformer_engine_available():
-        raise RuntimeError(
-            "--transformer-impl transformer_engine needs Transformer Engine and a CUDA GPU "
-            "(pip install 'megatron-ext-leviathan[gpu]' in the NGC container); use "
-            "--transformer-impl local on CPU"
-        )
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-
-
-def get_layer_spec(transformer_impl: str, qk_layernorm: bool = False) -> ModuleSpec:
-    """The decoder-layer spec for `--transformer-impl local|transformer_engine`."""
-    if transformer_impl == "local":
-        return get_local_layer_spec(qk_layernorm)
-    if transformer_impl == "transformer_engine":
-        return get_transformer_engine_layer_spec(qk_layernorm)
-    raise ValueError(
-        f"--transformer-impl must be one of {', '.join(TRANSFORMER_IMPLS)}, "
-        f"got {transformer_impl!r}"
     )
 
 

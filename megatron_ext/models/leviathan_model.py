@@ -1,10 +1,8 @@
 """LeviathanModel: megatron-core's GPTModel with a pluggable input embedding.
 
-GPTModel always builds `LanguageModelEmbedding(word_embeddings=VocabParallelEmbedding)`. This
-narrow subclass keeps that wrapper (it owns the [b, s, h] -> [s, b, h] transpose, the
-sequence-parallel scatter and the embedding dropout) and, after `super().__init__()`, replaces
-only `embedding.word_embeddings` with the input module of the chosen embedding type. It also
-swaps in the CPU-safe rotary embedding and makes the tied-embedding pipeline set-up portable.
+It keeps GPTModel's `LanguageModelEmbedding` (the [b, s, h] -> [s, b, h] transpose, the
+sequence-parallel scatter, the embedding dropout) and replaces only its `word_embeddings` with
+the chosen arm's input module; it also swaps in the CPU-safe leaves of `local_modules`.
 """
 
 from __future__ import annotations
@@ -52,14 +50,12 @@ class LeviathanModel(GPTModel):
     Args:
         config: megatron's TransformerConfig of `model_config` at the run's layout and
             precision (`models.builder.compose_transformer_config`).
-        pre_process / post_process: this pipeline stage holds the input embedding / the final
-            norm and the output head.
         share_embeddings_and_output_weights: the TIED arm (needs a [V/tp, D] input weight).
         input_embedding_builder: None keeps megatron's VocabParallelEmbedding; else it builds
             the replacement (`InputEmbeddingBuilder`) with the model's own TP group.
         transformer_layer_spec: overrides the spec `model_config.transformer_impl` picks.
         pg: the process groups, GPTModel's `pg_collection` (None: megatron's `parallel_state`).
-        vp_stage, vp_size: this chunk's virtual pipeline stage and the chunks per pipeline rank.
+        pre_process, post_process, vp_stage: as GPTModel's; vp_size: chunks per pipeline rank.
     """
 
     def __init__(

@@ -1,15 +1,15 @@
 """CPU-safe twins of the few megatron-core leaves that assume CUDA, chosen by the local layer
-spec or by `LeviathanModel` (megatron-core itself is never patched): `SDPACoreAttention` for
-`DotProductAttention` (score buffer on CUDA), `SequenceParallelNorm` for `WrappedTorchNorm`
-(refuses sequence parallelism), `PortableRotaryEmbedding` (`inv_freq` to CUDA),
-`PortableTransformerBlock` (full recompute saves the CUDA RNG state), `SwiGLUMLP` (megatron's
-`MLP` without two passes over [s, b, ffn]) and `CachedSelfAttention` (KV cache on its weights'
-device).
+spec or by `LeviathanModel` (megatron-core itself is never patched): `SDPACoreAttention`,
+`SequenceParallelNorm` (`WrappedTorchNorm` refuses sequence parallelism),
+`PortableRotaryEmbedding`, `PortableTransformerBlock` (recompute without the CUDA RNG state),
+`SwiGLUMLP` (one pass fewer over [s, b, ffn]) and `CachedSelfAttention` (KV cache on its
+weights' device, keys rotated once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Optional
 
@@ -69,24 +69,17 @@ class SDPACoreAttention(MegatronModule):
                 "the local (CPU) attention does not support context parallelism; use "
                 "--transformer-impl transformer_engine or --context-parallel-size 1"
             )
-        self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
-        self.attention_type = attention_type
         tp_size = config.tensor_model_parallel_size
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
         self.hidden_size_per_partition = self.num_heads_per_partition * config.kv_channels
-        if softmax_scale is None:
-            softmax_scale = config.softmax_scale
-        self.softmax_scale = (
-            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        )
+        scale = softmax_scale if softmax_scale is not None else config.softmax_scale
+        self.softmax_scale = scale if scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        # Selective recomputation on CPU (LeviathanModel sets it instead of megatron's
-        # `checkpoint_core_attention`, whose checkpoint needs CUDA).
-        self.recompute = False
+        self.recompute = False  # selective recompute on CPU (set by LeviathanModel)
 
     def forward(
         self,
@@ -114,13 +107,9 @@ class SDPACoreAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        sdpa_mask = None
-        is_causal = False
-        if attention_mask is not None:
-            # Megatron's masks are True where attention is *forbidden*; SDPA's the opposite.
-            sdpa_mask = ~attention_mask.bool()
-        else:
-            is_causal = mask_type == AttnMaskType.causal
+        # Megatron's masks are True where attention is *forbidden*; SDPA's the opposite.
+        sdpa_mask = None if attention_mask is None else ~attention_mask.bool()
+        is_causal = attention_mask is None and mask_type == AttnMaskType.causal
         dropout_p = self.dropout_p if self.training else 0.0
         # As megatron's DotProductAttention: the heads are split over TP ranks, so their dropout
         # draws from the model-parallel stream (per TP rank), which sequence parallelism has
@@ -251,15 +240,10 @@ class PortableRotaryEmbedding(RotaryEmbedding):
         """Rotary angles [s, 1, 1, dim] on the frequencies' device (CPU without CUDA)."""
         if torch.cuda.is_available():
             return super().get_emb(max_seq_len, offset)
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, dim / 2]
         if self.rotary_interleaved:
-            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(
-                freqs.shape[0], -1
-            )
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        # [s, dim] -> [s, 1, 1, dim], the layout megatron's apply_rotary_pos_emb expects
-        return emb[:, None, None, :]
+            return freqs.repeat_interleave(2, dim=-1)[:, None, None, :]
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
 class PortableTransformerBlock(TransformerBlock):
@@ -279,23 +263,20 @@ class PortableTransformerBlock(TransformerBlock):
         use_inner_quantization_context: bool,
         padding_mask: Optional[Tensor] = None,
     ):
-        def run(start: int, end: int):
-            def forward(hidden_states, context):
-                for layer in self.layers[start:end]:
-                    hidden_states, context = layer(
-                        hidden_states=hidden_states,
-                        attention_mask=attention_mask,
-                        context=context,
-                        context_mask=context_mask,
-                        rotary_pos_emb=rotary_pos_emb,
-                        attention_bias=attention_bias,
-                        inference_context=None,
-                        packed_seq_params=packed_seq_params,
-                        padding_mask=padding_mask,
-                    )
-                return hidden_states, context
-
-            return forward
+        def forward(start: int, end: int, hidden_states, context):
+            for layer in self.layers[start:end]:
+                hidden_states, context = layer(
+                    hidden_states=hidden_states,
+                    attention_mask=attention_mask,
+                    context=context,
+                    context_mask=context_mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    attention_bias=attention_bias,
+                    inference_context=None,
+                    packed_seq_params=packed_seq_params,
+                    padding_mask=padding_mask,
+                )
+            return hidden_states, context
 
         count, step = self.num_layers_per_pipeline_rank, self.config.recompute_num_layers
         if self.config.recompute_method == "uniform":
@@ -303,21 +284,18 @@ class PortableTransformerBlock(TransformerBlock):
         else:  # block
             chunks = [(i, i + 1, i < step) for i in range(count)]
         for start, end, recompute in chunks:
-            forward = run(start, end)
+            run = functools.partial(forward, start, end)
             if recompute:
-                hidden_states, context = checkpoint(forward, hidden_states, context)
+                hidden_states, context = checkpoint(run, hidden_states, context)
             else:
-                hidden_states, context = forward(hidden_states, context)
+                hidden_states, context = run(hidden_states, context)
         return hidden_states
 
 
 class _RopeTables:
-    """cos and sin of megatron's rotary angles, computed once per angle tensor.
-
-    megatron evaluates cos and sin of the angles [s, 1, 1, d] at every call (twice per layer
-    per forward); `RotaryEmbedding.forward` memoises the angles per sequence length, so a few
-    entries keyed by that object (and dtype, mscale, inference mode) serve every forward.
-    """
+    """cos and sin of megatron's rotary angles [s, 1, 1, d], computed once per angle tensor
+    (megatron computes them twice per layer per forward; `RotaryEmbedding.forward` memoises the
+    angles per sequence length, so a few entries keyed by that object serve every forward)."""
 
     _entries: dict = {}
 
@@ -355,14 +333,10 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 
 
 class CachedSelfAttention(SelfAttention):
-    """megatron's SelfAttention with its inference KV cache on the weights' device.
-
-    The cache is megatron's own ([max_s, max_b, ng, hn] per layer) but holds keys already
-    rotated: megatron's static path rotates the whole cached prefix again at every decoding
-    step (O(prefix) per token); here each key is rotated once before it is stored, with the
-    same numbers. Queries and keys are rotated here (`_RopeTables`, `_rotate`), leaving the
-    caller nothing to rotate; fused RoPE, MLA, flash decoding and dynamic batching take
-    megatron's own path.
+    """megatron's SelfAttention with its inference KV cache ([max_s, max_b, ng, hn] per layer)
+    on the weights' device, holding keys already rotated: each key is rotated once before it is
+    stored (megatron's static path rotates the whole cached prefix at every decoding step), with
+    the same numbers. Fused RoPE, MLA, flash decoding and dynamic batching take megatron's path.
     """
 
     def _rope_here(self, inference_context) -> bool:

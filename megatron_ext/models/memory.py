@@ -6,8 +6,8 @@ and activations (with and without full recompute) for the most loaded pipeline s
 `flops_per_token` counts the training FLOPs of one token.
 
 Activations follow what the local (portable) path saves for backward, tensor by tensor
-(tests/models/test_memory.py counts them). A process's runtime (Python, torch, gloo or CUDA) is
-not planned (`benchmarks/scale_1p2b.py` measures it).
+(tests/models/test_memory.py counts them); a process's runtime (Python, torch, gloo or CUDA) is
+not planned.
 """
 
 from __future__ import annotations
@@ -17,7 +17,11 @@ from typing import Optional
 
 from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
 from megatron_ext.config.model import ModelConfig
-from megatron_ext.models.param_count import count_parameters, resolve_embedding_sizes
+from megatron_ext.models.param_count import (
+    count_parameters,
+    layer_matmul_parameters,
+    resolve_embedding_sizes,
+)
 
 __all__ = [
     "TrainingPlan",
@@ -90,12 +94,6 @@ def _state_bytes(layout: TrainingPlan) -> tuple[float, float, float]:
     return 4.0, 4.0, 8.0 / dp
 
 
-def _layer_matmul_params(cfg: ModelConfig) -> int:
-    d, hd = cfg.hidden_size, cfg.kv_channels
-    qkv = d * hd * (cfg.num_attention_heads + 2 * cfg.num_query_groups)
-    return qkv + cfg.num_attention_heads * hd * d + 3 * d * cfg.ffn_hidden_size
-
-
 def _layer_activation_bytes(cfg: ModelConfig, layout: TrainingPlan) -> float:
     """Bytes one decoder layer saves for backward for one micro-batch (see the module doc)."""
     tp = layout.parallel.tensor_model_parallel_size
@@ -111,7 +109,7 @@ def _layer_activation_bytes(cfg: ModelConfig, layout: TrainingPlan) -> float:
     attention = a * (t * heads * hd + t * kv + t * (heads * hd + 2 * kv))
     attention += 4 * b * heads * s + a * t * heads * hd
     mlp = a * 4 * t * f  # models.local_modules.SwiGLUMLP: [T, 2F] + 2 x [T, F]
-    weights = a * _layer_matmul_params(cfg) / tp if layout.autocast_weight_copies else 0
+    weights = a * layer_matmul_parameters(cfg) / tp if layout.autocast_weight_copies else 0
     return stream + linear_inputs + attention + mlp + weights
 
 
@@ -269,7 +267,7 @@ def flops_per_token(cfg: ModelConfig, recompute: bool = False, unique_fraction: 
     """
     cfg = resolve_embedding_sizes(cfg, log=False)
     d, s, layers = cfg.hidden_size, cfg.seq_length, cfg.num_layers
-    layer_fwd = 2 * _layer_matmul_params(cfg) + 4 * s * d
+    layer_fwd = 2 * layer_matmul_parameters(cfg) + 4 * s * d
     head_fwd = 2 * cfg.vocab_size * d
     emb = cfg.embedding
     if emb.embedding_type == "lev":

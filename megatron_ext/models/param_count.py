@@ -15,7 +15,12 @@ from megatron_ext.config.model import EmbeddingConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ParameterCount", "count_parameters", "resolve_embedding_sizes", "backbone_parameters"]
+__all__ = [
+    "ParameterCount",
+    "count_parameters",
+    "layer_matmul_parameters",
+    "resolve_embedding_sizes",
+]
 
 # FLAT-MLP's hidden width when neither it nor the table width is given: LEV's seed width.
 _DEFAULT_FLAT_MLP_HIDDEN = 128
@@ -35,14 +40,12 @@ class ParameterCount:
         return self.input_embedding + self.output_head + self.backbone
 
 
-def backbone_parameters(cfg: ModelConfig) -> int:
-    """Decoder layers plus the final norm (RMSNorm: one weight vector, no biases)."""
+def layer_matmul_parameters(cfg: ModelConfig) -> int:
+    """The weights of one decoder layer's GEMMs: QKV, the projection, SwiGLU's fc1 [2F, D] and
+    fc2 [D, F]."""
     d, hd = cfg.hidden_size, cfg.kv_channels
     qkv = d * hd * (cfg.num_attention_heads + 2 * cfg.num_query_groups)
-    proj = cfg.num_attention_heads * hd * d
-    mlp = 3 * d * cfg.ffn_hidden_size  # SwiGLU: fc1 [2F, D] and fc2 [D, F]
-    norms = 2 * d + (2 * hd if cfg.qk_layernorm else 0)
-    return cfg.num_layers * (qkv + proj + mlp + norms) + d
+    return qkv + cfg.num_attention_heads * hd * d + 3 * d * cfg.ffn_hidden_size
 
 
 def _seed_mlp(seed_dim: int, hidden: int, d: int) -> int:
@@ -112,13 +115,14 @@ def resolve_embedding_sizes(cfg: ModelConfig, log: bool = True) -> ModelConfig:
 def count_parameters(cfg: ModelConfig) -> ParameterCount:
     """Input embedding / output head / backbone parameters of the whole model (TP size 1).
 
-    The TIED arm's one table is counted as input embedding; its head adds nothing.
+    The TIED arm's one table is counted as input embedding; its head adds nothing. The backbone
+    is the decoder layers and the final norm (RMSNorm: one weight vector, no biases).
     """
     cfg = resolve_embedding_sizes(cfg, log=False)
-    emb = cfg.embedding
-    head = 0 if emb.tied else cfg.vocab_size * cfg.hidden_size
+    emb, d = cfg.embedding, cfg.hidden_size
+    norms = 2 * d + (2 * cfg.kv_channels if cfg.qk_layernorm else 0)
     return ParameterCount(
         input_embedding=_input_parameters(cfg, emb),
-        output_head=head,
-        backbone=backbone_parameters(cfg),
+        output_head=0 if emb.tied else cfg.vocab_size * d,
+        backbone=cfg.num_layers * (layer_matmul_parameters(cfg) + norms) + d,
     )

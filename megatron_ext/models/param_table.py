@@ -1,9 +1,7 @@
-"""Parameter and memory tables of arms x scales x vocabularies, from the configuration alone.
-
-Nothing is allocated, so the 1.2B rows are instant. :func:`parameter_rows` counts parameters
-by part (input embedding, output head, backbone) with the overhead against TIED;
-:func:`memory_rows` plans per-GPU memory and training FLOPs per token for a parallel layout
-(:mod:`megatron_ext.models.memory`). ``tools/count_params.py`` prints them.
+"""``tools/count_params.py``: parameter and memory tables of arms x scales x vocabularies, from
+the configuration alone (nothing is allocated). :func:`parameter_rows` counts parameters by part
+with the overhead against TIED; :func:`memory_rows` plans per-GPU memory and training FLOPs per
+token for a parallel layout (:mod:`megatron_ext.models.memory`).
 """
 
 from __future__ import annotations
@@ -29,15 +27,11 @@ from megatron_ext.models.param_count import count_parameters, resolve_embedding_
 
 __all__ = [
     "COLUMNS",
-    "main",
     "MEMORY_COLUMNS",
     "PAPER_VOCAB_SIZES",
-    "memory_csv",
-    "memory_markdown",
+    "main",
     "memory_rows",
     "parameter_rows",
-    "to_csv",
-    "to_markdown",
 ]
 
 # o200k_base has 200,019 ids; Megatron pads vocabularies to a multiple of 128.
@@ -105,7 +99,7 @@ def parameter_rows(
     return rows
 
 
-def to_markdown(rows: list[dict]) -> str:
+def _markdown(rows: list[dict]) -> str:
     """The parameter rows as a Markdown table."""
     head = "| scale | vocab | arm | total | input emb. | output head | backbone | vs TIED | sizes |"
     lines = [head, "|" + "---|" * 9]
@@ -119,17 +113,13 @@ def to_markdown(rows: list[dict]) -> str:
 
 
 def _csv(rows: list[dict], columns: tuple[str, ...]) -> str:
+    """The rows as CSV with `columns` (floats to 4 decimals)."""
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for r in rows:
         writer.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
     return out.getvalue().rstrip("\n")
-
-
-def to_csv(rows: list[dict]) -> str:
-    """The parameter rows as CSV (:data:`COLUMNS`)."""
-    return _csv(rows, COLUMNS)
 
 
 MEMORY_COLUMNS = (
@@ -193,7 +183,7 @@ def memory_rows(
     return rows
 
 
-def memory_markdown(rows: list[dict]) -> str:
+def _memory_markdown(rows: list[dict]) -> str:
     """The memory rows as a Markdown table (GiB)."""
     head = (
         "| scale | vocab | arm | layout | params/GPU | weights | grads | optim. | activ. | "
@@ -208,11 +198,6 @@ def memory_markdown(rows: list[dict]) -> str:
             f"{r['gflop_per_token']:.2f} |"
         )
     return "\n".join(lines)
-
-
-def memory_csv(rows: list[dict]) -> str:
-    """The memory rows as CSV (:data:`MEMORY_COLUMNS`)."""
-    return _csv(rows, MEMORY_COLUMNS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,16 +313,16 @@ def _main(argv) -> int:
         scales = {"custom": custom}
     else:
         scales = {s: MODEL_SIZE_PRESETS[s] for s in (args.scales or MODEL_SIZE_PRESETS)}
-    lev = flag_values(LEVConfig, args)
+    lev, markdown = flag_values(LEVConfig, args), args.format == "markdown"
     try:
         if args.memory:
             plan = _plan(args)
             rows = memory_rows(scales, args.vocab_sizes, args.arms, plan, args.seq_length, lev)
-            print(memory_markdown(rows) if args.format == "markdown" else memory_csv(rows))
-            return 0
-        rows = parameter_rows(scales, args.vocab_sizes, args.arms, lev)
+            print(_memory_markdown(rows) if markdown else _csv(rows, MEMORY_COLUMNS))
+        else:
+            rows = parameter_rows(scales, args.vocab_sizes, args.arms, lev)
+            print(_markdown(rows) if markdown else _csv(rows, COLUMNS))
     except ValueError as err:
         print(f"count_params: error: {err}", file=sys.stderr)
         return 2
-    print(to_markdown(rows) if args.format == "markdown" else to_csv(rows))
     return 0

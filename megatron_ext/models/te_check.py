@@ -18,12 +18,8 @@ __all__ = ["compare_te_and_local_logits"]
 
 
 def compare_te_and_local_logits(seed: int = 0) -> dict:
-    """GPU check: one set of weights in the local and the TE spec gives the same BF16 logits.
-
-    Builds a small LEV model in both specs (single process), copies the local weights into the
-    TE model through the checkpoint names, and compares logits under BF16 autocast.
-    """
-
+    """GPU check: a small LEV model's local weights, copied into the TE spec through the
+    checkpoint names, give the same logits under BF16 autocast (single process)."""
     pg = ProcessGroups.current()
     started = pg is None
     if started:

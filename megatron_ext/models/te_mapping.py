@@ -15,19 +15,16 @@ Every other parameter has the same name in both. The mapping is megatron-core's 
 from __future__ import annotations
 
 import functools
-import logging
+import re
 
 import megatron_ext.megatron_import  # noqa: F401
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-__all__ = [
-    "te_to_local_prefixes",
-    "canonical_param_name",
-    "te_param_name",
-]
+__all__ = ["LAYER_NAME", "te_to_local_prefixes", "canonical_param_name", "te_param_name"]
 
-logger = logging.getLogger(__name__)
+# A decoder layer's parameter: (prefix ending in "decoder.layers.", layer index, the rest).
+LAYER_NAME = re.compile(r"^((?:.*\.)?decoder\.layers\.)(\d+)\.(.*)$")
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,25 +35,15 @@ def te_to_local_prefixes() -> dict[str, str]:
     return {te: local for local, te in keys_map.items()}
 
 
-def _split_layer(name: str) -> tuple[str, str]:
-    """("...decoder.layers.N.", rest) for a layer parameter, ("", name) otherwise."""
-    marker = "decoder.layers."
-    at = name.find(marker)
-    if at < 0:
-        return "", name
-    start = at + len(marker)
-    dot = name.find(".", start)
-    if dot < 0 or not name[start:dot].isdigit():
-        return "", name
-    return name[: dot + 1], name[dot + 1 :]
-
-
 def _rename(name: str, to_local: bool) -> str:
-    head, rest = _split_layer(name)
-    for te_prefix, local_prefix in te_to_local_prefixes().items() if head else ():
+    match = LAYER_NAME.match(name)
+    if match is None:
+        return name
+    prefix, index, rest = match.groups()
+    for te_prefix, local_prefix in te_to_local_prefixes().items():
         old, new = (te_prefix, local_prefix) if to_local else (local_prefix, te_prefix)
         if rest.startswith(old):
-            return head + new + rest[len(old) :]
+            return f"{prefix}{index}.{new}{rest[len(old) :]}"
     return name
 
 

@@ -1,8 +1,7 @@
 """The run's checkpoint glue: --save (with --async-save, one write in flight; only while this
 run holds --save's lock), --load (verified unless --no-verify-checkpoint), and the bookkeeping
-the exit conditions need (the slowest save, the last saved iteration). It saves and loads
-whatever the engine's `checkpoint_parts()` names, in the project's format, so both engines write
-the same layout.
+the exit conditions need (the slowest save, the last saved iteration). Both engines' model,
+optimizer, scheduler and loss scaler go through the project's one format.
 """
 
 from __future__ import annotations
@@ -21,32 +20,21 @@ from megatron_ext.checkpoint.format import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_ext.checkpoint.io_errors import check_save_directory as check
+from megatron_ext.checkpoint.io_errors import check_save_directory
 from megatron_ext.checkpoint.lock import SaveLock
 from megatron_ext.config.run import RunConfig
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.engine import Engine, Phase
 
-__all__ = ["CheckpointManager", "check_save_directory"]
+__all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
 
 
-def check_save_directory(root: str, num_params: int, with_optimizer: bool) -> None:
-    """Refuse to start when --save is not writable or cannot hold one checkpoint (fp32
-    weights, plus two Adam moments each with the optimizer state)."""
-    needed = 4 * num_params * (3 if with_optimizer else 1)
-    problem = check(root, needed)
-    if problem is not None:
-        raise CheckpointError(
-            f"--save {os.path.abspath(root)} cannot hold checkpoints: {problem}; point --save "
-            "at a writable directory with enough space"
-        )
-
-
 class CheckpointManager:
-    """Saves and loads `engine.checkpoint_parts()` with the run's `TrainState`; `save_lock`
-    (the run's lock of --save, `checkpoint.lock.SaveLock`) is checked before every save."""
+    """Saves and loads the engine's model, optimizer, scheduler and loss scaler with the run's
+    `TrainState`; `save_lock` (the run's `checkpoint.lock.SaveLock` of --save) is checked
+    before every save."""
 
     def __init__(
         self,
@@ -58,12 +46,21 @@ class CheckpointManager:
     ) -> None:
         self.cfg, self.engine, self.pg, self.phase = cfg, engine, pg, phase
         self.save_lock = save_lock
-        self.pending: Optional[PendingSave] = None
-        """--async-save: the checkpoint being written in the background."""
-        self.last_saved: Optional[int] = None
-        """The iteration last saved into --save (a second save of it is skipped)."""
-        self.save_seconds = 0.0
-        """Longest save (or load) of this run: the exit-duration check reserves it."""
+        self.pending: Optional[PendingSave] = None  # --async-save: the write in flight
+        self.last_saved: Optional[int] = None  # a second save of it is skipped
+        self.save_seconds = 0.0  # the longest save (or load): --exit-duration-in-mins reserves it
+
+    def check_space(self, num_params: int) -> None:
+        """Refuse to start when --save is not writable or cannot hold one checkpoint (fp32
+        weights, plus two Adam moments each with the optimizer state)."""
+        ck = self.cfg.ckpt
+        needed = 4 * num_params * (1 if ck.no_save_optim else 3)
+        problem = check_save_directory(ck.save, needed) if ck.save else None
+        if problem is not None:
+            raise CheckpointError(
+                f"--save {os.path.abspath(ck.save)} cannot hold checkpoints: {problem}; point "
+                "--save at a writable directory with enough space"
+            )
 
     def save(self, state: TrainState) -> None:
         """Save `state` into --save (collective; nothing without --save or when this iteration
@@ -75,23 +72,22 @@ class CheckpointManager:
         self.phase.set("checkpoint save (world group)")
         if self.save_lock is not None:
             self.save_lock.check()  # another run took --save over: stop, do not overwrite
-        started = time.time()
-        parts = self.engine.checkpoint_parts()
-        with self.engine.checkpoint_view():
+        started, e = time.time(), self.engine
+        with e.checkpoint_view():
             saved = save_checkpoint(
                 ck.save,
                 state,
-                parts.model,
-                None if ck.no_save_optim else parts.optimizer,
-                parts.scheduler,
-                parts.loss_scaler,
+                e.model,
+                None if ck.no_save_optim else e.optimizer,
+                e.scheduler,
+                e.scaler,
                 pg=self.pg,
                 args_json=self.cfg.args_json(),
                 save_rng=not ck.no_save_rng,
                 keep_last=ck.ckpt_keep_last,
-                async_save=self.cfg.ckpt.async_save,
+                async_save=ck.async_save,
             )
-        if self.cfg.ckpt.async_save:
+        if ck.async_save:
             self.pending = saved
         self.last_saved = state.iteration
         self.save_seconds = max(self.save_seconds, time.time() - started)
@@ -116,14 +112,14 @@ class CheckpointManager:
         started = time.time()
         if not ck.verify_checkpoint and dist.get_rank() == 0:
             logger.info("--no-verify-checkpoint: loading without checking the digests")
-        parts = self.engine.checkpoint_parts()
-        with self.engine.checkpoint_view():
+        e = self.engine
+        with e.checkpoint_view():
             state = load_checkpoint(
                 ck.load,
-                parts.model,
-                parts.optimizer,
-                parts.scheduler,
-                parts.loss_scaler,
+                e.model,
+                e.optimizer,
+                e.scheduler,
+                e.scaler,
                 pg=self.pg,
                 iteration=ck.ckpt_step,
                 load_optim=not ck.no_load_optim,

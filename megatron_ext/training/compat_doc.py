@@ -24,8 +24,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     text = compat_table(build_parser())
     if args.write is None:
         sys.stdout.write(text)
-        return 0
-    atomic_write(args.write, text)
+    else:
+        atomic_write(args.write, text)
     return 0
 
 

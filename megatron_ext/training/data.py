@@ -1,12 +1,10 @@
 """Data loaders of the loop: Megatron-LM's sequential pretraining sampler.
 
-Each iteration consumes the next `global_batch_size` samples of the (shuffled) GPT dataset;
-micro-batch step j hands samples [j*mbs*dp, (j+1)*mbs*dp) to the DP ranks in rank order, so a
+Micro-batch step j hands samples [j*mbs*dp, (j+1)*mbs*dp) to the DP ranks in rank order, so a
 global batch is the same samples at every DP size and split, and a resume at `consumed_samples`
 continues exactly. DataLoader workers ignore SIGTERM/SIGINT (a launcher signals whole process
-groups; the rank decides when to stop) and are forked with the signals blocked. An exit hook,
-run before multiprocessing's, SIGKILLs the workers of every iterator still alive at exit, so a
-crashed rank does not wait forever for workers that ignore SIGTERM.
+groups; the rank decides when to stop); an exit hook, run before multiprocessing's, SIGKILLs
+those still alive, so that a crashed rank does not wait forever for them.
 """
 
 from __future__ import annotations
@@ -28,24 +26,20 @@ __all__ = ["PretrainingSampler", "build_data_loader", "ignore_termination_signal
 
 
 def ignore_termination_signals(worker_id: int = 0) -> None:
-    """DataLoader `worker_init_fn`: leave SIGTERM and SIGINT to the rank (see the module
-    docstring); unblock them, which the rank blocked around the fork."""
+    """DataLoader `worker_init_fn`: leave SIGTERM and SIGINT to the rank; unblock them, which
+    the rank blocked around the fork."""
     for sig in _signals.TERMINATION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     _signals.unblock()
 
 
-# The iterators with worker processes that are still alive (see the module docstring).
 _iterators_with_workers: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _kill_workers_at_exit() -> None:
     """atexit: kill and reap the workers of the iterators still alive at interpreter exit.
-
-    PyTorch's SIGCHLD handler raises "DataLoader worker ... killed by signal" when a worker
-    dies; raised inside this hook it would stop the hook before the other workers are killed,
-    and multiprocessing's hook would then wait for them forever. So the handler is reset first,
-    every worker is killed, then all are joined."""
+    PyTorch's SIGCHLD handler ("DataLoader worker ... killed by signal") is reset first: raised
+    in this hook it would leave the other workers for multiprocessing's hook to wait on."""
     workers = [
         worker
         for iterator in list(_iterators_with_workers)
@@ -56,7 +50,6 @@ def _kill_workers_at_exit() -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for worker in workers:
         if worker.is_alive():
-            # It may exit between the check and the kill; the join reaps it either way.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.pid, signal.SIGKILL)
     for worker in workers:
@@ -68,10 +61,8 @@ atexit.register(_kill_workers_at_exit)
 
 
 class _SignalSafeDataLoader(DataLoader):
-    """A DataLoader whose workers are started with SIGTERM/SIGINT blocked (they inherit the
-    mask; `ignore_termination_signals` then ignores and unblocks them). The rank's own mask is
-    restored at once, so a pending signal reaches its handler right after the fork. Workers
-    still running when the interpreter exits are killed (see the module docstring)."""
+    """A DataLoader whose workers are forked with SIGTERM/SIGINT blocked (they inherit the mask
+    until `ignore_termination_signals`); the rank's own mask is restored at once."""
 
     def __iter__(self):
         if self.num_workers == 0:

@@ -1,11 +1,8 @@
-"""Data-parallel gradient averaging of the portable engine: torch's `DistributedDataParallel`
-over each pipeline stage, and one explicit average of the gradients deferred past it.
-
-Every layout averages over `pg.dp_cp`: each stage's module is wrapped in DDP (`wrap`), which
-reduces during the stage's last backward. The communication hook (`GradientAverage`) averages
-each bucket, first noting whether this rank's gradients were finite (a NaN's message names its
-rank), and with --grad-reduce-in-bf16 sends BF16. Deferred gradients (`engine.ModuleHooks`)
-arrive after DDP has finished: the engine averages them with `GradientAverage.average_params`.
+"""Data-parallel gradient averaging of the portable engine over `pg.dp_cp`: torch's
+`DistributedDataParallel` around each pipeline stage (`wrap`), whose communication hook
+(`GradientAverage`) notes whether this rank's gradients were finite (a NaN's message names its
+rank) and with --grad-reduce-in-bf16 sends BF16; and `GradientAverage.average_params` for the
+gradients deferred past DDP (`engine.ModuleHooks`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 module may declare to the engines (`ModuleHooks`).
 
 As narrow as Megatron-LM's `train_step`: an engine owns this stage's model chunks, optimizer,
-LR scheduler and FP16 loss scaler, and offers `step` (one global batch), `evaluate`,
-`log_stats` and `checkpoint_parts`. Two implementations: `engine_portable.PortableEngine` (gloo
+LR scheduler and FP16 loss scaler (what a checkpoint saves), and offers `step` (one global
+batch), `evaluate` and `log_stats`. Two implementations: `engine_portable.PortableEngine` (gloo
 and NCCL) and `megatron_engine.MegatronEngine` (megatron-core's DDP, optimizer and schedules).
 """
 
@@ -20,13 +20,10 @@ import torch.distributed as dist
 __all__ = [
     "Engine",
     "StepResult",
-    "CheckpointParts",
     "Phase",
     "NonFiniteError",
-    "world_stats",
     "add_reports",
     "ModuleHooks",
-    "deferring_modules",
     "time_forwards",
 ]
 
@@ -35,12 +32,12 @@ class NonFiniteError(RuntimeError):
     """The loss or the gradient norm became NaN/inf; the run stopped without saving it."""
 
 
+@dataclass
 class Phase:
     """What the rank is doing and over which group, named when a collective times out."""
 
-    def __init__(self) -> None:
-        self.what = "setup"
-        self.group: Optional[dist.ProcessGroup] = None
+    what: str = "setup"
+    group: Optional[dist.ProcessGroup] = None
 
     def set(self, what: str, group: Optional[dist.ProcessGroup] = None) -> None:
         """Enter a phase; `group` None means the world group."""
@@ -61,38 +58,12 @@ class StepResult:
     note: str = ""  # why a non-finite step was skipped (logged with the iteration)
 
 
-@dataclass
-class CheckpointParts:
-    """What a checkpoint holds besides the train state (see `checkpoint.format.save_checkpoint`)."""
-
-    model: torch.nn.Module
-    optimizer: Any
-    scheduler: Any
-    loss_scaler: Any = None
-
-
 def add_reports(totals: dict, reports: dict) -> dict:
     """Add `reports` (name -> [sum, count]) into `totals`, in float64; returns `totals`."""
     for name, value in reports.items():
         value = value.detach().double()
         totals[name] = totals[name] + value if name in totals else value
     return totals
-
-
-def world_stats(
-    totals: dict, counts_loss: bool, flags: Sequence[bool], device: torch.device
-) -> list[float]:
-    """[loss sum, token count, *flags] summed over the world in one all-reduce; the loss counts
-    on the ranks with `counts_loss` (TP rank 0 of the last stage: once per DP replica)."""
-    stats = torch.zeros(2 + len(flags), dtype=torch.float64)
-    if counts_loss and "lm loss" in totals:
-        stats[0:2] = totals["lm loss"].double().cpu()
-    for i, flag in enumerate(flags):
-        stats[2 + i] = 1.0 if flag else 0.0
-    if device.type == "cuda":
-        stats = stats.cuda()
-    dist.all_reduce(stats)
-    return stats.cpu().tolist()
 
 
 class ModuleHooks(Protocol):
@@ -117,11 +88,6 @@ class ModuleHooks(Protocol):
 
     def abort_global_batch(self) -> None:
         """The step failed: drop what `begin_global_batch` started."""
-
-
-def deferring_modules(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The modules of `chunks` whose gradients arrive after the schedule (`ModuleHooks`)."""
-    return [m for c in chunks for m in c.modules() if getattr(m, "defers_gradients", False)]
 
 
 def time_forwards(chunks: Sequence[torch.nn.Module], timers) -> None:
@@ -149,23 +115,15 @@ def time_forwards(chunks: Sequence[torch.nn.Module], timers) -> None:
 
 class Engine(abc.ABC):
     """One training engine: the model chunks it runs, its optimizer and scheduler, and `step`.
+    Every implementation sets the attributes below in `__init__` (a checkpoint holds four)."""
 
-    Attributes every implementation sets in `__init__`:
-        model: this pipeline stage's unwrapped model (what checkpoints and FLOP counts read).
-        optimizer: the optimizer (`param_groups` and `get_lr()` at least).
-        scheduler: megatron-core's OptimizerParamScheduler over `optimizer`.
-        scaler: the FP16 loss scaler (`scale`), or None.
-        phase: the shared `Phase` the engine updates around its collectives.
-        pg: the run's `ProcessGroups`; device: where the step's statistics are reduced.
-    """
-
-    model: torch.nn.Module
-    optimizer: Any
-    scheduler: Any
-    scaler: Any
-    phase: Phase
-    pg: Any
-    device: torch.device
+    model: torch.nn.Module  # this stage's unwrapped model (what checkpoints and FLOPs read)
+    optimizer: Any  # `param_groups` and `get_lr()` at least
+    scheduler: Any  # megatron-core's OptimizerParamScheduler over `optimizer`
+    scaler: Any  # the FP16 loss scaler (`scale`, `state_dict`), or None
+    phase: Phase  # shared with the loop, updated around the engine's collectives
+    pg: Any  # the run's `ProcessGroups`
+    device: torch.device  # where the step's statistics are reduced
 
     @abc.abstractmethod
     def step(
@@ -187,20 +145,29 @@ class Engine(abc.ABC):
                     add_reports(totals, self._forward_only(data_iterator))
         finally:
             self.train()
-        stats = world_stats(totals, self._counts_loss(), [], self.device)
+        stats = self.world_stats(totals)
         return stats[0] / stats[1] if stats[1] > 0 else None
 
     def _counts_loss(self) -> bool:
         """TP rank 0 of the last stage counts the loss (once per DP replica)."""
         return self.pg.is_last_stage and self.pg.tp_rank == 0
 
+    def world_stats(self, totals: dict, flags: Sequence[bool] = ()) -> list[float]:
+        """[loss sum, token count, *flags] summed over the world in one all-reduce (the loss of
+        the ranks that `_counts_loss`)."""
+        stats = torch.zeros(2 + len(flags), dtype=torch.float64)
+        if self._counts_loss() and "lm loss" in totals:
+            stats[0:2] = totals["lm loss"].double().cpu()
+        for i, flag in enumerate(flags):
+            stats[2 + i] = 1.0 if flag else 0.0
+        if self.device.type == "cuda":
+            stats = stats.cuda()
+        dist.all_reduce(stats)
+        return stats.cpu().tolist()
+
     @abc.abstractmethod
     def log_stats(self) -> dict[str, float]:
         """Collective: the optional logged extras of the latest step (params-norm, num-zeros)."""
-
-    @abc.abstractmethod
-    def checkpoint_parts(self) -> CheckpointParts:
-        """The objects a checkpoint saves and loads, in the project's format."""
 
     def train(self, mode: bool = True) -> None:
         """Put the model chunks in training (or evaluation) mode."""
@@ -208,6 +175,6 @@ class Engine(abc.ABC):
 
     @contextlib.contextmanager
     def checkpoint_view(self):
-        """The checkpoint manager saves and loads `checkpoint_parts()` inside this context (an
-        engine with low-precision parameters shows their float32 master copies here)."""
+        """The checkpoint manager saves and loads inside this context (an engine with
+        low-precision parameters shows their float32 master copies here)."""
         yield

@@ -1,17 +1,10 @@
 """The portable training engine (the default; gloo on CPU, NCCL on GPU): float32 parameters,
-gradients and Adam states, --bf16/--fp16 under autocast. One step, the same under every layout:
-
-1. forward/backward over the micro-batches (`pipeline.Pipeline`: 1F1B, interleaved 1F1B over
-   model chunks), each stage's module in torch DDP over `pg.dp_cp` when DP x CP > 1
-   (`data_parallel.wrap`): micro-batches accumulate under `no_sync`, the last backward averages;
-2. modules whose gradients arrive after the schedule (`engine.ModuleHooks`: LEV with
-   --lev-dedup-global-batch) get `begin_global_batch` / `end_global_batch` around the
-   micro-batches, and their gradients one `GradientAverage.average_params` call;
-3. Megatron's model-parallel gradient sums (sequence-parallel norms over TP, tied embeddings
-   over the embedding group), the 1 / loss-scale (and per-token) gradient scale;
-4. grad-norm clipping, one world all-reduce of [loss sum, tokens, non-finite and the caller's
-   flags], then the optimizer step (or a stop / skip on a non-finite loss or grad norm) and the
-   scheduler step.
+gradients and Adam states, --bf16/--fp16 under autocast. One step, the same under every layout
+(docs/architecture.md draws it): the micro-batches through `pipeline.Pipeline`, each stage in
+torch DDP over `pg.dp_cp` when DP x CP > 1; the deferred modules' backward
+(`engine.ModuleHooks`) and their gradients' one average; Megatron's model-parallel gradient
+sums and the 1 / loss-scale; clipping; one world all-reduce of the loss and flags; then the
+optimizer step, or a stop / skip on a non-finite loss or grad norm.
 """
 
 from __future__ import annotations
@@ -28,14 +21,11 @@ from megatron_ext.config.run import RunConfig
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training import data_parallel
 from megatron_ext.training.engine import (
-    CheckpointParts,
     Engine,
     NonFiniteError,
     Phase,
     StepResult,
-    deferring_modules,
     time_forwards,
-    world_stats,
 )
 from megatron_ext.training.finalize_grads import (
     allreduce_sequence_parallel_grads,
@@ -44,14 +34,14 @@ from megatron_ext.training.finalize_grads import (
 from megatron_ext.training.metrics_logger import Timers
 from megatron_ext.training.optimizer import (
     LossScaler,
+    Optimizer,
     all_finite,
-    build_optimizer,
     build_scheduler,
     clip_grad_norm,
 )
 from megatron_ext.training.pipeline import ForwardStep, Pipeline, PipelineShape
-from megatron_ext.training.precision import autocast_factory, pipeline_dtype
-from megatron_ext.training.run_extras import num_zeros_in_grad, params_norm
+from megatron_ext.training.precision import autocast_factory
+from megatron_ext.training.unique_params import num_zeros_in_grad, params_norm
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +67,10 @@ class PortableEngine(Engine):
         self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
         self.phase, self.timers = phase, timers
         b, prec, o = cfg.batch, cfg.precision, cfg.optim
-        self.optimizer = build_optimizer(
+        self.optimizer = Optimizer(
             model,
             cfg.optim,
-            pg.dp_cp if cfg.parallel.use_distributed_optimizer else None,
+            zero_group=pg.dp_cp if cfg.parallel.use_distributed_optimizer else None,
             decoupled=(o.decoupled_lr, o.decoupled_min_lr) if o.decoupled_lr else None,
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
@@ -104,12 +94,14 @@ class PortableEngine(Engine):
             seq //= cfg.parallel.tensor_model_parallel_size
         self.shape = PipelineShape(
             (seq, b.micro_batch_size, hidden),
-            pipeline_dtype(prec),
+            torch.float32,  # see precision.py
             device,
             loss_output=(b.micro_batch_size, tokens),
         )
         self.consecutive_nonfinite = 0
-        self.deferred = deferring_modules(self.chunks)  # backward after the last micro-batch
+        self.deferred = [  # `ModuleHooks` whose backward runs after the last micro-batch
+            m for c in self.chunks for m in c.modules() if getattr(m, "defers_gradients", False)
+        ]
         time_forwards(self.chunks, timers)
         self.average: Optional[data_parallel.GradientAverage] = None  # over pg.dp_cp if > 1
         if pg.dp_cp_size > 1:
@@ -123,15 +115,12 @@ class PortableEngine(Engine):
             self.shape,
             autocast=self.autocast,
             deferred=self._deferred_params(),
-            wrap=(lambda m: m) if self.average is None else self._wrap,
+            wrap=lambda m: m if self.average is None else data_parallel.wrap(m, self.average),
         )
         # torch DDP around each pipeline stage's module (none when DP x CP is 1).
         self.ddp: list[DistributedDataParallel] = [
             m for m in self.pipeline.modules if isinstance(m, DistributedDataParallel)
         ]
-
-    def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
-        return data_parallel.wrap(module, self.average)
 
     def _deferred_params(self) -> list[torch.nn.Parameter]:
         return [param for module in self.deferred for param in module.parameters()]
@@ -145,9 +134,7 @@ class PortableEngine(Engine):
         scale = self.scaler.scale if self.scaler is not None else 1.0
         totals = self._forward_backward(data_iterator, global_batch, scale)
         self._finish_grads(totals, scale)
-        # Whether this rank's own gradients were finite before the average (None without DP:
-        # they are still its own, checked below only when the norm is not finite).
-        grads_ok = None if self.average is None else self.average.finite
+        grads_ok = None if self.average is None else self.average.finite  # before the average
         self.timers.mark("grads-all-reduce")
         grad_norm = clip_grad_norm(self.optimizer.params, self.cfg.optim.clip_grad, self.pg)
         if grads_ok is None:
@@ -157,12 +144,7 @@ class PortableEngine(Engine):
         self.timers.mark("grad-norm-and-clip")
         loss_ok = all_finite(totals.values())
         self.phase.set("all-reduce of the iteration's loss and exit flags (world group)")
-        stats = world_stats(
-            totals,
-            self._counts_loss(),
-            [not loss_ok, not grads_ok, *flags],
-            self.shape.device,
-        )
+        stats = self.world_stats(totals, [not loss_ok, not grads_ok, *flags])
         loss = stats[0] / stats[1] if stats[1] > 0 else float("nan")
         stepped = skipped = nonfinite = False
         note = ""
@@ -296,7 +278,3 @@ class PortableEngine(Engine):
         if log.log_num_zeros_in_grad:
             out["num-zeros"] = float(num_zeros_in_grad(self.optimizer.params, self.pg))
         return out
-
-    def checkpoint_parts(self) -> CheckpointParts:
-        """See `Engine.checkpoint_parts`."""
-        return CheckpointParts(self.model, self.optimizer, self.scheduler, self.scaler)

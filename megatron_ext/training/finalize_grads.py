@@ -1,11 +1,8 @@
-"""Gradient reductions Megatron performs after backward, before the optimizer step.
-
-- Sequence-parallel replicated parameters (norm weights tagged `sequence_parallel`): each TP
-  rank saw a different slice of the sequence, so their gradients are summed across TP.
-- Tied embeddings split across pipeline stages (`shared_embedding`): the first stage's input
-  table and the last stage's output head are one weight, so their gradients are summed over
-  megatron's embedding group.
-Data-parallel averaging is done by the data-parallel wrapper, not here.
+"""Megatron's gradient sums after backward, before the optimizer step (data-parallel averaging
+is the data-parallel wrapper's): sequence-parallel replicated parameters (tagged
+`sequence_parallel`: each TP rank saw another slice of the sequence) over TP, and a tied
+embedding split across pipeline stages (`shared_embedding`: the first stage's input table and
+the last stage's head are one weight) over megatron's embedding group.
 """
 
 from __future__ import annotations
@@ -19,7 +16,14 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 __all__ = ["allreduce_sequence_parallel_grads", "allreduce_tied_embedding_grads"]
 
 
-def _allreduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+def _allreduce_tagged(modules: Iterable[torch.nn.Module], tag: str, group) -> None:
+    """Sum over `group`, in one all-reduce, the gradients of the parameters tagged `tag`."""
+    grads = [
+        p.grad
+        for module in modules
+        for p in module.parameters()
+        if getattr(p, tag, False) and p.grad is not None
+    ]
     if not grads:
         return
     flat = _flatten_dense_tensors(grads)
@@ -32,15 +36,8 @@ def allreduce_sequence_parallel_grads(
     modules: Iterable[torch.nn.Module], tp_group: dist.ProcessGroup
 ) -> None:
     """Sum the gradients of parameters tagged `sequence_parallel` across `tp_group`."""
-    if dist.get_world_size(tp_group) == 1:
-        return
-    grads = [
-        p.grad
-        for module in modules
-        for p in module.parameters()
-        if getattr(p, "sequence_parallel", False) and p.grad is not None
-    ]
-    _allreduce_coalesced(grads, tp_group)
+    if dist.get_world_size(tp_group) > 1:
+        _allreduce_tagged(modules, "sequence_parallel", tp_group)
 
 
 def allreduce_tied_embedding_grads(
@@ -48,10 +45,5 @@ def allreduce_tied_embedding_grads(
 ) -> None:
     """Sum the gradient of a tied embedding held by both the first and last pipeline stage
     over `embd_group` (`ProcessGroups.embd`: None on the ranks that hold no copy)."""
-    group = embd_group
-    if group is None:
-        return
-    for module in modules:
-        for param in module.parameters():
-            if getattr(param, "shared_embedding", False) and param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+    if embd_group is not None:
+        _allreduce_tagged(modules, "shared_embedding", embd_group)

@@ -2,9 +2,8 @@
 
 A terminal delivers SIGINT to every process of the job, and torchrun forwards it again: each
 rank turns the first one into KeyboardInterrupt and ignores the repeats (so that the clean-up is
-not cut short); a rank whose peer left first sees a failed collective, which after a SIGINT
-means the same. `pretrain` turns both into `TrainingInterrupted`, whose message names the last
-complete checkpoint and the iterations that were not saved.
+not cut short). `pretrain` turns it, or a collective that failed after it, into
+`TrainingInterrupted`.
 """
 
 from __future__ import annotations
@@ -14,36 +13,41 @@ from typing import Optional
 
 from megatron_ext.checkpoint.format import read_latest_iteration
 
-__all__ = ["InterruptWatch", "TrainingInterrupted", "interrupted_line"]
+__all__ = ["SignalWatch", "TrainingInterrupted", "interrupted_line"]
 
 
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped the run; the message says what was kept and what was lost."""
 
 
-class InterruptWatch:
-    """SIGINT while training: the first raises KeyboardInterrupt, repeats are ignored; the
-    previous handler is restored by `release` (a no-op outside the main thread). After a Ctrl-C
-    the repeats stay ignored: torchrun forwards the terminal's SIGINT again, which may land after
+class SignalWatch:
+    """Notes that one of `signals` arrived (`received`); with `interrupt`, the first raises
+    KeyboardInterrupt and repeats are ignored (SIGINT while training). `release` puts the
+    previous handlers back; outside the main thread none is installed. After an interrupt the
+    repeats stay ignored: torchrun forwards the terminal's SIGINT again, which may land after
     the clean-up, while the command prints its one line and exits 130."""
 
-    def __init__(self) -> None:
-        self.received = False
+    def __init__(self, signals=(signal.SIGINT,), interrupt: bool = True) -> None:
+        self.received, self.interrupt = False, interrupt
+        self._previous: dict = {}
         try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: leave SIGINT alone
-            self._previous = None
+            for sig in signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: leave the signals alone
+            pass
 
     def _handle(self, signum: int, frame: object) -> None:
         if not self.received:
             self.received = True
-            raise KeyboardInterrupt
+            if self.interrupt:
+                raise KeyboardInterrupt
 
     def release(self) -> None:
-        """Put back the SIGINT handler that was there before (after a Ctrl-C: ignore SIGINT)."""
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, signal.SIG_IGN if self.received else self._previous)
-            self._previous = None
+        """Put back the handlers that were there before (after an interrupt: ignore them)."""
+        stay_ignored = self.interrupt and self.received
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_IGN if stay_ignored else previous)
+        self._previous = {}
 
 
 def interrupted_line(save: Optional[str], started: int, reached: Optional[int]) -> str:

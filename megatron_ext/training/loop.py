@@ -7,7 +7,6 @@ manager and `run_extras.RunExtras`; `run.py` builds a run and calls them.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from typing import Callable, Optional, Sequence
@@ -20,12 +19,13 @@ from megatron_ext.parallel import ProcessGroups, destroy_parallel
 from megatron_ext.training.checkpoint_manager import CheckpointManager
 from megatron_ext.training.data import build_data_loader
 from megatron_ext.training.engine import Engine, NonFiniteError, Phase, StepResult
+from megatron_ext.training.interrupt import SignalWatch
 from megatron_ext.training.metrics_logger import MetricsLogger, Timers
 from megatron_ext.training.run_extras import RunExtras, memory_stats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["train", "close", "Trainer", "NonFiniteError"]
+__all__ = ["train", "close", "Trainer"]
 
 DatasetsProvider = Callable[[Sequence[int]], tuple]
 
@@ -35,26 +35,9 @@ DatasetsProvider = Callable[[Sequence[int]], tuple]
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class _SignalHandler:
-    """Remembers that an exit signal arrived; the loop acts on it at the end of the iteration."""
-
-    def __init__(self, sigs: Sequence[int] = EXIT_SIGNALS) -> None:
-        self.received = False
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-    def release(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-
-
 class Trainer:
     """The loop of one run around its engine, metrics logger and checkpoint manager (built by
-    `setup`; `phase` and `timers` shared with the engine). `flops_per_batch`: model FLOPs of one
-    iteration at the full --global-batch-size (None when the model does not say its config).
-    """
+    `setup`; `phase` and `timers` shared with the engine)."""
 
     def __init__(
         self,
@@ -67,17 +50,15 @@ class Trainer:
         metrics: MetricsLogger,
         checkpoints: CheckpointManager,
         extras: RunExtras,
-        flops_per_batch: Optional[float],
     ) -> None:
         self.cfg, self.engine, self.pg = cfg, engine, pg
         self.phase, self.timers, self.metrics = phase, timers, metrics
         self.checkpoints, self.extras = checkpoints, extras
-        self.flops_per_batch = flops_per_batch
         self.state = TrainState()
         self.is_rank0 = dist.get_rank() == 0
         self.start_time = time.time()  # for --exit-duration-in-mins (`pretrain` sets it)
         self.step_seconds = 0.0  # the slowest iteration (the exit-duration look-ahead)
-        self.signal = _SignalHandler() if cfg.exit.exit_signal_handler else None
+        self.signal = SignalWatch(EXIT_SIGNALS if cfg.exit.exit_signal_handler else (), False)
         self.global_batch = cfg.batch.global_batch_size  # lower during --rampup-batch-size
 
     def _duration_exhausted(self) -> bool:
@@ -93,48 +74,32 @@ class Trainer:
         ahead = time.time() - self.start_time + self.step_seconds + save
         return ahead > 60.0 * limit
 
-    def load(self) -> None:
-        """Load --load (if any) into the engine and take its train state."""
-        state = self.checkpoints.load()
-        if state is not None:
-            self.state = state
-
-    def save(self) -> None:
-        """Save this iteration into --save (if any; collective)."""
-        self.checkpoints.save(self.state)
-
-    def evaluate(self, dataset, name: str = "validation") -> Optional[float]:
-        """Mean loss over the first --eval-iters global batches of `dataset` (the same samples
-        at every evaluation, so that validation curves compare like with like)."""
+    def evaluate(self, dataset, name: str = "validation") -> None:
+        """Log the mean loss over the first --eval-iters global batches of `dataset` (the same
+        samples at every evaluation, so that validation curves compare like with like)."""
         b, ev = self.cfg.batch, self.cfg.eval
         if dataset is None or ev.eval_iters == 0:
-            return None
+            return
         loader = build_data_loader(
             dataset, 0, b.micro_batch_size, self.pg.dp_rank, self.pg.dp_size, b.num_workers
         )
         if loader is None or len(loader.batch_sampler) < ev.eval_iters * self.cfg.num_microbatches:
             if self.is_rank0:
                 logger.warning("%s set is smaller than --eval-iters global batches", name)
-            return None
+            return
         self.extras.around_eval()
         self.phase.set(f"{name} evaluation (world group)")
         try:
-            return self.engine.evaluate(iter(loader), ev.eval_iters)
+            loss = self.engine.evaluate(iter(loader), ev.eval_iters)
         finally:
             self.extras.around_eval()
             self.phase.set("training loop (world group)")
-
-    def log_evaluation(self, loss: Optional[float], name: str) -> None:
-        """The boxed evaluation line and its scalars (rank 0; nothing when `loss` is None)."""
         self.metrics.evaluation(loss, name, self.state)
 
     def _step(self, iterator) -> StepResult:
         """One iteration of the engine; a non-finite stop or skip names the iteration."""
         it = self.state.iteration + 1
-        local = (
-            self.signal is not None and self.signal.received,
-            self._duration_exhausted(),
-        )
+        local = (self.signal.received, self._duration_exhausted())
         try:
             result = self.engine.step(iterator, self.global_batch, local)
         except NonFiniteError as error:
@@ -161,14 +126,14 @@ class Trainer:
             it, ev, ck = self.state.iteration, self.cfg.eval, self.cfg.ckpt
             periodic = ev.eval_interval and it % ev.eval_interval == 0  # None: after training
             if ev.eval_iters and valid_ds is not None and periodic:
-                self.log_evaluation(self.evaluate(valid_ds), "validation")
+                self.evaluate(valid_ds)
             self.checkpoints.poll()
             if ck.save_interval and it % ck.save_interval == 0:
-                self.save()
+                self.checkpoints.save(self.state)
             reason = self._stop(result.flags)
             if reason is not None:
                 return reason
-        self.save()
+        self.checkpoints.save(self.state)
         return "finished"
 
     def _train_loader(self, train_ds):
@@ -204,9 +169,9 @@ class Trainer:
         state.consumed_train_samples += self.global_batch
         state.skipped_iterations += int(result.skipped)
         state.nonfinite_iterations += int(result.nonfinite)
-        if self.flops_per_batch:
+        if self.metrics.flops_per_batch:  # at the full --global-batch-size
             state.floating_point_operations_so_far += (
-                self.flops_per_batch * self.global_batch / self.cfg.batch.global_batch_size
+                self.metrics.flops_per_batch * self.global_batch / self.cfg.batch.global_batch_size
             )
 
     def _log_iteration(self, result: StepResult, step_start: float, cpu_start: float) -> None:
@@ -218,24 +183,16 @@ class Trainer:
             if lg.log_memory_to_tensorboard:
                 extras.update(memory_stats())
             self.metrics.extras = extras
-        loss_scale = self.engine.scaler.scale if self.engine.scaler is not None else None
         self.metrics.iteration(
             result,
             state,
             global_batch=self.global_batch,
             seconds=time.time() - step_start,
             cpu_seconds=time.process_time() - cpu_start,
-            loss_scale=loss_scale,
+            loss_scale=self.engine.scaler.scale if self.engine.scaler is not None else None,
+            elapsed_since_start=time.time() - self.start_time,
+            timers=self.timers,
         )
-        if it % lg.log_interval == 0:
-            self.metrics.line(
-                state,
-                global_batch=self.global_batch,
-                lr=result.lr,
-                loss_scale=loss_scale,
-                elapsed_since_start=time.time() - self.start_time,
-                timers=self.timers.take(),
-            )
 
     def _stop(self, flags) -> Optional[str]:
         """Why the loop stops after this iteration, once it has saved (None: it goes on)."""
@@ -251,7 +208,7 @@ class Trainer:
             return None
         if self.is_rank0:
             logger.info("exiting at iteration %d (%s)", it, reason)
-        self.save()
+        self.checkpoints.save(self.state)
         self.checkpoints.wait()
         if reason == "exit-duration" and self.is_rank0:
             logger.info(
@@ -267,12 +224,8 @@ class Trainer:
 
 def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
     """Build the datasets, train to --train-iters (or an exit condition), then validate and
-    test; with --skip-train only evaluate.
-
-    Returns:
-        why training stopped: "finished", "signal", "exit-duration", "exit-interval" or
-        "skip-train".
-    """
+    test; with --skip-train only evaluate. Returns why training stopped: "finished", "signal",
+    "exit-duration", "exit-interval" or "skip-train"."""
     cfg = trainer.cfg
     b, ev = cfg.batch, cfg.eval
     rank0 = trainer.is_rank0
@@ -282,8 +235,8 @@ def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
     if cfg.exit.skip_train:  # Megatron-LM's --skip-train: evaluate and exit
         if rank0:
             logger.info("--skip-train: evaluating iteration %d", trainer.state.iteration)
-        trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
-        trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
+        trainer.evaluate(valid_ds)
+        trainer.evaluate(test_ds, "test")
         return "skip-train"
     if trainer.state.iteration >= b.train_iters:
         if rank0:
@@ -293,19 +246,9 @@ def train(trainer: Trainer, datasets_provider: DatasetsProvider) -> str:
     trainer.checkpoints.wait()  # the latest marker moves once the last write completed
     if reason == "finished" and ev.eval_iters:
         if not ev.eval_interval or trainer.state.iteration % ev.eval_interval:  # not just done
-            trainer.log_evaluation(trainer.evaluate(valid_ds), "validation")
-        trainer.log_evaluation(trainer.evaluate(test_ds, "test"), "test")
+            trainer.evaluate(valid_ds)
+        trainer.evaluate(test_ds, "test")
     return reason
-
-
-def _curve_dir(cfg: RunConfig) -> Optional[str]:
-    """Where loss_curve.png goes: beside the run's logs (TensorBoard events, else the --log-jsonl
-    file), never into --save, which holds checkpoints only; None: nowhere to put it."""
-    if cfg.log.tensorboard_dir:
-        return cfg.log.tensorboard_dir
-    if cfg.log.log_jsonl:
-        return os.path.dirname(os.path.abspath(cfg.log.log_jsonl))
-    return None
 
 
 def close(trainer: Optional[Trainer], completed: bool = True) -> None:
@@ -315,11 +258,9 @@ def close(trainer: Optional[Trainer], completed: bool = True) -> None:
     """
     try:
         if trainer is not None:
-            cfg = trainer.cfg
             trainer.extras.close()
-            if trainer.signal is not None:
-                trainer.signal.release()
-            trainer.metrics.close(_curve_dir(cfg), completed)
+            trainer.signal.release()
+            trainer.metrics.close(completed)
     finally:
         destroy_parallel()
         if dist.is_initialized():

@@ -1,11 +1,9 @@
-"""`--ddp-impl megatron`: megatron-core's own training machinery as an `Engine`.
-
-Megatron-core's pieces as Megatron-LM's `pretrain` uses them: BF16 parameters under
-`Float16Module`, float32 main gradients in its bucketed `DistributedDataParallel`, its optimizer
-(float32 master weights, the distributed optimizer), `get_forward_backward_func` with
-`finalize_model_grads`. Checkpoints are the project's format (the float32 master weights), so
-either engine's checkpoint loads into the other. The pieces need CUDA: they come from a
-`MegatronParts`, which the tests replace with CPU doubles.
+"""`--ddp-impl megatron`: megatron-core's own training machinery as an `Engine`, as Megatron-LM's
+`pretrain` uses it: BF16 parameters under `Float16Module`, float32 main gradients in its
+`DistributedDataParallel`, its optimizer (float32 master weights, the distributed optimizer),
+`get_forward_backward_func` with `finalize_model_grads`. Checkpoints hold the float32 master
+weights in the project's format, so either engine's checkpoint loads into the other. The pieces
+need CUDA: they come from a `MegatronParts`, which the tests replace with CPU doubles.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import megatron_ext.megatron_import  # noqa: F401
 
 import torch
-import torch.distributed as dist
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -36,19 +33,17 @@ from megatron.core.transformer.module import Float16Module
 from megatron_ext.config.run import RunConfig
 from megatron_ext.parallel import ProcessGroups
 from megatron_ext.training.engine import (
-    CheckpointParts,
     Engine,
     NonFiniteError,
     Phase,
     StepResult,
     add_reports,
     time_forwards,
-    world_stats,
 )
 from megatron_ext.training.metrics_logger import Timers
 from megatron_ext.training.optimizer import all_finite, build_scheduler, is_decoupled_param
 from megatron_ext.training.pipeline import ForwardStep
-from megatron_ext.training.unique_params import counted_once
+from megatron_ext.training.unique_params import params_norm
 
 logger = logging.getLogger(__name__)
 
@@ -57,31 +52,17 @@ __all__ = ["MegatronEngine", "MegatronParts"]
 
 @dataclass(frozen=True)
 class MegatronParts:
-    """The megatron-core callables the engine is built from (`megatron_core()`: the real ones;
-    the tests pass CPU doubles with the same signatures)."""
+    """The megatron-core callables the engine is built from: by default megatron-core's own
+    (CUDA); the tests pass CPU doubles with the same signatures."""
 
-    ddp: Callable
-    ddp_config: Callable
-    float16_module: Callable
-    optimizer_config: Callable
-    config_overrides: Callable
-    get_optimizer: Callable
-    forward_backward: Callable
-    finalize_model_grads: Callable
-
-    @classmethod
-    def megatron_core(cls) -> "MegatronParts":
-        """megatron-core's own pieces (CUDA)."""
-        return cls(
-            ddp=DistributedDataParallel,
-            ddp_config=DistributedDataParallelConfig,
-            float16_module=Float16Module,
-            optimizer_config=OptimizerConfig,
-            config_overrides=get_standard_config_overrides,
-            get_optimizer=get_megatron_optimizer,
-            forward_backward=get_forward_backward_func,
-            finalize_model_grads=finalize_model_grads,
-        )
+    ddp: Callable = DistributedDataParallel
+    ddp_config: Callable = DistributedDataParallelConfig
+    float16_module: Callable = Float16Module
+    optimizer_config: Callable = OptimizerConfig
+    config_overrides: Callable = get_standard_config_overrides
+    get_optimizer: Callable = get_megatron_optimizer
+    forward_backward: Callable = get_forward_backward_func
+    finalize_model_grads: Callable = finalize_model_grads
 
 
 class _OptimizerState:
@@ -91,7 +72,8 @@ class _OptimizerState:
 
     def __init__(self, chained) -> None:
         self.inner = chained
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (model parameter, the tensor Adam updates) for every parameter of this rank
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.main_of: dict[int, torch.Tensor] = {}  # id(param) -> float32 main (BF16 params)
         self.owners: dict[int, Any] = {}  # id(param) -> the torch optimizer holding its state
         for opt in chained.chained_optimizers:
@@ -109,7 +91,7 @@ class _OptimizerState:
                 if main is not model_param:
                     self.main_of[id(model_param)] = main
                 self.owners[id(model_param)] = opt.optimizer
-            self._pairs += pairs
+            self.pairs += pairs
 
     @property
     def param_groups(self) -> list[dict]:
@@ -118,16 +100,12 @@ class _OptimizerState:
     def get_lr(self) -> float:
         return float(self.inner.param_groups[0]["lr"])
 
-    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(model parameter, the tensor Adam updates) for every parameter of this rank."""
-        return self._pairs
-
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self.owners
 
     def owned_state(self) -> dict[torch.Tensor, dict]:
         out = {}
-        for model_param, main in self._pairs:
+        for model_param, main in self.pairs:
             state = self.owners[id(model_param)].state.get(main)
             if state:
                 out[model_param] = state
@@ -159,7 +137,7 @@ class MegatronEngine(Engine):
         if parts is None:
             if not torch.cuda.is_available():
                 raise RuntimeError("--ddp-impl megatron needs CUDA")
-            parts = MegatronParts.megatron_core()
+            parts = MegatronParts()
         self.cfg, self.model, self.forward_step, self.pg = cfg, model, forward_step, pg
         self.phase, self.timers, self.parts = phase, timers, parts
         time_forwards([model], timers)
@@ -252,7 +230,7 @@ class MegatronEngine(Engine):
         self.timers.mark("forward-backward")
         loss_ok = all_finite(totals.values())
         self.phase.set("all-reduce of the iteration's loss and exit flags (world group)")
-        stats = world_stats(totals, self._counts_loss(), [not loss_ok, *flags], self.device)
+        stats = self.world_stats(totals, [not loss_ok, *flags])
         loss = stats[0] / stats[1] if stats[1] > 0 and stats[2] == 0 else float("nan")
         if not math.isfinite(loss) and self.cfg.exit.check_for_nan_in_loss_and_grad:
             raise NonFiniteError(
@@ -283,17 +261,9 @@ class MegatronEngine(Engine):
     def log_stats(self) -> dict[str, float]:
         """See `Engine.log_stats`."""
         log, out = self.cfg.log, {}
-        if log.log_params_norm:
-            # The float32 main parameters are what the optimizer updates.
-            tp_rank = self.pg.tp_rank
-            local = sum(
-                float(main.detach().double().square().sum())
-                for model_param, main in self.optimizer.pairs()
-                if counted_once(model_param, tp_rank)
-            )
-            total = torch.tensor([local], dtype=torch.float64, device=self.device)
-            dist.all_reduce(total, group=self.pg.mp)
-            out["params-norm"] = math.sqrt(float(total.item()))
+        if log.log_params_norm:  # of the float32 main parameters, which the optimizer updates
+            params = [model_param for model_param, _ in self.optimizer.pairs]
+            out["params-norm"] = params_norm(params, self.pg, self.optimizer.main_of)
         if log.log_num_zeros_in_grad and self.num_zeros is not None:
             out["num-zeros"] = float(self.num_zeros)
         return out
@@ -302,16 +272,12 @@ class MegatronEngine(Engine):
         """Put the wrapped model in training (or evaluation) mode."""
         self.ddp.train(mode)
 
-    def checkpoint_parts(self) -> CheckpointParts:
-        """See `Engine.checkpoint_parts`."""
-        return CheckpointParts(self.model, self.optimizer, self.scheduler, None)
-
     @contextlib.contextmanager
     def checkpoint_view(self):
         """While checkpointing, each BF16 parameter shows its float32 main copy (so checkpoints
         hold the master weights); afterwards the BF16 parameters are refreshed from it."""
         swapped = []
-        for model_param, main in self.optimizer.pairs():
+        for model_param, main in self.optimizer.pairs:
             if main is not model_param:
                 swapped.append((model_param, model_param.data))
                 model_param.data = main.data

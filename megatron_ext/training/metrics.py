@@ -1,31 +1,19 @@
-"""What a run reports: Megatron-style log lines, TensorBoard scalars, model FLOPs and MFU,
-the run's provenance (git hash, package versions) and a loss-curve PNG at the end."""
+"""What a run reports, computed: the Megatron-style iteration line, model FLOPs and the peak for
+MFU, the run's provenance (git hash, package versions). `metrics_logger` writes them."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import logging
-import math
 import os
 import platform
 import subprocess
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch.utils.tensorboard import SummaryWriter
 
 from megatron_ext.models.memory import flops_per_token
 
-logger = logging.getLogger(__name__)
-
-__all__ = [
-    "flops_per_iteration",
-    "peak_tflops",
-    "run_info",
-    "format_train_line",
-    "Reporter",
-]
+__all__ = ["flops_per_iteration", "peak_tflops", "run_info", "format_train_line"]
 
 # Dense BF16 tensor-core peaks (TFLOP/s) by GPU name fragment; --peak-tflops overrides.
 _PEAK_BF16_TFLOPS = {
@@ -42,11 +30,8 @@ _PEAK_BF16_TFLOPS = {
 
 
 def flops_per_iteration(model_config, global_batch_size: int) -> float:
-    """Model FLOPs of one training iteration of `global_batch_size` sequences: the one formula
-    of the project, `models.memory.flops_per_token` (every GEMM of the SwiGLU/GQA backbone,
-    full attention scores, the output head and the input embedding's own FLOPs: LEV's
-    generator, the MLP arms), times the iteration's tokens. `tools/gpu_check.py` computes its
-    MFU from the same function."""
+    """Model FLOPs of one training iteration of `global_batch_size` sequences: the project's one
+    formula, `models.memory.flops_per_token`, times the iteration's tokens."""
     return float(flops_per_token(model_config)) * global_batch_size * model_config.seq_length
 
 
@@ -64,23 +49,14 @@ def peak_tflops(override: Optional[float] = None) -> Optional[float]:
 
 
 def _git_hash() -> str:
+    """The checkout's commit, with "-dirty" when tracked files changed ("unknown" outside git)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = ["git", "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"]
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
-        )
-        if out.returncode == 0:
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                cwd=root,
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-            return out.stdout.strip() + ("-dirty" if dirty else "")
+        out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def run_info() -> dict[str, str]:
@@ -145,94 +121,3 @@ def format_train_line(values: dict) -> str:
         f"number of nan iterations: {values['nonfinite']:3d}",
     ]
     return " | ".join(parts) + " |"
-
-
-@dataclass
-class Reporter:
-    """Rank 0's TensorBoard writer and the in-memory history for the loss-curve PNG.
-
-    The event file is created with the first value logged (text entries wait for it), so a
-    launch that fails before its first iteration leaves no empty event file or directory.
-    """
-
-    tensorboard_dir: Optional[str] = None
-    queue_size: int = 1000
-    enabled: bool = True
-    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.writer = None
-        self.wandb = None
-        """A wandb run (--wandb-project), set by the loop on rank 0."""
-        self._pending_text: list[tuple[str, str]] = []
-
-    def _open(self):
-        """The writer, created (with the text entries logged so far) on first use."""
-        if self.writer is None and self.enabled and self.tensorboard_dir:
-            self.writer = SummaryWriter(log_dir=self.tensorboard_dir, max_queue=self.queue_size)
-            for tag, text in self._pending_text:
-                self.writer.add_text(tag, text)
-            self._pending_text = []
-        return self.writer
-
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        """Record a finite scalar in the history and TensorBoard (ignored when disabled)."""
-        if not self.enabled or value is None or not math.isfinite(value):
-            return
-        self.history.setdefault(tag, []).append((step, float(value)))
-        if self._open() is not None:
-            self.writer.add_scalar(tag, value, step)
-        if self.wandb is not None and " vs " not in tag:  # W&B keys share one step axis
-            self.wandb.log({tag: value}, step=step)
-
-    def text(self, tag: str, text: str) -> None:
-        """A TensorBoard text entry, written with the first value (or at a completed close)."""
-        if self.writer is not None:
-            self.writer.add_text(tag, text)
-        elif self.enabled and self.tensorboard_dir:
-            self._pending_text.append((tag, text))
-
-    def flush(self) -> None:
-        """Flush pending TensorBoard events to disk."""
-        if self.writer is not None:
-            self.writer.flush()
-
-    def close(self, curve_dir: Optional[str] = None, completed: bool = True) -> Optional[str]:
-        """Close the writer; write loss_curve.png into `curve_dir` (if any) and return it.
-
-        A run that `completed` without logging a value still gets its text entries written;
-        one that failed before its first value writes no event file.
-        """
-        path = None
-        if self.enabled and curve_dir and self.history.get("lm loss"):
-            path = self._plot(curve_dir)
-        if completed and self._pending_text:
-            self._open()
-        self._pending_text = []
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        return path
-
-    def _plot(self, directory: str) -> Optional[str]:
-        try:
-            # deferred: matplotlib is slow to import and only the plots need it
-            import matplotlib.pyplot as plt
-        except ImportError:  # pragma: no cover
-            return None
-        plt.switch_backend("Agg")
-        os.makedirs(directory, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for tag, label in (("lm loss", "train"), ("lm loss validation", "validation")):
-            points = self.history.get(tag)
-            if points:
-                ax.plot(*zip(*points), label=label, marker="." if len(points) < 50 else None)
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("lm loss")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        path = os.path.join(directory, "loss_curve.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path

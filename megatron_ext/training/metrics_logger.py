@@ -1,5 +1,5 @@
-"""Where a run's numbers go: the Megatron-style iteration line, TensorBoard, W&B (through the
-`Reporter`), --log-jsonl records, evaluation lines and the loss-curve PNG at the end.
+"""Where a run's numbers go: the Megatron-style iteration line, TensorBoard, W&B, --log-jsonl
+records, evaluation lines and the loss-curve PNG at the end.
 
 `MetricsLogger` is rank 0's sink (every method is a no-op elsewhere, except `Timers`, which
 all ranks keep for --timing-log-level). It reads nothing from the engine: the loop hands it a
@@ -17,11 +17,13 @@ import time
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
 
 from megatron_ext._paths import atomic_open
 from megatron_ext.config.run import RunConfig
 from megatron_ext.training.engine import StepResult
-from megatron_ext.training.metrics import Reporter, format_train_line
+from megatron_ext.training.metrics import format_train_line, peak_tflops
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +35,12 @@ class Timers:
     line. Level 1 times the iteration's consecutive parts (`mark`); level 2 also the spans
     inside them (`span`, e.g. LEV's forward and backward inside forward-backward)."""
 
-    def __init__(self, enabled: bool, detailed: bool = False) -> None:
-        self.enabled = enabled
-        self.detailed = enabled and detailed  # whether `span` times (level 2)
+    def __init__(self, level: int = 0) -> None:
+        self.enabled = level > 0
+        self.detailed = level > 1  # whether `span` times
         self.totals: dict[str, float] = {}
         self.spans: dict[str, float] = {}
         self._last = time.perf_counter()
-
-    @classmethod
-    def at_level(cls, level: int) -> "Timers":
-        """The timers of --timing-log-level `level` (0: off)."""
-        return cls(level > 0, detailed=level > 1)
 
     def mark(self, name: Optional[str] = None) -> None:
         """Add the time since the previous mark to `name` (None: only restart the clock)."""
@@ -116,30 +113,22 @@ class MetricsLogger:
     """The iteration line, TensorBoard/W&B scalars and --log-jsonl records of one run.
 
     Only rank 0 writes. `flops_per_batch`: model FLOPs of one iteration at the full
-    --global-batch-size (None: no TFLOP/s); `peak`: per-device peak TFLOP/s (None: no MFU).
+    --global-batch-size (None: no TFLOP/s); `wandb`: the W&B run (--wandb-project). The
+    TensorBoard event file is created with the first value logged (text entries wait for it),
+    so a launch that fails before its first iteration leaves no empty event file or directory.
     """
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        *,
-        is_rank0: bool,
-        flops_per_batch: Optional[float],
-        peak: Optional[float],
-        world_size: int,
-        wandb=None,
-    ) -> None:
-        self.cfg, self.is_rank0 = cfg, is_rank0
-        self.flops_per_batch, self.peak, self.world_size = flops_per_batch, peak, world_size
-        self.reporter = Reporter(
-            cfg.log.tensorboard_dir, cfg.log.tensorboard_queue_size, enabled=is_rank0
-        )
-        self.reporter.wandb = wandb
+    def __init__(self, cfg: RunConfig, flops_per_batch: Optional[float], wandb=None) -> None:
+        self.cfg, self.flops_per_batch, self.wandb = cfg, flops_per_batch, wandb
+        self.is_rank0, self.world_size = dist.get_rank() == 0, dist.get_world_size()
+        self.peak = peak_tflops(cfg.log.peak_tflops)  # per device (None: no MFU)
+        self.writer: Optional[SummaryWriter] = None
+        self.history: dict[str, list[tuple[int, float]]] = {}  # tag -> (step, value), for the PNG
+        self._pending_text: list[tuple[str, str]] = []
         self.extras: dict[str, float] = {}  # logged extras of the latest logged iteration
-        self._losses: list[float] = []
-        self._grad_norms: list[float] = []
+        self._losses: list[float] = []  # of the iterations since the last log line
+        self._grad_norm: Optional[float] = None  # the latest
         self._interval_start = time.time()
-        self._interval_iters = 0
         self._first_record = 1  # the first iteration this run logs (`start` sets it)
         # skipped / non-finite iterations since the last log line (as Megatron-LM counts them)
         self._skipped = self._nonfinite = 0
@@ -150,11 +139,36 @@ class MetricsLogger:
         if self.is_rank0 and self.cfg.log.log_jsonl:
             truncate_jsonl(self.cfg.log.log_jsonl, iteration)
         self._first_record = iteration + 1
-        self._interval_start, self._interval_iters = time.time(), 0
+        self._interval_start = time.time()
+
+    def _open(self) -> Optional[SummaryWriter]:
+        """The TensorBoard writer, created (with the text entries logged so far) on first use."""
+        if self.writer is None and self.is_rank0 and self.cfg.log.tensorboard_dir:
+            self.writer = SummaryWriter(
+                log_dir=self.cfg.log.tensorboard_dir, max_queue=self.cfg.log.tensorboard_queue_size
+            )
+            for tag, text in self._pending_text:
+                self.writer.add_text(tag, text)
+            self._pending_text = []
+        return self.writer
+
+    def scalar(self, tag: str, value: Optional[float], step: int) -> None:
+        """Record a finite scalar in the history, TensorBoard and W&B (rank 0)."""
+        if not self.is_rank0 or value is None or not math.isfinite(value):
+            return
+        self.history.setdefault(tag, []).append((step, float(value)))
+        if self._open() is not None:
+            self.writer.add_scalar(tag, value, step)
+        if self.wandb is not None and " vs " not in tag:  # W&B keys share one step axis
+            self.wandb.log({tag: value}, step=step)
 
     def text(self, tag: str, text: str) -> None:
-        """A TensorBoard text entry (rank 0)."""
-        self.reporter.text(tag, text)
+        """A TensorBoard text entry (rank 0), written with the first value or at a completed
+        close."""
+        if self.writer is not None:
+            self.writer.add_text(tag, text)
+        elif self.is_rank0 and self.cfg.log.tensorboard_dir:
+            self._pending_text.append((tag, text))
 
     def iteration(
         self,
@@ -165,13 +179,15 @@ class MetricsLogger:
         seconds: float,
         cpu_seconds: float,
         loss_scale: Optional[float],
+        elapsed_since_start: float,
+        timers: Timers,
     ) -> None:
         """Record one finished iteration (`state` already counts it): TensorBoard every
-        --tensorboard-log-interval, the jsonl record every iteration."""
+        --tensorboard-log-interval, the jsonl record every iteration, the iteration line (with
+        the `timers` taken) every --log-interval."""
         it = state.iteration
-        self._interval_iters += 1
         self._losses.append(result.loss)
-        self._grad_norms.append(result.grad_norm)
+        self._grad_norm = result.grad_norm
         self._skipped += int(result.skipped)
         self._nonfinite += int(result.nonfinite)
         if it % self.cfg.log.tensorboard_log_interval == 0:
@@ -192,40 +208,34 @@ class MetricsLogger:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
+        if it % self.cfg.log.log_interval == 0:
+            self._line(state, global_batch, result.lr, loss_scale, elapsed_since_start, timers)
 
     def _tensorboard(self, result: StepResult, state, global_batch: int, loss_scale) -> None:
-        r, log, it = self.reporter, self.cfg.log, state.iteration
-        r.scalar("lm loss", result.loss, it)
-        r.scalar("lm loss vs samples", result.loss, state.consumed_train_samples)
+        log, it = self.cfg.log, state.iteration
+        self.scalar("lm loss", result.loss, it)
+        self.scalar("lm loss vs samples", result.loss, state.consumed_train_samples)
         if math.isfinite(result.loss):
-            r.scalar("lm loss ppl", math.exp(min(20.0, result.loss)), it)
-        r.scalar("learning-rate", result.lr, it)
-        r.scalar("grad-norm", result.grad_norm, it)
+            self.scalar("lm loss ppl", math.exp(min(20.0, result.loss)), it)
+        self.scalar("learning-rate", result.lr, it)
+        self.scalar("grad-norm", result.grad_norm, it)
         if loss_scale is not None and log.log_loss_scale_to_tensorboard:
-            r.scalar("loss-scale", loss_scale, it)
+            self.scalar("loss-scale", loss_scale, it)
         tokens = state.consumed_train_samples * self.cfg.model.seq_length
-        r.scalar("lm loss vs tokens", result.loss, tokens)
-        r.scalar("batch-size", global_batch, it)
+        self.scalar("lm loss vs tokens", result.loss, tokens)
+        self.scalar("batch-size", global_batch, it)
         if log.log_world_size_to_tensorboard:
-            r.scalar("world-size", self.world_size, it)
+            self.scalar("world-size", self.world_size, it)
         for key, value in self.extras.items():
-            r.scalar(key, value, it)
+            self.scalar(key, value, it)
 
-    def line(
-        self,
-        state,
-        *,
-        global_batch: int,
-        lr: float,
-        loss_scale: Optional[float],
-        elapsed_since_start: float,
-        timers: dict[str, float],
-    ) -> None:
+    def _line(self, state, global_batch, lr, loss_scale, elapsed_since_start, timers) -> None:
         """The iteration line over the iterations since the previous one, then restart the
         interval."""
+        timers = timers.take()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        iters = max(self._interval_iters, 1)
+        iters = max(len(self._losses), 1)
         elapsed = (time.time() - self._interval_start) / iters
         b = self.cfg.batch
         tflops = None
@@ -253,7 +263,7 @@ class MetricsLogger:
             extras=self.extras,
             loss=sum(finite) / len(finite) if finite else float("nan"),
             loss_scale=loss_scale,
-            grad_norm=self._grad_norms[-1] if self._grad_norms else None,
+            grad_norm=self._grad_norm,
             skipped=self._skipped,
             nonfinite=self._nonfinite,
         )
@@ -267,16 +277,17 @@ class MetricsLogger:
                 )
                 if self.cfg.log.log_timers_to_tensorboard:
                     for key, value in timers.items():
-                        self.reporter.scalar(f"timers/{key}", value / iters, it)
-            self.reporter.scalar("iteration-time", elapsed, it)
-            self.reporter.scalar("throughput/tokens per second", tokens, it)
+                        self.scalar(f"timers/{key}", value / iters, it)
+            self.scalar("iteration-time", elapsed, it)
+            self.scalar("throughput/tokens per second", tokens, it)
             if tflops is not None:
-                self.reporter.scalar("throughput/TFLOP per second per GPU", tflops, it)
+                self.scalar("throughput/TFLOP per second per GPU", tflops, it)
             if values["mfu"] is not None:
-                self.reporter.scalar("throughput/MFU", values["mfu"], it)
-            self.reporter.flush()
-        self._interval_start, self._interval_iters = time.time(), 0
-        self._losses, self._grad_norms = [], []
+                self.scalar("throughput/MFU", values["mfu"], it)
+            if self.writer is not None:
+                self.writer.flush()
+        self._interval_start = time.time()
+        self._losses, self._grad_norm = [], None
         self._skipped = self._nonfinite = 0
 
     def evaluation(self, loss: Optional[float], name: str, state) -> None:
@@ -291,15 +302,19 @@ class MetricsLogger:
         bar = "-" * len(line)
         logger.info("%s\n%s\n%s", bar, line, bar)
         tag = "lm loss validation" if name == "validation" else f"lm loss {name}"
-        self.reporter.scalar(tag, loss, it)
-        self.reporter.scalar(f"{tag} ppl", ppl, it)
-        self.reporter.scalar(f"{tag} vs samples", loss, state.consumed_train_samples)
+        self.scalar(tag, loss, it)
+        self.scalar(f"{tag} ppl", ppl, it)
+        self.scalar(f"{tag} vs samples", loss, state.consumed_train_samples)
 
-    def close(self, curve_dir: Optional[str], completed: bool = True) -> None:
-        """Close TensorBoard; with --loss-curve write loss_curve.png into `curve_dir`. A run
-        that did not complete and logged nothing leaves no TensorBoard file."""
-        if self.is_rank0 and self.cfg.log.loss_curve:
-            curve = self.reporter.close(curve_dir, completed)
+    def close(self, completed: bool = True) -> None:
+        """Close TensorBoard (a run that did not complete and logged no value writes no event
+        file); with --loss-curve write loss_curve.png beside the run's logs (TensorBoard events,
+        else the --log-jsonl file; never into --save, which holds checkpoints only)."""
+        log, curve_dir = self.cfg.log, self.cfg.log.tensorboard_dir or None
+        if not curve_dir and log.log_jsonl:
+            curve_dir = os.path.dirname(os.path.abspath(log.log_jsonl))
+        if self.is_rank0 and log.loss_curve:
+            curve = self._plot(curve_dir) if curve_dir and self.history.get("lm loss") else None
             if curve:
                 logger.info("loss curve: %s", curve)
             elif curve_dir is None and completed:
@@ -307,5 +322,32 @@ class MetricsLogger:
                     "loss curve: not written (it goes beside --tensorboard-dir or --log-jsonl, "
                     "neither given; --no-loss-curve turns this line off)"
                 )
-        else:
-            self.reporter.close(completed=completed)
+        if completed and self._pending_text:
+            self._open()
+        self._pending_text = []
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def _plot(self, directory: str) -> Optional[str]:
+        try:
+            # deferred: matplotlib is slow to import and only the plots need it
+            import matplotlib.pyplot as plt
+        except ImportError:  # pragma: no cover
+            return None
+        plt.switch_backend("Agg")
+        os.makedirs(directory, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for tag, label in (("lm loss", "train"), ("lm loss validation", "validation")):
+            points = self.history.get(tag)
+            if points:
+                ax.plot(*zip(*points), label=label, marker="." if len(points) < 50 else None)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("lm loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = os.path.join(directory, "loss_curve.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path

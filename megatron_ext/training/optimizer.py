@@ -8,25 +8,20 @@ Parameters, gradients and Adam states are float32; --bf16 / --fp16 run under aut
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Iterable, Optional
 
 import megatron_ext.megatron_import  # noqa: F401
 
 import torch
-import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.config.run import OptimizerConfig
 from megatron_ext.parallel import ProcessGroups
-from megatron_ext.training.unique_params import counted_params
-
-logger = logging.getLogger(__name__)
+from megatron_ext.training.unique_params import counted_params, model_parallel_sum
 
 __all__ = [
     "Optimizer",
-    "build_optimizer",
     "build_scheduler",
     "param_groups",
     "all_finite",
@@ -94,11 +89,10 @@ def param_groups(
 
 
 class Optimizer:
-    """AdamW (plain or ZeRO-1) plus the bookkeeping the loop and checkpoints need.
-
-    `owned_state()` and `set_state()` expose the Adam states this rank keeps (all of them, or
-    its ZeRO share), keyed by the parameter tensor.
-    """
+    """AdamW, or ZeRO-1 over `zero_group` (`ProcessGroups.dp_cp` under
+    --use-distributed-optimizer); `decoupled` = (--decoupled-lr, --decoupled-min-lr) for the
+    embedding and output layer. `owned_state()` and `set_state()` expose the Adam states this
+    rank keeps (all of them, or its ZeRO share), keyed by the parameter tensor."""
 
     def __init__(
         self,
@@ -146,9 +140,8 @@ class Optimizer:
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether this rank keeps (and updates) `param`'s Adam state."""
-        if not self.distributed:
-            return True
-        return any(param is p for g in self._local.param_groups for p in g["params"])
+        groups = self._local.param_groups
+        return not self.distributed or any(param is p for g in groups for p in g["params"])
 
     def owned_state(self) -> dict[torch.Tensor, dict]:
         """Parameter -> Adam state of the parameters this rank owns (with a state yet)."""
@@ -170,18 +163,6 @@ class Optimizer:
     def get_lr(self) -> float:
         """The current learning rate (of the first group)."""
         return self.param_groups[0]["lr"]
-
-
-def build_optimizer(
-    model: torch.nn.Module,
-    cfg: OptimizerConfig,
-    zero_group: Optional[dist.ProcessGroup],
-    decoupled: Optional[tuple[float, float]] = None,
-) -> Optimizer:
-    """AdamW; ZeRO-1 over `zero_group` (the data x context-parallel group `ProcessGroups.dp_cp`
-    under --use-distributed-optimizer; None: every rank keeps all Adam states);
-    `decoupled` = (--decoupled-lr, --decoupled-min-lr) for the embedding and output layer."""
-    return Optimizer(model, cfg, zero_group=zero_group, decoupled=decoupled)
 
 
 def build_scheduler(optimizer: Optimizer, cfg: OptimizerConfig):
@@ -217,16 +198,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pg: ProcessGroup
     Returns:
         the norm before clipping (nan/inf if any gradient is not finite; nothing is scaled).
     """
-    group, tp_rank = pg.mp, pg.tp_rank
-    grads = [p.grad for p in counted_params(params, tp_rank) if p.grad is not None]
-    device = params[0].device if params else torch.device("cpu")
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    if grads:
-        norms = torch._foreach_norm(grads, 2.0)
-        total += torch.stack([n.double() for n in norms]).square().sum()
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    norm = math.sqrt(total.item()) if math.isfinite(total.item()) else float(total.item())
+    grads = [p.grad for p in counted_params(params, pg.tp_rank) if p.grad is not None]
+    local = torch.stack(torch._foreach_norm(grads, 2.0)).double().square().sum() if grads else 0
+    total = model_parallel_sum(float(local), pg)
+    norm = math.sqrt(total) if math.isfinite(total) else total
     if max_norm > 0 and math.isfinite(norm):
         coeff = max_norm / (norm + 1e-6)
         if coeff < 1.0:

@@ -2,11 +2,10 @@
 
 Each model chunk of this pipeline rank is one `PipelineStage` of the P x V stages (rank r's
 chunk c is stage c * P + r, Megatron-LM's virtual stages), driven by `Schedule1F1B`
-(`ScheduleGPipe` with fewer micro-batches than stages) or `ScheduleInterleaved1F1B`.
-`ChunkStage` adapts Megatron's contract, `forward_step(data_iterator, model) -> (output,
-loss_func)`, `loss_func(output) -> (loss, reports)` (name -> detached [sum, count]); the last
-stage's `loss_fn` sums the reports and scales the loss (1 / M unless
---calculate-per-token-loss, times the FP16 loss scale). Stages exchange [s, b, h] activations.
+(`ScheduleGPipe` with fewer micro-batches than stages) or `ScheduleInterleaved1F1B`; stages
+exchange [s, b, h] activations. `ChunkStage` adapts Megatron's contract, `forward_step(
+data_iterator, model) -> (output, loss_func)`, `loss_func(output) -> (loss, reports)` (name ->
+detached [sum, count]).
 """
 
 from __future__ import annotations
@@ -72,12 +71,9 @@ class _Iteration:
 
 
 class ChunkStage(torch.nn.Module):
-    """One model chunk as torch's schedules call a stage's module (see the module doc):
-
-        forward(*received, microbatch) -> output
-
-    `received` is the previous stage's activation [s, b, h] (nothing on the first stage);
-    `microbatch` the micro-batch's index (a one-element tensor). The chunk is held, not
+    """One model chunk as torch's schedules call a stage's module: `forward(*received,
+    microbatch)`, `received` the previous stage's activation [s, b, h] (nothing on the first
+    stage), `microbatch` the micro-batch's index (a one-element tensor). The chunk is held, not
     registered as a submodule: this module's parameters are the chunk's less `deferred`, the
     ones a `DistributedDataParallel` around it reduces.
     """
@@ -202,8 +198,9 @@ class Pipeline:
         return schedule
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """torch's `loss_fn`: micro-batch `target`'s loss function on the loss stage's output;
-        its reports summed, the loss scaled for backward (see the module doc)."""
+        """torch's `loss_fn`: micro-batch `target`'s loss function on the loss stage's output; its
+        reports summed, the loss scaled for backward (1 / M unless --calculate-per-token-loss,
+        times the FP16 loss scale)."""
         iteration = self.chunk_stages[-1].iteration
         loss, reports = iteration.loss_funcs.pop(int(target))(output)
         iteration.add(reports)

@@ -1,13 +1,9 @@
-"""Mixed precision of the portable training path.
-
-Parameters, gradients and optimizer states stay float32; --bf16 / --fp16 run forward and
-backward under `torch.autocast`, and --fp8-format adds Transformer Engine's `fp8_autocast`
-around the forward on CUDA: the fp32 weights are the master copy, gradients reduce in fp32.
-
-Every embedding arm's input module runs in fp32 and hands layer 0 fp32 [s, b, h]; the residual
-stream is bf16 from layer 0's first add (Megatron-LM's --bf16 without
---fp32-residual-connection). Pipeline stages exchange fp32 activations (`pipeline_dtype`), so a
-pipelined run computes what a single-stage run does.
+"""Mixed precision of the portable training path: parameters, gradients and optimizer states
+stay float32; --bf16 / --fp16 run forward and backward under `torch.autocast`, and --fp8-format
+adds Transformer Engine's `fp8_autocast` around the forward on CUDA. Every input arm hands
+layer 0 fp32 [s, b, h]; the residual stream is bf16 from layer 0's first add (Megatron-LM's
+--bf16 without --fp32-residual-connection). Pipeline stages exchange fp32 activations, which
+hold both exactly, so a pipelined run computes what a single-stage run does.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ import torch
 
 from megatron_ext.config.layout import PrecisionConfig
 
-__all__ = ["autocast_factory", "pipeline_dtype"]
+__all__ = ["autocast_factory"]
 
 
 def _fp8_context(fmt: str, recipe_kwargs: dict) -> Callable[[], ContextManager]:
@@ -55,9 +51,3 @@ def autocast_factory(cfg: PrecisionConfig) -> Callable[[], ContextManager]:
                     yield
 
     return context
-
-
-def pipeline_dtype(cfg: PrecisionConfig) -> torch.dtype:
-    """dtype of activations sent between pipeline stages: float32, which holds the fp32
-    embeddings and the bf16/fp16 residual stream exactly (see the module docstring)."""
-    return torch.float32

@@ -1,8 +1,7 @@
 """One training run end to end: `pretrain(cfg, model_provider=..., forward_step=...,
-datasets_provider=...)`, Megatron-LM's entry contract. It initialises the process groups and
-runs `setup` (seeds, model chunks, engine, metrics logger, checkpoint load; here), `loop.train`
-and `loop.close`, which runs whatever happened.
-"""
+datasets_provider=...)`, Megatron-LM's entry contract: the process groups, `setup` (seeds, model
+chunks, engine, metrics logger, checkpoint load), `loop.train` and, whatever happened,
+`loop.close`."""
 
 from __future__ import annotations
 
@@ -28,14 +27,14 @@ from megatron_ext.parallel import (
     is_collective_timeout,
     set_random_seed,
 )
-from megatron_ext.training.checkpoint_manager import CheckpointManager, check_save_directory
+from megatron_ext.training.checkpoint_manager import CheckpointManager
 from megatron_ext.training.engine import Engine, Phase
 from megatron_ext.training.engine_portable import PortableEngine
 from megatron_ext.training.initialization import initialize_like_single_stage
-from megatron_ext.training.interrupt import InterruptWatch, TrainingInterrupted, interrupted_line
+from megatron_ext.training.interrupt import SignalWatch, TrainingInterrupted, interrupted_line
 from megatron_ext.training.loop import DatasetsProvider, Trainer, close, train
 from megatron_ext.training.megatron_engine import MegatronEngine
-from megatron_ext.training.metrics import flops_per_iteration, peak_tflops, run_info
+from megatron_ext.training.metrics import flops_per_iteration, run_info
 from megatron_ext.training.metrics_logger import MetricsLogger, Timers
 from megatron_ext.training.pipeline import ForwardStep
 from megatron_ext.training.run_extras import RunExtras
@@ -43,7 +42,7 @@ from megatron_ext.training.unique_params import unique_numel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pretrain", "setup", "build_engine", "CollectiveTimeoutError"]
+__all__ = ["pretrain", "setup", "CollectiveTimeoutError"]
 
 ModelProvider = Callable[[bool, bool], torch.nn.Module]
 EngineBuilder = Callable[..., Engine]
@@ -66,13 +65,6 @@ def process_start_time() -> float:
         return time.time()
 
 
-def build_engine(cfg: RunConfig, model, forward_step, pg, phase, timers) -> Engine:
-    """The engine --ddp-impl names: the portable one, or megatron-core's (CUDA)."""
-    if cfg.engine.ddp_impl == "megatron":
-        return MegatronEngine(cfg, model, forward_step, pg, phase, timers)
-    return PortableEngine(cfg, model, forward_step, pg, phase, timers)
-
-
 def setup(
     cfg: RunConfig,
     pg: ProcessGroups,
@@ -89,7 +81,6 @@ def setup(
     `(cfg, model, forward_step, pg, phase, timers) -> Engine`. `save_lock`: the run's lock of
     --save, checked before every save. Returns the trainer at the loaded iteration.
     """
-    ck = cfg.ckpt
     if not cfg.engine.cpu_accel:
         cpu_accel.disable()  # before any kernel is chosen; DataLoader workers inherit it
     random.seed(cfg.seed)
@@ -101,21 +92,15 @@ def setup(
     chunks = _build_model(cfg, pg, model_provider, full_model_provider)
     model = chunks[0] if len(chunks) == 1 else chunks
     num_params = unique_numel(torch.nn.ModuleList(chunks), pg)
-    phase, timers = Phase(), Timers.at_level(cfg.log.timing_log_level)
-    engine = (engine_builder or build_engine)(cfg, model, forward_step, pg, phase, timers)
+    phase, timers = Phase(), Timers(cfg.log.timing_log_level)
+    default = MegatronEngine if cfg.engine.ddp_impl == "megatron" else PortableEngine
+    engine = (engine_builder or default)(cfg, model, forward_step, pg, phase, timers)
     param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     extras = RunExtras(cfg, pg, param_bytes)
     model_config = getattr(chunks[0], "model_config", None)  # a LeviathanModel's ModelConfig
     gbs = cfg.batch.global_batch_size
     flops = None if model_config is None else flops_per_iteration(model_config, gbs)
-    metrics = MetricsLogger(
-        cfg,
-        is_rank0=rank0,
-        flops_per_batch=flops,
-        peak=peak_tflops(cfg.log.peak_tflops),
-        world_size=dist.get_world_size(),
-        wandb=extras.wandb,
-    )
+    metrics = MetricsLogger(cfg, flops, extras.wandb)
     trainer = Trainer(
         cfg,
         engine,
@@ -125,14 +110,12 @@ def setup(
         metrics=metrics,
         checkpoints=CheckpointManager(cfg, engine, pg, phase, save_lock),
         extras=extras,
-        flops_per_batch=flops,
     )
     if rank0:
         logger.info("model parameters: %d (%.1fM)", num_params, num_params / 1e6)
         metrics.text("config", "\n".join(f"    {k}: {v}" for k, v in cfg.args_json().items()))
-    trainer.load()
-    if ck.save:
-        check_save_directory(ck.save, num_params, with_optimizer=not ck.no_save_optim)
+    trainer.state = trainer.checkpoints.load() or trainer.state
+    trainer.checkpoints.check_space(num_params)
     return trainer
 
 
@@ -210,7 +193,8 @@ def pretrain(
     full_model_provider: Optional[Callable[[], torch.nn.Module]] = None,
     engine_builder: Optional[EngineBuilder] = None,
 ) -> str:
-    """Initialise the process groups, then `setup`, `train` and `close`.
+    """Initialise the process groups, then `setup`, `train` and `close`. --save is locked
+    (`checkpoint.lock.SaveLock`) from before anything is built to the end of the run.
 
     Args:
         cfg: the run's settings (`arguments.parse_config` builds them from the flags).
@@ -221,8 +205,7 @@ def pretrain(
             fresh PP>1 run copies (`initialization.py`).
         engine_builder: builds the training engine (see `setup`).
 
-    Returns why training stopped (`loop.train`). --save is locked (`checkpoint.lock.SaveLock`)
-    from before anything is built to the end of the run, whatever ended it.
+    Returns why training stopped (`loop.train`).
 
     Raises:
         NonFiniteError: a NaN/inf loss or grad norm stopped the run (nothing was saved).
@@ -240,7 +223,7 @@ def pretrain(
     trainer = save_lock = None
     completed, rank0 = False, dist.get_rank() == 0
     made_save = _first_missing(cfg.ckpt.save)  # before the lock creates it
-    interrupt, started = InterruptWatch(), 0
+    interrupt, started = SignalWatch(), 0
     try:
         cfg = cfg.resolve(dist.get_world_size())  # the data-parallel size of this world
         save_lock = SaveLock.acquire(cfg.ckpt.save) if cfg.ckpt.save else None

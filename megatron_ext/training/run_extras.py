@@ -1,17 +1,11 @@
 """What the training loop runs around each iteration for Megatron-LM's feature flags:
 `RunExtras` (the batch-size ramp-up's global batch, manual garbage collection, empty-cache
-levels, the torch profiler window, Weights & Biases) and the statistics it logs (parameter norm,
-zero gradients, memory in use).
-
-Their flags are fields of the configs that own them (`training/config.py`: `BatchConfig`,
-`LoggingConfig`, `MemoryConfig`).
-"""
+levels, the torch profiler window, Weights & Biases) and `memory_stats`."""
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import resource
 from typing import TYPE_CHECKING, Optional
@@ -21,7 +15,6 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
 from megatron_ext import cpu_accel
-from megatron_ext.training.unique_params import counted_params
 
 if TYPE_CHECKING:
     from megatron_ext.config.run import LoggingConfig, RunConfig
@@ -29,7 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunExtras", "memory_stats", "num_zeros_in_grad", "params_norm"]
+__all__ = ["RunExtras", "memory_stats"]
 
 
 def memory_stats() -> dict[str, float]:
@@ -49,29 +42,6 @@ def memory_stats() -> dict[str, float]:
     except (OSError, ValueError, IndexError):
         pass
     return out
-
-
-def _model_parallel_sum(values: list[float], device, group) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
-    return tensor.tolist()
-
-
-def params_norm(params, pg: ProcessGroups) -> float:
-    """L2 norm of all parameters of the model (over TP and PP; DP replicas are identical)."""
-    counted = counted_params(params, pg.tp_rank)
-    device = counted[0].device if counted else torch.device("cpu")
-    local = sum(float(p.detach().double().square().sum()) for p in counted)
-    return math.sqrt(_model_parallel_sum([local], device, pg.mp)[0])
-
-
-def num_zeros_in_grad(params, pg: ProcessGroups) -> int:
-    """Gradient entries equal to zero (after the data-parallel reduction and clipping)."""
-    counted = [p for p in counted_params(params, pg.tp_rank) if p.grad is not None]
-    device = counted[0].device if counted else torch.device("cpu")
-    local = sum(int(p.grad.numel() - torch.count_nonzero(p.grad)) for p in counted)
-    return int(_model_parallel_sum([float(local)], device, pg.mp)[0])
 
 
 class RunExtras:

@@ -1,20 +1,25 @@
-"""Counting each parameter once over the model-parallel group (TP x PP).
-
-Under tensor parallelism a parameter is either sharded (tagged `tensor_model_parallel` by
-megatron: each TP rank holds a different slice) or replicated on every TP rank; under pipeline
-parallelism with tied embeddings the last stage holds a copy of the first stage's table (tagged
-`shared`). Sums over parameters (grad norm, params norm, zeros in grads, parameter counts)
-count a parameter on a rank when `counted_once` says so, then sum over `ProcessGroups.mp`.
+"""Sums over parameters that count each parameter once over the model-parallel group (TP x PP):
+the parameter count, params norm and zeros in gradients here, the grad norm in `optimizer`. A
+parameter is a TP shard (tagged `tensor_model_parallel` by megatron), replicated on every TP
+rank, or the last stage's copy of a tied embedding (tagged `shared`).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["counted_once", "counted_params", "unique_numel"]
+__all__ = [
+    "counted_once",
+    "counted_params",
+    "model_parallel_sum",
+    "num_zeros_in_grad",
+    "params_norm",
+    "unique_numel",
+]
 
 
 def counted_once(param: torch.Tensor, tp_rank: int) -> bool:
@@ -31,12 +36,31 @@ def counted_params(params: Iterable[torch.Tensor], tp_rank: int) -> list[torch.T
     return [p for p in params if counted_once(p, tp_rank)]
 
 
-def unique_numel(model: torch.nn.Module, pg) -> int:
-    """Parameters of the whole model (TP shards summed, replicas and the tied copy once);
-    collective over `pg.mp`."""
-    total = sum(p.numel() for p in counted_params(model.parameters(), pg.tp_rank))
-    count = torch.tensor([float(total)], dtype=torch.float64)
+def model_parallel_sum(value: float, pg) -> float:
+    """`value` summed over `pg.mp` in float64 (collective)."""
+    total = torch.tensor([value], dtype=torch.float64)
     if torch.cuda.is_available():
-        count = count.cuda()
-    dist.all_reduce(count, group=pg.mp)
-    return int(count.item())
+        total = total.cuda()
+    dist.all_reduce(total, group=pg.mp)
+    return float(total.item())
+
+
+def unique_numel(model: torch.nn.Module, pg) -> int:
+    """Parameters of the whole model (TP shards summed, replicas and the tied copy once)."""
+    count = sum(p.numel() for p in counted_params(model.parameters(), pg.tp_rank))
+    return int(model_parallel_sum(count, pg))
+
+
+def params_norm(params, pg, main_of: Optional[dict[int, torch.Tensor]] = None) -> float:
+    """L2 norm of the model's parameters (DP replicas are identical); a parameter with a float32
+    master copy in `main_of` (id(param) -> copy) counts the copy."""
+    main_of = main_of or {}
+    counted = counted_params(params, pg.tp_rank)
+    local = sum(float(main_of.get(id(p), p).detach().double().square().sum()) for p in counted)
+    return math.sqrt(model_parallel_sum(local, pg))
+
+
+def num_zeros_in_grad(params, pg) -> int:
+    """Gradient entries equal to zero (after the data-parallel reduction and clipping)."""
+    grads = [p.grad for p in counted_params(params, pg.tp_rank) if p.grad is not None]
+    return int(model_parallel_sum(sum(int(g.numel() - torch.count_nonzero(g)) for g in grads), pg))

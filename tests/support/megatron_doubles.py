@@ -30,13 +30,7 @@ import megatron_ext.megatron_import  # noqa: F401
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import (
-    OptimizerConfig,
-    _get_param_groups,
-    get_standard_config_overrides,
-)
-from megatron.core.transformer.module import Float16Module
+from megatron.core.optimizer import _get_param_groups
 
 from megatron_ext.training.megatron_engine import MegatronParts
 from megatron_ext.training.unique_params import counted_once
@@ -267,10 +261,6 @@ def recording_parts(log: CallLog):
 
     return MegatronParts(
         ddp=ddp,
-        ddp_config=DistributedDataParallelConfig,
-        float16_module=Float16Module,
-        optimizer_config=OptimizerConfig,
-        config_overrides=get_standard_config_overrides,
         get_optimizer=get_optimizer,
         forward_backward=recording_forward_backward(log),
         finalize_model_grads=recording_finalize_model_grads(log),

@@ -80,7 +80,7 @@ def main(
             return output, loss_func
 
     engine = PortableEngine(
-        cfg, chunks if chunks_per_rank > 1 else chunks[0], step_fn, pg, Phase(), Timers(False)
+        cfg, chunks if chunks_per_rank > 1 else chunks[0], step_fn, pg, Phase(), Timers(0)
     )
     samples = RandomSamples(global_batch * (ITERS + 1))
 

@@ -72,8 +72,8 @@ def _check_decoupled_lr_and_norms():
     from megatron_ext.config.run import OptimizerConfig
     from megatron_ext.models import build_model
     from megatron_ext.parallel import ProcessGroups
-    from megatron_ext.training.optimizer import build_optimizer, build_scheduler
-    from megatron_ext.training.run_extras import num_zeros_in_grad, params_norm
+    from megatron_ext.training.optimizer import Optimizer, build_scheduler
+    from megatron_ext.training.unique_params import num_zeros_in_grad, params_norm
 
     torch.manual_seed(0)
     model = build_model(_tiny(), parallel=ParallelConfig(), precision=PrecisionConfig())
@@ -81,7 +81,7 @@ def _check_decoupled_lr_and_norms():
         lr=1.5e-4, min_lr=1e-5, lr_decay_style="cosine", lr_warmup_steps=40, lr_decay_steps=400,
         start_weight_decay=0.1, end_weight_decay=0.1, wd_incr_steps=400,
     )  # fmt: skip
-    optimizer = build_optimizer(model, cfg, zero_group=None, decoupled=(5e-4, 4.5e-5))
+    optimizer = Optimizer(model, cfg, zero_group=None, decoupled=(5e-4, 4.5e-5))
     names = {id(p): n for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         decoupled = group["name"].startswith("decoupled")

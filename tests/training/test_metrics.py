@@ -76,7 +76,7 @@ def test_timers_levels():
 
     from megatron_ext.training.metrics_logger import Timers
 
-    off, level1, level2 = Timers.at_level(0), Timers.at_level(1), Timers.at_level(2)
+    off, level1, level2 = Timers(0), Timers(1), Timers(2)
     for timers in (off, level1, level2):
         timers.mark()
         with timers.span("inner"):

@@ -1,6 +1,6 @@
 """The one "count each parameter once over the model-parallel group" predicate, used by the
-grad norm (optimizer.clip_grad_norm), params norm and zeros in grads (run_extras) and
-the parameter count (run.setup)."""
+grad norm (optimizer.clip_grad_norm), the params norm, zeros in grads and the parameter count
+(unique_params)."""
 
 from __future__ import annotations
 
