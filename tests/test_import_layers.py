@@ -496,7 +496,7 @@ def test_function_local_import_check_sees_what_it_must(tmp_path):
 
 # Issue 57 asks for at most 40 function-local imports in the whole package (optional
 # dependencies, deferred slow imports, each with its reason); this bound may only go down.
-MAX_FUNCTION_LOCAL_IMPORTS = 54
+MAX_FUNCTION_LOCAL_IMPORTS = 27
 
 
 def test_function_local_imports_are_few():
