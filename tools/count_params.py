@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""Parameter table of every arm x scale x vocabulary, from the configuration alone.
-
-A thin script over `megatron_ext.models.param_table`, which is also run as
-`python -m megatron_ext.models.param_table` or the `leviathan-count-params` console script.
-"""
+"""Parameter table of every arm x scale x vocabulary, from the configuration alone."""
 
 import sys
 

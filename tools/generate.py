@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""Generate text from a training checkpoint (any arm) with a KV cache.
-
-A thin script over `megatron_ext.inference.generate`, which is also run as
-`python -m megatron_ext.inference.generate` or the `leviathan-generate` console script.
-"""
+"""Generate text from a training checkpoint (any arm) with a KV cache."""
 
 import sys
 

@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""The GPU check: correctness of the GPU paths, then 1.2B throughput, into one JSON file.
-
-A thin script over `megatron_ext.gpu_check`, which is also run as
-`python -m megatron_ext.gpu_check` or the `leviathan-gpu-check` console script.
-"""
+"""The GPU check: correctness of the GPU paths, then 1.2B throughput, into one JSON file."""
 
 import sys
 

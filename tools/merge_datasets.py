@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""Concatenate indexed datasets (e.g. per-shard preprocess outputs) and sum their token counts.
-
-A thin script over `megatron_ext.data.merge_datasets`, which is also run as
-`python -m megatron_ext.data.merge_datasets` or the `leviathan-merge-datasets` console script.
-"""
+"""Concatenate indexed datasets (e.g. per-shard preprocess outputs) and sum their token counts."""
 
 import sys
 

@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""Tokenise jsonl corpora into Megatron-Core indexed datasets (Megatron-LM's flags).
-
-A thin script over `megatron_ext.data.preprocess_data`, which is also run as
-`python -m megatron_ext.data.preprocess_data` or the `leviathan-preprocess-data` console script.
-"""
+"""Tokenise jsonl corpora into Megatron-Core indexed datasets (Megatron-LM's flags)."""
 
 import sys
 

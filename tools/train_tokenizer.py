@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""Train a SentencePiece tokenizer (BPE by default, unigram by flag) on jsonl corpora.
-
-A thin script over `megatron_ext.data.train_tokenizer`, which is also run as
-`python -m megatron_ext.data.train_tokenizer` or the `leviathan-train-tokenizer` console script.
-"""
+"""Train a SentencePiece tokenizer (BPE by default, unigram by flag) on jsonl corpora."""
 
 import sys
 
