@@ -52,8 +52,7 @@ CONFIGS = [
     ("lev, PP=2 x 2 chunks", 2, ["--embedding-type", "lev", "--pipeline-model-parallel-size", "2",
                                  "--num-virtual-stages-per-pipeline-rank", "2"]),
 ]  # fmt: skip
-BASELINE = " @baseline"
-"""Suffix of the label of a configuration run from --baseline-tree."""
+BASELINE = " @baseline"  # the label suffix of a configuration run from --baseline-tree
 
 
 def _started(

@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """Convert checkpoints: Hugging Face export/import, Megatron-LM export, offline resharding."""
 
-import sys
-
 from megatron_ext.conversion.convert_checkpoint import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

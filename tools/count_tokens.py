@@ -2,9 +2,7 @@
 """Write the token counts (and the tokenizer record) of existing datasets, e.g. made by
 Megatron-LM's preprocess_data.py, so that frequency evaluation works on them."""
 
-import sys
-
 from megatron_ext.data.count_tokens import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """Evaluate training checkpoints: the paper's tables and figures for your own runs."""
 
-import sys
-
 from megatron_ext.evaluation.evaluate import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

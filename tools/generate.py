@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """Generate text from a training checkpoint (any arm) with a KV cache."""
 
-import sys
-
 from megatron_ext.inference.generate import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """The GPU check: correctness of the GPU paths, then 1.2B throughput, into one JSON file."""
 
-import sys
-
 from megatron_ext.gpu_check import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

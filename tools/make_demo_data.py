@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import re
-import sys
 from typing import Iterator, Optional, Sequence
 
 from megatron_ext._paths import atomic_write
@@ -260,4 +259,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

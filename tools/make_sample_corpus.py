@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """Write a small deterministic Pile-format corpus (jsonl.zst) for demos and tests."""
 
-import sys
-
 from megatron_ext.data.make_sample_corpus import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """Concatenate indexed datasets (e.g. per-shard preprocess outputs) and sum their token counts."""
 
-import sys
-
 from megatron_ext.data.merge_datasets import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """Tokenise jsonl corpora into Megatron-Core indexed datasets (Megatron-LM's flags)."""
 
-import sys
-
 from megatron_ext.data.preprocess_data import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -4,9 +4,7 @@ several arms -> evaluation -> report -> Hugging Face export (megatron_ext/quicks
     python tools/quickstart.py --out runs/quickstart                # TIED vs LEV, 5-8 minutes
 """
 
-import sys
-
 from megatron_ext.quickstart import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

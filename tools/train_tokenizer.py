@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """Train a SentencePiece tokenizer (BPE by default, unigram by flag) on jsonl corpora."""
 
-import sys
-
 from megatron_ext.data.train_tokenizer import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
