@@ -1,10 +1,7 @@
-"""What checkpoint digests add to a save: one rank's share of the 1.2B model (TP=2), saved by
-the project's `save_checkpoint` in three variants, interleaved, in the same process:
-`before` (no digests, torch's zip CRC32: `digests=False`), `digests` (every file hashed, no
-CRC32: the save now) and `no_crc` (neither: isolates the hashing). Prints each save's seconds,
-the medians, the ratios digests / before and digests / no_crc, and the time of
-`verify_checkpoint`. Needs about 8 GB of memory and 7.5 GB of free disk (results:
-benchmarks/RESULTS.md); `--scale 0.05` is a smoke test:
+"""What checkpoint digests add to a save: one TP=2 rank's share of the 1.2B model saved by
+`save_checkpoint` in three variants, interleaved: `before` (no digests, torch's zip CRC32),
+`digests` (the save now) and `no_crc` (neither: isolates the hashing); then the time of
+`verify_checkpoint`. About 8 GB of memory and 7.5 GB of disk; `--scale 0.05` is a smoke test.
 
     python benchmarks/bench_checkpoint_digests.py --dir /path/on/the/checkpoint/disk
 """
@@ -26,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope).*")
 
+from benchmarks.harness import rounds  # noqa: E402
 from megatron_ext.checkpoint.digests import verify_checkpoint  # noqa: E402
 from megatron_ext.checkpoint.format import TrainState, checkpoint_dir, save_checkpoint  # noqa: E402
 from megatron_ext.config.model import MODEL_SIZE_PRESETS  # noqa: E402
@@ -60,17 +58,10 @@ def rank_shapes(scale: float) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class _Model(torch.nn.Module):
+def _model(shapes: dict[str, tuple[int, ...]]) -> torch.nn.Module:
     """Parameters only (what a save reads from the model)."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        super().__init__()
-        self.params = torch.nn.ParameterDict(
-            {
-                name.replace(".", "_"): torch.nn.Parameter(torch.empty(shape).normal_())
-                for name, shape in shapes.items()
-            }
-        )
+    params = {k.replace(".", "_"): torch.empty(v).normal_() for k, v in shapes.items()}
+    return torch.nn.ParameterDict(params)
 
 
 class _Adam:
@@ -103,7 +94,7 @@ def main() -> None:
     shapes = rank_shapes(args.scale)
     torch.manual_seed(0)
     started = time.time()
-    model = _Model(shapes)
+    model = _model(shapes)
     optimizer = _Adam(model)
     params = sum(p.numel() for p in model.parameters())
     gib = 3 * 4 * params / 2**30
@@ -114,39 +105,38 @@ def main() -> None:
     )
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_digests_"))
     variants = ("before", "digests", "no_crc")
-    tiny = _Model({"warm_up": (8,)})  # one-off costs of a first save, untimed
+    tiny = _model({"warm_up": (8,)})  # one-off costs of a first save, untimed
     for variant in variants:
         _save(root / "warm_up", variant, tiny, None, pg, 0)
     shutil.rmtree(root / "warm_up")
-    wall: dict[str, list[float]] = {v: [] for v in variants}
-    cpu: dict[str, list[float]] = {v: [] for v in variants}
     verify_seconds = []
-    try:
-        for rep in range(args.reps):
-            # The order rotates, so that a drift of the disk's speed during the run does not
-            # favour one variant.
-            for variant in variants[rep % 3 :] + variants[: rep % 3]:
-                save = root / variant
-                shutil.rmtree(save, ignore_errors=True)
-                os.sync()  # start from a clean page cache: no other write-back in the timing
-                begin, begin_cpu = time.perf_counter(), time.process_time()
-                _save(save, variant, model, optimizer, pg, rep + 1)
-                wall[variant].append(time.perf_counter() - begin)
-                cpu[variant].append(time.process_time() - begin_cpu)
-                print(
-                    f"rep {rep + 1} {variant:>8}: save {wall[variant][-1]:6.2f} s "
-                    f"(CPU {cpu[variant][-1]:5.2f} s)",
-                    flush=True,
-                )
-                if variant == "digests":
-                    begin = time.perf_counter()
-                    verified = verify_checkpoint(checkpoint_dir(str(save), rep + 1))
-                    verify_seconds.append(time.perf_counter() - begin)
-                    assert verified.ok, verified.problems
-                shutil.rmtree(save)
+
+    def timed_save(variant: str):
+        def run(rep: int) -> tuple[float, float]:
+            save = root / variant
+            shutil.rmtree(save, ignore_errors=True)
+            os.sync()  # start from a clean page cache: no other write-back in the timing
+            begin, begin_cpu = time.perf_counter(), time.process_time()
+            _save(save, variant, model, optimizer, pg, rep + 1)
+            wall, cpu = time.perf_counter() - begin, time.process_time() - begin_cpu
+            print(f"rep {rep + 1} {variant:>8}: save {wall:6.2f} s (CPU {cpu:5.2f} s)", flush=True)
+            if variant == "digests":
+                begin = time.perf_counter()
+                verified = verify_checkpoint(checkpoint_dir(str(save), rep + 1))
+                verify_seconds.append(time.perf_counter() - begin)
+                assert verified.ok, verified.problems
+            shutil.rmtree(save)
+            return wall, cpu
+
+        return run
+
+    try:  # rotating: a drift of the disk's speed during the run favours no variant
+        runs = rounds({v: timed_save(v) for v in variants}, args.reps, rotate=True)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+    wall = {v: [w for w, _ in runs[v]] for v in variants}
+    cpu = {v: [c for _, c in runs[v]] for v in variants}
     med = {v: statistics.median(wall[v]) for v in variants}
     med_cpu = {v: statistics.median(cpu[v]) for v in variants}
     print(

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Evaluation throughput against the training forward pass, per arm, measured in one run.
 
 Per arm: the training forward (a), `ModelScorer`'s evaluation forward (b) and evaluation at
@@ -22,63 +21,36 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (  # noqa: E402
+    add_defaults,
     add_timing_flags,
     apply_timing_flags,
+    comparison,
     interleave,
-    median_rate,
-    median_seconds,
-    ratio_line,
+    repeat_seconds,
 )
 
 
-def _model(arm: str, args, pg):
-    from megatron_ext.config.arguments import parse_config
-    from megatron_ext.config.data import padded_vocab_size
-    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
-    from megatron_ext.models import build_model
+def _model(args, pg, arm: str = "lev", vocab_size: int | None = None):
+    """(config, model) of `arm` at the benchmark's shape, LEV with its evaluation table."""
+    from benchmarks.hf_peer import bench_model
 
-    run = parse_config([
-        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-        "--num-attention-heads", str(args.num_attention_heads),
-        "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-        "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", str(args.vocab_size), "--embedding-type", arm, "--lev-eval-table",
-    ], world_size=1)  # fmt: skip
-    config = run.model.replace(vocab_size=padded_vocab_size(args.vocab_size))
-    model = build_model(config, parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg)
-    if torch.cuda.is_available():
-        model = model.cuda()
-    return model, config
+    return bench_model(
+        pg, arm, eval_table=True, vocab_size=vocab_size or args.vocab_size,
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+    )  # fmt: skip
 
 
 def bench_vs_transformers(args, pg, clock) -> None:
-    import dataclasses
-
     import numpy as np
     import torch.nn.functional as F
 
     from benchmarks.hf_peer import hf_export
-    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
-    from megatron_ext.config.model import ModelConfig
     from megatron_ext.evaluation.perplexity import LossTotals, pack_stream
     from megatron_ext.evaluation.scoring import ModelScorer, score_batches
-    from megatron_ext.models import build_model
 
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=args.vocab_size,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        seq_length=args.seq_length,
-        embedding=dict(embedding_type="lev"),
-    )
-    lev = dataclasses.replace(config.embedding.lev, eval_table=True)  # as load_for_evaluation
-    config = config.replace(embedding=dataclasses.replace(config.embedding, lev=lev))
-    model = build_model(
-        config, parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg
-    ).eval()
-    hf = hf_export(model, config, tied=config.embedding.tied)
+    config, model = _model(args, pg)
+    hf = hf_export(model, config)
     scorer = ModelScorer(model, config.hidden_size, args.vocab_size, pg)
     rng = np.random.default_rng(0)
     documents = [
@@ -107,9 +79,10 @@ def bench_vs_transformers(args, pg, clock) -> None:
 
     ours(), theirs()  # warm-up (LEV eval table built here)
     runs = interleave(args.pairs, ours, theirs, clock)
-    ratios = [t_theirs / t_ours for _, t_ours, _, t_theirs in runs]
-    rates = [targets / t_ours for _, t_ours, _, _ in runs]
-    rates_peer = [targets / t_theirs for _, _, _, t_theirs in runs]
+    rates = {
+        "ours (score_batches)": [targets / t for _, t, _, _ in runs],
+        "transformers forward + CE": [targets / t for _, _, _, t in runs],
+    }
     losses = [(a, b) for a, _, b, _ in runs]
     same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in losses)
     print(
@@ -117,28 +90,22 @@ def bench_vs_transformers(args, pg, clock) -> None:
         f"{args.seq_length} ({targets} targets), {args.num_layers} layers x D "
         f"{args.hidden_size}, V {args.vocab_size}, {args.pairs} pairs, clock {args.clock}, "
         f"{torch.get_num_threads()} threads:\n"
-        f"    ours (score_batches)      {median_rate(rates, 8, 0)}\n"
-        f"    transformers forward + CE {median_rate(rates_peer, 8, 0)}\n"
-        + ratio_line(ratios, "   ")
-        + f"(loss {losses[0][0]:.6f} vs {losses[0][1]:.6f}, equal to rel 1e-5: {same})"
+        + comparison(
+            rates,
+            [t_theirs / t_ours for _, t_ours, _, t_theirs in runs],
+            f"   (loss {losses[0][0]:.6f} vs {losses[0][1]:.6f}, equal to rel 1e-5: {same})",
+            8,
+            0,
+        )
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arms", nargs="+", default=["tied", "lev"])
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--eval-batch-multiplier", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--peer-micro-batch", type=int, default=16)
-    parser.add_argument("--peer-documents", type=int, default=48)
-    parser.add_argument("--pairs", type=int, default=3)
+    add_defaults(parser, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256)
+    add_defaults(parser, vocab_size=32000, micro_batch_size=4, eval_batch_multiplier=4, repeats=3)
+    add_defaults(parser, warmup=1, peer_micro_batch=16, peer_documents=48, pairs=3)
     parser.add_argument("--skip-arms", action="store_true", help="only the transformers row")
     parser.add_argument("--skip-transformers", action="store_true")
     add_timing_flags(
@@ -151,6 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     clock = apply_timing_flags(parser, args)
 
+    from megatron_ext.config.data import padded_vocab_size
     from megatron_ext.evaluation.scoring import ModelScorer
     from megatron_ext.inference.loading import init_inference_parallel
 
@@ -169,7 +137,8 @@ def main() -> None:
     wide = f"eval x{args.eval_batch_multiplier} batch tok/s"
     print(f"{'arm':6} {'train fwd tok/s':>16} {'eval tok/s':>12} {'ratio':>7} {wide:>22} ratio")
     for arm in args.arms:
-        model, config = _model(arm, args, pg)
+        config, model = _model(args, pg, arm, padded_vocab_size(args.vocab_size))
+        model = model.to(device)
         scorer = ModelScorer(model, config.hidden_size, args.vocab_size, pg)
 
         def train_forward():
@@ -180,10 +149,12 @@ def main() -> None:
             model.eval()
             scorer.token_losses(inputs[:n], labels[:n], positions[:n])
 
-        cuda = torch.cuda.is_available()
-        train = b * s / median_seconds(train_forward, args.repeats, args.warmup, cuda)
-        same = b * s / median_seconds(lambda: eval_forward(b), args.repeats, args.warmup, cuda)
-        large = big * s / median_seconds(lambda: eval_forward(big), args.repeats, args.warmup, cuda)
+        def seconds(fn) -> float:
+            return repeat_seconds(fn, args.repeats, args.warmup, cuda=device == "cuda")
+
+        train = b * s / seconds(train_forward)
+        same = b * s / seconds(lambda: eval_forward(b))
+        large = big * s / seconds(lambda: eval_forward(big))
         print(f"{arm:6} {train:16.0f} {same:12.0f} {same / train:6.2f}x "
               f"{large:22.0f} {large / train:6.2f}x")  # fmt: skip
 

@@ -1,13 +1,11 @@
-"""Generation and export speed, each measured against a baseline of this run.
+"""Generation and export speed, each against a baseline of this run (compare the ratios):
 
-  (a) `generate` with the KV cache / recomputing the whole prefix at every step (>> 1)
-  (b) materialising the LEV table at V = --table-vocab, D = --table-hidden / writing that
-      table as safetensors (target <= 1)
-  (c) `generate` (as tools/generate.py) / transformers' `generate` on our HF export, at each
-      of --peer-batches, --pairs interleaved runs: min and median ratio, and whether every
-      pair gave the same tokens (target >= 1.2 at batch 1)
-
-Compare the ratios, not the seconds. Run: `python benchmarks/bench_generate.py`.
+(a) `generate` with the KV cache / recomputing the whole prefix at every step (>> 1)
+(b) materialising the LEV table at V = --table-vocab, D = --table-hidden / writing that
+    table as safetensors (target <= 1)
+(c) `generate` (as tools/generate.py) / transformers' `generate` on our HF export, at each
+    of --peer-batches, --pairs interleaved runs: min and median ratio, and whether every
+    pair gave the same tokens (target >= 1.2 at batch 1)
 """
 
 from __future__ import annotations
@@ -16,61 +14,43 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-# The repository root, so that `benchmarks.hf_peer` imports when this file runs as a script.
+# The repository root, so that `benchmarks.*` imports when this file runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (  # noqa: E402
+    add_defaults,
     add_timing_flags,
     apply_timing_flags,
-    median_rate,
-    ratio_line,
+    comparison,
+    interleave,
     timed,
 )
 
-_clock = time.perf_counter
-"""--clock's function (`harness.CLOCKS`)."""
 
+def _bench_model(args, pg):
+    from benchmarks.hf_peer import bench_model
 
-def _timed(fn):
-    return timed(fn, _clock)
-
-
-def _lev_model(args, pg):
-    """(config, model) of the benchmarked LEV model, seeded, in eval mode."""
-    from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
-    from megatron_ext.config.model import ModelConfig
-    from megatron_ext.models import build_model
-
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=args.vocab,
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        seq_length=args.prompt_tokens + args.new_tokens,
-        embedding=dict(embedding_type="lev"),
-    )
-    return config, build_model(
-        config, parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg
-    ).eval()
+    return bench_model(
+        pg, vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,
+        num_attention_heads=args.heads, seq_length=args.prompt_tokens + args.new_tokens,
+    )  # fmt: skip
 
 
 def bench_kv_cache(args, pg) -> None:
     from megatron_ext.inference.generation import SamplingConfig, generate
 
-    _, model = _lev_model(args, pg)
+    _, model = _bench_model(args, pg)
     prompts = torch.randint(0, args.vocab, (args.batch, args.prompt_tokens)).tolist()
     results = {}
     for use_cache in (True, False):
         cfg = SamplingConfig(max_new_tokens=args.new_tokens, use_cache=use_cache)
         warm_up = SamplingConfig(max_new_tokens=4, use_cache=use_cache)
         generate(model, prompts, warm_up, tp_group=pg.tp)
-        out, seconds = _timed(lambda: generate(model, prompts, cfg, tp_group=pg.tp))
+        out, seconds = timed(lambda: generate(model, prompts, cfg, tp_group=pg.tp), args.clock_fn)
         results[use_cache] = (out, sum(len(o) for o in out) / seconds, seconds)
     same = results[True][0] == results[False][0]
     print(
@@ -86,9 +66,9 @@ def bench_vs_transformers(args, pg) -> None:
     from benchmarks.hf_peer import hf_export
     from megatron_ext.inference.generation import SamplingConfig, decode_step_for, generate
 
-    config, model = _lev_model(args, pg)
+    config, model = _bench_model(args, pg)
     step = args.step if args.step != "auto" else decode_step_for(model)[0]
-    hf = hf_export(model, config, tied=config.embedding.tied)
+    hf = hf_export(model, config)
     n = args.new_tokens
     for batch in args.peer_batches:
         prompts = torch.randint(0, args.vocab, (batch, args.prompt_tokens))
@@ -106,21 +86,16 @@ def bench_vs_transformers(args, pg) -> None:
             return out[:, args.prompt_tokens :].tolist()
 
         ours(), theirs()  # warm-up
-        ratios, same = [], True
-        rates = {"ours": [], "theirs": []}
-        for _ in range(args.pairs):
-            a, t_ours = _timed(ours)
-            b, t_theirs = _timed(theirs)
-            same &= a == b
-            rates["ours"].append(batch * n / t_ours)
-            rates["theirs"].append(batch * n / t_theirs)
-            ratios.append(t_theirs / t_ours)
+        runs = interleave(args.pairs, ours, theirs, args.clock_fn)
+        same = all(a == b for a, _, b, _ in runs)
+        rates = {
+            f"ours ({step} step)": [batch * n / t for _, t, _, _ in runs],
+            "transformers generate ": [batch * n / t for _, _, _, t in runs],
+        }
         print(
             f"(c) greedy, {n} new tokens, prompt {args.prompt_tokens}, batch {batch}, "
             f"{args.layers} layers x D {args.hidden}, V {args.vocab}, {args.pairs} pairs:\n"
-            f"    {'ours (' + step + ' step)':23s}{median_rate(rates['ours'], 8, 1)}\n"
-            f"    transformers generate  {median_rate(rates['theirs'], 8, 1)}\n"
-            + ratio_line(ratios, f"   (same tokens: {same})")
+            + comparison(rates, [t / o for _, o, _, t in runs], f"   (same tokens: {same})", 8, 1)
         )
 
 
@@ -134,16 +109,15 @@ def bench_table(args) -> None:
     from megatron_ext.lev import LEVConfig, LEVEmbedding
 
     torch.manual_seed(0)
-    lev_config = LEVConfig(vocab_size=args.table_vocab, hidden_size=args.table_hidden)
+    V, D = args.table_vocab, args.table_hidden
+    lev_config = LEVConfig(vocab_size=V, hidden_size=D)
     tconfig = TransformerConfig(
-        num_layers=1,
-        hidden_size=args.table_hidden,
-        num_attention_heads=16,
-        use_cpu_initialization=True,
+        num_layers=1, hidden_size=D, num_attention_heads=16, use_cpu_initialization=True
     )
     module = LEVEmbedding(lev_config, config=tconfig)
-    table, build = _timed(
-        lambda: materialize_module_table(module, compute_dtype=torch.float32, progress=False)
+    table, build = timed(
+        lambda: materialize_module_table(module, compute_dtype=torch.float32, progress=False),
+        args.clock_fn,
     )
     with tempfile.TemporaryDirectory(dir=args.tmp_dir) as tmp:
         path = os.path.join(tmp, "embed.safetensors")
@@ -153,13 +127,13 @@ def bench_table(args) -> None:
             with open(path, "rb+") as handle:
                 os.fsync(handle.fileno())
 
-        _, written = _timed(write)
+        _, written = timed(write, args.clock_fn)
         size = os.path.getsize(path)
     print(
-        f"(b) LEV table V {args.table_vocab} x D {args.table_hidden} "
+        f"(b) LEV table V {V} x D {D} "
         f"(k={lev_config.num_digits}, b={lev_config.base}, h={lev_config.num_heads}, "
         f"r={lev_config.rank}, d_seed={lev_config.seed_dim}):\n"
-        f"    materialise {build:6.1f} s ({args.table_vocab / build:,.0f} ids/s)\n"
+        f"    materialise {build:6.1f} s ({V / build:,.0f} ids/s)\n"
         f"    write       {written:6.1f} s ({size / 2**30:.2f} GiB, "
         f"{size / 2**20 / written:,.0f} MiB/s)\n"
         f"    ratio materialise / write {build / written:.2f}   (target <= 1)"
@@ -168,17 +142,9 @@ def bench_table(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_defaults(p, new_tokens=256, prompt_tokens=32, batch=1, layers=4, hidden=256, heads=4)
     p.add_argument("--peer-batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--table-vocab", type=int, default=200_064)
-    p.add_argument("--table-hidden", type=int, default=2048)
+    add_defaults(p, vocab=8192, pairs=3, table_vocab=200_064, table_hidden=2048)
     p.add_argument("--tmp-dir", default=None, help="where the table file is written")
     p.add_argument(
         "--step",
@@ -196,8 +162,7 @@ def main() -> None:
         "torch threads (default: torch's)",
     )
     args = p.parse_args()
-    global _clock
-    _clock = apply_timing_flags(p, args)
+    apply_timing_flags(p, args)
 
     from megatron_ext.inference.loading import init_inference_parallel
 

@@ -12,17 +12,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-# The repository root, so that `tests.support.memory` imports when this file runs as a script.
+# The repository root, so that `benchmarks.*` and `tests.support.memory` import when this file
+# runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import megatron_ext.megatron_import  # noqa: E402, F401
+
+from megatron.core.tensor_parallel import VocabParallelEmbedding  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+from benchmarks.harness import (  # noqa: E402
+    add_defaults,
+    add_timing_flags,
+    apply_timing_flags,
+    repeat_seconds,
+)
+from benchmarks.plain_gpt import Block  # noqa: E402
+from megatron_ext.inference.loading import init_inference_parallel  # noqa: E402
+from megatron_ext.lev import LEVConfig, LEVEmbedding  # noqa: E402
+from tests.support.memory import saved_tensor_bytes  # noqa: E402
 
 
 def zipf_ids(vocab: int, n: int, exponent: float, seed: int) -> torch.Tensor:
@@ -32,21 +45,6 @@ def zipf_ids(vocab: int, n: int, exponent: float, seed: int) -> torch.Tensor:
     weights = torch.arange(1, vocab + 1, dtype=torch.float64).pow(-exponent)
     ranks = torch.multinomial(weights / weights.sum(), n, replacement=True, generator=gen)
     return torch.randperm(vocab, generator=gen)[ranks]
-
-
-# The clock of every timing: wall time, or this process's CPU time (--clock cpu).
-CLOCK = time.perf_counter
-
-
-def best_time(fn, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    best = math.inf
-    for _ in range(reps):
-        start = CLOCK()
-        fn()
-        best = min(best, CLOCK() - start)
-    return best
 
 
 def fwd_bwd(module, inputs):
@@ -59,63 +57,12 @@ def fwd_bwd(module, inputs):
     return run
 
 
-class LlamaLayer(torch.nn.Module):
-    """One pre-norm LLaMA block: RMSNorm, rotary causal attention, RMSNorm, SwiGLU. [s, b, D]."""
-
-    def __init__(self, hidden: int, heads: int, ffn: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1 = torch.nn.RMSNorm(hidden, eps=1e-5)
-        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
-        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
-        self.norm2 = torch.nn.RMSNorm(hidden, eps=1e-5)
-        self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False)
-        self.down = torch.nn.Linear(ffn, hidden, bias=False)
-
-    def _rotary(self, x):  # x [b, heads, s, hd]
-        s, hd = x.shape[-2], x.shape[-1]
-        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
-        cos, sin = ang.cos(), ang.sin()
-        x1, x2 = x[..., ::2], x[..., 1::2]
-        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
-
-    def forward(self, x):
-        s, b, hidden = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(s, b, 3, self.heads, -1).permute(2, 1, 3, 0, 4)
-        att = F.scaled_dot_product_attention(self._rotary(q), self._rotary(k), v, is_causal=True)
-        x = x + self.proj(att.permute(2, 0, 1, 3).reshape(s, b, hidden))
-        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
-
-
-def init_single_process():
-    """A one-rank gloo world; returns its `ProcessGroups`."""
-    from megatron_ext.launch import find_free_port
-    from megatron_ext.parallel import initialize_parallel
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(find_free_port())
-    return initialize_parallel(backend="gloo")
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[50_000, 200_000])
-    parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--zipf-exponent", type=float, default=1.1)
-    parser.add_argument("--naive-tokens", type=int, default=1024)
-    parser.add_argument("--reps", type=int, default=2)
+    add_defaults(parser, hidden_size=2048, tokens=8192, seq_length=2048, zipf_exponent=1.1)
+    add_defaults(parser, naive_tokens=1024, reps=2)
     parser.add_argument("--skip-llama", action="store_true", help="skip (b) (slowest part)")
-    parser.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall time, or the process's CPU time (steadier on a shared machine; run it with "
-        "OMP_NUM_THREADS=1, else idle threads' spin-waiting counts too)",
-    )
     parser.add_argument(
         "--kernels",
         nargs="+",
@@ -123,108 +70,102 @@ def main() -> None:
         choices=["auto", "cpu", "torch", "triton"],
         help="--lev-kernel values to time for (a)/(b); the first one is used for (c) and (d)",
     )
+    add_timing_flags(
+        parser,
+        "wall time, or the process's CPU time (steadier on a shared machine; run it with "
+        "--threads 1, else idle threads' spin-waiting counts too)",
+    )
     args = parser.parse_args()
-    global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    apply_timing_flags(parser, args)
+    return args
 
-    import megatron_ext.megatron_import  # noqa: F401
 
-    from megatron.core.tensor_parallel import VocabParallelEmbedding
-    from megatron.core.transformer import TransformerConfig
+def bench_vocab(args, vocab: int, tc, pg, llama_time) -> None:
+    """(a)-(d) at vocabulary `vocab` (with `llama_time`, the LLaMA layer's seconds: (b))."""
 
-    from megatron_ext.lev import LEVConfig, LEVEmbedding
-    from tests.support.memory import saved_tensor_bytes
+    def best(module, inputs) -> float:
+        return repeat_seconds(fwd_bwd(module, inputs), args.reps, 1, args.clock_fn, reduce=min)
 
-    pg = init_single_process()
-    torch.manual_seed(0)
     D, N = args.hidden_size, args.tokens
-    b, s = N // args.seq_length, args.seq_length
+    ids = zipf_ids(vocab, N, args.zipf_exponent, seed=vocab).view(N // args.seq_length, -1)
+    cfg = LEVConfig(vocab_size=vocab, hidden_size=D, kernel=args.kernels[0])
+    lev = LEVEmbedding(cfg, config=tc)
+    kernel_times = {}
+    for kernel in args.kernels:
+        lev.lev_config = dataclasses.replace(cfg, kernel=kernel)
+        kernel_times[kernel] = best(lev, ids)
+    t_lev = kernel_times[args.kernels[0]]
+    table = VocabParallelEmbedding(
+        vocab, D, init_method=torch.nn.init.normal_, config=tc, tp_group=pg.tp
+    )
+    t_table = best(table, ids)
+    del table
+    lev.lev_config = cfg
+    saved, out = saved_tensor_bytes(functools.partial(lev, ids), exclude=lev.parameters())
+    out_bytes = out.numel() * out.element_size()
+    del out
+    sub = ids.reshape(-1)[: args.naive_tokens].view(1, -1)
+    times = {}
+    for name, fused, dedup in [
+        ("naive", False, False),
+        ("dedup", False, True),
+        ("fused", True, False),
+        ("fused+dedup", True, True),
+    ]:
+        kernel = cfg.kernel if fused else "reference"
+        lev.lev_config = dataclasses.replace(cfg, kernel=kernel, dedup=dedup)
+        times[name] = best(lev, sub)
+    print(
+        f"\nV={vocab} (b={cfg.base}, {cfg.num_parameters() / 1e6:.2f}M LEV params): "
+        f"{ids.unique().numel()} distinct ids in {N} tokens",
+        flush=True,
+    )
+    print(
+        "  LEV fwd+bwd "
+        + ", ".join(f"{s:.3f} s [{k}]" for k, s in kernel_times.items())
+        + f"; VocabParallelEmbedding fwd+bwd {t_table:.3f} s"
+    )
+    print(f"  (a) LEV / VocabParallelEmbedding          = {t_lev / t_table:.2f}")
+    if llama_time is not None:
+        for kernel, seconds in kernel_times.items():
+            label = f"(b) LEV / LLaMA layer [--lev-kernel {kernel}]"
+            print(f"  {label:42s}= {seconds / llama_time:.3f}   (target <= 0.03)")
+    print(
+        f"  (c) LEV saved activations / [N, D] output = {saved / out_bytes:.3f}"
+        f"   ({saved / 2**20:.1f} MiB / {out_bytes / 2**20:.1f} MiB, target <= 2.0)"
+    )
+    naive = times["naive"]
+    print(
+        f"  (d) on {sub.numel()} tokens ({sub.unique().numel()} distinct): naive "
+        f"{naive:.2f} s; speedup dedup {naive / times['dedup']:.2f}x, "
+        f"fused {naive / times['fused']:.2f}x, fused+dedup {naive / times['fused+dedup']:.2f}x",
+        flush=True,
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    pg = init_inference_parallel(1, 1)
+    torch.manual_seed(0)
+    D, N, s = args.hidden_size, args.tokens, args.seq_length
     tc = TransformerConfig(
         num_layers=1, hidden_size=D, num_attention_heads=16, use_cpu_initialization=True
     )
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, clock {args.clock}; "
-        f"D={D}, N={N} "
-        f"({b}x{s}), Zipf exponent {args.zipf_exponent}",
+        f"D={D}, N={N} ({N // s}x{s}), Zipf exponent {args.zipf_exponent}",
         flush=True,
     )
-
     llama_time = None
-    if not args.skip_llama:
-        layer = LlamaLayer(D, 16, 5632)
-        x = torch.randn(s, b, D, requires_grad=True)
-        fwd_bwd(layer, x[:256])()  # warm-up on a short sequence
-        start = CLOCK()
-        fwd_bwd(layer, x)()
-        llama_time = CLOCK() - start
+    if not args.skip_llama:  # one pre-norm LLaMA block at the 1.2B width, [b, s, D]
+        layer = Block(D, 16, 5632, rope=True)
+        x = torch.randn(N // s, s, D, requires_grad=True)
+        fwd_bwd(layer, x[:, :256])()  # warm-up on a short sequence
+        llama_time = repeat_seconds(fwd_bwd(layer, x), 1, 0, args.clock_fn)
         del layer, x
         print(f"LLaMA layer fwd+bwd: {llama_time:.2f} s", flush=True)
-
     for vocab in args.vocab_sizes:
-        ids = zipf_ids(vocab, N, args.zipf_exponent, seed=vocab).view(b, s)
-        distinct = ids.unique().numel()
-        cfg = LEVConfig(vocab_size=vocab, hidden_size=D, kernel=args.kernels[0])
-        lev = LEVEmbedding(cfg, config=tc)
-        kernel_times = {}
-        for kernel in args.kernels:
-            lev.lev_config = dataclasses.replace(cfg, kernel=kernel)
-            kernel_times[kernel] = best_time(fwd_bwd(lev, ids), args.reps)
-        lev.lev_config = cfg
-        t_lev = kernel_times[args.kernels[0]]
-
-        table = VocabParallelEmbedding(
-            vocab,
-            D,
-            init_method=torch.nn.init.normal_,
-            config=tc,
-            tp_group=pg.tp,
-        )
-        t_table = best_time(fwd_bwd(table, ids), args.reps)
-        del table
-
-        saved, out = saved_tensor_bytes(functools.partial(lev, ids), exclude=lev.parameters())
-        out_bytes = out.numel() * out.element_size()
-        del out
-
-        sub = ids.reshape(-1)[: args.naive_tokens].view(1, -1)
-        times = {}
-        for name, fused, dedup in [
-            ("naive", False, False),
-            ("dedup", False, True),
-            ("fused", True, False),
-            ("fused+dedup", True, True),
-        ]:
-            kernel = cfg.kernel if fused else "reference"
-            lev.lev_config = dataclasses.replace(cfg, kernel=kernel, dedup=dedup)
-            times[name] = best_time(fwd_bwd(lev, sub), args.reps)
-        lev.lev_config = cfg
-
-        print(
-            f"\nV={vocab} (b={cfg.base}, {cfg.num_parameters() / 1e6:.2f}M LEV params): "
-            f"{distinct} distinct ids in {N} tokens",
-            flush=True,
-        )
-        print(
-            "  LEV fwd+bwd "
-            + ", ".join(f"{s:.3f} s [{k}]" for k, s in kernel_times.items())
-            + f"; VocabParallelEmbedding fwd+bwd {t_table:.3f} s"
-        )
-        print(f"  (a) LEV / VocabParallelEmbedding          = {t_lev / t_table:.2f}")
-        if llama_time is not None:
-            for kernel, seconds in kernel_times.items():
-                label = f"(b) LEV / LLaMA layer [--lev-kernel {kernel}]"
-                print(f"  {label:42s}= {seconds / llama_time:.3f}   (target <= 0.03)")
-        print(
-            f"  (c) LEV saved activations / [N, D] output = {saved / out_bytes:.3f}"
-            f"   ({saved / 2**20:.1f} MiB / {out_bytes / 2**20:.1f} MiB, target <= 2.0)"
-        )
-        print(
-            f"  (d) on {sub.numel()} tokens ({sub.unique().numel()} distinct): naive "
-            f"{times['naive']:.2f} s; speedup dedup {times['naive'] / times['dedup']:.2f}x, "
-            f"fused {times['naive'] / times['fused']:.2f}x, fused+dedup "
-            f"{times['naive'] / times['fused+dedup']:.2f}x",
-            flush=True,
-        )
+        bench_vocab(args, vocab, tc, pg, llama_time)
 
 
 if __name__ == "__main__":

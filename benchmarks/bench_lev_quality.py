@@ -1,11 +1,10 @@
-#!/usr/bin/env python
 """LEV training quality at small scale: validation-loss gap of LEVIATHAN (and, with --all-arms,
 every arm) to TIED over several seeds, in this stack and in a plain-PyTorch loop.
 
-Each run is `pretrain_leviathan.py` on one CPU process (or, with --plain, `plain_gpt.py`) on an
-indexed dataset; a variant ("NAME=FLAGS") reruns the LEV arm with extra flags. Prints per
-arm/variant the final validation loss and the gap to TIED of the same seed, and writes
-`results.json` and `curves.png` into --out-dir; a finished run is not rerun.
+Each run is `pretrain_leviathan.py` on one CPU process (or, with --plain, `plain_gpt.py`); a
+variant ("NAME=FLAGS") reruns the LEV arm with extra flags. Prints each group's final validation
+loss and gap to TIED of the same seed; writes `results.json` and `curves.png` into --out-dir. A
+finished run is not rerun.
 
     python benchmarks/bench_lev_quality.py --data-path data/kjv8k_text_document \\
         --tokenizer-model data/kjv8k.model --seeds 0 1 2 --plain --out-dir runs/lev-quality
@@ -27,50 +26,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks.harness` when this file runs as a script
 
-from benchmarks.harness import add_study_flags  # noqa: E402
+from benchmarks.harness import LEV_FLAGS, STUDY_FLAGS, add_defaults, add_study_flags  # noqa: E402
 from megatron_ext._paths import atomic_open, atomic_write  # noqa: E402
 
 ALL_ARMS = ("tied", "untied", "albert", "flat-mlp", "factored-mlp", "lev")
 _VAL = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.Ee+-]+)")
-_LEV_FLAGS = ("num_digits", "seed_dim", "num_knots", "rank", "num_heads", "temperature")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-# Settings both implementations take under the same flag name (plus every LEV flag).
-_SHARED_SETTINGS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "seq_length",
-    "global_batch_size",
-    "train_iters",
-    "lr",
-    "min_lr",
-    "lr_warmup_iters",
-    "weight_decay",
-    "clip_grad",
-    "adam_beta2",
-    "eval_interval",
-)
-
-
-def _setting_flags(names: tuple[str, ...], args) -> list[str]:
+def _setting_flags(args, names: tuple[str, ...] = ()) -> list[str]:
+    """`--name value` of the study's settings (STUDY_FLAGS, `names`, LEV_FLAGS) in `args`."""
     cmd = []
-    for name in names:
-        cmd += [_flag(name), str(getattr(args, name))]
-    for name in _LEV_FLAGS:
-        cmd += ["--lev-" + name.replace("_", "-"), str(getattr(args, "lev_" + name))]
+    for name in (*STUDY_FLAGS, *names, *LEV_FLAGS):
+        cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return cmd
 
 
 def stack_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
     """pretrain_leviathan.py for one arm and seed with the study's settings."""
     cmd = [sys.executable, str(REPO / "pretrain_leviathan.py"), "--embedding-type", arm]
-    cmd += _setting_flags(_SHARED_SETTINGS, args)
+    cmd += _setting_flags(args)
     cmd += [
         "--micro-batch-size", str(args.global_batch_size), "--lr-decay-style", "cosine",
         "--seed", str(seed), "--data-path", args.data_path, "--split", args.split,
@@ -87,8 +61,7 @@ def plain_command(arm: str, seed: int, extra: list[str], args) -> list[str]:
     from megatron_ext.data.tokenizers import build_tokenizer
 
     cmd = [sys.executable, "-m", "benchmarks.plain_gpt", "--embedding", arm]
-    plain_only = ("eval_samples", "log_interval", "split", "data_path")
-    cmd += _setting_flags(_SHARED_SETTINGS + plain_only, args)
+    cmd += _setting_flags(args, ("eval_samples", "log_interval", "split", "data_path"))
     # The stack's padded vocabulary (so LEV's digit base is the same in both).
     vocab = padded_vocab_size(
         build_tokenizer("SentencePieceTokenizer", args.tokenizer_model).vocab_size
@@ -128,10 +101,6 @@ def run(name: str, cmd: list[str], out_dir: Path, env: dict) -> dict[int, float]
     return curve
 
 
-def _final(curve: dict[int, float]) -> float:
-    return curve[max(curve)]
-
-
 def summarise(curves: dict[str, dict[int, dict[int, float]]]) -> list[dict]:
     """Per run group: final loss mean/std over its seeds, and the gap to the TIED group of its
     implementation over the seeds both have."""
@@ -140,7 +109,7 @@ def summarise(curves: dict[str, dict[int, dict[int, float]]]) -> list[dict]:
         impl = group.split("/")[0]
         base = curves.get(f"{impl}/tied", {})
         seeds = sorted(by_seed)
-        finals = [_final(by_seed[s]) for s in seeds]
+        finals = [by_seed[s][max(by_seed[s])] for s in seeds]
         gaps, at = {}, {}
         for s in seeds:
             if s in base:  # at the last evaluation both runs reached (the end, once finished)
@@ -209,8 +178,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-path", required=True, help="indexed dataset prefix (.bin/.idx)")
     p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model of the data")
-    p.add_argument("--split", default="95,5,0")
-    p.add_argument("--out-dir", default="runs/lev-quality")
+    add_defaults(p, split="95,5,0", out_dir="runs/lev-quality")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--all-arms", action="store_true", help="all six arms, not TIED and LEV")
     p.add_argument(
@@ -238,13 +206,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--extra", default="", help="more pretrain_leviathan.py flags for every run")
     p.add_argument("--plain-extra", type=shlex.split, default=[], help="more plain-baseline flags")
     add_study_flags(p)
-    p.add_argument("--log-interval", type=int, default=50)
-    p.add_argument("--lev-num-digits", type=int, default=3)
-    p.add_argument("--lev-seed-dim", type=int, default=64)
-    p.add_argument("--lev-num-knots", type=int, default=16)
-    p.add_argument("--lev-rank", type=int, default=32)
-    p.add_argument("--lev-num-heads", type=int, default=4)
-    p.add_argument("--lev-temperature", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run")
     args = p.parse_args()
     if args.eval_samples < args.global_batch_size:
@@ -297,29 +258,25 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     arms = list(ALL_ARMS) if args.all_arms else ["tied", "lev"]
-    plan = []  # (group, name, command builder, arm, extra flags), in the order run per seed
+    plan = []  # (group, command builder, arm, extra flags), in the order run per seed
     if not args.no_stack:
-        plan += [(f"stack/{arm}", f"stack-{arm}", stack_command, arm, []) for arm in arms]
+        plan += [(f"stack/{arm}", stack_command, arm, []) for arm in arms]
     if args.plain:
-        plan += [
-            (f"plain/{arm}", f"plain-{arm}", plain_command, arm, []) for arm in ("tied", "lev")
-        ]
+        plan += [(f"plain/{arm}", plain_command, arm, []) for arm in ("tied", "lev")]
     if not args.no_stack:
-        plan += [
-            (f"stack/lev+{n}", f"stack-lev+{n}", stack_command, "lev", f)
-            for n, f in variants.items()
-        ]
+        plan += [(f"stack/lev+{n}", stack_command, "lev", f) for n, f in variants.items()]
     curves: dict[str, dict[int, dict[int, float]]] = {}
     for seed in args.seeds:  # seed-major: a partial study already has every group's first seeds
-        for group, name, build, arm, extra in plan:
-            log = out_dir / f"{name}-s{seed}.log"
+        for group, build, arm, extra in plan:
+            name = f"{group.replace('/', '-')}-s{seed}"
+            log = out_dir / f"{name}.log"
             if args.no_run and not finished(log):
                 running = log.with_suffix(".log.tmp")
                 if args.include_running and running.is_file() and read_curve(running):
                     curves.setdefault(group, {})[seed] = read_curve(running)
                 continue
             cmd = build(arm, seed, extra, args)
-            curves.setdefault(group, {})[seed] = run(f"{name}-s{seed}", cmd, out_dir, env)
+            curves.setdefault(group, {})[seed] = run(name, cmd, out_dir, env)
     if not curves:
         sys.exit(f"bench_lev_quality: no finished run in {out_dir}")
 

@@ -1,11 +1,7 @@
-#!/usr/bin/env python
 """Preprocessing speed: our tools/preprocess_data.py against Megatron-LM's (tag core_v0.16.1,
-run from its checkout), same corpus, SentencePiece model and workers, in one run.
-
-The corpus is the King James Bible repeated to --size-mb; each tool is a fresh process, run in
-interleaved pairs. Prints the seconds of each, the speed-up (theirs / ours) as min and median,
-and whether every pair's .bin and .idx are byte-identical (--megatron-python: another
-interpreter for Megatron-LM's script).
+run from its checkout by --megatron-python) on the KJV repeated to --size-mb, same SentencePiece
+model and workers, in interleaved pairs of fresh processes: the seconds of each, the speed-up
+(min, median), and whether every pair's .bin and .idx are byte-identical.
 
     python benchmarks/bench_preprocess.py --megatron-lm ../Megatron-LM --size-mb 25 --workers 2
 """
@@ -13,6 +9,7 @@ interpreter for Megatron-LM's script).
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import statistics
@@ -22,25 +19,24 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # `benchmarks.*` when this file runs as a script
+
+from benchmarks.harness import add_defaults, rounds  # noqa: E402
+from benchmarks.make_kjv_corpus import chapters  # noqa: E402
 
 
 def write_corpus(path: str, size_mb: float) -> int:
     """KJV chapters repeated up to `size_mb` MB of jsonl; returns the number of documents."""
-    from make_kjv_corpus import chapters  # beside this script (its directory is on sys.path)
-
     docs = chapters()
     written = count = 0
     with open(path, "w", encoding="utf-8") as out:
-        copy = 0
         while written < size_mb * 1e6:
-            for doc in docs:
-                line = json.dumps({"text": doc["text"], "id": f"{doc['id']} #{copy}"}) + "\n"
-                out.write(line)
-                written += len(line.encode("utf-8"))
-                count += 1
-                if written >= size_mb * 1e6:
-                    break
-            copy += 1
+            doc = docs[count % len(docs)]
+            copy = count // len(docs)
+            line = json.dumps({"text": doc["text"], "id": f"{doc['id']} #{copy}"}) + "\n"
+            out.write(line)
+            written += len(line.encode("utf-8"))
+            count += 1
     return count
 
 
@@ -61,10 +57,7 @@ def main() -> int:
         help="Megatron-LM checkout at core_v0.16.1 (or MEGATRON_LM_DIR)",
     )
     parser.add_argument("--megatron-python", default=sys.executable)
-    parser.add_argument("--size-mb", type=float, default=25.0)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--pairs", type=int, default=3)
+    add_defaults(parser, size_mb=25.0, workers=2, vocab_size=8000, pairs=3)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     script = os.path.join(args.megatron_lm or "", "tools", "preprocess_data.py")
@@ -93,21 +86,18 @@ def main() -> int:
     ]  # fmt: skip
     theirs_env = {**os.environ, "PYTHONPATH": os.path.abspath(args.megatron_lm)}
     ours_env = {**os.environ, "PYTHONPATH": REPO}
-    times: dict[str, list[float]] = {"theirs": [], "ours": []}
-    identical = True
-    for pair in range(args.pairs):
-        mine, peer = os.path.join(work, f"ours{pair}"), os.path.join(work, f"mlm{pair}")
-        times["theirs"].append(_run([*theirs_cmd, "--output-prefix", peer], theirs_env))
-        times["ours"].append(_run([*ours_cmd, "--output-prefix", mine], ours_env))
-        for ext in (".bin", ".idx"):
-            with (
-                open(f"{mine}_text_document{ext}", "rb") as a,
-                open(f"{peer}_text_document{ext}", "rb") as b,
-            ):
-                identical &= a.read() == b.read()
-        for name in os.listdir(work):
-            if name.startswith((f"ours{pair}", f"mlm{pair}")):
-                os.remove(os.path.join(work, name))
+
+    def tool(cmd: list[str], env: dict, out: str):
+        os.makedirs(out, exist_ok=True)
+        return lambda pair: _run([*cmd, "--output-prefix", os.path.join(out, str(pair))], env)
+
+    ours, mlm = os.path.join(work, "ours"), os.path.join(work, "mlm")
+    times = rounds(
+        {"theirs": tool(theirs_cmd, theirs_env, mlm), "ours": tool(ours_cmd, ours_env, ours)},
+        args.pairs,
+    )
+    names = [f"{pair}_text_document{ext}" for pair in range(args.pairs) for ext in (".bin", ".idx")]
+    identical = filecmp.cmpfiles(ours, mlm, names, shallow=False)[0] == names
     ratios = [t / o for t, o in zip(times["theirs"], times["ours"])]
     size = os.path.getsize(jsonl) / 1e6
     print(f"corpus {size:.1f} MB jsonl (KJV, {documents} documents), SentencePiece "

@@ -17,6 +17,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks.harness` when this file runs as a script
+
+from benchmarks.harness import rounds  # noqa: E402
+
 IMPORTS = (
     "from megatron_ext.models import LeviathanModel, build_model; import megatron_ext.training.run"
 )
@@ -43,16 +47,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="interleaved pairs")
     args = parser.parse_args()
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    inductor: dict[str, str] = {}
-    for _ in range(args.reps):
-        for name, code in VARIANTS.items():
-            cpu, inductor[name] = child_cpu_seconds(code)
-            times[name].append(cpu)
+    variants = {name: lambda _, c=code: child_cpu_seconds(c) for name, code in VARIANTS.items()}
+    runs = rounds(variants, args.reps)
+    times = {name: [cpu for cpu, _ in values] for name, values in runs.items()}
     for name, values in times.items():
         print(
             f"{name:9s} CPU s: min {min(values):.2f}  median {statistics.median(values):.2f}  "
-            f"(Inductor loaded: {inductor[name]})"
+            f"(Inductor loaded: {runs[name][-1][1]})"
         )
     base, gated = times["baseline"], times["gated"]
     print(

@@ -1,13 +1,10 @@
-#!/usr/bin/env python
 """Training speed against the loop users would write instead.
 
-Ours: `pretrain_leviathan.py`, one process, TIED, mock data, AdamW, clip 1.0 (time per
-iteration from its --log-jsonl). Theirs: a plain PyTorch loop training transformers'
-`LlamaForCausalLM` of the same shape from our initial weights on the same samples, with the
-same AdamW settings, so the loss curves must agree. --pairs interleaved runs; prints the min and
-median ours/theirs ratio of the median tokens/s after --warmup.
+Ours: `pretrain_leviathan.py`, one process, TIED, mock data, AdamW, clip 1.0 (its --log-jsonl
+times). Theirs: a plain PyTorch loop training transformers' `LlamaForCausalLM` from our initial
+weights on the same samples with the same AdamW, so the losses must agree. --pairs interleaved
+runs: the min and median ours/theirs ratio of the median tokens/s after --warmup.
 
-    python benchmarks/bench_train_peer.py
     python benchmarks/bench_train_peer.py --threads 1 --clock cpu_seconds
 """
 
@@ -25,10 +22,13 @@ import torch
 # The repository root, so that `benchmarks.hf_peer` imports when this file runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import CLOCKS, median_rate, ratio_line  # noqa: E402
-
-RECORD_FIELD = {"wall": "seconds", "cpu_seconds": "cpu_seconds"}
-"""--log-jsonl's field of each --clock."""
+from benchmarks.harness import (  # noqa: E402
+    RECORD_FIELD,
+    add_defaults,
+    add_timing_flags,
+    apply_timing_flags,
+    comparison,
+)
 
 
 def _flags(args) -> list[str]:
@@ -80,7 +80,7 @@ def _build_peer(args):
     pg = init_inference_parallel(1, 1)
     set_random_seed(args.seed, 0)  # as the entry point seeds before building the model
     ours = build_model(config, parallel=ParallelConfig(), precision=PrecisionConfig(), pg=pg)
-    hf = hf_export(ours, config, tied=True).train()
+    hf = hf_export(ours, config).train()
     del ours
     decay = [p for n, p in hf.named_parameters() if p.ndim > 1]
     no_decay = [p for n, p in hf.named_parameters() if p.ndim <= 1]
@@ -96,11 +96,9 @@ def _build_peer(args):
     return hf, optimizer, train
 
 
-def run_theirs(args) -> tuple[list[float], list[float]]:
+def run_theirs(args, clock) -> tuple[list[float], list[float]]:
     """(losses, seconds per iteration) of the plain transformers loop."""
-    torch.set_num_threads(args.threads)
     hf, optimizer, train = _build_peer(args)
-    clock = CLOCKS[args.clock]
     losses, seconds = [], []
     for step in range(args.iters):
         samples = [train[step * args.micro_batch + i] for i in range(args.micro_batch)]
@@ -129,27 +127,17 @@ def _tokens_per_second(seconds: list[float], args) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument(
-        "--clock",
-        choices=sorted(CLOCKS),
-        default="wall",
-        help="what times an iteration: wall seconds, or its process's CPU seconds (steadier "
+    add_defaults(p, layers=4, hidden=256, heads=4, seq=512, micro_batch=4, vocab=8192, iters=12)
+    add_defaults(p, warmup=3, pairs=3, lr=3e-4, weight_decay=0.1, seed=1234)
+    add_timing_flags(
+        p,
+        "what times an iteration: wall seconds, or its process's CPU seconds (steadier "
         "when other work shares the machine)",
+        "torch threads of both loops",
+        threads=torch.get_num_threads(),
     )
     args = p.parse_args()
+    clock = apply_timing_flags(p, args)
     if args.warmup >= args.iters:
         p.error("--warmup must be smaller than --iters")
     print(
@@ -164,7 +152,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for pair in range(args.pairs):
             our_losses, our_seconds = run_ours(args, workdir)
-            their_losses, their_seconds = run_theirs(args)
+            their_losses, their_seconds = run_theirs(args, clock)
             ours_tps.append(_tokens_per_second(our_seconds, args))
             theirs_tps.append(_tokens_per_second(their_seconds, args))
             ratios.append(ours_tps[-1] / theirs_tps[-1])
@@ -179,11 +167,11 @@ def main() -> None:
                 f"(largest relative gap {worst:.1e})",
                 flush=True,
             )
-    print(
-        f"    ours (pretrain_leviathan.py)       {median_rate(ours_tps, 7, 0)}\n"
-        f"    transformers LlamaForCausalLM loop {median_rate(theirs_tps, 7, 0)}\n"
-        + ratio_line(ratios, f" (target >= 1.05)   (losses agree: {agree})")
-    )
+    rates = {
+        "ours (pretrain_leviathan.py)": ours_tps,
+        "transformers LlamaForCausalLM loop": theirs_tps,
+    }
+    print(comparison(rates, ratios, f" (target >= 1.05)   (losses agree: {agree})", 7, 0))
 
 
 if __name__ == "__main__":

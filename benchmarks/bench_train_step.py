@@ -1,20 +1,14 @@
-#!/usr/bin/env python
 """Training-step speed of `pretrain_leviathan.py` per arm and per layout, as ratios against a
 baseline measured in the same run on the same machine.
 
-Each configuration runs the real entry point for --iters iterations and reports the median
-time per iteration after --warmup, the tokens/s, the ratio to the first configuration, the
-LEV / TIED and UNTIED / TIED ratios, and each LEV run's own share of the iteration (from
---timing-log-level 2). --only filters the configurations, --rounds repeats them interleaved,
---slices K lets a round's runs take turns K iterations at a time (paused by SIGSTOP), and
---baseline-tree DIR runs each configuration also from another checkout. Results and the
-commands behind them: benchmarks/RESULTS.md section 4.
+Each configuration runs the real entry point for --iters iterations; printed: the median time
+per iteration after --warmup, tokens/s, the ratio to the first configuration, LEV / TIED and
+UNTIED / TIED, and each LEV run's own share of the iteration (--timing-log-level 2). --rounds
+repeats the configurations interleaved, --slices K lets a round's runs take turns K iterations
+at a time (the others paused by SIGSTOP), --baseline-tree DIR runs each configuration also from
+another checkout. Results and commands: benchmarks/RESULTS.md section 4.
 
-    python benchmarks/bench_train_step.py
-    python benchmarks/bench_train_step.py --only tied "lev, 1" --hidden-size 256 \
-        --seq-length 512 --micro-batch-size 4 --global-batch-size 8 --threads 2 --iters 54 \
-        --warmup 6 --slices 4 --data-flags "--data-path data/kjv8k_text_document \
-        --split 95,5,0 --tokenizer-type SentencePieceTokenizer --tokenizer-model data/kjv8k.model"
+    python benchmarks/bench_train_step.py --only tied "lev, 1" --slices 4
 """
 
 from __future__ import annotations
@@ -33,9 +27,11 @@ from typing import Optional
 
 import torch
 
-# The repository root, so that `tests.support.jobs` imports when this file runs as a script.
+# The repository root, so that `benchmarks.*` and `tests.support.jobs` import when this file
+# runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import RECORD_FIELD, add_defaults, add_timing_flags  # noqa: E402
 from megatron_ext.config.data import DataConfig  # noqa: E402
 from megatron_ext.config.flags import add_flags, flag_values  # noqa: E402
 from megatron_ext.config.run import RunConfig  # noqa: E402
@@ -57,24 +53,34 @@ CONFIGS = [
     ("lev, PP=2 x 2 chunks", 2, ["--embedding-type", "lev", "--pipeline-model-parallel-size", "2",
                                  "--num-virtual-stages-per-pipeline-rank", "2"]),
 ]  # fmt: skip
-BASELINE = " @baseline"
-"""Suffix of the label of a configuration run from --baseline-tree."""
+BASELINE = " @baseline"  # the label suffix of a configuration run from --baseline-tree
+
+
+def _started(
+    ranks: int, flags: list[str], args, workdir: str, tree: Optional[str]
+) -> tuple[Job, str, str]:
+    """`_start` once the run has logged its first iteration; retried on a new port when another
+    program took the free one before the run bound it."""
+    for attempt in range(3):
+        job, jsonl, log = _start(ranks, flags, args, workdir, tree)
+        try:
+            _await_records(job, jsonl, 1, flags)
+            return job, jsonl, log
+        except RuntimeError as err:
+            job.__exit__(None, None, None)
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _run(
     ranks: int, flags: list[str], args: argparse.Namespace, workdir: str, tree: Optional[str]
 ) -> tuple[list[float], list[float]]:
-    # A free port can be taken by another program before the run binds it: retry on a new one.
-    for attempt in range(3):
-        try:
-            job, jsonl, log = _start(ranks, flags, args, workdir, tree)
-            with job:
-                returncode = job.wait()
-            return _results(job, returncode, jsonl, log, flags, args)
-        except RuntimeError as err:
-            if "EADDRINUSE" not in str(err) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    """(time per iteration, LEV's own seconds per iteration) of one configuration's run."""
+    job, jsonl, log = _started(ranks, flags, args, workdir, tree)
+    with job:
+        returncode = job.wait()
+    return _results(job, returncode, jsonl, log, flags, args)
 
 
 def _start(
@@ -110,7 +116,8 @@ def _results(
     if returncode != 0:
         raise RuntimeError(f"{' '.join(flags)} failed:\n{job.output()[-6000:]}")
     with open(jsonl) as handle:
-        times = [json.loads(line)[args.clock] for line in handle if line.strip()]
+        field = RECORD_FIELD[args.clock]
+        times = [json.loads(line)[field] for line in handle if line.strip()]
     lev = lev_seconds(Path(log).read_text())
     if len(lev) != len(times):
         raise RuntimeError(
@@ -134,17 +141,11 @@ def _await_records(job: Job, jsonl: str, count: int, flags: list[str]) -> None:
 def _run_in_turns(
     configs: list[tuple[str, int, list[str], Optional[str]]], args: argparse.Namespace, workdir: str
 ) -> dict[str, tuple[list[float], list[float], list[Optional[int]]]]:
-    """Run `configs` at once, taking turns --slices iterations at a time (see the module doc).
-
-    Returns {label: (time per iteration, LEV's own seconds per iteration, the turn in which
-    each iteration ran: None for the iterations before the first turn, when every run starts
-    at once, and for each one that a pause interrupted, which are not measured)}. Which
-    iteration a pause interrupted is read after the run is stopped (`Job.pause` returns then):
-    the one after those it had logged.
-    """
+    """Run `configs` at once, taking turns --slices iterations at a time: {label: (time per
+    iteration, LEV's own seconds per iteration, the turn each iteration ran in: None before
+    the first turn and for each one a pause interrupted (the one after those logged when
+    `Job.pause` returns), which are not measured)}."""
     flags_of = {label: flags for label, _, flags, _ in configs}
-    ranks_of = {label: ranks for label, ranks, _, _ in configs}
-    tree_of = {label: tree for label, _, _, tree in configs}
     jobs: dict[str, tuple[Job, str, str]] = {}
     turns: dict[str, list[Optional[int]]] = {}  # one entry per iteration logged or interrupted
 
@@ -159,27 +160,9 @@ def _run_in_turns(
             turns[label].append(None)  # the iteration the pause interrupted
 
     try:
-        for label, ranks, flags, tree in configs:
-            jobs[label] = _start(ranks, flags, args, workdir, tree)
-            turns[label] = []
-        starting, retries = set(jobs), 2
-        while starting:  # each run is stopped once it has logged an iteration
-            for label in sorted(starting):
-                job, jsonl, _ = jobs[label]
-                if count_records(Path(jsonl)) >= 1:
-                    pause(label, None)
-                    starting.discard(label)
-                elif job.returncode is not None:
-                    if "EADDRINUSE" in job.output() and retries > 0:
-                        # Its free port was taken before it bound it: start it on a new one.
-                        retries -= 1
-                        job.__exit__(None, None, None)
-                        jobs[label] = _start(
-                            ranks_of[label], flags_of[label], args, workdir, tree_of[label]
-                        )
-                        continue
-                    _await_records(job, jsonl, 1, flags_of[label])  # raises with its output
-            time.sleep(0.02)
+        for label, ranks, flags, tree in configs:  # each stopped once it has logged one
+            jobs[label], turns[label] = _started(ranks, flags, args, workdir, tree), []
+            pause(label, None)
         labels, running, turn = list(jobs), None, 0
         while any(len(turns[label]) < args.iters for label in labels):
             # Forwards, then backwards (A B, B A, ...): no configuration always runs first.
@@ -246,16 +229,9 @@ def distinct_ids(args: argparse.Namespace, per: int) -> list[int]:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """The benchmark's flags, checked, with the mock data's flags filled in when none given."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--global-batch-size", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--iters", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--max-ranks", type=int, default=min(2, os.cpu_count() or 1))
+    add_defaults(parser, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256)
+    add_defaults(parser, micro_batch_size=4, global_batch_size=8, vocab_size=8000, iters=12)
+    add_defaults(parser, warmup=4, max_ranks=min(2, os.cpu_count() or 1))
     parser.add_argument("--extra", default="", help="more pretrain_leviathan.py flags")
     parser.add_argument("--only", nargs="+", default=None, help="label prefixes to run")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions")
@@ -266,15 +242,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="run a round's configurations at once, taking turns this many iterations at a "
         "time (the others paused); 0: one run after the other",
     )
-    parser.add_argument(
-        "--clock",
-        choices=("seconds", "cpu_seconds"),
-        default="seconds",
-        help="wall time, or the rank's CPU time (steadier on a shared machine; 1 thread/rank)",
-    )
-    parser.add_argument(
-        "--data-flags", default=None, help="data/tokenizer flags (default: mock data)"
-    )
+    parser.add_argument("--data-flags", help="data/tokenizer flags (default: mock data)")
     parser.add_argument(
         "--baseline-tree",
         default=None,
@@ -282,12 +250,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "configuration also runs from its pretrain_leviathan.py, in the same rounds or turns, "
         "and the ratios this tree / baseline are printed",
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="OMP_NUM_THREADS of every rank (0: inherit); with more threads than free cores, "
+    add_timing_flags(
+        parser,
+        "wall time, or the rank's CPU time (steadier on a shared machine; 1 thread/rank)",
+        "OMP_NUM_THREADS of every rank (0: inherit); with more threads than free cores, "
         "cpu_seconds also counts the threads' spin-waiting",
+        threads=1,
     )
     args = parser.parse_args(argv)
     if args.slices == 1 or args.slices < 0:
@@ -306,15 +274,41 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def measure(configs: list, args: argparse.Namespace):
+    """Run `configs` --rounds times: {label: measured iteration times}, {label: LEV's own
+    seconds in each}, {label: {(round, turn): times}} (the groups that show the spread)."""
+    times: dict[str, list[float]] = {}
+    lev_own: dict[str, list[float]] = {}
+    groups: dict[str, dict[tuple[int, ...], list[float]]] = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for round_ in range(args.rounds):
+            if args.slices:
+                measured = _run_in_turns(configs, args, workdir)
+            else:
+                measured = {}
+                for label, ranks, flags, tree in configs:
+                    run_times, run_lev = _run(ranks, flags, args, workdir, tree)
+                    measured[label] = (run_times, run_lev, [0] * len(run_times))
+            for label, (run_times, run_lev, turns) in measured.items():
+                for i in range(args.warmup, len(run_times)):
+                    if turns[i] is None:  # a pause interrupted it
+                        continue
+                    times.setdefault(label, []).append(run_times[i])
+                    lev_own.setdefault(label, []).append(run_lev[i])
+                    key = (round_, turns[i])
+                    groups.setdefault(label, {}).setdefault(key, []).append(run_times[i])
+    return times, lev_own, groups
+
+
 def main() -> None:
     args = parse_args()
-    chosen = [c for c in CONFIGS if not args.only or c[0].startswith(tuple(args.only))]
     configs = []  # each chosen configuration, then its twin from --baseline-tree
-    for label, ranks, flags in chosen:
+    for label, ranks, flags in CONFIGS:
+        if args.only and not label.startswith(tuple(args.only)):
+            continue
         configs.append((label, ranks, flags, None))
         if args.baseline_tree:
             configs.append((label + BASELINE, ranks, flags, args.baseline_tree))
-
     tokens = args.global_batch_size * args.seq_length
     print(
         f"model {args.num_layers} x {args.hidden_size}, seq {args.seq_length}, global batch "
@@ -329,30 +323,15 @@ def main() -> None:
             f"{statistics.median(counts):.0f}, {min(counts)}-{max(counts)} ({len(counts)} "
             f"{what}-batches)"
         )
+    report(configs, args, *measure([c for c in configs if c[1] <= args.max_ranks], args))
+
+
+def report(configs: list, args: argparse.Namespace, times: dict, lev_own: dict, groups: dict):
+    """The table of `measure`'s figures, the ratios to TIED (and to the baseline tree) and
+    LEV's own share of its runs' iterations."""
+    tokens = args.global_batch_size * args.seq_length
     width = 28 + (len(BASELINE) if args.baseline_tree else 0)
     print(f"{'configuration':{width}s} {'s/iter':>9s} {'tokens/s':>10s} {'time vs baseline':>17s}")
-    times: dict[str, list[float]] = {}
-    lev_own: dict[str, list[float]] = {}  # LEV's own seconds in each measured iteration
-    # Measured iterations by round (by round and turn with --slices), to show the spread.
-    groups: dict[str, dict[tuple[int, ...], list[float]]] = {}
-    runnable = [c for c in configs if c[1] <= args.max_ranks]
-    with tempfile.TemporaryDirectory() as workdir:
-        for round_ in range(args.rounds):
-            if args.slices:
-                measured = _run_in_turns(runnable, args, workdir)
-            else:
-                measured = {}
-                for label, ranks, flags, tree in runnable:
-                    run_times, run_lev = _run(ranks, flags, args, workdir, tree)
-                    measured[label] = (run_times, run_lev, [0] * len(run_times))
-            for label, (run_times, run_lev, turns) in measured.items():
-                for i in range(args.warmup, len(run_times)):
-                    if turns[i] is None:  # a pause interrupted it
-                        continue
-                    times.setdefault(label, []).append(run_times[i])
-                    lev_own.setdefault(label, []).append(run_lev[i])
-                    key = (round_, turns[i])
-                    groups.setdefault(label, {}).setdefault(key, []).append(run_times[i])
     baseline = None
     for label, ranks, _, _ in configs:
         if label not in times:
@@ -388,10 +367,12 @@ def main() -> None:
                 f"{arm}, 1 rank{suffix}",
                 target,
             )
-    for label, _, _ in chosen if args.baseline_tree else ():
-        ratio_line(f"{label}: time per iteration, this tree / baseline", label, label + BASELINE)
+    for label, _, _, tree in configs:
+        if args.baseline_tree and tree is None:
+            what = f"{label}: time per iteration, this tree / baseline"
+            ratio_line(what, label, label + BASELINE)
     for label, own in lev_own.items():
-        if label.startswith("lev") and own and args.clock == "seconds":
+        if label.startswith("lev") and own and args.clock == "wall":
             # Measured inside the same iterations, so free of the noise between runs.
             share = statistics.median(o / t for o, t in zip(own, times[label]))
             print(

@@ -1,7 +1,8 @@
-"""What the benchmarks share: the --clock and --threads flags, timing (a median over repeats,
-interleaved ours/theirs pairs) and the figures their lines print (a median rate with its range,
-the min and median of a ratio). Imported as `benchmarks.harness` (the repository root first on
-sys.path when a benchmark runs as a script)."""
+"""What the benchmarks share: flags (typed by their defaults, --clock and --threads, the LEV
+quality study's), timing (repeats, interleaved rounds of a baseline and its candidates) and the
+figures their lines print (a median rate with its range, the min and median of a ratio).
+Imported as `benchmarks.harness`: a benchmark run as a script puts the repository root first on
+sys.path."""
 
 from __future__ import annotations
 
@@ -12,18 +13,30 @@ from typing import Any, Callable
 
 CLOCKS = {"wall": time.perf_counter, "cpu_seconds": time.process_time}
 """--clock: wall time, or this process's CPU seconds (all threads; steadier on a loaded host)."""
+RECORD_FIELD = {"wall": "seconds", "cpu_seconds": "cpu_seconds"}
+"""The field of a `pretrain_leviathan.py --log-jsonl` record that each --clock reads."""
+
+
+def add_defaults(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """A flag for each keyword (`--name-with-dashes`), typed and defaulting like its value."""
+    for name, default in defaults.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
 
 
 def add_timing_flags(
-    parser: argparse.ArgumentParser, clock_help: str, threads_help: str = "torch threads"
+    parser: argparse.ArgumentParser,
+    clock_help: str,
+    threads_help: str = "torch threads",
+    threads: int | None = None,
 ) -> None:
-    """--clock (CLOCKS, default wall) and --threads (default: torch's own choice)."""
-    parser.add_argument("--threads", type=int, default=None, help=threads_help)
+    """--clock (CLOCKS, default wall) and --threads (default `threads`: None, torch's choice)."""
+    parser.add_argument("--threads", type=int, default=threads, help=threads_help)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help=clock_help)
 
 
 def apply_timing_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Callable:
-    """Set torch's threads from --threads (refusing one < 1); returns the --clock function."""
+    """Set torch's threads from --threads (refusing one < 1); returns the --clock function,
+    also set as `args.clock_fn`."""
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
@@ -31,7 +44,8 @@ def apply_timing_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
         import torch
 
         torch.set_num_threads(args.threads)
-    return CLOCKS[args.clock]
+    args.clock_fn = CLOCKS[args.clock]
+    return args.clock_fn
 
 
 def timed(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter):
@@ -41,8 +55,16 @@ def timed(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter)
     return out, clock() - start
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int, cuda: bool = False) -> float:
-    """The median wall seconds of `repeats` calls after `warmup` (with `cuda`, synchronised)."""
+def repeat_seconds(
+    fn: Callable[[], Any],
+    repeats: int,
+    warmup: int,
+    clock: Callable[[], float] = time.perf_counter,
+    cuda: bool = False,
+    reduce: Callable[[list[float]], float] = statistics.median,
+) -> float:
+    """`reduce` (the median, or min: the best) of the seconds of `repeats` calls after `warmup`
+    (with `cuda`, synchronised)."""
     # deferred: the harness serves benchmarks that never import torch too
     import torch
 
@@ -52,11 +74,25 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int, cuda: bool 
     times = []
     for _ in range(repeats):
         sync()
-        start = time.perf_counter()
+        start = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(clock() - start)
+    return reduce(times)
+
+
+def rounds(
+    variants: dict[str, Callable[[int], Any]], count: int, rotate: bool = False
+) -> dict[str, list]:
+    """`count` rounds that call each variant once with the round's index, in order (with
+    `rotate`, each round starting one later: a drift of the machine favours none): {name: its
+    results}."""
+    names, out = list(variants), {name: [] for name in variants}
+    for i in range(count):
+        shift = i % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            out[name].append(variants[name](i))
+    return out
 
 
 def interleave(
@@ -66,33 +102,38 @@ def interleave(
     return [(*timed(ours, clock), *timed(theirs, clock)) for _ in range(pairs)]
 
 
-def median_rate(values: list[float], width: int, digits: int) -> str:
-    """The median rate `width` characters wide, "tokens/s (median; <min>-<max>)" after it."""
-    low, high, mid = min(values), max(values), statistics.median(values)
-    return f"{mid:{width}.{digits}f} tokens/s (median; {low:.{digits}f}-{high:.{digits}f})"
-
-
-def ratio_line(ratios: list[float], suffix: str = "") -> str:
-    """The ours/theirs line a peer comparison prints: the min and median of its pairs."""
+def comparison(
+    rates: dict[str, list[float]], ratios: list[float], suffix: str, width: int, digits: int
+) -> str:
+    """A peer comparison's lines: per side (`rates`' keys, ours first) its median rate `width`
+    characters wide with its range, then the min and median of the ours/theirs `ratios`."""
+    column, rows = max(map(len, rates)) + 1, []
+    for label, v in rates.items():
+        low, high, mid = min(v), max(v), statistics.median(v)
+        rows.append(
+            f"    {label:{column}s}{mid:{width}.{digits}f} tokens/s "
+            f"(median; {low:.{digits}f}-{high:.{digits}f})"
+        )
     low, mid = min(ratios), statistics.median(ratios)
-    return f"    ratio ours/theirs min {low:.2f} median {mid:.2f}{suffix}"
+    return "\n".join([*rows, f"    ratio ours/theirs min {low:.2f} median {mid:.2f}{suffix}"])
+
+
+STUDY_FLAGS = dict(
+    num_layers=3, hidden_size=192, num_attention_heads=6, ffn_hidden_size=512, seq_length=128,
+    global_batch_size=16, train_iters=1500, lr=2e-3, min_lr=2e-4, lr_warmup_iters=100,
+    weight_decay=0.1, clip_grad=1.0, adam_beta2=0.999, eval_interval=100,
+)  # fmt: skip
+"""The LEV quality study's settings (issue 14's), the same flags in both implementations."""
+LEV_FLAGS = dict(
+    lev_num_digits=3, lev_seed_dim=64, lev_num_knots=16, lev_rank=32, lev_num_heads=4,
+    lev_temperature=2.0,
+)  # fmt: skip
+"""The study's LEV settings, the same flags in both implementations."""
 
 
 def add_study_flags(p: argparse.ArgumentParser) -> None:
-    """The LEV quality study's model and training flags, with its defaults (issue 14's
-    settings), as `bench_lev_quality.py` and its plain baseline `plain_gpt.py` both take them."""
-    p.add_argument("--num-layers", type=int, default=3)
-    p.add_argument("--hidden-size", type=int, default=192)
-    p.add_argument("--num-attention-heads", type=int, default=6)
-    p.add_argument("--ffn-hidden-size", type=int, default=512)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--train-iters", type=int, default=1500)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr", type=float, default=2e-4)
-    p.add_argument("--lr-warmup-iters", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--adam-beta2", type=float, default=0.999)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--eval-interval", type=int, default=100)
+    """STUDY_FLAGS, LEV_FLAGS, --eval-samples and --log-interval, with their defaults, as
+    `bench_lev_quality.py` and `plain_gpt.py` both take them."""
+    add_defaults(p, **STUDY_FLAGS, **LEV_FLAGS)
     p.add_argument("--eval-samples", type=int, default=128, help="validation samples per eval")
+    p.add_argument("--log-interval", type=int, default=50)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Statistics of LEV's initial [V, D] embedding table next to a N(0, 0.02) lookup table: std,
 mean pairwise cosine between tokens, and the share of the energy in the mean embedding.
 

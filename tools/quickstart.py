@@ -1,15 +1,10 @@
 """The whole product on CPU, stage by stage: corpus -> tokenizer -> datasets -> training of
 several arms -> evaluation -> report -> Hugging Face export (megatron_ext/quickstart/).
 
-A thin script over `megatron_ext.quickstart`, also run as the `leviathan-quickstart` console
-script:
-
     python tools/quickstart.py --out runs/quickstart                # TIED vs LEV, 5-8 minutes
 """
-
-import sys
 
 from megatron_ext.quickstart import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
