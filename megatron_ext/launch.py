@@ -74,6 +74,7 @@ __all__ = [
     "job_environment",
     "child_pids",
     "descendant_pids",
+    "process_children",
     "find_free_port",
 ]
 
@@ -90,8 +91,9 @@ def _stat(pid: int) -> Optional[list[str]]:
         return None
 
 
-def _children() -> dict[int, list[int]]:
-    """Parent pid -> its children in pid order, from one read of /proc (Linux)."""
+def process_children() -> dict[int, list[int]]:
+    """Parent pid -> its children in pid order, of every process now running, from one read of
+    /proc (Linux)."""
     children: dict[int, list[int]] = {}
     for entry in sorted(int(e) for e in os.listdir("/proc") if e.isdigit()):
         stat = _stat(entry)
@@ -102,13 +104,14 @@ def _children() -> dict[int, list[int]]:
 
 def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid``, in pid order."""
-    return _children().get(pid, [])
+    return process_children().get(pid, [])
 
 
-def descendant_pids(pid: int) -> list[int]:
-    """Every process below ``pid``, children before grandchildren (one read of /proc: a job's
-    wait polls this every 50 ms)."""
-    children, found = _children(), []
+def descendant_pids(pid: int, children: Optional[dict[int, list[int]]] = None) -> list[int]:
+    """Every process below ``pid``, children before grandchildren, in ``children`` (one
+    `process_children()` snapshot, several questions) or in a fresh read of /proc (one read: a
+    job's wait polls this every 50 ms)."""
+    children, found = process_children() if children is None else children, []
     level = children.get(pid, [])
     while level:
         found += level

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import shutil
-import subprocess
 from typing import Iterator
 
 import torch
@@ -23,7 +22,6 @@ __all__ = [
     "DTYPES",
     "HF_FORMATS",
     "atomic_output_dir",
-    "git_revision",
     "new_output",
     "resize_rows",
 ]
@@ -80,21 +78,3 @@ def resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     if tensor.size(0) >= rows:
         return tensor[:rows].clone()
     return torch.cat([tensor, tensor.new_zeros(rows - tensor.size(0), *tensor.shape[1:])])
-
-
-def git_revision() -> str:
-    """The project's git commit (with '-dirty' when the work tree has changes), or 'unknown'."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        rev = subprocess.run(
-            ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return rev + ("-dirty" if dirty else "")

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 from transformers import GenerationConfig
 
+import megatron_ext
 from megatron_ext._paths import display_path
 from megatron_ext.conversion.common import (
     HF_FORMATS,
     ConversionError,
     atomic_output_dir,
-    git_revision,
     new_output,
 )
 from megatron_ext.conversion.hf import (
@@ -74,7 +74,7 @@ def provenance(loaded, vocab_rows: int, opts: ExportHFOptions) -> dict:
         "embedding_type": emb.embedding_type,
         "source_checkpoint": loaded.run.path,
         "iteration": loaded.run.iteration,
-        "git_revision": git_revision(),
+        "git_revision": megatron_ext.git_revision(),
         "saved_layout": loaded.run.common.get("layout"),
         "padded_vocab_size": cfg.vocab_size,
         "exported_vocab_size": vocab_rows,

@@ -4,13 +4,12 @@ MFU, the run's provenance (git hash, package versions). `metrics_logger` writes 
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
-import subprocess
 from typing import Optional
 
 import torch
 
+import megatron_ext
 from megatron_ext.models.memory import flops_per_token
 
 __all__ = ["flops_per_iteration", "peak_tflops", "run_info", "format_train_line"]
@@ -48,20 +47,13 @@ def peak_tflops(override: Optional[float] = None) -> Optional[float]:
     return None
 
 
-def _git_hash() -> str:
-    """The checkout's commit, with "-dirty" when tracked files changed ("unknown" outside git)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    command = ["git", "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"]
-    try:
-        out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
-
-
 def run_info() -> dict[str, str]:
     """Provenance logged at the start of every run."""
-    info = {"git": _git_hash(), "python": platform.python_version(), "host": platform.node()}
+    info = {
+        "git": megatron_ext.git_revision(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
     for package in (
         "torch",
         "megatron-core",

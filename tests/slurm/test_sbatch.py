@@ -43,6 +43,7 @@ import pytest
 
 from tests.support.cluster import records
 from tests.support.distributed import find_free_port
+from tests.support.jobs import process_state
 from tests.support.runs import REPO, TINY_LEV_MODEL, TINY_TRAIN_DEFAULT_DROPOUT
 from tests.support.slurm import Cluster, signal_caught, signal_pending
 
@@ -190,7 +191,7 @@ def test_time_limit_warning_saves_requeues_and_resumes(slurm, train_args, tmp_pa
     # (SIGCONT before the signal).
     deadline = time.monotonic() + 120
     while not all(signal_pending(p, signal.SIGUSR1) for p in ranks.values()):
-        if any(_state(p) not in ("T", "t") for p in ranks.values()):
+        if any(process_state(p) not in ("T", "t") for p in ranks.values()):
             break
         assert time.monotonic() < deadline, "no SIGUSR1 from Slurm within 120 s"
         time.sleep(0.2)
@@ -220,16 +221,9 @@ def _stop(ranks: dict[int, int], timeout: float = 60) -> None:
     for pid in ranks.values():
         os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
-    while any(_state(p) not in ("T", "t") for p in ranks.values()):
-        assert time.monotonic() < deadline, {p: _state(p) for p in ranks.values()}
+    while any(process_state(p) not in ("T", "t") for p in ranks.values()):
+        assert time.monotonic() < deadline, {p: process_state(p) for p in ranks.values()}
         time.sleep(0.01)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def _verify(ckpt: Path, iteration: int) -> None:

@@ -42,27 +42,6 @@ def process_state(pid: int) -> Optional[str]:
         return None
 
 
-def _process_tree() -> dict[int, list[int]]:
-    """{pid: its direct children, in pid order} of every process now running, from one pass
-    over /proc. (megatron_ext.launch.descendant_pids reads all of /proc once for every process
-    below the one asked about: while a test waited on a 2-rank job with DataLoader workers,
-    every 50 ms, that took a third of a core.)"""
-    tree: dict[int, list[int]] = {}
-    for pid in sorted(int(e) for e in os.listdir("/proc") if e.isdigit()):
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        tree.setdefault(ppid, []).append(pid)
-    return tree
-
-
-def _below(pid: int, tree: dict[int, list[int]]) -> list[int]:
-    """Every process below ``pid`` in ``tree``, children before grandchildren."""
-    children = tree.get(pid, [])
-    return children + [d for c in children for d in _below(c, tree)]
-
-
 def _rank_of(pid: int) -> Optional[int]:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -104,7 +83,7 @@ class Job(_launch.Job):
 
     def processes(self) -> list[int]:
         """Every process of the job now running below the agent (remembered for the kill)."""
-        found = _below(self.proc.pid, _process_tree())
+        found = _launch.descendant_pids(self.proc.pid)
         self._remember(found)
         return found
 
@@ -113,7 +92,7 @@ class Job(_launch.Job):
         below it by a wrapper (a batch script, ``srun`` running ``torchrun``)."""
         if not self.torchrun:
             return []
-        pids = [self.proc.pid, *_below(self.proc.pid, tree or _process_tree())]
+        pids = [self.proc.pid, *_launch.descendant_pids(self.proc.pid, tree)]
         self._remember(pids)
         return [pid for pid in pids if _is_torchrun(pid)]
 
@@ -122,7 +101,7 @@ class Job(_launch.Job):
         agents that carry a RANK (their own DataLoader workers are grandchildren)."""
         if not self.torchrun:
             return {} if self.proc.poll() is not None else {0: self.proc.pid}
-        tree = tree or _process_tree()
+        tree = tree or _launch.process_children()
         out = {}
         for agent in self.agents(tree):
             for pid in tree.get(agent, []):
@@ -134,10 +113,10 @@ class Job(_launch.Job):
 
     def workers(self) -> dict[int, list[int]]:
         """{rank: [pid, ...]} of the processes each rank started (DataLoader workers)."""
-        tree = _process_tree()
+        tree = _launch.process_children()
         out = {}
         for rank, pid in self.ranks(tree).items():
-            out[rank] = _below(pid, tree)
+            out[rank] = _launch.descendant_pids(pid, tree)
             self._remember(out[rank])
         return out
 
