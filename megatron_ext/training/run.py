@@ -96,7 +96,7 @@ def setup(
     default = MegatronEngine if cfg.engine.ddp_impl == "megatron" else PortableEngine
     engine = (engine_builder or default)(cfg, model, forward_step, pg, phase, timers)
     param_bytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
-    extras = RunExtras(cfg, pg, param_bytes)
+    extras = RunExtras(cfg, param_bytes)
     model_config = getattr(chunks[0], "model_config", None)  # a LeviathanModel's ModelConfig
     gbs = cfg.batch.global_batch_size
     flops = None if model_config is None else flops_per_iteration(model_config, gbs)

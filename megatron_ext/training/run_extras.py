@@ -18,7 +18,6 @@ from megatron_ext import cpu_accel
 
 if TYPE_CHECKING:
     from megatron_ext.config.run import LoggingConfig, RunConfig
-    from megatron_ext.parallel import ProcessGroups
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +46,10 @@ def memory_stats() -> dict[str, float]:
 class RunExtras:
     """Per-iteration hooks of the feature flags; every rank calls them at the same points."""
 
-    def __init__(self, run: RunConfig, pg: ProcessGroups, param_bytes: int = 0) -> None:
+    def __init__(self, run: RunConfig, param_bytes: int = 0) -> None:
         """`param_bytes`: this rank's parameter bytes (whether a CPU run keeps its largest
         freed blocks, `cpu_accel.host_memory`)."""
-        self.log, self.memory, self.pg = run.log, run.memory, pg
+        self.log, self.memory = run.log, run.memory
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
         self.global_batch_size = run.batch.global_batch_size

@@ -127,18 +127,18 @@ def test_the_run_keeps_large_blocks_on_cpu_only(monkeypatch, cuda):
         parallel=SimpleNamespace(data_parallel_size=1),
         ckpt=SimpleNamespace(save=None),
     )
-    run_extras.RunExtras(run, pg=None)
+    run_extras.RunExtras(run)
     assert asked == [{"large_blocks": not cuda}]
     asked.clear()
     # A rank with the 1.2B shape's parameters maps its largest blocks on CPU too.
-    run_extras.RunExtras(run, None, param_bytes=host_memory.LARGE_BLOCKS_PARAM_LIMIT)
+    run_extras.RunExtras(run, param_bytes=host_memory.LARGE_BLOCKS_PARAM_LIMIT)
     assert asked == [{"large_blocks": False}]
     asked.clear()
     run_extras.RunExtras(
-        SimpleNamespace(**{**vars(run), "memory": MemoryConfig(retain_host_memory=False)}), None
+        SimpleNamespace(**{**vars(run), "memory": MemoryConfig(retain_host_memory=False)})
     )
     assert asked == []
     # The CPU accelerations off: glibc's defaults, whatever --no-retain-host-memory says.
     monkeypatch.setenv(cpu_accel.ENV, "0")
-    run_extras.RunExtras(run, pg=None)
+    run_extras.RunExtras(run)
     assert asked == []
