@@ -1,6 +1,6 @@
 """TP=2 (with and without sequence parallelism) equals TP=1: init, outputs, every gradient.
 
-All multi-process checks run in ONE run_distributed call (spawning ranks costs ~15 s). Each
+All multi-process checks run in ONE run_distributed call (one set of gloo ranks). Each
 rank builds a TP=1 reference on a single-rank group beside the TP=2 modules, so the comparison
 needs no files. The rank function lives in this file and is reached through `call_in_file`,
 which works whatever pytest's import mode. Everything runs in float64: the layouts sum the

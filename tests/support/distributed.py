@@ -1,6 +1,6 @@
 """Multi-process harness for CPU tests: N gloo ranks with megatron parallel_state initialised.
 
-Usage (the function must be importable at module level so that "spawn" can pickle it)::
+Usage (the function must be importable at module level so that it can be pickled)::
 
     def _check(tmp_dir):
         ...  # runs in every rank with parallel_state initialised
@@ -12,6 +12,11 @@ Each rank returns its value; `run_distributed` returns them as a list indexed by
 A failure in any rank is re-raised in the caller with that rank's traceback. Process groups
 are always destroyed and children never outlive the call: a rank that hangs past `timeout`
 is killed. Ports are picked free per call, so test files can run in parallel.
+
+The ranks are forked from a "forkserver" process that imported torch and megatron-core once
+(multiprocessing's forkserver, preloaded): spawned, every rank imported them again, about 2.5 s
+of CPU each, and a suite's in-process tests start about 60 ranks. A rank gets the caller's
+environment as it is at the call, as a spawned one did.
 
 `run_distributed` pickles its function by module name, which a child process can only import if
 the parent's import of that module is reproducible; under pytest's `--import-mode=importlib`
@@ -51,8 +56,11 @@ def _worker(
     args: Sequence[Any],
     queue: "mp.SimpleQueue",
     threads: int,
+    environ: dict[str, str],
 ) -> None:
     torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -100,13 +108,24 @@ def run_distributed(
     layout = ParallelConfig(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
     ).resolve(world_size)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["megatron_ext.megatron_import"])  # before the server starts
     queue = ctx.SimpleQueue()
     port = find_free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, layout, fn, tuple(args), queue, threads_per_rank),
+            args=(
+                rank,
+                world_size,
+                port,
+                layout,
+                fn,
+                tuple(args),
+                queue,
+                threads_per_rank,
+                dict(os.environ),
+            ),
             daemon=True,
         )
         for rank in range(world_size)
