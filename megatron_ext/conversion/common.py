@@ -1,5 +1,5 @@
-"""What every converter shares: one-line errors, atomic output directories, provenance, the
-padding of vocabulary rows.
+"""What every converter shares: one-line errors, atomic output directories, the padding of
+vocabulary rows.
 
 Outputs are written into a hidden temporary directory beside the destination and renamed into
 place only when complete, so an error or Ctrl-C never leaves a half-written export behind.
