@@ -36,10 +36,8 @@ SignalTargets = Literal["ranks", "agent", "job"]
 
 def process_state(pid: int) -> Optional[str]:
     """The state letter of /proc/<pid>/stat (R, S, T, Z, ...), or None for no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
+    stat = _launch._stat(pid)
+    return stat[0] if stat else None
 
 
 def _rank_of(pid: int) -> Optional[int]:
