@@ -133,13 +133,13 @@ def trained(tmp_path_factory, sample_data) -> dict:
 def _train_arms(root: Path, data: list[str]) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.support.runs import TRAINED_ARMS, launch, trained_run_flags
+    from tests.support.runs import TRAINED_ARMS, train, trained_run_flags
 
     def one(arm: str) -> None:
         nproc, flags = trained_run_flags(arm, data)
         run = root / arm
         logs = ["--save", str(run / "ckpt"), "--tensorboard-dir", str(run / "tb")]
-        launch(nproc, [*flags, *logs], run).check()
+        train(nproc, [*flags, *logs], run).check()
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(one, TRAINED_ARMS))

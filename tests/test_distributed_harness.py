@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.distributed import run_distributed
+from tests.support.distributed import run_distributed, run_entry
 
 pytestmark = pytest.mark.integration
 
@@ -36,3 +36,33 @@ def test_rank_failure_is_reported():
 def test_bad_layout_rejected():
     with pytest.raises(ValueError, match="not divisible"):
         run_distributed(_layout_and_allreduce, world_size=3, tp=2)
+
+
+PROBE = """
+import os, sys, time
+def cli_main(argv):
+    rank = int(os.environ.get("RANK", "0"))
+    print(f"rank {rank} of {os.environ.get('WORLD_SIZE')} in {os.getcwd()} argv {argv}")
+    print(f"rank {rank} threads {os.environ['OMP_NUM_THREADS']} {os.environ['PROBE']}",
+          file=sys.stderr)
+    if rank == 1:
+        return 3
+    time.sleep(600)  # a peer blocked in a collective
+"""
+
+
+def test_run_entry_gives_ranks_torchruns_environment_and_stops_a_failed_job(tmp_path, monkeypatch):
+    """A forked job's ranks see torchrun's rank variables, the working directory and their
+    arguments; stdout and stderr go to their files; the first failing rank's status is the
+    job's, and a peer left waiting is stopped."""
+    (tmp_path / "probe_entry.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    work, out, err = tmp_path / "work", tmp_path / "out.log", tmp_path / "err.log"
+    work.mkdir()
+    code = run_entry("probe_entry", 2, ["--x", 1], cwd=work, log_path=out, stderr_path=err,
+                     env={"PROBE": "seen"}, timeout=60)  # fmt: skip
+    assert code == 3
+    assert sorted(out.read_text().splitlines()) == [
+        f"rank {r} of 2 in {work} argv ['--x', '1']" for r in (0, 1)
+    ]
+    assert sorted(err.read_text().splitlines()) == [f"rank {r} threads 1 seen" for r in (0, 1)]

@@ -31,8 +31,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE, REPO, trained_run_flags
+from tests.support.runs import REPO, run_entry_once, trained_run_flags
 
 from .test_format import _tiny_model
 
@@ -199,9 +198,8 @@ def _resume(d, args, *extra, nproc=2, name="resume"):
     """Resume `d`/ckpt with `args` + `extra`, saving to `d`/`name`_ckpt."""
     out, err = d / f"{name}.out", d / f"{name}.err"
     args = [*args, "--load", str(d / "ckpt"), "--save", str(d / f"{name}_ckpt"), *extra]
-    with launch(ENTRY_MODULE, nproc, args, log=out, stderr=err, cwd=d) as job:
-        returncode = job.wait()
-    return returncode, job.output(), job.errors()
+    run = run_entry_once(args, d, nproc=nproc, log=out, stderr=err)
+    return run.returncode, run.stdout, run.stderr
 
 
 def _convert(*argv, cwd):

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE
+from tests.support.runs import run_entry_once
 
 from .test_format import _tiny_model
 
@@ -175,9 +174,8 @@ def test_unwritable_save_is_refused_before_training(tmp_path):
         "--log-jsonl", str(tmp_path / "metrics.jsonl"), "--no-loss-curve",
     ]  # fmt: skip
     out, err = tmp_path / "run.out", tmp_path / "run.err"
-    with launch(ENTRY_MODULE, 1, args, log=out, stderr=err, cwd=tmp_path) as job:
-        returncode = job.wait()
-    stdout, stderr = job.output(), job.errors()
+    run = run_entry_once(args, tmp_path, log=out, stderr=err)
+    returncode, stdout, stderr = run.returncode, run.stdout, run.stderr
     assert returncode == 2, stdout[-3000:] + stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"--save {blocker / 'ckpt'} cannot hold" in errors[0], errors

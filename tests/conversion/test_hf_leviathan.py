@@ -305,14 +305,14 @@ def test_export_loads_without_the_package(results, tmp_path):
 def test_finetuning_the_import_trains_as_the_original(results, trained, tmp_path):
     """`pretrain_leviathan.py --finetune` from the imported LEV checkpoint and from the original
     run the same steps: the imported weights are the trained ones, and they train."""
-    from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
+    from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, train
 
     model = [*TINY_LEV_MODEL, "--group-query-attention", "--num-query-groups", "2"]
     losses = {}
     for name, load in (("original", trained["ckpt"]["lev"]),
                        ("imported", os.path.join(results["out"], "imp_lev"))):  # fmt: skip
-        run = launch(1, [*model, *TINY_TRAIN, *trained["data"], "--load", load, "--finetune",
-                         "--exit-interval", "2", "--eval-iters", "0"], tmp_path / name)  # fmt: skip
+        run = train(1, [*model, *TINY_TRAIN, *trained["data"], "--load", load, "--finetune",
+                        "--exit-interval", "2", "--eval-iters", "0"], tmp_path / name)  # fmt: skip
         losses[name] = run.check().losses
     assert sorted(losses["imported"]) == [1, 2]
     for iteration, loss in losses["original"].items():

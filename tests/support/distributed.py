@@ -24,10 +24,17 @@ test files are not importable by name. `call_in_file(path, name, *args)` is an i
 trampoline that loads the file by location in the child and calls `name(*args)`::
 
     run_distributed(call_in_file, 2, tp=2, args=(__file__, "_check_tp", ...))
+
+`run_entry(module, nproc, argv, cwd=..., log_path=...)` runs a command's `cli_main(argv)` (the
+training entry, `pretrain_leviathan`) on N ranks forked from the same server, each with the
+environment torchrun gives its workers, for the tests of what a run computes; the tests of how
+a run is launched, signalled and restarted start real torchrun jobs (tests/support/jobs.py).
 """
 
 from __future__ import annotations
 
+import atexit
+import importlib
 import importlib.util
 import os
 import sys
@@ -41,10 +48,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_ext.config.layout import ParallelConfig
-from megatron_ext.launch import find_free_port
+from megatron_ext.launch import find_free_port, job_environment
 from megatron_ext.parallel import destroy_parallel, initialize_parallel
 
-__all__ = ["call_in_file", "find_free_port", "run_distributed"]
+__all__ = ["call_in_file", "find_free_port", "run_distributed", "run_entry"]
+
+# What the forkserver imports once for every rank forked from it: torch and megatron-core, the
+# training entry and TorchDynamo (which building a torch optimizer imports).
+PRELOAD = ["megatron_ext.megatron_import", "torch._dynamo", "pretrain_leviathan"]
+
+
+def _forkserver() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first call)
+    return ctx
 
 
 def _worker(
@@ -108,8 +125,7 @@ def run_distributed(
     layout = ParallelConfig(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
     ).resolve(world_size)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["megatron_ext.megatron_import"])  # before the server starts
+    ctx = _forkserver()
     queue = ctx.SimpleQueue()
     port = find_free_port()
     procs = [
@@ -178,3 +194,86 @@ def call_in_file(path: str, name: str, *args: Any) -> Any:
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
     return getattr(module, name)(*args)
+
+
+def _entry_rank(
+    module: str, argv: list[str], cwd: str, paths: tuple[str, str], environ: dict
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    for stream, path in zip((sys.stdout, sys.stderr), paths):
+        stream.flush()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, stream.fileno())
+        os.close(fd)
+        stream.reconfigure(line_buffering=True)  # the job's PYTHONUNBUFFERED=1
+    torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    mp.set_start_method(None, force=True)  # a forkserver child inherits "forkserver"
+    entry = importlib.import_module(module)
+    sys.argv = [entry.__file__, *argv]
+    try:
+        code = entry.cli_main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        atexit._run_exitfuncs()  # as the interpreter does at exit (a forked child skips them)
+    sys.exit(code)
+
+
+def run_entry(
+    module: str,
+    nproc: int,
+    argv: Sequence[str],
+    *,
+    cwd: Path,
+    log_path: Path,
+    stderr_path: Path | None = None,
+    env: dict | None = None,
+    timeout: float = 300.0,
+) -> int:
+    """Run `module.cli_main(argv)` on `nproc` ranks forked from the preloaded forkserver, in
+    `cwd`, with the environment `megatron_ext.launch.launch` gives a job (`env` added) and, for
+    more than one rank, the rank variables torchrun sets; the ranks' stdout and stderr append to
+    `log_path` (stderr to `stderr_path` if given). Returns the job's exit status: 0, or the
+    first failing rank's (its peers are killed 5 s after it, as torchrun stops a job whose
+    worker failed).
+
+    Raises:
+        TimeoutError: the job ran past `timeout` seconds (every rank is killed first).
+    """
+    ctx = _forkserver()
+    base = job_environment(env)
+    base.setdefault("MASTER_ADDR", "127.0.0.1")
+    base["MASTER_PORT"] = str(find_free_port())
+    ranks = {}
+    for rank in range(nproc):
+        environ = dict(base)
+        if nproc > 1:
+            environ.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), TORCHELASTIC_RESTART_COUNT="0",
+            )  # fmt: skip
+        paths = (str(log_path), str(stderr_path or log_path))
+        args = (module, [str(a) for a in argv], str(cwd), paths, environ)
+        ranks[rank] = ctx.Process(target=_entry_rank, args=args, daemon=False)
+    for proc in ranks.values():
+        proc.start()
+    deadline, failed_at, status = time.monotonic() + timeout, None, 0
+    try:
+        while any(p.exitcode is None for p in ranks.values()):
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"{module} on {nproc} ranks ran past {timeout:.0f} s")
+            if failed_at is None:
+                status = next((p.exitcode for p in ranks.values() if p.exitcode), 0)
+                failed_at = now if status else None
+            elif now > failed_at + 5:
+                break
+            time.sleep(0.05)
+    finally:
+        for proc in ranks.values():
+            if proc.exitcode is None:
+                proc.kill()
+            proc.join()
+    return status or next((p.exitcode for p in ranks.values() if p.exitcode), 0)

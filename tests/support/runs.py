@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -19,6 +20,7 @@ from typing import Optional
 from megatron_ext.data.preprocess import PreprocessConfig, preprocess
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 from megatron_ext.data.tokenizer_training import TokenizerTrainingConfig, train_sentencepiece
+from tests.support.distributed import run_entry
 from tests.support.jobs import launch as start
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "Run",
     "launch",
     "prepare_sample_data",
+    "run_entry_once",
+    "train",
     "trained_run_flags",
 ]
 
@@ -187,7 +191,55 @@ def launch(
             workers = [len(pids) for pids in job.workers().values()]
             job.send_signal(signal.SIGTERM, "ranks")
         returncode = job.wait()
-    records = []
-    if jsonl.exists():
-        records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    return Run(returncode, job.output(), records, workers)
+    return Run(returncode, job.output(), _records(jsonl), workers)
+
+
+def train(
+    nproc: int,
+    args: list[str],
+    workdir: Path,
+    *,
+    timeout: float = 300,
+    env: Optional[dict] = None,
+) -> Run:
+    """`launch` for the tests of what a run computes: `pretrain_leviathan` on `nproc` ranks
+    forked from a server that imported it once (tests.support.distributed.run_entry), each with
+    torchrun's rank environment, rather than under torchrun (about 2.5 s of CPU less per rank)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    jsonl, log = workdir / "metrics.jsonl", workdir / "output.log"
+    for stale in (jsonl, log):
+        stale.unlink(missing_ok=True)
+    args = [*args, "--log-jsonl", str(jsonl)]
+    code = run_entry(ENTRY_MODULE, nproc, args, cwd=workdir, log_path=log, env=env, timeout=timeout)
+    return Run(code, _text(log), _records(jsonl))
+
+
+def run_entry_once(
+    args: list[str],
+    workdir: Path,
+    *,
+    nproc: int = 1,
+    log: Optional[Path] = None,
+    stderr: Optional[Path] = None,
+    env: Optional[dict] = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """`pretrain_leviathan args` on `nproc` forked ranks in `workdir` (as `train`), its output
+    in `log` (default: runN.out there) and stderr in `stderr` (default: with the output):
+    (args, exit status, output, stderr or "")."""
+    workdir = Path(workdir)
+    log = log or workdir / f"run{len(list(workdir.glob('run*.out')))}.out"
+    code = run_entry(ENTRY_MODULE, nproc, args, cwd=workdir, log_path=log, stderr_path=stderr,
+                     env=env, timeout=timeout)  # fmt: skip
+    return subprocess.CompletedProcess(args, code, _text(log), _text(stderr))
+
+
+def _text(path: Optional[Path]) -> str:
+    return path.read_text(errors="replace") if path and path.exists() else ""
+
+
+def _records(jsonl: Path) -> list[dict]:
+    if not jsonl.exists():
+        return []
+    return [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]

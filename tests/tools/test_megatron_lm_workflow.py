@@ -25,7 +25,7 @@ from megatron_ext.data.readers import iter_lines
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 from tests.support.gpt2_bpe import write_gpt2_bpe_files
 from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE
+from tests.support.runs import ENTRY_MODULE, run_entry_once
 
 pytestmark = pytest.mark.integration
 
@@ -83,8 +83,8 @@ def bpe_run(tmp_path_factory) -> Path:
     )  # fmt: skip
     args = [*MODEL, *TRAIN, *BPE, "--data-path", "data/bpe_text_document", "--train-iters", "4"]
     args += ["--save", "ckpt", "--save-interval", "2"]
-    with launch(ENTRY_MODULE, 1, args, cwd=root, log=root / "train.log") as job:
-        assert job.wait() == 0, job.output()[-4000:]
+    run = run_entry_once(args, root, log=root / "train.log")
+    assert run.returncode == 0, run.stdout[-4000:]
     return root
 
 

@@ -1,12 +1,12 @@
 """Shared fixtures of the training tests: a generated corpus preprocessed once per session, and
-a launcher that runs `pretrain_leviathan.py` under torchrun on N gloo ranks
-(`tests.support.runs`)."""
+a launcher that runs `pretrain_leviathan` on N gloo ranks forked from a preloaded server
+(`tests.support.runs.train`; the tests of launching itself use torchrun jobs)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, launch
+from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, train
 
 
 @pytest.fixture(scope="session")
@@ -18,8 +18,8 @@ def corpus(sample_data) -> list[str]:
 
 @pytest.fixture(scope="session")
 def launcher():
-    """`launch(nproc, args, workdir, ...)` (see tests.support.runs)."""
-    return launch
+    """`train(nproc, args, workdir, ...)` (see tests.support.runs)."""
+    return train
 
 
 @pytest.fixture(scope="session")

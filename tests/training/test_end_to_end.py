@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.runs import launch
+
 pytestmark = pytest.mark.integration
 
 RTOL = 1e-5
@@ -70,18 +72,18 @@ def tp_run(launcher, base_args, runs):
 
 
 @pytest.fixture(scope="module")
-def zero_run(launcher, base_args, runs):
+def zero_run(base_args, runs):
     """DP=2 with the distributed optimizer and 2 DataLoader workers per rank (no validation,
     whose iterator would start workers of its own), saving every 2 iterations (keeping 2),
-    stopped by SIGTERM to the rank processes after iteration 3 (test_signals.py's other two
-    deliveries); each rank records its exit in d/exits."""
+    under torchrun, stopped by SIGTERM to the rank processes after iteration 3
+    (test_signals.py's other two deliveries); each rank records its exit in d/exits."""
     d = runs / "dp2"
     (d / "exits").mkdir(parents=True)
     args = [*base_args, "--use-distributed-optimizer", "--exit-signal-handler", "--eval-iters"]
     args += ["0", "--num-workers", "2"]
     args += _ckpt(d, "--save-interval", "2", "--ckpt-keep-last", "2")
     env = {"LEVIATHAN_TEST_EXIT_DIR": str(d / "exits")}
-    return launcher(2, args, d, sigterm_after_iteration=3, entry=RANK_ENTRY, env=env)
+    return launch(2, args, d, sigterm_after_iteration=3, entry=RANK_ENTRY, env=env)
 
 
 def test_reference_run_logs_validates_and_checkpoints(ref_run, runs):

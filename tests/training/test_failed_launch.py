@@ -11,7 +11,7 @@ import pytest
 
 from megatron_ext.checkpoint import lock as L
 from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN
+from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN, run_entry_once
 
 pytestmark = pytest.mark.integration
 
@@ -28,10 +28,10 @@ def _fail(tmp_path: Path, args: list[str]) -> tuple[str, Path]:
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     log, err = tmp_path / "out.log", tmp_path / "err.log"
-    with launch(ENTRY_MODULE, 1, args, log=log, stderr=err, cwd=work) as job:
-        assert job.wait() == 2, job.output()[-3000:] + job.errors()[-3000:]
-        errors = [line for line in job.errors().splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "Traceback" not in job.errors(), job.errors()[-3000:]
+    run = run_entry_once(args, work, log=log, stderr=err)
+    assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     return errors[0], work
 
 
@@ -89,8 +89,8 @@ def test_a_refused_save_keeps_the_holders_lock_and_writes_no_tensorboard(tmp_pat
 def test_a_successful_run_still_writes_its_tensorboard_file(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    with launch(ENTRY_MODULE, 1, RUN, log=tmp_path / "out.log", cwd=work) as job:
-        assert job.wait() == 0, job.output()[-3000:]
+    run = run_entry_once(RUN, work, log=tmp_path / "out.log")
+    assert run.returncode == 0, run.stdout[-3000:]
     (events,) = (work / "runs" / "a" / "tb").glob("events.out.tfevents.*")
     content = events.read_bytes()
     assert b"config" in content and b"lm loss" in content  # the text entry and the scalars

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.launch import launch
-from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN
+from tests.support.runs import TINY_MOCK_RUN, run_entry_once
 
 pytestmark = pytest.mark.integration
 
@@ -28,11 +27,7 @@ BACKBONE_LINE = "this package trains its LLaMA-style backbone, rotary positions,
 
 
 def _run(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    n = len(list(workdir.glob("run*.out")))
-    out = workdir / f"run{n}.out"
-    with launch(ENTRY_MODULE, 1, [*TINY_MOCK_RUN, *args], log=out, cwd=workdir) as job:
-        returncode = job.wait()
-        return subprocess.CompletedProcess(job.cmd, returncode, job.output(), "")
+    return run_entry_once([*TINY_MOCK_RUN, *args], workdir)
 
 
 def test_gpt3_style_line_and_skipped_iterations_per_log_line(tmp_path):
@@ -63,20 +58,18 @@ def test_loss_curve_beside_the_logs_never_inside_save(tmp_path):
     --tensorboard-dir), never into --save; with neither, one line says it was not written."""
     curve_on = [a for a in TINY_MOCK_RUN if a != "--no-loss-curve"]
     base = [*curve_on, "--train-iters", "2", "--save", "ckpt", "--save-interval", "2"]
-    out = tmp_path / "logged.out"
-    with launch(ENTRY_MODULE, 1, [*base, "--log-jsonl", "logs/m.jsonl"], log=out,
-                cwd=tmp_path) as job:  # fmt: skip
-        assert job.wait() == 0, job.output()[-3000:]
-        logged = job.output()
+    run = run_entry_once([*base, "--log-jsonl", "logs/m.jsonl"], tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:]
+    logged = run.stdout
     assert (tmp_path / "logs" / "loss_curve.png").is_file()
     assert f"loss curve: {tmp_path / 'logs' / 'loss_curve.png'}" in logged, logged[-2000:]
     assert not (tmp_path / "ckpt" / "loss_curve.png").exists()
 
     bare = tmp_path / "bare"
     bare.mkdir()
-    with launch(ENTRY_MODULE, 1, base, log=tmp_path / "bare.out", cwd=bare) as job:
-        assert job.wait() == 0, job.output()[-3000:]
-        output = job.output()
+    run = run_entry_once(base, bare, log=tmp_path / "bare.out")
+    assert run.returncode == 0, run.stdout[-3000:]
+    output = run.stdout
     assert "loss curve: not written (it goes beside --tensorboard-dir or --log-jsonl" in output
     assert sorted(p.name for p in (bare / "ckpt").iterdir()) == [
         "iter_0000002", "latest_checkpointed_iteration.txt"

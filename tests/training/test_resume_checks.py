@@ -23,8 +23,7 @@ import pytest
 
 from megatron_ext.config.data import DataConfig
 from megatron_ext.data.readers import DataError
-from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN
+from tests.support.runs import TINY_MOCK_RUN, run_entry_once
 
 pytestmark = pytest.mark.integration
 
@@ -32,12 +31,10 @@ TINY = TINY_MOCK_RUN
 
 
 def _run(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    """pretrain_leviathan on one rank (megatron_ext.launch); stdout and stderr apart."""
+    """pretrain_leviathan on one rank; stdout and stderr apart."""
     n = len(list(workdir.glob("run*.out")))
     out, err = workdir / f"run{n}.out", workdir / f"run{n}.err"
-    with launch(ENTRY_MODULE, 1, [*TINY, *args], log=out, stderr=err, cwd=workdir) as job:
-        returncode = job.wait()
-        return subprocess.CompletedProcess(job.cmd, returncode, job.output(), job.errors())
+    return run_entry_once([*TINY, *args], workdir, log=out, stderr=err)
 
 
 def _error_line(run: subprocess.CompletedProcess) -> str:
