@@ -47,14 +47,19 @@ def cli_main(argv):
           file=sys.stderr)
     if rank == 1:
         return 3
+    if "--quit" in argv:
+        return 0
     time.sleep(600)  # a peer blocked in a collective
+
+if __name__ == "__main__":
+    sys.exit(cli_main(sys.argv[1:]))
 """
 
 
 def test_run_entry_gives_ranks_torchruns_environment_and_stops_a_failed_job(tmp_path, monkeypatch):
     """A forked job's ranks see torchrun's rank variables, the working directory and their
-    arguments; stdout and stderr go to their files; the first failing rank's status is the
-    job's, and a peer left waiting is stopped."""
+    arguments (`python -m MODULE` / `python SCRIPT`); stdout and stderr go to their files; the
+    first failing rank's status is the job's, and a peer left waiting is stopped."""
     (tmp_path / "probe_entry.py").write_text(PROBE)
     monkeypatch.syspath_prepend(str(tmp_path))
     work, out, err = tmp_path / "work", tmp_path / "out.log", tmp_path / "err.log"
@@ -66,3 +71,10 @@ def test_run_entry_gives_ranks_torchruns_environment_and_stops_a_failed_job(tmp_
         f"rank {r} of 2 in {work} argv ['--x', '1']" for r in (0, 1)
     ]
     assert sorted(err.read_text().splitlines()) == [f"rank {r} threads 1 seen" for r in (0, 1)]
+    # A script path runs as `python SCRIPT`; one process has no rank variables.
+    script = str(tmp_path / "probe_entry.py")
+    assert run_entry(script, 1, ["--quit"], cwd=work, log_path=out, env={"PROBE": "1"}) == 0
+    assert out.read_text().splitlines()[-2:] == [
+        f"rank 0 of None in {work} argv ['--quit']",
+        "rank 0 threads 1 1",
+    ]

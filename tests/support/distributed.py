@@ -25,18 +25,19 @@ trampoline that loads the file by location in the child and calls `name(*args)`:
 
     run_distributed(call_in_file, 2, tp=2, args=(__file__, "_check_tp", ...))
 
-`run_entry(module, nproc, argv, cwd=..., log_path=...)` runs a command's `cli_main(argv)` (the
-training entry, `pretrain_leviathan`) on N ranks forked from the same server, each with the
-environment torchrun gives its workers, for the tests of what a run computes; the tests of how
-a run is launched, signalled and restarted start real torchrun jobs (tests/support/jobs.py).
+`run_entry(entry, nproc, argv, cwd=..., log_path=...)` runs a command (`python -m
+pretrain_leviathan`, `python tools/evaluate.py`) on N processes forked from the same server,
+each with the environment torchrun gives its workers, for the tests of what a command computes;
+the tests of how a run is launched, signalled and restarted start real torchrun jobs
+(tests/support/jobs.py).
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib
 import importlib.util
 import os
+import runpy
 import sys
 import time
 import traceback
@@ -197,7 +198,7 @@ def call_in_file(path: str, name: str, *args: Any) -> Any:
 
 
 def _entry_rank(
-    module: str, argv: list[str], cwd: str, paths: tuple[str, str], environ: dict
+    entry: str, argv: list[str], cwd: str, paths: tuple[str, str], environ: dict
 ) -> None:
     os.environ.clear()
     os.environ.update(environ)
@@ -210,10 +211,13 @@ def _entry_rank(
         stream.reconfigure(line_buffering=True)  # the job's PYTHONUNBUFFERED=1
     torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     mp.set_start_method(None, force=True)  # a forkserver child inherits "forkserver"
-    entry = importlib.import_module(module)
-    sys.argv = [entry.__file__, *argv]
+    sys.argv = [entry, *argv]
+    code = 0
     try:
-        code = entry.cli_main(argv)
+        if entry.endswith(".py"):
+            runpy.run_path(entry, run_name="__main__")  # python SCRIPT
+        else:
+            runpy.run_module(entry, run_name="__main__", alter_sys=True)  # python -m MODULE
     except SystemExit as exit_:
         code = exit_.code
     finally:
@@ -222,7 +226,7 @@ def _entry_rank(
 
 
 def run_entry(
-    module: str,
+    entry: str,
     nproc: int,
     argv: Sequence[str],
     *,
@@ -232,12 +236,12 @@ def run_entry(
     env: dict | None = None,
     timeout: float = 300.0,
 ) -> int:
-    """Run `module.cli_main(argv)` on `nproc` ranks forked from the preloaded forkserver, in
-    `cwd`, with the environment `megatron_ext.launch.launch` gives a job (`env` added) and, for
-    more than one rank, the rank variables torchrun sets; the ranks' stdout and stderr append to
-    `log_path` (stderr to `stderr_path` if given). Returns the job's exit status: 0, or the
-    first failing rank's (its peers are killed 5 s after it, as torchrun stops a job whose
-    worker failed).
+    """Run `python -m entry argv` (`python entry argv` for a .py path) on `nproc` ranks forked
+    from the preloaded forkserver, in `cwd`, with the environment `megatron_ext.launch.launch`
+    gives a job (`env` added) and, for more than one rank, the rank variables torchrun sets; the
+    ranks' stdout and stderr append to `log_path` (stderr to `stderr_path` if given). Returns
+    the job's exit status: 0, or the first failing rank's (its peers are killed 5 s after it, as
+    torchrun stops a job whose worker failed).
 
     Raises:
         TimeoutError: the job ran past `timeout` seconds (every rank is killed first).
@@ -255,7 +259,7 @@ def run_entry(
                 LOCAL_WORLD_SIZE=str(nproc), TORCHELASTIC_RESTART_COUNT="0",
             )  # fmt: skip
         paths = (str(log_path), str(stderr_path or log_path))
-        args = (module, [str(a) for a in argv], str(cwd), paths, environ)
+        args = (str(entry), [str(a) for a in argv], str(cwd), paths, environ)
         ranks[rank] = ctx.Process(target=_entry_rank, args=args, daemon=False)
     for proc in ranks.values():
         proc.start()
@@ -264,7 +268,7 @@ def run_entry(
         while any(p.exitcode is None for p in ranks.values()):
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError(f"{module} on {nproc} ranks ran past {timeout:.0f} s")
+                raise TimeoutError(f"{entry} on {nproc} ranks ran past {timeout:.0f} s")
             if failed_at is None:
                 status = next((p.exitcode for p in ranks.values() if p.exitcode), 0)
                 failed_at = now if status else None

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -35,6 +36,7 @@ __all__ = [
     "launch",
     "prepare_sample_data",
     "run_entry_once",
+    "run_tool",
     "train",
     "trained_run_flags",
 ]
@@ -233,6 +235,16 @@ def run_entry_once(
     code = run_entry(ENTRY_MODULE, nproc, args, cwd=workdir, log_path=log, stderr_path=stderr,
                      env=env, timeout=timeout)  # fmt: skip
     return subprocess.CompletedProcess(args, code, _text(log), _text(stderr))
+
+
+def run_tool(script: str, args: list[str], cwd: Path, timeout: float = 300):
+    """`python tools/SCRIPT args` in `cwd`, forked from the preloaded server (as `train`):
+    a CompletedProcess with its exit status, stdout and stderr."""
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = Path(logs) / "out", Path(logs) / "err"
+        code = run_entry(str(REPO / "tools" / script), 1, args, cwd=Path(cwd), log_path=out,
+                         stderr_path=err, timeout=timeout)  # fmt: skip
+        return subprocess.CompletedProcess([script, *args], code, _text(out), _text(err))
 
 
 def _text(path: Optional[Path]) -> str:

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +24,10 @@ from megatron_ext.data.readers import iter_lines
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 from tests.support.gpt2_bpe import write_gpt2_bpe_files
 from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE, run_entry_once
+from tests.support.runs import ENTRY_MODULE, run_entry_once, run_tool
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--ffn-hidden-size", "64", "--seq-length", "32", "--max-position-embeddings", "32",
@@ -45,13 +43,7 @@ BPE = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2/vocab.json"
 
 
 def _tool(cwd: Path, script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / script), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_tool(script, list(args), cwd)
 
 
 def _ok(result: subprocess.CompletedProcess) -> str:

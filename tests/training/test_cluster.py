@@ -27,7 +27,7 @@ import pytest
 from tests.support.cluster import cluster_job as _job
 from tests.support.cluster import records as _records
 from tests.support.cluster import torchrun_cmd as _torchrun
-from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, TINY_TRAIN_DEFAULT_DROPOUT, launch
+from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, TINY_TRAIN_DEFAULT_DROPOUT, train
 
 pytestmark = pytest.mark.integration
 
@@ -46,26 +46,23 @@ def train_args(corpus) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(train_args, tmp_path_factory) -> dict[int, float]:
-    """An uninterrupted 2-rank run: --exit-interval saves and exits 0."""
+    """An uninterrupted 2-rank run (forked ranks: tests.support.runs.train): --exit-interval
+    saves and exits 0."""
     d = tmp_path_factory.mktemp("reference")
-    jsonl = d / "metrics.jsonl"
-    args = [*train_args, "--save", str(d / "ckpt")]
-    with _job(_torchrun(args, jsonl), d) as job:
-        assert job.wait() == 0, job.output()[-4000:]
-    assert f"exiting at iteration {ITERS} (exit-interval)" in job.output()
+    run = train(2, [*train_args, "--save", str(d / "ckpt")], d).check()
+    assert f"exiting at iteration {ITERS} (exit-interval)" in run.output
     assert (d / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
-    losses = {r["iteration"]: r["loss"] for r in _records(jsonl)}
-    assert sorted(losses) == list(range(1, ITERS + 1))
-    return losses
+    assert sorted(run.losses) == list(range(1, ITERS + 1))
+    return run.losses
 
 
 def test_exit_duration_saves_and_exits_before_the_limit(corpus, tmp_path):
-    # 30 s: start-up alone took up to 20 s on a loaded 2-core machine; the run is sized to
-    # outlast the limit on a fast one (about 60 ms an iteration).
-    limit_min = 0.5
+    # 12 s: a forked rank starts in about a second (up to 5 s on a loaded 2-core machine); the
+    # run is sized to outlast the limit on a fast one (about 60 ms an iteration).
+    limit_min = 0.2
     args = [*TINY_LEV_MODEL, *TINY_TRAIN, *corpus, "--eval-iters", "0", "--train-iters", "5000"]
     args += ["--exit-duration-in-mins", str(limit_min), "--save", str(tmp_path / "ckpt")]
-    run = launch(1, args, tmp_path).check()
+    run = train(1, args, tmp_path).check()
     last = max(run.losses)
     assert 1 <= last < 5000 and f"exiting at iteration {last} (exit-duration)" in run.output
     saved = re.search(
