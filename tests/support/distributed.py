@@ -215,6 +215,7 @@ def _entry_rank(
     code = 0
     try:
         if entry.endswith(".py"):
+            sys.path.insert(0, os.path.dirname(os.path.abspath(entry)))
             runpy.run_path(entry, run_name="__main__")  # python SCRIPT
         else:
             runpy.run_module(entry, run_name="__main__", alter_sys=True)  # python -m MODULE
@@ -235,28 +236,40 @@ def run_entry(
     stderr_path: Path | None = None,
     env: dict | None = None,
     timeout: float = 300.0,
+    torchrun: bool | None = None,
 ) -> int:
     """Run `python -m entry argv` (`python entry argv` for a .py path) on `nproc` ranks forked
     from the preloaded forkserver, in `cwd`, with the environment `megatron_ext.launch.launch`
-    gives a job (`env` added) and, for more than one rank, the rank variables torchrun sets; the
-    ranks' stdout and stderr append to `log_path` (stderr to `stderr_path` if given). Returns
-    the job's exit status: 0, or the first failing rank's (its peers are killed 5 s after it, as
-    torchrun stops a job whose worker failed).
+    gives a job (`env` added) and, with `torchrun` (default: more than one rank), the rank
+    variables torchrun sets and its agent's store (without: one process as plain python starts
+    it). The ranks' stdout
+    and stderr append to `log_path` (stderr to `stderr_path` if given). Returns the job's exit
+    status: 0, or the first failing rank's (its peers are killed 5 s after it, as torchrun
+    stops a job whose worker failed).
 
     Raises:
         TimeoutError: the job ran past `timeout` seconds (every rank is killed first).
     """
     ctx = _forkserver()
+    torchrun = nproc > 1 if torchrun is None else torchrun
     base = job_environment(env)
-    base.setdefault("MASTER_ADDR", "127.0.0.1")
-    base["MASTER_PORT"] = str(find_free_port())
+    base["MASTER_ADDR"] = "127.0.0.1"
+    store = None
+    if torchrun:  # the ranks share the agent's store, as under torchrun's static rendezvous
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False, multi_tenant=True)
+        base["MASTER_PORT"] = str(store.port)
+    else:
+        base["MASTER_PORT"] = str(find_free_port())
     ranks = {}
     for rank in range(nproc):
         environ = dict(base)
-        if nproc > 1:
+        if torchrun:
             environ.update(
-                RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), TORCHELASTIC_RESTART_COUNT="0",
+                RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                ROLE_NAME="default", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RUN_ID="none",
+                TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                TORCHELASTIC_USE_AGENT_STORE="True",
             )  # fmt: skip
         paths = (str(log_path), str(stderr_path or log_path))
         args = (str(entry), [str(a) for a in argv], str(cwd), paths, environ)
@@ -280,4 +293,5 @@ def run_entry(
             if proc.exitcode is None:
                 proc.kill()
             proc.join()
+        del store
     return status or next((p.exitcode for p in ranks.values() if p.exitcode), 0)

@@ -1,8 +1,8 @@
 """Two torchrun agents (--nnodes 2, c10d rendezvous on loopback) with 2 processes each and TP=2
 (real processes, gloo): TP stays within an agent's processes, DP runs across, the losses equal
-one 4-process agent's, also when a rank of the second agent is killed and both agents restart
-their ranks. (Split from test_cluster.py so that pytest-xdist, --dist loadfile, can run the two
-longest cluster checks on different workers.)
+one 4-process agent's (forked ranks: tests.support.runs.train), also when a rank of the second
+agent is killed and both agents restart their ranks. (Split from test_cluster.py so that
+pytest-xdist, --dist loadfile, can run the two longest cluster checks on different workers.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.support.cluster import cluster_job as _job
 from tests.support.cluster import records as _records
 from tests.support.cluster import torchrun_cmd as _torchrun
 from tests.support.distributed import find_free_port
-from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN
+from tests.support.runs import TINY_LEV_MODEL, TINY_TRAIN, train
 
 pytestmark = pytest.mark.integration
 
@@ -57,10 +57,8 @@ def test_two_nodes_tp_within_dp_across_equal_one_node(train_args, tmp_path):
     log counts the job's restarts), which resume from the latest checkpoint and still train the
     same losses."""
     single = tmp_path / "single"  # uninterrupted: it saves only its last iteration
-    with _job(_torchrun(_tp2_run(train_args, single / "ckpt", MULTI_NODE_ITERS),
-                        single / "metrics.jsonl", nproc=4), single) as job:  # fmt: skip
-        assert job.wait() == 0, job.output()[-4000:]
-    expected = {r["iteration"]: r["loss"] for r in _records(single / "metrics.jsonl")}
+    run = train(4, _tp2_run(train_args, single / "ckpt", MULTI_NODE_ITERS), single)
+    expected = run.check().losses
     assert sorted(expected) == list(range(1, MULTI_NODE_ITERS + 1))
 
     multi = tmp_path / "multi"

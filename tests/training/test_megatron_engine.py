@@ -3,24 +3,22 @@
 megatron-core's DDP, optimizer, schedule and gradient finalisation need CUDA; here they are the
 recording doubles of `tests.support.megatron_doubles` (megatron's own configs, parameter
 grouping and config overrides otherwise), and `pretrain` runs 4 iterations on 2 gloo ranks
-(DP=2) launched by torch.distributed.run, with batch ramp-up, --decoupled-lr, params-norm and
-num-zeros logging, evaluation and checkpoints. The same run with the portable engine (torch
-DDP over the two ranks) is the reference: both engines train float32 AdamW on the same
-samples, so their losses agree, and a checkpoint written by either engine resumes in the other
-with the same losses. The four runs share one launch (the entry runs them in turn).
+(DP=2, forked with torchrun's rank environment: tests.support.distributed.run_entry), with
+batch ramp-up, --decoupled-lr, params-norm and num-zeros logging, evaluation and checkpoints.
+The same run with the portable engine (torch DDP over the two ranks) is the reference: both
+engines train float32 AdamW on the same samples, so their losses agree, and a checkpoint
+written by either engine resumes in the other with the same losses. The four runs share one
+launch (the entry runs them in turn).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.distributed import find_free_port
+from tests.support.distributed import run_entry
 
 pytestmark = pytest.mark.integration
 
@@ -30,13 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _launch(out: Path, *runs: str) -> None:
     out.mkdir(parents=True)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(find_free_port()), str(ENTRY), str(out), *runs,
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    log = out / "output.log"
+    code = run_entry(str(ENTRY), 2, [str(out), *runs], cwd=ROOT, log_path=log, timeout=600,
+                     torchrun=True)  # fmt: skip
+    assert code == 0, log.read_text()[-4000:]
 
 
 def _records(out: Path) -> dict[int, dict]:

@@ -1,4 +1,5 @@
-"""The portable engine on gloo ranks launched by torch.distributed.run: 1F1B and interleaved
+"""The portable engine on gloo ranks (forked with torchrun's rank environment,
+tests.support.distributed.run_entry): 1F1B and interleaved
 1F1B (virtual pipeline stages) on torch.distributed.pipelining against one rank, torch DDP
 around every pipeline stage with LEV's deferred gradients, and a NaN on one data-parallel rank
 named.
@@ -20,9 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +28,7 @@ import pytest
 import torch
 
 from megatron_ext.training.pipeline import Pipeline, PipelineShape
-from tests.support.distributed import find_free_port
+from tests.support.distributed import run_entry
 
 ENTRY = Path(__file__).with_name("_portable_entry.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,13 +36,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _launch(out: Path, nproc: int, *cases: str) -> None:
     out.mkdir(parents=True)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(find_free_port()), str(ENTRY), str(out), *cases,
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    log = out / "output.log"
+    code = run_entry(str(ENTRY), nproc, [str(out), *cases], cwd=ROOT, log_path=log,
+                     timeout=600, torchrun=True)  # fmt: skip
+    assert code == 0, log.read_text()[-4000:]
 
 
 NAN_RANK = 1
