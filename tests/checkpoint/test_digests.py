@@ -22,8 +22,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +29,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.runs import REPO, run_entry_once, trained_run_flags
+from tests.support.runs import run_entry_once, run_tool, trained_run_flags
 
 from .test_format import _tiny_model
 
@@ -203,10 +201,7 @@ def _resume(d, args, *extra, nproc=2, name="resume"):
 
 
 def _convert(*argv, cwd):
-    tool = REPO / "tools" / "convert_checkpoint.py"
-    return subprocess.run(
-        [sys.executable, str(tool), *map(str, argv)], capture_output=True, text=True, cwd=cwd
-    )
+    return run_tool("convert_checkpoint.py", list(argv), cwd)
 
 
 def test_damaged_shard_stops_the_resume_and_the_tools(saved_run, tmp_path):

@@ -19,7 +19,6 @@ import os
 import pickle
 import random
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from megatron_ext.checkpoint.safe_load import (
     read_metadata,
     save_rng_file,
 )
-from tests.support.runs import TINY_MOCK_RUN
+from tests.support.runs import TINY_MOCK_RUN, run_command
 
 
 class Payload:
@@ -172,10 +171,7 @@ def resign(checkpoint: Path, name: str) -> None:
 
 
 def _run_module(tmp_path, *argv, module=None, script=None):
-    cmd = [sys.executable, "-m", module] if module else [sys.executable, script]
-    return subprocess.run(
-        [*cmd, *map(str, argv)], capture_output=True, text=True, cwd=tmp_path, timeout=600
-    )
+    return run_command(module or str(script), list(argv), tmp_path, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -125,9 +124,13 @@ def _one_error(run: subprocess.CompletedProcess) -> str:
 
 
 def _python(cwd: Path, *argv) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *map(str, argv)], capture_output=True, text=True, cwd=cwd, timeout=600
-    )
+    """`python -m MODULE args` / `python SCRIPT args` (tests.support.runs.run_command)."""
+    from tests.support.runs import run_command  # torch and megatron-core: the integration test
+
+    entry, *args = argv
+    if entry == "-m":
+        entry, *args = args
+    return run_command(str(entry), args, cwd, timeout=600)
 
 
 @pytest.mark.integration

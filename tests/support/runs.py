@@ -35,6 +35,7 @@ __all__ = [
     "Run",
     "launch",
     "prepare_sample_data",
+    "run_command",
     "run_entry_once",
     "run_tool",
     "train",
@@ -237,14 +238,19 @@ def run_entry_once(
     return subprocess.CompletedProcess(args, code, _text(log), _text(stderr))
 
 
-def run_tool(script: str, args: list[str], cwd: Path, timeout: float = 300):
-    """`python tools/SCRIPT args` in `cwd`, forked from the preloaded server (as `train`):
-    a CompletedProcess with its exit status, stdout and stderr."""
+def run_command(entry: str, args: list[str], cwd: Path, timeout: float = 300):
+    """`python -m ENTRY args` (`python ENTRY args` for a .py path) in `cwd`, forked from the
+    preloaded server (as `train`): a CompletedProcess with its exit status, stdout and stderr."""
     with tempfile.TemporaryDirectory() as logs:
         out, err = Path(logs) / "out", Path(logs) / "err"
-        code = run_entry(str(REPO / "tools" / script), 1, args, cwd=Path(cwd), log_path=out,
+        code = run_entry(entry, 1, [str(a) for a in args], cwd=Path(cwd), log_path=out,
                          stderr_path=err, timeout=timeout)  # fmt: skip
-        return subprocess.CompletedProcess([script, *args], code, _text(out), _text(err))
+        return subprocess.CompletedProcess([entry, *args], code, _text(out), _text(err))
+
+
+def run_tool(script: str, args: list[str], cwd: Path, timeout: float = 300):
+    """`python tools/SCRIPT args` in `cwd` (`run_command`)."""
+    return run_command(str(REPO / "tools" / script), args, cwd, timeout)
 
 
 def _text(path: Optional[Path]) -> str:
