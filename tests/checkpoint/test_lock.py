@@ -23,7 +23,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import pytest
 from megatron_ext.checkpoint import lock as L
 from megatron_ext.checkpoint.io_errors import SaveLockError
 from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE, REPO, TINY_MOCK_RUN
+from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN, run_entry_once, run_tool
 
 
 def _plant(root: Path, **changes) -> L.LockHolder:
@@ -170,10 +169,10 @@ def test_two_runs_then_a_killed_job(tmp_path):
         holder = job.ranks()[0]
         out, err = tmp_path / "second.out", tmp_path / "second.err"
         second = [*TINY, "--train-iters", "4", "--save", "ckpt"]
-        with launch(ENTRY_MODULE, 1, second, log=out, stderr=err, cwd=tmp_path) as other:
-            assert other.wait() == 2, other.output()[-3000:] + other.errors()[-3000:]
-        errors = _errors(other.errors())
-        assert len(errors) == 1 and "Traceback" not in other.errors(), other.errors()[-3000:]
+        other = run_entry_once(second, tmp_path, log=out, stderr=err)
+        assert other.returncode == 2, other.stdout[-3000:] + other.stderr[-3000:]
+        errors = _errors(other.stderr)
+        assert len(errors) == 1 and "Traceback" not in other.stderr, other.stderr[-3000:]
         assert errors[0].startswith(
             f"error: --save ckpt is in use by another run: pid {holder} on host "
             f"{socket.gethostname()} (job torchrun-agent:"
@@ -185,22 +184,19 @@ def test_two_runs_then_a_killed_job(tmp_path):
     assert L.read_lock(str(tmp_path / "ckpt")).pid == holder  # left behind
 
     third = [*TINY, "--train-iters", "4", "--save", "ckpt", "--load", "ckpt"]
-    with launch(ENTRY_MODULE, 1, third, log=tmp_path / "third.out", cwd=tmp_path) as job:
-        assert job.wait() == 0, job.output()[-3000:]
-    lines = [line for line in job.output().splitlines() if "--save ckpt" in line]
+    run = run_entry_once(third, tmp_path, log=tmp_path / "third.out")
+    assert run.returncode == 0, run.stdout[-3000:]
+    lines = [line for line in run.stdout.splitlines() if "--save ckpt" in line]
     assert len(lines) == 1, lines
     assert f"WARNING: --save ckpt: taking over the lock of a run that is gone (pid {holder} on " \
         "this host is not running)" in lines[0], lines  # fmt: skip
     assert not (tmp_path / "ckpt" / L.LOCK_FILENAME).exists()
 
     # Breaking a lock by hand: refused while its holder runs here, unless forced.
-    tool = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "unlock"]
     _plant(tmp_path / "ckpt")
-    refused = subprocess.run([*tool, "--save", "ckpt"], capture_output=True, text=True,
-                             cwd=tmp_path)  # fmt: skip
+    refused = run_tool("convert_checkpoint.py", ["unlock", "--save", "ckpt"], tmp_path)
     assert refused.returncode == 2 and "is held by a running process" in refused.stderr
-    forced = subprocess.run([*tool, "--save", "ckpt", "--force"], capture_output=True, text=True,
-                            cwd=tmp_path)  # fmt: skip
+    forced = run_tool("convert_checkpoint.py", ["unlock", "--save", "ckpt", "--force"], tmp_path)
     assert forced.returncode == 0, forced.stderr
     assert f"unlock: removed the lock of ckpt (held by pid {os.getpid()}" in forced.stdout
     assert not (tmp_path / "ckpt" / L.LOCK_FILENAME).exists()
