@@ -28,7 +28,7 @@ from megatron_ext.cli import run_tool
 from megatron_ext.config.data import DataConfig
 from megatron_ext.config.flags import ArgumentParser, add_flags
 from megatron_ext.config.model import EmbeddingConfig, ModelConfig
-from megatron_ext.conversion.common import DTYPES, HF_FORMATS, ConversionError
+from megatron_ext.conversion.common import DTYPES, HF_FORMATS, ConversionError, new_output
 from megatron_ext.data.tokenizers import TokenizerError
 
 # What export-hf and import-hf need beyond the core (the [eval] extra).
@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> str:
+    new_output(args.output, args.overwrite)  # its one-line error before the slow imports
     if args.command in ("export-hf", "import-hf"):
         try:
             # optional: the [eval] extra; deferred too: megatron.core (slow), which --help skips

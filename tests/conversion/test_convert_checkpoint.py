@@ -1,6 +1,6 @@
 """tools/convert_checkpoint.py without the [eval] extra (transformers absent): export-hf and
 import-hf stop with one line naming the package and the extra to install, before reading
-anything; the other commands do not need it."""
+anything; the other commands do not need it. An existing --output is refused before either."""
 
 from __future__ import annotations
 
@@ -49,3 +49,17 @@ def test_the_other_commands_run_without_transformers(tmp_path):
     code, errors = _convert(tmp_path, "reshard", "--load", "ckpt", "--output", "out")
     assert code == 2
     assert errors == ["error: checkpoint directory ckpt does not exist"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["export-hf", "--load", "ckpt"], ["reshard", "--load", "ckpt"]],
+    ids=["export-hf", "reshard"],
+)
+def test_an_existing_output_is_refused_before_anything_else(tmp_path, argv):
+    """Checked before the converters (megatron-core, transformers: seconds) are imported: even
+    the missing extra is not reported first."""
+    (tmp_path / "out").mkdir()
+    code, errors = _convert(tmp_path, *argv, "--output", "out")
+    assert code == 2
+    assert errors == ["error: output out already exists; pass --overwrite or pick another"]
