@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.runs import run_entry_once, run_tool, trained_run_flags
+from tests.support.runs import ENTRY_MODULE, run_command, run_tool, trained_run_flags
 
 from .test_format import _tiny_model
 
@@ -194,9 +194,8 @@ def saved_run(trained, corpus) -> tuple:
 
 def _resume(d, args, *extra, nproc=2, name="resume"):
     """Resume `d`/ckpt with `args` + `extra`, saving to `d`/`name`_ckpt."""
-    out, err = d / f"{name}.out", d / f"{name}.err"
     args = [*args, "--load", str(d / "ckpt"), "--save", str(d / f"{name}_ckpt"), *extra]
-    run = run_entry_once(args, d, nproc=nproc, log=out, stderr=err)
+    run = run_command(ENTRY_MODULE, args, d, nproc=nproc)
     return run.returncode, run.stdout, run.stderr
 
 

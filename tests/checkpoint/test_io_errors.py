@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.runs import run_entry_once
+from tests.support.runs import ENTRY_MODULE, run_command
 
 from .test_format import _tiny_model
 
@@ -173,8 +173,7 @@ def test_unwritable_save_is_refused_before_training(tmp_path):
         "--vocab-size", "128", "--save", str(blocker / "ckpt"), "--eval-iters", "0",
         "--log-jsonl", str(tmp_path / "metrics.jsonl"), "--no-loss-curve",
     ]  # fmt: skip
-    out, err = tmp_path / "run.out", tmp_path / "run.err"
-    run = run_entry_once(args, tmp_path, log=out, stderr=err)
+    run = run_command(ENTRY_MODULE, args, tmp_path)
     returncode, stdout, stderr = run.returncode, run.stdout, run.stderr
     assert returncode == 2, stdout[-3000:] + stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]

@@ -31,7 +31,7 @@ import pytest
 from megatron_ext.checkpoint import lock as L
 from megatron_ext.checkpoint.io_errors import SaveLockError
 from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN, run_entry_once, run_tool
+from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN, run_command, run_tool
 
 
 def _plant(root: Path, **changes) -> L.LockHolder:
@@ -167,9 +167,8 @@ def test_two_runs_then_a_killed_job(tmp_path):
     with launch(ENTRY_MODULE, 2, first, cwd=tmp_path, signal_targets="job") as job:
         job.wait_for_lines(jsonl, 2)
         holder = job.ranks()[0]
-        out, err = tmp_path / "second.out", tmp_path / "second.err"
         second = [*TINY, "--train-iters", "4", "--save", "ckpt"]
-        other = run_entry_once(second, tmp_path, log=out, stderr=err)
+        other = run_command(ENTRY_MODULE, second, tmp_path)
         assert other.returncode == 2, other.stdout[-3000:] + other.stderr[-3000:]
         errors = _errors(other.stderr)
         assert len(errors) == 1 and "Traceback" not in other.stderr, other.stderr[-3000:]
@@ -184,7 +183,7 @@ def test_two_runs_then_a_killed_job(tmp_path):
     assert L.read_lock(str(tmp_path / "ckpt")).pid == holder  # left behind
 
     third = [*TINY, "--train-iters", "4", "--save", "ckpt", "--load", "ckpt"]
-    run = run_entry_once(third, tmp_path, log=tmp_path / "third.out")
+    run = run_command(ENTRY_MODULE, third, tmp_path, merge_stderr=True)
     assert run.returncode == 0, run.stdout[-3000:]
     lines = [line for line in run.stdout.splitlines() if "--save ckpt" in line]
     assert len(lines) == 1, lines

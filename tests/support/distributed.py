@@ -242,10 +242,9 @@ def run_entry(
     from the preloaded forkserver, in `cwd`, with the environment `megatron_ext.launch.launch`
     gives a job (`env` added) and, with `torchrun` (default: more than one rank), the rank
     variables torchrun sets and its agent's store (without: one process as plain python starts
-    it). The ranks' stdout
-    and stderr append to `log_path` (stderr to `stderr_path` if given). Returns the job's exit
-    status: 0, or the first failing rank's (its peers are killed 5 s after it, as torchrun
-    stops a job whose worker failed).
+    it). The ranks' stdout and stderr append to `log_path` (stderr to `stderr_path` if given).
+    Returns the job's exit status: 0, or the first failing rank's (its peers are killed 5 s
+    after it, as torchrun stops a job whose worker failed).
 
     Raises:
         TimeoutError: the job ran past `timeout` seconds (every rank is killed first).
@@ -260,6 +259,8 @@ def run_entry(
         base["MASTER_PORT"] = str(store.port)
     else:
         base["MASTER_PORT"] = str(find_free_port())
+    paths = (str(log_path), str(stderr_path or log_path))
+    argv = [str(a) for a in argv]
     ranks = {}
     for rank in range(nproc):
         environ = dict(base)
@@ -271,8 +272,7 @@ def run_entry(
                 TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                 TORCHELASTIC_USE_AGENT_STORE="True",
             )  # fmt: skip
-        paths = (str(log_path), str(stderr_path or log_path))
-        args = (str(entry), [str(a) for a in argv], str(cwd), paths, environ)
+        args = (str(entry), argv, str(cwd), paths, environ)
         ranks[rank] = ctx.Process(target=_entry_rank, args=args, daemon=False)
     for proc in ranks.values():
         proc.start()

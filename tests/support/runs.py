@@ -36,7 +36,6 @@ __all__ = [
     "launch",
     "prepare_sample_data",
     "run_command",
-    "run_entry_once",
     "run_tool",
     "train",
     "trained_run_flags",
@@ -218,39 +217,29 @@ def train(
     return Run(code, _text(log), _records(jsonl))
 
 
-def run_entry_once(
+def run_command(
+    entry: str,
     args: list[str],
-    workdir: Path,
+    cwd: Path,
     *,
     nproc: int = 1,
-    log: Optional[Path] = None,
-    stderr: Optional[Path] = None,
+    merge_stderr: bool = False,
     env: Optional[dict] = None,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess:
-    """`pretrain_leviathan args` on `nproc` forked ranks in `workdir` (as `train`), its output
-    in `log` (default: runN.out there) and stderr in `stderr` (default: with the output):
-    (args, exit status, output, stderr or "")."""
-    workdir = Path(workdir)
-    log = log or workdir / f"run{len(list(workdir.glob('run*.out')))}.out"
-    code = run_entry(ENTRY_MODULE, nproc, args, cwd=workdir, log_path=log, stderr_path=stderr,
-                     env=env, timeout=timeout)  # fmt: skip
-    return subprocess.CompletedProcess(args, code, _text(log), _text(stderr))
-
-
-def run_command(entry: str, args: list[str], cwd: Path, timeout: float = 300):
-    """`python -m ENTRY args` (`python ENTRY args` for a .py path) in `cwd`, forked from the
-    preloaded server (as `train`): a CompletedProcess with its exit status, stdout and stderr."""
+    """`python -m ENTRY args` (`python ENTRY args` for a .py path) on `nproc` processes in
+    `cwd`, forked from the preloaded server (as `train`): its exit status, stdout and stderr
+    (with `merge_stderr`, stderr interleaved into stdout and "" apart)."""
     with tempfile.TemporaryDirectory() as logs:
-        out, err = Path(logs) / "out", Path(logs) / "err"
-        code = run_entry(entry, 1, [str(a) for a in args], cwd=Path(cwd), log_path=out,
-                         stderr_path=err, timeout=timeout)  # fmt: skip
+        out, err = Path(logs) / "out", None if merge_stderr else Path(logs) / "err"
+        code = run_entry(entry, nproc, args, cwd=Path(cwd), log_path=out, stderr_path=err,
+                         env=env, timeout=timeout)  # fmt: skip
         return subprocess.CompletedProcess([entry, *args], code, _text(out), _text(err))
 
 
 def run_tool(script: str, args: list[str], cwd: Path, timeout: float = 300):
     """`python tools/SCRIPT args` in `cwd` (`run_command`)."""
-    return run_command(str(REPO / "tools" / script), args, cwd, timeout)
+    return run_command(str(REPO / "tools" / script), args, cwd, timeout=timeout)
 
 
 def _text(path: Optional[Path]) -> str:

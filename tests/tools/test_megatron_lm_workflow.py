@@ -24,7 +24,7 @@ from megatron_ext.data.readers import iter_lines
 from megatron_ext.data.sample_corpus import SampleCorpusSpec, write_sample_corpus
 from tests.support.gpt2_bpe import write_gpt2_bpe_files
 from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE, run_entry_once, run_tool
+from tests.support.runs import ENTRY_MODULE, run_command, run_tool
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,7 @@ def bpe_run(tmp_path_factory) -> Path:
     )  # fmt: skip
     args = [*MODEL, *TRAIN, *BPE, "--data-path", "data/bpe_text_document", "--train-iters", "4"]
     args += ["--save", "ckpt", "--save-interval", "2"]
-    run = run_entry_once(args, root, log=root / "train.log")
+    run = run_command(ENTRY_MODULE, args, root, merge_stderr=True)
     assert run.returncode == 0, run.stdout[-4000:]
     return root
 

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_ext.checkpoint import lock as L
 from tests.support.jobs import launch
-from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN, run_entry_once
+from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN, run_command
 
 pytestmark = pytest.mark.integration
 
@@ -27,8 +27,7 @@ def _fail(tmp_path: Path, args: list[str]) -> tuple[str, Path]:
     """Run `args` in a fresh working directory; its one error line and the directory."""
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
-    log, err = tmp_path / "out.log", tmp_path / "err.log"
-    run = run_entry_once(args, work, log=log, stderr=err)
+    run = run_command(ENTRY_MODULE, args, work)
     assert run.returncode == 2, run.stdout[-3000:] + run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
@@ -89,7 +88,7 @@ def test_a_refused_save_keeps_the_holders_lock_and_writes_no_tensorboard(tmp_pat
 def test_a_successful_run_still_writes_its_tensorboard_file(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    run = run_entry_once(RUN, work, log=tmp_path / "out.log")
+    run = run_command(ENTRY_MODULE, RUN, work, merge_stderr=True)
     assert run.returncode == 0, run.stdout[-3000:]
     (events,) = (work / "runs" / "a" / "tb").glob("events.out.tfevents.*")
     content = events.read_bytes()

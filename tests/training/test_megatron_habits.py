@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.runs import TINY_MOCK_RUN, run_entry_once
+from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN, run_command
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ BACKBONE_LINE = "this package trains its LLaMA-style backbone, rotary positions,
 
 
 def _run(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    return run_entry_once([*TINY_MOCK_RUN, *args], workdir)
+    return run_command(ENTRY_MODULE, [*TINY_MOCK_RUN, *args], workdir, merge_stderr=True)
 
 
 def test_gpt3_style_line_and_skipped_iterations_per_log_line(tmp_path):
@@ -58,7 +58,8 @@ def test_loss_curve_beside_the_logs_never_inside_save(tmp_path):
     --tensorboard-dir), never into --save; with neither, one line says it was not written."""
     curve_on = [a for a in TINY_MOCK_RUN if a != "--no-loss-curve"]
     base = [*curve_on, "--train-iters", "2", "--save", "ckpt", "--save-interval", "2"]
-    run = run_entry_once([*base, "--log-jsonl", "logs/m.jsonl"], tmp_path)
+    run = run_command(ENTRY_MODULE, [*base, "--log-jsonl", "logs/m.jsonl"], tmp_path,
+                      merge_stderr=True)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
     logged = run.stdout
     assert (tmp_path / "logs" / "loss_curve.png").is_file()
@@ -67,7 +68,7 @@ def test_loss_curve_beside_the_logs_never_inside_save(tmp_path):
 
     bare = tmp_path / "bare"
     bare.mkdir()
-    run = run_entry_once(base, bare, log=tmp_path / "bare.out")
+    run = run_command(ENTRY_MODULE, base, bare, merge_stderr=True)
     assert run.returncode == 0, run.stdout[-3000:]
     output = run.stdout
     assert "loss curve: not written (it goes beside --tensorboard-dir or --log-jsonl" in output

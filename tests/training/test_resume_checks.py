@@ -23,7 +23,7 @@ import pytest
 
 from megatron_ext.config.data import DataConfig
 from megatron_ext.data.readers import DataError
-from tests.support.runs import TINY_MOCK_RUN, run_entry_once
+from tests.support.runs import ENTRY_MODULE, TINY_MOCK_RUN, run_command
 
 pytestmark = pytest.mark.integration
 
@@ -32,9 +32,7 @@ TINY = TINY_MOCK_RUN
 
 def _run(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     """pretrain_leviathan on one rank; stdout and stderr apart."""
-    n = len(list(workdir.glob("run*.out")))
-    out, err = workdir / f"run{n}.out", workdir / f"run{n}.err"
-    return run_entry_once([*TINY, *args], workdir, log=out, stderr=err)
+    return run_command(ENTRY_MODULE, [*TINY, *args], workdir)
 
 
 def _error_line(run: subprocess.CompletedProcess) -> str:
