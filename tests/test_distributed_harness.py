@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,14 +69,17 @@ def test_run_entry_gives_ranks_torchruns_environment_and_stops_a_failed_job(tmp_
     code = run_entry("probe_entry", 2, ["--x", 1], cwd=work, log_path=out, stderr_path=err,
                      env={"PROBE": "seen"}, timeout=60)  # fmt: skip
     assert code == 3
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # the job's: the caller's, else 1
     assert sorted(out.read_text().splitlines()) == [
         f"rank {r} of 2 in {work} argv ['--x', '1']" for r in (0, 1)
     ]
-    assert sorted(err.read_text().splitlines()) == [f"rank {r} threads 1 seen" for r in (0, 1)]
+    assert sorted(err.read_text().splitlines()) == [
+        f"rank {r} threads {threads} seen" for r in (0, 1)
+    ]
     # A script path runs as `python SCRIPT`; one process has no rank variables.
     script = str(tmp_path / "probe_entry.py")
     assert run_entry(script, 1, ["--quit"], cwd=work, log_path=out, env={"PROBE": "1"}) == 0
     assert out.read_text().splitlines()[-2:] == [
         f"rank 0 of None in {work} argv ['--quit']",
-        "rank 0 threads 1 1",
+        f"rank 0 threads {threads} 1",
     ]
