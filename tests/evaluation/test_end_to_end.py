@@ -7,12 +7,12 @@ import gzip
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.support.runs import run_command, run_tool
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,6 @@ def test_validation_loss_equals_the_training_loops(eval_runs, tool, tmp_path, ar
 
 def test_tp2_saved_checkpoint_gives_the_same_loss_at_tp1_and_tp2(eval_runs, tool, tmp_path):
     from megatron_ext.data.readers import iter_lines
-    from tests.support.jobs import launch
 
     texts = [json.loads(line)["text"] for _, line in iter_lines(str(eval_runs.val_jsonl))]
     text = tmp_path / "held_out.jsonl"
@@ -60,8 +59,8 @@ def test_tp2_saved_checkpoint_gives_the_same_loss_at_tp1_and_tp2(eval_runs, tool
     flags = ["perplexity", "--load", eval_runs.ckpt("lev"), "--text", str(text), "--no-progress"]
     assert tool(*flags, "--output-dir", tmp_path / "tp1") == 0
     args = [*flags, "--tensor-model-parallel-size", "2", "--output-dir", str(tmp_path / "tp2")]
-    with launch("megatron_ext.evaluation.evaluate", 2, args, cwd=tmp_path) as job:
-        assert job.wait() == 0, job.output()[-3000:]
+    run = run_command("megatron_ext.evaluation.evaluate", args, tmp_path, nproc=2)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     tp1 = json.loads((tmp_path / "tp1" / "perplexity.json").read_text())
     tp2 = json.loads((tmp_path / "tp2" / "perplexity.json").read_text())
     assert tp1["tokens"] == tp2["tokens"] > 500
@@ -146,22 +145,15 @@ def test_curves_read_the_runs_sequence_length_quietly(eval_runs, tmp_path):
     records its own (the same tokens as --seq-length 32 gives), and TensorBoard's reader adds
     no "Directory watcher advancing" lines; a --log-jsonl run, which does not record it, is one
     line asking for --seq-length, with nothing written."""
-    script = Path(__file__).resolve().parents[2] / "tools" / "evaluate.py"
     runs = ["--run", f"tied={eval_runs.tensorboard('tied')}"]
     runs += ["--run", f"lev={eval_runs.tensorboard('lev')}", "--reference", "tied"]
-    result = subprocess.run(
-        [sys.executable, str(script), "curves", *runs, "--output-dir", str(tmp_path / "own")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_tool("evaluate.py", ["curves", *runs, "--output-dir", tmp_path / "own"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Directory watcher" not in result.stdout + result.stderr, result.stderr[-3000:]
     (row,) = json.loads((tmp_path / "own" / "sample_efficiency.json").read_text())
     assert row["reference_tokens"] == 6 * 8 * 32
-    jsonl = subprocess.run(
-        [sys.executable, str(script), "curves", "--run", f"lev={eval_runs.jsonl('lev')}",
-         "--output-dir", str(tmp_path / "jsonl")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    jsonl = run_tool("evaluate.py", ["curves", "--run", f"lev={eval_runs.jsonl('lev')}",
+                                     "--output-dir", tmp_path / "jsonl"], tmp_path)  # fmt: skip
     errors = [line for line in jsonl.stderr.splitlines() if line.startswith("error:")]
     assert jsonl.returncode == 2 and len(errors) == 1, jsonl.stderr[-3000:]
     assert (

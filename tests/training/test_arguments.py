@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from megatron_ext.config.arguments import (
     parse_config,
     run_config_from_args_json,
 )
+from tests.support.runs import run_command
 
 pytestmark = pytest.mark.integration
 
@@ -150,14 +148,8 @@ def test_precision_errors_come_from_the_configs():
 def test_entry_point_prints_one_error_line(extra, world_size, error):
     """The CLI turns a bad setting into `error: ...` and exit code 2, no traceback."""
     repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, str(repo / "pretrain_leviathan.py"), *BASE, *extra],
-        capture_output=True,
-        text=True,
-        cwd=repo,
-        env={**os.environ, "WORLD_SIZE": str(world_size)},
-        timeout=120,
-    )
+    proc = run_command(str(repo / "pretrain_leviathan.py"), BASE + extra, repo,
+                       env={"WORLD_SIZE": str(world_size)}, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {error}"]
