@@ -197,9 +197,20 @@ def call_in_file(path: str, name: str, *args: Any) -> Any:
     return getattr(module, name)(*args)
 
 
+def _without_the_servers_coverage() -> None:
+    """Under coverage.py (the suite measured with its subprocess patch, which starts it in the
+    server too) the server's Coverage and its atexit handler are inherited; in a forked child
+    it has nothing to stop, so it is dropped: the child's own (started by the multiprocessing
+    bootstrap, the last one) saves this process's data."""
+    coverage = sys.modules.get("coverage")
+    for inherited in coverage.Coverage._instances[:-1] if coverage else []:
+        atexit.unregister(inherited._atexit)
+
+
 def _entry_rank(
     entry: str, argv: list[str], cwd: str, paths: tuple[str, str], environ: dict
 ) -> None:
+    _without_the_servers_coverage()
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)

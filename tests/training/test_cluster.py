@@ -58,10 +58,14 @@ def reference(train_args, tmp_path_factory) -> dict[int, float]:
 
 def test_exit_duration_saves_and_exits_before_the_limit(corpus, tmp_path):
     # 12 s: a forked rank starts in about a second (up to 5 s on a loaded 2-core machine); the
-    # run is sized to outlast the limit on a fast one (about 60 ms an iteration).
+    # run is sized to outlast the limit on a fast one (about 60 ms an iteration). Saves every
+    # 50 iterations: the check reserves the longest of them, measured under the host's load
+    # (the guess before any save, 5 % of the limit, is 0.6 s here: a loaded host's final save
+    # took longer).
     limit_min = 0.2
     args = [*TINY_LEV_MODEL, *TINY_TRAIN, *corpus, "--eval-iters", "0", "--train-iters", "5000"]
     args += ["--exit-duration-in-mins", str(limit_min), "--save", str(tmp_path / "ckpt")]
+    args += ["--save-interval", "50"]
     run = train(1, args, tmp_path).check()
     last = max(run.losses)
     assert 1 <= last < 5000 and f"exiting at iteration {last} (exit-duration)" in run.output
