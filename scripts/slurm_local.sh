@@ -130,18 +130,30 @@ stop() {
             sleep 0.2
         done
     fi
-    local pid pids=()
+    local pidfile pids=()
     for pidfile in "$DIR"/slurmd-*.pid "$DIR/slurmctld.pid"; do
         alive "$pidfile" && pids+=("$(cat "$pidfile")")
     done
-    # shellcheck disable=SC2207
-    pids+=($(munged_pids))
-    for pid in "${pids[@]}"; do
-        kill -TERM "$pid"
-        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
-    done
+    # The Slurm daemons together (each takes about 2 s to exit), then munged, which they use
+    # until they have exited.
+    terminate "${pids[@]}"
+    # shellcheck disable=SC2046
+    terminate $(munged_pids)
     echo "slurm: cluster in $GIVEN stopped"
+}
+
+# SIGTERM to every pid given; SIGKILL to those still running 10 s later.
+terminate() {
+    local pid running
+    [ $# -gt 0 ] || return 0
+    kill -TERM "$@" 2>/dev/null || true
+    for _ in $(seq 100); do
+        running=0
+        for pid in "$@"; do kill -0 "$pid" 2>/dev/null && running=1; done
+        [ "$running" = 0 ] && return 0
+        sleep 0.1
+    done
+    kill -KILL "$@" 2>/dev/null || true
 }
 
 case "$CMD" in
