@@ -28,8 +28,8 @@ with an HTML comment on the line before it, which GitHub does not render:
 A variable a block assigns on a line of its own (`D=runs/eval_demo`) holds for the rest of the
 page, as it would in the reader's shell. A command that is only `python SCRIPT ...`,
 `python -m MODULE ...` or torchrun with no option but --standalone and --nproc-per-node (no
-shell syntax besides variables and quotes) runs as its words, expanded by bash, say, in
-processes forked from the tests' preloaded server (tests.support.distributed.run_entry, with
+shell syntax besides variables and quotes) has its words expanded by bash and runs in
+processes forked from the tests' preloaded server (tests.support.runs.run_command, with
 torchrun's worker environment and exit status 1 for a failed rank): the same entry, arguments,
 directory and environment without importing torch and megatron-core again, about 2.5 s of CPU
 a process; every other command runs in bash. A command block without a marker, and a command shown
@@ -61,8 +61,7 @@ from typing import Optional
 
 import pytest
 
-from tests.support.distributed import run_entry
-from tests.support.runs import QUICKSTART_FLAGS
+from tests.support.runs import QUICKSTART_FLAGS, run_command
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- docs-test: (.*) -->$")
@@ -387,32 +386,27 @@ def _environment(block: Block) -> dict:
 def _python_entry(words: list[str]) -> Optional[tuple[str, int, list[str], bool]]:
     """(entry, ranks, argv, torchrun) of `python SCRIPT|-m MODULE ...` or of torchrun with no
     option but --standalone and --nproc-per-node; None for any other command."""
-    if not words:
-        return None
-    if words[0] in ("python", "python3") and len(words) > 1:
-        if words[1] == "-m" and len(words) > 2 and words[2] != "torch.distributed.run":
+    python = words[:1] in (["python"], ["python3"])
+    if python and words[1:3] == ["-m", "torch.distributed.run"]:
+        words, python = ["torchrun", *words[3:]], False
+    if python:
+        if words[1:2] == ["-m"] and len(words) > 2:
             return words[2], 1, words[3:], False
-        if not words[1].startswith("-"):
+        if len(words) > 1 and not words[1].startswith("-"):
             return words[1], 1, words[2:], False
-        words = words[3:] if words[1:3] == ["-m", "torch.distributed.run"] else []
-    elif words[0] == "torchrun":
-        words = words[1:]
-    else:
         return None
-    nproc, i = 1, 0
-    while i < len(words) and words[i].startswith("--"):
-        option, _, value = words[i].replace("_", "-").partition("=")
-        if option == "--standalone":
-            i += 1
-        elif option == "--nproc-per-node":
-            nproc, i = int(value or words[i + 1]), i + (1 if value else 2)
-        else:
+    if words[:1] != ["torchrun"]:
+        return None
+    nproc, rest = 1, words[1:]
+    while rest and rest[0].startswith("--"):
+        option, _, value = rest.pop(0).replace("_", "-").partition("=")
+        if option == "--nproc-per-node" and (value or rest):
+            nproc = int(value or rest.pop(0))
+        elif option != "--standalone":
             return None
-    if i >= len(words) or words[i] == "-m" and i + 1 >= len(words):
-        return None
-    if words[i] == "-m":
-        return words[i + 1], nproc, words[i + 2 :], True
-    return words[i], nproc, words[i + 1 :], True
+    if rest[:1] == ["-m"]:
+        rest = rest[1:]
+    return (rest[0], nproc, rest[1:], True) if rest else None
 
 
 def _run_command(command: str, cwd: Path, variables: list[str], env: dict) -> tuple[int, str]:
@@ -430,16 +424,13 @@ def _run_command(command: str, cwd: Path, variables: list[str], env: dict) -> tu
     if entry is None:
         proc = subprocess.run(
             ["bash", "-c", "\n".join([*variables, command])], cwd=cwd, env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, timeout=900,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
         )  # fmt: skip
         return proc.returncode, proc.stdout
     script, nproc, argv, torchrun = entry
-    log = cwd.parent / f"command-{time.monotonic_ns()}.log"
-    status = run_entry(script, nproc, argv, cwd=cwd, log_path=log, env={**env, **prefix},
-                       timeout=900, torchrun=torchrun)  # fmt: skip
-    output = log.read_text(errors="replace") if log.exists() else ""
-    return (1 if torchrun and status else status), output
+    run = run_command(script, argv, cwd, nproc=nproc, merge_stderr=True, env={**env, **prefix},
+                      timeout=900, torchrun=torchrun)  # fmt: skip
+    return (1 if torchrun and run.returncode else run.returncode), run.stdout
 
 
 def _run_block(block: Block, cwd: Path, variables: list[str]) -> None:

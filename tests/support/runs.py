@@ -226,14 +226,15 @@ def run_command(
     merge_stderr: bool = False,
     env: Optional[dict] = None,
     timeout: float = 300,
+    torchrun: Optional[bool] = None,
 ) -> subprocess.CompletedProcess:
     """`python -m ENTRY args` (`python ENTRY args` for a .py path) on `nproc` processes in
-    `cwd`, forked from the preloaded server (as `train`): its exit status, stdout and stderr
-    (with `merge_stderr`, stderr interleaved into stdout and "" apart)."""
+    `cwd`, forked from the preloaded server (as `train`; `torchrun` as `run_entry`'s): its exit
+    status, stdout and stderr (with `merge_stderr`, stderr interleaved into stdout and "")."""
     with tempfile.TemporaryDirectory() as logs:
         out, err = Path(logs) / "out", None if merge_stderr else Path(logs) / "err"
         code = run_entry(entry, nproc, args, cwd=Path(cwd), log_path=out, stderr_path=err,
-                         env=env, timeout=timeout)  # fmt: skip
+                         env=env, timeout=timeout, torchrun=torchrun)  # fmt: skip
         return subprocess.CompletedProcess([entry, *args], code, _text(out), _text(err))
 
 
